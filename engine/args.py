@@ -1,0 +1,90 @@
+"""``ServerArgs``: every knob of ferry in one frozen dataclass.
+
+The argparse parser is generated from the fields: the flag is the field name with dashes,
+the help text is the field's ``metadata["help"]``, and ``choices`` come from
+``metadata["choices"]``. Booleans become ``--flag`` switches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, get_type_hints
+
+
+def _f(default: Any, help: str, choices: tuple | None = None, **kw) -> Any:
+    md = {"help": help}
+    if choices:
+        md["choices"] = choices
+    md.update(kw)
+    return field(default=default, metadata=md)
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    # model
+    model_path: str | None = _f(None, "HF directory, .gguf file or directory holding one; "
+                                      "empty means the embedded SmolLM2-135M-Instruct")
+    tokenizer_path: str | None = _f(None, "tokenizer directory (default: from the model)")
+    served_model_name: str | None = _f(None, "model name reported by /v1/models")
+    load_format: str = _f("auto", "how to load weights", ("auto", "safetensors", "gguf", "dummy"))
+    seed: int = _f(0, "seed for dummy weights and for unseeded sampling")
+    context_length: int | None = _f(None, "override the model's max context length (tokens)")
+    # device
+    device: str = _f("auto", "compute device", ("auto", "cuda", "xpu", "cpu"))
+    dtype: str = _f("auto", "weight and activation dtype (auto: bf16 on GPUs, fp32 on CPU)",
+                    ("auto", "bfloat16", "float16", "float32"))
+    # memory and batching
+    mem_fraction_static: float = _f(0.85, "fraction of device memory for weights + KV cache")
+    max_total_tokens: int | None = _f(None, "KV pool size in tokens (overrides the fraction)")
+    max_running_requests: int = _f(256, "most requests decoding at once")
+    max_queued_requests: int = _f(1024, "most requests waiting; beyond it new ones get 503")
+    chunked_prefill_size: int = _f(2048, "most prompt tokens prefilled in one step")
+    max_prefill_tokens: int = _f(16384, "token budget of one prefill step")
+    page_size: int = _f(1, "KV cache page size in tokens")
+    disable_cuda_graph: bool = _f(False, "run decode eagerly (no CUDA/XPU graphs)")
+    cuda_graph_max_bs: int = _f(256, "largest batch size captured in a decode graph")
+    disable_overlap_schedule: bool = _f(False, "do not overlap host scheduling with device work")
+    # HTTP
+    host: str = _f("127.0.0.1", "bind address")
+    port: int = _f(30000, "HTTP port")
+    api_key: str | None = _f(None, "require 'Authorization: Bearer KEY'")
+    max_request_bytes: int = _f(4 * 1024 * 1024, "largest accepted request body (bytes)")
+    max_n: int = _f(16, "largest 'n' accepted per request")
+    shutdown_timeout: float = _f(10.0, "seconds in-flight requests may finish at shutdown")
+    log_level: str = _f("info", "log level", ("debug", "info", "warning", "error"))
+    log_requests: bool = _f(False, "log prompts and outputs of each request (off by default)")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            md = f.metadata
+            typ = hints[f.name]
+            if typ is bool:
+                parser.add_argument(flag, action="store_true", default=f.default, help=md["help"])
+                continue
+            base = _base_type(typ)
+            kw: dict[str, Any] = {"type": base, "default": f.default, "help": md["help"]}
+            if "choices" in md:
+                kw["choices"] = md["choices"]
+            parser.add_argument(flag, **kw)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+    def replace(self, **kw) -> "ServerArgs":
+        return dataclasses.replace(self, **kw)
+
+
+def _base_type(typ) -> type:
+    args = getattr(typ, "__args__", None)
+    if args:
+        non_none = [a for a in args if a is not type(None)]
+        return non_none[0]
+    return typ

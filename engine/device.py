@@ -1,0 +1,226 @@
+"""The device layer: the only module in ferry that names a backend (cuda, xpu).
+
+Everything else asks this module for synchronisation, memory figures, graphs, streams and
+the distributed backend, so the XPU path is the same code as the CUDA path. A unit test
+greps the tree to keep it that way.
+
+XPU facts respected here: ``torch.xpu.mem_get_info`` fails on some older integrated Intel
+GPUs, so free memory falls back to total minus reserved; ``torch.xpu.XPUGraph`` exists from
+torch 2.11 on; the distributed backend is ``xccl``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEVICE_CHOICES = ("auto", "cuda", "xpu", "cpu")
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+
+
+def _xpu_available() -> bool:
+    return hasattr(torch, "xpu") and torch.xpu.is_available()
+
+
+def resolve_device(name: str = "auto") -> str:
+    """Resolve ``auto|cuda|xpu|cpu`` to a concrete device type.
+
+    ``auto`` picks cuda if available, then xpu, then cpu.
+
+    Raises:
+        ValueError: an unknown name, or a device that is not available here.
+    """
+    name = (name or "auto").lower()
+    if name not in DEVICE_CHOICES:
+        raise ValueError(f"unknown device {name!r}; choose one of {', '.join(DEVICE_CHOICES)}")
+    if name == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        if _xpu_available():
+            return "xpu"
+        return "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
+    if name == "xpu" and not _xpu_available():
+        raise ValueError("--device xpu was asked for, but torch sees no XPU device")
+    return name
+
+
+def resolve_dtype(name: str, device_type: str) -> torch.dtype:
+    """Resolve ``auto|bfloat16|float16|float32``; auto is bf16 on GPUs and fp32 on the CPU."""
+    name = (name or "auto").lower()
+    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+             "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
+             "fp32": torch.float32, "float": torch.float32}
+    if name == "auto":
+        return torch.float32 if device_type == "cpu" else torch.bfloat16
+    if name not in table:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPE_CHOICES)}")
+    return table[name]
+
+
+def is_accelerator(device_type: str) -> bool:
+    return device_type in ("cuda", "xpu")
+
+
+def use_triton(device_type: str) -> bool:
+    """Triton kernels run on cuda and xpu; the CPU uses the torch reference kernels."""
+    return is_accelerator(device_type)
+
+
+def _mod(device_type: str):
+    if device_type == "cuda":
+        return torch.cuda
+    if device_type == "xpu":
+        return torch.xpu
+    return None
+
+
+def synchronize(device_type: str) -> None:
+    mod = _mod(device_type)
+    if mod is not None:
+        mod.synchronize()
+
+
+def empty_cache(device_type: str) -> None:
+    mod = _mod(device_type)
+    if mod is not None:
+        mod.empty_cache()
+
+
+def set_device(device_type: str, index: int = 0) -> None:
+    mod = _mod(device_type)
+    if mod is not None:
+        mod.set_device(index)
+
+
+def manual_seed_all(device_type: str, seed: int) -> None:
+    mod = _mod(device_type)
+    if mod is not None:
+        mod.manual_seed_all(seed)
+
+
+@dataclass
+class MemoryInfo:
+    """Device memory figures in bytes."""
+
+    free: int
+    total: int
+    allocated: int
+
+
+def memory_info(device_type: str) -> MemoryInfo:
+    """Free, total and torch-allocated memory of the current device, in bytes.
+
+    On the CPU, free and total come from the OS (available and total RAM).
+    """
+    if device_type == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        return MemoryInfo(free, total, torch.cuda.memory_allocated())
+    if device_type == "xpu":
+        props = torch.xpu.get_device_properties()
+        total = props.total_memory
+        try:
+            free, total = torch.xpu.mem_get_info()
+        except Exception:  # older integrated GPUs: no mem_get_info
+            free = total - torch.xpu.memory_reserved()
+        return MemoryInfo(free, total, torch.xpu.memory_allocated())
+    import os
+
+    try:
+        pages = os.sysconf("SC_PHYS_PAGES")
+        avail = os.sysconf("SC_AVPHYS_PAGES")
+        size = os.sysconf("SC_PAGE_SIZE")
+        return MemoryInfo(avail * size, pages * size, 0)
+    except (ValueError, OSError):
+        return MemoryInfo(8 << 30, 16 << 30, 0)
+
+
+def device_name(device_type: str) -> str:
+    if device_type == "cuda":
+        return torch.cuda.get_device_name()
+    if device_type == "xpu":
+        return torch.xpu.get_device_name()
+    import platform
+
+    return platform.processor() or "cpu"
+
+
+def multiprocessor_count(device_type: str) -> int:
+    """Streaming multiprocessors (CUDA) or Xe cores (XPU); CPU cores on the CPU."""
+    if device_type == "cuda":
+        return torch.cuda.get_device_properties().multi_processor_count
+    if device_type == "xpu":
+        props = torch.xpu.get_device_properties()
+        return int(getattr(props, "gpu_subslice_count", 0) or getattr(props, "max_compute_units", 64))
+    import os
+
+    return os.cpu_count() or 1
+
+
+def graph_class(device_type: str):
+    """The graph-capture class for the device, or None where graphs are unavailable.
+
+    CUDA: ``torch.cuda.CUDAGraph``. XPU: ``torch.xpu.XPUGraph`` (torch >= 2.11).
+    """
+    if device_type == "cuda":
+        return torch.cuda.CUDAGraph
+    if device_type == "xpu":
+        return getattr(torch.xpu, "XPUGraph", None)
+    return None
+
+
+def graph_context(device_type: str, graph, pool=None, stream=None):
+    """Context manager that captures into ``graph`` (``torch.cuda.graph`` or ``torch.xpu.graph``)."""
+    if device_type == "cuda":
+        return torch.cuda.graph(graph, pool=pool, stream=stream)
+    if device_type == "xpu":
+        return torch.xpu.graph(graph, pool=pool, stream=stream)
+    raise RuntimeError(f"no graphs on {device_type}")
+
+
+def graph_pool_handle(device_type: str):
+    if device_type == "cuda":
+        return torch.cuda.graph_pool_handle()
+    if device_type == "xpu" and hasattr(torch.xpu, "graph_pool_handle"):
+        return torch.xpu.graph_pool_handle()
+    return None
+
+
+def stream_class(device_type: str):
+    mod = _mod(device_type)
+    return None if mod is None else mod.Stream
+
+
+def event_class(device_type: str):
+    mod = _mod(device_type)
+    return None if mod is None else mod.Event
+
+
+def current_stream(device_type: str):
+    mod = _mod(device_type)
+    return None if mod is None else mod.current_stream()
+
+
+def stream_context(device_type: str, stream):
+    """``torch.cuda.stream(s)`` / ``torch.xpu.stream(s)``; a no-op context on the CPU."""
+    import contextlib
+
+    mod = _mod(device_type)
+    if mod is None or stream is None:
+        return contextlib.nullcontext()
+    return mod.stream(stream)
+
+
+def dist_backend(device_type: str) -> str:
+    """The torch.distributed backend: nccl (cuda), xccl (xpu) or gloo (cpu)."""
+    return {"cuda": "nccl", "xpu": "xccl"}.get(device_type, "gloo")
+
+
+def visible_device_count(device_type: str) -> int:
+    mod = _mod(device_type)
+    return 1 if mod is None else mod.device_count()

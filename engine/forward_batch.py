@@ -1,0 +1,60 @@
+"""``ForwardBatch``: the device-side description of one model step.
+
+The host-side batch is a list of ``Req`` (see ``scheduler.py``); this is what the model and
+the attention backend read. Shapes (T = tokens in the step, B = requests):
+
+  input_ids         [T] int64   (passed to the model separately)
+  positions         [T] int64
+  req_pool_indices  [B] int64   rows of req_to_token
+  seq_lens          [B] int32   KV length of each request after this step
+  out_cache_loc     [T] int64   pool slot that each new token's K/V is written to
+  extend_seq_lens   [B] int32   new tokens per request (EXTEND only)
+  extend_prefix_lens[B] int32   tokens already cached per request (EXTEND only)
+  extend_start_loc  [B] int32   offset of each request's first new token in T (EXTEND only)
+  logits_indices    [B] int64   rows of the hidden states whose logits are sampled
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import torch
+
+
+class ForwardMode(IntEnum):
+    EXTEND = 1   # prefill, with or without a cached prefix (also chunked prefill)
+    DECODE = 2   # one new token per request
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    batch_size: int
+    positions: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    out_cache_loc: torch.Tensor
+    req_to_token: torch.Tensor
+    k_buffers: list[torch.Tensor]
+    v_buffers: list[torch.Tensor]
+    attn_backend: object = None
+    extend_seq_lens: torch.Tensor | None = None
+    extend_prefix_lens: torch.Tensor | None = None
+    extend_start_loc: torch.Tensor | None = None
+    max_extend_len: int = 0
+    max_seq_len: int = 0
+    logits_indices: torch.Tensor | None = None
+    # host copies, so the CPU path and block sizing need no device sync
+    seq_lens_cpu: list[int] = field(default_factory=list)
+    extend_seq_lens_cpu: list[int] = field(default_factory=list)
+    # backend-owned per-step state (e.g. KV split counts), set by attn_backend.init_forward
+    attn_meta: dict = field(default_factory=dict)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.mode == ForwardMode.DECODE
+
+    @property
+    def is_extend(self) -> bool:
+        return self.mode == ForwardMode.EXTEND

@@ -1,0 +1,133 @@
+"""Every message that crosses a process boundary, and nothing else.
+
+Messages are ``msgspec.Struct``s encoded with msgpack (never pickle). Names end in ``Req``
+(toward the engine) or ``Out`` (away from it). Each carries ``rid`` or ``rids``.
+
+Sockets (ZMQ PUSH/PULL over ipc:// in a private 0700 temp dir):
+  server --(EngineReq)--> engine --(BatchTokenIdOut)--> detokenizer --(BatchStrOut)--> server
+  engine and detokenizer also push control messages (ReadyOut, ErrorOut, ...) to the server.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine.sampling_params import SamplingParams
+
+
+class _Msg(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
+    pass
+
+
+# ---- toward the engine -------------------------------------------------------------------
+
+class TokenizedGenerateReq(_Msg):
+    """A tokenized request. ``input_ids``: prompt token ids, int, length >= 1."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    arrival_time: float = 0.0
+
+
+class AbortReq(_Msg):
+    """Drop a request (client gone or shutdown); the engine frees its KV at the next step."""
+
+    rid: str
+
+
+class GetServerInfoReq(_Msg):
+    """Ask the engine for its pool and queue figures; answered with ``ServerInfoOut``."""
+
+    rid: str
+
+
+# ---- away from the engine ----------------------------------------------------------------
+
+class BatchTokenIdOut(_Msg):
+    """New tokens of one scheduler step, engine -> detokenizer. One entry per rid.
+
+    ``finished_reasons[i]`` is None while the request runs, else a dict
+    ``{"type": "stop"|"length"|"abort", "matched": str|int|None, "message": str|None}``.
+    Per-request detokenization settings travel with each entry so the detokenizer needs no
+    other channel.
+    """
+
+    rids: list[str]
+    new_token_ids: list[list[int]]
+    finished_reasons: list[dict | None]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    stop_strs: list[list[str]]
+    skip_special_tokens: list[bool]
+    spaces_between_special_tokens: list[bool]
+    # logprobs of the new tokens: per rid a list (one per new token) of
+    # (chosen_logprob, [[token_id, logprob], ...top-k]) or None when not asked for
+    logprobs: list[list | None] = []
+    prompt_logprobs: list[list | None] = []
+
+
+class BatchStrOut(_Msg):
+    """Text deltas, detokenizer -> server. One entry per rid."""
+
+    rids: list[str]
+    texts: list[str]
+    new_token_ids: list[list[int]]
+    finished_reasons: list[dict | None]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    logprobs: list[list | None] = []
+    prompt_logprobs: list[list | None] = []
+
+
+class ReadyOut(_Msg):
+    """Sent once by each child after start-up, before the server listens."""
+
+    rid: str  # the child's name: "engine" or "detokenizer"
+    max_total_tokens: int = 0
+    max_context_len: int = 0
+    max_running_requests: int = 0
+    vocab_size: int = 0
+    device: str = ""
+    dtype: str = ""
+    model: str = ""
+
+
+class ErrorOut(_Msg):
+    """A request the engine rejected or failed; ``status`` is the HTTP status to answer."""
+
+    rid: str
+    message: str
+    status: int = 400
+    param: str | None = None
+    code: str | None = None
+
+
+class ServerInfoOut(_Msg):
+    """Engine figures: KV pool tokens used/free, running/waiting requests."""
+
+    rid: str
+    kv_used_tokens: int
+    kv_free_tokens: int
+    kv_total_tokens: int
+    num_running: int
+    num_waiting: int
+    stats: dict = {}
+
+
+class StatsOut(_Msg):
+    """Periodic engine step statistics for /metrics."""
+
+    rid: str = "stats"
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+EngineReq = TokenizedGenerateReq | AbortReq | GetServerInfoReq
+DetokReq = BatchTokenIdOut
+ServerBound = BatchStrOut | ReadyOut | ErrorOut | ServerInfoOut | StatsOut
+AnyMsg = EngineReq | BatchTokenIdOut | ServerBound

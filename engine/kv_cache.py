@@ -1,0 +1,101 @@
+"""The paged KV cache, SGLang-style two levels.
+
+Level 1, ``ReqToTokenPool``: ``req_to_token[max_running_requests + 1, max_context_len]`` int32
+maps (request row, position) to a token slot. Row 0 is never handed out (padding rows of a
+graph batch point at it).
+
+Level 2, ``KVPool``: the per-layer K and V tensors ``[num_slots, num_kv_heads, head_dim]``
+and a free list of pages of ``page_size`` consecutive slots. Page 0 (slots 0..page_size-1)
+is reserved as the padding sink: padded tokens write there and nothing reads it.
+
+Kernels read K/V only through ``req_to_token``, so prefix sharing needs no kernel change.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """Rows of ``req_to_token``; row 0 is reserved for padding."""
+
+    def __init__(self, size: int, max_context_len: int, device: str | torch.device):
+        self.size = size
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros((size + 1, max_context_len), dtype=torch.int32,
+                                        device=device)
+        self._free = list(range(size, 0, -1))
+
+    def available(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def free(self, row: int) -> None:
+        self._free.append(row)
+
+
+class KVPool:
+    """K/V buffers per layer plus a page allocator.
+
+    Args:
+        num_tokens: usable KV capacity in tokens (rounded down to whole pages); one more
+            page is added for the padding sink.
+        page_size: slots per page (>= 1).
+    Memory: ``2 * num_layers * (num_tokens + page_size) * num_kv_heads * head_dim * itemsize``
+    bytes.
+    """
+
+    def __init__(self, num_tokens: int, page_size: int, num_layers: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: str | torch.device):
+        if page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        self.page_size = page_size
+        self.num_pages = max(num_tokens // page_size, 1)
+        self.num_slots = (self.num_pages + 1) * page_size
+        self.num_layers = num_layers
+        self.dtype = dtype
+        shape = (self.num_slots, num_kv_heads, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._free_pages = list(range(self.num_pages, 0, -1))  # page 0 is the padding sink
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    def free_tokens(self) -> int:
+        return len(self._free_pages) * self.page_size
+
+    def used_tokens(self) -> int:
+        return self.capacity_tokens - self.free_tokens()
+
+    def pages_needed(self, cur_len: int, num_pages_held: int, extra: int) -> int:
+        """Pages to add so a request holding ``num_pages_held`` grows to ``cur_len + extra``."""
+        need = -(-(cur_len + extra) // self.page_size)
+        return max(need - num_pages_held, 0)
+
+    def alloc_pages(self, n: int) -> list[int] | None:
+        """Take ``n`` pages, or None (nothing taken) when fewer are free."""
+        if n > len(self._free_pages):
+            return None
+        if n == 0:
+            return []
+        out = self._free_pages[-n:]
+        del self._free_pages[-n:]
+        return out
+
+    def free_pages(self, pages: list[int]) -> None:
+        self._free_pages.extend(pages)
+
+    def slots_for(self, pages: list[int], start: int, end: int) -> list[int]:
+        """Slots of positions ``start..end-1`` of a request that holds ``pages`` in order."""
+        ps = self.page_size
+        if ps == 1:
+            return pages[start:end]
+        return [pages[p // ps] * ps + p % ps for p in range(start, end)]

@@ -1,0 +1,25 @@
+"""The CLI is generated from ServerArgs."""
+
+import argparse
+import dataclasses
+
+import pytest
+
+from engine.args import ServerArgs
+
+
+def test_every_field_has_a_flag_and_round_trips():
+    p = ServerArgs.add_cli_args(argparse.ArgumentParser())
+    ns = p.parse_args(["--port", "1234", "--max-total-tokens", "4096", "--device", "cpu",
+                       "--disable-cuda-graph", "--api-key", "k"])
+    a = ServerArgs.from_cli_args(ns)
+    assert a.port == 1234 and a.max_total_tokens == 4096 and a.device == "cpu"
+    assert a.disable_cuda_graph is True and a.api_key == "k"
+    assert a.host == "127.0.0.1" and a.model_path is None
+    flags = {s for act in p._actions for s in act.option_strings}
+    for f in dataclasses.fields(ServerArgs):
+        assert "--" + f.name.replace("_", "-") in flags
+    with pytest.raises(SystemExit):
+        p.parse_args(["--device", "tpu"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.port = 1
