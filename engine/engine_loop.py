@@ -1,0 +1,165 @@
+"""The engine process's event loop: receive -> schedule -> run -> send.
+
+Sockets: PULL at ``ipc.engine`` (requests from the server), PUSH to ``ipc.detokenizer``
+(``BatchTokenIdOut``) and PUSH to ``ipc.server`` (ready, errors, info, stats).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+
+import zmq
+
+from engine import io_struct as io
+from engine.args import ServerArgs
+from engine.ipc import ENGINE_IN, PullSocket, PushSocket
+from engine.request import Req
+from engine.scheduler import Scheduler, StepOutput, eos_token_ids
+
+logger = logging.getLogger("ferry.engine")
+
+STATS_INTERVAL_S = 1.0
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s [engine] %(message)s")
+
+
+class EngineLoop:
+    def __init__(self, args: ServerArgs, ipc):
+        self.args = args
+        self.ipc = ipc
+
+    def _start(self):
+        from engine.model_runner import ModelRunner, text_config
+        from engine.tokenizer import load_tokenizer
+
+        args = self.args
+        self.runner = ModelRunner(args)
+        try:
+            self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
+        except Exception as exc:  # dummy weights without tokenizer files: token ids only
+            logger.warning("no tokenizer (%s); stop strings are disabled", exc)
+            self.tokenizer = None
+        self.vocab_size = text_config(self.runner.config).vocab_size
+        self.sched = Scheduler(args, self.runner, self.tokenizer,
+                               eos_token_ids(self.runner.config, self.tokenizer))
+
+    def run(self) -> None:
+        _setup_logging(self.args.log_level)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when we stop
+        parent = os.getppid()
+        ctx = zmq.Context()
+        self.to_server = PushSocket(ctx, self.ipc.server)
+        self.pull = PullSocket(ctx, self.ipc.engine, ENGINE_IN, bind=True)
+        self.to_detok = PushSocket(ctx, self.ipc.detokenizer)
+        self._start()
+        r = self.runner
+        self.to_server.send(io.ReadyOut(
+            rid="engine", max_total_tokens=r.max_total_tokens, max_context_len=r.max_context_len,
+            max_running_requests=self.args.max_running_requests, vocab_size=self.vocab_size,
+            device=r.device_type, dtype=str(r.dtype).replace("torch.", ""),
+            model=self.args.model_path or "SmolLM2-135M-Instruct"))
+        last_stats = 0.0
+        while True:
+            msgs = self.pull.recv_nowait()
+            if not msgs and not self.sched.has_work():
+                m = self.pull.recv(timeout_ms=500)
+                msgs = [m] if m is not None else []
+                if os.getppid() != parent:
+                    logger.error("server process is gone; engine exits")
+                    return
+            for m in msgs:
+                self.handle(m)
+            outs = self.sched.step()
+            if outs:
+                self.to_detok.send(self.batch_out(outs))
+            now = time.monotonic()
+            if now - last_stats >= STATS_INTERVAL_S:
+                last_stats = now
+                self.to_server.send(self.stats_out())
+
+    # ---- requests -----------------------------------------------------------------------
+    def handle(self, m) -> None:
+        if isinstance(m, io.TokenizedGenerateReq):
+            err = self.validate(m)
+            if err is not None:
+                self.to_server.send(err)
+                return
+            sp = m.sampling_params
+            room = self.runner.max_context_len - len(m.input_ids)
+            max_new = room if sp.max_tokens is None else sp.max_tokens
+            self.sched.add_request(Req(m.rid, list(m.input_ids), sp, m.stream, max_new,
+                                       m.arrival_time or None))
+        elif isinstance(m, io.AbortReq):
+            self.sched.abort_request(m.rid)
+        elif isinstance(m, io.GetServerInfoReq):
+            self.to_server.send(self.info_out(m.rid))
+
+    def validate(self, m: io.TokenizedGenerateReq) -> io.ErrorOut | None:
+        def err(msg, param=None, code=None):
+            return io.ErrorOut(rid=m.rid, message=msg, status=400, param=param, code=code)
+
+        if m.rid in self.sched.reqs:
+            return err(f"duplicate request id {m.rid}")
+        ids = m.input_ids
+        if not ids:
+            return err("the prompt is empty", "prompt")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            return err(f"token id out of the vocabulary [0, {self.vocab_size})", "prompt")
+        try:
+            m.sampling_params.verify(self.vocab_size)
+        except ValueError as exc:
+            msg, param = (exc.args + (None,))[:2]
+            return err(str(msg), param)
+        ctx = self.runner.max_context_len
+        need = len(ids) + (m.sampling_params.max_tokens or 1)
+        if need > ctx:
+            return err(f"This model's maximum context length is {ctx} tokens. However, you "
+                       f"requested {need} tokens ({len(ids)} in the prompt, "
+                       f"{need - len(ids)} for the completion).", "messages",
+                       "context_length_exceeded")
+        return None
+
+    # ---- outputs ------------------------------------------------------------------------
+    def batch_out(self, outs: list[StepOutput]) -> io.BatchTokenIdOut:
+        b = io.BatchTokenIdOut(rids=[], new_token_ids=[], finished_reasons=[], prompt_tokens=[],
+                               completion_tokens=[], stop_strs=[], skip_special_tokens=[],
+                               spaces_between_special_tokens=[], logprobs=[])
+        for o in outs:
+            req, sp = o.req, o.req.sampling_params
+            b.rids.append(req.rid)
+            b.new_token_ids.append(o.new_token_ids)
+            b.finished_reasons.append(o.finished_reason.to_dict() if o.finished_reason else None)
+            b.prompt_tokens.append(len(req.origin_input_ids))
+            b.completion_tokens.append(len(req.output_ids))
+            b.stop_strs.append(sp.stop)
+            b.skip_special_tokens.append(sp.skip_special_tokens)
+            b.spaces_between_special_tokens.append(sp.spaces_between_special_tokens)
+            if sp.logprobs is not None:
+                b.logprobs.append(req.logprobs[req.sent_logprobs:])
+                req.sent_logprobs = len(req.logprobs)
+            else:
+                b.logprobs.append(None)
+        return b
+
+    def info_out(self, rid: str) -> io.ServerInfoOut:
+        kv = self.runner.kv_pool
+        return io.ServerInfoOut(rid=rid, kv_used_tokens=kv.used_tokens(),
+                                kv_free_tokens=kv.free_tokens(), kv_total_tokens=kv.capacity_tokens,
+                                num_running=self.sched.num_running,
+                                num_waiting=self.sched.num_waiting,
+                                stats=dict(self.sched.stats, pid=os.getpid()))
+
+    def stats_out(self) -> io.StatsOut:
+        kv = self.runner.kv_pool
+        st = self.sched.stats
+        return io.StatsOut(num_running=self.sched.num_running, num_waiting=self.sched.num_waiting,
+                           kv_usage=kv.used_tokens() / max(kv.capacity_tokens, 1),
+                           prompt_tokens=st["prompt_tokens"],
+                           generation_tokens=st["generation_tokens"])

@@ -1,0 +1,178 @@
+"""``ModelRunner``: loads the model, sizes the KV pool, runs forward and sampling.
+
+Device-agnostic: the device, dtype, memory figures and graphs come from ``engine.device``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine import device as dev
+from engine.args import ServerArgs
+from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.kv_cache import KVPool, ReqToTokenPool
+from engine.layers.attention import AttentionBackend
+from engine.schedule_batch import ScheduleBatch
+
+logger = logging.getLogger(__name__)
+
+# CPU default KV capacity (tokens) when --max-total-tokens is not given
+_CPU_DEFAULT_TOKENS = 32768
+# bytes kept free on an accelerator for activations, graphs and the sampler
+_ACTIVATION_RESERVE = 2 << 30
+
+
+def text_config(config):
+    """The language-model part of a (possibly multimodal) HF config."""
+    return getattr(config, "text_config", None) or config
+
+
+def model_dims(config) -> tuple[int, int, int, int]:
+    """(num_layers, num_heads, num_kv_heads, head_dim) of an HF decoder config."""
+    c = text_config(config)
+    heads = c.num_attention_heads
+    kv = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    return c.num_hidden_layers, heads, kv, head_dim
+
+
+class ModelRunner:
+    """Owns the model, the KV pools and the attention backend on one device."""
+
+    def __init__(self, args: ServerArgs):
+        from engine.loader import load_model
+
+        self.args = args
+        self.device_type = dev.resolve_device(args.device)
+        self.dtype = dev.resolve_dtype(args.dtype, self.device_type)
+        self.device = torch.device(self.device_type)
+        dev.set_device(self.device_type, 0)
+        torch.manual_seed(args.seed)
+        t0 = time.perf_counter()
+        self.model, self.config = load_model(
+            model_path=args.model_path, load_format=args.load_format, dtype=self.dtype,
+            device=self.device_type, seed=args.seed)
+        self.load_time = time.perf_counter() - t0
+        c = text_config(self.config)
+        self.vocab_size = c.vocab_size
+        self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = model_dims(self.config)
+        model_ctx = getattr(c, "max_position_embeddings", None) or 4096
+        self.model_max_context = min(model_ctx, args.context_length or model_ctx)
+
+        self.max_total_tokens = self._kv_capacity()
+        self.kv_pool = KVPool(self.max_total_tokens, args.page_size, self.num_layers,
+                              self.num_kv_heads, self.head_dim, self.dtype, self.device)
+        self.max_total_tokens = self.kv_pool.capacity_tokens
+        # a request can never outgrow the pool, so the usable context is the smaller of the two
+        self.max_context_len = min(self.model_max_context, self.max_total_tokens)
+        self.req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.max_context_len,
+                                                self.device)
+        self.attn_backend = AttentionBackend(
+            dev.use_triton(self.device_type), self.num_heads, self.num_kv_heads, self.head_dim,
+            num_sms=dev.multiprocessor_count(self.device_type))
+        self.graph_runner = None
+        if dev.graph_class(self.device_type) is not None and not args.disable_cuda_graph:
+            try:
+                from engine.graph_runner import GraphRunner
+
+                self.graph_runner = GraphRunner(self)
+            except ImportError:
+                self.graph_runner = None
+        logger.info("KV cache: %d tokens (%d layers x %d kv heads x %d dim, %s), page size %d",
+                    self.max_total_tokens, self.num_layers, self.num_kv_heads, self.head_dim,
+                    str(self.dtype).replace("torch.", ""), args.page_size)
+
+    # ---- sizing -------------------------------------------------------------------------
+    def _kv_capacity(self) -> int:
+        """KV pool size in tokens: --max-total-tokens, else from free memory after the weights."""
+        per_token = KVPool.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
+                                           self.dtype)
+        if self.args.max_total_tokens:
+            return int(self.args.max_total_tokens)
+        if not dev.is_accelerator(self.device_type):
+            return _CPU_DEFAULT_TOKENS
+        mem = dev.memory_info(self.device_type)
+        budget = mem.total * self.args.mem_fraction_static - (mem.total - mem.free)
+        budget = min(budget, mem.free - _ACTIVATION_RESERVE)
+        if budget < per_token * 256:
+            raise RuntimeError(
+                f"not enough device memory for the KV cache: {budget / 2**30:.2f} GiB left after "
+                f"the weights; raise --mem-fraction-static or set --max-total-tokens")
+        return int(budget // per_token)
+
+    # ---- forward ------------------------------------------------------------------------
+    def build_forward_batch(self, batch: ScheduleBatch) -> tuple[torch.Tensor, ForwardBatch]:
+        """Host lists -> device tensors, and write the new slots into ``req_to_token``."""
+        ids: list[int] = []
+        pos: list[int] = []
+        rows_t: list[int] = []
+        starts: list[int] = []
+        seq_lens: list[int] = []
+        last: list[int] = []
+        off = 0
+        for req, p, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            fill = req.fill_ids
+            ids.extend(fill[p: p + n])
+            pos.extend(range(p, p + n))
+            rows_t.extend([req.req_pool_idx] * n)
+            starts.append(off)
+            seq_lens.append(p + n)
+            off += n
+            last.append(off - 1)
+        d = self.device
+        i64 = torch.int64
+        input_ids = torch.tensor(ids, dtype=i64).to(d, non_blocking=True)
+        positions_cpu = torch.tensor(pos, dtype=i64)
+        positions = positions_cpu.to(d, non_blocking=True)
+        loc = torch.tensor(batch.out_cache_loc, dtype=i64).to(d, non_blocking=True)
+        rows = torch.tensor(rows_t, dtype=i64).to(d, non_blocking=True)
+        r2t = self.req_to_token_pool.req_to_token
+        r2t[rows, positions] = loc.to(torch.int32)
+        fb = ForwardBatch(
+            mode=batch.mode, batch_size=batch.batch_size, positions=positions,
+            req_pool_indices=torch.tensor([r.req_pool_idx for r in batch.reqs], dtype=i64).to(d),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(d),
+            out_cache_loc=loc, req_to_token=r2t, k_buffers=self.kv_pool.k_buffers,
+            v_buffers=self.kv_pool.v_buffers, attn_backend=self.attn_backend,
+            max_seq_len=max(seq_lens), seq_lens_cpu=seq_lens,
+            extend_seq_lens_cpu=list(batch.extend_lens))
+        if batch.mode == ForwardMode.EXTEND:
+            fb.extend_seq_lens = torch.tensor(batch.extend_lens, dtype=torch.int32).to(d)
+            fb.extend_prefix_lens = torch.tensor(batch.prefix_lens, dtype=torch.int32).to(d)
+            fb.extend_start_loc = torch.tensor(starts, dtype=torch.int32).to(d)
+            fb.max_extend_len = max(batch.extend_lens)
+            fb.logits_indices = torch.tensor(last, dtype=i64).to(d)
+        return input_ids, fb
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduleBatch) -> torch.Tensor:
+        """Run one step; returns float32 logits ``[batch_size, vocab]`` (last token of each)."""
+        if (batch.mode == ForwardMode.DECODE and self.graph_runner is not None
+                and self.graph_runner.can_run(batch.batch_size)):
+            return self.graph_runner.replay(batch)
+        input_ids, fb = self.build_forward_batch(batch)
+        self.attn_backend.init_forward(fb)
+        return self.model(input_ids, fb.positions, fb)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, batch: ScheduleBatch, eos_ids: list[int]):
+        """Sample one token per request. Returns (token ids: list[int], logprob info or None)."""
+        from engine.sampling import SamplingBatchInfo, sample
+
+        params = [r.sampling_params for r in batch.reqs]
+        info = SamplingBatchInfo.from_params(
+            params, self.vocab_size, self.device,
+            output_ids=[r.output_ids for r in batch.reqs],
+            prompt_ids=[r.origin_input_ids for r in batch.reqs],
+            steps=[len(r.output_ids) for r in batch.reqs], eos_ids=eos_ids)
+        want = [p.logprobs for p in params if p.logprobs is not None]
+        out = sample(logits, info, return_logprobs=max(want) if want else None)
+        ids = out.next_token_ids.tolist()
+        lp = None
+        if want:
+            lp = (out.logprobs.tolist(), out.top_logprobs_ids.tolist() if out.top_logprobs_ids is not None else None,
+                  out.top_logprobs.tolist() if out.top_logprobs is not None else None)
+        return ids, lp

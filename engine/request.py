@@ -1,0 +1,78 @@
+"""``Req``, one generation request inside the engine, and ``FinishReason``."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class FinishReason:
+    """Why a request ended: ``stop`` (EOS, stop token or stop string), ``length`` or ``abort``.
+
+    ``matched`` is the stop string (str) or token id (int) that ended it, else None.
+    """
+
+    type: str
+    matched: str | int | None = None
+    message: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"type": self.type, "matched": self.matched, "message": self.message}
+
+
+class Req:
+    """A request's host-side state.
+
+    KV bookkeeping: ``req_pool_idx`` is its row in ``req_to_token``; ``pages`` are the KV pages
+    it holds, in position order; ``kv_len`` is how many of ``fill_ids`` already have K/V in the
+    pool. A preempted request drops its KV (``kv_len = 0``) and recomputes it on readmission.
+    """
+
+    __slots__ = ("rid", "origin_input_ids", "sampling_params", "stream", "output_ids",
+                 "req_pool_idx", "pages", "kv_len", "finished_reason", "sent_len",
+                 "arrival_time", "first_token_time", "max_new_tokens", "stop_window",
+                 "logprobs", "sent_logprobs")
+
+    def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams,
+                 stream: bool = False, max_new_tokens: int | None = None,
+                 arrival_time: float | None = None):
+        self.rid = rid
+        self.origin_input_ids = input_ids
+        self.sampling_params = sampling_params
+        self.stream = stream
+        self.output_ids: list[int] = []
+        self.req_pool_idx: int | None = None
+        self.pages: list[int] = []
+        self.kv_len = 0
+        self.finished_reason: FinishReason | None = None
+        self.sent_len = 0
+        self.arrival_time = arrival_time or time.monotonic()
+        self.first_token_time: float | None = None
+        self.max_new_tokens = max_new_tokens if max_new_tokens is not None else (
+            sampling_params.max_tokens or 1 << 30)
+        # how many trailing output tokens to decode when looking for stop strings: a stop string
+        # of L characters spans at most 4L byte-level tokens (plus one for a merge at its edge)
+        longest = max((len(s) for s in sampling_params.stop), default=0)
+        self.stop_window = 4 * longest + 2 if longest else 0
+        self.logprobs: list = []
+        self.sent_logprobs = 0
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Prompt plus generated tokens: what the KV cache must hold."""
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def __repr__(self) -> str:
+        return (f"Req(rid={self.rid!r}, prompt={len(self.origin_input_ids)}, "
+                f"out={len(self.output_ids)}, kv={self.kv_len})")

@@ -1,0 +1,39 @@
+"""``ScheduleBatch``: the host-side batch of one step (a list of ``Req`` plus what each does).
+
+The scheduler builds it after allocating KV slots; the model runner turns it into a
+``ForwardBatch`` of device tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.forward_batch import ForwardMode
+from engine.request import Req
+
+
+@dataclass
+class ScheduleBatch:
+    """One step's work.
+
+    For EXTEND, request i computes ``extend_lens[i]`` new tokens starting at position
+    ``prefix_lens[i]`` (= its ``kv_len`` before the step); a decode request inside a mixed
+    batch is an extend of length 1. ``sample[i]`` is False for a prefill chunk that does not
+    reach the end of the request's tokens (chunked prefill): its logits are not sampled.
+    ``out_cache_loc`` holds the pool slot of every new token, in batch order.
+    """
+
+    mode: ForwardMode
+    reqs: list[Req]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    sample: list[bool]
+    out_cache_loc: list[int] = field(default_factory=list)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)

@@ -1,0 +1,323 @@
+"""The scheduler: continuous batching over a paged KV cache.
+
+Each ``step()``: (1) build a batch — prefill/extend under the chunked-prefill token budget
+when requests wait and KV pages allow, with the running decodes mixed in as 1-token extends,
+else one decode step for every running request (preempting the newest ones, recompute-style,
+when the pool cannot hold one more token each); (2) run the model and sample; (3) append
+tokens, check stop conditions and free finished requests. The offline ``LLM`` and the engine
+process (``engine/engine_proc.py``) both drive this same class.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+from engine.args import ServerArgs
+from engine.forward_batch import ForwardMode
+from engine.request import FinishReason, Req
+from engine.schedule_batch import ScheduleBatch
+
+logger = logging.getLogger(__name__)
+
+
+class StepOutput:
+    """What one step produced for one request: new tokens (possibly none) and its finish."""
+
+    __slots__ = ("req", "new_token_ids", "finished_reason")
+
+    def __init__(self, req: Req, new_token_ids: list[int], finished_reason: FinishReason | None):
+        self.req = req
+        self.new_token_ids = new_token_ids
+        self.finished_reason = finished_reason
+
+
+class Scheduler:
+    """Continuous-batching scheduler over a ``ModelRunner``.
+
+    Args:
+        runner: the ModelRunner (owns the model, ``req_to_token_pool`` and ``kv_pool``).
+        tokenizer: used to find stop strings in the tail of the output (may be None).
+        eos_ids: token ids that end generation unless ``ignore_eos``.
+    """
+
+    def __init__(self, args: ServerArgs, runner, tokenizer=None, eos_ids: list[int] | None = None):
+        self.args = args
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_ids = sorted(set(eos_ids or []))
+        self.req_pool = runner.req_to_token_pool
+        self.kv_pool = runner.kv_pool
+        self.page_size = self.kv_pool.page_size
+        self.chunk_size = max(args.chunked_prefill_size, 1)
+        self.waiting: deque[Req] = deque()
+        self.chunked: Req | None = None  # the request whose prefill is partly done
+        self.running: list[Req] = []
+        self.reqs: dict[str, Req] = {}
+        self.pending_aborts: set[str] = set()
+        self.finished_outputs: list[StepOutput] = []
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0}
+
+    # ---- queue --------------------------------------------------------------------------
+    def add_request(self, req: Req) -> None:
+        self.reqs[req.rid] = req
+        self.waiting.append(req)
+
+    def abort_request(self, rid: str, message: str | None = None) -> None:
+        """Drop a request at the next step (frees its KV). Unknown rids are ignored."""
+        if rid in self.reqs:
+            self.pending_aborts.add(rid)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked or self.pending_aborts
+                    or self.finished_outputs)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- KV bookkeeping -----------------------------------------------------------------
+    def _grow(self, req: Req, n: int) -> list[int] | None:
+        """Allocate slots for ``n`` more tokens of ``req``; None (nothing taken) if no room."""
+        need = self.kv_pool.pages_needed(req.kv_len, len(req.pages), n)
+        pages = self.kv_pool.alloc_pages(need)
+        if pages is None:
+            return None
+        req.pages.extend(pages)
+        return self.kv_pool.slots_for(req.pages, req.kv_len, req.kv_len + n)
+
+    def _release(self, req: Req) -> None:
+        if req.pages:
+            self.kv_pool.free_pages(req.pages)
+            req.pages = []
+        if req.req_pool_idx is not None:
+            self.req_pool.free(req.req_pool_idx)
+            req.req_pool_idx = None
+        req.kv_len = 0
+
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        req.finished_reason = reason
+        self._release(req)
+        self.reqs.pop(req.rid, None)
+
+    # ---- batch building -----------------------------------------------------------------
+    def _process_aborts(self) -> None:
+        if not self.pending_aborts:
+            return
+        for rid in list(self.pending_aborts):
+            req = self.reqs.get(rid)
+            if req is None:
+                continue
+            if req is self.chunked:
+                self.chunked = None
+            elif req in self.running:
+                self.running.remove(req)
+            else:
+                try:
+                    self.waiting.remove(req)
+                except ValueError:
+                    pass
+            self._finish(req, FinishReason("abort", message="aborted"))
+            self.finished_outputs.append(StepOutput(req, [], req.finished_reason))
+        self.pending_aborts.clear()
+
+    def _preempt(self, req: Req) -> None:
+        self._release(req)
+        self.waiting.appendleft(req)
+        self.stats["preemptions"] += 1
+        logger.debug("preempted %s (KV pool full)", req.rid)
+
+    def _retract(self) -> None:
+        """Free KV until every running request can take one more token: preempt the newest
+        running requests first, then the partly prefilled one, the oldest running request
+        last, so it always progresses (it fits alone: no request outgrows the pool)."""
+        while self.kv_pool.free_tokens() < len(self.running) * self.page_size:
+            if len(self.running) > 1 or (self.running and self.chunked is None):
+                self._preempt(self.running.pop())
+            elif self.chunked is not None:
+                self._preempt(self.chunked)
+                self.chunked = None
+            else:
+                return
+
+    def _build_extend(self) -> ScheduleBatch | None:
+        """Continue the chunked request, admit waiting ones under the chunk budget, and mix
+        in the running decodes as 1-token extends."""
+        budget = self.chunk_size
+        # keep one page per running request free for their next decode token
+        reserve = (len(self.running) + 1) * self.page_size
+        reqs, prefix, ext, sample, locs = [], [], [], [], []
+        max_running = self.args.max_running_requests
+        while budget > 0:
+            if self.chunked is not None:
+                req = self.chunked
+            elif self.waiting:
+                req = self.waiting[0]
+                if len(self.running) + len(reqs) >= max_running or self.req_pool.available() == 0:
+                    break
+            else:
+                break
+            n = min(req.seq_len - req.kv_len, budget)
+            room = self.kv_pool.free_tokens() - reserve
+            if room < n:
+                n = (room // self.page_size) * self.page_size
+                if n <= 0:
+                    break
+            if req.req_pool_idx is None:
+                req.req_pool_idx = self.req_pool.alloc()
+            if req is not self.chunked:
+                self.waiting.popleft()
+            start = req.kv_len
+            locs.extend(self._grow(req, n))
+            req.kv_len = start + n
+            reqs.append(req)
+            prefix.append(start)
+            ext.append(n)
+            done = req.kv_len == req.seq_len
+            sample.append(done)
+            budget -= n
+            self.chunked = None if done else req
+            if not done:
+                break  # the chunked request continues next step
+        if not reqs:
+            return None
+        # the reserve above leaves room for one more token of every running request
+        for req in self.running:
+            slots = self._grow(req, 1)
+            if slots is None:
+                continue
+            reqs.append(req)
+            prefix.append(req.kv_len)
+            ext.append(1)
+            sample.append(True)
+            locs.extend(slots)
+            req.kv_len += 1
+        return ScheduleBatch(ForwardMode.EXTEND, reqs, prefix, ext, sample, locs)
+
+    def _build_decode(self) -> ScheduleBatch | None:
+        if not self.running:
+            return None
+        self._retract()
+        reqs, prefix, locs = [], [], []
+        for req in self.running:
+            slots = self._grow(req, 1)
+            if slots is None:
+                continue
+            reqs.append(req)
+            prefix.append(req.kv_len)
+            locs.extend(slots)
+            req.kv_len += 1
+        if not reqs:
+            return None
+        return ScheduleBatch(ForwardMode.DECODE, reqs, prefix, [1] * len(reqs),
+                             [True] * len(reqs), locs)
+
+    def get_next_batch(self) -> ScheduleBatch | None:
+        self._process_aborts()
+        batch = self._build_extend() if (self.waiting or self.chunked) else None
+        return batch if batch is not None else self._build_decode()
+
+    # ---- run + results ------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        """Run one scheduler step; returns outputs of requests that produced tokens or ended."""
+        batch = self.get_next_batch()
+        outs = self.finished_outputs
+        self.finished_outputs = []
+        if batch is None:
+            return outs
+        try:
+            logits = self.runner.forward(batch)
+            sample_rows = [i for i, s in enumerate(batch.sample) if s]
+            if len(sample_rows) != batch.batch_size:
+                logits = logits[sample_rows]
+            sampled = ScheduleBatch(batch.mode, [batch.reqs[i] for i in sample_rows], [], [], [])
+            ids, lp = self.runner.sample(logits, sampled, self.eos_ids) if sample_rows else ([], None)
+        except Exception as exc:  # a bug or a device error: fail this batch, keep serving
+            logger.exception("step failed; aborting %d requests", batch.batch_size)
+            for req in batch.reqs:
+                if req in self.running:
+                    self.running.remove(req)
+                self._finish(req, FinishReason("abort", message=f"internal error: {exc}"))
+                outs.append(StepOutput(req, [], req.finished_reason))
+            return outs
+        self.stats["steps"] += 1
+        now = time.monotonic()
+        row_of = {i: k for k, i in enumerate(sample_rows)}
+        was_running = {id(r) for r in self.running}
+        n_prompt = 0
+        for i, req in enumerate(batch.reqs):
+            n_prompt += max(0, min(batch.prefix_lens[i] + batch.extend_lens[i],
+                                   len(req.origin_input_ids)) - batch.prefix_lens[i])
+            k = row_of.get(i)
+            if k is None:
+                continue  # a prefill chunk that is not the last one
+            tok = ids[k]
+            req.output_ids.append(tok)
+            if lp is not None and req.sampling_params.logprobs is not None:
+                top = req.sampling_params.logprobs
+                tops = [[lp[1][k][j], lp[2][k][j]] for j in range(top)] if lp[1] else []
+                req.logprobs.append((lp[0][k], tops))
+            if req.first_token_time is None:
+                req.first_token_time = now
+            reason = self._check_finished(req, tok)
+            if reason is not None:
+                self._finish(req, reason)
+            elif id(req) not in was_running:
+                self.running.append(req)
+            outs.append(StepOutput(req, [tok], reason))
+        self.stats["prompt_tokens"] += n_prompt
+        self.stats["generation_tokens"] += len(sample_rows)
+        if any(r.finished for r in self.running):
+            self.running = [r for r in self.running if not r.finished]
+        return outs
+
+    def _check_finished(self, req: Req, tok: int) -> FinishReason | None:
+        sp = req.sampling_params
+        n_out = len(req.output_ids)
+        if n_out >= sp.min_tokens:
+            if tok in sp.stop_token_ids:
+                return FinishReason("stop", matched=tok)
+            if not sp.ignore_eos and tok in self.eos_ids:
+                return FinishReason("stop", matched=tok)
+            if req.stop_window and self.tokenizer is not None:
+                tail = self.tokenizer.decode(req.output_ids[-req.stop_window:],
+                                             skip_special_tokens=sp.skip_special_tokens)
+                for s in sp.stop:
+                    if s in tail:
+                        return FinishReason("stop", matched=s)
+        if n_out >= req.max_new_tokens:
+            return FinishReason("length")
+        if req.seq_len >= self.runner.max_context_len:
+            return FinishReason("length")
+        return None
+
+
+# ---- the engine process ------------------------------------------------------------------
+
+def eos_token_ids(config, tokenizer) -> list[int]:
+    """EOS ids from the model config, its generation config and the tokenizer."""
+    ids: set[int] = set()
+    for src in (getattr(config, "eos_token_id", None),
+                getattr(getattr(config, "text_config", None), "eos_token_id", None),
+                getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(x) for x in src)
+    return sorted(ids)
+
+
+def run_scheduler_process(args: ServerArgs, ipc) -> None:
+    """Entry point of the engine process (spawned by the server's launcher).
+
+    Loads the model, sends ``ReadyOut(rid="engine")`` to the server, then loops: receive
+    requests and aborts, run one scheduler step, send new tokens to the detokenizer.
+    """
+    from engine.engine_loop import EngineLoop
+
+    EngineLoop(args, ipc).run()

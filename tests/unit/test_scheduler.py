@@ -1,0 +1,173 @@
+"""Scheduler logic with a fake model whose next token is hand-computable.
+
+The fake "model" predicts ``(last_token + 1) % V``, so every output is known in advance. It
+also keeps a shadow KV cache: each step it writes the token id of every new position into its
+slot, and before computing it checks that ``req_to_token`` maps every cached position of every
+request to a slot holding that request's token. Page reuse, chunked prefill or preemption bugs
+show up as a mismatch.
+"""
+
+import pytest
+import torch
+
+from engine.args import ServerArgs
+from engine.forward_batch import ForwardMode
+from engine.kv_cache import KVPool, ReqToTokenPool
+from engine.request import Req
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+V = 1000
+
+
+class FakeRunner:
+    def __init__(self, max_total_tokens, page_size=1, max_running=8, max_context=4096):
+        self.kv_pool = KVPool(max_total_tokens, page_size, 1, 1, 1, torch.float32, "cpu")
+        self.max_context_len = min(max_context, self.kv_pool.capacity_tokens)
+        self.req_to_token_pool = ReqToTokenPool(max_running, self.max_context_len, "cpu")
+        self.slot_token = torch.full((self.kv_pool.num_slots,), -1, dtype=torch.int64)
+        self.batches = []
+
+    def forward(self, batch):
+        r2t = self.req_to_token_pool.req_to_token
+        off = 0
+        rows = []
+        assert len(set(batch.out_cache_loc)) == len(batch.out_cache_loc), "slot handed out twice"
+        for req, p, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            fill = req.fill_ids
+            cached = self.slot_token[r2t[req.req_pool_idx, :p].long()]
+            assert cached.tolist() == fill[:p], f"{req.rid}: KV of the prefix is corrupt"
+            for j in range(n):
+                slot = batch.out_cache_loc[off + j]
+                assert slot >= self.kv_pool.page_size, "a request wrote into the padding page"
+                r2t[req.req_pool_idx, p + j] = slot
+                self.slot_token[slot] = fill[p + j]
+            off += n
+            rows.append((fill[p + n - 1] + 1) % V)
+        self.batches.append((batch.mode, batch.batch_size, batch.num_tokens))
+        logits = torch.zeros(len(rows), V)
+        logits[torch.arange(len(rows)), torch.tensor(rows)] = 1.0
+        return logits
+
+    def sample(self, logits, batch, eos_ids):
+        return torch.argmax(logits, -1).tolist(), None
+
+
+def expected(prompt, n):
+    return [(prompt[-1] + 1 + i) % V for i in range(n)]
+
+
+def run_all(sched, reqs, max_steps=10_000):
+    for r in reqs:
+        sched.add_request(r)
+    steps = 0
+    while sched.has_work():
+        sched.step()
+        steps += 1
+        assert steps < max_steps, "scheduler made no progress"
+    return steps
+
+
+def make_reqs(lens, max_tokens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    reqs = []
+    for i, n in enumerate(lens):
+        prompt = torch.randint(0, V, (n,), generator=g).tolist()
+        reqs.append(Req(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0)))
+    return reqs
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_continuous_batching_chunked_prefill(page_size):
+    runner = FakeRunner(max_total_tokens=4096, page_size=page_size)
+    args = ServerArgs(chunked_prefill_size=16, max_running_requests=8, page_size=page_size)
+    sched = Scheduler(args, runner)
+    reqs = make_reqs([3, 40, 17, 1, 64, 9], max_tokens=12)
+    run_all(sched, reqs)
+    for r in reqs:
+        assert r.output_ids == expected(r.origin_input_ids, 12)
+        assert r.finished_reason.type == "length"
+    # no step computed more than the chunk budget of prompt tokens plus one per running decode
+    assert all(t <= 16 + 8 for _, _, t in runner.batches)
+    assert runner.kv_pool.used_tokens() == 0
+    assert runner.req_to_token_pool.available() == 8
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_preemption_recomputes_and_keeps_outputs(page_size):
+    # 96 tokens of KV for 6 requests that need ~40 each: they cannot all run at once
+    runner = FakeRunner(max_total_tokens=96, page_size=page_size)
+    args = ServerArgs(chunked_prefill_size=32, max_running_requests=8, page_size=page_size)
+    sched = Scheduler(args, runner)
+    reqs = make_reqs([20, 25, 10, 30, 15, 22], max_tokens=20, seed=1)
+    run_all(sched, reqs)
+    for r in reqs:
+        assert r.output_ids == expected(r.origin_input_ids, 20)
+    assert sched.stats["preemptions"] > 0
+    assert runner.kv_pool.used_tokens() == 0
+
+
+def test_abort_frees_kv_and_reports():
+    runner = FakeRunner(max_total_tokens=1024)
+    sched = Scheduler(ServerArgs(chunked_prefill_size=64), runner)
+    a, b = make_reqs([10, 10], max_tokens=100)
+    sched.add_request(a)
+    sched.add_request(b)
+    for _ in range(3):
+        sched.step()
+    assert runner.kv_pool.used_tokens() > 0
+    sched.abort_request("r0")
+    outs = sched.step()
+    aborted = [o for o in outs if o.req is a]
+    assert aborted and aborted[0].finished_reason.type == "abort"
+    assert a.finished and not b.finished
+    sched.abort_request("r1")
+    sched.step()
+    assert runner.kv_pool.used_tokens() == 0 and not sched.has_work()
+    sched.abort_request("unknown")  # ignored
+    assert not sched.has_work()
+
+
+def test_stop_token_eos_and_min_tokens():
+    runner = FakeRunner(max_total_tokens=1024)
+    prompt = [5]
+    # the fake model emits 6, 7, 8, ...: EOS 8 stops at the third token
+    sched = Scheduler(ServerArgs(), runner, eos_ids=[8])
+    r = Req("a", prompt, SamplingParams(max_tokens=50))
+    run_all(sched, [r])
+    assert r.output_ids == [6, 7, 8] and r.finished_reason.type == "stop"
+    assert r.finished_reason.matched == 8
+    # min_tokens 5 ignores the EOS at token 3; stop_token_ids 12 stops at the 7th
+    r = Req("b", prompt, SamplingParams(max_tokens=50, min_tokens=5, stop_token_ids=[12]))
+    run_all(sched, [r])
+    assert r.output_ids == [6, 7, 8, 9, 10, 11, 12] and r.finished_reason.matched == 12
+    # ignore_eos runs to max_tokens
+    r = Req("c", prompt, SamplingParams(max_tokens=6, ignore_eos=True))
+    run_all(sched, [r])
+    assert r.output_ids == [6, 7, 8, 9, 10, 11] and r.finished_reason.type == "length"
+
+
+def test_context_limit_ends_with_length():
+    runner = FakeRunner(max_total_tokens=1024, max_context=16)
+    sched = Scheduler(ServerArgs(), runner)
+    r = Req("a", list(range(10)), SamplingParams(max_tokens=None), max_new_tokens=1 << 30)
+    run_all(sched, [r])
+    assert r.seq_len == 16 and r.finished_reason.type == "length"
+
+
+def test_mixed_batches_are_extend_mode():
+    runner = FakeRunner(max_total_tokens=1024)
+    sched = Scheduler(ServerArgs(chunked_prefill_size=8), runner)
+    a, = make_reqs([4], max_tokens=30)
+    sched.add_request(a)
+    sched.step()
+    sched.step()
+    b, = make_reqs([20], max_tokens=3, seed=3)
+    b.rid = "late"
+    sched.add_request(b)
+    sched.step()  # b's first chunk of 8 plus a's decode, in one extend batch
+    mode, bs, toks = runner.batches[-1]
+    assert mode == ForwardMode.EXTEND and bs == 2 and toks == 9
+    run_all(sched, [])
+    assert a.output_ids == expected(a.origin_input_ids, 30)
+    assert b.output_ids == expected(b.origin_input_ids, 3)
