@@ -54,13 +54,26 @@ def decode_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
                          sm_scale: float) -> torch.Tensor:
     """Decode attention: one query token per request over its whole KV (already stored).
 
+    The batch is gathered into a padded ``[B, max_len]`` block with a length mask, so the CPU
+    runs one batched product per layer instead of a loop over requests.
+
     Args: q [B, Hq, D]; o [B, Hq, D] written in place and returned.
     """
-    rows = req_pool_indices.tolist()
-    lens = seq_lens.tolist()
-    for b in range(q.shape[0]):
-        slots = req_to_token[rows[b], : lens[b]].long()
-        o[b] = _attend(q[b: b + 1], k_buffer[slots], v_buffer[slots], sm_scale, None)[0].to(o.dtype)
+    bsz, hq, d = q.shape
+    hkv = k_buffer.shape[1]
+    group = hq // hkv
+    max_len = int(seq_lens.max()) if bsz else 0
+    pos = torch.arange(max_len, device=q.device)
+    valid = pos[None, :] < seq_lens[:, None].to(pos.dtype)                   # [B, L]
+    slots = req_to_token[req_pool_indices.long(), :max_len].long() * valid   # [B, L]
+    k = k_buffer[slots].float()                                             # [B, L, Hkv, D]
+    v = v_buffer[slots].float()
+    qf = q.float().view(bsz, hkv, group, d)
+    s = torch.einsum("bhgd,blhd->bhgl", qf, k) * sm_scale                  # [B, Hkv, G, L]
+    s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    out = torch.einsum("bhgl,blhd->bhgd", p, v)
+    o.copy_(out.reshape(bsz, hq, d).to(o.dtype))
     return o
 
 

@@ -1,0 +1,70 @@
+"""The torch reference kernels against torch's own scaled_dot_product_attention."""
+
+import torch
+import torch.nn.functional as F
+
+from kernels.reference import decode_attention_ref, extend_attention_ref, store_kv_ref
+
+
+def _sdpa(q, k, v, scale, causal_offset=None):
+    """q [n, Hq, D], k/v [m, Hkv, D] -> [n, Hq, D] via F.scaled_dot_product_attention."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, 1)
+    v = v.repeat_interleave(group, 1)
+    mask = None
+    if causal_offset is not None:
+        n, m = q.shape[0], k.shape[0]
+        mask = torch.arange(m)[None, :] <= torch.arange(n)[:, None] + causal_offset
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).double(), k.transpose(0, 1).double(),
+                                         v.transpose(0, 1).double(), attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
+
+
+def _pool(num_slots=300, hkv=2, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(num_slots, hkv, d, generator=g), torch.randn(num_slots, hkv, d, generator=g))
+
+
+def test_decode_reference_matches_sdpa():
+    kb, vb = _pool()
+    g = torch.Generator().manual_seed(1)
+    lens = torch.tensor([1, 13, 40, 7], dtype=torch.int32)
+    r2t = torch.zeros(5, 64, dtype=torch.int32)
+    perm = torch.randperm(299, generator=g) + 1
+    r2t[1:] = perm[: 4 * 64].view(4, 64).to(torch.int32)
+    rows = torch.tensor([1, 2, 3, 4])
+    q = torch.randn(4, 6, 16, generator=g)
+    o = torch.full_like(q, float("nan"))
+    decode_attention_ref(q, kb, vb, o, r2t, rows, lens, 0.3)
+    for b in range(4):
+        slots = r2t[rows[b], : lens[b]].long()
+        ref = _sdpa(q[b: b + 1], kb[slots], vb[slots], 0.3)[0]
+        torch.testing.assert_close(o[b].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_extend_reference_with_prefix_matches_sdpa():
+    kb, vb = _pool(seed=2)
+    g = torch.Generator().manual_seed(3)
+    prefix = [0, 5, 11]
+    ext = [4, 1, 6]
+    r2t = torch.zeros(4, 32, dtype=torch.int32)
+    perm = (torch.randperm(299, generator=g) + 1)[: 3 * 32].view(3, 32).to(torch.int32)
+    r2t[1:] = perm
+    rows = torch.tensor([1, 2, 3])
+    T = sum(ext)
+    q = torch.randn(T, 6, 16, generator=g)
+    k = torch.randn(T, 2, 16, generator=g)
+    v = torch.randn(T, 2, 16, generator=g)
+    starts = torch.tensor([0, 4, 5], dtype=torch.int32)
+    seq = torch.tensor([p + e for p, e in zip(prefix, ext)], dtype=torch.int32)
+    # the new tokens are stored in the pool first, as the attention layer does
+    loc = torch.cat([r2t[rows[b], prefix[b]: prefix[b] + ext[b]] for b in range(3)]).long()
+    store_kv_ref(kb, vb, loc, k, v)
+    assert torch.equal(kb[loc], k)
+    o = torch.full_like(q, float("nan"))
+    extend_attention_ref(q, k, v, o, kb, vb, r2t, rows, seq, torch.tensor(ext), starts, 0.25)
+    for b in range(3):
+        s0, n = int(starts[b]), ext[b]
+        slots = r2t[rows[b], : prefix[b] + n].long()
+        ref = _sdpa(q[s0: s0 + n], kb[slots], vb[slots], 0.25, causal_offset=prefix[b])
+        torch.testing.assert_close(o[s0: s0 + n].double(), ref, rtol=1e-5, atol=1e-5)
