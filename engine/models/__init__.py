@@ -1,0 +1,57 @@
+"""Model registry: HF ``config.architectures[0]`` (or ``model_type``) -> ferry model class."""
+
+from __future__ import annotations
+
+from engine.models.llama import (
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+)
+
+MODEL_REGISTRY: dict[str, type] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+# GGUF-derived configs carry no ``architectures``; fall back on ``model_type``.
+MODEL_TYPES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(MODEL_REGISTRY)
+
+
+def get_model_class(config) -> type:
+    """The ferry class for an HF config.
+
+    Uses ``config.architectures[0]``; when that is missing (configs read from GGUF files),
+    ``config.model_type``.
+
+    Raises:
+        ValueError: an unsupported architecture (the message lists the supported ones).
+    """
+    archs = getattr(config, "architectures", None) or []
+    arch = archs[0] if archs else MODEL_TYPES.get(getattr(config, "model_type", None) or "")
+    if arch in MODEL_REGISTRY:
+        return MODEL_REGISTRY[arch]
+    shown = arch or f"model_type={getattr(config, 'model_type', None)!r}"
+    raise ValueError(f"unsupported model architecture {shown}; ferry supports "
+                     f"{', '.join(supported_architectures())}")
+
+
+__all__ = [
+    "MODEL_REGISTRY",
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "get_model_class",
+    "supported_architectures",
+]

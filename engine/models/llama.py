@@ -1,0 +1,284 @@
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral without sliding window, Qwen2, Qwen3).
+
+A minimal gpt-fast / nano-vllm style model: one fused QKV matmul and one fused gate-up matmul
+per layer, RMSNorm with the residual add fused into it, RoPE (NeoX layout), SwiGLU, and
+attention through :class:`engine.layers.attention.Attention` (paged KV cache, the backend is
+``forward_batch.attn_backend``). The forward has no host syncs and no per-token Python loops.
+
+Variants differ only in small switches (``_options``):
+  - Llama/Mistral: q/k/v/o bias = ``config.attention_bias`` (default False).
+  - Qwen2: bias on q/k/v, none on o.
+  - Qwen3: per-head RMSNorm on q and k (``q_norm``/``k_norm``) before RoPE; ``head_dim`` from
+    the config, which may differ from ``hidden_size / num_heads``.
+
+Parameter names follow HF with fused projections: ``...self_attn.qkv_proj`` (from
+``q_proj``/``k_proj``/``v_proj``) and ``...mlp.gate_up_proj`` (from ``gate_proj``/``up_proj``).
+With ``tie_word_embeddings`` the LM head is the embedding table.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from engine.forward_batch import ForwardBatch
+from engine.layers.activation import SiluAndMul
+from engine.layers.attention import Attention
+from engine.layers.linear import (
+    MergedColumnLinear,
+    QKVLinear,
+    RowParallelLinear,
+    VocabEmbedding,
+    default_weight_loader,
+)
+from engine.layers.logits import compute_logits
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding, apply_rotary, rope_config
+
+logger = logging.getLogger(__name__)
+
+# (ferry fused param, HF checkpoint part, shard id)
+STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+# checkpoint tensors that are not weights (precomputed RoPE tables)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def head_dim_of(config) -> int:
+    """Attention head size: ``config.head_dim`` if set, else ``hidden_size // heads``."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def num_kv_heads_of(config) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_id: int, dtype: torch.dtype, qkv_bias: bool, o_bias: bool,
+                 qk_norm: bool):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = num_kv_heads_of(config)
+        self.head_dim = head_dim_of(config)
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads,
+                                  self.num_kv_heads, qkv_bias, dtype)
+        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size,
+                                        o_bias, dtype)
+        self.q_size = self.qkv_proj.q_size
+        self.kv_size = self.qkv_proj.kv_size
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_id)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                fb: ForwardBatch) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
+        q = apply_rotary(q, cos, sin, self.head_dim).reshape(t, self.q_size)
+        k = apply_rotary(k, cos, sin, self.head_dim).reshape(t, self.kv_size)
+        o = self.attn(q, k, v, fb)
+        return self.o_proj(o)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config, dtype: torch.dtype):
+        super().__init__()
+        act = getattr(config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"unsupported hidden_act {act!r}; ferry supports silu")
+        bias = bool(getattr(config, "mlp_bias", False))
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnLinear(config.hidden_size, [inter, inter], bias, dtype)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, dtype)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int, dtype: torch.dtype, options: dict):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, dtype, **options)
+        self.mlp = LlamaMLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, fb)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, dtype: torch.dtype, options: dict):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype, options)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        theta, rope_params = rope_config(config)
+        self.rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
+                                          theta, rope_params)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                fb: ForwardBatch) -> torch.Tensor:
+        """input_ids, positions [T] int64 -> final normed hidden states [T, hidden]."""
+        cos, sin = self.rotary_emb(positions)
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, cos, sin, fb)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM over the paged KV cache.
+
+    Args:
+        config: HF ``PretrainedConfig`` (llama-like fields).
+        dtype: parameter and activation dtype. Parameters are created uninitialised on the
+            current default device (build it under ``with torch.device(dev):``); the RoPE table
+            stays fp32.
+    """
+
+    def __init__(self, config, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.model = LlamaModel(config, dtype, self._options(config))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+
+    @staticmethod
+    def _options(config) -> dict:
+        bias = bool(getattr(config, "attention_bias", False))
+        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                forward_batch: ForwardBatch) -> torch.Tensor:
+        """One model step.
+
+        Args:
+            input_ids: [T] int64 token ids of the new tokens.
+            positions: [T] int64 positions of those tokens in their sequences.
+            forward_batch: the step's ``ForwardBatch`` (KV pool, backend, logits_indices).
+        Returns:
+            float32 logits ``[len(logits_indices), vocab]``, or ``[T, vocab]`` when
+            ``forward_batch.logits_indices`` is None.
+        """
+        hidden = self.model(input_ids, positions, forward_batch)
+        return compute_logits(hidden, self.lm_head.weight, forward_batch.logits_indices)
+
+    # ---- weights -------------------------------------------------------------------------
+
+    def expected_weights(self) -> set[str]:
+        """Keys that a complete checkpoint must fill: ``name`` or ``name:shard`` for fused."""
+        keys = set()
+        for name, _ in self.named_parameters():
+            fused = [(part, shard) for f, part, shard in STACKED_PARAMS if f".{f}." in name]
+            if fused:
+                keys.update(f"{name}:{shard}" for _, shard in fused)
+            else:
+                keys.add(name)
+        return keys
+
+    def hf_weight_names(self) -> list[str]:
+        """The HF checkpoint names (unfused) of every weight this model needs."""
+        parts = {(fused, str(shard)): part for fused, part, shard in STACKED_PARAMS}
+        names = []
+        for key in sorted(self.expected_weights()):
+            name, _, shard = key.partition(":")
+            if shard:
+                fused = next(f for f, _, s in STACKED_PARAMS
+                             if f".{f}." in name and str(s) == shard)
+                name = name.replace(f".{fused}.", f".{parts[(fused, shard)]}.")
+            names.append(name)
+        return names
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named checkpoint tensors (any float dtype, any device).
+
+        Fused parameters get each part through their ``weight_loader``; RoPE buffers are
+        skipped, as is ``lm_head.weight`` when the embeddings are tied. Unknown names are
+        logged and skipped.
+
+        Returns:
+            the keys loaded (see :meth:`expected_weights`).
+        Raises:
+            ValueError: a tensor of the wrong shape.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            for fused, part, shard in STACKED_PARAMS:
+                if f".{part}." in name:
+                    pname = name.replace(f".{part}.", f".{fused}.")
+                    if pname in params:
+                        p = params[pname]
+                        p.weight_loader(p, tensor, shard)
+                        loaded.add(f"{pname}:{shard}")
+                        break
+            else:
+                p = params.get(name)
+                if p is None:
+                    unexpected.append(name)
+                    continue
+                getattr(p, "weight_loader", default_weight_loader)(p, tensor)
+                loaded.add(name)
+        if unexpected:
+            logger.warning("skipped %d checkpoint tensors with unknown names: %s%s",
+                           len(unexpected), ", ".join(unexpected[:8]),
+                           " ..." if len(unexpected) > 8 else "")
+        return loaded
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral = Llama layers; the loader caps the context at ``sliding_window`` (see loader)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2 / Qwen2.5: bias on the q/k/v projections, none on o_proj."""
+
+    @staticmethod
+    def _options(config) -> dict:
+        return {"qkv_bias": True, "o_bias": False, "qk_norm": False}
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3 (dense): per-head RMSNorm on q and k before RoPE; explicit ``head_dim``."""
+
+    @staticmethod
+    def _options(config) -> dict:
+        bias = bool(getattr(config, "attention_bias", False))
+        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": True}
