@@ -58,3 +58,15 @@ class ForwardBatch:
     @property
     def is_extend(self) -> bool:
         return self.mode == ForwardMode.EXTEND
+
+
+def resolve_placeholders(input_ids: torch.Tensor, future_ids: torch.Tensor | None) -> torch.Tensor:
+    """Replace placeholder ids ``-(k + 1)`` by ``future_ids[k]`` on the device, without a sync.
+
+    Overlap scheduling launches step N+1 before step N's sampled ids reach the host; the
+    requests of step N then carry placeholders that point into step N's sampled-id tensor.
+    """
+    if future_ids is None:
+        return input_ids
+    idx = (-input_ids - 1).clamp(min=0, max=future_ids.shape[0] - 1)
+    return torch.where(input_ids < 0, future_ids[idx], input_ids)

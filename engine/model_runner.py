@@ -12,7 +12,7 @@ import torch
 
 from engine import device as dev
 from engine.args import ServerArgs
-from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.forward_batch import ForwardBatch, ForwardMode, resolve_placeholders
 from engine.kv_cache import KVPool, ReqToTokenPool
 from engine.layers.attention import AttentionBackend
 from engine.schedule_batch import ScheduleBatch
@@ -73,6 +73,7 @@ class ModelRunner:
         self.attn_backend = AttentionBackend(
             dev.use_triton(self.device_type), self.num_heads, self.num_kv_heads, self.head_dim,
             num_sms=dev.multiprocessor_count(self.device_type))
+        self.supports_overlap = dev.is_accelerator(self.device_type)
         self.graph_runner = None
         if dev.graph_class(self.device_type) is not None and not args.disable_cuda_graph:
             try:
@@ -104,8 +105,13 @@ class ModelRunner:
         return int(budget // per_token)
 
     # ---- forward ------------------------------------------------------------------------
-    def build_forward_batch(self, batch: ScheduleBatch) -> tuple[torch.Tensor, ForwardBatch]:
-        """Host lists -> device tensors, and write the new slots into ``req_to_token``."""
+    def build_forward_batch(self, batch: ScheduleBatch, future_ids: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, ForwardBatch]:
+        """Host lists -> device tensors, and write the new slots into ``req_to_token``.
+
+        A negative input id ``-(k + 1)`` is a placeholder for row k of ``future_ids`` (the
+        in-flight step's sampled ids, on the device) and is resolved there.
+        """
         ids: list[int] = []
         pos: list[int] = []
         rows_t: list[int] = []
@@ -124,7 +130,8 @@ class ModelRunner:
             last.append(off - 1)
         d = self.device
         i64 = torch.int64
-        input_ids = torch.tensor(ids, dtype=i64).to(d, non_blocking=True)
+        input_ids = resolve_placeholders(torch.tensor(ids, dtype=i64).to(d, non_blocking=True),
+                                         future_ids)
         positions_cpu = torch.tensor(pos, dtype=i64)
         positions = positions_cpu.to(d, non_blocking=True)
         loc = torch.tensor(batch.out_cache_loc, dtype=i64).to(d, non_blocking=True)
@@ -148,31 +155,64 @@ class ModelRunner:
         return input_ids, fb
 
     @torch.inference_mode()
-    def forward(self, batch: ScheduleBatch) -> torch.Tensor:
-        """Run one step; returns float32 logits ``[batch_size, vocab]`` (last token of each)."""
+    def forward(self, batch: ScheduleBatch, future_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one step; returns float32 logits ``[batch_size, vocab]`` (last token of each).
+
+        ``future_ids``: the in-flight step's sampled ids [B'] int64 on the device, which
+        placeholder input ids refer to (overlap scheduling), or None.
+        """
         if (batch.mode == ForwardMode.DECODE and self.graph_runner is not None
                 and self.graph_runner.can_run(batch.batch_size)):
-            return self.graph_runner.replay(batch)
-        input_ids, fb = self.build_forward_batch(batch)
+            return self.graph_runner.replay(batch, future_ids)
+        input_ids, fb = self.build_forward_batch(batch, future_ids)
         self.attn_backend.init_forward(fb)
         return self.model(input_ids, fb.positions, fb)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, batch: ScheduleBatch, eos_ids: list[int]):
-        """Sample one token per request. Returns (token ids: list[int], logprob info or None)."""
+    def sample(self, logits: torch.Tensor, reqs: list, eos_ids: list[int]) -> "SampleResult":
+        """Sample one token per request (rows of ``logits`` [B, vocab] fp32, in ``reqs`` order).
+
+        The ids stay on the device (``ids_dev``) and are copied back asynchronously; call
+        ``host()`` on the result to wait for them.
+        """
         from engine.sampling import SamplingBatchInfo, sample
 
-        params = [r.sampling_params for r in batch.reqs]
+        params = [r.sampling_params for r in reqs]
         info = SamplingBatchInfo.from_params(
             params, self.vocab_size, self.device,
-            output_ids=[r.output_ids for r in batch.reqs],
-            prompt_ids=[r.origin_input_ids for r in batch.reqs],
-            steps=[len(r.output_ids) for r in batch.reqs], eos_ids=eos_ids)
+            output_ids=[r.output_ids for r in reqs],
+            prompt_ids=[r.origin_input_ids for r in reqs],
+            steps=[len(r.output_ids) for r in reqs], eos_ids=eos_ids)
         want = [p.logprobs for p in params if p.logprobs is not None]
         out = sample(logits, info, return_logprobs=max(want) if want else None)
-        ids = out.next_token_ids.tolist()
+        return SampleResult(out, bool(want), self.device_type)
+
+
+class SampleResult:
+    """Sampled ids on the device plus an asynchronous copy to the host."""
+
+    def __init__(self, out, with_logprobs: bool, device_type: str):
+        self.out = out
+        self.ids_dev = out.next_token_ids
+        self.with_logprobs = with_logprobs
+        self._event = None
+        if dev.is_accelerator(device_type):
+            self._host = torch.empty(self.ids_dev.shape, dtype=self.ids_dev.dtype, pin_memory=True)
+            self._host.copy_(self.ids_dev, non_blocking=True)
+            self._event = dev.event_class(device_type)()
+            self._event.record()
+        else:
+            self._host = self.ids_dev
+
+    def host(self) -> tuple[list[int], tuple | None]:
+        """(token ids, logprobs) where logprobs is (chosen [B], top ids [B][k], top lps [B][k])."""
+        if self._event is not None:
+            self._event.synchronize()
+        ids = self._host.tolist()
         lp = None
-        if want:
-            lp = (out.logprobs.tolist(), out.top_logprobs_ids.tolist() if out.top_logprobs_ids is not None else None,
-                  out.top_logprobs.tolist() if out.top_logprobs is not None else None)
+        if self.with_logprobs:
+            o = self.out
+            lp = (o.logprobs.tolist(),
+                  o.top_logprobs_ids.tolist() if o.top_logprobs_ids is not None else None,
+                  o.top_logprobs.tolist() if o.top_logprobs is not None else None)
         return ids, lp

@@ -57,6 +57,10 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}
         self.pending_aborts: set[str] = set()
         self.finished_outputs: list[StepOutput] = []
+        self.inflight: _InFlight | None = None
+        # overlap host scheduling with device work; pointless on the CPU, where ops block
+        self.overlap = (not args.disable_overlap_schedule
+                        and getattr(runner, "supports_overlap", False))
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0}
 
     # ---- queue --------------------------------------------------------------------------
@@ -71,7 +75,7 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked or self.pending_aborts
-                    or self.finished_outputs)
+                    or self.finished_outputs or self.inflight)
 
     @property
     def num_running(self) -> int:
@@ -111,19 +115,8 @@ class Scheduler:
             return
         for rid in list(self.pending_aborts):
             req = self.reqs.get(rid)
-            if req is None:
-                continue
-            if req is self.chunked:
-                self.chunked = None
-            elif req in self.running:
-                self.running.remove(req)
-            else:
-                try:
-                    self.waiting.remove(req)
-                except ValueError:
-                    pass
-            self._finish(req, FinishReason("abort", message="aborted"))
-            self.finished_outputs.append(StepOutput(req, [], req.finished_reason))
+            if req is not None and not req.finished:
+                self._abort_now(req, "aborted")
         self.pending_aborts.clear()
 
     def _preempt(self, req: Req) -> None:
@@ -136,6 +129,10 @@ class Scheduler:
         """Free KV until every running request can take one more token: preempt the newest
         running requests first, then the partly prefilled one, the oldest running request
         last, so it always progresses (it fits alone: no request outgrows the pool)."""
+        if self.kv_pool.free_tokens() < len(self.running) * self.page_size:
+            # a preempted request is recomputed from its ids: they must be real ones, and
+            # the in-flight step may finish (and free) some requests
+            self._drain()
         while self.kv_pool.free_tokens() < len(self.running) * self.page_size:
             if len(self.running) > 1 or (self.running and self.chunked is None):
                 self._preempt(self.running.pop())
@@ -224,77 +221,142 @@ class Scheduler:
 
     # ---- run + results ------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        """Run one scheduler step; returns outputs of requests that produced tokens or ended."""
+        """Run one scheduler step; returns outputs of requests that produced tokens or ended.
+
+        With overlap on, step N+1 is launched before step N's sampled ids are read back: the
+        requests of step N carry placeholder ids (``-(k + 1)``, row k of step N's sampled-id
+        tensor) that the model runner resolves on the device. Anything that needs real ids
+        first (preemption, penalties) drains the in-flight step before it goes on.
+        """
         batch = self.get_next_batch()
-        outs = self.finished_outputs
-        self.finished_outputs = []
         if batch is None:
-            return outs
+            self._drain()
+        else:
+            rec = self._launch(batch)
+            prev, self.inflight = self.inflight, rec
+            if prev is not None:
+                self._process(prev)
+            if not self.overlap:
+                self._drain()
+        outs, self.finished_outputs = self.finished_outputs, []
+        return outs
+
+    def _drain(self) -> None:
+        """Read back and process the in-flight step, if any."""
+        if self.inflight is not None:
+            rec, self.inflight = self.inflight, None
+            self._process(rec)
+
+    def _launch(self, batch: ScheduleBatch) -> _InFlight | None:
+        sample_rows = [i for i, s in enumerate(batch.sample) if s]
+        reqs = [batch.reqs[i] for i in sample_rows]
+        if self.inflight is not None and any(_needs_output_ids(r) for r in reqs):
+            self._drain()  # penalties count the generated ids: they must be real ones
+        future = self.inflight.result.ids_dev if self.inflight is not None else None
         try:
-            logits = self.runner.forward(batch)
-            sample_rows = [i for i, s in enumerate(batch.sample) if s]
+            logits = self.runner.forward(batch, future)
             if len(sample_rows) != batch.batch_size:
                 logits = logits[sample_rows]
-            sampled = ScheduleBatch(batch.mode, [batch.reqs[i] for i in sample_rows], [], [], [])
-            ids, lp = self.runner.sample(logits, sampled, self.eos_ids) if sample_rows else ([], None)
+            result = self.runner.sample(logits, reqs, self.eos_ids) if reqs else None
         except Exception as exc:  # a bug or a device error: fail this batch, keep serving
             logger.exception("step failed; aborting %d requests", batch.batch_size)
+            self._drain()
             for req in batch.reqs:
-                if req in self.running:
-                    self.running.remove(req)
-                self._finish(req, FinishReason("abort", message=f"internal error: {exc}"))
-                outs.append(StepOutput(req, [], req.finished_reason))
-            return outs
+                if not req.finished:
+                    self._abort_now(req, f"internal error: {exc}")
+            return None
         self.stats["steps"] += 1
-        now = time.monotonic()
-        row_of = {i: k for k, i in enumerate(sample_rows)}
-        was_running = {id(r) for r in self.running}
         n_prompt = 0
         for i, req in enumerate(batch.reqs):
             n_prompt += max(0, min(batch.prefix_lens[i] + batch.extend_lens[i],
                                    len(req.origin_input_ids)) - batch.prefix_lens[i])
-            k = row_of.get(i)
-            if k is None:
-                continue  # a prefill chunk that is not the last one
+        self.stats["prompt_tokens"] += n_prompt
+        slots = []
+        running = {id(r) for r in self.running}
+        for k, req in enumerate(reqs):
+            req.output_ids.append(-(k + 1))
+            slots.append((req, len(req.output_ids) - 1, k))
+            if id(req) not in running:
+                self.running.append(req)
+        return _InFlight(result, slots) if slots else None
+
+    def _process(self, rec: _InFlight | None) -> None:
+        if rec is None:
+            return
+        ids, lp = rec.result.host()
+        now = time.monotonic()
+        any_finished = False
+        for req, idx, k in rec.slots:
+            if req.finished:
+                continue  # aborted, or finished one step earlier while this step was in flight
             tok = ids[k]
-            req.output_ids.append(tok)
+            req.output_ids[idx] = tok
+            self.stats["generation_tokens"] += 1
             if lp is not None and req.sampling_params.logprobs is not None:
                 top = req.sampling_params.logprobs
                 tops = [[lp[1][k][j], lp[2][k][j]] for j in range(top)] if lp[1] else []
                 req.logprobs.append((lp[0][k], tops))
             if req.first_token_time is None:
                 req.first_token_time = now
-            reason = self._check_finished(req, tok)
+            reason = self._check_finished(req, tok, idx + 1)
             if reason is not None:
+                del req.output_ids[idx + 1:]  # a placeholder of a step launched after this one
                 self._finish(req, reason)
-            elif id(req) not in was_running:
-                self.running.append(req)
-            outs.append(StepOutput(req, [tok], reason))
-        self.stats["prompt_tokens"] += n_prompt
-        self.stats["generation_tokens"] += len(sample_rows)
-        if any(r.finished for r in self.running):
+                any_finished = True
+            self.finished_outputs.append(StepOutput(req, [tok], reason))
+        if any_finished:
             self.running = [r for r in self.running if not r.finished]
-        return outs
 
-    def _check_finished(self, req: Req, tok: int) -> FinishReason | None:
+    def _abort_now(self, req: Req, message: str) -> None:
+        if req is self.chunked:
+            self.chunked = None
+        elif req in self.running:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        while req.output_ids and req.output_ids[-1] < 0:
+            req.output_ids.pop()
+        self._finish(req, FinishReason("abort", message=message))
+        self.finished_outputs.append(StepOutput(req, [], req.finished_reason))
+
+    def _check_finished(self, req: Req, tok: int, n_out: int) -> FinishReason | None:
+        """Stop conditions after the ``n_out``-th generated token ``tok``."""
         sp = req.sampling_params
-        n_out = len(req.output_ids)
         if n_out >= sp.min_tokens:
             if tok in sp.stop_token_ids:
                 return FinishReason("stop", matched=tok)
             if not sp.ignore_eos and tok in self.eos_ids:
                 return FinishReason("stop", matched=tok)
             if req.stop_window and self.tokenizer is not None:
-                tail = self.tokenizer.decode(req.output_ids[-req.stop_window:],
+                tail = self.tokenizer.decode(req.output_ids[max(0, n_out - req.stop_window): n_out],
                                              skip_special_tokens=sp.skip_special_tokens)
                 for s in sp.stop:
                     if s in tail:
                         return FinishReason("stop", matched=s)
         if n_out >= req.max_new_tokens:
             return FinishReason("length")
-        if req.seq_len >= self.runner.max_context_len:
+        if len(req.origin_input_ids) + n_out >= self.runner.max_context_len:
             return FinishReason("length")
         return None
+
+
+class _InFlight:
+    """A launched step: its sample result and (req, output index, sampled row) per request."""
+
+    __slots__ = ("result", "slots")
+
+    def __init__(self, result, slots):
+        self.result = result
+        self.slots = slots
+
+
+def _needs_output_ids(req: Req) -> bool:
+    sp = req.sampling_params
+    return (sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
+            or sp.repetition_penalty != 1.0)
 
 
 # ---- the engine process ------------------------------------------------------------------

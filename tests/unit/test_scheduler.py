@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.args import ServerArgs
-from engine.forward_batch import ForwardMode
+from engine.forward_batch import ForwardMode, resolve_placeholders
 from engine.kv_cache import KVPool, ReqToTokenPool
 from engine.request import Req
 from engine.sampling_params import SamplingParams
@@ -20,21 +20,34 @@ from engine.scheduler import Scheduler
 V = 1000
 
 
+class FakeResult:
+    def __init__(self, ids):
+        self.ids_dev = ids
+
+    def host(self):
+        return self.ids_dev.tolist(), None
+
+
 class FakeRunner:
-    def __init__(self, max_total_tokens, page_size=1, max_running=8, max_context=4096):
+    supports_overlap = False
+
+    def __init__(self, max_total_tokens, page_size=1, max_running=8, max_context=4096,
+                 overlap=False):
+        self.supports_overlap = overlap
         self.kv_pool = KVPool(max_total_tokens, page_size, 1, 1, 1, torch.float32, "cpu")
         self.max_context_len = min(max_context, self.kv_pool.capacity_tokens)
         self.req_to_token_pool = ReqToTokenPool(max_running, self.max_context_len, "cpu")
         self.slot_token = torch.full((self.kv_pool.num_slots,), -1, dtype=torch.int64)
         self.batches = []
 
-    def forward(self, batch):
+    def forward(self, batch, future_ids=None):
         r2t = self.req_to_token_pool.req_to_token
         off = 0
         rows = []
         assert len(set(batch.out_cache_loc)) == len(batch.out_cache_loc), "slot handed out twice"
         for req, p, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
-            fill = req.fill_ids
+            fill = resolve_placeholders(torch.tensor(req.fill_ids), future_ids).tolist()
+            assert min(fill) >= 0, "an unresolvable placeholder reached the model"
             cached = self.slot_token[r2t[req.req_pool_idx, :p].long()]
             assert cached.tolist() == fill[:p], f"{req.rid}: KV of the prefix is corrupt"
             for j in range(n):
@@ -49,8 +62,9 @@ class FakeRunner:
         logits[torch.arange(len(rows)), torch.tensor(rows)] = 1.0
         return logits
 
-    def sample(self, logits, batch, eos_ids):
-        return torch.argmax(logits, -1).tolist(), None
+    def sample(self, logits, reqs, eos_ids):
+        assert len(reqs) == logits.shape[0]
+        return FakeResult(torch.argmax(logits, -1))
 
 
 def expected(prompt, n):
@@ -171,3 +185,44 @@ def test_mixed_batches_are_extend_mode():
     run_all(sched, [])
     assert a.output_ids == expected(a.origin_input_ids, 30)
     assert b.output_ids == expected(b.origin_input_ids, 3)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_overlap_schedule_gives_identical_outputs(page_size):
+    """Overlap on (launch N+1 before reading N) vs off, under chunking and preemption."""
+    results = {}
+    for overlap in (False, True):
+        runner = FakeRunner(max_total_tokens=120, page_size=page_size, overlap=overlap)
+        sched = Scheduler(ServerArgs(chunked_prefill_size=24, page_size=page_size), runner)
+        assert sched.overlap is overlap
+        reqs = make_reqs([20, 25, 10, 30, 15, 22, 3], max_tokens=17, seed=5)
+        reqs[2].sampling_params = SamplingParams(max_tokens=1)
+        reqs[2].max_new_tokens = 1
+        run_all(sched, reqs)
+        results[overlap] = [r.output_ids for r in reqs]
+        for r in reqs:
+            assert r.output_ids == expected(r.origin_input_ids, r.max_new_tokens)
+        assert runner.kv_pool.used_tokens() == 0
+        assert sched.inflight is None
+    assert results[False] == results[True]
+
+
+def test_overlap_abort_and_eos():
+    runner = FakeRunner(max_total_tokens=1024, overlap=True)
+    sched = Scheduler(ServerArgs(), runner, eos_ids=[9])
+    a = Req("a", [5], SamplingParams(max_tokens=50))      # 6 7 8 9 -> EOS
+    b = Req("b", [100], SamplingParams(max_tokens=50))
+    sched.add_request(a)
+    sched.add_request(b)
+    outs = []
+    for _ in range(6):
+        outs += sched.step()
+    sched.abort_request("b")
+    while sched.has_work():
+        outs += sched.step()
+    assert a.output_ids == [6, 7, 8, 9] and a.finished_reason.matched == 9
+    assert b.finished_reason.type == "abort" and all(t >= 0 for t in b.output_ids)
+    assert b.output_ids == expected([100], len(b.output_ids))
+    got_a = [t for o in outs if o.req is a for t in o.new_token_ids]
+    assert got_a == [6, 7, 8, 9]
+    assert runner.kv_pool.used_tokens() == 0

@@ -1,0 +1,155 @@
+"""``ferry bench-latency``: one static batch, prefill then decode, timed (like SGLang's
+``bench_one_batch``).
+
+Prints prefill latency (s) and throughput (input tok/s), median decode step latency (s) and
+throughput (output tok/s), and total latency/throughput. ``--result-jsonl`` appends one JSON
+line per (batch size, input len, output len). Times come from device events after a warm-up
+run where the device has them, else from synchronised host clocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from engine import device as dev
+from engine.args import ServerArgs
+from engine.forward_batch import ForwardMode
+from engine.request import Req
+from engine.sampling_params import SamplingParams
+from engine.schedule_batch import ScheduleBatch
+
+
+class _Timer:
+    """Elapsed seconds of a region: device events on accelerators, host clock on the CPU."""
+
+    def __init__(self, device_type: str):
+        self.device_type = device_type
+        self.ev = dev.event_class(device_type)
+
+    def __enter__(self):
+        if self.ev is not None:
+            self.a, self.b = self.ev(enable_timing=True), self.ev(enable_timing=True)
+            self.a.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.ev is not None:
+            self.b.record()
+            self.b.synchronize()
+            self.elapsed = self.a.elapsed_time(self.b) / 1e3
+        else:
+            self.elapsed = time.perf_counter() - self.t0
+
+
+def _alloc(runner, req: Req, n: int) -> list[int]:
+    kv = runner.kv_pool
+    pages = kv.alloc_pages(kv.pages_needed(req.kv_len, len(req.pages), n))
+    if pages is None:
+        raise RuntimeError("KV pool too small for this batch; lower --batch-size or lengths")
+    req.pages.extend(pages)
+    slots = kv.slots_for(req.pages, req.kv_len, req.kv_len + n)
+    req.kv_len += n
+    return slots
+
+
+def run_once(runner, bs: int, input_len: int, output_len: int, seed: int = 0) -> dict:
+    """Prefill ``bs`` random prompts of ``input_len`` tokens, then ``output_len - 1`` greedy
+    decode steps. Returns the timings (seconds)."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = runner.vocab_size
+    reqs = []
+    for i in range(bs):
+        ids = torch.randint(0, vocab, (input_len,), generator=g).tolist()
+        r = Req(f"bench-{i}", ids, SamplingParams(max_tokens=output_len, temperature=0))
+        r.req_pool_idx = runner.req_to_token_pool.alloc()
+        reqs.append(r)
+    try:
+        locs = []
+        for r in reqs:
+            locs += _alloc(runner, r, input_len)
+        batch = ScheduleBatch(ForwardMode.EXTEND, reqs, [0] * bs, [input_len] * bs,
+                              [True] * bs, locs)
+        with _Timer(runner.device_type) as t:
+            logits = runner.forward(batch)
+            nxt = torch.argmax(logits, dim=-1)
+        prefill = t.elapsed
+        for r, tok in zip(reqs, nxt.tolist()):
+            r.output_ids.append(tok)
+        steps = []
+        for _ in range(output_len - 1):
+            prefix = [r.kv_len for r in reqs]
+            locs = []
+            for r in reqs:
+                locs += _alloc(runner, r, 1)
+            batch = ScheduleBatch(ForwardMode.DECODE, reqs, prefix, [1] * bs, [True] * bs, locs)
+            with _Timer(runner.device_type) as t:
+                logits = runner.forward(batch)
+                nxt = torch.argmax(logits, dim=-1)
+            steps.append(t.elapsed)
+            for r, tok in zip(reqs, nxt.tolist()):
+                r.output_ids.append(tok)
+    finally:
+        for r in reqs:
+            runner.kv_pool.free_pages(r.pages)
+            runner.req_to_token_pool.free(r.req_pool_idx)
+    return {"prefill_s": prefill, "decode_steps_s": steps}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="ferry bench-latency", description=__doc__)
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1])
+    p.add_argument("--input-len", type=int, nargs="+", default=[256])
+    p.add_argument("--output-len", type=int, nargs="+", default=[16])
+    p.add_argument("--result-jsonl", default=None, help="append one JSON line per configuration")
+    p.add_argument("--no-warmup", action="store_true")
+    ServerArgs.add_cli_args(p)
+    ns = p.parse_args(argv)
+    need = max(ns.batch_size) * (max(ns.input_len) + max(ns.output_len) + 8)
+    args = ServerArgs.from_cli_args(ns)
+    if args.max_total_tokens is None:
+        args = args.replace(max_total_tokens=need)
+    args = args.replace(max_running_requests=max(max(ns.batch_size), 1),
+                        context_length=args.context_length or None)
+    from engine.model_runner import ModelRunner
+
+    runner = ModelRunner(args)
+    print(f"model={args.model_path or 'SmolLM2-135M-Instruct (embedded)'} "
+          f"device={runner.device_type} ({dev.device_name(runner.device_type)}) "
+          f"dtype={str(runner.dtype).replace('torch.', '')} kv_tokens={runner.max_total_tokens}")
+    for bs in ns.batch_size:
+        for il in ns.input_len:
+            for ol in ns.output_len:
+                if not ns.no_warmup:
+                    run_once(runner, bs, il, min(ol, 4))
+                r = run_once(runner, bs, il, ol)
+                steps = r["decode_steps_s"]
+                med = statistics.median(steps) if steps else float("nan")
+                total = r["prefill_s"] + sum(steps)
+                res = {
+                    "batch_size": bs, "input_len": il, "output_len": ol,
+                    "device": runner.device_type, "dtype": str(runner.dtype).replace("torch.", ""),
+                    "prefill_latency_s": r["prefill_s"],
+                    "prefill_throughput_tok_s": bs * il / r["prefill_s"],
+                    "median_decode_latency_s": med,
+                    "median_decode_throughput_tok_s": bs / med if steps else float("nan"),
+                    "total_latency_s": total,
+                    "total_throughput_tok_s": bs * (il + ol) / total,
+                }
+                print(f"bs={bs} in={il} out={ol} | prefill {res['prefill_latency_s']:.4f} s "
+                      f"({res['prefill_throughput_tok_s']:.0f} tok/s) | decode median "
+                      f"{med:.5f} s ({res['median_decode_throughput_tok_s']:.1f} tok/s) | total "
+                      f"{total:.3f} s ({res['total_throughput_tok_s']:.0f} tok/s)")
+                if ns.result_jsonl:
+                    with open(ns.result_jsonl, "a") as f:
+                        f.write(json.dumps(res) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Decode graphs: capture the decode step once per batch-size bucket, then replay.
+
+Works with the CUDA graph and XPU graph classes (torch >= 2.11) through
+``engine.device``. Graph inputs live in static buffers sized for the largest bucket; a batch
+of size ``bs`` runs the smallest captured bucket >= bs, with the padding rows pointing at
+``req_to_token`` row 0 and pool slot 0 (the padding sink), so they read and write nothing
+that a real request uses. Nothing inside the step syncs with the host.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+
+from engine import device as dev
+from engine.forward_batch import ForwardBatch, ForwardMode, resolve_placeholders
+from engine.schedule_batch import ScheduleBatch
+
+logger = logging.getLogger(__name__)
+
+
+def batch_size_buckets(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to 64, then every 16 up to ``max_bs``."""
+    out = [b for b in (1, 2, 4) if b <= max_bs]
+    out += list(range(8, min(max_bs, 64) + 1, 8))
+    out += list(range(80, max_bs + 1, 16))
+    if max_bs not in out:
+        out.append(max_bs)
+    return sorted(set(out))
+
+
+class GraphRunner:
+    """Captures and replays decode graphs for a ``ModelRunner``."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.device_type = runner.device_type
+        self.max_bs = min(runner.args.cuda_graph_max_bs, runner.args.max_running_requests)
+        self.buckets = batch_size_buckets(self.max_bs)
+        self.graphs: dict[int, object] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        d = runner.device
+        n = self.max_bs
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=d)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=d)
+        self.req_pool_indices = torch.zeros(n, dtype=torch.int64, device=d)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=d)
+        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=d)
+        self.pool = dev.graph_pool_handle(self.device_type)
+        t0 = time.perf_counter()
+        self.capture()
+        logger.info("captured %d decode graphs (bs %s) in %.1f s", len(self.graphs),
+                    self.buckets, time.perf_counter() - t0)
+
+    def can_run(self, bs: int) -> bool:
+        return bs <= self.max_bs and bool(self.graphs)
+
+    def _fb(self, bs: int) -> ForwardBatch:
+        r = self.runner
+        return ForwardBatch(
+            mode=ForwardMode.DECODE, batch_size=bs, positions=self.positions[:bs],
+            req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs],
+            out_cache_loc=self.out_cache_loc[:bs], req_to_token=r.req_to_token_pool.req_to_token,
+            k_buffers=r.kv_pool.k_buffers, v_buffers=r.kv_pool.v_buffers,
+            attn_backend=r.attn_backend)
+
+    def _run(self, bs: int) -> torch.Tensor:
+        fb = self._fb(bs)
+        self.runner.attn_backend.init_forward(fb)
+        return self.runner.model(self.input_ids[:bs], fb.positions, fb)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        gcls = dev.graph_class(self.device_type)
+        stream = dev.stream_class(self.device_type)()
+        for bs in reversed(self.buckets):  # largest first so the pool is sized once
+            with dev.stream_context(self.device_type, stream):
+                for _ in range(2):  # warm up: Triton compiles, autotune, allocator settles
+                    self._run(bs)
+            dev.synchronize(self.device_type)
+            g = gcls()
+            with dev.graph_context(self.device_type, g, pool=self.pool, stream=stream):
+                out = self._run(bs)
+            self.graphs[bs] = g
+            self.outputs[bs] = out
+        dev.synchronize(self.device_type)
+
+    def replay(self, batch: ScheduleBatch, future_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Copy the batch into the static buffers, replay, return logits ``[bs, vocab]``.
+
+        Placeholder input ids (overlap scheduling) are resolved from ``future_ids``.
+        """
+        bs = batch.batch_size
+        gbs = self.buckets[bisect.bisect_left(self.buckets, bs)]
+        r = self.runner
+        ids = [req.fill_ids[p] for req, p in zip(batch.reqs, batch.prefix_lens)]
+        pad = gbs - bs
+        host = torch.tensor(
+            [ids + [0] * pad,
+             list(batch.prefix_lens) + [0] * pad,
+             [req.req_pool_idx for req in batch.reqs] + [0] * pad,
+             [p + 1 for p in batch.prefix_lens] + [1] * pad,
+             list(batch.out_cache_loc) + [0] * pad], dtype=torch.int64)
+        host = host.to(r.device, non_blocking=True)
+        self.input_ids[:gbs].copy_(resolve_placeholders(host[0], future_ids))
+        self.positions[:gbs].copy_(host[1])
+        self.req_pool_indices[:gbs].copy_(host[2])
+        self.seq_lens[:gbs].copy_(host[3])
+        self.out_cache_loc[:gbs].copy_(host[4])
+        r.req_to_token_pool.req_to_token[host[2, :bs], host[1, :bs]] = host[4, :bs].to(torch.int32)
+        self.graphs[gbs].replay()
+        return self.outputs[gbs][:bs]
