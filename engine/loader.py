@@ -409,23 +409,43 @@ def _dummy_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) & ((1 << 63) - 1)
 
 
-def init_dummy_weights(model: torch.nn.Module, seed: int, progress: bool = True) -> None:
-    """Seeded random weights: N(0, 0.02) for matrices and biases, ones for norm weights.
+def hash_uniform(numel: int, key: int, device: torch.device, chunk: int = 1 << 24) -> torch.Tensor:
+    """``numel`` float32 values uniform in [-1, 1) from a counter-based hash of (key, index).
 
-    Each parameter is drawn on the CPU in fp32 from a generator seeded by (seed, name) and then
-    cast and copied to the parameter's device, so every device gets identical values.
+    Integer ops only, so every device computes the same bits, and the GPU draws an 8B-model's
+    weights in seconds (a CPU generator takes minutes). The hash is the sampler's lowbias32
+    (engine/sampling.py), keyed like its seeds; indices must stay below 2**32.
+    """
+    from engine.sampling import _mix32, seed_keys
+
+    if numel >= 1 << 32:
+        raise ValueError("hash_uniform supports up to 2**32 values per tensor")
+    k1, k2 = seed_keys(key, 0)
+    out = torch.empty(numel, dtype=torch.float32, device=device)
+    for s in range(0, numel, chunk):
+        idx = torch.arange(s, min(numel, s + chunk), dtype=torch.int64, device=device)
+        bits = _mix32(_mix32(idx ^ k1) ^ k2)
+        out[s: s + idx.numel()] = (bits >> 8).to(torch.float32) * (2.0 ** -23) - 1.0
+    return out
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int, progress: bool = True) -> None:
+    """Seeded random weights: uniform with std DUMMY_STD (0.02) for matrices and biases, ones
+    for norm weights.
+
+    Each parameter's values are a hash of (seed, parameter name, element index) computed on
+    the parameter's own device (``hash_uniform``), so every device gets identical values.
     """
     from tqdm.auto import tqdm
 
+    scale = DUMMY_STD * 3.0 ** 0.5  # uniform on [-a, a) has std a / sqrt(3)
     params = list(model.named_parameters())
     for name, p in tqdm(params, desc="dummy weights", disable=not progress or None):
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
             continue
-        g = torch.Generator(device="cpu").manual_seed(_dummy_seed(seed, name))
-        t = torch.empty(p.shape, dtype=torch.float32, device="cpu").normal_(0.0, DUMMY_STD,
-                                                                          generator=g)
-        p.data.copy_(t)
+        u = hash_uniform(p.numel(), _dummy_seed(seed, name), p.device)
+        p.data.copy_(u.mul_(scale).view(p.shape))
 
 
 def _resolve_format(load_format: str, source: ModelSource) -> str:

@@ -357,3 +357,18 @@ def test_gguf_prefill_logits_match_hf(gguf_pair):
 def test_model_source_is_plain_data():
     src = ModelSource("config", "/x")
     assert src.weight_files == [] and src.gguf_file is None and not src.is_default
+
+
+def test_hash_uniform_matches_a_plain_python_hash():
+    """Dummy weights are a pure function of (key, index): check a few against plain ints."""
+    from engine.sampling import _mix32, seed_keys
+
+    key = 123456789
+    u = loader.hash_uniform(5000, key, torch.device("cpu"), chunk=777)
+    k1, k2 = seed_keys(key, 0)
+    for i in (0, 1, 776, 777, 4999):
+        bits = _mix32(_mix32(i ^ k1) ^ k2)
+        assert u[i].item() == (bits >> 8) * 2.0 ** -23 - 1.0
+    assert u.min() >= -1.0 and u.max() < 1.0
+    assert abs(u.std().item() - 3 ** -0.5) < 0.02
+    assert not torch.equal(u, loader.hash_uniform(5000, key + 1, torch.device("cpu")))
