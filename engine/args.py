@@ -46,6 +46,8 @@ class ServerArgs:
     disable_cuda_graph: bool = _f(False, "run decode eagerly (no CUDA/XPU graphs)")
     cuda_graph_max_bs: int = _f(256, "largest batch size captured in a decode graph")
     disable_overlap_schedule: bool = _f(False, "do not overlap host scheduling with device work")
+    disable_fused_ops: bool = _f(False, "run RMSNorm, SiLU-and-mul and rotary in eager torch "
+                                        "instead of the fused Triton kernels")
     # HTTP
     host: str = _f("127.0.0.1", "bind address")
     port: int = _f(30000, "HTTP port")

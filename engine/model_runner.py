@@ -14,6 +14,7 @@ from engine import device as dev
 from engine.args import ServerArgs
 from engine.forward_batch import ForwardBatch, ForwardMode, resolve_placeholders
 from engine.kv_cache import KVPool, ReqToTokenPool
+from engine.layers import set_fused_ops
 from engine.layers.attention import AttentionBackend
 from engine.schedule_batch import ScheduleBatch
 
@@ -50,6 +51,7 @@ class ModelRunner:
         self.dtype = dev.resolve_dtype(args.dtype, self.device_type)
         self.device = torch.device(self.device_type)
         dev.set_device(self.device_type, 0)
+        set_fused_ops(not args.disable_fused_ops and dev.use_triton(self.device_type))
         torch.manual_seed(args.seed)
         t0 = time.perf_counter()
         self.model, self.config = load_model(

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.layers import fused_ops_on
+
 
 class RMSNorm(nn.Module):
     """``y = weight * x / sqrt(mean(x^2) + eps)`` over the last dimension."""
@@ -29,6 +31,10 @@ class RMSNorm(nn.Module):
         Without ``residual`` returns the normed tensor. With ``residual`` (same shape/dtype)
         returns ``(norm(x + residual), x + residual)``: the sum is the new residual stream.
         """
+        if fused_ops_on(x):
+            from kernels.fused_ops import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -15,6 +15,8 @@ import math
 import torch
 from torch import nn
 
+from engine.layers import fused_ops_on
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -88,6 +90,20 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)    # [P, D] fp32
         self.register_buffer("cos_sin_cache", cache.to(torch.get_default_device()),
                              persistent=False)
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [T, Hq*D] and k [T, Hkv*D] by their positions [T] int64.
+
+        On an accelerator this is one fused Triton launch that rotates q and k in place;
+        on the CPU the eager ``apply_rotary`` returns new tensors.
+        """
+        if fused_ops_on(q):
+            from kernels.rotary import rotary_inplace
+
+            return rotary_inplace(q, k, positions, self.cos_sin_cache, self.head_dim)
+        cos, sin = self(positions)
+        return apply_rotary(q, cos, sin, self.head_dim), apply_rotary(k, cos, sin, self.head_dim)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] int64 -> (cos, sin), each [T, D/2] fp32."""

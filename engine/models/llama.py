@@ -36,7 +36,7 @@ from engine.layers.linear import (
 )
 from engine.layers.logits import compute_logits
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding, apply_rotary, rope_config
+from engine.layers.rotary import RotaryEmbedding, rope_config
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_id)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor,
                 fb: ForwardBatch) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
         t = x.shape[0]
@@ -89,8 +89,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
-        q = apply_rotary(q, cos, sin, self.head_dim).reshape(t, self.q_size)
-        k = apply_rotary(k, cos, sin, self.head_dim).reshape(t, self.kv_size)
+        q, k = rope.rotate(q.reshape(t, self.q_size), k.reshape(t, self.kv_size), positions)
         o = self.attn(q, k, v, fb)
         return self.o_proj(o)
 
@@ -119,14 +118,14 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryEmbedding,
+                positions: torch.Tensor, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, fb)
+        hidden = self.self_attn(hidden, rope, positions, fb)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -145,11 +144,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 fb: ForwardBatch) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final normed hidden states [T, hidden]."""
-        cos, sin = self.rotary_emb(positions)
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, cos, sin, fb)
+            hidden, residual = layer(hidden, residual, self.rotary_emb, positions, fb)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# GPU run used for docs/benchmarks.md: ./bench/h200_run.sh STAGE... (stages below).
+# Expects the server/test wheels in ./.whl (../shared/tools/device-wheels.sh) on an image
+# with torch, triton and transformers. Each stage is time-bounded; logs go to $OUT (or ./out).
+set -u
+OUT=${OUT:-./out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+L8B=engine/configs/llama-3-8b.json
+run() { local name=$1 t=$2; shift 2; echo "=== $name ($(date +%T))"; \
+        timeout "$t" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v "it/s\]" | tail -n 40; \
+        echo "=== $name rc=${PIPESTATUS[0]}"; }
+for stage in "$@"; do
+  case $stage in
+    info) nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
+          python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)";;
+    gputests) run gputests 400 python3 -m pytest -q -x -m gpu tests/kernels tests/unit/test_sampler.py -p no:cacheprovider;;
+    parity) run parity 200 python3 -m engine.parity --model-path engine/configs/llama-tiny.json \
+              --load-format dummy --devices cpu,cuda --steps 32;;
+    latency) run latency 300 python3 -m engine.bench_latency --model-path $L8B --load-format dummy \
+              --batch-size 1 64 --input-len 512 --output-len 64 --result-jsonl "$OUT/latency.jsonl";;
+    latency-nofused) run latency-nofused 300 python3 -m engine.bench_latency --model-path $L8B \
+              --load-format dummy --disable-fused-ops --batch-size 1 64 --input-len 512 \
+              --output-len 64 --result-jsonl "$OUT/latency-nofused.jsonl";;
+    profile) run profile 200 python3 -m bench.profile_decode --model-path $L8B --load-format dummy \
+              --disable-cuda-graph --batch-size 1 --input-len 512;;
+    profile-nofused) run profile-nofused 200 python3 -m bench.profile_decode --model-path $L8B \
+              --load-format dummy --disable-cuda-graph --disable-fused-ops --batch-size 1 --input-len 512;;
+    profile64) run profile64 200 python3 -m bench.profile_decode --model-path $L8B --load-format dummy \
+              --disable-cuda-graph --batch-size 64 --input-len 512;;
+    latency-eager) run latency-eager 300 python3 -m engine.bench_latency --model-path $L8B \
+              --load-format dummy --disable-cuda-graph --batch-size 1 64 --input-len 512 \
+              --output-len 32 --result-jsonl "$OUT/latency-eager.jsonl";;
+    hf) run hf 300 python3 -m bench.hf_baseline --model-path $L8B --batch-size 1 64 --input-len 512 \
+              --output-len 64 --ferry-jsonl "$OUT/latency.jsonl" --result-jsonl "$OUT/hf.jsonl";;
+    kernels) run kernels 300 python3 -m bench.bench_kernels --peak-gbs 4800;;
+    offline) run offline 400 python3 -m engine.bench_offline --model-path $L8B --load-format dummy \
+              --result-jsonl "$OUT/offline.jsonl";;
+    offline-small) run offline-small 300 python3 -m engine.bench_offline --model-path $L8B \
+              --load-format dummy --num-prompts 64 --result-jsonl "$OUT/offline.jsonl";;
+    serving) python3 -m server --model-path $L8B --load-format dummy --port 30000 \
+               >"$OUT/server.log" 2>&1 &
+             spid=$!
+             for _ in $(seq 1 180); do curl -sf localhost:30000/health >/dev/null && break; sleep 1; done
+             run serving 300 python3 -m bench.bench_serving --base-url http://127.0.0.1:30000 \
+               --num-prompts 200 --request-rate 8 --random-input-len 1024 --random-output-len 1024 \
+               --random-range-ratio 0.0977 --max-duration 240 --output-json "$OUT/serving.json"
+             kill -INT $spid; wait $spid; tail -n 5 "$OUT/server.log";;
+    *) echo "unknown stage $stage";;
+  esac
+done

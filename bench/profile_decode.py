@@ -1,0 +1,54 @@
+"""Where a decode step's device time goes: torch.profiler over eager decode steps.
+
+``python -m bench.profile_decode --model-path engine/configs/llama-3-8b.json --load-format
+dummy --batch-size 1 --input-len 512`` prints the kernels by total device time with their
+launch counts per step, and the step's sum of kernel time.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from engine import device as dev
+from engine.args import ServerArgs
+from engine.bench_latency import run_once
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="profile_decode")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--steps", type=int, default=8)
+    ServerArgs.add_cli_args(p)
+    ns = p.parse_args(argv)
+    args = ServerArgs.from_cli_args(ns).replace(
+        max_total_tokens=ns.batch_size * (ns.input_len + ns.steps + 16),
+        max_running_requests=ns.batch_size)
+    from engine.model_runner import ModelRunner
+
+    runner = ModelRunner(args)
+    run_once(runner, ns.batch_size, ns.input_len, 4)  # warm-up and compile
+    acts = [ProfilerActivity.CPU]
+    if dev.is_accelerator(runner.device_type):
+        acts.append(ProfilerActivity.CUDA if runner.device_type == "cuda" else ProfilerActivity.XPU)
+    with profile(activities=acts) as prof:
+        run_once(runner, ns.batch_size, ns.input_len, ns.steps + 1)
+    dev.synchronize(runner.device_type)
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: -e.device_time_total)
+    steps = ns.steps + 1  # decode steps plus the prefill
+    total = sum(e.self_device_time_total for e in events)
+    print(f"graphs={'on' if runner.graph_runner else 'off'} fused_ops={not args.disable_fused_ops}"
+          f" bs={ns.batch_size} in={ns.input_len}: device time {total / 1e3 / steps:.3f} ms/step"
+          f" (incl. prefill share)")
+    print(f"{'kernel':70s} {'ms/step':>8s} {'calls/step':>10s}")
+    for e in events[:25]:
+        print(f"{e.key[:70]:70s} {e.self_device_time_total / 1e3 / steps:8.3f} "
+              f"{e.count / steps:10.1f}")
+
+
+if __name__ == "__main__":
+    main()
