@@ -1,0 +1,196 @@
+"""The Starlette application: routes, API-key check and OpenAI-shaped errors everywhere.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /v1/models/{id}``, ``GET /health``, ``GET /server_info``, ``GET /metrics``.
+Every handler is wrapped so an unexpected exception still answers an OpenAI-shaped error
+(and logs the traceback); unknown routes (404) and wrong methods (405) are shaped too.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from server.errors import APIError, http_error
+from server.serving import OpenAIServing
+from server.tokenizer_manager import TokenizerManager
+
+logger = logging.getLogger("ferry.server")
+
+#: paths that stay open when --api-key is set
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+def endpoint(fn: Callable[[Request], Awaitable[Response]]):
+    """Wrap a handler: ``APIError`` -> its response; anything else -> logged, shaped 500."""
+
+    @functools.wraps(fn)
+    async def wrapper(request: Request) -> Response:
+        try:
+            return await fn(request)
+        except APIError as err:
+            return err.response()
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except Exception:
+            logger.exception("unhandled error in %s %s", request.method, request.url.path)
+            return http_error(500, "internal server error").response()
+
+    return wrapper
+
+
+class AuthMiddleware:
+    """Pure ASGI middleware: ``Authorization: Bearer <api_key>`` on everything but OPEN_PATHS.
+
+    Compares with ``secrets.compare_digest``.
+    """
+
+    def __init__(self, app, api_key: str | None):
+        self.app = app
+        self.key = api_key.encode() if api_key else None
+
+    def _authorized(self, scope) -> bool:
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                return scheme.lower() == b"bearer" and secrets.compare_digest(
+                    token.strip(), self.key)
+        return False
+
+    async def __call__(self, scope, receive, send) -> None:
+        if (self.key is not None and scope["type"] == "http"
+                and scope.get("path") not in OPEN_PATHS and not self._authorized(scope)):
+            err = APIError("Invalid or missing API key; send 'Authorization: Bearer <key>'",
+                           401, None, "invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+            await err.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def model_name_of(args) -> str:
+    """The served model name: ``--served-model-name``, else derived from the model path.
+
+    ``None`` (the embedded model) -> ``SmolLM2-135M-Instruct``; ``/m/Foo.Q4_K_M.gguf`` ->
+    ``Foo``; a directory -> its base name.
+    """
+    if args.served_model_name:
+        return args.served_model_name
+    path = args.model_path
+    if not path:
+        return "SmolLM2-135M-Instruct"
+    name = os.path.basename(os.path.normpath(path))
+    if name.lower().endswith(".gguf"):
+        name = name[:-5]
+        stem, dot, quant = name.rpartition(".")
+        if dot and stem and (quant.upper().startswith(("Q", "IQ", "F16", "F32", "BF16"))):
+            name = stem
+    return name or path
+
+
+def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starlette:
+    """Build the Starlette app.
+
+    Args:
+        tm: the started ``TokenizerManager`` (engine ready).
+        args: ``ServerArgs``.
+        children: ``{"engine": Process, "detokenizer": Process}``; their pids are shown in
+            ``/server_info``.
+    """
+    model_name = model_name_of(args)
+    serving = OpenAIServing(tm, args, model_name)
+    created = int(time.time())
+    children = children or {}
+
+    def model_card() -> dict:
+        ready = tm.engine_ready
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "ferry",
+                "root": args.model_path or model_name,
+                "max_model_len": ready.max_context_len if ready else None}
+
+    @endpoint
+    async def completions(request: Request) -> Response:
+        return await serving.completions(request)
+
+    @endpoint
+    async def chat(request: Request) -> Response:
+        return await serving.chat(request)
+
+    @endpoint
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @endpoint
+    async def model(request: Request) -> Response:
+        mid = request.path_params["model_id"]
+        if mid not in (model_name, args.model_path):
+            raise APIError(f"The model '{mid}' does not exist", 404, "model",
+                           "model_not_found")
+        return JSONResponse(model_card())
+
+    @endpoint
+    async def health(request: Request) -> Response:
+        if tm.dead is not None:
+            raise http_error(503, f"unhealthy: {tm.dead}")
+        if tm.shutting_down:
+            raise http_error(503, "the server is shutting down")
+        return JSONResponse({"status": "ok"})
+
+    @endpoint
+    async def server_info(request: Request) -> Response:
+        info = msgspec.structs.asdict(await tm.server_info())
+        ready = tm.engine_ready
+        info.update({
+            "model": model_name, "device": ready.device, "dtype": ready.dtype,
+            "max_context_len": ready.max_context_len, "max_total_tokens":
+            ready.max_total_tokens, "max_running_requests": ready.max_running_requests,
+            "server_pid": os.getpid(),
+            "engine_pid": getattr(children.get("engine"), "pid", None),
+            "detokenizer_pid": getattr(children.get("detokenizer"), "pid", None),
+            "num_inflight": tm.num_inflight, "shutting_down": tm.shutting_down,
+        })
+        return JSONResponse(info)
+
+    @endpoint
+    async def metrics(request: Request) -> Response:
+        if tm.metrics is None:
+            raise http_error(503, "metrics are not ready")
+        body, content_type = tm.metrics.render()
+        return Response(body, media_type=content_type)
+
+    async def http_exception(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        msg = exc.detail
+        if exc.status_code == 404:
+            msg = f"Unknown route: {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            msg = f"Method {request.method} is not allowed on {request.url.path}"
+        return APIError(msg, exc.status_code, None, None, headers=exc.headers).response()
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        return http_error(500, "internal server error").response()
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", model, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/server_info", server_info, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    return Starlette(routes=routes,
+                     middleware=[Middleware(AuthMiddleware, api_key=args.api_key)],
+                     exception_handlers={HTTPException: http_exception, 500: server_error})

@@ -1,0 +1,107 @@
+"""The ``ferry`` command line: ``ferry serve`` and the benchmark / parity subcommands.
+
+``ferry serve [flags]`` (or ``python -m server [flags]``) starts the OpenAI-compatible
+server; its flags come from ``ServerArgs`` (engine/args.py). The other subcommands import
+their module lazily and call its ``main(argv)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+#: subcommand -> (module with main(argv), one-line description)
+SUBCOMMANDS = {
+    "bench-latency": ("engine.bench_latency", "latency of one static batch (prefill + decode)"),
+    "bench-offline": ("engine.bench_offline", "offline throughput of the engine (no HTTP)"),
+    "bench-serving": ("bench.bench_serving", "load test of a running server over HTTP"),
+    "parity": ("engine.parity", "compare ferry's outputs with HF transformers"),
+}
+
+USAGE = """usage: ferry <command> [options]
+
+commands:
+  serve           start the OpenAI-compatible HTTP server (ferry serve --help)
+{extra}
+
+examples:
+  ferry serve                                  # embedded SmolLM2-135M-Instruct on 127.0.0.1:30000
+  ferry serve --model-path /models/Llama-3.2-1B-Instruct --device cuda --port 8000
+  ferry bench-latency --help
+"""
+
+
+def _usage() -> str:
+    extra = "\n".join(f"  {name:<15} {desc}" for name, (_, desc) in SUBCOMMANDS.items())
+    return USAGE.format(extra=extra)
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """The ``ferry serve`` argument parser (flags generated from ``ServerArgs``)."""
+    from engine.args import ServerArgs
+
+    parser = argparse.ArgumentParser(
+        prog="ferry serve",
+        description="Start ferry's OpenAI-compatible server (/v1/completions, "
+                    "/v1/chat/completions, /v1/models, /health, /server_info, /metrics).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    return ServerArgs.add_cli_args(parser)
+
+
+def serve(argv: list[str]) -> int:
+    """Parse ``ferry serve`` flags, run the server; returns the exit code."""
+    from engine.args import ServerArgs
+
+    parser = serve_parser()
+    ns = parser.parse_args(argv)
+    args = ServerArgs.from_cli_args(ns)
+    if not 0 < args.port < 65536:
+        parser.error(f"--port must be in 1..65535, got {args.port}")
+    for name in ("max_request_bytes", "max_n", "max_queued_requests", "max_running_requests"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.shutdown_timeout < 0:
+        parser.error("--shutdown-timeout must be >= 0")
+
+    from server.launch import launch_server
+
+    return launch_server(args)
+
+
+def run_subcommand(name: str, argv: list[str]) -> int:
+    module_name = SUBCOMMANDS[name][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        print(f"ferry {name}: cannot import {module_name} ({exc}); this part of ferry is "
+              "not installed or not written yet", file=sys.stderr)
+        return 2
+    main = getattr(module, "main", None)
+    if main is None:
+        print(f"ferry {name}: {module_name} has no main(argv)", file=sys.stderr)
+        return 2
+    rc = main(argv)
+    return rc if isinstance(rc, int) else 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``ferry`` console script."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        print(_usage(), file=sys.stderr)
+        sys.exit(2)
+    cmd, rest = argv[0], argv[1:]
+    if cmd in ("-h", "--help", "help"):
+        print(_usage())
+        sys.exit(0)
+    if cmd == "serve":
+        sys.exit(serve(rest))
+    if cmd in SUBCOMMANDS:
+        sys.exit(run_subcommand(cmd, rest))
+    print(f"ferry: unknown command '{cmd}'\n\n{_usage()}", file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+"""Process launch and teardown of ``ferry serve``.
+
+1. Bind the HTTP socket (fail fast if the port is taken) and the server's PULL socket in a
+   private 0700 IPC dir.
+2. Spawn the engine and the detokenizer (multiprocessing "spawn"); load the tokenizer in a
+   thread meanwhile. Wait for both ``ReadyOut`` messages (a child that dies or a timeout is a
+   clear start-up error), then log one line and run uvicorn in the same event loop.
+3. Watch the children: if one dies, /health answers 503, every waiting request gets a 503
+   (a stream a final error event and ``[DONE]``) and the server exits non-zero.
+4. SIGINT/SIGTERM: new requests get 503, in-flight ones may finish for
+   ``--shutdown-timeout`` seconds, the rest end with ``finish_reason`` "abort"; then the
+   children are stopped and the IPC dir removed. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+import uvicorn
+
+from engine.ipc import IpcPaths
+from server.app import build_app, model_name_of
+from server.tokenizer_manager import TokenizerManager
+
+logger = logging.getLogger("ferry.server")
+
+STARTUP_TIMEOUT_S = float(os.environ.get("FERRY_STARTUP_TIMEOUT", "900"))
+WATCH_INTERVAL_S = 0.25
+#: after a child dies, keep answering (503) this long so clients see why, then exit
+DEAD_EXIT_DELAY_S = 3.0
+CHILD_STOP_TIMEOUT_S = 5.0
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+def _child_main(name: str, server_args, ipc: IpcPaths) -> None:
+    """Target of the spawned children: ignore Ctrl-C (the server stops us), then run."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if name == "engine":
+        from engine.scheduler import run_scheduler_process
+
+        run_scheduler_process(server_args, ipc)
+    else:
+        from engine.detokenizer import run_detokenizer_process
+
+        run_detokenizer_process(server_args, ipc)
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr, force=True,
+                        format="%(asctime)s %(levelname)s [server] %(message)s")
+    # one start-up line is ours; uvicorn's chatter only at debug
+    quiet = logging.DEBUG if level == "debug" else logging.WARNING
+    logging.getLogger("uvicorn.error").setLevel(quiet)
+    logging.getLogger("uvicorn.access").setLevel(quiet)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _load_tokenizer(args):
+    try:
+        from engine.tokenizer import load_tokenizer
+
+        return load_tokenizer(args.tokenizer_path or args.model_path)
+    except Exception as exc:  # noqa: BLE001 - dummy weights without a tokenizer: ids only
+        logger.warning("no tokenizer (%s); only token-id prompts will work", exc)
+        return None
+
+
+class _Server(uvicorn.Server):
+    """uvicorn.Server whose SIGINT/SIGTERM start ferry's drain instead of a hard stop."""
+
+    def __init__(self, config: uvicorn.Config, on_signal):
+        super().__init__(config)
+        self.on_signal = on_signal
+        self.exit_code = 0
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        loop = asyncio.get_running_loop()
+
+        def handler(sig, frame):
+            loop.call_soon_threadsafe(self.on_signal, sig)
+
+        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+
+class Launcher:
+    """Owns the children, the TokenizerManager and uvicorn for one ``ferry serve``."""
+
+    def __init__(self, args):
+        self.args = args
+        self.ipc = IpcPaths.create()
+        self.procs: dict[str, multiprocessing.Process] = {}
+        self.tm: TokenizerManager | None = None
+        self.server: _Server | None = None
+        self._draining = False
+
+    # ---- children -----------------------------------------------------------------------
+    def _spawn(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        for name in ("engine", "detokenizer"):
+            p = ctx.Process(target=_child_main, args=(name, self.args, self.ipc),
+                            name=f"ferry-{name}", daemon=False)
+            p.start()
+            self.procs[name] = p
+
+    def _dead_child(self) -> tuple[str, int | None] | None:
+        for name, p in self.procs.items():
+            if not p.is_alive():
+                return name, p.exitcode
+        return None
+
+    def stop_children(self) -> None:
+        for p in self.procs.values():
+            if p.is_alive():
+                p.terminate()
+        deadline = time.monotonic() + CHILD_STOP_TIMEOUT_S
+        for p in self.procs.values():
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                logger.warning("%s did not stop in %.0f s; killing it", p.name,
+                               CHILD_STOP_TIMEOUT_S)
+                p.kill()
+                p.join(2.0)
+
+    async def _wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not all(n in self.tm.ready for n in self.procs):
+            dead = self._dead_child()
+            if dead is not None:
+                raise StartupError(f"the {dead[0]} process exited with code {dead[1]} during "
+                                   "start-up (see its log above)")
+            if time.monotonic() > deadline:
+                raise StartupError(f"the engine was not ready after {STARTUP_TIMEOUT_S:.0f} s "
+                                   "(set FERRY_STARTUP_TIMEOUT to wait longer)")
+            await asyncio.sleep(0.1)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            dead = self._dead_child()
+            if dead is None:
+                continue
+            logger.error("the %s process died (exit code %s); failing all requests and "
+                         "exiting", *dead)
+            self.tm.on_child_died(*dead)
+            self.server.exit_code = 1
+            await asyncio.sleep(DEAD_EXIT_DELAY_S)
+            self.server.should_exit = True
+            return
+
+    # ---- shutdown -----------------------------------------------------------------------
+    def on_signal(self, sig: int) -> None:
+        if self._draining:
+            logger.warning("second signal: stopping now")
+            self.tm.abort_all("server shutting down")
+            self.server.force_exit = True
+            self.server.should_exit = True
+            return
+        self._draining = True
+        asyncio.get_running_loop().create_task(self._drain(signal.Signals(sig).name))
+
+    async def _drain(self, why: str) -> None:
+        tm = self.tm
+        tm.shutting_down = True
+        timeout = self.args.shutdown_timeout
+        if tm.num_inflight:
+            logger.info("%s: letting %d requests finish (up to %.0f s)", why, tm.num_inflight,
+                        timeout)
+        deadline = time.monotonic() + timeout
+        while tm.num_inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if tm.num_inflight:
+            logger.warning("aborting %d requests still running", tm.num_inflight)
+            tm.abort_all("server shutting down")
+            await asyncio.sleep(0.2)  # let the streams send their last chunk
+        self.server.should_exit = True
+
+    # ---- main ---------------------------------------------------------------------------
+    async def serve(self) -> int:
+        args = self.args
+        sock = _bind(args.host, args.port)
+        self.tm = TokenizerManager(args, self.ipc)
+        try:
+            self.tm.start()
+            self._spawn()
+            tok = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, args))
+            await self._wait_ready()
+            self.tm.tokenizer = await tok
+            ready = self.tm.engine_ready
+            host = f"[{args.host}]" if ":" in args.host else args.host
+            logger.info("ferry ready: model=%s device=%s dtype=%s kv_capacity=%d tokens "
+                        "max_context_len=%d url=http://%s:%d", model_name_of(args),
+                        ready.device, ready.dtype, ready.max_total_tokens,
+                        ready.max_context_len, host, args.port)
+            app = build_app(self.tm, args, self.procs)
+            # log_level=None: keep the levels setup_logging chose for uvicorn's loggers
+            config = uvicorn.Config(app, log_level=None, access_log=False,
+                                    log_config=None, timeout_graceful_shutdown=3,
+                                    timeout_keep_alive=5, lifespan="off")
+            self.server = _Server(config, self.on_signal)
+            watcher = asyncio.ensure_future(self._watch())
+            try:
+                await self.server.serve(sockets=[sock])
+            finally:
+                watcher.cancel()
+            return self.server.exit_code
+        finally:
+            sock.close()
+            await self.tm.aclose()
+
+    def run(self) -> int:
+        """Run until shut down; returns the process exit code."""
+        def on_term(sig, frame):  # during start-up only; uvicorn's handler replaces it
+            raise KeyboardInterrupt
+
+        old_term = signal.signal(signal.SIGTERM, on_term)
+        try:
+            return asyncio.run(self.serve())
+        except StartupError as exc:
+            logger.error("%s", exc)
+            return 1
+        except KeyboardInterrupt:
+            logger.info("interrupted during start-up")
+            return 130
+        finally:
+            signal.signal(signal.SIGTERM, old_term)
+            self.stop_children()
+            self.ipc.cleanup()
+
+
+def launch_server(server_args) -> int:
+    """Start the server and block until it stops; returns the exit code."""
+    setup_logging(server_args.log_level)
+    return Launcher(server_args).run()

@@ -1,0 +1,334 @@
+"""Pydantic v2 models of the OpenAI request bodies, and their mapping to ``SamplingParams``.
+
+Bounds mirror ``SamplingParams.verify`` so a bad value is a 400 naming the field (``param``)
+before anything reaches the engine. ``null`` at the top level means "absent" (OpenAI clients
+send ``"stream_options": null``). Unknown fields OpenAI treats as optional are ignored; fields
+ferry cannot honour are a 400 naming them (``check_unsupported``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from engine.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_STOP_LEN,
+    MAX_STOP_STRINGS,
+    SamplingParams,
+)
+from server.errors import APIError, bad_request, not_supported
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1        # bound of token counts and ids in a request
+MAX_PROMPTS = 128            # prompts in one /v1/completions request
+MAX_N_HARD = 128             # upper bound of n whatever --max-n says
+MAX_MESSAGES = 1024
+MAX_STOP_TOKEN_IDS = MAX_STOP_STRINGS
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class StreamOptions(_Base):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingRequest(_Base):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N_HARD)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, le=INT32_MAX)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
+    ignore_eos: bool = False
+    logit_bias: dict[int, float] = Field(default_factory=dict)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    user: str | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, v: Any) -> list[str]:
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+            raise ValueError("must be a string or a list of strings")
+        if len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+        for s in v:
+            if not 1 <= len(s) <= MAX_STOP_LEN:
+                raise ValueError(f"each stop string must have 1 to {MAX_STOP_LEN} characters")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: list[int]) -> list[int]:
+        if any(t < 0 or t > INT32_MAX for t in v):
+            raise ValueError("token ids must be in [0, 2**31)")
+        return v
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias(cls, v: Any) -> dict[int, float]:
+        if not isinstance(v, dict):
+            # pydantic turns ValueError (not TypeError) into a validation error
+            raise ValueError("must be an object mapping token ids (as strings) to numbers")  # noqa: TRY004
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries are allowed")
+        out: dict[int, float] = {}
+        for k, b in v.items():
+            try:
+                tid = int(k)
+            except (TypeError, ValueError):
+                raise ValueError(f"key {k!r} is not a token id") from None
+            if isinstance(b, bool) or not isinstance(b, int | float) or not -100 <= b <= 100:
+                raise ValueError("values must be numbers in [-100, 100]")
+            if not 0 <= tid <= INT32_MAX:
+                raise ValueError(f"token id {tid} is out of range")
+            out[tid] = float(b)
+        return out
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        """The engine's ``SamplingParams`` (``max_tokens`` resolved by the caller)."""
+        return SamplingParams(
+            max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=self.temperature,
+            top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
+            stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
+            ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias),
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens)
+
+
+class CompletionRequest(_SamplingRequest):
+    """``POST /v1/completions``. ``prompt``: str | list[str] | list[int] | list[list[int]]."""
+
+    prompt: str | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)  # OpenAI's completions default
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(None, ge=1, le=MAX_N_HARD)
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, v: Any) -> str | list[str] | list[list[int]]:
+        def is_ids(x):
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                               for t in x)
+
+        if isinstance(v, str):
+            return v
+        if not isinstance(v, list):
+            raise ValueError("must be a string, a list of strings, a list of token ids or a "  # noqa: TRY004
+                             "list of lists of token ids")
+        if not v:
+            raise ValueError("the prompt is empty")
+        if is_ids(v):
+            return [v]
+        if all(isinstance(x, str) for x in v) or all(is_ids(x) for x in v):
+            if len(v) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+            return v
+        raise ValueError("must be a string, a list of strings, a list of token ids or a list "
+                         "of lists of token ids")
+
+
+class ChatMessage(_Base):
+    role: str
+    content: str | list[dict] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """``POST /v1/chat/completions``. ``max_completion_tokens`` is an alias of max_tokens."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+
+# ---- fields ferry ignores or refuses ------------------------------------------------------
+
+#: optional in OpenAI's API and harmless to ignore
+IGNORED_FIELDS = frozenset({
+    "user", "metadata", "store", "parallel_tool_calls", "service_tier", "prediction",
+    "reasoning_effort", "verbosity", "prompt_cache_key", "safety_identifier",
+})
+
+
+def _refuse(req: BaseModel, name: str, value: Any) -> APIError | None:
+    """400 for a field whose value ferry cannot honour, else None (value is harmless)."""
+    if name in ("tools", "functions"):
+        return not_supported(name) if value else None
+    if name in ("tool_choice", "function_call"):
+        return not_supported(name) if value not in (None, "none") else None
+    if name == "response_format":
+        if value in (None, {}) or (isinstance(value, dict) and value.get("type") == "text"):
+            return None
+        return not_supported(name, "only {'type': 'text'}")
+    if name == "modalities":
+        return None if value in (None, ["text"]) else not_supported(name, "only ['text']")
+    if name == "audio":
+        return not_supported(name) if value is not None else None
+    if name in ("web_search_options", "guided_json", "guided_regex", "guided_choice",
+                "guided_grammar", "structured_outputs", "response_schema"):
+        return not_supported(name)
+    return None
+
+
+def check_unsupported(req: _SamplingRequest) -> None:
+    """Raise a 400 ``APIError`` naming the first field ferry cannot honour.
+
+    Covers extra fields (``tools``, ``response_format``...) and known fields whose value is
+    not supported yet (``logprobs``, ``echo``, ``best_of`` > n, ``suffix``).
+    """
+    for name, value in (req.model_extra or {}).items():
+        if name in IGNORED_FIELDS:
+            continue
+        err = _refuse(req, name, value)
+        if err is not None:
+            raise err
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            raise not_supported("echo")
+        if req.logprobs is not None:
+            raise not_supported("logprobs")
+        if req.best_of is not None and req.best_of != req.n:
+            raise not_supported("best_of", "best_of must equal n")
+        if req.suffix:
+            raise not_supported("suffix")
+    elif isinstance(req, ChatCompletionRequest):
+        if req.logprobs:
+            raise not_supported("logprobs")
+        if req.top_logprobs:
+            raise not_supported("top_logprobs")
+
+
+# ---- chat messages ------------------------------------------------------------------------
+
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
+              "assistant": "assistant"}
+
+
+def messages_for_template(messages: list[ChatMessage]) -> list[dict]:
+    """Plain ``{"role", "content"}`` dicts for ``apply_chat_template``.
+
+    Content may be a string or a list of ``{"type": "text", "text": ...}`` parts (joined
+    with newlines). ``developer`` maps to ``system``.
+
+    Raises:
+        APIError: 400 for an unknown role, a non-text part or tool messages.
+    """
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        role = CHAT_ROLES.get(m.role)
+        if role is None:
+            if m.role in ("tool", "function"):
+                raise not_supported(f"{where}.role", f"role '{m.role}'")
+            raise bad_request(f"unknown role '{m.role}' (expected one of "
+                              f"{sorted(CHAT_ROLES)})", f"{where}.role")
+        if (m.model_extra or {}).get("tool_calls"):
+            raise not_supported(f"{where}.tool_calls")
+        content = m.content
+        if content is None:
+            if role != "assistant":
+                raise bad_request("content is required", f"{where}.content")
+            content = ""
+        elif isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                ptype = part.get("type")
+                if ptype != "text":
+                    raise bad_request(f"content part type {ptype!r} is not supported (only "
+                                      "'text')", f"{where}.content[{j}].type")
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise bad_request("a text part needs a string 'text'",
+                                      f"{where}.content[{j}].text")
+                texts.append(text)
+            content = "\n".join(texts)
+        out.append({"role": role, "content": content})
+    return out
+
+
+# ---- pydantic errors -> OpenAI errors -----------------------------------------------------
+
+def _param_of(loc: tuple) -> str | None:
+    """``("messages", 0, "content")`` -> ``"messages[0].content"``; union tags dropped."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str):
+            if not part.isidentifier() or part in ("str", "int", "float", "bool", "dict",
+                                                   "list"):
+                continue
+            out += ("." if out else "") + part
+    return out or None
+
+
+def from_validation_error(exc: ValidationError) -> APIError:
+    """The first pydantic error as a 400 naming the field (``param``)."""
+    errs = exc.errors(include_url=False)
+    if not errs:
+        return bad_request("invalid request")
+    e = errs[0]
+    param = _param_of(tuple(e.get("loc", ())))
+    msg = str(e.get("msg", "invalid value"))
+    msg = msg.removeprefix("Value error, ")
+    if e.get("type") == "missing":
+        msg = "this field is required"
+    return bad_request(f"{param}: {msg}" if param else msg, param)
+
+
+def parse_request(model: type[_SamplingRequest], body: Any) -> _SamplingRequest:
+    """Validate a decoded JSON body.
+
+    Raises:
+        APIError: 400 (not an object, a bad field, or an unsupported one).
+    """
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        req = model.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+    check_unsupported(req)
+    return req

@@ -1,0 +1,381 @@
+"""The two generation endpoints: ``/v1/completions`` and ``/v1/chat/completions``.
+
+Each handler validates the body, tokenizes (chat template for chat), fans ``n`` and several
+prompts out into engine requests with rids ``{id}-{i}``, and answers either one JSON body or
+an SSE stream of OpenAI chunks ending in ``data: [DONE]``. A stream's first output is awaited
+before the response starts, so an engine rejection is still a plain HTTP error; after that an
+error becomes a final ``data: {"error": ...}`` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import suppress
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from engine.sampling_params import SamplingParams
+from server.errors import APIError, bad_request, http_error
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    messages_for_template,
+    parse_request,
+)
+from server.tokenizer_manager import ReqOutput, TokenizerManager
+
+logger = logging.getLogger("ferry.server")
+
+INT64_MAX = 2**63 - 1
+DONE = "data: [DONE]\n\n"
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was ready."""
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def sse(obj: Any) -> str:
+    return f"data: {_dumps(obj)}\n\n"
+
+
+async def read_json(request: Request, max_bytes: int) -> Any:
+    """The decoded JSON body.
+
+    Raises:
+        APIError: 413 if the body exceeds ``max_bytes`` (by Content-Length or as received),
+            400 if it is empty or not strict JSON (NaN, invalid UTF-8 and lone surrogates
+            are refused: the tokenizer cannot take them).
+    """
+    cl = request.headers.get("content-length")
+    if cl is not None:
+        try:
+            if int(cl) > max_bytes:
+                raise http_error(413, f"the request body is larger than {max_bytes} bytes")
+        except ValueError:
+            raise bad_request("invalid Content-Length header") from None
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise http_error(413, f"the request body is larger than {max_bytes} bytes")
+    if not body:
+        raise bad_request("the request body is empty; send a JSON object")
+    try:  # strict JSON: no NaN/Infinity, valid UTF-8, no lone surrogates
+        return msgspec.json.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def run_until_disconnect(request: Request, coro: Coroutine) -> Any:
+    """Run ``coro`` but cancel it if the client disconnects first.
+
+    Raises:
+        ClientGone: the client left (``coro`` was cancelled; its ``finally`` blocks ran).
+    """
+    task = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watch.cancel()
+        raise
+    if task in done:
+        watch.cancel()
+        return task.result()
+    task.cancel()
+    with suppress(asyncio.CancelledError, Exception):
+        await task
+    raise ClientGone()
+
+
+class _SSEResponse(StreamingResponse):
+    """A StreamingResponse that runs ``on_close`` however the stream ends (disconnect too)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def _finish_reason(out: ReqOutput) -> str | None:
+    return None if out.finish_reason is None else str(out.finish_reason.get("type", "stop"))
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class OpenAIServing:
+    """Handlers of the generation endpoints.
+
+    Args:
+        tm: the ``TokenizerManager``.
+        args: the ``ServerArgs``.
+        model_name: the served model name (``/v1/models`` id, ``model`` of responses).
+    """
+
+    def __init__(self, tm: TokenizerManager, args, model_name: str):
+        self.tm = tm
+        self.args = args
+        self.model_name = model_name
+
+    # ---- shared checks ------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is None or model in (self.model_name, self.args.model_path):
+            return
+        raise APIError(f"The model '{model}' does not exist (this server serves "
+                       f"'{self.model_name}')", 404, "model", "model_not_found")
+
+    def _params(self, req, max_tokens: int | None) -> SamplingParams:
+        if req.n > self.args.max_n:
+            raise bad_request(f"n must be at most {self.args.max_n}", "n")
+        sp = req.sampling_params(max_tokens)
+        try:
+            sp.verify(self.tm.vocab_size or None)
+        except ValueError as exc:
+            msg, param = (exc.args + (None, None))[:2]
+            raise bad_request(str(msg), param) from None
+        return sp
+
+    @staticmethod
+    def _fan_out(base: str, prompts: list[list[int]], n: int,
+                 sp: SamplingParams) -> list[tuple[str, list[int], SamplingParams]]:
+        """One engine request per (prompt, sample); choice ``i = prompt * n + j``.
+
+        A seeded request gives sample ``j`` the seed ``seed + j`` so the n samples differ
+        but stay reproducible.
+        """
+        total = len(prompts) * n
+        out = []
+        for p, ids in enumerate(prompts):
+            for j in range(n):
+                i = p * n + j
+                spj = sp
+                if j and sp.seed is not None:
+                    spj = msgspec.structs.replace(sp, seed=(sp.seed + j) % INT64_MAX)
+                out.append((base if total == 1 else f"{base}-{i}", ids, spj))
+        return out
+
+    def _log_request(self, fmt: _Format, prompt: Any, sp: SamplingParams) -> None:
+        if self.args.log_requests:
+            logger.info("request %s prompt=%.2000r params=%s", fmt.id, prompt, sp)
+
+    def _log_output(self, fmt: _Format) -> None:
+        if self.args.log_requests:
+            logger.info("request %s outputs=%.4000r", fmt.id, fmt.texts)
+
+    async def _answer(self, request: Request, subs, stream: bool, t0: float, fmt) -> Response:
+        gen = self.tm.generate(subs, stream, arrival=t0)
+        rids = [s[0] for s in subs]
+        if not stream:
+            async def collect() -> list[list[ReqOutput]]:
+                outs: list[list[ReqOutput]] = [[] for _ in subs]
+                async for o in gen:
+                    outs[o.index].append(o)
+                return outs
+
+            try:
+                outs = await run_until_disconnect(request, collect())
+            except ClientGone:
+                return Response(status_code=499)
+            body = fmt.full(outs)
+            self._log_output(fmt)
+            return JSONResponse(body)
+
+        async def first() -> ReqOutput:
+            return await anext(gen)
+
+        try:
+            head = await run_until_disconnect(request, first())
+        except ClientGone:
+            return Response(status_code=499)
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                for c in fmt.start():
+                    yield sse(c)
+                item: ReqOutput | None = head
+                while item is not None:
+                    for c in fmt.chunks(item):
+                        yield sse(c)
+                    item = await anext(gen, None)
+                if fmt.include_usage:
+                    yield sse(fmt.usage_chunk())
+            except APIError as err:
+                yield err.sse()
+            except Exception:
+                logger.exception("stream failed")
+                yield http_error(500, "internal error while streaming").sse()
+            self._log_output(fmt)
+            yield DONE
+
+        return _SSEResponse(events(), on_close=lambda: self.tm.abort(rids))
+
+    # ---- endpoints ----------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        """``POST /v1/completions``."""
+        t0 = time.monotonic()
+        req: CompletionRequest = parse_request(
+            CompletionRequest, await read_json(request, self.args.max_request_bytes))
+        self.check_model(req.model)
+        sp = self._params(req, req.max_tokens)
+        prompts = req.prompt if isinstance(req.prompt, list) else [req.prompt]
+        ids_list = []
+        for p in prompts:
+            if isinstance(p, str):
+                if not p:
+                    raise bad_request("the prompt is empty", "prompt")
+                ids = await self.tm.tokenize(p)
+            else:
+                ids = list(p)
+            self.tm.check_prompt(ids, sp.max_tokens, "prompt")
+            ids_list.append(ids)
+        base = f"cmpl-{uuid.uuid4().hex}"
+        subs = self._fan_out(base, ids_list, req.n, sp)
+        fmt = _CompletionFormat(base, self.model_name, len(subs), sum(map(len, ids_list)),
+                                req.include_usage)
+        self._log_request(fmt, req.prompt, sp)
+        return await self._answer(request, subs, req.stream, t0, fmt)
+
+    async def chat(self, request: Request) -> Response:
+        """``POST /v1/chat/completions``."""
+        t0 = time.monotonic()
+        req: ChatCompletionRequest = parse_request(
+            ChatCompletionRequest, await read_json(request, self.args.max_request_bytes))
+        self.check_model(req.model)
+        sp = self._params(req, req.requested_max_tokens)
+        ids = await self.tm.apply_chat_template(messages_for_template(req.messages))
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "messages"
+        self.tm.check_prompt(ids, sp.max_tokens, param)
+        base = f"chatcmpl-{uuid.uuid4().hex}"
+        subs = self._fan_out(base, [ids], req.n, sp)
+        fmt = _ChatFormat(base, self.model_name, len(subs), len(ids), req.include_usage)
+        self._log_request(fmt, [m.model_dump(exclude_none=True) for m in req.messages], sp)
+        return await self._answer(request, subs, req.stream, t0, fmt)
+
+
+class _Format:
+    """Builds the response body or the stream chunks of one request."""
+
+    object_full = ""
+    object_chunk = ""
+
+    def __init__(self, rid: str, model: str, count: int, prompt_tokens: int,
+                 include_usage: bool):
+        self.id = rid
+        self.model = model
+        self.count = count
+        self.created = int(time.time())
+        self.prompt_tokens = prompt_tokens
+        self.include_usage = include_usage
+        self.completion_tokens = [0] * count
+        self.texts = [""] * count  # only for --log-requests
+
+    def _envelope(self, obj: str, choices: list) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def _chunk(self, choices: list) -> dict:
+        c = self._envelope(self.object_chunk, choices)
+        if self.include_usage:
+            c["usage"] = None
+        return c
+
+    def usage(self) -> dict:
+        return _usage(self.prompt_tokens, sum(self.completion_tokens))
+
+    def usage_chunk(self) -> dict:
+        c = self._envelope(self.object_chunk, [])
+        c["usage"] = self.usage()
+        return c
+
+    def start(self) -> list[dict]:
+        return []
+
+    def full(self, outs: list[list[ReqOutput]]) -> dict:
+        choices = []
+        for i, seq in enumerate(outs):
+            text = self.texts[i] = "".join(o.text for o in seq)
+            last = seq[-1] if seq else None
+            self.completion_tokens[i] = last.completion_tokens if last else 0
+            choices.append(self._choice(i, text, _finish_reason(last) if last else "abort"))
+        body = self._envelope(self.object_full, choices)
+        body["usage"] = self.usage()
+        return body
+
+    def _choice(self, index: int, text: str, finish_reason: str | None) -> dict:
+        raise NotImplementedError
+
+    def chunks(self, out: ReqOutput) -> list[dict]:
+        raise NotImplementedError
+
+
+class _CompletionFormat(_Format):
+    object_full = "text_completion"
+    object_chunk = "text_completion"
+
+    def _choice(self, index, text, finish_reason):
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    def chunks(self, out):
+        self.completion_tokens[out.index] = out.completion_tokens
+        self.texts[out.index] += out.text
+        fin = _finish_reason(out)
+        if not out.text and fin is None:
+            return []
+        return [self._chunk([self._choice(out.index, out.text, fin)])]
+
+
+class _ChatFormat(_Format):
+    object_full = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+
+    def _choice(self, index, text, finish_reason):
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": None, "finish_reason": finish_reason}
+
+    def _delta(self, index: int, delta: dict, finish_reason: str | None) -> dict:
+        return self._chunk([{"index": index, "delta": delta, "logprobs": None,
+                             "finish_reason": finish_reason}])
+
+    def start(self):
+        return [self._delta(i, {"role": "assistant", "content": ""}, None)
+                for i in range(self.count)]
+
+    def chunks(self, out):
+        self.completion_tokens[out.index] = out.completion_tokens
+        self.texts[out.index] += out.text
+        fin = _finish_reason(out)
+        res = []
+        if out.text:
+            res.append(self._delta(out.index, {"content": out.text}, None))
+        if fin is not None:
+            res.append(self._delta(out.index, {}, fin))
+        return res

@@ -1,0 +1,363 @@
+"""``TokenizerManager``: the server side of a request's life.
+
+It tokenizes (in a thread, so the event loop stays responsive), checks the prompt against the
+engine's limits, sends ``TokenizedGenerateReq`` to the engine and hands every output back to
+the waiting route. One state per rid holds an ``asyncio.Queue``; a single listener task
+receives everything the detokenizer and the engine push to the server's PULL socket and
+dispatches it. Requests that fan out (``n`` > 1, several prompts) share one queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from engine import io_struct as io
+from engine.ipc import SERVER_IN, AsyncPullSocket, IpcPaths, PushSocket
+from engine.sampling_params import SamplingParams
+from server.errors import APIError, bad_request, context_length_exceeded, unavailable
+from server.metrics import Metrics, format_request_log
+
+logger = logging.getLogger("ferry.server")
+
+SERVER_INFO_TIMEOUT_S = 5.0
+
+
+@dataclass
+class ReqOutput:
+    """One output of one engine request, as the route sees it.
+
+    ``index`` is the request's position in the ``generate`` call; ``text`` the new text;
+    ``finish_reason`` None or ``{"type": "stop"|"length"|"abort", "matched", "message"}``;
+    token counts are totals so far.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: dict | None
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: list | None = None
+
+
+@dataclass
+class _ReqState:
+    queue: asyncio.Queue
+    index: int
+    t_arrival: float
+    prompt_tokens: int
+    completion_tokens: int = 0
+    t_first: float | None = None
+    t_last: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+class TokenizerManager:
+    """Tokenize, send to the engine, and route outputs back per rid.
+
+    Args:
+        server_args: the ``ServerArgs``.
+        ipc: the ``IpcPaths``; binds the PULL socket at ``ipc.server`` (so bind before the
+            children start) and connects a PUSH socket to ``ipc.engine``.
+    """
+
+    def __init__(self, server_args, ipc: IpcPaths):
+        self.args = server_args
+        self.ctx = zmq.Context()
+        self.actx = zmq.asyncio.Context()
+        self.pull = AsyncPullSocket(self.actx, ipc.server, SERVER_IN, bind=True)
+        self.push = PushSocket(self.ctx, ipc.engine)
+        self.states: dict[str, _ReqState] = {}
+        self.ready: dict[str, io.ReadyOut] = {}
+        self.info_waiters: dict[str, asyncio.Future] = {}
+        self.tokenizer = None
+        self.dead: str | None = None          # why the engine side is gone
+        self.shutting_down = False
+        self.metrics: Metrics | None = None
+        self.last_stats: io.StatsOut | None = None
+        self._listener: asyncio.Task | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the listener task (call inside the running event loop)."""
+        self._listener = asyncio.get_running_loop().create_task(self._listen())
+
+    async def aclose(self) -> None:
+        """Stop the listener and close the sockets."""
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._listener
+        self.pull.close()
+        self.push.close()
+        self.actx.term()
+        self.ctx.term()
+
+    @property
+    def engine_ready(self) -> io.ReadyOut | None:
+        return self.ready.get("engine")
+
+    @property
+    def max_context_len(self) -> int:
+        return self.engine_ready.max_context_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine_ready.vocab_size
+
+    @property
+    def num_inflight(self) -> int:
+        """Engine requests the server waits on."""
+        return len(self.states)
+
+    def admission_limit(self) -> int:
+        """Most engine requests in flight: running plus ``--max-queued-requests`` waiting."""
+        running = self.engine_ready.max_running_requests if self.engine_ready else 0
+        return (running or self.args.max_running_requests) + self.args.max_queued_requests
+
+    # ---- listener -----------------------------------------------------------------------
+    async def _listen(self) -> None:
+        while True:
+            try:
+                msg = await self.pull.recv()
+            except asyncio.CancelledError:
+                raise
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                logger.error("dropped an undecodable message: %s", exc)
+                continue
+            try:
+                self._dispatch(msg)
+            except Exception:
+                logger.exception("failed to dispatch %s", type(msg).__name__)
+
+    def _dispatch(self, msg) -> None:
+        if isinstance(msg, io.BatchStrOut):
+            self._on_outputs(msg)
+        elif isinstance(msg, io.ErrorOut):
+            st = self.states.pop(msg.rid, None)
+            if st is not None:
+                st.queue.put_nowait(APIError(msg.message, msg.status, msg.param, msg.code))
+                self._record_finish(msg.rid, st, "abort")
+        elif isinstance(msg, io.ServerInfoOut):
+            fut = self.info_waiters.pop(msg.rid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+            if self.metrics is not None:
+                self.metrics.on_engine_stats(msg)
+        elif isinstance(msg, io.StatsOut):
+            self.last_stats = msg
+            if self.metrics is not None:
+                self.metrics.on_engine_stats(msg)
+        elif isinstance(msg, io.ReadyOut):
+            self.ready[msg.rid] = msg
+            if msg.rid == "engine":
+                self.metrics = Metrics(self.args.served_model_name or msg.model,
+                                       max_context_len=max(1, msg.max_context_len))
+
+    def _on_outputs(self, b: io.BatchStrOut) -> None:
+        now = time.monotonic()
+        for i, rid in enumerate(b.rids):
+            st = self.states.get(rid)
+            if st is None:
+                continue  # aborted or failed already
+            ids = b.new_token_ids[i]
+            k = len(ids)
+            if k:
+                if st.t_first is None:
+                    st.t_first = now
+                else:
+                    st.itl.extend([(now - st.t_last) / k] * k)
+                st.t_last = now
+            fin = b.finished_reasons[i]
+            st.prompt_tokens = b.prompt_tokens[i]
+            st.completion_tokens = b.completion_tokens[i]
+            lp = b.logprobs[i] if i < len(b.logprobs) else None
+            st.queue.put_nowait(ReqOutput(st.index, b.texts[i], ids, fin, b.prompt_tokens[i],
+                                          b.completion_tokens[i], lp))
+            if fin is not None:
+                del self.states[rid]
+                self._record_finish(rid, st, str(fin.get("type", "stop")))
+
+    def _record_finish(self, rid: str, st: _ReqState, reason: str) -> None:
+        now = time.monotonic()
+        e2e = now - st.t_arrival
+        ttft = None if st.t_first is None else st.t_first - st.t_arrival
+        if self.metrics is not None:
+            try:
+                self.metrics.on_request_finished(
+                    finish_reason=reason, prompt_tokens=st.prompt_tokens,
+                    completion_tokens=st.completion_tokens, ttft_s=ttft, e2e_s=e2e,
+                    itl_s=st.itl)
+            except ValueError:
+                logger.exception("bad metrics sample for %s", rid)
+        level = logging.INFO if self.args.log_requests else logging.DEBUG
+        if logger.isEnabledFor(level):
+            logger.log(level, format_request_log(rid, st.prompt_tokens, st.completion_tokens,
+                                                 ttft, e2e, reason))
+
+    # ---- tokenization and checks --------------------------------------------------------
+    def _need_tokenizer(self):
+        if self.tokenizer is None:
+            raise bad_request("this server has no tokenizer; send token ids as the prompt",
+                              "prompt")
+        return self.tokenizer
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (tokenized in a worker thread)."""
+        tok = self._need_tokenizer()
+        return await asyncio.to_thread(tok.encode, text, add_special_tokens=add_special_tokens)
+
+    async def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Render ``messages`` with the tokenizer's chat template and tokenize.
+
+        Raises:
+            APIError: 400 if the template rejects the conversation or there is none.
+        """
+        tok = self._need_tokenizer()
+
+        def render() -> str:
+            return tok.apply_chat_template(messages, tokenize=False,
+                                           add_generation_prompt=True)
+
+        try:
+            text = await asyncio.to_thread(render)
+        except Exception as exc:  # noqa: BLE001 - jinja's raise_exception, or no template
+            raise bad_request(f"the chat template rejected the messages: {exc}",
+                              "messages") from None
+        return await self.tokenize(text, add_special_tokens=False)
+
+    def check_prompt(self, input_ids: list[int], max_tokens: int | None, param: str) -> None:
+        """Validate a tokenized prompt against the engine's limits.
+
+        Raises:
+            APIError: 400 for an empty prompt, a token id outside ``[0, vocab_size)`` or
+                prompt + max_tokens beyond the context (code ``context_length_exceeded``).
+        """
+        if not input_ids:
+            raise bad_request("the prompt is empty", param)
+        vocab = self.vocab_size
+        if vocab and (min(input_ids) < 0 or max(input_ids) >= vocab):
+            bad = next(t for t in input_ids if t < 0 or t >= vocab)
+            raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param)
+        ctx = self.max_context_len
+        need = max_tokens if max_tokens is not None else 1
+        if len(input_ids) + need > ctx:
+            raise context_length_exceeded(ctx, len(input_ids), need, param)
+
+    def check_admission(self, count: int) -> None:
+        """Raise 503 when the engine is gone, the server is stopping, or the queue is full."""
+        if self.dead is not None:
+            raise unavailable(f"the engine is not running ({self.dead})")
+        if self.shutting_down:
+            raise unavailable("the server is shutting down")
+        if self.num_inflight + count > self.admission_limit():
+            raise unavailable("the request queue is full; retry later")
+
+    # ---- generation ---------------------------------------------------------------------
+    async def generate(self, reqs: list[tuple[str, list[int], SamplingParams]], stream: bool,
+                       arrival: float | None = None) -> AsyncIterator[ReqOutput]:
+        """Send engine requests and yield their outputs as they come.
+
+        Args:
+            reqs: ``(rid, input_ids, sampling_params)`` per engine request; an output's
+                ``index`` is the position in this list.
+            stream: whether the client streams (passed to the engine).
+            arrival: ``time.monotonic()`` when the HTTP request arrived (for TTFT/E2E).
+        Yields:
+            ``ReqOutput`` until every request has finished.
+        Raises:
+            APIError: 503 (admission), or the engine's error for a rejected request.
+        If the consumer stops early (client gone, cancellation), unfinished requests are
+        aborted in the engine.
+        """
+        self.check_admission(len(reqs))
+        queue: asyncio.Queue = asyncio.Queue()
+        t0 = arrival if arrival is not None else time.monotonic()
+        now = time.time()
+        rids: list[str] = []  # registered here, so ours to abort
+        try:
+            for idx, (rid, ids, _) in enumerate(reqs):
+                if rid in self.states:
+                    raise bad_request(f"duplicate request id {rid}")
+                self.states[rid] = _ReqState(queue, idx, t0, len(ids))
+                rids.append(rid)
+            for rid, ids, sp in reqs:
+                self.push.send(io.TokenizedGenerateReq(rid=rid, input_ids=ids,
+                                                       sampling_params=sp, stream=stream,
+                                                       arrival_time=now))
+            remaining = len(reqs)
+            while remaining:
+                item = await queue.get()
+                if isinstance(item, APIError):
+                    raise item
+                if item.finish_reason is not None:
+                    remaining -= 1
+                yield item
+        finally:
+            self.abort(rids)
+
+    def abort(self, rids: list[str], message: str = "aborted") -> None:
+        """Abort the still-running ones of ``rids`` (synchronous: safe in ``finally``)."""
+        for rid in rids:
+            st = self.states.pop(rid, None)
+            if st is None:
+                continue
+            if self.dead is None:
+                try:
+                    self.push.send(io.AbortReq(rid=rid))
+                except zmq.ZMQError:
+                    logger.exception("could not send the abort of %s", rid)
+            self._record_finish(rid, st, "abort")
+
+    def abort_all(self, message: str) -> None:
+        """End every request with ``finish_reason`` "abort" (shutdown)."""
+        for rid, st in list(self.states.items()):
+            st.queue.put_nowait(ReqOutput(st.index, "", [], {"type": "abort", "matched": None,
+                                                             "message": message},
+                                          st.prompt_tokens, st.completion_tokens))
+            self.abort([rid], message)
+
+    def fail_all(self, err: APIError) -> None:
+        """Fail every waiting request with ``err`` (a child process died)."""
+        for rid, st in list(self.states.items()):
+            st.queue.put_nowait(err)
+            del self.states[rid]
+            self._record_finish(rid, st, "abort")
+        for fut in self.info_waiters.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self.info_waiters.clear()
+
+    def on_child_died(self, name: str, exitcode: int | None) -> None:
+        """Mark the engine side dead and fail every waiting request with a 503."""
+        self.dead = f"the {name} process exited with code {exitcode}"
+        self.fail_all(unavailable(f"the engine is not running ({self.dead})"))
+
+    async def server_info(self) -> io.ServerInfoOut:
+        """Ask the engine for its KV pool and queue figures.
+
+        Raises:
+            APIError: 503 if the engine is dead or does not answer within 5 s.
+        """
+        if self.dead is not None:
+            raise unavailable(f"the engine is not running ({self.dead})")
+        rid = f"info-{uuid.uuid4().hex}"
+        fut = asyncio.get_running_loop().create_future()
+        self.info_waiters[rid] = fut
+        self.push.send(io.GetServerInfoReq(rid=rid))
+        try:
+            return await asyncio.wait_for(fut, SERVER_INFO_TIMEOUT_S)
+        except TimeoutError:
+            raise unavailable("the engine did not answer in time") from None
+        finally:
+            self.info_waiters.pop(rid, None)

@@ -1,0 +1,136 @@
+"""Helpers for the end-to-end tests: a real ``python -m server`` subprocess on 127.0.0.1.
+
+Each server runs the embedded SmolLM2 on the CPU in its own session (so a stop kills the
+whole process group), with ``TMPDIR`` pointing into the test's temp dir so the tests can
+check that the private IPC dir is removed at exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 300.0   # model + tokenizer load on 2 loaded CPU cores
+STOP_TIMEOUT_S = 30.0
+HTTP_TIMEOUT_S = 120.0    # any single request in the e2e tests
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pid_alive(pid: int | None) -> bool:
+    """True if ``pid`` exists and is not a zombie (Linux /proc; no psutil)."""
+    if not pid:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+class FerryServer:
+    """One ferry server subprocess.
+
+    Args:
+        tmp: a private directory (log file, TMPDIR of the server).
+        extra_args: flags after ``python -m server --host 127.0.0.1 --port P``.
+    """
+
+    def __init__(self, tmp: Path, extra_args: list[str]):
+        self.tmp = tmp
+        self.tmpdir = tmp / "t"
+        self.tmpdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp / "server.log"
+        self.args = ["--host", "127.0.0.1", "--port", str(self.port), *extra_args]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> FerryServer:
+        # one intra-op thread: on a busy 2-core CI box, OpenMP threads waiting on each
+        # other make every decode step several times slower
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                   PYTHONUNBUFFERED="1", TMPDIR=str(self.tmpdir), OMP_NUM_THREADS="1")
+        self._log = self.log_path.open("w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "server", *self.args], cwd=ROOT,
+                                     env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up:"
+                                   f"\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"/health not 200 after {START_TIMEOUT_S} s:\n{self.log()}")
+            time.sleep(0.5)
+
+    pid_alive = staticmethod(_pid_alive)
+    http_timeout = HTTP_TIMEOUT_S
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-8000:]
+
+    def ipc_dirs(self) -> list[str]:
+        return [p.name for p in self.tmpdir.iterdir() if p.name.startswith("ferry-")]
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self) -> None:
+        """SIGTERM the server (it drains and stops its children), then SIGKILL the group."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            if self.wait(STOP_TIMEOUT_S) is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        # children are in the server's session; kill any straggler so no test leaks processes
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def server(request, tmp_path_factory):
+    """A running ``FerryServer`` per test module, started with the module's ``SERVER_ARGS``."""
+    srv = FerryServer(tmp_path_factory.mktemp("ferry"), list(getattr(request.module,
+                                                                      "SERVER_ARGS", [])))
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="session")
+def ref_tokenizer():
+    """The reference HF tokenizer of the embedded model (loaded in the test process)."""
+    from engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(None)

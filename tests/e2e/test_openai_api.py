@@ -1,0 +1,325 @@
+"""The OpenAI API of a real server (embedded SmolLM2, CPU): shapes, streaming, usage,
+batching invariance, UTF-8 safety, stop strings, and client disconnects.
+
+References: the HF tokenizer (prompt token counts, chat template), the same request sent
+alone (batching), the non-stream text (streaming), the first greedy output (stop strings).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+SERVER_ARGS = ["--max-total-tokens", "16384", "--max-request-bytes", "262144"]
+HTTP_TIMEOUT_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused",
+                         timeout=HTTP_TIMEOUT_S, max_retries=0)
+
+
+def complete(client, prompt, **kw):
+    kw.setdefault("max_tokens", 12)
+    kw.setdefault("temperature", 0)
+    return client.completions.create(model=MODEL, prompt=prompt, **kw)
+
+
+def stream_text(client, prompt, **kw) -> tuple[str, list, object]:
+    """Concatenated text, finish reasons and the usage chunk of a streamed completion."""
+    kw.setdefault("max_tokens", 12)
+    kw.setdefault("temperature", 0)
+    text, reasons, usage = "", [], None
+    for chunk in client.completions.create(model=MODEL, prompt=prompt, stream=True, **kw):
+        if chunk.usage is not None:
+            assert chunk.choices == []
+            usage = chunk.usage
+        for c in chunk.choices:
+            assert "\ufffd" not in c.text
+            text += c.text
+            if c.finish_reason is not None:
+                reasons.append(c.finish_reason)
+    return text, reasons, usage
+
+
+def info(server) -> dict:
+    r = httpx.get(server.url + "/server_info", timeout=10)
+    assert r.status_code == 200
+    return r.json()
+
+
+def test_models_and_health(server, client):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    r = httpx.get(server.url + "/metrics", timeout=10)
+    assert r.status_code == 200 and "ferry:" in r.text
+    i = info(server)
+    assert i["kv_total_tokens"] == 16384 and i["kv_used_tokens"] == 0
+    assert i["engine_pid"] and i["detokenizer_pid"]
+
+
+def test_completion_stream_equals_non_stream(client, ref_tokenizer):
+    prompt = "The three primary colors are"
+    r = complete(client, prompt)
+    n_prompt = len(ref_tokenizer.encode(prompt))
+    assert r.object == "text_completion" and r.model == MODEL and len(r.choices) == 1
+    ch = r.choices[0]
+    assert ch.finish_reason in ("length", "stop") and ch.text
+    assert r.usage.prompt_tokens == n_prompt
+    assert r.usage.completion_tokens == (12 if ch.finish_reason == "length"
+                                         else r.usage.completion_tokens)
+    assert 1 <= r.usage.completion_tokens <= 12
+    assert r.usage.total_tokens == n_prompt + r.usage.completion_tokens
+    text, reasons, usage = stream_text(client, prompt,
+                                       stream_options={"include_usage": True})
+    assert text == ch.text and reasons == [ch.finish_reason]
+    assert usage is not None and usage.model_dump() == r.usage.model_dump()
+    # no usage chunk unless asked; stream_options null is the same as absent
+    text2, _, usage2 = stream_text(client, prompt, extra_body={"stream_options": None})
+    assert text2 == ch.text and usage2 is None
+
+
+def test_chat_stream_and_non_stream(client, ref_tokenizer):
+    messages = [{"role": "system", "content": "You answer in one short sentence."},
+                {"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "Paris."},
+                {"role": "user", "content": [{"type": "text", "text": "And of Italy?"}]}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
+                                       temperature=0)
+    assert r.object == "chat.completion"
+    msg = r.choices[0].message
+    assert msg.role == "assistant" and msg.content
+    tmpl = [dict(m, content=m["content"] if isinstance(m["content"], str)
+                 else m["content"][0]["text"]) for m in messages]
+    ref_ids = ref_tokenizer.apply_chat_template(tmpl, add_generation_prompt=True,
+                                                tokenize=False)
+    assert r.usage.prompt_tokens == len(ref_tokenizer.encode(ref_ids, add_special_tokens=False))
+
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    body = [c for c in chunks if c.choices]
+    assert [c.choices[0].finish_reason for c in body][-1] == r.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in body[:-1])
+    content = "".join(c.choices[0].delta.content or "" for c in body)
+    assert content == msg.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == r.usage.model_dump()
+
+
+def test_concurrent_requests_match_sequential(client):
+    base = "In the beginning there was a small village near the river. "
+    prompts = [base[: 20 + 7 * i] * (1 + i * i // 2) + " Then" for i in range(8)]  # 5-350 tok
+    alone = [complete(client, p, max_tokens=8).choices[0].text for p in prompts]
+    with cf.ThreadPoolExecutor(8) as ex:
+        together = list(ex.map(lambda p: complete(client, p, max_tokens=8).choices[0].text,
+                               prompts))
+    assert together == alone
+
+
+def test_emoji_and_cjk_stream_without_replacement_chars(client):
+    prompts = ["Emoji list: 😀 😃 😄 😁 😆 😅 🤣 😂 🙂 🙃 😉",
+               "中文句子：我爱北京天安门，天安门上太阳升。我们",
+               "日本語：こんにちは、世界。今日は"]
+    non_ascii = 0
+    for p in prompts:
+        full = complete(client, p, max_tokens=16).choices[0].text
+        streamed, _, _ = stream_text(client, p, max_tokens=16)
+        assert "\ufffd" not in full
+        assert streamed == full
+        non_ascii += sum(ord(c) > 0x7F for c in full)
+    assert non_ascii >= 3  # the case under test really happened
+
+
+def _stop_spanning_tokens(tok, text: str) -> str | None:
+    """A 3-6 character substring of ``text`` that starts inside one token and ends inside
+    a later one (by the reference tokenizer's segmentation)."""
+    ids = tok.encode(text, add_special_tokens=False)
+    ends = [len(tok.decode(ids[:k])) for k in range(1, len(ids) + 1)]
+    for k in range(len(ends) // 3, len(ends) - 1):
+        lo = ends[k] - 2
+        if lo <= (ends[k - 1] if k else 0):
+            continue  # the token is too short to start inside it
+        s = text[lo:ends[k] + 2]
+        if len(s) >= 3 and s.strip() == s and "\ufffd" not in s:
+            return s
+    return None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_spanning_tokens(client, ref_tokenizer, stream):
+    prompt = "Here is a short story about a robot who learns to paint:"
+    first = complete(client, prompt, max_tokens=24).choices[0].text
+    stop = _stop_spanning_tokens(ref_tokenizer, first)
+    assert stop is not None, first
+    expected = first[:first.find(stop)]
+    if stream:
+        text, reasons, _ = stream_text(client, prompt, max_tokens=24, stop=[stop, "#@never"])
+        assert reasons == ["stop"]
+    else:
+        r = complete(client, prompt, max_tokens=24, stop=[stop, "#@never"])
+        text = r.choices[0].text
+        assert r.choices[0].finish_reason == "stop"
+    assert text == expected
+
+
+def test_n_and_several_prompts(client):
+    kw = {"n": 3, "temperature": 1.0, "seed": 7, "max_tokens": 8,
+          "extra_body": {"ignore_eos": True}}
+    r = complete(client, "Once upon a time", **kw)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert r.usage.completion_tokens == 3 * 8  # summed over the choices
+    again = complete(client, "Once upon a time", **kw)
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]  # seeded
+    # several prompts: choice i*n+j belongs to prompt i
+    r2 = complete(client, ["The sky is", "Water is"], max_tokens=6)
+    solo = [complete(client, p, max_tokens=6).choices[0].text for p in ["The sky is", "Water is"]]
+    assert [c.text for c in sorted(r2.choices, key=lambda c: c.index)] == solo
+    # n > 1 streamed: chunks of both choices, each ending with a finish reason
+    reasons = {}
+    for chunk in client.completions.create(model=MODEL, prompt="Hello", n=2, max_tokens=5,
+                                           temperature=0.7, stream=True):
+        for c in chunk.choices:
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    assert set(reasons) == {0, 1}
+
+
+def test_token_id_prompt_and_max_tokens_alias(client, ref_tokenizer):
+    prompt = "The capital of France is"
+    ids = ref_tokenizer.encode(prompt)
+    by_text = complete(client, prompt)
+    by_ids = complete(client, ids)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                       max_completion_tokens=3, temperature=0)
+    assert r.usage.completion_tokens <= 3
+
+
+def _wait_kv_free(server, timeout: float) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        i = info(server)
+        if i["kv_used_tokens"] == 0 and i["num_running"] == 0 and i["num_waiting"] == 0:
+            return time.monotonic() - t0
+        time.sleep(0.05)
+    raise AssertionError(f"KV not freed after {timeout} s: {info(server)}")
+
+
+def test_stream_disconnect_frees_kv(server):
+    body = {"model": MODEL, "prompt": "Count from one to one thousand: one, two,",
+            "max_tokens": 1000, "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=HTTP_TIMEOUT_S) as c, \
+            c.stream("POST", server.url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        got = 0
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                got += 1
+                if got == 3:
+                    break
+        assert info(server)["kv_used_tokens"] > 0  # the request holds KV right now
+    assert _wait_kv_free(server, 5.0) < 5.0
+
+
+def test_non_stream_disconnect_frees_kv(server):
+    body = {"model": MODEL, "prompt": "Write a very long essay about the sea.",
+            "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(
+            10.0, read=1.5))
+    assert _wait_kv_free(server, 5.0) < 5.0
+
+
+# ---- the error table ------------------------------------------------------------------
+
+def post(server, path, body, **kw):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(server.url + path, content=data, timeout=30,
+                      headers={"Content-Type": "application/json"}, **kw)
+
+
+def assert_error(r, status, param=None, code=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code
+    return err
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", 3), ("top_p", 0), ("top_k", -5), ("max_tokens", 0), ("n", 17),
+    ("stop", ["s"] * 17), ("logit_bias", {"999999": 1}), ("stop_token_ids", [10**9]),
+    ("seed", 2**64), ("presence_penalty", 9), ("tools", [{"type": "function"}]),
+    ("max_tokens", 10**30), ("min_tokens", 10**30),
+])
+def test_400_names_the_param(server, field, value):
+    for path, base in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                               "content": "hi"}]})):
+        if field == "tools" and path == "/v1/completions":
+            continue
+        assert_error(post(server, path, dict(base, model=MODEL, **{field: value})), 400,
+                     field)
+
+
+def test_400_prompts_and_bodies(server):
+    assert_error(post(server, "/v1/completions", {"prompt": ""}), 400, "prompt")
+    assert_error(post(server, "/v1/completions", {"prompt": []}), 400, "prompt")
+    assert_error(post(server, "/v1/completions", {"prompt": [5, 49152]}), 400, "prompt")
+    assert_error(post(server, "/v1/completions", {"prompt": [-1]}), 400, "prompt")
+    assert_error(post(server, "/v1/completions", b"{not json"), 400)
+    assert_error(post(server, "/v1/completions", b'{"prompt": "a\\ud800b"}'), 400)  # surrogate
+    assert_error(post(server, "/v1/completions", b'{"prompt": "a", "top_p": NaN}'), 400)
+    assert_error(post(server, "/v1/completions", b'{"prompt": "\xff\xfe"}'), 400)
+    assert_error(post(server, "/v1/completions", b""), 400)
+    assert_error(post(server, "/v1/completions", [1, 2]), 400)
+    assert_error(post(server, "/v1/chat/completions", {"messages": []}), 400, "messages")
+    assert_error(post(server, "/v1/chat/completions", {"messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
+        400, "messages[0].content[0].type")
+    assert_error(post(server, "/v1/completions", {"prompt": "x", "echo": True}), 400, "echo")
+    # prompt + max_tokens beyond the context (8192 tokens)
+    err = assert_error(post(server, "/v1/completions", {"prompt": [1] * 8000,
+                                                        "max_tokens": 500}),
+                       400, "prompt", "context_length_exceeded")
+    assert "8192" in err["message"]
+
+
+def test_openai_client_sees_bad_request(client):
+    with pytest.raises(openai.BadRequestError) as ei:
+        complete(client, "hi", temperature=5)
+    assert ei.value.status_code == 400 and ei.value.body["param"] == "temperature"
+
+
+def test_404_405_413(server):
+    assert_error(post(server, "/v1/completions", {"prompt": "x", "model": "gpt-9"}), 404,
+                 "model", "model_not_found")
+    assert_error(httpx.get(server.url + "/v1/nothing", timeout=10), 404)
+    assert_error(httpx.get(server.url + "/v1/completions", timeout=10), 405)
+    big = {"prompt": "x" * 300_000}
+    assert_error(post(server, "/v1/completions", big), 413)
+
+    def chunks():  # no Content-Length: the streamed size is what counts
+        for _ in range(40):
+            yield b" " * 10_000
+
+    r = httpx.post(server.url + "/v1/completions", content=chunks(), timeout=30)
+    assert_error(r, 413)
+    # the server is fine afterwards
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
