@@ -130,7 +130,8 @@ class EngineLoop:
     def batch_out(self, outs: list[StepOutput]) -> io.BatchTokenIdOut:
         b = io.BatchTokenIdOut(rids=[], new_token_ids=[], finished_reasons=[], prompt_tokens=[],
                                completion_tokens=[], stop_strs=[], skip_special_tokens=[],
-                               spaces_between_special_tokens=[], logprobs=[])
+                               spaces_between_special_tokens=[], logprobs=[],
+                               prompt_logprobs=[])
         for o in outs:
             req, sp = o.req, o.req.sampling_params
             b.rids.append(req.rid)
@@ -146,6 +147,12 @@ class EngineLoop:
                 req.sent_logprobs = len(req.logprobs)
             else:
                 b.logprobs.append(None)
+            if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and (
+                    o.new_token_ids or o.finished_reason is not None):
+                b.prompt_logprobs.append(req.prompt_logprobs)
+                req.prompt_logprobs_sent = True
+            else:
+                b.prompt_logprobs.append(None)
         return b
 
     def info_out(self, rid: str) -> io.ServerInfoOut:

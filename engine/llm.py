@@ -24,6 +24,10 @@ class RequestOutput:
     text: str | None
     finish_reason: str
     matched_stop: str | int | None = None
+    # with SamplingParams.logprobs: per generated token (logprob, [[id, logprob], ...top-k])
+    logprobs: list | None = None
+    # with SamplingParams.prompt_logprobs: per prompt token, None for the first
+    prompt_logprobs: list | None = None
 
 
 def final_text(tokenizer, token_ids: list[int], matched, skip_special_tokens: bool = True) -> str:
@@ -105,6 +109,8 @@ class LLM:
             if self.tokenizer is not None:
                 text = final_text(self.tokenizer, r.output_ids, fr.matched,
                                   r.sampling_params.skip_special_tokens)
-            results.append(RequestOutput(r.origin_input_ids, list(r.output_ids), text, fr.type,
-                                         fr.matched))
+            results.append(RequestOutput(
+                r.origin_input_ids, list(r.output_ids), text, fr.type, fr.matched,
+                r.logprobs if r.sampling_params.logprobs is not None else None,
+                r.prompt_logprobs))
         return results

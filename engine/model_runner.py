@@ -153,6 +153,11 @@ class ModelRunner:
             fb.extend_prefix_lens = torch.tensor(batch.prefix_lens, dtype=torch.int32).to(d)
             fb.extend_start_loc = torch.tensor(starts, dtype=torch.int32).to(d)
             fb.max_extend_len = max(batch.extend_lens)
+            if any(batch.all_rows):
+                rows = []
+                for s0, n, all_ in zip(starts, batch.extend_lens, batch.all_rows):
+                    rows.extend(range(s0, s0 + n) if all_ else [s0 + n - 1])
+                last = rows
             fb.logits_indices = torch.tensor(last, dtype=i64).to(d)
         return input_ids, fb
 

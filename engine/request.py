@@ -34,7 +34,7 @@ class Req:
     __slots__ = ("rid", "origin_input_ids", "sampling_params", "stream", "output_ids",
                  "req_pool_idx", "pages", "kv_len", "finished_reason", "sent_len",
                  "arrival_time", "first_token_time", "max_new_tokens", "stop_window",
-                 "logprobs", "sent_logprobs")
+                 "logprobs", "sent_logprobs", "prompt_logprobs", "prompt_logprobs_sent")
 
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams,
                  stream: bool = False, max_new_tokens: int | None = None,
@@ -59,6 +59,10 @@ class Req:
         self.stop_window = 4 * longest + 2 if longest else 0
         self.logprobs: list = []
         self.sent_logprobs = 0
+        # echo: one entry per prompt token (None for the first), filled during prefill
+        self.prompt_logprobs: list | None = (
+            [None] if sampling_params.prompt_logprobs is not None else None)
+        self.prompt_logprobs_sent = False
 
     @property
     def fill_ids(self) -> list[int]:
@@ -68,6 +72,12 @@ class Req:
     @property
     def seq_len(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet."""
+        return (self.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < len(self.origin_input_ids))
 
     @property
     def finished(self) -> bool:

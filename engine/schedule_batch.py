@@ -29,6 +29,17 @@ class ScheduleBatch:
     extend_lens: list[int]
     sample: list[bool]
     out_cache_loc: list[int] = field(default_factory=list)
+    # per request: return logits for every new token (prompt logprobs), not just the last
+    all_rows: list[bool] = field(default_factory=list)
+
+    def logits_rows(self) -> list[tuple[int, int]]:
+        """Per request, ``(first row, row count)`` in the step's logits."""
+        out, r = [], 0
+        for i, n in enumerate(self.extend_lens):
+            k = n if (self.all_rows and self.all_rows[i]) else 1
+            out.append((r, k))
+            r += k
+        return out
 
     @property
     def batch_size(self) -> int:

@@ -183,6 +183,7 @@ class Scheduler:
                 break  # the chunked request continues next step
         if not reqs:
             return None
+        all_rows = [r.wants_prompt_logprobs for r in reqs]
         # the reserve above leaves room for one more token of every running request
         for req in self.running:
             slots = self._grow(req, 1)
@@ -194,7 +195,9 @@ class Scheduler:
             sample.append(True)
             locs.extend(slots)
             req.kv_len += 1
-        return ScheduleBatch(ForwardMode.EXTEND, reqs, prefix, ext, sample, locs)
+            all_rows.append(False)
+        return ScheduleBatch(ForwardMode.EXTEND, reqs, prefix, ext, sample, locs,
+                             all_rows if any(all_rows) else [])
 
     def _build_decode(self) -> ScheduleBatch | None:
         if not self.running:
@@ -255,7 +258,11 @@ class Scheduler:
         future = self.inflight.result.ids_dev if self.inflight is not None else None
         try:
             logits = self.runner.forward(batch, future)
-            if len(sample_rows) != batch.batch_size:
+            if batch.all_rows:
+                rows = batch.logits_rows()
+                self._prompt_logprobs(batch, logits, rows)
+                logits = logits[[rows[i][0] + rows[i][1] - 1 for i in sample_rows]]
+            elif len(sample_rows) != batch.batch_size:
                 logits = logits[sample_rows]
             result = self.runner.sample(logits, reqs, self.eos_ids) if reqs else None
         except Exception as exc:  # a bug or a device error: fail this batch, keep serving
@@ -279,6 +286,34 @@ class Scheduler:
             if id(req) not in running:
                 self.running.append(req)
         return _InFlight(result, slots) if slots else None
+
+    def _prompt_logprobs(self, batch: ScheduleBatch, logits, rows) -> None:
+        """Log-probabilities of the prompt tokens (echo): the logits at position j score
+        prompt token j + 1. Top-k alternatives come with each (k = prompt_logprobs)."""
+        import torch
+
+        for i, req in enumerate(batch.reqs):
+            if not batch.all_rows[i]:
+                continue
+            r0, n = rows[i]
+            p = batch.prefix_lens[i]
+            prompt = req.origin_input_ids
+            m = min(n, len(prompt) - 1 - p)  # rows whose next token is still in the prompt
+            skip = len(req.prompt_logprobs) - 1 - p  # rows done before a preemption
+            if skip < 0 or m - skip <= 0:
+                continue
+            lp = torch.log_softmax(logits[r0 + skip: r0 + m].float(), dim=-1)
+            nxt = torch.tensor(prompt[p + 1 + skip: p + 1 + m], device=lp.device)
+            m -= skip
+            chosen = lp.gather(1, nxt[:, None])[:, 0].tolist()
+            k = req.sampling_params.prompt_logprobs
+            if k:
+                top_lp, top_id = lp.topk(k, dim=-1)
+                top = [[[a, b] for a, b in zip(ids, lps)]
+                       for ids, lps in zip(top_id.tolist(), top_lp.tolist())]
+            else:
+                top = [[] for _ in range(m)]
+            req.prompt_logprobs.extend((c, t) for c, t in zip(chosen, top))
 
     def _process(self, rec: _InFlight | None) -> None:
         if rec is None:

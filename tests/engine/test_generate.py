@@ -31,8 +31,7 @@ def llm():
 
 
 @pytest.fixture(scope="module")
-def hf_reference(llm):
-    """HF greedy token ids for each prompt, run one at a time (no padding effects)."""
+def hf_model():
     from transformers import AutoModelForCausalLM
 
     from engine.loader import resolve_model_path
@@ -40,7 +39,13 @@ def hf_reference(llm):
     src = resolve_model_path(None)
     model = AutoModelForCausalLM.from_pretrained(src.root, gguf_file=src.gguf_file,
                                                  dtype=torch.float32)
-    model.eval()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_reference(llm, hf_model):
+    """HF greedy token ids for each prompt, run one at a time (no padding effects)."""
+    model = hf_model
     out = []
     for p in PROMPTS:
         ids = llm.tokenizer(p, return_tensors="pt").input_ids
@@ -113,3 +118,33 @@ def test_stop_and_eos(llm, hf_reference):
     o = llm.generate([chat], SamplingParams(max_tokens=200, temperature=0))[0]
     assert o.finish_reason == "stop" and o.matched_stop in llm.scheduler.eos_ids
     assert llm.runner.kv_pool.used_tokens() == 0
+
+
+def test_logprobs_and_prompt_logprobs_match_hf(llm, hf_model):
+    """Generated-token and prompt-token logprobs (log-softmax of the raw logits) vs HF."""
+    from engine import SamplingParams
+
+    prompt = PROMPTS[6]
+    ids = llm.tokenizer(prompt).input_ids
+    old = llm.scheduler.chunk_size
+    llm.scheduler.chunk_size = 8  # the prompt's logprobs arrive over several chunks
+    try:
+        o = llm.generate([prompt], SamplingParams(max_tokens=5, temperature=0, logprobs=3,
+                                                   prompt_logprobs=2, ignore_eos=True))[0]
+    finally:
+        llm.scheduler.chunk_size = old
+    full = torch.tensor([ids + o.token_ids])
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_model(full).logits[0].double(), dim=-1)
+    assert o.prompt_logprobs[0] is None and len(o.prompt_logprobs) == len(ids)
+    for j in range(1, len(ids)):
+        lp, top = o.prompt_logprobs[j]
+        assert abs(lp - ref[j - 1, ids[j]].item()) < 1e-3
+        ref_top = torch.topk(ref[j - 1], 2)
+        assert [t[0] for t in top] == ref_top.indices.tolist()
+    assert len(o.logprobs) == len(o.token_ids) == 5
+    for k, (lp, top) in enumerate(o.logprobs):
+        row = ref[len(ids) - 1 + k]
+        assert abs(lp - row[o.token_ids[k]].item()) < 1e-3
+        assert top[0][0] == o.token_ids[k]  # greedy: the chosen token is the top one
+        assert len(top) == 3 and abs(top[1][1] - torch.topk(row, 3).values[1].item()) < 1e-3
