@@ -19,7 +19,8 @@ for stage in "$@"; do
   case $stage in
     info) nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
           python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)";;
-    gputests) run gputests 400 python3 -m pytest -q -x -m gpu tests/kernels tests/unit/test_sampler.py -p no:cacheprovider;;
+    gputests) run gputests 400 python3 -m pytest -q -x -m gpu tests/kernels tests/unit/test_sampler.py \
+              tests/engine/test_engine_gpu.py -p no:cacheprovider;;
     parity) run parity 200 python3 -m engine.parity --model-path engine/configs/llama-tiny.json \
               --load-format dummy --devices cpu,cuda --steps 32;;
     latency) run latency 300 python3 -m engine.bench_latency --model-path $L8B --load-format dummy \
@@ -43,7 +44,8 @@ for stage in "$@"; do
               --result-jsonl "$OUT/offline.jsonl";;
     offline-small) run offline-small 300 python3 -m engine.bench_offline --model-path $L8B \
               --load-format dummy --num-prompts 64 --result-jsonl "$OUT/offline.jsonl";;
-    serving) python3 -m server --model-path $L8B --load-format dummy --port 30000 \
+    serving) python3 -m server --model-path engine/configs/llama-3-8b-smolvocab.json \
+               --load-format dummy --tokenizer-path "${TOKENIZER:-.tok}" --port 30000 \
                >"$OUT/server.log" 2>&1 &
              spid=$!
              for _ in $(seq 1 180); do curl -sf localhost:30000/health >/dev/null && break; sleep 1; done

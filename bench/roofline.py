@@ -129,7 +129,8 @@ def decode_roofline(weight_bytes: float, kv_bytes: float, bandwidth: float,
 
 
 def load_config(model_path: str):
-    """The HF config of a local dir holding ``config.json`` (never the hub).
+    """The HF config of a local dir holding ``config.json``, or of a config ``.json`` file
+    (like ``engine/configs/llama-3-8b.json``); never the hub.
 
     Raises:
         FileNotFoundError: ``model_path`` has no ``config.json``.
@@ -138,6 +139,10 @@ def load_config(model_path: str):
 
     from transformers import AutoConfig
 
+    if model_path.endswith(".json") and os.path.isfile(model_path):
+        from engine.loader import load_config as ferry_load_config
+
+        return ferry_load_config(model_path)
     if not os.path.isfile(os.path.join(model_path, "config.json")):
         raise FileNotFoundError(f"{model_path}: no config.json (pass a config directory)")
     return AutoConfig.from_pretrained(model_path, local_files_only=True)

@@ -96,7 +96,7 @@ class GraphRunner:
         bs = batch.batch_size
         gbs = self.buckets[bisect.bisect_left(self.buckets, bs)]
         r = self.runner
-        ids = [req.fill_ids[p] for req, p in zip(batch.reqs, batch.prefix_lens)]
+        ids = [req.token_at(p) for req, p in zip(batch.reqs, batch.prefix_lens)]
         pad = gbs - bs
         host = torch.tensor(
             [ids + [0] * pad,

@@ -122,8 +122,7 @@ class ModelRunner:
         last: list[int] = []
         off = 0
         for req, p, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
-            fill = req.fill_ids
-            ids.extend(fill[p: p + n])
+            ids.extend(req.tokens(p, n))
             pos.extend(range(p, p + n))
             rows_t.extend([req.req_pool_idx] * n)
             starts.append(off)

@@ -69,6 +69,21 @@ class Req:
         """Prompt plus generated tokens: what the KV cache must hold."""
         return self.origin_input_ids + self.output_ids
 
+    def token_at(self, pos: int) -> int:
+        """``fill_ids[pos]`` without building the concatenated list."""
+        n = len(self.origin_input_ids)
+        return self.origin_input_ids[pos] if pos < n else self.output_ids[pos - n]
+
+    def tokens(self, start: int, count: int) -> list[int]:
+        """``fill_ids[start:start + count]`` without building the concatenated list."""
+        n = len(self.origin_input_ids)
+        end = start + count
+        if end <= n:
+            return self.origin_input_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n: end - n]
+        return self.origin_input_ids[start:] + self.output_ids[: end - n]
+
     @property
     def seq_len(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)

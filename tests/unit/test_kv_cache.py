@@ -42,3 +42,17 @@ def test_req_to_token_rows():
     assert sorted(rows) == [1, 2, 3] and pool.alloc() is None
     pool.free(rows[0])
     assert pool.available() == 1
+
+
+def test_req_token_access_matches_fill_ids():
+    from engine.request import Req
+    from engine.sampling_params import SamplingParams
+
+    r = Req("a", [10, 11, 12], SamplingParams())
+    r.output_ids = [20, 21]
+    fill = r.fill_ids
+    assert fill == [10, 11, 12, 20, 21]
+    assert [r.token_at(i) for i in range(5)] == fill
+    for start in range(5):
+        for count in range(0, 6 - start):
+            assert r.tokens(start, count) == fill[start: start + count]
