@@ -36,7 +36,10 @@ class IncrementalDetokenizer:
             None (then every delta is empty: token ids only).
         stop: stop strings; the text never contains one, nor is a possible beginning of one
             released before the request finishes.
-        skip_special_tokens, spaces_between_special_tokens: passed to ``decode``.
+        skip_special_tokens, spaces_between_special_tokens: passed to ``decode``. As in
+            vLLM, ``spaces_between_special_tokens`` only changes the text for tokenizers
+            whose decode puts spaces between added tokens (transformers' slow tokenizers);
+            byte-level fast tokenizers (SmolLM2, Llama 3, Qwen) decode the same either way.
     """
 
     __slots__ = ("ids", "max_stop", "prefix_offset", "prefix_text", "read_offset", "sent",

@@ -1,7 +1,9 @@
 """The Starlette application: routes, API-key check and OpenAI-shaped errors everywhere.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /v1/models/{id}``, ``GET /health``, ``GET /server_info``, ``GET /metrics``.
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/tokenize`` and
+``POST /v1/detokenize`` (also at ``/tokenize`` and ``/detokenize``, vLLM's paths),
+``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /server_info``,
+``GET /metrics``.
 Every handler is wrapped so an unexpected exception still answers an OpenAI-shaped error
 (and logs the traceback); unknown routes (404) and wrong methods (405) are shaped too.
 """
@@ -129,6 +131,14 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
         return await serving.chat(request)
 
     @endpoint
+    async def tokenize(request: Request) -> Response:
+        return await serving.tokenize(request)
+
+    @endpoint
+    async def detokenize(request: Request) -> Response:
+        return await serving.detokenize(request)
+
+    @endpoint
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [model_card()]})
 
@@ -185,6 +195,10 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/tokenize", tokenize, methods=["POST"]),
+        Route("/v1/detokenize", detokenize, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

@@ -4,6 +4,8 @@ Bounds mirror ``SamplingParams.verify`` so a bad value is a 400 naming the field
 before anything reaches the engine. ``null`` at the top level means "absent" (OpenAI clients
 send ``"stream_options": null``). Unknown fields OpenAI treats as optional are ignored; fields
 ferry cannot honour are a 400 naming them (``check_unsupported``).
+
+Also the bodies of ``/v1/tokenize`` and ``/v1/detokenize`` (vLLM's and SGLang's shapes).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ MAX_PROMPTS = 128            # prompts in one /v1/completions request
 MAX_N_HARD = 128             # upper bound of n whatever --max-n says
 MAX_MESSAGES = 1024
 MAX_STOP_TOKEN_IDS = MAX_STOP_STRINGS
+MAX_DETOKENIZE_TOKENS = 1 << 17  # token ids in one /v1/detokenize request
 
 
 class _Base(BaseModel):
@@ -68,6 +71,7 @@ class _SamplingRequest(_Base):
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = False   # vLLM: logprobs tokens as "token_id:N"
     user: str | None = None
 
     @field_validator("stop", mode="before")
@@ -116,6 +120,20 @@ class _SamplingRequest(_Base):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    @property
+    def logprobs_k(self) -> int | None:
+        """Alternatives per generated token to return, or None for no logprobs."""
+        return None
+
+    @property
+    def prompt_logprobs_k(self) -> int | None:
+        """Alternatives per prompt token to return (completions ``echo``), or None."""
+        return None
+
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """The engine's ``SamplingParams`` (``max_tokens`` resolved by the caller)."""
         return SamplingParams(
@@ -126,7 +144,8 @@ class _SamplingRequest(_Base):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias),
             skip_special_tokens=self.skip_special_tokens,
-            spaces_between_special_tokens=self.spaces_between_special_tokens)
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            logprobs=self.logprobs_k, prompt_logprobs=self.prompt_logprobs_k)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -138,6 +157,14 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = Field(None, ge=1, le=MAX_N_HARD)
     suffix: str | None = None
+
+    @property
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def prompt_logprobs_k(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -178,6 +205,10 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @property
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
@@ -206,6 +237,8 @@ def _refuse(req: BaseModel, name: str, value: Any) -> APIError | None:
         return None if value in (None, ["text"]) else not_supported(name, "only ['text']")
     if name == "audio":
         return not_supported(name) if value is not None else None
+    if name == "echo":  # vLLM's chat echo (repeat the last message) is not implemented
+        return not_supported(name, "only on /v1/completions") if value else None
     if name in ("web_search_options", "guided_json", "guided_regex", "guided_choice",
                 "guided_grammar", "structured_outputs", "response_schema"):
         return not_supported(name)
@@ -215,8 +248,9 @@ def _refuse(req: BaseModel, name: str, value: Any) -> APIError | None:
 def check_unsupported(req: _SamplingRequest) -> None:
     """Raise a 400 ``APIError`` naming the first field ferry cannot honour.
 
-    Covers extra fields (``tools``, ``response_format``...) and known fields whose value is
-    not supported yet (``logprobs``, ``echo``, ``best_of`` > n, ``suffix``).
+    Covers extra fields (``tools``, ``response_format``...), known fields whose value is
+    not supported yet (``best_of`` other than n, ``suffix``) and chat ``top_logprobs`` > 0
+    without ``logprobs: true`` (OpenAI refuses it too).
     """
     for name, value in (req.model_extra or {}).items():
         if name in IGNORED_FIELDS:
@@ -225,19 +259,12 @@ def check_unsupported(req: _SamplingRequest) -> None:
         if err is not None:
             raise err
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise not_supported("echo")
-        if req.logprobs is not None:
-            raise not_supported("logprobs")
         if req.best_of is not None and req.best_of != req.n:
             raise not_supported("best_of", "best_of must equal n")
         if req.suffix:
             raise not_supported("suffix")
-    elif isinstance(req, ChatCompletionRequest):
-        if req.logprobs:
-            raise not_supported("logprobs")
-        if req.top_logprobs:
-            raise not_supported("top_logprobs")
+    elif isinstance(req, ChatCompletionRequest) and req.top_logprobs and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
 
 
 # ---- chat messages ------------------------------------------------------------------------
@@ -318,8 +345,8 @@ def from_validation_error(exc: ValidationError) -> APIError:
     return bad_request(f"{param}: {msg}" if param else msg, param)
 
 
-def parse_request(model: type[_SamplingRequest], body: Any) -> _SamplingRequest:
-    """Validate a decoded JSON body.
+def parse_request(model: type[BaseModel], body: Any) -> Any:
+    """Validate a decoded JSON body (a generation, tokenize or detokenize request).
 
     Raises:
         APIError: 400 (not an object, a bad field, or an unsupported one).
@@ -330,5 +357,38 @@ def parse_request(model: type[_SamplingRequest], body: Any) -> _SamplingRequest:
         req = model.model_validate(body)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
-    check_unsupported(req)
+    if isinstance(req, _SamplingRequest):
+        check_unsupported(req)
+    elif isinstance(req, TokenizeRequest):
+        req.check()
     return req
+
+
+# ---- /v1/tokenize and /v1/detokenize ------------------------------------------------------
+
+class TokenizeRequest(_Base):
+    """``POST /v1/tokenize``: exactly one of ``prompt`` (a string) or ``messages``.
+
+    ``add_special_tokens`` defaults to True for a prompt and False for messages (the chat
+    template writes its own special tokens), as in vLLM.
+    """
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        """Raises: APIError 400 (``param`` "prompt") unless exactly one input is given."""
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("send exactly one of 'prompt' (a string) or 'messages'",
+                              "prompt")
+
+
+class DetokenizeRequest(_Base):
+    """``POST /v1/detokenize``: ``tokens`` (ids; range-checked against the vocabulary later)."""
+
+    model: str | None = None
+    tokens: list[int] = Field(max_length=MAX_DETOKENIZE_TOKENS)

@@ -1,10 +1,12 @@
-"""The two generation endpoints: ``/v1/completions`` and ``/v1/chat/completions``.
+"""The generation endpoints (``/v1/completions``, ``/v1/chat/completions``) and the tokenizer
+endpoints (``/v1/tokenize``, ``/v1/detokenize``).
 
-Each handler validates the body, tokenizes (chat template for chat), fans ``n`` and several
-prompts out into engine requests with rids ``{id}-{i}``, and answers either one JSON body or
-an SSE stream of OpenAI chunks ending in ``data: [DONE]``. A stream's first output is awaited
-before the response starts, so an engine rejection is still a plain HTTP error; after that an
-error becomes a final ``data: {"error": ...}`` event.
+Each generation handler validates the body, tokenizes (chat template for chat), fans ``n``
+and several prompts out into engine requests with rids ``{id}-{i}``, and answers either one
+JSON body or an SSE stream of OpenAI chunks ending in ``data: [DONE]`` (the shapes live in
+``server/formats.py``). A stream's first output is awaited before the response starts, so an
+engine rejection is still a plain HTTP error; after that an error becomes a final
+``data: {"error": ...}`` event.
 """
 
 from __future__ import annotations
@@ -24,9 +26,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.sampling_params import SamplingParams
 from server.errors import APIError, bad_request, http_error
+from server.formats import BaseFormat, ChatFormat, CompletionFormat, LogprobOptions
+from server.logprobs import TokenStrings
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     messages_for_template,
     parse_request,
 )
@@ -34,7 +40,6 @@ from server.tokenizer_manager import ReqOutput, TokenizerManager
 
 logger = logging.getLogger("ferry.server")
 
-INT64_MAX = 2**63 - 1
 DONE = "data: [DONE]\n\n"
 
 
@@ -44,6 +49,11 @@ class ClientGone(Exception):
 
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def _wrap_int64(x: int) -> int:
+    """``x`` wrapped into [-2**63, 2**63) (two's complement)."""
+    return (x + 2**63) % 2**64 - 2**63
 
 
 def sse(obj: Any) -> str:
@@ -123,15 +133,6 @@ class _SSEResponse(StreamingResponse):
             self.on_close()
 
 
-def _finish_reason(out: ReqOutput) -> str | None:
-    return None if out.finish_reason is None else str(out.finish_reason.get("type", "stop"))
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
 class OpenAIServing:
     """Handlers of the generation endpoints.
 
@@ -145,6 +146,14 @@ class OpenAIServing:
         self.tm = tm
         self.args = args
         self.model_name = model_name
+        self._strings: TokenStrings | None = None
+
+    @property
+    def strings(self) -> TokenStrings:
+        """Per-token strings for logprobs (built on first use: the tokenizer is set late)."""
+        if self._strings is None or self._strings.tokenizer is not self.tm.tokenizer:
+            self._strings = TokenStrings(self.tm.tokenizer)
+        return self._strings
 
     # ---- shared checks ------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -169,8 +178,9 @@ class OpenAIServing:
                  sp: SamplingParams) -> list[tuple[str, list[int], SamplingParams]]:
         """One engine request per (prompt, sample); choice ``i = prompt * n + j``.
 
-        A seeded request gives sample ``j`` the seed ``seed + j`` so the n samples differ
-        but stay reproducible.
+        A seeded request gives sample ``j`` (of every prompt) the seed ``seed + j``, wrapped
+        into int64, so the n samples differ but stay reproducible, and sample j of a seeded
+        ``n`` request equals sample 0 of the same request with ``seed + j``.
         """
         total = len(prompts) * n
         out = []
@@ -179,15 +189,15 @@ class OpenAIServing:
                 i = p * n + j
                 spj = sp
                 if j and sp.seed is not None:
-                    spj = msgspec.structs.replace(sp, seed=(sp.seed + j) % INT64_MAX)
+                    spj = msgspec.structs.replace(sp, seed=_wrap_int64(sp.seed + j))
                 out.append((base if total == 1 else f"{base}-{i}", ids, spj))
         return out
 
-    def _log_request(self, fmt: _Format, prompt: Any, sp: SamplingParams) -> None:
+    def _log_request(self, fmt: BaseFormat, prompt: Any, sp: SamplingParams) -> None:
         if self.args.log_requests:
             logger.info("request %s prompt=%.2000r params=%s", fmt.id, prompt, sp)
 
-    def _log_output(self, fmt: _Format) -> None:
+    def _log_output(self, fmt: BaseFormat) -> None:
         if self.args.log_requests:
             logger.info("request %s outputs=%.4000r", fmt.id, fmt.texts)
 
@@ -247,7 +257,7 @@ class OpenAIServing:
         self.check_model(req.model)
         sp = self._params(req, req.max_tokens)
         prompts = req.prompt if isinstance(req.prompt, list) else [req.prompt]
-        ids_list = []
+        ids_list, texts = [], []
         for p in prompts:
             if isinstance(p, str):
                 if not p:
@@ -257,10 +267,17 @@ class OpenAIServing:
                 ids = list(p)
             self.tm.check_prompt(ids, sp.max_tokens, "prompt")
             ids_list.append(ids)
+            if req.echo:  # the prompt as sent; token ids decoded like the output
+                texts.append(p if isinstance(p, str) else await self.tm.decode(
+                    ids, skip_special_tokens=req.skip_special_tokens))
         base = f"cmpl-{uuid.uuid4().hex}"
         subs = self._fan_out(base, ids_list, req.n, sp)
-        fmt = _CompletionFormat(base, self.model_name, len(subs), sum(map(len, ids_list)),
-                                req.include_usage)
+        lp = LogprobOptions(k=req.logprobs, as_ids=req.return_tokens_as_token_ids,
+                            echo=req.echo,
+                            prompt_texts=[t for t in texts for _ in range(req.n)],
+                            prompt_ids=[ids for ids in ids_list for _ in range(req.n)])
+        fmt = CompletionFormat(base, self.model_name, len(subs), sum(map(len, ids_list)),
+                               req.include_usage, req.continuous_usage, self.strings, lp)
         self._log_request(fmt, req.prompt, sp)
         return await self._answer(request, subs, req.stream, t0, fmt)
 
@@ -276,106 +293,48 @@ class OpenAIServing:
         self.tm.check_prompt(ids, sp.max_tokens, param)
         base = f"chatcmpl-{uuid.uuid4().hex}"
         subs = self._fan_out(base, [ids], req.n, sp)
-        fmt = _ChatFormat(base, self.model_name, len(subs), len(ids), req.include_usage)
+        lp = LogprobOptions(k=req.logprobs_k, as_ids=req.return_tokens_as_token_ids)
+        fmt = ChatFormat(base, self.model_name, len(subs), len(ids), req.include_usage,
+                         req.continuous_usage, self.strings, lp)
         self._log_request(fmt, [m.model_dump(exclude_none=True) for m in req.messages], sp)
         return await self._answer(request, subs, req.stream, t0, fmt)
 
+    async def tokenize(self, request: Request) -> Response:
+        """``POST /v1/tokenize``: ``{"tokens", "count", "max_model_len"}`` (+ ``token_strs``).
 
-class _Format:
-    """Builds the response body or the stream chunks of one request."""
+        Raises:
+            APIError: 400 for a bad body or a chat template that rejects the messages.
+        """
+        req: TokenizeRequest = parse_request(
+            TokenizeRequest, await read_json(request, self.args.max_request_bytes))
+        self.check_model(req.model)
+        if req.messages is not None:
+            ids = await self.tm.apply_chat_template(
+                messages_for_template(req.messages), req.add_generation_prompt,
+                bool(req.add_special_tokens))
+        else:
+            add = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = await self.tm.tokenize(req.prompt, add_special_tokens=add) if req.prompt \
+                else []
+        body = {"tokens": ids, "count": len(ids), "max_model_len": self.tm.max_context_len}
+        if req.return_token_strs:
+            tok = self.tm.need_tokenizer("return_token_strs")
+            body["token_strs"] = tok.convert_ids_to_tokens(ids)
+        return JSONResponse(body)
 
-    object_full = ""
-    object_chunk = ""
+    async def detokenize(self, request: Request) -> Response:
+        """``POST /v1/detokenize``: ``{"prompt": text}`` (special tokens kept, as vLLM).
 
-    def __init__(self, rid: str, model: str, count: int, prompt_tokens: int,
-                 include_usage: bool):
-        self.id = rid
-        self.model = model
-        self.count = count
-        self.created = int(time.time())
-        self.prompt_tokens = prompt_tokens
-        self.include_usage = include_usage
-        self.completion_tokens = [0] * count
-        self.texts = [""] * count  # only for --log-requests
-
-    def _envelope(self, obj: str, choices: list) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices}
-
-    def _chunk(self, choices: list) -> dict:
-        c = self._envelope(self.object_chunk, choices)
-        if self.include_usage:
-            c["usage"] = None
-        return c
-
-    def usage(self) -> dict:
-        return _usage(self.prompt_tokens, sum(self.completion_tokens))
-
-    def usage_chunk(self) -> dict:
-        c = self._envelope(self.object_chunk, [])
-        c["usage"] = self.usage()
-        return c
-
-    def start(self) -> list[dict]:
-        return []
-
-    def full(self, outs: list[list[ReqOutput]]) -> dict:
-        choices = []
-        for i, seq in enumerate(outs):
-            text = self.texts[i] = "".join(o.text for o in seq)
-            last = seq[-1] if seq else None
-            self.completion_tokens[i] = last.completion_tokens if last else 0
-            choices.append(self._choice(i, text, _finish_reason(last) if last else "abort"))
-        body = self._envelope(self.object_full, choices)
-        body["usage"] = self.usage()
-        return body
-
-    def _choice(self, index: int, text: str, finish_reason: str | None) -> dict:
-        raise NotImplementedError
-
-    def chunks(self, out: ReqOutput) -> list[dict]:
-        raise NotImplementedError
-
-
-class _CompletionFormat(_Format):
-    object_full = "text_completion"
-    object_chunk = "text_completion"
-
-    def _choice(self, index, text, finish_reason):
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
-
-    def chunks(self, out):
-        self.completion_tokens[out.index] = out.completion_tokens
-        self.texts[out.index] += out.text
-        fin = _finish_reason(out)
-        if not out.text and fin is None:
-            return []
-        return [self._chunk([self._choice(out.index, out.text, fin)])]
-
-
-class _ChatFormat(_Format):
-    object_full = "chat.completion"
-    object_chunk = "chat.completion.chunk"
-
-    def _choice(self, index, text, finish_reason):
-        return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": None, "finish_reason": finish_reason}
-
-    def _delta(self, index: int, delta: dict, finish_reason: str | None) -> dict:
-        return self._chunk([{"index": index, "delta": delta, "logprobs": None,
-                             "finish_reason": finish_reason}])
-
-    def start(self):
-        return [self._delta(i, {"role": "assistant", "content": ""}, None)
-                for i in range(self.count)]
-
-    def chunks(self, out):
-        self.completion_tokens[out.index] = out.completion_tokens
-        self.texts[out.index] += out.text
-        fin = _finish_reason(out)
-        res = []
-        if out.text:
-            res.append(self._delta(out.index, {"content": out.text}, None))
-        if fin is not None:
-            res.append(self._delta(out.index, {}, fin))
-        return res
+        Raises:
+            APIError: 400 for a bad body or a token id outside the vocabulary (``tokens``).
+        """
+        req: DetokenizeRequest = parse_request(
+            DetokenizeRequest, await read_json(request, self.args.max_request_bytes))
+        self.check_model(req.model)
+        self.tm.need_tokenizer("tokens")
+        vocab = self.tm.vocab_size
+        for i, t in enumerate(req.tokens):
+            if t < 0 or (vocab and t >= vocab):
+                raise bad_request(f"tokens[{i}]: token id {t} is outside the vocabulary "
+                                  f"[0, {vocab})", "tokens")
+        return JSONResponse({"prompt": await self.tm.decode(req.tokens)})

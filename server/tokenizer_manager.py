@@ -37,8 +37,11 @@ class ReqOutput:
     """One output of one engine request, as the route sees it.
 
     ``index`` is the request's position in the ``generate`` call; ``text`` the new text;
-    ``finish_reason`` None or ``{"type": "stop"|"length"|"abort", "matched", "message"}``;
-    token counts are totals so far.
+    ``token_ids`` the new token ids (an EOS or stop token id included, though not in the
+    text); ``finish_reason`` None or ``{"type": "stop"|"length"|"abort", "matched",
+    "message"}``; token counts are totals so far. ``logprobs``: per new token
+    ``(logprob, [[id, logprob], ...top k])`` when asked for; ``prompt_logprobs``: one entry
+    per prompt token (None for the first), on the request's first output only.
     """
 
     index: int
@@ -48,6 +51,7 @@ class ReqOutput:
     prompt_tokens: int
     completion_tokens: int
     logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -182,8 +186,9 @@ class TokenizerManager:
             st.prompt_tokens = b.prompt_tokens[i]
             st.completion_tokens = b.completion_tokens[i]
             lp = b.logprobs[i] if i < len(b.logprobs) else None
+            plp = b.prompt_logprobs[i] if i < len(b.prompt_logprobs) else None
             st.queue.put_nowait(ReqOutput(st.index, b.texts[i], ids, fin, b.prompt_tokens[i],
-                                          b.completion_tokens[i], lp))
+                                          b.completion_tokens[i], lp, plp))
             if fin is not None:
                 del self.states[rid]
                 self._record_finish(rid, st, str(fin.get("type", "stop")))
@@ -206,35 +211,50 @@ class TokenizerManager:
                                                  ttft, e2e, reason))
 
     # ---- tokenization and checks --------------------------------------------------------
-    def _need_tokenizer(self):
+    def need_tokenizer(self, param: str = "prompt"):
+        """The tokenizer. Raises: APIError 400 naming ``param`` when the server has none."""
         if self.tokenizer is None:
-            raise bad_request("this server has no tokenizer; send token ids as the prompt",
-                              "prompt")
+            hint = "; send token ids as the prompt" if param == "prompt" else ""
+            raise bad_request(f"this server has no tokenizer{hint}", param)
         return self.tokenizer
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text`` (tokenized in a worker thread)."""
-        tok = self._need_tokenizer()
+        tok = self.need_tokenizer()
         return await asyncio.to_thread(tok.encode, text, add_special_tokens=add_special_tokens)
 
-    async def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    async def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """Text of ``ids`` (decoded in a worker thread); "" when there is no tokenizer."""
+        if self.tokenizer is None:
+            return ""
+        return await asyncio.to_thread(self.tokenizer.decode, ids,
+                                       skip_special_tokens=skip_special_tokens,
+                                       clean_up_tokenization_spaces=False)
+
+    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                                  add_special_tokens: bool = False) -> list[int]:
         """Render ``messages`` with the tokenizer's chat template and tokenize.
 
+        Args:
+            messages: ``{"role", "content"}`` dicts.
+            add_generation_prompt: end with the assistant turn's header.
+            add_special_tokens: let the tokenizer add its BOS etc. on top of the template
+                (False: the template already writes them).
         Raises:
             APIError: 400 if the template rejects the conversation or there is none.
         """
-        tok = self._need_tokenizer()
+        tok = self.need_tokenizer()
 
         def render() -> str:
             return tok.apply_chat_template(messages, tokenize=False,
-                                           add_generation_prompt=True)
+                                           add_generation_prompt=add_generation_prompt)
 
         try:
             text = await asyncio.to_thread(render)
         except Exception as exc:  # noqa: BLE001 - jinja's raise_exception, or no template
             raise bad_request(f"the chat template rejected the messages: {exc}",
                               "messages") from None
-        return await self.tokenize(text, add_special_tokens=False)
+        return await self.tokenize(text, add_special_tokens=add_special_tokens)
 
     def check_prompt(self, input_ids: list[int], max_tokens: int | None, param: str) -> None:
         """Validate a tokenized prompt against the engine's limits.

@@ -129,6 +129,21 @@ def server(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def shared_server(tmp_path_factory):
+    """One server for the whole session (``SHARED_SERVER_ARGS``), for modules that only send
+    requests and leave the server as they found it; saves a start-up per module."""
+    srv = FerryServer(tmp_path_factory.mktemp("ferry-shared"), list(SHARED_SERVER_ARGS))
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+SHARED_SERVER_ARGS = ("--max-total-tokens", "16384")
+
+
+@pytest.fixture(scope="session")
 def ref_tokenizer():
     """The reference HF tokenizer of the embedded model (loaded in the test process)."""
     from engine.tokenizer import load_tokenizer

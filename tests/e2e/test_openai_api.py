@@ -266,7 +266,13 @@ def assert_error(r, status, param=None, code=None):
     ("temperature", 3), ("top_p", 0), ("top_k", -5), ("max_tokens", 0), ("n", 17),
     ("stop", ["s"] * 17), ("logit_bias", {"999999": 1}), ("stop_token_ids", [10**9]),
     ("seed", 2**64), ("presence_penalty", 9), ("tools", [{"type": "function"}]),
-    ("max_tokens", 10**30), ("min_tokens", 10**30),
+    ("max_tokens", 10**30), ("min_tokens", 10**30), ("n", 0), ("temperature", -0.5),
+    ("top_p", 1.5), ("top_k", 49153), ("top_k", 2**31), ("min_p", 1.5), ("min_p", -1),
+    ("frequency_penalty", -2.5), ("repetition_penalty", 0), ("repetition_penalty", 3),
+    ("logit_bias", {"5": 101}), ("logit_bias", {"x": 1}), ("logit_bias", {"-1": 1}),
+    ("logit_bias", {str(i): 1 for i in range(1025)}), ("stop", "s" * 257), ("stop", [""]),
+    ("stop_token_ids", list(range(17))), ("stop_token_ids", [-1]), ("seed", -(2**63) - 1),
+    ("ignore_eos", "maybe"), ("skip_special_tokens", 2),
 ])
 def test_400_names_the_param(server, field, value):
     for path, base in (("/v1/completions", {"prompt": "hi"}),
@@ -276,6 +282,26 @@ def test_400_names_the_param(server, field, value):
             continue
         assert_error(post(server, path, dict(base, model=MODEL, **{field: value})), 400,
                      field)
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": -1}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ("/v1/completions", {"prompt": ["hi"] * 129}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": "x"}},
+     "stream_options.include_usage"),
+    ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": "maybe"}, "logprobs"),
+    ("/v1/chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
+    ("/v1/chat/completions", {"max_completion_tokens": 9000}, "max_completion_tokens"),
+])
+def test_400_names_the_param_per_endpoint(server, path, body, param):
+    if "chat" in path:
+        body = dict(body, messages=[{"role": "user", "content": "hi"}])
+    assert_error(post(server, path, body), 400, param)
 
 
 def test_400_prompts_and_bodies(server):
@@ -293,7 +319,8 @@ def test_400_prompts_and_bodies(server):
     assert_error(post(server, "/v1/chat/completions", {"messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
         400, "messages[0].content[0].type")
-    assert_error(post(server, "/v1/completions", {"prompt": "x", "echo": True}), 400, "echo")
+    assert_error(post(server, "/v1/completions", {"prompt": "x", "suffix": "y"}), 400,
+                 "suffix")
     # prompt + max_tokens beyond the context (8192 tokens)
     err = assert_error(post(server, "/v1/completions", {"prompt": [1] * 8000,
                                                         "max_tokens": 500}),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 
 from engine import io_struct as io
@@ -211,3 +212,20 @@ def test_no_tokenizer_gives_empty_text():
     d = IncrementalDetokenizer(None)
     assert d.step([1, 2, 3]) == ""
     assert d.step([4], {"type": "length", "matched": None}) == ""
+
+
+def test_logprobs_forwarded_unchanged(tok):
+    """The engine's logprobs ride through the detokenizer, aligned with their rids."""
+    mgr = DetokenizerManager(tok)
+    lps = [[(-0.5, [[11, -0.5]])], None]
+    plps = [[None, (-1.0, [[3, -0.2]])], None]
+    out = mgr.process(io.BatchTokenIdOut(
+        rids=["a", "b"], new_token_ids=[[11], [12]], finished_reasons=[None, None],
+        prompt_tokens=[2, 2], completion_tokens=[1, 1], stop_strs=[[], []],
+        skip_special_tokens=[True, True], spaces_between_special_tokens=[True, True],
+        logprobs=lps, prompt_logprobs=plps))
+    assert out.logprobs == lps and out.prompt_logprobs == plps
+    # and through msgpack, as between the processes (tuples become lists)
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(out), type=io.BatchStrOut)
+    assert back.logprobs == [[[-0.5, [[11, -0.5]]]], None]
+    assert back.prompt_logprobs == [[None, [-1.0, [[3, -0.2]]]], None]

@@ -14,6 +14,8 @@ from server.errors import APIError
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     messages_for_template,
     parse_request,
 )
@@ -58,7 +60,8 @@ def test_bad_prompts(body):
     ("stop_token_ids", [-1]), ("stop_token_ids", list(range(17))),
     ("logit_bias", {"a": 1}), ("logit_bias", {"1": 101}), ("logit_bias", {"1": "x"}),
     ("logit_bias", {str(i): 1 for i in range(1025)}), ("logit_bias", [1]),
-    ("temperature", "hot"), ("stream", "maybe"), ("stream_options", 3),
+    ("temperature", "hot"), ("stream", "maybe"), ("stream_options", 3), ("top_k", 2**31),
+    ("min_tokens", 2**31), ("max_tokens", 2**31), ("min_p", -0.1),
 ])
 def test_bounds_name_the_param(field, value):
     assert param_of_error(comp, **{field: value}) == field
@@ -109,17 +112,49 @@ def test_unsupported_fields_name_themselves(field, value):
 def test_harmless_fields_are_ignored():
     chat(user="u", metadata={"a": "b"}, store=False, parallel_tool_calls=True, tools=[],
          tool_choice="none", response_format={"type": "text"}, modalities=["text"],
-         service_tier="auto", some_future_field=1, logprobs=False)
+         service_tier="auto", some_future_field=1, logprobs=False, top_logprobs=0,
+         echo=False)
     comp(user="u", echo=False, best_of=1, suffix="")
 
 
 def test_not_supported_yet():
-    assert param_of_error(comp, echo=True) == "echo"
-    assert param_of_error(comp, logprobs=2) == "logprobs"
     assert param_of_error(comp, best_of=3) == "best_of"
-    assert param_of_error(chat, logprobs=True) == "logprobs"
-    assert param_of_error(chat, top_logprobs=2) == "top_logprobs"
-    assert param_of_error(comp, logprobs=21) == "logprobs"  # out of bounds anyway
+    assert param_of_error(comp, suffix="x") == "suffix"
+    assert param_of_error(chat, echo=True) == "echo"  # completions only
+    assert param_of_error(comp, logprobs=21) == "logprobs"  # out of bounds
+    assert param_of_error(chat, top_logprobs=21, logprobs=True) == "top_logprobs"
+    assert param_of_error(chat, top_logprobs=2) == "top_logprobs"  # needs logprobs: true
+
+
+def test_logprobs_mapping():
+    """completions logprobs=k -> k per generated token; echo adds k per prompt token; chat
+    logprobs=true -> top_logprobs (0 when absent)."""
+    assert comp().sampling_params(4).logprobs is None
+    sp = comp(logprobs=3).sampling_params(4)
+    assert (sp.logprobs, sp.prompt_logprobs) == (3, None)
+    sp = comp(logprobs=0, echo=True).sampling_params(4)
+    assert (sp.logprobs, sp.prompt_logprobs) == (0, 0)
+    sp = comp(echo=True).sampling_params(4)
+    assert (sp.logprobs, sp.prompt_logprobs) == (None, None)
+    assert chat(logprobs=True).sampling_params(4).logprobs == 0
+    assert chat(logprobs=True, top_logprobs=5).sampling_params(4).logprobs == 5
+    assert chat(logprobs=False, top_logprobs=0).sampling_params(4).logprobs is None
+    assert chat().sampling_params(4).logprobs is None
+
+
+def test_tokenize_bodies():
+    r = parse_request(TokenizeRequest, {"prompt": "hi"})
+    assert r.prompt == "hi" and r.messages is None and r.add_generation_prompt
+    r = parse_request(TokenizeRequest, {"messages": [{"role": "user", "content": "x"}],
+                                        "add_generation_prompt": False})
+    assert r.prompt is None and not r.add_generation_prompt
+    assert param_of_error(parse_request, TokenizeRequest, {}) == "prompt"
+    assert param_of_error(parse_request, TokenizeRequest, {"prompt": 3}) == "prompt"
+    assert param_of_error(parse_request, TokenizeRequest,
+                          {"prompt": "a", "messages": [{"role": "user"}]}) == "prompt"
+    assert parse_request(DetokenizeRequest, {"tokens": [1, 2]}).tokens == [1, 2]
+    for bad in ({"tokens": ["a"]}, {"tokens": [1] * ((1 << 17) + 1)}, {}):
+        assert param_of_error(parse_request, DetokenizeRequest, bad).startswith("tokens")
 
 
 def test_messages_rendering_input():

@@ -1,0 +1,235 @@
+"""Response bodies and stream chunks of the generation endpoints (OpenAI shapes).
+
+One ``BaseFormat`` per HTTP request builds either the whole JSON body (``full``) or the SSE
+chunks as outputs arrive (``start``, ``chunks``, ``usage_chunk``). Choice ``i`` is engine
+request ``i`` of the fan-out (``prompt * n + sample``).
+
+Logprobs in a stream travel with their tokens: a chunk carries the logprobs of the tokens the
+engine produced for that output, even when the detokenizer holds their text back (an
+incomplete UTF-8 character, a possible stop string), so a chunk may have logprobs and empty
+text, and text may arrive in a later chunk than its tokens' logprobs. Concatenating the
+chunks' logprobs gives exactly the non-stream logprobs (``text_offset`` included: it counts
+the characters of the token strings before each token, stream or not).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from server.logprobs import (
+    TokenStrings,
+    chat_logprobs,
+    completion_logprobs,
+    merge_completion_logprobs,
+)
+from server.tokenizer_manager import ReqOutput
+
+
+def finish_reason_of(out: ReqOutput) -> str | None:
+    return None if out.finish_reason is None else str(out.finish_reason.get("type", "stop"))
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+@dataclass
+class LogprobOptions:
+    """What a request asked for. ``k`` is None for no logprobs, else the number of
+    alternatives (completions ``logprobs``, chat ``top_logprobs`` or 0)."""
+
+    k: int | None = None
+    as_ids: bool = False                 # vLLM's return_tokens_as_token_ids
+    echo: bool = False                   # completions only
+    prompt_texts: list[str] = field(default_factory=list)     # per choice (echo)
+    prompt_ids: list[list[int]] = field(default_factory=list)  # per choice (echo logprobs)
+
+
+class _Choice:
+    """One choice's accumulated state: token ids and logprob entries pair up by position."""
+
+    __slots__ = ("completion_tokens", "entries", "ids", "offset", "paired", "prompt_entries",
+                 "started", "text")
+
+    def __init__(self):
+        self.ids: list[int] = []
+        self.entries: list = []
+        self.paired = 0           # entries already turned into response logprobs
+        self.prompt_entries: list | None = None
+        self.offset = 0           # legacy text_offset of the next token
+        self.started = False
+        self.text = ""
+        self.completion_tokens = 0
+
+    def absorb(self, out: ReqOutput) -> tuple[int, int]:
+        """Add one output; returns the ``[start, end)`` of newly paired (token, entry)."""
+        self.ids.extend(out.token_ids)
+        if out.logprobs:
+            self.entries.extend(out.logprobs)
+        if out.prompt_logprobs is not None and self.prompt_entries is None:
+            self.prompt_entries = out.prompt_logprobs
+        self.text += out.text
+        self.completion_tokens = out.completion_tokens
+        start, self.paired = self.paired, min(len(self.ids), len(self.entries))
+        return start, self.paired
+
+
+class BaseFormat:
+    """Builds the response body or the stream chunks of one request.
+
+    Args:
+        rid: the response id. model: the served model name. count: number of choices.
+        prompt_tokens: prompt tokens of the request (each prompt once, whatever ``n``).
+        include_usage, continuous_usage: ``stream_options`` (usage chunk at the end; usage
+            in every chunk).
+        strings: ``TokenStrings`` (token strings for logprobs).
+        lp: ``LogprobOptions``.
+    """
+
+    object_full = ""
+    object_chunk = ""
+
+    def __init__(self, rid: str, model: str, count: int, prompt_tokens: int,
+                 include_usage: bool, continuous_usage: bool = False,
+                 strings: TokenStrings | None = None, lp: LogprobOptions | None = None):
+        self.id = rid
+        self.model = model
+        self.count = count
+        self.created = int(time.time())
+        self.prompt_tokens = prompt_tokens
+        self.include_usage = include_usage
+        self.continuous_usage = include_usage and continuous_usage
+        self.strings = strings if strings is not None else TokenStrings(None)
+        self.lp = lp or LogprobOptions()
+        self.choices = [_Choice() for _ in range(count)]
+
+    @property
+    def texts(self) -> list[str]:
+        """Completion text of every choice so far (for --log-requests)."""
+        return [c.text for c in self.choices]
+
+    def _envelope(self, obj: str, choices: list) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def _chunk(self, choices: list) -> dict:
+        c = self._envelope(self.object_chunk, choices)
+        if self.include_usage:
+            c["usage"] = self.usage() if self.continuous_usage else None
+        return c
+
+    def usage(self) -> dict:
+        return usage_of(self.prompt_tokens, sum(c.completion_tokens for c in self.choices))
+
+    def usage_chunk(self) -> dict:
+        c = self._envelope(self.object_chunk, [])
+        c["usage"] = self.usage()
+        return c
+
+    def start(self) -> list[dict]:
+        return []
+
+    def full(self, outs: list[list[ReqOutput]]) -> dict:
+        """The non-stream body; ``outs[i]`` are choice i's outputs in order."""
+        choices = []
+        for i, seq in enumerate(outs):
+            ch = self.choices[i]
+            for o in seq:
+                ch.absorb(o)
+            fin = finish_reason_of(seq[-1]) if seq else "abort"
+            choices.append(self._choice(i, ch, fin))
+        body = self._envelope(self.object_full, choices)
+        body["usage"] = self.usage()
+        return body
+
+    def _choice(self, index: int, ch: _Choice, finish_reason: str | None) -> dict:
+        raise NotImplementedError
+
+    def chunks(self, out: ReqOutput) -> list[dict]:
+        raise NotImplementedError
+
+
+class CompletionFormat(BaseFormat):
+    """``text_completion`` bodies and chunks; ``echo`` and the legacy ``logprobs`` object."""
+
+    object_full = "text_completion"
+    object_chunk = "text_completion"
+
+    def _logprobs(self, index: int, ch: _Choice, start: int, end: int,
+                  with_prompt: bool) -> dict | None:
+        k = self.lp.k
+        if k is None:
+            return None
+        parts = []
+        if with_prompt and self.lp.echo:
+            ids = self.lp.prompt_ids[index]
+            entries = ch.prompt_entries or [None] * len(ids)
+            part, ch.offset = completion_logprobs(self.strings, ids, entries[:len(ids)], k,
+                                                  ch.offset, self.lp.as_ids)
+            parts.append(part)
+        part, ch.offset = completion_logprobs(self.strings, ch.ids[start:end],
+                                              ch.entries[start:end], k, ch.offset,
+                                              self.lp.as_ids)
+        parts.append(part)
+        return parts[0] if len(parts) == 1 else merge_completion_logprobs(parts)
+
+    def _prefix(self, index: int) -> str:
+        return self.lp.prompt_texts[index] if self.lp.echo else ""
+
+    def _choice(self, index, ch, finish_reason):
+        return {"index": index, "text": self._prefix(index) + ch.text,
+                "logprobs": self._logprobs(index, ch, 0, ch.paired, True),
+                "finish_reason": finish_reason}
+
+    def chunks(self, out):
+        ch = self.choices[out.index]
+        start, end = ch.absorb(out)
+        first = not ch.started
+        ch.started = True
+        fin = finish_reason_of(out)
+        text = (self._prefix(out.index) if first else "") + out.text
+        if not text and fin is None and start == end and not (first and self.lp.echo):
+            return []
+        return [self._chunk([{"index": out.index, "text": text,
+                              "logprobs": self._logprobs(out.index, ch, start, end, first),
+                              "finish_reason": fin}])]
+
+
+class ChatFormat(BaseFormat):
+    """``chat.completion`` bodies and ``chat.completion.chunk`` deltas; chat logprobs."""
+
+    object_full = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+
+    def _logprobs(self, ch: _Choice, start: int, end: int) -> dict | None:
+        if self.lp.k is None:
+            return None
+        return {"content": chat_logprobs(self.strings, ch.ids[start:end],
+                                         ch.entries[start:end], self.lp.k, self.lp.as_ids)}
+
+    def _choice(self, index, ch, finish_reason):
+        return {"index": index, "message": {"role": "assistant", "content": ch.text},
+                "logprobs": self._logprobs(ch, 0, ch.paired), "finish_reason": finish_reason}
+
+    def _delta(self, index: int, delta: dict, logprobs: dict | None,
+               finish_reason: str | None) -> dict:
+        return self._chunk([{"index": index, "delta": delta, "logprobs": logprobs,
+                             "finish_reason": finish_reason}])
+
+    def start(self):
+        return [self._delta(i, {"role": "assistant", "content": ""}, None, None)
+                for i in range(self.count)]
+
+    def chunks(self, out):
+        ch = self.choices[out.index]
+        start, end = ch.absorb(out)
+        fin = finish_reason_of(out)
+        res = []
+        if out.text or start < end:
+            res.append(self._delta(out.index, {"content": out.text},
+                                   self._logprobs(ch, start, end), None))
+        if fin is not None:
+            res.append(self._delta(out.index, {}, None, fin))
+        return res

@@ -1,0 +1,230 @@
+"""Logprobs, echo, and /v1/tokenize + /v1/detokenize through the HTTP API (SmolLM2, CPU).
+
+References: probability laws (exp(logprob) <= 1, the chosen token is the top one when
+greedy), the HF tokenizer (token strings decoded one at a time, bytes, tokenize/detokenize),
+the prompt logprobs of the same tokens fed back as a prompt (prefill path) against the
+logprobs the decode path returned, and the non-stream response (stream concatenation).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+HTTP_TIMEOUT_S = 120.0
+PROMPT = "The capital of France is"
+YES_NO = [{"role": "user", "content": "Answer yes or no: is the sky blue?"}]
+LP_TOL = 2e-3  # prefill vs decode logits on the CPU reference path (float32)
+
+
+@pytest.fixture(scope="module")
+def url(shared_server):
+    return shared_server.url
+
+
+def post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=HTTP_TIMEOUT_S)
+
+
+def comp(url: str, prompt, **kw) -> dict:
+    kw.setdefault("max_tokens", 8)
+    kw.setdefault("temperature", 0)
+    r = post(url, "/v1/completions", {"model": MODEL, "prompt": prompt, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def chat(url: str, messages, **kw) -> dict:
+    kw.setdefault("temperature", 0)
+    r = post(url, "/v1/chat/completions", {"model": MODEL, "messages": messages, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream_chunks(url: str, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url + path, json=dict(body, stream=True),
+                      timeout=HTTP_TIMEOUT_S) as r:
+        assert r.status_code == 200
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def assert_error(r: httpx.Response, param: str) -> None:
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
+# ---- completions -------------------------------------------------------------------------
+
+def test_completion_logprobs_shape_and_laws(url, ref_tokenizer):
+    r = comp(url, PROMPT, max_tokens=8, ignore_eos=True, logprobs=2)
+    ch = r["choices"][0]
+    lp = ch["logprobs"]
+    n = r["usage"]["completion_tokens"]
+    assert n == 8 and len(lp["tokens"]) == len(lp["token_logprobs"]) == n
+    assert len(lp["top_logprobs"]) == len(lp["text_offset"]) == n
+    assert "".join(lp["tokens"]) == ch["text"]
+    assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(n)]
+    for chosen, top in zip(lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert len(top) == 2
+        assert chosen == max(top.values())  # greedy: the chosen token is the top one
+        assert all(v <= 0.0 for v in top.values())
+        assert sum(math.exp(v) for v in top.values()) <= 1.0 + 1e-5
+    # token strings are the tokens decoded one at a time
+    ids = [int(t.removeprefix("token_id:")) for t in comp(
+        url, PROMPT, max_tokens=8, ignore_eos=True, logprobs=0,
+        return_tokens_as_token_ids=True)["choices"][0]["logprobs"]["tokens"]]
+    assert lp["tokens"] == [ref_tokenizer.decode([i]) for i in ids]
+
+
+def test_prompt_logprobs_match_the_decode_logprobs(url, ref_tokenizer):
+    """Feed prompt + generated ids back with echo: the prefill's logprob of each generated
+    token must equal what the decode steps reported (and its top alternatives too)."""
+    gen = comp(url, PROMPT, max_tokens=6, ignore_eos=True, logprobs=2,
+               return_tokens_as_token_ids=True)["choices"][0]["logprobs"]
+    ids = [int(t.removeprefix("token_id:")) for t in gen["tokens"]]
+    prompt_ids = ref_tokenizer.encode(PROMPT)
+    full = prompt_ids + ids
+    echo = comp(url, full, max_tokens=1, echo=True, logprobs=2,
+                return_tokens_as_token_ids=True)["choices"][0]["logprobs"]
+    assert echo["token_logprobs"][0] is None and echo["top_logprobs"][0] is None
+    p = len(prompt_ids)
+    assert echo["tokens"][p:p + len(ids)] == gen["tokens"]
+    for i in range(len(ids)):
+        assert echo["token_logprobs"][p + i] == pytest.approx(gen["token_logprobs"][i],
+                                                              abs=LP_TOL)
+        got, want = echo["top_logprobs"][p + i], gen["top_logprobs"][i]
+        assert set(got) == set(want)
+        assert all(got[t] == pytest.approx(want[t], abs=LP_TOL) for t in want)
+
+
+def test_echo_text_and_prompt_logprobs(url, ref_tokenizer):
+    plain = comp(url, PROMPT, max_tokens=4)
+    r = comp(url, PROMPT, max_tokens=4, echo=True)
+    assert r["choices"][0]["text"] == PROMPT + plain["choices"][0]["text"]
+    assert r["choices"][0]["logprobs"] is None
+    r = comp(url, PROMPT, max_tokens=4, echo=True, logprobs=1)
+    lp = r["choices"][0]["logprobs"]
+    pids = ref_tokenizer.encode(PROMPT)
+    n = r["usage"]["completion_tokens"]
+    assert len(lp["tokens"]) == len(pids) + n
+    assert lp["tokens"][:len(pids)] == [ref_tokenizer.decode([i]) for i in pids]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(x is not None and x <= 0 for x in lp["token_logprobs"][1:])
+    assert all(1 <= len(t) <= 2 for t in lp["top_logprobs"][1:])  # top 1 + the chosen one
+    assert lp["text_offset"][0] == 0
+    # token ids as the prompt: the echoed text is their decoding
+    r = comp(url, pids, max_tokens=2, echo=True)
+    assert r["choices"][0]["text"].startswith(ref_tokenizer.decode(pids))
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_completion_stream_logprobs_concatenate_to_non_stream(url, echo):
+    # emoji are split over byte-level tokens and a stop string holds text back: the stream's
+    # logprobs ride with their tokens, its text may come later
+    body = {"model": MODEL, "prompt": "Emoji list: 😀 😃 😄 😁", "max_tokens": 12,
+            "temperature": 0, "logprobs": 2, "echo": echo, "stop": ["😆 🙂 never"]}
+    full = post(url, "/v1/completions", body).json()["choices"][0]
+    text, lp = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in stream_chunks(url, "/v1/completions", body):
+        for c in chunk["choices"]:
+            text += c["text"]
+            for k in lp:
+                lp[k] += (c["logprobs"] or {}).get(k, [])
+    assert text == full["text"]
+    assert lp == full["logprobs"]
+
+
+# ---- chat --------------------------------------------------------------------------------
+
+def test_chat_logprobs_shapes_and_bytes(url):
+    r = chat(url, [{"role": "user", "content": "Write one sentence about Paris."}],
+             max_tokens=10, logprobs=True, top_logprobs=3)
+    ch = r["choices"][0]
+    content = ch["logprobs"]["content"]
+    assert len(content) == r["usage"]["completion_tokens"]
+    for e in content:
+        assert [set(t) for t in e["top_logprobs"]] == [{"token", "logprob", "bytes"}] * 3
+        tops = [t["logprob"] for t in e["top_logprobs"]]
+        assert tops == sorted(tops, reverse=True) and e["logprob"] == tops[0]  # greedy
+        assert e["token"] == e["top_logprobs"][0]["token"]
+    shown = content if ch["finish_reason"] == "length" else content[:-1]
+    assert bytes(b for e in shown for b in e["bytes"]).decode() == ch["message"]["content"]
+    # logprobs without top_logprobs: [] alternatives; EOS is a token of its own (vLLM)
+    r = chat(url, YES_NO, max_tokens=20, logprobs=True)
+    content = r["choices"][0]["logprobs"]["content"]
+    assert r["choices"][0]["finish_reason"] == "stop"
+    assert len(content) == r["usage"]["completion_tokens"]
+    assert all(e["top_logprobs"] == [] for e in content)
+    assert content[-1]["token"] == "<|im_end|>"
+    assert chat(url, YES_NO, max_tokens=3)["choices"][0]["logprobs"] is None
+
+
+def test_chat_stream_logprobs_concatenate_to_non_stream(url):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count to three."}],
+            "max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    full = post(url, "/v1/chat/completions", body).json()["choices"][0]
+    text, content = "", []
+    for chunk in stream_chunks(url, "/v1/chat/completions", body):
+        for c in chunk["choices"]:
+            text += c["delta"].get("content") or ""
+            content += (c["logprobs"] or {}).get("content", [])
+    assert text == full["message"]["content"]
+    assert content == full["logprobs"]["content"]
+
+
+def test_logprobs_errors(url):
+    msgs = [{"role": "user", "content": "hi"}]
+    assert_error(post(url, "/v1/chat/completions", {"messages": msgs, "top_logprobs": 2}),
+                 "top_logprobs")
+    assert_error(post(url, "/v1/chat/completions", {"messages": msgs, "logprobs": True,
+                                                    "top_logprobs": 21}), "top_logprobs")
+    assert_error(post(url, "/v1/completions", {"prompt": "x", "logprobs": 21}), "logprobs")
+    assert_error(post(url, "/v1/completions", {"prompt": "x", "logprobs": -1}), "logprobs")
+    assert_error(post(url, "/v1/chat/completions", {"messages": msgs, "echo": True}), "echo")
+
+
+# ---- tokenize / detokenize -----------------------------------------------------------------
+
+def test_tokenize_and_detokenize_round_trip(url, ref_tokenizer):
+    text = "Hello world! 😀 naïve 世界"
+    r = post(url, "/v1/tokenize", {"model": MODEL, "prompt": text})
+    assert r.status_code == 200
+    body = r.json()
+    ids = ref_tokenizer.encode(text)
+    assert body == {"tokens": ids, "count": len(ids), "max_model_len": 8192}
+    r = post(url, "/v1/tokenize", {"prompt": text, "return_token_strs": True})
+    assert r.json()["token_strs"] == ref_tokenizer.convert_ids_to_tokens(ids)
+    r = post(url, "/v1/detokenize", {"model": MODEL, "tokens": ids})
+    assert r.status_code == 200 and r.json() == {"prompt": ref_tokenizer.decode(ids)}
+    assert r.json()["prompt"] == text
+    msgs = [{"role": "user", "content": "Hi there"}]
+    for gen in (True, False):
+        r = post(url, "/v1/tokenize", {"messages": msgs, "add_generation_prompt": gen})
+        want = ref_tokenizer.encode(ref_tokenizer.apply_chat_template(
+            msgs, tokenize=False, add_generation_prompt=gen), add_special_tokens=False)
+        assert r.json()["tokens"] == want
+    # the vLLM paths answer too
+    assert post(url, "/tokenize", {"prompt": "a"}).json()["tokens"] == ref_tokenizer.encode("a")
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/detokenize", {"tokens": [5, 49152]}, "tokens"),
+    ("/v1/detokenize", {"tokens": [-1]}, "tokens"),
+    ("/v1/detokenize", {"tokens": "abc"}, "tokens"),
+    ("/v1/detokenize", {}, "tokens"),
+    ("/v1/detokenize", {"tokens": [1] * ((1 << 17) + 1)}, "tokens"),
+    ("/v1/tokenize", {}, "prompt"),
+    ("/v1/tokenize", {"prompt": ["a", "b"]}, "prompt"),
+    ("/v1/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]},
+     "prompt"),
+    ("/v1/tokenize", {"messages": []}, "messages"),
+    ("/v1/tokenize", {"messages": [{"role": "wizard", "content": "b"}]}, "messages[0].role"),
+])
+def test_tokenize_errors(url, path, body, param):
+    assert_error(post(url, path, body), param)
