@@ -49,6 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--contexts", type=_ints, default=[512, 2048, 8192])
     p.add_argument("--max-kv-splits", type=int, default=16)
     p.add_argument("--min-chunk", type=int, default=None, help="choose_num_kv_splits min_chunk")
+    p.add_argument("--waves", type=int, default=1, help="choose_num_kv_splits programs per SM")
     p.add_argument("--decode-block-n", type=int, default=None, help="override decode BLOCK_N")
     p.add_argument("--extend-block-m", type=int, default=None, help="override extend BLOCK_M")
     p.add_argument("--extend-block-n", type=int, default=None, help="override extend BLOCK_N")
@@ -163,6 +164,7 @@ def _decode_case(args, dev: str, dtype, timer: Timer, bs: int, ctx: int) -> list
     q = torch.randn((bs, hq, d), dtype=dtype, device=dev)
     o = torch.empty_like(q)
     kw = {} if args.min_chunk is None else {"min_chunk": args.min_chunk}
+    kw["waves"] = args.waves
     splits = choose_num_kv_splits(seq_lens, hkv, args.max_kv_splits,
                                   devlib.multiprocessor_count(dev), **kw)
     logits = torch.empty((bs, hq, args.max_kv_splits, d), dtype=torch.float32, device=dev)

@@ -34,12 +34,25 @@ for stage in "$@"; do
               --load-format dummy --disable-cuda-graph --disable-fused-ops --batch-size 1 --input-len 512;;
     profile64) run profile64 200 python3 -m bench.profile_decode --model-path $L8B --load-format dummy \
               --disable-cuda-graph --batch-size 64 --input-len 512;;
+    probe) run probe 240 python3 -m bench.probe_ttft --model-path $L8B --load-format dummy \
+              --running 36 --prompt-len 560;;
+    waves) for w in 1 2 4; do run kernels-w$w 200 python3 -m bench.bench_kernels --peak-gbs 4800 \
+              --waves $w --batch-sizes 1,16,64,128 --contexts 512,1024,2048 --no-ref --skip-extend; done
+           run latency-w2 300 python3 -m engine.bench_latency --model-path $L8B --load-format dummy \
+              --decode-attention-waves 2 --batch-size 1 64 --input-len 512 --output-len 64 \
+              --result-jsonl "$OUT/latency-w2.jsonl"
+           run latency-w4 300 python3 -m engine.bench_latency --model-path $L8B --load-format dummy \
+              --decode-attention-waves 4 --batch-size 1 64 --input-len 512 --output-len 64 \
+              --result-jsonl "$OUT/latency-w4.jsonl";;
     latency-eager) run latency-eager 300 python3 -m engine.bench_latency --model-path $L8B \
               --load-format dummy --disable-cuda-graph --batch-size 1 64 --input-len 512 \
               --output-len 32 --result-jsonl "$OUT/latency-eager.jsonl";;
-    hf) run hf 300 python3 -m bench.hf_baseline --model-path $L8B --batch-size 1 64 --input-len 512 \
-              --output-len 64 --ferry-jsonl "$OUT/latency.jsonl" --result-jsonl "$OUT/hf.jsonl";;
-    kernels) run kernels 300 python3 -m bench.bench_kernels --peak-gbs 4800;;
+    hf) fj=(); [ -f "$OUT/latency.jsonl" ] && fj=(--ferry-jsonl "$OUT/latency.jsonl")
+        run hf 300 python3 -m bench.hf_baseline --model-path $L8B --batch-size 1 64 --input-len 512 \
+              --output-len 64 "${fj[@]}" --result-jsonl "$OUT/hf.jsonl";;
+    offline-prof) run offline-prof 300 python3 -m bench.host_profile engine.bench_offline \
+              --model-path $L8B --load-format dummy --num-prompts 128;;
+    kernels) run kernels 300 python3 -m bench.bench_kernels --peak-gbs 4800 ${KERNEL_ARGS:-};;
     offline) run offline 400 python3 -m engine.bench_offline --model-path $L8B --load-format dummy \
               --result-jsonl "$OUT/offline.jsonl";;
     offline-small) run offline-small 300 python3 -m engine.bench_offline --model-path $L8B \

@@ -45,6 +45,8 @@ class ServerArgs:
     page_size: int = _f(1, "KV cache page size in tokens")
     disable_cuda_graph: bool = _f(False, "run decode eagerly (no CUDA/XPU graphs)")
     cuda_graph_max_bs: int = _f(256, "largest batch size captured in a decode graph")
+    decode_attention_waves: int = _f(1, "decode attention: split the KV until each SM gets this "
+                                        "many programs (more splits hide memory latency)")
     disable_overlap_schedule: bool = _f(False, "do not overlap host scheduling with device work")
     disable_fused_ops: bool = _f(False, "run RMSNorm, SiLU-and-mul and rotary in eager torch "
                                         "instead of the fused Triton kernels")

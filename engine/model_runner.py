@@ -74,7 +74,7 @@ class ModelRunner:
                                                 self.device)
         self.attn_backend = AttentionBackend(
             dev.use_triton(self.device_type), self.num_heads, self.num_kv_heads, self.head_dim,
-            num_sms=dev.multiprocessor_count(self.device_type))
+            num_sms=dev.multiprocessor_count(self.device_type), waves=args.decode_attention_waves)
         self.supports_overlap = dev.is_accelerator(self.device_type)
         self.graph_runner = None
         if dev.graph_class(self.device_type) is not None and not args.disable_cuda_graph:

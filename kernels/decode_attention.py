@@ -148,12 +148,12 @@ def _decode_stage2_kernel(
 
 def choose_num_kv_splits(seq_lens: torch.Tensor, num_kv_heads: int, max_kv_splits: int,
                          num_sms: int, *, min_chunk: int = DEFAULT_MIN_CHUNK,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
+                         waves: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
     """Per-request KV split counts for :func:`decode_attention_fwd`, on the device.
 
     Rule: ``splits[b] = clamp(min(seq_lens[b] // min_chunk, fill), 1, max_kv_splits)`` where
-    ``fill = ceil(num_sms / (B * num_kv_heads))`` is how many splits per (request, KV head)
-    it takes for the stage-1 grid to give every SM a program. So a split is never shorter
+    ``fill = ceil(waves * num_sms / (B * num_kv_heads))`` is how many splits per (request,
+    KV head) it takes for the stage-1 grid to give every SM ``waves`` programs. So a split is never shorter
     than ``min_chunk`` tokens on average (``ceil(seq_len / splits) >= min_chunk``; a lone
     split may be shorter when the whole sequence is), and large batches get one split.
 
@@ -163,6 +163,7 @@ def choose_num_kv_splits(seq_lens: torch.Tensor, num_kv_heads: int, max_kv_split
         max_kv_splits: upper bound (the workspaces' split axis); >= 1.
         num_sms: streaming multiprocessors (CUDA) or Xe cores (XPU).
         min_chunk: shortest split worth its stage-2 merge cost, in tokens.
+        waves: stage-1 programs wanted per SM (more hides memory latency better).
         out: optional ``[B]`` int32 tensor to write into (a graph's static buffer).
 
     Returns:
@@ -173,10 +174,10 @@ def choose_num_kv_splits(seq_lens: torch.Tensor, num_kv_heads: int, max_kv_split
 
     Only shape arithmetic happens on the host, so this is graph capturable.
     """
-    if max_kv_splits < 1 or min_chunk < 1:
-        raise ValueError("max_kv_splits and min_chunk must be >= 1")
+    if max_kv_splits < 1 or min_chunk < 1 or waves < 1:
+        raise ValueError("max_kv_splits, min_chunk and waves must be >= 1")
     bs = seq_lens.shape[0]
-    fill = -(-max(num_sms, 1) // max(bs * num_kv_heads, 1))
+    fill = -(-max(num_sms, 1) * waves // max(bs * num_kv_heads, 1))
     fill = max(1, min(fill, max_kv_splits))
     splits = torch.clamp(torch.div(seq_lens, min_chunk, rounding_mode="floor"), 1, fill)
     if out is None:

@@ -19,13 +19,14 @@ class AttentionBackend:
     """Dispatches to Triton kernels (``use_triton``) or the torch references."""
 
     def __init__(self, use_triton: bool, num_heads: int, num_kv_heads: int, head_dim: int,
-                 max_kv_splits: int = 16, num_sms: int = 132):
+                 max_kv_splits: int = 16, num_sms: int = 132, waves: int = 1):
         self.use_triton = use_triton
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.max_kv_splits = max_kv_splits
         self.num_sms = num_sms
+        self.waves = waves
         if use_triton:
             from kernels.decode_attention import decode_attention_fwd
             from kernels.extend_attention import extend_attention_fwd
@@ -43,7 +44,8 @@ class AttentionBackend:
             from kernels.decode_attention import choose_num_kv_splits
 
             fb.attn_meta["num_kv_splits"] = choose_num_kv_splits(
-                fb.seq_lens, self.num_kv_heads, self.max_kv_splits, self.num_sms)
+                fb.seq_lens, self.num_kv_heads, self.max_kv_splits, self.num_sms,
+                waves=self.waves)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 sm_scale: float, fb: ForwardBatch) -> torch.Tensor:
