@@ -78,11 +78,11 @@ class ServerArgs:
         return parser
 
     @classmethod
-    def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
+    def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(ns).items() if k in names})
 
-    def replace(self, **kw) -> "ServerArgs":
+    def replace(self, **kw) -> ServerArgs:
         return dataclasses.replace(self, **kw)
 
 

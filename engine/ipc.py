@@ -29,7 +29,7 @@ class IpcPaths:
     server: str
 
     @classmethod
-    def create(cls) -> "IpcPaths":
+    def create(cls) -> IpcPaths:
         root = tempfile.mkdtemp(prefix="ferry-")
         os.chmod(root, 0o700)
         return cls(root, f"ipc://{root}/engine", f"ipc://{root}/detok", f"ipc://{root}/server")

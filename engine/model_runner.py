@@ -175,7 +175,7 @@ class ModelRunner:
         return self.model(input_ids, fb.positions, fb)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, reqs: list, eos_ids: list[int]) -> "SampleResult":
+    def sample(self, logits: torch.Tensor, reqs: list, eos_ids: list[int]) -> SampleResult:
         """Sample one token per request (rows of ``logits`` [B, vocab] fp32, in ``reqs`` order).
 
         The ids stay on the device (``ids_dev``) and are copied back asynchronously; call

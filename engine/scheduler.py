@@ -185,33 +185,33 @@ class Scheduler:
             return None
         all_rows = [r.wants_prompt_logprobs for r in reqs]
         # the reserve above leaves room for one more token of every running request
+        n = self._add_decodes(reqs, prefix, locs)
+        ext += [1] * n
+        sample += [True] * n
+        all_rows += [False] * n
+        return ScheduleBatch(ForwardMode.EXTEND, reqs, prefix, ext, sample, locs,
+                             all_rows if any(all_rows) else [])
+
+    def _add_decodes(self, reqs: list[Req], prefix: list[int], locs: list[int]) -> int:
+        """Append every running request that gets a KV slot as a one-token step."""
+        n = 0
         for req in self.running:
             slots = self._grow(req, 1)
             if slots is None:
                 continue
             reqs.append(req)
             prefix.append(req.kv_len)
-            ext.append(1)
-            sample.append(True)
             locs.extend(slots)
             req.kv_len += 1
-            all_rows.append(False)
-        return ScheduleBatch(ForwardMode.EXTEND, reqs, prefix, ext, sample, locs,
-                             all_rows if any(all_rows) else [])
+            n += 1
+        return n
 
     def _build_decode(self) -> ScheduleBatch | None:
         if not self.running:
             return None
         self._retract()
         reqs, prefix, locs = [], [], []
-        for req in self.running:
-            slots = self._grow(req, 1)
-            if slots is None:
-                continue
-            reqs.append(req)
-            prefix.append(req.kv_len)
-            locs.extend(slots)
-            req.kv_len += 1
+        self._add_decodes(reqs, prefix, locs)
         if not reqs:
             return None
         return ScheduleBatch(ForwardMode.DECODE, reqs, prefix, [1] * len(reqs),

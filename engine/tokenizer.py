@@ -17,13 +17,13 @@ import json
 import logging
 import os
 
+from engine.gguf_weights import scan_gguf
 from engine.loader import (
     ModelSource,
     default_model_file,
     gguf_cache_dir,
     resolve_model_path,
     save_to_cache,
-    scan_gguf,
 )
 
 logger = logging.getLogger(__name__)

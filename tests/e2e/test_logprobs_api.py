@@ -8,16 +8,14 @@ logprobs the decode path returned, and the non-stream response (stream concatena
 
 from __future__ import annotations
 
-import json
 import math
 
 import httpx
 import pytest
+from api_helpers import MODEL, chat, comp, post, stream_chunks
 
 pytestmark = pytest.mark.slow
 
-MODEL = "SmolLM2-135M-Instruct"
-HTTP_TIMEOUT_S = 120.0
 PROMPT = "The capital of France is"
 YES_NO = [{"role": "user", "content": "Answer yes or no: is the sky blue?"}]
 LP_TOL = 2e-3  # prefill vs decode logits on the CPU reference path (float32)
@@ -28,30 +26,12 @@ def url(shared_server):
     return shared_server.url
 
 
-def post(url: str, path: str, body: dict) -> httpx.Response:
-    return httpx.post(url + path, json=body, timeout=HTTP_TIMEOUT_S)
 
 
-def comp(url: str, prompt, **kw) -> dict:
-    kw.setdefault("max_tokens", 8)
-    kw.setdefault("temperature", 0)
-    r = post(url, "/v1/completions", {"model": MODEL, "prompt": prompt, **kw})
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
-def chat(url: str, messages, **kw) -> dict:
-    kw.setdefault("temperature", 0)
-    r = post(url, "/v1/chat/completions", {"model": MODEL, "messages": messages, **kw})
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
-def stream_chunks(url: str, path: str, body: dict) -> list[dict]:
-    with httpx.stream("POST", url + path, json=dict(body, stream=True),
-                      timeout=HTTP_TIMEOUT_S) as r:
-        assert r.status_code == 200
-        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
 
 
 def assert_error(r: httpx.Response, param: str) -> None:

@@ -14,11 +14,10 @@ import json
 import httpx
 import openai
 import pytest
+from api_helpers import HTTP_TIMEOUT_S, MODEL, chat, comp
 
 pytestmark = pytest.mark.slow
 
-MODEL = "SmolLM2-135M-Instruct"
-HTTP_TIMEOUT_S = 120.0
 REPEAT_PROMPT = "Repeat after me: hello hello hello hello"
 YES_NO = [{"role": "user", "content": "Answer yes or no: is the sky blue?"}]
 
@@ -34,24 +33,10 @@ def client(url):
                          max_retries=0)
 
 
-def post(url: str, path: str, body: dict) -> httpx.Response:
-    return httpx.post(url + path, json=body, timeout=HTTP_TIMEOUT_S)
 
 
-def comp(url: str, prompt, **kw) -> dict:
-    """A non-stream completion (plain JSON, so any vLLM extension field goes through)."""
-    kw.setdefault("max_tokens", 8)
-    kw.setdefault("temperature", 0)
-    r = post(url, "/v1/completions", {"model": MODEL, "prompt": prompt, **kw})
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
-def chat(url: str, messages, **kw) -> dict:
-    kw.setdefault("temperature", 0)
-    r = post(url, "/v1/chat/completions", {"model": MODEL, "messages": messages, **kw})
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def text(body: dict, i: int = 0) -> str:

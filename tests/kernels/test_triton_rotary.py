@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from kernel_test_utils import DEVICE
 
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from kernels.rotary import rotary_inplace, rotary_ref
-from kernel_test_utils import DEVICE
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

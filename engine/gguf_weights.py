@@ -1,0 +1,136 @@
+"""GGUF weights: a fast header scan and one-tensor-at-a-time dequantisation.
+
+Format: github.com/ggml-org/ggml docs/gguf.md (v2/v3, little endian). Dequantisation is
+gguf-py's; tensor names map to HF names through gguf-py's name table, and the q/k row
+permutation that llama.cpp's converter applies is undone by transformers' GGUF processors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def scan_gguf(path: str) -> tuple[dict, list[tuple[str, int, tuple[int, ...], int]]]:
+    """Read a GGUF header: scalar metadata and tensor infos (no tensor data).
+
+    A fast reader for what loading needs (``gguf.GGUFReader`` parses every element of the
+    tokenizer arrays, seconds per file). Format: github.com/ggml-org/ggml docs/gguf.md (v2/v3,
+    little endian).
+
+    Returns:
+        ``(metadata, tensors)``: metadata maps keys to scalar or string values (an array is
+        not read: ``"<key>.len"`` holds its length); each tensor is ``(name, ggml_type, numpy_shape, absolute_byte_offset)``.
+    Raises:
+        ValueError: not a GGUF v2/v3 little-endian file.
+    """
+    import mmap
+    import struct
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", mm, 0)
+        if magic != b"GGUF" or version not in (2, 3):
+            raise ValueError(f"{path} is not a GGUF v2/v3 little-endian file")
+        off = 24
+
+        def read_str(o: int) -> tuple[str, int]:
+            (n,) = struct.unpack_from("<Q", mm, o)
+            return mm[o + 8: o + 8 + n].decode("utf-8", "replace"), o + 8 + n
+
+        def skip(vtype: int, o: int) -> int:
+            if vtype == 8:
+                (n,) = struct.unpack_from("<Q", mm, o)
+                return o + 8 + n
+            if vtype == 9:
+                itype, count = struct.unpack_from("<IQ", mm, o)
+                o += 12
+                if itype in _GGUF_SCALARS:
+                    return o + count * struct.calcsize(_GGUF_SCALARS[itype])
+                for _ in range(count):
+                    o = skip(itype, o)
+                return o
+            return o + struct.calcsize(_GGUF_SCALARS[vtype])
+
+        meta: dict = {}
+        for _ in range(n_kv):
+            key, off = read_str(off)
+            (vtype,) = struct.unpack_from("<I", mm, off)
+            off += 4
+            if vtype == 8:
+                meta[key], off = read_str(off)
+            elif vtype in _GGUF_SCALARS:
+                (meta[key],) = struct.unpack_from(_GGUF_SCALARS[vtype], mm, off)
+                off = skip(vtype, off)
+            else:  # an array: only its length is kept, as "<key>.len"
+                meta[f"{key}.len"] = struct.unpack_from("<Q", mm, off + 4)[0]
+                off = skip(vtype, off)
+        infos = []
+        for _ in range(n_tensors):
+            name, off = read_str(off)
+            (n_dims,) = struct.unpack_from("<I", mm, off)
+            dims = struct.unpack_from(f"<{n_dims}Q", mm, off + 4)
+            off += 4 + 8 * n_dims
+            ggml_type, rel = struct.unpack_from("<IQ", mm, off)
+            off += 12
+            infos.append((name, ggml_type, tuple(reversed(dims)), rel))
+    align = int(meta.get("general.alignment", 32))
+    data_start = -(-off // align) * align
+    return meta, [(n, t, shape, data_start + rel) for n, t, shape, rel in infos]
+
+
+def iter_gguf(gguf_file: str, config, hf_names: list[str]
+              ) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+    """``(num_tensors, iterator of (hf_name, fp32 cpu tensor))`` for a GGUF file.
+
+    Tensors are dequantised one at a time (``gguf.dequantize``). GGUF names map to
+    ``hf_names`` through ``gguf.get_tensor_name_map`` (the table llama.cpp's converter
+    uses), and the q/k row permutation llama.cpp applies is undone by transformers'
+    ``TENSOR_PROCESSORS`` (what ``from_pretrained(gguf_file=...)`` runs).
+    GGUF tensors whose names match none of ``hf_names`` are skipped.
+    """
+    import numpy as np
+    from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, dequantize, get_tensor_name_map
+    from gguf.quants import quant_shape_to_byte_shape
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    meta, infos = scan_gguf(gguf_file)
+    arch = meta.get("general.architecture")
+    arch_enum = next((k for k, v in MODEL_ARCH_NAMES.items() if v == arch), None)
+    if arch_enum is None:
+        raise ValueError(f"{gguf_file}: GGUF architecture {arch!r} is unknown to gguf-py")
+    table = get_tensor_name_map(arch_enum, config.num_hidden_layers)
+    name_map = {}
+    for hf in hf_names:
+        base, _, suffix = hf.rpartition(".")
+        g = table.get_name(base)
+        if g is not None:
+            name_map[f"{g}.{suffix}"] = hf
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+    parsed: dict = {"tensors": {}, "config": config.to_dict()}
+
+    def gen():
+        import mmap
+
+        with open(gguf_file, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # closed when collected
+        # a plain ndarray over the mapping: np.memmap slicing is slow in dequantize
+        data = np.frombuffer(mm, dtype=np.uint8)
+        for name, ggml_type, shape, offset in infos:
+            if name not in name_map:
+                continue
+            qtype = GGMLQuantizationType(ggml_type)
+            byte_shape = quant_shape_to_byte_shape(shape, qtype)
+            raw = data[offset: offset + int(np.prod(byte_shape))].reshape(byte_shape)
+            w = dequantize(raw, qtype)
+            res = processor.process(weights=w, name=name, tensor_key_mapping=name_map,
+                                    parsed_parameters=parsed)
+            arr = np.ascontiguousarray(res.weights)
+            if not arr.flags.writeable:
+                arr = arr.copy()
+            yield name_map[res.name], torch.from_numpy(arr)
+
+    return sum(n in name_map for n, *_ in infos), gen()
