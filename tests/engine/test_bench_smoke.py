@@ -1,0 +1,55 @@
+"""CPU smoke runs of the benchmark commands on a tiny dummy model (seconds each). The GPU
+figures in docs/benchmarks.md come from the same commands on an H200."""
+
+import json
+
+import pytest
+
+from engine.loader import config_dir
+
+TINY = ["--model-path", None, "--load-format", "dummy", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def tiny_args():
+    return [a if a is not None else config_dir("llama-tiny") for a in TINY]
+
+
+def test_bench_latency_jsonl(tiny_args, tmp_path, capsys):
+    from engine.bench_latency import main
+
+    out = tmp_path / "lat.jsonl"
+    main(tiny_args + ["--batch-size", "1", "3", "--input-len", "16", "--output-len", "5",
+                      "--result-jsonl", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["batch_size"], r["input_len"], r["output_len"]) for r in rows] == [(1, 16, 5),
+                                                                                (3, 16, 5)]
+    for r in rows:
+        bs, il = r["batch_size"], r["input_len"]
+        assert r["prefill_throughput_tok_s"] == pytest.approx(bs * il / r["prefill_latency_s"])
+        assert r["median_decode_throughput_tok_s"] == pytest.approx(
+            bs / r["median_decode_latency_s"])
+        assert r["total_latency_s"] > r["prefill_latency_s"] > 0
+    assert "decode median" in capsys.readouterr().out
+
+
+def test_bench_offline_counts_every_token(tiny_args, tmp_path):
+    from engine.bench_offline import main
+
+    out = tmp_path / "off.jsonl"
+    main(tiny_args + ["--num-prompts", "6", "--min-input-len", "4", "--max-input-len", "20",
+                      "--min-output-len", "2", "--max-output-len", "7",
+                      "--result-jsonl", str(out)])
+    r = json.loads(out.read_text())
+    assert r["num_prompts"] == 6
+    assert 6 * 2 <= r["output_tokens"] <= 6 * 7  # ignore_eos: each gets its drawn length
+    assert r["output_tok_s"] == pytest.approx(r["output_tokens"] / r["duration_s"])
+
+
+def test_parity_cpu_against_itself(tiny_args, capsys):
+    from engine.parity import main
+
+    main(tiny_args[:-2] + ["--devices", "cpu,cpu", "--steps", "4", "--num-prompts", "2",
+                           "--prompt-len", "10"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["min_steps_agreed"] == 4 and summary["max_rel_logit_err"] == 0.0
