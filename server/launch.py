@@ -47,6 +47,13 @@ class StartupError(RuntimeError):
 def _child_main(name: str, server_args, ipc: IpcPaths) -> None:
     """Target of the spawned children: ignore Ctrl-C (the server stops us), then run."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # tqdm's default lock is a multiprocessing semaphore; a child stopped by SIGTERM cannot
+    # release it, and the resource tracker then warns about a leak at shutdown
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
     if name == "engine":
         from engine.scheduler import run_scheduler_process
 
