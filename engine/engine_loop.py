@@ -122,7 +122,7 @@ class EngineLoop:
         if need > ctx:
             return err(f"This model's maximum context length is {ctx} tokens. However, you "
                        f"requested {need} tokens ({len(ids)} in the prompt, "
-                       f"{need - len(ids)} for the completion).", "messages",
+                       f"{need - len(ids)} for the completion).", None,
                        "context_length_exceeded")
         return None
 
