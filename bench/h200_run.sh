@@ -32,6 +32,8 @@ for stage in "$@"; do
               --disable-cuda-graph --batch-size 1 --input-len 512;;
     profile-nofused) run profile-nofused 200 python3 -m bench.profile_decode --model-path $L8B \
               --load-format dummy --disable-cuda-graph --disable-fused-ops --batch-size 1 --input-len 512;;
+    profile-graphs) for b in 1 64; do run profile-graphs-bs$b 200 python3 -m bench.profile_decode \
+              --model-path $L8B --load-format dummy --batch-size $b --input-len 512; done;;
     profile64) run profile64 200 python3 -m bench.profile_decode --model-path $L8B --load-format dummy \
               --disable-cuda-graph --batch-size 64 --input-len 512;;
     probe) run probe 240 python3 -m bench.probe_ttft --model-path $L8B --load-format dummy \

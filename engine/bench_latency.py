@@ -10,6 +10,7 @@ run where the device has them, else from synchronised host clocks.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -59,9 +60,11 @@ def _alloc(runner, req: Req, n: int) -> list[int]:
     return slots
 
 
-def run_once(runner, bs: int, input_len: int, output_len: int, seed: int = 0) -> dict:
+def run_once(runner, bs: int, input_len: int, output_len: int, seed: int = 0,
+             decode_context=None) -> dict:
     """Prefill ``bs`` random prompts of ``input_len`` tokens, then ``output_len - 1`` greedy
-    decode steps. Returns the timings (seconds)."""
+    decode steps. Returns the timings (seconds). ``decode_context`` (e.g. a profiler) is
+    entered around the decode steps only."""
     g = torch.Generator().manual_seed(seed)
     vocab = runner.vocab_size
     reqs = []
@@ -83,23 +86,30 @@ def run_once(runner, bs: int, input_len: int, output_len: int, seed: int = 0) ->
         for r, tok in zip(reqs, nxt.tolist()):
             r.output_ids.append(tok)
         steps = []
-        for _ in range(output_len - 1):
-            prefix = [r.kv_len for r in reqs]
-            locs = []
-            for r in reqs:
-                locs += _alloc(runner, r, 1)
-            batch = ScheduleBatch(ForwardMode.DECODE, reqs, prefix, [1] * bs, [True] * bs, locs)
-            with _Timer(runner.device_type) as t:
-                logits = runner.forward(batch)
-                nxt = torch.argmax(logits, dim=-1)
-            steps.append(t.elapsed)
-            for r, tok in zip(reqs, nxt.tolist()):
-                r.output_ids.append(tok)
+        ctx = decode_context if decode_context is not None else contextlib.nullcontext()
+        with ctx:
+            _decode_steps(runner, reqs, output_len - 1, steps)
     finally:
         for r in reqs:
             runner.kv_pool.free_pages(r.pages)
             runner.req_to_token_pool.free(r.req_pool_idx)
     return {"prefill_s": prefill, "decode_steps_s": steps}
+
+
+def _decode_steps(runner, reqs: list[Req], n: int, steps: list[float]) -> None:
+    bs = len(reqs)
+    for _ in range(n):
+        prefix = [r.kv_len for r in reqs]
+        locs = []
+        for r in reqs:
+            locs += _alloc(runner, r, 1)
+        batch = ScheduleBatch(ForwardMode.DECODE, reqs, prefix, [1] * bs, [True] * bs, locs)
+        with _Timer(runner.device_type) as t:
+            logits = runner.forward(batch)
+            nxt = torch.argmax(logits, dim=-1)
+        steps.append(t.elapsed)
+        for r, tok in zip(reqs, nxt.tolist()):
+            r.output_ids.append(tok)
 
 
 def main(argv: list[str] | None = None) -> None:
