@@ -18,6 +18,9 @@ layout follows SGLang's Triton decode backend, written from scratch here):
   Programs whose split index is ``>= num_kv_splits[b]`` exit at once, so the grid size
   is static (CUDA-graph friendly) while the work follows each request's split count.
 * Stage 2, grid ``(B, Hq)``: merges the splits with weights ``exp(lse_i - max lse)``.
+  A request with a single split (every request of a large batch) is written by stage 1
+  straight into the output, and stage 2 returns at once for it (on the H200 the merge of
+  one split cost 0.28 ms of a 6.5 ms bs64 Llama-3-8B decode step).
 
 There is no host synchronisation anywhere (no ``.item()``/``.tolist()``): split counts
 come from :func:`choose_num_kv_splits`, computed with device tensor ops.
@@ -45,9 +48,9 @@ DEFAULT_MIN_CHUNK = 128  # tokens; see choose_num_kv_splits
 @triton.jit
 def _decode_stage1_kernel(
     q_ptr, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits,
-    part_o, part_lse, qk_scale, max_splits,
+    part_o, part_lse, o_ptr, qk_scale, max_splits,
     stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_r2t,
-    stride_pob, stride_poh, stride_pos, stride_peb, stride_peh,
+    stride_pob, stride_poh, stride_pos, stride_peb, stride_peh, stride_ob, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_HEAD_BLOCKS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -112,10 +115,16 @@ def _decode_stage1_kernel(
         l_safe = tl.where(nonempty, l_i, 1.0)
         out = tl.where(nonempty[:, None], acc / l_safe[:, None], 0.0)
         lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-        tl.store(part_o + b64 * stride_pob + q_heads[:, None] * stride_poh
-                 + split * stride_pos + offs_d[None, :],
-                 out, mask=mask_h[:, None] & mask_d[None, :])
-        tl.store(part_lse + b64 * stride_peb + q_heads * stride_peh + split, lse, mask=mask_h)
+        if n_splits == 1:
+            # one split is the whole answer: write it and let stage 2 skip this request
+            tl.store(o_ptr + b64 * stride_ob + q_heads[:, None] * stride_oh + offs_d[None, :],
+                     out.to(o_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+        else:
+            tl.store(part_o + b64 * stride_pob + q_heads[:, None] * stride_poh
+                     + split * stride_pos + offs_d[None, :],
+                     out, mask=mask_h[:, None] & mask_d[None, :])
+            tl.store(part_lse + b64 * stride_peb + q_heads * stride_peh + split, lse,
+                     mask=mask_h)
 
 
 @triton.jit
@@ -127,6 +136,8 @@ def _decode_stage2_kernel(
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     n_splits = tl.minimum(tl.maximum(tl.load(num_kv_splits + b), 1), max_splits)
+    if n_splits == 1:
+        return  # stage 1 wrote this request's output directly
     offs_s = tl.arange(0, BLOCK_S)
     mask_s = offs_s < n_splits
     offs_d = tl.arange(0, BLOCK_D)
@@ -296,11 +307,11 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     grid1 = (bs, hkv * meta1["NUM_HEAD_BLOCKS"], max_kv_splits)
     _decode_stage1_kernel[grid1](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, num_kv_splits,
-        attn_logits, attn_lse, sm_scale * _LOG2E, max_kv_splits,
+        attn_logits, attn_lse, o, sm_scale * _LOG2E, max_kv_splits,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
-        attn_lse.stride(0), attn_lse.stride(1), **meta1, **opts1,
+        attn_lse.stride(0), attn_lse.stride(1), o.stride(0), o.stride(1), **meta1, **opts1,
     )
     meta2, opts2 = _stage2_meta(d, max_kv_splits)
     _decode_stage2_kernel[(bs, hq)](

@@ -52,7 +52,8 @@ SCRIPT = textwrap.dedent('''
     def decode(dtype, group, d, arch):
         t = TY[dtype]
         ptrs = dict(q_ptr=t, k_buf=t, v_buf=t, req_to_token="i32", req_pool_indices="i64",
-                    seq_lens="i32", num_kv_splits="i32", part_o="fp32", part_lse="fp32")
+                    seq_lens="i32", num_kv_splits="i32", part_o="fp32", part_lse="fp32",
+                    o_ptr=t)
         meta, opts = da._stage1_meta(group, d, dtype, "cuda")
         compile_one(da._decode_stage1_kernel, ptrs, meta, opts, arch)
         meta, opts = da._stage2_meta(d, 16)
