@@ -40,7 +40,8 @@ class ServerArgs:
     max_total_tokens: int | None = _f(None, "KV pool size in tokens (overrides the fraction)")
     max_running_requests: int = _f(256, "most requests decoding at once")
     max_queued_requests: int = _f(1024, "most requests waiting; beyond it new ones get 503")
-    chunked_prefill_size: int = _f(2048, "most prompt tokens prefilled in one step")
+    chunked_prefill_size: int | None = _f(None, "most prompt tokens prefilled in one step "
+                                                "(default: 2048 on GPUs, 256 on the CPU)")
     max_prefill_tokens: int = _f(16384, "token budget of one prefill step")
     page_size: int = _f(1, "KV cache page size in tokens")
     disable_cuda_graph: bool = _f(False, "run decode eagerly (no CUDA/XPU graphs)")

@@ -21,6 +21,11 @@ from engine.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)
 
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001  # per step, back toward MIN after a preemption raised it
+FUTURE_TOKENS_CLIP = 4096
+
 
 class StepOutput:
     """What one step produced for one request: new tokens (possibly none) and its finish."""
@@ -50,9 +55,14 @@ class Scheduler:
         self.req_pool = runner.req_to_token_pool
         self.kv_pool = runner.kv_pool
         self.page_size = self.kv_pool.page_size
-        self.chunk_size = max(args.chunked_prefill_size, 1)
+        # a CPU step over 2048 prompt tokens takes seconds and stalls every running stream
+        default_chunk = 256 if getattr(runner, "device_type", "cpu") == "cpu" else 2048
+        self.chunk_size = max(args.chunked_prefill_size or default_chunk, 1)
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None  # the request whose prefill is partly done
+        # fraction of their remaining max_tokens that running requests are expected to still
+        # generate; admission keeps that much KV free (the idea of SGLang's new_token_ratio)
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.running: list[Req] = []
         self.reqs: dict[str, Req] = {}
         self.pending_aborts: set[str] = set()
@@ -119,7 +129,15 @@ class Scheduler:
                 self._abort_now(req, "aborted")
         self.pending_aborts.clear()
 
+    @staticmethod
+    def _future_tokens(req: Req) -> int:
+        """Tokens ``req`` may still generate, clipped (a max_tokens of the whole context
+        would otherwise block admission for requests that mostly stop early)."""
+        return min(req.max_new_tokens - len(req.output_ids), FUTURE_TOKENS_CLIP)
+
     def _preempt(self, req: Req) -> None:
+        # after a preemption admit more cautiously; the ratio decays back each step
+        self.new_token_ratio = 1.0
         self._release(req)
         self.waiting.appendleft(req)
         self.stats["preemptions"] += 1
@@ -148,6 +166,8 @@ class Scheduler:
         budget = self.chunk_size
         # keep one page per running request free for their next decode token
         reserve = (len(self.running) + 1) * self.page_size
+        # and room for the tokens the admitted requests are still expected to generate
+        future = self.new_token_ratio * sum(self._future_tokens(r) for r in self.running)
         reqs, prefix, ext, sample, locs = [], [], [], [], []
         max_running = self.args.max_running_requests
         while budget > 0:
@@ -157,6 +177,12 @@ class Scheduler:
                 req = self.waiting[0]
                 if len(self.running) + len(reqs) >= max_running or self.req_pool.available() == 0:
                     break
+                # a new request must fit with everything it and the others will still need;
+                # alone it is always admitted (no request outgrows the pool)
+                own = req.seq_len - req.kv_len + self.new_token_ratio * self._future_tokens(req)
+                if (self.running or reqs) and self.kv_pool.free_tokens() - reserve < own + future:
+                    break
+                future += self.new_token_ratio * self._future_tokens(req)
             else:
                 break
             n = min(req.seq_len - req.kv_len, budget)
@@ -231,6 +257,8 @@ class Scheduler:
         tensor) that the model runner resolves on the device. Anything that needs real ids
         first (preemption, penalties) drains the in-flight step before it goes on.
         """
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO,
+                                   self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         batch = self.get_next_batch()
         if batch is None:
             self._drain()
@@ -368,6 +396,9 @@ class Scheduler:
             if req.stop_window and self.tokenizer is not None:
                 tail = self.tokenizer.decode(req.output_ids[max(0, n_out - req.stop_window): n_out],
                                              skip_special_tokens=sp.skip_special_tokens)
+                # the window may start or end inside a multi-byte character: its pieces decode
+                # to U+FFFD, which is not text the detokenizer will ever show
+                tail = tail.strip("\ufffd")
                 for s in sp.stop:
                     if s in tail:
                         return FinishReason("stop", matched=s)
