@@ -5,7 +5,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/toke
 ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /server_info``,
 ``GET /metrics``.
 Every handler is wrapped so an unexpected exception still answers an OpenAI-shaped error
-(and logs the traceback); unknown routes (404) and wrong methods (405) are shaped too.
+(and logs the traceback); unknown routes (404, a trailing slash included: no redirects) and
+wrong methods (405) are shaped too.
 """
 
 from __future__ import annotations
@@ -205,6 +206,10 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
         Route("/server_info", server_info, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    return Starlette(routes=routes,
-                     middleware=[Middleware(AuthMiddleware, api_key=args.api_key)],
-                     exception_handlers={HTTPException: http_exception, 500: server_error})
+    app = Starlette(routes=routes,
+                    middleware=[Middleware(AuthMiddleware, api_key=args.api_key)],
+                    exception_handlers={HTTPException: http_exception, 500: server_error})
+    # no 307 to the path without its trailing slash (its Location would be built from the
+    # client's Host header): "/v1/completions/" is an unknown route, a shaped 404
+    app.router.redirect_slashes = False
+    return app

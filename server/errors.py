@@ -2,8 +2,8 @@
 
 Every failure the HTTP layer reports goes through ``APIError`` so the body shape and the
 status/type pairing (400 ``invalid_request_error``, 401 ``authentication_error``, 404
-``not_found_error``, 413 ``invalid_request_error``, 503 ``service_unavailable``...) live in one
-place.
+``not_found_error``, 408 and 413 ``invalid_request_error``, 503 ``service_unavailable``...)
+live in one place.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ _TYPE_BY_STATUS = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_error",
@@ -87,11 +88,14 @@ def unavailable(message: str) -> APIError:
 
 
 def context_length_exceeded(max_len: int, prompt_tokens: int, max_tokens: int,
-                            param: str) -> APIError:
-    """400 ``context_length_exceeded`` in OpenAI's wording."""
+                            param: str, what: str = "for the completion") -> APIError:
+    """400 ``context_length_exceeded`` in OpenAI's wording.
+
+    ``what`` says what the completion's ``max_tokens`` tokens are (e.g. "as min_tokens").
+    """
     total = prompt_tokens + max_tokens
     return APIError(
         f"This model's maximum context length is {max_len} tokens. However, you requested "
-        f"{total} tokens ({prompt_tokens} in the prompt, {max_tokens} for the completion). "
+        f"{total} tokens ({prompt_tokens} in the prompt, {max_tokens} {what}). "
         "Please reduce the prompt or the completion length.",
         400, param, "context_length_exceeded")

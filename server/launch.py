@@ -4,7 +4,8 @@
    private 0700 IPC dir.
 2. Spawn the engine and the detokenizer (multiprocessing "spawn"); load the tokenizer in a
    thread meanwhile. Wait for both ``ReadyOut`` messages (a child that dies or a timeout is a
-   clear start-up error), then log one line and run uvicorn in the same event loop.
+   clear start-up error), then log one line and run uvicorn in the same event loop (with
+   the connection limits and timeouts of ``server/http_limits.py``).
 3. Watch the children: if one dies, /health answers 503, every waiting request gets a 503
    (a stream a final error event and ``[DONE]``) and the server exits non-zero.
 4. SIGINT/SIGTERM: new requests get 503, in-flight ones may finish for
@@ -29,6 +30,7 @@ import uvicorn
 
 from engine.ipc import IpcPaths
 from server.app import build_app, model_name_of
+from server.http_limits import raise_fd_limit, uvicorn_limits
 from server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("ferry.server")
@@ -233,9 +235,10 @@ class Launcher:
                         ready.max_context_len, host, args.port)
             app = build_app(self.tm, args, self.procs)
             # log_level=None: keep the levels setup_logging chose for uvicorn's loggers
+            limits = uvicorn_limits(args, ready.max_running_requests, raise_fd_limit())
             config = uvicorn.Config(app, log_level=None, access_log=False,
                                     log_config=None, timeout_graceful_shutdown=3,
-                                    timeout_keep_alive=5, lifespan="off")
+                                    lifespan="off", **limits)
             self.server = _Server(config, self.on_signal)
             watcher = asyncio.ensure_future(self._watch())
             try:

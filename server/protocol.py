@@ -1,18 +1,30 @@
 """Pydantic v2 models of the OpenAI request bodies, and their mapping to ``SamplingParams``.
 
 Bounds mirror ``SamplingParams.verify`` so a bad value is a 400 naming the field (``param``)
-before anything reaches the engine. ``null`` at the top level means "absent" (OpenAI clients
-send ``"stream_options": null``). Unknown fields OpenAI treats as optional are ignored; fields
-ferry cannot honour are a 400 naming them (``check_unsupported``).
+before anything reaches the engine. Types are strict, as in OpenAI's API: a boolean must be a
+JSON boolean and an integer a JSON integer (``"5"``, ``true`` or ``2.0`` for ``n`` is a 400);
+a float field takes JSON integers too. ``null`` at the top level means "absent" (OpenAI
+clients send ``"stream_options": null``). Unknown fields OpenAI treats as optional are
+ignored; fields ferry cannot honour are a 400 naming them (``check_unsupported``).
 
 Also the bodies of ``/v1/tokenize`` and ``/v1/detokenize`` (vLLM's and SGLang's shapes).
 """
 
 from __future__ import annotations
 
+import logging
+import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from engine.sampling_params import (
     MAX_LOGIT_BIAS,
@@ -23,6 +35,8 @@ from engine.sampling_params import (
 )
 from server.errors import APIError, bad_request, not_supported
 
+logger = logging.getLogger("ferry.server")
+
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1        # bound of token counts and ids in a request
 MAX_PROMPTS = 128            # prompts in one /v1/completions request
@@ -30,10 +44,14 @@ MAX_N_HARD = 128             # upper bound of n whatever --max-n says
 MAX_MESSAGES = 1024
 MAX_STOP_TOKEN_IDS = MAX_STOP_STRINGS
 MAX_DETOKENIZE_TOKENS = 1 << 17  # token ids in one /v1/detokenize request
+#: a logit_bias key: a JSON string of ASCII digits, optionally signed (int() takes more)
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]+")
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # strict: no str -> int, bool -> int, 2.0 -> int or 1/"yes" -> bool coercion; an int is
+    # still a valid float (pydantic's strict float takes ints, like OpenAI's API)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -52,7 +70,7 @@ class _SamplingRequest(_Base):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N_HARD)
+    n: int = Field(1, ge=1)  # upper bound: --max-n, checked in _n (message states it)
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -73,6 +91,14 @@ class _SamplingRequest(_Base):
     spaces_between_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False   # vLLM: logprobs tokens as "token_id:N"
     user: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v: int, info: ValidationInfo) -> int:
+        limit = max_n_of(info.context)
+        if v > limit:
+            raise ValueError(f"n must be at most {limit} on this server")
+        return v
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -105,10 +131,14 @@ class _SamplingRequest(_Base):
             raise ValueError(f"at most {MAX_LOGIT_BIAS} entries are allowed")
         out: dict[int, float] = {}
         for k, b in v.items():
-            try:
+            if isinstance(k, str) and _TOKEN_ID_KEY.fullmatch(k):
+                if len(k) > 20:  # far beyond any token id; spares int() a huge string
+                    raise ValueError(f"token id {k[:20]}... is out of range")
                 tid = int(k)
-            except (TypeError, ValueError):
-                raise ValueError(f"key {k!r} is not a token id") from None
+            elif isinstance(k, int) and not isinstance(k, bool):  # Python callers
+                tid = k
+            else:
+                raise ValueError(f"key {k!r} is not a token id (a string of ASCII digits)")
             if isinstance(b, bool) or not isinstance(b, int | float) or not -100 <= b <= 100:
                 raise ValueError("values must be numbers in [-100, 100]")
             if not 0 <= tid <= INT32_MAX:
@@ -155,7 +185,7 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)  # OpenAI's completions default
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    best_of: int | None = Field(None, ge=1, le=MAX_N_HARD)
+    best_of: int | None = Field(None, ge=1)  # must equal n (check_unsupported)
     suffix: str | None = None
 
     @property
@@ -249,8 +279,9 @@ def check_unsupported(req: _SamplingRequest) -> None:
     """Raise a 400 ``APIError`` naming the first field ferry cannot honour.
 
     Covers extra fields (``tools``, ``response_format``...), known fields whose value is
-    not supported yet (``best_of`` other than n, ``suffix``) and chat ``top_logprobs`` > 0
-    without ``logprobs: true`` (OpenAI refuses it too).
+    not supported yet (``best_of`` other than n, ``suffix``), ``stream_options`` without
+    ``stream: true`` and chat ``top_logprobs`` > 0 without ``logprobs: true`` (OpenAI
+    refuses both too).
     """
     for name, value in (req.model_extra or {}).items():
         if name in IGNORED_FIELDS:
@@ -258,6 +289,10 @@ def check_unsupported(req: _SamplingRequest) -> None:
         err = _refuse(req, name, value)
         if err is not None:
             raise err
+    if req.stream_options is not None and not req.stream:
+        # OpenAI and vLLM refuse it too; "stream_options": null is fine (dropped as absent)
+        raise bad_request("stream_options is only allowed when stream is true",
+                          "stream_options")
     if isinstance(req, CompletionRequest):
         if req.best_of is not None and req.best_of != req.n:
             raise not_supported("best_of", "best_of must equal n")
@@ -345,18 +380,36 @@ def from_validation_error(exc: ValidationError) -> APIError:
     return bad_request(f"{param}: {msg}" if param else msg, param)
 
 
-def parse_request(model: type[BaseModel], body: Any) -> Any:
+def max_n_of(context: Any) -> int:
+    """The largest ``n`` accepted: ``context["max_n"]`` (``--max-n``) capped at MAX_N_HARD."""
+    limit = context.get("max_n") if isinstance(context, dict) else None
+    return min(limit or MAX_N_HARD, MAX_N_HARD)
+
+
+def parse_request(model: type[BaseModel], body: Any, max_n: int | None = None) -> Any:
     """Validate a decoded JSON body (a generation, tokenize or detokenize request).
 
+    Args:
+        model: the request model (``CompletionRequest``...).
+        body: the decoded JSON.
+        max_n: the server's ``--max-n`` (default: MAX_N_HARD).
     Raises:
-        APIError: 400 (not an object, a bad field, or an unsupported one).
+        APIError: 400 (not an object, a bad field, or an unsupported one). Nothing else
+            escapes: an unexpected error inside validation is logged and answered as 400.
     """
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     try:
-        req = model.model_validate(body)
+        req = model.model_validate(body, context={"max_n": max_n})
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+    except APIError:
+        raise
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
+    except Exception:  # a validator bug must not become a 500 for a client's body
+        logger.exception("unexpected error validating a %s", model.__name__)
+        raise bad_request("the request body could not be validated") from None
     if isinstance(req, _SamplingRequest):
         check_unsupported(req)
     elif isinstance(req, TokenizeRequest):

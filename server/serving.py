@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -42,6 +43,10 @@ logger = logging.getLogger("ferry.server")
 
 DONE = "data: [DONE]\n\n"
 
+#: seconds a client has to send the whole request body (headers already in); a client that
+#: stalls gets a 408 and the connection is closed. ``FERRY_BODY_READ_TIMEOUT`` overrides it.
+BODY_READ_TIMEOUT_S = float(os.environ.get("FERRY_BODY_READ_TIMEOUT", "30"))
+
 
 class ClientGone(Exception):
     """The client disconnected before the answer was ready."""
@@ -60,32 +65,54 @@ def sse(obj: Any) -> str:
     return f"data: {_dumps(obj)}\n\n"
 
 
-async def read_json(request: Request, max_bytes: int) -> Any:
-    """The decoded JSON body.
-
-    Raises:
-        APIError: 413 if the body exceeds ``max_bytes`` (by Content-Length or as received),
-            400 if it is empty or not strict JSON (NaN, invalid UTF-8 and lone surrogates
-            are refused: the tokenizer cannot take them).
-    """
-    cl = request.headers.get("content-length")
-    if cl is not None:
-        try:
-            if int(cl) > max_bytes:
-                raise http_error(413, f"the request body is larger than {max_bytes} bytes")
-        except ValueError:
-            raise bad_request("invalid Content-Length header") from None
+async def _read_body(request: Request, max_bytes: int) -> bytearray:
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > max_bytes:
             raise http_error(413, f"the request body is larger than {max_bytes} bytes")
+    return body
+
+
+async def read_json(request: Request, max_bytes: int,
+                    timeout_s: float | None = None) -> Any:
+    """The decoded JSON body.
+
+    Args:
+        request: the request (its body not read yet).
+        max_bytes: the largest accepted body.
+        timeout_s: seconds the whole body may take to arrive (default BODY_READ_TIMEOUT_S).
+    Raises:
+        APIError: 413 if the body exceeds ``max_bytes`` (by Content-Length or as received);
+            408 (``Connection: close``) if it has not all arrived within ``timeout_s``;
+            400 if it is empty, not strict JSON (NaN, invalid UTF-8 and lone surrogates are
+            refused: the tokenizer cannot take them) or nested deeper than the decoder
+            allows (about 1000 levels). Decoding raises nothing else.
+    """
+    cl = request.headers.get("content-length")
+    if cl is not None:
+        if not cl.isascii() or not cl.strip().isdigit():
+            raise bad_request("invalid Content-Length header")
+        if int(cl) > max_bytes:
+            raise http_error(413, f"the request body is larger than {max_bytes} bytes")
+    timeout_s = BODY_READ_TIMEOUT_S if timeout_s is None else timeout_s
+    try:
+        async with asyncio.timeout(timeout_s):
+            body = await _read_body(request, max_bytes)
+    except TimeoutError:
+        raise APIError(f"the request body did not arrive within {timeout_s:g} s", 408, None,
+                       "request_timeout", headers={"Connection": "close"}) from None
     if not body:
         raise bad_request("the request body is empty; send a JSON object")
     try:  # strict JSON: no NaN/Infinity, valid UTF-8, no lone surrogates
         return msgspec.json.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
+    except Exception as exc:  # noqa: BLE001 - whatever the decoder raises, the body is bad
+        raise bad_request(f"the request body could not be decoded ({type(exc).__name__})"
+                          ) from None
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -162,9 +189,12 @@ class OpenAIServing:
         raise APIError(f"The model '{model}' does not exist (this server serves "
                        f"'{self.model_name}')", 404, "model", "model_not_found")
 
+    async def _parse(self, model, request: Request):
+        """The validated body of ``request`` (``parse_request`` with this server's --max-n)."""
+        body = await read_json(request, self.args.max_request_bytes)
+        return parse_request(model, body, max_n=self.args.max_n)
+
     def _params(self, req, max_tokens: int | None) -> SamplingParams:
-        if req.n > self.args.max_n:
-            raise bad_request(f"n must be at most {self.args.max_n}", "n")
         sp = req.sampling_params(max_tokens)
         try:
             sp.verify(self.tm.vocab_size or None)
@@ -172,6 +202,23 @@ class OpenAIServing:
             msg, param = (exc.args + (None, None))[:2]
             raise bad_request(str(msg), param) from None
         return sp
+
+    def check_fan_out(self, n_prompts: int, n: int) -> None:
+        """400 when the request alone needs more engine requests than the server admits.
+
+        ``n_prompts * n`` engine requests over ``running + queued`` can never be admitted
+        (even an idle server would answer 503 "queue full"), so this is the client's error,
+        naming ``n`` (or ``prompt`` when ``n`` is 1).
+        """
+        total, limit = n_prompts * n, self.tm.admission_limit()
+        if total <= limit:
+            return
+        what = f"{n_prompts} prompts x n={n}" if n_prompts > 1 else f"n={n}"
+        fix = "lower n" + (" or send fewer prompts" if n_prompts > 1 else "") if n > 1 \
+            else "send fewer prompts per request"
+        raise bad_request(f"this request needs {total} generations ({what}); this server holds "
+                          f"at most {limit} at once (running plus queued requests): {fix}",
+                          "n" if n > 1 else "prompt")
 
     @staticmethod
     def _fan_out(base: str, prompts: list[list[int]], n: int,
@@ -252,11 +299,13 @@ class OpenAIServing:
     async def completions(self, request: Request) -> Response:
         """``POST /v1/completions``."""
         t0 = time.monotonic()
-        req: CompletionRequest = parse_request(
-            CompletionRequest, await read_json(request, self.args.max_request_bytes))
+        req: CompletionRequest = await self._parse(CompletionRequest, request)
         self.check_model(req.model)
         sp = self._params(req, req.max_tokens)
         prompts = req.prompt if isinstance(req.prompt, list) else [req.prompt]
+        self.check_fan_out(len(prompts), req.n)
+        # completions' default max_tokens (16) is not the client's; then the prompt is at fault
+        mt_param = "max_tokens" if "max_tokens" in req.model_fields_set else None
         ids_list, texts = [], []
         for p in prompts:
             if isinstance(p, str):
@@ -265,7 +314,8 @@ class OpenAIServing:
                 ids = await self.tm.tokenize(p)
             else:
                 ids = list(p)
-            self.tm.check_prompt(ids, sp.max_tokens, "prompt")
+            self.tm.check_prompt(ids, sp.max_tokens, "prompt", max_tokens_param=mt_param,
+                                 min_tokens=sp.min_tokens)
             ids_list.append(ids)
             if req.echo:  # the prompt as sent; token ids decoded like the output
                 texts.append(p if isinstance(p, str) else await self.tm.decode(
@@ -284,13 +334,15 @@ class OpenAIServing:
     async def chat(self, request: Request) -> Response:
         """``POST /v1/chat/completions``."""
         t0 = time.monotonic()
-        req: ChatCompletionRequest = parse_request(
-            ChatCompletionRequest, await read_json(request, self.args.max_request_bytes))
+        req: ChatCompletionRequest = await self._parse(ChatCompletionRequest, request)
         self.check_model(req.model)
         sp = self._params(req, req.requested_max_tokens)
+        self.check_fan_out(1, req.n)
         ids = await self.tm.apply_chat_template(messages_for_template(req.messages))
-        param = "max_completion_tokens" if req.max_completion_tokens is not None else "messages"
-        self.tm.check_prompt(ids, sp.max_tokens, param)
+        mt_param = ("max_completion_tokens" if req.max_completion_tokens is not None
+                    else "max_tokens" if req.max_tokens is not None else None)
+        self.tm.check_prompt(ids, sp.max_tokens, "messages", max_tokens_param=mt_param,
+                             min_tokens=sp.min_tokens)
         base = f"chatcmpl-{uuid.uuid4().hex}"
         subs = self._fan_out(base, [ids], req.n, sp)
         lp = LogprobOptions(k=req.logprobs_k, as_ids=req.return_tokens_as_token_ids)
@@ -305,8 +357,7 @@ class OpenAIServing:
         Raises:
             APIError: 400 for a bad body or a chat template that rejects the messages.
         """
-        req: TokenizeRequest = parse_request(
-            TokenizeRequest, await read_json(request, self.args.max_request_bytes))
+        req: TokenizeRequest = await self._parse(TokenizeRequest, request)
         self.check_model(req.model)
         if req.messages is not None:
             ids = await self.tm.apply_chat_template(
@@ -328,8 +379,7 @@ class OpenAIServing:
         Raises:
             APIError: 400 for a bad body or a token id outside the vocabulary (``tokens``).
         """
-        req: DetokenizeRequest = parse_request(
-            DetokenizeRequest, await read_json(request, self.args.max_request_bytes))
+        req: DetokenizeRequest = await self._parse(DetokenizeRequest, request)
         self.check_model(req.model)
         self.tm.need_tokenizer("tokens")
         vocab = self.tm.vocab_size

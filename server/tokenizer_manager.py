@@ -256,12 +256,23 @@ class TokenizerManager:
                               "messages") from None
         return await self.tokenize(text, add_special_tokens=add_special_tokens)
 
-    def check_prompt(self, input_ids: list[int], max_tokens: int | None, param: str) -> None:
+    def check_prompt(self, input_ids: list[int], max_tokens: int | None, param: str, *,
+                     max_tokens_param: str | None = None, min_tokens: int = 0) -> None:
         """Validate a tokenized prompt against the engine's limits.
 
+        Args:
+            input_ids: the prompt's token ids.
+            max_tokens: the completion's token budget; None: up to the context.
+            param: the prompt's field (``prompt``, ``messages``).
+            max_tokens_param: the field the client set ``max_tokens`` with
+                (``max_tokens``, ``max_completion_tokens``), or None if it is a default.
+            min_tokens: tokens the completion must have before EOS may end it.
         Raises:
-            APIError: 400 for an empty prompt, a token id outside ``[0, vocab_size)`` or
-                prompt + max_tokens beyond the context (code ``context_length_exceeded``).
+            APIError: 400 for an empty prompt, a token id outside ``[0, vocab_size)`` or a
+                request beyond the context (code ``context_length_exceeded``), naming
+                ``param`` when the prompt leaves no room for one token,
+                ``max_tokens_param`` when the prompt fits but not with the asked max_tokens,
+                and ``min_tokens`` when prompt + min_tokens does not fit.
         """
         if not input_ids:
             raise bad_request("the prompt is empty", param)
@@ -269,10 +280,15 @@ class TokenizerManager:
         if vocab and (min(input_ids) < 0 or max(input_ids) >= vocab):
             bad = next(t for t in input_ids if t < 0 or t >= vocab)
             raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param)
-        ctx = self.max_context_len
+        ctx, n = self.max_context_len, len(input_ids)
         need = max_tokens if max_tokens is not None else 1
-        if len(input_ids) + need > ctx:
-            raise context_length_exceeded(ctx, len(input_ids), need, param)
+        if n + need > ctx:
+            fits = n < ctx  # room for at least one token: the asked budget is at fault
+            raise context_length_exceeded(
+                ctx, n, need, max_tokens_param if fits and max_tokens_param else param)
+        if n + min_tokens > ctx:
+            raise context_length_exceeded(ctx, n, min_tokens, "min_tokens",
+                                          what="as min_tokens")
 
     def check_admission(self, count: int) -> None:
         """Raise 503 when the engine is gone, the server is stopping, or the queue is full."""

@@ -48,9 +48,10 @@ class FerryServer:
     Args:
         tmp: a private directory (log file, TMPDIR of the server).
         extra_args: flags after ``python -m server --host 127.0.0.1 --port P``.
+        env: extra environment variables of the server (e.g. ``FERRY_BODY_READ_TIMEOUT``).
     """
 
-    def __init__(self, tmp: Path, extra_args: list[str]):
+    def __init__(self, tmp: Path, extra_args: list[str], env: dict[str, str] | None = None):
         self.tmp = tmp
         self.tmpdir = tmp / "t"
         self.tmpdir.mkdir(parents=True, exist_ok=True)
@@ -59,12 +60,14 @@ class FerryServer:
         self.log_path = tmp / "server.log"
         self.args = ["--host", "127.0.0.1", "--port", str(self.port), *extra_args]
         self.proc: subprocess.Popen | None = None
+        self.env = dict(env or {})
 
     def start(self) -> FerryServer:
         # one intra-op thread: on a busy 2-core CI box, OpenMP threads waiting on each
         # other make every decode step several times slower
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                   PYTHONUNBUFFERED="1", TMPDIR=str(self.tmpdir), OMP_NUM_THREADS="1")
+                   PYTHONUNBUFFERED="1", TMPDIR=str(self.tmpdir), OMP_NUM_THREADS="1",
+                   **self.env)
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen([sys.executable, "-m", "server", *self.args], cwd=ROOT,
                                      env=env, stdout=self._log, stderr=subprocess.STDOUT,
@@ -118,9 +121,11 @@ class FerryServer:
 
 @pytest.fixture(scope="module")
 def server(request, tmp_path_factory):
-    """A running ``FerryServer`` per test module, started with the module's ``SERVER_ARGS``."""
-    srv = FerryServer(tmp_path_factory.mktemp("ferry"), list(getattr(request.module,
-                                                                      "SERVER_ARGS", [])))
+    """A running ``FerryServer`` per test module, started with the module's ``SERVER_ARGS``
+    (and ``SERVER_ENV``)."""
+    srv = FerryServer(tmp_path_factory.mktemp("ferry"),
+                      list(getattr(request.module, "SERVER_ARGS", [])),
+                      getattr(request.module, "SERVER_ENV", None))
     srv.start()
     try:
         yield srv

@@ -1,8 +1,10 @@
-"""API key (401), queue full (503) and graceful shutdown (SIGTERM) of a real server.
+"""API key (401), queue full (503), requests that can never fit (400), stalled clients (408,
+closed connections) and graceful shutdown (SIGTERM) of a real server.
 
-The server admits at most one running plus one queued request; the module's last test
-stops it with SIGTERM and checks the drain: new requests 503, the in-flight stream ends with
-``finish_reason`` "abort" and ``[DONE]``, exit code 0, no child process and no IPC dir left.
+The server admits at most one running plus one queued request and waits 2 s for a request's
+headers and 2 s for its body; the module's last test stops it with SIGTERM and checks the drain: new requests 503,
+the in-flight stream ends with ``finish_reason`` "abort" and ``[DONE]``, exit code 0, no
+child process and no IPC dir left.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import time
 
 import httpx
@@ -22,6 +25,10 @@ KEY = "sk-test-ferry"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 SERVER_ARGS = ["--max-total-tokens", "4096", "--api-key", KEY, "--max-running-requests", "1",
                "--max-queued-requests", "1", "--shutdown-timeout", "3"]
+BODY_TIMEOUT_S = 2.0
+HEADER_TIMEOUT_S = 2.0
+SERVER_ENV = {"FERRY_BODY_READ_TIMEOUT": str(BODY_TIMEOUT_S),
+              "FERRY_HEADER_TIMEOUT": str(HEADER_TIMEOUT_S)}
 LONG = {"prompt": "Count from one to one thousand: one, two,", "max_tokens": 2000,
         "ignore_eos": True, "temperature": 0}
 
@@ -73,6 +80,76 @@ async def test_queue_full_503(server):
             await asyncio.sleep(0.05)
         r = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "x", "n": 3}, "n"),
+    ("/v1/completions", {"prompt": ["a", "b", "c"]}, "prompt"),
+    ("/v1/completions", {"prompt": [[1], [2]], "n": 2}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 3}, "n"),
+])
+def test_fan_out_beyond_capacity_is_a_400(server, path, body, param):
+    # 1 running + 1 queued: more engine requests than that can never be admitted, even idle
+    r = httpx.post(server.url + path, json=dict(body, max_tokens=1), headers=AUTH, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    assert "at most 2" in err["message"]
+
+
+def test_fan_out_at_capacity_runs(server):
+    r = httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=60,
+                   json={"prompt": "Hi", "n": 2, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert sorted(c["index"] for c in r.json()["choices"]) == [0, 1]
+
+
+def _stall(server, n_sockets: int) -> list[socket.socket]:
+    """Sockets that sent a request's headers and the start of its body, then stopped."""
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}"
+            "\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+            '{"prompt": "').encode()
+    socks = []
+    for _ in range(n_sockets):
+        s = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        s.sendall(head)
+        socks.append(s)
+    return socks
+
+
+def _read_to_eof(s: socket.socket) -> bytes:
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    return data
+
+
+def test_stalled_clients_are_timed_out(server):
+    t0 = time.monotonic()
+    socks = _stall(server, 20)
+    # and connections that stall before their headers are complete (silent, or half-sent)
+    quiet = [socket.create_connection(("127.0.0.1", server.port), timeout=30)
+             for _ in range(10)]
+    for s in quiet[5:]:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    try:
+        # the server is not blocked meanwhile
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        assert all(_read_to_eof(s) == b"" for s in quiet)  # closed without an answer
+        assert time.monotonic() - t0 < HEADER_TIMEOUT_S + 20
+        answers = [_read_to_eof(s) for s in socks]  # EOF: the server closed the connection
+    finally:
+        for s in socks + quiet:
+            s.close()
+    waited = time.monotonic() - t0
+    assert BODY_TIMEOUT_S <= waited < BODY_TIMEOUT_S + 20
+    for a in answers:
+        head, _, body = a.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), a[:200]
+        assert b"connection: close" in head.lower()
+        err = json.loads(body)["error"]
+        assert err["code"] == "request_timeout" and err["type"] == "invalid_request_error"
+    assert info(server)["num_inflight"] == 0
 
 
 def test_sigterm_drains_then_exits(server):

@@ -273,6 +273,11 @@ def assert_error(r, status, param=None, code=None):
     ("logit_bias", {str(i): 1 for i in range(1025)}), ("stop", "s" * 257), ("stop", [""]),
     ("stop_token_ids", list(range(17))), ("stop_token_ids", [-1]), ("seed", -(2**63) - 1),
     ("ignore_eos", "maybe"), ("skip_special_tokens", 2),
+    # strict JSON types, as OpenAI's API: no coercion of booleans, strings or 2.0 to int
+    ("max_tokens", True), ("max_tokens", 2.0), ("n", "5"), ("temperature", True),
+    ("seed", "5"), ("stream", "yes"), ("stream", "on"), ("stream", 1),
+    ("logit_bias", {" 5 ": 1}), ("logit_bias", {"1_0": 1}), ("logit_bias", {"٣": 1}),
+    ("stream_options", {"include_usage": True}),  # without stream: true
 ])
 def test_400_names_the_param(server, field, value):
     for path, base in (("/v1/completions", {"prompt": "hi"}),
@@ -295,6 +300,9 @@ def test_400_names_the_param(server, field, value):
     ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {"logprobs": "maybe"}, "logprobs"),
+    ("/v1/chat/completions", {"logprobs": 0}, "logprobs"),
+    ("/v1/chat/completions", {"stream": False, "stream_options": {}}, "stream_options"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": True}, "logprobs"),
     ("/v1/chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
     ("/v1/chat/completions", {"max_completion_tokens": 9000}, "max_completion_tokens"),
 ])
@@ -321,11 +329,46 @@ def test_400_prompts_and_bodies(server):
         400, "messages[0].content[0].type")
     assert_error(post(server, "/v1/completions", {"prompt": "x", "suffix": "y"}), 400,
                  "suffix")
-    # prompt + max_tokens beyond the context (8192 tokens)
+    # prompt + max_tokens beyond the context (8192 tokens): max_tokens is at fault when the
+    # prompt alone fits, else the prompt
     err = assert_error(post(server, "/v1/completions", {"prompt": [1] * 8000,
                                                         "max_tokens": 500}),
-                       400, "prompt", "context_length_exceeded")
+                       400, "max_tokens", "context_length_exceeded")
     assert "8192" in err["message"]
+    assert_error(post(server, "/v1/completions", {"prompt": [1] * 8192, "max_tokens": 1}),
+                 400, "prompt", "context_length_exceeded")
+    assert_error(post(server, "/v1/completions", {"prompt": [1] * 8190}), 400, "prompt",
+                 "context_length_exceeded")  # the default max_tokens (16) is not the client's
+    hi = [{"role": "user", "content": "hi"}]
+    for field in ("max_tokens", "max_completion_tokens"):
+        assert_error(post(server, "/v1/chat/completions", {"messages": hi, field: 8190}),
+                     400, field, "context_length_exceeded")
+    # min_tokens is bounded by the context too when max_tokens is absent (chat)
+    assert_error(post(server, "/v1/chat/completions", {"messages": hi,
+                                                       "min_tokens": 2**31 - 1}),
+                 400, "min_tokens", "context_length_exceeded")
+
+
+def test_400_for_deeply_nested_json(server):
+    deep = b"[" * 1000 + b"]" * 1000
+    for path, rest in (("/v1/completions", b'"prompt": "Hi"'),
+                       ("/v1/chat/completions",
+                        b'"messages": [{"role": "user", "content": "Hi"}]'),
+                       ("/v1/tokenize", b'"prompt": "Hi"'), ("/v1/detokenize", b'"tokens": [1]')):
+        assert_error(post(server, path, b'{"x": ' + deep + b", " + rest + b"}"), 400)
+        assert_error(post(server, path, b'{"a":' * 3000 + b"1" + b"}" * 3000), 400)
+
+
+def test_n_beyond_max_n_states_the_real_limit(server):
+    for n in (17, 1000):
+        err = assert_error(post(server, "/v1/completions", {"prompt": "hi", "n": n}), 400, "n")
+        assert "16" in err["message"] and "128" not in err["message"]  # --max-n (default 16)
+
+
+def test_stream_options_null_without_stream_is_fine(server):
+    r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1,
+                                         "stream_options": None})
+    assert r.status_code == 200, r.text
 
 
 def test_openai_client_sees_bad_request(client):
@@ -339,6 +382,13 @@ def test_404_405_413(server):
                  "model", "model_not_found")
     assert_error(httpx.get(server.url + "/v1/nothing", timeout=10), 404)
     assert_error(httpx.get(server.url + "/v1/completions", timeout=10), 405)
+    # a trailing slash is another (unknown) route: no redirect built from the Host header
+    for method, path in (("POST", "/v1/completions/"), ("GET", "/health/"),
+                         ("POST", "/v1/chat/completions/")):
+        r = httpx.request(method, server.url + path, json={"prompt": "x"}, timeout=10,
+                          headers={"Host": "evil.example"})
+        assert "location" not in r.headers
+        assert_error(r, 404)
     big = {"prompt": "x" * 300_000}
     assert_error(post(server, "/v1/completions", big), 413)
 

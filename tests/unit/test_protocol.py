@@ -1,9 +1,12 @@
-"""Request models: accepted shapes, bounds mapped to the offending ``param``, unsupported
-fields, chat message rendering input, and the OpenAI error shape."""
+"""Request models: accepted shapes, bounds mapped to the offending ``param``, strict JSON
+types, unsupported fields, chat message rendering input, the OpenAI error shape, reading the
+body (nesting depth, stalls) and the prompt's fit in the context."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -19,6 +22,7 @@ from server.protocol import (
     messages_for_template,
     parse_request,
 )
+from server.serving import BODY_READ_TIMEOUT_S, read_json
 
 
 def comp(**kw):
@@ -210,3 +214,266 @@ def test_error_shape():
 ])
 def test_model_name(path, served, name):
     assert model_name_of(SimpleNamespace(model_path=path, served_model_name=served)) == name
+
+
+# ---- strict JSON types (OpenAI answers 400 to these; pydantic's lax mode would coerce) ------
+
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", True), ("max_tokens", 2.0), ("max_tokens", "5"), ("n", "5"), ("n", 2.0),
+    ("n", True), ("seed", "5"), ("seed", 5.0), ("min_tokens", 1.0), ("top_k", 5.0),
+    ("temperature", True), ("top_p", False), ("temperature", "0.5"), ("stream", "yes"),
+    ("stream", "on"), ("stream", 1), ("stream", 0), ("ignore_eos", 1),
+    ("skip_special_tokens", "false"),
+    ("logit_bias", {" 5 ": 1}), ("logit_bias", {"1_0": 1}), ("logit_bias", {"٣": 1}),
+    ("logit_bias", {"+5": 1}), ("logit_bias", {"5\n": 1}), ("logit_bias", {"0x10": 1}),
+    ("logit_bias", {"5": True}), ("logit_bias", {"1" * 5000: 1}),
+])
+def test_loose_types_are_refused(field, value):
+    assert param_of_error(comp, **{field: value}) == field
+    assert param_of_error(chat, **{field: value}) == field
+
+
+@pytest.mark.parametrize("make,field,value,param", [
+    (chat, "logprobs", 0, "logprobs"), (chat, "logprobs", 1, "logprobs"),
+    (chat, "logprobs", "true", "logprobs"), (chat, "top_logprobs", 2.0, "top_logprobs"),
+    (chat, "max_completion_tokens", 3.0, "max_completion_tokens"),
+    (comp, "logprobs", True, "logprobs"), (comp, "logprobs", 1.0, "logprobs"),
+    (comp, "echo", 1, "echo"), (comp, "best_of", True, "best_of"),
+    (comp, "stream_options", {"include_usage": 1}, "stream_options.include_usage"),
+    (comp, "stop_token_ids", [2.0], "stop_token_ids[0]"),
+    (chat, "stop_token_ids", [3, True], "stop_token_ids[1]"),
+])
+def test_loose_types_per_endpoint(make, field, value, param):
+    kw = {"stream": True} if field == "stream_options" else {}
+    assert param_of_error(make, **{field: value}, **kw) == param
+
+
+def test_strict_types_keep_what_clients_send():
+    # floats take JSON integers (as OpenAI's API does); ints and bools their own JSON types
+    r = comp(temperature=0, top_p=1, min_p=0, presence_penalty=-2, frequency_penalty=2,
+             repetition_penalty=1, max_tokens=3, n=2, seed=-5, stream=True,
+             stream_options={"include_usage": True}, logit_bias={"7": 5, "-0": -100.0,
+                                                                 "0012": 0.5})
+    assert r.temperature == 0.0 and isinstance(r.temperature, float)
+    assert r.max_tokens == 3 and r.n == 2 and r.seed == -5 and r.include_usage
+    assert r.logit_bias == {7: 5.0, 0: -100.0, 12: 0.5}
+    c = chat(logprobs=True, top_logprobs=2, max_completion_tokens=4, stream=False)
+    assert c.logprobs_k == 2 and c.requested_max_tokens == 4
+    assert parse_request(DetokenizeRequest, {"tokens": [1, 2]}).tokens == [1, 2]
+    assert param_of_error(parse_request, DetokenizeRequest, {"tokens": [1.0]}) == "tokens[0]"
+    assert param_of_error(parse_request, TokenizeRequest,
+                          {"prompt": "x", "add_special_tokens": 1}) == "add_special_tokens"
+
+
+# ---- stream_options needs stream: true -------------------------------------------------------
+
+@pytest.mark.parametrize("kw", [{}, {"stream": False}])
+def test_stream_options_without_stream(kw):
+    opts = {"include_usage": True}
+    assert param_of_error(comp, stream_options=opts, **kw) == "stream_options"
+    assert param_of_error(chat, stream_options=opts, **kw) == "stream_options"
+    assert comp(stream_options=None, **kw).stream_options is None  # null = absent
+    assert chat(stream=True, stream_options=opts).include_usage
+
+
+# ---- n: the message states the server's real limit -------------------------------------------
+
+@pytest.mark.parametrize("n", [17, 129, 1000, 2**70])
+def test_n_limit_is_the_servers(n):
+    for model, body in ((CompletionRequest, {"prompt": "hi"}),
+                        (ChatCompletionRequest, {"messages": [{"role": "user",
+                                                               "content": "hi"}]})):
+        with pytest.raises(APIError) as ei:
+            parse_request(model, dict(body, n=n), max_n=16)
+        assert ei.value.status == 400 and ei.value.param == "n"
+        assert "16" in ei.value.message and "128" not in ei.value.message
+    assert parse_request(CompletionRequest, {"prompt": "hi", "n": 16}, max_n=16).n == 16
+    with pytest.raises(APIError) as ei:  # best_of must equal n, whatever its size
+        parse_request(CompletionRequest, {"prompt": "hi", "best_of": 1000}, max_n=16)
+    assert ei.value.param == "best_of" and "128" not in ei.value.message
+
+
+# ---- the request body: depth, stalls -----------------------------------------------------------
+
+def _request(chunks, headers=(), stall=False):
+    """A starlette Request whose body arrives as ``chunks``; then it stalls (``stall``) or
+    ends."""
+    from starlette.requests import Request
+
+    msgs = [{"type": "http.request", "body": c, "more_body": True} for c in chunks]
+    if not stall:
+        msgs.append({"type": "http.request", "body": b"", "more_body": False})
+
+    async def receive():
+        if msgs:
+            return msgs.pop(0)
+        await asyncio.sleep(3600)  # a client that stopped sending
+        raise AssertionError("unreachable")
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [
+        (k.encode(), v.encode()) for k, v in headers], "query_string": b""}
+    return Request(scope, receive)
+
+
+def _nested(depth: int) -> bytes:
+    return b'{"x": ' + b"[" * depth + b"]" * depth + b', "prompt": "Hi"}'
+
+
+@pytest.mark.parametrize("body", [
+    _nested(1000), _nested(100_000), b'{"a":' * 5000 + b"1" + b"}" * 5000,
+    b'{"prompt": "x", "m": ' + b'{"a": [' * 600 + b"1" + b"]}" * 600 + b"}",
+])
+async def test_deeply_nested_json_is_a_400(body):
+    with pytest.raises(APIError) as ei:
+        await read_json(_request([body]), 1 << 20)
+    assert ei.value.status == 400 and ei.value.type == "invalid_request_error"
+
+
+async def test_moderately_nested_json_is_fine():
+    body = await read_json(_request([_nested(50)]), 1 << 20)
+    assert body["prompt"] == "Hi"
+    assert parse_request(CompletionRequest, body).prompt == "Hi"
+
+
+async def test_stalled_body_is_a_408_that_closes():
+    req = _request([b'{"prompt": "'], headers=[("content-length", "100")], stall=True)
+    t0 = time.monotonic()
+    with pytest.raises(APIError) as ei:
+        await read_json(req, 1 << 20, timeout_s=0.3)
+    assert 0.3 <= time.monotonic() - t0 < 5
+    err = ei.value
+    assert err.status == 408 and err.code == "request_timeout"
+    assert err.headers == {"Connection": "close"}
+    assert err.body()["error"]["type"] == "invalid_request_error"
+    # a body that arrives in time is read whole, however many pieces it comes in
+    ok = _request([b'{"prompt": ', b'"a"', b"}"])
+    assert await read_json(ok, 1 << 20, timeout_s=5) == {"prompt": "a"}
+
+
+def test_body_read_timeout_default():
+    assert 5 <= BODY_READ_TIMEOUT_S <= 120  # seconds: slow links pass, stalls do not stay
+
+
+# ---- prompt + max_tokens / min_tokens against the context ------------------------------------
+
+def _check(n_prompt: int, max_tokens, param="prompt", ctx=100, **kw):
+    """``TokenizerManager.check_prompt`` on a context of ``ctx`` tokens; the error's param."""
+    from server.tokenizer_manager import TokenizerManager
+
+    fake = SimpleNamespace(vocab_size=1000, max_context_len=ctx)
+    try:
+        TokenizerManager.check_prompt(fake, [1] * n_prompt, max_tokens, param, **kw)
+    except APIError as e:
+        assert e.status == 400
+        return e
+    return None
+
+
+def test_context_overflow_names_the_cause():
+    # the prompt alone leaves no room: the prompt is at fault, whatever max_tokens says
+    e = _check(100, 5, max_tokens_param="max_tokens")
+    assert e.param == "prompt" and e.code == "context_length_exceeded"
+    assert "100 tokens" in e.message and "105" in e.message  # hand-computed: 100 + 5
+    assert _check(150, None).param == "prompt"
+    assert _check(100, None, "messages", max_tokens_param="max_completion_tokens").param \
+        == "messages"
+    # the prompt fits; the asked max_tokens does not
+    e = _check(90, 11, max_tokens_param="max_tokens")
+    assert e.param == "max_tokens" and e.code == "context_length_exceeded"
+    assert _check(90, 11, "messages", max_tokens_param="max_completion_tokens").param \
+        == "max_completion_tokens"
+    # max_tokens the client did not send (completions' default of 16): the prompt
+    assert _check(90, 16).param == "prompt"
+    assert _check(90, 10, max_tokens_param="max_tokens") is None  # exactly the context
+
+
+def test_min_tokens_bounded_by_the_context():
+    e = _check(10, None, "messages", min_tokens=2147483647)
+    assert e.param == "min_tokens" and e.code == "context_length_exceeded"
+    assert _check(10, None, "messages", min_tokens=91).param == "min_tokens"
+    assert _check(10, None, "messages", min_tokens=90) is None
+    assert _check(10, 90, min_tokens=90, max_tokens_param="max_tokens") is None
+
+
+def test_uvicorn_limits_leave_room_for_ferrys_own_503():
+    from engine.args import ServerArgs
+    from server.http_limits import raise_fd_limit, uvicorn_limits
+
+    args = ServerArgs(max_running_requests=256, max_queued_requests=1024)
+    lim = uvicorn_limits(args, 200, fd_limit=65536)
+    # above running (the engine's 200) + queued: the admission 503 is ferry's shaped one
+    assert lim["limit_concurrency"] > 200 + 1024
+    assert 1 <= lim["timeout_keep_alive"] <= 30
+    # never more connections than file descriptors
+    assert uvicorn_limits(args, None, fd_limit=1024)["limit_concurrency"] < 1024
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    assert raise_fd_limit(256) >= (256 if hard == resource.RLIM_INFINITY else min(256, hard))
+
+
+# ---- the header timeout uvicorn lacks (in-process uvicorn, a 0.5 s timeout) --------------------
+
+async def _serve_tiny(monkeypatch, stream_s: float):
+    """An in-process uvicorn on GuardedH11Protocol; ``/slow`` streams for ``stream_s``."""
+    import socket as socketlib
+
+    import uvicorn
+
+    from server import http_limits
+
+    monkeypatch.setattr(http_limits, "HEADER_TIMEOUT_S", 0.5)
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        if scope["path"] == "/slow":
+            for _ in range(int(stream_s / 0.1)):
+                await send({"type": "http.response.body", "body": b".", "more_body": True})
+                await asyncio.sleep(0.1)
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    sock = socketlib.socket()
+    sock.bind(("127.0.0.1", 0))
+    cfg = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=30,
+                         http=http_limits.GuardedH11Protocol)
+    srv = uvicorn.Server(cfg)
+    task = asyncio.create_task(srv.serve(sockets=[sock]))
+    while not srv.started:
+        await asyncio.sleep(0.01)
+    return srv, task, sock.getsockname()[1]
+
+
+async def _closed_within(reader, seconds: float) -> bool:
+    """True if the server closes the connection within ``seconds`` (data before EOF ok)."""
+    try:
+        async with asyncio.timeout(seconds):
+            while await reader.read(65536):
+                pass
+        return True
+    except TimeoutError:
+        return False
+
+
+async def test_header_timeout_closes_stalled_connections(monkeypatch):
+    srv, task, port = await _serve_tiny(monkeypatch, stream_s=1.5)
+    try:
+        silent = await asyncio.open_connection("127.0.0.1", port)
+        partial = await asyncio.open_connection("127.0.0.1", port)
+        partial[1].write(b"GET / HTTP/1.1\r\nHost: x\r\n")
+        slow = await asyncio.open_connection("127.0.0.1", port)
+        slow[1].write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        keep = await asyncio.open_connection("127.0.0.1", port)
+        keep[1].write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await keep[0].readuntil(b"ok")).startswith(b"HTTP/1.1 200")
+        keep[1].write(b"GET / HTTP/1.1\r\n")  # a second request on it stalls in its headers
+        t0 = time.monotonic()
+        assert await _closed_within(silent[0], 5)
+        assert await _closed_within(partial[0], 5)
+        assert await _closed_within(keep[0], 5)
+        assert time.monotonic() - t0 < 4
+        # a response that runs longer than the timeout is not cut
+        body = await slow[0].readuntil(b"ok")
+        assert body.startswith(b"HTTP/1.1 200") and body.count(b".") >= 14
+    finally:
+        srv.should_exit = True
+        await task

@@ -1,0 +1,111 @@
+"""Limits of the HTTP layer: uvicorn's settings and a header timeout uvicorn lacks.
+
+A client can hold a connection in three places; each has a bound:
+
+1. Before a request's headers are complete (a new connection that sends nothing or only part
+   of its headers, or a keep-alive connection that starts a request and stalls): uvicorn has
+   no timeout here (it arms its keep-alive timer only after a response, and any received byte
+   cancels it), so ``GuardedH11Protocol`` closes a connection on which no request has started
+   within HEADER_TIMEOUT_S.
+2. Inside the request body: ``server.serving.read_json`` answers 408 and closes after
+   ``BODY_READ_TIMEOUT_S``.
+3. Idle between requests: uvicorn's ``timeout_keep_alive`` (KEEP_ALIVE_TIMEOUT_S).
+
+With those, uvicorn's ``limit_concurrency`` (see ``uvicorn_limits``) cannot be filled by
+stalled sockets for longer than a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import resource
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+#: seconds a connection may stay open without a request starting (no complete headers)
+HEADER_TIMEOUT_S = float(os.environ.get("FERRY_HEADER_TIMEOUT", "10"))
+#: idle keep-alive connections are closed after this many seconds
+KEEP_ALIVE_TIMEOUT_S = 5
+#: HTTP requests beyond the engine's admission limit that uvicorn still hands to the app
+#: (health checks, metrics, tokenize, requests that will get ferry's own 503)
+HTTP_HEADROOM = 256
+#: file descriptors kept free of HTTP connections (ZMQ sockets, logs, the model files)
+FD_RESERVE = 128
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol plus a header timeout.
+
+    A timer is armed when the connection opens and again after every response; when it
+    fires and no new request has started since (the same request cycle, finished, or none),
+    the connection is closed without a response (as nginx's ``client_header_timeout``
+    does). A request that is running (a long SSE stream) is never cut by it.
+    """
+
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def _arm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        self._header_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._header_timeout,
+                                                  self.cycle)
+
+    def _header_timeout(self, cycle) -> None:
+        self._header_timer = None
+        started = self.cycle is not cycle or (cycle is not None and not cycle.response_complete)
+        if not started and not self.transport.is_closing():
+            self.transport.close()
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+        super().connection_lost(exc)
+
+
+def raise_fd_limit(want: int = 65536) -> int:
+    """Raise the soft RLIMIT_NOFILE towards ``want`` (at most the hard limit).
+
+    Returns:
+        The soft limit now in force (``want`` when the limit is unlimited).
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    return want if soft == resource.RLIM_INFINITY else soft
+
+
+def uvicorn_limits(args, max_running_requests: int | None, fd_limit: int) -> dict:
+    """uvicorn ``Config`` keywords that bound the HTTP layer.
+
+    ``limit_concurrency``: beyond this many open connections or in-flight requests uvicorn
+    answers new requests with its own plain-text 503 (checked when a request starts, so
+    streams that already run are never cut). It sits above the engine's admission limit
+    (running + ``--max-queued-requests``) plus HTTP_HEADROOM, so ferry's OpenAI-shaped 503
+    "queue full" comes first, and below the file-descriptor limit minus FD_RESERVE.
+    ``timeout_keep_alive``: idle keep-alive connections close after KEEP_ALIVE_TIMEOUT_S.
+    ``http``: ``GuardedH11Protocol`` (the header timeout).
+
+    Args:
+        args: ``ServerArgs``.
+        max_running_requests: the engine's (``ReadyOut``), or None for the flag's.
+        fd_limit: the process's soft RLIMIT_NOFILE.
+    """
+    running = max_running_requests or args.max_running_requests
+    limit = running + args.max_queued_requests + HTTP_HEADROOM
+    return {"limit_concurrency": max(16, min(limit, fd_limit - FD_RESERVE)),
+            "timeout_keep_alive": KEEP_ALIVE_TIMEOUT_S, "http": GuardedH11Protocol}
