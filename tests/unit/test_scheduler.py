@@ -263,3 +263,16 @@ def test_stop_string_check_ignores_partial_characters():
                 hit = i
                 break
         assert hit == expect_at, (stop, hit, expect_at)
+
+
+def test_engine_warm_up_leaves_the_scheduler_clean():
+    from engine.engine_loop import warm_up
+
+    runner = FakeRunner(max_total_tokens=512)
+    sched = Scheduler(ServerArgs(chunked_prefill_size=64), runner)
+    warm_up(sched)
+    assert not sched.has_work() and not sched.reqs
+    assert runner.kv_pool.used_tokens() == 0 and runner.req_to_token_pool.available() == 8
+    assert sched.stats["generation_tokens"] == 0
+    # it ran a mixed step: a prefill together with a decode
+    assert any(mode == ForwardMode.EXTEND and bs == 2 for mode, bs, _ in runner.batches)
