@@ -205,8 +205,11 @@ class Launcher:
         tm.shutting_down = True
         timeout = self.args.shutdown_timeout
         if tm.num_inflight:
-            logger.info("%s: letting %d requests finish (up to %.0f s)", why, tm.num_inflight,
-                        timeout)
+            n = tm.num_inflight
+            logger.info("%s: letting %d request%s finish (up to %.0f s)", why, n,
+                        "" if n == 1 else "s", timeout)
+        else:
+            logger.info("%s: shutting down", why)
         deadline = time.monotonic() + timeout
         while tm.num_inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
