@@ -16,7 +16,7 @@ SUBCOMMANDS = {
     "bench-latency": ("engine.bench_latency", "latency of one static batch (prefill + decode)"),
     "bench-offline": ("engine.bench_offline", "offline throughput of the engine (no HTTP)"),
     "bench-serving": ("bench.bench_serving", "load test of a running server over HTTP"),
-    "parity": ("engine.parity", "compare ferry's outputs with HF transformers"),
+    "parity": ("engine.parity", "greedy outputs and logits on two devices (e.g. cpu,cuda)"),
 }
 
 USAGE = """usage: ferry <command> [options]
