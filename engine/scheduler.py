@@ -25,6 +25,7 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001  # per step, back toward MIN after a preemption raised it
 FUTURE_TOKENS_CLIP = 4096
+PROMPT_LOGPROBS_CHUNK = 512  # prompt tokens per step for a request that wants their logprobs
 
 
 class StepOutput:
@@ -186,6 +187,9 @@ class Scheduler:
             else:
                 break
             n = min(req.seq_len - req.kv_len, budget)
+            if req.wants_prompt_logprobs:
+                # every row of its chunk comes back as fp32 logits [n, vocab]: keep n small
+                n = min(n, PROMPT_LOGPROBS_CHUNK)
             room = self.kv_pool.free_tokens() - reserve
             if room < n:
                 n = (room // self.page_size) * self.page_size
@@ -330,18 +334,19 @@ class Scheduler:
             skip = len(req.prompt_logprobs) - 1 - p  # rows done before a preemption
             if skip < 0 or m - skip <= 0:
                 continue
-            lp = torch.log_softmax(logits[r0 + skip: r0 + m].float(), dim=-1)
-            nxt = torch.tensor(prompt[p + 1 + skip: p + 1 + m], device=lp.device)
-            m -= skip
-            chosen = lp.gather(1, nxt[:, None])[:, 0].tolist()
             k = req.sampling_params.prompt_logprobs
-            if k:
-                top_lp, top_id = lp.topk(k, dim=-1)
-                top = [[[a, b] for a, b in zip(ids, lps)]
-                       for ids, lps in zip(top_id.tolist(), top_lp.tolist())]
-            else:
-                top = [[] for _ in range(m)]
-            req.prompt_logprobs.extend((c, t) for c, t in zip(chosen, top))
+            for a in range(r0 + skip, r0 + m, 128):  # 128 rows of log-softmax at a time
+                b = min(a + 128, r0 + m)
+                lp = torch.log_softmax(logits[a:b].float(), dim=-1)
+                nxt = torch.tensor(prompt[p + 1 + a - r0: p + 1 + b - r0], device=lp.device)
+                chosen = lp.gather(1, nxt[:, None])[:, 0].tolist()
+                if k:
+                    top_lp, top_id = lp.topk(k, dim=-1)
+                    top = [[[x, y] for x, y in zip(ids, lps)]
+                           for ids, lps in zip(top_id.tolist(), top_lp.tolist())]
+                else:
+                    top = [[] for _ in range(b - a)]
+                req.prompt_logprobs.extend(zip(chosen, top))
 
     def _process(self, rec: _InFlight | None) -> None:
         if rec is None:
