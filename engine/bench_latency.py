@@ -50,12 +50,9 @@ class _Timer:
 
 
 def _alloc(runner, req: Req, n: int) -> list[int]:
-    kv = runner.kv_pool
-    pages = kv.alloc_pages(kv.pages_needed(req.kv_len, len(req.pages), n))
-    if pages is None:
+    slots = runner.kv_pool.grow(req.pages, req.kv_len, n)
+    if slots is None:
         raise RuntimeError("KV pool too small for this batch; lower --batch-size or lengths")
-    req.pages.extend(pages)
-    slots = kv.slots_for(req.pages, req.kv_len, req.kv_len + n)
     req.kv_len += n
     return slots
 

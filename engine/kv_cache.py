@@ -93,6 +93,18 @@ class KVPool:
     def free_pages(self, pages: list[int]) -> None:
         self._free_pages.extend(pages)
 
+    def grow(self, pages: list[int], cur_len: int, n: int) -> list[int] | None:
+        """Extend a request holding ``pages`` (``cur_len`` tokens) by ``n`` tokens.
+
+        Appends the new pages to ``pages`` in place and returns the slots of positions
+        ``cur_len .. cur_len + n - 1``; None, with nothing taken, when the pool is short.
+        """
+        new = self.alloc_pages(self.pages_needed(cur_len, len(pages), n))
+        if new is None:
+            return None
+        pages.extend(new)
+        return self.slots_for(pages, cur_len, cur_len + n)
+
     def slots_for(self, pages: list[int], start: int, end: int) -> list[int]:
         """Slots of positions ``start..end-1`` of a request that holds ``pages`` in order."""
         ps = self.page_size

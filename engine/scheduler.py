@@ -99,12 +99,7 @@ class Scheduler:
     # ---- KV bookkeeping -----------------------------------------------------------------
     def _grow(self, req: Req, n: int) -> list[int] | None:
         """Allocate slots for ``n`` more tokens of ``req``; None (nothing taken) if no room."""
-        need = self.kv_pool.pages_needed(req.kv_len, len(req.pages), n)
-        pages = self.kv_pool.alloc_pages(need)
-        if pages is None:
-            return None
-        req.pages.extend(pages)
-        return self.kv_pool.slots_for(req.pages, req.kv_len, req.kv_len + n)
+        return self.kv_pool.grow(req.pages, req.kv_len, n)
 
     def _release(self, req: Req) -> None:
         if req.pages:

@@ -56,3 +56,15 @@ def test_req_token_access_matches_fill_ids():
     for start in range(5):
         for count in range(0, 6 - start):
             assert r.tokens(start, count) == fill[start: start + count]
+
+
+def test_grow_appends_pages_and_returns_slots():
+    kv = KVPool(num_tokens=16, page_size=4, num_layers=1, num_kv_heads=1, head_dim=2,
+                dtype=torch.float32, device="cpu")
+    pages: list[int] = []
+    first = kv.grow(pages, 0, 3)          # 3 tokens: one page
+    assert len(pages) == 1 and first == [pages[0] * 4 + i for i in range(3)]
+    second = kv.grow(pages, 3, 2)         # positions 3, 4: fills page 1, opens page 2
+    assert len(pages) == 2 and second == [pages[0] * 4 + 3, pages[1] * 4]
+    assert kv.grow(pages, 5, 100) is None and len(pages) == 2  # nothing taken when short
+    assert kv.free_tokens() == 16 - 8
