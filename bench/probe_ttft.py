@@ -10,6 +10,8 @@ launching the mixed extend step (no sync) to show whether the step is host-bound
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import random
 import time
 
@@ -62,15 +64,58 @@ def main(argv=None):
     sched._drain()  # no placeholders in flight: this batch runs without future ids
     batch = sched.get_next_batch()
     dev.synchronize(runner.device_type)
+    prof = cProfile.Profile()
     t0 = time.perf_counter()
+    prof.enable()
     logits = runner.forward(batch, None)
+    prof.disable()
     t1 = time.perf_counter()
     dev.synchronize(runner.device_type)
     t2 = time.perf_counter()
     print(f"mixed extend step ({batch.batch_size} reqs, {batch.num_tokens} tokens): host launch "
           f"{(t1 - t0) * 1e3:.1f} ms, until done {(t2 - t0) * 1e3:.1f} ms; logits {tuple(logits.shape)}")
-    decode = [r for r in sched.running]
-    print(f"running {len(decode)}")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    # the same step's device time alone: capture it in a graph (no host launches) and replay
+    gcls = dev.graph_class(runner.device_type)
+    if gcls is not None:
+        import torch
+
+        with torch.inference_mode():
+            input_ids, fb = runner.build_forward_batch(batch, None)
+            runner.attn_backend.init_forward(fb)
+            runner.model(input_ids, fb.positions, fb)
+            dev.synchronize(runner.device_type)
+            g = gcls()
+            with dev.graph_context(runner.device_type, g):
+                runner.model(input_ids, fb.positions, fb)
+            g.replay()
+            times = []
+            ev = dev.event_class(runner.device_type)
+            for _ in range(5):
+                a, b = ev(enable_timing=True), ev(enable_timing=True)
+                a.record()
+                g.replay()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b))
+            print(f"same step replayed from a graph: median {sorted(times)[2]:.2f} ms "
+                  f"(device time without host launches)")
+    # where that device time goes: kernels of the same step, run eagerly under the profiler
+    if dev.is_accelerator(runner.device_type):
+        from torch.profiler import ProfilerActivity, profile
+
+        act = ProfilerActivity.CUDA if runner.device_type == "cuda" else ProfilerActivity.XPU
+        runner.forward(batch, None)
+        dev.synchronize(runner.device_type)
+        with profile(activities=[ProfilerActivity.CPU, act]) as prof:
+            runner.forward(batch, None)
+            dev.synchronize(runner.device_type)
+        events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+        events.sort(key=lambda e: -e.self_device_time_total)
+        total = sum(e.self_device_time_total for e in events) / 1e3
+        print(f"kernels of the mixed step: {total:.2f} ms in all")
+        for e in events[:18]:
+            print(f"  {e.key[:80]:80s} {e.self_device_time_total / 1e3:7.3f} ms {e.count:5d} calls")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,10 @@ the attention backend read. Shapes (T = tokens in the step, B = requests):
   extend_prefix_lens[B] int32   tokens already cached per request (EXTEND only)
   extend_start_loc  [B] int32   offset of each request's first new token in T (EXTEND only)
   logits_indices    [B] int64   rows of the hidden states whose logits are sampled
+
+A mixed EXTEND step (chunked prefill with the running decodes) ends with ``num_decodes``
+one-token requests (the last ``num_decodes`` tokens of T); attention runs the first part with
+the extend kernel and that tail with the decode kernel.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class ForwardBatch:
     extend_start_loc: torch.Tensor | None = None
     max_extend_len: int = 0
     max_seq_len: int = 0
+    num_decodes: int = 0
     logits_indices: torch.Tensor | None = None
     # host copies, so the CPU path and block sizing need no device sync
     seq_lens_cpu: list[int] = field(default_factory=list)

@@ -152,6 +152,7 @@ class ModelRunner:
             fb.extend_prefix_lens = torch.tensor(batch.prefix_lens, dtype=torch.int32).to(d)
             fb.extend_start_loc = torch.tensor(starts, dtype=torch.int32).to(d)
             fb.max_extend_len = max(batch.extend_lens)
+            fb.num_decodes = batch.num_decodes
             if any(batch.all_rows):
                 rows = []
                 for s0, n, all_ in zip(starts, batch.extend_lens, batch.all_rows):

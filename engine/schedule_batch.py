@@ -31,6 +31,9 @@ class ScheduleBatch:
     out_cache_loc: list[int] = field(default_factory=list)
     # per request: return logits for every new token (prompt logprobs), not just the last
     all_rows: list[bool] = field(default_factory=list)
+    # EXTEND only: the last ``num_decodes`` requests are running decodes mixed into the step
+    # (one token each); attention runs them through the decode kernel
+    num_decodes: int = 0
 
     def logits_rows(self) -> list[tuple[int, int]]:
         """Per request, ``(first row, row count)`` in the step's logits."""

@@ -215,7 +215,7 @@ class Scheduler:
         sample += [True] * n
         all_rows += [False] * n
         return ScheduleBatch(ForwardMode.EXTEND, reqs, prefix, ext, sample, locs,
-                             all_rows if any(all_rows) else [])
+                             all_rows if any(all_rows) else [], num_decodes=n)
 
     def _add_decodes(self, reqs: list[Req], prefix: list[int], locs: list[int]) -> int:
         """Append every running request that gets a KV slot as a one-token step."""

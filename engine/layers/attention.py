@@ -19,7 +19,8 @@ class AttentionBackend:
     """Dispatches to Triton kernels (``use_triton``) or the torch references."""
 
     def __init__(self, use_triton: bool, num_heads: int, num_kv_heads: int, head_dim: int,
-                 max_kv_splits: int = 16, num_sms: int = 132, waves: int = 1):
+                 max_kv_splits: int = 16, num_sms: int = 132, waves: int = 1,
+                 min_chunk: int | None = None):
         self.use_triton = use_triton
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -27,6 +28,7 @@ class AttentionBackend:
         self.max_kv_splits = max_kv_splits
         self.num_sms = num_sms
         self.waves = waves
+        self.min_chunk = min_chunk
         if use_triton:
             from kernels.decode_attention import decode_attention_fwd
             from kernels.extend_attention import extend_attention_fwd
@@ -39,13 +41,42 @@ class AttentionBackend:
             self._store = reference.store_kv_ref
 
     def init_forward(self, fb: ForwardBatch) -> None:
-        """Per-step metadata shared by all layers (called once per step, before forward)."""
-        if fb.is_decode and self.use_triton:
-            from kernels.decode_attention import choose_num_kv_splits
+        """Per-step metadata shared by all layers (called once per step, before forward).
 
-            fb.attn_meta["num_kv_splits"] = choose_num_kv_splits(
-                fb.seq_lens, self.num_kv_heads, self.max_kv_splits, self.num_sms,
-                waves=self.waves)
+        For the decode requests of the step (all of a DECODE step, the ``num_decodes`` tail
+        of a mixed EXTEND step): their KV split counts and the fp32 split workspaces, so the
+        layers do not allocate them again.
+        """
+        nd = fb.batch_size if fb.is_decode else fb.num_decodes
+        if nd == 0 or not self.use_triton:
+            return
+        from kernels.decode_attention import choose_num_kv_splits
+
+        seq_lens = fb.seq_lens[fb.batch_size - nd:]
+        dev = seq_lens.device
+        kw = {} if self.min_chunk is None else {"min_chunk": self.min_chunk}
+        fb.attn_meta["num_kv_splits"] = choose_num_kv_splits(
+            seq_lens, self.num_kv_heads, self.max_kv_splits, self.num_sms, waves=self.waves,
+            **kw)
+        fb.attn_meta["attn_logits"] = torch.empty(
+            (nd, self.num_heads, self.max_kv_splits, self.head_dim), dtype=torch.float32,
+            device=dev)
+        fb.attn_meta["attn_lse"] = torch.empty((nd, self.num_heads, self.max_kv_splits),
+                                               dtype=torch.float32, device=dev)
+
+    def _decode_part(self, q, kb, vb, o, fb: ForwardBatch, sm_scale: float, first: int) -> None:
+        """Decode attention for requests ``first:`` (one query token each, rows ``first:`` of
+        q/o in a DECODE step, the tail rows in a mixed step)."""
+        rows = slice(first, None)
+        args = (q, kb, vb, o, fb.req_to_token, fb.req_pool_indices[rows], fb.seq_lens[rows],
+                sm_scale)
+        if self.use_triton:
+            m = fb.attn_meta
+            self._decode(*args, num_kv_splits=m.get("num_kv_splits"),
+                         max_kv_splits=self.max_kv_splits, attn_logits=m.get("attn_logits"),
+                         attn_lse=m.get("attn_lse"))
+        else:
+            self._decode(*args)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 sm_scale: float, fb: ForwardBatch) -> torch.Tensor:
@@ -54,21 +85,25 @@ class AttentionBackend:
         self._store(kb, vb, fb.out_cache_loc, k, v)
         o = torch.empty_like(q)
         if fb.is_decode:
+            self._decode_part(q, kb, vb, o, fb, sm_scale, 0)
+            return o
+        nd = fb.num_decodes
+        ne = fb.batch_size - nd          # requests (and their tokens) that extend
+        te = q.shape[0] - nd
+        if ne:
+            rows = slice(0, ne)
+            args = (q[:te], k[:te], v[:te], o[:te], kb, vb, fb.req_to_token,
+                    fb.req_pool_indices[rows], fb.seq_lens[rows], fb.extend_seq_lens[rows],
+                    fb.extend_start_loc[rows], sm_scale)
             if self.use_triton:
-                self._decode(q, kb, vb, o, fb.req_to_token, fb.req_pool_indices, fb.seq_lens,
-                             sm_scale, num_kv_splits=fb.attn_meta.get("num_kv_splits"),
-                             max_kv_splits=self.max_kv_splits)
+                self._extend(*args, max_extend_len=fb.max_extend_len)
             else:
-                self._decode(q, kb, vb, o, fb.req_to_token, fb.req_pool_indices, fb.seq_lens,
-                             sm_scale)
-        else:
-            if self.use_triton:
-                self._extend(q, k, v, o, kb, vb, fb.req_to_token, fb.req_pool_indices,
-                             fb.seq_lens, fb.extend_seq_lens, fb.extend_start_loc, sm_scale,
-                             max_extend_len=fb.max_extend_len)
-            else:
-                self._extend(q, k, v, o, kb, vb, fb.req_to_token, fb.req_pool_indices,
-                             fb.seq_lens, fb.extend_seq_lens, fb.extend_start_loc, sm_scale)
+                self._extend(*args)
+        if nd:
+            # the mixed-in decodes: the extend kernel would spend a BLOCK_M-row tile per
+            # query head on each one-token query; the decode kernel reads their KV once
+            # per KV head
+            self._decode_part(q[te:], kb, vb, o[te:], fb, sm_scale, ne)
         return o
 
 

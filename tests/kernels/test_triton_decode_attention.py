@@ -18,7 +18,7 @@ from kernel_test_utils import (
 )
 
 from engine import device as devlib
-from kernels.decode_attention import choose_num_kv_splits, decode_attention_fwd
+from kernels.decode_attention import DEFAULT_MIN_CHUNK, choose_num_kv_splits, decode_attention_fwd
 from kernels.reference import decode_attention_ref
 
 F16, F32, BF16 = torch.float16, torch.float32, torch.bfloat16
@@ -133,15 +133,18 @@ def test_decode_rejects_bad_workspace():
 
 
 def test_choose_num_kv_splits_hand_checked():
-    # B=5, 8 KV heads, 132 SMs: fill = ceil(132 / 40) = 4; by length: L // 128.
+    # B=5, 8 KV heads, 132 SMs: fill = ceil(132 / 40) = 4; by length: L // min_chunk.
     lens = torch.tensor([0, 127, 128, 1000, 100000], dtype=torch.int32, device=DEVICE)
-    got = choose_num_kv_splits(lens, 8, 16, 132)
+    got = choose_num_kv_splits(lens, 8, 16, 132, min_chunk=128)
     assert got.dtype == torch.int32 and got.device.type == DEVICE
     assert got.tolist() == [1, 1, 1, 4, 4]
+    assert DEFAULT_MIN_CHUNK == 32   # the hand values below assume it
+    assert choose_num_kv_splits(lens, 8, 16, 132).tolist() == [1, 3, 4, 4, 4]
     # B=1: fill = ceil(132 / 8) = 17, capped by max_kv_splits 16.
-    one = lambda n: choose_num_kv_splits(
-        torch.tensor([n], device=DEVICE), 8, 16, 132).tolist()
+    one = lambda n, c=128: choose_num_kv_splits(
+        torch.tensor([n], device=DEVICE), 8, 16, 132, min_chunk=c).tolist()
     assert one(8192) == [16] and one(1000) == [7] and one(300) == [2] and one(5) == [1]
+    assert one(1000, 32) == [16] and one(300, 32) == [9] and one(40, 32) == [1]
     # Large batch fills the SMs by itself: one split each.
     assert choose_num_kv_splits(torch.full((64,), 50000, device=DEVICE), 8, 16,
                                 132).tolist() == [1] * 64
@@ -160,7 +163,7 @@ def test_choose_num_kv_splits_bounds():
         s = choose_num_kv_splits(lens, hkv, max_splits, sms).cpu()
         assert (s >= 1).all() and (s <= max_splits).all()
         multi = s > 1   # a real split is never shorter than min_chunk on average
-        assert ((lens.cpu()[multi] + s[multi] - 1) // s[multi] >= 128).all()
+        assert ((lens.cpu()[multi] + s[multi] - 1) // s[multi] >= DEFAULT_MIN_CHUNK).all()
         assert int(s.max()) <= -(-sms // (bs * hkv))   # no more than needed to fill SMs
     with pytest.raises(ValueError):
         choose_num_kv_splits(torch.ones(1, device=DEVICE), 1, 0, 1)

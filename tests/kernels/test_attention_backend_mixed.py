@@ -1,0 +1,98 @@
+"""The attention backend on a mixed step (a prefill chunk plus running decodes).
+
+The backend runs the extending requests with the extend kernel and the ``num_decodes``
+one-token tail with the decode kernel. The reference is ``extend_attention_ref`` over the
+whole batch (every request an extend), so a wrong split point, slice or workspace shows up
+as a mismatch. Both the Triton path (interpreter on the CPU) and the torch path are checked.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernel_test_utils import DEVICE, GPU_MARKS, assert_close, make_paged_batch, randn
+
+from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.layers.attention import AttentionBackend
+from kernels.reference import extend_attention_ref
+
+F16, F32, BF16 = torch.float16, torch.float32, torch.bfloat16
+
+CASES = [
+    # (group, hkv, d, page, dtype, extend prefixes, extend lens, decode prefixes)
+    pytest.param(4, 2, 64, 1, F32, [0], [40], [17, 90, 3], id="prefill+3dec-f32"),
+    pytest.param(3, 1, 64, 16, F16, [33, 0], [20, 9], [200, 1, 64, 15], id="2ext+4dec-p16-f16"),
+    pytest.param(2, 2, 128, 1, F16, [5], [1], [7], id="ext1+dec1-f16"),
+    pytest.param(4, 8, 128, 16, BF16, [0, 700], [1500, 300], [600] * 36,
+                 id="chunk+36dec-bf16", marks=GPU_MARKS),
+]
+
+
+def _mixed(group, hkv, d, page, dtype, ext_prefix, ext_lens, dec_prefix, seed):
+    prefix = ext_prefix + dec_prefix
+    extend = ext_lens + [1] * len(dec_prefix)
+    batch = make_paged_batch(prefix, extend, num_kv_heads=hkv, head_dim=d, page_size=page,
+                             dtype=dtype, seed=seed)
+    t, hq = sum(extend), group * hkv
+    q = randn((t, hq, d), dtype, seed + 1, scale=2.0)
+    k = randn((t, hkv, d), dtype, seed + 2)
+    v = randn((t, hkv, d), dtype, seed + 3)
+    ext = torch.tensor(extend, dtype=torch.int32, device=DEVICE)
+    starts = (torch.cumsum(ext, 0) - ext).to(torch.int32)
+    # the new tokens' slots, in batch order, as the scheduler allocates them
+    loc = torch.cat([batch.req_to_token[r, p:p + n].long()
+                     for r, p, n in zip(batch.req_pool_indices.tolist(), prefix, extend)])
+    return batch, q, k, v, ext, starts, loc, extend
+
+
+@pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "torch"])
+@pytest.mark.parametrize("group,hkv,d,page,dtype,ext_prefix,ext_lens,dec_prefix", CASES)
+def test_mixed_step_matches_one_extend(use_triton, group, hkv, d, page, dtype, ext_prefix,
+                                       ext_lens, dec_prefix):
+    if dtype == BF16 and not use_triton:
+        pytest.skip("the torch path is checked in fp16/fp32")
+    seed = sum(ext_lens) + len(dec_prefix)
+    batch, q, k, v, ext, starts, loc, extend = _mixed(group, hkv, d, page, dtype, ext_prefix,
+                                                      ext_lens, dec_prefix, seed)
+    scale = d ** -0.5
+    ref = torch.empty_like(q)
+    extend_attention_ref(q, k, v, ref, batch.k_buffer, batch.v_buffer, batch.req_to_token,
+                         batch.req_pool_indices, batch.seq_lens, ext, starts, scale)
+
+    backend = AttentionBackend(use_triton, group * hkv, hkv, d, num_sms=8)
+    fb = ForwardBatch(
+        mode=ForwardMode.EXTEND, batch_size=len(extend), positions=None,
+        req_pool_indices=batch.req_pool_indices, seq_lens=batch.seq_lens, out_cache_loc=loc,
+        req_to_token=batch.req_to_token, k_buffers=[batch.k_buffer],
+        v_buffers=[batch.v_buffer], attn_backend=backend, extend_seq_lens=ext,
+        extend_start_loc=starts, max_extend_len=max(extend), num_decodes=len(dec_prefix))
+    backend.init_forward(fb)
+    if use_triton:
+        assert fb.attn_meta["num_kv_splits"].shape == (len(dec_prefix),)
+    out = backend.forward(q, k, v, 0, scale, fb)
+    assert_close(out, ref, dtype, "mixed step")
+    # the store wrote the new tokens into their slots
+    assert torch.equal(batch.k_buffer[loc], k.to(batch.k_buffer.dtype))
+
+
+def test_decode_step_uses_step_workspaces():
+    """A DECODE step: split counts and workspaces come from init_forward, once per step."""
+    group, hkv, d, dtype = 4, 2, 64, F32
+    prefix = [100, 5, 40]
+    batch, q, k, v, ext, starts, loc, _ = _mixed(group, hkv, d, 1, dtype, [], [], prefix, 7)
+    ref = torch.empty_like(q)
+    extend_attention_ref(q, k, v, ref, batch.k_buffer, batch.v_buffer, batch.req_to_token,
+                         batch.req_pool_indices, batch.seq_lens, ext, starts, d ** -0.5)
+    backend = AttentionBackend(True, group * hkv, hkv, d, num_sms=8)
+    fb = ForwardBatch(
+        mode=ForwardMode.DECODE, batch_size=3, positions=None,
+        req_pool_indices=batch.req_pool_indices, seq_lens=batch.seq_lens, out_cache_loc=loc,
+        req_to_token=batch.req_to_token, k_buffers=[batch.k_buffer],
+        v_buffers=[batch.v_buffer], attn_backend=backend)
+    backend.init_forward(fb)
+    assert fb.attn_meta["attn_logits"].shape == (3, group * hkv, backend.max_kv_splits, d)
+    out = backend.forward(q, k, v, 0, d ** -0.5, fb)
+    assert_close(out, ref, dtype, "decode step")
