@@ -46,6 +46,11 @@ class ServerArgs:
     page_size: int = _f(1, "KV cache page size in tokens")
     disable_cuda_graph: bool = _f(False, "run decode eagerly (no CUDA/XPU graphs)")
     cuda_graph_max_bs: int = _f(256, "largest batch size captured in a decode graph")
+    disable_piecewise_graph: bool = _f(False, "run prefill and mixed steps eagerly (no "
+                                              "piecewise graphs around their attention)")
+    piecewise_graph_max_tokens: int | None = _f(
+        None, "largest prefill/mixed step (tokens) run through piecewise graphs (default: "
+              "the prefill chunk + 256; larger steps run eagerly)")
     decode_attention_waves: int = _f(1, "decode attention: split the KV until each SM gets this "
                                         "many programs (more splits hide memory latency)")
     disable_overlap_schedule: bool = _f(False, "do not overlap host scheduling with device work")
@@ -85,6 +90,13 @@ class ServerArgs:
 
     def replace(self, **kw) -> ServerArgs:
         return dataclasses.replace(self, **kw)
+
+
+def default_chunked_prefill(device_type: str) -> int:
+    """Prefill chunk (tokens) when --chunked-prefill-size is not given: 2048 on GPUs, 256 on
+    the CPU (a CPU step over 2048 prompt tokens takes seconds and stalls every running
+    stream)."""
+    return 256 if device_type == "cpu" else 2048
 
 
 def _base_type(typ) -> type:

@@ -49,7 +49,7 @@ class GraphRunner:
         self.req_pool_indices = torch.zeros(n, dtype=torch.int64, device=d)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=d)
         self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=d)
-        self.pool = dev.graph_pool_handle(self.device_type)
+        self.pool = runner.graph_pool()
         t0 = time.perf_counter()
         self.capture()
         logger.info("captured %d decode graphs (bs %s) in %.1f s", len(self.graphs),

@@ -11,7 +11,7 @@ import time
 import torch
 
 from engine import device as dev
-from engine.args import ServerArgs
+from engine.args import ServerArgs, default_chunked_prefill
 from engine.forward_batch import ForwardBatch, ForwardMode, resolve_placeholders
 from engine.kv_cache import KVPool, ReqToTokenPool
 from engine.layers import set_fused_ops
@@ -77,16 +77,34 @@ class ModelRunner:
             num_sms=dev.multiprocessor_count(self.device_type), waves=args.decode_attention_waves)
         self.supports_overlap = dev.is_accelerator(self.device_type)
         self.graph_runner = None
+        self.piecewise_runner = None
+        self._graph_pool = None
         if dev.graph_class(self.device_type) is not None and not args.disable_cuda_graph:
-            try:
-                from engine.graph_runner import GraphRunner
+            from engine.graph_runner import GraphRunner
+            from engine.piecewise_runner import PiecewiseRunner
 
-                self.graph_runner = GraphRunner(self)
-            except ImportError:
-                self.graph_runner = None
+            self.graph_runner = GraphRunner(self)
+            if not args.disable_piecewise_graph:
+                self.piecewise_runner = PiecewiseRunner(self, self.piecewise_max_tokens())
         logger.info("KV cache: %d tokens (%d layers x %d kv heads x %d dim, %s), page size %d",
                     self.max_total_tokens, self.num_layers, self.num_kv_heads, self.head_dim,
                     str(self.dtype).replace("torch.", ""), args.page_size)
+
+    def graph_pool(self):
+        """The device graph memory pool shared by the decode and piecewise graphs (they
+        never replay concurrently)."""
+        if self._graph_pool is None:
+            self._graph_pool = dev.graph_pool_handle(self.device_type)
+        return self._graph_pool
+
+    def piecewise_max_tokens(self) -> int:
+        """Largest EXTEND step for the piecewise graphs: --piecewise-graph-max-tokens, else a
+        full prefill chunk plus 256 mixed-in decodes."""
+        a = self.args
+        n = a.piecewise_graph_max_tokens or (
+            (a.chunked_prefill_size or default_chunked_prefill(self.device_type))
+            + min(a.max_running_requests, 256))
+        return max(16, n)
 
     # ---- sizing -------------------------------------------------------------------------
     def _kv_capacity(self) -> int:
@@ -171,6 +189,9 @@ class ModelRunner:
         if (batch.mode == ForwardMode.DECODE and self.graph_runner is not None
                 and self.graph_runner.can_run(batch.batch_size)):
             return self.graph_runner.replay(batch, future_ids)
+        if (batch.mode == ForwardMode.EXTEND and self.piecewise_runner is not None
+                and self.piecewise_runner.can_run(batch.num_tokens)):
+            return self.piecewise_runner.run(batch, future_ids)
         input_ids, fb = self.build_forward_batch(batch, future_ids)
         self.attn_backend.init_forward(fb)
         return self.model(input_ids, fb.positions, fb)

@@ -79,11 +79,13 @@ class AttentionBackend:
             self._decode(*args)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                sm_scale: float, fb: ForwardBatch) -> torch.Tensor:
-        """q [T, Hq, D]; k, v [T, Hkv, D] -> [T, Hq, D] (q's dtype)."""
+                sm_scale: float, fb: ForwardBatch, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """q [T, Hq, D]; k, v [T, Hkv, D] -> [T, Hq, D] (q's dtype), written into ``out``
+        when given (a [T, Hq, D] view, e.g. a graph runner's static buffer)."""
         kb, vb = fb.k_buffers[layer_id], fb.v_buffers[layer_id]
         self._store(kb, vb, fb.out_cache_loc, k, v)
-        o = torch.empty_like(q)
+        o = torch.empty_like(q) if out is None else out
         if fb.is_decode:
             self._decode_part(q, kb, vb, o, fb, sm_scale, 0)
             return o
@@ -120,11 +122,13 @@ class Attention(nn.Module):
         self.scaling = scaling if scaling is not None else head_dim ** -0.5
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                fb: ForwardBatch) -> torch.Tensor:
-        """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]."""
+                fb: ForwardBatch, out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D] (into ``out`` [T, Hq*D] if given)."""
         t = q.shape[0]
         o = fb.attn_backend.forward(q.view(t, self.num_heads, self.head_dim),
                                     k.view(t, self.num_kv_heads, self.head_dim),
                                     v.view(t, self.num_kv_heads, self.head_dim),
-                                    self.layer_id, self.scaling, fb)
+                                    self.layer_id, self.scaling, fb,
+                                    None if out is None
+                                    else out.view(t, self.num_heads, self.head_dim))
         return o.view(t, self.num_heads * self.head_dim)

@@ -81,17 +81,22 @@ class LlamaAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_id)
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor,
-                fb: ForwardBatch) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]."""
+    def project_qkv(self, x: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> rotated q [T, Hq*D], k [T, Hkv*D] and v [T, Hkv*D]."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
         q, k = rope.rotate(q.reshape(t, self.q_size), k.reshape(t, self.kv_size), positions)
-        o = self.attn(q, k, v, fb)
-        return self.o_proj(o)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor,
+                fb: ForwardBatch) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        q, k, v = self.project_qkv(x, rope, positions)
+        return self.o_proj(self.attn(q, k, v, fb))
 
 
 class LlamaMLP(nn.Module):
@@ -118,16 +123,31 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryEmbedding,
-                positions: torch.Tensor, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def pre_attn(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                 rope: RotaryEmbedding, positions: torch.Tensor):
+        """Input norm (with the residual add) and the q/k/v projection.
+
+        Returns ``(q, k, v, residual)``; q/k are rotated.
+        """
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, rope, positions, fb)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        q, k, v = self.self_attn.project_qkv(hidden, rope, positions)
+        return q, k, v, residual
+
+    def post_attn(self, attn_out: torch.Tensor, residual: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """o projection, post-attention norm with the residual add, and the MLP."""
+        hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out),
+                                                         residual)
         return self.mlp(hidden), residual
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryEmbedding,
+                positions: torch.Tensor, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, residual = self.pre_attn(hidden, residual, rope, positions)
+        return self.post_attn(self.self_attn.attn(q, k, v, fb), residual)
 
 
 class LlamaModel(nn.Module):
@@ -150,6 +170,35 @@ class LlamaModel(nn.Module):
             hidden, residual = layer(hidden, residual, self.rotary_emb, positions, fb)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    @property
+    def num_pieces(self) -> int:
+        """Pieces of the forward between attention calls: one per layer, plus the tail."""
+        return len(self.layers) + 1
+
+    def piece(self, i: int, positions: torch.Tensor, input_ids: torch.Tensor | None = None,
+              attn_out: torch.Tensor | None = None, residual: torch.Tensor | None = None):
+        """Piece ``i`` of the forward, everything between two attention calls.
+
+        The forward is ``piece(0)``, attention of layer 0, ``piece(1)``, ..., attention of
+        layer L-1, ``piece(L)``; the piecewise graph runner captures the pieces and runs the
+        attention eagerly in between (its shapes vary with the batch).
+
+        Args:
+            i: 0 (from ``input_ids`` [T] int64) .. L (``attn_out`` [T, Hq*D] of layer L-1
+                and its ``residual`` [T, hidden]).
+            positions: [T] int64.
+        Returns:
+            ``(q, k, v, residual)`` of layer i for i < L; the final normed hidden states
+            [T, hidden] for i == L.
+        """
+        if i == 0:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = self.layers[i - 1].post_attn(attn_out, residual)
+        if i == len(self.layers):
+            return self.norm(hidden, residual)[0]
+        return self.layers[i].pre_attn(hidden, residual, self.rotary_emb, positions)
 
 
 class LlamaForCausalLM(nn.Module):
