@@ -270,6 +270,32 @@ async def fetch_model(client: httpx.AsyncClient) -> str:
     return data[0]["id"]
 
 
+async def scrape_ttft(client: httpx.AsyncClient) -> tuple[float, float] | None:
+    """``(sum, count)`` of the server's time-to-first-token histogram from ``/metrics``
+    (any family named ``*time_to_first_token_seconds``: ferry, vLLM and SGLang export one),
+    or None when the server has no such metric."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        r = await client.get("/metrics")
+        if r.status_code != 200:
+            return None
+        total = count = 0.0
+        found = False
+        for fam in text_string_to_metric_families(r.text):
+            if not fam.name.endswith("time_to_first_token_seconds"):
+                continue
+            found = True
+            for smp in fam.samples:
+                if smp.name.endswith("_sum"):
+                    total += smp.value
+                elif smp.name.endswith("_count"):
+                    count += smp.value
+        return (total, count) if found else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
 async def run_benchmark(base_url: str, requests: list[RequestInput], *, model: str | None,
                         request_rate: float = math.inf, max_concurrency: int | None = None,
                         timeout: float = 600.0, max_duration: float = 3600.0, seed: int = 0,
@@ -294,6 +320,7 @@ async def run_benchmark(base_url: str, requests: list[RequestInput], *, model: s
                                  trust_env=False) as client:
         if model is None:
             model = await fetch_model(client)
+        ttft_before = await scrape_ttft(client)
         offsets = arrival_offsets(len(requests), request_rate, seed)
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         t0 = time.perf_counter()
@@ -319,8 +346,15 @@ async def run_benchmark(base_url: str, requests: list[RequestInput], *, model: s
             if pending:
                 await asyncio.gather(*pending, return_exceptions=True)
         duration = time.perf_counter() - t0
+        ttft_after = await scrape_ttft(client) if ttft_before is not None else None
     result = metrics(outputs, duration)
     result["model"] = model
+    # the server's own TTFT (arrival at the server to the first token leaving the engine's
+    # side), so the client's and the network's share of TTFT can be told apart
+    result["server_ttft_ms_mean"] = None
+    if ttft_after is not None and ttft_after[1] > ttft_before[1]:
+        result["server_ttft_ms_mean"] = (1e3 * (ttft_after[0] - ttft_before[0])
+                                         / (ttft_after[1] - ttft_before[1]))
     result["records"] = [dict(asdict(o), tpot=o.tpot) for o in outputs]
     return result
 
@@ -369,6 +403,8 @@ def format_table(m: dict) -> str:
                       ("e2e_ms", "E2E latency")):
         for stat in ("mean", "median", "p99"):
             rows.append((f"{stat.capitalize()} {name} (ms)", f"{m[key][stat]:.2f}"))
+    if m.get("server_ttft_ms_mean") is not None:
+        rows.append(("Server-side mean TTFT (ms, /metrics)", f"{m['server_ttft_ms_mean']:.2f}"))
     lines = ["{s:=^60}".format(s=" Serving Benchmark Result ")]
     lines += [f"{k:<44}{v:>16}" for k, v in rows]
     for err, n in m["errors"].items():

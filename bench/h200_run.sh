@@ -36,6 +36,9 @@ for stage in "$@"; do
               --model-path $L8B --load-format dummy --batch-size $b --input-len 512; done;;
     profile64) run profile64 200 python3 -m bench.profile_decode --model-path $L8B --load-format dummy \
               --disable-cuda-graph --batch-size 64 --input-len 512;;
+    gemm) run gemm 300 python3 -m bench.sweep_gemm;;
+    profile256) run profile256 200 python3 -m bench.profile_decode --model-path $L8B \
+              --load-format dummy --batch-size 256 --input-len 1024;;
     sweep) run sweep 300 python3 -m bench.sweep_decode ${SWEEP_ARGS:-};;
     probe) run probe 240 python3 -m bench.probe_ttft --model-path $L8B --load-format dummy \
               --running 36 --prompt-len 560;;

@@ -191,6 +191,15 @@ def graph_pool_handle(device_type: str):
     return None
 
 
+def set_blas_library(device_type: str, library: str) -> bool:
+    """Prefer ``library`` ("default", "cublas" or "cublaslt") for matmuls on CUDA; returns
+    False (and does nothing) on other devices."""
+    if device_type != "cuda":
+        return False
+    torch.backends.cuda.preferred_blas_library(library)
+    return True
+
+
 def stream_class(device_type: str):
     mod = _mod(device_type)
     return None if mod is None else mod.Stream

@@ -52,6 +52,19 @@ async def _models(request: Request):
     return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
 
 
+async def _metrics(request: Request):
+    """A TTFT histogram as a server exports it: 5 earlier requests of 1 s each, then 0.123 s
+    for every request this server answered."""
+    from starlette.responses import PlainTextResponse
+
+    n = 5 + STATE.count
+    total = 5 * 1.0 + 0.123 * STATE.count
+    name = "fake:time_to_first_token_seconds"
+    return PlainTextResponse(
+        f"# HELP {name} TTFT\n# TYPE {name} histogram\n"
+        f'{name}_bucket{{le="+Inf"}} {n}\n{name}_sum {total}\n{name}_count {n}\n')
+
+
 async def _completions(request: Request):
     body = await request.json()
     n = STATE.count
@@ -94,7 +107,7 @@ async def _completions(request: Request):
 
 @pytest.fixture(scope="module")
 def server_url():
-    app = Starlette(routes=[Route("/v1/models", _models),
+    app = Starlette(routes=[Route("/v1/models", _models), Route("/metrics", _metrics),
                             Route("/v1/completions", _completions, methods=["POST"])])
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -173,6 +186,8 @@ def test_timings_match_known_sleeps_and_json_output(server_url, tmp_path):
     assert res["output_throughput"] == pytest.approx(
         res["total_output_tokens"] / res["duration_s"])
     assert res["duration_s"] >= ttft + 2 * itl  # every request has >= 3 tokens
+    # the server's own TTFT over the run, from the change of its /metrics histogram
+    assert res["server_ttft_ms_mean"] == pytest.approx(123.0)
 
 
 def test_failures_are_counted_and_fail_on_error(server_url, capsys):
