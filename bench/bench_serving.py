@@ -296,6 +296,18 @@ async def scrape_ttft(client: httpx.AsyncClient) -> tuple[float, float] | None:
         return None
 
 
+async def scrape_ttft_parts(client: httpx.AsyncClient) -> dict | None:
+    """ferry's ``/server_info`` TTFT parts (``first_tokens``, ``ttft_queue_s_sum``,
+    ``ttft_engine_s_sum``), or None from a server without them."""
+    try:
+        r = await client.get("/server_info")
+        stats = r.json().get("stats", {}) if r.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    keys = ("first_tokens", "ttft_queue_s_sum", "ttft_engine_s_sum")
+    return {k: float(stats[k]) for k in keys} if all(k in stats for k in keys) else None
+
+
 async def run_benchmark(base_url: str, requests: list[RequestInput], *, model: str | None,
                         request_rate: float = math.inf, max_concurrency: int | None = None,
                         timeout: float = 600.0, max_duration: float = 3600.0, seed: int = 0,
@@ -321,6 +333,7 @@ async def run_benchmark(base_url: str, requests: list[RequestInput], *, model: s
         if model is None:
             model = await fetch_model(client)
         ttft_before = await scrape_ttft(client)
+        parts_before = await scrape_ttft_parts(client)
         offsets = arrival_offsets(len(requests), request_rate, seed)
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         t0 = time.perf_counter()
@@ -347,6 +360,7 @@ async def run_benchmark(base_url: str, requests: list[RequestInput], *, model: s
                 await asyncio.gather(*pending, return_exceptions=True)
         duration = time.perf_counter() - t0
         ttft_after = await scrape_ttft(client) if ttft_before is not None else None
+        parts_after = await scrape_ttft_parts(client) if parts_before is not None else None
     result = metrics(outputs, duration)
     result["model"] = model
     # the server's own TTFT (arrival at the server to the first token leaving the engine's
@@ -355,6 +369,14 @@ async def run_benchmark(base_url: str, requests: list[RequestInput], *, model: s
     if ttft_after is not None and ttft_after[1] > ttft_before[1]:
         result["server_ttft_ms_mean"] = (1e3 * (ttft_after[0] - ttft_before[0])
                                          / (ttft_after[1] - ttft_before[1]))
+    # ferry only: the server-to-scheduler and scheduler-to-first-token parts of it
+    result["ttft_queue_ms_mean"] = result["ttft_engine_ms_mean"] = None
+    if parts_after is not None:
+        n = parts_after["first_tokens"] - parts_before["first_tokens"]
+        if n > 0:
+            for key, name in (("ttft_queue_s_sum", "ttft_queue_ms_mean"),
+                              ("ttft_engine_s_sum", "ttft_engine_ms_mean")):
+                result[name] = 1e3 * (parts_after[key] - parts_before[key]) / n
     result["records"] = [dict(asdict(o), tpot=o.tpot) for o in outputs]
     return result
 
@@ -405,6 +427,9 @@ def format_table(m: dict) -> str:
             rows.append((f"{stat.capitalize()} {name} (ms)", f"{m[key][stat]:.2f}"))
     if m.get("server_ttft_ms_mean") is not None:
         rows.append(("Server-side mean TTFT (ms, /metrics)", f"{m['server_ttft_ms_mean']:.2f}"))
+    if m.get("ttft_engine_ms_mean") is not None:
+        rows.append(("  arrival -> scheduler (ms, mean)", f"{m['ttft_queue_ms_mean']:.2f}"))
+        rows.append(("  scheduler -> first token (ms, mean)", f"{m['ttft_engine_ms_mean']:.2f}"))
     lines = ["{s:=^60}".format(s=" Serving Benchmark Result ")]
     lines += [f"{k:<44}{v:>16}" for k, v in rows]
     for err, n in m["errors"].items():

@@ -19,7 +19,7 @@ from engine.args import ServerArgs
 from engine.ipc import ENGINE_IN, PullSocket, PushSocket
 from engine.request import Req
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, StepOutput, eos_token_ids
+from engine.scheduler import STATS_TTFT_ZERO, Scheduler, StepOutput, eos_token_ids
 
 logger = logging.getLogger("ferry.engine")
 
@@ -45,7 +45,7 @@ def warm_up(sched: Scheduler) -> None:
         if a.finished and b.finished and not sched.has_work():
             break
         sched.step()
-    sched.stats.update(prompt_tokens=0, generation_tokens=0, steps=0)
+    sched.stats.update(prompt_tokens=0, generation_tokens=0, steps=0, **STATS_TTFT_ZERO)
 
 
 class EngineLoop:

@@ -28,7 +28,7 @@ class TokenizedGenerateReq(_Msg):
     input_ids: list[int]
     sampling_params: SamplingParams
     stream: bool = False
-    arrival_time: float = 0.0
+    arrival_time: float = 0.0  # time.time() when the HTTP request arrived (0: unknown)
 
 
 class AbortReq(_Msg):

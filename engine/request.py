@@ -33,7 +33,8 @@ class Req:
 
     __slots__ = ("rid", "origin_input_ids", "sampling_params", "stream", "output_ids",
                  "req_pool_idx", "pages", "kv_len", "finished_reason", "sent_len",
-                 "arrival_time", "first_token_time", "max_new_tokens", "stop_window",
+                 "arrival_time", "recv_time", "first_token_time", "max_new_tokens",
+                 "stop_window",
                  "logprobs", "sent_logprobs", "prompt_logprobs", "prompt_logprobs_sent")
 
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams,
@@ -49,7 +50,10 @@ class Req:
         self.kv_len = 0
         self.finished_reason: FinishReason | None = None
         self.sent_len = 0
-        self.arrival_time = arrival_time or time.monotonic()
+        # wall-clock seconds (time.time(), comparable across the server and engine
+        # processes): arrival at the server, receipt by the scheduler, first token read back
+        self.recv_time = time.time()
+        self.arrival_time = arrival_time or self.recv_time
         self.first_token_time: float | None = None
         self.max_new_tokens = max_new_tokens if max_new_tokens is not None else (
             sampling_params.max_tokens or 1 << 30)

@@ -39,6 +39,12 @@ class StepOutput:
         self.finished_reason = finished_reason
 
 
+#: TTFT parts summed over requests (``Scheduler.stats``, reported by /server_info): seconds
+#: from the server's arrival to the scheduler's receipt (HTTP, tokenization, IPC), and from
+#: the receipt to the first token read back on the host (waiting, prefill, sampling)
+STATS_TTFT_ZERO = {"first_tokens": 0, "ttft_queue_s_sum": 0.0, "ttft_engine_s_sum": 0.0}
+
+
 class Scheduler:
     """Continuous-batching scheduler over a ``ModelRunner``.
 
@@ -72,6 +78,7 @@ class Scheduler:
         self.overlap = (not args.disable_overlap_schedule
                         and getattr(runner, "supports_overlap", False))
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0}
+        self.stats.update(STATS_TTFT_ZERO)
 
     # ---- queue --------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -346,7 +353,7 @@ class Scheduler:
         if rec is None:
             return
         ids, lp = rec.result.host()
-        now = time.monotonic()
+        now = time.time()
         any_finished = False
         for req, idx, k in rec.slots:
             if req.finished:
@@ -360,6 +367,10 @@ class Scheduler:
                 req.logprobs.append((lp[0][k], tops))
             if req.first_token_time is None:
                 req.first_token_time = now
+                st = self.stats
+                st["first_tokens"] += 1
+                st["ttft_queue_s_sum"] += max(0.0, req.recv_time - req.arrival_time)
+                st["ttft_engine_s_sum"] += now - req.recv_time
             reason = self._check_finished(req, tok, idx + 1)
             if reason is not None:
                 del req.output_ids[idx + 1:]  # a placeholder of a step launched after this one

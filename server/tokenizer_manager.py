@@ -319,7 +319,7 @@ class TokenizerManager:
         self.check_admission(len(reqs))
         queue: asyncio.Queue = asyncio.Queue()
         t0 = arrival if arrival is not None else time.monotonic()
-        now = time.time()
+        now = time.time() - (time.monotonic() - t0)  # the arrival, on the wall clock
         rids: list[str] = []  # registered here, so ours to abort
         try:
             for idx, (rid, ids, _) in enumerate(reqs):

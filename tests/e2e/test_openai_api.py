@@ -69,6 +69,22 @@ def test_models_and_health(server, client):
     assert i["engine_pid"] and i["detokenizer_pid"]
 
 
+def test_server_info_splits_ttft(server, client):
+    """/server_info sums each request's TTFT parts: arrival at the server -> the scheduler
+    (HTTP, tokenization, IPC) and the scheduler -> the first token read back. Together they
+    fit inside the time the client waited for the whole (one-token) completion."""
+    before = info(server)["stats"]
+    t0 = time.monotonic()
+    complete(client, "Hello there", max_tokens=1)
+    waited = time.monotonic() - t0
+    after = info(server)["stats"]
+    assert after["first_tokens"] == before["first_tokens"] + 1
+    queue = after["ttft_queue_s_sum"] - before["ttft_queue_s_sum"]
+    engine = after["ttft_engine_s_sum"] - before["ttft_engine_s_sum"]
+    assert 0.0 <= queue and 0.0 < engine
+    assert queue + engine <= waited + 0.05  # clocks of two processes: small skew allowed
+
+
 def test_completion_stream_equals_non_stream(client, ref_tokenizer):
     prompt = "The three primary colors are"
     r = complete(client, prompt)

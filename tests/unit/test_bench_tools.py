@@ -65,6 +65,13 @@ async def _metrics(request: Request):
         f'{name}_bucket{{le="+Inf"}} {n}\n{name}_sum {total}\n{name}_count {n}\n')
 
 
+async def _server_info(request: Request):
+    """ferry's TTFT parts: 2 ms to the scheduler and 50 ms to the first token per request."""
+    n = STATE.count
+    return JSONResponse({"stats": {"first_tokens": 3 + n, "ttft_queue_s_sum": 1.0 + 0.002 * n,
+                                   "ttft_engine_s_sum": 1.0 + 0.05 * n}})
+
+
 async def _completions(request: Request):
     body = await request.json()
     n = STATE.count
@@ -108,6 +115,7 @@ async def _completions(request: Request):
 @pytest.fixture(scope="module")
 def server_url():
     app = Starlette(routes=[Route("/v1/models", _models), Route("/metrics", _metrics),
+                            Route("/server_info", _server_info),
                             Route("/v1/completions", _completions, methods=["POST"])])
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -188,6 +196,8 @@ def test_timings_match_known_sleeps_and_json_output(server_url, tmp_path):
     assert res["duration_s"] >= ttft + 2 * itl  # every request has >= 3 tokens
     # the server's own TTFT over the run, from the change of its /metrics histogram
     assert res["server_ttft_ms_mean"] == pytest.approx(123.0)
+    assert res["ttft_queue_ms_mean"] == pytest.approx(2.0)
+    assert res["ttft_engine_ms_mean"] == pytest.approx(50.0)
 
 
 def test_failures_are_counted_and_fail_on_error(server_url, capsys):
