@@ -45,11 +45,7 @@ _LOG2E = 1.4426950408889634
 DEFAULT_MIN_CHUNK = 32  # tokens; see choose_num_kv_splits (bench/sweep_decode.py on the H200)
 
 
-# The request rows may be a slice (the decode tail of a mixed step starts at request ne): a
-# pointer's 16-byte alignment would then depend on ne, and each new alignment would compile
-# a new variant in the middle of serving (0.45 s stalls seen on the H200). These small
-# int arrays gain nothing from the alignment hint.
-@triton.jit(do_not_specialize=["req_pool_indices", "seq_lens"])
+@triton.jit
 def _decode_stage1_kernel(
     q_ptr, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits,
     part_o, part_lse, o_ptr, qk_scale, max_splits,

@@ -52,7 +52,16 @@ class AttentionBackend:
             return
         from kernels.decode_attention import choose_num_kv_splits
 
-        seq_lens = fb.seq_lens[fb.batch_size - nd:]
+        first = fb.batch_size - nd
+        seq_lens = fb.seq_lens[first:]
+        if first:
+            # The decode tail of a mixed step gets its own copies of its rows: a slice at
+            # request `first` would move the pointers' 16-byte alignment with `first`, and
+            # Triton compiles a new kernel variant for each alignment, in the middle of
+            # serving (0.45 s stalls of every stream on the H200).
+            seq_lens = seq_lens.clone()
+            fb.attn_meta["req_pool_indices"] = fb.req_pool_indices[first:].clone()
+            fb.attn_meta["seq_lens"] = seq_lens
         dev = seq_lens.device
         kw = {} if self.min_chunk is None else {"min_chunk": self.min_chunk}
         fb.attn_meta["num_kv_splits"] = choose_num_kv_splits(
@@ -68,10 +77,11 @@ class AttentionBackend:
         """Decode attention for requests ``first:`` (one query token each, rows ``first:`` of
         q/o in a DECODE step, the tail rows in a mixed step)."""
         rows = slice(first, None)
-        args = (q, kb, vb, o, fb.req_to_token, fb.req_pool_indices[rows], fb.seq_lens[rows],
-                sm_scale)
+        m = fb.attn_meta
+        args = (q, kb, vb, o, fb.req_to_token,
+                m.get("req_pool_indices", fb.req_pool_indices[rows]),
+                m.get("seq_lens", fb.seq_lens[rows]), sm_scale)
         if self.use_triton:
-            m = fb.attn_meta
             self._decode(*args, num_kv_splits=m.get("num_kv_splits"),
                          max_kv_splits=self.max_kv_splits, attn_logits=m.get("attn_logits"),
                          attn_lse=m.get("attn_lse"))

@@ -71,7 +71,12 @@ def test_mixed_step_matches_one_extend(use_triton, group, hkv, d, page, dtype, e
         extend_start_loc=starts, max_extend_len=max(extend), num_decodes=len(dec_prefix))
     backend.init_forward(fb)
     if use_triton:
-        assert fb.attn_meta["num_kv_splits"].shape == (len(dec_prefix),)
+        m = fb.attn_meta
+        assert m["num_kv_splits"].shape == (len(dec_prefix),)
+        # the decode tail's rows are fresh copies (aligned whatever the split point)
+        ne = len(ext_lens)
+        assert torch.equal(m["req_pool_indices"], batch.req_pool_indices[ne:])
+        assert m["req_pool_indices"].data_ptr() % 16 == 0 and m["seq_lens"].data_ptr() % 16 == 0
     out = backend.forward(q, k, v, 0, scale, fb)
     assert_close(out, ref, dtype, "mixed step")
     # the store wrote the new tokens into their slots

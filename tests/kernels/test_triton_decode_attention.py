@@ -209,26 +209,3 @@ def test_decode_graph_capture_replay():
                              batch.req_pool_indices, seq_lens, d ** -0.5)
         assert_close(o, ref, dtype, f"graph replay {new_lens}")
 
-
-def test_request_rows_are_not_specialized_on_alignment():
-    """A mixed step passes req_pool_indices[ne:] and seq_lens[ne:]; their alignment changes
-    with ne, which must not compile a new kernel variant while serving."""
-    from kernels.decode_attention import _decode_stage1_kernel
-
-    k = _decode_stage1_kernel
-    if hasattr(k, "params"):   # compiled (JITFunction)
-        names = {p.name for p in k.params if p.do_not_specialize}
-    else:                      # the CPU interpreter keeps the decorator's arguments
-        names = set(k.kwargs.get("do_not_specialize") or ())
-    assert {"req_pool_indices", "seq_lens"} <= names
-    # and a tail slice at an odd offset still gives the right answer (reference check)
-    batch = make_paged_batch([40, 17, 90], None, num_kv_heads=2, head_dim=64, page_size=1,
-                             dtype=torch.float32, seed=3)
-    q = randn((3, 8, 64), torch.float32, 4)
-    ref = torch.empty_like(q)
-    decode_attention_ref(q, batch.k_buffer, batch.v_buffer, ref, batch.req_to_token,
-                         batch.req_pool_indices, batch.seq_lens, 0.125)
-    o = torch.zeros_like(q)
-    decode_attention_fwd(q[1:], batch.k_buffer, batch.v_buffer, o[1:], batch.req_to_token,
-                         batch.req_pool_indices[1:], batch.seq_lens[1:], 0.125)
-    assert_close(o[1:], ref[1:], torch.float32, "decode tail slice")
