@@ -20,11 +20,18 @@ for stage in "$@"; do
     info) nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
           python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)";;
     gputests) run gputests 400 python3 -m pytest -q -x -m gpu tests/kernels tests/unit/test_sampler.py \
-              tests/engine/test_engine_gpu.py -p no:cacheprovider;;
+              tests/engine/test_engine_gpu.py -p no:cacheprovider
+              run gputests-engine 300 python3 -m pytest -q -x tests/engine/test_kv_cache_dtype.py \
+              tests/engine/test_piecewise.py -p no:cacheprovider;;
     parity) run parity 200 python3 -m engine.parity --model-path engine/configs/llama-tiny.json \
               --load-format dummy --devices cpu,cuda --steps 32;;
     latency) run latency 300 python3 -m engine.bench_latency --model-path $L8B --load-format dummy \
               --batch-size 1 64 --input-len 512 --output-len 64 --result-jsonl "$OUT/latency.jsonl";;
+    latency-fp8) run latency-fp8 300 python3 -m engine.bench_latency --model-path $L8B \
+              --load-format dummy --kv-cache-dtype fp8_e4m3 --batch-size 1 64 --input-len 512 \
+              --output-len 64 --result-jsonl "$OUT/latency-fp8.jsonl";;
+    offline-fp8) run offline-fp8 400 python3 -m engine.bench_offline --model-path $L8B \
+              --load-format dummy --kv-cache-dtype fp8_e4m3 --result-jsonl "$OUT/offline-fp8.jsonl";;
     latency-nofused) run latency-nofused 300 python3 -m engine.bench_latency --model-path $L8B \
               --load-format dummy --disable-fused-ops --batch-size 1 64 --input-len 512 \
               --output-len 64 --result-jsonl "$OUT/latency-nofused.jsonl";;

@@ -44,6 +44,9 @@ class ServerArgs:
                                                 "(default: 2048 on GPUs, 256 on the CPU)")
     max_prefill_tokens: int = _f(16384, "token budget of one prefill step")
     page_size: int = _f(1, "KV cache page size in tokens")
+    kv_cache_dtype: str = _f("auto", "KV cache dtype: auto (the model dtype), or fp8_e4m3 / "
+                                     "fp8_e5m2 (half the bytes of bf16, values cast without "
+                                     "a scale)", ("auto", "fp8_e4m3", "fp8_e5m2"))
     disable_cuda_graph: bool = _f(False, "run decode eagerly (no CUDA/XPU graphs)")
     cuda_graph_max_bs: int = _f(256, "largest batch size captured in a decode graph")
     disable_piecewise_graph: bool = _f(False, "run prefill and mixed steps eagerly (no "

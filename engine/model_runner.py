@@ -49,6 +49,7 @@ class ModelRunner:
         self.args = args
         self.device_type = dev.resolve_device(args.device)
         self.dtype = dev.resolve_dtype(args.dtype, self.device_type)
+        self.kv_dtype = dev.resolve_kv_dtype(args.kv_cache_dtype, self.dtype)
         self.device = torch.device(self.device_type)
         dev.set_device(self.device_type, 0)
         set_fused_ops(not args.disable_fused_ops and dev.use_triton(self.device_type))
@@ -66,7 +67,7 @@ class ModelRunner:
 
         self.max_total_tokens = self._kv_capacity()
         self.kv_pool = KVPool(self.max_total_tokens, args.page_size, self.num_layers,
-                              self.num_kv_heads, self.head_dim, self.dtype, self.device)
+                              self.num_kv_heads, self.head_dim, self.kv_dtype, self.device)
         self.max_total_tokens = self.kv_pool.capacity_tokens
         # a request can never outgrow the pool, so the usable context is the smaller of the two
         self.max_context_len = min(self.model_max_context, self.max_total_tokens)
@@ -88,7 +89,7 @@ class ModelRunner:
                 self.piecewise_runner = PiecewiseRunner(self, self.piecewise_max_tokens())
         logger.info("KV cache: %d tokens (%d layers x %d kv heads x %d dim, %s), page size %d",
                     self.max_total_tokens, self.num_layers, self.num_kv_heads, self.head_dim,
-                    str(self.dtype).replace("torch.", ""), args.page_size)
+                    str(self.kv_dtype).replace("torch.", ""), args.page_size)
 
     def graph_pool(self):
         """The device graph memory pool shared by the decode and piecewise graphs (they
@@ -110,7 +111,7 @@ class ModelRunner:
     def _kv_capacity(self) -> int:
         """KV pool size in tokens: --max-total-tokens, else from free memory after the weights."""
         per_token = KVPool.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
-                                           self.dtype)
+                                           self.kv_dtype)
         if self.args.max_total_tokens:
             return int(self.args.max_total_tokens)
         if not dev.is_accelerator(self.device_type):

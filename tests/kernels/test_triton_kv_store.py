@@ -50,3 +50,23 @@ def test_store_kv_empty_and_bad_shapes():
     with pytest.raises(ValueError):
         store_kv(kb, kb.clone(), torch.zeros(1, dtype=torch.int64, device=DEVICE),
                  randn((1, 2, 32), F32, 2), randn((1, 2, 32), F32, 3))
+
+
+
+@pytest.mark.parametrize("pool_dtype", [
+    pytest.param(torch.float8_e4m3fn, id="e4m3", marks=GPU_MARKS),
+    pytest.param(torch.float8_e5m2, id="e5m2", marks=GPU_MARKS)])
+def test_store_kv_fp8_pool(pool_dtype):
+    """fp8 KV cache (--kv-cache-dtype): the store rounds to nearest even, exactly as torch's
+    cast. GPU only: the CPU interpreter's fp8 cast is wrong when rounding carries into the
+    exponent (1.956 became 1.0 instead of 2.0 with triton 3.9)."""
+    hkv, d, n = 2, 64, 33
+    loc = torch.arange(3, 3 + n, device=DEVICE)
+    k = randn((n, hkv, d), BF16, 5, scale=3.0)
+    v = randn((n, hkv, d), F16, 6, scale=3.0)
+    kb = torch.zeros((n + 8, hkv, d), dtype=pool_dtype, device=DEVICE)
+    vb = torch.zeros_like(kb)
+    store_kv(kb, vb, loc, k, v)
+    assert torch.equal(kb[loc].float(), k.to(pool_dtype).float())
+    assert torch.equal(vb[loc].float(), v.to(pool_dtype).float())
+    assert (kb[:3].float() == 0).all() and (kb[3 + n:].float() == 0).all()
