@@ -42,7 +42,8 @@ class ServerArgs:
     max_queued_requests: int = _f(1024, "most requests waiting; beyond it new ones get 503")
     chunked_prefill_size: int | None = _f(None, "most prompt tokens prefilled in one step "
                                                 "(default: 2048 on GPUs, 256 on the CPU)")
-    max_prefill_tokens: int = _f(16384, "token budget of one prefill step")
+    max_prefill_tokens: int = _f(16384, "most prompt tokens of one step over all its requests "
+                                        "(caps --chunked-prefill-size)")
     page_size: int = _f(1, "KV cache page size in tokens")
     kv_cache_dtype: str = _f("auto", "KV cache dtype: auto (the model dtype), or fp8_e4m3 / "
                                      "fp8_e5m2 (half the bytes of bf16, values cast without "
@@ -93,6 +94,13 @@ class ServerArgs:
 
     def replace(self, **kw) -> ServerArgs:
         return dataclasses.replace(self, **kw)
+
+
+def prefill_budget(args: ServerArgs, device_type: str) -> int:
+    """Prompt tokens one step may prefill, over all its requests: --chunked-prefill-size (or
+    the device default) capped by --max-prefill-tokens; at least 1."""
+    chunk = args.chunked_prefill_size or default_chunked_prefill(device_type)
+    return max(1, min(chunk, args.max_prefill_tokens))
 
 
 def default_chunked_prefill(device_type: str) -> int:

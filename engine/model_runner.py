@@ -11,7 +11,7 @@ import time
 import torch
 
 from engine import device as dev
-from engine.args import ServerArgs, default_chunked_prefill
+from engine.args import ServerArgs, prefill_budget
 from engine.forward_batch import ForwardBatch, ForwardMode, resolve_placeholders
 from engine.kv_cache import KVPool, ReqToTokenPool
 from engine.layers import set_fused_ops
@@ -103,8 +103,7 @@ class ModelRunner:
         full prefill chunk plus 256 mixed-in decodes."""
         a = self.args
         n = a.piecewise_graph_max_tokens or (
-            (a.chunked_prefill_size or default_chunked_prefill(self.device_type))
-            + min(a.max_running_requests, 256))
+            prefill_budget(a, self.device_type) + min(a.max_running_requests, 256))
         return max(16, n)
 
     # ---- sizing -------------------------------------------------------------------------

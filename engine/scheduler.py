@@ -14,7 +14,7 @@ import logging
 import time
 from collections import deque
 
-from engine.args import ServerArgs, default_chunked_prefill
+from engine.args import ServerArgs, prefill_budget
 from engine.forward_batch import ForwardMode
 from engine.request import FinishReason, Req
 from engine.schedule_batch import ScheduleBatch
@@ -62,8 +62,7 @@ class Scheduler:
         self.req_pool = runner.req_to_token_pool
         self.kv_pool = runner.kv_pool
         self.page_size = self.kv_pool.page_size
-        self.chunk_size = max(args.chunked_prefill_size or default_chunked_prefill(
-            getattr(runner, "device_type", "cpu")), 1)
+        self.chunk_size = prefill_budget(args, getattr(runner, "device_type", "cpu"))
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None  # the request whose prefill is partly done
         # fraction of their remaining max_tokens that running requests are expected to still
