@@ -1,10 +1,11 @@
 """The HF transformers baseline for ``ferry bench-latency``: the same shapes through
 ``model.generate`` with random weights, plus the bandwidth roofline, side by side.
 
-    python -m bench.hf_baseline --model-path engine/configs/llama-3-8b \\
+    python -m bench.hf_baseline --model-path engine/configs/llama-3-8b.json \\
         --batch-size 1 64 --input-len 512 --output-len 64 --ferry-jsonl ferry.jsonl
 
-The model is built from a config dir (``config.json`` only, nothing downloaded) with
+The model is built from a config (a ``config.json`` file or a directory holding one; nothing
+is downloaded) with
 ``AutoModelForCausalLM.from_config`` on the device, SDPA attention, and seeded small normal
 weights. Each configuration runs one static batch of random prompts, greedy, with
 ``min_new_tokens = max_new_tokens`` so EOS never stops it early. Timing (device events or a
@@ -53,7 +54,7 @@ def _time_s(device_type: str, fn) -> float:
 
 
 def build_model(model_path: str, device_type: str, dtype: torch.dtype, seed: int = 0):
-    """An HF causal LM from the config dir ``model_path``, on ``device_type`` in ``dtype``,
+    """An HF causal LM from the config ``model_path`` (file or directory), on ``device_type`` in ``dtype``,
     SDPA attention, eval mode. Weights: matrices N(0, 0.02), norm weights 1, biases 0 (seeded),
     so activations stay finite. Returns ``(model, config)``.
 

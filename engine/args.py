@@ -45,16 +45,16 @@ class ServerArgs:
     max_prefill_tokens: int = _f(16384, "most prompt tokens of one step over all its requests "
                                         "(caps --chunked-prefill-size)")
     page_size: int = _f(1, "KV cache page size in tokens")
-    kv_cache_dtype: str = _f("auto", "KV cache dtype: auto (the model dtype), or fp8_e4m3 / "
-                                     "fp8_e5m2 (half the bytes of bf16, values cast without "
-                                     "a scale)", ("auto", "fp8_e4m3", "fp8_e5m2"))
+    kv_cache_dtype: str = _f("auto", "KV cache dtype: auto (the model dtype), or fp8_e4m3 "
+                                     "(alias fp8) / fp8_e5m2: one byte per value, cast "
+                                     "without a scale", ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"))
     disable_cuda_graph: bool = _f(False, "run decode eagerly (no CUDA/XPU graphs)")
-    cuda_graph_max_bs: int = _f(256, "largest batch size captured in a decode graph")
-    disable_piecewise_graph: bool = _f(False, "run prefill and mixed steps eagerly (no "
-                                              "piecewise graphs around their attention)")
+    cuda_graph_max_bs: int = _f(256, "GPU only: largest batch size captured in a decode graph")
+    disable_piecewise_graph: bool = _f(False, "GPU only: run prefill and mixed steps eagerly "
+                                              "(no piecewise graphs around their attention)")
     piecewise_graph_max_tokens: int | None = _f(
-        None, "largest prefill/mixed step (tokens) run through piecewise graphs (default: "
-              "the prefill chunk + 256; larger steps run eagerly)")
+        None, "GPU only: largest prefill/mixed step (tokens) run through piecewise graphs "
+              "(default: the prefill chunk + 256; larger steps run eagerly)")
     decode_attention_waves: int = _f(1, "decode attention: split the KV until each SM gets this "
                                         "many programs (more splits hide memory latency)")
     disable_overlap_schedule: bool = _f(False, "do not overlap host scheduling with device work")

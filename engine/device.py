@@ -64,15 +64,16 @@ def resolve_dtype(name: str, device_type: str) -> torch.dtype:
 
 
 def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """KV cache dtype: ``auto`` is the model dtype; ``fp8_e4m3`` / ``fp8_e5m2`` are torch's
-    ``float8_e4m3fn`` / ``float8_e5m2`` (SGLang's and vLLM's names).
+    """KV cache dtype: ``auto`` is the model dtype; ``fp8_e4m3`` (or ``fp8``, vLLM's short
+    form) / ``fp8_e5m2`` are torch's ``float8_e4m3fn`` / ``float8_e5m2``.
 
     Raises:
         ValueError: an unknown name.
     """
     if name == "auto":
         return model_dtype
-    table = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+    table = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+             "fp8_e5m2": torch.float8_e5m2}
     if name not in table:
         raise ValueError(f"unknown kv cache dtype {name!r}; use auto, fp8_e4m3 or fp8_e5m2")
     return table[name]

@@ -84,6 +84,7 @@ class EngineLoop:
             rid="engine", max_total_tokens=r.max_total_tokens, max_context_len=r.max_context_len,
             max_running_requests=self.args.max_running_requests, vocab_size=self.vocab_size,
             device=r.device_type, dtype=str(r.dtype).replace("torch.", ""),
+            kv_cache_dtype=str(r.kv_dtype).replace("torch.", ""),
             model=self.args.model_path or "SmolLM2-135M-Instruct"))
         last_stats = 0.0
         while True:

@@ -91,6 +91,7 @@ class ReadyOut(_Msg):
     vocab_size: int = 0
     device: str = ""
     dtype: str = ""
+    kv_cache_dtype: str = ""
     model: str = ""
 
 

@@ -165,6 +165,7 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
         ready = tm.engine_ready
         info.update({
             "model": model_name, "device": ready.device, "dtype": ready.dtype,
+            "kv_cache_dtype": ready.kv_cache_dtype,
             "max_context_len": ready.max_context_len, "max_total_tokens":
             ready.max_total_tokens, "max_running_requests": ready.max_running_requests,
             "server_pid": os.getpid(),

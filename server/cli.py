@@ -44,9 +44,21 @@ def serve_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ferry serve",
         description="Start ferry's OpenAI-compatible server (/v1/completions, "
-                    "/v1/chat/completions, /v1/models, /health, /server_info, /metrics).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "/v1/chat/completions, /v1/models, /v1/tokenize, /v1/detokenize, /health, "
+                    "/server_info, /metrics).",
+        formatter_class=_HelpFormatter)
     return ServerArgs.add_cli_args(parser)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` unless the help already says what the default is, or there is
+    none to show (None, False)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False):
+            return text
+        return super()._get_help_string(action)
 
 
 def serve(argv: list[str]) -> int:
@@ -58,8 +70,11 @@ def serve(argv: list[str]) -> int:
     args = ServerArgs.from_cli_args(ns)
     if not 0 < args.port < 65536:
         parser.error(f"--port must be in 1..65535, got {args.port}")
-    for name in ("max_request_bytes", "max_n", "max_queued_requests", "max_running_requests"):
-        if getattr(args, name) < 1:
+    for name in ("max_request_bytes", "max_n", "max_queued_requests", "max_running_requests",
+                 "cuda_graph_max_bs", "max_prefill_tokens", "chunked_prefill_size",
+                 "piecewise_graph_max_tokens", "decode_attention_waves"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.shutdown_timeout < 0:
         parser.error("--shutdown-timeout must be >= 0")

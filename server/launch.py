@@ -46,9 +46,21 @@ class StartupError(RuntimeError):
     pass
 
 
+#: the signal the server stops its children with once it has drained (see _child_main)
+CHILD_STOP_SIGNAL = signal.SIGUSR1
+
+
 def _child_main(name: str, server_args, ipc: IpcPaths) -> None:
-    """Target of the spawned children: ignore Ctrl-C (the server stops us), then run."""
+    """Target of the spawned children: run until the server stops us.
+
+    SIGINT and SIGTERM are ignored: Ctrl-C in a terminal, ``timeout``, ``kill -- -PGID`` and
+    systemd's default stop send them to the whole process group, and the server must drain
+    its in-flight requests through the engine and the detokenizer before they go. The server
+    stops them with ``CHILD_STOP_SIGNAL``; both also exit when the server process is gone.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(CHILD_STOP_SIGNAL, lambda *_: os._exit(0))
     # tqdm's default lock is a multiprocessing semaphore; a child stopped by SIGTERM cannot
     # release it, and the resource tracker then warns about a leak at shutdown
     import threading
@@ -153,7 +165,8 @@ class Launcher:
     def stop_children(self) -> None:
         for p in self.procs.values():
             if p.is_alive():
-                p.terminate()
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, CHILD_STOP_SIGNAL)
         deadline = time.monotonic() + CHILD_STOP_TIMEOUT_S
         for p in self.procs.values():
             p.join(max(0.0, deadline - time.monotonic()))

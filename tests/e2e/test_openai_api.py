@@ -67,6 +67,7 @@ def test_models_and_health(server, client):
     i = info(server)
     assert i["kv_total_tokens"] == 16384 and i["kv_used_tokens"] == 0
     assert i["engine_pid"] and i["detokenizer_pid"]
+    assert i["dtype"] == "float32" and i["kv_cache_dtype"] == "float32"
 
 
 def test_server_info_splits_ttft(server, client):

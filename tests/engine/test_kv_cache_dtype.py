@@ -19,6 +19,7 @@ DEVICE = resolve_device("auto")
 def test_resolve_kv_dtype():
     assert resolve_kv_dtype("auto", torch.bfloat16) is torch.bfloat16
     assert resolve_kv_dtype("fp8_e4m3", torch.bfloat16) is torch.float8_e4m3fn
+    assert resolve_kv_dtype("fp8", torch.bfloat16) is torch.float8_e4m3fn
     assert resolve_kv_dtype("fp8_e5m2", torch.float32) is torch.float8_e5m2
     with pytest.raises(ValueError, match="kv cache dtype"):
         resolve_kv_dtype("int4", torch.float32)

@@ -34,3 +34,24 @@ def test_prefill_budget_caps_the_chunk():
     assert prefill_budget(ServerArgs(chunked_prefill_size=4096, max_prefill_tokens=1000),
                           "cuda") == 1000
     assert prefill_budget(ServerArgs(max_prefill_tokens=0), "cpu") == 1
+
+
+@pytest.mark.parametrize("flag", ["--max-running-requests", "--cuda-graph-max-bs",
+                                  "--chunked-prefill-size", "--piecewise-graph-max-tokens",
+                                  "--max-prefill-tokens", "--decode-attention-waves"])
+def test_serve_rejects_counts_below_one(flag, capsys):
+    from server.cli import serve
+
+    with pytest.raises(SystemExit) as exc:
+        serve([flag, "-5"])
+    assert exc.value.code == 2
+    assert f"{flag} must be >= 1" in capsys.readouterr().err
+
+
+def test_serve_help_shows_each_default_once(capsys):
+    from server.cli import serve_parser
+
+    text = " ".join(serve_parser().format_help().split())
+    assert "(default: from the model) (default" not in text
+    assert "--kv-cache-dtype {auto,fp8,fp8_e4m3,fp8_e5m2}" in text
+    assert "(default: 30000)" in text   # plain defaults are still shown
