@@ -144,15 +144,22 @@ class Scheduler:
         self.stats["preemptions"] += 1
         logger.debug("preempted %s (KV pool full)", req.rid)
 
+    def _decode_reserve(self) -> int:
+        """KV tokens (whole pages) the running requests' next tokens need: a page for each
+        request whose last page is full, nothing for one with room left in it."""
+        pool = self.kv_pool
+        pages = sum(pool.pages_needed(r.kv_len, len(r.pages), 1) for r in self.running)
+        return pages * self.page_size
+
     def _retract(self) -> None:
         """Free KV until every running request can take one more token: preempt the newest
         running requests first, then the partly prefilled one, the oldest running request
         last, so it always progresses (it fits alone: no request outgrows the pool)."""
-        if self.kv_pool.free_tokens() < len(self.running) * self.page_size:
+        if self.kv_pool.free_tokens() < self._decode_reserve():
             # a preempted request is recomputed from its ids: they must be real ones, and
             # the in-flight step may finish (and free) some requests
             self._drain()
-        while self.kv_pool.free_tokens() < len(self.running) * self.page_size:
+        while self.kv_pool.free_tokens() < self._decode_reserve():
             if len(self.running) > 1 or (self.running and self.chunked is None):
                 self._preempt(self.running.pop())
             elif self.chunked is not None:
@@ -165,8 +172,8 @@ class Scheduler:
         """Continue the chunked request, admit waiting ones under the chunk budget, and mix
         in the running decodes as 1-token extends."""
         budget = self.chunk_size
-        # keep one page per running request free for their next decode token
-        reserve = (len(self.running) + 1) * self.page_size
+        # keep the pages free that the running requests' next decode tokens need
+        reserve = self._decode_reserve()
         # and room for the tokens the admitted requests are still expected to generate
         future = self.new_token_ratio * sum(self._future_tokens(r) for r in self.running)
         reqs, prefix, ext, sample, locs = [], [], [], [], []
@@ -190,9 +197,11 @@ class Scheduler:
             if req.wants_prompt_logprobs:
                 # every row of its chunk comes back as fp32 logits [n, vocab]: keep n small
                 n = min(n, PROMPT_LOGPROBS_CHUNK)
-            room = self.kv_pool.free_tokens() - reserve
+            # what fits: the free slots of its last page plus the pages beyond the reserve
+            room = len(req.pages) * self.page_size - req.kv_len \
+                + self.kv_pool.free_tokens() - reserve
             if room < n:
-                n = (room // self.page_size) * self.page_size
+                n = room
                 if n <= 0:
                     break
             if req.req_pool_idx is None:

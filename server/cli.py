@@ -72,7 +72,8 @@ def serve(argv: list[str]) -> int:
         parser.error(f"--port must be in 1..65535, got {args.port}")
     for name in ("max_request_bytes", "max_n", "max_queued_requests", "max_running_requests",
                  "cuda_graph_max_bs", "max_prefill_tokens", "chunked_prefill_size",
-                 "piecewise_graph_max_tokens", "decode_attention_waves"):
+                 "piecewise_graph_max_tokens", "decode_attention_waves", "max_total_tokens",
+                 "page_size"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")

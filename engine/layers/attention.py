@@ -104,6 +104,10 @@ class AttentionBackend:
         te = q.shape[0] - nd
         if ne:
             rows = slice(0, ne)
+            if kb.dtype != k.dtype:
+                # an fp8 cache: attend to the new tokens as stored, like to the prefix, so the
+                # result does not depend on where the chunks (and so the load) cut the prompt
+                k, v = k[:te].to(kb.dtype).to(k.dtype), v[:te].to(vb.dtype).to(v.dtype)
             args = (q[:te], k[:te], v[:te], o[:te], kb, vb, fb.req_to_token,
                     fb.req_pool_indices[rows], fb.seq_lens[rows], fb.extend_seq_lens[rows],
                     fb.extend_start_loc[rows], sm_scale)

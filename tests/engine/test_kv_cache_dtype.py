@@ -59,10 +59,40 @@ def test_fp8_kv_cache_logits_close_to_model_dtype(kv):
     assert pool.k_buffers[0].dtype == resolve_kv_dtype(kv, runner.dtype)
     assert pool.bytes_per_token(1, 1, 8, pool.dtype) * base_runner.dtype.itemsize == \
         pool.bytes_per_token(1, 1, 8, base_runner.kv_pool.dtype)
-    # the prefill attends over the new tokens in the model dtype (only later steps read the
-    # fp8 cache), so its logits match closely; the decode reads fp8 keys and values
+    # every step attends to fp8-rounded keys and values (the prefill to its new tokens as
+    # stored, too): the logits move by about the fp8 rounding, and no more
     bound = {"fp8_e4m3": 0.05, "fp8_e5m2": 0.1}[kv]
     for step, (a, b) in enumerate(zip(got, base)):
         err = ((a - b).norm() / b.norm()).item()
-        assert err < (1e-2 if step == 0 else bound), f"step {step}: relative error {err:.3g}"
-    assert not torch.equal(got[1], base[1])   # the decode did read the fp8 cache
+        assert 0 < err < bound, f"step {step}: relative error {err:.3g}"
+
+
+def _last_chunk_logits(chunk: int) -> torch.Tensor:
+    """Logits of a 60-token prompt's last prefill chunk with an fp8 cache (CPU path)."""
+    from engine.model_runner import ModelRunner
+    from engine.scheduler import Scheduler
+
+    args = ServerArgs(model_path=config_dir("llama-tiny"), load_format="dummy", device="cpu",
+                      dtype="float32", max_total_tokens=1024, max_running_requests=2,
+                      kv_cache_dtype="fp8_e4m3", chunked_prefill_size=chunk)
+    runner = ModelRunner(args)
+    sched = Scheduler(args, runner)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, runner.vocab_size, (60,), generator=g).tolist()
+    sched.add_request(Req("a", ids, SamplingParams(max_tokens=2, temperature=0)))
+    while True:
+        batch = sched.get_next_batch()
+        logits = runner.forward(batch)
+        sched.inflight = sched._launch(batch)
+        sched._drain()
+        if batch.sample[0]:
+            return logits
+
+
+def test_fp8_cache_result_does_not_depend_on_chunking():
+    """One 60-token chunk or chunks of 7: the same logits. New tokens are attended to as they
+    are stored (fp8), not in the model dtype, so where a chunk ends (which varies with the
+    load in mixed steps) does not change the answer."""
+    one, many = _last_chunk_logits(64), _last_chunk_logits(7)
+    err = ((one - many).norm() / one.norm()).item()
+    assert err < 1e-4, f"relative logit error {err:.3g} between chunkings"

@@ -38,14 +38,16 @@ def test_prefill_budget_caps_the_chunk():
 
 @pytest.mark.parametrize("flag", ["--max-running-requests", "--cuda-graph-max-bs",
                                   "--chunked-prefill-size", "--piecewise-graph-max-tokens",
-                                  "--max-prefill-tokens", "--decode-attention-waves"])
+                                  "--max-prefill-tokens", "--decode-attention-waves",
+                                  "--max-total-tokens", "--page-size"])
 def test_serve_rejects_counts_below_one(flag, capsys):
     from server.cli import serve
 
-    with pytest.raises(SystemExit) as exc:
-        serve([flag, "-5"])
-    assert exc.value.code == 2
-    assert f"{flag} must be >= 1" in capsys.readouterr().err
+    for value in ("-5", "0"):
+        with pytest.raises(SystemExit) as exc:
+            serve([flag, value])
+        assert exc.value.code == 2
+        assert f"{flag} must be >= 1" in capsys.readouterr().err
 
 
 def test_serve_help_shows_each_default_once(capsys):

@@ -276,3 +276,23 @@ def test_engine_warm_up_leaves_the_scheduler_clean():
     assert sched.stats["generation_tokens"] == 0
     # it ran a mixed step: a prefill together with a decode
     assert any(mode == ForwardMode.EXTEND and bs == 2 for mode, bs, _ in runner.batches)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_request_that_fills_the_whole_pool_finishes(page_size):
+    """A prompt one token short of the pool (the context limit), and a lone request that
+    decodes until the pool is full, both finish: the scheduler reserves only the pages the
+    running requests' next tokens really need (it used to keep a whole spare page, which
+    left a lone request with nothing to do forever at page_size > 1)."""
+    runner = FakeRunner(max_total_tokens=2048, page_size=page_size, max_context=2048)
+    args = ServerArgs(chunked_prefill_size=64, max_running_requests=4, page_size=page_size)
+    sched = Scheduler(args, runner)
+    (full,) = make_reqs([2047], max_tokens=1, seed=3)
+    run_all(sched, [full], max_steps=200)
+    assert full.output_ids == expected(full.origin_input_ids, 1)
+    # 1000 prompt tokens + 1040 generated: the last page fills up while it runs alone
+    (long,) = make_reqs([1000], max_tokens=1040, seed=4)
+    run_all(sched, [long], max_steps=3000)
+    assert long.output_ids == expected(long.origin_input_ids, 1040)
+    assert sched.stats["preemptions"] == 0   # alone, it never has to give up its KV
+    assert runner.kv_pool.used_tokens() == 0
