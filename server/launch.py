@@ -46,21 +46,17 @@ class StartupError(RuntimeError):
     pass
 
 
-#: the signal the server stops its children with once it has drained (see _child_main)
-CHILD_STOP_SIGNAL = signal.SIGUSR1
-
-
 def _child_main(name: str, server_args, ipc: IpcPaths) -> None:
     """Target of the spawned children: run until the server stops us.
 
     SIGINT and SIGTERM are ignored: Ctrl-C in a terminal, ``timeout``, ``kill -- -PGID`` and
     systemd's default stop send them to the whole process group, and the server must drain
     its in-flight requests through the engine and the detokenizer before they go. The server
-    stops them with ``CHILD_STOP_SIGNAL``; both also exit when the server process is gone.
+    then stops them with SIGKILL (they hold nothing that needs a clean exit: the server
+    removes the IPC directory); both also exit by themselves when the server is gone.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(CHILD_STOP_SIGNAL, lambda *_: os._exit(0))
     # tqdm's default lock is a multiprocessing semaphore; a child stopped by SIGTERM cannot
     # release it, and the resource tracker then warns about a leak at shutdown
     import threading
@@ -163,18 +159,19 @@ class Launcher:
         return None
 
     def stop_children(self) -> None:
+        """SIGKILL the children (they ignore SIGTERM, see _child_main) and wait for them.
+
+        (A SIGUSR1 handler calling os._exit, tried first, left the engine running for 5 s on
+        an H200; the cause was not found.)"""
         for p in self.procs.values():
             if p.is_alive():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, CHILD_STOP_SIGNAL)
+                p.kill()
         deadline = time.monotonic() + CHILD_STOP_TIMEOUT_S
         for p in self.procs.values():
             p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
-                logger.warning("%s did not stop in %.0f s; killing it", p.name,
+                logger.warning("%s did not exit %.0f s after SIGKILL", p.name,
                                CHILD_STOP_TIMEOUT_S)
-                p.kill()
-                p.join(2.0)
 
     async def _wait_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
