@@ -109,3 +109,18 @@ def randn(shape, dtype: torch.dtype, seed: int, device: str = DEVICE,
 
 def nan_like(x: torch.Tensor) -> torch.Tensor:
     return torch.full_like(x, float("nan"))
+
+
+def make_extend_inputs(group: int, hkv: int, d: int, page: int, dtype: torch.dtype,
+                       prefix_lens: list[int], extend_lens: list[int], seed: int):
+    """A paged batch plus the new tokens' q [T, Hq, D], k/v [T, Hkv, D], extend lengths and
+    start offsets [B] int32: ``(batch, q, k, v, ext, starts)``."""
+    batch = make_paged_batch(prefix_lens, extend_lens, num_kv_heads=hkv, head_dim=d,
+                             page_size=page, dtype=dtype, seed=seed)
+    t, hq = sum(extend_lens), group * hkv
+    q = randn((t, hq, d), dtype, seed + 1, scale=2.0)
+    k = randn((t, hkv, d), dtype, seed + 2)
+    v = randn((t, hkv, d), dtype, seed + 3)
+    ext = torch.tensor(extend_lens, dtype=torch.int32, device=DEVICE)
+    starts = (torch.cumsum(ext, 0) - ext).to(torch.int32)
+    return batch, q, k, v, ext, starts

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_test_utils import DEVICE, GPU_MARKS, assert_close, make_paged_batch, randn
+from kernel_test_utils import GPU_MARKS, assert_close, make_extend_inputs
 
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.layers.attention import AttentionBackend
@@ -34,14 +34,8 @@ CASES = [
 def _mixed(group, hkv, d, page, dtype, ext_prefix, ext_lens, dec_prefix, seed):
     prefix = ext_prefix + dec_prefix
     extend = ext_lens + [1] * len(dec_prefix)
-    batch = make_paged_batch(prefix, extend, num_kv_heads=hkv, head_dim=d, page_size=page,
-                             dtype=dtype, seed=seed)
-    t, hq = sum(extend), group * hkv
-    q = randn((t, hq, d), dtype, seed + 1, scale=2.0)
-    k = randn((t, hkv, d), dtype, seed + 2)
-    v = randn((t, hkv, d), dtype, seed + 3)
-    ext = torch.tensor(extend, dtype=torch.int32, device=DEVICE)
-    starts = (torch.cumsum(ext, 0) - ext).to(torch.int32)
+    batch, q, k, v, ext, starts = make_extend_inputs(group, hkv, d, page, dtype, prefix,
+                                                     extend, seed)
     # the new tokens' slots, in batch order, as the scheduler allocates them
     loc = torch.cat([batch.req_to_token[r, p:p + n].long()
                      for r, p, n in zip(batch.req_pool_indices.tolist(), prefix, extend)])

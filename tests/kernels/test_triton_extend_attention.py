@@ -11,6 +11,7 @@ from kernel_test_utils import (
     DEVICE,
     GPU_MARKS,
     assert_close,
+    make_extend_inputs,
     make_paged_batch,
     nan_like,
     randn,
@@ -41,15 +42,7 @@ CASES = [
 
 
 def _make(group, hkv, d, page, dtype, prefix_lens, extend_lens, seed):
-    batch = make_paged_batch(prefix_lens, extend_lens, num_kv_heads=hkv, head_dim=d,
-                             page_size=page, dtype=dtype, seed=seed)
-    t, hq = sum(extend_lens), group * hkv
-    q = randn((t, hq, d), dtype, seed + 1, scale=2.0)
-    k = randn((t, hkv, d), dtype, seed + 2)
-    v = randn((t, hkv, d), dtype, seed + 3)
-    ext = torch.tensor(extend_lens, dtype=torch.int32, device=DEVICE)
-    starts = (torch.cumsum(ext, 0) - ext).to(torch.int32)
-    return batch, q, k, v, ext, starts
+    return make_extend_inputs(group, hkv, d, page, dtype, prefix_lens, extend_lens, seed)
 
 
 @pytest.mark.parametrize("group,hkv,d,page,dtype,prefix_lens,extend_lens", CASES)
