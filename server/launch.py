@@ -8,9 +8,10 @@
    the connection limits and timeouts of ``server/http_limits.py``).
 3. Watch the children: if one dies, /health answers 503, every waiting request gets a 503
    (a stream a final error event and ``[DONE]``) and the server exits non-zero.
-4. SIGINT/SIGTERM: new requests get 503, in-flight ones may finish for
-   ``--shutdown-timeout`` seconds, the rest end with ``finish_reason`` "abort"; then the
-   children are stopped and the IPC dir removed. A second signal stops at once.
+4. SIGINT/SIGTERM (to the server alone or to the whole process group: the children ignore
+   both): new requests get 503, in-flight ones may finish for ``--shutdown-timeout``
+   seconds, the rest end with ``finish_reason`` "abort"; then the children are killed and
+   the IPC dir removed. A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def _child_main(name: str, server_args, ipc: IpcPaths) -> None:
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # tqdm's default lock is a multiprocessing semaphore; a child stopped by SIGTERM cannot
+    # tqdm's default lock is a multiprocessing semaphore; a child stopped by SIGKILL cannot
     # release it, and the resource tracker then warns about a leak at shutdown
     import threading
 
