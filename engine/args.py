@@ -67,6 +67,10 @@ class ServerArgs:
     max_request_bytes: int = _f(4 * 1024 * 1024, "largest accepted request body (bytes)")
     max_n: int = _f(16, "largest 'n' accepted per request")
     shutdown_timeout: float = _f(10.0, "seconds in-flight requests may finish at shutdown")
+    header_timeout: float = _f(10.0, "seconds a connection may stay open before a request's "
+                                     "headers are complete (then it is closed)")
+    body_read_timeout: float = _f(30.0, "seconds a request body may take to arrive (then 408)")
+    startup_timeout: float = _f(900.0, "seconds to wait for the engine to load and warm up")
     log_level: str = _f("info", "log level", ("debug", "info", "warning", "error"))
     log_requests: bool = _f(False, "log prompts and outputs of each request (off by default)")
 

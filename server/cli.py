@@ -79,6 +79,9 @@ def serve(argv: list[str]) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.shutdown_timeout < 0:
         parser.error("--shutdown-timeout must be >= 0")
+    for name in ("header_timeout", "body_read_timeout", "startup_timeout"):
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0")
 
     from server.launch import launch_server
 

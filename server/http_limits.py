@@ -6,9 +6,9 @@ A client can hold a connection in three places; each has a bound:
    of its headers, or a keep-alive connection that starts a request and stalls): uvicorn has
    no timeout here (it arms its keep-alive timer only after a response, and any received byte
    cancels it), so ``GuardedH11Protocol`` closes a connection on which no request has started
-   within HEADER_TIMEOUT_S.
+   within ``--header-timeout`` seconds.
 2. Inside the request body: ``server.serving.read_json`` answers 408 and closes after
-   ``BODY_READ_TIMEOUT_S``.
+   ``--body-read-timeout`` seconds.
 3. Idle between requests: uvicorn's ``timeout_keep_alive`` (KEEP_ALIVE_TIMEOUT_S).
 
 With those, uvicorn's ``limit_concurrency`` (see ``uvicorn_limits``) cannot be filled by
@@ -19,13 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import resource
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-#: seconds a connection may stay open without a request starting (no complete headers)
-HEADER_TIMEOUT_S = float(os.environ.get("FERRY_HEADER_TIMEOUT", "10"))
 #: idle keep-alive connections are closed after this many seconds
 KEEP_ALIVE_TIMEOUT_S = 5
 #: HTTP requests beyond the engine's admission limit that uvicorn still hands to the app
@@ -45,11 +42,14 @@ class GuardedH11Protocol(H11Protocol):
     """
 
     _header_timer: asyncio.TimerHandle | None = None
+    #: seconds a connection may stay open without a request starting (no complete headers);
+    #: ``uvicorn_limits`` makes a subclass with the server's ``--header-timeout``
+    header_timeout_s: float = 10.0
 
     def _arm_header_timer(self) -> None:
         if self._header_timer is not None:
             self._header_timer.cancel()
-        self._header_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._header_timeout,
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout,
                                                   self.cycle)
 
     def _header_timeout(self, cycle) -> None:
@@ -98,7 +98,7 @@ def uvicorn_limits(args, max_running_requests: int | None, fd_limit: int) -> dic
     (running + ``--max-queued-requests``) plus HTTP_HEADROOM, so ferry's OpenAI-shaped 503
     "queue full" comes first, and below the file-descriptor limit minus FD_RESERVE.
     ``timeout_keep_alive``: idle keep-alive connections close after KEEP_ALIVE_TIMEOUT_S.
-    ``http``: ``GuardedH11Protocol`` (the header timeout).
+    ``http``: a ``GuardedH11Protocol`` with the server's ``--header-timeout``.
 
     Args:
         args: ``ServerArgs``.
@@ -107,5 +107,7 @@ def uvicorn_limits(args, max_running_requests: int | None, fd_limit: int) -> dic
     """
     running = max_running_requests or args.max_running_requests
     limit = running + args.max_queued_requests + HTTP_HEADROOM
+    protocol = type("GuardedH11Protocol", (GuardedH11Protocol,),
+                    {"header_timeout_s": float(args.header_timeout)})
     return {"limit_concurrency": max(16, min(limit, fd_limit - FD_RESERVE)),
-            "timeout_keep_alive": KEEP_ALIVE_TIMEOUT_S, "http": GuardedH11Protocol}
+            "timeout_keep_alive": KEEP_ALIVE_TIMEOUT_S, "http": protocol}

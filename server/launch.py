@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
-import os
 import signal
 import socket
 import sys
@@ -36,7 +35,6 @@ from server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("ferry.server")
 
-STARTUP_TIMEOUT_S = float(os.environ.get("FERRY_STARTUP_TIMEOUT", "900"))
 WATCH_INTERVAL_S = 0.25
 #: after a child dies, keep answering (503) this long so clients see why, then exit
 DEAD_EXIT_DELAY_S = 3.0
@@ -175,15 +173,16 @@ class Launcher:
                                CHILD_STOP_TIMEOUT_S)
 
     async def _wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + self.args.startup_timeout
         while not all(n in self.tm.ready for n in self.procs):
             dead = self._dead_child()
             if dead is not None:
                 raise StartupError(f"the {dead[0]} process exited with code {dead[1]} during "
                                    "start-up (see its log above)")
             if time.monotonic() > deadline:
-                raise StartupError(f"the engine was not ready after {STARTUP_TIMEOUT_S:.0f} s "
-                                   "(set FERRY_STARTUP_TIMEOUT to wait longer)")
+                raise StartupError(f"the engine was not ready after "
+                                   f"{self.args.startup_timeout:.0f} s (raise "
+                                   f"--startup-timeout to wait longer)")
             await asyncio.sleep(0.1)
 
     async def _watch(self) -> None:

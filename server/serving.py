@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -43,9 +42,9 @@ logger = logging.getLogger("ferry.server")
 
 DONE = "data: [DONE]\n\n"
 
-#: seconds a client has to send the whole request body (headers already in); a client that
-#: stalls gets a 408 and the connection is closed. ``FERRY_BODY_READ_TIMEOUT`` overrides it.
-BODY_READ_TIMEOUT_S = float(os.environ.get("FERRY_BODY_READ_TIMEOUT", "30"))
+#: default seconds a client has to send the whole request body (headers already in); a
+#: client that stalls gets a 408 and the connection is closed (``--body-read-timeout``)
+BODY_READ_TIMEOUT_S = 30.0
 
 
 class ClientGone(Exception):
@@ -191,7 +190,8 @@ class OpenAIServing:
 
     async def _parse(self, model, request: Request):
         """The validated body of ``request`` (``parse_request`` with this server's --max-n)."""
-        body = await read_json(request, self.args.max_request_bytes)
+        body = await read_json(request, self.args.max_request_bytes,
+                               self.args.body_read_timeout)
         return parse_request(model, body, max_n=self.args.max_n)
 
     def _params(self, req, max_tokens: int | None) -> SamplingParams:

@@ -48,7 +48,7 @@ class FerryServer:
     Args:
         tmp: a private directory (log file, TMPDIR of the server).
         extra_args: flags after ``python -m server --host 127.0.0.1 --port P``.
-        env: extra environment variables of the server (e.g. ``FERRY_BODY_READ_TIMEOUT``).
+        env: extra environment variables of the server.
     """
 
     def __init__(self, tmp: Path, extra_args: list[str], env: dict[str, str] | None = None):

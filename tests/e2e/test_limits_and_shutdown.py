@@ -23,12 +23,12 @@ pytestmark = pytest.mark.slow
 
 KEY = "sk-test-ferry"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-SERVER_ARGS = ["--max-total-tokens", "4096", "--api-key", KEY, "--max-running-requests", "1",
-               "--max-queued-requests", "1", "--shutdown-timeout", "3"]
 BODY_TIMEOUT_S = 2.0
 HEADER_TIMEOUT_S = 2.0
-SERVER_ENV = {"FERRY_BODY_READ_TIMEOUT": str(BODY_TIMEOUT_S),
-              "FERRY_HEADER_TIMEOUT": str(HEADER_TIMEOUT_S)}
+SERVER_ARGS = ["--max-total-tokens", "4096", "--api-key", KEY, "--max-running-requests", "1",
+               "--max-queued-requests", "1", "--shutdown-timeout", "3",
+               "--body-read-timeout", str(BODY_TIMEOUT_S), "--header-timeout",
+               str(HEADER_TIMEOUT_S)]
 LONG = {"prompt": "Count from one to one thousand: one, two,", "max_tokens": 2000,
         "ignore_eos": True, "temperature": 0}
 

@@ -57,3 +57,13 @@ def test_serve_help_shows_each_default_once(capsys):
     assert "(default: from the model) (default" not in text
     assert "--kv-cache-dtype {auto,fp8,fp8_e4m3,fp8_e5m2}" in text
     assert "(default: 30000)" in text   # plain defaults are still shown
+
+
+@pytest.mark.parametrize("flag", ["--header-timeout", "--body-read-timeout",
+                                  "--startup-timeout"])
+def test_serve_rejects_timeouts_that_are_not_positive(flag, capsys):
+    from server.cli import serve
+
+    with pytest.raises(SystemExit) as exc:
+        serve([flag, "0"])
+    assert exc.value.code == 2 and f"{flag} must be > 0" in capsys.readouterr().err

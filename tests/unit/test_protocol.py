@@ -422,7 +422,6 @@ async def _serve_tiny(monkeypatch, stream_s: float):
 
     from server import http_limits
 
-    monkeypatch.setattr(http_limits, "HEADER_TIMEOUT_S", 0.5)
 
     async def app(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": []})
@@ -434,8 +433,13 @@ async def _serve_tiny(monkeypatch, stream_s: float):
 
     sock = socketlib.socket()
     sock.bind(("127.0.0.1", 0))
+    from engine.args import ServerArgs
+
+    protocol = http_limits.uvicorn_limits(ServerArgs(header_timeout=0.5), None, 65536)["http"]
+    assert issubclass(protocol, http_limits.GuardedH11Protocol)
+    assert protocol.header_timeout_s == 0.5
     cfg = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=30,
-                         http=http_limits.GuardedH11Protocol)
+                         http=protocol)
     srv = uvicorn.Server(cfg)
     task = asyncio.create_task(srv.serve(sockets=[sock]))
     while not srv.started:
