@@ -53,18 +53,16 @@ def _case(dev: str, bs: int, ctx: int, layers: int, hq: int, hkv: int, d: int, d
     kv_bytes = n * hkv * d * 2 * q.element_size()
     out = []
     gcls, ev = devlib.graph_class(dev), devlib.event_class(dev)
-    for min_chunk, block_n, warps, stages, early_v, waves in configs:
+    for min_chunk, block_n, warps, stages, waves in configs:
         splits = choose_num_kv_splits(seq_lens, hkv, max_splits, sms, min_chunk=min_chunk,
                                       waves=waves)
 
-        def run(layer_list, splits=splits, block_n=block_n, warps=warps, stages=stages,
-                early_v=early_v):
+        def run(layer_list, splits=splits, block_n=block_n, warps=warps, stages=stages):
             for kb, vb in layer_list:
                 decode_attention_fwd(q, kb, vb, o, r2t, rows, seq_lens, d ** -0.5,
                                      num_kv_splits=splits, max_kv_splits=max_splits,
                                      attn_logits=logits, attn_lse=lse, block_n=block_n,
-                                     num_warps=warps, num_stages=stages,
-                                     early_v=bool(early_v))
+                                     num_warps=warps, num_stages=stages)
 
         run(pools[:1])
         err = ((o.double() - ref.double()).norm() / ref.double().norm()).item()
@@ -84,8 +82,8 @@ def _case(dev: str, bs: int, ctx: int, layers: int, hq: int, hkv: int, d: int, d
             b.synchronize()
             times.append(a.elapsed_time(b) * 1e3 / layers)
         us = statistics.median(times)
-        out.append((bs, ctx, int(splits.max()), min_chunk, block_n, warps, stages, early_v,
-                    waves, us, kv_bytes / us / 1e3, err))
+        out.append((bs, ctx, int(splits.max()), min_chunk, block_n, warps, stages, waves, us,
+                    kv_bytes / us / 1e3, err))
     return out
 
 
@@ -97,7 +95,6 @@ def main(argv=None) -> None:
     p.add_argument("--block-ns", type=_ints, default=[16, 32, 64])
     p.add_argument("--warps", type=_ints, default=[2, 4])
     p.add_argument("--stages", type=_ints, default=[1, 2])
-    p.add_argument("--early-v", type=_ints, default=[0, 1], help="V load with K's (1) or not")
     p.add_argument("--waves", type=_ints, default=[1], help="choose_num_kv_splits waves")
     p.add_argument("--max-kv-splits", type=int, default=16)
     p.add_argument("--layers", type=int, default=32)
@@ -111,21 +108,21 @@ def main(argv=None) -> None:
     if devlib.graph_class(dev) is None:
         raise SystemExit("sweep_decode needs a device with graphs (cuda or xpu)")
     configs = list(itertools.product(args.min_chunks, args.block_ns, args.warps, args.stages,
-                                       args.early_v, args.waves))
+                                       args.waves))
     print(f"{devlib.device_name(dev)}: {len(configs)} configurations, {args.layers} layers per "
           f"graph, median of {args.reps} replays; us per call")
     for bs, ctx in itertools.product(args.batch_sizes, args.contexts):
         rows = _case(dev, bs, ctx, args.layers, args.num_heads, args.num_kv_heads,
                      args.head_dim, torch.bfloat16, configs, args.max_kv_splits, args.reps)
-        old = next((r for r in rows if r[3:9] == (128, 64, 4, 2, 0, 1)), None)
-        rows.sort(key=lambda r: r[9])
-        print(f"\n## bs={bs} ctx={ctx}" + (f"  previous default (128,64,4,2,V late,1 wave): "
-                                           f"{old[9]:.2f} us, {old[2]} splits" if old else ""))
-        print("splits min_chunk block_n warps stages early_v waves      us    GB/s  err")
+        old = next((r for r in rows if r[3:8] == (128, 64, 4, 2, 1)), None)
+        rows.sort(key=lambda r: r[8])
+        print(f"\n## bs={bs} ctx={ctx}" + (f"  previous default (128,64,4,2,1 wave): "
+                                           f"{old[8]:.2f} us, {old[2]} splits" if old else ""))
+        print("splits min_chunk block_n warps stages waves      us    GB/s  err")
         for r in rows[:args.top]:
-            flag = "!" if not r[11] < 3e-2 else ""
-            print(f"{r[2]:6d} {r[3]:9d} {r[4]:7d} {r[5]:5d} {r[6]:6d} {r[7]:7d} {r[8]:5d} "
-                  f"{r[9]:7.2f} {r[10]:7.0f}  {r[11]:.1e}{flag}")
+            flag = "!" if not r[10] < 3e-2 else ""
+            print(f"{r[2]:6d} {r[3]:9d} {r[4]:7d} {r[5]:5d} {r[6]:6d} {r[7]:5d} {r[8]:7.2f} "
+                  f"{r[9]:7.0f}  {r[10]:.1e}{flag}")
 
 if __name__ == "__main__":
     main()

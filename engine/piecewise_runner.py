@@ -65,7 +65,6 @@ class PiecewiseRunner:
         self.num_layers = len(self.inner.layers)
         self.buckets = token_buckets(max_tokens)
         self.max_tokens = self.buckets[-1]
-        self.use_graphs = use_graphs
         attn = self.inner.layers[0].self_attn
         q_size, kv_size = attn.q_size, attn.kv_size
         hidden = self.inner.embed_tokens.weight.shape[1]

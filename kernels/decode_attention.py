@@ -53,7 +53,7 @@ def _decode_stage1_kernel(
     stride_pob, stride_poh, stride_pos, stride_peb, stride_peh, stride_ob, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_HEAD_BLOCKS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, EARLY_V: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -91,10 +91,9 @@ def _decode_stage1_kernel(
             mask_kv = mask_n[:, None] & mask_d[None, :]
             k = tl.load(k_base + slots[:, None] * stride_kbs + offs_d[None, :],
                         mask=mask_kv, other=0.0)
-            if EARLY_V:
-                # issue the V load with K's, so a short split waits for memory once
-                v = tl.load(v_base + slots[:, None] * stride_vbs + offs_d[None, :],
-                            mask=mask_kv, other=0.0)
+            # V is loaded with K, so a short split waits for memory once
+            v = tl.load(v_base + slots[:, None] * stride_vbs + offs_d[None, :],
+                        mask=mask_kv, other=0.0)
             if USE_DOT:
                 qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
             else:
@@ -104,9 +103,6 @@ def _decode_stage1_kernel(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            if not EARLY_V:
-                v = tl.load(v_base + slots[:, None] * stride_vbs + offs_d[None, :],
-                            mask=mask_kv, other=0.0)
             acc = acc * alpha[:, None]
             if USE_DOT:
                 acc += tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
@@ -210,7 +206,7 @@ def _dot_precision(dtype: torch.dtype) -> str | None:
 
 def _stage1_meta(group: int, head_dim: int, dtype: torch.dtype, device_type: str,
                  block_n: int | None = None, num_warps: int | None = None,
-                 num_stages: int | None = None, early_v: bool = True) -> tuple[dict, dict]:
+                 num_stages: int | None = None) -> tuple[dict, dict]:
     """Constexprs and launch options of stage 1 (see the module docstring for the choices).
 
     Returns ``(constexprs, options)``; the compile test uses it to build the same variants.
@@ -230,7 +226,6 @@ def _stage1_meta(group: int, head_dim: int, dtype: torch.dtype, device_type: str
         "GROUP": group, "HEAD_DIM": head_dim, "NUM_HEAD_BLOCKS": triton.cdiv(group, block_h),
         "BLOCK_H": block_h, "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
         "BLOCK_N": block_n, "USE_DOT": use_dot, "DOT_PREC": _dot_precision(dtype),
-        "EARLY_V": early_v,
     }
     return constexprs, options
 
@@ -249,7 +244,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
                          max_kv_splits: int = 16, attn_logits: torch.Tensor | None = None,
                          attn_lse: torch.Tensor | None = None, *, block_n: int | None = None,
                          num_warps: int | None = None,
-                         num_stages: int | None = None, early_v: bool = True) -> torch.Tensor:
+                         num_stages: int | None = None) -> torch.Tensor:
     """Paged decode attention (split-KV + LSE merge, grouped query heads), in Triton.
 
     Args:
@@ -268,8 +263,6 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         attn_lse: optional fp32 workspace ``[>=B, Hq, max_kv_splits]`` (log-sum-exp, natural log).
         block_n, num_warps, num_stages: stage-1 launch overrides for benchmarking (None:
             the defaults).
-        early_v: issue each tile's V load together with its K load (default) instead of
-            after the softmax; a benchmarking switch.
 
     Returns:
         ``o``.
@@ -315,7 +308,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
                                              multiprocessor_count(dev.type))
 
     meta1, opts1 = _stage1_meta(hq // hkv, d, q.dtype, dev.type, block_n, num_warps,
-                                num_stages, early_v)
+                                num_stages)
     grid1 = (bs, hkv * meta1["NUM_HEAD_BLOCKS"], max_kv_splits)
     _decode_stage1_kernel[grid1](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, num_kv_splits,

@@ -19,8 +19,7 @@ class AttentionBackend:
     """Dispatches to Triton kernels (``use_triton``) or the torch references."""
 
     def __init__(self, use_triton: bool, num_heads: int, num_kv_heads: int, head_dim: int,
-                 max_kv_splits: int = 16, num_sms: int = 132, waves: int = 1,
-                 min_chunk: int | None = None):
+                 max_kv_splits: int = 16, num_sms: int = 132, waves: int = 1):
         self.use_triton = use_triton
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -28,7 +27,6 @@ class AttentionBackend:
         self.max_kv_splits = max_kv_splits
         self.num_sms = num_sms
         self.waves = waves
-        self.min_chunk = min_chunk
         if use_triton:
             from kernels.decode_attention import decode_attention_fwd
             from kernels.extend_attention import extend_attention_fwd
@@ -63,10 +61,8 @@ class AttentionBackend:
             fb.attn_meta["req_pool_indices"] = fb.req_pool_indices[first:].clone()
             fb.attn_meta["seq_lens"] = seq_lens
         dev = seq_lens.device
-        kw = {} if self.min_chunk is None else {"min_chunk": self.min_chunk}
         fb.attn_meta["num_kv_splits"] = choose_num_kv_splits(
-            seq_lens, self.num_kv_heads, self.max_kv_splits, self.num_sms, waves=self.waves,
-            **kw)
+            seq_lens, self.num_kv_heads, self.max_kv_splits, self.num_sms, waves=self.waves)
         fb.attn_meta["attn_logits"] = torch.empty(
             (nd, self.num_heads, self.max_kv_splits, self.head_dim), dtype=torch.float32,
             device=dev)
