@@ -23,16 +23,16 @@ for stage in "$@"; do
               tests/engine/test_engine_gpu.py -p no:cacheprovider
               run gputests-engine 300 python3 -m pytest -q -x tests/engine/test_kv_cache_dtype.py \
               tests/engine/test_piecewise.py -p no:cacheprovider;;
-    parity) run parity 200 python3 -m engine.parity --model-path engine/configs/llama-tiny.json \
+    parity) run parity 200 python3 -m bench.parity --model-path engine/configs/llama-tiny.json \
               --load-format dummy --devices cpu,cuda --steps 32;;
-    latency) run latency 300 python3 -m engine.bench_latency --model-path $L8B --load-format dummy \
+    latency) run latency 300 python3 -m bench.bench_latency --model-path $L8B --load-format dummy \
               --batch-size 1 64 --input-len 512 --output-len 64 --result-jsonl "$OUT/latency.jsonl";;
-    latency-fp8) run latency-fp8 300 python3 -m engine.bench_latency --model-path $L8B \
+    latency-fp8) run latency-fp8 300 python3 -m bench.bench_latency --model-path $L8B \
               --load-format dummy --kv-cache-dtype fp8_e4m3 --batch-size 1 64 --input-len 512 \
               --output-len 64 --result-jsonl "$OUT/latency-fp8.jsonl";;
-    offline-fp8) run offline-fp8 400 python3 -m engine.bench_offline --model-path $L8B \
+    offline-fp8) run offline-fp8 400 python3 -m bench.bench_offline --model-path $L8B \
               --load-format dummy --kv-cache-dtype fp8_e4m3 --result-jsonl "$OUT/offline-fp8.jsonl";;
-    latency-nofused) run latency-nofused 300 python3 -m engine.bench_latency --model-path $L8B \
+    latency-nofused) run latency-nofused 300 python3 -m bench.bench_latency --model-path $L8B \
               --load-format dummy --disable-fused-ops --batch-size 1 64 --input-len 512 \
               --output-len 64 --result-jsonl "$OUT/latency-nofused.jsonl";;
     profile) run profile 200 python3 -m bench.profile_decode --model-path $L8B --load-format dummy \
@@ -51,24 +51,24 @@ for stage in "$@"; do
               --running 36 --prompt-len 560;;
     waves) for w in 1 2 4; do run kernels-w$w 200 python3 -m bench.bench_kernels --peak-gbs 4800 \
               --waves $w --batch-sizes 1,16,64,128 --contexts 512,1024,2048 --no-ref --skip-extend; done
-           run latency-w2 300 python3 -m engine.bench_latency --model-path $L8B --load-format dummy \
+           run latency-w2 300 python3 -m bench.bench_latency --model-path $L8B --load-format dummy \
               --decode-attention-waves 2 --batch-size 1 64 --input-len 512 --output-len 64 \
               --result-jsonl "$OUT/latency-w2.jsonl"
-           run latency-w4 300 python3 -m engine.bench_latency --model-path $L8B --load-format dummy \
+           run latency-w4 300 python3 -m bench.bench_latency --model-path $L8B --load-format dummy \
               --decode-attention-waves 4 --batch-size 1 64 --input-len 512 --output-len 64 \
               --result-jsonl "$OUT/latency-w4.jsonl";;
-    latency-eager) run latency-eager 300 python3 -m engine.bench_latency --model-path $L8B \
+    latency-eager) run latency-eager 300 python3 -m bench.bench_latency --model-path $L8B \
               --load-format dummy --disable-cuda-graph --batch-size 1 64 --input-len 512 \
               --output-len 32 --result-jsonl "$OUT/latency-eager.jsonl";;
     hf) fj=(); [ -f "$OUT/latency.jsonl" ] && fj=(--ferry-jsonl "$OUT/latency.jsonl")
         run hf 300 python3 -m bench.hf_baseline --model-path $L8B --batch-size 1 64 --input-len 512 \
               --output-len 64 "${fj[@]}" --result-jsonl "$OUT/hf.jsonl";;
-    offline-prof) run offline-prof 300 python3 -m bench.host_profile engine.bench_offline \
+    offline-prof) run offline-prof 300 python3 -m bench.host_profile bench.bench_offline \
               --model-path $L8B --load-format dummy --num-prompts 128;;
     kernels) run kernels 300 python3 -m bench.bench_kernels --peak-gbs 4800 ${KERNEL_ARGS:-};;
-    offline) run offline 400 python3 -m engine.bench_offline --model-path $L8B --load-format dummy \
+    offline) run offline 400 python3 -m bench.bench_offline --model-path $L8B --load-format dummy \
               --result-jsonl "$OUT/offline.jsonl";;
-    offline-small) run offline-small 300 python3 -m engine.bench_offline --model-path $L8B \
+    offline-small) run offline-small 300 python3 -m bench.bench_offline --model-path $L8B \
               --load-format dummy --num-prompts 64 --result-jsonl "$OUT/offline.jsonl";;
     serving) python3 -m server --model-path engine/configs/llama-3-8b-smolvocab.json \
                --load-format dummy --tokenizer-path "${TOKENIZER:-.tok}" --port 30000 \

@@ -11,9 +11,9 @@ import argparse
 
 from torch.profiler import ProfilerActivity, profile
 
+from bench.bench_latency import run_once
 from engine import device as dev
 from engine.args import ServerArgs
-from engine.bench_latency import run_once
 
 
 def main(argv=None):
@@ -26,7 +26,7 @@ def main(argv=None):
     args = ServerArgs.from_cli_args(ns).replace(
         max_total_tokens=ns.batch_size * (ns.input_len + ns.steps + 16),
         max_running_requests=ns.batch_size)
-    from engine.model_runner import ModelRunner
+    from engine.executor.model_runner import ModelRunner
 
     runner = ModelRunner(args)
     run_once(runner, ns.batch_size, ns.input_len, 4)  # warm-up and compile

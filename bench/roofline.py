@@ -140,7 +140,7 @@ def load_config(model_path: str):
     from transformers import AutoConfig
 
     if model_path.endswith(".json") and os.path.isfile(model_path):
-        from engine.loader import load_config as ferry_load_config
+        from engine.loader.loader import load_config as ferry_load_config
 
         return ferry_load_config(model_path)
     if not os.path.isfile(os.path.join(model_path, "config.json")):

@@ -1,6 +1,6 @@
 """ferry's engine: scheduler, KV cache, model runner, sampler."""
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput"]
 

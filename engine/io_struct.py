@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 
 class _Msg(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):

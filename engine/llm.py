@@ -11,8 +11,8 @@ import itertools
 from dataclasses import dataclass
 
 from engine.args import ServerArgs
-from engine.request import Req
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
+from engine.scheduler.request import Req
 
 
 @dataclass
@@ -49,9 +49,9 @@ class LLM:
     """
 
     def __init__(self, model_path: str | None = None, **kwargs):
-        from engine.model_runner import ModelRunner, text_config
-        from engine.scheduler import Scheduler, eos_token_ids
-        from engine.tokenizer import load_tokenizer
+        from engine.executor.model_runner import ModelRunner, text_config
+        from engine.scheduler.scheduler import Scheduler
+        from engine.tokenizer.tokenizer import eos_token_ids, load_tokenizer
 
         names = {f.name for f in dataclasses.fields(ServerArgs)}
         bad = set(kwargs) - names

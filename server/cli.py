@@ -13,10 +13,10 @@ import sys
 
 #: subcommand -> (module with main(argv), one-line description)
 SUBCOMMANDS = {
-    "bench-latency": ("engine.bench_latency", "latency of one static batch (prefill + decode)"),
-    "bench-offline": ("engine.bench_offline", "offline throughput of the engine (no HTTP)"),
+    "bench-latency": ("bench.bench_latency", "latency of one static batch (prefill + decode)"),
+    "bench-offline": ("bench.bench_offline", "offline throughput of the engine (no HTTP)"),
     "bench-serving": ("bench.bench_serving", "load test of a running server over HTTP"),
-    "parity": ("engine.parity", "greedy outputs and logits on two devices (e.g. cpu,cuda)"),
+    "parity": ("bench.parity", "greedy outputs and logits on two devices (e.g. cpu,cuda)"),
 }
 
 USAGE = """usage: ferry <command> [options]

@@ -64,11 +64,11 @@ def _child_main(name: str, server_args, ipc: IpcPaths) -> None:
 
     tqdm.set_lock(threading.RLock())
     if name == "engine":
-        from engine.scheduler import run_scheduler_process
+        from engine.scheduler.engine_loop import run_scheduler_process
 
         run_scheduler_process(server_args, ipc)
     else:
-        from engine.detokenizer import run_detokenizer_process
+        from engine.tokenizer.detokenizer import run_detokenizer_process
 
         run_detokenizer_process(server_args, ipc)
 
@@ -97,7 +97,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def _load_tokenizer(args):
     try:
-        from engine.tokenizer import load_tokenizer
+        from engine.tokenizer.tokenizer import load_tokenizer
 
         return load_tokenizer(args.tokenizer_path or args.model_path)
     except Exception as exc:  # noqa: BLE001 - dummy weights without a tokenizer: ids only

@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from engine.sampling_params import (
+from engine.sampling.params import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_STOP_LEN,

@@ -24,7 +24,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from server.errors import APIError, bad_request, http_error
 from server.formats import BaseFormat, ChatFormat, CompletionFormat, LogprobOptions
 from server.logprobs import TokenStrings

@@ -23,7 +23,7 @@ import zmq.asyncio
 
 from engine import io_struct as io
 from engine.ipc import SERVER_IN, AsyncPullSocket, IpcPaths, PushSocket
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from server.errors import APIError, bad_request, context_length_exceeded, unavailable
 from server.metrics import Metrics, format_request_log
 

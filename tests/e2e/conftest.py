@@ -151,6 +151,6 @@ SHARED_SERVER_ARGS = ("--max-total-tokens", "16384")
 @pytest.fixture(scope="session")
 def ref_tokenizer():
     """The reference HF tokenizer of the embedded model (loaded in the test process)."""
-    from engine.tokenizer import load_tokenizer
+    from engine.tokenizer.tokenizer import load_tokenizer
 
     return load_tokenizer(None)

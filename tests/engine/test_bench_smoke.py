@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from engine.loader import config_dir
+from engine.loader.loader import config_dir
 
 TINY = ["--model-path", None, "--load-format", "dummy", "--device", "cpu"]
 
@@ -16,7 +16,7 @@ def tiny_args():
 
 
 def test_bench_latency_jsonl(tiny_args, tmp_path, capsys):
-    from engine.bench_latency import main
+    from bench.bench_latency import main
 
     out = tmp_path / "lat.jsonl"
     main(tiny_args + ["--batch-size", "1", "3", "--input-len", "16", "--output-len", "5",
@@ -34,7 +34,7 @@ def test_bench_latency_jsonl(tiny_args, tmp_path, capsys):
 
 
 def test_bench_offline_counts_every_token(tiny_args, tmp_path):
-    from engine.bench_offline import main
+    from bench.bench_offline import main
 
     out = tmp_path / "off.jsonl"
     main(tiny_args + ["--num-prompts", "6", "--min-input-len", "4", "--max-input-len", "20",
@@ -47,7 +47,7 @@ def test_bench_offline_counts_every_token(tiny_args, tmp_path):
 
 
 def test_parity_cpu_against_itself(tiny_args, capsys):
-    from engine.parity import main
+    from bench.parity import main
 
     main(tiny_args[:-2] + ["--devices", "cpu,cpu", "--steps", "4", "--num-prompts", "2",
                            "--prompt-len", "10"])

@@ -14,7 +14,7 @@ if DEVICE == "cpu":
 
 def _outputs(**kw):
     from engine import LLM, SamplingParams
-    from engine.loader import config_dir
+    from engine.loader.loader import config_dir
 
     llm = LLM(model_path=config_dir("llama-tiny"), load_format="dummy", device=DEVICE,
               dtype="float32", max_total_tokens=4096, chunked_prefill_size=64, **kw)
@@ -43,7 +43,7 @@ def test_overlap_graphs_and_fused_ops_do_not_change_outputs():
 def test_gpu_greedy_matches_cpu_reference_path():
     """fp32 on the GPU (Triton kernels, graphs, overlap) vs the CPU's torch reference path."""
     from engine import LLM, SamplingParams
-    from engine.loader import config_dir
+    from engine.loader.loader import config_dir
 
     gpu_greedy, _, _ = _outputs()
     cpu = LLM(model_path=config_dir("llama-tiny"), load_format="dummy", device="cpu",
@@ -61,12 +61,12 @@ def test_piecewise_graphs_match_eager_mixed_step(dtype, tol):
     """A prefill and a mixed prefill+decode step replayed from piecewise graphs (padded to a
     token bucket) give the eager forward's logits."""
     from engine.args import ServerArgs
-    from engine.forward_batch import ForwardMode
-    from engine.loader import config_dir
-    from engine.model_runner import ModelRunner
-    from engine.request import Req
-    from engine.sampling_params import SamplingParams
-    from engine.scheduler import Scheduler
+    from engine.executor.forward_batch import ForwardMode
+    from engine.executor.model_runner import ModelRunner
+    from engine.loader.loader import config_dir
+    from engine.sampling.params import SamplingParams
+    from engine.scheduler.request import Req
+    from engine.scheduler.scheduler import Scheduler
 
     args = ServerArgs(model_path=config_dir("llama-tiny"), load_format="dummy", device=DEVICE,
                       dtype=dtype, max_total_tokens=4096, chunked_prefill_size=64,

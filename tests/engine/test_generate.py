@@ -34,7 +34,7 @@ def llm():
 def hf_model():
     from transformers import AutoModelForCausalLM
 
-    from engine.loader import resolve_model_path
+    from engine.loader.loader import resolve_model_path
 
     src = resolve_model_path(None)
     model = AutoModelForCausalLM.from_pretrained(src.root, gguf_file=src.gguf_file,

@@ -8,10 +8,10 @@ import torch
 
 from engine.args import ServerArgs
 from engine.device import resolve_device, resolve_kv_dtype
-from engine.forward_batch import ForwardMode
-from engine.loader import config_dir
-from engine.request import Req
-from engine.sampling_params import SamplingParams
+from engine.executor.forward_batch import ForwardMode
+from engine.loader.loader import config_dir
+from engine.sampling.params import SamplingParams
+from engine.scheduler.request import Req
 
 DEVICE = resolve_device("auto")
 
@@ -27,8 +27,8 @@ def test_resolve_kv_dtype():
 
 def _logits(kv_cache_dtype: str, dtype: str):
     """Logits of a prefill step (two prompts) and of the decode step after it."""
-    from engine.model_runner import ModelRunner
-    from engine.scheduler import Scheduler
+    from engine.executor.model_runner import ModelRunner
+    from engine.scheduler.scheduler import Scheduler
 
     args = ServerArgs(model_path=config_dir("llama-tiny"), load_format="dummy", device=DEVICE,
                       dtype=dtype, max_total_tokens=2048, max_running_requests=4,
@@ -69,8 +69,8 @@ def test_fp8_kv_cache_logits_close_to_model_dtype(kv):
 
 def _last_chunk_logits(chunk: int) -> torch.Tensor:
     """Logits of a 60-token prompt's last prefill chunk with an fp8 cache (CPU path)."""
-    from engine.model_runner import ModelRunner
-    from engine.scheduler import Scheduler
+    from engine.executor.model_runner import ModelRunner
+    from engine.scheduler.scheduler import Scheduler
 
     args = ServerArgs(model_path=config_dir("llama-tiny"), load_format="dummy", device="cpu",
                       dtype="float32", max_total_tokens=1024, max_running_requests=2,

@@ -8,11 +8,11 @@ from __future__ import annotations
 import torch
 
 from engine.args import ServerArgs
-from engine.forward_batch import ForwardMode
-from engine.loader import config_dir
-from engine.piecewise_runner import PiecewiseRunner, token_buckets
-from engine.request import Req
-from engine.sampling_params import SamplingParams
+from engine.executor.forward_batch import ForwardMode
+from engine.executor.piecewise_runner import PiecewiseRunner, token_buckets
+from engine.loader.loader import config_dir
+from engine.sampling.params import SamplingParams
+from engine.scheduler.request import Req
 
 
 def test_token_buckets_cover_every_size():
@@ -27,8 +27,8 @@ def test_token_buckets_cover_every_size():
 
 
 def _runner_and_sched():
-    from engine.model_runner import ModelRunner
-    from engine.scheduler import Scheduler
+    from engine.executor.model_runner import ModelRunner
+    from engine.scheduler.scheduler import Scheduler
 
     args = ServerArgs(model_path=config_dir("llama-tiny"), load_format="dummy", device="cpu",
                       dtype="float32", max_total_tokens=4096, chunked_prefill_size=64,

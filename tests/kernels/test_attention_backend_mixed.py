@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 from kernel_test_utils import GPU_MARKS, assert_close, make_extend_inputs
 
-from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.executor.forward_batch import ForwardBatch, ForwardMode
 from engine.layers.attention import AttentionBackend
 from kernels.reference import extend_attention_ref
 

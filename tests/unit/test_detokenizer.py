@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from engine import io_struct as io
-from engine.detokenizer import DetokenizerManager, IncrementalDetokenizer
+from engine.tokenizer.detokenizer import DetokenizerManager, IncrementalDetokenizer
 
 TEXTS = [
     "Hello 😀 世界 emoji 🇫🇷 test",
@@ -26,7 +26,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tok():
-    from engine.tokenizer import load_tokenizer
+    from engine.tokenizer.tokenizer import load_tokenizer
 
     return load_tokenizer(None)  # the embedded SmolLM2 GGUF's HF tokenizer
 

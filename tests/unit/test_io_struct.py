@@ -8,7 +8,7 @@ import pytest
 
 from engine import io_struct as io
 from engine.ipc import DETOK_IN, ENGINE_IN, SERVER_IN
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 SP = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=20, min_p=0.1, seed=-3,
                     stop=["\n\n", "😀"], stop_token_ids=[2], ignore_eos=True,

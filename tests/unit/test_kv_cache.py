@@ -2,7 +2,7 @@
 
 import torch
 
-from engine.kv_cache import KVPool, ReqToTokenPool
+from engine.kv.pool import KVPool, ReqToTokenPool
 
 
 def test_pool_shapes_and_padding_page():
@@ -45,8 +45,8 @@ def test_req_to_token_rows():
 
 
 def test_req_token_access_matches_fill_ids():
-    from engine.request import Req
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
+    from engine.scheduler.request import Req
 
     r = Req("a", [10, 11, 12], SamplingParams())
     r.output_ids = [20, 21]

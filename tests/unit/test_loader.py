@@ -1,4 +1,4 @@
-"""engine.loader / engine.tokenizer: sources, configs, dummy weights and the default GGUF model.
+"""engine.loader.loader / engine.tokenizer.tokenizer: sources, configs, dummy weights and the default GGUF model.
 
 References: HF transformers (meta-device models for shapes, ``from_pretrained(gguf_file=)`` for
 GGUF weights and logits, ``AutoConfig``/``AutoTokenizer`` on the GGUF file) and the published
@@ -15,9 +15,9 @@ import pytest
 import torch
 from fb_helpers import KVState
 
-from engine import loader
 from engine.args import ServerArgs
-from engine.loader import (
+from engine.loader import loader
+from engine.loader.loader import (
     ModelSource,
     config_dir,
     load_config,
@@ -27,7 +27,7 @@ from engine.loader import (
 )
 from engine.models import get_model_class, supported_architectures
 from engine.models.llama import STACKED_PARAMS
-from engine.tokenizer import load_tokenizer
+from engine.tokenizer.tokenizer import load_tokenizer
 
 
 @pytest.fixture(autouse=True)
@@ -361,7 +361,7 @@ def test_model_source_is_plain_data():
 
 def test_hash_uniform_matches_a_plain_python_hash():
     """Dummy weights are a pure function of (key, index): check a few against plain ints."""
-    from engine.sampling import _mix32, seed_keys
+    from engine.sampling.sampler import _mix32, seed_keys
 
     key = 123456789
     u = loader.hash_uniform(5000, key, torch.device("cpu"), chunk=777)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from fb_helpers import KVState
 
-from engine.loader import load_model
+from engine.loader.loader import load_model
 
 TOL = 1e-4
 

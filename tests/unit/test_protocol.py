@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from server.app import model_name_of
 from server.errors import APIError
 from server.protocol import (

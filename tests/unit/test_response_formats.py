@@ -26,7 +26,7 @@ LENGTH = {"type": "length", "matched": None, "message": None}
 
 @pytest.fixture(scope="module")
 def tok():
-    from engine.tokenizer import load_tokenizer
+    from engine.tokenizer.tokenizer import load_tokenizer
 
     return load_tokenizer(None)
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from engine.device import resolve_device
-from engine.sampling import (
+from engine.sampling.params import SamplingParams as SP
+from engine.sampling.sampler import (
     SamplingBatchInfo,
     _mix32,
     apply_cuts,
@@ -24,7 +25,6 @@ from engine.sampling import (
     seed_keys,
     seeded_gumbel,
 )
-from engine.sampling_params import SamplingParams as SP
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
 # chi-square critical values at p = 1e-4 for df = 1..4 (standard tables)

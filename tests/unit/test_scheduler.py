@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from engine.args import ServerArgs
-from engine.forward_batch import ForwardMode, resolve_placeholders
-from engine.kv_cache import KVPool, ReqToTokenPool
-from engine.request import Req
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.executor.forward_batch import ForwardMode, resolve_placeholders
+from engine.kv.pool import KVPool, ReqToTokenPool
+from engine.sampling.params import SamplingParams
+from engine.scheduler.request import Req
+from engine.scheduler.scheduler import Scheduler
 
 V = 1000
 
@@ -246,7 +246,7 @@ def test_admission_headroom_avoids_preemption_thrash():
 def test_stop_string_check_ignores_partial_characters():
     """The engine decodes a window of the output's tail to find stop strings; a window that
     cuts a multi-byte character must not look like it contains U+FFFD."""
-    from engine.tokenizer import load_tokenizer
+    from engine.tokenizer.tokenizer import load_tokenizer
 
     tok = load_tokenizer(None)
     ids = tok.encode("Emoji 🎉🎉 party", add_special_tokens=False)
@@ -266,7 +266,7 @@ def test_stop_string_check_ignores_partial_characters():
 
 
 def test_engine_warm_up_leaves_the_scheduler_clean():
-    from engine.engine_loop import warm_up
+    from engine.scheduler.engine_loop import warm_up
 
     runner = FakeRunner(max_total_tokens=512)
     sched = Scheduler(ServerArgs(chunked_prefill_size=64), runner)

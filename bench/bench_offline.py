@@ -14,8 +14,8 @@ import time
 
 from engine import device as dev
 from engine.args import ServerArgs
-from engine.request import Req
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
+from engine.scheduler.request import Req
 
 
 def main(argv: list[str] | None = None) -> None:

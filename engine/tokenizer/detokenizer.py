@@ -199,7 +199,7 @@ def run_detokenizer_process(server_args, ipc) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when we stop
     parent = os.getppid()
     try:
-        from engine.tokenizer import load_tokenizer
+        from engine.tokenizer.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(server_args.tokenizer_path or server_args.model_path)
     except Exception as exc:  # noqa: BLE001 - dummy weights without tokenizer files: ids only

@@ -13,12 +13,12 @@ import json
 
 import torch
 
+from bench.bench_latency import _alloc
 from engine.args import ServerArgs
-from engine.bench_latency import _alloc
-from engine.forward_batch import ForwardMode
-from engine.request import Req
-from engine.sampling_params import SamplingParams
-from engine.schedule_batch import ScheduleBatch
+from engine.executor.forward_batch import ForwardMode
+from engine.sampling.params import SamplingParams
+from engine.scheduler.request import Req
+from engine.scheduler.schedule_batch import ScheduleBatch
 
 
 @torch.inference_mode()
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     devices = ns.devices.split(",")
     if len(devices) != 2:
         p.error("--devices takes exactly two devices, e.g. cpu,cuda")
-    from engine.model_runner import ModelRunner
+    from engine.executor.model_runner import ModelRunner
 
     base = ServerArgs.from_cli_args(ns)
     if base.dtype == "auto":

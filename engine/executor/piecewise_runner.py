@@ -27,9 +27,9 @@ import time
 import torch
 
 from engine import device as dev
-from engine.forward_batch import ForwardBatch
+from engine.executor.forward_batch import ForwardBatch
 from engine.layers.logits import compute_logits
-from engine.schedule_batch import ScheduleBatch
+from engine.scheduler.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 
 @dataclass

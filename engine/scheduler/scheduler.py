@@ -4,8 +4,9 @@ Each ``step()``: (1) build a batch — prefill/extend under the chunked-prefill 
 when requests wait and KV pages allow, with the running decodes mixed in as 1-token extends,
 else one decode step for every running request (preempting the newest ones, recompute-style,
 when the pool cannot hold one more token each); (2) run the model and sample; (3) append
-tokens, check stop conditions and free finished requests. The offline ``LLM`` and the engine
-process (``engine/engine_proc.py``) both drive this same class.
+tokens, check stop conditions and free finished requests. The offline ``LLM``
+(``engine/llm.py``) and the engine process (``engine/scheduler/engine_loop.py``) both drive
+this same class.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import time
 from collections import deque
 
 from engine.args import ServerArgs, prefill_budget
-from engine.forward_batch import ForwardMode
-from engine.request import FinishReason, Req
-from engine.schedule_batch import ScheduleBatch
+from engine.executor.forward_batch import ForwardMode
+from engine.scheduler.request import FinishReason, Req
+from engine.scheduler.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)
 
@@ -441,29 +442,3 @@ def _needs_output_ids(req: Req) -> bool:
     sp = req.sampling_params
     return (sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
             or sp.repetition_penalty != 1.0)
-
-
-# ---- the engine process ------------------------------------------------------------------
-
-def eos_token_ids(config, tokenizer) -> list[int]:
-    """EOS ids from the model config, its generation config and the tokenizer."""
-    ids: set[int] = set()
-    for src in (getattr(config, "eos_token_id", None),
-                getattr(getattr(config, "text_config", None), "eos_token_id", None),
-                getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None):
-        if isinstance(src, int):
-            ids.add(src)
-        elif isinstance(src, (list, tuple)):
-            ids.update(int(x) for x in src)
-    return sorted(ids)
-
-
-def run_scheduler_process(args: ServerArgs, ipc) -> None:
-    """Entry point of the engine process (spawned by the server's launcher).
-
-    Loads the model, sends ``ReadyOut(rid="engine")`` to the server, then loops: receive
-    requests and aborts, run one scheduler step, send new tokens to the detokenizer.
-    """
-    from engine.engine_loop import EngineLoop
-
-    EngineLoop(args, ipc).run()

@@ -16,8 +16,8 @@ import time
 import torch
 
 from engine import device as dev
-from engine.forward_batch import ForwardBatch, ForwardMode, resolve_placeholders
-from engine.schedule_batch import ScheduleBatch
+from engine.executor.forward_batch import ForwardBatch, ForwardMode, resolve_placeholders
+from engine.scheduler.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)
 

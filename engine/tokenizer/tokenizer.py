@@ -3,7 +3,7 @@
 - An HF directory with tokenizer files: ``AutoTokenizer.from_pretrained(dir)``.
 - A GGUF file: ``AutoTokenizer.from_pretrained(dir, gguf_file=...)`` converts the embedded
   vocabulary (about 5-7 s for SmolLM2); the result is saved once under
-  ``<cache>/gguf/<stem>-<key>/tokenizer`` (see ``engine.loader.gguf_cache_dir``) and reloaded
+  ``<cache>/gguf/<stem>-<key>/tokenizer`` (see ``engine.loader.loader.gguf_cache_dir``) and reloaded
   from there (under 1 s).
 - A config-only directory (dummy weights) without tokenizer files: the embedded default
   model's tokenizer when its ids fit the config's vocabulary (``vocab_size >= 49152``), else
@@ -17,8 +17,8 @@ import json
 import logging
 import os
 
-from engine.gguf_weights import scan_gguf
-from engine.loader import (
+from engine.loader.gguf import scan_gguf
+from engine.loader.loader import (
     ModelSource,
     default_model_file,
     gguf_cache_dir,
@@ -104,3 +104,16 @@ def load_tokenizer(source_or_path: ModelSource | str | None = None,
                    "(%d tokens) for its %d-token vocabulary", source.config_file or source.root,
                    len(default), vocab)
     return default
+
+
+def eos_token_ids(config, tokenizer) -> list[int]:
+    """EOS ids from the model config, its generation config and the tokenizer."""
+    ids: set[int] = set()
+    for src in (getattr(config, "eos_token_id", None),
+                getattr(getattr(config, "text_config", None), "eos_token_id", None),
+                getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(x) for x in src)
+    return sorted(ids)

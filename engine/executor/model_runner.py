@@ -12,11 +12,11 @@ import torch
 
 from engine import device as dev
 from engine.args import ServerArgs, prefill_budget
-from engine.forward_batch import ForwardBatch, ForwardMode, resolve_placeholders
-from engine.kv_cache import KVPool, ReqToTokenPool
+from engine.executor.forward_batch import ForwardBatch, ForwardMode, resolve_placeholders
+from engine.kv.pool import KVPool, ReqToTokenPool
 from engine.layers import set_fused_ops
 from engine.layers.attention import AttentionBackend
-from engine.schedule_batch import ScheduleBatch
+from engine.scheduler.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class ModelRunner:
     """Owns the model, the KV pools and the attention backend on one device."""
 
     def __init__(self, args: ServerArgs):
-        from engine.loader import load_model
+        from engine.loader.loader import load_model
 
         self.args = args
         self.device_type = dev.resolve_device(args.device)
@@ -81,8 +81,8 @@ class ModelRunner:
         self.piecewise_runner = None
         self._graph_pool = None
         if dev.graph_class(self.device_type) is not None and not args.disable_cuda_graph:
-            from engine.graph_runner import GraphRunner
-            from engine.piecewise_runner import PiecewiseRunner
+            from engine.executor.graph_runner import GraphRunner
+            from engine.executor.piecewise_runner import PiecewiseRunner
 
             self.graph_runner = GraphRunner(self)
             if not args.disable_piecewise_graph:
@@ -203,7 +203,7 @@ class ModelRunner:
         The ids stay on the device (``ids_dev``) and are copied back asynchronously; call
         ``host()`` on the result to wait for them.
         """
-        from engine.sampling import SamplingBatchInfo, sample
+        from engine.sampling.sampler import SamplingBatchInfo, sample
 
         params = [r.sampling_params for r in reqs]
         info = SamplingBatchInfo.from_params(

@@ -19,10 +19,10 @@ import torch
 
 from engine import device as dev
 from engine.args import ServerArgs
-from engine.forward_batch import ForwardMode
-from engine.request import Req
-from engine.sampling_params import SamplingParams
-from engine.schedule_batch import ScheduleBatch
+from engine.executor.forward_batch import ForwardMode
+from engine.sampling.params import SamplingParams
+from engine.scheduler.request import Req
+from engine.scheduler.schedule_batch import ScheduleBatch
 
 
 class _Timer:
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         args = args.replace(max_total_tokens=need)
     args = args.replace(max_running_requests=max(max(ns.batch_size), 1),
                         context_length=args.context_length or None)
-    from engine.model_runner import ModelRunner
+    from engine.executor.model_runner import ModelRunner
 
     runner = ModelRunner(args)
     print(f"model={args.model_path or 'SmolLM2-135M-Instruct (embedded)'} "
