@@ -2,18 +2,23 @@
 
 The argparse parser is generated from the fields: the flag is the field name with dashes,
 the help text is the field's ``metadata["help"]``, and ``choices`` come from
-``metadata["choices"]``. Booleans become ``--flag`` switches.
+``metadata["choices"]``. Booleans become ``--flag`` switches. ``__post_init__`` checks the
+choices and the bounds ``metadata["ge" | "gt" | "le"]``, so ``LLM(...)`` (which bypasses
+argparse) and ``ferry serve`` reject the same values with the same message.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import operator
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
 
 def _f(default: Any, help: str, choices: tuple | None = None, **kw) -> Any:
+    """A field with its CLI help, its ``choices`` and further metadata in ``kw``: the bounds
+    ``ge``, ``gt`` and ``le`` that ``ServerArgs.__post_init__`` checks."""
     md = {"help": help}
     if choices:
         md["choices"] = choices
@@ -30,47 +35,60 @@ class ServerArgs:
     served_model_name: str | None = _f(None, "model name reported by /v1/models")
     load_format: str = _f("auto", "how to load weights", ("auto", "safetensors", "gguf", "dummy"))
     seed: int = _f(0, "seed for dummy weights and for unseeded sampling")
-    context_length: int | None = _f(None, "override the model's max context length (tokens)")
+    context_length: int | None = _f(None, "override the model's max context length (tokens)",
+                                    ge=1)
     # device
     device: str = _f("auto", "compute device", ("auto", "cuda", "xpu", "cpu"))
     dtype: str = _f("auto", "weight and activation dtype (auto: bf16 on GPUs, fp32 on CPU)",
                     ("auto", "bfloat16", "float16", "float32"))
+    attention_backend: str | None = _f(
+        None, "attention kernels: triton (default on cuda/xpu) or torch_native (the torch "
+              "reference, default on the CPU)", ("torch_native", "triton"))
     # memory and batching
-    mem_fraction_static: float = _f(0.85, "fraction of device memory for weights + KV cache")
-    max_total_tokens: int | None = _f(None, "KV pool size in tokens (overrides the fraction)")
-    max_running_requests: int = _f(256, "most requests decoding at once")
-    max_queued_requests: int = _f(1024, "most requests waiting; beyond it new ones get 503")
+    mem_fraction_static: float = _f(0.85, "fraction of device memory for weights + KV cache",
+                                    gt=0, le=1)
+    max_total_tokens: int | None = _f(None, "KV pool size in tokens (overrides the fraction)",
+                                      ge=1)
+    max_running_requests: int = _f(256, "most requests decoding at once", ge=1)
+    max_queued_requests: int = _f(1024, "most requests waiting; beyond it new ones get 503",
+                                  ge=1)
     chunked_prefill_size: int | None = _f(None, "most prompt tokens prefilled in one step "
-                                                "(default: 2048 on GPUs, 256 on the CPU)")
+                                                "(default: 2048 on GPUs, 256 on the CPU)",
+                                            ge=1)
     max_prefill_tokens: int = _f(16384, "most prompt tokens of one step over all its requests "
-                                        "(caps --chunked-prefill-size)")
-    page_size: int = _f(1, "KV cache page size in tokens")
+                                        "(caps --chunked-prefill-size)", ge=1)
+    page_size: int = _f(1, "KV cache page size in tokens", ge=1)
     kv_cache_dtype: str = _f("auto", "KV cache dtype: auto (the model dtype), or fp8_e4m3 "
                                      "(alias fp8) / fp8_e5m2: one byte per value, cast "
                                      "without a scale", ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"))
     disable_cuda_graph: bool = _f(False, "run decode eagerly (no CUDA/XPU graphs)")
-    cuda_graph_max_bs: int = _f(256, "GPU only: largest batch size captured in a decode graph")
+    cuda_graph_max_bs: int = _f(256, "GPU only: largest batch size captured in a decode graph",
+                                ge=1)
     disable_piecewise_graph: bool = _f(False, "GPU only: run prefill and mixed steps eagerly "
                                               "(no piecewise graphs around their attention)")
     piecewise_graph_max_tokens: int | None = _f(
         None, "GPU only: largest prefill/mixed step (tokens) run through piecewise graphs "
-              "(default: the prefill chunk + 256; larger steps run eagerly)")
+              "(default: the prefill chunk + 256; larger steps run eagerly)", ge=1)
     decode_attention_waves: int = _f(1, "decode attention: split the KV until each SM gets this "
-                                        "many programs (more splits hide memory latency)")
+                                        "many programs (more splits hide memory latency)",
+                                    ge=1)
     disable_overlap_schedule: bool = _f(False, "do not overlap host scheduling with device work")
     disable_fused_ops: bool = _f(False, "run RMSNorm, SiLU-and-mul and rotary in eager torch "
                                         "instead of the fused Triton kernels")
     # HTTP
     host: str = _f("127.0.0.1", "bind address")
-    port: int = _f(30000, "HTTP port")
+    port: int = _f(30000, "HTTP port", ge=1, le=65535)
     api_key: str | None = _f(None, "require 'Authorization: Bearer KEY'")
-    max_request_bytes: int = _f(4 * 1024 * 1024, "largest accepted request body (bytes)")
-    max_n: int = _f(16, "largest 'n' accepted per request")
-    shutdown_timeout: float = _f(10.0, "seconds in-flight requests may finish at shutdown")
+    max_request_bytes: int = _f(4 * 1024 * 1024, "largest accepted request body (bytes)", ge=1)
+    max_n: int = _f(16, "largest 'n' accepted per request", ge=1)
+    shutdown_timeout: float = _f(10.0, "seconds in-flight requests may finish at shutdown",
+                                 ge=0)
     header_timeout: float = _f(10.0, "seconds a connection may stay open before a request's "
-                                     "headers are complete (then it is closed)")
-    body_read_timeout: float = _f(30.0, "seconds a request body may take to arrive (then 408)")
-    startup_timeout: float = _f(900.0, "seconds to wait for the engine to load and warm up")
+                                     "headers are complete (then it is closed)", gt=0)
+    body_read_timeout: float = _f(30.0, "seconds a request body may take to arrive (then 408)",
+                                  gt=0)
+    startup_timeout: float = _f(900.0, "seconds to wait for the engine to load and warm up",
+                                gt=0)
     log_level: str = _f("info", "log level", ("debug", "info", "warning", "error"))
     log_requests: bool = _f(False, "log prompts and outputs of each request (off by default)")
 
@@ -99,6 +117,21 @@ class ServerArgs:
     def replace(self, **kw) -> ServerArgs:
         return dataclasses.replace(self, **kw)
 
+    def __post_init__(self) -> None:
+        """Check every field against its ``metadata``: ``choices``, and the bounds ``ge``,
+        ``gt``, ``le`` (None passes where None is the default). ``ferry serve`` turns the
+        error into a usage error (exit code 2); ``LLM(...)`` raises it.
+
+        Raises:
+            ValueError: naming the flag, e.g. ``--max-running-requests must be >= 1, got 0``.
+        """
+        for f in dataclasses.fields(self):
+            v, md = getattr(self, f.name), f.metadata
+            if v is None and f.default is None:
+                continue
+            if error := _field_error(v, md):
+                raise ValueError(f"--{f.name.replace('_', '-')} {error}, got {v!r}")
+
 
 def prefill_budget(args: ServerArgs, device_type: str) -> int:
     """Prompt tokens one step may prefill, over all its requests: --chunked-prefill-size (or
@@ -112,6 +145,28 @@ def default_chunked_prefill(device_type: str) -> int:
     the CPU (a CPU step over 2048 prompt tokens takes seconds and stalls every running
     stream)."""
     return 256 if device_type == "cpu" else 2048
+
+
+#: bound key in a field's metadata -> (its sign in messages, the check)
+_BOUNDS = {"ge": (">=", operator.ge), "gt": (">", operator.gt), "le": ("<=", operator.le)}
+
+
+def _field_error(v: Any, md) -> str | None:
+    """What is wrong with value ``v`` of a field with metadata ``md``, or None."""
+    if "choices" in md and v not in md["choices"]:
+        return "must be one of " + ", ".join(map(repr, md["choices"]))
+    bounds = [k for k in _BOUNDS if k in md]
+    if not bounds:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return "must be a number"
+    failed = [k for k in bounds if not _BOUNDS[k][1](v, md[k])]  # NaN fails every bound
+    if not failed:
+        return None
+    lo = "ge" if "ge" in md else "gt" if "gt" in md else None
+    if lo and "le" in md:
+        return f"must be in {'[' if lo == 'ge' else '('}{md[lo]}, {md['le']}]"
+    return f"must be {_BOUNDS[failed[0]][0]} {md[failed[0]]}"
 
 
 def _base_type(typ) -> type:

@@ -88,6 +88,12 @@ def use_triton(device_type: str) -> bool:
     return is_accelerator(device_type)
 
 
+def default_attention_backend(device_type: str) -> str:
+    """The attention backend without ``--attention-backend``: ``triton`` on cuda and xpu,
+    ``torch_native`` (the torch reference kernels) on the CPU."""
+    return "triton" if use_triton(device_type) else "torch_native"
+
+
 def _mod(device_type: str):
     if device_type == "cuda":
         return torch.cuda

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from engine.args import ServerArgs
 from engine.sampling.params import SamplingParams
 from engine.scheduler.request import Req
+from engine.validation import RequestError, validate_request
 
 
 @dataclass
@@ -45,52 +46,56 @@ class LLM:
     """An in-process engine.
 
     Args: any ``ServerArgs`` field as a keyword (model_path=None is the embedded SmolLM2).
-    Raises: ValueError for unknown fields or unsupported models.
+    Raises: ValueError for unknown fields, out-of-range values (checked by ``ServerArgs``,
+    naming the flag) or unsupported models.
     """
 
     def __init__(self, model_path: str | None = None, **kwargs):
-        from engine.executor.model_runner import ModelRunner, text_config
-        from engine.scheduler.scheduler import Scheduler
-        from engine.tokenizer.tokenizer import eos_token_ids, load_tokenizer
+        from engine.scheduler.build import build_engine
 
         names = {f.name for f in dataclasses.fields(ServerArgs)}
         bad = set(kwargs) - names
         if bad:
             raise ValueError(f"unknown LLM argument(s): {', '.join(sorted(bad))}")
-        self.args = ServerArgs(model_path=model_path, **kwargs)
-        self.runner = ModelRunner(self.args)
-        try:
-            self.tokenizer = load_tokenizer(self.args.tokenizer_path or model_path)
-        except Exception:
-            if self.args.load_format != "dummy":
-                raise
-            self.tokenizer = None
-        self.vocab_size = text_config(self.runner.config).vocab_size
-        self.scheduler = Scheduler(self.args, self.runner, self.tokenizer,
-                                   eos_token_ids(self.runner.config, self.tokenizer))
+        self.args = ServerArgs(model_path=model_path, **kwargs)  # ValueError: a bad bound
+        engine = build_engine(self.args)
+        self.runner, self.tokenizer = engine.runner, engine.tokenizer
+        self.scheduler, self.vocab_size = engine.scheduler, engine.vocab_size
         self._ids = itertools.count()
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for each prompt (a string or a list of token ids), in input order."""
+        """Generate for each prompt (a string or a list of token ids), in input order.
+
+        Args:
+            prompts: a string, a list of token ids, or a list of either.
+            sampling_params: one ``SamplingParams`` for all prompts, or one per prompt
+                (default: ``SamplingParams()``). A ``max_tokens`` beyond the context left by
+                the prompt is cut to it.
+            use_tqdm: show a progress bar.
+        Raises:
+            ValueError: (``engine.validation.RequestError``, with ``param`` and ``code``)
+                before anything runs, for an empty prompt, a token id outside the
+                vocabulary, a prompt that leaves no room for one token in the context
+                (``context_length_exceeded``), out-of-range sampling settings, or a text
+                prompt without a tokenizer.
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         sps = sampling_params if isinstance(sampling_params, list) else (
             [sampling_params or SamplingParams()] * len(prompts))
         reqs = []
-        for p, sp in zip(prompts, sps):
+        for p, sp in zip(prompts, sps):  # check all before the scheduler sees any
+            if isinstance(p, str) and self.tokenizer is None:
+                raise RequestError("this engine has no tokenizer; send token ids as the "
+                                   "prompt", "prompt")
             ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
-            sp.verify(self.vocab_size)
-            if not ids:
-                raise ValueError("empty prompt")
-            room = self.runner.max_context_len - len(ids)
-            if room < 1:
-                raise ValueError(f"prompt of {len(ids)} tokens exceeds the context "
-                                 f"({self.runner.max_context_len})")
-            max_new = min(sp.max_tokens or room, room)
-            req = Req(f"offline-{next(self._ids)}", ids, sp, False, max_new)
+            # a max_tokens beyond the room the prompt leaves is cut to it (finish "length")
+            max_new = validate_request(ids, sp, self.vocab_size, self.runner.max_context_len,
+                                       clamp_max_tokens=True)
+            reqs.append(Req(f"offline-{next(self._ids)}", ids, sp, False, max_new))
+        for req in reqs:
             self.scheduler.add_request(req)
-            reqs.append(req)
         bar = None
         if use_tqdm:
             from tqdm import tqdm

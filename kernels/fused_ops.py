@@ -1,4 +1,4 @@
-"""Fused element-wise ops in Triton, each with its torch reference beside it.
+"""Fused element-wise ops in Triton; their torch references live in :mod:`kernels.reference`.
 
 * :func:`rms_norm` -- RMSNorm (Zhang & Sennrich, 2019) with an optional fused residual add,
   matching HF Llama's ``LlamaRMSNorm`` numerics: the sum ``x + residual`` is rounded to the
@@ -11,40 +11,18 @@
 
 Both save a round trip through memory per op compared with eager torch (which writes the
 sum, the fp32 upcast, the normalised value, ... as separate tensors). They run unchanged on
-CUDA, XPU and in the Triton interpreter. The model code may adopt them; the ``*_ref``
-functions define the semantics and serve the CPU path.
+CUDA, XPU and in the Triton interpreter. Their semantics are defined by the one eager
+version of each op in :mod:`kernels.reference` (``rms_norm_ref``, ``silu_and_mul_ref``),
+which the CPU path runs; ``engine.layers.select_ops`` picks one or the other per model.
+Both kernels are out-of-place, like the references: they return new tensors and never
+write their inputs.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-# ---------------------------------------------------------------------------- references
-
-
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None):
-    """Torch RMSNorm (+ residual add), HF Llama numerics.
-
-    Args: x [..., H]; weight [H]; residual like x or None.
-    Returns: ``out`` (x's dtype), or ``(out, x + residual)`` when residual is given.
-    """
-    if residual is not None:
-        x = x + residual
-        residual = x
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * y.to(x.dtype)
-    return out if residual is None else (out, residual)
-
-
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    """Torch ``silu(x[..., :I]) * x[..., I:]`` for x [..., 2I] -> [..., I]."""
-    i = x.shape[-1] // 2
-    return F.silu(x[..., :i]) * x[..., i:]
 
 # ---------------------------------------------------------------------------- kernels
 
@@ -94,7 +72,8 @@ def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None):
-    """Fused RMSNorm (+ residual add) in Triton; semantics of :func:`rms_norm_ref`.
+    """Fused RMSNorm (+ residual add) in Triton; semantics of
+    :func:`kernels.reference.rms_norm_ref`; out-of-place.
 
     Args:
         x: ``[..., H]`` activations (fp16/bf16/fp32), last axis unit stride.
@@ -138,7 +117,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """Fused ``silu(gate) * up`` in Triton; semantics of :func:`silu_and_mul_ref`.
+    """Fused ``silu(gate) * up`` in Triton; semantics of
+    :func:`kernels.reference.silu_and_mul_ref`; out-of-place.
 
     Args:
         x: ``[..., 2 * I]`` merged gate/up projection (gate first), last axis unit stride.
@@ -165,4 +145,4 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-__all__ = ["rms_norm", "rms_norm_ref", "silu_and_mul", "silu_and_mul_ref"]
+__all__ = ["rms_norm", "silu_and_mul"]

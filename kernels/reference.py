@@ -1,8 +1,17 @@
-"""Pure-torch reference attention kernels over the paged KV pool.
+"""Pure-torch reference ops: the one eager version of each op that has a Triton kernel.
 
 These define the semantics the Triton kernels in this package must match, and they are
-what the CPU device runs. Shapes (T = new tokens in the batch, B = requests, Hq/Hkv = query
-and KV heads with Hq % Hkv == 0, D = head_dim, S = pool slots, R = req_to_token rows):
+what the CPU device runs (and what an accelerator runs under ``--disable-fused-ops``); the
+model layers and the kernel tests both import them from here.
+
+Small ops (the model's eager path; the Triton versions are in ``fused_ops.py``/``rotary.py``):
+
+  rms_norm_ref      RMSNorm with an optional fused residual add (HF ``LlamaRMSNorm``)
+  silu_and_mul_ref  SwiGLU's ``silu(gate) * up``
+  rotary_ref        NeoX ("rotate half") RoPE of q and k
+
+Attention over the paged KV pool. Shapes (T = new tokens in the batch, B = requests, Hq/Hkv =
+query and KV heads with Hq % Hkv == 0, D = head_dim, S = pool slots, R = req_to_token rows):
 
   k_buffer, v_buffer : [S, Hkv, D]       one pool tensor per layer
   req_to_token       : [R, max_context]  int32, maps (request row, position) -> slot
@@ -10,11 +19,90 @@ and KV heads with Hq % Hkv == 0, D = head_dim, S = pool slots, R = req_to_token 
   seq_lens           : [B]               int32/int64, tokens in the KV after this step
 
 Attention is softmax(q k^T * sm_scale) v with fp32 accumulation; the output has q's dtype.
+
+In-place contract: the three small-op references are out-of-place (new tensors, inputs
+untouched). Of their Triton twins, ``rms_norm`` and ``silu_and_mul`` are out-of-place too,
+but ``rotary_inplace`` rotates q and k in place and returns them, so a caller must use the
+returned tensors and rely on neither behaviour. The attention references write their
+``o``/pool arguments in place, as the kernels do.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+# ---------------------------------------------------------------------------- small ops
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None):
+    """RMSNorm (Zhang & Sennrich, 2019) with an optional fused residual add; out-of-place.
+
+    HF ``LlamaRMSNorm`` numerics: the sum ``x + residual`` is rounded to x's dtype (it is the
+    next residual stream), the mean square and the normalisation run in fp32, the result is
+    cast back to the input dtype and only then multiplied by ``weight``
+    (``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``, so the output dtype is the
+    promotion of weight's and x's dtypes, as in HF).
+
+    Args:
+        x: ``[..., H]`` activations.
+        weight: ``[H]`` scale.
+        eps: added to the mean square (e.g. 1e-5).
+        residual: optional tensor shaped like ``x``; then ``x + residual`` is normalised.
+    Returns:
+        ``out`` ``[..., H]``, or ``(out, x + residual)`` when ``residual`` is given; new
+        tensors, the inputs are not modified.
+    """
+    if residual is not None:
+        x = x + residual
+        residual = x
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * y.to(x.dtype)
+    return out if residual is None else (out, residual)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate (Shazeer, "GLU Variants Improve Transformer", 2020); out-of-place.
+
+    Args: x ``[..., 2 * I]``, the merged gate/up projection (gate first).
+    Returns: new ``silu(x[..., :I]) * x[..., I:]`` ``[..., I]`` in x's dtype.
+    """
+    i = x.shape[-1] // 2
+    return F.silu(x[..., :i]) * x[..., i:]
+
+
+def rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+               cos_sin_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE (Su et al., 2021) of q and k, GPT-NeoX "rotate half" layout (HF Llama/Qwen's
+    ``apply_rotary_pos_emb``); out-of-place.
+
+    Per head, with ``x1 = x[:D/2]`` and ``x2 = x[D/2:]`` and the angles of each token's
+    position: ``[x1 cos - x2 sin | x2 cos + x1 sin]``, computed in fp32 and rounded once to
+    the input dtype.
+
+    Args:
+        q: ``[T, Hq*D]`` (or ``[T, Hq, D]``); may be a strided view of a fused qkv output.
+        k: ``[T, Hkv*D]`` (or ``[T, Hkv, D]``).
+        positions: ``[T]`` int64 token positions, below ``cos_sin_cache.shape[0]``.
+        cos_sin_cache: ``[P, D]`` fp32, ``[cos | sin]`` of ``position * inv_freq``.
+        head_dim: D (even).
+    Returns:
+        New ``(q, k)`` in their shapes and dtypes; the inputs are not modified.
+    """
+    cs = cos_sin_cache.index_select(0, positions)
+    cos, sin = cs.chunk(2, dim=-1)
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)                     # [T, 1, D/2]
+    out = []
+    for x in (q, k):
+        xf = x.reshape(x.shape[0], -1, head_dim).float()
+        x1, x2 = xf.chunk(2, dim=-1)
+        y = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+        out.append(y.to(x.dtype).reshape(x.shape))
+    return out[0], out[1]
+
+# ---------------------------------------------------------------------------- attention
 
 
 def store_kv_ref(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,

@@ -5,6 +5,10 @@ Rotate-half ("NeoX") layout as in HF Llama/Qwen: for each head, with ``x1 = x[:D
 is rounded once to the activation dtype. Eager torch needs about ten launches (index the
 cos/sin table, upcast, chunk, four products, concatenation, downcast) per tensor; this is one
 for both.
+
+The semantics are those of :func:`kernels.reference.rotary_ref`, the one eager version (the
+CPU path), except that this kernel writes q and k in place while the reference returns new
+tensors; callers use the returned pair either way.
 """
 
 from __future__ import annotations
@@ -12,24 +16,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-
-def rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-               cos_sin_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference. q [T, Hq*D], k [T, Hkv*D]; cos_sin_cache [P, D] fp32 = [cos | sin].
-
-    Returns new (q, k) in their dtypes.
-    """
-    cs = cos_sin_cache.index_select(0, positions)
-    cos, sin = cs.chunk(2, dim=-1)
-    out = []
-    for x in (q, k):
-        xf = x.reshape(x.shape[0], -1, head_dim).float()
-        x1, x2 = xf.chunk(2, dim=-1)
-        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-        y = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-        out.append(y.to(x.dtype).reshape(x.shape))
-    return out[0], out[1]
 
 
 @triton.jit
@@ -69,7 +55,11 @@ def rotary_inplace(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                    cos_sin_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq*D] and k [T, Hkv*D] in place (they may be views of a fused qkv
     output: only the last dimension must be contiguous). positions [T] int64;
-    cos_sin_cache [P, D] fp32 with cos in the first half. Returns (q, k).
+    cos_sin_cache [P, D] fp32 with cos in the first half. Returns the same (q, k) objects,
+    now rotated (:func:`kernels.reference.rotary_ref` returns new ones instead).
+
+    Raises:
+        ValueError: q or k without a contiguous last dimension.
 
     One program per token handles all its heads (a first version with one program per
     (token, head) ran prefill rotary at a fifth of the memory bandwidth on an H200).

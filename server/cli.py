@@ -62,26 +62,19 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def serve(argv: list[str]) -> int:
-    """Parse ``ferry serve`` flags, run the server; returns the exit code."""
+    """Parse ``ferry serve`` flags, run the server; returns the exit code.
+
+    A flag out of its bounds (checked by ``ServerArgs``) is a usage error: the message on
+    stderr and ``SystemExit(2)``, as argparse does for its own errors.
+    """
     from engine.args import ServerArgs
 
     parser = serve_parser()
     ns = parser.parse_args(argv)
-    args = ServerArgs.from_cli_args(ns)
-    if not 0 < args.port < 65536:
-        parser.error(f"--port must be in 1..65535, got {args.port}")
-    for name in ("max_request_bytes", "max_n", "max_queued_requests", "max_running_requests",
-                 "cuda_graph_max_bs", "max_prefill_tokens", "chunked_prefill_size",
-                 "piecewise_graph_max_tokens", "decode_attention_waves", "max_total_tokens",
-                 "page_size"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.shutdown_timeout < 0:
-        parser.error("--shutdown-timeout must be >= 0")
-    for name in ("header_timeout", "body_read_timeout", "startup_timeout"):
-        if not getattr(args, name) > 0:
-            parser.error(f"--{name.replace('_', '-')} must be > 0")
+    try:
+        args = ServerArgs.from_cli_args(ns)  # checks every bound and choice
+    except ValueError as exc:
+        parser.error(str(exc))  # usage + "ferry serve: error: ...", exit code 2
 
     from server.launch import launch_server
 

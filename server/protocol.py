@@ -12,16 +12,20 @@ Also the bodies of ``/v1/tokenize`` and ``/v1/detokenize`` (vLLM's and SGLang's 
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
+import typing
 from typing import Any
 
+import msgspec
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     ValidationError,
     ValidationInfo,
+    create_model,
     field_validator,
     model_validator,
 )
@@ -66,8 +70,9 @@ class StreamOptions(_Base):
     continuous_usage_stats: bool = False
 
 
-class _SamplingRequest(_Base):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+class _SamplingFields(_Base):
+    """Fields shared by /v1/completions and /v1/chat/completions (``_SamplingRequest`` adds
+    every other ``SamplingParams`` field, see ``engine_sampling_fields``)."""
 
     model: str | None = None
     n: int = Field(1, ge=1)  # upper bound: --max-n, checked in _n (message states it)
@@ -165,17 +170,43 @@ class _SamplingRequest(_Base):
         return None
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        """The engine's ``SamplingParams`` (``max_tokens`` resolved by the caller)."""
-        return SamplingParams(
-            max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=self.temperature,
-            top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
-            stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
-            ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias),
-            skip_special_tokens=self.skip_special_tokens,
-            spaces_between_special_tokens=self.spaces_between_special_tokens,
-            logprobs=self.logprobs_k, prompt_logprobs=self.prompt_logprobs_k)
+        """The engine's ``SamplingParams`` (``max_tokens`` resolved by the caller): every
+        ``SamplingParams`` field from the request field of the same name, except the
+        ``ENGINE_DERIVED`` ones."""
+        kw = {name: copy.copy(getattr(self, name)) for name in SAMPLING_FIELDS
+              if name not in ENGINE_DERIVED}
+        return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs_k,
+                              prompt_logprobs=self.prompt_logprobs_k, **kw)
+
+
+#: ``SamplingParams`` fields, in order
+SAMPLING_FIELDS = tuple(f.name for f in msgspec.structs.fields(SamplingParams))
+#: ``SamplingParams`` fields that requests set from fields of their own: ``max_tokens`` (from
+#: ``max_tokens``/``max_completion_tokens`` and the endpoint's default), ``logprobs`` and
+#: ``prompt_logprobs`` (completions ``logprobs``/``echo``, chat ``logprobs``/``top_logprobs``)
+ENGINE_DERIVED = frozenset({"max_tokens", "logprobs", "prompt_logprobs"})
+
+
+def engine_sampling_fields(struct_cls: type, declared) -> dict[str, tuple]:
+    """pydantic field definitions for the fields of the msgspec struct ``struct_cls`` that
+    ``declared`` (a model's ``model_fields``) lacks, minus ``ENGINE_DERIVED``: the same name,
+    type and default. A new ``SamplingParams`` field is thus a request field with no change
+    here; its bounds are ``SamplingParams.verify``'s (a 400 naming it, raised when the
+    route builds the params)."""
+    hints = typing.get_type_hints(struct_cls)
+    out: dict[str, tuple] = {}
+    for f in msgspec.structs.fields(struct_cls):
+        if f.name in declared or f.name in ENGINE_DERIVED:
+            continue
+        default = f.default if f.default is not msgspec.NODEFAULT else f.default_factory()
+        out[f.name] = (hints[f.name], Field(default_factory=lambda d=default: copy.deepcopy(d)))
+    return out
+
+
+_SamplingRequest = create_model(
+    "_SamplingRequest", __base__=_SamplingFields,
+    __doc__="Every sampling field of /v1/completions and /v1/chat/completions.",
+    **engine_sampling_fields(SamplingParams, _SamplingFields.model_fields))
 
 
 class CompletionRequest(_SamplingRequest):
@@ -300,54 +331,6 @@ def check_unsupported(req: _SamplingRequest) -> None:
             raise not_supported("suffix")
     elif isinstance(req, ChatCompletionRequest) and req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-
-
-# ---- chat messages ------------------------------------------------------------------------
-
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
-              "assistant": "assistant"}
-
-
-def messages_for_template(messages: list[ChatMessage]) -> list[dict]:
-    """Plain ``{"role", "content"}`` dicts for ``apply_chat_template``.
-
-    Content may be a string or a list of ``{"type": "text", "text": ...}`` parts (joined
-    with newlines). ``developer`` maps to ``system``.
-
-    Raises:
-        APIError: 400 for an unknown role, a non-text part or tool messages.
-    """
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        role = CHAT_ROLES.get(m.role)
-        if role is None:
-            if m.role in ("tool", "function"):
-                raise not_supported(f"{where}.role", f"role '{m.role}'")
-            raise bad_request(f"unknown role '{m.role}' (expected one of "
-                              f"{sorted(CHAT_ROLES)})", f"{where}.role")
-        if (m.model_extra or {}).get("tool_calls"):
-            raise not_supported(f"{where}.tool_calls")
-        content = m.content
-        if content is None:
-            if role != "assistant":
-                raise bad_request("content is required", f"{where}.content")
-            content = ""
-        elif isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                ptype = part.get("type")
-                if ptype != "text":
-                    raise bad_request(f"content part type {ptype!r} is not supported (only "
-                                      "'text')", f"{where}.content[{j}].type")
-                text = part.get("text")
-                if not isinstance(text, str):
-                    raise bad_request("a text part needs a string 'text'",
-                                      f"{where}.content[{j}].text")
-                texts.append(text)
-            content = "\n".join(texts)
-        out.append({"role": role, "content": content})
-    return out
 
 
 # ---- pydantic errors -> OpenAI errors -----------------------------------------------------

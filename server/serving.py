@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.sampling.params import SamplingParams
+from server.chat_messages import messages_for_template
 from server.errors import APIError, bad_request, http_error
 from server.formats import BaseFormat, ChatFormat, CompletionFormat, LogprobOptions
 from server.logprobs import TokenStrings
@@ -33,7 +34,6 @@ from server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    messages_for_template,
     parse_request,
 )
 from server.tokenizer_manager import ReqOutput, TokenizerManager

@@ -24,7 +24,8 @@ import zmq.asyncio
 from engine import io_struct as io
 from engine.ipc import SERVER_IN, AsyncPullSocket, IpcPaths, PushSocket
 from engine.sampling.params import SamplingParams
-from server.errors import APIError, bad_request, context_length_exceeded, unavailable
+from engine.validation import RequestError, validate_request
+from server.errors import APIError, bad_request, unavailable
 from server.metrics import Metrics, format_request_log
 
 logger = logging.getLogger("ferry.server")
@@ -258,7 +259,11 @@ class TokenizerManager:
 
     def check_prompt(self, input_ids: list[int], max_tokens: int | None, param: str, *,
                      max_tokens_param: str | None = None, min_tokens: int = 0) -> None:
-        """Validate a tokenized prompt against the engine's limits.
+        """Validate a tokenized prompt against the engine's limits
+        (``engine.validation.validate_request``, the checks the engine and ``LLM`` run).
+
+        The route has verified the rest of the ``SamplingParams`` already; only
+        ``max_tokens`` and ``min_tokens`` matter here.
 
         Args:
             input_ids: the prompt's token ids.
@@ -268,27 +273,19 @@ class TokenizerManager:
                 (``max_tokens``, ``max_completion_tokens``), or None if it is a default.
             min_tokens: tokens the completion must have before EOS may end it.
         Raises:
-            APIError: 400 for an empty prompt, a token id outside ``[0, vocab_size)`` or a
-                request beyond the context (code ``context_length_exceeded``), naming
-                ``param`` when the prompt leaves no room for one token,
+            APIError: 400 for a bad max_tokens/min_tokens, an empty prompt, a token id
+                outside ``[0, vocab_size)`` or a request beyond the context (code
+                ``context_length_exceeded``), naming ``param`` when the prompt leaves no
+                room for one token,
                 ``max_tokens_param`` when the prompt fits but not with the asked max_tokens,
                 and ``min_tokens`` when prompt + min_tokens does not fit.
         """
-        if not input_ids:
-            raise bad_request("the prompt is empty", param)
-        vocab = self.vocab_size
-        if vocab and (min(input_ids) < 0 or max(input_ids) >= vocab):
-            bad = next(t for t in input_ids if t < 0 or t >= vocab)
-            raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param)
-        ctx, n = self.max_context_len, len(input_ids)
-        need = max_tokens if max_tokens is not None else 1
-        if n + need > ctx:
-            fits = n < ctx  # room for at least one token: the asked budget is at fault
-            raise context_length_exceeded(
-                ctx, n, need, max_tokens_param if fits and max_tokens_param else param)
-        if n + min_tokens > ctx:
-            raise context_length_exceeded(ctx, n, min_tokens, "min_tokens",
-                                          what="as min_tokens")
+        sp = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens)
+        try:
+            validate_request(input_ids, sp, self.vocab_size, self.max_context_len, param,
+                             max_tokens_param=max_tokens_param)
+        except RequestError as exc:
+            raise bad_request(exc.message, exc.param, exc.code) from None
 
     def check_admission(self, count: int) -> None:
         """Raise 503 when the engine is gone, the server is stopping, or the queue is full."""

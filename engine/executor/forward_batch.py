@@ -14,16 +14,23 @@ the attention backend read. Shapes (T = tokens in the step, B = requests):
   logits_indices    [B] int64   rows of the hidden states whose logits are sampled
 
 A mixed EXTEND step (chunked prefill with the running decodes) ends with ``num_decodes``
-one-token requests (the last ``num_decodes`` tokens of T); attention runs the first part with
-the extend kernel and that tail with the decode kernel.
+one-token requests (the last ``num_decodes`` tokens of T); attention runs the first
+``num_extends`` requests with the extend kernel and that tail with the decode kernel.
+
+``attn_backend`` (an ``engine.attention.AttentionBackend``) fills ``attn_meta`` (its
+``AttentionMetadata``, or None for a step without decodes) once per step in ``init_forward``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.attention.base import AttentionBackend, AttentionMetadata
 
 
 class ForwardMode(IntEnum):
@@ -42,7 +49,7 @@ class ForwardBatch:
     req_to_token: torch.Tensor
     k_buffers: list[torch.Tensor]
     v_buffers: list[torch.Tensor]
-    attn_backend: object = None
+    attn_backend: AttentionBackend | None = None
     extend_seq_lens: torch.Tensor | None = None
     extend_prefix_lens: torch.Tensor | None = None
     extend_start_loc: torch.Tensor | None = None
@@ -53,8 +60,8 @@ class ForwardBatch:
     # host copies, so the CPU path and block sizing need no device sync
     seq_lens_cpu: list[int] = field(default_factory=list)
     extend_seq_lens_cpu: list[int] = field(default_factory=list)
-    # backend-owned per-step state (e.g. KV split counts), set by attn_backend.init_forward
-    attn_meta: dict = field(default_factory=dict)
+    # the backend's per-step state (decode rows, KV split counts), set by its init_forward
+    attn_meta: AttentionMetadata | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -63,6 +70,11 @@ class ForwardBatch:
     @property
     def is_extend(self) -> bool:
         return self.mode == ForwardMode.EXTEND
+
+    @property
+    def num_extends(self) -> int:
+        """Requests that run extend attention: all but the decode tail (0 in DECODE)."""
+        return 0 if self.is_decode else self.batch_size - self.num_decodes
 
 
 def resolve_placeholders(input_ids: torch.Tensor, future_ids: torch.Tensor | None) -> torch.Tensor:

@@ -5,6 +5,10 @@ Works with the CUDA graph and XPU graph classes (torch >= 2.11) through
 of size ``bs`` runs the smallest captured bucket >= bs, with the padding rows pointing at
 ``req_to_token`` row 0 and pool slot 0 (the padding sink), so they read and write nothing
 that a real request uses. Nothing inside the step syncs with the host.
+
+The attention metadata (decode split counts, workspaces) lives in the backend's static
+buffers (``attn_backend.init_capture``); ``init_forward_graph`` is captured with the step, so
+each replay recomputes the split counts on the device from the static ``seq_lens``.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class GraphRunner:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=d)
         self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=d)
         self.pool = runner.graph_pool()
+        runner.attn_backend.init_capture(self.max_bs)
         t0 = time.perf_counter()
         self.capture()
         logger.info("captured %d decode graphs (bs %s) in %.1f s", len(self.graphs),
@@ -69,7 +74,7 @@ class GraphRunner:
 
     def _run(self, bs: int) -> torch.Tensor:
         fb = self._fb(bs)
-        self.runner.attn_backend.init_forward(fb)
+        self.runner.attn_backend.init_forward_graph(fb)
         return self.runner.model(self.input_ids[:bs], fb.positions, fb)
 
     @torch.inference_mode()

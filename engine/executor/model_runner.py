@@ -1,6 +1,9 @@
 """``ModelRunner``: loads the model, sizes the KV pool, runs forward and sampling.
 
 Device-agnostic: the device, dtype, memory figures and graphs come from ``engine.device``.
+The model's shape is ``runner.model_config`` (``engine.models.config.ModelConfig``); the
+attention backend is ``--attention-backend`` (default from the device), see
+``engine.attention``.
 """
 
 from __future__ import annotations
@@ -12,10 +15,10 @@ import torch
 
 from engine import device as dev
 from engine.args import ServerArgs, prefill_budget
+from engine.attention import create_attention_backend, resolve_attention_backend
 from engine.executor.forward_batch import ForwardBatch, ForwardMode, resolve_placeholders
 from engine.kv.pool import KVPool, ReqToTokenPool
-from engine.layers import set_fused_ops
-from engine.layers.attention import AttentionBackend
+from engine.layers import select_ops
 from engine.scheduler.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)
@@ -24,20 +27,6 @@ logger = logging.getLogger(__name__)
 _CPU_DEFAULT_TOKENS = 32768
 # bytes kept free on an accelerator for activations, graphs and the sampler
 _ACTIVATION_RESERVE = 2 << 30
-
-
-def text_config(config):
-    """The language-model part of a (possibly multimodal) HF config."""
-    return getattr(config, "text_config", None) or config
-
-
-def model_dims(config) -> tuple[int, int, int, int]:
-    """(num_layers, num_heads, num_kv_heads, head_dim) of an HF decoder config."""
-    c = text_config(config)
-    heads = c.num_attention_heads
-    kv = getattr(c, "num_key_value_heads", None) or heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    return c.num_hidden_layers, heads, kv, head_dim
 
 
 class ModelRunner:
@@ -52,17 +41,21 @@ class ModelRunner:
         self.kv_dtype = dev.resolve_kv_dtype(args.kv_cache_dtype, self.dtype)
         self.device = torch.device(self.device_type)
         dev.set_device(self.device_type, 0)
-        set_fused_ops(not args.disable_fused_ops and dev.use_triton(self.device_type))
+        # checked before the weights load: a bad --attention-backend fails in seconds
+        self.attention_backend_name = resolve_attention_backend(args.attention_backend,
+                                                                self.device_type)
         torch.manual_seed(args.seed)
         t0 = time.perf_counter()
         self.model, self.config = load_model(
             model_path=args.model_path, load_format=args.load_format, dtype=self.dtype,
             device=self.device_type, seed=args.seed)
         self.load_time = time.perf_counter() - t0
-        c = text_config(self.config)
-        self.vocab_size = c.vocab_size
-        self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = model_dims(self.config)
-        model_ctx = getattr(c, "max_position_embeddings", None) or 4096
+        select_ops(self.model, not args.disable_fused_ops and dev.use_triton(self.device_type))
+        self.model_config = mc = self.model.model_config
+        self.vocab_size = mc.vocab_size
+        self.num_layers, self.num_heads = mc.num_layers, mc.num_heads
+        self.num_kv_heads, self.head_dim = mc.num_kv_heads, mc.head_dim
+        model_ctx = mc.context_length
         self.model_max_context = min(model_ctx, args.context_length or model_ctx)
 
         self.max_total_tokens = self._kv_capacity()
@@ -73,8 +66,9 @@ class ModelRunner:
         self.max_context_len = min(self.model_max_context, self.max_total_tokens)
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.max_context_len,
                                                 self.device)
-        self.attn_backend = AttentionBackend(
-            dev.use_triton(self.device_type), self.num_heads, self.num_kv_heads, self.head_dim,
+        self.attn_backend = create_attention_backend(
+            self.attention_backend_name, self.num_heads, self.num_kv_heads, self.head_dim,
+            device_type=self.device_type, device=self.device,
             num_sms=dev.multiprocessor_count(self.device_type), waves=args.decode_attention_waves)
         self.supports_overlap = dev.is_accelerator(self.device_type)
         self.graph_runner = None
@@ -84,12 +78,17 @@ class ModelRunner:
             from engine.executor.graph_runner import GraphRunner
             from engine.executor.piecewise_runner import PiecewiseRunner
 
-            self.graph_runner = GraphRunner(self)
+            if self.attn_backend.supports_graphs:
+                self.graph_runner = GraphRunner(self)
+            else:
+                logger.info("decode runs eagerly: the %s attention backend has no graph "
+                            "support", type(self.attn_backend).__name__)
             if not args.disable_piecewise_graph:
                 self.piecewise_runner = PiecewiseRunner(self, self.piecewise_max_tokens())
-        logger.info("KV cache: %d tokens (%d layers x %d kv heads x %d dim, %s), page size %d",
-                    self.max_total_tokens, self.num_layers, self.num_kv_heads, self.head_dim,
-                    str(self.kv_dtype).replace("torch.", ""), args.page_size)
+        logger.info("KV cache: %d tokens (%d layers x %d kv heads x %d dim, %s), page size %d; "
+                    "attention backend %s", self.max_total_tokens, self.num_layers,
+                    self.num_kv_heads, self.head_dim, str(self.kv_dtype).replace("torch.", ""),
+                    args.page_size, self.attention_backend_name)
 
     def graph_pool(self):
         """The device graph memory pool shared by the decode and piecewise graphs (they

@@ -2,8 +2,8 @@
 
 An EXTEND step's attention depends on the batch (how many requests, their prefix and new
 lengths), so it cannot sit in a graph captured once. Everything else in the step is per
-token. The model's forward is cut at its attention calls into ``L + 1`` pieces (see
-``LlamaModel.piece``); for each bucket of token counts this runner captures every piece in a
+token. The model's forward is cut at its attention calls into ``L + 1`` pieces (the model
+contract's ``num_pieces`` and ``piece``, ``engine/models/base.py``); for each bucket of token counts this runner captures every piece in a
 device graph, and a step replays piece 0, runs layer 0's attention eagerly, replays piece 1,
 and so on. The host then launches 33 graphs and 3-4 attention kernels per layer instead of
 ~12 kernels per layer (the idea of vLLM's and SGLang's piecewise CUDA graphs; here the cut
@@ -28,7 +28,6 @@ import torch
 
 from engine import device as dev
 from engine.executor.forward_batch import ForwardBatch
-from engine.layers.logits import compute_logits
 from engine.scheduler.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)
@@ -52,7 +51,8 @@ class PiecewiseRunner:
     """Captures the model's per-token pieces per token bucket and runs EXTEND steps.
 
     Args:
-        runner: the ``ModelRunner`` (model, pools, attention backend, device).
+        runner: the ``ModelRunner`` (model, pools, attention backend, device); its model
+            implements ``engine.models.base.CausalLM``.
         max_tokens: the largest step (tokens) that runs here; larger ones run eagerly.
         use_graphs: capture device graphs (False: call the pieces directly, for tests).
     """
@@ -60,14 +60,13 @@ class PiecewiseRunner:
     def __init__(self, runner, max_tokens: int, use_graphs: bool = True):
         self.runner = runner
         self.device_type = runner.device_type
-        model = runner.model
-        self.inner = model.model
-        self.num_layers = len(self.inner.layers)
+        self.model = model = runner.model
+        self.attn_layers = model.attention_layers()
+        self.num_layers = model.num_pieces - 1
         self.buckets = token_buckets(max_tokens)
         self.max_tokens = self.buckets[-1]
-        attn = self.inner.layers[0].self_attn
-        q_size, kv_size = attn.q_size, attn.kv_size
-        hidden = self.inner.embed_tokens.weight.shape[1]
+        q_size, kv_size = model.q_size, model.kv_size
+        hidden = model.model_config.hidden_size
         n, d, dt = self.max_tokens, runner.device, runner.dtype
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=d)
         self.positions = torch.zeros(n, dtype=torch.int64, device=d)
@@ -96,9 +95,9 @@ class PiecewiseRunner:
         """Run piece i on the first ``tb`` rows of the static buffers."""
         pos = self.positions[:tb]
         if i == 0:
-            out = self.inner.piece(0, pos, input_ids=self.input_ids[:tb])
+            out = self.model.piece(0, pos, input_ids=self.input_ids[:tb])
         else:
-            out = self.inner.piece(i, pos, attn_out=self.attn_out[:tb],
+            out = self.model.piece(i, pos, attn_out=self.attn_out[:tb],
                                    residual=self.residual[:tb])
         if i == self.num_layers:
             return out  # final hidden states [tb, hidden]
@@ -137,7 +136,7 @@ class PiecewiseRunner:
     # ---- a step -------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, batch: ScheduleBatch, future_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """One EXTEND step; returns float32 logits like ``LlamaForCausalLM.forward``."""
+        """One EXTEND step; returns float32 logits like the model's ``forward``."""
         r = self.runner
         input_ids, fb = r.build_forward_batch(batch, future_ids)
         t = input_ids.shape[0]
@@ -148,7 +147,6 @@ class PiecewiseRunner:
             self.input_ids[t:tb].zero_()
             self.positions[t:tb].zero_()
         r.attn_backend.init_forward(fb)
-        layers = self.inner.layers
         graphs = self.graphs.get(tb)
         for i in range(self.num_layers + 1):
             if graphs is not None:
@@ -157,8 +155,8 @@ class PiecewiseRunner:
             else:
                 out = self._piece(i, tb)
             if i < self.num_layers:
-                self._attention(layers[i].self_attn.attn, t, fb)
-        return compute_logits(out[:t], r.model.lm_head.weight, fb.logits_indices)
+                self._attention(self.attn_layers[i], t, fb)
+        return self.model.compute_logits(out[:t], fb.logits_indices)
 
     def _attention(self, attn, t: int, fb: ForwardBatch) -> None:
         attn(self.q[:t], self.k[:t], self.v[:t], fb, out=self.attn_out[:t])

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from engine.layers import fused_ops_on
+from kernels.reference import silu_and_mul_ref
 
 
 class SiluAndMul(nn.Module):
-    """SwiGLU (Shazeer 2020): x [..., 2*d] = [gate | up] -> silu(gate) * up [..., d]."""
+    """SwiGLU (Shazeer 2020): x [..., 2*d] = [gate | up] -> silu(gate) * up [..., d].
+
+    ``impl`` is :func:`kernels.reference.silu_and_mul_ref` until
+    :func:`engine.layers.select_ops` picks the Triton ``silu_and_mul``; both return a new
+    tensor in x's dtype.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.impl = silu_and_mul_ref
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fused_ops_on(x):
-            from kernels.fused_ops import silu_and_mul
-
-            return silu_and_mul(x)
-        d = x.shape[-1] // 2
-        return F.silu(x[..., :d]) * x[..., d:]
+        """x [..., 2*d] -> new [..., d] in x's dtype."""
+        return self.impl(x)

@@ -1,7 +1,9 @@
 """RMSNorm (Zhang & Sennrich 2019) with an optional fused residual add.
 
 Matches HF ``LlamaRMSNorm``: the statistics are computed in fp32, the normalised value is
-cast back to the input dtype and then scaled by ``weight``.
+cast back to the input dtype and then scaled by ``weight``. The math lives in
+:func:`kernels.reference.rms_norm_ref` (eager) and :func:`kernels.fused_ops.rms_norm`
+(Triton); :func:`engine.layers.select_ops` sets which one ``impl`` is.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers import fused_ops_on
+from kernels.reference import rms_norm_ref
 
 
 class RMSNorm(nn.Module):
@@ -19,23 +21,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        self.impl = rms_norm_ref
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Normalise ``x`` [..., hidden].
 
         Without ``residual`` returns the normed tensor. With ``residual`` (same shape/dtype)
         returns ``(norm(x + residual), x + residual)``: the sum is the new residual stream.
+        Out-of-place with either implementation: new tensors, ``x`` and ``residual`` are
+        not written.
         """
-        if fused_ops_on(x):
-            from kernels.fused_ops import rms_norm
-
-            return rms_norm(x, self.weight, self.eps, residual)
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+        return self.impl(x, self.weight, self.eps, residual)

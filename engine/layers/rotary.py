@@ -5,7 +5,9 @@ The head dimension is split in two halves ``x = [x1 | x2]`` rotated pairwise by
 Frequencies: ``inv_freq_i = base^(-2i/D)``; rope types ``default``, ``linear`` (positions
 divided by ``factor``) and ``llama3`` (Llama 3.1 frequency-dependent scaling, from Meta's
 reference ``apply_scaling``). The cos/sin table is built once in fp32 on the CPU (the same on
-every device) and indexed by position each step; the rotation runs in fp32.
+every device) and indexed by position each step; the rotation runs in fp32, in
+:func:`kernels.reference.rotary_ref` (eager) or :func:`kernels.rotary.rotary_inplace`
+(Triton), whichever :func:`engine.layers.select_ops` set as ``impl``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import math
 import torch
 from torch import nn
 
-from engine.layers import fused_ops_on
+from kernels.reference import rotary_ref
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -90,33 +92,19 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)    # [P, D] fp32
         self.register_buffer("cos_sin_cache", cache.to(torch.get_default_device()),
                              persistent=False)
+        self.impl = rotary_ref
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, Hq*D] and k [T, Hkv*D] by their positions [T] int64.
 
-        On an accelerator this is one fused Triton launch that rotates q and k in place;
-        on the CPU the eager ``apply_rotary`` returns new tensors.
+        Returns the rotated ``(q, k)`` in their dtypes; use them, not the inputs: the eager
+        ``impl`` (:func:`kernels.reference.rotary_ref`) returns new tensors, the fused one
+        (:func:`kernels.rotary.rotary_inplace`, one launch for q and k) rotates in place.
         """
-        if fused_ops_on(q):
-            from kernels.rotary import rotary_inplace
-
-            return rotary_inplace(q, k, positions, self.cos_sin_cache, self.head_dim)
-        cos, sin = self(positions)
-        return apply_rotary(q, cos, sin, self.head_dim), apply_rotary(k, cos, sin, self.head_dim)
+        return self.impl(q, k, positions, self.cos_sin_cache, self.head_dim)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] int64 -> (cos, sin), each [T, D/2] fp32."""
         cs = self.cos_sin_cache.index_select(0, positions)
         return cs.chunk(2, dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 head_dim: int) -> torch.Tensor:
-    """Rotate ``x`` [T, H*D] (or [T, H, D]) by (cos, sin) [T, D/2]; returns x's shape/dtype."""
-    shape = x.shape
-    xf = x.reshape(shape[0], -1, head_dim).float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-    return out.to(x.dtype).reshape(shape)

@@ -14,6 +14,9 @@ Variants differ only in small switches (``_options``):
 Parameter names follow HF with fused projections: ``...self_attn.qkv_proj`` (from
 ``q_proj``/``k_proj``/``v_proj``) and ``...mlp.gate_up_proj`` (from ``gate_proj``/``up_proj``).
 With ``tie_word_embeddings`` the LM head is the embedding table.
+
+The classes implement the model contract :class:`engine.models.base.CausalLM`; every shape
+comes from :class:`engine.models.config.ModelConfig`.
 """
 
 from __future__ import annotations
@@ -34,9 +37,10 @@ from engine.layers.linear import (
     VocabEmbedding,
     default_weight_loader,
 )
-from engine.layers.logits import compute_logits
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding, rope_config
+from engine.layers.rotary import RotaryEmbedding
+from engine.models.base import CausalLM
+from engine.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -52,22 +56,13 @@ STACKED_PARAMS = (
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
-def head_dim_of(config) -> int:
-    """Attention head size: ``config.head_dim`` if set, else ``hidden_size // heads``."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def num_kv_heads_of(config) -> int:
-    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-
-
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_id: int, dtype: torch.dtype, qkv_bias: bool, o_bias: bool,
-                 qk_norm: bool):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, qkv_bias: bool,
+                 o_bias: bool, qk_norm: bool):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = num_kv_heads_of(config)
-        self.head_dim = head_dim_of(config)
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
         self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads,
                                   self.num_kv_heads, qkv_bias, dtype)
         self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size,
@@ -100,12 +95,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
         super().__init__()
-        act = getattr(config, "hidden_act", "silu")
+        act = config.hidden_act
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {act!r}; ferry supports silu")
-        bias = bool(getattr(config, "mlp_bias", False))
+        bias = config.mlp_bias
         inter = config.intermediate_size
         self.gate_up_proj = MergedColumnLinear(config.hidden_size, [inter, inter], bias, dtype)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, dtype)
@@ -116,7 +111,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, dtype: torch.dtype, options: dict):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, options: dict):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, dtype, **options)
         self.mlp = LlamaMLP(config, dtype)
@@ -151,15 +146,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, dtype: torch.dtype, options: dict):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, options: dict):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype, options)
-                                    for i in range(config.num_hidden_layers))
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        theta, rope_params = rope_config(config)
-        self.rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
-                                          theta, rope_params)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                          config.rope_theta, config.rope_parameters)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 fb: ForwardBatch) -> torch.Tensor:
@@ -171,27 +165,9 @@ class LlamaModel(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    @property
-    def num_pieces(self) -> int:
-        """Pieces of the forward between attention calls: one per layer, plus the tail."""
-        return len(self.layers) + 1
-
     def piece(self, i: int, positions: torch.Tensor, input_ids: torch.Tensor | None = None,
               attn_out: torch.Tensor | None = None, residual: torch.Tensor | None = None):
-        """Piece ``i`` of the forward, everything between two attention calls.
-
-        The forward is ``piece(0)``, attention of layer 0, ``piece(1)``, ..., attention of
-        layer L-1, ``piece(L)``; the piecewise graph runner captures the pieces and runs the
-        attention eagerly in between (its shapes vary with the batch).
-
-        Args:
-            i: 0 (from ``input_ids`` [T] int64) .. L (``attn_out`` [T, Hq*D] of layer L-1
-                and its ``residual`` [T, hidden]).
-            positions: [T] int64.
-        Returns:
-            ``(q, k, v, residual)`` of layer i for i < L; the final normed hidden states
-            [T, hidden] for i == L.
-        """
+        """Piece ``i`` of the forward (see :meth:`engine.models.base.CausalLM.piece`)."""
         if i == 0:
             hidden, residual = self.embed_tokens(input_ids), None
         else:
@@ -201,11 +177,12 @@ class LlamaModel(nn.Module):
         return self.layers[i].pre_attn(hidden, residual, self.rotary_emb, positions)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """Causal LM over the paged KV cache.
 
     Args:
-        config: HF ``PretrainedConfig`` (llama-like fields).
+        config: HF ``PretrainedConfig`` (llama-like fields; a multimodal config's
+            ``text_config`` is used) or a ``ModelConfig``.
         dtype: parameter and activation dtype. Parameters are created uninitialised on the
             current default device (build it under ``with torch.device(dev):``); the RoPE table
             stays fp32.
@@ -214,17 +191,18 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.config = config
+        self.model_config = mc = ModelConfig.from_hf(config)
         self.dtype = dtype
-        self.model = LlamaModel(config, dtype, self._options(config))
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.model = LlamaModel(mc, dtype, self._options(mc))
+        self.tie_word_embeddings = mc.tie_word_embeddings
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+            self.lm_head = VocabEmbedding(mc.vocab_size, mc.hidden_size, dtype)
 
     @staticmethod
-    def _options(config) -> dict:
-        bias = bool(getattr(config, "attention_bias", False))
+    def _options(config: ModelConfig) -> dict:
+        bias = config.attention_bias
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -240,7 +218,20 @@ class LlamaForCausalLM(nn.Module):
             ``forward_batch.logits_indices`` is None.
         """
         hidden = self.model(input_ids, positions, forward_batch)
-        return compute_logits(hidden, self.lm_head.weight, forward_batch.logits_indices)
+        return self.compute_logits(hidden, forward_batch.logits_indices)
+
+    # ---- the contract's piecewise split and LM head -------------------------------------
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def piece(self, i: int, positions: torch.Tensor, input_ids: torch.Tensor | None = None,
+              attn_out: torch.Tensor | None = None, residual: torch.Tensor | None = None):
+        return self.model.piece(i, positions, input_ids, attn_out, residual)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.lm_head.weight
 
     # ---- weights -------------------------------------------------------------------------
 
@@ -318,7 +309,7 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2 / Qwen2.5: bias on the q/k/v projections, none on o_proj."""
 
     @staticmethod
-    def _options(config) -> dict:
+    def _options(config: ModelConfig) -> dict:
         return {"qkv_bias": True, "o_bias": False, "qk_norm": False}
 
 
@@ -326,6 +317,6 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3 (dense): per-head RMSNorm on q and k before RoPE; explicit ``head_dim``."""
 
     @staticmethod
-    def _options(config) -> dict:
-        bias = bool(getattr(config, "attention_bias", False))
+    def _options(config: ModelConfig) -> dict:
+        bias = config.attention_bias
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": True}

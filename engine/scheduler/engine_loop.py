@@ -20,7 +20,7 @@ from engine.ipc import ENGINE_IN, PullSocket, PushSocket
 from engine.sampling.params import SamplingParams
 from engine.scheduler.request import Req
 from engine.scheduler.scheduler import STATS_TTFT_ZERO, Scheduler, StepOutput
-from engine.tokenizer.tokenizer import eos_token_ids
+from engine.validation import RequestError, validate_request
 
 logger = logging.getLogger("ferry.engine")
 
@@ -55,19 +55,11 @@ class EngineLoop:
         self.ipc = ipc
 
     def _start(self):
-        from engine.executor.model_runner import ModelRunner, text_config
-        from engine.tokenizer.tokenizer import load_tokenizer
+        from engine.scheduler.build import build_engine
 
-        args = self.args
-        self.runner = ModelRunner(args)
-        try:
-            self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
-        except Exception as exc:  # dummy weights without tokenizer files: token ids only
-            logger.warning("no tokenizer (%s); stop strings are disabled", exc)
-            self.tokenizer = None
-        self.vocab_size = text_config(self.runner.config).vocab_size
-        self.sched = Scheduler(args, self.runner, self.tokenizer,
-                               eos_token_ids(self.runner.config, self.tokenizer))
+        engine = build_engine(self.args)
+        self.runner, self.tokenizer, self.sched = engine.runner, engine.tokenizer, engine.scheduler
+        self.vocab_size = engine.vocab_size
         if self.runner.device_type != "cpu":
             warm_up(self.sched)
 
@@ -109,44 +101,35 @@ class EngineLoop:
     # ---- requests -----------------------------------------------------------------------
     def handle(self, m) -> None:
         if isinstance(m, io.TokenizedGenerateReq):
-            err = self.validate(m)
-            if err is not None:
-                self.to_server.send(err)
+            max_new = self.validate(m)
+            if isinstance(max_new, io.ErrorOut):
+                self.to_server.send(max_new)
                 return
-            sp = m.sampling_params
-            room = self.runner.max_context_len - len(m.input_ids)
-            max_new = room if sp.max_tokens is None else sp.max_tokens
-            self.sched.add_request(Req(m.rid, list(m.input_ids), sp, m.stream, max_new,
-                                       m.arrival_time or None))
+            self.sched.add_request(Req(m.rid, list(m.input_ids), m.sampling_params, m.stream,
+                                       max_new, m.arrival_time or None))
         elif isinstance(m, io.AbortReq):
             self.sched.abort_request(m.rid)
         elif isinstance(m, io.GetServerInfoReq):
             self.to_server.send(self.info_out(m.rid))
 
-    def validate(self, m: io.TokenizedGenerateReq) -> io.ErrorOut | None:
+    def validate(self, m: io.TokenizedGenerateReq) -> io.ErrorOut | int:
+        """Check a request with ``engine.validation.validate_request`` (the server ran the
+        same checks; this keeps the engine safe from any sender).
+
+        Returns:
+            the completion's token budget (``max_tokens``, or the room left in the context
+            when it is None), or a 400 ``ErrorOut`` for a duplicate rid or a rejected request.
+        """
         def err(msg, param=None, code=None):
             return io.ErrorOut(rid=m.rid, message=msg, status=400, param=param, code=code)
 
         if m.rid in self.sched.reqs:
             return err(f"duplicate request id {m.rid}")
-        ids = m.input_ids
-        if not ids:
-            return err("the prompt is empty", "prompt")
-        if min(ids) < 0 or max(ids) >= self.vocab_size:
-            return err(f"token id out of the vocabulary [0, {self.vocab_size})", "prompt")
         try:
-            m.sampling_params.verify(self.vocab_size)
-        except ValueError as exc:
-            msg, param = (exc.args + (None,))[:2]
-            return err(str(msg), param)
-        ctx = self.runner.max_context_len
-        need = len(ids) + (m.sampling_params.max_tokens or 1)
-        if need > ctx:
-            return err(f"This model's maximum context length is {ctx} tokens. However, you "
-                       f"requested {need} tokens ({len(ids)} in the prompt, "
-                       f"{need - len(ids)} for the completion).", None,
-                       "context_length_exceeded")
-        return None
+            return validate_request(m.input_ids, m.sampling_params, self.vocab_size,
+                                    self.runner.max_context_len)
+        except RequestError as exc:
+            return err(exc.message, exc.param, exc.code)
 
     # ---- outputs ------------------------------------------------------------------------
     def batch_out(self, outs: list[StepOutput]) -> io.BatchTokenIdOut:

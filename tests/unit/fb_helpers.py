@@ -1,7 +1,7 @@
 """Build extend/decode ``ForwardBatch``es by hand from lists of token ids (tests only).
 
-``KVState`` owns a ``ReqToTokenPool``, a ``KVPool`` and a torch-reference
-``AttentionBackend`` and remembers, per request id, its req_to_token row, its pages and how
+``KVState`` owns a ``ReqToTokenPool``, a ``KVPool`` and a ``torch_native`` attention
+backend and remembers, per request id, its req_to_token row, its pages and how
 many tokens are cached, so successive calls model prefill, chunked prefill (extend with a
 cached prefix) and decode the way the model runner does.
 """
@@ -10,23 +10,23 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention import create_attention_backend
 from engine.executor.forward_batch import ForwardBatch, ForwardMode
 from engine.kv.pool import KVPool, ReqToTokenPool
-from engine.layers.attention import AttentionBackend
-from engine.models.llama import head_dim_of, num_kv_heads_of
+from engine.models.config import ModelConfig
 
 
 class KVState:
     def __init__(self, config, *, num_tokens: int = 1024, max_reqs: int = 8,
                  max_context: int = 256, page_size: int = 1, dtype=torch.float32,
                  device: str = "cpu"):
-        hd, nkv = head_dim_of(config), num_kv_heads_of(config)
+        mc = ModelConfig.from_hf(config)
         self.device = device
         self.req_pool = ReqToTokenPool(max_reqs, max_context, device)
-        self.kv_pool = KVPool(num_tokens, page_size, config.num_hidden_layers, nkv, hd, dtype,
-                              device)
-        self.backend = AttentionBackend(use_triton=False, num_heads=config.num_attention_heads,
-                                        num_kv_heads=nkv, head_dim=hd)
+        self.kv_pool = KVPool(num_tokens, page_size, mc.num_layers, mc.num_kv_heads,
+                              mc.head_dim, dtype, device)
+        self.backend = create_attention_backend("torch_native", mc.num_heads, mc.num_kv_heads,
+                                                mc.head_dim, device=device)
         self.rows: dict = {}
         self.pages: dict = {}
         self.lens: dict = {}

@@ -33,7 +33,7 @@ def test_prefill_budget_caps_the_chunk():
     assert prefill_budget(ServerArgs(chunked_prefill_size=4096), "cuda") == 4096
     assert prefill_budget(ServerArgs(chunked_prefill_size=4096, max_prefill_tokens=1000),
                           "cuda") == 1000
-    assert prefill_budget(ServerArgs(max_prefill_tokens=0), "cpu") == 1
+    assert prefill_budget(ServerArgs(max_prefill_tokens=1), "cpu") == 1
 
 
 @pytest.mark.parametrize("flag", ["--max-running-requests", "--cuda-graph-max-bs",
@@ -67,3 +67,94 @@ def test_serve_rejects_timeouts_that_are_not_positive(flag, capsys):
     with pytest.raises(SystemExit) as exc:
         serve([flag, "0"])
     assert exc.value.code == 2 and f"{flag} must be > 0" in capsys.readouterr().err
+
+
+# ---- bounds live in ServerArgs: LLM(...) and ferry serve get the same errors ---------------
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+# (field, the last good value, the first bad value), hand-picked per bound
+BOUNDARIES = [
+    ("max_running_requests", 1, 0), ("max_queued_requests", 1, 0), ("max_n", 1, 0),
+    ("max_request_bytes", 1, 0), ("cuda_graph_max_bs", 1, 0), ("max_prefill_tokens", 1, 0),
+    ("chunked_prefill_size", 1, 0), ("piecewise_graph_max_tokens", 1, 0),
+    ("decode_attention_waves", 1, 0), ("max_total_tokens", 1, -3), ("page_size", 1, 0),
+    ("context_length", 1, 0), ("port", 1, 0), ("port", 65535, 65536),
+    ("mem_fraction_static", 1.0, 1.01), ("mem_fraction_static", 0.01, 0.0),
+    ("shutdown_timeout", 0.0, -0.5), ("header_timeout", 0.01, 0.0),
+    ("body_read_timeout", 0.01, -1.0), ("startup_timeout", 0.01, 0.0),
+]
+
+
+@pytest.mark.parametrize("name,good,bad", BOUNDARIES)
+def test_server_args_checks_its_bounds(name, good, bad):
+    assert getattr(ServerArgs(**{name: good}), name) == good
+    with pytest.raises(ValueError, match=f"^{_flag(name)} must be .*, got {bad}$"):
+        ServerArgs(**{name: bad})
+
+
+def test_bound_messages_name_the_flag_and_the_value():
+    cases = {
+        "max_running_requests": (0, "--max-running-requests must be >= 1, got 0"),
+        "port": (70000, "--port must be in [1, 65535], got 70000"),
+        "mem_fraction_static": (0, "--mem-fraction-static must be in (0, 1], got 0"),
+        "shutdown_timeout": (-1, "--shutdown-timeout must be >= 0, got -1"),
+        "startup_timeout": (0, "--startup-timeout must be > 0, got 0"),
+        "max_n": ("16", "--max-n must be a number, got '16'"),    # LLM bypasses argparse
+        "device": ("tpu", "--device must be one of 'auto', 'cuda', 'xpu', 'cpu', got 'tpu'"),
+    }
+    for name, (value, msg) in cases.items():
+        with pytest.raises(ValueError) as ei:
+            ServerArgs(**{name: value})
+        assert str(ei.value) == msg
+    for nan_field in ("mem_fraction_static", "header_timeout", "shutdown_timeout"):
+        with pytest.raises(ValueError, match=_flag(nan_field)):
+            ServerArgs(**{nan_field: float("nan")})
+    with pytest.raises(ValueError, match="--max-running-requests"):
+        ServerArgs().replace(max_running_requests=0)       # replace() checks too
+
+
+def test_every_choices_field_is_checked():
+    fields = [f for f in dataclasses.fields(ServerArgs) if "choices" in f.metadata]
+    assert {"device", "dtype", "load_format", "kv_cache_dtype", "log_level"} <= \
+        {f.name for f in fields}
+    for f in fields:
+        for ok in f.metadata["choices"]:
+            assert getattr(ServerArgs(**{f.name: ok}), f.name) == ok
+        with pytest.raises(ValueError, match=f"^{_flag(f.name)} must be one of .*'bogus'$"):
+            ServerArgs(**{f.name: "bogus"})
+
+
+def test_llm_gets_the_same_bound_error_before_loading_anything(monkeypatch):
+    import engine.scheduler.build as build
+    from engine import LLM
+
+    def no_load(args):
+        raise AssertionError("the model must not load for bad arguments")
+
+    monkeypatch.setattr(build, "build_engine", no_load)
+    with pytest.raises(ValueError) as ei:
+        LLM(max_running_requests=0, device="cpu")
+    assert str(ei.value) == "--max-running-requests must be >= 1, got 0"
+    with pytest.raises(ValueError, match="^--dtype must be one of"):
+        LLM(dtype="fp64")
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--max-running-requests", "0"], "--max-running-requests must be >= 1, got 0"),
+    (["--port", "0"], "--port must be in [1, 65535], got 0"),
+    (["--mem-fraction-static", "1.5"], "--mem-fraction-static must be in (0, 1], got 1.5"),
+    (["--mem-fraction-static", "0"], "--mem-fraction-static must be in (0, 1], got 0.0"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0, got -1.0"),
+    (["--context-length", "0"], "--context-length must be >= 1, got 0"),
+])
+def test_serve_turns_bound_errors_into_usage_errors(argv, msg, capsys):
+    from server.cli import serve
+
+    with pytest.raises(SystemExit) as exc:
+        serve(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert err.startswith("usage: ferry serve") and f"ferry serve: error: {msg}\n" in err

@@ -13,13 +13,13 @@ import pytest
 
 from engine.sampling.params import SamplingParams
 from server.app import model_name_of
+from server.chat_messages import messages_for_template
 from server.errors import APIError
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    messages_for_template,
     parse_request,
 )
 from server.serving import BODY_READ_TIMEOUT_S, read_json

@@ -1,8 +1,12 @@
-"""The torch reference kernels against torch's own scaled_dot_product_attention."""
+"""The torch reference kernels, and the torch_native attention backend built on them, against
+torch's own scaled_dot_product_attention."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.attention import TorchNativeAttnBackend
+from engine.executor.forward_batch import ForwardBatch, ForwardMode
 from kernels.reference import decode_attention_ref, extend_attention_ref, store_kv_ref
 
 
@@ -68,3 +72,52 @@ def test_extend_reference_with_prefix_matches_sdpa():
         slots = r2t[rows[b], : prefix[b] + n].long()
         ref = _sdpa(q[s0: s0 + n], kb[slots], vb[slots], 0.25, causal_offset=prefix[b])
         torch.testing.assert_close(o[s0: s0 + n].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["mixed", "decode"])
+def test_torch_native_backend_matches_sdpa(mode):
+    """The backend's whole layer call: store the new K/V, extend attention for the extending
+    requests, decode attention for the one-token tail (mixed step) or the whole DECODE step."""
+    kb, vb = _pool(seed=4)
+    g = torch.Generator().manual_seed(5)
+    prefix, ext = ([3, 0, 9, 20], [5, 7, 1, 1]) if mode == "mixed" else ([4, 17, 30], [1, 1, 1])
+    num_decodes = 2 if mode == "mixed" else 0
+    b = len(prefix)
+    r2t = torch.zeros(b + 1, 64, dtype=torch.int32)
+    r2t[1:] = (torch.randperm(299, generator=g) + 1)[: b * 64].view(b, 64).to(torch.int32)
+    rows = torch.arange(1, b + 1)
+    t = sum(ext)
+    q = torch.randn(t, 6, 16, generator=g)
+    k = torch.randn(t, 2, 16, generator=g)
+    v = torch.randn(t, 2, 16, generator=g)
+    starts = [sum(ext[:i]) for i in range(b)]
+    seq = torch.tensor([p + e for p, e in zip(prefix, ext)], dtype=torch.int32)
+    loc = torch.cat([r2t[rows[i], prefix[i]: prefix[i] + ext[i]] for i in range(b)]).long()
+    backend = TorchNativeAttnBackend(6, 2, 16)
+    fb = ForwardBatch(
+        mode=ForwardMode.EXTEND if mode == "mixed" else ForwardMode.DECODE, batch_size=b,
+        positions=None, req_pool_indices=rows, seq_lens=seq, out_cache_loc=loc,
+        req_to_token=r2t, k_buffers=[None, kb], v_buffers=[None, vb], attn_backend=backend,
+        extend_seq_lens=torch.tensor(ext, dtype=torch.int32),
+        extend_start_loc=torch.tensor(starts, dtype=torch.int32), max_extend_len=max(ext),
+        num_decodes=num_decodes)
+    backend.init_forward(fb)
+    out = backend.forward(q, k, v, 1, 0.3, fb)
+    assert torch.equal(kb[loc], k) and torch.equal(vb[loc], v)
+    for i in range(b):
+        s0, n = starts[i], ext[i]
+        slots = r2t[rows[i], : prefix[i] + n].long()
+        ref = _sdpa(q[s0: s0 + n], kb[slots], vb[slots], 0.3, causal_offset=prefix[i])
+        torch.testing.assert_close(out[s0: s0 + n].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_backend_without_init_forward_refuses_decode():
+    backend = TorchNativeAttnBackend(2, 1, 8)
+    kb, vb = torch.zeros(4, 1, 8), torch.zeros(4, 1, 8)
+    fb = ForwardBatch(mode=ForwardMode.DECODE, batch_size=1, positions=None,
+                      req_pool_indices=torch.tensor([0]), seq_lens=torch.tensor([1]),
+                      out_cache_loc=torch.tensor([1]), req_to_token=torch.ones(1, 4).int(),
+                      k_buffers=[kb], v_buffers=[vb], attn_backend=backend)
+    with pytest.raises(RuntimeError, match="init_forward"):
+        backend.forward(torch.zeros(1, 2, 8), torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), 0,
+                        1.0, fb)

@@ -1,0 +1,85 @@
+"""Attention backends behind one interface (:class:`~engine.attention.base.AttentionBackend`).
+
+  torch_native  the pure-torch reference kernels (``kernels/reference.py``); the CPU default
+  triton        the Triton kernels in ``kernels/``; the CUDA and XPU default
+
+``--attention-backend`` picks one; without it, ``engine.device.default_attention_backend``
+picks by device. Adding a backend is one file (a subclass of ``AttentionBackend`` in this
+folder) plus one line in ``ATTENTION_BACKENDS``.
+
+Triton on the CPU: the kernels run there only in Triton's interpreter, which is slow and
+for tests; :func:`create_attention_backend` refuses ``triton`` on the CPU unless
+``TRITON_INTERPRET=1`` is set.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine import device as dev
+from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.attention.torch_native import TorchNativeAttnBackend
+from engine.attention.triton import TritonAttnBackend, TritonMetadata
+
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
+    "torch_native": TorchNativeAttnBackend,
+    "triton": TritonAttnBackend,
+}
+
+
+def resolve_attention_backend(name: str | None, device_type: str) -> str:
+    """The backend name to use: ``name``, or the device's default when None.
+
+    Args:
+        name: a key of ``ATTENTION_BACKENDS``, or None.
+        device_type: ``cuda``, ``xpu`` or ``cpu``.
+    Raises:
+        ValueError: an unknown name (the message lists the choices), or ``triton`` on the
+            CPU without ``TRITON_INTERPRET=1``.
+    """
+    if name is None:
+        return dev.default_attention_backend(device_type)
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of "
+                         f"{', '.join(sorted(ATTENTION_BACKENDS))}")
+    if name == "triton" and not dev.is_accelerator(device_type) \
+            and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("--attention-backend triton needs a CUDA or XPU device; on the CPU "
+                         "use torch_native (Triton runs there only under TRITON_INTERPRET=1, "
+                         "for tests)")
+    return name
+
+
+def create_attention_backend(name: str | None, num_heads: int, num_kv_heads: int,
+                             head_dim: int, *, device_type: str = "cpu",
+                             device: str | torch.device | None = None, num_sms: int = 1,
+                             waves: int = 1) -> AttentionBackend:
+    """Build a backend by name (see :func:`resolve_attention_backend` for None).
+
+    Args:
+        name: ``torch_native``, ``triton`` or None (the device default).
+        num_heads, num_kv_heads, head_dim: per-rank attention shape (Hq, Hkv, D).
+        device_type: ``cuda``, ``xpu`` or ``cpu``.
+        device: where static graph buffers live (default: ``device_type``).
+        num_sms, waves: device compute units and programs per unit (split-KV decode).
+    Raises:
+        ValueError: as :func:`resolve_attention_backend`; or Hq not a multiple of Hkv.
+        ImportError: ``triton`` without an importable Triton.
+    """
+    cls = ATTENTION_BACKENDS[resolve_attention_backend(name, device_type)]
+    return cls(num_heads, num_kv_heads, head_dim, device=device or device_type,
+               num_sms=num_sms, waves=waves)
+
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "TorchNativeAttnBackend",
+    "TritonAttnBackend",
+    "TritonMetadata",
+    "create_attention_backend",
+    "resolve_attention_backend",
+]

@@ -1,0 +1,177 @@
+"""The attention-backend interface: what every implementation of paged attention provides.
+
+A backend runs one layer's attention for one step over the paged KV cache (see
+``engine/kv/pool.py``): it stores the new tokens' K/V into the pool at
+``forward_batch.out_cache_loc``, then attends through ``req_to_token``. The shape follows
+SGLang's ``AttentionBackend`` and mini-sglang's ``attention/base.py``: per-step metadata is
+built once (:meth:`AttentionBackend.init_forward`) and every layer reads it; graph support
+keeps that metadata in static buffers (:meth:`AttentionBackend.init_capture`).
+
+Steps (``ForwardBatch.mode``):
+  - DECODE: one new token per request; all of it goes to :meth:`forward_decode`.
+  - EXTEND: prefill with or without a cached prefix. A mixed EXTEND step (chunked prefill
+    with the running decodes) ends with ``num_decodes`` one-token requests: the first
+    ``batch_size - num_decodes`` requests go to :meth:`forward_extend`, the tail to
+    :meth:`forward_decode` (the extend kernel would spend a BLOCK_M-row tile per query head
+    on each one-token query; the decode kernel reads their KV once per KV head).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.executor.forward_batch import ForwardBatch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step state shared by every layer: what the decode path reads.
+
+    Built by :meth:`AttentionBackend.init_forward` for a step with decode requests (all of a
+    DECODE step, the ``num_decodes`` tail of a mixed EXTEND step) and stored in
+    ``ForwardBatch.attn_meta``; None for a step without decodes. Backends subclass it to add
+    their own fields.
+
+    Attributes:
+        num_decodes: decode requests in the step (Bd).
+        req_pool_indices: ``[Bd]`` int64 rows of ``req_to_token`` of those requests.
+        seq_lens: ``[Bd]`` int32 KV lengths (tokens, the new one included).
+    """
+
+    num_decodes: int
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+class AttentionBackend(ABC):
+    """Paged attention for the layers of one model (one instance per model runner).
+
+    Args:
+        num_heads: query heads per rank (Hq).
+        num_kv_heads: KV heads per rank (Hkv); ``Hq % Hkv == 0``.
+        head_dim: D.
+        device: where static graph buffers live (:meth:`init_capture`).
+        num_sms: compute units of the device (SMs, Xe cores, CPU cores), for backends that
+            size their launch to it.
+        waves: programs wanted per compute unit (the decode split-KV heuristic).
+    """
+
+    #: whether the decode graph runner may capture this backend's decode step (no host
+    #: syncs, metadata in static buffers)
+    supports_graphs: ClassVar[bool] = False
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *,
+                 device: str | torch.device = "cpu", num_sms: int = 1, waves: int = 1):
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
+                             f"{num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.device = torch.device(device)
+        self.num_sms = num_sms
+        self.waves = waves
+
+    # ---- metadata -----------------------------------------------------------------------
+    @abstractmethod
+    def init_forward(self, fb: ForwardBatch) -> None:
+        """Build the step's metadata into ``fb.attn_meta`` (once per step, before forward)."""
+
+    def init_capture(self, max_bs: int) -> None:
+        """Allocate the static metadata buffers of decode graphs of up to ``max_bs`` requests.
+
+        Raises:
+            NotImplementedError: the backend does not support graphs (``supports_graphs``).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support device graphs")
+
+    def init_forward_graph(self, fb: ForwardBatch) -> None:
+        """:meth:`init_forward` for a DECODE step whose tensors are a graph's static buffers.
+
+        Called while capturing (and warming up); the metadata lives in the buffers of
+        :meth:`init_capture` and any device work is captured, so a replay recomputes it from
+        the static ``seq_lens`` with no host-side hook.
+
+        Raises:
+            NotImplementedError: the backend does not support graphs.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support device graphs")
+
+    # ---- kernels ------------------------------------------------------------------------
+    @abstractmethod
+    def store_kv(self, k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
+                 k: torch.Tensor, v: torch.Tensor) -> None:
+        """``k_buffer[loc[i]] = k[i]`` (same for v): loc [T] int64; k, v [T, Hkv, D], cast
+        to the pool's dtype."""
+
+    @abstractmethod
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       o: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                       fb: ForwardBatch, sm_scale: float) -> None:
+        """Extend attention of the first ``fb.num_extends`` requests into ``o``.
+
+        q, o [Te, Hq, D] and k, v [Te, Hkv, D] are their tokens' rows (already stored in the
+        pool); each new token sees its request's prefix and the new tokens up to itself.
+        """
+
+    @abstractmethod
+    def forward_decode(self, q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
+                       v_buffer: torch.Tensor, fb: ForwardBatch, sm_scale: float) -> None:
+        """Decode attention of the step's ``fb.attn_meta.num_decodes`` decode requests.
+
+        q, o [Bd, Hq, D]: one query row per request, in ``fb.attn_meta``'s order.
+
+        Raises:
+            RuntimeError: ``init_forward`` was not called for the step.
+        """
+
+    # ---- one layer ----------------------------------------------------------------------
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                sm_scale: float, fb: ForwardBatch, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Store the new K/V of layer ``layer_id``, then attend.
+
+        Args:
+            q: [T, Hq, D]; k, v: [T, Hkv, D] (the step's new tokens).
+            sm_scale: softmax scale, usually ``D ** -0.5``.
+            fb: the step (``init_forward`` done).
+            out: optional [T, Hq, D] view to write into (e.g. a graph runner's static buffer).
+        Returns:
+            [T, Hq, D] in q's dtype (``out`` when given).
+        """
+        kb, vb = fb.k_buffers[layer_id], fb.v_buffers[layer_id]
+        self.store_kv(kb, vb, fb.out_cache_loc, k, v)
+        o = torch.empty_like(q) if out is None else out
+        if fb.is_decode:
+            self.forward_decode(q, o, kb, vb, fb, sm_scale)
+            return o
+        nd = fb.num_decodes
+        te = q.shape[0] - nd             # tokens of the requests that extend
+        if fb.num_extends:
+            ke, ve = k[:te], v[:te]
+            if kb.dtype != k.dtype:
+                # an fp8 cache: attend to the new tokens as stored, like to the prefix, so the
+                # result does not depend on where the chunks (and so the load) cut the prompt
+                ke, ve = ke.to(kb.dtype).to(k.dtype), ve.to(vb.dtype).to(v.dtype)
+            self.forward_extend(q[:te], ke, ve, o[:te], kb, vb, fb, sm_scale)
+        if nd:
+            self.forward_decode(q[te:], o[te:], kb, vb, fb, sm_scale)
+        return o
+
+    @staticmethod
+    def _meta(fb: ForwardBatch) -> AttentionMetadata:
+        if fb.attn_meta is None:
+            raise RuntimeError("the step has decode requests but no attention metadata: call "
+                               "attn_backend.init_forward(fb) before the model's forward")
+        return fb.attn_meta
+
+    @staticmethod
+    def decode_rows(fb: ForwardBatch) -> tuple[int, int]:
+        """``(first, num_decodes)``: the decode requests of ``fb`` are ``first:``."""
+        nd = fb.batch_size if fb.is_decode else fb.num_decodes
+        return fb.batch_size - nd, nd

@@ -1,0 +1,129 @@
+"""The model contract: what the executor requires of a model class.
+
+Three callers use a model, and each needs only what is written here:
+
+- ``ModelRunner`` (eager steps) and the decode ``GraphRunner`` (captures the whole decode
+  step): :meth:`CausalLM.forward` ``(input_ids, positions, forward_batch) -> logits``. The
+  forward must not sync with the host (it runs inside a captured graph), and attention goes
+  through ``forward_batch.attn_backend`` (via :class:`engine.layers.attention.Attention`).
+- ``PiecewiseRunner`` (prefill and mixed steps; captures everything but attention): the
+  forward cut at its attention calls, :attr:`CausalLM.num_pieces` and
+  :meth:`CausalLM.piece`, the attention modules that run between the pieces
+  (:meth:`CausalLM.attention_layers`, whose ``q_size``/``kv_size`` size its buffers),
+  ``model_config.hidden_size`` (the residual buffer) and :meth:`CausalLM.compute_logits`.
+- The loader: construction as ``cls(hf_config, dtype)`` under ``with torch.device(dev):``,
+  then :meth:`CausalLM.load_weights` with HF-named tensors, :meth:`CausalLM.expected_weights`
+  to find what a checkpoint lacks, and :meth:`CausalLM.hf_weight_names` to pick tensors out
+  of a GGUF file.
+
+A model also exposes ``model_config`` (:class:`engine.models.config.ModelConfig`), which the
+runner reads for the KV pool's shape and the vocabulary.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from engine.layers.logits import compute_logits
+
+if TYPE_CHECKING:
+    from engine.executor.forward_batch import ForwardBatch
+    from engine.layers.attention import Attention
+    from engine.models.config import ModelConfig
+
+
+class CausalLM(nn.Module, ABC):
+    """Base class of every registered model (``engine.models.MODEL_REGISTRY``).
+
+    Subclasses set ``self.model_config`` in ``__init__(config, dtype)``.
+    """
+
+    model_config: ModelConfig
+
+    # ---- the step ------------------------------------------------------------------------
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                forward_batch: ForwardBatch) -> torch.Tensor:
+        """One step without host syncs.
+
+        Args:
+            input_ids: [T] int64 ids of the new tokens.
+            positions: [T] int64 positions of those tokens in their sequences.
+            forward_batch: the step (KV pool, attention backend, ``logits_indices``).
+        Returns:
+            float32 logits ``[len(logits_indices), vocab]`` (``[T, vocab]`` when
+            ``logits_indices`` is None).
+        """
+
+    # ---- the piecewise split -------------------------------------------------------------
+    @abstractmethod
+    def attention_layers(self) -> list[Attention]:
+        """The attention module of each layer, in forward order (L of them)."""
+
+    @property
+    def num_pieces(self) -> int:
+        """Pieces of the forward between attention calls: one per layer, plus the tail."""
+        return len(self.attention_layers()) + 1
+
+    @abstractmethod
+    def piece(self, i: int, positions: torch.Tensor, input_ids: torch.Tensor | None = None,
+              attn_out: torch.Tensor | None = None, residual: torch.Tensor | None = None):
+        """Piece ``i`` of the forward: everything between two attention calls.
+
+        The forward is ``piece(0)``, ``attention_layers()[0]``, ``piece(1)``, ...,
+        ``attention_layers()[L-1]``, ``piece(L)``. Every op in a piece must be row-wise
+        (padding rows compute garbage that no real row reads) and sync-free.
+
+        Args:
+            i: 0 (reads ``input_ids`` [T] int64) .. L (reads ``attn_out`` [T, q_size] of
+                layer i-1 and its ``residual`` [T, hidden]).
+            positions: [T] int64.
+        Returns:
+            ``(q [T, q_size], k [T, kv_size], v [T, kv_size], residual [T, hidden])`` of
+            layer i for i < L, q/k rotated; the final normed hidden states [T, hidden] for
+            i == L.
+        """
+
+    @property
+    def q_size(self) -> int:
+        """Per-rank width of an attention input q row (Hq * D), from layer 0."""
+        return self.attention_layers()[0].q_size
+
+    @property
+    def kv_size(self) -> int:
+        """Per-rank width of a k or v row (Hkv * D), from layer 0."""
+        return self.attention_layers()[0].kv_size
+
+    # ---- the LM head ---------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def lm_head_weight(self) -> torch.Tensor:
+        """[vocab, hidden] LM head (the embedding table when tied)."""
+
+    def compute_logits(self, hidden: torch.Tensor,
+                       logits_indices: torch.Tensor | None) -> torch.Tensor:
+        """Final hidden states [T, hidden] -> float32 logits of rows ``logits_indices``
+        ([B] int64; None: all T rows)."""
+        return compute_logits(hidden, self.lm_head_weight, logits_indices)
+
+    # ---- weights -------------------------------------------------------------------------
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors; returns the keys loaded (see :meth:`expected_weights`).
+
+        Raises:
+            ValueError: a tensor of the wrong shape.
+        """
+
+    @abstractmethod
+    def expected_weights(self) -> set[str]:
+        """Keys a complete checkpoint fills (``name``, or ``name:shard`` for fused params)."""
+
+    @abstractmethod
+    def hf_weight_names(self) -> list[str]:
+        """The HF checkpoint names of every weight the model needs."""

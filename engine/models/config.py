@@ -1,0 +1,126 @@
+"""``ModelConfig``: the decoder's dimensions, read once from the HF config.
+
+It lives beside the models (not in ``loader/``) because it is what the models and the model
+runner read; the loader only produces the HF ``PretrainedConfig`` it is built from. Every
+default that used to be re-derived at each use (``head_dim = hidden_size // heads``, KV
+heads = query heads, the LM-part of a multimodal config) is decided here, once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+#: context (tokens) assumed when a config gives no ``max_position_embeddings``
+DEFAULT_MAX_POSITION = 4096
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The language model's shape (all counts are for the whole model, before any TP split).
+
+    Attributes:
+        architecture: ``architectures[0]`` of the HF config, else the registry's name for its
+            ``model_type`` (GGUF-derived configs), else "".
+        model_type: the language model's ``model_type`` (``llama``, ``qwen3``...).
+        num_layers: decoder layers.
+        hidden_size: residual width.
+        num_heads: query heads.
+        num_kv_heads: K/V heads (``num_key_value_heads``, else ``num_heads``).
+        head_dim: per-head size (``head_dim``, else ``hidden_size // num_heads``).
+        intermediate_size: MLP width.
+        vocab_size: token ids are in ``[0, vocab_size)``.
+        max_position_embeddings: the model's context in tokens (4096 when unset).
+        rms_norm_eps: RMSNorm epsilon.
+        tie_word_embeddings: the LM head is the embedding table.
+        rope_theta: RoPE base.
+        rope_parameters: ``rope_type`` and its fields (``engine.layers.rotary.rope_config``).
+        hidden_act: MLP activation name.
+        attention_bias, mlp_bias: projection biases (``attention_bias``, ``mlp_bias``).
+    """
+
+    architecture: str
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    rope_theta: float
+    rope_parameters: dict[str, Any] = field(default_factory=dict, hash=False)
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    @property
+    def q_size(self) -> int:
+        """num_heads * head_dim."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """num_kv_heads * head_dim."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def context_length(self) -> int:
+        """The model's context in tokens (``max_position_embeddings``)."""
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_hf(cls, config) -> ModelConfig:
+        """Read an HF ``PretrainedConfig`` (a ``ModelConfig`` is returned as is).
+
+        A multimodal config's language part is its ``text_config``; the architecture and
+        ``tie_word_embeddings`` come from the outer config (as in transformers), the rest
+        from the language part.
+
+        Raises:
+            AttributeError: a required field (``hidden_size``, ``num_attention_heads``,
+                ``num_hidden_layers``, ``intermediate_size``, ``vocab_size``) is missing.
+        """
+        from engine.layers.rotary import rope_config
+
+        if isinstance(config, ModelConfig):
+            return config
+        text = getattr(config, "text_config", None) or config
+        heads = text.num_attention_heads
+        eps = getattr(text, "rms_norm_eps", None)
+        tie = getattr(config, "tie_word_embeddings", None)
+        if tie is None:
+            tie = getattr(text, "tie_word_embeddings", None)
+        theta, rope_params = rope_config(text)
+        return cls(
+            architecture=_architecture(config),
+            model_type=getattr(text, "model_type", None) or "",
+            num_layers=text.num_hidden_layers,
+            hidden_size=text.hidden_size,
+            num_heads=heads,
+            num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+            intermediate_size=text.intermediate_size,
+            vocab_size=text.vocab_size,
+            max_position_embeddings=(getattr(text, "max_position_embeddings", None)
+                                     or DEFAULT_MAX_POSITION),
+            rms_norm_eps=1e-6 if eps is None else float(eps),
+            tie_word_embeddings=bool(tie),
+            rope_theta=theta,
+            rope_parameters=rope_params,
+            hidden_act=getattr(text, "hidden_act", None) or "silu",
+            attention_bias=bool(getattr(text, "attention_bias", False)),
+            mlp_bias=bool(getattr(text, "mlp_bias", False)),
+        )
+
+
+def _architecture(config) -> str:
+    archs = getattr(config, "architectures", None) or []
+    if archs:
+        return archs[0]
+    from engine.models import MODEL_TYPES  # here: engine.models imports this module
+
+    return MODEL_TYPES.get(getattr(config, "model_type", None) or "", "")

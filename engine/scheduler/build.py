@@ -1,0 +1,82 @@
+"""Build an engine from ``ServerArgs``: the one path for the engine process and ``LLM``.
+
+``build_engine`` loads the model runner (weights, KV pool), the tokenizer, the EOS ids and
+the ``Scheduler``. The engine process (``EngineLoop._start``) adds its GPU warm-up; the
+offline ``LLM`` drives the scheduler directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from engine.args import ServerArgs
+from engine.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger("ferry.engine")
+
+
+@dataclass
+class Engine:
+    """What ``build_engine`` returns.
+
+    Attributes:
+        runner: the ``ModelRunner`` (model, KV pool, attention backend on one device).
+        tokenizer: a transformers tokenizer, or None (dummy weights without tokenizer
+            files: token-id prompts only, no stop strings).
+        scheduler: the ``Scheduler`` over ``runner``.
+        vocab_size: the model's vocabulary size (token ids are in ``[0, vocab_size)``).
+        max_context_len: the usable context (tokens, prompt plus completion): the model's
+            context capped by the KV pool.
+    """
+
+    runner: Any
+    tokenizer: Any
+    scheduler: Scheduler
+    vocab_size: int
+    max_context_len: int
+
+
+def load_engine_tokenizer(args: ServerArgs):
+    """The tokenizer of ``args`` (``--tokenizer-path``, else the model's).
+
+    Returns:
+        a transformers tokenizer, or None when ``--load-format dummy`` finds no tokenizer
+        (random weights are driven with token ids; a warning is logged).
+    Raises:
+        whatever ``load_tokenizer`` raises (FileNotFoundError, ValueError, OSError...) when
+        the weights are real: a real model without a tokenizer is a configuration error.
+    """
+    from engine.tokenizer.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(args.tokenizer_path or args.model_path)
+    except Exception as exc:
+        if args.load_format != "dummy":
+            raise
+        logger.warning("no tokenizer for the dummy weights (%s); token-id prompts only, "
+                       "stop strings are disabled", exc)
+        return None
+
+
+def build_engine(args: ServerArgs) -> Engine:
+    """Load the model and build the scheduler for ``args``.
+
+    Args:
+        args: the server arguments (device, model, KV pool and batching limits).
+    Returns:
+        an ``Engine`` (runner, tokenizer, scheduler, vocab_size, max_context_len).
+    Raises:
+        ValueError, FileNotFoundError, OSError: an unsupported or missing model, or a real
+            model without a tokenizer (see ``load_engine_tokenizer``).
+    """
+    from engine.executor.model_runner import ModelRunner
+    from engine.tokenizer.tokenizer import eos_token_ids
+
+    runner = ModelRunner(args)
+    tokenizer = load_engine_tokenizer(args)
+    scheduler = Scheduler(args, runner, tokenizer, eos_token_ids(runner.config, tokenizer))
+    return Engine(runner=runner, tokenizer=tokenizer, scheduler=scheduler,
+                  vocab_size=runner.model_config.vocab_size,
+                  max_context_len=runner.max_context_len)

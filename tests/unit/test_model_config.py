@@ -1,0 +1,124 @@
+"""``ModelConfig.from_hf`` against hand-written numbers, and the model contract."""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlavaConfig, Qwen3Config
+
+from engine.models import MODEL_REGISTRY, CausalLM, ModelConfig
+
+
+def test_llama_3_8b():
+    c = LlamaConfig(architectures=["LlamaForCausalLM"], hidden_size=4096,
+                    intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                    num_hidden_layers=32, vocab_size=128256, max_position_embeddings=131072,
+                    rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+                    rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 8192})
+    m = ModelConfig.from_hf(c)
+    assert m.architecture == "LlamaForCausalLM" and m.model_type == "llama"
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim) == \
+        (32, 4096, 32, 8, 128)
+    assert (m.intermediate_size, m.vocab_size, m.context_length) == (14336, 128256, 131072)
+    assert m.q_size == 4096 and m.kv_size == 1024
+    assert m.rms_norm_eps == 1e-5 and m.tie_word_embeddings is False
+    assert m.rope_theta == 500000.0
+    assert m.rope_parameters["rope_type"] == "llama3" and m.rope_parameters["factor"] == 8.0
+    assert m.hidden_act == "silu" and not m.attention_bias and not m.mlp_bias
+    assert ModelConfig.from_hf(m) is m
+    with pytest.raises(AttributeError):
+        m.vocab_size = 1  # frozen
+
+
+def test_qwen3_explicit_head_dim():
+    # Qwen3-0.6B: head_dim 128 although hidden_size / heads = 64
+    c = Qwen3Config(architectures=["Qwen3ForCausalLM"], hidden_size=1024, head_dim=128,
+                    intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
+                    num_hidden_layers=28, vocab_size=151936, max_position_embeddings=40960,
+                    rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)
+    m = ModelConfig.from_hf(c)
+    assert (m.num_heads, m.num_kv_heads, m.head_dim) == (16, 8, 128)
+    assert m.q_size == 2048 and m.kv_size == 1024
+    assert m.tie_word_embeddings is True and m.rope_theta == 1000000.0
+    assert m.rope_parameters["rope_type"] == "default"
+    assert (m.num_layers, m.vocab_size, m.context_length) == (28, 151936, 40960)
+
+
+def test_multimodal_text_config():
+    c = LlavaConfig(architectures=["LlavaForConditionalGeneration"], tie_word_embeddings=False,
+                    text_config={"model_type": "llama", "hidden_size": 256,
+                                 "num_attention_heads": 8, "num_key_value_heads": 2,
+                                 "num_hidden_layers": 3, "intermediate_size": 512,
+                                 "vocab_size": 1000, "max_position_embeddings": 1024,
+                                 "rms_norm_eps": 1e-5})
+    m = ModelConfig.from_hf(c)
+    assert m.architecture == "LlavaForConditionalGeneration" and m.model_type == "llama"
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim) == \
+        (3, 256, 8, 2, 32)
+    assert (m.intermediate_size, m.vocab_size, m.context_length) == (512, 1000, 1024)
+    assert m.tie_word_embeddings is False
+
+
+def test_defaults_of_a_sparse_config():
+    # a GGUF-derived config: no architectures, no KV heads, no head_dim, no context
+    c = SimpleNamespace(model_type="qwen2", hidden_size=896, num_attention_heads=14,
+                        num_hidden_layers=24, intermediate_size=4864, vocab_size=151936)
+    m = ModelConfig.from_hf(c)
+    assert m.architecture == "Qwen2ForCausalLM"
+    assert (m.num_kv_heads, m.head_dim, m.context_length) == (14, 64, 4096)
+    assert m.rms_norm_eps == 1e-6 and m.tie_word_embeddings is False
+    assert m.rope_theta == 10000.0
+
+
+def test_shipped_config_with_sliding_window_cap():
+    from engine.loader.loader import config_dir, load_config
+
+    m = ModelConfig.from_hf(load_config(config_dir("qwen2.5-7b")))
+    assert (m.architecture, m.num_layers, m.hidden_size) == ("Qwen2ForCausalLM", 28, 3584)
+    assert (m.num_heads, m.num_kv_heads, m.head_dim) == (28, 4, 128)
+    assert (m.intermediate_size, m.vocab_size, m.context_length) == (18944, 152064, 32768)
+
+
+# ---- the contract -----------------------------------------------------------------------
+
+def _tiny(arch: str):
+    kw = dict(architectures=[arch], hidden_size=64, intermediate_size=96,
+              num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+              vocab_size=128, max_position_embeddings=256)
+    if arch.startswith("Qwen3"):
+        return Qwen3Config(head_dim=32, **kw)
+    return LlamaConfig(**kw)
+
+
+@pytest.mark.parametrize("arch", sorted(MODEL_REGISTRY))
+def test_every_registered_model_keeps_the_contract(arch):
+    cls = MODEL_REGISTRY[arch]
+    assert issubclass(cls, CausalLM) and not inspect.isabstract(cls)
+    with torch.device("meta"):
+        model = cls(_tiny(arch), torch.float32)
+    head_dim = 32 if arch.startswith("Qwen3") else 16
+    assert isinstance(model.model_config, ModelConfig)
+    assert model.model_config.architecture == arch
+    layers = model.attention_layers()
+    assert len(layers) == 3 and model.num_pieces == 4
+    assert [a.layer_id for a in layers] == [0, 1, 2]
+    assert (model.q_size, model.kv_size) == (4 * head_dim, 2 * head_dim)
+    assert tuple(model.lm_head_weight.shape) == (128, 64)
+    names = model.hf_weight_names()
+    assert "model.layers.0.self_attn.q_proj.weight" in names
+    assert "model.layers.2.mlp.gate_proj.weight" in names
+    assert len(model.expected_weights()) == len(names)
+
+
+def test_an_incomplete_model_cannot_be_built():
+    class Partial(CausalLM):
+        def forward(self, input_ids, positions, forward_batch):
+            return input_ids
+
+    with pytest.raises(TypeError, match="abstract"):
+        Partial()
