@@ -5,7 +5,10 @@ Requests arrive as a Poisson process (``--request-rate`` req/s, seeded; ``inf`` 
 at once), optionally capped at ``--max-concurrency`` in flight. Prompts are random token ids
 (``--random-input-len``/``--random-output-len``, lengths uniform in ``[ratio * len, len]``),
 sent as ``prompt: [ids]`` to ``/v1/completions`` with ``ignore_eos`` so the output length is
-exact, or come from a ShareGPT-style JSON file (``--dataset-path``).
+exact, or come from a ShareGPT-style JSON file (``--dataset-path``). Two prefix-sharing
+workloads (``--dataset-name generated-shared-prefix`` and ``multi-turn``, see
+``bench/workloads.py``) exercise a prefix cache; the server's hit rate (from its
+``prefix_cache_queries``/``prefix_cache_hits`` counters) is printed next to the figures.
 
 Every request streams. Per request it measures TTFT (time to the first chunk with text), ITL
 (gaps between text chunks), TPOT ((E2E - TTFT) / (output tokens - 1)) and E2E latency; output
@@ -54,6 +57,8 @@ class RequestOutput:
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens (prefix cache hits)
+    text: str = ""          # the streamed completion text
 
     @property
     def tpot(self) -> float | None:
@@ -227,6 +232,7 @@ async def send_request(client: httpx.AsyncClient, model: str, req: RequestInput,
                         return out
                     now = time.perf_counter()
                     choices = msg.get("choices") or []
+                    out.text += "".join(c.get("text") or "" for c in choices)
                     if any(c.get("text") for c in choices):
                         if out.ttft is None:
                             out.ttft = now - start
@@ -238,6 +244,8 @@ async def send_request(client: httpx.AsyncClient, model: str, req: RequestInput,
                     if usage:
                         out.output_tokens = int(usage.get("completion_tokens") or 0)
                         out.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                        details = usage.get("prompt_tokens_details") or {}
+                        out.cached_tokens = int(details.get("cached_tokens") or 0)
         out.e2e = time.perf_counter() - start
         if not done:
             out.error = "stream ended without [DONE]"
@@ -296,6 +304,37 @@ async def scrape_ttft(client: httpx.AsyncClient) -> tuple[float, float] | None:
         return None
 
 
+async def scrape_counters(client: httpx.AsyncClient, suffixes: tuple[str, ...]
+                          ) -> dict[str, float] | None:
+    """Totals of the ``/metrics`` counters whose family name ends in each suffix (e.g.
+    ``prefix_cache_hits``), or None when the server has no ``/metrics``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        r = await client.get("/metrics")
+        if r.status_code != 200:
+            return None
+        out = dict.fromkeys(suffixes, 0.0)
+        for fam in text_string_to_metric_families(r.text):
+            for suf in suffixes:
+                if fam.name.endswith(suf):
+                    out[suf] += sum(x.value for x in fam.samples if x.name.endswith("_total"))
+        return out
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+CACHE_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits")
+
+
+def cache_hit_rate(before: dict | None, after: dict | None) -> float | None:
+    """The server's prefix-cache hit rate over a run (hits / queries, in tokens)."""
+    if before is None or after is None:
+        return None
+    q = after["prefix_cache_queries"] - before["prefix_cache_queries"]
+    return (after["prefix_cache_hits"] - before["prefix_cache_hits"]) / q if q > 0 else None
+
+
 async def scrape_ttft_parts(client: httpx.AsyncClient) -> dict | None:
     """ferry's ``/server_info`` TTFT parts (``first_tokens``, ``ttft_queue_s_sum``,
     ``ttft_engine_s_sum``), or None from a server without them."""
@@ -334,6 +373,7 @@ async def run_benchmark(base_url: str, requests: list[RequestInput], *, model: s
             model = await fetch_model(client)
         ttft_before = await scrape_ttft(client)
         parts_before = await scrape_ttft_parts(client)
+        cache_before = await scrape_counters(client, CACHE_COUNTERS)
         offsets = arrival_offsets(len(requests), request_rate, seed)
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         t0 = time.perf_counter()
@@ -361,7 +401,9 @@ async def run_benchmark(base_url: str, requests: list[RequestInput], *, model: s
         duration = time.perf_counter() - t0
         ttft_after = await scrape_ttft(client) if ttft_before is not None else None
         parts_after = await scrape_ttft_parts(client) if parts_before is not None else None
+        cache_after = await scrape_counters(client, CACHE_COUNTERS)
     result = metrics(outputs, duration)
+    result["server_cache_hit_rate"] = cache_hit_rate(cache_before, cache_after)
     result["model"] = model
     # the server's own TTFT (arrival at the server to the first token leaving the engine's
     # side), so the client's and the network's share of TTFT can be told apart
@@ -391,6 +433,7 @@ def metrics(outputs: list[RequestOutput], duration: float) -> dict:
     ok = [o for o in outputs if o.success]
     n_in = sum(o.prompt_tokens or o.prompt_len for o in ok)
     n_out = sum(o.output_tokens for o in ok)
+    n_cached = sum(o.cached_tokens for o in ok)
     dur = max(duration, 1e-9)
     errors: dict[str, int] = {}
     for o in outputs:
@@ -401,6 +444,7 @@ def metrics(outputs: list[RequestOutput], duration: float) -> dict:
         "completed": len(ok), "failed": len(outputs) - len(ok), "errors": errors,
         "duration_s": duration,
         "total_input_tokens": n_in, "total_output_tokens": n_out,
+        "cached_input_tokens": n_cached,
         "request_throughput": len(ok) / dur,
         "input_throughput": n_in / dur, "output_throughput": n_out / dur,
         "total_throughput": (n_in + n_out) / dur,
@@ -417,6 +461,7 @@ def format_table(m: dict) -> str:
             ("Benchmark duration (s)", f"{m['duration_s']:.2f}"),
             ("Total input tokens", f"{m['total_input_tokens']}"),
             ("Total output tokens", f"{m['total_output_tokens']}"),
+            ("Cached input tokens (usage)", f"{m.get('cached_input_tokens', 0)}"),
             ("Request throughput (req/s)", f"{m['request_throughput']:.2f}"),
             ("Input token throughput (tok/s)", f"{m['input_throughput']:.2f}"),
             ("Output token throughput (tok/s)", f"{m['output_throughput']:.2f}"),
@@ -425,6 +470,11 @@ def format_table(m: dict) -> str:
                       ("e2e_ms", "E2E latency")):
         for stat in ("mean", "median", "p99"):
             rows.append((f"{stat.capitalize()} {name} (ms)", f"{m[key][stat]:.2f}"))
+    if m.get("server_cache_hit_rate") is not None:
+        rows.append(("Prefix cache hit rate (server)", f"{m['server_cache_hit_rate']:.4f}"))
+    if m.get("turn_ttft_ms"):
+        for turn, v in sorted(m["turn_ttft_ms"].items(), key=lambda kv: int(kv[0])):
+            rows.append((f"Median TTFT turn {turn} (ms)", f"{v:.2f}"))
     if m.get("server_ttft_ms_mean") is not None:
         rows.append(("Server-side mean TTFT (ms, /metrics)", f"{m['server_ttft_ms_mean']:.2f}"))
     if m.get("ttft_engine_ms_mean") is not None:
@@ -457,11 +507,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lengths uniform in [ratio * len, len]; 1.0 = fixed lengths")
     p.add_argument("--vocab-low", type=int, default=100)
     p.add_argument("--vocab-high", type=int, default=30000)
+    p.add_argument("--dataset-name", default=None,
+                   choices=("random", "sharegpt", "generated-shared-prefix", "multi-turn"),
+                   help="workload (default: sharegpt with --dataset-path, else random); see "
+                        "bench/workloads.py for the two prefix-sharing ones")
     p.add_argument("--dataset-path", default=None, help="ShareGPT-style JSON instead of random")
     p.add_argument("--dataset-output-len", type=int, default=None,
                    help="fixed output length for dataset prompts")
     p.add_argument("--tokenizer", default=None,
                    help="HF tokenizer dir or .gguf file, to count dataset tokens")
+    g = p.add_argument_group("generated-shared-prefix (SGLang's flag names)")
+    g.add_argument("--gsp-num-groups", type=int, default=64, help="G: system prompts")
+    g.add_argument("--gsp-prompts-per-group", type=int, default=16, help="P: prompts each")
+    g.add_argument("--gsp-system-prompt-len", type=int, default=2048, help="S: tokens")
+    g.add_argument("--gsp-question-len", type=int, default=128, help="Q: tokens per prompt")
+    g.add_argument("--gsp-output-len", type=int, default=256, help="O: output tokens")
+    g = p.add_argument_group("multi-turn")
+    g.add_argument("--mt-conversations", type=int, default=32, help="C: chats at once")
+    g.add_argument("--mt-turns", type=int, default=8, help="T: turns per chat")
+    g.add_argument("--mt-user-len", type=int, default=128, help="U: tokens per user message")
+    g.add_argument("--mt-output-len", type=int, default=128, help="output tokens per turn")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--max-duration", type=float, default=3600.0, help="seconds for the run")
     p.add_argument("--seed", type=int, default=0)
@@ -490,17 +555,32 @@ def run(argv: list[str] | None = None) -> dict:
         raise SystemExit("--num-prompts must be >= 1")
     if ns.max_concurrency is not None and ns.max_concurrency < 1:
         raise SystemExit("--max-concurrency must be >= 1")
-    if ns.dataset_path:
+    from bench import workloads
+
+    name = ns.dataset_name or ("sharegpt" if ns.dataset_path else "random")
+    if name == "sharegpt":
+        if not ns.dataset_path:
+            raise SystemExit("--dataset-name sharegpt needs --dataset-path")
         tok = _load_tokenizer(ns.tokenizer) if ns.tokenizer else None
         reqs = sharegpt_requests(ns.dataset_path, ns.num_prompts, ns.seed, tok,
                                  ns.dataset_output_len)
-    else:
+    elif name == "generated-shared-prefix":
+        reqs = workloads.shared_prefix_requests(
+            ns.gsp_num_groups, ns.gsp_prompts_per_group, ns.gsp_system_prompt_len,
+            ns.gsp_question_len, ns.gsp_output_len, ns.vocab_low, ns.vocab_high, ns.seed)
+    elif name == "random":
         reqs = random_requests(ns.num_prompts, ns.random_input_len, ns.random_output_len,
                                ns.random_range_ratio, ns.vocab_low, ns.vocab_high, ns.seed)
-    result = asyncio.run(run_benchmark(
-        ns.base_url, reqs, model=ns.model, request_rate=ns.request_rate,
-        max_concurrency=ns.max_concurrency, timeout=ns.timeout, max_duration=ns.max_duration,
-        seed=ns.seed, api_key=ns.api_key))
+    if name == "multi-turn":
+        result = asyncio.run(workloads.run_multiturn(
+            ns.base_url, conversations=ns.mt_conversations, turns=ns.mt_turns,
+            user_len=ns.mt_user_len, output_len=ns.mt_output_len, model=ns.model,
+            timeout=ns.timeout, seed=ns.seed, api_key=ns.api_key))
+    else:
+        result = asyncio.run(run_benchmark(
+            ns.base_url, reqs, model=ns.model, request_rate=ns.request_rate,
+            max_concurrency=ns.max_concurrency, timeout=ns.timeout,
+            max_duration=ns.max_duration, seed=ns.seed, api_key=ns.api_key))
     cfg = vars(ns).copy()
     cfg["api_key"] = "***" if ns.api_key else None  # never write the key to a results file
     if math.isinf(ns.request_rate):

@@ -15,6 +15,15 @@ L8B=engine/configs/llama-3-8b.json
 run() { local name=$1 t=$2; shift 2; echo "=== $name ($(date +%T))"; \
         timeout "$t" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v "it/s\]" | tail -n 40; \
         echo "=== $name rc=${PIPESTATUS[0]}"; }
+# a dummy Llama-3-8B server (SmolLM2's vocabulary, so .tok detokenizes it) on port 30000
+start_server() { local name=$1; shift
+  python3 -m server --model-path engine/configs/llama-3-8b-smolvocab.json --load-format dummy \
+    --tokenizer-path "${TOKENIZER:-.tok}" --port 30000 "$@" >"$OUT/server-$name.log" 2>&1 &
+  spid=$!
+  for _ in $(seq 1 180); do curl -sf localhost:30000/health >/dev/null && break; sleep 1; done; }
+stop_server() { kill -INT $spid; wait $spid; tail -n 3 "$OUT/server-$1.log"; }
+SERVE8=(--num-prompts 200 --request-rate 8 --random-input-len 1024 --random-output-len 1024
+        --random-range-ratio 0.0977 --max-duration 240)
 for stage in "$@"; do
   case $stage in
     info) nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
@@ -70,15 +79,31 @@ for stage in "$@"; do
               --result-jsonl "$OUT/offline.jsonl";;
     offline-small) run offline-small 300 python3 -m bench.bench_offline --model-path $L8B \
               --load-format dummy --num-prompts 64 --result-jsonl "$OUT/offline.jsonl";;
-    serving) python3 -m server --model-path engine/configs/llama-3-8b-smolvocab.json \
-               --load-format dummy --tokenizer-path "${TOKENIZER:-.tok}" --port 30000 \
-               >"$OUT/server.log" 2>&1 &
-             spid=$!
-             for _ in $(seq 1 180); do curl -sf localhost:30000/health >/dev/null && break; sleep 1; done
+    serving) start_server serving
              run serving 300 python3 -m bench.bench_serving --base-url http://127.0.0.1:30000 \
-               --num-prompts 200 --request-rate 8 --random-input-len 1024 --random-output-len 1024 \
-               --random-range-ratio 0.0977 --max-duration 240 --output-json "$OUT/serving.json"
-             kill -INT $spid; wait $spid; tail -n 5 "$OUT/server.log";;
+               "${SERVE8[@]}" --output-json "$OUT/serving.json"
+             stop_server serving;;
+    offline-nocache) run offline-nocache 400 python3 -m bench.bench_offline --model-path $L8B \
+              --load-format dummy --disable-radix-cache --result-jsonl "$OUT/offline-nocache.jsonl";;
+    serving-nocache) start_server serving-nocache --disable-radix-cache
+             run serving-nocache 300 python3 -m bench.bench_serving --base-url http://127.0.0.1:30000 \
+               "${SERVE8[@]}" --output-json "$OUT/serving-nocache.json"
+             stop_server serving-nocache;;
+    prefix) for mode in cache nocache; do  # G=64 P=16 S=2048 Q=128 O=256, all sent at once
+               flag=(); [ $mode = nocache ] && flag=(--disable-radix-cache)
+               start_server gsp-$mode "${flag[@]}"
+               run gsp-$mode 420 python3 -m bench.bench_serving --base-url http://127.0.0.1:30000 \
+                 --dataset-name generated-shared-prefix --max-duration 360 \
+                 --output-json "$OUT/gsp-$mode.json"
+               stop_server gsp-$mode
+             done;;
+    multiturn) for mode in cache nocache; do  # 32 conversations x 8 turns
+               flag=(); [ $mode = nocache ] && flag=(--disable-radix-cache)
+               start_server mt-$mode "${flag[@]}"
+               run mt-$mode 300 python3 -m bench.bench_serving --base-url http://127.0.0.1:30000 \
+                 --dataset-name multi-turn --max-duration 240 --output-json "$OUT/mt-$mode.json"
+               stop_server mt-$mode
+             done;;
     *) echo "unknown stage $stage";;
   esac
 done

@@ -58,6 +58,10 @@ class ServerArgs:
     max_prefill_tokens: int = _f(16384, "most prompt tokens of one step over all its requests "
                                         "(caps --chunked-prefill-size)", ge=1)
     page_size: int = _f(1, "KV cache page size in tokens", ge=1)
+    disable_radix_cache: bool = _f(False, "do not reuse the KV of cached prompt prefixes "
+                                          "(the radix prefix cache)")
+    schedule_policy: str = _f("lpm", "waiting-queue order: lpm (longest cached prefix first; "
+                                     "FCFS beyond 128 waiting) or fcfs", ("lpm", "fcfs"))
     kv_cache_dtype: str = _f("auto", "KV cache dtype: auto (the model dtype), or fp8_e4m3 "
                                      "(alias fp8) / fp8_e5m2: one byte per value, cast "
                                      "without a scale", ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"))

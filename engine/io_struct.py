@@ -43,6 +43,12 @@ class GetServerInfoReq(_Msg):
     rid: str
 
 
+class FlushCacheReq(_Msg):
+    """Empty the radix prefix cache; answered with ``FlushCacheOut``."""
+
+    rid: str
+
+
 # ---- away from the engine ----------------------------------------------------------------
 
 class BatchTokenIdOut(_Msg):
@@ -66,6 +72,9 @@ class BatchTokenIdOut(_Msg):
     # (chosen_logprob, [[token_id, logprob], ...top-k]) or None when not asked for
     logprobs: list[list | None] = []
     prompt_logprobs: list[list | None] = []
+    # prompt tokens found in the prefix cache at admission; -1 before admission or with the
+    # cache off
+    cached_tokens: list[int] = []
 
 
 class BatchStrOut(_Msg):
@@ -79,6 +88,7 @@ class BatchStrOut(_Msg):
     completion_tokens: list[int]
     logprobs: list[list | None] = []
     prompt_logprobs: list[list | None] = []
+    cached_tokens: list[int] = []
 
 
 class ReadyOut(_Msg):
@@ -106,7 +116,8 @@ class ErrorOut(_Msg):
 
 
 class ServerInfoOut(_Msg):
-    """Engine figures: KV pool tokens used/free, running/waiting requests."""
+    """Engine figures: KV pool tokens used (held by requests) and free (allocatable,
+    evictable prefix-cache tokens included), running/waiting requests."""
 
     rid: str
     kv_used_tokens: int
@@ -115,6 +126,17 @@ class ServerInfoOut(_Msg):
     num_running: int
     num_waiting: int
     stats: dict = {}
+    # radix prefix cache: tokens the tree holds, and those of them no request is using
+    cached_tokens: int = 0
+    evictable_tokens: int = 0
+
+
+class FlushCacheOut(_Msg):
+    """Answer to ``FlushCacheReq``: refused (``success`` False) while requests run."""
+
+    rid: str
+    success: bool
+    message: str = ""
 
 
 class StatsOut(_Msg):
@@ -128,7 +150,7 @@ class StatsOut(_Msg):
     generation_tokens: int = 0
 
 
-EngineReq = TokenizedGenerateReq | AbortReq | GetServerInfoReq
+EngineReq = TokenizedGenerateReq | AbortReq | GetServerInfoReq | FlushCacheReq
 DetokReq = BatchTokenIdOut
-ServerBound = BatchStrOut | ReadyOut | ErrorOut | ServerInfoOut | StatsOut
+ServerBound = BatchStrOut | ReadyOut | ErrorOut | ServerInfoOut | StatsOut | FlushCacheOut
 AnyMsg = EngineReq | BatchTokenIdOut | ServerBound

@@ -3,7 +3,7 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/tokenize`` and
 ``POST /v1/detokenize`` (also at ``/tokenize`` and ``/detokenize``, vLLM's paths),
 ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /server_info``,
-``GET /metrics``.
+``GET /metrics``, ``POST /flush_cache`` (empties the prefix cache; 400 while requests run).
 Every handler is wrapped so an unexpected exception still answers an OpenAI-shaped error
 (and logs the traceback); unknown routes (404, a trailing slash included: no redirects) and
 wrong methods (405) are shaped too.
@@ -176,6 +176,13 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
         return JSONResponse(info)
 
     @endpoint
+    async def flush_cache(request: Request) -> Response:
+        out = await tm.flush_cache()
+        if not out.success:
+            raise http_error(400, out.message)
+        return JSONResponse({"message": out.message})
+
+    @endpoint
     async def metrics(request: Request) -> Response:
         if tm.metrics is None:
             raise http_error(503, "metrics are not ready")
@@ -206,6 +213,7 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
         Route("/health", health, methods=["GET"]),
         Route("/server_info", server_info, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/flush_cache", flush_cache, methods=["POST"]),
     ]
     app = Starlette(routes=routes,
                     middleware=[Middleware(AuthMiddleware, api_key=args.api_key)],

@@ -30,9 +30,12 @@ def finish_reason_of(out: ReqOutput) -> str | None:
     return None if out.finish_reason is None else str(out.finish_reason.get("type", "stop"))
 
 
-def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's ``usage`` object; ``prompt_tokens_details.cached_tokens`` counts the prompt
+    tokens served from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 @dataclass
@@ -50,8 +53,8 @@ class LogprobOptions:
 class _Choice:
     """One choice's accumulated state: token ids and logprob entries pair up by position."""
 
-    __slots__ = ("completion_tokens", "entries", "ids", "offset", "paired", "prompt_entries",
-                 "started", "text")
+    __slots__ = ("cached_tokens", "completion_tokens", "entries", "ids", "offset", "paired",
+                 "prompt_entries", "started", "text")
 
     def __init__(self):
         self.ids: list[int] = []
@@ -62,6 +65,7 @@ class _Choice:
         self.started = False
         self.text = ""
         self.completion_tokens = 0
+        self.cached_tokens = 0
 
     def absorb(self, out: ReqOutput) -> tuple[int, int]:
         """Add one output; returns the ``[start, end)`` of newly paired (token, entry)."""
@@ -72,6 +76,7 @@ class _Choice:
             self.prompt_entries = out.prompt_logprobs
         self.text += out.text
         self.completion_tokens = out.completion_tokens
+        self.cached_tokens = max(out.cached_tokens, 0)
         start, self.paired = self.paired, min(len(self.ids), len(self.entries))
         return start, self.paired
 
@@ -86,6 +91,8 @@ class BaseFormat:
             in every chunk).
         strings: ``TokenStrings`` (token strings for logprobs).
         lp: ``LogprobOptions``.
+        n: choices per prompt (choice ``i`` is sample ``i % n`` of prompt ``i // n``); the
+            usage counts each prompt's cached tokens once, from its first sample.
     """
 
     object_full = ""
@@ -93,7 +100,8 @@ class BaseFormat:
 
     def __init__(self, rid: str, model: str, count: int, prompt_tokens: int,
                  include_usage: bool, continuous_usage: bool = False,
-                 strings: TokenStrings | None = None, lp: LogprobOptions | None = None):
+                 strings: TokenStrings | None = None, lp: LogprobOptions | None = None,
+                 n: int = 1):
         self.id = rid
         self.model = model
         self.count = count
@@ -104,6 +112,7 @@ class BaseFormat:
         self.strings = strings if strings is not None else TokenStrings(None)
         self.lp = lp or LogprobOptions()
         self.choices = [_Choice() for _ in range(count)]
+        self.n = max(1, n)
 
     @property
     def texts(self) -> list[str]:
@@ -121,7 +130,8 @@ class BaseFormat:
         return c
 
     def usage(self) -> dict:
-        return usage_of(self.prompt_tokens, sum(c.completion_tokens for c in self.choices))
+        return usage_of(self.prompt_tokens, sum(c.completion_tokens for c in self.choices),
+                        sum(c.cached_tokens for c in self.choices[::self.n]))
 
     def usage_chunk(self) -> dict:
         c = self._envelope(self.object_chunk, [])

@@ -147,6 +147,11 @@ class Metrics:
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens",
                                          "Number of generation tokens processed.")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache (hits / queries is "
+                                 "the hit rate).")
         self.request_success = counter("request_success",
                                        "Count of finished requests, by finish reason.",
                                        ["finished_reason"])
@@ -176,6 +181,8 @@ class Metrics:
             g.labels(m).set(0)
         self.prompt_tokens.labels(m)
         self.generation_tokens.labels(m)
+        self.prefix_cache_queries.labels(m)
+        self.prefix_cache_hits.labels(m)
         for r in FINISH_REASONS:
             self.request_success.labels(m, r)
 
@@ -187,7 +194,8 @@ class Metrics:
     def on_request_finished(self, *, finish_reason: str, prompt_tokens: int,
                             completion_tokens: int, ttft_s: float | None, e2e_s: float,
                             queue_s: float | None = None,
-                            itl_s: Iterable[float] = ()) -> None:
+                            itl_s: Iterable[float] = (),
+                            cached_tokens: int | None = None) -> None:
         """Record one finished request (any reason, aborts included).
 
         Args:
@@ -199,6 +207,9 @@ class Metrics:
             e2e_s: arrival-to-finish latency in seconds, >= 0.
             queue_s: time waiting in the scheduler queue in seconds, or None if unknown.
             itl_s: inter-token latencies in seconds, one per output token after the first.
+            cached_tokens: prompt tokens found in the prefix cache, or None when the request
+                was never looked up (cache off, or aborted before admission); counts the
+                prompt as queried and these tokens as hits.
         Raises:
             ValueError: on a negative count or duration, or a non-finite duration.
         """
@@ -214,6 +225,9 @@ class Metrics:
         self.request_success.labels(m, str(finish_reason)).inc()
         self.prompt_tokens.labels(m).inc(prompt_tokens)
         self.generation_tokens.labels(m).inc(completion_tokens)
+        if cached_tokens is not None:
+            self.prefix_cache_queries.labels(m).inc(prompt_tokens)
+            self.prefix_cache_hits.labels(m).inc(min(max(cached_tokens, 0), prompt_tokens))
         self.request_prompt_tokens.labels(m).observe(prompt_tokens)
         self.request_generation_tokens.labels(m).observe(completion_tokens)
         self.e2e.labels(m).observe(e2e_s)

@@ -327,7 +327,8 @@ class OpenAIServing:
                             prompt_texts=[t for t in texts for _ in range(req.n)],
                             prompt_ids=[ids for ids in ids_list for _ in range(req.n)])
         fmt = CompletionFormat(base, self.model_name, len(subs), sum(map(len, ids_list)),
-                               req.include_usage, req.continuous_usage, self.strings, lp)
+                               req.include_usage, req.continuous_usage, self.strings, lp,
+                               n=req.n)
         self._log_request(fmt, req.prompt, sp)
         return await self._answer(request, subs, req.stream, t0, fmt)
 
@@ -347,7 +348,7 @@ class OpenAIServing:
         subs = self._fan_out(base, [ids], req.n, sp)
         lp = LogprobOptions(k=req.logprobs_k, as_ids=req.return_tokens_as_token_ids)
         fmt = ChatFormat(base, self.model_name, len(subs), len(ids), req.include_usage,
-                         req.continuous_usage, self.strings, lp)
+                         req.continuous_usage, self.strings, lp, n=req.n)
         self._log_request(fmt, [m.model_dump(exclude_none=True) for m in req.messages], sp)
         return await self._answer(request, subs, req.stream, t0, fmt)
 

@@ -43,6 +43,7 @@ class ReqOutput:
     "message"}``; token counts are totals so far. ``logprobs``: per new token
     ``(logprob, [[id, logprob], ...top k])`` when asked for; ``prompt_logprobs``: one entry
     per prompt token (None for the first), on the request's first output only.
+    ``cached_tokens``: prompt tokens the engine found in its prefix cache (-1: not looked up).
     """
 
     index: int
@@ -53,6 +54,7 @@ class ReqOutput:
     completion_tokens: int
     logprobs: list | None = None
     prompt_logprobs: list | None = None
+    cached_tokens: int = -1
 
 
 @dataclass
@@ -62,6 +64,7 @@ class _ReqState:
     t_arrival: float
     prompt_tokens: int
     completion_tokens: int = 0
+    cached_tokens: int = -1
     t_first: float | None = None
     t_last: float = 0.0
     itl: list[float] = field(default_factory=list)
@@ -153,6 +156,10 @@ class TokenizerManager:
             if st is not None:
                 st.queue.put_nowait(APIError(msg.message, msg.status, msg.param, msg.code))
                 self._record_finish(msg.rid, st, "abort")
+        elif isinstance(msg, io.FlushCacheOut):
+            fut = self.info_waiters.pop(msg.rid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
         elif isinstance(msg, io.ServerInfoOut):
             fut = self.info_waiters.pop(msg.rid, None)
             if fut is not None and not fut.done():
@@ -188,8 +195,10 @@ class TokenizerManager:
             st.completion_tokens = b.completion_tokens[i]
             lp = b.logprobs[i] if i < len(b.logprobs) else None
             plp = b.prompt_logprobs[i] if i < len(b.prompt_logprobs) else None
+            if i < len(b.cached_tokens):
+                st.cached_tokens = b.cached_tokens[i]
             st.queue.put_nowait(ReqOutput(st.index, b.texts[i], ids, fin, b.prompt_tokens[i],
-                                          b.completion_tokens[i], lp, plp))
+                                          b.completion_tokens[i], lp, plp, st.cached_tokens))
             if fin is not None:
                 del self.states[rid]
                 self._record_finish(rid, st, str(fin.get("type", "stop")))
@@ -203,7 +212,8 @@ class TokenizerManager:
                 self.metrics.on_request_finished(
                     finish_reason=reason, prompt_tokens=st.prompt_tokens,
                     completion_tokens=st.completion_tokens, ttft_s=ttft, e2e_s=e2e,
-                    itl_s=st.itl)
+                    itl_s=st.itl,
+                    cached_tokens=st.cached_tokens if st.cached_tokens >= 0 else None)
             except ValueError:
                 logger.exception("bad metrics sample for %s", rid)
         level = logging.INFO if self.args.log_requests else logging.DEBUG
@@ -382,12 +392,24 @@ class TokenizerManager:
         Raises:
             APIError: 503 if the engine is dead or does not answer within 5 s.
         """
+        return await self._ask_engine(io.GetServerInfoReq, "info")
+
+    async def flush_cache(self) -> io.FlushCacheOut:
+        """Ask the engine to empty its prefix cache (it refuses while requests run).
+
+        Raises:
+            APIError: 503 if the engine is dead or does not answer within 5 s.
+        """
+        return await self._ask_engine(io.FlushCacheReq, "flush")
+
+    async def _ask_engine(self, msg_type, prefix: str):
+        """Send a control request and wait for the engine's answer with the same rid."""
         if self.dead is not None:
             raise unavailable(f"the engine is not running ({self.dead})")
-        rid = f"info-{uuid.uuid4().hex}"
+        rid = f"{prefix}-{uuid.uuid4().hex}"
         fut = asyncio.get_running_loop().create_future()
         self.info_waiters[rid] = fut
-        self.push.send(io.GetServerInfoReq(rid=rid))
+        self.push.send(msg_type(rid=rid))
         try:
             return await asyncio.wait_for(fut, SERVER_INFO_TIMEOUT_S)
         except TimeoutError:

@@ -35,6 +35,13 @@ class ReqToTokenPool:
     def free(self, row: int) -> None:
         self._free.append(row)
 
+    def write(self, row: int, start: int, slots: list[int]) -> None:
+        """``req_to_token[row, start:start + len(slots)] = slots`` (a request's cached
+        prefix, or the tree's copy of pages it computed twice)."""
+        if slots:
+            t = torch.tensor(slots, dtype=torch.int32)
+            self.req_to_token[row, start:start + len(slots)] = t.to(self.req_to_token.device)
+
 
 class KVPool:
     """K/V buffers per layer plus a page allocator.
@@ -71,6 +78,14 @@ class KVPool:
 
     def free_tokens(self) -> int:
         return len(self._free_pages) * self.page_size
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free_pages)
+
+    def free_page_list(self) -> list[int]:
+        """A copy of the free list (for accounting checks)."""
+        return list(self._free_pages)
 
     def used_tokens(self) -> int:
         return self.capacity_tokens - self.free_tokens()

@@ -111,6 +111,12 @@ class EngineLoop:
             self.sched.abort_request(m.rid)
         elif isinstance(m, io.GetServerInfoReq):
             self.to_server.send(self.info_out(m.rid))
+        elif isinstance(m, io.FlushCacheReq):
+            ok = self.sched.flush_cache()
+            self.to_server.send(io.FlushCacheOut(
+                rid=m.rid, success=ok,
+                message="the prefix cache is empty" if ok else
+                "cannot flush the prefix cache while requests are queued or running"))
 
     def validate(self, m: io.TokenizedGenerateReq) -> io.ErrorOut | int:
         """Check a request with ``engine.validation.validate_request`` (the server ran the
@@ -136,13 +142,15 @@ class EngineLoop:
         b = io.BatchTokenIdOut(rids=[], new_token_ids=[], finished_reasons=[], prompt_tokens=[],
                                completion_tokens=[], stop_strs=[], skip_special_tokens=[],
                                spaces_between_special_tokens=[], logprobs=[],
-                               prompt_logprobs=[])
+                               prompt_logprobs=[], cached_tokens=[])
         for o in outs:
             req, sp = o.req, o.req.sampling_params
             b.rids.append(req.rid)
             b.new_token_ids.append(o.new_token_ids)
             b.finished_reasons.append(o.finished_reason.to_dict() if o.finished_reason else None)
             b.prompt_tokens.append(len(req.origin_input_ids))
+            b.cached_tokens.append(-1 if req.cached_tokens is None or not self.sched.kv.enabled
+                                   else req.cached_tokens)
             b.completion_tokens.append(len(req.output_ids))
             b.stop_strs.append(sp.stop)
             b.skip_special_tokens.append(sp.skip_special_tokens)
@@ -162,17 +170,23 @@ class EngineLoop:
 
     def info_out(self, rid: str) -> io.ServerInfoOut:
         kv = self.runner.kv_pool
-        return io.ServerInfoOut(rid=rid, kv_used_tokens=kv.used_tokens(),
-                                kv_free_tokens=kv.free_tokens(), kv_total_tokens=kv.capacity_tokens,
+        # used: held by requests; free: allocatable, the prefix cache's evictable part included
+        mgr = self.sched.kv
+        return io.ServerInfoOut(rid=rid, kv_used_tokens=mgr.used_tokens(),
+                                kv_free_tokens=mgr.available_tokens(),
+                                kv_total_tokens=kv.capacity_tokens,
                                 num_running=self.sched.num_running,
                                 num_waiting=self.sched.num_waiting,
-                                stats=dict(self.sched.stats, pid=os.getpid()))
+                                stats=dict(self.sched.stats, pid=os.getpid()),
+                                cached_tokens=self.sched.kv.tree.cached_tokens(),
+                                evictable_tokens=self.sched.kv.tree.evictable_tokens())
 
     def stats_out(self) -> io.StatsOut:
         kv = self.runner.kv_pool
         st = self.sched.stats
         return io.StatsOut(num_running=self.sched.num_running, num_waiting=self.sched.num_waiting,
-                           kv_usage=kv.used_tokens() / max(kv.capacity_tokens, 1),
+                           # the prefix cache's evictable pages count as free, as in vLLM
+                           kv_usage=self.sched.kv.used_tokens() / max(kv.capacity_tokens, 1),
                            prompt_tokens=st["prompt_tokens"],
                            generation_tokens=st["generation_tokens"])
 

@@ -28,13 +28,14 @@ class Req:
 
     KV bookkeeping: ``req_pool_idx`` is its row in ``req_to_token``; ``pages`` are the KV pages
     it holds, in position order; ``kv_len`` is how many of ``fill_ids`` already have K/V in the
-    pool. A preempted request drops its KV (``kv_len = 0``) and recomputes it on readmission.
+    pool. A preempted request gives its KV to the prefix cache (``kv_len = 0``) and on
+    readmission recomputes what the cache no longer holds.
     """
 
     __slots__ = ("rid", "origin_input_ids", "sampling_params", "stream", "output_ids",
                  "req_pool_idx", "pages", "kv_len", "finished_reason", "sent_len",
                  "arrival_time", "recv_time", "first_token_time", "max_new_tokens",
-                 "stop_window",
+                 "stop_window", "cached_pages", "last_node", "cached_tokens",
                  "logprobs", "sent_logprobs", "prompt_logprobs", "prompt_logprobs_sent")
 
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams,
@@ -48,6 +49,12 @@ class Req:
         self.req_pool_idx: int | None = None
         self.pages: list[int] = []
         self.kv_len = 0
+        # prefix cache: the first ``cached_pages`` of ``pages`` belong to the radix tree,
+        # locked through ``last_node``; ``cached_tokens`` is the prompt prefix found cached at
+        # its first admission (reported in usage), None before it
+        self.cached_pages = 0
+        self.last_node = None
+        self.cached_tokens: int | None = None
         self.finished_reason: FinishReason | None = None
         self.sent_len = 0
         # wall-clock seconds (time.time(), comparable across the server and engine

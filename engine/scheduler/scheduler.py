@@ -12,11 +12,17 @@ this same class.
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 
 from engine.args import ServerArgs, prefill_budget
 from engine.executor.forward_batch import ForwardMode
+from engine.kv.manager import KVCacheManager
+from engine.scheduler.output import (
+    STATS_TTFT_ZERO,
+    OutputProcessorMixin,
+    StepOutput,
+    _InFlight,
+)
 from engine.scheduler.request import FinishReason, Req
 from engine.scheduler.schedule_batch import ScheduleBatch
 
@@ -27,26 +33,14 @@ MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001  # per step, back toward MIN after a preemption raised it
 FUTURE_TOKENS_CLIP = 4096
 PROMPT_LOGPROBS_CHUNK = 512  # prompt tokens per step for a request that wants their logprobs
+LPM_MAX_QUEUE = 128  # longer waiting queues are served FCFS (matching each would cost too much)
+# a waiting request whose first IN_BATCH_PREFIX tokens are being prefilled in this step by
+# another request, and not cached yet, waits one step and then hits the cache (the idea of
+# SGLang's in-batch prefix check); shorter shared heads are not worth a step
+IN_BATCH_PREFIX = 32
 
 
-class StepOutput:
-    """What one step produced for one request: new tokens (possibly none) and its finish."""
-
-    __slots__ = ("req", "new_token_ids", "finished_reason")
-
-    def __init__(self, req: Req, new_token_ids: list[int], finished_reason: FinishReason | None):
-        self.req = req
-        self.new_token_ids = new_token_ids
-        self.finished_reason = finished_reason
-
-
-#: TTFT parts summed over requests (``Scheduler.stats``, reported by /server_info): seconds
-#: from the server's arrival to the scheduler's receipt (HTTP, tokenization, IPC), and from
-#: the receipt to the first token read back on the host (waiting, prefill, sampling)
-STATS_TTFT_ZERO = {"first_tokens": 0, "ttft_queue_s_sum": 0.0, "ttft_engine_s_sum": 0.0}
-
-
-class Scheduler:
+class Scheduler(OutputProcessorMixin):
     """Continuous-batching scheduler over a ``ModelRunner``.
 
     Args:
@@ -63,6 +57,12 @@ class Scheduler:
         self.req_pool = runner.req_to_token_pool
         self.kv_pool = runner.kv_pool
         self.page_size = self.kv_pool.page_size
+        # KV pages, req_to_token rows and the radix prefix cache (engine/kv/manager.py)
+        self.kv = KVCacheManager(self.kv_pool, self.req_pool,
+                                 disable_cache=getattr(args, "disable_radix_cache", False))
+        self.schedule_policy = getattr(args, "schedule_policy", "fcfs")
+        # assert the KV page accounting after every step (tests; costs O(pool) per step)
+        self.check_kv = False
         self.chunk_size = prefill_budget(args, getattr(runner, "device_type", "cpu"))
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None  # the request whose prefill is partly done
@@ -74,10 +74,16 @@ class Scheduler:
         self.pending_aborts: set[str] = set()
         self.finished_outputs: list[StepOutput] = []
         self.inflight: _InFlight | None = None
+        # requests whose prompt an earlier extend step computed: their whole pages go into
+        # the prefix cache when the next extend step is built
+        self._prefilled: list[Req] = []
         # overlap host scheduling with device work; pointless on the CPU, where ops block
         self.overlap = (not args.disable_overlap_schedule
                         and getattr(runner, "supports_overlap", False))
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0}
+        # prefix_cache_queries/hits: prompt tokens looked up in the radix cache at admission,
+        # and those found (vLLM's counter pair)
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0,
+                      "prefix_cache_queries": 0, "prefix_cache_hits": 0}
         self.stats.update(STATS_TTFT_ZERO)
 
     # ---- queue --------------------------------------------------------------------------
@@ -105,21 +111,43 @@ class Scheduler:
     # ---- KV bookkeeping -----------------------------------------------------------------
     def _grow(self, req: Req, n: int) -> list[int] | None:
         """Allocate slots for ``n`` more tokens of ``req``; None (nothing taken) if no room."""
-        return self.kv_pool.grow(req.pages, req.kv_len, n)
+        return self.kv.grow(req, n)
 
-    def _release(self, req: Req) -> None:
-        if req.pages:
-            self.kv_pool.free_pages(req.pages)
-            req.pages = []
-        if req.req_pool_idx is not None:
-            self.req_pool.free(req.req_pool_idx)
-            req.req_pool_idx = None
-        req.kv_len = 0
+    def _free_tokens(self) -> int:
+        """KV tokens that can be allocated: free pages plus evictable prefix-cache pages."""
+        return self.kv.available_tokens()
 
-    def _finish(self, req: Req, reason: FinishReason) -> None:
+    def _finish(self, req: Req, reason: FinishReason, cache: bool = True) -> None:
         req.finished_reason = reason
-        self._release(req)
+        self.kv.release(req, cache)
         self.reqs.pop(req.rid, None)
+
+    def _admit_prefix(self, req: Req) -> None:
+        """Give a request taken from the queue its cached prefix (locked), and count the
+        lookup on its first admission (a preempted request is looked up again, not counted)."""
+        hit = self.kv.match(req)
+        if req.cached_tokens is None:
+            n_prompt = len(req.origin_input_ids)
+            req.cached_tokens = min(hit, n_prompt)
+            if self.kv.enabled:
+                self.stats["prefix_cache_queries"] += n_prompt
+                self.stats["prefix_cache_hits"] += req.cached_tokens
+
+    def _order_waiting(self) -> None:
+        """``--schedule-policy lpm``: longest cached prefix first (SGLang's policy), stable
+        among equals; FCFS when the queue is longer than ``LPM_MAX_QUEUE``."""
+        if (self.schedule_policy != "lpm" or not self.kv.enabled
+                or not 1 < len(self.waiting) <= LPM_MAX_QUEUE or self.kv.tree.total_pages == 0):
+            return
+        keyed = [(-self.kv.prefix_len(r), i, r) for i, r in enumerate(self.waiting)]
+        keyed.sort(key=lambda x: (x[0], x[1]))
+        self.waiting = deque(r for _, _, r in keyed)
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache; refused (False) while any request is queued or running."""
+        if self.reqs or self.inflight is not None:
+            return False
+        return self.kv.flush()
 
     # ---- batch building -----------------------------------------------------------------
     def _process_aborts(self) -> None:
@@ -140,7 +168,7 @@ class Scheduler:
     def _preempt(self, req: Req) -> None:
         # after a preemption admit more cautiously; the ratio decays back each step
         self.new_token_ratio = 1.0
-        self._release(req)
+        self.kv.release(req)  # its computed pages go to the prefix cache: readmission hits
         self.waiting.appendleft(req)
         self.stats["preemptions"] += 1
         logger.debug("preempted %s (KV pool full)", req.rid)
@@ -156,11 +184,11 @@ class Scheduler:
         """Free KV until every running request can take one more token: preempt the newest
         running requests first, then the partly prefilled one, the oldest running request
         last, so it always progresses (it fits alone: no request outgrows the pool)."""
-        if self.kv_pool.free_tokens() < self._decode_reserve():
+        if self._free_tokens() < self._decode_reserve():
             # a preempted request is recomputed from its ids: they must be real ones, and
             # the in-flight step may finish (and free) some requests
             self._drain()
-        while self.kv_pool.free_tokens() < self._decode_reserve():
+        while self._free_tokens() < self._decode_reserve():
             if len(self.running) > 1 or (self.running and self.chunked is None):
                 self._preempt(self.running.pop())
             elif self.chunked is not None:
@@ -179,6 +207,14 @@ class Scheduler:
         future = self.new_token_ratio * sum(self._future_tokens(r) for r in self.running)
         reqs, prefix, ext, sample, locs = [], [], [], [], []
         max_running = self.args.max_running_requests
+        # what earlier steps prefilled (whole prompts and the chunked request's chunks) goes
+        # into the prefix cache now, so requests admitted below with the same prefix hit it
+        for r in self._prefilled:
+            if not r.finished and r.req_pool_idx is not None:
+                self.kv.cache_unfinished(r)
+        self._prefilled = []
+        heads = {self._head(self.chunked)} if self.chunked is not None else set()
+        deferred: list[Req] = []
         while budget > 0:
             if self.chunked is not None:
                 req = self.chunked
@@ -186,10 +222,18 @@ class Scheduler:
                 req = self.waiting[0]
                 if len(self.running) + len(reqs) >= max_running or self.req_pool.available() == 0:
                     break
+                head = self._head(req)
+                if head is not None and head in heads \
+                        and self.kv.prefix_len(req) < IN_BATCH_PREFIX:
+                    deferred.append(self.waiting.popleft())
+                    continue
+                heads.add(head)
+                self._admit_prefix(req)
                 # a new request must fit with everything it and the others will still need;
                 # alone it is always admitted (no request outgrows the pool)
                 own = req.seq_len - req.kv_len + self.new_token_ratio * self._future_tokens(req)
-                if (self.running or reqs) and self.kv_pool.free_tokens() - reserve < own + future:
+                if (self.running or reqs) and self._free_tokens() - reserve < own + future:
+                    self.kv.unmatch(req)
                     break
                 future += self.new_token_ratio * self._future_tokens(req)
             else:
@@ -200,13 +244,16 @@ class Scheduler:
                 n = min(n, PROMPT_LOGPROBS_CHUNK)
             # what fits: the free slots of its last page plus the pages beyond the reserve
             room = len(req.pages) * self.page_size - req.kv_len \
-                + self.kv_pool.free_tokens() - reserve
+                + self._free_tokens() - reserve
             if room < n:
                 n = room
                 if n <= 0:
+                    if req is not self.chunked:
+                        self.kv.unmatch(req)
                     break
             if req.req_pool_idx is None:
                 req.req_pool_idx = self.req_pool.alloc()
+                self.kv.write_prefix(req)
             if req is not self.chunked:
                 self.waiting.popleft()
             start = req.kv_len
@@ -221,8 +268,10 @@ class Scheduler:
             self.chunked = None if done else req
             if not done:
                 break  # the chunked request continues next step
+        self.waiting.extendleft(reversed(deferred))
         if not reqs:
             return None
+        self._prefilled = list(reqs)
         all_rows = [r.wants_prompt_logprobs for r in reqs]
         # the reserve above leaves room for one more token of every running request
         n = self._add_decodes(reqs, prefix, locs)
@@ -231,6 +280,14 @@ class Scheduler:
         all_rows += [False] * n
         return ScheduleBatch(ForwardMode.EXTEND, reqs, prefix, ext, sample, locs,
                              all_rows if any(all_rows) else [], num_decodes=n)
+
+    def _head(self, req: Req) -> tuple | None:
+        """The first ``IN_BATCH_PREFIX`` tokens of a request that could share them (the cache
+        is on and its prompt is longer), else None."""
+        if not self.kv.enabled or req.seq_len <= IN_BATCH_PREFIX \
+                or req.prompt_logprobs is not None:
+            return None
+        return tuple(req.tokens(0, IN_BATCH_PREFIX))
 
     def _add_decodes(self, reqs: list[Req], prefix: list[int], locs: list[int]) -> int:
         """Append every running request that gets a KV slot as a one-token step."""
@@ -259,6 +316,7 @@ class Scheduler:
 
     def get_next_batch(self) -> ScheduleBatch | None:
         self._process_aborts()
+        self._order_waiting()
         batch = self._build_extend() if (self.waiting or self.chunked) else None
         return batch if batch is not None else self._build_decode()
 
@@ -284,6 +342,8 @@ class Scheduler:
             if not self.overlap:
                 self._drain()
         outs, self.finished_outputs = self.finished_outputs, []
+        if self.check_kv:
+            self.kv.check(self.reqs.values())
         return outs
 
     def _drain(self) -> None:
@@ -312,7 +372,7 @@ class Scheduler:
             self._drain()
             for req in batch.reqs:
                 if not req.finished:
-                    self._abort_now(req, f"internal error: {exc}")
+                    self._abort_now(req, f"internal error: {exc}", cache=False)
             return None
         self.stats["steps"] += 1
         n_prompt = 0
@@ -329,67 +389,9 @@ class Scheduler:
                 self.running.append(req)
         return _InFlight(result, slots) if slots else None
 
-    def _prompt_logprobs(self, batch: ScheduleBatch, logits, rows) -> None:
-        """Log-probabilities of the prompt tokens (echo): the logits at position j score
-        prompt token j + 1. Top-k alternatives come with each (k = prompt_logprobs)."""
-        import torch
-
-        for i, req in enumerate(batch.reqs):
-            if not batch.all_rows[i]:
-                continue
-            r0, n = rows[i]
-            p = batch.prefix_lens[i]
-            prompt = req.origin_input_ids
-            m = min(n, len(prompt) - 1 - p)  # rows whose next token is still in the prompt
-            skip = len(req.prompt_logprobs) - 1 - p  # rows done before a preemption
-            if skip < 0 or m - skip <= 0:
-                continue
-            k = req.sampling_params.prompt_logprobs
-            for a in range(r0 + skip, r0 + m, 128):  # 128 rows of log-softmax at a time
-                b = min(a + 128, r0 + m)
-                lp = torch.log_softmax(logits[a:b].float(), dim=-1)
-                nxt = torch.tensor(prompt[p + 1 + a - r0: p + 1 + b - r0], device=lp.device)
-                chosen = lp.gather(1, nxt[:, None])[:, 0].tolist()
-                if k:
-                    top_lp, top_id = lp.topk(k, dim=-1)
-                    top = [[[x, y] for x, y in zip(ids, lps)]
-                           for ids, lps in zip(top_id.tolist(), top_lp.tolist())]
-                else:
-                    top = [[] for _ in range(b - a)]
-                req.prompt_logprobs.extend(zip(chosen, top))
-
-    def _process(self, rec: _InFlight | None) -> None:
-        if rec is None:
-            return
-        ids, lp = rec.result.host()
-        now = time.time()
-        any_finished = False
-        for req, idx, k in rec.slots:
-            if req.finished:
-                continue  # aborted, or finished one step earlier while this step was in flight
-            tok = ids[k]
-            req.output_ids[idx] = tok
-            self.stats["generation_tokens"] += 1
-            if lp is not None and req.sampling_params.logprobs is not None:
-                top = req.sampling_params.logprobs
-                tops = [[lp[1][k][j], lp[2][k][j]] for j in range(top)] if lp[1] else []
-                req.logprobs.append((lp[0][k], tops))
-            if req.first_token_time is None:
-                req.first_token_time = now
-                st = self.stats
-                st["first_tokens"] += 1
-                st["ttft_queue_s_sum"] += max(0.0, req.recv_time - req.arrival_time)
-                st["ttft_engine_s_sum"] += now - req.recv_time
-            reason = self._check_finished(req, tok, idx + 1)
-            if reason is not None:
-                del req.output_ids[idx + 1:]  # a placeholder of a step launched after this one
-                self._finish(req, reason)
-                any_finished = True
-            self.finished_outputs.append(StepOutput(req, [tok], reason))
-        if any_finished:
-            self.running = [r for r in self.running if not r.finished]
-
-    def _abort_now(self, req: Req, message: str) -> None:
+    def _abort_now(self, req: Req, message: str, cache: bool = True) -> None:
+        """End ``req`` now; ``cache=False`` keeps its KV out of the prefix cache (a failed
+        step may have left it wrong)."""
         if req is self.chunked:
             self.chunked = None
         elif req in self.running:
@@ -401,42 +403,8 @@ class Scheduler:
                 pass
         while req.output_ids and req.output_ids[-1] < 0:
             req.output_ids.pop()
-        self._finish(req, FinishReason("abort", message=message))
+        self._finish(req, FinishReason("abort", message=message), cache)
         self.finished_outputs.append(StepOutput(req, [], req.finished_reason))
-
-    def _check_finished(self, req: Req, tok: int, n_out: int) -> FinishReason | None:
-        """Stop conditions after the ``n_out``-th generated token ``tok``."""
-        sp = req.sampling_params
-        if n_out >= sp.min_tokens:
-            if tok in sp.stop_token_ids:
-                return FinishReason("stop", matched=tok)
-            if not sp.ignore_eos and tok in self.eos_ids:
-                return FinishReason("stop", matched=tok)
-            if req.stop_window and self.tokenizer is not None:
-                tail = self.tokenizer.decode(req.output_ids[max(0, n_out - req.stop_window): n_out],
-                                             skip_special_tokens=sp.skip_special_tokens)
-                # the window may start or end inside a multi-byte character: its pieces decode
-                # to U+FFFD, which is not text the detokenizer will ever show
-                tail = tail.strip("\ufffd")
-                for s in sp.stop:
-                    if s in tail:
-                        return FinishReason("stop", matched=s)
-        if n_out >= req.max_new_tokens:
-            return FinishReason("length")
-        if len(req.origin_input_ids) + n_out >= self.runner.max_context_len:
-            return FinishReason("length")
-        return None
-
-
-class _InFlight:
-    """A launched step: its sample result and (req, output index, sampled row) per request."""
-
-    __slots__ = ("result", "slots")
-
-    def __init__(self, result, slots):
-        self.result = result
-        self.slots = slots
-
 
 def _needs_output_ids(req: Req) -> bool:
     sp = req.sampling_params

@@ -180,7 +180,7 @@ class DetokenizerManager:
                               finished_reasons=b.finished_reasons,
                               prompt_tokens=b.prompt_tokens,
                               completion_tokens=b.completion_tokens, logprobs=b.logprobs,
-                              prompt_logprobs=b.prompt_logprobs)
+                              prompt_logprobs=b.prompt_logprobs, cached_tokens=b.cached_tokens)
 
 
 def run_detokenizer_process(server_args, ipc) -> None:

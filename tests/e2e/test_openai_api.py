@@ -86,6 +86,10 @@ def test_server_info_splits_ttft(server, client):
     assert queue + engine <= waited + 0.05  # clocks of two processes: small skew allowed
 
 
+def _counts(usage) -> tuple[int, int, int]:
+    return usage.prompt_tokens, usage.completion_tokens, usage.total_tokens
+
+
 def test_completion_stream_equals_non_stream(client, ref_tokenizer):
     prompt = "The three primary colors are"
     r = complete(client, prompt)
@@ -101,7 +105,9 @@ def test_completion_stream_equals_non_stream(client, ref_tokenizer):
     text, reasons, usage = stream_text(client, prompt,
                                        stream_options={"include_usage": True})
     assert text == ch.text and reasons == [ch.finish_reason]
-    assert usage is not None and usage.model_dump() == r.usage.model_dump()
+    # the same prompt again: everything but its last token now comes from the prefix cache
+    assert usage is not None and _counts(usage) == _counts(r.usage)
+    assert usage.prompt_tokens_details.cached_tokens == n_prompt - 1
     # no usage chunk unless asked; stream_options null is the same as absent
     text2, _, usage2 = stream_text(client, prompt, extra_body={"stream_options": None})
     assert text2 == ch.text and usage2 is None
@@ -133,7 +139,10 @@ def test_chat_stream_and_non_stream(client, ref_tokenizer):
     assert all(c.choices[0].finish_reason is None for c in body[:-1])
     content = "".join(c.choices[0].delta.content or "" for c in body)
     assert content == msg.content
-    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == r.usage.model_dump()
+    assert chunks[-1].choices == []
+    assert _counts(chunks[-1].usage) == _counts(r.usage)
+    # the stream repeats the prompt: all but its last token come from the prefix cache
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens - 1
 
 
 def test_concurrent_requests_match_sequential(client):

@@ -26,7 +26,7 @@ def _outputs(**kw):
               for i in range(len(prompts))]
     a = [o.token_ids for o in llm.generate(prompts, greedy)]
     b = [o.token_ids for o in llm.generate(prompts, seeded)]
-    assert llm.runner.kv_pool.used_tokens() == 0
+    assert llm.scheduler.kv.used_tokens() == 0
     return a, b, llm
 
 

@@ -99,7 +99,7 @@ def test_preemption_under_a_full_pool_keeps_outputs():
     for p, o in zip(prompts, full):
         alone = small.generate([p], sp)[0]
         assert o.token_ids == alone.token_ids
-    assert small.runner.kv_pool.used_tokens() == 0
+    assert small.scheduler.kv.used_tokens() == 0
 
 
 def test_stop_and_eos(llm, hf_reference):
@@ -117,7 +117,7 @@ def test_stop_and_eos(llm, hf_reference):
                                              add_generation_prompt=True, tokenize=False)
     o = llm.generate([chat], SamplingParams(max_tokens=200, temperature=0))[0]
     assert o.finish_reason == "stop" and o.matched_stop in llm.scheduler.eos_ids
-    assert llm.runner.kv_pool.used_tokens() == 0
+    assert llm.scheduler.kv.used_tokens() == 0
 
 
 def test_logprobs_and_prompt_logprobs_match_hf(llm, hf_model):

@@ -134,7 +134,8 @@ def test_completion_stream_concatenates_to_full(tok, strings):
         assert ch["logprobs"]["token_logprobs"][:2] == [None, -1.0]
         assert len(ch["logprobs"]["tokens"]) == len(pids) + 3
     assert body["usage"] == f.usage_chunk()["usage"] == {
-        "prompt_tokens": len(pids), "completion_tokens": 6, "total_tokens": len(pids) + 6}
+        "prompt_tokens": len(pids), "completion_tokens": 6, "total_tokens": len(pids) + 6,
+        "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_chat_stream_concatenates_to_full(tok, strings):

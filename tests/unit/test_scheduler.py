@@ -67,11 +67,22 @@ class FakeRunner:
         return FakeResult(torch.argmax(logits, -1))
 
 
+def assert_idle(sched) -> bool:
+    """No request holds KV: every page is free or an unlocked page of the prefix cache."""
+    sched.kv.check([])
+    tree = sched.kv.tree
+    assert tree.protected_pages == 0
+    assert sched.kv_pool.used_tokens() == tree.cached_tokens() == tree.evictable_tokens()
+    assert sched.kv.used_tokens() == 0
+    return True
+
+
 def expected(prompt, n):
     return [(prompt[-1] + 1 + i) % V for i in range(n)]
 
 
 def run_all(sched, reqs, max_steps=10_000):
+    sched.check_kv = True  # the page accounting after every step
     for r in reqs:
         sched.add_request(r)
     steps = 0
@@ -103,7 +114,7 @@ def test_continuous_batching_chunked_prefill(page_size):
         assert r.finished_reason.type == "length"
     # no step computed more than the chunk budget of prompt tokens plus one per running decode
     assert all(t <= 16 + 8 for _, _, t in runner.batches)
-    assert runner.kv_pool.used_tokens() == 0
+    assert_idle(sched)
     assert runner.req_to_token_pool.available() == 8
 
 
@@ -118,7 +129,7 @@ def test_preemption_recomputes_and_keeps_outputs(page_size):
     for r in reqs:
         assert r.output_ids == expected(r.origin_input_ids, 20)
     assert sched.stats["preemptions"] > 0
-    assert runner.kv_pool.used_tokens() == 0
+    assert_idle(sched)
 
 
 def test_abort_frees_kv_and_reports():
@@ -137,7 +148,7 @@ def test_abort_frees_kv_and_reports():
     assert a.finished and not b.finished
     sched.abort_request("r1")
     sched.step()
-    assert runner.kv_pool.used_tokens() == 0 and not sched.has_work()
+    assert assert_idle(sched) and not sched.has_work()
     sched.abort_request("unknown")  # ignored
     assert not sched.has_work()
 
@@ -202,7 +213,7 @@ def test_overlap_schedule_gives_identical_outputs(page_size):
         results[overlap] = [r.output_ids for r in reqs]
         for r in reqs:
             assert r.output_ids == expected(r.origin_input_ids, r.max_new_tokens)
-        assert runner.kv_pool.used_tokens() == 0
+        assert_idle(sched)
         assert sched.inflight is None
     assert results[False] == results[True]
 
@@ -225,7 +236,7 @@ def test_overlap_abort_and_eos():
     assert b.output_ids == expected([100], len(b.output_ids))
     got_a = [t for o in outs if o.req is a for t in o.new_token_ids]
     assert got_a == [6, 7, 8, 9]
-    assert runner.kv_pool.used_tokens() == 0
+    assert_idle(sched)
 
 
 def test_admission_headroom_avoids_preemption_thrash():
@@ -240,7 +251,7 @@ def test_admission_headroom_avoids_preemption_thrash():
     # 12 x 220 tokens of demand on a 1024-token pool: at most a few requests ever need to be
     # recomputed (a policy that admits whatever fits right now preempts dozens of times)
     assert sched.stats["preemptions"] <= 6, sched.stats
-    assert runner.kv_pool.used_tokens() == 0
+    assert_idle(sched)
 
 
 def test_stop_string_check_ignores_partial_characters():
@@ -272,7 +283,7 @@ def test_engine_warm_up_leaves_the_scheduler_clean():
     sched = Scheduler(ServerArgs(chunked_prefill_size=64), runner)
     warm_up(sched)
     assert not sched.has_work() and not sched.reqs
-    assert runner.kv_pool.used_tokens() == 0 and runner.req_to_token_pool.available() == 8
+    assert assert_idle(sched) and runner.req_to_token_pool.available() == 8
     assert sched.stats["generation_tokens"] == 0
     # it ran a mixed step: a prefill together with a decode
     assert any(mode == ForwardMode.EXTEND and bs == 2 for mode, bs, _ in runner.batches)
@@ -295,4 +306,4 @@ def test_a_request_that_fills_the_whole_pool_finishes(page_size):
     run_all(sched, [long], max_steps=3000)
     assert long.output_ids == expected(long.origin_input_ids, 1040)
     assert sched.stats["preemptions"] == 0   # alone, it never has to give up its KV
-    assert runner.kv_pool.used_tokens() == 0
+    assert_idle(sched)

@@ -1,0 +1,227 @@
+"""The radix prefix cache (SGLang's RadixAttention, Zheng et al. 2023, "Efficiently Programming
+Large Language Models using SGLang").
+
+A radix tree over token ids whose nodes own KV pages of the ``KVPool``. A request that starts
+with a cached prefix reuses its pages and computes only the rest (an extend step); the extend
+kernels read the prefix through ``req_to_token`` as they read any earlier chunk.
+
+Granularity: keys are cut at page boundaries, so a node's key length is a multiple of
+``page_size`` and it owns ``len(key) // page_size`` pages. With ``page_size`` 1 every token
+is its own page. A child is found by its first page of tokens.
+
+Page states (``check`` proves them after every step in the tests): a page is free (in the
+pool's free list), owned by one running request (its pages past ``Req.cached_pages``), or
+owned by the tree. A tree page is *locked* while a running request reads it (the node's
+``lock_ref`` > 0 on the path from the root to the request's ``last_node``) and *evictable*
+otherwise; eviction frees unlocked leaves in least-recently-used order.
+
+``RadixCache(disable=True)`` keeps the same interface and caches nothing (``--disable-radix-
+cache``): matches are empty and inserts free what they are given, so the scheduler has no
+branches for it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+
+from engine.kv.pool import KVPool
+
+
+class TreeNode:
+    """One edge of the tree: ``key`` token ids (a whole number of pages) and their ``pages``."""
+
+    __slots__ = ("children", "parent", "key", "pages", "lock_ref", "last_access", "id")
+    _ids = itertools.count()
+
+    def __init__(self, parent: TreeNode | None = None, key: tuple = (), pages: list | None = None):
+        self.children: dict[tuple, TreeNode] = {}
+        self.parent = parent
+        self.key = key
+        self.pages: list[int] = pages or []
+        self.lock_ref = 0
+        self.last_access = time.monotonic()
+        self.id = next(TreeNode._ids)
+
+    def __lt__(self, other: TreeNode) -> bool:  # heap order: least recently used first
+        return (self.last_access, self.id) < (other.last_access, other.id)
+
+
+class RadixCache:
+    """Prefix cache over a ``KVPool``.
+
+    Args:
+        pool: the KV pool whose pages the tree owns (it frees evicted pages into it).
+        disable: cache nothing (same interface).
+    """
+
+    def __init__(self, pool: KVPool, disable: bool = False):
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.disable = disable
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the tree (its pages must already be back in the pool: see ``flush``)."""
+        self.root = TreeNode()
+        self.root.lock_ref = 1  # never evicted
+        self.evictable_pages = 0
+        self.protected_pages = 0
+
+    # ---- sizes --------------------------------------------------------------------------
+    @property
+    def total_pages(self) -> int:
+        return self.evictable_pages + self.protected_pages
+
+    def evictable_tokens(self) -> int:
+        return self.evictable_pages * self.page_size
+
+    def cached_tokens(self) -> int:
+        return self.total_pages * self.page_size
+
+    # ---- keys ---------------------------------------------------------------------------
+    def _child_key(self, key: tuple, start: int = 0) -> tuple:
+        return key[start:start + self.page_size]
+
+    def _match_len(self, key: tuple, t: tuple, start: int) -> int:
+        """Tokens of ``key`` that equal ``t[start:]``, rounded down to whole pages."""
+        n = min(len(key), len(t) - start)
+        if key[:n] == t[start:start + n]:  # the common case, compared in C
+            i = n
+        else:
+            i = next(j for j in range(n) if key[j] != t[start + j])
+        return i - i % self.page_size
+
+    def _split(self, node: TreeNode, n: int) -> TreeNode:
+        """Cut ``node`` after ``n`` tokens (a page multiple); returns the new upper part."""
+        ps = self.page_size
+        upper = TreeNode(node.parent, node.key[:n], node.pages[: n // ps])
+        upper.lock_ref = node.lock_ref
+        upper.last_access = node.last_access
+        node.parent.children[self._child_key(node.key)] = upper
+        node.key = node.key[n:]
+        node.pages = node.pages[n // ps:]
+        node.parent = upper
+        upper.children[self._child_key(node.key)] = node
+        return upper
+
+    # ---- match / lock -------------------------------------------------------------------
+    def match_prefix(self, token_ids: list[int]) -> tuple[list[int], TreeNode]:
+        """The longest cached prefix of ``token_ids``, in whole pages.
+
+        Returns ``(pages, last_node)``: the pages holding the KV of the first
+        ``len(pages) * page_size`` tokens, and the node where the match ends (split so
+        that it ends exactly there). Touches the matched nodes (LRU).
+        """
+        node = self.root
+        if self.disable or len(token_ids) < self.page_size:
+            return [], node
+        now = time.monotonic()
+        pages: list[int] = []
+        pos = 0
+        ps = self.page_size
+        t = tuple(token_ids)
+        while len(t) - pos >= ps:
+            child = node.children.get(t[pos:pos + ps])
+            if child is None:
+                break
+            n = self._match_len(child.key, t, pos)
+            partial = n < len(child.key)
+            if partial:
+                child = self._split(child, n)
+            child.last_access = now
+            pages.extend(child.pages)
+            pos += n
+            node = child
+            if partial:
+                break
+        return pages, node
+
+    def lock(self, node: TreeNode) -> None:
+        """A running request reads the pages from the root to ``node``: protect them."""
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_pages -= len(node.pages)
+                self.protected_pages += len(node.pages)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        while node is not self.root:
+            node.lock_ref -= 1
+            assert node.lock_ref >= 0, "radix cache: unlock without lock"
+            if node.lock_ref == 0:
+                self.evictable_pages += len(node.pages)
+                self.protected_pages -= len(node.pages)
+            node = node.parent
+
+    # ---- insert -------------------------------------------------------------------------
+    def insert(self, token_ids: list[int], pages: list[int]) -> tuple[int, TreeNode]:
+        """Put the KV of ``token_ids`` (``len(pages) * page_size`` tokens) into the tree.
+
+        The pages that extend the tree become the tree's; the caller keeps ownership of
+        the rest. Returns ``(n, last_node)``: ``n`` leading pages of the key were already
+        in the tree (the caller's pages ``[cached, n)`` are duplicates to free, where
+        ``cached`` is how many of them it got from the tree), and the node that ends the
+        key. With ``disable``, nothing is taken: ``(len(pages), root)``.
+        """
+        if self.disable:
+            return len(pages), self.root
+        ps = self.page_size
+        key = tuple(token_ids[: len(pages) * ps])
+        node, pos, now = self.root, 0, time.monotonic()
+        while pos < len(key):
+            child = node.children.get(key[pos:pos + ps])
+            if child is None:
+                new = TreeNode(node, key[pos:], list(pages[pos // ps:]))
+                node.children[key[pos:pos + ps]] = new
+                self.evictable_pages += len(new.pages)
+                return pos // ps, new
+            n = self._match_len(child.key, key, pos)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = now
+            pos += n
+            node = child
+        return len(pages), node
+
+    # ---- evict / flush ------------------------------------------------------------------
+    def evict(self, num_pages: int) -> int:
+        """Free at least ``num_pages`` pages of unlocked leaves, least recently used first
+        (fewer when not enough are evictable). Returns the pages freed."""
+        if num_pages <= 0 or self.evictable_pages == 0:
+            return 0
+        heap = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            leaf = heapq.heappop(heap)
+            self.pool.free_pages(leaf.pages)
+            freed += len(leaf.pages)
+            self.evictable_pages -= len(leaf.pages)
+            parent = leaf.parent
+            del parent.children[self._child_key(leaf.key)]
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, parent)
+        return freed
+
+    def flush(self) -> bool:
+        """Free every page of the tree; refused (False) while a request holds a lock."""
+        if self.protected_pages:
+            return False
+        self.evict(self.evictable_pages)
+        self.reset()
+        return True
+
+    def _nodes(self):
+        stack = [self.root]
+        while stack:
+            n = stack.pop()
+            if n is not self.root:
+                yield n
+            stack.extend(n.children.values())
+
+    def tree_pages(self) -> list[int]:
+        """Every page the tree owns (for the accounting check)."""
+        return [p for n in self._nodes() for p in n.pages]

@@ -1,0 +1,125 @@
+"""The result side of a scheduler step: read a launched step's sampled ids back, append them
+to their requests, record logprobs and TTFT, and check stop conditions (EOS, stop token ids,
+stop strings, ``max_tokens``, the context). ``Scheduler`` (``scheduler.py``) mixes it in.
+"""
+
+from __future__ import annotations
+
+import time
+
+from engine.scheduler.request import FinishReason, Req
+from engine.scheduler.schedule_batch import ScheduleBatch
+
+
+class StepOutput:
+    """What one step produced for one request: new tokens (possibly none) and its finish."""
+
+    __slots__ = ("req", "new_token_ids", "finished_reason")
+
+    def __init__(self, req: Req, new_token_ids: list[int], finished_reason: FinishReason | None):
+        self.req = req
+        self.new_token_ids = new_token_ids
+        self.finished_reason = finished_reason
+
+
+#: TTFT parts summed over requests (``Scheduler.stats``, reported by /server_info): seconds
+#: from the server's arrival to the scheduler's receipt (HTTP, tokenization, IPC), and from
+#: the receipt to the first token read back on the host (waiting, prefill, sampling)
+STATS_TTFT_ZERO = {"first_tokens": 0, "ttft_queue_s_sum": 0.0, "ttft_engine_s_sum": 0.0}
+
+
+class OutputProcessorMixin:
+    """Methods of ``Scheduler`` that turn a finished step into request state."""
+
+    def _prompt_logprobs(self, batch: ScheduleBatch, logits, rows) -> None:
+        """Log-probabilities of the prompt tokens (echo): the logits at position j score
+        prompt token j + 1. Top-k alternatives come with each (k = prompt_logprobs)."""
+        import torch
+
+        for i, req in enumerate(batch.reqs):
+            if not batch.all_rows[i]:
+                continue
+            r0, n = rows[i]
+            p = batch.prefix_lens[i]
+            prompt = req.origin_input_ids
+            m = min(n, len(prompt) - 1 - p)  # rows whose next token is still in the prompt
+            skip = len(req.prompt_logprobs) - 1 - p  # rows done before a preemption
+            if skip < 0 or m - skip <= 0:
+                continue
+            k = req.sampling_params.prompt_logprobs
+            for a in range(r0 + skip, r0 + m, 128):  # 128 rows of log-softmax at a time
+                b = min(a + 128, r0 + m)
+                lp = torch.log_softmax(logits[a:b].float(), dim=-1)
+                nxt = torch.tensor(prompt[p + 1 + a - r0: p + 1 + b - r0], device=lp.device)
+                chosen = lp.gather(1, nxt[:, None])[:, 0].tolist()
+                if k:
+                    top_lp, top_id = lp.topk(k, dim=-1)
+                    top = [[[x, y] for x, y in zip(ids, lps)]
+                           for ids, lps in zip(top_id.tolist(), top_lp.tolist())]
+                else:
+                    top = [[] for _ in range(b - a)]
+                req.prompt_logprobs.extend(zip(chosen, top))
+
+    def _process(self, rec: _InFlight | None) -> None:
+        if rec is None:
+            return
+        ids, lp = rec.result.host()
+        now = time.time()
+        any_finished = False
+        for req, idx, k in rec.slots:
+            if req.finished:
+                continue  # aborted, or finished one step earlier while this step was in flight
+            tok = ids[k]
+            req.output_ids[idx] = tok
+            self.stats["generation_tokens"] += 1
+            if lp is not None and req.sampling_params.logprobs is not None:
+                top = req.sampling_params.logprobs
+                tops = [[lp[1][k][j], lp[2][k][j]] for j in range(top)] if lp[1] else []
+                req.logprobs.append((lp[0][k], tops))
+            if req.first_token_time is None:
+                req.first_token_time = now
+                st = self.stats
+                st["first_tokens"] += 1
+                st["ttft_queue_s_sum"] += max(0.0, req.recv_time - req.arrival_time)
+                st["ttft_engine_s_sum"] += now - req.recv_time
+            reason = self._check_finished(req, tok, idx + 1)
+            if reason is not None:
+                del req.output_ids[idx + 1:]  # a placeholder of a step launched after this one
+                self._finish(req, reason)
+                any_finished = True
+            self.finished_outputs.append(StepOutput(req, [tok], reason))
+        if any_finished:
+            self.running = [r for r in self.running if not r.finished]
+
+    def _check_finished(self, req: Req, tok: int, n_out: int) -> FinishReason | None:
+        """Stop conditions after the ``n_out``-th generated token ``tok``."""
+        sp = req.sampling_params
+        if n_out >= sp.min_tokens:
+            if tok in sp.stop_token_ids:
+                return FinishReason("stop", matched=tok)
+            if not sp.ignore_eos and tok in self.eos_ids:
+                return FinishReason("stop", matched=tok)
+            if req.stop_window and self.tokenizer is not None:
+                tail = self.tokenizer.decode(req.output_ids[max(0, n_out - req.stop_window): n_out],
+                                             skip_special_tokens=sp.skip_special_tokens)
+                # the window may start or end inside a multi-byte character: its pieces decode
+                # to U+FFFD, which is not text the detokenizer will ever show
+                tail = tail.strip("\ufffd")
+                for s in sp.stop:
+                    if s in tail:
+                        return FinishReason("stop", matched=s)
+        if n_out >= req.max_new_tokens:
+            return FinishReason("length")
+        if len(req.origin_input_ids) + n_out >= self.runner.max_context_len:
+            return FinishReason("length")
+        return None
+
+
+class _InFlight:
+    """A launched step: its sample result and (req, output index, sampled row) per request."""
+
+    __slots__ = ("result", "slots")
+
+    def __init__(self, result, slots):
+        self.result = result
+        self.slots = slots
