@@ -90,12 +90,14 @@ for stage in "$@"; do
                "${SERVE8[@]}" --output-json "$OUT/serving-nocache.json"
              stop_server serving-nocache;;
     prefix) for mode in cache nocache; do  # G=64 P=16 S=2048 Q=128 O=256, all sent at once
+               # GSP_SERVER_ARGS: extra server flags for both runs, GSP_TAG: a suffix for the logs
                flag=(); [ $mode = nocache ] && flag=(--disable-radix-cache)
-               start_server gsp-$mode "${flag[@]}"
-               run gsp-$mode 420 python3 -m bench.bench_serving --base-url http://127.0.0.1:30000 \
+               name=gsp-$mode${GSP_TAG:-}
+               start_server $name "${flag[@]}" ${GSP_SERVER_ARGS:-}
+               run $name 420 python3 -m bench.bench_serving --base-url http://127.0.0.1:30000 \
                  --dataset-name generated-shared-prefix --max-duration 360 \
-                 --output-json "$OUT/gsp-$mode.json"
-               stop_server gsp-$mode
+                 --output-json "$OUT/$name.json"
+               stop_server $name
              done;;
     multiturn) for mode in cache nocache; do  # 32 conversations x 8 turns
                flag=(); [ $mode = nocache ] && flag=(--disable-radix-cache)
