@@ -34,9 +34,10 @@ NEW_TOKEN_RATIO_DECAY = 0.001  # per step, back toward MIN after a preemption ra
 FUTURE_TOKENS_CLIP = 4096
 PROMPT_LOGPROBS_CHUNK = 512  # prompt tokens per step for a request that wants their logprobs
 LPM_MAX_QUEUE = 128  # longer waiting queues are served FCFS (matching each would cost too much)
-# a waiting request whose first IN_BATCH_PREFIX tokens are being prefilled in this step by
-# another request, and not cached yet, waits one step and then hits the cache (the idea of
-# SGLang's in-batch prefix check); shorter shared heads are not worth a step
+# a waiting request that shares at least IN_BATCH_PREFIX more tokens with a request being
+# prefilled (in this step, or in chunks) than the cache holds for it waits until that prefill
+# is cached, then hits it (the idea of SGLang's in-batch prefix check); shorter shares are
+# not worth a step
 IN_BATCH_PREFIX = 32
 
 
@@ -213,7 +214,10 @@ class Scheduler(OutputProcessorMixin):
             if not r.finished and r.req_pool_idx is not None:
                 self.kv.cache_unfinished(r)
         self._prefilled = []
-        heads = {self._head(self.chunked)} if self.chunked is not None else set()
+        # requests being prefilled, by their first IN_BATCH_PREFIX tokens
+        heads: dict[tuple, list[Req]] = {}
+        if self.chunked is not None and (h := self._head(self.chunked)) is not None:
+            heads[h] = [self.chunked]
         deferred: list[Req] = []
         while budget > 0:
             if self.chunked is not None:
@@ -223,11 +227,11 @@ class Scheduler(OutputProcessorMixin):
                 if len(self.running) + len(reqs) >= max_running or self.req_pool.available() == 0:
                     break
                 head = self._head(req)
-                if head is not None and head in heads \
-                        and self.kv.prefix_len(req) < IN_BATCH_PREFIX:
+                if head in heads and self._wait_for_twin(req, heads[head]):
                     deferred.append(self.waiting.popleft())
                     continue
-                heads.add(head)
+                if head is not None:
+                    heads.setdefault(head, []).append(req)
                 self._admit_prefix(req)
                 # a new request must fit with everything it and the others will still need;
                 # alone it is always admitted (no request outgrows the pool)
@@ -280,6 +284,14 @@ class Scheduler(OutputProcessorMixin):
         all_rows += [False] * n
         return ScheduleBatch(ForwardMode.EXTEND, reqs, prefix, ext, sample, locs,
                              all_rows if any(all_rows) else [], num_decodes=n)
+
+    def _wait_for_twin(self, req: Req, twins: list[Req]) -> bool:
+        """Whether ``req`` should wait: one of ``twins`` (being prefilled) shares at least
+        ``IN_BATCH_PREFIX`` more of its prompt than the cache holds now."""
+        want = req.tokens(0, req.seq_len - 1)
+        cached = self.kv.prefix_len(req)
+        return any(_common_prefix(want, t.tokens(0, t.seq_len)) - cached >= IN_BATCH_PREFIX
+                   for t in twins)
 
     def _head(self, req: Req) -> tuple | None:
         """The first ``IN_BATCH_PREFIX`` tokens of a request that could share them (the cache
@@ -410,3 +422,16 @@ def _needs_output_ids(req: Req) -> bool:
     sp = req.sampling_params
     return (sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
             or sp.repetition_penalty != 1.0)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists (binary search over slice equality,
+    so each comparison runs in C)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

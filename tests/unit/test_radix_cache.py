@@ -13,7 +13,7 @@ from engine.kv.pool import KVPool
 from engine.kv.radix_cache import RadixCache
 from engine.sampling.params import SamplingParams
 from engine.scheduler.request import Req
-from engine.scheduler.scheduler import Scheduler
+from engine.scheduler.scheduler import IN_BATCH_PREFIX, Scheduler
 from test_scheduler import FakeRunner, assert_idle, expected, run_all
 
 
@@ -246,3 +246,23 @@ def test_prompts_sent_at_once_wait_a_step_for_their_group_head(page_size):
     reqs_off = _shared_prefix_reqs(3, 4, prefix_len=64, q_len=8, max_tokens=6, seed=3)
     run_all(off, reqs_off)
     assert [r.output_ids for r in reqs_off] == [r.output_ids for r in reqs]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_twins_wait_for_the_whole_shared_prompt_of_a_chunked_prefill(page_size):
+    """System prompts longer than the prefill chunk: the first prompt of a group is prefilled
+    in chunks, and the others wait until all of the shared part is cached (they would hit
+    only the chunks done so far if admitted beside a chunk)."""
+    runner = FakeRunner(max_total_tokens=8192, page_size=page_size, max_running=16)
+    args = ServerArgs(chunked_prefill_size=64, page_size=page_size, max_running_requests=16)
+    sched = Scheduler(args, runner)
+    reqs = _shared_prefix_reqs(3, 3, prefix_len=100, q_len=8, max_tokens=4, seed=4)
+    run_all(sched, reqs)
+    for r in reqs:
+        assert r.output_ids == expected(r.origin_input_ids, 4)
+    hits = [r.cached_tokens for r in reqs]
+    assert hits[::3] == [0, 0, 0]
+    # a twin admitted beside the first chunk (64 tokens) would hit at most 64; a twin waits
+    # while IN_BATCH_PREFIX (32) or more shared tokens are still to be cached
+    assert all(h > 100 - IN_BATCH_PREFIX for i, h in enumerate(hits) if i % 3), hits
+    assert assert_idle(sched)
