@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from test_scheduler import FakeRunner, assert_idle, expected, run_all
 
 from engine.args import ServerArgs
 from engine.kv.pool import KVPool
@@ -14,7 +15,6 @@ from engine.kv.radix_cache import RadixCache
 from engine.sampling.params import SamplingParams
 from engine.scheduler.request import Req
 from engine.scheduler.scheduler import IN_BATCH_PREFIX, Scheduler
-from test_scheduler import FakeRunner, assert_idle, expected, run_all
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
