@@ -76,6 +76,9 @@ class ServerArgs:
     decode_attention_waves: int = _f(1, "decode attention: split the KV until each SM gets this "
                                         "many programs (more splits hide memory latency)",
                                     ge=1)
+    cpu_threads: int | None = _f(None, "intra-op threads of the engine process (default: "
+                                       "$OMP_NUM_THREADS if set, else the cores this process "
+                                       "may run on)", ge=1)
     disable_overlap_schedule: bool = _f(False, "do not overlap host scheduling with device work")
     disable_fused_ops: bool = _f(False, "run RMSNorm, SiLU-and-mul and rotary in eager torch "
                                         "instead of the fused Triton kernels")

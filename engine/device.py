@@ -12,6 +12,7 @@ torch 2.11 on; the distributed backend is ``xccl``.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +93,24 @@ def default_attention_backend(device_type: str) -> str:
     """The attention backend without ``--attention-backend``: ``triton`` on cuda and xpu,
     ``torch_native`` (the torch reference kernels) on the CPU."""
     return "triton" if use_triton(device_type) else "torch_native"
+
+
+def cpu_thread_count(requested: int | None = None) -> int:
+    """Intra-op threads for the engine: ``requested``, else ``$OMP_NUM_THREADS`` when set,
+    else the cores this process may run on (``os.sched_getaffinity``: a container's or
+    taskset's limit, not the host's core count)."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if requested:
+        return int(requested)
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else (os.cpu_count() or 1)
+
+
+def set_cpu_threads(n: int) -> None:
+    """Set torch's intra-op thread count (inter-op stays torch's default)."""
+    torch.set_num_threads(max(1, int(n)))
 
 
 def _mod(device_type: str):

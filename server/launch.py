@@ -63,6 +63,8 @@ def _child_main(name: str, server_args, ipc: IpcPaths) -> None:
     from tqdm import tqdm
 
     tqdm.set_lock(threading.RLock())
+    if name != "engine":
+        _one_thread()  # the detokenizer does string work: torch threads would only compete
     if name == "engine":
         from engine.scheduler.engine_loop import run_scheduler_process
 
@@ -71,6 +73,23 @@ def _child_main(name: str, server_args, ipc: IpcPaths) -> None:
         from engine.tokenizer.detokenizer import run_detokenizer_process
 
         run_detokenizer_process(server_args, ipc)
+
+
+def _one_thread() -> None:
+    """One intra-op torch thread in this process (the server and the detokenizer leave the
+    cores to the engine)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def passive_openmp_env() -> None:
+    """Children inherit ``OMP_WAIT_POLICY=PASSIVE`` (unless the user set a policy): idle
+    OpenMP threads sleep instead of spinning, so an engine that shares its cores with
+    another busy process slows down in proportion instead of collapsing."""
+    import os
+
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def setup_logging(level: str) -> None:
@@ -144,6 +163,8 @@ class Launcher:
 
     # ---- children -----------------------------------------------------------------------
     def _spawn(self) -> None:
+        passive_openmp_env()
+        _one_thread()  # this process tokenizes and serves HTTP; the engine gets the cores
         ctx = multiprocessing.get_context("spawn")
         for name in ("engine", "detokenizer"):
             p = ctx.Process(target=_child_main, args=(name, self.args, self.ipc),

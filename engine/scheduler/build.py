@@ -8,6 +8,7 @@ offline ``LLM`` drives the scheduler directly.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,9 +72,15 @@ def build_engine(args: ServerArgs) -> Engine:
         ValueError, FileNotFoundError, OSError: an unsupported or missing model, or a real
             model without a tokenizer (see ``load_engine_tokenizer``).
     """
+    from engine import device as dev
     from engine.executor.model_runner import ModelRunner
     from engine.tokenizer.tokenizer import eos_token_ids
 
+    threads = dev.cpu_thread_count(args.cpu_threads)
+    dev.set_cpu_threads(threads)
+    logger.info("engine: %d intra-op CPU thread%s (--cpu-threads; OMP_WAIT_POLICY=%s)",
+                threads, "" if threads == 1 else "s",
+                os.environ.get("OMP_WAIT_POLICY", "the OpenMP default"))
     runner = ModelRunner(args)
     tokenizer = load_engine_tokenizer(args)
     scheduler = Scheduler(args, runner, tokenizer, eos_token_ids(runner.config, tokenizer))
