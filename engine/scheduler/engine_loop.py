@@ -46,7 +46,9 @@ def warm_up(sched: Scheduler) -> None:
         if a.finished and b.finished and not sched.has_work():
             break
         sched.step()
-    sched.stats.update(prompt_tokens=0, generation_tokens=0, steps=0, **STATS_TTFT_ZERO)
+    sched.stats.update(prompt_tokens=0, generation_tokens=0, steps=0, prefix_cache_queries=0,
+                       prefix_cache_hits=0, **STATS_TTFT_ZERO)
+    sched.flush_cache()  # the warm-up prompts are nobody's prefix
 
 
 class EngineLoop:

@@ -285,6 +285,8 @@ def test_engine_warm_up_leaves_the_scheduler_clean():
     assert not sched.has_work() and not sched.reqs
     assert assert_idle(sched) and runner.req_to_token_pool.available() == 8
     assert sched.stats["generation_tokens"] == 0
+    assert sched.stats["prefix_cache_queries"] == 0
+    assert runner.kv_pool.used_tokens() == 0  # the warm-up prompts left no cached prefix
     # it ran a mixed step: a prefill together with a decode
     assert any(mode == ForwardMode.EXTEND and bs == 2 for mode, bs, _ in runner.batches)
 
