@@ -491,9 +491,13 @@ def format_table(m: dict) -> str:
 # ---------------------------------------------------------------------------------- CLI
 
 
+class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and every flag's default."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ferry bench-serving", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=_Formatter)
     p.add_argument("--base-url", default=DEFAULT_URL)
     p.add_argument("--model", default=None, help="default: the first id from /v1/models")
     p.add_argument("--api-key", default=None)
@@ -516,13 +520,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fixed output length for dataset prompts")
     p.add_argument("--tokenizer", default=None,
                    help="HF tokenizer dir or .gguf file, to count dataset tokens")
-    g = p.add_argument_group("generated-shared-prefix (SGLang's flag names)")
+    g = p.add_argument_group("generated-shared-prefix (SGLang's flag names; the prompt count "
+                             "is groups x prompts per group, --num-prompts does not apply)")
     g.add_argument("--gsp-num-groups", type=int, default=64, help="G: system prompts")
     g.add_argument("--gsp-prompts-per-group", type=int, default=16, help="P: prompts each")
     g.add_argument("--gsp-system-prompt-len", type=int, default=2048, help="S: tokens")
     g.add_argument("--gsp-question-len", type=int, default=128, help="Q: tokens per prompt")
     g.add_argument("--gsp-output-len", type=int, default=256, help="O: output tokens")
-    g = p.add_argument_group("multi-turn")
+    g = p.add_argument_group("multi-turn (--num-prompts, --request-rate and --max-concurrency "
+                             "do not apply: each conversation sends one turn at a time)")
     g.add_argument("--mt-conversations", type=int, default=32, help="C: chats at once")
     g.add_argument("--mt-turns", type=int, default=8, help="T: turns per chat")
     g.add_argument("--mt-user-len", type=int, default=128, help="U: tokens per user message")
@@ -533,6 +539,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-json", default=None)
     p.add_argument("--fail-on-error", action="store_true",
                    help="exit non-zero if any request failed")
+    described = {"base_url": "server to load", "api_key": "Bearer key, if the server needs one",
+                 "num_prompts": "requests to send (random and sharegpt)",
+                 "max_concurrency": "most requests in flight (none: no cap)",
+                 "random_input_len": "prompt tokens, at most", "random_output_len":
+                 "output tokens, at most", "vocab_low": "lowest random token id",
+                 "vocab_high": "random token ids stay below it", "seed": "workload seed",
+                 "output_json": "write the results and per-request records here"}
+    for action in p._actions:  # every flag says what it is and shows its default
+        if action.help is None and action.dest in described:
+            action.help = described[action.dest]
     return p
 
 
@@ -575,7 +591,8 @@ def run(argv: list[str] | None = None) -> dict:
         result = asyncio.run(workloads.run_multiturn(
             ns.base_url, conversations=ns.mt_conversations, turns=ns.mt_turns,
             user_len=ns.mt_user_len, output_len=ns.mt_output_len, model=ns.model,
-            timeout=ns.timeout, seed=ns.seed, api_key=ns.api_key))
+            timeout=ns.timeout, max_duration=ns.max_duration, seed=ns.seed,
+            api_key=ns.api_key))
     else:
         result = asyncio.run(run_benchmark(
             ns.base_url, reqs, model=ns.model, request_rate=ns.request_rate,

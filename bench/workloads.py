@@ -67,10 +67,12 @@ def _user_message(rng: random.Random, approx_tokens: int) -> str:
 
 async def run_multiturn(base_url: str, *, conversations: int, turns: int, user_len: int,
                         output_len: int, model: str | None = None, timeout: float = 600.0,
-                        seed: int = 0, api_key: str | None = None) -> dict:
+                        max_duration: float = 3600.0, seed: int = 0,
+                        api_key: str | None = None) -> dict:
     """Replay ``conversations`` chats of ``turns`` turns at once; returns ``metrics(...)``
     over every turn, plus ``turn_ttft_ms`` (turn number -> median TTFT in ms),
-    ``server_cache_hit_rate`` and ``records`` (with ``conversation`` and ``turn``)."""
+    ``server_cache_hit_rate`` and ``records`` (with ``conversation`` and ``turn``). No turn
+    starts after ``max_duration`` seconds (the chats are cut short there)."""
     if min(conversations, turns, user_len, output_len) < 1:
         raise ValueError("every --mt-* count and length must be >= 1")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -87,6 +89,8 @@ async def run_multiturn(base_url: str, *, conversations: int, turns: int, user_l
             rng = random.Random(seed * 100_003 + c)
             history = ""
             for _ in range(turns):
+                if time.perf_counter() - t0 > max_duration:
+                    return
                 prompt = history + _user_message(rng, user_len)
                 req = RequestInput(prompt, _estimate_tokens(prompt), output_len)
                 out = RequestOutput()

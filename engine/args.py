@@ -42,8 +42,8 @@ class ServerArgs:
     dtype: str = _f("auto", "weight and activation dtype (auto: bf16 on GPUs, fp32 on CPU)",
                     ("auto", "bfloat16", "float16", "float32"))
     attention_backend: str | None = _f(
-        None, "attention kernels: triton (default on cuda/xpu) or torch_native (the torch "
-              "reference, default on the CPU)", ("torch_native", "triton"))
+        None, "attention kernels, a name of engine/attention's registry: triton (default on "
+              "cuda/xpu) or torch_native (the torch reference, default on the CPU)")
     # memory and batching
     mem_fraction_static: float = _f(0.85, "fraction of device memory for weights + KV cache",
                                     gt=0, le=1)
@@ -97,6 +97,9 @@ class ServerArgs:
     startup_timeout: float = _f(900.0, "seconds to wait for the engine to load and warm up",
                                 gt=0)
     log_level: str = _f("info", "log level", ("debug", "info", "warning", "error"))
+    tool_call_parser: str = _f("auto", "how tool calls are found in the output of tool_choice "
+                                       "'auto': the model family's format, or auto (from the "
+                                       "chat template)", ("auto", "hermes", "llama3", "mistral"))
     log_requests: bool = _f(False, "log prompts and outputs of each request (off by default)")
 
     @classmethod

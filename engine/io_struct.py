@@ -75,6 +75,9 @@ class BatchTokenIdOut(_Msg):
     # prompt tokens found in the prefix cache at admission; -1 before admission or with the
     # cache off
     cached_tokens: list[int] = []
+    # the request's min_tokens: a stop string only counts where it ends in the text of
+    # generated token min_tokens or later (as the engine checks it)
+    min_tokens: list[int] = []
 
 
 class BatchStrOut(_Msg):

@@ -162,10 +162,12 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
     @endpoint
     async def server_info(request: Request) -> Response:
         info = msgspec.structs.asdict(await tm.server_info())
+        info.pop("rid", None)  # the IPC message's id, nothing a client can use
         ready = tm.engine_ready
         info.update({
             "model": model_name, "device": ready.device, "dtype": ready.dtype,
             "kv_cache_dtype": ready.kv_cache_dtype,
+            "radix_cache": not args.disable_radix_cache, "schedule_policy": args.schedule_policy,
             "max_context_len": ready.max_context_len, "max_total_tokens":
             ready.max_total_tokens, "max_running_requests": ready.max_running_requests,
             "server_pid": os.getpid(),

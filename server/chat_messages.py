@@ -4,31 +4,44 @@ from __future__ import annotations
 
 from server.errors import bad_request, not_supported
 from server.protocol import ChatMessage
+from server.tool_messages import assistant_tool_calls
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
               "assistant": "assistant"}
+#: message fields passed to the chat template as they are (besides role and content)
+TEMPLATE_FIELDS = ("name", "reasoning_content", "tool_call_id")
+#: message fields accepted and ignored: OpenAI's record of an assistant turn
+MESSAGE_NOOPS = frozenset({"refusal", "annotations"})
+#: message fields of tool calling (server/tool_messages.py converts tool_calls)
+TOOL_FIELDS = frozenset({"tool_calls", "tool_call_id", "function_call"})
 
 
 def messages_for_template(messages: list[ChatMessage]) -> list[dict]:
     """Plain ``{"role", "content"}`` dicts for ``apply_chat_template``.
 
     Content may be a string or a list of ``{"type": "text", "text": ...}`` parts (joined
-    with newlines). ``developer`` maps to ``system``.
+    with newlines). ``developer`` maps to ``system``. ``name`` and ``reasoning_content`` go
+    to the template; ``refusal`` and ``annotations`` are accepted no-ops.
 
     Raises:
-        APIError: 400 for an unknown role, a non-text part or tool messages.
+        APIError: 400 for an unknown role, a non-text part, tool messages or any other
+            message field (named, e.g. ``messages[1].audio``).
     """
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        role = CHAT_ROLES.get(m.role)
+        role = CHAT_ROLES.get(m.role) or ("tool" if m.role == "tool" else None)
         if role is None:
-            if m.role in ("tool", "function"):
+            if m.role == "function":
                 raise not_supported(f"{where}.role", f"role '{m.role}'")
             raise bad_request(f"unknown role '{m.role}' (expected one of "
                               f"{sorted(CHAT_ROLES)})", f"{where}.role")
-        if (m.model_extra or {}).get("tool_calls"):
-            raise not_supported(f"{where}.tool_calls")
+        extra = m.model_extra or {}
+        tool_calls = assistant_tool_calls(extra["tool_calls"], where) \
+            if extra.get("tool_calls") and role == "assistant" else None
+        for key in extra:
+            if key not in MESSAGE_NOOPS and key not in TOOL_FIELDS and key != "reasoning_content":
+                raise bad_request(f"unrecognized message field '{key}'", f"{where}.{key}")
         content = m.content
         if content is None:
             if role != "assistant":
@@ -47,5 +60,12 @@ def messages_for_template(messages: list[ChatMessage]) -> list[dict]:
                                       f"{where}.content[{j}].text")
                 texts.append(text)
             content = "\n".join(texts)
-        out.append({"role": role, "content": content})
+        msg = {"role": role, "content": content}
+        for key in TEMPLATE_FIELDS:
+            value = m.name if key == "name" else extra.get(key)
+            if isinstance(value, str):
+                msg[key] = value
+        if tool_calls:
+            msg["tool_calls"] = tool_calls
+        out.append(msg)
     return out

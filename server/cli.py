@@ -75,6 +75,12 @@ def serve(argv: list[str]) -> int:
         args = ServerArgs.from_cli_args(ns)  # checks every bound and choice
     except ValueError as exc:
         parser.error(str(exc))  # usage + "ferry serve: error: ...", exit code 2
+    from engine.scheduler.build import check_environment
+
+    try:
+        check_environment(args)  # device, attention backend, model path: before any child
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        parser.error(str(exc))
 
     from server.launch import launch_server
 

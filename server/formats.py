@@ -2,14 +2,16 @@
 
 One ``BaseFormat`` per HTTP request builds either the whole JSON body (``full``) or the SSE
 chunks as outputs arrive (``start``, ``chunks``, ``usage_chunk``). Choice ``i`` is engine
-request ``i`` of the fan-out (``prompt * n + sample``).
+request ``i`` of the fan-out (``prompt * n + sample``). A finished choice carries SGLang's
+``matched_stop``: the stop string or stop token id (EOS included) that ended it, else null.
 
-Logprobs in a stream travel with their tokens: a chunk carries the logprobs of the tokens the
-engine produced for that output, even when the detokenizer holds their text back (an
-incomplete UTF-8 character, a possible stop string), so a chunk may have logprobs and empty
-text, and text may arrive in a later chunk than its tokens' logprobs. Concatenating the
-chunks' logprobs gives exactly the non-stream logprobs (``text_offset`` included: it counts
-the characters of the token strings before each token, stream or not).
+Logprobs in a stream travel with their text: a token's logprobs wait while the detokenizer
+holds its text back (an incomplete UTF-8 character, a possible stop string), so a chunk may
+carry text whose tokens come in a later chunk, until the finish, when every token's
+piece is cut to the final text. Each token's ``tokens`` string / chat ``bytes`` is its share of
+the returned text (``TokenPieces``), so they concatenate to the text, ``text_offset[i]`` is
+where token i's share starts in it (echo, skipped special tokens, stop strings and streams
+alike), and concatenating the chunks' logprobs gives exactly the non-stream logprobs.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ import time
 from dataclasses import dataclass, field
 
 from server.logprobs import (
+    TokenPieces,
     TokenStrings,
     chat_logprobs,
+    clamp,
     completion_logprobs,
     merge_completion_logprobs,
+    token_text_bytes,
 )
 from server.tokenizer_manager import ReqOutput
 
@@ -48,13 +53,17 @@ class LogprobOptions:
     echo: bool = False                   # completions only
     prompt_texts: list[str] = field(default_factory=list)     # per choice (echo)
     prompt_ids: list[list[int]] = field(default_factory=list)  # per choice (echo logprobs)
+    skip_special_tokens: bool = True     # the request's, for the tokens' share of the text
+    spaces_between_special_tokens: bool = True
+    prompt_skip_special: list[bool] = field(default_factory=list)  # per choice (echo)
+    prompt_k: int | None = None          # vLLM's prompt_logprobs (needs prompt_ids)
 
 
 class _Choice:
     """One choice's accumulated state: token ids and logprob entries pair up by position."""
 
-    __slots__ = ("cached_tokens", "completion_tokens", "entries", "ids", "offset", "paired",
-                 "prompt_entries", "started", "text")
+    __slots__ = ("byte_pos", "cached_tokens", "completion_tokens", "entries", "ids",
+                 "matched", "offset", "paired", "pieces", "prompt_entries", "started", "text")
 
     def __init__(self):
         self.ids: list[int] = []
@@ -66,10 +75,22 @@ class _Choice:
         self.text = ""
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.pieces: TokenPieces | None = None  # each token's share of the text (logprobs)
+        self.byte_pos = 0         # chat: bytes of the text given to paired tokens
+        self.matched: str | int | None = None  # SGLang's matched_stop
 
     def absorb(self, out: ReqOutput) -> tuple[int, int]:
-        """Add one output; returns the ``[start, end)`` of newly paired (token, entry)."""
+        """Add one output; returns the ``[start, end)`` of newly paired (token, entry).
+
+        With ``pieces``, a token is paired once its share of the text has been released (a
+        token whose text the detokenizer holds back waits), and every token at the finish,
+        its piece cut to the final text: the paired tokens' pieces always index the text.
+        """
         self.ids.extend(out.token_ids)
+        if out.finish_reason is not None:
+            self.matched = out.finish_reason.get("matched")
+        if self.pieces is not None:
+            self.pieces.feed(out.token_ids)
         if out.logprobs:
             self.entries.extend(out.logprobs)
         if out.prompt_logprobs is not None and self.prompt_entries is None:
@@ -77,7 +98,17 @@ class _Choice:
         self.text += out.text
         self.completion_tokens = out.completion_tokens
         self.cached_tokens = max(out.cached_tokens, 0)
-        start, self.paired = self.paired, min(len(self.ids), len(self.entries))
+        limit = min(len(self.ids), len(self.entries))
+        if self.pieces is not None:
+            released = self.pieces.base + len(self.text)
+            if out.finish_reason is not None:
+                self.pieces.clip(released)
+            else:
+                n = self.paired
+                while n < limit and self.pieces.end_of(n) <= released:
+                    n += 1
+                limit = n
+        start, self.paired = self.paired, limit
         return start, self.paired
 
 
@@ -113,6 +144,15 @@ class BaseFormat:
         self.lp = lp or LogprobOptions()
         self.choices = [_Choice() for _ in range(count)]
         self.n = max(1, n)
+        if self.lp.k is not None and self.strings.tokenizer is not None:
+            for i, ch in enumerate(self.choices):
+                ch.pieces = TokenPieces(self.strings.tokenizer, self.lp.skip_special_tokens,
+                                        self.lp.spaces_between_special_tokens,
+                                        len(self._prefix(i)))
+
+    def _prefix(self, index: int) -> str:
+        """Text the choice's text starts with (completions' echoed prompt)."""
+        return ""
 
     @property
     def texts(self) -> list[str]:
@@ -150,12 +190,39 @@ class BaseFormat:
                 ch.absorb(o)
             fin = finish_reason_of(seq[-1]) if seq else "abort"
             choices.append(self._choice(i, ch, fin))
+        if self.lp.prompt_k is not None:
+            for i, c in enumerate(choices):
+                c["prompt_logprobs"] = self.prompt_logprobs(i, self.choices[i])
         body = self._envelope(self.object_full, choices)
         body["usage"] = self.usage()
         return body
 
     def _choice(self, index: int, ch: _Choice, finish_reason: str | None) -> dict:
         raise NotImplementedError
+
+    def prompt_logprobs(self, index: int, ch: _Choice) -> list | None:
+        """vLLM's ``prompt_logprobs`` of a choice: per prompt token None (the first) or
+        ``{token id: {"logprob", "rank", "decoded_token"}}`` with the prompt token and its
+        ``prompt_k`` most likely alternatives (ranks from 1; the prompt token's rank only
+        when it is among them)."""
+        k = self.lp.prompt_k
+        if k is None or not self.lp.prompt_ids:
+            return None
+        ids = self.lp.prompt_ids[index]
+        entries = ch.prompt_entries or [None] * len(ids)
+        out: list = []
+        for tid, e in zip(ids, entries[:len(ids)], strict=False):
+            if e is None:
+                out.append(None)
+                continue
+            d = {}
+            for rank, (alt, alt_lp) in enumerate(e[1][:k], 1):
+                d[str(alt)] = {"logprob": clamp(alt_lp), "rank": rank,
+                               "decoded_token": self.strings.text(alt)}
+            d.setdefault(str(tid), {"logprob": clamp(e[0]), "rank": None,
+                                    "decoded_token": self.strings.text(tid)})
+            out.append(d)
+        return out
 
     def chunks(self, out: ReqOutput) -> list[dict]:
         raise NotImplementedError
@@ -176,12 +243,23 @@ class CompletionFormat(BaseFormat):
         if with_prompt and self.lp.echo:
             ids = self.lp.prompt_ids[index]
             entries = ch.prompt_entries or [None] * len(ids)
+            pp = None
+            if ch.pieces is not None:  # the prompt tokens' shares of the echoed prompt
+                skip = self.lp.prompt_skip_special[index] if self.lp.prompt_skip_special \
+                    else self.lp.skip_special_tokens
+                tp = TokenPieces(self.strings.tokenizer, skip,
+                                 self.lp.spaces_between_special_tokens)
+                tp.feed(ids)
+                tp.clip(len(self._prefix(index)))
+                pp = (tp.pieces, tp.offsets)
             part, ch.offset = completion_logprobs(self.strings, ids, entries[:len(ids)], k,
-                                                  ch.offset, self.lp.as_ids)
+                                                  ch.offset, self.lp.as_ids, pp)
             parts.append(part)
+        pieces = None if ch.pieces is None else (ch.pieces.pieces[start:end],
+                                                 ch.pieces.offsets[start:end])
         part, ch.offset = completion_logprobs(self.strings, ch.ids[start:end],
                                               ch.entries[start:end], k, ch.offset,
-                                              self.lp.as_ids)
+                                              self.lp.as_ids, pieces)
         parts.append(part)
         return parts[0] if len(parts) == 1 else merge_completion_logprobs(parts)
 
@@ -191,7 +269,7 @@ class CompletionFormat(BaseFormat):
     def _choice(self, index, ch, finish_reason):
         return {"index": index, "text": self._prefix(index) + ch.text,
                 "logprobs": self._logprobs(index, ch, 0, ch.paired, True),
-                "finish_reason": finish_reason}
+                "finish_reason": finish_reason, "matched_stop": ch.matched}
 
     def chunks(self, out):
         ch = self.choices[out.index]
@@ -202,9 +280,12 @@ class CompletionFormat(BaseFormat):
         text = (self._prefix(out.index) if first else "") + out.text
         if not text and fin is None and start == end and not (first and self.lp.echo):
             return []
-        return [self._chunk([{"index": out.index, "text": text,
-                              "logprobs": self._logprobs(out.index, ch, start, end, first),
-                              "finish_reason": fin}])]
+        choice = {"index": out.index, "text": text,
+                  "logprobs": self._logprobs(out.index, ch, start, end, first),
+                  "finish_reason": fin}
+        if fin is not None:
+            choice["matched_stop"] = ch.matched
+        return [self._chunk([choice])]
 
 
 class ChatFormat(BaseFormat):
@@ -213,15 +294,29 @@ class ChatFormat(BaseFormat):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def _logprobs(self, ch: _Choice, start: int, end: int) -> dict | None:
+    def _logprobs(self, ch: _Choice, start: int, end: int, final: bool) -> dict | None:
         if self.lp.k is None:
             return None
+        shares = None
+        if ch.pieces is not None:  # each token's share of the text's bytes
+            shares = [token_text_bytes(self.strings, ch.ids[i], ch.pieces.pieces[i])
+                      for i in range(start, end)]
+            if final:  # cut where the text ends (a stop string, an EOS token left out)
+                left = len(ch.text.encode("utf-8")) - ch.byte_pos
+                cut = []
+                for b in shares:
+                    cut.append(b[:max(0, left)])
+                    left -= len(cut[-1])
+                shares = cut
+            ch.byte_pos += sum(map(len, shares))
         return {"content": chat_logprobs(self.strings, ch.ids[start:end],
-                                         ch.entries[start:end], self.lp.k, self.lp.as_ids)}
+                                         ch.entries[start:end], self.lp.k, self.lp.as_ids,
+                                         shares)}
 
     def _choice(self, index, ch, finish_reason):
         return {"index": index, "message": {"role": "assistant", "content": ch.text},
-                "logprobs": self._logprobs(ch, 0, ch.paired), "finish_reason": finish_reason}
+                "logprobs": self._logprobs(ch, 0, ch.paired, True),
+                "finish_reason": finish_reason, "matched_stop": ch.matched}
 
     def _delta(self, index: int, delta: dict, logprobs: dict | None,
                finish_reason: str | None) -> dict:
@@ -239,7 +334,8 @@ class ChatFormat(BaseFormat):
         res = []
         if out.text or start < end:
             res.append(self._delta(out.index, {"content": out.text},
-                                   self._logprobs(ch, start, end), None))
+                                   self._logprobs(ch, start, end, fin is not None), None))
         if fin is not None:
             res.append(self._delta(out.index, {}, None, fin))
+            res[-1]["choices"][0]["matched_stop"] = ch.matched
         return res

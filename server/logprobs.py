@@ -103,8 +103,55 @@ class TokenStrings:
         return b
 
 
+class TokenPieces:
+    """Each token's share of the returned text: the characters that token completes, decoded
+    incrementally like the detokenizer (``IncrementalDetokenizer``, same special-token
+    settings), so the pieces concatenate to the text: a skipped special token's piece is "",
+    and a character split over several tokens belongs to the token that completes it.
+
+    ``offsets[i]``/``pieces[i]`` are token i's start in the text and its piece; ``clip``
+    cuts them to the final text (a stop string or an EOS token that the text leaves out).
+
+    Args:
+        tokenizer: a transformers tokenizer, or None (every piece "").
+        skip_special_tokens, spaces_between_special_tokens: as the request's.
+        base: the offset of the first token (the echoed prompt's length before completions).
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True, base: int = 0):
+        from engine.tokenizer.detokenizer import IncrementalDetokenizer
+
+        self.dec = IncrementalDetokenizer(tokenizer, None, skip_special_tokens,
+                                          spaces_between_special_tokens)
+        self.base = base
+        self.end = base
+        self.pieces: list[str] = []
+        self.offsets: list[int] = []
+
+    def feed(self, ids: Sequence[int]) -> None:
+        for tid in ids:
+            piece = self.dec.step([tid])
+            self.pieces.append(piece)
+            self.offsets.append(self.end)
+            self.end += len(piece)
+
+    def end_of(self, i: int) -> int:
+        """Where token i's piece ends (exclusive)."""
+        return self.offsets[i] + len(self.pieces[i])
+
+    def clip(self, text_end: int) -> None:
+        """Cut every piece to end at most at ``text_end`` (the final text's length)."""
+        for i, (o, p) in enumerate(zip(self.offsets, self.pieces, strict=True)):
+            self.offsets[i] = min(o, text_end)
+            self.pieces[i] = p[:max(0, text_end - o)]
+        self.end = min(self.end, text_end)
+
+
 def completion_logprobs(strings: TokenStrings, ids: Sequence[int], entries: Sequence,
-                        k: int, offset: int, as_id: bool = False) -> tuple[dict, int]:
+                        k: int, offset: int, as_id: bool = False,
+                        pieces: tuple[Sequence[str], Sequence[int]] | None = None
+                        ) -> tuple[dict, int]:
     """The legacy completions ``logprobs`` object of some tokens.
 
     Args:
@@ -116,15 +163,23 @@ def completion_logprobs(strings: TokenStrings, ids: Sequence[int], entries: Sequ
         offset: ``text_offset`` of the first token (characters of the token strings before
             it in this choice).
         as_id: token strings as ``token_id:N``.
+        pieces: ``(pieces, offsets)`` from ``TokenPieces``, one per token: then ``tokens``
+            are the pieces (unless ``as_id``) and ``text_offset`` the offsets, so they index
+            the returned text; the top_logprobs keys stay the tokens' own strings.
     Returns:
         ``({"tokens", "token_logprobs", "top_logprobs", "text_offset"}, next offset)``.
     """
     tokens, lps, tops, offsets = [], [], [], []
-    for tid, e in zip(ids, entries, strict=True):
+    for i, (tid, e) in enumerate(zip(ids, entries, strict=True)):
         s = strings.text(tid, as_id)
-        tokens.append(s)
-        offsets.append(offset)
-        offset += len(s)
+        if pieces is not None:
+            tokens.append(s if as_id else pieces[0][i])
+            offsets.append(pieces[1][i])
+            offset = pieces[1][i] + len(pieces[0][i])
+        else:
+            tokens.append(s)
+            offsets.append(offset)
+            offset += len(s)
         if e is None:
             lps.append(None)
             tops.append(None)
@@ -150,7 +205,8 @@ def merge_completion_logprobs(parts: list[dict]) -> dict:
 
 
 def chat_logprobs(strings: TokenStrings, ids: Sequence[int], entries: Sequence,
-                  k: int, as_id: bool = False) -> list[dict]:
+                  k: int, as_id: bool = False,
+                  token_bytes: Sequence[bytes] | None = None) -> list[dict]:
     """The chat ``logprobs.content`` entries of some generated tokens.
 
     Args:
@@ -159,6 +215,8 @@ def chat_logprobs(strings: TokenStrings, ids: Sequence[int], entries: Sequence,
         entries: per token ``(logprob, [[id, logprob], ...])`` from the engine.
         k: the request's ``top_logprobs`` (0 when only ``logprobs: true``).
         as_id: token strings as ``token_id:N``.
+        token_bytes: each chosen token's share of the text's UTF-8 bytes (``text_bytes``),
+            else its own bytes.
     Returns:
         ``[{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]``.
     """
@@ -168,8 +226,21 @@ def chat_logprobs(strings: TokenStrings, ids: Sequence[int], entries: Sequence,
                 "bytes": list(strings.bytes(tid))}
 
     out = []
-    for tid, e in zip(ids, entries, strict=True):
+    for i, (tid, e) in enumerate(zip(ids, entries, strict=True)):
         d = item(tid, e[0])
+        if token_bytes is not None:
+            d["bytes"] = list(token_bytes[i])
         d["top_logprobs"] = [item(alt, alt_lp) for alt, alt_lp in e[1][:k]]
         out.append(d)
     return out
+
+
+
+def token_text_bytes(strings: TokenStrings, tid: int, piece: str) -> bytes:
+    """Token ``tid``'s share of the text's UTF-8 bytes, given its ``TokenPieces`` piece: its
+    own bytes for a byte-level vocabulary (a split character's partial bytes included), else
+    (and for an added/special token: nothing when skipped) the piece's bytes. Joined over a
+    choice's tokens, and cut where the text ends, they give the text's bytes exactly."""
+    if tid in strings._added or not strings._byte_level:
+        return piece.encode("utf-8")
+    return strings.bytes(tid)

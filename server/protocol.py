@@ -4,10 +4,15 @@ Bounds mirror ``SamplingParams.verify`` so a bad value is a 400 naming the field
 before anything reaches the engine. Types are strict, as in OpenAI's API: a boolean must be a
 JSON boolean and an integer a JSON integer (``"5"``, ``true`` or ``2.0`` for ``n`` is a 400);
 a float field takes JSON integers too. ``null`` at the top level means "absent" (OpenAI
-clients send ``"stream_options": null``). Unknown fields OpenAI treats as optional are
-ignored; fields ferry cannot honour are a 400 naming them (``check_unsupported``).
+clients send ``"stream_options": null``).
 
-Also the bodies of ``/v1/tokenize`` and ``/v1/detokenize`` (vLLM's and SGLang's shapes).
+Every field of a generation request is one of three kinds (``check_unsupported``): implemented
+(a declared field, or a ``SamplingParams`` field), an accepted no-op (``ACCEPTED_NOOPS``,
+documented in docs/usage.md), or refused with a 400 naming it; an unknown field is refused
+too (as OpenAI does), so nothing a client sends is silently dropped.
+
+The base model, the tokenize/detokenize bodies and the error mapping live in
+``server/protocol_base.py`` (re-exported here).
 """
 
 from __future__ import annotations
@@ -21,13 +26,11 @@ from typing import Any
 import msgspec
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     ValidationInfo,
     create_model,
     field_validator,
-    model_validator,
 )
 
 from engine.sampling.params import (
@@ -38,36 +41,29 @@ from engine.sampling.params import (
     SamplingParams,
 )
 from server.errors import APIError, bad_request, not_supported
+from server.protocol_base import (  # noqa: F401 - re-exported
+    MAX_DETOKENIZE_TOKENS,
+    MAX_MESSAGES,
+    MAX_N_HARD,
+    ChatMessage,
+    DetokenizeRequest,
+    StreamOptions,
+    TokenizeRequest,
+    _Base,
+    _param_of,
+    from_validation_error,
+    max_n_of,
+)
+from server.structured import STRUCTURED_FIELDS, STRUCTURED_NOOPS, TOOL_REQUEST_FIELDS
 
 logger = logging.getLogger("ferry.server")
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1        # bound of token counts and ids in a request
 MAX_PROMPTS = 128            # prompts in one /v1/completions request
-MAX_N_HARD = 128             # upper bound of n whatever --max-n says
-MAX_MESSAGES = 1024
 MAX_STOP_TOKEN_IDS = MAX_STOP_STRINGS
-MAX_DETOKENIZE_TOKENS = 1 << 17  # token ids in one /v1/detokenize request
 #: a logit_bias key: a JSON string of ASCII digits, optionally signed (int() takes more)
 _TOKEN_ID_KEY = re.compile(r"-?[0-9]+")
-
-
-class _Base(BaseModel):
-    # strict: no str -> int, bool -> int, 2.0 -> int or 1/"yes" -> bool coercion; an int is
-    # still a valid float (pydantic's strict float takes ints, like OpenAI's API)
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_absent(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
-
-
-class StreamOptions(_Base):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(_Base):
@@ -95,7 +91,13 @@ class _SamplingFields(_Base):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False   # vLLM: logprobs tokens as "token_id:N"
-    user: str | None = None
+    # vLLM: the k most likely tokens at every prompt position (first entry null); -1 ("the
+    # whole vocabulary") is refused like any k beyond MAX_LOGPROBS
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM: let the tokenizer add its special tokens (BOS...); None: the endpoint's default
+    # (True for a completions prompt, False for chat: the template writes them)
+    add_special_tokens: bool | None = None
+    user: str | None = None  # an accepted no-op (ACCEPTED_NOOPS), declared for its type
 
     @field_validator("n")
     @classmethod
@@ -166,8 +168,8 @@ class _SamplingFields(_Base):
 
     @property
     def prompt_logprobs_k(self) -> int | None:
-        """Alternatives per prompt token to return (completions ``echo``), or None."""
-        return None
+        """Alternatives per prompt token the engine computes (``prompt_logprobs``), or None."""
+        return self.prompt_logprobs
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """The engine's ``SamplingParams`` (``max_tokens`` resolved by the caller): every
@@ -225,7 +227,9 @@ class CompletionRequest(_SamplingRequest):
 
     @property
     def prompt_logprobs_k(self) -> int | None:
-        return self.logprobs if self.echo else None
+        ks = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs)
+              if k is not None]
+        return max(ks) if ks else None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -251,12 +255,6 @@ class CompletionRequest(_SamplingRequest):
                          "of lists of token ids")
 
 
-class ChatMessage(_Base):
-    role: str
-    content: str | list[dict] | None = None
-    name: str | None = None
-
-
 class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions``. ``max_completion_tokens`` is an alias of max_tokens."""
 
@@ -264,6 +262,12 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # chat continuation (vLLM's names): end the prompt with the assistant header, or
+    # continue the last (assistant) message where it stops; its tokens count as prompt
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    # extra variables of the chat template (e.g. {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def logprobs_k(self) -> int | None:
@@ -277,33 +281,57 @@ class ChatCompletionRequest(_SamplingRequest):
 
 # ---- fields ferry ignores or refuses ------------------------------------------------------
 
-#: optional in OpenAI's API and harmless to ignore
-IGNORED_FIELDS = frozenset({
+#: accepted no-ops: optional fields of OpenAI's API whose only effect is bookkeeping on
+#: OpenAI's side (end-user ids, stored completions, tiers, cache keys) or a hint that changes
+#: no output; ferry accepts and ignores them (docs/usage.md lists them). Every other field is
+#: implemented or a 400 naming it.
+ACCEPTED_NOOPS = frozenset({
     "user", "metadata", "store", "parallel_tool_calls", "service_tier", "prediction",
     "reasoning_effort", "verbosity", "prompt_cache_key", "safety_identifier",
 })
+IGNORED_FIELDS = ACCEPTED_NOOPS  # the old name
+#: arguments of ``apply_chat_template`` that ``chat_template_kwargs`` may not set
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+    "chat_template", "tools", "documents", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "padding", "truncation", "max_length", "return_tensors"})
+
+#: fields of the peers (vLLM, SGLang) ferry refuses with a reason beyond "unknown"
+_REFUSED_WHY = {
+    "documents": "RAG documents are not passed to the chat template",
+    "chat_template": "the server's chat template is fixed",
+    "use_beam_search": "beam search", "length_penalty": "beam search",
+    "include_stop_str_in_output": "the text always ends before the stop string",
+    "no_stop_trim": "the text always ends before the stop string",
+}
 
 
 def _refuse(req: BaseModel, name: str, value: Any) -> APIError | None:
-    """400 for a field whose value ferry cannot honour, else None (value is harmless)."""
-    if name in ("tools", "functions"):
+    """400 for an undeclared field ``name`` unless its value is harmless (None): the value
+    ferry cannot honour, or a field it does not know at all."""
+    if name in STRUCTURED_FIELDS or name in STRUCTURED_NOOPS or name in TOOL_REQUEST_FIELDS:
+        return None  # checked by server/structured.py and server/tool_calls.py
+    if name == "functions":
         return not_supported(name) if value else None
-    if name in ("tool_choice", "function_call"):
+    if name == "function_call":
         return not_supported(name) if value not in (None, "none") else None
-    if name == "response_format":
-        if value in (None, {}) or (isinstance(value, dict) and value.get("type") == "text"):
-            return None
-        return not_supported(name, "only {'type': 'text'}")
     if name == "modalities":
         return None if value in (None, ["text"]) else not_supported(name, "only ['text']")
     if name == "audio":
         return not_supported(name) if value is not None else None
     if name == "echo":  # vLLM's chat echo (repeat the last message) is not implemented
         return not_supported(name, "only on /v1/completions") if value else None
-    if name in ("web_search_options", "guided_json", "guided_regex", "guided_choice",
-                "guided_grammar", "structured_outputs", "response_schema"):
+    if name in ("web_search_options", "response_schema"):
         return not_supported(name)
-    return None
+    if name in ("use_beam_search", "include_stop_str_in_output", "no_stop_trim") and \
+            value is False:
+        return None  # the default, asked for explicitly
+    if name in _REFUSED_WHY:
+        return not_supported(name, _REFUSED_WHY[name])
+    # anything else is unknown to ferry: refused (OpenAI answers "Unrecognized request
+    # argument supplied"), never silently dropped
+    return APIError(f"unrecognized request field '{name}' (see docs/usage.md for the "
+                    "fields ferry accepts)", 400, name, "unrecognized_field")
 
 
 def check_unsupported(req: _SamplingRequest) -> None:
@@ -315,7 +343,7 @@ def check_unsupported(req: _SamplingRequest) -> None:
     refuses both too).
     """
     for name, value in (req.model_extra or {}).items():
-        if name in IGNORED_FIELDS:
+        if name in ACCEPTED_NOOPS:
             continue
         err = _refuse(req, name, value)
         if err is not None:
@@ -329,44 +357,19 @@ def check_unsupported(req: _SamplingRequest) -> None:
             raise not_supported("best_of", "best_of must equal n")
         if req.suffix:
             raise not_supported("suffix")
-    elif isinstance(req, ChatCompletionRequest) and req.top_logprobs and not req.logprobs:
-        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-
-
-# ---- pydantic errors -> OpenAI errors -----------------------------------------------------
-
-def _param_of(loc: tuple) -> str | None:
-    """``("messages", 0, "content")`` -> ``"messages[0].content"``; union tags dropped."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif isinstance(part, str):
-            if not part.isidentifier() or part in ("str", "int", "float", "bool", "dict",
-                                                   "list"):
-                continue
-            out += ("." if out else "") + part
-    return out or None
-
-
-def from_validation_error(exc: ValidationError) -> APIError:
-    """The first pydantic error as a 400 naming the field (``param``)."""
-    errs = exc.errors(include_url=False)
-    if not errs:
-        return bad_request("invalid request")
-    e = errs[0]
-    param = _param_of(tuple(e.get("loc", ())))
-    msg = str(e.get("msg", "invalid value"))
-    msg = msg.removeprefix("Value error, ")
-    if e.get("type") == "missing":
-        msg = "this field is required"
-    return bad_request(f"{param}: {msg}" if param else msg, param)
-
-
-def max_n_of(context: Any) -> int:
-    """The largest ``n`` accepted: ``context["max_n"]`` (``--max-n``) capped at MAX_N_HARD."""
-    limit = context.get("max_n") if isinstance(context, dict) else None
-    return min(limit or MAX_N_HARD, MAX_N_HARD)
+    elif isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        if req.continue_final_message and req.add_generation_prompt:
+            raise bad_request("continue_final_message needs add_generation_prompt: false",
+                              "continue_final_message")
+        if req.continue_final_message and req.messages[-1].role != "assistant":
+            raise bad_request("continue_final_message needs an assistant message last",
+                              "continue_final_message")
+        for key in req.chat_template_kwargs or {}:
+            if key in RESERVED_TEMPLATE_KWARGS:
+                raise bad_request(f"chat_template_kwargs may not set '{key}' (a field of its "
+                                  "own or fixed by the server)", f"chat_template_kwargs.{key}")
 
 
 def parse_request(model: type[BaseModel], body: Any, max_n: int | None = None) -> Any:
@@ -398,33 +401,3 @@ def parse_request(model: type[BaseModel], body: Any, max_n: int | None = None) -
     elif isinstance(req, TokenizeRequest):
         req.check()
     return req
-
-
-# ---- /v1/tokenize and /v1/detokenize ------------------------------------------------------
-
-class TokenizeRequest(_Base):
-    """``POST /v1/tokenize``: exactly one of ``prompt`` (a string) or ``messages``.
-
-    ``add_special_tokens`` defaults to True for a prompt and False for messages (the chat
-    template writes its own special tokens), as in vLLM.
-    """
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
-    add_generation_prompt: bool = True
-    add_special_tokens: bool | None = None
-    return_token_strs: bool = False
-
-    def check(self) -> None:
-        """Raises: APIError 400 (``param`` "prompt") unless exactly one input is given."""
-        if (self.prompt is None) == (self.messages is None):
-            raise bad_request("send exactly one of 'prompt' (a string) or 'messages'",
-                              "prompt")
-
-
-class DetokenizeRequest(_Base):
-    """``POST /v1/detokenize``: ``tokens`` (ids; range-checked against the vocabulary later)."""
-
-    model: str | None = None
-    tokens: list[int] = Field(max_length=MAX_DETOKENIZE_TOKENS)

@@ -12,6 +12,7 @@ engine rejection is still a plain HTTP error; after that an error becomes a fina
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -25,9 +26,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.sampling.params import SamplingParams
+from server import structured
 from server.chat_messages import messages_for_template
 from server.errors import APIError, bad_request, http_error
-from server.formats import BaseFormat, ChatFormat, CompletionFormat, LogprobOptions
+from server.formats import BaseFormat, CompletionFormat, LogprobOptions
 from server.logprobs import TokenStrings
 from server.protocol import (
     ChatCompletionRequest,
@@ -37,6 +39,7 @@ from server.protocol import (
     parse_request,
 )
 from server.tokenizer_manager import ReqOutput, TokenizerManager
+from server.tool_calls import prepare_chat
 
 logger = logging.getLogger("ferry.server")
 
@@ -60,6 +63,18 @@ def _wrap_int64(x: int) -> int:
     return (x + 2**63) % 2**64 - 2**63
 
 
+def choice_seed(seed: int, j: int) -> int:
+    """The seed of choice ``j`` (> 0) of a request seeded with ``seed``: the first 8 bytes of
+    BLAKE2b over the 16 bytes of (seed mod 2**64, j) as a signed int64. Choice 0 keeps
+    ``seed``."""
+    if j == 0:
+        return seed
+    data = (seed % 2**64).to_bytes(8, "little") + j.to_bytes(8, "little")
+    h = int.from_bytes(hashlib.blake2b(data, digest_size=8, person=b"ferry-n").digest(),
+                       "little")
+    return _wrap_int64(h)
+
+
 def sse(obj: Any) -> str:
     return f"data: {_dumps(obj)}\n\n"
 
@@ -73,6 +88,16 @@ async def _read_body(request: Request, max_bytes: int) -> bytearray:
     return body
 
 
+def check_json_content_type(value: str | None) -> None:
+    """Raises: APIError 415 unless ``value`` (a Content-Type header) is application/json."""
+    media = (value or "").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        got = f"'{value}'" if value else "none"
+        raise APIError(f"the request body must be JSON sent with 'Content-Type: "
+                       f"application/json' (got {got})", 415, None,
+                       "unsupported_media_type")
+
+
 async def read_json(request: Request, max_bytes: int,
                     timeout_s: float | None = None) -> Any:
     """The decoded JSON body.
@@ -83,11 +108,15 @@ async def read_json(request: Request, max_bytes: int,
         timeout_s: seconds the whole body may take to arrive (default BODY_READ_TIMEOUT_S).
     Raises:
         APIError: 413 if the body exceeds ``max_bytes`` (by Content-Length or as received);
+            415 unless ``Content-Type`` is ``application/json`` (parameters such as
+            ``charset=utf-8`` allowed; a missing type is refused too: browsers send
+            ``text/plain`` and untyped bodies cross-origin without a CORS preflight);
             408 (``Connection: close``) if it has not all arrived within ``timeout_s``;
             400 if it is empty, not strict JSON (NaN, invalid UTF-8 and lone surrogates are
             refused: the tokenizer cannot take them) or nested deeper than the decoder
             allows (about 1000 levels). Decoding raises nothing else.
     """
+    check_json_content_type(request.headers.get("content-type"))
     cl = request.headers.get("content-length")
     if cl is not None:
         if not cl.isascii() or not cl.strip().isdigit():
@@ -225,9 +254,11 @@ class OpenAIServing:
                  sp: SamplingParams) -> list[tuple[str, list[int], SamplingParams]]:
         """One engine request per (prompt, sample); choice ``i = prompt * n + j``.
 
-        A seeded request gives sample ``j`` (of every prompt) the seed ``seed + j``, wrapped
-        into int64, so the n samples differ but stay reproducible, and sample j of a seeded
-        ``n`` request equals sample 0 of the same request with ``seed + j``.
+        A seeded request gives sample ``j`` (of every prompt) the seed ``choice_seed(seed,
+        j)``: sample 0 keeps the request's seed (an ``n: 1`` request is sample 0), the others
+        get a hash of (seed, j), so the n samples differ, stay reproducible, and never equal
+        a sample of a neighbouring seed (``seed + j`` made seed 1's sample 1 seed 2's
+        sample 0).
         """
         total = len(prompts) * n
         out = []
@@ -236,7 +267,7 @@ class OpenAIServing:
                 i = p * n + j
                 spj = sp
                 if j and sp.seed is not None:
-                    spj = msgspec.structs.replace(sp, seed=_wrap_int64(sp.seed + j))
+                    spj = msgspec.structs.replace(sp, seed=choice_seed(sp.seed, j))
                 out.append((base if total == 1 else f"{base}-{i}", ids, spj))
         return out
 
@@ -301,7 +332,7 @@ class OpenAIServing:
         t0 = time.monotonic()
         req: CompletionRequest = await self._parse(CompletionRequest, request)
         self.check_model(req.model)
-        sp = self._params(req, req.max_tokens)
+        sp = await structured.constrain(req, sp=self._params(req, req.max_tokens))
         prompts = req.prompt if isinstance(req.prompt, list) else [req.prompt]
         self.check_fan_out(len(prompts), req.n)
         # completions' default max_tokens (16) is not the client's; then the prompt is at fault
@@ -311,7 +342,8 @@ class OpenAIServing:
             if isinstance(p, str):
                 if not p:
                     raise bad_request("the prompt is empty", "prompt")
-                ids = await self.tm.tokenize(p)
+                ids = await self.tm.tokenize(p, add_special_tokens=req.add_special_tokens
+                                             is not False)
             else:
                 ids = list(p)
             self.tm.check_prompt(ids, sp.max_tokens, "prompt", max_tokens_param=mt_param,
@@ -325,7 +357,14 @@ class OpenAIServing:
         lp = LogprobOptions(k=req.logprobs, as_ids=req.return_tokens_as_token_ids,
                             echo=req.echo,
                             prompt_texts=[t for t in texts for _ in range(req.n)],
-                            prompt_ids=[ids for ids in ids_list for _ in range(req.n)])
+                            prompt_ids=[ids for ids in ids_list for _ in range(req.n)],
+                            skip_special_tokens=req.skip_special_tokens,
+                            spaces_between_special_tokens=req.spaces_between_special_tokens,
+                            # a text prompt is echoed as sent, token ids as decoded
+                            prompt_skip_special=[not isinstance(p, str) and
+                                                 req.skip_special_tokens
+                                                 for p in prompts for _ in range(req.n)],
+                            prompt_k=req.prompt_logprobs)
         fmt = CompletionFormat(base, self.model_name, len(subs), sum(map(len, ids_list)),
                                req.include_usage, req.continuous_usage, self.strings, lp,
                                n=req.n)
@@ -338,17 +377,25 @@ class OpenAIServing:
         req: ChatCompletionRequest = await self._parse(ChatCompletionRequest, request)
         self.check_model(req.model)
         sp = self._params(req, req.requested_max_tokens)
+        tools, sp = await prepare_chat(req, sp, getattr(self.tm.tokenizer, "chat_template", None),
+                                       self.args.tool_call_parser)  # constraint, tools
         self.check_fan_out(1, req.n)
-        ids = await self.tm.apply_chat_template(messages_for_template(req.messages))
+        ids = await self.tm.apply_chat_template(
+            messages_for_template(req.messages), req.add_generation_prompt,
+            bool(req.add_special_tokens), continue_final_message=req.continue_final_message,
+            template_kwargs=dict(req.chat_template_kwargs or {}, **tools.template_kwargs))
         mt_param = ("max_completion_tokens" if req.max_completion_tokens is not None
                     else "max_tokens" if req.max_tokens is not None else None)
         self.tm.check_prompt(ids, sp.max_tokens, "messages", max_tokens_param=mt_param,
                              min_tokens=sp.min_tokens)
         base = f"chatcmpl-{uuid.uuid4().hex}"
         subs = self._fan_out(base, [ids], req.n, sp)
-        lp = LogprobOptions(k=req.logprobs_k, as_ids=req.return_tokens_as_token_ids)
-        fmt = ChatFormat(base, self.model_name, len(subs), len(ids), req.include_usage,
-                         req.continuous_usage, self.strings, lp, n=req.n)
+        lp = LogprobOptions(k=req.logprobs_k, as_ids=req.return_tokens_as_token_ids,
+                            prompt_k=req.prompt_logprobs, prompt_ids=[ids] * req.n,
+                            skip_special_tokens=req.skip_special_tokens,
+                            spaces_between_special_tokens=req.spaces_between_special_tokens)
+        fmt = tools.format(base, self.model_name, len(subs), len(ids), req.include_usage,
+                           req.continuous_usage, self.strings, lp, n=req.n)
         self._log_request(fmt, [m.model_dump(exclude_none=True) for m in req.messages], sp)
         return await self._answer(request, subs, req.stream, t0, fmt)
 

@@ -243,7 +243,9 @@ class TokenizerManager:
                                        clean_up_tokenization_spaces=False)
 
     async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                                  add_special_tokens: bool = False) -> list[int]:
+                                  add_special_tokens: bool = False, *,
+                                  continue_final_message: bool = False,
+                                  template_kwargs: dict | None = None) -> list[int]:
         """Render ``messages`` with the tokenizer's chat template and tokenize.
 
         Args:
@@ -251,14 +253,21 @@ class TokenizerManager:
             add_generation_prompt: end with the assistant turn's header.
             add_special_tokens: let the tokenizer add its BOS etc. on top of the template
                 (False: the template already writes them).
+            continue_final_message: end the prompt inside the last message, without its
+                end-of-turn tokens, so the reply continues it (assistant prefill).
+            template_kwargs: extra template variables (``chat_template_kwargs``; the
+                request model refuses keys of ``apply_chat_template`` itself).
         Raises:
             APIError: 400 if the template rejects the conversation or there is none.
         """
         tok = self.need_tokenizer()
+        extra = dict(template_kwargs or {})
 
         def render() -> str:
             return tok.apply_chat_template(messages, tokenize=False,
-                                           add_generation_prompt=add_generation_prompt)
+                                           add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message,
+                                           **extra)
 
         try:
             text = await asyncio.to_thread(render)

@@ -202,6 +202,7 @@ class ModelRunner:
         The ids stay on the device (``ids_dev``) and are copied back asynchronously; call
         ``host()`` on the result to wait for them.
         """
+        from engine.sampling.grammar import fill_vocab_mask
         from engine.sampling.sampler import SamplingBatchInfo, sample
 
         params = [r.sampling_params for r in reqs]
@@ -210,6 +211,9 @@ class ModelRunner:
             output_ids=[r.output_ids for r in reqs],
             prompt_ids=[r.origin_input_ids for r in reqs],
             steps=[len(r.output_ids) for r in reqs], eos_ids=eos_ids)
+        # constrained rows: the grammar's allowed tokens (filled while the forward runs)
+        info.vocab_mask = fill_vocab_mask([getattr(r, "grammar", None) for r in reqs],
+                                          self.vocab_size)
         want = [p.logprobs for p in params if p.logprobs is not None]
         out = sample(logits, info, return_logprobs=max(want) if want else None)
         return SampleResult(out, bool(want), self.device_type)

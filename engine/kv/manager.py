@@ -80,6 +80,13 @@ class KVCacheManager:
                                 self.pool.slots_for(req.pages, 0, req.kv_len))
 
     # ---- growth -------------------------------------------------------------------------
+    def make_room(self, pages: int) -> None:
+        """Evict tree leaves until ``pages`` pages are free (or nothing more is evictable):
+        one tree walk for a whole step's allocations instead of one per request."""
+        short = pages - self.pool.num_free_pages
+        if short > 0:
+            self.tree.evict(short)
+
     def grow(self, req, n: int) -> list[int] | None:
         """Slots for ``n`` more tokens of ``req`` (evicting tree leaves if needed); None,
         with nothing taken, when even eviction cannot make room."""

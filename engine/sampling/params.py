@@ -12,6 +12,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024
+MAX_GRAMMAR_CHARS = 1 << 18  # characters of one json_schema / regex / ebnf constraint
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -40,6 +41,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_logprobs: int | None = None   # same, for prompt tokens (echo)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # constrained decoding (SGLang's names; engine/sampling/grammar.py): at most one of a JSON
+    # schema (as a JSON string), a regex or an xgrammar EBNF grammar with a ``root`` rule
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -93,6 +99,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             for tid in self.stop_token_ids:
                 if not (0 <= tid < vocab_size):
                     bad(f"stop token id {tid} is outside the vocabulary", "stop_token_ids")
+        given = [n for n in ("json_schema", "regex", "ebnf") if getattr(self, n) is not None]
+        if len(given) > 1:
+            bad(f"set at most one constraint, got {' and '.join(given)}", given[1])
+        for name in given:
+            if len(getattr(self, name)) > MAX_GRAMMAR_CHARS:
+                bad(f"{name} must have at most {MAX_GRAMMAR_CHARS} characters", name)
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and not (0 <= v <= MAX_LOGPROBS):

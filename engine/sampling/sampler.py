@@ -169,6 +169,8 @@ class SamplingBatchInfo:
     seed_k2: torch.Tensor | None = None         # [S, 1] int64
     unseeded_rows: torch.Tensor | None = None   # [U] int64; None when all or no rows seeded
     num_seeded: int = 0
+    # grammar constraints: (CPU int32 bitmask [B, ceil(V/32)], constrained rows), or None
+    vocab_mask: tuple | None = None
 
     @classmethod
     def from_params(
@@ -406,6 +408,11 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo,
     if return_logprobs is not None and return_logprobs < 0:
         raise ValueError("return_logprobs must be >= 0")
     x = apply_logits_processors(logits, info) if info.needs_processing else logits.float()
+    if info.vocab_mask is not None:  # grammar: disallowed tokens -inf (logprobs stay raw)
+        from engine.sampling.grammar import apply_vocab_mask
+
+        x = x.clone() if x is logits else x
+        apply_vocab_mask(x, *info.vocab_mask)
 
     if info.is_all_greedy:
         next_ids = torch.argmax(x, dim=-1)

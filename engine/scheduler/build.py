@@ -61,6 +61,23 @@ def load_engine_tokenizer(args: ServerArgs):
         return None
 
 
+def check_environment(args: ServerArgs) -> None:
+    """The checks that need this machine, before any process starts: the device exists, the
+    attention backend is known and runs on it, and the model path resolves.
+
+    Raises:
+        ValueError, FileNotFoundError: with a message naming the flag or the path.
+    """
+    from engine import device as dev
+    from engine.attention import resolve_attention_backend
+    from engine.loader.loader import resolve_model_path
+
+    device_type = dev.resolve_device(args.device)
+    resolve_attention_backend(args.attention_backend, device_type)
+    if args.load_format != "dummy" or args.model_path:
+        resolve_model_path(args.model_path)
+
+
 def build_engine(args: ServerArgs) -> Engine:
     """Load the model and build the scheduler for ``args``.
 
@@ -84,6 +101,8 @@ def build_engine(args: ServerArgs) -> Engine:
     runner = ModelRunner(args)
     tokenizer = load_engine_tokenizer(args)
     scheduler = Scheduler(args, runner, tokenizer, eos_token_ids(runner.config, tokenizer))
+    logger.info("prefix cache: %s", "off (--disable-radix-cache)" if args.disable_radix_cache
+                else f"on, page size {args.page_size}, schedule policy {args.schedule_policy}")
     return Engine(runner=runner, tokenizer=tokenizer, scheduler=scheduler,
                   vocab_size=runner.model_config.vocab_size,
                   max_context_len=runner.max_context_len)

@@ -114,11 +114,7 @@ class EngineLoop:
         elif isinstance(m, io.GetServerInfoReq):
             self.to_server.send(self.info_out(m.rid))
         elif isinstance(m, io.FlushCacheReq):
-            ok = self.sched.flush_cache()
-            self.to_server.send(io.FlushCacheOut(
-                rid=m.rid, success=ok,
-                message="the prefix cache is empty" if ok else
-                "cannot flush the prefix cache while requests are queued or running"))
+            self.to_server.send(self.flush_out(m.rid))
 
     def validate(self, m: io.TokenizedGenerateReq) -> io.ErrorOut | int:
         """Check a request with ``engine.validation.validate_request`` (the server ran the
@@ -144,7 +140,7 @@ class EngineLoop:
         b = io.BatchTokenIdOut(rids=[], new_token_ids=[], finished_reasons=[], prompt_tokens=[],
                                completion_tokens=[], stop_strs=[], skip_special_tokens=[],
                                spaces_between_special_tokens=[], logprobs=[],
-                               prompt_logprobs=[], cached_tokens=[])
+                               prompt_logprobs=[], cached_tokens=[], min_tokens=[])
         for o in outs:
             req, sp = o.req, o.req.sampling_params
             b.rids.append(req.rid)
@@ -155,6 +151,7 @@ class EngineLoop:
                                    else req.cached_tokens)
             b.completion_tokens.append(len(req.output_ids))
             b.stop_strs.append(sp.stop)
+            b.min_tokens.append(sp.min_tokens)
             b.skip_special_tokens.append(sp.skip_special_tokens)
             b.spaces_between_special_tokens.append(sp.spaces_between_special_tokens)
             if sp.logprobs is not None:
@@ -169,6 +166,19 @@ class EngineLoop:
             else:
                 b.prompt_logprobs.append(None)
         return b
+
+    def flush_out(self, rid: str) -> io.FlushCacheOut:
+        """Empty the prefix cache if no request is queued or running."""
+        kv = self.sched.kv
+        if not kv.enabled:
+            return io.FlushCacheOut(rid=rid, success=True, message="nothing to flush: the "
+                                    "prefix cache is disabled (--disable-radix-cache)")
+        held = kv.tree.cached_tokens()
+        if not self.sched.flush_cache():
+            return io.FlushCacheOut(rid=rid, success=False, message="cannot flush the prefix "
+                                    "cache while requests are queued or running")
+        return io.FlushCacheOut(rid=rid, success=True,
+                                message=f"flushed the prefix cache ({held} cached tokens freed)")
 
     def info_out(self, rid: str) -> io.ServerInfoOut:
         kv = self.runner.kv_pool

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+from engine.scheduler.grammar_queue import grammar_finish
 from engine.scheduler.request import FinishReason, Req
 from engine.scheduler.schedule_batch import ScheduleBatch
 
@@ -92,27 +93,44 @@ class OutputProcessorMixin:
             self.running = [r for r in self.running if not r.finished]
 
     def _check_finished(self, req: Req, tok: int, n_out: int) -> FinishReason | None:
-        """Stop conditions after the ``n_out``-th generated token ``tok``."""
+        """Stop conditions after the ``n_out``-th generated token ``tok``.
+
+        EOS, stop token ids and stop strings count only from the ``min_tokens``-th token on;
+        a stop string counts where it ends in the text this token completes (an occurrence
+        that ended earlier, before ``min_tokens``, stays part of the text), which is where
+        the detokenizer cuts the text, so usage counts exactly the tokens behind the text.
+        """
         sp = req.sampling_params
+        if req.grammar is not None and (done := grammar_finish(req, tok)) is not None:
+            return done
         if n_out >= sp.min_tokens:
             if tok in sp.stop_token_ids:
                 return FinishReason("stop", matched=tok)
             if not sp.ignore_eos and tok in self.eos_ids:
                 return FinishReason("stop", matched=tok)
             if req.stop_window and self.tokenizer is not None:
-                tail = self.tokenizer.decode(req.output_ids[max(0, n_out - req.stop_window): n_out],
-                                             skip_special_tokens=sp.skip_special_tokens)
-                # the window may start or end inside a multi-byte character: its pieces decode
-                # to U+FFFD, which is not text the detokenizer will ever show
-                tail = tail.strip("\ufffd")
+                start = max(0, n_out - req.stop_window)
+                tail = self._stop_text(req.output_ids[start:n_out], sp)
+                # what the window held before this token: a match must end beyond it
+                before = len(self._stop_text(req.output_ids[start:n_out - 1], sp))
                 for s in sp.stop:
-                    if s in tail:
+                    if s in tail[max(0, before - len(s) + 1):]:
                         return FinishReason("stop", matched=s)
         if n_out >= req.max_new_tokens:
             return FinishReason("length")
         if len(req.origin_input_ids) + n_out >= self.runner.max_context_len:
             return FinishReason("length")
         return None
+
+
+    def _stop_text(self, ids: list[int], sp) -> str:
+        """The text of ``ids`` as the stop-string check sees it: the window may start or end
+        inside a multi-byte character, whose pieces decode to U+FFFD, text the detokenizer
+        never shows (a leading partial character is trimmed, a trailing one dropped)."""
+        if not ids:
+            return ""
+        text = self.tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
+        return text.strip("\ufffd")
 
 
 class _InFlight:

@@ -36,7 +36,8 @@ class Req:
                  "req_pool_idx", "pages", "kv_len", "finished_reason", "sent_len",
                  "arrival_time", "recv_time", "first_token_time", "max_new_tokens",
                  "stop_window", "cached_pages", "last_node", "cached_tokens",
-                 "logprobs", "sent_logprobs", "prompt_logprobs", "prompt_logprobs_sent")
+                 "logprobs", "sent_logprobs", "prompt_logprobs", "prompt_logprobs_sent",
+                 "grammar")
 
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams,
                  stream: bool = False, max_new_tokens: int | None = None,
@@ -74,6 +75,8 @@ class Req:
         self.prompt_logprobs: list | None = (
             [None] if sampling_params.prompt_logprobs is not None else None)
         self.prompt_logprobs_sent = False
+        # the constraint's matcher (engine/sampling/grammar.py), set once it is compiled
+        self.grammar = None
 
     @property
     def fill_ids(self) -> list[int]:

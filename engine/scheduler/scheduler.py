@@ -17,12 +17,14 @@ from collections import deque
 from engine.args import ServerArgs, prefill_budget
 from engine.executor.forward_batch import ForwardMode
 from engine.kv.manager import KVCacheManager
+from engine.scheduler.grammar_queue import GrammarQueue
 from engine.scheduler.output import (
     STATS_TTFT_ZERO,
     OutputProcessorMixin,
     StepOutput,
     _InFlight,
 )
+from engine.scheduler.prefix_policy import PrefixPolicyMixin
 from engine.scheduler.request import FinishReason, Req
 from engine.scheduler.schedule_batch import ScheduleBatch
 
@@ -33,15 +35,9 @@ MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001  # per step, back toward MIN after a preemption raised it
 FUTURE_TOKENS_CLIP = 4096
 PROMPT_LOGPROBS_CHUNK = 512  # prompt tokens per step for a request that wants their logprobs
-LPM_MAX_QUEUE = 128  # longer waiting queues are served FCFS (matching each would cost too much)
-# a waiting request that shares at least IN_BATCH_PREFIX more tokens with a request being
-# prefilled (in this step, or in chunks) than the cache holds for it waits until that prefill
-# is cached, then hits it (the idea of SGLang's in-batch prefix check); shorter shares are
-# not worth a step
-IN_BATCH_PREFIX = 32
 
 
-class Scheduler(OutputProcessorMixin):
+class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
     """Continuous-batching scheduler over a ``ModelRunner``.
 
     Args:
@@ -72,6 +68,8 @@ class Scheduler(OutputProcessorMixin):
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.running: list[Req] = []
         self.reqs: dict[str, Req] = {}
+        # constrained requests wait here until their grammar is compiled
+        self.grammars = GrammarQueue(tokenizer, getattr(runner, "vocab_size", 0), self.eos_ids)
         self.pending_aborts: set[str] = set()
         self.finished_outputs: list[StepOutput] = []
         self.inflight: _InFlight | None = None
@@ -90,7 +88,8 @@ class Scheduler(OutputProcessorMixin):
     # ---- queue --------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
         self.reqs[req.rid] = req
-        self.waiting.append(req)
+        if not self.grammars.add(req):
+            self.waiting.append(req)
 
     def abort_request(self, rid: str, message: str | None = None) -> None:
         """Drop a request at the next step (frees its KV). Unknown rids are ignored."""
@@ -99,7 +98,7 @@ class Scheduler(OutputProcessorMixin):
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked or self.pending_aborts
-                    or self.finished_outputs or self.inflight)
+                    or self.finished_outputs or self.inflight or self.grammars)
 
     @property
     def num_running(self) -> int:
@@ -123,34 +122,6 @@ class Scheduler(OutputProcessorMixin):
         self.kv.release(req, cache)
         self.reqs.pop(req.rid, None)
 
-    def _admit_prefix(self, req: Req) -> None:
-        """Give a request taken from the queue its cached prefix (locked), and count the
-        lookup on its first admission (a preempted request is looked up again, not counted)."""
-        hit = self.kv.match(req)
-        if req.cached_tokens is None:
-            n_prompt = len(req.origin_input_ids)
-            req.cached_tokens = min(hit, n_prompt)
-            if self.kv.enabled:
-                self.stats["prefix_cache_queries"] += n_prompt
-                self.stats["prefix_cache_hits"] += req.cached_tokens
-
-    def _order_waiting(self) -> None:
-        """``--schedule-policy lpm``: longest cached prefix first (SGLang's policy), stable
-        among equals; FCFS when the queue is longer than ``LPM_MAX_QUEUE``."""
-        if (self.schedule_policy != "lpm" or not self.kv.enabled
-                or not 1 < len(self.waiting) <= LPM_MAX_QUEUE or self.kv.tree.total_pages == 0):
-            return
-        keyed = [(-self.kv.prefix_len(r), i, r) for i, r in enumerate(self.waiting)]
-        keyed.sort(key=lambda x: (x[0], x[1]))
-        self.waiting = deque(r for _, _, r in keyed)
-
-    def flush_cache(self) -> bool:
-        """Empty the prefix cache; refused (False) while any request is queued or running."""
-        if self.reqs or self.inflight is not None:
-            return False
-        return self.kv.flush()
-
-    # ---- batch building -----------------------------------------------------------------
     def _process_aborts(self) -> None:
         if not self.pending_aborts:
             return
@@ -260,6 +231,7 @@ class Scheduler(OutputProcessorMixin):
                 self.kv.write_prefix(req)
             if req is not self.chunked:
                 self.waiting.popleft()
+                self._count_lookup(req)
             start = req.kv_len
             locs.extend(self._grow(req, n))
             req.kv_len = start + n
@@ -285,24 +257,11 @@ class Scheduler(OutputProcessorMixin):
         return ScheduleBatch(ForwardMode.EXTEND, reqs, prefix, ext, sample, locs,
                              all_rows if any(all_rows) else [], num_decodes=n)
 
-    def _wait_for_twin(self, req: Req, twins: list[Req]) -> bool:
-        """Whether ``req`` should wait: one of ``twins`` (being prefilled) shares at least
-        ``IN_BATCH_PREFIX`` more of its prompt than the cache holds now."""
-        want = req.tokens(0, req.seq_len - 1)
-        cached = self.kv.prefix_len(req)
-        return any(_common_prefix(want, t.tokens(0, t.seq_len)) - cached >= IN_BATCH_PREFIX
-                   for t in twins)
-
-    def _head(self, req: Req) -> tuple | None:
-        """The first ``IN_BATCH_PREFIX`` tokens of a request that could share them (the cache
-        is on and its prompt is longer), else None."""
-        if not self.kv.enabled or req.seq_len <= IN_BATCH_PREFIX \
-                or req.prompt_logprobs is not None:
-            return None
-        return tuple(req.tokens(0, IN_BATCH_PREFIX))
-
     def _add_decodes(self, reqs: list[Req], prefix: list[int], locs: list[int]) -> int:
         """Append every running request that gets a KV slot as a one-token step."""
+        # evict what the whole step needs at once (an eviction walks the tree)
+        self.kv.make_room(sum(self.kv_pool.pages_needed(r.kv_len, len(r.pages), 1)
+                              for r in self.running))
         n = 0
         for req in self.running:
             slots = self._grow(req, 1)
@@ -328,6 +287,7 @@ class Scheduler(OutputProcessorMixin):
 
     def get_next_batch(self) -> ScheduleBatch | None:
         self._process_aborts()
+        self.grammars.release(self)
         self._order_waiting()
         batch = self._build_extend() if (self.waiting or self.chunked) else None
         return batch if batch is not None else self._build_decode()
@@ -343,6 +303,10 @@ class Scheduler(OutputProcessorMixin):
         """
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO,
                                    self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        if self.inflight is not None and any(map(_needs_output_ids, self.running)):
+            # their next step needs real ids (a grammar's mask, penalties), and one of them
+            # may finish in the in-flight step: read it back before building the batch
+            self._drain()
         batch = self.get_next_batch()
         if batch is None:
             self._drain()
@@ -420,18 +384,6 @@ class Scheduler(OutputProcessorMixin):
 
 def _needs_output_ids(req: Req) -> bool:
     sp = req.sampling_params
+    # a grammar's mask for this step needs the previous token accepted into its matcher
     return (sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
-            or sp.repetition_penalty != 1.0)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the common prefix of two token lists (binary search over slice equality,
-    so each comparison runs in C)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+            or sp.repetition_penalty != 1.0 or req.grammar is not None)

@@ -36,18 +36,26 @@ class IncrementalDetokenizer:
             None (then every delta is empty: token ids only).
         stop: stop strings; the text never contains one, nor is a possible beginning of one
             released before the request finishes.
+        min_tokens: the request's ``min_tokens``: a stop string counts only where it ends in
+            the text of generated token ``min_tokens`` or later (the engine's rule), so one
+            that ends earlier stays in the text.
         skip_special_tokens, spaces_between_special_tokens: passed to ``decode``. As in
             vLLM, ``spaces_between_special_tokens`` only changes the text for tokenizers
             whose decode puts spaces between added tokens (transformers' slow tokenizers);
             byte-level fast tokenizers (SmolLM2, Llama 3, Qwen) decode the same either way.
     """
 
-    __slots__ = ("ids", "max_stop", "prefix_offset", "prefix_text", "read_offset", "sent",
+    __slots__ = ("floor", "ids", "max_stop", "min_tokens", "prefix_offset", "prefix_text", "read_offset", "sent",
                  "skip_special", "spaces_between", "stop", "stopped", "text", "tokenizer")
 
     def __init__(self, tokenizer, stop: list[str] | None = None,
-                 skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True,
+                 min_tokens: int = 0):
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens
+        # characters of the text of the first min_tokens - 1 tokens: a stop string must end
+        # beyond them; None until that many tokens are in
+        self.floor: int | None = 0 if min_tokens <= 1 else None
         self.stop = [s for s in (stop or []) if s]
         self.max_stop = max((len(s) for s in self.stop), default=0)
         self.skip_special = skip_special_tokens
@@ -81,10 +89,16 @@ class IncrementalDetokenizer:
             self.prefix_text = None
 
     def _first_stop(self, text: str, start: int) -> int:
-        """Index of the first stop string in ``text[start:]`` (absolute), or -1."""
+        """Index of the first stop string in ``text[start:]`` (absolute) that ends beyond
+        ``floor``, or -1."""
+        if self.floor is None and len(self.ids) >= self.min_tokens - 1:
+            self.floor = len(self._decode(self.ids[:self.min_tokens - 1]).rstrip(
+                REPLACEMENT_CHAR))
+        if self.floor is None:
+            return -1
         best = -1
         for s in self.stop:
-            pos = text.find(s, start)
+            pos = text.find(s, max(start, self.floor - len(s) + 1))
             if pos != -1 and (best == -1 or pos < best):
                 best = pos
         return best
@@ -170,7 +184,8 @@ class DetokenizerManager:
                     self.tokenizer, b.stop_strs[i] if i < len(b.stop_strs) else [],
                     b.skip_special_tokens[i] if i < len(b.skip_special_tokens) else True,
                     b.spaces_between_special_tokens[i]
-                    if i < len(b.spaces_between_special_tokens) else True)
+                    if i < len(b.spaces_between_special_tokens) else True,
+                    b.min_tokens[i] if i < len(b.min_tokens) else 0)
                 self.states[rid] = st
             fin = b.finished_reasons[i]
             texts.append(st.step(b.new_token_ids[i], fin))

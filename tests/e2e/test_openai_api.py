@@ -311,8 +311,9 @@ def test_400_names_the_param(server, field, value):
                                                                "content": "hi"}]})):
         if field == "tools" and path == "/v1/completions":
             continue
+        # a tool without its function: the param names the missing part
         assert_error(post(server, path, dict(base, model=MODEL, **{field: value})), 400,
-                     field)
+                     "tools[0].function" if field == "tools" else field)
 
 
 @pytest.mark.parametrize("path,body,param", [
@@ -422,7 +423,8 @@ def test_404_405_413(server):
         for _ in range(40):
             yield b" " * 10_000
 
-    r = httpx.post(server.url + "/v1/completions", content=chunks(), timeout=30)
+    r = httpx.post(server.url + "/v1/completions", content=chunks(), timeout=30,
+                   headers={"Content-Type": "application/json"})
     assert_error(r, 413)
     # the server is fine afterwards
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200

@@ -83,9 +83,12 @@ def test_flush_cache_and_server_info(shared_server):
     assert r.json()["error"]["type"] == "invalid_request_error"
     assert "running" in r.json()["error"]["message"]
 
+    held = httpx.get(url + "/server_info", timeout=10).json()["cached_tokens"]
     r = httpx.post(url + "/flush_cache", timeout=10)
     assert r.status_code == 200, r.text
-    assert httpx.get(url + "/server_info", timeout=10).json()["cached_tokens"] == 0
+    assert f"({held} cached tokens freed)" in r.json()["message"]
+    info = httpx.get(url + "/server_info", timeout=10).json()
+    assert info["cached_tokens"] == 0 and info["radix_cache"] is True and "rid" not in info
     again = comp(url, ids, max_tokens=2)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert httpx.get(url + "/flush_cache", timeout=10).status_code == 405
@@ -122,4 +125,6 @@ def test_disabled_cache_reports_no_hits(server):
     b = comp(server.url, ids, max_tokens=2)
     assert b["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     assert value(scrape(server.url), "ferry:prefix_cache_queries_total") == 0
-    assert post(server.url, "/flush_cache", {}).status_code == 200
+    r = post(server.url, "/flush_cache", {})
+    assert r.status_code == 200 and "disabled" in r.json()["message"]
+    assert httpx.get(server.url + "/server_info", timeout=10).json()["radix_cache"] is False

@@ -9,6 +9,7 @@ and counts of repeated tokens with and without a penalty (behaviour, not our own
 from __future__ import annotations
 
 import concurrent.futures as cf
+import hashlib
 import json
 
 import httpx
@@ -112,8 +113,14 @@ def test_n_with_seed_and_usage(url, ref_tokenizer):
     assert r["usage"]["completion_tokens"] == 3 * 6
     assert r["usage"]["prompt_tokens"] == len(ref_tokenizer.encode(prompt))  # counted once
     assert [text(comp(url, prompt, seed=42, **kw), i) for i in range(3)] == texts
-    # documented derivation: choice j gets seed + j
-    assert text(comp(url, prompt, seed=43, **dict(kw, n=1))) == texts[1]
+    # documented derivation (docs/usage.md): choice j > 0 gets the signed int64 of the first
+    # 8 bytes of BLAKE2b-64(person "ferry-n") over (seed mod 2**64, j) as little-endian u64s
+    digest = hashlib.blake2b((42).to_bytes(8, "little") + (1).to_bytes(8, "little"),
+                             digest_size=8, person=b"ferry-n").digest()
+    seed_1 = int.from_bytes(digest, "little", signed=True)
+    assert text(comp(url, prompt, seed=seed_1, **dict(kw, n=1))) == texts[1]
+    # issue 16: with seed + j, seed 43's choice 0 was seed 42's choice 1
+    assert text(comp(url, prompt, seed=43, **dict(kw, n=1))) != texts[1]
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

@@ -158,3 +158,25 @@ def test_serve_turns_bound_errors_into_usage_errors(argv, msg, capsys):
     err = capsys.readouterr().err
     assert exc.value.code == 2
     assert err.startswith("usage: ferry serve") and f"ferry serve: error: {msg}\n" in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--device", "cpu", "--attention-backend", "triton"], "needs a CUDA or XPU device"),
+    (["--attention-backend", "flashinfer"], "unknown attention backend 'flashinfer'"),
+    (["--model-path", "/nonexistent/model"], "/nonexistent/model"),
+])
+def test_serve_checks_the_machine_before_starting_anything(argv, message, capsys,
+                                                           monkeypatch):
+    """Errors that depend on the device or the files are usage errors too (exit 2, one line),
+    raised before the engine process is spawned."""
+    import server.launch
+    from server.cli import serve
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(server.launch, "launch_server",
+                        lambda args: pytest.fail("the server must not start"))
+    with pytest.raises(SystemExit) as exc:
+        serve(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

@@ -13,8 +13,9 @@ from engine.args import ServerArgs
 from engine.kv.pool import KVPool
 from engine.kv.radix_cache import RadixCache
 from engine.sampling.params import SamplingParams
+from engine.scheduler.prefix_policy import IN_BATCH_PREFIX
 from engine.scheduler.request import Req
-from engine.scheduler.scheduler import IN_BATCH_PREFIX, Scheduler
+from engine.scheduler.scheduler import Scheduler
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -266,3 +267,59 @@ def test_twins_wait_for_the_whole_shared_prompt_of_a_chunked_prefill(page_size):
     # while IN_BATCH_PREFIX (32) or more shared tokens are still to be cached
     assert all(h > 100 - IN_BATCH_PREFIX for i, h in enumerate(hits) if i % 3), hits
     assert assert_idle(sched)
+
+
+def test_cached_tokens_are_counted_when_a_request_is_really_admitted():
+    """A request matched at the head of the queue but not admitted (no room) is matched
+    again later; its reported cached tokens are those of the admission that happened (the
+    position its first extend starts at), counted once."""
+    class Logging(FakeRunner):
+        def forward(self, batch, future_ids=None):
+            self.starts = getattr(self, "starts", {})
+            for req, p in zip(batch.reqs, batch.prefix_lens):
+                self.starts.setdefault(req.rid, p)
+            return super().forward(batch, future_ids)
+
+    runner = Logging(max_total_tokens=256, page_size=4)
+    sched = Scheduler(ServerArgs(page_size=4, max_running_requests=8,
+                                 chunked_prefill_size=256), runner)
+    head = list(range(100, 200))
+    run_all(sched, [Req("w", head + [1], SamplingParams(max_tokens=1))])
+    long = Req("long", list(range(300, 400)), SamplingParams(max_tokens=60, ignore_eos=True))
+    sched.add_request(long)
+    sched.step()
+    r = Req("r", head + [2], SamplingParams(max_tokens=100, ignore_eos=True))
+    before = sched.stats["prefix_cache_hits"]
+    run_all(sched, [r])
+    assert r.output_ids == expected(r.origin_input_ids, 100)
+    assert r.cached_tokens == runner.starts["r"]
+    assert sched.stats["prefix_cache_hits"] - before == r.cached_tokens
+
+
+def test_a_decode_step_walks_the_tree_for_eviction_once(monkeypatch):
+    """With the pool full of cached prefixes, a decode step of many requests evicts what it
+    needs in one tree walk (one per request made a step O(requests x tree nodes))."""
+    runner = FakeRunner(max_total_tokens=400, max_running=8)
+    sched = Scheduler(ServerArgs(max_running_requests=8, chunked_prefill_size=1024), runner)
+    # 300 one-page leaves under one shared token: each eviction of a leaf frees one page
+    run_all(sched, [Req(f"w{i}", [1, 2 + i], SamplingParams(max_tokens=1))
+                    for i in range(300)])
+    assert runner.kv_pool.num_free_pages < 100  # the cache holds most of the pool
+    reqs = [Req(f"d{i}", [900 + i] * 5, SamplingParams(max_tokens=30, ignore_eos=True))
+            for i in range(8)]
+    for r in reqs:
+        sched.add_request(r)
+    while sched.waiting:
+        sched.step()
+    calls = []
+    real = sched.kv.tree.evict
+    monkeypatch.setattr(sched.kv.tree, "evict", lambda n: calls.append(n) or real(n))
+    steps = 0
+    while sched.has_work():
+        before = len(calls)
+        sched.step()
+        steps += 1
+        assert len(calls) - before <= 1
+    assert calls and steps >= 20
+    for r in reqs:
+        assert r.output_ids == expected(r.origin_input_ids, 30)

@@ -1,0 +1,209 @@
+"""Grammar-constrained decoding with xgrammar (JSON schema, regex, EBNF).
+
+The constraint of a request is one of ``SamplingParams.json_schema``, ``.regex`` or ``.ebnf``
+(SGLang's field names); the server maps OpenAI's ``response_format``, vLLM's ``guided_*`` /
+``structured_outputs`` and tool calling onto them (``server/structured.py``).
+
+- ``GrammarBackend`` compiles grammars off the scheduler's thread (a small thread pool) into
+  a cache keyed by ``(kind, text)``; the scheduler keeps a request in its grammar queue until
+  the future is done (the idea of SGLang's ``grammar_queue``).
+- ``GrammarState`` is one request's ``xgrammar.GrammarMatcher``: it fills the request's row of
+  the step's token bitmask and accepts each sampled token; a terminated matcher (its stop
+  token accepted, or nothing more is allowed) ends the request with ``stop``.
+- ``fill_vocab_mask`` / ``apply_vocab_mask``: the per-step mask over the constrained rows
+  only; free rows in the same batch are never touched.
+
+The bitmask is xgrammar's: int32 ``[B, ceil(V / 32)]``, bit ``j % 32`` of word ``j // 32`` set
+when token ``j`` is allowed. On the CPU xgrammar's own kernel applies it; on accelerators a
+torch unpack + ``masked_fill`` does (device-agnostic; no device-specific call here).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch and xgrammar load on first use: the server only parses grammars
+    import torch
+
+logger = logging.getLogger(__name__)
+
+#: SamplingParams fields that carry a constraint, in the order they are looked at
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
+#: compiled grammars kept (LRU) by a backend
+GRAMMAR_CACHE_SIZE = 256
+_NEG_INF = float("-inf")
+_XGR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+
+
+def grammar_key(sp) -> tuple[str, str] | None:
+    """``(kind, text)`` of a ``SamplingParams``' constraint, or None when it has none."""
+    for kind in GRAMMAR_KINDS:
+        text = getattr(sp, kind, None)
+        if text is not None:
+            return kind, text
+    return None
+
+
+def _clean(exc: Exception) -> str:
+    """xgrammar's error text without its ``[time] file.cc:line:`` prefix (first line)."""
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return _XGR_PREFIX.sub("", msg)
+
+
+def _grammar(kind: str, text: str):
+    import xgrammar as xgr
+
+    if kind == "json_schema":
+        # compact JSON (no free whitespace): small models otherwise loop on blanks
+        return xgr.Grammar.from_json_schema(text, any_whitespace=False)
+    if kind == "regex":
+        return xgr.Grammar.from_regex(text)
+    if kind == "ebnf":
+        return xgr.Grammar.from_ebnf(text)
+    raise ValueError(f"unknown grammar kind {kind!r}")
+
+
+def check_grammar(kind: str, text: str) -> None:
+    """Parse a constraint without a tokenizer (milliseconds): the server's 400 check.
+
+    Args:
+        kind: "json_schema" (a JSON schema as a string), "regex" or "ebnf" (xgrammar's
+            GBNF-style EBNF with a ``root`` rule).
+    Raises:
+        ValueError: ``(message, kind)`` in ``args`` when xgrammar rejects it.
+    """
+    try:
+        _grammar(kind, text)
+    except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError and friends
+        raise ValueError(f"invalid {kind}: {_clean(exc)}", kind) from None
+
+
+class GrammarBackend:
+    """Compiles constraints for one tokenizer and caches them.
+
+    Args:
+        tokenizer: the transformers tokenizer of the model.
+        vocab_size: V, the width of the model's logits (may exceed the tokenizer's).
+        eos_ids: the model's stop tokens (the matcher ends on one of them).
+        max_threads: compile threads (xgrammar's own plus the pool's).
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int], max_threads: int = 2):
+        import xgrammar as xgr
+
+        self.vocab_size = vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=list(eos_ids) or None)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=max_threads)
+        self.pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="grammar")
+        self.cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _compile(self, kind: str, text: str):
+        return self.compiler.compile_grammar(_grammar(kind, text))
+
+    def submit(self, kind: str, text: str) -> Future:
+        """The future of the compiled grammar of ``(kind, text)`` (cached; LRU).
+
+        The future's exception, if any, is a ``ValueError((message, kind))``.
+        """
+        key = (kind, text)
+        with self._lock:
+            fut = self.cache.get(key)
+            if fut is not None:
+                self.cache.move_to_end(key)
+                return fut
+            fut = self.pool.submit(self._compile_checked, kind, text)
+            self.cache[key] = fut
+            while len(self.cache) > GRAMMAR_CACHE_SIZE:
+                self.cache.popitem(last=False)
+            return fut
+
+    def _compile_checked(self, kind: str, text: str):
+        try:
+            return self._compile(kind, text)
+        except Exception as exc:  # noqa: BLE001
+            raise ValueError(f"invalid {kind}: {_clean(exc)}", kind) from None
+
+
+class GrammarState:
+    """One request's matcher over a compiled grammar."""
+
+    __slots__ = ("matcher", "failed")
+
+    def __init__(self, compiled):
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.failed = False
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one sampled token; False (and ``failed`` set) if the grammar rejects it."""
+        ok = self.matcher.accept_token(token_id)
+        if not ok:
+            self.failed = True
+        return ok
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def fill_vocab_mask(states: list[GrammarState | None], vocab_size: int
+                    ) -> tuple[torch.Tensor, list[int]] | None:
+    """The step's bitmask for the constrained rows.
+
+    Args:
+        states: one entry per sampled row; None for a free row.
+        vocab_size: V.
+    Returns:
+        ``(bitmask, rows)``: CPU int32 ``[B, ceil(V / 32)]`` (free rows left all-ones) and the
+        constrained row indices; None when no row is constrained (nothing is allocated).
+    """
+    rows = [i for i, s in enumerate(states) if s is not None]
+    if not rows:
+        return None
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(states), vocab_size)
+    for i in rows:
+        states[i].fill(bitmask, i)
+    return bitmask, rows
+
+
+def apply_vocab_mask(x: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set the disallowed tokens of the constrained rows of ``x`` to -inf, in place.
+
+    Args:
+        x: [B, V] float32 logits on any device (a private copy: it is modified).
+        bitmask: int32 [B, ceil(V / 32)] on ``x``'s device (or the CPU).
+        rows: the constrained rows.
+    """
+    if x.device.type == "cpu":
+        import xgrammar as xgr
+
+        xgr.apply_token_bitmask_inplace(x, bitmask.to(x.device), vocab_size=x.shape[1],
+                                        indices=rows)
+        return
+    apply_vocab_mask_torch(x, bitmask, rows)
+
+
+def apply_vocab_mask_torch(x: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """``apply_vocab_mask`` in plain torch ops (any device): unpack the 32 bits of each word
+    of the constrained rows to a bool [R, V] and ``masked_fill`` their logits, in place."""
+    import torch
+
+    V = x.shape[1]
+    idx = torch.tensor(rows, dtype=torch.int64).to(x.device, non_blocking=True)
+    words = bitmask.to(x.device, non_blocking=True).index_select(0, idx)        # [R, W]
+    shifts = torch.arange(32, dtype=torch.int32, device=x.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :V]   # [R, V]
+    x.index_copy_(0, idx, x.index_select(0, idx).masked_fill(~allowed, _NEG_INF))

@@ -1,0 +1,85 @@
+"""How the scheduler uses the radix prefix cache: which waiting request goes first
+(``--schedule-policy lpm``), which waits a step for a twin's prefill to be cached, and the
+hit accounting. ``Scheduler`` (``scheduler.py``) mixes it in; the cache itself is
+``engine/kv/``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from engine.scheduler.request import Req
+
+LPM_MAX_QUEUE = 128  # longer waiting queues are served FCFS (matching each would cost too much)
+# a waiting request that shares at least IN_BATCH_PREFIX more tokens with a request being
+# prefilled (in this step, or in chunks) than the cache holds for it waits until that prefill
+# is cached, then hits it (the idea of SGLang's in-batch prefix check); shorter shares are
+# not worth a step
+IN_BATCH_PREFIX = 32
+
+
+class PrefixPolicyMixin:
+    """Prefix-cache decisions of ``Scheduler`` (uses its ``kv``, ``waiting``, ``stats``,
+    ``reqs``, ``inflight`` and ``schedule_policy``)."""
+
+    def _admit_prefix(self, req: Req) -> None:
+        """Give a request at the head of the queue its cached prefix (locked); ``kv.unmatch``
+        undoes it when the request does not fit after all."""
+        self.kv.match(req)
+
+    def _count_lookup(self, req: Req) -> None:
+        """Count a request's cache hit once it is really admitted (``req.kv_len`` is its
+        matched prefix then); on its first admission only, so a preempted request that is
+        looked up again is not counted twice."""
+        if req.cached_tokens is None:
+            n_prompt = len(req.origin_input_ids)
+            req.cached_tokens = min(req.kv_len, n_prompt)
+            if self.kv.enabled:
+                self.stats["prefix_cache_queries"] += n_prompt
+                self.stats["prefix_cache_hits"] += req.cached_tokens
+
+    def _order_waiting(self) -> None:
+        """``--schedule-policy lpm``: longest cached prefix first (SGLang's policy), stable
+        among equals; FCFS when the queue is longer than ``LPM_MAX_QUEUE``."""
+        if (self.schedule_policy != "lpm" or not self.kv.enabled
+                or not 1 < len(self.waiting) <= LPM_MAX_QUEUE or self.kv.tree.total_pages == 0):
+            return
+        keyed = [(-self.kv.prefix_len(r), i, r) for i, r in enumerate(self.waiting)]
+        keyed.sort(key=lambda x: (x[0], x[1]))
+        self.waiting = deque(r for _, _, r in keyed)
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache; refused (False) while any request is queued or running."""
+        if self.reqs or self.inflight is not None:
+            return False
+        return self.kv.flush()
+
+    # ---- batch building -----------------------------------------------------------------
+    def _wait_for_twin(self, req: Req, twins: list[Req]) -> bool:
+        """Whether ``req`` should wait: one of ``twins`` (being prefilled) shares at least
+        ``IN_BATCH_PREFIX`` more of its prompt than the cache holds now."""
+        want = req.tokens(0, req.seq_len - 1)
+        cached = self.kv.prefix_len(req)
+        return any(_common_prefix(want, t.tokens(0, t.seq_len)) - cached >= IN_BATCH_PREFIX
+                   for t in twins)
+
+    def _head(self, req: Req) -> tuple | None:
+        """The first ``IN_BATCH_PREFIX`` tokens of a request that could share them (the cache
+        is on and its prompt is longer), else None."""
+        if not self.kv.enabled or req.seq_len <= IN_BATCH_PREFIX \
+                or req.prompt_logprobs is not None:
+            return None
+        return tuple(req.tokens(0, IN_BATCH_PREFIX))
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists (binary search over slice equality,
+    so each comparison runs in C)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -1,0 +1,109 @@
+"""The base of the request models, the bodies of ``/v1/tokenize`` and ``/v1/detokenize``
+(vLLM's and SGLang's shapes), and pydantic errors as OpenAI errors. ``server/protocol.py``
+re-exports all of it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from server.errors import APIError, bad_request
+
+MAX_N_HARD = 128             # upper bound of n whatever --max-n says
+MAX_MESSAGES = 1024
+MAX_DETOKENIZE_TOKENS = 1 << 17  # token ids in one /v1/detokenize request
+
+
+class _Base(BaseModel):
+    # strict: no str -> int, bool -> int, 2.0 -> int or 1/"yes" -> bool coercion; an int is
+    # still a valid float (pydantic's strict float takes ints, like OpenAI's API)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class StreamOptions(_Base):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class ChatMessage(_Base):
+    role: str
+    content: str | list[dict] | None = None
+    name: str | None = None
+
+
+
+# ---- pydantic errors -> OpenAI errors -----------------------------------------------------
+
+def _param_of(loc: tuple) -> str | None:
+    """``("messages", 0, "content")`` -> ``"messages[0].content"``; union tags dropped."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str):
+            if not part.isidentifier() or part in ("str", "int", "float", "bool", "dict",
+                                                   "list"):
+                continue
+            out += ("." if out else "") + part
+    return out or None
+
+
+def from_validation_error(exc: ValidationError) -> APIError:
+    """The first pydantic error as a 400 naming the field (``param``)."""
+    errs = exc.errors(include_url=False)
+    if not errs:
+        return bad_request("invalid request")
+    e = errs[0]
+    param = _param_of(tuple(e.get("loc", ())))
+    msg = str(e.get("msg", "invalid value"))
+    msg = msg.removeprefix("Value error, ")
+    if e.get("type") == "missing":
+        msg = "this field is required"
+    return bad_request(f"{param}: {msg}" if param else msg, param)
+
+
+def max_n_of(context: Any) -> int:
+    """The largest ``n`` accepted: ``context["max_n"]`` (``--max-n``) capped at MAX_N_HARD."""
+    limit = context.get("max_n") if isinstance(context, dict) else None
+    return min(limit or MAX_N_HARD, MAX_N_HARD)
+
+
+# ---- /v1/tokenize and /v1/detokenize ------------------------------------------------------
+
+class TokenizeRequest(_Base):
+    """``POST /v1/tokenize``: exactly one of ``prompt`` (a string) or ``messages``.
+
+    ``add_special_tokens`` defaults to True for a prompt and False for messages (the chat
+    template writes its own special tokens), as in vLLM.
+    """
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        """Raises: APIError 400 (``param`` "prompt") unless exactly one input is given."""
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("send exactly one of 'prompt' (a string) or 'messages'",
+                              "prompt")
+
+
+class DetokenizeRequest(_Base):
+    """``POST /v1/detokenize``: ``tokens`` (ids; range-checked against the vocabulary later)."""
+
+    model: str | None = None
+    tokens: list[int] = Field(max_length=MAX_DETOKENIZE_TOKENS)
+

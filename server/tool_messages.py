@@ -1,0 +1,49 @@
+"""Tool-calling messages of a chat request, as chat templates want them.
+
+An assistant message's ``tool_calls`` (OpenAI: ``[{"id", "type": "function", "function":
+{"name", "arguments": "<JSON text>"}}]``) go to the template with ``arguments`` decoded to an
+object, which is what the templates of Llama 3.1, Qwen 2.5, Hermes and Mistral expect
+(transformers' chat-template docs do the same). A ``tool`` message carries ``tool_call_id``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from server.errors import bad_request
+
+MAX_TOOL_CALLS = 128
+
+
+def assistant_tool_calls(value: Any, where: str) -> list[dict]:
+    """Validate an assistant message's ``tool_calls`` and convert them for the template.
+
+    Args:
+        value: the message's ``tool_calls`` field as sent.
+        where: the message's place, e.g. ``messages[2]`` (for ``param``).
+    Raises:
+        APIError: 400 naming ``{where}.tool_calls[i]...`` for a malformed call.
+    """
+    p = f"{where}.tool_calls"
+    if not isinstance(value, list) or len(value) > MAX_TOOL_CALLS:
+        raise bad_request(f"tool_calls must be a list of at most {MAX_TOOL_CALLS} calls", p)
+    out = []
+    for i, call in enumerate(value):
+        q = f"{p}[{i}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request("a tool call needs function.name", f"{q}.function.name")
+        args = fn.get("arguments", "{}")
+        if not isinstance(args, str):
+            raise bad_request("function.arguments must be a JSON string",
+                              f"{q}.function.arguments")
+        try:
+            decoded = json.loads(args) if args.strip() else {}
+        except ValueError:
+            decoded = args  # kept as text; the template shows it as it is
+        entry = {"type": "function", "function": {"name": fn["name"], "arguments": decoded}}
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        out.append(entry)
+    return out

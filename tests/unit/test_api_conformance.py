@@ -1,0 +1,301 @@
+"""Issue 16's fault kinds, each against a hand-computed value: no request field silently
+dropped (walked over the request models and the peers' extension fields), 415 for a non-JSON
+Content-Type, text_offset/tokens/bytes that index the text, stop strings only after
+min_tokens, and per-choice seeds that do not collide."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from engine.args import ServerArgs
+from engine.io_struct import BatchTokenIdOut
+from engine.sampling.params import SamplingParams
+from engine.scheduler.request import Req
+from engine.scheduler.scheduler import Scheduler
+from engine.tokenizer.detokenizer import DetokenizerManager
+from server.errors import APIError
+from server.formats import ChatFormat, CompletionFormat, LogprobOptions
+from server.logprobs import TokenStrings
+from server.protocol import (
+    ACCEPTED_NOOPS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_request,
+)
+from server.serving import check_json_content_type, choice_seed
+from server.tokenizer_manager import ReqOutput
+
+# ---- 1. no field silently dropped ---------------------------------------------------------
+
+#: request fields the routes consume themselves (written here by hand: a new declared field
+#: must be added to this list, i.e. someone decided what it does)
+HANDLED = {"model", "n", "stream", "stream_options", "prompt", "echo", "logprobs", "best_of",
+           "suffix", "messages", "max_completion_tokens", "top_logprobs", "max_tokens",
+           "return_tokens_as_token_ids", "prompt_logprobs", "add_special_tokens",
+           "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "user"}
+SAMPLING = {"min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+            "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids",
+            "ignore_eos", "logit_bias", "skip_special_tokens", "spaces_between_special_tokens"}
+#: issue 13's fields (structured output, tools): refused until their module lands
+STRUCTURED = {"response_format", "regex", "ebnf", "json_schema", "guided_json", "guided_regex",
+              "guided_choice", "guided_grammar", "structured_outputs", "tools", "tool_choice",
+              "structural_tag", "guided_decoding_backend", "guided_whitespace_pattern"}
+#: the peers' extension fields (vLLM's CompletionRequest/ChatCompletionRequest and SGLang's
+#: OpenAI protocol models, 2025), with a non-default value each
+PEER_FIELDS = {
+    "use_beam_search": True, "length_penalty": 0.5, "include_stop_str_in_output": True,
+    "truncate_prompt_tokens": 4, "allowed_token_ids": [1, 2], "bad_words": ["x"],
+    "priority": 1, "request_id": "abc", "logits_processors": ["x"], "cache_salt": "s",
+    "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "return_token_ids": True,
+    "documents": [{"text": "d"}], "chat_template": "{{x}}", "mm_processor_kwargs": {"a": 1},
+    "media_io_kwargs": {"a": 1}, "prompt_embeds": "AAAA", "thinking_token_budget": 8,
+    "no_stop_trim": True, "lora_path": "x", "session_params": {"id": "s"},
+    "separate_reasoning": False, "stream_reasoning": False, "return_hidden_states": True,
+    "custom_logit_processor": "x", "custom_params": {"a": 1}, "bootstrap_host": "h",
+    "bootstrap_port": 1, "bootstrap_room": 1, "rid": "r", "sampling_seed": 1,
+    "stop_regex": "x", "max_new_tokens": 3, "min_new_tokens": 2, "stream_interval": 2,
+    "some_future_field": 1,
+}
+
+
+def _fields(model) -> set[str]:
+    return set(model.model_fields)
+
+
+@pytest.mark.parametrize("model", [CompletionRequest, ChatCompletionRequest])
+def test_every_declared_field_is_implemented(model):
+    # STRUCTURED: issue 13's fields, implemented by their module as they land
+    assert _fields(model) - HANDLED - SAMPLING - STRUCTURED == set()
+
+
+def _body(model, **kw):
+    base = {"prompt": "hi"} if model is CompletionRequest else {
+        "messages": [{"role": "user", "content": "hi"}]}
+    return {**base, **kw}
+
+
+@pytest.mark.parametrize("model", [CompletionRequest, ChatCompletionRequest])
+@pytest.mark.parametrize("name", sorted(PEER_FIELDS) + sorted(STRUCTURED))
+def test_peer_fields_are_implemented_noops_or_refused_by_name(model, name):
+    value = PEER_FIELDS.get(name, {"type": "json_object"} if name == "response_format"
+                            else "[0-9]+")
+    if name in _fields(model) or name in ACCEPTED_NOOPS:
+        return
+    if name in STRUCTURED:  # issue 13's: handled by their module once it lands
+        try:
+            from server import structured
+        except ImportError:
+            structured = None
+        theirs = set().union(*(getattr(structured, a, ()) for a in (
+            "STRUCTURED_FIELDS", "STRUCTURED_NOOPS", "TOOL_REQUEST_FIELDS")))
+        if name in theirs:
+            return
+    with pytest.raises(APIError) as ei:
+        parse_request(model, _body(model, **{name: value}))
+    assert ei.value.status == 400 and ei.value.param == name, ei.value
+
+
+def test_the_issues_examples():
+    # ("regex" is issue 13's: implemented by their module, or refused until it lands)
+    for bad in (-1, 21):
+        with pytest.raises(APIError) as ei:
+            parse_request(CompletionRequest, _body(CompletionRequest, prompt_logprobs=bad))
+        assert ei.value.param == "prompt_logprobs"
+    with pytest.raises(APIError) as ei:
+        parse_request(ChatCompletionRequest, _body(ChatCompletionRequest,
+                                                   stream=True, stream_options={"x": 1}))
+    assert ei.value.param == "stream_options.x"
+    # noops stay accepted
+    parse_request(ChatCompletionRequest, _body(ChatCompletionRequest, user="u", store=True,
+                                               metadata={"a": "b"}, service_tier="auto"))
+
+
+def test_message_fields():
+    from server.chat_messages import messages_for_template
+
+    req = parse_request(ChatCompletionRequest, {"messages": [
+        {"role": "user", "content": "hi", "name": "bob"},
+        {"role": "assistant", "content": "x", "refusal": None, "reasoning_content": "r"}]})
+    assert messages_for_template(req.messages) == [
+        {"role": "user", "content": "hi", "name": "bob"},
+        {"role": "assistant", "content": "x", "reasoning_content": "r"}]
+    req = parse_request(ChatCompletionRequest, {"messages": [
+        {"role": "user", "content": "hi", "audio": {"id": "a"}}]})
+    with pytest.raises(APIError) as ei:
+        messages_for_template(req.messages)
+    assert ei.value.param == "messages[0].audio"
+
+
+def test_continuation_rules():
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}]
+    for kw, param in (({"continue_final_message": True}, "continue_final_message"),
+                      ({"chat_template_kwargs": {"tokenize": True}},
+                       "chat_template_kwargs.tokenize")):
+        with pytest.raises(APIError) as ei:
+            parse_request(ChatCompletionRequest, {"messages": msgs, **kw})
+        assert ei.value.param == param
+    with pytest.raises(APIError) as ei:  # the last message must be the assistant's
+        parse_request(ChatCompletionRequest, {
+            "messages": msgs[:1], "continue_final_message": True,
+            "add_generation_prompt": False})
+    assert ei.value.param == "continue_final_message"
+
+
+# ---- 2. content type ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", ["application/json", "application/json; charset=utf-8",
+                                   "Application/JSON;charset=UTF-8"])
+def test_json_content_types(value):
+    check_json_content_type(value)
+
+
+@pytest.mark.parametrize("value", [None, "", "text/plain", "application/x-www-form-urlencoded",
+                                   "multipart/form-data; boundary=x", "application/jsonx"])
+def test_other_content_types_are_415(value):
+    with pytest.raises(APIError) as ei:
+        check_json_content_type(value)
+    assert ei.value.status == 415 and ei.value.body()["error"]["type"]
+
+
+# ---- 5. per-choice seeds ------------------------------------------------------------------
+
+def test_choice_seeds_do_not_collide():
+    ref = hashlib.blake2b((1).to_bytes(8, "little") + (1).to_bytes(8, "little"),
+                          digest_size=8, person=b"ferry-n").digest()
+    assert choice_seed(1, 1) == int.from_bytes(ref, "little", signed=True)
+    assert choice_seed(7, 0) == 7
+    seeds = {choice_seed(s, j) for s in range(-50, 50) for j in range(8)}
+    assert len(seeds) == 100 * 8  # seed s + j would give 107 distinct values
+    assert choice_seed(-1, 3) == choice_seed(2**64 - 1, 3)  # the seed mod 2**64
+
+
+# ---- 4. stop strings after min_tokens -----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tok():
+    from engine.tokenizer.tokenizer import load_tokenizer
+
+    return load_tokenizer(None)
+
+
+def _run_stop(tok, text: str, stop: str, min_tokens: int):
+    """Feed ``text``'s tokens through the engine's stop check and the detokenizer; return
+    (tokens generated, the text the detokenizer returns)."""
+    from test_scheduler import FakeRunner
+
+    ids = tok.encode(text, add_special_tokens=False)
+    sched = Scheduler(ServerArgs(), FakeRunner(max_total_tokens=256), tokenizer=tok)
+    r = Req("s", [1], SamplingParams(max_tokens=100, stop=[stop], min_tokens=min_tokens))
+    n = len(ids)
+    for i, t in enumerate(ids):
+        r.output_ids.append(t)
+        if sched._check_finished(r, t, i + 1) is not None:
+            n = i + 1
+            break
+    det = DetokenizerManager(tok)
+    out = ""
+    for i in range(n):
+        fin = {"type": "stop", "matched": stop} if i == n - 1 else None
+        b = BatchTokenIdOut(rids=["s"], new_token_ids=[[ids[i]]], finished_reasons=[fin],
+                            prompt_tokens=[1], completion_tokens=[i + 1], stop_strs=[[stop]],
+                            skip_special_tokens=[True], spaces_between_special_tokens=[True],
+                            min_tokens=[min_tokens])
+        out += det.process(b).texts[0]
+    return ids, n, out
+
+
+def test_stop_string_before_min_tokens_stays_in_the_text(tok):
+    text = " 6, 7, 8, 9, 7, 10, 11"
+    ids, n, out = _run_stop(tok, text, " 7", 0)
+    assert out == " 6,"  # no min_tokens: cut at the first " 7"
+    assert tok.decode(ids[:n]).startswith(" 6, 7")
+    # min_tokens past the first " 7": it is text; the second one stops, and the tokens
+    # counted are exactly those up to it (nothing generated after the text ended)
+    first_7 = next(i for i in range(len(ids)) if " 7" in tok.decode(ids[:i + 1]))
+    ids, n, out = _run_stop(tok, text, " 7", first_7 + 3)
+    assert out == " 6, 7, 8, 9,"
+    assert tok.decode(ids[:n]) == " 6, 7, 8, 9, 7"
+    # min_tokens beyond both: never cut
+    ids, n, out = _run_stop(tok, text, " 7", len(ids))
+    assert n == len(ids) and out == text
+
+
+# ---- 3. offsets that index the text -------------------------------------------------------
+
+def _outs(ids, texts, fin):
+    return [ReqOutput(0, t, [i], fin if k == len(ids) - 1 else None, 3, k + 1,
+                      [(-0.5, [[i, -0.5]])])
+            for k, (i, t) in enumerate(zip(ids, texts, strict=True))]
+
+
+def _check_law(text: str, lp: dict):
+    assert "".join(lp["tokens"]) == text
+    for tok_s, off in zip(lp["tokens"], lp["text_offset"], strict=True):
+        assert text[off:off + len(tok_s)] == tok_s
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_completion_offsets_with_special_tokens_and_echo(tok, skip):
+    strings = TokenStrings(tok)
+    im_start, im_end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    prompt = [im_start, *tok.encode("user hi", add_special_tokens=False), im_end]
+    prompt_text = tok.decode(prompt, skip_special_tokens=skip)
+    out_ids = tok.encode(" Hello world", add_special_tokens=False) + [im_end]
+    # the detokenizer's deltas: the EOS (matched) is never shown
+    deltas = [tok.decode([t]) for t in out_ids[:-1]] + [""]
+    lp = LogprobOptions(k=0, echo=True, prompt_texts=[prompt_text], prompt_ids=[prompt],
+                        skip_special_tokens=skip, prompt_skip_special=[skip])
+    fin = {"type": "stop", "matched": im_end}
+    fmt = CompletionFormat("c", "m", 1, len(prompt), False, strings=strings, lp=lp)
+    body = fmt.full([_outs(out_ids, deltas, fin)])
+    choice = body["choices"][0]
+    assert choice["text"] == prompt_text + " Hello world"
+    _check_law(choice["text"], choice["logprobs"])
+    assert len(choice["logprobs"]["tokens"]) == len(prompt) + len(out_ids)
+    assert choice["matched_stop"] == im_end
+    # streamed: the chunks' logprobs concatenate to the same object
+    fmt = CompletionFormat("c", "m", 1, len(prompt), False, strings=strings, lp=lp)
+    chunks = [c for o in _outs(out_ids, deltas, fin) for c in fmt.chunks(o)]
+    merged = {k: [x for c in chunks for x in (c["choices"][0]["logprobs"] or {}).get(k, [])]
+              for k in ("tokens", "text_offset")}
+    assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+    assert merged["tokens"] == choice["logprobs"]["tokens"]
+    assert merged["text_offset"] == choice["logprobs"]["text_offset"]
+
+
+def test_offsets_with_a_stop_string_and_split_characters(tok):
+    strings = TokenStrings(tok)
+    ids = tok.encode(" café 🎉 ok STOP more", add_special_tokens=False)
+    # the returned text is cut at " STOP"; the last token crosses the cut
+    n = next(i for i in range(len(ids)) if "STOP" in tok.decode(ids[:i + 1])) + 1
+    text = " café 🎉 ok"
+    deltas = [""] * (n - 1) + [text]  # all held back, released at the finish
+    fin = {"type": "stop", "matched": " STOP"}
+    for fmt_cls in (CompletionFormat, ChatFormat):
+        lp = LogprobOptions(k=0)
+        fmt = fmt_cls("c", "m", 1, 3, False, strings=strings, lp=lp)
+        body = fmt.full([_outs(ids[:n], deltas, fin)])
+        ch = body["choices"][0]
+        if fmt_cls is CompletionFormat:
+            assert ch["text"] == text
+            _check_law(text, ch["logprobs"])
+        else:
+            got = bytes(b for e in ch["logprobs"]["content"] for b in e["bytes"])
+            assert got.decode() == ch["message"]["content"] == text
+            assert ch["matched_stop"] == " STOP"
+
+
+def test_prompt_logprobs_shape(tok):
+    strings = TokenStrings(tok)
+    prompt = [10, 20, 30]
+    lp = LogprobOptions(prompt_k=1, prompt_ids=[prompt])
+    fmt = ChatFormat("c", "m", 1, 3, False, strings=strings, lp=lp)
+    out = ReqOutput(0, "x", [5], {"type": "length", "matched": None}, 3, 1,
+                    prompt_logprobs=[None, (-1.5, [[7, -0.5], [20, -1.5]]), (-0.25, [[30, -0.25]])])
+    got = fmt.full([[out]])["choices"][0]["prompt_logprobs"]
+    assert got == [None,
+                   {"7": {"logprob": -0.5, "rank": 1, "decoded_token": tok.decode([7])},
+                    "20": {"logprob": -1.5, "rank": None, "decoded_token": tok.decode([20])}},
+                   {"30": {"logprob": -0.25, "rank": 1, "decoded_token": tok.decode([30])}}]

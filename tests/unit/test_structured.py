@@ -1,0 +1,281 @@
+"""Structured-output request fields, tool-call plans and the auto tool-call parsers (no model:
+the checks are against hand-written expectations and xgrammar's own grammar matching)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from engine.sampling.grammar import check_grammar
+from engine.sampling.params import SamplingParams
+from server.errors import APIError
+from server.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from server.structured import choice_grammar, constrain
+from server.tool_calls import calls_schema, plan_tools, prepare_chat
+from server.tool_parsers import detect_parser, parse_tool_calls
+
+MSGS = [{"role": "user", "content": "hi"}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "noop"}}]
+
+
+def _chat(**kw):
+    return parse_request(ChatCompletionRequest, {"messages": MSGS, **kw})
+
+
+def _constrain(req) -> SamplingParams:
+    return asyncio.run(constrain(req, SamplingParams()))
+
+
+def _param(fn, *a) -> str:
+    with pytest.raises(APIError) as ei:
+        fn(*a)
+    assert ei.value.status == 400
+    return ei.value.param
+
+
+@pytest.mark.parametrize("body,kind,text", [
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "integer"}}}}, "json_schema", '{"type": "integer"}'),
+    ({"response_format": {"type": "json_object"}}, "json_schema", '{"type": "object"}'),
+    ({"guided_json": {"type": "integer"}}, "json_schema", '{"type": "integer"}'),
+    ({"guided_json": '{"type": "integer"}'}, "json_schema", '{"type": "integer"}'),
+    ({"json_schema": '{"type": "integer"}'}, "json_schema", '{"type": "integer"}'),
+    ({"regex": "[a-z]+"}, "regex", "[a-z]+"),
+    ({"guided_regex": "[a-z]+"}, "regex", "[a-z]+"),
+    ({"ebnf": 'root ::= "a"'}, "ebnf", 'root ::= "a"'),
+    ({"guided_grammar": 'root ::= "a"'}, "ebnf", 'root ::= "a"'),
+    ({"guided_choice": ["a", 'b"c']}, "ebnf", 'root ::= "a" | "b\\"c"'),
+    ({"structured_outputs": {"regex": "[0-9]"}}, "regex", "[0-9]"),
+    ({"structured_outputs": {"choice": ["x"]}}, "ebnf", 'root ::= "x"'),
+])
+def test_each_spelling_maps_onto_one_constraint(body, kind, text):
+    sp = _constrain(_chat(**body))
+    got = {k: getattr(sp, k) for k in ("json_schema", "regex", "ebnf") if getattr(sp, k)}
+    assert got == {kind: text}
+
+
+def test_text_format_and_no_constraint_leave_params_alone():
+    assert _constrain(_chat(response_format={"type": "text"})) == SamplingParams()
+    assert _constrain(parse_request(CompletionRequest, {"prompt": "x"})) == SamplingParams()
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"regex": "a", "guided_json": {}}, "guided_json"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+    ({"regex": "(["}, "regex"),
+    ({"ebnf": "root ::= nothing"}, "ebnf"),
+    ({"guided_json": {"type": "nonsense"}}, "guided_json"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_choice": "a"}, "guided_choice"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "bogus"}}}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"response_format": "json"}, "response_format"),
+    ({"structured_outputs": {"regex": "a", "json": {}}}, "structured_outputs.json"),
+    ({"structured_outputs": {"lark": "x"}}, "structured_outputs.lark"),
+])
+def test_bad_or_double_constraints_are_400s_naming_the_field(body, param):
+    assert _param(lambda: _constrain(_chat(**body))) == param
+
+
+def test_tools_are_refused_on_completions():
+    req = parse_request(CompletionRequest, {"prompt": "x", "tools": TOOLS})
+    assert _param(_constrain, req) == "tools"
+
+
+def test_choice_grammar_matches_exactly_the_choices():
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    g = xgr.Grammar.from_ebnf(choice_grammar(["yes", 'say "hi"', "a\\b", "é"], "c"))
+    for s in ("yes", 'say "hi"', "a\\b", "é"):
+        assert _is_grammar_accept_string(g, s), s
+    for s in ("ye", "yes ", "no", ""):
+        assert not _is_grammar_accept_string(g, s), s
+
+
+def test_check_grammar_names_the_kind():
+    check_grammar("regex", r"\d+")
+    with pytest.raises(ValueError) as ei:
+        check_grammar("regex", "(")
+    assert ei.value.args[1] == "regex" and "invalid regex" in ei.value.args[0]
+
+
+def test_verify_refuses_two_constraints():
+    with pytest.raises(ValueError) as ei:
+        SamplingParams(regex="a", ebnf='root ::= "a"').verify()
+    assert ei.value.args[1] == "ebnf"
+
+
+# ---- tools ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("body,param", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "array"}}}]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]},
+     "tools[0].function.name"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+    ({"tools": TOOLS + TOOLS[:1]}, "tools[2].function.name"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
+     "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+])
+def test_bad_tools_are_400s(body, param):
+    assert _param(plan_tools, _chat(**body), None) == param
+
+
+def test_forced_tools_build_the_schema_and_refuse_a_second_constraint():
+    plan, sp = asyncio.run(prepare_chat(_chat(tools=TOOLS, tool_choice="required",
+                                              parallel_tool_calls=False), SamplingParams(),
+                                        None))
+    assert json.loads(sp.json_schema) == calls_schema(plan.tools, False)
+    assert json.loads(sp.json_schema)["maxItems"] == 1
+    plan, sp = asyncio.run(prepare_chat(_chat(tools=TOOLS, tool_choice={
+        "type": "function", "function": {"name": "get_weather"}}), SamplingParams(), None))
+    assert json.loads(sp.json_schema) == TOOLS[0]["function"]["parameters"]
+    assert plan.choice == "named" and plan.template_kwargs == {"tools": plan.tools}
+    with pytest.raises(APIError) as ei:
+        asyncio.run(prepare_chat(_chat(tools=TOOLS, tool_choice="required", regex="a"),
+                                 SamplingParams(), None))
+    assert ei.value.param == "tool_choice"
+
+
+def test_required_schema_accepts_calls_and_rejects_others():
+    import jsonschema
+
+    schema = calls_schema(plan_tools(_chat(tools=TOOLS), None).tools, True)
+    jsonschema.validate([{"name": "get_weather", "parameters": {"city": "x"}},
+                         {"name": "noop", "parameters": {}}], schema)
+    for bad in ([], [{"name": "other", "parameters": {}}],
+                [{"name": "get_weather", "parameters": {}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+
+
+def test_auto_picks_the_parser_from_the_template():
+    assert plan_tools(_chat(tools=TOOLS), "{{'<tool_call>'}}").parser == "hermes"
+    assert plan_tools(_chat(tools=TOOLS), "x", "mistral").parser == "mistral"
+    assert plan_tools(_chat(tools=TOOLS), "{{ messages }}").parser is None
+    assert detect_parser("<|python_tag|>") == "llama3" and detect_parser(None) is None
+
+
+# ---- parsers on real-format strings ---------------------------------------------------------
+
+def _calls(parser, text):
+    content, calls = parse_tool_calls(parser, text)
+    return content, [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def test_hermes():
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+            '"Paris"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": '
+            '{"tz": "CET"}}\n</tool_call>')
+    assert _calls("hermes", text) == ("Let me check.", [("get_weather", {"city": "Paris"}),
+                                                        ("get_time", {"tz": "CET"})])
+    assert _calls("hermes", "Just text.") == ("Just text.", [])
+    broken = '<tool_call>\n{"name": "f", "arguments": {'
+    assert _calls("hermes", broken) == (broken, [])
+
+
+def test_llama3():
+    assert _calls("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}') == (
+        None, [("get_weather", {"city": "Paris"})])
+    two = ('<|python_tag|>{"name": "a", "parameters": {"x": 1}}; '
+           '{"name": "b", "parameters": {}}')
+    assert _calls("llama3", two) == (None, [("a", {"x": 1}), ("b", {})])
+    assert _calls("llama3", 'Sure: <|python_tag|>{"name": "a", "parameters": {}}') == (
+        "Sure:", [("a", {})])
+    assert _calls("llama3", "The answer is {1}.") == ("The answer is {1}.", [])
+
+
+def test_mistral_both_formats():
+    v3 = ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+          '{"name": "get_time", "arguments": {"tz": "CET"}}]')
+    assert _calls("mistral", v3) == (None, [("get_weather", {"city": "Paris"}),
+                                            ("get_time", {"tz": "CET"})])
+    v11 = 'Checking. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]noop[ARGS]{}'
+    assert _calls("mistral", v11) == ("Checking.", [("get_weather", {"city": "Paris"}),
+                                                    ("noop", {})])
+    assert _calls("mistral", "no calls") == ("no calls", [])
+
+
+# ---- the response writer --------------------------------------------------------------------
+
+def _outputs(pieces: list[str], finish: str = "stop"):
+    from server.tokenizer_manager import ReqOutput
+
+    return [ReqOutput(0, p, [k], {"type": finish, "matched": None, "message": None}
+                      if k == len(pieces) - 1 else None, 3, k + 1)
+            for k, p in enumerate(pieces)]
+
+
+def _assemble(chunks) -> tuple[str, list[dict], str | None]:
+    content, calls, fin = "", {}, None
+    for c in chunks:
+        for ch in c["choices"]:
+            d = ch["delta"]
+            content += d.get("content") or ""
+            for tc in d.get("tool_calls") or []:
+                e = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
+                e["name"] += tc.get("function", {}).get("name") or ""
+                e["arguments"] += tc.get("function", {}).get("arguments") or ""
+            fin = ch["finish_reason"] or fin
+    return content, [calls[i] for i in sorted(calls)], fin
+
+
+@pytest.mark.parametrize("choice,parser,pieces,content,names", [
+    ("auto", "hermes", ["Let me ", "check.<tool", "_call>\n{\"name\": \"get_weather\", ",
+                        "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call><tool_call>",
+                        "{\"name\": \"noop\", \"arguments\": {}}</tool_call>"],
+     "Let me check.", ["get_weather", "noop"]),
+    ("auto", "hermes", ["No ", "tools <tool", " needed."], "No tools <tool needed.", []),
+    ("required", None, ['[{"name": "noop", ', '"parameters": {}}]'], "", ["noop"]),
+    ("named", None, ['{"city": ', '"Paris"}'], "", ["get_weather"]),
+])
+def test_stream_assembles_to_the_full_body(choice, parser, pieces, content, names):
+    from server.tool_calls import ToolPlan
+
+    plan = ToolPlan(tools=TOOLS, choice=choice, parser=parser,
+                    name="get_weather" if choice == "named" else None)
+    full = plan.format("c", "m", 1, 3, False).full([_outputs(pieces)])["choices"][0]
+    f = plan.format("c", "m", 1, 3, False)
+    chunks = f.start() + [c for o in _outputs(pieces) for c in f.chunks(o)]
+    got_content, calls, fin = _assemble(chunks)
+    msg = full["message"]
+    assert [c["name"] for c in calls] == names
+    assert [tc["function"]["name"] for tc in msg.get("tool_calls", [])] == names
+    assert [c["arguments"] for c in calls] == [
+        tc["function"]["arguments"] for tc in msg.get("tool_calls", [])]
+    assert got_content == content and (msg["content"] or "") == content
+    assert fin == full["finish_reason"] == ("tool_calls" if names else "stop")
+
+
+def test_torch_mask_path_equals_xgrammars_kernel():
+    import torch
+    import xgrammar as xgr
+
+    from engine.sampling.grammar import apply_vocab_mask, apply_vocab_mask_torch
+
+    V = 100
+    g = torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, (V + 31) // 32), dtype=torch.int32,
+                            generator=g)
+    assert bitmask.shape == xgr.allocate_token_bitmask(3, V).shape
+    x = torch.randn(3, V, generator=g)
+    a, b = x.clone(), x.clone()
+    apply_vocab_mask(a, bitmask, [0, 2])        # xgrammar's CPU kernel
+    apply_vocab_mask_torch(b, bitmask, [0, 2])  # the accelerators' path
+    assert torch.equal(a, b) and torch.equal(a[1], x[1])
+    bits = [(int(bitmask[0, j // 32]) >> (j % 32)) & 1 for j in range(V)]
+    assert [bool(v) for v in torch.isfinite(a[0]).tolist()] == [bool(t) for t in bits]
