@@ -6,11 +6,13 @@ hit accounting. ``Scheduler`` (``scheduler.py``) mixes it in; the cache itself i
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from engine.scheduler.request import Req
 
 LPM_MAX_QUEUE = 128  # longer waiting queues are served FCFS (matching each would cost too much)
+LPM_MAX_WAIT_S = 5.0  # a request waiting this long goes first under lpm (seconds)
 # a waiting request that shares at least IN_BATCH_PREFIX more tokens with a request being
 # prefilled (in this step, or in chunks) than the cache holds for it waits until that prefill
 # is cached, then hits it (the idea of SGLang's in-batch prefix check); shorter shares are
@@ -40,13 +42,17 @@ class PrefixPolicyMixin:
 
     def _order_waiting(self) -> None:
         """``--schedule-policy lpm``: longest cached prefix first (SGLang's policy), stable
-        among equals; FCFS when the queue is longer than ``LPM_MAX_QUEUE``."""
+        among equals; FCFS when the queue is longer than ``LPM_MAX_QUEUE``. A request that has
+        waited ``LPM_MAX_WAIT_S`` goes first whatever its prefix (no starvation while
+        requests with cached prefixes keep arriving)."""
         if (self.schedule_policy != "lpm" or not self.kv.enabled
                 or not 1 < len(self.waiting) <= LPM_MAX_QUEUE or self.kv.tree.total_pages == 0):
             return
-        keyed = [(-self.kv.prefix_len(r), i, r) for i, r in enumerate(self.waiting)]
-        keyed.sort(key=lambda x: (x[0], x[1]))
-        self.waiting = deque(r for _, _, r in keyed)
+        now = time.time()
+        keyed = [(0 if now - r.recv_time >= LPM_MAX_WAIT_S else 1,
+                  -self.kv.prefix_len(r), i, r) for i, r in enumerate(self.waiting)]
+        keyed.sort(key=lambda x: x[:3])
+        self.waiting = deque(x[3] for x in keyed)
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache; refused (False) while any request is queued or running."""

@@ -323,3 +323,25 @@ def test_a_decode_step_walks_the_tree_for_eviction_once(monkeypatch):
     assert calls and steps >= 20
     for r in reqs:
         assert r.output_ids == expected(r.origin_input_ids, 30)
+
+
+def test_lpm_does_not_starve_a_request_without_a_cached_prefix():
+    """Requests with a cached prefix keep arriving; one without, queued first, still goes
+    first once it has waited LPM_MAX_WAIT_S."""
+    from engine.scheduler.prefix_policy import LPM_MAX_WAIT_S
+
+    runner = FakeRunner(max_total_tokens=4096, max_running=1)
+    sched = Scheduler(ServerArgs(chunked_prefill_size=1024, max_running_requests=1), runner)
+    head = list(range(100, 180))
+    run_all(sched, [Req("warm", head + [1], SamplingParams(max_tokens=1))])
+    cold = Req("cold", list(range(500, 590)), SamplingParams(max_tokens=1))
+    hot = [Req(f"hot{i}", head + [2 + i], SamplingParams(max_tokens=1)) for i in range(3)]
+    for r in [cold] + hot:
+        sched.add_request(r)
+    first = len(runner.batches)
+    sched.step()
+    assert not cold.output_ids and runner.batches[first][2] == 1  # hot0 (80 cached) first
+    cold.recv_time -= LPM_MAX_WAIT_S  # it has waited long enough now
+    run_all(sched, [])
+    assert runner.batches[first + 1][2] == 90  # then cold's 90 tokens, before hot1 and hot2
+    assert cold.output_ids == expected(cold.origin_input_ids, 1)
