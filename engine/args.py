@@ -61,7 +61,8 @@ class ServerArgs:
     disable_radix_cache: bool = _f(False, "do not reuse the KV of cached prompt prefixes "
                                           "(the radix prefix cache)")
     schedule_policy: str = _f("lpm", "waiting-queue order: lpm (longest cached prefix first; "
-                                     "FCFS beyond 128 waiting) or fcfs", ("lpm", "fcfs"))
+                                     "FCFS beyond 128 waiting; a request waiting 5 s goes "
+                                     "first) or fcfs", ("lpm", "fcfs"))
     kv_cache_dtype: str = _f("auto", "KV cache dtype: auto (the model dtype), or fp8_e4m3 "
                                      "(alias fp8) / fp8_e5m2: one byte per value, cast "
                                      "without a scale", ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"))
