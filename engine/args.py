@@ -80,6 +80,18 @@ class ServerArgs:
     cpu_threads: int | None = _f(None, "intra-op threads of the engine process (default: "
                                        "$OMP_NUM_THREADS if set, else the cores this process "
                                        "may run on)", ge=1)
+    tp_size: int = _f(1, "tensor-parallel size: ranks that each hold 1/N of the weights "
+                      "(one process per rank; NCCL on CUDA, XCCL on XPU, gloo on the CPU)", ge=1)
+    nnodes: int = _f(1, "nodes the tensor-parallel ranks span (tp-size must be a multiple)",
+                     ge=1)
+    node_rank: int = _f(0, "this node's index: 0 runs the HTTP server and the scheduler, "
+                        "others run only model workers", ge=0)
+    dist_init_addr: str | None = _f(None, "host:port of rank 0's torch.distributed rendezvous "
+                                    "(required with --nnodes > 1; default: a free local port)")
+    quantization: str | None = _f(None, "quantize a bf16/fp16 checkpoint at load time: fp8 "
+                                  "(e4m3 weights, per-output-channel scales, dynamic per-token "
+                                  "activation scales); FP8 checkpoints are detected from their "
+                                  "config", ("fp8",))
     disable_overlap_schedule: bool = _f(False, "do not overlap host scheduling with device work")
     disable_fused_ops: bool = _f(False, "run RMSNorm, SiLU-and-mul and rotary in eager torch "
                                         "instead of the fused Triton kernels")
@@ -101,6 +113,13 @@ class ServerArgs:
     tool_call_parser: str = _f("auto", "how tool calls are found in the output of tool_choice "
                                        "'auto': the model family's format, or auto (from the "
                                        "chat template)", ("auto", "hermes", "llama3", "mistral"))
+    allowed_origins: str = _f("http://localhost:*,http://127.0.0.1:*", "CORS: comma-separated "
+                              "origins allowed to call the API from a browser ('*' for any; a "
+                              "port may be '*'); other origins get no CORS headers")
+    allowed_headers: str = _f("*", "CORS: comma-separated request headers a browser may send "
+                              "('*' for any)")
+    allowed_methods: str = _f("GET,POST,OPTIONS", "CORS: comma-separated methods a browser may "
+                              "use")
     log_requests: bool = _f(False, "log prompts and outputs of each request (off by default)")
 
     @classmethod

@@ -106,6 +106,7 @@ class ReadyOut(_Msg):
     dtype: str = ""
     kv_cache_dtype: str = ""
     model: str = ""
+    tp_size: int = 1
 
 
 class ErrorOut(_Msg):
@@ -132,6 +133,8 @@ class ServerInfoOut(_Msg):
     # radix prefix cache: tokens the tree holds, and those of them no request is using
     cached_tokens: int = 0
     evictable_tokens: int = 0
+    # {"tp_size", "backend", "ranks": [{"rank", "weight_bytes", "kv_bytes"}, ...]}
+    tensor_parallel: dict = {}
 
 
 class FlushCacheOut(_Msg):

@@ -29,6 +29,8 @@ class RequestOutput:
     logprobs: list | None = None
     # with SamplingParams.prompt_logprobs: per prompt token, None for the first
     prompt_logprobs: list | None = None
+    # prompt tokens whose KV came from the prefix cache (None: the cache is disabled)
+    num_cached_tokens: int | None = None
 
 
 def final_text(tokenizer, token_ids: list[int], matched, skip_special_tokens: bool = True) -> str:
@@ -62,6 +64,17 @@ class LLM:
         self.runner, self.tokenizer = engine.runner, engine.tokenizer
         self.scheduler, self.vocab_size = engine.scheduler, engine.vocab_size
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (``tp_size > 1``) and leave the process group;
+        the object cannot generate afterwards. Idempotent."""
+        self.runner.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
@@ -117,5 +130,6 @@ class LLM:
             results.append(RequestOutput(
                 r.origin_input_ids, list(r.output_ids), text, fr.type, fr.matched,
                 r.logprobs if r.sampling_params.logprobs is not None else None,
-                r.prompt_logprobs))
+                r.prompt_logprobs,
+                r.cached_tokens if self.scheduler.kv.enabled else None))
         return results

@@ -8,7 +8,10 @@
    the connection limits and timeouts of ``server/http_limits.py``).
 3. Watch the children: if one dies, /health answers 503, every waiting request gets a 503
    (a stream a final error event and ``[DONE]``) and the server exits non-zero.
-4. SIGINT/SIGTERM (to the server alone or to the whole process group: the children ignore
+4. With ``--tp-size N`` the engine process spawns the model workers of ranks 1..N-1 (see
+   ``engine/distributed.py``) and ends itself when one dies, which step 3 then handles; a
+   node started with ``--node-rank > 0`` runs only its workers (:func:`run_worker_node`).
+5. SIGINT/SIGTERM (to the server alone or to the whole process group: the children ignore
    both): new requests get 503, in-flight ones may finish for ``--shutdown-timeout``
    seconds, the rest end with ``finish_reason`` "abort"; then the children are killed and
    the IPC dir removed. A second signal stops at once.
@@ -263,9 +266,9 @@ class Launcher:
             self.tm.tokenizer = await tok
             ready = self.tm.engine_ready
             host = f"[{args.host}]" if ":" in args.host else args.host
-            logger.info("ferry ready: model=%s device=%s dtype=%s kv_capacity=%d tokens "
-                        "max_context_len=%d url=http://%s:%d", model_name_of(args),
-                        ready.device, ready.dtype, ready.max_total_tokens,
+            logger.info("ferry ready: model=%s device=%s dtype=%s tp_size=%d kv_capacity=%d "
+                        "tokens max_context_len=%d url=http://%s:%d", model_name_of(args),
+                        ready.device, ready.dtype, ready.tp_size, ready.max_total_tokens,
                         ready.max_context_len, host, args.port)
             app = build_app(self.tm, args, self.procs)
             # log_level=None: keep the levels setup_logging chose for uvicorn's loggers
@@ -304,7 +307,39 @@ class Launcher:
             self.ipc.cleanup()
 
 
+def run_worker_node(args) -> int:
+    """``--node-rank > 0``: run this node's tensor-parallel ranks (no HTTP server, no
+    scheduler) until one of them exits or a signal arrives; returns the exit code.
+
+    The workers meet rank 0 at ``--dist-init-addr``; they die with this process."""
+    from engine.distributed import ranks_per_node, start_workers, stop_workers
+
+    per_node = ranks_per_node(args)
+    first = args.node_rank * per_node
+    passive_openmp_env()
+    procs = start_workers(args, list(range(first, first + per_node)))
+    logger.info("node %d of %d: started tensor-parallel ranks %d..%d; rank 0 is at %s",
+                args.node_rank, args.nnodes, first, first + per_node - 1, args.dist_init_addr)
+    stop = threading.Event()
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, lambda *_: stop.set())
+    code = 0
+    while not stop.is_set():
+        dead = [p for p in procs if not p.is_alive()]
+        if dead:
+            code = dead[0].exitcode or 0
+            logger.log(logging.ERROR if code else logging.INFO, "%s exited with code %s; "
+                       "stopping this node", dead[0].name, dead[0].exitcode)
+            break
+        stop.wait(WATCH_INTERVAL_S)
+    stop_workers(procs)
+    return 1 if code else 0
+
+
 def launch_server(server_args) -> int:
-    """Start the server and block until it stops; returns the exit code."""
+    """Start the server (node 0) or this node's model workers (``--node-rank > 0``) and
+    block until it stops; returns the exit code."""
     setup_logging(server_args.log_level)
+    if server_args.node_rank > 0:
+        return run_worker_node(server_args)
     return Launcher(server_args).run()

@@ -14,9 +14,11 @@ import time
 import torch
 
 from engine import device as dev
+from engine import distributed as tpd
 from engine.args import ServerArgs, prefill_budget
 from engine.attention import create_attention_backend, resolve_attention_backend
 from engine.executor.forward_batch import ForwardBatch, ForwardMode, resolve_placeholders
+from engine.executor.tp_worker import step_msg
 from engine.kv.pool import KVPool, ReqToTokenPool
 from engine.layers import select_ops
 from engine.scheduler.schedule_batch import ScheduleBatch
@@ -30,17 +32,23 @@ _ACTIVATION_RESERVE = 2 << 30
 
 
 class ModelRunner:
-    """Owns the model, the KV pools and the attention backend on one device."""
+    """Owns the model, the KV pools and the attention backend on one device.
 
-    def __init__(self, args: ServerArgs):
+    With ``--tp-size N`` the runner of rank 0 (``tp_rank=0``, in the engine process) spawns
+    the workers of ranks 1..N-1 on its node and sends them every forward and every sampled
+    batch (:mod:`engine.executor.tp_worker`); a worker's runner (``tp_rank > 0``) holds its
+    shard and never samples.
+    """
+
+    def __init__(self, args: ServerArgs, tp_rank: int = 0):
         from engine.loader.loader import load_model
 
-        self.args = args
         self.device_type = dev.resolve_device(args.device)
+        self.tp_workers: list = []
+        args = self._init_tp(args, tp_rank)
+        self.args = args
         self.dtype = dev.resolve_dtype(args.dtype, self.device_type)
         self.kv_dtype = dev.resolve_kv_dtype(args.kv_cache_dtype, self.dtype)
-        self.device = torch.device(self.device_type)
-        dev.set_device(self.device_type, 0)
         # checked before the weights load: a bad --attention-backend fails in seconds
         self.attention_backend_name = resolve_attention_backend(args.attention_backend,
                                                                 self.device_type)
@@ -48,17 +56,19 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model, self.config = load_model(
             model_path=args.model_path, load_format=args.load_format, dtype=self.dtype,
-            device=self.device_type, seed=args.seed)
+            device=self.device, seed=args.seed)
         self.load_time = time.perf_counter() - t0
         select_ops(self.model, not args.disable_fused_ops and dev.use_triton(self.device_type))
         self.model_config = mc = self.model.model_config
         self.vocab_size = mc.vocab_size
-        self.num_layers, self.num_heads = mc.num_layers, mc.num_heads
-        self.num_kv_heads, self.head_dim = mc.num_kv_heads, mc.head_dim
+        self.num_layers, self.head_dim = mc.num_layers, mc.head_dim
+        # this rank's heads (the model's with tp_size 1)
+        self.num_heads = self.model.q_size // mc.head_dim
+        self.num_kv_heads = self.model.kv_size // mc.head_dim
         model_ctx = mc.context_length
         self.model_max_context = min(model_ctx, args.context_length or model_ctx)
 
-        self.max_total_tokens = self._kv_capacity()
+        self.max_total_tokens = tpd.min_over_ranks(self._kv_capacity())
         self.kv_pool = KVPool(self.max_total_tokens, args.page_size, self.num_layers,
                               self.num_kv_heads, self.head_dim, self.kv_dtype, self.device)
         self.max_total_tokens = self.kv_pool.capacity_tokens
@@ -66,6 +76,8 @@ class ModelRunner:
         self.max_context_len = min(self.model_max_context, self.max_total_tokens)
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.max_context_len,
                                                 self.device)
+        # rank 0 forwards its req_to_token writes (cached prefixes) with the next step
+        self.req_to_token_pool.record_writes = self.tp.size > 1 and self.tp.rank == 0
         self.attn_backend = create_attention_backend(
             self.attention_backend_name, self.num_heads, self.num_kv_heads, self.head_dim,
             device_type=self.device_type, device=self.device,
@@ -89,6 +101,63 @@ class ModelRunner:
                     "attention backend %s", self.max_total_tokens, self.num_layers,
                     self.num_kv_heads, self.head_dim, str(self.kv_dtype).replace("torch.", ""),
                     args.page_size, self.attention_backend_name)
+        self.rank_memory = tpd.gather_objects(self.memory_report())
+        if self.tp.size > 1 and self.tp.rank == 0:
+            logger.info("tensor parallel: %d ranks over %s; per rank: %s", self.tp.size,
+                        self.tp.backend, "; ".join(
+                            f"rank {m['rank']} weights {m['weight_bytes'] / 2**30:.2f} GiB, "
+                            f"KV {m['kv_bytes'] / 2**30:.2f} GiB" for m in self.rank_memory))
+
+    # ---- tensor parallelism -------------------------------------------------------------
+    def _init_tp(self, args: ServerArgs, tp_rank: int) -> ServerArgs:
+        """Pick this rank's device, spawn the node's workers (rank 0) and join the group.
+
+        Returns ``args`` with ``dist_init_addr`` filled in (a free local port when unset).
+        """
+        self.tp_rank = tp_rank
+        local_rank = 0
+        if args.tp_size > 1:
+            per_node = tpd.ranks_per_node(args)
+            local_rank = tp_rank % per_node
+            if dev.is_accelerator(self.device_type) \
+                    and dev.visible_device_count(self.device_type) < per_node:
+                raise ValueError(f"--tp-size {args.tp_size} needs {per_node} {self.device_type} "
+                                 f"devices on this node; "
+                                 f"{dev.visible_device_count(self.device_type)} are visible")
+            if not args.dist_init_addr:
+                args = args.replace(dist_init_addr=tpd.free_local_addr())
+            if tp_rank == 0:
+                self.tp_workers = tpd.start_workers(args, list(range(1, per_node)))
+                tpd.watch_workers(self.tp_workers)
+        dev.set_device(self.device_type, local_rank)
+        self.device = torch.device(self.device_type, local_rank) \
+            if dev.is_accelerator(self.device_type) else torch.device("cpu")
+        self.tp = tpd.init_tp(args.tp_size, tp_rank, args.dist_init_addr or "",
+                              self.device_type)
+        #: rank 0 of a group: sends every forward and sampled batch to the other ranks
+        self.tp_leader = self.tp.size > 1 and self.tp.rank == 0
+        return args
+
+    def memory_report(self) -> dict:
+        """This rank's weight and KV bytes (``/server_info`` shows every rank's)."""
+        return {"rank": self.tp.rank,
+                "weight_bytes": sum(p.numel() * p.element_size()
+                                    for p in self.model.parameters()),
+                "kv_bytes": sum(b.numel() * b.element_size()
+                                for b in self.kv_pool.k_buffers + self.kv_pool.v_buffers)}
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (rank 0) and leave the group. Idempotent."""
+        if self.tp_leader:
+            self.tp_leader = False
+            try:
+                tpd.broadcast_object(("stop",))
+            finally:
+                for p in self.tp_workers:
+                    p.join(10)
+                tpd.stop_workers(self.tp_workers)
+                self.tp_workers = []
+        tpd.destroy_tp()
 
     def graph_pool(self):
         """The device graph memory pool shared by the decode and piecewise graphs (they
@@ -185,6 +254,10 @@ class ModelRunner:
         ``future_ids``: the in-flight step's sampled ids [B'] int64 on the device, which
         placeholder input ids refer to (overlap scheduling), or None.
         """
+        if self.tp_leader:
+            pool = self.req_to_token_pool
+            writes, pool.pending_writes = pool.pending_writes, []
+            tpd.broadcast_object(step_msg(batch, future_ids is not None, writes))
         if (batch.mode == ForwardMode.DECODE and self.graph_runner is not None
                 and self.graph_runner.can_run(batch.batch_size)):
             return self.graph_runner.replay(batch, future_ids)
@@ -216,6 +289,9 @@ class ModelRunner:
                                           self.vocab_size)
         want = [p.logprobs for p in params if p.logprobs is not None]
         out = sample(logits, info, return_logprobs=max(want) if want else None)
+        if self.tp_leader:  # the workers resolve the next step's placeholders with these
+            tpd.broadcast_object(("ids", out.next_token_ids.numel()))
+            tpd.broadcast_tensor(out.next_token_ids)
         return SampleResult(out, bool(want), self.device_type)
 
 

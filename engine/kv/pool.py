@@ -25,6 +25,9 @@ class ReqToTokenPool:
         self.req_to_token = torch.zeros((size + 1, max_context_len), dtype=torch.int32,
                                         device=device)
         self._free = list(range(size, 0, -1))
+        # tensor parallelism: rank 0 keeps its writes for the workers (engine.executor.tp_worker)
+        self.record_writes = False
+        self.pending_writes: list[tuple[int, int, list[int]]] = []
 
     def available(self) -> int:
         return len(self._free)
@@ -39,6 +42,8 @@ class ReqToTokenPool:
         """``req_to_token[row, start:start + len(slots)] = slots`` (a request's cached
         prefix, or the tree's copy of pages it computed twice)."""
         if slots:
+            if self.record_writes:
+                self.pending_writes.append((row, start, list(slots)))
             t = torch.tensor(slots, dtype=torch.int32)
             self.req_to_token[row, start:start + len(slots)] = t.to(self.req_to_token.device)
 

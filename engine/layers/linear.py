@@ -1,4 +1,4 @@
-"""Linear layers and the vocabulary embedding, tensor-parallel ready (tp_size=1 for now).
+"""Linear layers and the vocabulary embedding, split over the tensor-parallel ranks.
 
 Each layer owns its weights as ``nn.Parameter`` (no grad) in the run dtype and exposes
 ``weight_loader(param, loaded, shard_id=None)``, which knows where a checkpoint tensor goes:
@@ -6,10 +6,15 @@ Each layer owns its weights as ``nn.Parameter`` (no grad) in the run dtype and e
 (shard ids ``"q"``, ``"k"``, ``"v"``), ``MergedColumnLinear`` packs ``gate_proj``/``up_proj``
 (shard ids ``0``, ``1``). The column/row split over ``tp_size`` ranks follows Megatron-LM
 (Shoeybi et al. 2019): column-parallel layers split the output rows, row-parallel layers split
-the input columns and would all-reduce their output (a no-op at tp_size=1).
+the input columns and all-reduce their output (a no-op at tp_size=1). The vocabulary
+embedding and LM head are split by vocabulary rows (each rank looks up the ids in its range
+and the partial embeddings are all-reduced; the logits are all-gathered). ``tp_size`` and
+``tp_rank`` default to the process's group (:func:`engine.distributed.get_tp`).
 
 Loaders copy with ``param.data.copy_``, which casts to the parameter's dtype and moves to its
-device, so checkpoint tensors may arrive on the CPU in any float dtype.
+device, so checkpoint tensors may arrive on the CPU in any float dtype. A checkpoint tensor
+may also be a lazy slice (``engine.loader.loader.LazyTensor``: ``shape``, ``narrow`` and
+``materialize``), so a rank reads only its shard from a safetensors file.
 """
 
 from __future__ import annotations
@@ -17,6 +22,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.distributed import all_reduce, check_tp_shape, get_tp
+
+
+def _tp(tp_size: int | None, tp_rank: int | None) -> tuple[int, int]:
+    g = get_tp()
+    return (g.size if tp_size is None else tp_size), (g.rank if tp_rank is None else tp_rank)
+
+
+def full_tensor(t) -> torch.Tensor:
+    """A checkpoint tensor as a ``torch.Tensor`` (a lazy slice is read whole)."""
+    return t if isinstance(t, torch.Tensor) else t.materialize()
 
 
 def _check_shape(name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -33,8 +50,9 @@ class LinearBase(nn.Module):
     """``y = x W^T + b`` with ``W [output_size, input_size]`` (this rank's part)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
-                 tp_size: int = 1, tp_rank: int = 0):
+                 tp_size: int | None = None, tp_rank: int | None = None):
         super().__init__()
+        tp_size, tp_rank = _tp(tp_size, tp_rank)
         self.input_size = input_size
         self.output_size = output_size
         self.tp_size = tp_size
@@ -60,6 +78,7 @@ class ReplicatedLinear(LinearBase):
     """The full weight on every rank."""
 
     def weight_loader(self, param, loaded, shard_id=None):
+        loaded = full_tensor(loaded)
         _check_shape(type(self).__name__, param, loaded)
         param.data.copy_(loaded)
 
@@ -68,7 +87,8 @@ class ColumnParallelLinear(LinearBase):
     """Output features split over ranks: rank r holds rows ``[r*out/tp, (r+1)*out/tp)``."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
-                 tp_size: int = 1, tp_rank: int = 0):
+                 tp_size: int | None = None, tp_rank: int | None = None):
+        tp_size, tp_rank = _tp(tp_size, tp_rank)
         if output_size % tp_size:
             raise ValueError(f"output size {output_size} is not divisible by tp_size {tp_size}")
         super().__init__(input_size, output_size // tp_size, bias, dtype, tp_size, tp_rank)
@@ -81,21 +101,31 @@ class ColumnParallelLinear(LinearBase):
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split over ranks; the bias is added once (rank 0) after the all-reduce.
+    """Input features split over ranks; the partial products are all-reduced, then the
+    (replicated) bias is added once.
 
     At tp_size=1 there is no all-reduce and this is a plain linear layer.
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
-                 tp_size: int = 1, tp_rank: int = 0):
+                 tp_size: int | None = None, tp_rank: int | None = None):
+        tp_size, tp_rank = _tp(tp_size, tp_rank)
         if input_size % tp_size:
             raise ValueError(f"input size {input_size} is not divisible by tp_size {tp_size}")
         super().__init__(input_size // tp_size, output_size, bias, dtype, tp_size, tp_rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., input_size / tp] -> [..., output_size] (summed over the ranks)."""
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
 
     def weight_loader(self, param, loaded, shard_id=None):
         if param.dim() == 2:
             n = param.shape[1]
             loaded = loaded.narrow(1, self.tp_rank * n, n)
+        loaded = full_tensor(loaded)
         _check_shape(type(self).__name__, param, loaded)
         param.data.copy_(loaded)
 
@@ -109,7 +139,8 @@ class MergedColumnLinear(ColumnParallelLinear):
     """
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
-                 tp_size: int = 1, tp_rank: int = 0):
+                 tp_size: int | None = None, tp_rank: int | None = None):
+        tp_size, tp_rank = _tp(tp_size, tp_rank)
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(output_sizes), bias, dtype, tp_size, tp_rank)
 
@@ -132,9 +163,10 @@ class QKVLinear(ColumnParallelLinear):
     """
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool, dtype: torch.dtype, tp_size: int = 1, tp_rank: int = 0):
-        if num_heads % tp_size:
-            raise ValueError(f"{num_heads} attention heads are not divisible by tp_size {tp_size}")
+                 bias: bool, dtype: torch.dtype, tp_size: int | None = None,
+                 tp_rank: int | None = None):
+        tp_size, tp_rank = _tp(tp_size, tp_rank)
+        check_tp_shape(num_heads, num_kv_heads, tp_size)
         self.head_dim = head_dim
         self.num_heads = num_heads // tp_size
         self.num_kv_heads = max(num_kv_heads // tp_size, 1)
@@ -161,28 +193,53 @@ class QKVLinear(ColumnParallelLinear):
 
 
 class VocabEmbedding(nn.Module):
-    """Token embedding ``weight [vocab_size, hidden_size]``; also serves as the LM head.
+    """Token embedding, split over the ranks by vocabulary rows; also serves as the LM head.
 
-    tp_size=1 only for now (a vocab-parallel split would mask ids outside this rank's range).
+    Rank r holds rows ``[r * P, r * P + P)`` with ``P = ceil(vocab_size / tp_size)``
+    (``weight [P, hidden_size]``; rows past the vocabulary are zero). The lookup zeroes the
+    ids outside the rank's range and all-reduces; the LM head all-gathers the logits
+    (``engine.layers.logits.compute_logits``).
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
+                 tp_size: int | None = None, tp_rank: int | None = None):
         super().__init__()
+        self.tp_size, self.tp_rank = _tp(tp_size, tp_rank)
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
-        self.weight = _param((vocab_size, hidden_size), dtype)
+        self.rows_per_rank = -(-vocab_size // self.tp_size)
+        self.vocab_start = self.tp_rank * self.rows_per_rank
+        self.num_local = max(0, min(vocab_size - self.vocab_start, self.rows_per_rank))
+        self.weight = _param((self.rows_per_rank, hidden_size), dtype)
         self.weight.weight_loader = self.weight_loader
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] int64 -> [T, hidden_size]."""
-        return F.embedding(input_ids, self.weight)
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        inside = (local >= 0) & (local < self.num_local)
+        out = F.embedding(torch.where(inside, local, 0), self.weight)
+        return all_reduce(out * inside.unsqueeze(-1).to(out.dtype))
 
     def weight_loader(self, param, loaded, shard_id=None):
-        _check_shape("VocabEmbedding", param, loaded)
-        param.data.copy_(loaded)
+        if self.tp_size == 1:
+            loaded = full_tensor(loaded)
+            _check_shape("VocabEmbedding", param, loaded)
+            param.data.copy_(loaded)
+            return
+        if tuple(loaded.shape) != (self.vocab_size, self.hidden_size):
+            raise ValueError(f"VocabEmbedding: checkpoint tensor has shape "
+                             f"{tuple(loaded.shape)}, expected "
+                             f"{(self.vocab_size, self.hidden_size)}")
+        n = self.num_local
+        param.data[n:].zero_()
+        if n:
+            param.data[:n].copy_(full_tensor(loaded.narrow(0, self.vocab_start, n)))
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
     """Copy a whole checkpoint tensor into ``param`` (cast and moved), checking the shape."""
+    loaded = full_tensor(loaded)
     _check_shape("weight", param, loaded)
     param.data.copy_(loaded)

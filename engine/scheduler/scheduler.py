@@ -344,6 +344,8 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
                 logits = logits[sample_rows]
             result = self.runner.sample(logits, reqs, self.eos_ids) if reqs else None
         except Exception as exc:  # a bug or a device error: fail this batch, keep serving
+            if getattr(getattr(self.runner, "tp", None), "size", 1) > 1:
+                raise  # the other ranks may be inside this step's collectives: stop them all
             logger.exception("step failed; aborting %d requests", batch.batch_size)
             self._drain()
             for req in batch.reqs:

@@ -1,0 +1,285 @@
+"""Tensor parallelism over torch.distributed: process groups, collectives, worker processes.
+
+Layout (one scheduler, dumb workers): rank 0 lives in the engine process (or the offline
+``LLM``) and owns the only scheduler, KV allocator, radix cache, grammar matchers and sampler.
+Ranks 1..N-1 are model workers (:mod:`engine.executor.tp_worker`): each holds 1/N of the
+weights and of the KV heads, and repeats every forward that rank 0 runs. Rank 0 broadcasts
+each step's host-side batch (token ids, positions, KV slots, ``req_to_token`` writes) over a
+gloo group before running it; all ranks then run the same forward, whose collectives
+(all-reduce after the row-parallel layers, all-gather of the vocab-parallel logits) keep them
+in lockstep; rank 0 samples and broadcasts the sampled ids on the device group, which the
+workers need for the next step's placeholders (overlap scheduling). Why not one scheduler per
+rank (SGLang's layout): every rank would have to take the same scheduling decisions, but
+ferry's scheduler reads clocks (LPM's wait limit), a thread pool (grammar compilation) and the
+arrival time of aborts, so the ranks would drift; broadcasting the decisions costs one
+small gloo message per step and keeps the workers free of any scheduling state.
+
+Backends come from :func:`engine.device.dist_backend` (nccl on CUDA, xccl on XPU, gloo on the
+CPU); no other module names one. With ``tp_size == 1`` nothing here initialises anything and
+every collective is a no-op, so single-device runs pay nothing.
+
+Failure handling: workers die with their parent (``PR_SET_PDEATHSIG``), and rank 0 runs a
+watchdog thread that ends its process when a worker exits, so a dead rank never leaves rank 0
+blocked inside a collective (the server then answers 503 and exits, see ``server/launch.py``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine import device as devmod
+
+logger = logging.getLogger("ferry.engine")
+
+#: the gloo group that carries step broadcasts waits this long for rank 0 (an idle server)
+IDLE_TIMEOUT = datetime.timedelta(days=365)
+#: collectives of a step on the device group
+STEP_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+@dataclass
+class TPGroup:
+    """This process's place in the tensor-parallel group.
+
+    Attributes:
+        size: ranks (1: no tensor parallelism).
+        rank: this process's rank (0 runs the scheduler).
+        backend: the device group's backend (``nccl``, ``xccl``, ``gloo``), or ``none``.
+        device_group: the group of the step collectives (on the device).
+        cpu_group: a gloo group for host objects (step broadcasts, memory reports).
+    """
+
+    size: int = 1
+    rank: int = 0
+    backend: str = "none"
+    device_group: Any = None
+    cpu_group: Any = None
+
+
+_TP = TPGroup()
+_stopping = threading.Event()
+
+
+def get_tp() -> TPGroup:
+    """The current tensor-parallel group (size 1 when none was initialised)."""
+    return _TP
+
+
+def check_tp_shape(num_heads: int, num_kv_heads: int, tp_size: int) -> None:
+    """Refuse head counts that do not split over ``tp_size`` ranks.
+
+    Query heads must divide; KV heads must divide, or (fewer KV heads than ranks) divide
+    ``tp_size`` so that each KV head is replicated on ``tp_size / num_kv_heads`` ranks, as
+    SGLang and vLLM do.
+
+    Raises:
+        ValueError: naming both numbers.
+    """
+    if tp_size <= 1:
+        return
+    if num_heads % tp_size:
+        raise ValueError(f"--tp-size {tp_size} does not divide the model's {num_heads} "
+                         "attention heads")
+    if num_kv_heads >= tp_size and num_kv_heads % tp_size:
+        raise ValueError(f"--tp-size {tp_size} does not divide the model's {num_kv_heads} "
+                         "KV heads")
+    if num_kv_heads < tp_size and tp_size % num_kv_heads:
+        raise ValueError(f"the model's {num_kv_heads} KV heads cannot be replicated evenly "
+                         f"over --tp-size {tp_size} ranks")
+
+
+def ranks_per_node(args) -> int:
+    """Ranks on each node (``tp_size / nnodes``).
+
+    Raises:
+        ValueError: ``tp_size`` is not a multiple of ``nnodes``, or ``node_rank`` is out of range.
+    """
+    if args.tp_size % args.nnodes:
+        raise ValueError(f"--tp-size {args.tp_size} is not a multiple of --nnodes {args.nnodes}")
+    if args.node_rank >= args.nnodes:
+        raise ValueError(f"--node-rank {args.node_rank} must be below --nnodes {args.nnodes}")
+    if args.nnodes > 1 and not args.dist_init_addr:
+        raise ValueError("--nnodes > 1 needs --dist-init-addr host:port (rank 0's address)")
+    return args.tp_size // args.nnodes
+
+
+def free_local_addr() -> str:
+    """``127.0.0.1:port`` with a port that was free a moment ago (single-node rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def init_tp(tp_size: int, rank: int, init_addr: str, device_type: str) -> TPGroup:
+    """Join the tensor-parallel group (blocks until all ``tp_size`` ranks have joined).
+
+    Args:
+        tp_size: ranks in the group.
+        rank: this process's rank.
+        init_addr: ``host:port`` of the TCP rendezvous (rank 0 listens there).
+        device_type: ``cuda``, ``xpu`` or ``cpu`` (picks the backend; set the device first).
+    Returns:
+        the group, also available from :func:`get_tp`.
+    """
+    global _TP
+    if tp_size <= 1:
+        _TP = TPGroup()
+        return _TP
+    backend = devmod.dist_backend(device_type)
+    host, _, port = init_addr.rpartition(":")
+    t0 = time.perf_counter()
+    dist.init_process_group(backend=backend, init_method=f"tcp://{host}:{port}",
+                            world_size=tp_size, rank=rank, timeout=STEP_TIMEOUT)
+    cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    _TP = TPGroup(tp_size, rank, backend, dist.group.WORLD, cpu_group)
+    # the first collective creates the communicator: do it now, not inside a graph capture
+    x = torch.ones(1, device=device_type)
+    all_reduce(x)
+    devmod.synchronize(device_type)
+    if int(x.item()) != tp_size:
+        raise RuntimeError(f"tensor-parallel self-test failed: all-reduce of ones gave "
+                           f"{x.item()}, expected {tp_size}")
+    logger.info("tensor parallel: rank %d of %d joined (%s) in %.1f s", rank, tp_size, backend,
+                time.perf_counter() - t0)
+    return _TP
+
+
+def destroy_tp() -> None:
+    """Leave the group (tests and the offline ``LLM`` call this when they are done)."""
+    global _TP
+    if _TP.size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+    _TP = TPGroup()
+
+
+# ---- collectives (no-ops at size 1; graph-capturable on NCCL) -------------------------------
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the ranks, in place; returns ``x``."""
+    if _TP.size > 1:
+        dist.all_reduce(x, group=_TP.device_group)
+    return x
+
+
+_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [B, n] on each rank -> [B, size * n], rank r's part at columns ``[r*n, (r+1)*n)``."""
+    if _TP.size == 1:
+        return x
+    b, n = x.shape
+    out = torch.empty((_TP.size * b, n), dtype=x.dtype, device=x.device)
+    _gather(out, x.contiguous(), group=_TP.device_group)
+    return out.view(_TP.size, b, n).permute(1, 0, 2).reshape(b, _TP.size * n)
+
+
+def broadcast_tensor(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's ``x`` into every rank's ``x`` (same shape and dtype), on the device group."""
+    if _TP.size > 1:
+        dist.broadcast(x, src=0, group=_TP.device_group)
+    return x
+
+
+def broadcast_object(obj: Any = None) -> Any:
+    """Rank 0's picklable ``obj`` to every rank over the gloo group; returns it."""
+    if _TP.size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=_TP.cpu_group)
+    return box[0]
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (on every rank)."""
+    if _TP.size == 1:
+        return [obj]
+    out: list[Any] = [None] * _TP.size
+    dist.all_gather_object(out, obj, group=_TP.cpu_group)
+    return out
+
+
+def min_over_ranks(value: int) -> int:
+    """The smallest ``value`` over the ranks (e.g. the KV capacity every rank can hold)."""
+    if _TP.size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_TP.cpu_group)
+    return int(t.item())
+
+
+# ---- worker processes ---------------------------------------------------------------------
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent exits (no orphan ranks)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the workers notice the lost peer instead
+        pass
+
+
+def start_workers(args, ranks: list[int]) -> list[multiprocessing.Process]:
+    """Spawn one model-worker process per rank in ``ranks`` (``spawn`` start method).
+
+    ``args.dist_init_addr`` must be set (every rank meets there).
+    """
+    from engine.executor.tp_worker import run_tp_worker
+
+    ctx = multiprocessing.get_context("spawn")
+    procs = []
+    for r in ranks:
+        p = ctx.Process(target=run_tp_worker, args=(args, r), name=f"ferry-tp{r}", daemon=True)
+        p.start()
+        procs.append(p)
+    return procs
+
+
+def watch_workers(procs: list[multiprocessing.Process], on_death=None) -> threading.Thread:
+    """Watch ``procs`` from a daemon thread; when one exits, log it and end this process
+    (exit code 1), since rank 0 may be blocked in a collective with the dead rank.
+
+    ``on_death(name, exitcode)`` replaces the default (tests)."""
+    def loop():
+        while not _stopping.is_set():
+            for p in procs:
+                if not p.is_alive() and not _stopping.is_set():
+                    if on_death is not None:
+                        on_death(p.name, p.exitcode)
+                        return
+                    logger.error("tensor-parallel worker %s exited with code %s; the engine "
+                                 "stops", p.name, p.exitcode)
+                    logging.shutdown()
+                    os._exit(1)
+            time.sleep(0.2)
+
+    t = threading.Thread(target=loop, name="ferry-tp-watch", daemon=True)
+    t.start()
+    return t
+
+
+def stop_workers(procs: list[multiprocessing.Process], timeout: float = 5.0) -> None:
+    """SIGKILL the workers and wait for them (the watchdog stands down first)."""
+    _stopping.set()
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
