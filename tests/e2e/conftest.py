@@ -91,7 +91,8 @@ class FerryServer:
     http_timeout = HTTP_TIMEOUT_S
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")[-8000:]
 
     def ipc_dirs(self) -> list[str]:
@@ -105,7 +106,7 @@ class FerryServer:
 
     def stop(self) -> None:
         """SIGTERM the server (it drains and stops its children), then SIGKILL the group."""
-        if self.proc is None:
+        if self.proc is None or self._log.closed:
             return
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -130,6 +131,22 @@ def server(request, tmp_path_factory):
     try:
         yield srv
     finally:
+        srv.stop()
+
+
+@pytest.fixture
+def make_server(tmp_path):
+    """A factory of ``FerryServer`` objects (not started) that the test stops at teardown:
+    ``make_server(args, env=None, name="srv")``."""
+    made: list[FerryServer] = []
+
+    def make(args: list[str], env: dict[str, str] | None = None, name: str = "srv"):
+        srv = FerryServer(tmp_path / f"{name}{len(made)}", list(args), env)
+        made.append(srv)
+        return srv
+
+    yield make
+    for srv in made:
         srv.stop()
 
 
