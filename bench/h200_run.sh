@@ -12,6 +12,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 L8B=engine/configs/llama-3-8b.json
+L70B=engine/configs/llama-3-70b.json
 run() { local name=$1 t=$2; shift 2; echo "=== $name ($(date +%T))"; \
         timeout "$t" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v "it/s\]" | tail -n 40; \
         echo "=== $name rc=${PIPESTATUS[0]}"; }
@@ -106,6 +107,32 @@ for stage in "$@"; do
                  --dataset-name multi-turn --max-duration 240 --output-json "$OUT/mt-$mode.json"
                stop_server mt-$mode
              done;;
+    # tensor parallelism (nvidia-h200-x2): TP=1 and TP=2 one after the other in one stage
+    tp-tests) run tp-tests 300 python3 -m pytest -q -x tests/engine/test_tensor_parallel_gpu.py \
+              tests/engine/test_tensor_parallel.py -p no:cacheprovider;;
+    tp-parity) run tp-parity 200 python3 -m bench.parity --model-path engine/configs/llama-tiny.json \
+              --load-format dummy --devices cpu,cuda --tp-sizes 1,2 --steps 32;;
+    tp-latency) for t in 1 2; do run tp$t-latency 300 python3 -m bench.bench_latency \
+              --model-path $L8B --load-format dummy --tp-size $t --batch-size 1 64 \
+              --input-len 512 --output-len 64 --result-jsonl "$OUT/tp-latency.jsonl"; done;;
+    tp-offline) for t in ${TP_OFFLINE:-1 2}; do run tp$t-offline 400 python3 -m bench.bench_offline \
+              --model-path $L8B --load-format dummy --tp-size $t \
+              --result-jsonl "$OUT/tp-offline.jsonl"; done;;
+    tp70-latency) run tp70-latency 420 python3 -m bench.bench_latency --model-path $L70B \
+              --load-format dummy --tp-size 2 --batch-size 1 64 --input-len 512 --output-len 64 \
+              --result-jsonl "$OUT/tp70-latency.jsonl";;
+    tp70-profile) run tp70-profile 300 python3 -m bench.profile_decode --model-path $L70B \
+              --load-format dummy --tp-size 2 --batch-size 1 --input-len 512;;
+    tp70-offline) run tp70-offline 500 python3 -m bench.bench_offline --model-path $L70B \
+              --load-format dummy --tp-size 2 --result-jsonl "$OUT/tp70-offline.jsonl";;
+    tp70-serving) python3 -m server --model-path engine/configs/llama-3-70b-smolvocab.json \
+               --load-format dummy --tp-size 2 \
+               --tokenizer-path "${TOKENIZER:-.tok}" --port 30000 >"$OUT/server-tp70.log" 2>&1 &
+             spid=$!
+             for _ in $(seq 1 400); do curl -sf localhost:30000/health >/dev/null && break; sleep 1; done
+             run tp70-serving 300 python3 -m bench.bench_serving --base-url http://127.0.0.1:30000 \
+               "${SERVE8[@]}" --output-json "$OUT/tp70-serving.json"
+             stop_server tp70;;
     *) echo "unknown stage $stage";;
   esac
 done

@@ -271,6 +271,13 @@ def dist_backend(device_type: str) -> str:
     return {"cuda": "nccl", "xpu": "xccl"}.get(device_type, "gloo")
 
 
+def graphs_capture_collectives(device_type: str) -> bool:
+    """Whether a device graph may hold the tensor-parallel collectives: NCCL collectives are
+    capturable in CUDA graphs (NCCL >= 2.9.6, torch >= 2.1); XCCL inside an XPUGraph is not
+    documented by torch, so tensor-parallel XPU steps run eagerly."""
+    return device_type == "cuda"
+
+
 def visible_device_count(device_type: str) -> int:
     mod = _mod(device_type)
     return 1 if mod is None else mod.device_count()

@@ -56,7 +56,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model, self.config = load_model(
             model_path=args.model_path, load_format=args.load_format, dtype=self.dtype,
-            device=self.device, seed=args.seed)
+            device=self.device, seed=args.seed, quantization=args.quantization)
         self.load_time = time.perf_counter() - t0
         select_ops(self.model, not args.disable_fused_ops and dev.use_triton(self.device_type))
         self.model_config = mc = self.model.model_config
@@ -86,7 +86,13 @@ class ModelRunner:
         self.graph_runner = None
         self.piecewise_runner = None
         self._graph_pool = None
-        if dev.graph_class(self.device_type) is not None and not args.disable_cuda_graph:
+        graphs = dev.graph_class(self.device_type) is not None and not args.disable_cuda_graph
+        if graphs and self.tp.size > 1 and not dev.graphs_capture_collectives(self.device_type):
+            graphs = False
+            if self.tp.rank == 0:
+                logger.warning("tensor parallelism on %s: the collectives cannot be captured "
+                               "in graphs here, so every step runs eagerly", self.device_type)
+        if graphs:
             from engine.executor.graph_runner import GraphRunner
             from engine.executor.piecewise_runner import PiecewiseRunner
 
