@@ -82,6 +82,9 @@ def compare(trace_a, trace_b) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="ferry parity", description=__doc__)
     p.add_argument("--devices", default="cpu,cuda", help="two devices, comma-separated")
+    p.add_argument("--tp-sizes", default="1,1",
+                   help="tensor-parallel size on each device, comma-separated (e.g. 1,2: "
+                        "one CPU rank against two GPUs)")
     p.add_argument("--steps", type=int, default=32, help="greedy steps per prompt")
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=48)
@@ -101,20 +104,25 @@ def main(argv: list[str] | None = None) -> None:
     traces = []
     vocab = None
     g = torch.Generator().manual_seed(base.seed)
-    for d in devices:
-        runner = ModelRunner(base.replace(device=d))
+    tps = [int(t) for t in ns.tp_sizes.split(",")]
+    if len(tps) != 2:
+        p.error("--tp-sizes takes two sizes, e.g. 1,2")
+    for d, tp in zip(devices, tps):
+        runner = ModelRunner(base.replace(device=d, tp_size=tp))
         vocab = runner.vocab_size
         if not traces:
             lens = [max(4, ns.prompt_len - 7 * i) for i in range(ns.num_prompts)]
             prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
         traces.append(greedy_trace(runner, prompts, ns.steps))
+        runner.shutdown()
         del runner
     rows = compare(traces[0], traces[1])
-    print(f"{devices[0]} vs {devices[1]}, dtype {base.dtype}, {ns.steps} greedy steps")
+    print(f"{devices[0]} (tp {tps[0]}) vs {devices[1]} (tp {tps[1]}), dtype {base.dtype}, "
+          f"{ns.steps} greedy steps")
     for r in rows:
         print(f"  prompt {r['prompt']}: agreed {r['steps_agreed']}/{r['steps']} steps, "
               f"max rel logit err {r['max_rel_logit_err']:.2e}")
-    summary = {"devices": devices, "dtype": base.dtype,
+    summary = {"devices": devices, "tp_sizes": tps, "dtype": base.dtype,
                "min_steps_agreed": min(r["steps_agreed"] for r in rows),
                "max_rel_logit_err": max(r["max_rel_logit_err"] for r in rows)}
     print(json.dumps(summary))

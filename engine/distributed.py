@@ -25,6 +25,7 @@ blocked inside a collective (the server then answers 503 and exits, see ``server
 
 from __future__ import annotations
 
+import _thread
 import datetime
 import logging
 import multiprocessing
@@ -47,6 +48,8 @@ logger = logging.getLogger("ferry.engine")
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 #: collectives of a step on the device group
 STEP_TIMEOUT = datetime.timedelta(minutes=10)
+#: after a worker dies, rank 0's main thread gets this long to stop before the process ends
+DEATH_GRACE_S = 10.0
 
 
 @dataclass
@@ -69,7 +72,6 @@ class TPGroup:
 
 
 _TP = TPGroup()
-_stopping = threading.Event()
 
 
 def get_tp() -> TPGroup:
@@ -154,14 +156,6 @@ def init_tp(tp_size: int, rank: int, init_addr: str, device_type: str) -> TPGrou
     logger.info("tensor parallel: rank %d of %d joined (%s) in %.1f s", rank, tp_size, backend,
                 time.perf_counter() - t0)
     return _TP
-
-
-def destroy_tp() -> None:
-    """Leave the group (tests and the offline ``LLM`` call this when they are done)."""
-    global _TP
-    if _TP.size > 1 and dist.is_initialized():
-        dist.destroy_process_group()
-    _TP = TPGroup()
 
 
 # ---- collectives (no-ops at size 1; graph-capturable on NCCL) -------------------------------
@@ -251,35 +245,56 @@ def start_workers(args, ranks: list[int]) -> list[multiprocessing.Process]:
     return procs
 
 
-def watch_workers(procs: list[multiprocessing.Process], on_death=None) -> threading.Thread:
+def watch_workers(procs: list[multiprocessing.Process], on_death=None) -> threading.Event:
     """Watch ``procs`` from a daemon thread; when one exits, log it and end this process
     (exit code 1), since rank 0 may be blocked in a collective with the dead rank.
 
+    Returns the event that stands the watchdog down (set it before stopping the workers).
     ``on_death(name, exitcode)`` replaces the default (tests)."""
+    stand_down = threading.Event()
+
     def loop():
-        while not _stopping.is_set():
+        while not stand_down.is_set():
             for p in procs:
-                if not p.is_alive() and not _stopping.is_set():
+                if not p.is_alive() and not stand_down.is_set():
                     if on_death is not None:
                         on_death(p.name, p.exitcode)
                         return
                     logger.error("tensor-parallel worker %s exited with code %s; the engine "
                                  "stops", p.name, p.exitcode)
-                    logging.shutdown()
-                    os._exit(1)
-            time.sleep(0.2)
+                    _thread.interrupt_main()  # a main thread inside a collective may not see
+                    if not stand_down.wait(DEATH_GRACE_S):  # it: then end the process
+                        logging.shutdown()
+                        os._exit(1)
+                    return
+            stand_down.wait(0.2)
 
-    t = threading.Thread(target=loop, name="ferry-tp-watch", daemon=True)
-    t.start()
-    return t
+    threading.Thread(target=loop, name="ferry-tp-watch", daemon=True).start()
+    return stand_down
 
 
 def stop_workers(procs: list[multiprocessing.Process], timeout: float = 5.0) -> None:
-    """SIGKILL the workers and wait for them (the watchdog stands down first)."""
-    _stopping.set()
-    for p in procs:
-        if p.is_alive():
-            p.kill()
+    """Wait up to ``timeout`` seconds for the workers to exit, then SIGKILL the rest."""
     deadline = time.monotonic() + timeout
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+def destroy_tp(timeout: float = 30.0) -> None:
+    """Leave the group. Every rank must call it at about the same time (NCCL's teardown is
+    collective); a teardown that does not end within ``timeout`` seconds is logged and left
+    behind (the process can still exit)."""
+    global _TP
+    if _TP.size > 1 and dist.is_initialized():
+        t = threading.Thread(target=dist.destroy_process_group, name="ferry-tp-destroy",
+                             daemon=True)
+        t.start()
+        t.join(timeout)
+        if t.is_alive():
+            logger.warning("tensor parallel: the process group did not shut down within "
+                           "%.0f s", timeout)
+    _TP = TPGroup()

@@ -8,6 +8,7 @@ attention backend is ``--attention-backend`` (default from the device), see
 
 from __future__ import annotations
 
+import atexit
 import logging
 import time
 
@@ -41,11 +42,20 @@ class ModelRunner:
     """
 
     def __init__(self, args: ServerArgs, tp_rank: int = 0):
-        from engine.loader.loader import load_model
-
         self.device_type = dev.resolve_device(args.device)
         self.tp_workers: list = []
-        args = self._init_tp(args, tp_rank)
+        self._tp_watch = None
+        self.tp_leader = False
+        try:
+            self._build(self._init_tp(args, tp_rank))
+        except BaseException:
+            self._abort_tp()
+            raise
+
+    def _build(self, args: ServerArgs) -> None:
+        """Load the weights, size the KV pool, build the attention backend and graphs."""
+        from engine.loader.loader import load_model
+
         self.args = args
         self.dtype = dev.resolve_dtype(args.dtype, self.device_type)
         self.kv_dtype = dev.resolve_kv_dtype(args.kv_cache_dtype, self.dtype)
@@ -56,7 +66,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model, self.config = load_model(
             model_path=args.model_path, load_format=args.load_format, dtype=self.dtype,
-            device=self.device, seed=args.seed, quantization=args.quantization)
+            device=self.device, seed=args.seed)
         self.load_time = time.perf_counter() - t0
         select_ops(self.model, not args.disable_fused_ops and dev.use_triton(self.device_type))
         self.model_config = mc = self.model.model_config
@@ -132,9 +142,15 @@ class ModelRunner:
                                  f"{dev.visible_device_count(self.device_type)} are visible")
             if not args.dist_init_addr:
                 args = args.replace(dist_init_addr=tpd.free_local_addr())
-            if tp_rank == 0:
+            if tp_rank == 0:  # refuse head counts that do not split before any rank starts
+                from engine.loader.loader import load_config
+                from engine.models.config import ModelConfig
+
+                mc = ModelConfig.from_hf(load_config(args.model_path))
+                tpd.check_tp_shape(mc.num_heads, mc.num_kv_heads, args.tp_size)
                 self.tp_workers = tpd.start_workers(args, list(range(1, per_node)))
-                tpd.watch_workers(self.tp_workers)
+                self._tp_watch = tpd.watch_workers(self.tp_workers)
+                atexit.register(self.shutdown)  # before multiprocessing joins its children
         dev.set_device(self.device_type, local_rank)
         self.device = torch.device(self.device_type, local_rank) \
             if dev.is_accelerator(self.device_type) else torch.device("cpu")
@@ -152,18 +168,29 @@ class ModelRunner:
                 "kv_bytes": sum(b.numel() * b.element_size()
                                 for b in self.kv_pool.k_buffers + self.kv_pool.v_buffers)}
 
+    def _abort_tp(self) -> None:
+        """Rank 0 failed to build: stop the workers it spawned and leave the group."""
+        if self._tp_watch is not None:
+            self._tp_watch.set()
+        self.tp_leader = False
+        tpd.stop_workers(self.tp_workers, timeout=0.0)
+        self.tp_workers = []
+        tpd.destroy_tp(timeout=5.0)
+
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (rank 0) and leave the group. Idempotent."""
-        if self.tp_leader:
-            self.tp_leader = False
-            try:
-                tpd.broadcast_object(("stop",))
-            finally:
-                for p in self.tp_workers:
-                    p.join(10)
-                tpd.stop_workers(self.tp_workers)
-                self.tp_workers = []
-        tpd.destroy_tp()
+        """Stop the tensor-parallel ranks and leave the group (every rank tears the group
+        down together, as NCCL requires). Idempotent; rank 0 also runs it at exit."""
+        if not self.tp_leader:
+            return
+        self.tp_leader = False
+        if self._tp_watch is not None:
+            self._tp_watch.set()
+        try:
+            tpd.broadcast_object(("stop",))
+            tpd.destroy_tp()
+        finally:
+            tpd.stop_workers(self.tp_workers, timeout=10.0)
+            self.tp_workers = []
 
     def graph_pool(self):
         """The device graph memory pool shared by the decode and piecewise graphs (they
