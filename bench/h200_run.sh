@@ -118,6 +118,10 @@ for stage in "$@"; do
     tp-offline) for t in ${TP_OFFLINE:-1 2}; do run tp$t-offline 400 python3 -m bench.bench_offline \
               --model-path $L8B --load-format dummy --tp-size $t \
               --result-jsonl "$OUT/tp-offline.jsonl"; done;;
+    tp-probe) nvidia-smi topo -m
+              run tp-probe 120 python3 -m bench.tp_probe --tp-size 2 --sizes-kb 8,16,64,1024,16384;;
+    tp-profile) run tp-profile 200 python3 -m bench.profile_decode --model-path $L8B \
+              --load-format dummy --tp-size 2 --batch-size 1 --input-len 512;;
     tp70-latency) run tp70-latency 420 python3 -m bench.bench_latency --model-path $L70B \
               --load-format dummy --tp-size 2 --batch-size 1 64 --input-len 512 --output-len 64 \
               --result-jsonl "$OUT/tp70-latency.jsonl";;
