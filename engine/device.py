@@ -281,3 +281,48 @@ def graphs_capture_collectives(device_type: str) -> bool:
 def visible_device_count(device_type: str) -> int:
     mod = _mod(device_type)
     return 1 if mod is None else mod.device_count()
+
+
+_FP8_BACKENDS: dict[str, str] = {}
+
+
+def fp8_linear_backend(device_type: str) -> str:
+    """How FP8 (e4m3) linear layers multiply on ``device_type``: ``"scaled_mm"`` or
+    ``"dequant"``. Decided once per device type and logged.
+
+    ``scaled_mm``: ``torch._scaled_mm`` with row-wise fp32 scales (per token x per output
+    channel). CUDA needs compute capability >= 8.9 (Ada, Hopper, Blackwell; CUTLASS or
+    cuBLASLt kernels); XPU needs a torch whose oneDNN backs ``_scaled_mm`` (torch >= 2.10).
+    Either way a 32x16 probe multiplication must run and give the right answer, so a
+    build without the row-wise kernels falls back instead of failing mid-step.
+    ``dequant``: the weights are upcast and multiplied in a float dtype (the CPU reference,
+    and older GPUs).
+    """
+    if device_type not in _FP8_BACKENDS:
+        backend, why = _choose_fp8_backend(device_type)
+        _FP8_BACKENDS[device_type] = backend
+        logger.info("FP8 linear layers on %s: %s (%s)", device_type, backend, why)
+    return _FP8_BACKENDS[device_type]
+
+
+def _choose_fp8_backend(device_type: str) -> tuple[str, str]:
+    if device_type == "cuda":
+        cap = torch.cuda.get_device_capability()
+        if cap < (8, 9):
+            return "dequant", f"compute capability {cap[0]}.{cap[1]} < 8.9: no FP8 tensor cores"
+    elif device_type != "xpu":
+        return "dequant", "reference: fp32 matmul of the dequantized operands"
+    if not hasattr(torch, "_scaled_mm"):
+        return "dequant", "this torch has no _scaled_mm"
+    try:
+        fp8 = torch.float8_e4m3fn
+        a = torch.full((32, 16), 2.0, device=device_type).to(fp8)
+        b = torch.full((16, 16), 0.5, device=device_type).to(fp8)
+        sa = torch.full((32, 1), 0.5, device=device_type)
+        sb = torch.full((1, 16), 4.0, device=device_type)
+        out = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+        if not bool((out.float() == 32.0).all()):  # 16 x (2 x 0.5) x 0.5 x 4
+            return "dequant", "torch._scaled_mm probe gave a wrong result"
+    except Exception as e:  # noqa: BLE001 - any failure of the probe means: do not use it
+        return "dequant", f"torch._scaled_mm with row-wise scales failed here: {e}"
+    return "scaled_mm", "torch._scaled_mm, row-wise scales, bf16 output"

@@ -215,6 +215,69 @@ def min_over_ranks(value: int) -> int:
     return int(t.item())
 
 
+# ---- the step channel ---------------------------------------------------------------------
+
+
+class StepChannel:
+    """Rank 0 -> every other rank: ordered one-way messages over ZMQ PUSH/PULL on TCP.
+
+    Rank 0 binds one PUSH socket per worker on the host of ``--dist-init-addr`` and sends the
+    ports over the gloo group once; each worker connects a PULL socket to its port. Messages
+    are msgspec structs (``types``: the union a worker decodes). Sending never blocks rank
+    0 (unbounded queues). A worker's ``recv`` raises ``ConnectionError`` when rank 0's
+    connection closes (its process died), so a worker on another node does not wait forever.
+    """
+
+    def __init__(self, group: TPGroup, host: str, types):
+        import msgspec
+        import zmq
+
+        self._zmq = zmq
+        self._ctx = zmq.Context()
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(types)
+        self._socks = []
+        ip = socket.gethostbyname(host)
+        if group.rank == 0:
+            ports = [0]
+            for _ in range(1, group.size):
+                s = self._ctx.socket(zmq.PUSH)
+                s.setsockopt(zmq.SNDHWM, 0)
+                s.setsockopt(zmq.LINGER, 2000)
+                ports.append(s.bind_to_random_port(f"tcp://{ip}"))
+                self._socks.append(s)
+            broadcast_object(ports)
+            return
+        ports = broadcast_object(None)
+        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.connect(f"tcp://{ip}:{ports[group.rank]}")
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+
+    def send(self, msg) -> None:
+        """Rank 0: queue ``msg`` for every worker."""
+        data = self._enc.encode(msg)
+        for s in self._socks:
+            s.send(data, copy=False)
+
+    def recv(self):
+        """A worker: the next message (blocks).
+
+        Raises:
+            ConnectionError: rank 0 closed the connection.
+        """
+        while True:
+            ready = dict(self._poller.poll())
+            if self._sock in ready:
+                return self._dec.decode(self._sock.recv())
+            if self._monitor in ready:
+                self._monitor.recv_multipart()
+                raise ConnectionError("rank 0 closed the step channel (its process ended)")
+
+
 # ---- worker processes ---------------------------------------------------------------------
 
 
@@ -285,13 +348,15 @@ def stop_workers(procs: list[multiprocessing.Process], timeout: float = 5.0) -> 
 
 
 def destroy_tp(timeout: float = 30.0) -> None:
-    """Leave the group. Every rank must call it at about the same time (NCCL's teardown is
-    collective); a teardown that does not end within ``timeout`` seconds is logged and left
-    behind (the process can still exit)."""
+    """Leave the group on rank 0 after the workers have exited: gloo groups are destroyed,
+    device groups aborted (NCCL's orderly teardown waits for every rank). A teardown that
+    does not end within ``timeout`` seconds is logged and left behind."""
     global _TP
     if _TP.size > 1 and dist.is_initialized():
-        t = threading.Thread(target=dist.destroy_process_group, name="ferry-tp-destroy",
-                             daemon=True)
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        end = dist.destroy_process_group if _TP.backend == "gloo" else _abort_process_group
+        t = threading.Thread(target=end, name="ferry-tp-destroy", daemon=True)
         t.start()
         t.join(timeout)
         if t.is_alive():

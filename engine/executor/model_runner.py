@@ -19,7 +19,7 @@ from engine import distributed as tpd
 from engine.args import ServerArgs, prefill_budget
 from engine.attention import create_attention_backend, resolve_attention_backend
 from engine.executor.forward_batch import ForwardBatch, ForwardMode, resolve_placeholders
-from engine.executor.tp_worker import step_msg
+from engine.executor.tp_worker import IdsMsg, StopMsg, TPMessage, step_msg
 from engine.kv.pool import KVPool, ReqToTokenPool
 from engine.layers import select_ops
 from engine.scheduler.schedule_batch import ScheduleBatch
@@ -66,7 +66,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model, self.config = load_model(
             model_path=args.model_path, load_format=args.load_format, dtype=self.dtype,
-            device=self.device, seed=args.seed)
+            device=self.device, seed=args.seed, quantization=args.quantization)
         self.load_time = time.perf_counter() - t0
         select_ops(self.model, not args.disable_fused_ops and dev.use_triton(self.device_type))
         self.model_config = mc = self.model.model_config
@@ -158,6 +158,10 @@ class ModelRunner:
                               self.device_type)
         #: rank 0 of a group: sends every forward and sampled batch to the other ranks
         self.tp_leader = self.tp.size > 1 and self.tp.rank == 0
+        self.tp_channel = None
+        if self.tp.size > 1:
+            self.tp_channel = tpd.StepChannel(self.tp, args.dist_init_addr.rpartition(":")[0],
+                                              TPMessage)
         return args
 
     def memory_report(self) -> dict:
@@ -178,19 +182,19 @@ class ModelRunner:
         tpd.destroy_tp(timeout=5.0)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel ranks and leave the group (every rank tears the group
-        down together, as NCCL requires). Idempotent; rank 0 also runs it at exit."""
+        """Stop the tensor-parallel workers (they exit on ``StopMsg``; stragglers are killed
+        after 10 s) and leave the group. Idempotent; rank 0 also runs it at exit."""
         if not self.tp_leader:
             return
         self.tp_leader = False
         if self._tp_watch is not None:
             self._tp_watch.set()
         try:
-            tpd.broadcast_object(("stop",))
-            tpd.destroy_tp()
+            self.tp_channel.send(StopMsg())
         finally:
             tpd.stop_workers(self.tp_workers, timeout=10.0)
             self.tp_workers = []
+            tpd.destroy_tp(timeout=10.0)
 
     def graph_pool(self):
         """The device graph memory pool shared by the decode and piecewise graphs (they
@@ -290,7 +294,7 @@ class ModelRunner:
         if self.tp_leader:
             pool = self.req_to_token_pool
             writes, pool.pending_writes = pool.pending_writes, []
-            tpd.broadcast_object(step_msg(batch, future_ids is not None, writes))
+            self.tp_channel.send(step_msg(batch, future_ids is not None, writes))
         if (batch.mode == ForwardMode.DECODE and self.graph_runner is not None
                 and self.graph_runner.can_run(batch.batch_size)):
             return self.graph_runner.replay(batch, future_ids)
@@ -323,7 +327,7 @@ class ModelRunner:
         want = [p.logprobs for p in params if p.logprobs is not None]
         out = sample(logits, info, return_logprobs=max(want) if want else None)
         if self.tp_leader:  # the workers resolve the next step's placeholders with these
-            tpd.broadcast_object(("ids", out.next_token_ids.numel()))
+            self.tp_channel.send(IdsMsg(out.next_token_ids.numel()))
             tpd.broadcast_tensor(out.next_token_ids)
         return SampleResult(out, bool(want), self.device_type)
 

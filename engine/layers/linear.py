@@ -15,6 +15,12 @@ Loaders copy with ``param.data.copy_``, which casts to the parameter's dtype and
 device, so checkpoint tensors may arrive on the CPU in any float dtype. A checkpoint tensor
 may also be a lazy slice (``engine.loader.loader.LazyTensor``: ``shape``, ``narrow`` and
 ``materialize``), so a rank reads only its shard from a safetensors file.
+
+Quantization: a layer constructed inside ``engine.layers.quantization.quantization_scope``
+delegates to that scheme's quant method (``quant_method``): it creates ``weight`` (and
+``weight_scale``) in its own dtype, wraps their loaders around the layer's (so the fused
+parts and the tensor-parallel shards stay as above) and computes the product
+(``quant_method.apply(layer, x, bias)``). ``quant_method`` is None for a float layer.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import all_reduce, check_tp_shape, get_tp
+from engine.layers.quantization import current_linear_method
 
 
 def _tp(tp_size: int | None, tp_rank: int | None) -> tuple[int, int]:
@@ -47,7 +54,14 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
 
 
 class LinearBase(nn.Module):
-    """``y = x W^T + b`` with ``W [output_size, input_size]`` (this rank's part)."""
+    """``y = x W^T + b`` with ``W [output_size, input_size]`` (this rank's part).
+
+    ``weight`` is in ``dtype`` ([output_size, input_size]), or in the quant method's format
+    (FP8: float8_e4m3fn plus ``weight_scale`` [output_size] fp32); ``bias`` is in ``dtype``.
+    """
+
+    #: whether the weight loader narrows the output rows to this rank's (column-parallel)
+    shards_output = False
 
     def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
                  tp_size: int | None = None, tp_rank: int | None = None):
@@ -57,8 +71,12 @@ class LinearBase(nn.Module):
         self.output_size = output_size
         self.tp_size = tp_size
         self.tp_rank = tp_rank
-        self.weight = _param((output_size, input_size), dtype)
-        self.weight.weight_loader = self.weight_loader
+        self.quant_method = current_linear_method()
+        if self.quant_method is None:
+            self.weight = _param((output_size, input_size), dtype)
+            self.weight.weight_loader = self.weight_loader
+        else:
+            self.quant_method.create_weights(self, dtype)
         if bias:
             self.bias = _param((output_size,), dtype)
             self.bias.weight_loader = self.weight_loader
@@ -67,7 +85,26 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., input_size] -> [..., output_size] (x's dtype)."""
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant_method is None:
+            return F.linear(x, self.weight, bias)
+        return self.quant_method.apply(self, x, bias)
+
+    def drop_quantization(self, dtype: torch.dtype) -> None:
+        """Make this layer a float layer again (uninitialised ``weight`` in ``dtype``, on
+        the same device): for layers an FP8 checkpoint keeps unquantized."""
+        if self.quant_method is None:
+            return
+        device = self.weight.device
+        self.quant_method = None
+        for name in ("weight", "weight_scale"):
+            if name in self._parameters:
+                del self._parameters[name]
+        self.weight = nn.Parameter(torch.empty(self.output_size, self.input_size, dtype=dtype,
+                                               device=device), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: str | int | None = None) -> None:  # pragma: no cover
@@ -85,6 +122,8 @@ class ReplicatedLinear(LinearBase):
 
 class ColumnParallelLinear(LinearBase):
     """Output features split over ranks: rank r holds rows ``[r*out/tp, (r+1)*out/tp)``."""
+
+    shards_output = True
 
     def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
                  tp_size: int | None = None, tp_rank: int | None = None):
@@ -117,8 +156,8 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., input_size / tp] -> [..., output_size] (summed over the ranks)."""
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = all_reduce(F.linear(x, self.weight))
+            return self._matmul(x, self.bias)
+        y = all_reduce(self._matmul(x, None))
         return y if self.bias is None else y + self.bias
 
     def weight_loader(self, param, loaded, shard_id=None):

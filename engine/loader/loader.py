@@ -19,6 +19,11 @@ names onto ferry's fused parameters, and its weight loaders keep this rank's sha
 (safetensors are then read as lazy slices, so a rank reads only its shard). A GGUF file's HF config
 (and tokenizer, see ``engine.tokenizer.tokenizer``) is converted once and cached.
 
+FP8: an FP8 checkpoint (``quantization_config``) or ``quantization="fp8"`` builds the linear
+layers with e4m3 weights (``engine.layers.quantization``); float checkpoint tensors, dummy
+ones included, are quantized per output channel as they load, and the layers pick their
+matmul path after loading.
+
 Sliding window: ferry has no sliding-window attention. When a config sets ``sliding_window``
 (and, for Qwen, ``use_sliding_window``) below ``max_position_embeddings``, :func:`load_config`
 caps ``max_position_embeddings`` at the window, so full attention is exact for every
@@ -42,6 +47,12 @@ from pathlib import Path
 import torch
 
 from engine import device as devmod
+from engine.layers.quantization import (
+    apply_ignore,
+    get_quant_config,
+    process_weights_after_loading,
+    quantization_scope,
+)
 from engine.loader.gguf import iter_gguf
 from engine.loader.weights import (  # noqa: F401 - re-exported
     DUMMY_STD,
@@ -291,7 +302,8 @@ def _resolve_device(device: str | torch.device) -> torch.device:
 
 def load_model(model_path: str | None = None, load_format: str = "auto",
                dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
-               seed: int = 0, config=None, progress: bool = True):
+               seed: int = 0, config=None, progress: bool = True,
+               quantization: str | None = None):
     """Build the ferry model on ``device`` in the run dtype and load its weights.
 
     Args:
@@ -304,11 +316,15 @@ def load_model(model_path: str | None = None, load_format: str = "auto",
         seed: seed of the dummy weights.
         config: an already loaded (possibly edited) HF config to use instead of reading it.
         progress: show a tqdm bar over tensors.
+        quantization: ``"fp8"`` quantizes a float checkpoint's linear layers while they load
+            (``engine.layers.quantization``); an FP8 checkpoint is detected from its config
+            whatever this says.
     Returns:
         ``(model, config)``; the model is in eval mode with ``requires_grad=False`` weights.
     Raises:
         FileNotFoundError / ValueError: bad path or format, unsupported architecture, a
-            checkpoint tensor of the wrong shape, or a checkpoint missing weights.
+            checkpoint tensor of the wrong shape, a checkpoint missing weights, or a
+            quantization scheme ferry cannot load.
     """
     from tqdm.auto import tqdm
 
@@ -320,9 +336,15 @@ def load_model(model_path: str | None = None, load_format: str = "auto",
     dev = _resolve_device(device)
     run_dtype = dtype if isinstance(dtype, torch.dtype) else devmod.resolve_dtype(dtype, dev.type)
 
+    quant = get_quant_config(config, quantization, fmt)
     t0 = time.perf_counter()
-    with torch.device(dev):
+    with torch.device(dev), quantization_scope(quant):
         model = cls(config, run_dtype)
+    if quant is not None:
+        apply_ignore(model, quant, run_dtype)
+        logger.info("FP8 linear layers (%s): %s weights, per-output-channel scales, "
+                    "activations quantized per token", quant.source,
+                    "e4m3 checkpoint" if quant.checkpoint_fp8 else "quantized at load time")
     model.eval()
     if dev.type == "meta":
         return model, config
@@ -343,6 +365,8 @@ def load_model(model_path: str | None = None, load_format: str = "auto",
         if missing:
             raise ValueError(f"the checkpoint lacks {len(missing)} weights: "
                              f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    if quant is not None:
+        process_weights_after_loading(model, dev.type)
     devmod.synchronize(dev.type)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     logger.info("loaded %s (%s, %s) on %s in %.2f s: %.3f GB of weights", cls.__name__, fmt,
@@ -354,4 +378,5 @@ def load_model(model_path: str | None = None, load_format: str = "auto",
 def load_model_from_args(server_args):
     """:func:`load_model` with the fields of an ``engine.args.ServerArgs``."""
     return load_model(model_path=server_args.model_path, load_format=server_args.load_format,
-                      dtype=server_args.dtype, device=server_args.device, seed=server_args.seed)
+                      dtype=server_args.dtype, device=server_args.device, seed=server_args.seed,
+                      quantization=server_args.quantization)

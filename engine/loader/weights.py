@@ -15,16 +15,24 @@ import torch
 DUMMY_STD = 0.02
 
 
+#: safetensors dtype names -> torch dtypes (the float ones a checkpoint holds)
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn,
+                       "F8_E5M2": torch.float8_e5m2}
+
+
 class LazyTensor:
     """A safetensors tensor that is read only where it is used: ``narrow`` reads one slice
-    (a tensor-parallel rank's shard), ``materialize`` the whole tensor. Valid while the
-    iterator that yielded it has not moved on."""
+    (a tensor-parallel rank's shard), ``materialize`` the whole tensor; ``shape`` and
+    ``dtype`` (None for non-float dtypes) come from the header. Valid while the iterator
+    that yielded it has not moved on."""
 
     def __init__(self, handle, name: str):
         self._handle = handle
         self.name = name
         self._slice = handle.get_slice(name)
         self.shape = tuple(self._slice.get_shape())
+        self.dtype = _SAFETENSORS_DTYPES.get(self._slice.get_dtype())
 
     def dim(self) -> int:
         return len(self.shape)

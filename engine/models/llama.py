@@ -15,6 +15,10 @@ Parameter names follow HF with fused projections: ``...self_attn.qkv_proj`` (fro
 ``q_proj``/``k_proj``/``v_proj``) and ``...mlp.gate_up_proj`` (from ``gate_proj``/``up_proj``).
 With ``tie_word_embeddings`` the LM head is the embedding table.
 
+FP8 checkpoints add ``<module>.weight_scale`` tensors, loaded like the weights onto the fused
+``...qkv_proj.weight_scale`` / ``...gate_up_proj.weight_scale`` (same shard ids); their
+static ``input_scale`` (and KV ``k_scale``/``v_scale``) tensors are skipped.
+
 The classes implement the model contract :class:`engine.models.base.CausalLM`; every shape
 comes from :class:`engine.models.config.ModelConfig`.
 """
@@ -54,6 +58,9 @@ STACKED_PARAMS = (
 )
 # checkpoint tensors that are not weights (precomputed RoPE tables)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# FP8 checkpoints' static activation and KV scales: activations are quantized per token at
+# run time, the KV cache format is --kv-cache-dtype (engine.layers.quantization)
+STATIC_SCALE_SUFFIXES = (".input_scale", ".output_scale", ".k_scale", ".v_scale", ".kv_scale")
 
 
 class LlamaAttention(nn.Module):
@@ -189,6 +196,9 @@ class LlamaForCausalLM(CausalLM):
             stays fp32.
     """
 
+    #: (ferry fused param, HF checkpoint part, shard id), for the loader and quantization
+    stacked_params = STACKED_PARAMS
+
     def __init__(self, config, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.config = config
@@ -237,9 +247,14 @@ class LlamaForCausalLM(CausalLM):
     # ---- weights -------------------------------------------------------------------------
 
     def expected_weights(self) -> set[str]:
-        """Keys that a complete checkpoint must fill: ``name`` or ``name:shard`` for fused."""
+        """Keys that a complete checkpoint must fill: ``name`` or ``name:shard`` for fused.
+
+        Parameters marked ``derived`` (FP8 scales computed from the float weights at load
+        time) are not expected; an FP8 checkpoint's ``weight_scale`` tensors are."""
         keys = set()
-        for name, _ in self.named_parameters():
+        for name, p in self.named_parameters():
+            if getattr(p, "derived", False):
+                continue
             fused = [(part, shard) for f, part, shard in STACKED_PARAMS if f".{f}." in name]
             if fused:
                 keys.update(f"{name}:{shard}" for _, shard in fused)
@@ -294,18 +309,23 @@ class LlamaForCausalLM(CausalLM):
 
         Fused parameters get each part through their ``weight_loader``; RoPE buffers are
         skipped, as is ``lm_head.weight`` when the embeddings are tied. Unknown names are
-        logged and skipped.
+        logged and skipped, as are FP8 checkpoints' static scales (``STATIC_SCALE_SUFFIXES``).
 
         Returns:
             the keys loaded (see :meth:`expected_weights`).
         Raises:
-            ValueError: a tensor of the wrong shape.
+            ValueError: a tensor of the wrong shape, or an FP8 tensor for a parameter that
+                is not FP8 (an FP8 embedding or LM head).
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         unexpected: list[str] = []
+        static_scales = 0
         for name, tensor in weights:
             if name.endswith(IGNORED_SUFFIXES):
+                continue
+            if name.endswith(STATIC_SCALE_SUFFIXES):
+                static_scales += 1
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue
@@ -314,7 +334,8 @@ class LlamaForCausalLM(CausalLM):
                     pname = name.replace(f".{part}.", f".{fused}.")
                     if pname in params:
                         p = params[pname]
-                        p.weight_loader(p, tensor, shard)
+                        _check_fp8(name, p, tensor)
+                        _load(name, p.weight_loader, p, tensor, shard)
                         loaded.add(f"{pname}:{shard}")
                         break
             else:
@@ -322,13 +343,34 @@ class LlamaForCausalLM(CausalLM):
                 if p is None:
                     unexpected.append(name)
                     continue
-                getattr(p, "weight_loader", default_weight_loader)(p, tensor)
+                _check_fp8(name, p, tensor)
+                _load(name, getattr(p, "weight_loader", default_weight_loader), p, tensor)
                 loaded.add(name)
+        if static_scales:
+            logger.info("skipped %d static activation/KV scales of the FP8 checkpoint: "
+                        "activations are quantized per token at run time", static_scales)
         if unexpected:
             logger.warning("skipped %d checkpoint tensors with unknown names: %s%s",
                            len(unexpected), ", ".join(unexpected[:8]),
                            " ..." if len(unexpected) > 8 else "")
         return loaded
+
+
+def _load(name: str, loader, param: torch.Tensor, tensor, *shard) -> None:
+    """``loader(param, tensor, *shard)``; a ValueError names the checkpoint tensor."""
+    try:
+        loader(param, tensor, *shard)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+
+
+def _check_fp8(name: str, param: torch.Tensor, tensor) -> None:
+    fp8 = torch.float8_e4m3fn
+    if getattr(tensor, "dtype", None) == fp8 and param.dtype != fp8:
+        raise ValueError(f"{name} is FP8 in the checkpoint, but ferry loads it as "
+                         f"{str(param.dtype).removeprefix('torch.')}: FP8 linear weights need "
+                         "the checkpoint's quantization_config (their scales), and FP8 "
+                         "embeddings, norms and LM heads are not supported")
 
 
 class MistralForCausalLM(LlamaForCausalLM):
