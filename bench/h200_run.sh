@@ -118,6 +118,8 @@ for stage in "$@"; do
     tp-offline) for t in ${TP_OFFLINE:-1 2}; do run tp$t-offline 400 python3 -m bench.bench_offline \
               --model-path $L8B --load-format dummy --tp-size $t \
               --result-jsonl "$OUT/tp-offline.jsonl"; done;;
+    tp-gputest) run tp-gputest 150 python3 -m pytest -q -x -s tests/engine/test_tensor_parallel_gpu.py \
+              -p no:cacheprovider;;
     tp-probe) nvidia-smi topo -m
               run tp-probe 120 python3 -m bench.tp_probe --tp-size 2 --sizes-kb 8,16,64,1024,16384;;
     tp-profile) run tp-profile 200 python3 -m bench.profile_decode --model-path $L8B \
@@ -137,6 +139,48 @@ for stage in "$@"; do
              run tp70-serving 300 python3 -m bench.bench_serving --base-url http://127.0.0.1:30000 \
                "${SERVE8[@]}" --output-json "$OUT/tp70-serving.json"
              stop_server tp70;;
+    grammar) # structured output (issue 13): bs64 decode steps free / JSON-schema-constrained /
+             # mixed, and grammar compile times; needs xgrammar (its wheel in ./.whl) and a
+             # tokenizer (SmolLM2's, .tok: the 8B config has none)
+             if python3 -c 'import xgrammar' 2>/dev/null; then
+               run grammar 420 python3 -m bench.bench_grammar --model-path $L8B --load-format dummy \
+                 --tokenizer-path "${TOKENIZER:-.tok}" --batch-size 64 --input-len 512 --steps 64 \
+                 --profile-steps 16 --result-file "$OUT/grammar.json"
+             else echo "=== grammar skipped: xgrammar is not installed (put its wheel in ./.whl)"; fi;;
+    fp8|fp8-latency|fp8-offline|fp8-serving|fp8-parity)
+             # FP8 W8A8 weights (issue 14), dummy Llama-3-8B quantized at load time. fp8 runs
+             # the four parts (~20 min); each part alone fits one 10-minute call
+             want() { [ $stage = fp8 ] || [ $stage = fp8-$1 ]; }
+             if want latency; then
+               python3 -c "from engine.loader.loader import load_model; from bench.roofline \
+import weight_bytes; b = lambda q: weight_bytes(load_model('$L8B', load_format='dummy', \
+device='meta', quantization=q, progress=False)[0]); print('weight bytes bf16', b(None), \
+'fp8', b('fp8'))" | tee "$OUT/fp8-weights.log"
+               run fp8-roofline 120 python3 -m bench.roofline --device cuda
+               run fp8-latency-bf16 300 python3 -m bench.bench_latency --model-path $L8B \
+                 --load-format dummy --batch-size 1 64 --input-len 512 --output-len 64 \
+                 --result-jsonl "$OUT/fp8-latency-bf16.jsonl"
+               run fp8-latency 300 python3 -m bench.bench_latency --model-path $L8B \
+                 --load-format dummy --quantization fp8 --batch-size 1 64 --input-len 512 \
+                 --output-len 64 --result-jsonl "$OUT/fp8-latency.jsonl"
+             fi
+             if want offline; then
+               run fp8-offline 400 python3 -m bench.bench_offline --model-path $L8B \
+                 --load-format dummy --quantization fp8 --result-jsonl "$OUT/fp8-offline.jsonl"
+             fi
+             if want serving; then
+               start_server fp8-serving --quantization fp8
+               run fp8-serving 300 python3 -m bench.bench_serving \
+                 --base-url http://127.0.0.1:30000 "${SERVE8[@]}" --output-json "$OUT/fp8-serving.json"
+               stop_server fp8-serving
+             fi
+             if want parity; then
+               # the 8B test is the quant-parity run below (with 32 steps and its JSON)
+               run fp8-gputests 300 python3 -m pytest -q -x -s -m gpu tests/engine/test_fp8_gpu.py \
+                 -k "not llama3_8b" -p no:cacheprovider
+               run fp8-quant-parity 300 python3 -m bench.quant_parity --model-path $L8B \
+                 --load-format dummy --device cuda --steps 32 --result-json "$OUT/fp8-parity.json"
+             fi;;
     *) echo "unknown stage $stage";;
   esac
 done

