@@ -50,6 +50,8 @@ IDLE_TIMEOUT = datetime.timedelta(days=365)
 STEP_TIMEOUT = datetime.timedelta(minutes=10)
 #: after a worker dies, rank 0's main thread gets this long to stop before the process ends
 DEATH_GRACE_S = 10.0
+#: a worker connects its step channel within this time after start-up
+CONNECT_TIMEOUT_MS = 120_000
 
 
 @dataclass
@@ -247,6 +249,10 @@ class StepChannel:
                 ports.append(s.bind_to_random_port(f"tcp://{ip}"))
                 self._socks.append(s)
             broadcast_object(ports)
+            for r, s in enumerate(self._socks, start=1):  # writable once its worker connected
+                if not s.poll(CONNECT_TIMEOUT_MS, zmq.POLLOUT):
+                    raise RuntimeError(f"tensor-parallel rank {r} did not connect to the step "
+                                       f"channel within {CONNECT_TIMEOUT_MS / 1000:.0f} s")
             return
         ports = broadcast_object(None)
         self._sock = self._ctx.socket(zmq.PULL)
@@ -257,11 +263,24 @@ class StepChannel:
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
 
+    def close(self, linger_ms: int = 1000) -> None:
+        """Close the sockets (waiting up to ``linger_ms`` for queued messages to leave) and
+        the ZMQ context; an open context would block the interpreter's exit."""
+        self._ctx.destroy(linger=linger_ms)
+
     def send(self, msg) -> None:
-        """Rank 0: queue ``msg`` for every worker."""
+        """Rank 0: queue ``msg`` for every worker (never blocks).
+
+        Raises:
+            ConnectionError: a worker's connection is gone.
+        """
         data = self._enc.encode(msg)
-        for s in self._socks:
-            s.send(data, copy=False)
+        for r, s in enumerate(self._socks, start=1):
+            try:  # a PUSH socket without its peer would block forever
+                s.send(data, copy=False, flags=self._zmq.NOBLOCK)
+            except self._zmq.Again:
+                raise ConnectionError(f"tensor-parallel rank {r} is gone (its step channel "
+                                      "has no reader)") from None
 
     def recv(self):
         """A worker: the next message (blocks).

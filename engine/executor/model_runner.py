@@ -177,6 +177,8 @@ class ModelRunner:
         if self._tp_watch is not None:
             self._tp_watch.set()
         self.tp_leader = False
+        if getattr(self, "tp_channel", None) is not None:
+            self.tp_channel.close(0)
         tpd.stop_workers(self.tp_workers, timeout=0.0)
         self.tp_workers = []
         tpd.destroy_tp(timeout=5.0)
@@ -191,7 +193,10 @@ class ModelRunner:
             self._tp_watch.set()
         try:
             self.tp_channel.send(StopMsg())
+        except ConnectionError:
+            pass  # a worker already gone: the others are stopped below
         finally:
+            self.tp_channel.close()
             tpd.stop_workers(self.tp_workers, timeout=10.0)
             self.tp_workers = []
             tpd.destroy_tp(timeout=10.0)
