@@ -23,6 +23,7 @@ from engine.executor.forward_batch import ForwardMode
 from engine.sampling.params import SamplingParams
 from engine.scheduler.request import Req
 from engine.scheduler.schedule_batch import ScheduleBatch
+from server.cli import add_engine_args
 
 
 class _Timer:
@@ -111,12 +112,17 @@ def _decode_steps(runner, reqs: list[Req], n: int, steps: list[float]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="ferry bench-latency", description=__doc__)
-    p.add_argument("--batch-size", type=int, nargs="+", default=[1])
-    p.add_argument("--input-len", type=int, nargs="+", default=[256])
-    p.add_argument("--output-len", type=int, nargs="+", default=[16])
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1],
+                   help="requests in the static batch; several values: one run each "
+                        "(default: 1)")
+    p.add_argument("--input-len", type=int, nargs="+", default=[256],
+                   help="prompt tokens per request; several values: one run each (default: 256)")
+    p.add_argument("--output-len", type=int, nargs="+", default=[16],
+                   help="decode steps per request; several values: one run each (default: 16)")
     p.add_argument("--result-jsonl", default=None, help="append one JSON line per configuration")
-    p.add_argument("--no-warmup", action="store_true")
-    ServerArgs.add_cli_args(p)
+    p.add_argument("--no-warmup", action="store_true",
+                   help="time the first run too (graphs, Triton compilation included)")
+    add_engine_args(p)
     ns = p.parse_args(argv)
     need = max(ns.batch_size) * (max(ns.input_len) + max(ns.output_len) + 8)
     args = ServerArgs.from_cli_args(ns)

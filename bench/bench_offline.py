@@ -16,19 +16,27 @@ from engine import device as dev
 from engine.args import ServerArgs
 from engine.sampling.params import SamplingParams
 from engine.scheduler.request import Req
+from server.cli import add_engine_args
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="ferry bench-offline", description=__doc__)
-    p.add_argument("--num-prompts", type=int, default=256)
-    p.add_argument("--min-input-len", type=int, default=100)
-    p.add_argument("--max-input-len", type=int, default=1024)
-    p.add_argument("--min-output-len", type=int, default=100)
-    p.add_argument("--max-output-len", type=int, default=1024)
-    p.add_argument("--bench-seed", type=int, default=0)
-    p.add_argument("--result-jsonl", default=None)
-    p.add_argument("--warmup", type=int, default=1, help="warm-up requests before timing")
-    ServerArgs.add_cli_args(p)
+    p.add_argument("--num-prompts", type=int, default=256,
+                   help="requests to run (default: 256)")
+    p.add_argument("--min-input-len", type=int, default=100,
+                   help="shortest random prompt in tokens (default: 100)")
+    p.add_argument("--max-input-len", type=int, default=1024,
+                   help="longest random prompt in tokens (default: 1024)")
+    p.add_argument("--min-output-len", type=int, default=100,
+                   help="fewest tokens generated per request (default: 100)")
+    p.add_argument("--max-output-len", type=int, default=1024,
+                   help="most tokens generated per request (default: 1024)")
+    p.add_argument("--bench-seed", type=int, default=0,
+                   help="seed of the random prompts and lengths (default: 0)")
+    p.add_argument("--result-jsonl", default=None, help="append the result as one JSON line")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="warm-up requests before timing (default: 1)")
+    add_engine_args(p)
     ns = p.parse_args(argv)
     args = ServerArgs.from_cli_args(ns)
     from engine.llm import LLM

@@ -19,6 +19,7 @@ from engine.executor.forward_batch import ForwardMode
 from engine.sampling.params import SamplingParams
 from engine.scheduler.request import Req
 from engine.scheduler.schedule_batch import ScheduleBatch
+from server.cli import add_engine_args
 
 
 @torch.inference_mode()
@@ -86,9 +87,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="tensor-parallel size on each device, comma-separated (e.g. 1,2: "
                         "one CPU rank against two GPUs)")
     p.add_argument("--steps", type=int, default=32, help="greedy steps per prompt")
-    p.add_argument("--num-prompts", type=int, default=4)
-    p.add_argument("--prompt-len", type=int, default=48)
-    ServerArgs.add_cli_args(p)
+    p.add_argument("--num-prompts", type=int, default=4,
+                   help="random prompts compared (default: 4)")
+    p.add_argument("--prompt-len", type=int, default=48,
+                   help="tokens per random prompt (default: 48)")
+    add_engine_args(p)
     ns = p.parse_args(argv)
     devices = ns.devices.split(",")
     if len(devices) != 2:

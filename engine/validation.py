@@ -48,13 +48,46 @@ def context_length_message(max_context_len: int, prompt_tokens: int, completion_
             "length.")
 
 
+def check_logit_bias(logit_bias: dict[int, float], vocab_size: int | None) -> None:
+    """Every ``logit_bias`` key must be a token id in ``[0, vocab_size)``.
+
+    Raises:
+        RequestError: naming every bad key (in increasing order) and the vocabulary size,
+            param ``logit_bias``. A ``vocab_size`` of None or 0 skips the check.
+    """
+    if not vocab_size:
+        return
+    bad = sorted(t for t in logit_bias if not 0 <= t < vocab_size)
+    if bad:
+        keys = ", ".join(str(t) for t in bad)
+        raise RequestError(f"logit_bias: token id{'s' if len(bad) > 1 else ''} {keys} "
+                           f"{'are' if len(bad) > 1 else 'is'} outside the vocabulary "
+                           f"(vocabulary size {vocab_size}: ids 0 to {vocab_size - 1})",
+                           "logit_bias")
+
+
+def verify_sampling(sampling_params: SamplingParams, vocab_size: int | None) -> None:
+    """``SamplingParams.verify`` with ``check_logit_bias`` first (its message names every
+    bad key; verify's names the first).
+
+    Raises:
+        RequestError: the first bound a field breaks (``param`` names it).
+    """
+    check_logit_bias(sampling_params.logit_bias, vocab_size)
+    try:
+        sampling_params.verify(vocab_size or None)
+    except ValueError as exc:  # verify raises ValueError(message, param)
+        msg, field = (exc.args + (None, None))[:2]
+        raise RequestError(str(msg), field) from None
+
+
 def validate_request(input_ids: Sequence[int], sampling_params: SamplingParams,
                      vocab_size: int | None, max_context_len: int, param: str = "prompt", *,
                      max_tokens_param: str | None = "max_tokens",
                      clamp_max_tokens: bool = False) -> int:
     """Check one tokenized generation request against the model's limits.
 
-    The checks, in order: the sampling bounds (``SamplingParams.verify``), a non-empty
+    The checks, in order: the sampling bounds (``verify_sampling``), a non-empty
     prompt, every token id in ``[0, vocab_size)``, prompt + ``max_tokens`` within the
     context (``max_tokens`` None counts as 1: "up to the context"), and prompt +
     ``min_tokens`` within the context.
@@ -81,11 +114,7 @@ def validate_request(input_ids: Sequence[int], sampling_params: SamplingParams,
             asked ``max_tokens``, and ``min_tokens`` when prompt + min_tokens does not fit.
     """
     sp = sampling_params
-    try:
-        sp.verify(vocab_size or None)
-    except ValueError as exc:  # verify raises ValueError(message, param)
-        msg, field = (exc.args + (None, None))[:2]
-        raise RequestError(str(msg), field) from None
+    verify_sampling(sp, vocab_size)
     if not input_ids:
         raise RequestError("the prompt is empty", param)
     if vocab_size and (min(input_ids) < 0 or max(input_ids) >= vocab_size):

@@ -3,14 +3,17 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/tokenize`` and
 ``POST /v1/detokenize`` (also at ``/tokenize`` and ``/detokenize``, vLLM's paths),
 ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /server_info``,
-``GET /metrics``, ``POST /flush_cache`` (empties the prefix cache; 400 while requests run).
-Every handler is wrapped so an unexpected exception still answers an OpenAI-shaped error
-(and logs the traceback); unknown routes (404, a trailing slash included: no redirects) and
-wrong methods (405) are shaped too.
+``GET /metrics``, ``POST /flush_cache`` (empties the prefix cache; 400 while requests run),
+``GET /openapi.json`` and ``GET /docs`` (``server/openapi.py``). ``OPTIONS`` on a route
+answers 204 (CORS preflights included, ``server/cors.py``); every response carries
+``X-Request-Id`` (``server/request_id.py``). Every handler is wrapped so an unexpected
+exception still answers an OpenAI-shaped error (and logs the traceback); unknown routes
+(404, a trailing slash included: no redirects) and wrong methods (405) are shaped too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import os
@@ -26,14 +29,19 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from server.cors import FerryCORSMiddleware, OptionsMiddleware, cors_options
 from server.errors import APIError, http_error
+from server.openapi import ServerFacts, openapi_routes
+from server.request_id import STATE_KEY as REQUEST_ID_KEY
+from server.request_id import RequestIdMiddleware
+from server.responses import ResponsesServing
 from server.serving import OpenAIServing
 from server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("ferry.server")
 
-#: paths that stay open when --api-key is set
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+#: paths that stay open when --api-key is set (OPTIONS is answered before the key check)
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs"})
 
 
 def endpoint(fn: Callable[[Request], Awaitable[Response]]):
@@ -48,7 +56,9 @@ def endpoint(fn: Callable[[Request], Awaitable[Response]]):
         except ClientDisconnect:
             return Response(status_code=499)
         except Exception:
-            logger.exception("unhandled error in %s %s", request.method, request.url.path)
+            logger.exception("unhandled error in %s %s (request %s)", request.method,
+                             request.url.path, request.scope.get("state", {}).get(
+                                 REQUEST_ID_KEY))
             return http_error(500, "internal server error").response()
 
     return wrapper
@@ -81,6 +91,17 @@ class AuthMiddleware:
             await err.response()(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+async def refresh_engine_gauges(tm: TokenizerManager, timeout_s: float = 1.0) -> None:
+    """Ask the engine for its running/waiting counts now (its answer sets the gauges), so
+    ``/metrics`` shows the current values, not those of the last periodic report; the
+    last ones stay if the engine does not answer within ``timeout_s`` (a long step)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await tm.server_info()
+    except (TimeoutError, APIError):
+        pass
 
 
 def model_name_of(args) -> str:
@@ -188,6 +209,7 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
     async def metrics(request: Request) -> Response:
         if tm.metrics is None:
             raise http_error(503, "metrics are not ready")
+        await refresh_engine_gauges(tm)
         body, content_type = tm.metrics.render()
         return Response(body, media_type=content_type)
 
@@ -198,7 +220,10 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
             msg = f"Unknown route: {request.method} {request.url.path}"
         elif exc.status_code == 405:
             msg = f"Method {request.method} is not allowed on {request.url.path}"
-        return APIError(msg, exc.status_code, None, None, headers=exc.headers).response()
+        headers = dict(exc.headers or {})
+        if "Allow" in headers:  # OPTIONS is answered on every route (server/cors.py)
+            headers["Allow"] += ", OPTIONS"
+        return APIError(msg, exc.status_code, None, None, headers=headers).response()
 
     async def server_error(request: Request, exc: Exception) -> Response:
         return http_error(500, "internal server error").response()
@@ -206,6 +231,7 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/responses", endpoint(ResponsesServing(serving).create), methods=["POST"]),
         Route("/v1/tokenize", tokenize, methods=["POST"]),
         Route("/v1/detokenize", detokenize, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
@@ -216,9 +242,18 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
         Route("/server_info", server_info, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["POST"]),
+        *openapi_routes(model_name, lambda: ServerFacts(
+            max_n=args.max_n, api_key=bool(args.api_key),
+            models=tuple(m for m in (model_name, args.model_path) if m),
+            vocab_size=tm.engine_ready.vocab_size if tm.engine_ready else None),
+            wrap=endpoint),
     ]
-    app = Starlette(routes=routes,
-                    middleware=[Middleware(AuthMiddleware, api_key=args.api_key)],
+    cors = cors_options(args)
+    middleware = [Middleware(RequestIdMiddleware),
+                  *([Middleware(FerryCORSMiddleware, **cors)] if cors else []),
+                  Middleware(OptionsMiddleware),
+                  Middleware(AuthMiddleware, api_key=args.api_key)]
+    app = Starlette(routes=routes, middleware=middleware,
                     exception_handlers={HTTPException: http_exception, 500: server_error})
     # no 307 to the path without its trailing slash (its Location would be built from the
     # client's Host header): "/v1/completions/" is an unknown route, a shaped 404

@@ -16,7 +16,9 @@ SUBCOMMANDS = {
     "bench-latency": ("bench.bench_latency", "latency of one static batch (prefill + decode)"),
     "bench-offline": ("bench.bench_offline", "offline throughput of the engine (no HTTP)"),
     "bench-serving": ("bench.bench_serving", "load test of a running server over HTTP"),
+    "bench-grammar": ("bench.bench_grammar", "cost of grammar-constrained decoding and compiles"),
     "parity": ("bench.parity", "greedy outputs and logits on two devices (e.g. cpu,cuda)"),
+    "quant-parity": ("bench.quant_parity", "FP8 vs float: greedy agreement and next-token KL"),
 }
 
 USAGE = """usage: ferry <command> [options]
@@ -32,6 +34,38 @@ examples:
 """
 
 
+#: ``ServerArgs`` fields only the HTTP server reads: the bench and parity subcommands run
+#: the engine in-process and do not offer them as flags
+SERVER_ONLY_FIELDS = frozenset({
+    "host", "port", "api_key", "max_request_bytes", "max_n", "shutdown_timeout",
+    "header_timeout", "body_read_timeout", "startup_timeout", "tool_call_parser",
+    "allowed_origins", "allowed_headers", "allowed_methods", "log_requests",
+    "served_model_name"})
+
+
+class _EngineFlags:
+    """Forwards ``add_argument`` to ``target`` except for the SERVER_ONLY_FIELDS flags."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def add_argument(self, flag: str, **kw):
+        if flag.removeprefix("--").replace("-", "_") in SERVER_ONLY_FIELDS:
+            return None
+        return self.target.add_argument(flag, **kw)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``ServerArgs``' engine flags (not the HTTP server's, SERVER_ONLY_FIELDS) to
+    ``parser`` in an "engine options" group; ``ServerArgs.from_cli_args`` fills the
+    rest with their defaults. For the bench and parity subcommands."""
+    from engine.args import ServerArgs
+
+    group = parser.add_argument_group("engine options (as for ferry serve)")
+    ServerArgs.add_cli_args(_EngineFlags(group))
+    return parser
+
+
 def _usage() -> str:
     extra = "\n".join(f"  {name:<15} {desc}" for name, (_, desc) in SUBCOMMANDS.items())
     return USAGE.format(extra=extra)
@@ -45,7 +79,7 @@ def serve_parser() -> argparse.ArgumentParser:
         prog="ferry serve",
         description="Start ferry's OpenAI-compatible server (/v1/completions, "
                     "/v1/chat/completions, /v1/models, /v1/tokenize, /v1/detokenize, /health, "
-                    "/server_info, /metrics).",
+                    "/server_info, /metrics, /openapi.json, /docs).",
         formatter_class=_HelpFormatter)
     return ServerArgs.add_cli_args(parser)
 
@@ -68,11 +102,13 @@ def serve(argv: list[str]) -> int:
     stderr and ``SystemExit(2)``, as argparse does for its own errors.
     """
     from engine.args import ServerArgs
+    from server.cors import cors_options
 
     parser = serve_parser()
     ns = parser.parse_args(argv)
     try:
         args = ServerArgs.from_cli_args(ns)  # checks every bound and choice
+        cors_options(args)  # --allowed-origins entries
     except ValueError as exc:
         parser.error(str(exc))  # usage + "ferry serve: error: ...", exit code 2
     from engine.scheduler.build import check_environment
@@ -88,6 +124,7 @@ def serve(argv: list[str]) -> int:
 
 
 def run_subcommand(name: str, argv: list[str]) -> int:
+    """Import the subcommand's module and run its ``main(argv)``; returns the exit code."""
     module_name = SUBCOMMANDS[name][0]
     try:
         module = importlib.import_module(module_name)

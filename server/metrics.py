@@ -11,7 +11,11 @@ How the server wires it (server/app.py, server/tokenizer_manager.py):
 
       metrics = Metrics(model_name=served_model_name, max_context_len=ready.max_context_len)
 
-* Route ``GET /metrics``::
+* Route ``GET /metrics`` (server/app.py) first asks the engine for its running/waiting
+  counts (``refresh_engine_gauges``: a ``ServerInfoOut``, which lands in
+  ``on_engine_stats``; up to 1 s, else the last values stay), so the gauges read the
+  current values, not those of the last periodic ``StatsOut`` (sent every second: a
+  scrape right after a request finished used to see it still running)::
 
       body, content_type = metrics.render()
       return Response(body, media_type=content_type)

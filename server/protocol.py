@@ -52,6 +52,7 @@ from server.protocol_base import (  # noqa: F401 - re-exported
     _Base,
     _param_of,
     from_validation_error,
+    json_schema_of,
     max_n_of,
 )
 from server.structured import STRUCTURED_FIELDS, STRUCTURED_NOOPS, TOOL_REQUEST_FIELDS
@@ -82,10 +83,17 @@ class _SamplingFields(_Base):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
-    stop: list[str] = Field(default_factory=list)
+    stop: list[str] = Field(default_factory=list, json_schema_extra=json_schema_of({"anyOf": [
+        {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN},
+        {"type": "array", "maxItems": MAX_STOP_STRINGS,
+         "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN}}]}))
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
-    logit_bias: dict[int, float] = Field(default_factory=dict)
+    logit_bias: dict[int, float] = Field(default_factory=dict, json_schema_extra=json_schema_of({
+        "type": "object", "maxProperties": MAX_LOGIT_BIAS,
+        "propertyNames": {"pattern": "^-?[0-9]{1,20}$"},
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        "description": "token id (a string of digits) -> bias added to its logit"}))
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
@@ -137,20 +145,33 @@ class _SamplingFields(_Base):
         if len(v) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} entries are allowed")
         out: dict[int, float] = {}
+        not_ids, out_of_range, bad_values = [], [], []
         for k, b in v.items():
             if isinstance(k, str) and _TOKEN_ID_KEY.fullmatch(k):
-                if len(k) > 20:  # far beyond any token id; spares int() a huge string
-                    raise ValueError(f"token id {k[:20]}... is out of range")
-                tid = int(k)
+                tid = int(k) if len(k) <= 20 else INT64_MAX  # spares int() a huge string
             elif isinstance(k, int) and not isinstance(k, bool):  # Python callers
                 tid = k
             else:
-                raise ValueError(f"key {k!r} is not a token id (a string of ASCII digits)")
-            if isinstance(b, bool) or not isinstance(b, int | float) or not -100 <= b <= 100:
-                raise ValueError("values must be numbers in [-100, 100]")
+                not_ids.append(repr(k)[:40])
+                continue
             if not 0 <= tid <= INT32_MAX:
-                raise ValueError(f"token id {tid} is out of range")
-            out[tid] = float(b)
+                out_of_range.append(str(k)[:24])
+            elif isinstance(b, bool) or not isinstance(b, int | float) or not -100 <= b <= 100:
+                bad_values.append(str(k))
+            else:
+                out[tid] = float(b)
+        problems = []
+        if not_ids:
+            problems.append(f"keys {', '.join(not_ids)} are not token ids (strings of ASCII "
+                            "digits)")
+        if out_of_range:
+            problems.append(f"token ids {', '.join(out_of_range)} are out of range "
+                            "[0, 2**31)")
+        if bad_values:
+            problems.append(f"the values of {', '.join(bad_values)} are not numbers in "
+                            "[-100, 100]")
+        if problems:
+            raise ValueError("; ".join(problems))
         return out
 
     @property
@@ -214,7 +235,13 @@ _SamplingRequest = create_model(
 class CompletionRequest(_SamplingRequest):
     """``POST /v1/completions``. ``prompt``: str | list[str] | list[int] | list[list[int]]."""
 
-    prompt: str | list[str] | list[list[int]]
+    prompt: str | list[str] | list[list[int]] = Field(json_schema_extra=json_schema_of({"anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS,
+         "items": {"type": "string", "minLength": 1}},
+        {"type": "array", "minItems": 1, "items": {"type": "integer"}},
+        {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS,
+         "items": {"type": "array", "minItems": 1, "items": {"type": "integer"}}}]}))
     max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)  # OpenAI's completions default
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -286,7 +313,7 @@ class ChatCompletionRequest(_SamplingRequest):
 #: no output; ferry accepts and ignores them (docs/usage.md lists them). Every other field is
 #: implemented or a 400 naming it.
 ACCEPTED_NOOPS = frozenset({
-    "user", "metadata", "store", "parallel_tool_calls", "service_tier", "prediction",
+    "user", "metadata", "store", "service_tier", "prediction",
     "reasoning_effort", "verbosity", "prompt_cache_key", "safety_identifier",
 })
 IGNORED_FIELDS = ACCEPTED_NOOPS  # the old name
@@ -311,6 +338,10 @@ def _refuse(req: BaseModel, name: str, value: Any) -> APIError | None:
     ferry cannot honour, or a field it does not know at all."""
     if name in STRUCTURED_FIELDS or name in STRUCTURED_NOOPS or name in TOOL_REQUEST_FIELDS:
         return None  # checked by server/structured.py and server/tool_calls.py
+    if name == "parallel_tool_calls":  # server/tool_calls.py reads it (chat only)
+        if isinstance(req, ChatCompletionRequest) or value is None:
+            return None
+        return not_supported(name, "only on /v1/chat/completions")
     if name == "functions":
         return not_supported(name) if value else None
     if name == "function_call":

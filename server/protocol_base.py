@@ -42,6 +42,18 @@ class ChatMessage(_Base):
 
 
 
+def json_schema_of(replacement: dict):
+    """A ``json_schema_extra`` that replaces a field's generated JSON schema (for
+    /openapi.json) with ``replacement``: the shapes a ``mode="before"`` validator accepts."""
+
+    def apply(schema: dict) -> None:
+        keep = {k: schema[k] for k in ("default", "title") if k in schema}
+        schema.clear()
+        schema.update(replacement, **keep)
+
+    return apply
+
+
 # ---- pydantic errors -> OpenAI errors -----------------------------------------------------
 
 def _param_of(loc: tuple) -> str | None:
@@ -86,6 +98,10 @@ class TokenizeRequest(_Base):
     ``add_special_tokens`` defaults to True for a prompt and False for messages (the chat
     template writes its own special tokens), as in vLLM.
     """
+
+    model_config = ConfigDict(json_schema_extra={"oneOf": [  # null is absent
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
 
     model: str | None = None
     prompt: str | None = None

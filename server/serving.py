@@ -16,7 +16,6 @@ import hashlib
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import suppress
 from typing import Any
@@ -26,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.sampling.params import SamplingParams
+from engine.validation import RequestError, verify_sampling
 from server import structured
 from server.chat_messages import messages_for_template
 from server.errors import APIError, bad_request, http_error
@@ -38,6 +38,7 @@ from server.protocol import (
     TokenizeRequest,
     parse_request,
 )
+from server.request_id import request_id_of
 from server.tokenizer_manager import ReqOutput, TokenizerManager
 from server.tool_calls import prepare_chat
 
@@ -226,10 +227,9 @@ class OpenAIServing:
     def _params(self, req, max_tokens: int | None) -> SamplingParams:
         sp = req.sampling_params(max_tokens)
         try:
-            sp.verify(self.tm.vocab_size or None)
-        except ValueError as exc:
-            msg, param = (exc.args + (None, None))[:2]
-            raise bad_request(str(msg), param) from None
+            verify_sampling(sp, self.tm.vocab_size)
+        except RequestError as exc:
+            raise bad_request(exc.message, exc.param, exc.code) from None
         return sp
 
     def check_fan_out(self, n_prompts: int, n: int) -> None:
@@ -280,8 +280,8 @@ class OpenAIServing:
             logger.info("request %s outputs=%.4000r", fmt.id, fmt.texts)
 
     async def _answer(self, request: Request, subs, stream: bool, t0: float, fmt) -> Response:
-        gen = self.tm.generate(subs, stream, arrival=t0)
-        rids = [s[0] for s in subs]
+        rids: list[str] = []  # the engine rids generate registers (unique; see request_id)
+        gen = self.tm.generate(subs, stream, arrival=t0, registered=rids)
         if not stream:
             async def collect() -> list[list[ReqOutput]]:
                 outs: list[list[ReqOutput]] = [[] for _ in subs]
@@ -330,6 +330,7 @@ class OpenAIServing:
     async def completions(self, request: Request) -> Response:
         """``POST /v1/completions``."""
         t0 = time.monotonic()
+        base = request_id_of(request, "cmpl")  # X-Request-Id, else a new id
         req: CompletionRequest = await self._parse(CompletionRequest, request)
         self.check_model(req.model)
         sp = await structured.constrain(req, sp=self._params(req, req.max_tokens))
@@ -352,7 +353,6 @@ class OpenAIServing:
             if req.echo:  # the prompt as sent; token ids decoded like the output
                 texts.append(p if isinstance(p, str) else await self.tm.decode(
                     ids, skip_special_tokens=req.skip_special_tokens))
-        base = f"cmpl-{uuid.uuid4().hex}"
         subs = self._fan_out(base, ids_list, req.n, sp)
         lp = LogprobOptions(k=req.logprobs, as_ids=req.return_tokens_as_token_ids,
                             echo=req.echo,
@@ -374,6 +374,7 @@ class OpenAIServing:
     async def chat(self, request: Request) -> Response:
         """``POST /v1/chat/completions``."""
         t0 = time.monotonic()
+        base = request_id_of(request, "chatcmpl")  # X-Request-Id, else a new id
         req: ChatCompletionRequest = await self._parse(ChatCompletionRequest, request)
         self.check_model(req.model)
         sp = self._params(req, req.requested_max_tokens)
@@ -388,7 +389,6 @@ class OpenAIServing:
                     else "max_tokens" if req.max_tokens is not None else None)
         self.tm.check_prompt(ids, sp.max_tokens, "messages", max_tokens_param=mt_param,
                              min_tokens=sp.min_tokens)
-        base = f"chatcmpl-{uuid.uuid4().hex}"
         subs = self._fan_out(base, [ids], req.n, sp)
         lp = LogprobOptions(k=req.logprobs_k, as_ids=req.return_tokens_as_token_ids,
                             prompt_k=req.prompt_logprobs, prompt_ids=[ids] * req.n,

@@ -316,8 +316,17 @@ class TokenizerManager:
             raise unavailable("the request queue is full; retry later")
 
     # ---- generation ---------------------------------------------------------------------
+    def unique_rids(self, rids: list[str]) -> list[str]:
+        """``rids``, or, when one of them is in flight already (a client reusing its
+        ``X-Request-Id``), each with the same new suffix ``-{8 hex digits}``."""
+        while any(r in self.states for r in rids):
+            tag = uuid.uuid4().hex[:8]
+            rids = [f"{r}-{tag}" for r in rids]
+        return rids
+
     async def generate(self, reqs: list[tuple[str, list[int], SamplingParams]], stream: bool,
-                       arrival: float | None = None) -> AsyncIterator[ReqOutput]:
+                       arrival: float | None = None,
+                       registered: list[str] | None = None) -> AsyncIterator[ReqOutput]:
         """Send engine requests and yield their outputs as they come.
 
         Args:
@@ -325,6 +334,8 @@ class TokenizerManager:
                 ``index`` is the position in this list.
             stream: whether the client streams (passed to the engine).
             arrival: ``time.monotonic()`` when the HTTP request arrived (for TTFT/E2E).
+            registered: a list this appends the engine rids to as it registers them: the
+                given ones, or ``unique_rids``' when one of them is in flight already.
         Yields:
             ``ReqOutput`` until every request has finished.
         Raises:
@@ -336,14 +347,13 @@ class TokenizerManager:
         queue: asyncio.Queue = asyncio.Queue()
         t0 = arrival if arrival is not None else time.monotonic()
         now = time.time() - (time.monotonic() - t0)  # the arrival, on the wall clock
-        rids: list[str] = []  # registered here, so ours to abort
+        rids: list[str] = registered if registered is not None else []  # ours to abort
         try:
-            for idx, (rid, ids, _) in enumerate(reqs):
-                if rid in self.states:
-                    raise bad_request(f"duplicate request id {rid}")
+            unique = self.unique_rids([r[0] for r in reqs])  # no await until registered
+            for idx, (rid, (_, ids, _)) in enumerate(zip(unique, reqs)):
                 self.states[rid] = _ReqState(queue, idx, t0, len(ids))
                 rids.append(rid)
-            for rid, ids, sp in reqs:
+            for rid, (_, ids, sp) in zip(unique, reqs):
                 self.push.send(io.TokenizedGenerateReq(rid=rid, input_ids=ids,
                                                        sampling_params=sp, stream=stream,
                                                        arrival_time=now))

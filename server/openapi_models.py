@@ -1,0 +1,379 @@
+"""Pydantic models of the response bodies, for ``/openapi.json`` only.
+
+The routes build their bodies as dicts (``server/formats.py``, ``server/app.py``); these
+models describe them (``server/openapi.py`` turns them into JSON schemas), and the
+schemathesis test (``tests/e2e/test_schemathesis.py``) checks every response against them.
+Fields a body may carry or not are optional here; every field named is typed.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from server.structured import MAX_CHOICES
+from server.tool_calls import MAX_TOOLS
+from server.tool_messages import MAX_TOOL_CALLS
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# ---- errors -------------------------------------------------------------------------------
+
+class ErrorDetail(_Out):
+    """OpenAI's error object."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(_Out):
+    """Every error: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorDetail
+
+
+# ---- shared pieces ------------------------------------------------------------------------
+
+class PromptTokensDetails(_Out):
+    cached_tokens: int = Field(ge=0, description="prompt tokens served from the prefix cache")
+
+
+class Usage(_Out):
+    """Token counts of a request (every prompt once, every choice's completion)."""
+
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    total_tokens: int = Field(ge=0)
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class PromptLogprob(_Out):
+    """vLLM's prompt_logprobs entry of one token."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+#: one entry per prompt token: null (the first) or ``{token id: PromptLogprob}``
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
+MatchedStop = str | int | None
+
+
+# ---- /v1/completions ----------------------------------------------------------------------
+
+class CompletionLogprobs(_Out):
+    """The legacy completions logprobs object (parallel lists, one entry per token)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Out):
+    index: int = Field(ge=0)
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None
+    matched_stop: MatchedStop = Field(None, description="SGLang's: the stop string or stop "
+                                      "token id that ended the choice")
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class CompletionResponse(_Out):
+    """``POST /v1/completions`` without ``stream``."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(_Out):
+    """One event of a ``/v1/completions`` stream (``choices`` empty in the usage chunk)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+# ---- /v1/chat/completions -----------------------------------------------------------------
+
+class TopLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Out):
+    content: list[ChatTokenLogprob] | None
+
+
+class FunctionCall(_Out):
+    name: str
+    arguments: str = Field(description="the arguments as a JSON string")
+
+
+class ToolCall(_Out):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class AssistantMessage(_Out):
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatChoice(_Out):
+    index: int = Field(ge=0)
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+    matched_stop: MatchedStop = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class ChatCompletionResponse(_Out):
+    """``POST /v1/chat/completions`` without ``stream``."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class FunctionCallDelta(_Out):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_Out):
+    index: int = Field(ge=0)
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+
+class ChatDelta(_Out):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+
+class ChatChunkChoice(_Out):
+    index: int = Field(ge=0)
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    matched_stop: MatchedStop = None
+
+
+class ChatCompletionChunk(_Out):
+    """One event of a ``/v1/chat/completions`` stream."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+# ---- the other routes ---------------------------------------------------------------------
+
+class ModelCard(_Out):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int | None
+
+
+class ModelList(_Out):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(_Out):
+    tokens: list[int]
+    count: int = Field(ge=0)
+    max_model_len: int
+    token_strs: list[str] | None = Field(None, description="with return_token_strs")
+
+
+class DetokenizeResponse(_Out):
+    prompt: str
+
+
+class HealthResponse(_Out):
+    status: Literal["ok"]
+
+
+class FlushCacheResponse(_Out):
+    message: str
+
+
+class ServerInfo(_Out):
+    """Engine and server figures (more keys than listed may appear)."""
+
+    model: str
+    device: str
+    dtype: str
+    max_context_len: int
+    max_total_tokens: int
+    max_running_requests: int
+    num_running: int
+    num_waiting: int
+    kv_used_tokens: int
+    kv_total_tokens: int
+    num_inflight: int
+    shutting_down: bool
+
+
+# ---- request fields the routes read beyond the request models' own ------------------------
+# (``model_extra``: server/structured.py, server/tool_calls.py, server/chat_messages.py and
+# the accepted no-ops of server/protocol.py); ``server/openapi.py`` adds their schemas to the
+# request models' ones.
+
+class _Doc(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class JsonSchemaFormat(_Doc):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Doc):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Doc):
+    """vLLM's ``structured_outputs`` (one of json, regex, choice, grammar, json_object)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = Field(None, min_length=1)
+    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        None, min_length=1, max_length=MAX_CHOICES)
+    grammar: str | None = Field(None, min_length=1)
+    json_object: bool | None = None
+    disable_fallback: bool | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = None
+
+
+class StructuredFields(_Doc):
+    """Output constraints (server/structured.py): at most one per request."""
+
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(None, min_length=1)
+    guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        None, min_length=1, max_length=MAX_CHOICES)
+    guided_grammar: str | None = Field(None, min_length=1)
+    structured_outputs: StructuredOutputs | None = None
+    guided_decoding_backend: str | None = Field(None, description="accepted, no effect")
+    guided_whitespace_pattern: str | None = Field(None, description="accepted, no effect")
+
+
+class FunctionDefinition(_Doc):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of an object")
+
+
+class Tool(_Doc):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Doc):
+    name: str
+
+
+class NamedToolChoice(_Doc):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ToolFields(_Doc):
+    """Tool calling (server/tool_calls.py), chat only."""
+
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class NoopFields(_Doc):
+    """Accepted no-ops (``ACCEPTED_NOOPS`` in server/protocol.py): any value, no effect."""
+
+    metadata: Any = Field(None, description="e.g. {\"key\": \"value\"}; no effect")
+    store: Any = Field(None, description="no effect (nothing is stored)")
+    service_tier: Any = Field(None, description="no effect")
+    prediction: Any = Field(None, description="no effect")
+    reasoning_effort: Any = Field(None, description="no effect")
+    verbosity: Any = Field(None, description="no effect")
+    prompt_cache_key: Any = Field(None, description="no effect (the prefix cache is "
+                                  "automatic)")
+    safety_identifier: Any = Field(None, description="no effect")
+
+
+class TextPart(_Doc):
+    type: Literal["text"]
+    text: str
+
+
+class ToolCallIn(_Doc):
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessageDoc(_Doc):
+    """A chat message as ``messages_for_template`` (server/chat_messages.py) takes it."""
+
+    # content may be null or absent on an assistant message only
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"properties": {"role": {"const": "assistant"}}},
+        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}]})
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = Field(
+        None, description="null only on an assistant message")
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, max_length=MAX_TOOL_CALLS)
+    tool_call_id: str | None = None
+    function_call: Any = Field(None, description="accepted, no effect")
+    reasoning_content: str | None = None
+    refusal: Any = Field(None, description="accepted, no effect")
+    annotations: Any = Field(None, description="accepted, no effect")

@@ -1,0 +1,235 @@
+"""Conversion of a Responses API request's ``input``, ``instructions``, ``tools``,
+``tool_choice`` and ``text`` into their ``/v1/chat/completions`` equivalents.
+
+- ``instructions``: a system message before the input.
+- ``input``: a string (one user message) or items: messages (role ``user``, ``system``,
+  ``developer`` or ``assistant``; content a string or ``input_text``/``output_text`` parts),
+  ``function_call`` items (consecutive ones, with the assistant text just before them, make
+  one assistant turn with ``tool_calls``) and ``function_call_output`` items (``tool``
+  messages with their ``tool_call_id``).
+- flat function tools ``{"type": "function", "name", "description", "parameters",
+  "strict"}`` -> ``{"type": "function", "function": {...}}``; ``tool_choice``
+  ``{"type": "function", "name"}`` -> ``{"type": "function", "function": {"name"}}``.
+- ``text.format`` -> ``response_format`` (``text``: none; ``json_object``; ``json_schema``
+  with ``name``, ``schema``, ``strict``).
+
+Every malformed part is a 400 naming the Responses field; ``ChatConversion.rename`` turns a
+chat-side error's ``param`` back into the Responses name.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from server.errors import APIError, bad_request, not_supported
+
+ITEM_KEYS = {"message": {"type", "role", "content", "id", "status", "phase"},
+             "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
+             "function_call_output": {"type", "call_id", "output", "id", "status"}}
+ROLES = ("user", "system", "developer", "assistant")
+TEXT_PARTS = ("input_text", "output_text")
+TOOL_KEYS = {"type", "name", "description", "parameters", "strict"}
+FORMAT_KEYS = {"text": {"type"}, "json_object": {"type"},
+               "json_schema": {"type", "name", "schema", "strict", "description"}}
+
+@dataclass
+class ChatConversion:
+    """A Responses request as a chat body, and where each chat message came from."""
+
+    body: dict
+    origins: list[str] = field(default_factory=list)  # per chat message: "input[3]"...
+
+    def param(self, p: str | None) -> str | None:
+        """A chat ``param`` in the Responses request's terms."""
+        if not p:
+            return p
+        m = re.match(r"messages\[(\d+)\]", p)
+        if m:
+            i = int(m.group(1))
+            origin = self.origins[i] if i < len(self.origins) else "input"
+            return origin + p[m.end():]
+        m = re.match(r"tools\[(\d+)\]\.function", p)
+        if m:
+            return f"tools[{m.group(1)}]" + p[m.end():]
+        for old, new in (("response_format.json_schema.schema", "text.format.schema"),
+                         ("response_format.json_schema", "text.format"),
+                         ("response_format", "text.format"), ("messages", "input"),
+                         ("max_completion_tokens", "max_output_tokens"),
+                         ("max_tokens", "max_output_tokens")):
+            if p == old or p.startswith(old + ".") or p.startswith(old + "["):
+                return new + p[len(old):]
+        return p
+
+    def rename(self, err: APIError) -> APIError:
+        """``err`` with its ``param`` (and the message's mention of it) renamed."""
+        new = self.param(err.param)
+        if new == err.param:
+            return err
+        msg = err.message.replace(err.param, new) if err.param else err.message
+        if err.param.startswith("tools["):  # chat tools nest their fields in "function"
+            msg = msg.replace("function.", "")
+        return APIError(msg, err.status, new, err.code, err.headers)
+
+
+def _text_of(content: Any, where: str) -> str | list[dict]:
+    """A message's content or a call's output (string, or text parts) as chat content;
+    ``where`` names the field (``input[2].content``)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where} must be a string or a list of content parts", where)
+    parts = []
+    for j, part in enumerate(content):
+        p = f"{where}[{j}]"
+        ptype = part.get("type") if isinstance(part, dict) else None
+        if ptype not in TEXT_PARTS:
+            if isinstance(ptype, str) and ptype.startswith(("input_", "output_", "refusal")):
+                raise not_supported(f"{p}.type", f"content part type {ptype!r} (only "
+                                    "'input_text' and 'output_text')")
+            raise bad_request(f"{p} must be an 'input_text' part", f"{p}.type")
+        if not isinstance(part.get("text"), str):
+            raise bad_request(f"{p}.text must be a string", f"{p}.text")
+        for key, v in part.items():  # annotations/logprobs of an output_text sent back
+            if key not in ("type", "text", "annotations", "logprobs") and v is not None:
+                raise bad_request(f"unrecognized content part field '{key}'", f"{p}.{key}")
+        parts.append({"type": "text", "text": part["text"]})
+    return parts
+
+
+def _string(item: dict, key: str, where: str) -> str:
+    v = item.get(key)
+    if not isinstance(v, str):
+        raise bad_request(f"{where}.{key} must be a string", f"{where}.{key}")
+    return v
+
+
+def chat_messages(instructions: str | None, inp: str | list[dict]) -> tuple[list[dict], list[str]]:
+    """Chat messages and their origins (``"input[3]"``...) from ``instructions`` and
+    ``input``."""
+    msgs: list[dict] = []
+    origins: list[str] = []
+    if instructions is not None:
+        msgs.append({"role": "system", "content": instructions})
+        origins.append("instructions")
+    if isinstance(inp, str):
+        msgs.append({"role": "user", "content": inp})
+        origins.append("input")
+        return msgs, origins
+    if not inp:
+        raise bad_request("input must be a string or a non-empty list of items", "input")
+    calls_from = -1  # index of the chat message that collects consecutive function_calls
+    for i, raw in enumerate(inp):
+        where = f"input[{i}]"
+        if not isinstance(raw, dict):
+            raise bad_request(f"{where} must be an object", where)
+        item = {k: v for k, v in raw.items() if v is not None}
+        kind = item.get("type", "message")
+        if not isinstance(kind, str) or kind not in ITEM_KEYS:
+            if isinstance(kind, str):
+                raise not_supported(f"{where}.type", f"input item type {kind!r} (only "
+                                    "'message', 'function_call' and 'function_call_output')")
+            raise bad_request(f"{where}.type must be a string", f"{where}.type")
+        for key in item:
+            if key not in ITEM_KEYS[kind]:
+                raise bad_request(f"unrecognized input item field '{key}'", f"{where}.{key}")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ROLES:
+                raise bad_request(f"{where}.role must be one of {list(ROLES)}",
+                                  f"{where}.role")
+            if "content" not in item:
+                raise bad_request(f"{where}.content is required", f"{where}.content")
+            msgs.append({"role": role, "content": _text_of(item["content"], f"{where}.content")})
+            origins.append(where)
+        elif kind == "function_call":
+            call = {"id": _string(item, "call_id", where), "type": "function",
+                    "function": {"name": _string(item, "name", where),
+                                 "arguments": _string(item, "arguments", where)}}
+            if calls_from == len(msgs) - 1 and calls_from >= 0:
+                msgs[-1]["tool_calls"].append(call)
+            else:
+                last = msgs[-1] if msgs else None
+                if last is not None and last["role"] == "assistant" and "tool_calls" not in last:
+                    last["tool_calls"] = [call]  # the text before the calls: one turn
+                else:
+                    msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                    origins.append(where)
+                calls_from = len(msgs) - 1
+            continue
+        else:  # function_call_output
+            if "output" not in item:
+                raise bad_request(f"{where}.output is required", f"{where}.output")
+            content = _text_of(item["output"], f"{where}.output")
+            msgs.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
+                         "content": content})
+            origins.append(where)
+        calls_from = -1
+    return msgs, origins
+
+
+def chat_tools(tools: list[dict]) -> list[dict]:
+    """Flat function tools as chat tools."""
+    out = []
+    for i, t in enumerate(tools):
+        p = f"tools[{i}]"
+        if not isinstance(t, dict) or not isinstance(t.get("type"), str):
+            raise bad_request(f"{p} must be an object with a 'type'", f"{p}.type")
+        if t["type"] != "function":
+            raise not_supported(f"{p}.type", f"tool type {t['type']!r} (only 'function')")
+        for key, v in t.items():
+            if key not in TOOL_KEYS and v is not None and v is not False:
+                raise bad_request(f"unrecognized function tool field '{key}'", f"{p}.{key}")
+        if "name" not in t:
+            raise bad_request(f"{p}.name is required", f"{p}.name")
+        fn = {k: t[k] for k in ("name", "description", "parameters", "strict")
+              if t.get(k) is not None}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def chat_tool_choice(choice: str | dict) -> str | dict:
+    """A Responses ``tool_choice`` in the chat shape."""
+    if isinstance(choice, str):
+        return choice  # none / auto / required; anything else: tool_calls.py's 400
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    kind = choice.get("type")
+    if isinstance(kind, str) and kind != "function":
+        raise not_supported("tool_choice", f"tool_choice type {kind!r}")
+    raise bad_request("tool_choice must be 'none', 'auto', 'required' or {'type': "
+                      "'function', 'name': ...}", "tool_choice")
+
+
+def chat_response_format(text: dict) -> dict | None:
+    """The chat ``response_format`` of a Responses ``text`` object (None: free text)."""
+    for key in text:
+        if key not in ("format", "verbosity"):
+            raise bad_request(f"unrecognized text field '{key}'", f"text.{key}")
+    if text.get("verbosity") not in (None, "low", "medium", "high"):
+        raise bad_request("text.verbosity must be 'low', 'medium' or 'high'", "text.verbosity")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str) \
+            or fmt["type"] not in FORMAT_KEYS:
+        raise bad_request("text.format must be {'type': 'text' | 'json_object' | "
+                          "'json_schema', ...}", "text.format.type")
+    kind = fmt["type"]
+    for key in fmt:
+        if key not in FORMAT_KEYS[kind]:
+            raise bad_request(f"unrecognized text.format field '{key}'", f"text.format.{key}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if not isinstance(fmt.get("name"), str) or not fmt["name"]:
+        raise bad_request("text.format.name must be a non-empty string", "text.format.name")
+    if not isinstance(fmt.get("schema"), dict):
+        raise bad_request("text.format.schema must be a JSON schema (an object)",
+                          "text.format.schema")
+    spec = {"name": fmt["name"], "schema": fmt["schema"]}
+    if isinstance(fmt.get("strict"), bool):
+        spec["strict"] = fmt["strict"]
+    return {"type": "json_schema", "json_schema": spec}
