@@ -35,7 +35,7 @@ class Req:
     __slots__ = ("rid", "origin_input_ids", "sampling_params", "stream", "output_ids",
                  "req_pool_idx", "pages", "kv_len", "finished_reason", "sent_len",
                  "arrival_time", "recv_time", "first_token_time", "max_new_tokens",
-                 "stop_window", "cached_pages", "last_node", "cached_tokens",
+                 "stop_window", "cached_pages", "last_node", "cached_tokens", "prompt_counted",
                  "logprobs", "sent_logprobs", "prompt_logprobs", "prompt_logprobs_sent",
                  "grammar")
 
@@ -56,6 +56,9 @@ class Req:
         self.cached_pages = 0
         self.last_node = None
         self.cached_tokens: int | None = None
+        # prompt positions already counted in the prompt_tokens stat (a preempted request
+        # recomputes its prompt without counting it again)
+        self.prompt_counted = 0
         self.finished_reason: FinishReason | None = None
         self.sent_len = 0
         # wall-clock seconds (time.time(), comparable across the server and engine

@@ -355,8 +355,11 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
         self.stats["steps"] += 1
         n_prompt = 0
         for i, req in enumerate(batch.reqs):
-            n_prompt += max(0, min(batch.prefix_lens[i] + batch.extend_lens[i],
-                                   len(req.origin_input_ids)) - batch.prefix_lens[i])
+            end = min(batch.prefix_lens[i] + batch.extend_lens[i], len(req.origin_input_ids))
+            start = max(batch.prefix_lens[i], req.prompt_counted)
+            if end > start:
+                n_prompt += end - start
+                req.prompt_counted = end
         self.stats["prompt_tokens"] += n_prompt
         slots = []
         running = {id(r) for r in self.running}
