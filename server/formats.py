@@ -63,13 +63,15 @@ class _Choice:
     """One choice's accumulated state: token ids and logprob entries pair up by position."""
 
     __slots__ = ("byte_pos", "cached_tokens", "completion_tokens", "entries", "ids",
-                 "matched", "offset", "paired", "pieces", "prompt_entries", "started", "text")
+                 "matched", "offset", "paired", "pieces", "prompt_entries", "prompt_sent",
+                 "started", "text")
 
     def __init__(self):
         self.ids: list[int] = []
         self.entries: list = []
         self.paired = 0           # entries already turned into response logprobs
         self.prompt_entries: list | None = None
+        self.prompt_sent = False  # stream: prompt_logprobs went out with a chunk
         self.offset = 0           # legacy text_offset of the next token
         self.started = False
         self.text = ""
@@ -227,6 +229,14 @@ class BaseFormat:
     def chunks(self, out: ReqOutput) -> list[dict]:
         raise NotImplementedError
 
+    def _stream_prompt_logprobs(self, index: int, ch: _Choice, choice: dict) -> None:
+        """Stream: add vLLM's ``prompt_logprobs`` to the first chunk of a choice sent once the
+        engine has computed them (a chunk whose text the detokenizer held back is not sent,
+        so they ride on the next one)."""
+        if self.lp.prompt_k is not None and ch.prompt_entries is not None and not ch.prompt_sent:
+            choice["prompt_logprobs"] = self.prompt_logprobs(index, ch)
+            ch.prompt_sent = True
+
 
 class CompletionFormat(BaseFormat):
     """``text_completion`` bodies and chunks; ``echo`` and the legacy ``logprobs`` object."""
@@ -285,6 +295,7 @@ class CompletionFormat(BaseFormat):
                   "finish_reason": fin}
         if fin is not None:
             choice["matched_stop"] = ch.matched
+        self._stream_prompt_logprobs(out.index, ch, choice)
         return [self._chunk([choice])]
 
 
@@ -338,4 +349,6 @@ class ChatFormat(BaseFormat):
         if fin is not None:
             res.append(self._delta(out.index, {}, None, fin))
             res[-1]["choices"][0]["matched_stop"] = ch.matched
+        if res:
+            self._stream_prompt_logprobs(out.index, ch, res[0]["choices"][0])
         return res

@@ -223,3 +223,27 @@ def test_tokenize_and_detokenize_round_trip(url, ref_tokenizer):
 ])
 def test_tokenize_errors(url, path, body, param):
     assert_error(post(url, path, body), param)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_streamed_prompt_logprobs_equal_the_non_stream_ones(url, path):
+    """vLLM's prompt_logprobs in a stream: once, in the first chunk of the choice that the
+    engine's prompt logprobs reached, equal to the non-stream body's."""
+    body = {"model": MODEL, "max_tokens": 4, "temperature": 0, "prompt_logprobs": 2}
+    if path == "/v1/completions":
+        body["prompt"] = PROMPT
+    else:
+        body["messages"] = [{"role": "user", "content": PROMPT}]
+    r = post(url, path, body)
+    assert r.status_code == 200, r.text
+    want = r.json()["choices"][0]["prompt_logprobs"]
+    assert want[0] is None and len(want) > 3
+    chunks = stream_chunks(url, path, body)
+    got = [c["choices"][0]["prompt_logprobs"] for c in chunks
+           if c["choices"] and "prompt_logprobs" in c["choices"][0]]
+    assert len(got) == 1
+    assert [None if e is None else set(e) for e in got[0]] == \
+        [None if e is None else set(e) for e in want]
+    for g, w in zip(got[0][1:], want[1:]):
+        for tid in w:
+            assert g[tid]["logprob"] == pytest.approx(w[tid]["logprob"], abs=LP_TOL)
