@@ -327,8 +327,10 @@ class ModelRunner:
             prompt_ids=[r.origin_input_ids for r in reqs],
             steps=[len(r.output_ids) for r in reqs], eos_ids=eos_ids)
         # constrained rows: the grammar's allowed tokens (filled while the forward runs)
-        info.vocab_mask = fill_vocab_mask([getattr(r, "grammar", None) for r in reqs],
-                                          self.vocab_size)
+        # (a request that finished in the step just read back has a spent matcher: free row)
+        info.vocab_mask = fill_vocab_mask(
+            [None if r.finished else getattr(r, "grammar", None) for r in reqs],
+            self.vocab_size)
         want = [p.logprobs for p in params if p.logprobs is not None]
         out = sample(logits, info, return_logprobs=max(want) if want else None)
         if self.tp_leader:  # the workers resolve the next step's placeholders with these

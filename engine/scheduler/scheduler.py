@@ -299,14 +299,12 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
         With overlap on, step N+1 is launched before step N's sampled ids are read back: the
         requests of step N carry placeholder ids (``-(k + 1)``, row k of step N's sampled-id
         tensor) that the model runner resolves on the device. Anything that needs real ids
-        first (preemption, penalties) drains the in-flight step before it goes on.
+        first drains the in-flight step: preemption before it builds the batch; grammars and
+        penalties after step N+1's forward is launched and before it is sampled (SGLang's
+        order), so a constrained batch keeps the overlap.
         """
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO,
                                    self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        if self.inflight is not None and any(map(_needs_output_ids, self.running)):
-            # their next step needs real ids (a grammar's mask, penalties), and one of them
-            # may finish in the in-flight step: read it back before building the batch
-            self._drain()
         batch = self.get_next_batch()
         if batch is None:
             self._drain()
@@ -331,11 +329,15 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
     def _launch(self, batch: ScheduleBatch) -> _InFlight | None:
         sample_rows = [i for i, s in enumerate(batch.sample) if s]
         reqs = [batch.reqs[i] for i in sample_rows]
-        if self.inflight is not None and any(_needs_output_ids(r) for r in reqs):
-            self._drain()  # penalties count the generated ids: they must be real ones
+        needs_ids = self.inflight is not None and any(_needs_output_ids(r) for r in reqs)
         future = self.inflight.result.ids_dev if self.inflight is not None else None
         try:
             logits = self.runner.forward(batch, future)
+            if needs_ids:
+                # while this forward runs: read the in-flight step back, so the grammars
+                # accept its tokens (this step's masks follow from them) and penalties see
+                # real ids; a request that finished there keeps its row, unused
+                self._drain()
             if batch.all_rows:
                 rows = batch.logits_rows()
                 self._prompt_logprobs(batch, logits, rows)
@@ -364,6 +366,8 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
         slots = []
         running = {id(r) for r in self.running}
         for k, req in enumerate(reqs):
+            if req.finished:  # ended in the step read back above
+                continue
             req.output_ids.append(-(k + 1))
             slots.append((req, len(req.output_ids) - 1, k))
             if id(req) not in running:

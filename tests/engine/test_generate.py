@@ -150,3 +150,22 @@ def test_logprobs_and_prompt_logprobs_match_hf(llm, hf_model):
         assert abs(lp - row[o.token_ids[k]].item()) < 1e-3
         assert top[0][0] == o.token_ids[k]  # greedy: the chosen token is the top one
         assert len(top) == 3 and abs(top[1][1] - torch.topk(row, 3).values[1].item()) < 1e-3
+
+
+def test_penalties_with_overlap_match_without(llm):
+    """Penalties need the real generated ids: with overlap on, the in-flight step is read back
+    after the next forward is launched and before it is sampled; the tokens must equal the
+    non-overlapped run's (the CPU runs without overlap, so its code path is forced)."""
+    from engine import SamplingParams
+
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, frequency_penalty=0.8,
+                        presence_penalty=0.5, repetition_penalty=1.3)
+    outs = {}
+    for overlap in (False, True):
+        llm.scheduler.overlap = overlap
+        try:
+            outs[overlap] = [o.token_ids for o in llm.generate(PROMPTS[:3], sp)]
+        finally:
+            llm.scheduler.overlap = False
+    assert outs[True] == outs[False]
+    assert llm.scheduler.kv.used_tokens() == 0
