@@ -61,7 +61,21 @@ def resolve_dtype(name: str, device_type: str) -> torch.dtype:
         return torch.float32 if device_type == "cpu" else torch.bfloat16
     if name not in table:
         raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPE_CHOICES)}")
+    if device_type == "cpu" and table[name] == torch.bfloat16 and not cpu_native_bf16():
+        logger.warning("--dtype bfloat16 on a CPU without AVX512-BF16 or AMX: torch emulates "
+                       "bf16 matmuls there, usually slower than float32")
     return table[name]
+
+
+def cpu_native_bf16() -> bool:
+    """Whether this CPU runs bf16 matmuls natively (AVX512-BF16 or AMX tiles), as torch's
+    oneDNN build reports it; False where torch cannot tell."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()
+                    and (torch.cpu._is_avx512_bf16_supported()
+                         or torch.cpu._is_amx_tile_supported()))
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -19,6 +19,10 @@ query and KV heads with Hq % Hkv == 0, D = head_dim, S = pool slots, R = req_to_
   seq_lens           : [B]               int32/int64, tokens in the KV after this step
 
 Attention is softmax(q k^T * sm_scale) v with fp32 accumulation; the output has q's dtype.
+Each attention reference is a plan (gather indices and masks, which depend only on the
+batch: ``decode_plan`` / ``extend_plan``) plus a per-layer kernel
+(``decode_attention_planned`` / ``extend_attention_planned``); the torch-native backend
+builds the plan once per step and reuses it in every layer.
 
 In-place contract: the three small-op references are out-of-place (new tensors, inputs
 untouched). Of their Triton twins, ``rms_norm`` and ``silu_and_mul`` are out-of-place too,
@@ -28,6 +32,8 @@ returned tensors and rely on neither behaviour. The attention references write t
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -116,10 +122,10 @@ def store_kv_ref(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tens
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
-            causal_offset: int | None) -> torch.Tensor:
+            mask: torch.Tensor | None) -> torch.Tensor:
     """q [n, Hq, D], k/v [m, Hkv, D] -> [n, Hq, D] in fp32.
 
-    causal_offset: query i may see keys j <= i + causal_offset (None: all keys).
+    mask: optional bool [n, m], True where query i may NOT see key j (None: all keys).
     """
     hq, hkv = q.shape[1], k.shape[1]
     group = hq // hkv
@@ -127,13 +133,61 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
     kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)   # [Hq, m, D]
     vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
     s = torch.matmul(qf, kf.transpose(1, 2)) * sm_scale               # [Hq, n, m]
-    if causal_offset is not None:
-        n, m = q.shape[0], k.shape[0]
-        qi = torch.arange(n, device=q.device)[:, None]
-        kj = torch.arange(m, device=q.device)[None, :]
-        s = s.masked_fill(kj > qi + causal_offset, float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(mask, float("-inf"))
     p = torch.softmax(s, dim=-1)
     return torch.matmul(p, vf).transpose(0, 1)                      # [n, Hq, D]
+
+
+def _causal_mask(n: int, prefix: int, device) -> torch.Tensor:
+    """bool [n, prefix + n]: True where new token i may not see key j (j > i + prefix)."""
+    qi = torch.arange(n, device=device)[:, None]
+    kj = torch.arange(prefix + n, device=device)[None, :]
+    return kj > qi + prefix
+
+
+@dataclass
+class DecodePlan:
+    """What decode attention reads for a batch, the same in every layer (built once a step).
+
+    slots: ``[B * L]`` int64 pool slots of the padded ``[B, L]`` block (0 past a request's
+    length); invalid: ``[B, 1, 1, L]`` bool, True on that padding; max_len: L.
+    """
+
+    slots: torch.Tensor
+    invalid: torch.Tensor
+    max_len: int
+
+
+def decode_plan(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                seq_lens: torch.Tensor, max_len: int | None = None) -> DecodePlan:
+    """The :class:`DecodePlan` of a batch. ``max_len``: ``max(seq_lens)`` if the caller
+    knows it on the host (else it is read from ``seq_lens``, a device sync)."""
+    bsz = seq_lens.shape[0]
+    if max_len is None:
+        max_len = int(seq_lens.max()) if bsz else 0
+    pos = torch.arange(max_len, device=seq_lens.device)
+    valid = pos[None, :] < seq_lens[:, None].to(pos.dtype)                   # [B, L]
+    slots = req_to_token[req_pool_indices.long(), :max_len].long() * valid   # [B, L]
+    return DecodePlan(slots.reshape(-1), (~valid)[:, None, None, :], max_len)
+
+
+def decode_attention_planned(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                             o: torch.Tensor, plan: DecodePlan, sm_scale: float) -> torch.Tensor:
+    """:func:`decode_attention_ref` with the batch's :class:`DecodePlan` built beforehand."""
+    bsz, hq, d = q.shape
+    hkv = k_buffer.shape[1]
+    group = hq // hkv
+    shape = (bsz, plan.max_len, hkv, d)
+    k = k_buffer.index_select(0, plan.slots).view(shape).float()            # [B, L, Hkv, D]
+    v = v_buffer.index_select(0, plan.slots).view(shape).float()
+    qf = q.float().view(bsz, hkv, group, d)
+    s = torch.einsum("bhgd,blhd->bhgl", qf, k) * sm_scale                  # [B, Hkv, G, L]
+    s = s.masked_fill(plan.invalid, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    out = torch.einsum("bhgl,blhd->bhgd", p, v)
+    o.copy_(out.reshape(bsz, hq, d).to(o.dtype))
+    return o
 
 
 def decode_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
@@ -143,26 +197,55 @@ def decode_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     """Decode attention: one query token per request over its whole KV (already stored).
 
     The batch is gathered into a padded ``[B, max_len]`` block with a length mask, so the CPU
-    runs one batched product per layer instead of a loop over requests.
+    runs one batched product per layer instead of a loop over requests. The gather indices
+    and the mask (:func:`decode_plan`) depend only on the batch, so a caller running many
+    layers builds them once and calls :func:`decode_attention_planned` per layer.
 
     Args: q [B, Hq, D]; o [B, Hq, D] written in place and returned.
     """
-    bsz, hq, d = q.shape
-    hkv = k_buffer.shape[1]
-    group = hq // hkv
-    max_len = int(seq_lens.max()) if bsz else 0
-    pos = torch.arange(max_len, device=q.device)
-    valid = pos[None, :] < seq_lens[:, None].to(pos.dtype)                   # [B, L]
-    slots = req_to_token[req_pool_indices.long(), :max_len].long() * valid   # [B, L]
-    k = k_buffer[slots].float()                                             # [B, L, Hkv, D]
-    v = v_buffer[slots].float()
-    qf = q.float().view(bsz, hkv, group, d)
-    s = torch.einsum("bhgd,blhd->bhgl", qf, k) * sm_scale                  # [B, Hkv, G, L]
-    s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    out = torch.einsum("bhgl,blhd->bhgd", p, v)
-    o.copy_(out.reshape(bsz, hq, d).to(o.dtype))
-    return o
+    plan = decode_plan(req_to_token, req_pool_indices, seq_lens)
+    return decode_attention_planned(q, k_buffer, v_buffer, o, plan, sm_scale)
+
+
+@dataclass
+class ExtendItem:
+    """One extending request of an :func:`extend_plan`: new tokens at rows ``start:start+n``
+    of q/k/v_extend, ``slots`` [prefix] int64 of its cached prefix, causal ``mask``
+    [n, prefix + n] (True = hidden)."""
+
+    start: int
+    n: int
+    slots: torch.Tensor
+    mask: torch.Tensor
+
+
+def extend_plan(req_to_token: torch.Tensor, rows: list[int], seq_lens: list[int],
+                extend_seq_lens: list[int], extend_start_loc: list[int]) -> list[ExtendItem]:
+    """The per-request prefix slots and causal masks of an extend batch (host lists in),
+    the same in every layer; requests with no new tokens are left out."""
+    plan = []
+    for row, total, n, s0 in zip(rows, seq_lens, extend_seq_lens, extend_start_loc):
+        if n == 0:
+            continue
+        prefix = total - n
+        plan.append(ExtendItem(s0, n, req_to_token[row, :prefix].long(),
+                               _causal_mask(n, prefix, req_to_token.device)))
+    return plan
+
+
+def extend_attention_planned(q_extend: torch.Tensor, k_extend: torch.Tensor,
+                             v_extend: torch.Tensor, o_extend: torch.Tensor,
+                             k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                             plan: list[ExtendItem], sm_scale: float) -> torch.Tensor:
+    """:func:`extend_attention_ref` with the batch's :func:`extend_plan` built beforehand."""
+    for it in plan:
+        s0, e = it.start, it.start + it.n
+        k, v = k_extend[s0:e], v_extend[s0:e]
+        if it.slots.numel():
+            k = torch.cat([k_buffer.index_select(0, it.slots).to(k.dtype), k], dim=0)
+            v = torch.cat([v_buffer.index_select(0, it.slots).to(v.dtype), v], dim=0)
+        o_extend[s0:e] = _attend(q_extend[s0:e], k, v, sm_scale, it.mask).to(o_extend.dtype)
+    return o_extend
 
 
 def extend_attention_ref(q_extend: torch.Tensor, k_extend: torch.Tensor, v_extend: torch.Tensor,
@@ -176,21 +259,13 @@ def extend_attention_ref(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
     read through ``req_to_token[req_pool_indices[b], :prefix]``, and ``extend_seq_lens[b]``
     new tokens at rows ``extend_start_loc[b] : + extend_seq_lens[b]`` of q/k/v_extend. New
     token i sees the whole prefix and new tokens 0..i (causal). Plain prefill is prefix 0.
+    The per-request slots and masks (:func:`extend_plan`) depend only on the batch; a caller
+    running many layers builds them once and calls :func:`extend_attention_planned`.
 
     Args: q_extend [T, Hq, D]; k_extend, v_extend [T, Hkv, D]; o_extend [T, Hq, D] written
     in place and returned; extend_seq_lens, extend_start_loc [B] int.
     """
-    rows = req_pool_indices.tolist()
-    lens = seq_lens.tolist()
-    ext = extend_seq_lens.tolist()
-    starts = extend_start_loc.tolist()
-    for b in range(len(rows)):
-        n, s0 = ext[b], starts[b]
-        if n == 0:
-            continue
-        prefix = lens[b] - n
-        slots = req_to_token[rows[b], :prefix].long()
-        k = torch.cat([k_buffer[slots].to(k_extend.dtype), k_extend[s0: s0 + n]], dim=0)
-        v = torch.cat([v_buffer[slots].to(v_extend.dtype), v_extend[s0: s0 + n]], dim=0)
-        o_extend[s0: s0 + n] = _attend(q_extend[s0: s0 + n], k, v, sm_scale, prefix).to(o_extend.dtype)
-    return o_extend
+    plan = extend_plan(req_to_token, req_pool_indices.tolist(), seq_lens.tolist(),
+                       extend_seq_lens.tolist(), extend_start_loc.tolist())
+    return extend_attention_planned(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
+                                    plan, sm_scale)

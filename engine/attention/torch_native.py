@@ -1,13 +1,16 @@
 """The torch-native backend: the pure-torch reference kernels of ``kernels/reference.py``.
 
-The CPU default. It runs on any device, but its kernels read lengths on the host (a sync
-per layer), so it cannot be captured in a decode graph (``supports_graphs`` is False; the
-model runner then runs decode eagerly). The reference kernels are checked against
-``F.scaled_dot_product_attention`` in ``tests/unit/test_reference_attention.py``.
+The CPU default. It runs on any device; it cannot be captured in a decode graph
+(``supports_graphs`` is False; the model runner then runs decode eagerly). The gather
+indices, length masks and causal masks depend only on the step, so :meth:`init_forward`
+builds them once (from the step's host lists: no device sync) and every layer reuses them
+(``decode_attention_planned`` / ``extend_attention_planned``). The reference kernels are
+checked against ``F.scaled_dot_product_attention`` in ``tests/unit/test_reference_attention.py``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,27 +22,55 @@ if TYPE_CHECKING:
     from engine.executor.forward_batch import ForwardBatch
 
 
+@dataclass
+class TorchNativeMetadata(AttentionMetadata):
+    """The step's decode gather plan and the extend requests' prefix slots / causal masks."""
+
+    decode: reference.DecodePlan | None = None
+    extend: list[reference.ExtendItem] | None = None
+
+
 class TorchNativeAttnBackend(AttentionBackend):
-    """Extend and decode attention with ``extend_attention_ref`` / ``decode_attention_ref``."""
+    """Extend and decode attention with the planned reference kernels."""
 
     def init_forward(self, fb: ForwardBatch) -> None:
-        """Views of the decode requests' rows (no copies, no device work)."""
+        """Build the step's plans once (the layers all read them)."""
         first, nd = self.decode_rows(fb)
-        fb.attn_meta = None if nd == 0 else AttentionMetadata(
-            nd, fb.req_pool_indices[first:], fb.seq_lens[first:])
+        rows, lens = fb.req_pool_indices[first:], fb.seq_lens[first:]
+        meta = TorchNativeMetadata(nd, rows, lens)
+        host_lens = fb.seq_lens_cpu if len(fb.seq_lens_cpu) == fb.batch_size else None
+        if nd:
+            max_len = max(host_lens[first:]) if host_lens is not None else None
+            meta.decode = reference.decode_plan(fb.req_to_token, rows, lens, max_len)
+        if first:  # the extend requests, the rows before the decodes
+            ne = slice(0, first)
+            ext = fb.extend_seq_lens_cpu[ne] if len(fb.extend_seq_lens_cpu) == fb.batch_size \
+                else fb.extend_seq_lens[ne].tolist()
+            starts = fb.extend_start_loc[ne].tolist()
+            meta.extend = reference.extend_plan(
+                fb.req_to_token, fb.req_pool_indices[ne].tolist(),
+                host_lens[ne] if host_lens is not None else fb.seq_lens[ne].tolist(), ext, starts)
+        fb.attn_meta = meta
 
     def store_kv(self, k_buffer, v_buffer, loc, k, v) -> None:
         reference.store_kv_ref(k_buffer, v_buffer, loc, k, v)
 
     def forward_extend(self, q, k, v, o, k_buffer, v_buffer, fb: ForwardBatch,
                        sm_scale: float) -> None:
-        rows = slice(0, fb.num_extends)
-        reference.extend_attention_ref(
-            q, k, v, o, k_buffer, v_buffer, fb.req_to_token, fb.req_pool_indices[rows],
-            fb.seq_lens[rows], fb.extend_seq_lens[rows], fb.extend_start_loc[rows], sm_scale)
+        plan = getattr(fb.attn_meta, "extend", None)
+        if plan is None:  # no init_forward plan: build it for this layer
+            rows = slice(0, fb.num_extends)
+            reference.extend_attention_ref(
+                q, k, v, o, k_buffer, v_buffer, fb.req_to_token, fb.req_pool_indices[rows],
+                fb.seq_lens[rows], fb.extend_seq_lens[rows], fb.extend_start_loc[rows],
+                sm_scale)
+            return
+        reference.extend_attention_planned(q, k, v, o, k_buffer, v_buffer, plan, sm_scale)
 
     def forward_decode(self, q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
                        v_buffer: torch.Tensor, fb: ForwardBatch, sm_scale: float) -> None:
         m = self._meta(fb)
-        reference.decode_attention_ref(q, k_buffer, v_buffer, o, fb.req_to_token,
-                                       m.req_pool_indices, m.seq_lens, sm_scale)
+        plan = getattr(m, "decode", None)
+        if plan is None:  # no init_forward plan: build it for this layer
+            plan = reference.decode_plan(fb.req_to_token, m.req_pool_indices, m.seq_lens)
+        reference.decode_attention_planned(q, k_buffer, v_buffer, o, plan, sm_scale)
