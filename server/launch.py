@@ -42,6 +42,8 @@ WATCH_INTERVAL_S = 0.25
 #: after a child dies, keep answering (503) this long so clients see why, then exit
 DEAD_EXIT_DELAY_S = 3.0
 CHILD_STOP_TIMEOUT_S = 5.0
+#: the same signal again within this many seconds is the same request to stop
+SAME_SIGNAL_S = 0.5
 
 
 class StartupError(RuntimeError):
@@ -163,6 +165,8 @@ class Launcher:
         self.tm: TokenizerManager | None = None
         self.server: _Server | None = None
         self._draining = False
+        self._first_signal: int | None = None
+        self._first_signal_at = 0.0
 
     # ---- children -----------------------------------------------------------------------
     def _spawn(self) -> None:
@@ -225,6 +229,12 @@ class Launcher:
 
     # ---- shutdown -----------------------------------------------------------------------
     def on_signal(self, sig: int) -> None:
+        now = time.monotonic()
+        if self._draining and sig == self._first_signal and \
+                now - self._first_signal_at < SAME_SIGNAL_S:
+            # the same signal twice at once: a process-group kill that a parent (make,
+            # a shell) also forwards; one request to stop, not two
+            return
         if self._draining:
             logger.warning("second signal: stopping now")
             self.tm.abort_all("server shutting down")
@@ -232,6 +242,7 @@ class Launcher:
             self.server.should_exit = True
             return
         self._draining = True
+        self._first_signal, self._first_signal_at = sig, now
         asyncio.get_running_loop().create_task(self._drain(signal.Signals(sig).name))
 
     async def _drain(self, why: str) -> None:

@@ -31,6 +31,8 @@ from server.metrics import Metrics, format_request_log
 logger = logging.getLogger("ferry.server")
 
 SERVER_INFO_TIMEOUT_S = 5.0
+#: an aborted rid whose end never comes back from the engine is reusable after this long
+RETIRED_RID_TTL_S = 60.0
 
 
 @dataclass
@@ -86,6 +88,8 @@ class TokenizerManager:
         self.pull = AsyncPullSocket(self.actx, ipc.server, SERVER_IN, bind=True)
         self.push = PushSocket(self.ctx, ipc.engine)
         self.states: dict[str, _ReqState] = {}
+        # rid -> time.monotonic() of its abort: reserved until the engine sends its end
+        self.retired: dict[str, float] = {}
         self.ready: dict[str, io.ReadyOut] = {}
         self.info_waiters: dict[str, asyncio.Future] = {}
         self.tokenizer = None
@@ -180,8 +184,10 @@ class TokenizerManager:
         now = time.monotonic()
         for i, rid in enumerate(b.rids):
             st = self.states.get(rid)
-            if st is None:
-                continue  # aborted or failed already
+            if st is None:  # aborted or failed already
+                if b.finished_reasons[i] is not None:
+                    self.retired.pop(rid, None)  # the engine is done with it: reusable
+                continue
             ids = b.new_token_ids[i]
             k = len(ids)
             if k:
@@ -317,9 +323,12 @@ class TokenizerManager:
 
     # ---- generation ---------------------------------------------------------------------
     def unique_rids(self, rids: list[str]) -> list[str]:
-        """``rids``, or, when one of them is in flight already (a client reusing its
-        ``X-Request-Id``), each with the same new suffix ``-{8 hex digits}``."""
-        while any(r in self.states for r in rids):
+        """``rids``, or, when one is in use (a client reusing its ``X-Request-Id`` while the
+        first request is in flight, or aborted but not yet ended in the engine, which keeps
+        it until its next step), each with the same new suffix ``-{8 hex digits}``."""
+        now = time.monotonic()
+        self.retired = {r: t for r, t in self.retired.items() if now - t < RETIRED_RID_TTL_S}
+        while any(r in self.states or r in self.retired for r in rids):
             tag = uuid.uuid4().hex[:8]
             rids = [f"{r}-{tag}" for r in rids]
         return rids
@@ -374,6 +383,7 @@ class TokenizerManager:
             st = self.states.pop(rid, None)
             if st is None:
                 continue
+            self.retired[rid] = time.monotonic()  # until the engine's end for it arrives
             if self.dead is None:
                 try:
                     self.push.send(io.AbortReq(rid=rid))

@@ -132,6 +132,12 @@ def run_tp_worker(args, rank: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     tpd.die_with_parent()
+    # tqdm's default lock is a multiprocessing semaphore, which a SIGKILLed worker leaks
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s [tp{rank}] %(message)s")
     try:

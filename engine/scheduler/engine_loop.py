@@ -66,6 +66,16 @@ class EngineLoop:
             warm_up(self.sched)
 
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            # tensor parallelism: stop the workers now. This process ends through
+            # multiprocessing, which runs no atexit hook and would SIGTERM (ignored) and join
+            # its daemon children forever
+            if getattr(self, "runner", None) is not None:
+                self.runner.shutdown()
+
+    def _run(self) -> None:
         _setup_logging(self.args.log_level)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when we stop
         parent = os.getppid()

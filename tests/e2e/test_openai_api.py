@@ -432,3 +432,28 @@ def test_404_405_413(server):
     assert_error(r, 413)
     # the server is fine afterwards
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_request_id_reused_right_after_a_disconnect(server):
+    """A client that drops a stream and retries at once with the same X-Request-Id gets a
+    clean answer: the engine may still hold the aborted request for a step, so the id stays
+    reserved until its end comes back (it was a 'duplicate request id' 400, or the old
+    request's last token in the new answer)."""
+    body = {"model": MODEL, "prompt": "Tell me a story about a dragon:", "max_tokens": 6,
+            "temperature": 0}
+    want = httpx.post(server.url + "/v1/completions", json=body,
+                      timeout=HTTP_TIMEOUT_S).json()["choices"][0]["text"]
+    for i in range(5):
+        hdr = {"X-Request-Id": f"retry-{i}"}
+        with httpx.Client(timeout=HTTP_TIMEOUT_S) as c, c.stream(
+                "POST", server.url + "/v1/completions",
+                json=dict(body, max_tokens=200, stream=True), headers=hdr) as r:
+            for n, _line in enumerate(r.iter_lines()):
+                if n >= 3:
+                    break
+        again = httpx.post(server.url + "/v1/completions", json=body, headers=hdr,
+                           timeout=HTTP_TIMEOUT_S)
+        assert again.status_code == 200, again.text
+        assert again.headers["x-request-id"] == f"retry-{i}"
+        assert again.json()["choices"][0]["text"] == want
+    assert _wait_kv_free(server, 60.0) < 60.0

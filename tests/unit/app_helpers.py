@@ -61,7 +61,7 @@ def fake_tm(args: ServerArgs) -> TokenizerManager:
     """A ``TokenizerManager`` without sockets or tokenizer, its engine a ``FakeEngine``."""
     tm = TokenizerManager.__new__(TokenizerManager)
     tm.args = args
-    tm.states, tm.ready, tm.info_waiters = {}, {}, {}
+    tm.states, tm.ready, tm.info_waiters, tm.retired = {}, {}, {}, {}
     tm.tokenizer, tm.dead, tm.shutting_down = None, None, False
     tm.metrics, tm.last_stats, tm._listener = None, None, None
     tm.push = FakeEngine(tm)
