@@ -53,6 +53,8 @@ logger = logging.getLogger("ferry.server")
 #: fields accepted and ignored: bookkeeping on OpenAI's side or hints that change no output
 RESPONSES_NOOPS = frozenset({"metadata", "user", "safety_identifier", "prompt_cache_key",
                              "prompt_cache_retention", "service_tier", "reasoning"})
+#: the no-ops whose type OpenAI checks (and ferry echoes in the response)
+NOOP_TYPES = {"metadata": dict, "user": str, "safety_identifier": str, "prompt_cache_key": str}
 #: ferry's sampling extensions passed to the engine under their own names (as on chat)
 SAMPLING_PASSTHROUGH = frozenset(SAMPLING_FIELDS) - ENGINE_DERIVED - {"max_tokens", "temperature",
                                                                         "top_p"}
@@ -96,7 +98,11 @@ class ResponsesRequest(_Base):
 
     def check(self) -> None:
         """Raises: APIError 400 naming the first field ferry cannot honour."""
-        for name in self.model_extra or {}:
+        for name, value in (self.model_extra or {}).items():
+            want = NOOP_TYPES.get(name)
+            if want is not None and value is not None and not isinstance(value, want):
+                kind = "an object" if want is dict else "a string"
+                raise APIError(f"'{name}' must be {kind}", 400, name, "invalid_type")
             if name in RESPONSES_NOOPS or name in SAMPLING_PASSTHROUGH:
                 continue
             if name in STATEFUL:

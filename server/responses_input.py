@@ -230,6 +230,8 @@ def chat_response_format(text: dict) -> dict | None:
         raise bad_request("text.format.schema must be a JSON schema (an object)",
                           "text.format.schema")
     spec = {"name": fmt["name"], "schema": fmt["schema"]}
-    if isinstance(fmt.get("strict"), bool):
+    if fmt.get("strict") is not None:
+        if not isinstance(fmt["strict"], bool):
+            raise bad_request("text.format.strict must be a boolean", "text.format.strict")
         spec["strict"] = fmt["strict"]
     return {"type": "json_schema", "json_schema": spec}

@@ -307,6 +307,10 @@ def test_noops_change_nothing(url):
     ({"max_output_tokens": 9000}, "max_output_tokens", "context_length_exceeded"),
     ({"input": "hi " * 9000}, "input", "context_length_exceeded"),
     ({"top_k": -5}, "top_k", None),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": PERSON,
+                          "strict": "yes"}}}, "text.format.strict", None),
+    ({"metadata": "x"}, "metadata", "invalid_type"),
+    ({"user": 5}, "user", "invalid_type"),
 ])
 def test_errors_name_the_field(url, extra, param, code):
     r = post(url, "/v1/responses", dict({"model": MODEL, "input": "hi",
