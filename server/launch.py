@@ -14,7 +14,8 @@
 5. SIGINT/SIGTERM (to the server alone or to the whole process group: the children ignore
    both): new requests get 503, in-flight ones may finish for ``--shutdown-timeout``
    seconds, the rest end with ``finish_reason`` "abort"; then the children are killed and
-   the IPC dir removed. A second signal stops at once.
+   the IPC dir removed. A second signal stops at once (the same signal again within 0.5 s
+   is the same one: make and shells forward a process-group SIGTERM to their child).
 """
 
 from __future__ import annotations
