@@ -135,19 +135,14 @@ class ModelRunner:
         if args.tp_size > 1:
             per_node = tpd.ranks_per_node(args)
             local_rank = tp_rank % per_node
-            if dev.is_accelerator(self.device_type) \
-                    and dev.visible_device_count(self.device_type) < per_node:
-                raise ValueError(f"--tp-size {args.tp_size} needs {per_node} {self.device_type} "
-                                 f"devices on this node; "
-                                 f"{dev.visible_device_count(self.device_type)} are visible")
             if not args.dist_init_addr:
                 args = args.replace(dist_init_addr=tpd.free_local_addr())
-            if tp_rank == 0:  # refuse head counts that do not split before any rank starts
-                from engine.loader.loader import load_config
-                from engine.models.config import ModelConfig
+            if tp_rank == 0:
+                from engine.scheduler.build import check_tensor_parallel
 
-                mc = ModelConfig.from_hf(load_config(args.model_path))
-                tpd.check_tp_shape(mc.num_heads, mc.num_kv_heads, args.tp_size)
+                # devices and head counts, before any rank starts (ferry serve checked them
+                # already; the offline LLM and the benchmarks come straight here)
+                check_tensor_parallel(args, self.device_type)
                 self.tp_workers = tpd.start_workers(args, list(range(1, per_node)))
                 self._tp_watch = tpd.watch_workers(self.tp_workers)
                 atexit.register(self.shutdown)  # before multiprocessing joins its children
