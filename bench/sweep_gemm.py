@@ -6,6 +6,14 @@ Llama-3-8B projections (qkv, o, gate_up, down, LM head) in bf16 four ways: ``F.l
 torch's default BLAS and with cuBLASLt preferred. Median device time per call
 (``triton.testing.do_bench``, which flushes the L2 between calls) and the weight bytes per
 second, the figure that bounds decode.
+
+``python -m bench.sweep_gemm --fp8 [--result-json F]`` times the FP8 (e4m3, per-channel)
+candidates for the same shapes at decode M: bf16 ``F.linear`` (the baseline),
+``quantize_rows_triton`` + ``torch._scaled_mm`` (cuBLASLt), and ferry's small-M Triton kernel
+(``fp8_linear_small_m``, W8A8 and W8A16) with its default launch config, plus a sweep of
+its launch configs (W8A16, the layers' mode at M <= 16) at M = 1 and 16 (default M: 1, 4,
+16, 32, 64). Each figure is one call's device time from a CUDA graph of calls that cycle through enough weight copies (>= 256 MB) that no call finds its weights
+in the L2; median of 7 replays. The bytes are the weight bytes of the call's dtype.
 """
 
 from __future__ import annotations
@@ -30,12 +38,20 @@ def _ints(s: str) -> list[int]:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="sweep_gemm", description=__doc__.splitlines()[0])
-    p.add_argument("--batch-sizes", type=_ints, default=[1, 8, 64, 256])
+    p.add_argument("--batch-sizes", type=_ints, default=None,
+                   help="M values (default 1,8,64,256; with --fp8 1,4,16,32,64)")
     p.add_argument("--rep", type=int, default=200, help="do_bench repetition time (ms)")
+    p.add_argument("--fp8", action="store_true", help="the FP8 candidates (see above)")
+    p.add_argument("--result-json", default=None, help="--fp8: write every timing here")
     args = p.parse_args(argv)
     dev = devlib.resolve_device("auto")
     if not devlib.is_accelerator(dev):
         raise SystemExit("sweep_gemm needs a GPU")
+    if args.fp8:
+        from bench.sweep_gemm_fp8 import sweep_fp8
+        sweep_fp8(dev, args.batch_sizes or [1, 4, 16, 32, 64], args.result_json)
+        return
+    args.batch_sizes = args.batch_sizes or [1, 8, 64, 256]
     dt = torch.bfloat16
     libs = ["default", "cublaslt"]
     print(f"{devlib.device_name(dev)}; us per call and weight GB/s")

@@ -77,8 +77,14 @@ def ref_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def ref_linear(x, codes, w_scale, bias=None) -> torch.Tensor:
-    """float64 ``(xq @ Wq^T) * sx * sw^T + b``."""
-    xq, sx = ref_quant(x)
+    """float64 ``(xq @ Wq^T) * sx * sw^T + b`` (W8A8) for more than ``WEIGHT_ONLY_MAX_M``
+    (16) rows of x, and ``(x @ Wq^T) * sw^T + b`` (weight-only) for at most that many."""
+    from engine.layers.quantization.fp8 import WEIGHT_ONLY_MAX_M
+
+    if x.shape[0] <= WEIGHT_ONLY_MAX_M:
+        xq, sx = x.double(), 1.0
+    else:
+        xq, sx = ref_quant(x)
     y = (xq @ codes.double().t()) * sx * w_scale.double().view(1, -1)
     return y if bias is None else y + bias.double()
 
@@ -145,15 +151,21 @@ def test_fp8_layers_reproduce_the_float64_reference():
         scale = torch.cat([s for _, s in q_s]).view(-1)
         assert torch.equal(layer.weight.double(), codes)      # fused rows, per-part scales
         assert torch.equal(layer.weight_scale.double(), scale)
-        xin = x if layer is not down else torch.randn(7, 96, generator=g)
-        y = layer(xin)
-        ref = ref_linear(xin, codes, scale, b)
-        assert y.dtype == torch.float32 and y.shape == ref.shape
-        assert _rel(y, ref) < 1e-5
-        # quantized (not a float layer in disguise), but close to the float product
-        w_full = torch.cat(ws)
-        exact = xin.double() @ w_full.double().t() + (0 if b is None else b.double())
-        assert 1e-3 < _rel(y, exact) < 0.1
+        for rows in (7, 16, 17, 40):     # weight-only up to 16 rows, W8A8 above
+            k_in = layer.input_size
+            xin = torch.randn(rows, k_in, generator=g) if rows != 7 or layer is down else x
+            y = layer(xin)
+            ref = ref_linear(xin, codes, scale, b)
+            assert y.dtype == torch.float32 and y.shape == ref.shape
+            assert _rel(y, ref) < 1e-5
+            # quantized (not a float layer in disguise), but close to the float product
+            w_full = torch.cat(ws)
+            exact = xin.double() @ w_full.double().t() + (0 if b is None else b.double())
+            assert 1e-3 < _rel(y, exact) < 0.1
+            if rows == 17:   # the activations are quantized: not the weight-only product
+                xq_ref = (xin.double() @ codes.double().t()) * scale.double().view(1, -1)
+                xq_ref = xq_ref + (0 if b is None else b.double())
+                assert _rel(y, xq_ref) > 1e-4
     assert qkv(torch.empty(0, 64)).shape == (0, 128)
     assert qkv(x.view(7, 1, 64)).shape == (7, 1, 128)
 

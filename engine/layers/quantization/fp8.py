@@ -1,5 +1,5 @@
-"""FP8 W8A8 linear layers: e4m3 weights with per-output-channel scales, activations
-quantized per token at run time.
+"""FP8 linear layers: e4m3 weights with per-output-channel scales; activations quantized
+per token at run time (W8A8) when a matmul has more than 16 rows, weight-only (W8A16) below.
 
 Numerics (one definition, shared by every path; ``q(v, s)`` rounds ``clamp(v / s, ±448)`` to
 ``float8_e4m3fn``, nearest even):
@@ -7,13 +7,27 @@ Numerics (one definition, shared by every path; ``q(v, s)`` rounds ``clamp(v / s
 - weight ``W [N, K]`` -> ``Wq [N, K]`` e4m3 and ``sw [N]`` fp32 with
   ``sw_n = max(amax_k |W_nk|, 1e-12) / 448`` (quantized at load time, or read from an FP8
   checkpoint, whose per-tensor scales are expanded to one per row);
-- activation ``x [M, K]`` -> ``xq [M, K]`` e4m3 and ``sx [M, 1]`` fp32, the same formula per
-  row (token), computed in every forward (dynamic; a checkpoint's static ``input_scale`` is
-  not used);
-- ``y = (xq @ Wq^T) * sx * sw^T (+ bias)``, accumulated in fp32.
+- activation ``x [M, K]`` with M > ``WEIGHT_ONLY_MAX_M`` rows (prefill, large decode
+  batches) -> ``xq [M, K]`` e4m3 and ``sx [M, 1]`` fp32, the same formula per row (token),
+  computed in every forward (dynamic; a checkpoint's static ``input_scale`` is not used);
+  ``y = (xq @ Wq^T) * sx * sw^T (+ bias)``, accumulated in fp32 (W8A8);
+- with M <= ``WEIGHT_ONLY_MAX_M`` (16) rows the activations are not quantized:
+  ``y = (x @ Wq^T) * sw^T (+ bias)`` (W8A16). Such a matmul is a weight read; quantizing
+  its activations costs a pass over x before the weights stream (a separate kernel, or a
+  serial amax loop in the GEMV, which measured 1.5-2x the weight-only kernel's time on the
+  H200) and buys nothing, and weight-only is the more accurate of the two (KL 0.020 vs
+  0.031 on SmolLM2, docs/benchmarks.md). The rule depends on M only, so the CPU reference
+  and every device compute the same function; like any change of GEMM kernel with the
+  batch size, a request's logits can move when its batch crosses 16 rows.
 
 Paths (chosen per layer in :meth:`Fp8LinearMethod.process_weights_after_loading`):
 
+- ``small_m`` (M <= 16 on GPUs, where Triton runs): ferry's Triton kernel
+  ``fp8_kernels.fp8_linear_small_m``, which streams the e4m3 weights once (split over K
+  into enough programs to keep every SM loading) and upcasts them in registers. cuBLASLt's
+  FP8 GEMM behind ``_scaled_mm`` is tuned for large M and read the 8B's weights at 1.0-2.5
+  TB/s there (``bench.sweep_gemm --fp8``). Without Triton, the dequant path below does the
+  weight-only product.
 - ``scaled_mm`` (``engine.device.fp8_linear_backend``: CUDA sm89+, XPU with torch >= 2.10):
   ``torch._scaled_mm(xq, Wq.t(), scale_a=sx [M,1], scale_b=sw [1,N], out_dtype=bf16)``. It
   needs K and N multiples of 16, ``xq`` row-major and ``Wq.t()`` column-major (``Wq`` is
@@ -24,13 +38,14 @@ Paths (chosen per layer in :meth:`Fp8LinearMethod.process_weights_after_loading`
 - ``dequant``: the e4m3 operands are upcast (exactly) and multiplied in fp32 on the CPU (the
   reference) or bf16 on accelerators without FP8 matmuls, then scaled.
 
-Both paths are free of host syncs (graph capturable). The weights stay e4m3 in memory on
+Every path is free of host syncs (graph capturable). The weights stay e4m3 in memory on
 every path (1 byte per weight, plus 4 bytes per output row).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -42,6 +57,10 @@ logger = logging.getLogger(__name__)
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 SCALE_EPS = 1e-12
+#: matmuls with at most this many rows of activations are weight-only (W8A16), see above;
+#: ``FERRY_FP8_WEIGHT_ONLY_MAX_M`` (0..16) changes it, 0 quantizes activations at every M
+#: (the numerics and kernels of ferry before the small-M kernel, for benchmarks)
+WEIGHT_ONLY_MAX_M = max(0, min(16, int(os.environ.get("FERRY_FP8_WEIGHT_ONLY_MAX_M", 16))))
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,6 +92,19 @@ def fp8_matmul_dequant(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor,
     return acc.float() * sx * sw
 
 
+def fp8_matmul_weight_only(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
+                           compute_dtype: torch.dtype) -> torch.Tensor:
+    """``(x @ wq^T) * sw^T`` with the e4m3 weights upcast to ``compute_dtype``.
+
+    Args:
+        x: [M, K] float; wq: [N, K] e4m3 (or its exact upcast); sw: [N] fp32.
+    Returns:
+        [M, N] float32.
+    """
+    acc = torch.matmul(x.to(compute_dtype), wq.to(compute_dtype).t())
+    return acc.float() * sw
+
+
 def _device_quantizer(device_type: str):
     """The activation quantizer for ``device_type``: the Triton kernel on GPUs (the torch
     reference, with a warning, where triton does not import), the reference on the CPU."""
@@ -86,6 +118,20 @@ def _device_quantizer(device_type: str):
         logger.warning("FP8 activations quantized with torch ops (triton: %s)", e)
         return quantize_rows
     return quantize_rows_triton
+
+
+def _small_m_kernel(device_type: str):
+    """The small-M Triton kernel (``fp8_linear_small_m``) for ``device_type``, or None where
+    Triton does not run or no matmul is weight-only."""
+    from engine import device as dev
+
+    if WEIGHT_ONLY_MAX_M == 0 or not dev.use_triton(device_type):
+        return None
+    try:
+        from engine.layers.quantization.fp8_kernels import fp8_linear_small_m
+    except ImportError:
+        return None
+    return fp8_linear_small_m
 
 
 def _materialize(t) -> torch.Tensor:
@@ -163,6 +209,7 @@ class Fp8LinearMethod:
         layer.fp8_backend = "dequant"
         layer.fp8_quantize = quantize_rows
         layer.fp8_weight_upcast = None
+        layer.fp8_small_m = None
 
     def load_weight(self, layer: nn.Module, param: nn.Parameter, loaded,
                     shard_id: str | int | None = None) -> None:
@@ -226,6 +273,10 @@ class Fp8LinearMethod:
             backend = "dequant"
         layer.fp8_backend = backend
         layer.fp8_quantize = _device_quantizer(device_type)
+        layer.fp8_small_m = _small_m_kernel(device_type) if backend == "scaled_mm" else None
+        if layer.fp8_small_m is not None:
+            from engine.layers.quantization.fp8_kernels import split_k_locks
+            split_k_locks(layer.weight.device)   # allocated now, before any graph capture
         # the CPU upcasts e4m3 element by element (~20 ns each): keep the exact fp32 values
         # of the weights instead of upcasting them in every step (CPU memory is not saved)
         layer.fp8_weight_upcast = layer.weight.float() if device_type == "cpu" else None
@@ -240,6 +291,14 @@ class Fp8LinearMethod:
         n = layer.output_size
         if x2.shape[0] == 0:
             y = x2.new_empty(0, n)
+        elif x2.shape[0] <= WEIGHT_ONLY_MAX_M:
+            if layer.fp8_small_m is not None:
+                y = layer.fp8_small_m(x2, layer.weight, layer.weight_scale, quant_x=False)
+            else:
+                compute = torch.float32 if x.device.type == "cpu" else x.dtype
+                w = (layer.fp8_weight_upcast if layer.fp8_weight_upcast is not None
+                     else layer.weight)
+                y = fp8_matmul_weight_only(x2, w, layer.weight_scale, compute)
         elif layer.fp8_backend == "scaled_mm":
             xq, sx = layer.fp8_quantize(x2)
             y = torch._scaled_mm(xq, layer.weight.t(), scale_a=sx,

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.layers.quantization.fp8 import FP8_DTYPE, FP8_MAX, SCALE_EPS
+from engine.layers.quantization.fp8 import FP8_DTYPE, FP8_MAX, SCALE_EPS, WEIGHT_ONLY_MAX_M
 
 
 @triton.jit
@@ -52,3 +52,159 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _quantize_rows_kernel[(m,)](x, q, s, x.stride(0), q.stride(0), k, FMAX=FP8_MAX,
                                 EPS=SCALE_EPS, BLOCK=block, num_warps=warps)
     return q, s
+
+
+# ---- small-M FP8 linear (decode) ---------------------------------------------------------
+#
+# At decode batch sizes a linear layer is a weight read: y = x W^T with M <= 16 rows of x
+# and N x K bytes of e4m3 weights. torch._scaled_mm runs cuBLASLt's FP8 GEMM there, which is
+# tuned for large M and streams the weights well below the copy bandwidth, and it needs the
+# activations quantized by a separate kernel first. This kernel streams each weight tile once
+# (split over K when N alone gives too few programs) and upcasts it in registers. The layers
+# call it weight-only (``quant_x=False``, see fp8.py's WEIGHT_ONLY_MAX_M); ``quant_x=True``
+# quantizes x per token inside the kernel (the per-token scale is the amax of the row, a
+# first pass over x) and multiplies the exact e4m3 codes in fp16 (every e4m3 value is exact
+# in fp16, so each product is exact in the fp32 accumulator): the numerics of
+# ``quantize_rows`` + ``_scaled_mm`` up to the order of the fp32 sums, kept for the
+# benchmark and the tests (the serial amax pass made it 1.5-2x slower than weight-only).
+
+@triton.jit
+def _fp8_small_m_kernel(x_ptr, w_ptr, sw_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, k_per_split,
+                        stride_xm, stride_wn, stride_ym,
+                        FMAX: tl.constexpr, EPS: tl.constexpr, QUANT_X: tl.constexpr,
+                        USE_DOT: tl.constexpr, IEEE: tl.constexpr, SPLIT_K: tl.constexpr,
+                        BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    if QUANT_X:   # per-token scale: the amax of the whole row, whatever this program's K part
+        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            xa = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & (kk[None, :] < K),
+                         other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(xa), axis=1))
+        sx = tl.maximum(amax, EPS) / FMAX
+    else:
+        sx = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < K
+        x = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if QUANT_X:
+            q = x.to(tl.float32) / sx[:, None]
+            q = tl.minimum(tl.maximum(q, -FMAX), FMAX)
+            xd = q.to(tl.float8e4nv).to(tl.float16)
+            wd = w.to(tl.float16)
+        else:
+            xd = x
+            wd = w.to(x.dtype)
+        if USE_DOT:
+            if IEEE:
+                acc += tl.dot(xd, tl.trans(wd), input_precision="ieee")
+            else:
+                acc += tl.dot(xd, tl.trans(wd))
+        else:
+            acc += tl.sum(xd.to(tl.float32)[:, None, :] * wd.to(tl.float32)[None, :, :], axis=2)
+    sw = tl.load(sw_ptr + offs_n, mask=n_mask, other=0.0)
+    y = acc * sx[:, None] * sw[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # each K part writes its fp32 partial; the last of the SPLIT_K programs of this N
+        # block to arrive (a counter per N block) sums them in K order and writes y, then
+        # resets the counter for the next launch (so a graph replay finds it at 0)
+        mn = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part_ptr + pid_k * M * N + mn, y, mask=out_mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(part_ptr + s * M * N + mn, mask=out_mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+#: the largest M the layers give the small-M kernel (fp8.py's WEIGHT_ONLY_MAX_M): at M = 32
+#: quant + ``torch._scaled_mm`` is already as fast (bench/sweep_gemm.py --fp8 on the H200)
+SMALL_M_MAX = WEIGHT_ONLY_MAX_M
+_LOCKS: dict[torch.device, torch.Tensor] = {}
+_MAX_N_BLOCKS = 1 << 16
+
+
+def split_k_locks(device: torch.device) -> torch.Tensor:
+    """The per-device arrival counters of split-K launches ([65536] int32, zero between
+    launches). Allocated on first use: call it once before graph capture (the layers do, at
+    load time). Launches on one device must not run concurrently on two streams."""
+    device = torch.device(device)
+    if device not in _LOCKS:
+        _LOCKS[device] = torch.zeros(_MAX_N_BLOCKS, dtype=torch.int32, device=device)
+    return _LOCKS[device]
+
+
+def small_m_config(m: int, n: int, k: int) -> dict:
+    """Launch parameters for :func:`fp8_linear_small_m`, from ``bench.sweep_gemm --fp8`` on
+    the H200 (2026-12-01, weight-only, M = 1 and 16; the best config per Llama-3-8B shape
+    was within 3% of this rule): 64 output columns x 128 K per tile, 4 stages, and K split
+    into up to 8 parts so that about 2048 programs stream the weights."""
+    block_m = max(16, triton.next_power_of_2(m))
+    block_n = 64
+    split = max(1, min(8, 2048 // triton.cdiv(n, block_n)))
+    return dict(USE_DOT=True, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128,
+                num_warps=4, num_stages=4)
+
+
+def fp8_linear_small_m(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
+                       quant_x: bool = True, out_dtype: torch.dtype | None = None,
+                       config: dict | None = None) -> torch.Tensor:
+    """``y = x Wq^T`` for small M with e4m3 weights streamed once.
+
+    Args:
+        x: [M, K] bf16/fp16/fp32, unit column stride, M >= 1.
+        wq: [N, K] float8_e4m3fn, row-major.
+        sw: [N] fp32 per-output-channel weight scales.
+        quant_x: quantize x per token to e4m3 inside the kernel (W8A8, the numerics of
+            ``quantize_rows`` + ``torch._scaled_mm``); False multiplies x as it is (W8A16).
+        out_dtype: default x's dtype.
+        config: launch parameters (``small_m_config``'s keys); default from it.
+    Returns:
+        [M, N] in ``out_dtype``: ``(q(x) @ Wq^T) * sx * sw^T``, fp32 accumulation. With
+        ``SPLIT_K`` > 1 the K parts are summed in a fixed order (deterministic).
+    Raises:
+        ValueError: more than 65536 blocks of ``BLOCK_N`` output columns with split K.
+    """
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    n = wq.shape[0]
+    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    cfg = dict(config or small_m_config(m, n, k))
+    split = cfg.setdefault("SPLIT_K", 1)
+    n_blocks = triton.cdiv(n, cfg["BLOCK_N"])
+    k_per_split = triton.cdiv(triton.cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    if split > 1:
+        if n_blocks > _MAX_N_BLOCKS:
+            raise ValueError(f"{n_blocks} blocks of output columns > {_MAX_N_BLOCKS}")
+        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        locks = split_k_locks(x.device)
+    else:
+        part = locks = y
+    _fp8_small_m_kernel[(n_blocks, split)](
+        x, wq, sw, y, part, locks, m, n, k, k_per_split, x.stride(0), wq.stride(0),
+        y.stride(0), FMAX=FP8_MAX, EPS=SCALE_EPS, QUANT_X=quant_x,
+        IEEE=(not quant_x and x.dtype == torch.float32), **cfg)
+    return y
