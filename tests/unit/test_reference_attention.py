@@ -7,7 +7,15 @@ import torch.nn.functional as F
 
 from engine.attention import TorchNativeAttnBackend
 from engine.executor.forward_batch import ForwardBatch, ForwardMode
-from kernels.reference import decode_attention_ref, extend_attention_ref, store_kv_ref
+from kernels.reference import (
+    decode_attention_ref,
+    decode_attention_sdpa,
+    decode_plan,
+    extend_attention_ref,
+    extend_attention_sdpa,
+    extend_plan,
+    store_kv_ref,
+)
 
 
 def _sdpa(q, k, v, scale, causal_offset=None):
@@ -46,7 +54,37 @@ def test_decode_reference_matches_sdpa():
         torch.testing.assert_close(o[b].double(), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_extend_reference_with_prefix_matches_sdpa():
+@pytest.mark.parametrize("hq,hkv,dtype,tol", [
+    (6, 2, torch.float32, 1e-5),      # groups of 3 query heads per KV head
+    (4, 4, torch.float32, 1e-5),      # no grouping
+    (8, 1, torch.float32, 1e-5),      # multi-query
+    (6, 2, torch.bfloat16, 2e-2),     # bf16 in and out, fp32 inside
+])
+def test_decode_sdpa_path_matches_per_request_float64(hq, hkv, dtype, tol):
+    """The torch-native backend's decode path (groups as query positions, one fused call)
+    against a float64 attention of each request over its own slots."""
+    kb, vb = _pool(num_slots=400, hkv=hkv, seed=5)
+    g = torch.Generator().manual_seed(6)
+    lens = [1, 13, 40, 7, 64]
+    r2t = torch.zeros(6, 64, dtype=torch.int32)
+    r2t[1:] = (torch.randperm(399, generator=g) + 1)[: 5 * 64].view(5, 64).to(torch.int32)
+    rows = torch.tensor([1, 2, 3, 4, 5])
+    q = torch.randn(5, hq, 16, generator=g)
+    kb, vb, q = kb.to(dtype), vb.to(dtype), q.to(dtype)
+    plan = decode_plan(r2t, rows, torch.tensor(lens), max(lens))
+    o = torch.full_like(q, float("nan"))
+    decode_attention_sdpa(q, kb, vb, o, plan, 0.3)
+    assert o.dtype == dtype
+    for b, n in enumerate(lens):
+        slots = r2t[rows[b], :n].long()
+        ref = _sdpa(q[b: b + 1].double(), kb[slots].double(), vb[slots].double(), 0.3)[0]
+        torch.testing.assert_close(o[b].double(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("path", ["reference", "sdpa"])
+def test_extend_reference_with_prefix_matches_sdpa(path):
+    """extend_attention_ref and the backend's fused path (extend_attention_sdpa, with and
+    without a cached prefix) against float64 attention per request."""
     kb, vb = _pool(seed=2)
     g = torch.Generator().manual_seed(3)
     prefix = [0, 5, 11]
@@ -66,7 +104,12 @@ def test_extend_reference_with_prefix_matches_sdpa():
     store_kv_ref(kb, vb, loc, k, v)
     assert torch.equal(kb[loc], k)
     o = torch.full_like(q, float("nan"))
-    extend_attention_ref(q, k, v, o, kb, vb, r2t, rows, seq, torch.tensor(ext), starts, 0.25)
+    if path == "reference":
+        extend_attention_ref(q, k, v, o, kb, vb, r2t, rows, seq, torch.tensor(ext), starts,
+                             0.25)
+    else:
+        plan = extend_plan(r2t, rows.tolist(), seq.tolist(), ext, starts.tolist())
+        extend_attention_sdpa(q, k, v, o, kb, vb, plan, 0.25)
     for b in range(3):
         s0, n = int(starts[b]), ext[b]
         slots = r2t[rows[b], : prefix[b] + n].long()
