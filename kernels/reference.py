@@ -265,6 +265,15 @@ def extend_plan(req_to_token: torch.Tensor, rows: list[int], seq_lens: list[int]
     return plan
 
 
+def _extend_kv(it: ExtendItem, k_extend, v_extend, k_buffer, v_buffer):
+    """Request ``it``'s keys and values: its cached prefix from the pool, then its new rows."""
+    k, v = k_extend[it.start:it.start + it.n], v_extend[it.start:it.start + it.n]
+    if it.slots.numel():
+        k = torch.cat([k_buffer.index_select(0, it.slots).to(k.dtype), k], dim=0)
+        v = torch.cat([v_buffer.index_select(0, it.slots).to(v.dtype), v], dim=0)
+    return k, v
+
+
 def extend_attention_planned(q_extend: torch.Tensor, k_extend: torch.Tensor,
                              v_extend: torch.Tensor, o_extend: torch.Tensor,
                              k_buffer: torch.Tensor, v_buffer: torch.Tensor,
@@ -272,10 +281,7 @@ def extend_attention_planned(q_extend: torch.Tensor, k_extend: torch.Tensor,
     """:func:`extend_attention_ref` with the batch's :func:`extend_plan` built beforehand."""
     for it in plan:
         s0, e = it.start, it.start + it.n
-        k, v = k_extend[s0:e], v_extend[s0:e]
-        if it.slots.numel():
-            k = torch.cat([k_buffer.index_select(0, it.slots).to(k.dtype), k], dim=0)
-            v = torch.cat([v_buffer.index_select(0, it.slots).to(v.dtype), v], dim=0)
+        k, v = _extend_kv(it, k_extend, v_extend, k_buffer, v_buffer)
         o_extend[s0:e] = _attend(q_extend[s0:e], k, v, sm_scale, it.mask).to(o_extend.dtype)
     return o_extend
 
@@ -295,10 +301,7 @@ def extend_attention_sdpa(q_extend: torch.Tensor, k_extend: torch.Tensor,
     """
     for it in plan:
         s0, e = it.start, it.start + it.n
-        k, v = k_extend[s0:e], v_extend[s0:e]
-        if it.slots.numel():
-            k = torch.cat([k_buffer.index_select(0, it.slots).to(k.dtype), k], dim=0)
-            v = torch.cat([v_buffer.index_select(0, it.slots).to(v.dtype), v], dim=0)
+        k, v = _extend_kv(it, k_extend, v_extend, k_buffer, v_buffer)
         q = q_extend[s0:e].transpose(0, 1).unsqueeze(0)                 # [1, Hq, n, D]
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         if it.slots.numel():
