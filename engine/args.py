@@ -89,9 +89,9 @@ class ServerArgs:
     dist_init_addr: str | None = _f(None, "host:port of rank 0's torch.distributed rendezvous "
                                     "(required with --nnodes > 1; default: a free local port)")
     quantization: str | None = _f(None, "quantize a bf16/fp16 checkpoint at load time: fp8 "
-                                  "(e4m3 weights, per-output-channel scales, dynamic per-token "
-                                  "activation scales); FP8 checkpoints are detected from their "
-                                  "config", ("fp8",))
+                                  "(e4m3 weights, per-output-channel scales; matmuls of more "
+                                  "than 16 rows also quantize activations per token); FP8 "
+                                  "checkpoints are detected from their config", ("fp8",))
     disable_overlap_schedule: bool = _f(False, "do not overlap host scheduling with device work")
     disable_fused_ops: bool = _f(False, "run RMSNorm, SiLU-and-mul and rotary in eager torch "
                                         "instead of the fused Triton kernels")
