@@ -43,6 +43,7 @@ import statistics
 import time
 
 from bench.bench_latency import _Timer
+from bench.grammar_cases import EBNF, PERSON, REGEX, SCHEMAS, TIME_TZ, WEATHER
 from engine import device as dev
 from engine.sampling.params import SamplingParams
 from engine.scheduler.request import Req
@@ -62,39 +63,8 @@ LONG_SCHEMA = {"type": "object", "properties": {"records": {
         "additionalProperties": False}}},
     "required": ["records"], "additionalProperties": False}
 
-# the constraints of the tests (same literals as tests/engine/test_grammar.py and
-# tests/e2e/test_structured_api.py; tests/engine/test_bench_grammar.py keeps them equal)
-TEST_SCHEMAS = {
-    "nested": {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 16},
-        "address": {"type": "object", "properties": {
-            "city": {"type": "string", "maxLength": 16},
-            "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-            "required": ["city", "zip"], "additionalProperties": False}},
-        "required": ["name", "address"], "additionalProperties": False},
-    "array": {"type": "object", "properties": {
-        "colours": {"type": "array", "minItems": 2, "maxItems": 3,
-                    "items": {"type": "string", "maxLength": 10}}},
-        "required": ["colours"], "additionalProperties": False},
-    "enum_bounds": {"type": "object", "properties": {
-        "mood": {"enum": ["happy", "sad", "calm"]},
-        "score": {"type": "integer", "minimum": 1, "maximum": 10},
-        "ratio": {"type": "number", "minimum": 0, "maximum": 1}},
-        "required": ["mood", "score", "ratio"], "additionalProperties": False},
-}
-TEST_REGEX = r"(\d{3})-(\d{3})-(\d{4})"
-TEST_EBNF = 'root ::= "The answer is " ("yes" | "no") "."'
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 16},
-    "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "tags": {"type": "array", "minItems": 1, "maxItems": 3,
-             "items": {"enum": ["a", "b", "c"]}}},
-    "required": ["name", "age", "tags"], "additionalProperties": False}
-WEATHER = {"type": "object", "properties": {
-    "city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-    "required": ["city", "unit"], "additionalProperties": False}
-TIME_TZ = {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 10}},
-           "required": ["tz"]}
+# with bench/grammar_cases.py's, two short constraints that tests/e2e/test_structured_api.py
+# writes inline
 PHONE = r"\d{3}-\d{4}"
 RED_GREEN = 'root ::= "red" | "green"'
 
@@ -107,8 +77,8 @@ def test_constraints() -> list[tuple[str, str, str]]:
 
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
              {"type": "function", "function": {"name": "get_time", "parameters": TIME_TZ}}]
-    out = [(f"schema:{k}", "json_schema", json.dumps(v)) for k, v in TEST_SCHEMAS.items()]
-    out += [("regex:phone-10", "regex", TEST_REGEX), ("ebnf:yes-no", "ebnf", TEST_EBNF),
+    out = [(f"schema:{k}", "json_schema", json.dumps(v)) for k, v in SCHEMAS.items()]
+    out += [("regex:phone-10", "regex", REGEX), ("ebnf:yes-no", "ebnf", EBNF),
             ("schema:person", "json_schema", json.dumps(PERSON)),
             ("schema:weather (named tool)", "json_schema", json.dumps(WEATHER)),
             ("schema:tools required", "json_schema", json.dumps(calls_schema(tools, True))),

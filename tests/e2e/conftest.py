@@ -165,6 +165,21 @@ def shared_server(tmp_path_factory):
 SHARED_SERVER_ARGS = ("--max-total-tokens", "16384")
 
 
+@pytest.fixture(scope="module")
+def url(shared_server):
+    """The shared server's base URL (a module with a server of its own defines its own)."""
+    return shared_server.url
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    """The official ``openai`` client on ``url`` (no retries, the e2e request timeout)."""
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=HTTP_TIMEOUT_S,
+                         max_retries=0)
+
+
 @pytest.fixture(scope="session")
 def ref_tokenizer():
     """The reference HF tokenizer of the embedded model (loaded in the test process)."""

@@ -21,19 +21,6 @@ YES_NO = [{"role": "user", "content": "Answer yes or no: is the sky blue?"}]
 LP_TOL = 2e-3  # prefill vs decode logits on the CPU reference path (float32)
 
 
-@pytest.fixture(scope="module")
-def url(shared_server):
-    return shared_server.url
-
-
-
-
-
-
-
-
-
-
 def assert_error(r: httpx.Response, param: str) -> None:
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text

@@ -12,7 +12,6 @@ import json
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from api_helpers import HTTP_TIMEOUT_S, MODEL, chat, post
 from openai.types.responses import response_create_params
@@ -46,17 +45,6 @@ TEXT_EVENTS_HEAD = ["response.created", "response.in_progress", "response.output
                     "response.content_part.added"]
 TEXT_EVENTS_TAIL = ["response.output_text.done", "response.content_part.done",
                     "response.output_item.done"]
-
-
-@pytest.fixture(scope="module")
-def url(shared_server):
-    return shared_server.url
-
-
-@pytest.fixture(scope="module")
-def client(url):
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=HTTP_TIMEOUT_S,
-                         max_retries=0)
 
 
 def raw_events(url: str, body: dict) -> list[dict]:

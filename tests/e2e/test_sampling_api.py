@@ -13,7 +13,6 @@ import hashlib
 import json
 
 import httpx
-import openai
 import pytest
 from api_helpers import HTTP_TIMEOUT_S, MODEL, chat, comp
 
@@ -21,23 +20,6 @@ pytestmark = pytest.mark.slow
 
 REPEAT_PROMPT = "Repeat after me: hello hello hello hello"
 YES_NO = [{"role": "user", "content": "Answer yes or no: is the sky blue?"}]
-
-
-@pytest.fixture(scope="module")
-def url(shared_server):
-    return shared_server.url
-
-
-@pytest.fixture(scope="module")
-def client(url):
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=HTTP_TIMEOUT_S,
-                         max_retries=0)
-
-
-
-
-
-
 
 
 def text(body: dict, i: int = 0) -> str:

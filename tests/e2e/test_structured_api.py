@@ -14,40 +14,19 @@ import re
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from api_helpers import HTTP_TIMEOUT_S, MODEL, chat, comp, post, stream_chunks
 
+from bench.grammar_cases import PERSON, TIME_TZ, WEATHER
+
 pytestmark = pytest.mark.slow
 
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 16},
-    "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "tags": {"type": "array", "minItems": 1, "maxItems": 3,
-             "items": {"enum": ["a", "b", "c"]}}},
-    "required": ["name", "age", "tags"], "additionalProperties": False}
-WEATHER = {"type": "object", "properties": {
-    "city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-    "required": ["city", "unit"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
                                            "parameters": WEATHER}},
          {"type": "function", "function": {"name": "get_time", "description": "Time now",
-                                           "parameters": {"type": "object", "properties": {
-                                               "tz": {"type": "string", "maxLength": 10}},
-                                               "required": ["tz"]}}}]
+                                           "parameters": TIME_TZ}}]
 ASK = [{"role": "user", "content": "Describe a person as JSON."}]
 WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def url(shared_server):
-    return shared_server.url
-
-
-@pytest.fixture(scope="module")
-def client(url):
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=HTTP_TIMEOUT_S,
-                         max_retries=0)
 
 
 def _rf(schema):

@@ -9,30 +9,11 @@ import re
 import jsonschema
 import pytest
 
+from bench.grammar_cases import EBNF, REGEX, SCHEMAS
 from engine.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
-SCHEMAS = {
-    "nested": {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 16},
-        "address": {"type": "object", "properties": {
-            "city": {"type": "string", "maxLength": 16},
-            "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-            "required": ["city", "zip"], "additionalProperties": False}},
-        "required": ["name", "address"], "additionalProperties": False},
-    "array": {"type": "object", "properties": {
-        "colours": {"type": "array", "minItems": 2, "maxItems": 3,
-                    "items": {"type": "string", "maxLength": 10}}},
-        "required": ["colours"], "additionalProperties": False},
-    "enum_bounds": {"type": "object", "properties": {
-        "mood": {"enum": ["happy", "sad", "calm"]},
-        "score": {"type": "integer", "minimum": 1, "maximum": 10},
-        "ratio": {"type": "number", "minimum": 0, "maximum": 1}},
-        "required": ["mood", "score", "ratio"], "additionalProperties": False},
-}
-REGEX = r"(\d{3})-(\d{3})-(\d{4})"
-EBNF = 'root ::= "The answer is " ("yes" | "no") "."'
 PROMPT = "Describe a person, their colours and mood as JSON."
 FREE = ["The capital of France is", "def fibonacci(n):"]
 
