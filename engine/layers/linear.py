@@ -21,6 +21,13 @@ delegates to that scheme's quant method (``quant_method``): it creates ``weight`
 ``weight_scale``) in its own dtype, wraps their loaders around the layer's (so the fused
 parts and the tensor-parallel shards stay as above) and computes the product
 (``quant_method.apply(layer, x, bias)``). ``quant_method`` is None for a float layer.
+
+CPU: the model runner (after loading; ``load_model`` itself returns plain weights) has
+:func:`pack_cpu_weights` replace each float layer's ``weight`` with oneDNN's prepacked
+(blocked) copy of it when :func:`engine.device.cpu_packed_gemm` says so, and
+:func:`linear` runs those through ``torch.ops.mkldnn._linear_pointwise``. On the 2-core
+AVX512-BF16 CI machine that streams SmolLM2's weights 1.3-1.9x faster than ``F.linear`` on
+the plain layout at 1-64 rows (docs/benchmarks.md, issue 15).
 """
 
 from __future__ import annotations
@@ -47,6 +54,57 @@ def _check_shape(name: str, dst: torch.Tensor, src: torch.Tensor) -> None:
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"{name}: checkpoint tensor has shape {tuple(src.shape)}, "
                          f"expected {tuple(dst.shape)}")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K] @ weight[N, K]^T (+ bias [N])`` -> [..., N] in x's dtype: ``F.linear``,
+    or oneDNN's GEMM when ``weight`` is a prepacked CPU weight (:func:`pack_cpu_weights`)."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def pack_linear_weight(weight: torch.Tensor, rows_hint: int = 1) -> nn.Parameter:
+    """oneDNN's prepacked copy of a CPU ``weight [N, K]`` (float32 or bfloat16) as a
+    parameter (an opaque ``is_mkldnn`` tensor; ``numel``/``element_size`` still count its
+    bytes). ``rows_hint``: the GEMM row count the layout is chosen for (any row count runs)."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), rows_hint)
+    return nn.Parameter(packed, requires_grad=False)
+
+
+def pack_cpu_weights(model: nn.Module) -> int:
+    """Prepack the float linear layers of a loaded CPU model for oneDNN (in place).
+
+    Every ``LinearBase`` without a quant method gets a packed ``weight``; the LM head gets a
+    packed ``lm_head_packed`` attribute on ``model`` (an extra copy when it is the tied
+    embedding table, which lookups still read in the plain layout; the untied head's weight
+    is replaced). Loading weights into a packed layer afterwards is not supported.
+
+    Returns:
+        the number of weights packed (0 when :func:`engine.device.cpu_packed_gemm` is False
+        for the model's dtype or the model is not on the CPU).
+    """
+    from engine import device as devmod
+
+    first = next(model.parameters())
+    if first.device.type != "cpu" or not devmod.cpu_packed_gemm(first.dtype):
+        return 0
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, LinearBase) and mod.quant_method is None \
+                and mod.weight.dtype in (torch.float32, torch.bfloat16):
+            mod.weight = pack_linear_weight(mod.weight)
+            n += 1
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, VocabEmbedding) and head.weight.dtype in (torch.float32, torch.bfloat16):
+        packed = pack_linear_weight(head.weight)
+        if head is getattr(getattr(model, "model", None), "embed_tokens", None):
+            model.lm_head_packed = packed.data
+        else:
+            head.weight = packed
+        n += 1
+    return n
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
@@ -89,7 +147,7 @@ class LinearBase(nn.Module):
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant_method is None:
-            return F.linear(x, self.weight, bias)
+            return linear(x, self.weight, bias)
         return self.quant_method.apply(self, x, bias)
 
     def drop_quantization(self, dtype: torch.dtype) -> None:

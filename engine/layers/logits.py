@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from engine.distributed import all_gather_last_dim, get_tp
+from engine.layers.linear import linear
 
 
 def compute_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor,
@@ -16,7 +16,8 @@ def compute_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor,
     Args:
         hidden: final normed hidden states [T, hidden] (run dtype).
         lm_head_weight: [vocab, hidden] (the embedding table when tied); with tensor
-            parallelism this rank's rows [ceil(vocab / tp), hidden] of it.
+            parallelism this rank's rows [ceil(vocab / tp), hidden] of it; on the CPU
+            possibly oneDNN's prepacked copy (``engine.layers.linear.pack_cpu_weights``).
         logits_indices: [B] int64 rows of ``hidden`` to project, or None for all T rows.
         vocab_size: the full vocabulary (needed with tensor parallelism, where the gathered
             logits carry padding columns past it).
@@ -26,7 +27,7 @@ def compute_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor,
     """
     if logits_indices is not None:
         hidden = hidden.index_select(0, logits_indices)
-    logits = F.linear(hidden, lm_head_weight)
+    logits = linear(hidden, lm_head_weight)
     if get_tp().size > 1:
         logits = all_gather_last_dim(logits)
         if vocab_size is not None and logits.shape[-1] != vocab_size:

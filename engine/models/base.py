@@ -110,7 +110,9 @@ class CausalLM(nn.Module, ABC):
                        logits_indices: torch.Tensor | None) -> torch.Tensor:
         """Final hidden states [T, hidden] -> float32 logits of rows ``logits_indices``
         ([B] int64; None: all T rows)."""
-        return compute_logits(hidden, self.lm_head_weight, logits_indices,
+        packed = getattr(self, "lm_head_packed", None)  # CPU: prepacked copy of a tied head
+        return compute_logits(hidden, self.lm_head_weight if packed is None else packed,
+                              logits_indices,
                               self.model_config.vocab_size)
 
     # ---- weights -------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from engine.layers.activation import SiluAndMul
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.loader.loader import load_model
-from kernels import fused_ops, reference, rotary
+from kernels import cpu_ops, fused_ops, reference, rotary
 
 # Qwen3-style: q_norm/k_norm, so every small op appears; head_dim 32 != hidden / heads
 _CONFIG = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
@@ -55,6 +55,8 @@ FUSED = {RMSNorm: fused_ops.rms_norm, SiluAndMul: fused_ops.silu_and_mul,
          RotaryEmbedding: rotary.rotary_inplace}
 EAGER = {RMSNorm: reference.rms_norm_ref, SiluAndMul: reference.silu_and_mul_ref,
          RotaryEmbedding: reference.rotary_ref}
+CPU = {RMSNorm: cpu_ops.rms_norm, SiluAndMul: cpu_ops.silu_and_mul,
+       RotaryEmbedding: cpu_ops.rotary_inplace}
 
 
 def _assert_chosen(model, table):
@@ -104,9 +106,10 @@ def test_fused_model_pieces_match_eager(model_dir):
 
 
 def test_model_runner_selects_from_device_and_flag(monkeypatch):
-    """``ModelRunner`` selects once from its device and ``--disable-fused-ops``: eager on
-    the CPU; fused on a Triton device (here the GPU, or the CPU pretending to be one under
-    the interpreter), and eager there too with ``--disable-fused-ops``."""
+    """``ModelRunner`` selects once from its device and ``--disable-fused-ops``: the C++
+    kernels on the CPU (eager where they do not build, and with ``--disable-fused-ops``);
+    fused on a Triton device (here the GPU, or the CPU pretending to be one under the
+    interpreter), and eager there too with ``--disable-fused-ops``."""
     from engine import device as dev
     from engine.args import ServerArgs
     from engine.executor.model_runner import ModelRunner
@@ -121,8 +124,42 @@ def test_model_runner_selects_from_device_and_flag(monkeypatch):
                 if isinstance(m, RMSNorm | SiluAndMul | RotaryEmbedding)}
 
     names = lambda table: {c: (f.__module__, f.__qualname__) for c, f in table.items()}
-    assert chosen("cpu") == names(EAGER)                           # the CPU: no Triton
+    assert chosen("cpu") == names(CPU if cpu_ops.load() else EAGER)    # the CPU: no Triton
+    assert chosen("cpu", disable_fused_ops=True) == names(EAGER)
     if DEVICE == "cpu":
         monkeypatch.setattr(dev, "use_triton", lambda device_type: True)   # pretend a GPU
     assert chosen(DEVICE) == names(FUSED)
     assert chosen(DEVICE, disable_fused_ops=True) == names(EAGER)  # --disable-fused-ops
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_kernel_model_pieces_match_eager(model_dir, dtype):
+    """The C++ CPU small ops in a whole model (norms with the residual add, q/k norm over
+    [T, H, D] views, rotary in place on the fused qkv output, SiLU-and-mul) against the
+    eager references: bit-equal where the kernels round like them (bf16 rotary/SiLU), within
+    one rounding elsewhere."""
+    if not cpu_ops.load():
+        pytest.skip("ferry's C++ CPU kernels do not build here")
+    models = []
+    for kind in ("cpu", "reference"):
+        m, _ = load_model(model_dir, load_format="dummy", dtype=dtype, device="cpu", seed=3,
+                          progress=False)
+        assert select_ops(m, kind) == _NUM_OPS
+        models.append(m)
+    t = 6
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, _CONFIG["vocab_size"], (t,), generator=g)
+    pos = torch.tensor([0, 1, 2, 17, 100, 127])
+    attn_out = torch.randn(t, 4 * 32, generator=g).to(getattr(torch, dtype))
+    outs = []
+    with torch.inference_mode():
+        for model in models:
+            inner = model.model
+            q, k, v, res = inner.piece(0, pos, input_ids=ids)
+            q1, k1, v1, res1 = inner.piece(1, pos, attn_out=attn_out, residual=res)
+            final = inner.piece(2, pos, attn_out=attn_out, residual=res1)
+            outs.append((q, k, res, q1, k1, res1, final))
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    for got, want in zip(*outs):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)

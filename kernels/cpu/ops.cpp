@@ -1,0 +1,396 @@
+// ferry's CPU kernels: decode attention over the paged KV cache, RMSNorm with the residual
+// add, SiLU-and-mul and in-place rotary. Registered as torch.ops.ferry_cpu.* and built on
+// first use by kernels/cpu_ops.py (torch.utils.cpp_extension, -O3 -march=native).
+//
+// Numerics follow kernels/reference.py: math in fp32, one rounding to the tensor's dtype
+// where the reference rounds (bf16 results match the references bit for bit except in
+// RMSNorm's mean, whose fp32 summation order differs). Threads: at::parallel_for, i.e.
+// torch's intra-op pool (--cpu-threads).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include <vector>
+
+namespace {
+
+// bf16 is handled as its bit pattern (uint16_t) with shift/round helpers that GCC
+// auto-vectorizes (bf16's conversions do not vectorize).
+using bf16 = uint16_t;
+
+inline float to_f(float x) { return x; }
+inline float to_f(bf16 x) {
+  const uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+template <typename T> inline T from_f(float x);
+template <> inline float from_f<float>(float x) { return x; }
+// round to nearest even, NaN kept a quiet NaN (bf16's rounding)
+template <> inline bf16 from_f<bf16>(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<bf16>(x != x ? 0x7fc0u : r);
+}
+
+// exp(x) in fp32 without libm, so loops over it vectorize: x = n ln2 + r, |r| <= ln2/2,
+// e^r by its degree-6 Taylor polynomial (error < 2e-7 relative), 2^n through the exponent
+// bits. Below -87.3 it returns 0, above 88.7 +inf.
+inline float exp_f(float x) {
+  x = std::min(std::max(x, -87.3f), 88.7f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693145751953125f - n * 1.42860682030941723212e-6f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, 4);
+  return p * scale;
+}
+
+// dot(q, k) and a += p * v over d elements (q, a fp32; k, v in T): AVX-512 when the build
+// has it and d is a multiple of 16, else scalar loops.
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+template <typename T>
+inline float dot_row(const float* q, const T* k, int64_t d) {
+#if defined(__AVX512F__)
+  if (d % 16 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 16)
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(k + i), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  float dot = 0.f;
+  for (int64_t i = 0; i < d; ++i) dot += q[i] * to_f(k[i]);
+  return dot;
+}
+
+template <typename T>
+inline void axpy_row(float* a, float p, const T* v, int64_t d) {
+#if defined(__AVX512F__)
+  if (d % 16 == 0) {
+    const __m512 pv = _mm512_set1_ps(p);
+    for (int64_t i = 0; i < d; i += 16)
+      _mm512_storeu_ps(a + i, _mm512_fmadd_ps(pv, load16(v + i), _mm512_loadu_ps(a + i)));
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < d; ++i) a[i] += p * to_f(v[i]);
+}
+
+// Software prefetch of the K/V row kPrefetch tokens ahead: the slots are an indirection the
+// hardware prefetcher does not follow across pages.
+constexpr int64_t kPrefetch = 8;
+template <typename T>
+inline void prefetch_row(const T* p, int64_t bytes) {
+#if defined(__AVX512F__)
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
+// One decode task: request b's query heads of KV heads [h0, h0 + nh), nq = nh * group query
+// rows (query row j attends with KV head h0 + j / group) over `len` cached tokens.
+template <typename T, typename I>
+void decode_task(const T* q, int64_t q_head_stride, const T* kb, const T* vb,
+                 int64_t slot_stride, int64_t head_stride, const I* tokens, int64_t len,
+                 int64_t nq, int64_t group, int64_t d, float scale, T* o,
+                 int64_t o_head_stride, std::vector<float>& buf) {
+  // buf: nq*d scaled queries, nq*d accumulators, nq*len scores
+  buf.resize(static_cast<size_t>(nq * (2 * d + len)));
+  float* qf = buf.data();
+  float* acc = qf + nq * d;
+  float* s = acc + nq * d;
+  for (int64_t j = 0; j < nq; ++j)
+    for (int64_t i = 0; i < d; ++i) {
+      qf[j * d + i] = to_f(q[j * q_head_stride + i]) * scale;
+      acc[j * d + i] = 0.f;
+    }
+  const int64_t row_bytes = ((nq / group - 1) * head_stride + d) * static_cast<int64_t>(sizeof(T));
+  for (int64_t l = 0; l < len; ++l) {
+    const T* row = kb + static_cast<int64_t>(tokens[l]) * slot_stride;
+    if (l + kPrefetch < len) prefetch_row(kb + static_cast<int64_t>(tokens[l + kPrefetch]) * slot_stride, row_bytes);
+    for (int64_t j = 0; j < nq; ++j) {
+      s[j * len + l] = dot_row(qf + j * d, row + (j / group) * head_stride, d);
+    }
+  }
+  for (int64_t j = 0; j < nq; ++j) {
+    float* sj = s + j * len;
+    float m = -INFINITY;
+    for (int64_t l = 0; l < len; ++l) m = std::max(m, sj[l]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t l = 0; l < len; ++l) {
+      sj[l] = exp_f(sj[l] - m);
+      sum += sj[l];
+    }
+    const float inv = len > 0 ? 1.f / sum : 0.f;
+    for (int64_t l = 0; l < len; ++l) sj[l] *= inv;
+  }
+  for (int64_t l = 0; l < len; ++l) {
+    const T* row = vb + static_cast<int64_t>(tokens[l]) * slot_stride;
+    if (l + kPrefetch < len) prefetch_row(vb + static_cast<int64_t>(tokens[l + kPrefetch]) * slot_stride, row_bytes);
+    for (int64_t j = 0; j < nq; ++j) {
+      axpy_row(acc + j * d, s[j * len + l], row + (j / group) * head_stride, d);
+    }
+  }
+  for (int64_t j = 0; j < nq; ++j)
+    for (int64_t i = 0; i < d; ++i) o[j * o_head_stride + i] = from_f<T>(acc[j * d + i]);
+}
+
+template <typename T, typename I>
+void decode_impl(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
+                 at::Tensor& o, const at::Tensor& req_to_token, const at::Tensor& rows,
+                 const at::Tensor& seq_lens, double sm_scale) {
+  const int64_t bsz = q.size(0), hq = q.size(1), d = q.size(2), hkv = k_buffer.size(1);
+  const int64_t group = hq / hkv;
+  const T* qp = static_cast<T*>(q.data_ptr());
+  const T* kp = static_cast<T*>(k_buffer.data_ptr());
+  const T* vp = static_cast<T*>(v_buffer.data_ptr());
+  T* op = static_cast<T*>(o.data_ptr());
+  const I* r2t = req_to_token.data_ptr<I>();
+  const int64_t r2t_stride = req_to_token.stride(0);
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* lp = seq_lens.data_ptr<int64_t>();
+  const int64_t slot_stride = k_buffer.stride(0);  // k and v share the layout (checked)
+  const int64_t head_stride = k_buffer.stride(1);
+  const float scale = static_cast<float>(sm_scale);
+  // Whole requests per task (each slot's K/V row is read once, contiguously) when there are
+  // enough requests to keep the threads busy; else one task per (request, KV head).
+  const int64_t nh = bsz >= 4 * at::get_num_threads() ? hkv : 1;
+  const int64_t per_req = hkv / nh;
+  // Small steps run on the calling thread: waking the pool (passive OpenMP waiting) costs
+  // more than ~4k token-heads of work.
+  int64_t work = 0;
+  for (int64_t b = 0; b < bsz; ++b) work += lp[b] * hkv;
+  const int64_t grain = work < 4096 ? bsz * per_req : 1;
+  at::parallel_for(0, bsz * per_req, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / per_req, h0 = (t % per_req) * nh;
+      decode_task<T, I>(qp + b * q.stride(0) + h0 * group * q.stride(1), q.stride(1),
+                        kp + h0 * head_stride, vp + h0 * head_stride, slot_stride,
+                        head_stride, r2t + rp[b] * r2t_stride, lp[b], nh * group, group, d,
+                        scale, op + b * o.stride(0) + h0 * group * o.stride(1), o.stride(1),
+                        buf);
+    }
+  });
+}
+
+// Decode attention: q [B, Hq, D] against each request's first seq_lens[b] tokens, whose
+// slots are req_to_token[rows[b], :seq_lens[b]]; writes o [B, Hq, D].
+void decode_attention(const at::Tensor& q, const at::Tensor& k_buffer,
+                      const at::Tensor& v_buffer, at::Tensor o, const at::Tensor& req_to_token,
+                      const at::Tensor& rows, const at::Tensor& seq_lens, double sm_scale) {
+  TORCH_CHECK(q.dim() == 3 && o.sizes() == q.sizes(), "q and o must be [B, Hq, D]");
+  TORCH_CHECK(k_buffer.dim() == 3 && v_buffer.sizes() == k_buffer.sizes() &&
+                  k_buffer.strides() == v_buffer.strides(),
+              "k_buffer and v_buffer must be [slots, Hkv, D] with one layout");
+  TORCH_CHECK(q.size(2) == k_buffer.size(2) && q.size(1) % k_buffer.size(1) == 0,
+              "head shapes do not match");
+  TORCH_CHECK(q.stride(2) == 1 && o.stride(2) == 1 && k_buffer.stride(2) == 1,
+              "the head dimension must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_buffer.scalar_type() &&
+                  q.scalar_type() == v_buffer.scalar_type() &&
+                  q.scalar_type() == o.scalar_type(),
+              "q, k, v and o must share a dtype");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  rows.is_contiguous() && seq_lens.is_contiguous(),
+              "rows and seq_lens must be contiguous int64");
+  TORCH_CHECK(req_to_token.stride(1) == 1, "req_to_token rows must be contiguous");
+  const bool i32 = req_to_token.scalar_type() == at::kInt;
+  TORCH_CHECK(i32 || req_to_token.scalar_type() == at::kLong, "req_to_token must be int32/64");
+  if (q.scalar_type() == at::kFloat) {
+    if (i32) decode_impl<float, int32_t>(q, k_buffer, v_buffer, o, req_to_token, rows, seq_lens, sm_scale);
+    else decode_impl<float, int64_t>(q, k_buffer, v_buffer, o, req_to_token, rows, seq_lens, sm_scale);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    if (i32) decode_impl<bf16, int32_t>(q, k_buffer, v_buffer, o, req_to_token, rows, seq_lens, sm_scale);
+    else decode_impl<bf16, int64_t>(q, k_buffer, v_buffer, o, req_to_token, rows, seq_lens, sm_scale);
+  } else {
+    TORCH_CHECK(false, "decode_attention: float32 or bfloat16 only");
+  }
+}
+
+// RMSNorm, HF LlamaRMSNorm numerics (kernels.reference.rms_norm_ref): with a residual the sum
+// x + residual is rounded to the dtype and written to new_residual; the normalised value is
+// rounded to the dtype, then multiplied by weight and rounded again.
+template <typename T>
+void rms_impl(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
+              double eps, at::Tensor& out, at::Tensor* new_residual) {
+  const int64_t rows = x.size(0), h = x.size(1);
+  const T* xp = static_cast<T*>(x.data_ptr());
+  const T* rp = residual ? static_cast<T*>(residual->data_ptr()) : nullptr;
+  const T* wp = static_cast<T*>(weight.data_ptr());
+  T* op = static_cast<T*>(out.data_ptr());
+  T* np = new_residual ? static_cast<T*>(new_residual->data_ptr()) : nullptr;
+  const int64_t xs = x.stride(0), rs = residual ? residual->stride(0) : 0;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> v(static_cast<size_t>(h));
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = xp + r * xs;
+      float ss = 0.f;
+      if (rp) {
+        const T* rr = rp + r * rs;
+        T* nr = np + r * h;
+        for (int64_t i = 0; i < h; ++i) {
+          const T sum = from_f<T>(to_f(xr[i]) + to_f(rr[i]));
+          nr[i] = sum;
+          v[i] = to_f(sum);
+        }
+      } else {
+        for (int64_t i = 0; i < h; ++i) v[i] = to_f(xr[i]);
+      }
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < h; ++i) ss += v[i] * v[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + static_cast<float>(eps));
+      T* orow = op + r * h;
+      for (int64_t i = 0; i < h; ++i)
+        orow[i] = from_f<T>(to_f(wp[i]) * to_f(from_f<T>(v[i] * inv)));
+    }
+  });
+}
+
+std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                 const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [T, H] with contiguous rows");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(),
+              "weight must be [H] in x's dtype");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  at::Tensor nr;
+  const at::Tensor* res = nullptr;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->stride(1) == 1 &&
+                    residual->scalar_type() == x.scalar_type(),
+                "residual must match x");
+    res = &residual.value();
+    nr = at::empty(x.sizes(), x.options());
+  }
+  if (x.scalar_type() == at::kFloat) rms_impl<float>(x, res, weight, eps, out, res ? &nr : nullptr);
+  else if (x.scalar_type() == at::kBFloat16) rms_impl<bf16>(x, res, weight, eps, out, res ? &nr : nullptr);
+  else TORCH_CHECK(false, "rms_norm: float32 or bfloat16 only");
+  if (res) return {out, nr};
+  return {out};
+}
+
+// silu(x[:, :I]) * x[:, I:] with the reference's two roundings (silu, then the product).
+template <typename T>
+void silu_impl(const at::Tensor& x, at::Tensor& out) {
+  const int64_t rows = x.size(0), n = x.size(1) / 2;
+  const T* xp = static_cast<T*>(x.data_ptr());
+  T* op = static_cast<T*>(out.data_ptr());
+  const int64_t xs = x.stride(0);
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = xp + r * xs;
+      const T* u = g + n;
+      T* orow = op + r * n;
+      for (int64_t i = 0; i < n; ++i) {
+        const float gf = to_f(g[i]);
+        const float sf = to_f(from_f<T>(gf / (1.f + exp_f(-gf))));
+        orow[i] = from_f<T>(sf * to_f(u[i]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
+              "x must be [T, 2*I] with contiguous rows");
+  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  if (x.scalar_type() == at::kFloat) silu_impl<float>(x, out);
+  else if (x.scalar_type() == at::kBFloat16) silu_impl<bf16>(x, out);
+  else TORCH_CHECK(false, "silu_and_mul: float32 or bfloat16 only");
+  return out;
+}
+
+// In-place NeoX rotary of q [T, Hq*D] and k [T, Hkv*D] (rows may be strided views of a fused
+// qkv output), fp32 math, one rounding (kernels.reference.rotary_ref).
+template <typename T>
+void rotary_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& positions,
+                 const at::Tensor& cache, int64_t d) {
+  const int64_t t = q.size(0), hq = q.size(1) / d, hk = k.size(1) / d, half = d / 2;
+  T* qp = static_cast<T*>(q.data_ptr());
+  T* kp = static_cast<T*>(k.data_ptr());
+  const int64_t qs = q.stride(0), ks = k.stride(0);
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  const float* cp = cache.data_ptr<float>();
+  const int64_t cs = cache.stride(0);
+  at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* cos = cp + pp[r] * cs;
+      const float* sin = cos + half;
+      for (int64_t h = 0; h < hq + hk; ++h) {
+        T* x = h < hq ? qp + r * qs + h * d : kp + r * ks + (h - hq) * d;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = to_f(x[i]), x2 = to_f(x[i + half]);
+          x[i] = from_f<T>(x1 * cos[i] - x2 * sin[i]);
+          x[i + half] = from_f<T>(x2 * cos[i] + x1 * sin[i]);
+        }
+      }
+    }
+  });
+}
+
+void rotary(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& cache,
+            int64_t head_dim) {
+  TORCH_CHECK(q.dim() == 2 && k.dim() == 2 && q.stride(1) == 1 && k.stride(1) == 1 &&
+                  q.size(0) == k.size(0) && q.size(1) % head_dim == 0 &&
+                  k.size(1) % head_dim == 0 && head_dim % 2 == 0,
+              "q [T, Hq*D] and k [T, Hkv*D] with contiguous rows, D even");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "q and k must share a dtype");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+                  positions.numel() == q.size(0),
+              "positions must be [T] contiguous int64");
+  TORCH_CHECK(cache.scalar_type() == at::kFloat && cache.dim() == 2 &&
+                  cache.stride(1) == 1 && cache.size(1) == head_dim,
+              "cos_sin_cache must be [P, D] float32");
+  if (q.scalar_type() == at::kFloat) rotary_impl<float>(q, k, positions, cache, head_dim);
+  else if (q.scalar_type() == at::kBFloat16) rotary_impl<bf16>(q, k, positions, cache, head_dim);
+  else TORCH_CHECK(false, "rotary: float32 or bfloat16 only");
+}
+
+}  // namespace
+
+TORCH_LIBRARY(ferry_cpu, m) {
+  m.def("decode_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor(a!) o, "
+        "Tensor req_to_token, Tensor rows, Tensor seq_lens, float sm_scale) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> Tensor[]");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rotary(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos_sin_cache, "
+        "int head_dim) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(ferry_cpu, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary", &rotary);
+}
