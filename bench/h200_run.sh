@@ -150,6 +150,8 @@ for stage in "$@"; do
     fp8-sweep) # FP8 decode GEMMs (issue 14): bf16 vs quant+_scaled_mm vs the small-M Triton
              # kernel, and its launch-config sweep
              run fp8-sweep 420 python3 -m bench.sweep_gemm --fp8 --result-json "$OUT/fp8-sweep.json";;
+    fp8-medium) # the small-M kernel's W8A16 and FP8-dot configs at M = 32, 64 (vs _scaled_mm)
+             run fp8-medium 500 python3 -m bench.sweep_gemm --fp8-medium --result-json "$OUT/fp8-medium.json";;
     fp8-baseline) # FP8 with W8A8 (quant + _scaled_mm) at every M: the path before the small-M kernel
              FERRY_FP8_WEIGHT_ONLY_MAX_M=0 run fp8-latency-scaledmm 300 python3 -m bench.bench_latency \
                --model-path $L8B --load-format dummy --quantization fp8 --batch-size 1 64 \

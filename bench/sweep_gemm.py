@@ -12,7 +12,9 @@ candidates for the same shapes at decode M: bf16 ``F.linear`` (the baseline),
 ``quantize_rows_triton`` + ``torch._scaled_mm`` (cuBLASLt), and ferry's small-M Triton kernel
 (``fp8_linear_small_m``, W8A8 and W8A16) with its default launch config, plus a sweep of
 its launch configs (W8A16, the layers' mode at M <= 16) at M = 1 and 16 (default M: 1, 4,
-16, 32, 64). Each figure is one call's device time from a CUDA graph of calls that cycle through enough weight copies (>= 256 MB) that no call finds its weights
+16, 32, 64). ``--fp8-medium`` sweeps the launch configs of the two small-M kernel modes
+that could replace ``_scaled_mm`` at M = 32 and 64 (default): W8A16 (weights upcast in
+registers) and W8A8 on the FP8 tensor cores (``fp8_linear_fp8_dot``). Each figure is one call's device time from a CUDA graph of calls that cycle through enough weight copies (>= 256 MB) that no call finds its weights
 in the L2; median of 7 replays. The bytes are the weight bytes of the call's dtype.
 """
 
@@ -42,11 +44,17 @@ def main(argv=None) -> None:
                    help="M values (default 1,8,64,256; with --fp8 1,4,16,32,64)")
     p.add_argument("--rep", type=int, default=200, help="do_bench repetition time (ms)")
     p.add_argument("--fp8", action="store_true", help="the FP8 candidates (see above)")
+    p.add_argument("--fp8-medium", action="store_true",
+                   help="the small-M kernel's configs at M = 32, 64 (see above)")
     p.add_argument("--result-json", default=None, help="--fp8: write every timing here")
     args = p.parse_args(argv)
     dev = devlib.resolve_device("auto")
     if not devlib.is_accelerator(dev):
         raise SystemExit("sweep_gemm needs a GPU")
+    if args.fp8_medium:
+        from bench.sweep_gemm_fp8 import sweep_fp8_medium
+        sweep_fp8_medium(dev, args.batch_sizes or [32, 64], args.result_json)
+        return
     if args.fp8:
         from bench.sweep_gemm_fp8 import sweep_fp8
         sweep_fp8(dev, args.batch_sizes or [1, 4, 16, 32, 64], args.result_json)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from engine import device as devlib
 from engine.layers.quantization.fp8 import quantize_rows
 from engine.layers.quantization.fp8_kernels import (
+    fp8_linear_fp8_dot,
     fp8_linear_small_m,
     quantize_rows_triton,
     small_m_config,
@@ -137,6 +138,67 @@ def sweep_fp8(dev: str, batch_sizes: list[int], result_json: str | None) -> None
                 row["sweep"] = sweep
                 print("    best: " + ", ".join(f"{c} {u:.1f}us ({n * k / u / 1e3:.0f} GB/s)"
                                               for u, c in sweep[:5]), flush=True)
+            rows.append(row)
+        del wqs, sws, wbs
+        devlib.empty_cache(dev)
+    if result_json:
+        with open(result_json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def _medium_configs(m: int, fp8_dot: bool):
+    block_m = max(16, 1 << (m - 1).bit_length())
+    bns = (64, 128) if fp8_dot else (32, 64, 128)
+    bks = (128, 256) if fp8_dot else (64, 128)
+    for bn, bk, split, stages, warps in itertools.product(bns, bks, (1, 2, 4), (3, 4), (4, 8)):
+        yield dict(USE_DOT=True, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
+                   num_warps=warps, num_stages=stages)
+
+
+def sweep_fp8_medium(dev: str, batch_sizes: list[int], result_json: str | None) -> None:
+    """Best launch configs of the small-M kernel's W8A16 and FP8-dot (W8A8) modes at decode
+    batches past 16 rows, against bf16 ``F.linear`` and quant + ``_scaled_mm``."""
+    print(f"{devlib.device_name(dev)}; us per call (weight GB/s); L2 defeated")
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for name, (n, k) in SHAPES.items():
+        copies = max(2, -(-L2_DEFEAT_BYTES // (n * k)))
+        w = torch.randn((n, k), generator=g).mul_(0.02)
+        wq, sw = quantize_rows(w)
+        wqs = [wq.to(dev) for _ in range(copies)]
+        sws = [sw.view(-1).to(dev) for _ in range(copies)]
+        wbs = [w.to(torch.bfloat16).to(dev) for _ in range(copies)]
+        del w
+        for m in batch_sizes:
+            x = torch.randn((m, k), generator=g).to(torch.bfloat16).to(dev)
+            ref = _quant_scaled_mm(x, wqs[0], sws[0]).float()
+            row = {"shape": name, "m": m, "n": n, "k": k,
+                   "bf16 linear": time_per_call(dev, [partial(F.linear, x, wb) for wb in wbs]),
+                   "quant+scaled_mm": time_per_call(dev, [partial(_quant_scaled_mm, x, a, b)
+                                                          for a, b in zip(wqs, sws)])}
+            for mode, fp8_dot in (("w8a16", False), ("fp8dot", True)):
+                sweep = []
+                for cfg in _medium_configs(m, fp8_dot):
+                    fn = (partial(fp8_linear_fp8_dot, config=cfg) if fp8_dot else
+                          partial(fp8_linear_small_m, quant_x=False, config=cfg))
+                    try:
+                        out = fn(x, wqs[0], sws[0]).float()
+                        err = float((out - ref).norm() / ref.norm())
+                        us = time_per_call(dev, [partial(fn, x, a, b)
+                                                 for a, b in zip(wqs, sws)])
+                    except Exception as e:  # noqa: BLE001 - a config that does not fit
+                        print(f"    {mode} {_cfg_name(cfg)}: {type(e).__name__}")
+                        continue
+                    sweep.append((us, _cfg_name(cfg), err))
+                sweep.sort()
+                row[mode] = sweep
+            cells = [f"{row[c]:6.1f} ({n * k * b / row[c] / 1e3:4.0f})"
+                     for c, b in (("bf16 linear", 2), ("quant+scaled_mm", 1))]
+            for mode in ("w8a16", "fp8dot"):
+                if row[mode]:
+                    us, cfg, err = row[mode][0]
+                    cells.append(f"{mode} {us:6.1f} ({n * k / us / 1e3:4.0f}) {cfg} err {err:.1e}")
+            print(f"{name:8s} {m:3d} " + " | ".join(cells), flush=True)
             rows.append(row)
         del wqs, sws, wbs
         devlib.empty_cache(dev)

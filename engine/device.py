@@ -349,6 +349,13 @@ def fp8_linear_backend(device_type: str) -> str:
     return _FP8_BACKENDS[device_type]
 
 
+def triton_fp8_mma(device_type: str) -> bool:
+    """Whether Triton's ``tl.dot`` of two e4m3 operands runs on FP8 tensor cores here: CUDA
+    with compute capability >= 8.9. (XPU: not claimed; triton-xpu's FP8 dot is untested.)"""
+    return device_type == "cuda" and torch.cuda.is_available() \
+        and torch.cuda.get_device_capability() >= (8, 9)
+
+
 def _choose_fp8_backend(device_type: str) -> tuple[str, str]:
     if device_type == "cuda":
         cap = torch.cuda.get_device_capability()

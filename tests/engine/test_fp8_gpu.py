@@ -53,6 +53,10 @@ def test_scaled_mm_path_matches_the_cpu_reference():
         assert bool(((a - b).abs() <= b.abs() * 0.125 + 2 ** -9).all())
         expect = "dequant" if name == "odd" else backend
         assert got[name].fp8_backend == expect
+        # 17-64 rows: the FP8-dot Triton kernel where Triton has FP8 tensor cores
+        from engine.device import triton_fp8_mma
+        assert (got[name].fp8_medium_m is not None) == (expect == "scaled_mm"
+                                                        and triton_fp8_mma(DEVICE))
         for m in (1, 7, 64, 300):
             x = torch.randn(m, ref[name].input_size, generator=g)
             x[0, 3] = 40.0  # an outlier channel
@@ -64,6 +68,20 @@ def test_scaled_mm_path_matches_the_cpu_reference():
             worst[name] = max(worst.get(name, 0.0), err)
     print(f"max relative error vs the CPU reference: {worst}")
     assert max(worst.values()) < 1.5e-2  # bf16 output rounding and accumulation order
+    # 17-64 rows on the FP8-dot kernel: against quant + _scaled_mm on the same layer's codes
+    for name in ("qkv", "gate_up", "down"):
+        lay = got[name]
+        for m in (17, 40, 64):
+            x = (torch.randn(m, lay.input_size, generator=g) * 2).to(DEVICE, torch.bfloat16)
+            xq, sx = lay.fp8_quantize(x)
+            want = torch._scaled_mm(xq, lay.weight.t(), scale_a=sx,
+                                    scale_b=lay.weight_scale.unsqueeze(0),
+                                    out_dtype=torch.bfloat16).float()
+            if lay.bias is not None:
+                want = want + lay.bias.float()
+            y = lay(x).float()
+            err = float((y - want).norm() / want.norm())
+            assert err < 5e-3, (name, m, err)   # bf16 rounding of both outputs, sum order
     # the Triton quantizer writes the reference's codes and scales
     x = (torch.randn(33, 4096, generator=g) * 3).to(DEVICE, torch.bfloat16)
     q, s = got["qkv"].fp8_quantize(x)

@@ -20,6 +20,7 @@ from kernel_test_utils import DEVICE, gpu_only
 from engine.layers.quantization.fp8 import quantize_rows
 from engine.layers.quantization.fp8_kernels import (
     SMALL_M_MAX,
+    fp8_linear_fp8_dot,
     fp8_linear_small_m,
     quantize_rows_triton,
     small_m_config,
@@ -109,3 +110,21 @@ def test_small_m_matches_scaled_mm_on_the_llama3_8b_shapes(m, n, k):
     # with each other bit for bit (the parts are summed in a fixed order)
     outs = [fp8_linear_small_m(x, wq, sw, out_dtype=torch.bfloat16) for _ in range(50)]
     assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+@pytest.mark.parametrize("m,n,k,split", [(32, 96, 320, 1), (64, 80, 512, 2), (17, 64, 256, 4)])
+@gpu_only
+def test_fp8_dot_mode_matches_float64_of_the_same_codes(m, n, k, split):
+    """W8A8 on the FP8 tensor cores (``fp8_linear_fp8_dot``: e4m3 x e4m3 ``tl.dot``): the
+    exact products of the codes, summed in fp32, scaled by both scales."""
+    x, wq, sw = _operands(m, n, k, m, torch.bfloat16)
+    xq, sx = quantize_rows_triton(x)
+    ref = (xq.cpu().double() @ wq.cpu().double().t()) * sx.cpu().double() * sw.cpu().double()
+    cfg = dict(USE_DOT=True, SPLIT_K=split, BLOCK_M=max(16, 1 << (m - 1).bit_length()),
+               BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)
+    for config in (cfg, None):                 # a small tile, then the default rule
+        y = fp8_linear_fp8_dot(x, wq, sw, config=config)
+        assert y.shape == (m, n) and y.dtype == torch.bfloat16
+        err = (y.cpu().double() - ref).abs().max() / ref.abs().max()
+        assert err < 8e-3, float(err)          # the bf16 output's rounding
+        assert int(split_k_locks(x.device).abs().sum()) == 0

@@ -69,9 +69,10 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # benchmark and the tests (the serial amax pass made it 1.5-2x slower than weight-only).
 
 @triton.jit
-def _fp8_small_m_kernel(x_ptr, w_ptr, sw_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, k_per_split,
-                        stride_xm, stride_wn, stride_ym,
+def _fp8_small_m_kernel(x_ptr, w_ptr, sw_ptr, sx_ptr, y_ptr, part_ptr, lock_ptr, M, N, K,
+                        k_per_split, stride_xm, stride_wn, stride_ym,
                         FMAX: tl.constexpr, EPS: tl.constexpr, QUANT_X: tl.constexpr,
+                        X_FP8: tl.constexpr,
                         USE_DOT: tl.constexpr, IEEE: tl.constexpr, SPLIT_K: tl.constexpr,
                         BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -84,7 +85,9 @@ def _fp8_small_m_kernel(x_ptr, w_ptr, sw_ptr, y_ptr, part_ptr, lock_ptr, M, N, K
     n_mask = offs_n < N
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    if QUANT_X:   # per-token scale: the amax of the whole row, whatever this program's K part
+    if X_FP8:     # x holds e4m3 codes already, sx_ptr their per-token scales
+        sx = tl.load(sx_ptr + offs_m, mask=m_mask, other=0.0)
+    elif QUANT_X:  # per-token scale: the amax of the whole row, whatever this program's K part
         amax = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
@@ -101,7 +104,10 @@ def _fp8_small_m_kernel(x_ptr, w_ptr, sw_ptr, y_ptr, part_ptr, lock_ptr, M, N, K
         k_mask = kk < K
         x = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if QUANT_X:
+        if X_FP8:     # e4m3 x e4m3 tensor-core dot, fp32 accumulation
+            xd = x
+            wd = w
+        elif QUANT_X:
             q = x.to(tl.float32) / sx[:, None]
             q = tl.minimum(tl.maximum(q, -FMAX), FMAX)
             xd = q.to(tl.float8e4nv).to(tl.float16)
@@ -168,9 +174,29 @@ def small_m_config(m: int, n: int, k: int) -> dict:
                 num_warps=4, num_stages=4)
 
 
+#: the largest M that ``fp8_linear_fp8_dot`` takes in the layers (fp8.py's MEDIUM_M_MAX)
+MEDIUM_M_MAX = 64
+
+
+def medium_m_config(m: int, n: int, k: int) -> dict:
+    """Launch parameters of the FP8-dot mode (``fp8_linear_fp8_dot``, 16 < M <= 64), from
+    ``bench.sweep_gemm --fp8-medium`` on the H200 (2026-12-01; 48 configs per shape at M = 32
+    and 64; this rule is the best config or within 12% of it on every Llama-3-8B shape):
+    wide layers (>= 256 blocks of 64 columns) take 128 x 128 tiles without split; the others
+    64 columns x 256 K, K split so that about 128 programs run (at most 4 parts)."""
+    block_m = max(16, triton.next_power_of_2(m))
+    if triton.cdiv(n, 64) >= 256:
+        return dict(USE_DOT=True, SPLIT_K=1, BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128,
+                    num_warps=4, num_stages=4)
+    split = max(1, min(4, 128 // triton.cdiv(n, 64)))
+    return dict(USE_DOT=True, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=256,
+                num_warps=4, num_stages=4)
+
+
 def fp8_linear_small_m(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
                        quant_x: bool = True, out_dtype: torch.dtype | None = None,
-                       config: dict | None = None) -> torch.Tensor:
+                       config: dict | None = None,
+                       x_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``y = x Wq^T`` for small M with e4m3 weights streamed once.
 
     Args:
@@ -181,6 +207,10 @@ def fp8_linear_small_m(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
             ``quantize_rows`` + ``torch._scaled_mm``); False multiplies x as it is (W8A16).
         out_dtype: default x's dtype.
         config: launch parameters (``small_m_config``'s keys); default from it.
+        x_scale: [M, 1] fp32 per-token scales when ``x`` already holds e4m3 codes (from
+            ``quantize_rows``/``quantize_rows_triton``): the kernel then multiplies the codes
+            on the FP8 tensor cores (``tl.dot`` of e4m3 operands, GPUs with FP8 MMA only;
+            ``quant_x`` is ignored). ``out_dtype`` is then required.
     Returns:
         [M, N] in ``out_dtype``: ``(q(x) @ Wq^T) * sx * sw^T``, fp32 accumulation. With
         ``SPLIT_K`` > 1 the K parts are summed in a fixed order (deterministic).
@@ -191,6 +221,9 @@ def fp8_linear_small_m(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
         x = x.contiguous()
     m, k = x.shape
     n = wq.shape[0]
+    x_fp8 = x_scale is not None
+    if x_fp8 and out_dtype is None:
+        raise ValueError("x_scale (e4m3 input codes) needs an out_dtype")
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     cfg = dict(config or small_m_config(m, n, k))
     split = cfg.setdefault("SPLIT_K", 1)
@@ -204,7 +237,19 @@ def fp8_linear_small_m(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
     else:
         part = locks = y
     _fp8_small_m_kernel[(n_blocks, split)](
-        x, wq, sw, y, part, locks, m, n, k, k_per_split, x.stride(0), wq.stride(0),
-        y.stride(0), FMAX=FP8_MAX, EPS=SCALE_EPS, QUANT_X=quant_x,
-        IEEE=(not quant_x and x.dtype == torch.float32), **cfg)
+        x, wq, sw, x_scale if x_fp8 else sw, y, part, locks, m, n, k, k_per_split,
+        x.stride(0), wq.stride(0), y.stride(0), FMAX=FP8_MAX, EPS=SCALE_EPS,
+        QUANT_X=quant_x and not x_fp8, X_FP8=x_fp8,
+        IEEE=(not quant_x and not x_fp8 and x.dtype == torch.float32), **cfg)
     return y
+
+
+def fp8_linear_fp8_dot(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
+                       config: dict | None = None) -> torch.Tensor:
+    """W8A8 for medium M (decode batches of 17-64 rows): ``quantize_rows_triton`` then the
+    small-M kernel on the FP8 tensor cores (the numerics of quant + ``torch._scaled_mm``,
+    up to the order of the fp32 sums). x [M, K] bf16/fp16 -> [M, N] in x's dtype."""
+    xq, sx = quantize_rows_triton(x)
+    m, k = x.shape
+    return fp8_linear_small_m(xq, wq, sw, out_dtype=x.dtype, x_scale=sx,
+                              config=config or medium_m_config(m, wq.shape[0], k))
