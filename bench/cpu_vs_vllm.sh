@@ -46,7 +46,7 @@
 #   on 127.0.0.1 (VLLM_HOST_IP), offline (HF_HUB_OFFLINE=1), no usage stats. Its start-up
 #   torch.compile takes ~1.5-2 min on 2 cores (cached in ~/.cache/vllm afterwards).
 # - vLLM's CPU server defaults differ from ferry's: max_num_seqs 128 and
-#   max_num_batched_tokens 2048 (ferry: 256 running, 256-token prefill chunks on the CPU);
+#   max_num_batched_tokens 2048 (ferry: 256 running, 2048-token prefill chunks);
 #   both have prefix caching on (random prompts barely share prefixes).
 # - Part `loaded`: the busy process is a loop of `ferry bench-latency $BUSY_ARGS` (default
 #   --batch-size 1 --input-len 128 --output-len 32, all cores), started after the server is

@@ -67,8 +67,8 @@ def resolve_dtype(name: str, device_type: str) -> torch.dtype:
         if cpu_native_bf16() and not _BF16_HINT_LOGGED:
             _BF16_HINT_LOGGED = True
             logger.info("dtype float32 (the CPU default, for parity with HF fp32); this CPU "
-                        "has native bf16 matmuls: --dtype bfloat16 decodes ~1.7x and serves "
-                        "~1.7x faster (docs/benchmarks.md, CPU)")
+                        "has native bf16 matmuls: --dtype bfloat16 decodes ~2x faster "
+                        "(docs/benchmarks.md, CPU)")
         return torch.float32
     if name not in table:
         raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPE_CHOICES)}")

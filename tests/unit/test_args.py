@@ -29,7 +29,7 @@ def test_prefill_budget_caps_the_chunk():
     from engine.args import ServerArgs, prefill_budget
 
     assert prefill_budget(ServerArgs(), "cuda") == 2048          # the GPU default chunk
-    assert prefill_budget(ServerArgs(), "cpu") == 256
+    assert prefill_budget(ServerArgs(), "cpu") == 2048           # the same on the CPU
     assert prefill_budget(ServerArgs(chunked_prefill_size=4096), "cuda") == 4096
     assert prefill_budget(ServerArgs(chunked_prefill_size=4096, max_prefill_tokens=1000),
                           "cuda") == 1000
