@@ -53,6 +53,16 @@ def time_per_call(dev: str, fns: list) -> float:
     return statistics.median(times)
 
 
+def _weight_copies(dev: str, n: int, k: int, g: torch.Generator):
+    """Enough device copies of one random [n, k] weight (e4m3 codes, their scales, bf16) that
+    cycling through them defeats the L2: ``(wqs, sws, wbs)``."""
+    copies = max(2, -(-L2_DEFEAT_BYTES // (n * k)))
+    w = torch.randn((n, k), generator=g).mul_(0.02)
+    wq, sw = quantize_rows(w)
+    return ([wq.to(dev) for _ in range(copies)], [sw.view(-1).to(dev) for _ in range(copies)],
+            [w.to(torch.bfloat16).to(dev) for _ in range(copies)])
+
+
 def _quant_scaled_mm(x, wq, sw):
     xq, sx = quantize_rows_triton(x)
     return torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw.unsqueeze(0),
@@ -83,13 +93,7 @@ def sweep_fp8(dev: str, batch_sizes: list[int], result_json: str | None) -> None
     rows = []
     g = torch.Generator().manual_seed(0)
     for name, (n, k) in SHAPES.items():
-        copies = max(2, -(-L2_DEFEAT_BYTES // (n * k)))
-        w = torch.randn((n, k), generator=g).mul_(0.02)
-        wq, sw = quantize_rows(w)
-        wqs = [wq.to(dev) for _ in range(copies)]
-        sws = [sw.view(-1).to(dev) for _ in range(copies)]
-        wbs = [w.to(torch.bfloat16).to(dev) for _ in range(copies)]
-        del w
+        wqs, sws, wbs = _weight_copies(dev, n, k, g)
         for m in batch_sizes:
             x = torch.randn((m, k), generator=g).to(torch.bfloat16).to(dev)
             xq, sx = quantize_rows_triton(x)
@@ -162,13 +166,7 @@ def sweep_fp8_medium(dev: str, batch_sizes: list[int], result_json: str | None) 
     rows = []
     g = torch.Generator().manual_seed(0)
     for name, (n, k) in SHAPES.items():
-        copies = max(2, -(-L2_DEFEAT_BYTES // (n * k)))
-        w = torch.randn((n, k), generator=g).mul_(0.02)
-        wq, sw = quantize_rows(w)
-        wqs = [wq.to(dev) for _ in range(copies)]
-        sws = [sw.view(-1).to(dev) for _ in range(copies)]
-        wbs = [w.to(torch.bfloat16).to(dev) for _ in range(copies)]
-        del w
+        wqs, sws, wbs = _weight_copies(dev, n, k, g)
         for m in batch_sizes:
             x = torch.randn((m, k), generator=g).to(torch.bfloat16).to(dev)
             ref = _quant_scaled_mm(x, wqs[0], sws[0]).float()
