@@ -1,7 +1,7 @@
 """ferry's C++ CPU kernels (``kernels/cpu/ops.cpp``), built on first use.
 
 :func:`load` compiles the file with ``torch.utils.cpp_extension`` (g++ ``-O3
--march=native``, ninja; about a minute on two cores, once: the build is cached under
+-march=native``, ninja; ~13 s on two cores, once: the build is cached under
 ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``, keyed by the source, torch
 version and this CPU's instruction-set flags) and registers ``torch.ops.ferry_cpu``. Where
 it cannot build (no compiler, ``FERRY_CPU_KERNELS=0``) it returns False once, logging why,

@@ -126,6 +126,12 @@ def serve(argv: list[str]) -> int:
 def run_subcommand(name: str, argv: list[str]) -> int:
     """Import the subcommand's module and run its ``main(argv)``; returns the exit code."""
     module_name = SUBCOMMANDS[name][0]
+    # as for the server's processes (server/launch.py): idle OpenMP threads sleep, so a
+    # benchmark beside another busy process measures what a server there would do; set
+    # before the module imports torch (OpenMP reads it when it loads)
+    import os
+
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

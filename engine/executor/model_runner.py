@@ -74,7 +74,14 @@ class ModelRunner:
             if packed:
                 logger.info("CPU: %d linear weights prepacked for oneDNN "
                             "(FERRY_CPU_PACKED_GEMM=0 turns it off)", packed)
-        select_ops(self.model, small_ops_kind(self.device_type, args.disable_fused_ops))
+        ops_kind = small_ops_kind(self.device_type, args.disable_fused_ops)
+        select_ops(self.model, ops_kind)
+        if self.device_type == "cpu":
+            logger.info("CPU kernels: %s", {
+                "cpu": "ferry's C++ kernels (decode attention, RMSNorm, rotary, SiLU-and-mul; "
+                       "FERRY_CPU_KERNELS=0 or --disable-fused-ops: the torch references)",
+                "reference": "the torch references (FERRY_CPU_KERNELS=0, "
+                             "--disable-fused-ops, or no C++ compiler)"}.get(ops_kind, ops_kind))
         self.model_config = mc = self.model.model_config
         self.vocab_size = mc.vocab_size
         self.num_layers, self.head_dim = mc.num_layers, mc.head_dim
