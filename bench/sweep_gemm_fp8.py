@@ -63,6 +63,26 @@ def _weight_copies(dev: str, n: int, k: int, g: torch.Generator):
             [w.to(torch.bfloat16).to(dev) for _ in range(copies)])
 
 
+def _cases(dev: str, batch_sizes: list[int]):
+    """Per Llama-3-8B shape and M: ``(name, n, k, m, x, wqs, sws, wbs)``: a bf16 input
+    ``x [m, k]`` and the shape's weight copies (:func:`_weight_copies`), freed after the
+    shape's last M. One seeded generator, so both sweeps draw the same operands."""
+    g = torch.Generator().manual_seed(0)
+    for name, (n, k) in SHAPES.items():
+        wqs, sws, wbs = _weight_copies(dev, n, k, g)
+        for m in batch_sizes:
+            x = torch.randn((m, k), generator=g).to(torch.bfloat16).to(dev)
+            yield name, n, k, m, x, wqs, sws, wbs
+        del wqs, sws, wbs
+        devlib.empty_cache(dev)
+
+
+def _write_json(rows: list, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
 def _quant_scaled_mm(x, wq, sw):
     xq, sx = quantize_rows_triton(x)
     return torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw.unsqueeze(0),
@@ -91,63 +111,53 @@ def sweep_fp8(dev: str, batch_sizes: list[int], result_json: str | None) -> None
     cols = ("bf16 linear", "quant+scaled_mm", "small_m w8a8", "small_m w8a16")
     print(f"{'shape':8s} {'M':>4s} " + " ".join(f"{c:>20s}" for c in cols))
     rows = []
-    g = torch.Generator().manual_seed(0)
-    for name, (n, k) in SHAPES.items():
-        wqs, sws, wbs = _weight_copies(dev, n, k, g)
-        for m in batch_sizes:
-            x = torch.randn((m, k), generator=g).to(torch.bfloat16).to(dev)
-            xq, sx = quantize_rows_triton(x)
-            ref = torch._scaled_mm(xq, wqs[0].t(), scale_a=sx, scale_b=sws[0].unsqueeze(0),
-                                   out_dtype=torch.bfloat16).float()
-            try:
-                out = fp8_linear_small_m(x, wqs[0], sws[0]).float()
-                err = float((out - ref).norm() / ref.norm())
-            except Exception as e:  # noqa: BLE001 - e.g. shared memory at M > SMALL_M_MAX
-                print(f"    small_m default config at M={m}: {type(e).__name__}")
-                err = float("nan")
+    for name, n, k, m, x, wqs, sws, wbs in _cases(dev, batch_sizes):
+        ref = _quant_scaled_mm(x, wqs[0], sws[0]).float()
+        try:
+            out = fp8_linear_small_m(x, wqs[0], sws[0]).float()
+            err = float((out - ref).norm() / ref.norm())
+        except Exception as e:  # noqa: BLE001 - e.g. shared memory at M > SMALL_M_MAX
+            print(f"    small_m default config at M={m}: {type(e).__name__}")
+            err = float("nan")
 
-            cand = {
-                "bf16 linear": ([partial(F.linear, x, wb) for wb in wbs], 2),
-                "quant+scaled_mm": ([partial(_quant_scaled_mm, x, a, b)
-                                     for a, b in zip(wqs, sws)], 1),
-                "small_m w8a8": ([partial(fp8_linear_small_m, x, a, b)
-                                  for a, b in zip(wqs, sws)], 1),
-                "small_m w8a16": ([partial(fp8_linear_small_m, x, a, b, quant_x=False)
-                                   for a, b in zip(wqs, sws)], 1),
-            }
-            row = {"shape": name, "m": m, "n": n, "k": k, "small_m_err": err,
-                   "default_config": _cfg_name(small_m_config(m, n, k))}
-            cells = []
-            for col, (fns, bpe) in cand.items():
-                if col.startswith("small_m") and err != err:
-                    cells.append("-")
+        cand = {
+            "bf16 linear": ([partial(F.linear, x, wb) for wb in wbs], 2),
+            "quant+scaled_mm": ([partial(_quant_scaled_mm, x, a, b)
+                                 for a, b in zip(wqs, sws)], 1),
+            "small_m w8a8": ([partial(fp8_linear_small_m, x, a, b)
+                              for a, b in zip(wqs, sws)], 1),
+            "small_m w8a16": ([partial(fp8_linear_small_m, x, a, b, quant_x=False)
+                               for a, b in zip(wqs, sws)], 1),
+        }
+        row = {"shape": name, "m": m, "n": n, "k": k, "small_m_err": err,
+               "default_config": _cfg_name(small_m_config(m, n, k))}
+        cells = []
+        for col, (fns, bpe) in cand.items():
+            if col.startswith("small_m") and err != err:
+                cells.append("-")
+                continue
+            us = time_per_call(dev, fns)
+            row[col] = us
+            cells.append(f"{us:7.1f} ({n * k * bpe / us / 1e3:5.0f})")
+        print(f"{name:8s} {m:4d} " + " ".join(f"{c:>20s}" for c in cells)
+              + f"  err {err:.1e}", flush=True)
+        if m in (1, 16):
+            sweep = []
+            for cfg in _configs(m):
+                try:
+                    us = time_per_call(dev, [
+                        partial(fp8_linear_small_m, x, a, b, quant_x=False, config=cfg)
+                        for a, b in zip(wqs, sws)])
+                except Exception as e:  # noqa: BLE001 - a config that does not fit
+                    print(f"    {_cfg_name(cfg)}: {type(e).__name__}")
                     continue
-                us = time_per_call(dev, fns)
-                row[col] = us
-                cells.append(f"{us:7.1f} ({n * k * bpe / us / 1e3:5.0f})")
-            print(f"{name:8s} {m:4d} " + " ".join(f"{c:>20s}" for c in cells)
-                  + f"  err {err:.1e}", flush=True)
-            if m in (1, 16):
-                sweep = []
-                for cfg in _configs(m):
-                    try:
-                        us = time_per_call(dev, [
-                            partial(fp8_linear_small_m, x, a, b, quant_x=False, config=cfg)
-                            for a, b in zip(wqs, sws)])
-                    except Exception as e:  # noqa: BLE001 - a config that does not fit
-                        print(f"    {_cfg_name(cfg)}: {type(e).__name__}")
-                        continue
-                    sweep.append((us, _cfg_name(cfg)))
-                sweep.sort()
-                row["sweep"] = sweep
-                print("    best: " + ", ".join(f"{c} {u:.1f}us ({n * k / u / 1e3:.0f} GB/s)"
-                                              for u, c in sweep[:5]), flush=True)
-            rows.append(row)
-        del wqs, sws, wbs
-        devlib.empty_cache(dev)
-    if result_json:
-        with open(result_json, "w") as f:
-            json.dump(rows, f, indent=1)
+                sweep.append((us, _cfg_name(cfg)))
+            sweep.sort()
+            row["sweep"] = sweep
+            print("    best: " + ", ".join(f"{c} {u:.1f}us ({n * k / u / 1e3:.0f} GB/s)"
+                                          for u, c in sweep[:5]), flush=True)
+        rows.append(row)
+    _write_json(rows, result_json)
 
 
 def _medium_configs(m: int, fp8_dot: bool):
@@ -164,42 +174,34 @@ def sweep_fp8_medium(dev: str, batch_sizes: list[int], result_json: str | None) 
     batches past 16 rows, against bf16 ``F.linear`` and quant + ``_scaled_mm``."""
     print(f"{devlib.device_name(dev)}; us per call (weight GB/s); L2 defeated")
     rows = []
-    g = torch.Generator().manual_seed(0)
-    for name, (n, k) in SHAPES.items():
-        wqs, sws, wbs = _weight_copies(dev, n, k, g)
-        for m in batch_sizes:
-            x = torch.randn((m, k), generator=g).to(torch.bfloat16).to(dev)
-            ref = _quant_scaled_mm(x, wqs[0], sws[0]).float()
-            row = {"shape": name, "m": m, "n": n, "k": k,
-                   "bf16 linear": time_per_call(dev, [partial(F.linear, x, wb) for wb in wbs]),
-                   "quant+scaled_mm": time_per_call(dev, [partial(_quant_scaled_mm, x, a, b)
-                                                          for a, b in zip(wqs, sws)])}
-            for mode, fp8_dot in (("w8a16", False), ("fp8dot", True)):
-                sweep = []
-                for cfg in _medium_configs(m, fp8_dot):
-                    fn = (partial(fp8_linear_fp8_dot, config=cfg) if fp8_dot else
-                          partial(fp8_linear_small_m, quant_x=False, config=cfg))
-                    try:
-                        out = fn(x, wqs[0], sws[0]).float()
-                        err = float((out - ref).norm() / ref.norm())
-                        us = time_per_call(dev, [partial(fn, x, a, b)
-                                                 for a, b in zip(wqs, sws)])
-                    except Exception as e:  # noqa: BLE001 - a config that does not fit
-                        print(f"    {mode} {_cfg_name(cfg)}: {type(e).__name__}")
-                        continue
-                    sweep.append((us, _cfg_name(cfg), err))
-                sweep.sort()
-                row[mode] = sweep
-            cells = [f"{row[c]:6.1f} ({n * k * b / row[c] / 1e3:4.0f})"
-                     for c, b in (("bf16 linear", 2), ("quant+scaled_mm", 1))]
-            for mode in ("w8a16", "fp8dot"):
-                if row[mode]:
-                    us, cfg, err = row[mode][0]
-                    cells.append(f"{mode} {us:6.1f} ({n * k / us / 1e3:4.0f}) {cfg} err {err:.1e}")
-            print(f"{name:8s} {m:3d} " + " | ".join(cells), flush=True)
-            rows.append(row)
-        del wqs, sws, wbs
-        devlib.empty_cache(dev)
-    if result_json:
-        with open(result_json, "w") as f:
-            json.dump(rows, f, indent=1)
+    for name, n, k, m, x, wqs, sws, wbs in _cases(dev, batch_sizes):
+        ref = _quant_scaled_mm(x, wqs[0], sws[0]).float()
+        row = {"shape": name, "m": m, "n": n, "k": k,
+               "bf16 linear": time_per_call(dev, [partial(F.linear, x, wb) for wb in wbs]),
+               "quant+scaled_mm": time_per_call(dev, [partial(_quant_scaled_mm, x, a, b)
+                                                      for a, b in zip(wqs, sws)])}
+        for mode, fp8_dot in (("w8a16", False), ("fp8dot", True)):
+            sweep = []
+            for cfg in _medium_configs(m, fp8_dot):
+                fn = (partial(fp8_linear_fp8_dot, config=cfg) if fp8_dot else
+                      partial(fp8_linear_small_m, quant_x=False, config=cfg))
+                try:
+                    out = fn(x, wqs[0], sws[0]).float()
+                    err = float((out - ref).norm() / ref.norm())
+                    us = time_per_call(dev, [partial(fn, x, a, b)
+                                             for a, b in zip(wqs, sws)])
+                except Exception as e:  # noqa: BLE001 - a config that does not fit
+                    print(f"    {mode} {_cfg_name(cfg)}: {type(e).__name__}")
+                    continue
+                sweep.append((us, _cfg_name(cfg), err))
+            sweep.sort()
+            row[mode] = sweep
+        cells = [f"{row[c]:6.1f} ({n * k * b / row[c] / 1e3:4.0f})"
+                 for c, b in (("bf16 linear", 2), ("quant+scaled_mm", 1))]
+        for mode in ("w8a16", "fp8dot"):
+            if row[mode]:
+                us, cfg, err = row[mode][0]
+                cells.append(f"{mode} {us:6.1f} ({n * k / us / 1e3:4.0f}) {cfg} err {err:.1e}")
+        print(f"{name:8s} {m:3d} " + " | ".join(cells), flush=True)
+        rows.append(row)
+    _write_json(rows, result_json)

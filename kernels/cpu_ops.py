@@ -12,8 +12,9 @@ Ops (CPU tensors, float32 or bfloat16; math in fp32 with the references' roundin
 
 - :func:`decode_attention` ``(q [B, Hq, D], k_buffer/v_buffer [slots, Hkv, D], o [B, Hq, D],
   req_to_token [R, C] int32, rows [B] int64, seq_lens [B] int64, sm_scale)``: reads each
-  request's K/V rows straight from the paged cache (no gather), one task per (request, KV
-  head) with the G query heads of the group together, softmax in fp32.
+  request's K/V rows straight from the paged cache (no gather), softmax in fp32; a task is a
+  whole request (every KV head, each slot's row read once) when there are at least 4
+  requests per thread, else one (request, KV head) with the G query heads of its group.
 - :func:`rms_norm`, :func:`silu_and_mul`, :func:`rotary_inplace`: the signatures of the
   Triton small ops (:mod:`kernels.fused_ops`, :mod:`kernels.rotary`), so
   :func:`engine.layers.op_implementations` can set them as ``impl``.

@@ -174,10 +174,6 @@ def small_m_config(m: int, n: int, k: int) -> dict:
                 num_warps=4, num_stages=4)
 
 
-#: the largest M that ``fp8_linear_fp8_dot`` takes in the layers (fp8.py's MEDIUM_M_MAX)
-MEDIUM_M_MAX = 64
-
-
 def medium_m_config(m: int, n: int, k: int) -> dict:
     """Launch parameters of the FP8-dot mode (``fp8_linear_fp8_dot``, 16 < M <= 64), from
     ``bench.sweep_gemm --fp8-medium`` on the H200 (2026-12-01; 48 configs per shape at M = 32
