@@ -485,3 +485,26 @@ async def test_header_timeout_closes_stalled_connections(monkeypatch):
     finally:
         srv.should_exit = True
         await task
+
+
+async def test_connections_have_nagle_off(monkeypatch):
+    """uvicorn's listening socket has proto 0, so asyncio leaves Nagle on for its connections;
+    a streamed response (headers, then the first chunk) then waited for the client's delayed
+    ACK on a keep-alive connection (~40 ms of TTFT). The guarded protocol turns Nagle off."""
+    import socket as socketlib
+
+    srv, task, port = await _serve_tiny(monkeypatch, stream_s=0.2)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await reader.readuntil(b"ok")).startswith(b"HTTP/1.1 200")
+        conns = list(srv.server_state.connections)
+        assert conns
+        for proto in conns:
+            sock = proto.transport.get_extra_info("socket")
+            assert sock.proto != socketlib.IPPROTO_TCP  # the case asyncio does not cover
+            assert sock.getsockopt(socketlib.IPPROTO_TCP, socketlib.TCP_NODELAY) == 1
+        writer.close()
+    finally:
+        srv.should_exit = True
+        await task
