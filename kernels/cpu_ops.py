@@ -62,7 +62,7 @@ def load(verbose: bool = False) -> bool:
                 os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
             name = f"ferry_cpu_ops_{_cpu_flags_tag()}"
             cpp_extension.load(name=name, sources=[str(SOURCE)], is_python_module=False,
-                               extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                               extra_cflags=["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"],
                                extra_ldflags=["-fopenmp"], verbose=verbose)
             ok = hasattr(torch.ops.ferry_cpu, "decode_attention")
         except Exception as e:  # noqa: BLE001 - any build failure means: use the references

@@ -16,7 +16,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#if defined(__AVX512F__)
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define FERRY_AVX2 1
+#else
+#define FERRY_AVX2 0
+#endif
+#if defined(__AVX512F__) || FERRY_AVX2
 #include <immintrin.h>
 #endif
 #include <vector>
@@ -49,7 +54,9 @@ template <> inline bf16 from_f<bf16>(float x) {
 // bits. Below -87.3 it returns 0, above 88.7 +inf.
 inline float exp_f(float x) {
   x = std::min(std::max(x, -87.3f), 88.7f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
+  // round to nearest even by the 1.5 * 2^23 trick (what nearbyint gives for |n| < 2^22, but
+  // plain arithmetic, so every loop over exp_f vectorizes)
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
   const float r = x - n * 0.693145751953125f - n * 1.42860682030941723212e-6f;
   float p = 1.f / 720.f;
   p = p * r + 1.f / 120.f;
@@ -65,12 +72,25 @@ inline float exp_f(float x) {
 }
 
 // dot(q, k) and a += p * v over d elements (q, a fp32; k, v in T): AVX-512 when the build
-// has it and d is a multiple of 16, else scalar loops.
+// has it and d is a multiple of 16, AVX2+FMA (e.g. AMD Zen, older Intel) when d is a multiple
+// of 8, else scalar loops (GCC does not vectorize the float reduction without -ffast-math).
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const bf16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#elif FERRY_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
 }
 #endif
 
@@ -82,6 +102,21 @@ inline float dot_row(const float* q, const T* k, int64_t d) {
     for (int64_t i = 0; i < d; i += 16)
       acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(k + i), acc);
     return _mm512_reduce_add_ps(acc);
+  }
+#elif FERRY_AVX2
+  if (d % 16 == 0) {  // two accumulators: FMA latency, not one chain
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 16) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8(k + i + 8), a1);
+    }
+    return hsum8(_mm256_add_ps(a0, a1));
+  }
+  if (d % 8 == 0) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8)
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(k + i), acc);
+    return hsum8(acc);
   }
 #endif
   float dot = 0.f;
@@ -98,6 +133,13 @@ inline void axpy_row(float* a, float p, const T* v, int64_t d) {
       _mm512_storeu_ps(a + i, _mm512_fmadd_ps(pv, load16(v + i), _mm512_loadu_ps(a + i)));
     return;
   }
+#elif FERRY_AVX2
+  if (d % 8 == 0) {
+    const __m256 pv = _mm256_set1_ps(p);
+    for (int64_t i = 0; i < d; i += 8)
+      _mm256_storeu_ps(a + i, _mm256_fmadd_ps(pv, load8(v + i), _mm256_loadu_ps(a + i)));
+    return;
+  }
 #endif
   for (int64_t i = 0; i < d; ++i) a[i] += p * to_f(v[i]);
 }
@@ -107,7 +149,7 @@ inline void axpy_row(float* a, float p, const T* v, int64_t d) {
 constexpr int64_t kPrefetch = 8;
 template <typename T>
 inline void prefetch_row(const T* p, int64_t bytes) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || FERRY_AVX2
   const char* c = reinterpret_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 #else
@@ -165,6 +207,102 @@ void decode_task(const T* q, int64_t q_head_stride, const T* kb, const T* vb,
     for (int64_t i = 0; i < d; ++i) o[j * o_head_stride + i] = from_f<T>(acc[j * d + i]);
 }
 
+#if defined(__AVX512F__) || FERRY_AVX2
+// The same task with the query rows of one KV head kept together (G = group rows, a
+// template constant so the accumulators live in registers): QK^T reads each K row once for
+// all G rows, and PV runs in passes of two vectors of the head dimension with G x 2
+// accumulators in registers, the V rows re-read from L1/L2 per pass, instead of a
+// load-FMA-store of every accumulator per token (which bound the generic task: ~3x slower).
+#if defined(__AVX512F__)
+using VecT = __m512;
+constexpr int64_t kW = 16;
+inline VecT vzero() { return _mm512_setzero_ps(); }
+inline VecT vset1(float x) { return _mm512_set1_ps(x); }
+inline VecT vload(const float* p) { return _mm512_loadu_ps(p); }
+inline VecT vload(const bf16* p) { return load16(p); }
+inline VecT vfma(VecT a, VecT b, VecT c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vstore(float* p, VecT v) { _mm512_storeu_ps(p, v); }
+inline float vsum(VecT v) { return _mm512_reduce_add_ps(v); }
+#else
+using VecT = __m256;
+constexpr int64_t kW = 8;
+inline VecT vzero() { return _mm256_setzero_ps(); }
+inline VecT vset1(float x) { return _mm256_set1_ps(x); }
+inline VecT vload(const float* p) { return _mm256_loadu_ps(p); }
+inline VecT vload(const bf16* p) { return load8(p); }
+inline VecT vfma(VecT a, VecT b, VecT c) { return _mm256_fmadd_ps(a, b, c); }
+inline void vstore(float* p, VecT v) { _mm256_storeu_ps(p, v); }
+inline float vsum(VecT v) { return hsum8(v); }
+#endif
+
+template <typename T, typename I, int G>
+void decode_task_grouped(const T* q, int64_t q_head_stride, const T* kb, const T* vb,
+                         int64_t slot_stride, int64_t head_stride, const I* tokens, int64_t len,
+                         int64_t nh, int64_t d, float scale, T* o, int64_t o_head_stride,
+                         std::vector<float>& buf) {
+  const int64_t nq = nh * G;
+  buf.resize(static_cast<size_t>(nq * (d + len)));
+  float* qf = buf.data();
+  float* s = qf + nq * d;
+  for (int64_t j = 0; j < nq; ++j)
+    for (int64_t i = 0; i < d; ++i) qf[j * d + i] = to_f(q[j * q_head_stride + i]) * scale;
+  const int64_t row_bytes = ((nh - 1) * head_stride + d) * static_cast<int64_t>(sizeof(T));
+  // scores: s[j * len + l]
+  for (int64_t l = 0; l < len; ++l) {
+    const T* row = kb + static_cast<int64_t>(tokens[l]) * slot_stride;
+    if (l + kPrefetch < len) prefetch_row(kb + static_cast<int64_t>(tokens[l + kPrefetch]) * slot_stride, row_bytes);
+    for (int64_t h = 0; h < nh; ++h) {
+      const T* k = row + h * head_stride;
+      const float* qh = qf + h * G * d;
+      VecT a[G];
+      for (int g = 0; g < G; ++g) a[g] = vzero();
+      for (int64_t i = 0; i < d; i += kW) {
+        const VecT kv = vload(k + i);
+        for (int g = 0; g < G; ++g) a[g] = vfma(vload(qh + g * d + i), kv, a[g]);
+      }
+      for (int g = 0; g < G; ++g) s[(h * G + g) * len + l] = vsum(a[g]);
+    }
+  }
+  for (int64_t j = 0; j < nq; ++j) {
+    float* sj = s + j * len;
+    float m = -INFINITY;
+    for (int64_t l = 0; l < len; ++l) m = std::max(m, sj[l]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t l = 0; l < len; ++l) {
+      sj[l] = exp_f(sj[l] - m);
+      sum += sj[l];
+    }
+    const float inv = len > 0 ? 1.f / sum : 0.f;
+    for (int64_t l = 0; l < len; ++l) sj[l] *= inv;
+  }
+  for (int64_t h = 0; h < nh; ++h) {
+    for (int64_t i = 0; i < d; i += 2 * kW) {
+      VecT a0[G], a1[G];
+      for (int g = 0; g < G; ++g) a0[g] = a1[g] = vzero();
+      for (int64_t l = 0; l < len; ++l) {
+        const T* v = vb + static_cast<int64_t>(tokens[l]) * slot_stride + h * head_stride + i;
+        if (h == 0 && i == 0 && l + kPrefetch < len)
+          prefetch_row(vb + static_cast<int64_t>(tokens[l + kPrefetch]) * slot_stride, row_bytes);
+        const VecT v0 = vload(v), v1 = vload(v + kW);
+        for (int g = 0; g < G; ++g) {
+          const VecT p = vset1(s[(h * G + g) * len + l]);
+          a0[g] = vfma(p, v0, a0[g]);
+          a1[g] = vfma(p, v1, a1[g]);
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        float tmp[2 * kW];
+        vstore(tmp, a0[g]);
+        vstore(tmp + kW, a1[g]);
+        T* orow = o + (h * G + g) * o_head_stride + i;
+        for (int64_t c = 0; c < 2 * kW; ++c) orow[c] = from_f<T>(tmp[c]);
+      }
+    }
+  }
+}
+#endif
+
 template <typename T, typename I>
 void decode_impl(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                  at::Tensor& o, const at::Tensor& req_to_token, const at::Tensor& rows,
@@ -195,11 +333,28 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tens
     std::vector<float> buf;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b = t / per_req, h0 = (t % per_req) * nh;
-      decode_task<T, I>(qp + b * q.stride(0) + h0 * group * q.stride(1), q.stride(1),
-                        kp + h0 * head_stride, vp + h0 * head_stride, slot_stride,
-                        head_stride, r2t + rp[b] * r2t_stride, lp[b], nh * group, group, d,
-                        scale, op + b * o.stride(0) + h0 * group * o.stride(1), o.stride(1),
-                        buf);
+      const T* qb = qp + b * q.stride(0) + h0 * group * q.stride(1);
+      T* ob = op + b * o.stride(0) + h0 * group * o.stride(1);
+      const I* tb = r2t + rp[b] * r2t_stride;
+#if defined(__AVX512F__) || FERRY_AVX2
+      if (d % (2 * kW) == 0 && group <= 6) {
+        switch (group) {
+#define FERRY_GROUPED(G)                                                                       \
+  case G:                                                                                      \
+    decode_task_grouped<T, I, G>(qb, q.stride(1), kp + h0 * head_stride, vp + h0 * head_stride, \
+                                 slot_stride, head_stride, tb, lp[b], nh, d, scale, ob,         \
+                                 o.stride(1), buf);                                             \
+    continue;
+          FERRY_GROUPED(1) FERRY_GROUPED(2) FERRY_GROUPED(3)
+          FERRY_GROUPED(4) FERRY_GROUPED(5) FERRY_GROUPED(6)
+#undef FERRY_GROUPED
+          default: break;
+        }
+      }
+#endif
+      decode_task<T, I>(qb, q.stride(1), kp + h0 * head_stride, vp + h0 * head_stride,
+                        slot_stride, head_stride, tb, lp[b], nh * group, group, d, scale, ob,
+                        o.stride(1), buf);
     }
   });
 }
@@ -301,6 +456,17 @@ std::vector<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, 
 }
 
 // silu(x[:, :I]) * x[:, I:] with the reference's two roundings (silu, then the product).
+// One row: o[i] = silu(g[i]) * u[i]. A function of its own (not the parallel_for lambda's
+// body) so that GCC vectorizes it: inside the lambda it did not (8 lanes here: ~5x).
+template <typename T>
+inline void silu_row(const T* __restrict g, const T* __restrict u, T* __restrict o, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float gf = to_f(g[i]);
+    const float sf = to_f(from_f<T>(gf / (1.f + exp_f(-gf))));
+    o[i] = from_f<T>(sf * to_f(u[i]));
+  }
+}
+
 template <typename T>
 void silu_impl(const at::Tensor& x, at::Tensor& out) {
   const int64_t rows = x.size(0), n = x.size(1) / 2;
@@ -308,16 +474,7 @@ void silu_impl(const at::Tensor& x, at::Tensor& out) {
   T* op = static_cast<T*>(out.data_ptr());
   const int64_t xs = x.stride(0);
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* g = xp + r * xs;
-      const T* u = g + n;
-      T* orow = op + r * n;
-      for (int64_t i = 0; i < n; ++i) {
-        const float gf = to_f(g[i]);
-        const float sf = to_f(from_f<T>(gf / (1.f + exp_f(-gf))));
-        orow[i] = from_f<T>(sf * to_f(u[i]));
-      }
-    }
+    for (int64_t r = begin; r < end; ++r) silu_row<T>(xp + r * xs, xp + r * xs + n, op + r * n, n);
   });
 }
 
