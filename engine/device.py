@@ -157,6 +157,44 @@ def set_cpu_threads(n: int) -> None:
     torch.set_num_threads(max(1, int(n)))
 
 
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MALLOC_TUNED: list[str] = []
+
+
+def tune_cpu_malloc() -> str | None:
+    """Keep the CPU's activation memory mapped between steps (glibc only; once per process).
+
+    glibc serves a request above its mmap threshold (128 KiB at start, raised dynamically
+    up to 32 MiB) with a fresh ``mmap`` and unmaps it on free, and trims the top of its heap
+    back to the OS; every step's activations (a 2048-token chunk's MLP output is 12 MiB in
+    bf16) are then page-faulted and zeroed again by the kernel: 358k minor faults in a
+    bs8 x 256 ``bench-latency`` run, 1 s of system time (docs/benchmarks.md, CPU). This sets
+    ``M_MMAP_THRESHOLD`` to its 32 MiB maximum and ``M_TRIM_THRESHOLD`` to 1 GiB, so freed
+    blocks stay in the heap for the next step, as tcmalloc or jemalloc (what vLLM's CPU
+    build preloads) would keep them. ``FERRY_CPU_MALLOC=default`` leaves glibc as it is.
+
+    Returns:
+        what was set, for the start-up log; None where nothing was (not glibc, turned off,
+        or already done in this process).
+    """
+    if _MALLOC_TUNED or os.environ.get("FERRY_CPU_MALLOC", "") == "default":
+        return None
+    _MALLOC_TUNED.append("done")
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        if not hasattr(libc, "gnu_get_libc_version"):
+            return None
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1 \
+            and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30) == 1
+    except (OSError, AttributeError):
+        return None
+    return "glibc malloc keeps blocks under 32 MiB in its heap (mmap threshold 32 MiB, " \
+           "trim threshold 1 GiB; FERRY_CPU_MALLOC=default turns it off)" if ok else None
+
+
 def _mod(device_type: str):
     if device_type == "cuda":
         return torch.cuda

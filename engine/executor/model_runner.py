@@ -69,6 +69,8 @@ class ModelRunner:
             model_path=args.model_path, load_format=args.load_format, dtype=self.dtype,
             device=self.device, seed=args.seed, quantization=args.quantization)
         self.load_time = time.perf_counter() - t0
+        if self.device_type == "cpu" and (how := dev.tune_cpu_malloc()):
+            logger.info("CPU: %s", how)
         if self.device_type == "cpu":   # oneDNN's blocked weight layout (execution only:
             packed = pack_cpu_weights(self.model)     # load_model returns plain weights)
             if packed:

@@ -40,3 +40,39 @@ def test_children_get_a_passive_openmp_policy(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # a user's choice is kept
     passive_openmp_env()
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+_MMAPPED_BLOCKS = """
+import ctypes, os, sys
+from engine import device as dev
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+print("tuned" if dev.tune_cpu_malloc() else "untouched")
+before = libc.mallinfo2().hblks
+libc.malloc.restype = ctypes.c_void_p
+p = libc.malloc(4 << 20)   # 4 MiB: above glibc's initial 128 KiB mmap threshold
+print(libc.mallinfo2().hblks - before)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/lib/x86_64-linux-gnu/libc.so.6")
+                    and not os.path.exists("/lib/aarch64-linux-gnu/libc.so.6"),
+                    reason="glibc only")
+@pytest.mark.parametrize("env,expect", [({}, ("tuned", "0")),
+                                        ({"FERRY_CPU_MALLOC": "default"}, ("untouched", "1"))])
+def test_cpu_malloc_keeps_activation_blocks_in_the_heap(env, expect):
+    """In a fresh process, a 4 MiB block is mmapped by glibc's defaults (and unmapped, then
+    page-faulted again, every step); after ``tune_cpu_malloc`` it comes from the heap."""
+    import subprocess
+    import sys
+
+    full = {k: v for k, v in os.environ.items() if k != "FERRY_CPU_MALLOC"} | env
+    out = subprocess.run([sys.executable, "-c", _MMAPPED_BLOCKS], capture_output=True,
+                         text=True, env=full, check=True, timeout=120).stdout.split()
+    assert tuple(out[-2:]) == expect
