@@ -386,6 +386,17 @@ class SampleOutput:
     top_logprobs: torch.Tensor | None = None
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of each row's maximum: ``x`` [B, V] float -> [B] int64, the first index on
+    ties and a NaN's index where a row has one (``torch.argmax``'s rules). On the CPU it
+    runs ``torch.max(x, dim=-1)``, which torch vectorizes and its CPU argmax does not: 1.8
+    against 4.6 ms for 64 x 49152 fp32 logits on two threads (4% of a bs64 decode step of
+    SmolLM2)."""
+    if x.device.type == "cpu":
+        return torch.max(x, dim=-1).indices
+    return torch.argmax(x, dim=-1)
+
+
 def sample(logits: torch.Tensor, info: SamplingBatchInfo,
            return_logprobs: int | None = None) -> SampleOutput:
     """Sample one token per row (order of processing: see the module docstring).
@@ -415,12 +426,12 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo,
         apply_vocab_mask(x, *info.vocab_mask)
 
     if info.is_all_greedy:
-        next_ids = torch.argmax(x, dim=-1)
+        next_ids = row_argmax(x)
     else:
         z = apply_cuts(x / info.temperatures, info)
-        sampled = torch.argmax(z + race_noise(info, z.shape[1]), dim=-1)
+        sampled = row_argmax(z + race_noise(info, z.shape[1]))
         if info.greedy_mask is not None:
-            next_ids = torch.where(info.greedy_mask, torch.argmax(x, dim=-1), sampled)
+            next_ids = torch.where(info.greedy_mask, row_argmax(x), sampled)
         else:
             next_ids = sampled
 

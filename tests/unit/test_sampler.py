@@ -353,3 +353,20 @@ def test_gpu_batch_invariance_bias_and_mixed():
     assert set(draws.unique().tolist()) <= {0, 1}
     assert _chi2(draws, {0: 0.5, 1: 0.3}) < CHI2_CRIT[1]
     assert math.isfinite(float(draws.float().mean()))
+
+
+def test_row_argmax_keeps_argmax_rules_on_ties_and_nan():
+    """The CPU's ``torch.max`` route gives ``torch.argmax``'s answer: the first maximum on
+    ties, a NaN's index where the row has one, 0 for an all -inf row."""
+    from engine.sampling.sampler import row_argmax
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 4, (200, 777), generator=g).float()   # many ties
+    x[3, 7] = float("nan")
+    x[5, :] = float("-inf")
+    x[6, 10] = x[6, 20] = float("nan")
+    got = row_argmax(x)
+    want = [next(j for j, v in enumerate(row) if v != v) if any(v != v for v in row)
+            else row.index(max(row)) for row in x.tolist()]
+    assert got.dtype == torch.int64 and got.tolist() == want
+    assert torch.equal(got, torch.argmax(x, dim=-1))
