@@ -15,7 +15,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
+#include <type_traits>
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #define FERRY_AVX2 1
 #else
@@ -296,6 +299,133 @@ void decode_task_grouped(const T* q, int64_t q_head_stride, const T* kb, const T
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)
+// bf16 decode on AVX512-BF16 CPUs (Cooper Lake, Sapphire Rapids and later, AMD Zen 4+).
+// The grouped task above spends most of its instructions on converting K to fp32 and on
+// one horizontal sum per (query row, token); here QK^T runs vdpbf16ps on the raw bf16 q and
+// K rows (exact bf16 products, fp32 sums; the scale applied to the sum), the G <= 4 rows of
+// a KV head are summed together (hsum4: four vectors to four sums in ~11 instructions), and
+// the scores stay in a [token][4] layout that softmax processes 16 lanes (4 tokens x 4 rows)
+// at a time. PV keeps G x 4 accumulators (64 dims) in registers per pass, fp32 as before.
+
+// [sum(a), sum(b), sum(c), sum(d)]
+inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  // per 128-bit lane: a0+a2, b0+b2, a1+a3, b1+b3 (and the same for c, d)
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  // per 128-bit lane: the lane's partial sums of a, b, c, d
+  const __m512 x = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 y = _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+}
+
+// exp_f on 16 lanes (the same steps, so the same results)
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+  const __m512 big = _mm512_set1_ps(12582912.f);
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), big), big);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// lane j of the result: op over the lanes of v congruent to j mod 4 (the 4 tokens of a
+// 16-lane [token][4] block folded onto each row)
+inline __m512 fold_max4(__m512 v) {
+  v = _mm512_max_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+  return _mm512_max_ps(v, _mm512_shuffle_f32x4(v, v, 0xB1));
+}
+inline __m512 fold_add4(__m512 v) {
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+  return _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xB1));
+}
+
+template <typename I, int G>
+void decode_task_bf16dp(const bf16* q, int64_t q_head_stride, const bf16* kb, const bf16* vb,
+                        int64_t slot_stride, int64_t head_stride, const I* tokens, int64_t len,
+                        int64_t nh, int64_t d, float scale, bf16* o, int64_t o_head_stride,
+                        std::vector<float>& buf) {
+  static_assert(G >= 1 && G <= 4, "one 4-lane group of query rows per KV head");
+  const int64_t len4 = (len + 3) & ~int64_t(3);
+  buf.resize(static_cast<size_t>(nh * len4 * 4));
+  float* st = buf.data();  // head h, token l, row g: st[(h * len4 + l) * 4 + g]
+  const int64_t row_bytes = ((nh - 1) * head_stride + d) * static_cast<int64_t>(sizeof(bf16));
+  const __m128 vscale = _mm_set1_ps(scale);
+  for (int64_t l = 0; l < len; ++l) {
+    const bf16* row = kb + static_cast<int64_t>(tokens[l]) * slot_stride;
+    if (l + kPrefetch < len) prefetch_row(kb + static_cast<int64_t>(tokens[l + kPrefetch]) * slot_stride, row_bytes);
+    for (int64_t h = 0; h < nh; ++h) {
+      const bf16* k = row + h * head_stride;
+      const bf16* qh = q + h * G * q_head_stride;
+      __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int64_t i = 0; i < d; i += 32) {
+        const __m512bh kv = (__m512bh)_mm512_loadu_si512(k + i);
+        for (int g = 0; g < G; ++g)
+          a[g] = _mm512_dpbf16_ps(a[g], (__m512bh)_mm512_loadu_si512(qh + g * q_head_stride + i), kv);
+      }
+      _mm_storeu_ps(st + (h * len4 + l) * 4, _mm_mul_ps(hsum4(a[0], a[1], a[2], a[3]), vscale));
+    }
+  }
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  for (int64_t h = 0; h < nh; ++h) {
+    float* sh = st + h * len4 * 4;
+    for (int64_t l = len; l < len4; ++l) _mm_storeu_ps(sh + l * 4, _mm512_castps512_ps128(ninf));
+    const int64_t n = len4 * 4;  // a multiple of 16
+    __m512 m = ninf;
+    for (int64_t i = 0; i < n; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sh + i));
+    m = fold_max4(m);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sh + i), m));
+      _mm512_storeu_ps(sh + i, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    // the padded tokens' exp(-87.3) (~1e-38) never reaches PV and is lost in the sum
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), fold_add4(sum));
+    for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(sh + i, _mm512_mul_ps(_mm512_loadu_ps(sh + i), inv));
+  }
+  for (int64_t h = 0; h < nh; ++h) {
+    const float* sh = st + h * len4 * 4;
+    for (int64_t i = 0; i < d; i += 64) {
+      __m512 acc[G][4];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
+      for (int64_t l = 0; l < len; ++l) {
+        const bf16* v = vb + static_cast<int64_t>(tokens[l]) * slot_stride + h * head_stride + i;
+        if (h == 0 && i == 0 && l + kPrefetch < len)
+          prefetch_row(vb + static_cast<int64_t>(tokens[l + kPrefetch]) * slot_stride, row_bytes);
+        const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
+        for (int g = 0; g < G; ++g) {
+          const __m512 p = _mm512_set1_ps(sh[l * 4 + g]);
+          acc[g][0] = _mm512_fmadd_ps(p, v0, acc[g][0]);
+          acc[g][1] = _mm512_fmadd_ps(p, v1, acc[g][1]);
+          acc[g][2] = _mm512_fmadd_ps(p, v2, acc[g][2]);
+          acc[g][3] = _mm512_fmadd_ps(p, v3, acc[g][3]);
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        float tmp[64];
+        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(tmp + 16 * c, acc[g][c]);
+        bf16* orow = o + (h * G + g) * o_head_stride + i;
+        for (int c = 0; c < 64; ++c) orow[c] = from_f<bf16>(tmp[c]);
+      }
+    }
+  }
+}
+#define FERRY_BF16DP 1
+#else
+#define FERRY_BF16DP 0
+#endif
+
 template <typename T, typename I>
 void decode_impl(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                  at::Tensor& o, const at::Tensor& req_to_token, const at::Tensor& rows,
@@ -322,6 +452,10 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tens
   int64_t work = 0;
   for (int64_t b = 0; b < bsz; ++b) work += lp[b] * hkv;
   const int64_t grain = work < 4096 ? bsz * per_req : 1;
+  // FERRY_CPU_BF16_DOT=0: the grouped fp32 task for bf16 too (for comparisons and tests)
+  const char* dp_env = std::getenv("FERRY_CPU_BF16_DOT");
+  const bool dp_off = dp_env != nullptr && std::string(dp_env) == "0";
+  (void)dp_off;
   at::parallel_for(0, bsz * per_req, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
     for (int64_t t = begin; t < end; ++t) {
@@ -329,6 +463,23 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tens
       const T* qb = qp + b * q.stride(0) + h0 * group * q.stride(1);
       T* ob = op + b * o.stride(0) + h0 * group * o.stride(1);
       const I* tb = r2t + rp[b] * r2t_stride;
+#if FERRY_BF16DP
+      if constexpr (std::is_same_v<T, bf16>) {
+        if (d % 64 == 0 && group <= 4 && !dp_off) {
+          switch (group) {
+#define FERRY_BF16DP_CASE(G)                                                                    \
+  case G:                                                                                       \
+    decode_task_bf16dp<I, G>(qb, q.stride(1), kp + h0 * head_stride, vp + h0 * head_stride,     \
+                             slot_stride, head_stride, tb, lp[b], nh, d, scale, ob,             \
+                             o.stride(1), buf);                                                 \
+    continue;
+            FERRY_BF16DP_CASE(1) FERRY_BF16DP_CASE(2) FERRY_BF16DP_CASE(3) FERRY_BF16DP_CASE(4)
+#undef FERRY_BF16DP_CASE
+            default: break;
+          }
+        }
+      }
+#endif
 #if defined(__AVX512F__) || FERRY_AVX2
       if (d % (2 * kW) == 0 && group <= 6) {
         switch (group) {

@@ -50,8 +50,16 @@ def _decode_ref64(q, kb, vb, r2t, rows, lens, scale):
     (12, 8, 2, 128, 70),    # whole-request tasks (bsz >= 4 * threads)
     (5, 4, 4, 40, 33),      # D not a multiple of 16: the scalar loops
     (3, 6, 1, 16, 1),       # multi-query, a one-token context
+    (10, 6, 3, 64, 37),     # group 2, whole requests
+    (2, 2, 2, 64, 6),       # group 1 (MHA), a short context
 ])
-def test_decode_attention_matches_float64(dtype, bsz, hq, hkv, d, max_len):
+# bf16 on AVX512-BF16 CPUs runs the vdpbf16ps task unless FERRY_CPU_BF16_DOT=0
+@pytest.mark.parametrize("bf16_dot", ["1", "0"])
+def test_decode_attention_matches_float64(dtype, bsz, hq, hkv, d, max_len, bf16_dot,
+                                          monkeypatch):
+    if bf16_dot == "0" and dtype != torch.bfloat16:
+        pytest.skip("the switch only concerns bf16")
+    monkeypatch.setenv("FERRY_CPU_BF16_DOT", bf16_dot)
     assert cpu_ops.load()
     g = torch.Generator().manual_seed(bsz * 100 + d)
     slots = 3 * bsz * max_len + 7
