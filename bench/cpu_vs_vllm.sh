@@ -25,6 +25,8 @@
 #   $OUT/uptime-PART.txt (and $OUT/uptime.txt) with the CPU busy % measured over 2 s from
 #   /proc/stat; a warning is printed when that is above WARN_BUSY_PCT (10). (The load average
 #   lags: right after a part it still shows that part's load.) Parts are COOLDOWN s apart (10).
+#   The CPU time the VM's host steals during each bench (/proc/stat) is logged too: on the
+#   2-core VMs here it came in bursts and moved a run's result by 10-30%.
 # - FERRY: ferry's venv, default /work/main/.venv/bin/ferry; the server serves the embedded
 #   model, --cpu-threads $CPU_THREADS (default: nproc), --dtype $FERRY_DTYPE (default auto =
 #   float32 on the CPU), on 127.0.0.1:$FERRY_PORT (30000), plus $FERRY_ARGS (default none).
@@ -163,6 +165,12 @@ busy_pct() {  # CPU busy % of the whole machine over 2 s (from /proc/stat)
   echo $(( 100 * ((t2 - t1) - (i2 - i1)) / (t2 - t1 > 0 ? t2 - t1 : 1) ))
 }
 
+steal_ticks() {  # "steal total" jiffies of the whole machine (/proc/stat)
+  local u n s i w q sq st
+  read -r _ u n s i w q sq st _ < /proc/stat
+  echo "$st $((u + n + s + i + w + q + sq + st))"
+}
+
 record_uptime() {  # record_uptime PART
   local u b
   u=$(uptime); b=$(busy_pct)
@@ -212,8 +220,12 @@ run_bench() {  # run_bench NAME PORT [bench-serving args...]: bench, then check 
   [ -n "$RANGE_RATIO" ] && args+=(--random-range-ratio "$RANGE_RATIO")
   echo "$FERRY bench-serving ${args[*]}" > "$OUT/$name-bench.cmd"
   log "$name: bench-serving ${args[*]}"
+  local st0 tot0 st1 tot1
+  read -r st0 tot0 < <(steal_ticks)
   timeout "$((BENCH_MAX_DURATION + 120))" "$FERRY" bench-serving "${args[@]}" \
     > "$OUT/$name-bench.txt" 2>&1 || rc=$?
+  read -r st1 tot1 < <(steal_ticks)
+  log "$name: steal $(( 100 * (st1 - st0) / (tot1 - tot0 > 0 ? tot1 - tot0 : 1) ))% of CPU time during the bench (time the VM's host took from these cores)"
   grep -v 'it/s\]' "$OUT/$name-bench.txt" | tail -n 30
   if [ "$rc" -ne 0 ] || [ ! -s "$OUT/$name.json" ]; then
     log "$name: bench-serving failed (rc=$rc)"; FAILED=1; return 0
