@@ -168,8 +168,9 @@ def tune_cpu_malloc() -> str | None:
     glibc serves a request above its mmap threshold (128 KiB at start, raised dynamically
     up to 32 MiB) with a fresh ``mmap`` and unmaps it on free, and trims the top of its heap
     back to the OS; every step's activations (a 2048-token chunk's MLP output is 12 MiB in
-    bf16) are then page-faulted and zeroed again by the kernel: 358k minor faults in a
-    bs8 x 256 ``bench-latency`` run, 1 s of system time (docs/benchmarks.md, CPU). This sets
+    bf16) are then page-faulted and zeroed again by the kernel: 23-76k minor faults per
+    bs8 x 256 ``bench-latency`` run in steady state, 0-3k with this (docs/benchmarks.md,
+    "An AMX machine"). This sets
     ``M_MMAP_THRESHOLD`` to its 32 MiB maximum and ``M_TRIM_THRESHOLD`` to 1 GiB, so freed
     blocks stay in the heap for the next step, as tcmalloc or jemalloc (what vLLM's CPU
     build preloads) would keep them. ``FERRY_CPU_MALLOC=default`` leaves glibc as it is.

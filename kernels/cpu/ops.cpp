@@ -320,7 +320,8 @@ inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
 }
 
-// exp_f on 16 lanes (the same steps, so the same results)
+// exp_f on 16 lanes: the same steps, with fused multiply-adds (results may differ from
+// exp_f in the last bit)
 inline __m512 exp16(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
   const __m512 big = _mm512_set1_ps(12582912.f);
