@@ -173,7 +173,9 @@ def tune_cpu_malloc() -> str | None:
     "An AMX machine"). This sets
     ``M_MMAP_THRESHOLD`` to its 32 MiB maximum and ``M_TRIM_THRESHOLD`` to 1 GiB, so freed
     blocks stay in the heap for the next step, as tcmalloc or jemalloc (what vLLM's CPU
-    build preloads) would keep them. ``FERRY_CPU_MALLOC=default`` leaves glibc as it is.
+    build preloads) would keep them. The price: the process keeps up to 1 GiB of freed heap
+    memory mapped (a step's peak activations; blocks over 32 MiB are still unmapped on free).
+    ``FERRY_CPU_MALLOC=default`` leaves glibc as it is.
 
     Returns:
         what was set, for the start-up log; None where nothing was (not glibc, turned off,
