@@ -178,6 +178,16 @@ inline void prefetch_row(const T* p, int64_t bytes) {
 #endif
 }
 
+// Row of slot tokens[l] in `base` (a K or V buffer [slots, ...]), after prefetching the row
+// of tokens[l + kPrefetch] (when `prefetch`; `row_bytes` from the row's start).
+template <typename T, typename I>
+inline const T* slot_row(const T* base, const I* tokens, int64_t l, int64_t len,
+                         int64_t slot_stride, int64_t row_bytes, bool prefetch = true) {
+  if (prefetch && l + kPrefetch < len)
+    prefetch_row(base + static_cast<int64_t>(tokens[l + kPrefetch]) * slot_stride, row_bytes);
+  return base + static_cast<int64_t>(tokens[l]) * slot_stride;
+}
+
 // One decode task: request b's query heads of KV heads [h0, h0 + nh), nq = nh * group query
 // rows (query row j attends with KV head h0 + j / group) over `len` cached tokens.
 template <typename T, typename I>
@@ -197,16 +207,14 @@ void decode_task(const T* q, int64_t q_head_stride, const T* kb, const T* vb,
     }
   const int64_t row_bytes = ((nq / group - 1) * head_stride + d) * static_cast<int64_t>(sizeof(T));
   for (int64_t l = 0; l < len; ++l) {
-    const T* row = kb + static_cast<int64_t>(tokens[l]) * slot_stride;
-    if (l + kPrefetch < len) prefetch_row(kb + static_cast<int64_t>(tokens[l + kPrefetch]) * slot_stride, row_bytes);
+    const T* row = slot_row(kb, tokens, l, len, slot_stride, row_bytes);
     for (int64_t j = 0; j < nq; ++j) {
       s[j * len + l] = dot_row(qf + j * d, row + (j / group) * head_stride, d);
     }
   }
   softmax_rows(s, nq, len);
   for (int64_t l = 0; l < len; ++l) {
-    const T* row = vb + static_cast<int64_t>(tokens[l]) * slot_stride;
-    if (l + kPrefetch < len) prefetch_row(vb + static_cast<int64_t>(tokens[l + kPrefetch]) * slot_stride, row_bytes);
+    const T* row = slot_row(vb, tokens, l, len, slot_stride, row_bytes);
     for (int64_t j = 0; j < nq; ++j) {
       axpy_row(acc + j * d, s[j * len + l], row + (j / group) * head_stride, d);
     }
@@ -257,8 +265,7 @@ void decode_task_grouped(const T* q, int64_t q_head_stride, const T* kb, const T
   const int64_t row_bytes = ((nh - 1) * head_stride + d) * static_cast<int64_t>(sizeof(T));
   // scores: s[j * len + l]
   for (int64_t l = 0; l < len; ++l) {
-    const T* row = kb + static_cast<int64_t>(tokens[l]) * slot_stride;
-    if (l + kPrefetch < len) prefetch_row(kb + static_cast<int64_t>(tokens[l + kPrefetch]) * slot_stride, row_bytes);
+    const T* row = slot_row(kb, tokens, l, len, slot_stride, row_bytes);
     for (int64_t h = 0; h < nh; ++h) {
       const T* k = row + h * head_stride;
       const float* qh = qf + h * G * d;
@@ -277,9 +284,8 @@ void decode_task_grouped(const T* q, int64_t q_head_stride, const T* kb, const T
       VecT a0[G], a1[G];
       for (int g = 0; g < G; ++g) a0[g] = a1[g] = vzero();
       for (int64_t l = 0; l < len; ++l) {
-        const T* v = vb + static_cast<int64_t>(tokens[l]) * slot_stride + h * head_stride + i;
-        if (h == 0 && i == 0 && l + kPrefetch < len)
-          prefetch_row(vb + static_cast<int64_t>(tokens[l + kPrefetch]) * slot_stride, row_bytes);
+        const T* v = slot_row(vb, tokens, l, len, slot_stride, row_bytes, h == 0 && i == 0) +
+                       h * head_stride + i;
         const VecT v0 = vload(v), v1 = vload(v + kW);
         for (int g = 0; g < G; ++g) {
           const VecT p = vset1(s[(h * G + g) * len + l]);
@@ -362,8 +368,7 @@ void decode_task_bf16dp(const bf16* q, int64_t q_head_stride, const bf16* kb, co
   const int64_t row_bytes = ((nh - 1) * head_stride + d) * static_cast<int64_t>(sizeof(bf16));
   const __m128 vscale = _mm_set1_ps(scale);
   for (int64_t l = 0; l < len; ++l) {
-    const bf16* row = kb + static_cast<int64_t>(tokens[l]) * slot_stride;
-    if (l + kPrefetch < len) prefetch_row(kb + static_cast<int64_t>(tokens[l + kPrefetch]) * slot_stride, row_bytes);
+    const bf16* row = slot_row(kb, tokens, l, len, slot_stride, row_bytes);
     for (int64_t h = 0; h < nh; ++h) {
       const bf16* k = row + h * head_stride;
       const bf16* qh = q + h * G * q_head_stride;
@@ -401,9 +406,8 @@ void decode_task_bf16dp(const bf16* q, int64_t q_head_stride, const bf16* kb, co
       for (int g = 0; g < G; ++g)
         for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
       for (int64_t l = 0; l < len; ++l) {
-        const bf16* v = vb + static_cast<int64_t>(tokens[l]) * slot_stride + h * head_stride + i;
-        if (h == 0 && i == 0 && l + kPrefetch < len)
-          prefetch_row(vb + static_cast<int64_t>(tokens[l + kPrefetch]) * slot_stride, row_bytes);
+        const bf16* v = slot_row(vb, tokens, l, len, slot_stride, row_bytes, h == 0 && i == 0) +
+                       h * head_stride + i;
         const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
         for (int g = 0; g < G; ++g) {
           const __m512 p = _mm512_set1_ps(sh[l * 4 + g]);
