@@ -157,18 +157,18 @@ trap 'exit 143' TERM
 
 port_busy() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
-busy_pct() {  # CPU busy % of the whole machine over 2 s (from /proc/stat)
-  local u n s i w q sq st t1 i1 t2 i2
-  read -r _ u n s i w q sq st _ < /proc/stat; t1=$((u + n + s + i + w + q + sq + st)); i1=$((i + w))
-  sleep 2
-  read -r _ u n s i w q sq st _ < /proc/stat; t2=$((u + n + s + i + w + q + sq + st)); i2=$((i + w))
-  echo $(( 100 * ((t2 - t1) - (i2 - i1)) / (t2 - t1 > 0 ? t2 - t1 : 1) ))
-}
-
-steal_ticks() {  # "steal total" jiffies of the whole machine (/proc/stat)
+cpu_ticks() {  # "total idle steal" jiffies of the whole machine (/proc/stat)
   local u n s i w q sq st
   read -r _ u n s i w q sq st _ < /proc/stat
-  echo "$st $((u + n + s + i + w + q + sq + st))"
+  echo "$((u + n + s + i + w + q + sq + st)) $((i + w)) $st"
+}
+
+busy_pct() {  # CPU busy % of the whole machine over 2 s
+  local t1 i1 t2 i2
+  read -r t1 i1 _ < <(cpu_ticks)
+  sleep 2
+  read -r t2 i2 _ < <(cpu_ticks)
+  echo $(( 100 * ((t2 - t1) - (i2 - i1)) / (t2 - t1 > 0 ? t2 - t1 : 1) ))
 }
 
 record_uptime() {  # record_uptime PART
@@ -221,10 +221,10 @@ run_bench() {  # run_bench NAME PORT [bench-serving args...]: bench, then check 
   echo "$FERRY bench-serving ${args[*]}" > "$OUT/$name-bench.cmd"
   log "$name: bench-serving ${args[*]}"
   local st0 tot0 st1 tot1
-  read -r st0 tot0 < <(steal_ticks)
+  read -r tot0 _ st0 < <(cpu_ticks)
   timeout "$((BENCH_MAX_DURATION + 120))" "$FERRY" bench-serving "${args[@]}" \
     > "$OUT/$name-bench.txt" 2>&1 || rc=$?
-  read -r st1 tot1 < <(steal_ticks)
+  read -r tot1 _ st1 < <(cpu_ticks)
   log "$name: steal $(( 100 * (st1 - st0) / (tot1 - tot0 > 0 ? tot1 - tot0 : 1) ))% of CPU time during the bench (time the VM's host took from these cores)"
   grep -v 'it/s\]' "$OUT/$name-bench.txt" | tail -n 30
   if [ "$rc" -ne 0 ] || [ ! -s "$OUT/$name.json" ]; then

@@ -170,10 +170,9 @@ def tune_cpu_malloc() -> str | None:
     back to the OS; every step's activations (a 2048-token chunk's MLP output is 12 MiB in
     bf16) are then page-faulted and zeroed again by the kernel: 23-76k minor faults per
     bs8 x 256 ``bench-latency`` run in steady state, 0-3k with this (docs/benchmarks.md,
-    "An AMX machine"). This sets
-    ``M_MMAP_THRESHOLD`` to its 32 MiB maximum and ``M_TRIM_THRESHOLD`` to 1 GiB, so freed
-    blocks stay in the heap for the next step, as tcmalloc or jemalloc (what vLLM's CPU
-    build preloads) would keep them. The price: the process keeps up to 1 GiB of freed heap
+    "An AMX machine"). This sets ``M_MMAP_THRESHOLD`` to its 32 MiB maximum and
+    ``M_TRIM_THRESHOLD`` to 1 GiB, so freed blocks stay in the heap for the next step, as
+    tcmalloc or jemalloc (what vLLM's CPU build preloads) would keep them. The price: the process keeps up to 1 GiB of freed heap
     memory mapped (a step's peak activations; blocks over 32 MiB are still unmapped on free).
     ``FERRY_CPU_MALLOC=default`` leaves glibc as it is.
 

@@ -2,8 +2,8 @@
 
 :func:`load` compiles the file with ``torch.utils.cpp_extension`` (g++ ``-O3
 -march=native -mprefer-vector-width=512``: GCC's default 256-bit vectors on AVX-512 CPUs
-left SiLU-and-mul at 2.9 ms instead of 1.2 for 2048 x 3072 bf16; ninja; ~13 s on two cores, once: the build is cached under
-``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``, keyed by the source, torch
+left SiLU-and-mul at 2.9 ms instead of 1.2 for 2048 x 3072 bf16; ninja; ~13 s on two
+cores, once: the build is cached under ``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``, keyed by the source, torch
 version and this CPU's instruction-set flags) and registers ``torch.ops.ferry_cpu``. Where
 it cannot build (no compiler, ``FERRY_CPU_KERNELS=0``) it returns False once, logging why,
 and the CPU runs the torch references of :mod:`kernels.reference` instead.

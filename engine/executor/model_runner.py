@@ -69,10 +69,11 @@ class ModelRunner:
             model_path=args.model_path, load_format=args.load_format, dtype=self.dtype,
             device=self.device, seed=args.seed, quantization=args.quantization)
         self.load_time = time.perf_counter() - t0
-        if self.device_type == "cpu" and (how := dev.tune_cpu_malloc()):
-            logger.info("CPU: %s", how)
-        if self.device_type == "cpu":   # oneDNN's blocked weight layout (execution only:
-            packed = pack_cpu_weights(self.model)     # load_model returns plain weights)
+        if self.device_type == "cpu":
+            if how := dev.tune_cpu_malloc():
+                logger.info("CPU: %s", how)
+            # oneDNN's blocked weight layout (execution only: load_model returns plain weights)
+            packed = pack_cpu_weights(self.model)
             if packed:
                 logger.info("CPU: %d linear weights prepacked for oneDNN "
                             "(FERRY_CPU_PACKED_GEMM=0 turns it off)", packed)
