@@ -47,6 +47,7 @@ from server.responses_input import (
 )
 from server.serving import ClientGone, OpenAIServing, _SSEResponse, read_json, run_until_disconnect
 from server.tool_calls import prepare_chat
+from server.tool_format import chat_format
 
 logger = logging.getLogger("ferry.server")
 
@@ -228,7 +229,8 @@ class ResponsesServing:
             raise conv.rename(err) from None
         lp = LogprobOptions(skip_special_tokens=sp.skip_special_tokens,
                             spaces_between_special_tokens=sp.spaces_between_special_tokens)
-        fmt = tools.format(rid, s.model_name, 1, len(ids), False, False, s.strings, lp, n=1)
+        fmt = chat_format(tools, rid, s.model_name, 1, len(ids), False, False, s.strings, lp,
+                          n=1)
         build = ResponseBuilder(rid, s.model_name, fmt, echo_fields(req))
         s._log_request(fmt, conv.body["messages"], sp)
         rids: list[str] = []  # the engine rid generate registers (unique; see request_id)

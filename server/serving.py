@@ -41,6 +41,7 @@ from server.protocol import (
 from server.request_id import request_id_of
 from server.tokenizer_manager import ReqOutput, TokenizerManager
 from server.tool_calls import prepare_chat
+from server.tool_format import chat_format
 
 logger = logging.getLogger("ferry.server")
 
@@ -394,8 +395,8 @@ class OpenAIServing:
                             prompt_k=req.prompt_logprobs, prompt_ids=[ids] * req.n,
                             skip_special_tokens=req.skip_special_tokens,
                             spaces_between_special_tokens=req.spaces_between_special_tokens)
-        fmt = tools.format(base, self.model_name, len(subs), len(ids), req.include_usage,
-                           req.continuous_usage, self.strings, lp, n=req.n)
+        fmt = chat_format(tools, base, self.model_name, len(subs), len(ids),
+                          req.include_usage, req.continuous_usage, self.strings, lp, n=req.n)
         self._log_request(fmt, [m.model_dump(exclude_none=True) for m in req.messages], sp)
         return await self._answer(request, subs, req.stream, t0, fmt)
 

@@ -245,11 +245,12 @@ def _assemble(chunks) -> tuple[str, list[dict], str | None]:
 ])
 def test_stream_assembles_to_the_full_body(choice, parser, pieces, content, names):
     from server.tool_calls import ToolPlan
+    from server.tool_format import chat_format
 
     plan = ToolPlan(tools=TOOLS, choice=choice, parser=parser,
                     name="get_weather" if choice == "named" else None)
-    full = plan.format("c", "m", 1, 3, False).full([_outputs(pieces)])["choices"][0]
-    f = plan.format("c", "m", 1, 3, False)
+    full = chat_format(plan, "c", "m", 1, 3, False).full([_outputs(pieces)])["choices"][0]
+    f = chat_format(plan, "c", "m", 1, 3, False)
     chunks = f.start() + [c for o in _outputs(pieces) for c in f.chunks(o)]
     got_content, calls, fin = _assemble(chunks)
     msg = full["message"]

@@ -1,0 +1,158 @@
+"""The ``tool_calls`` of a chat answer: ``ToolChatFormat`` and ``chat_format``.
+
+``ToolChatFormat`` writes ``message.tool_calls`` (``finish_reason: "tool_calls"``) and, in a
+stream, OpenAI's tool-call deltas: per call first ``{index, id, type, function: {name,
+arguments: ""}}``, then argument fragments with the same ``index``. What the request asked
+of tools (``ToolPlan``) comes from ``server/tool_calls.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from server.formats import ChatFormat
+from server.tool_calls import ToolPlan
+from server.tool_parsers import START_MARKERS, ParsedCall, parse_tool_calls
+
+
+def chat_format(plan: ToolPlan, *args, **kwargs) -> ChatFormat:
+    """The chat response writer of ``plan``: ``ChatFormat`` unless calls can come back."""
+    if plan.choice in ("required", "named") or (plan.choice == "auto" and plan.parser):
+        return ToolChatFormat(plan, *args, **kwargs)
+    return ChatFormat(*args, **kwargs)
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+class ToolChatFormat(ChatFormat):
+    """``ChatFormat`` that turns the output into ``tool_calls`` (see the module docstring).
+
+    Args: a ``ToolPlan``, then ``ChatFormat``'s arguments.
+    """
+
+    def __init__(self, plan: ToolPlan, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.plan = plan
+        self.sent = [0] * self.count          # content characters streamed, per choice
+        self.named_id: list[str | None] = [None] * self.count
+        self._calls_found = False
+
+    def calls(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        """``(content, calls)`` of a finished output; ``(text, [])`` if it holds none."""
+        plan = self.plan
+        if plan.choice == "auto":
+            return parse_tool_calls(plan.parser, text)
+        try:
+            val = json.loads(text)
+        except ValueError:
+            return text, []
+        if plan.choice == "named":
+            return (None, [ParsedCall(plan.name, text)]) if isinstance(val, dict) else (text, [])
+        if not isinstance(val, list) or not all(
+                isinstance(v, dict) and isinstance(v.get("name"), str) for v in val):
+            return text, []
+        return None, [ParsedCall(v["name"], json.dumps(v.get("parameters", {}),
+                                                        ensure_ascii=False)) for v in val]
+
+    @staticmethod
+    def _tool_calls(calls: list[ParsedCall]) -> list[dict]:
+        return [{"id": _call_id(), "type": "function",
+                 "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+
+    def _choice(self, index, ch, finish_reason):
+        body = super()._choice(index, ch, finish_reason)
+        content, calls = self.calls(ch.text)
+        if calls:
+            body["message"]["content"] = content
+            body["message"]["tool_calls"] = self._tool_calls(calls)
+            if finish_reason == "stop":
+                body["finish_reason"] = "tool_calls"
+        return body
+
+    def _held_from(self, text: str) -> int:
+        """Characters of ``text`` that may be streamed as content now (auto): up to the
+        first call marker, or to a tail that could begin one."""
+        if self.plan.choice != "auto":
+            return 0
+        markers = START_MARKERS[self.plan.parser]
+        if self.plan.parser == "llama3":
+            if not text.strip() or text.lstrip().startswith("{"):
+                return 0
+            markers = markers[:1]
+        cut = min((i for m in markers if (i := text.find(m)) >= 0), default=len(text))
+        for m in markers:
+            for k in range(min(len(m) - 1, len(text)), 0, -1):
+                if text.endswith(m[:k]):
+                    cut = min(cut, len(text) - k)
+                    break
+        return cut
+
+    @staticmethod
+    def _like(chunk: dict, delta: dict, finish_reason: str | None = None) -> dict:
+        """A copy of the one-choice ``chunk`` with ``delta`` and no logprobs."""
+        c = dict(chunk)
+        c["choices"] = [dict(chunk["choices"][0], delta=delta, logprobs=None,
+                             finish_reason=finish_reason)]
+        return c
+
+    def chunks(self, out):
+        """``ChatFormat``'s chunks (logprobs kept), their content turned into tool calls."""
+        i = out.index
+        res = []
+        for c in super().chunks(out):
+            choice = c["choices"][0]
+            delta, fin = choice["delta"], choice["finish_reason"]
+            if "content" in delta:
+                if self.plan.choice == "named":  # the output is the arguments: stream them
+                    if self.named_id[i] is None:
+                        self.named_id[i] = _call_id()
+                        res.append(self._like(c, {"tool_calls": [{
+                            "index": 0, "id": self.named_id[i], "type": "function",
+                            "function": {"name": self.plan.name, "arguments": ""}}]}))
+                    choice["delta"] = {"tool_calls": [{
+                        "index": 0, "function": {"arguments": delta["content"]}}]}
+                else:  # content that cannot belong to a call; the rest waits for the end
+                    text = self.choices[i].text
+                    safe = max(self._held_from(text), self.sent[i])
+                    choice["delta"] = {"content": text[self.sent[i]:safe]} \
+                        if safe > self.sent[i] else {}
+                    self.sent[i] = safe
+                if choice["delta"] or choice.get("logprobs"):
+                    res.append(c)
+            if fin is not None:
+                res.extend(self._final(c, i))
+                if fin == "stop" and (self.plan.choice == "named" or self._calls_found):
+                    choice["finish_reason"] = "tool_calls"
+                res.append(c)
+        return res
+
+    def _final(self, chunk: dict, i: int) -> list[dict]:
+        """The held-back content and the tool calls of choice ``i``, at its end."""
+        self._calls_found = False
+        if self.plan.choice == "named":
+            self._calls_found = True
+            return []
+        text = self.choices[i].text
+        content, calls = self.calls(text)
+        res = []
+        end = self._marker_at(text) if calls else len(text)
+        rest = text[self.sent[i]:end]
+        if rest and (rest.strip() or not calls):
+            res.append(self._like(chunk, {"content": rest}))
+        self.sent[i] = len(text)
+        for k, (c, tc) in enumerate(zip(calls, self._tool_calls(calls))):
+            res.append(self._like(chunk, {"tool_calls": [dict(tc, index=k, function={
+                "name": c.name, "arguments": ""})]}))
+            res.append(self._like(chunk, {"tool_calls": [{
+                "index": k, "function": {"arguments": c.arguments}}]}))
+        self._calls_found = bool(calls)
+        return res
+
+    def _marker_at(self, text: str) -> int:
+        if self.plan.choice != "auto":
+            return 0
+        found = [i for m in START_MARKERS[self.plan.parser] if (i := text.find(m)) >= 0]
+        return min(found, default=0)
