@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from bench import bench_serving as bs
-from bench import hf_baseline, roofline
+from bench import hf_baseline, roofline, serving_report, workloads
 
 # ------------------------------------------------------------------------ fake server
 
@@ -250,7 +250,7 @@ def test_sharegpt_dataset(server_url, tmp_path):
                                {"from": "gpt", "value": "a b c d e f"}]}]
     path = tmp_path / "sharegpt.json"
     path.write_text(json.dumps(data))
-    reqs = bs.sharegpt_requests(str(path), 4, seed=0)
+    reqs = workloads.sharegpt_requests(str(path), 4, seed=0)
     # word-count estimate: ceil(words * 4 / 3)
     by_prompt = {r.prompt: (r.prompt_len, r.output_len) for r in reqs}
     assert by_prompt == {"tell me a joke": (6, 4), "hi there": (3, 8)}
@@ -259,7 +259,7 @@ def test_sharegpt_dataset(server_url, tmp_path):
         def encode(self, text, add_special_tokens=False):
             return list(text)
 
-    reqs = bs.sharegpt_requests(str(path), 2, seed=0, tokenizer=CharTokenizer())
+    reqs = workloads.sharegpt_requests(str(path), 2, seed=0, tokenizer=CharTokenizer())
     assert {(r.prompt_len, r.output_len) for r in reqs} == {(14, 13), (8, 11)}
 
     STATE.reset()
@@ -269,39 +269,39 @@ def test_sharegpt_dataset(server_url, tmp_path):
 
 
 def test_random_requests_and_poisson_arrivals():
-    reqs = bs.random_requests(50, 100, 1024, 0.1, 100, 30000, seed=1)
+    reqs = workloads.random_requests(50, 100, 1024, 0.1, 100, 30000, seed=1)
     assert all(10 <= r.prompt_len <= 100 and len(r.prompt) == r.prompt_len for r in reqs)
     assert all(102 <= r.output_len <= 1024 for r in reqs)
     assert all(100 <= t < 30000 for r in reqs for t in r.prompt)
-    assert [r.prompt for r in bs.random_requests(50, 100, 1024, 0.1, 100, 30000, 1)] == \
+    assert [r.prompt for r in workloads.random_requests(50, 100, 1024, 0.1, 100, 30000, 1)] == \
         [r.prompt for r in reqs]
-    assert {r.prompt_len for r in bs.random_requests(5, 7, 3, 1.0, 0, 10, 0)} == {7}
+    assert {r.prompt_len for r in workloads.random_requests(5, 7, 3, 1.0, 0, 10, 0)} == {7}
 
-    assert bs.arrival_offsets(3, math.inf, 0) == [0.0, 0.0, 0.0]
-    t = bs.arrival_offsets(4001, 8.0, seed=3)
+    assert workloads.arrival_offsets(3, math.inf, 0) == [0.0, 0.0, 0.0]
+    t = workloads.arrival_offsets(4001, 8.0, seed=3)
     gaps = np.diff(t)
     assert t[0] == 0.0 and (gaps > 0).all()
     assert abs(gaps.mean() - 1 / 8) < 0.01  # exponential gaps, mean 1/rate
     assert abs(gaps.std() - 1 / 8) < 0.015  # exponential: std == mean
-    assert bs.arrival_offsets(10, 8.0, seed=3) == t[:10]
+    assert workloads.arrival_offsets(10, 8.0, seed=3) == t[:10]
     with pytest.raises(ValueError):
-        bs.arrival_offsets(3, 0.0, 0)
+        workloads.arrival_offsets(3, 0.0, 0)
 
 
 def test_percentile_and_summary_match_numpy():
     data = [12.5, 3.0, 7.25, 100.0, 0.5, 42.0, 9.0, 9.0, 15.75, 61.0, 2.0]
     for q in (0, 1, 10, 25, 50, 75, 90, 99, 100):
-        assert bs.percentile(data, q) == pytest.approx(float(np.percentile(data, q)))
-    s = bs.summarize(data, scale=1e3)
+        assert serving_report.percentile(data, q) == pytest.approx(float(np.percentile(data, q)))
+    s = serving_report.summarize(data, scale=1e3)
     arr = np.array(data) * 1e3
     assert s["mean"] == pytest.approx(arr.mean())
     assert s["median"] == pytest.approx(np.median(arr))
     assert s["std"] == pytest.approx(arr.std())
     assert s["p99"] == pytest.approx(np.percentile(arr, 99))
-    assert bs.percentile([4.0], 99) == 4.0
-    assert all(math.isnan(v) for v in bs.summarize([]).values())
+    assert serving_report.percentile([4.0], 99) == 4.0
+    assert all(math.isnan(v) for v in serving_report.summarize([]).values())
     with pytest.raises(ValueError):
-        bs.percentile(data, 101)
+        serving_report.percentile(data, 101)
 
 
 # ------------------------------------------------------------------------- roofline
