@@ -37,6 +37,19 @@ class ModelConfig:
         rope_parameters: ``rope_type`` and its fields (``engine.layers.rotary.rope_config``).
         hidden_act: MLP activation name.
         attention_bias, mlp_bias: projection biases (``attention_bias``, ``mlp_bias``).
+        num_experts: routed experts per MoE layer (``num_experts``, Mixtral's
+            ``num_local_experts``); 0 for a dense model.
+        num_experts_per_tok: experts each token is routed to (top-k).
+        moe_intermediate_size: width of one expert (``moe_intermediate_size``, else
+            ``intermediate_size``: Mixtral's experts); ``intermediate_size`` stays the width
+            of the dense MLP layers.
+        norm_topk_prob: renormalise the top-k routing weights to sum to 1 (``norm_topk_prob``;
+            a model class may force it, as Mixtral does).
+        shared_expert_intermediate_size: width of the always-on shared expert (Qwen2-MoE),
+            0 for none.
+        decoder_sparse_step, mlp_only_layers: layer ``i`` is an MoE layer when
+            ``num_experts > 0``, ``i not in mlp_only_layers`` and
+            ``(i + 1) % decoder_sparse_step == 0`` (:meth:`is_moe_layer`), as in transformers.
     """
 
     architecture: str
@@ -56,6 +69,18 @@ class ModelConfig:
     hidden_act: str = "silu"
     attention_bias: bool = False
     mlp_bias: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether decoder layer ``layer_id`` has a mixture-of-experts MLP."""
+        return (self.num_experts > 0 and layer_id not in self.mlp_only_layers
+                and (layer_id + 1) % self.decoder_sparse_step == 0)
 
     @property
     def q_size(self) -> int:
@@ -114,7 +139,26 @@ class ModelConfig:
             hidden_act=getattr(text, "hidden_act", None) or "silu",
             attention_bias=bool(getattr(text, "attention_bias", False)),
             mlp_bias=bool(getattr(text, "mlp_bias", False)),
+            **_moe_fields(text),
         )
+
+
+def _moe_fields(text) -> dict:
+    """The MoE fields of an HF config, under each family's own names (none: dense)."""
+    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    if not experts:
+        return {}
+    return {
+        "num_experts": int(experts),
+        "num_experts_per_tok": int(text.num_experts_per_tok),
+        "moe_intermediate_size": int(getattr(text, "moe_intermediate_size", None)
+                                     or text.intermediate_size),
+        "norm_topk_prob": bool(getattr(text, "norm_topk_prob", False)),
+        "shared_expert_intermediate_size": int(
+            getattr(text, "shared_expert_intermediate_size", None) or 0),
+        "decoder_sparse_step": int(getattr(text, "decoder_sparse_step", None) or 1),
+        "mlp_only_layers": tuple(int(i) for i in getattr(text, "mlp_only_layers", None) or ()),
+    }
 
 
 def _architecture(config) -> str:
