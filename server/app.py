@@ -5,8 +5,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/toke
 ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /server_info``,
 ``GET /metrics``, ``POST /flush_cache`` (empties the prefix cache; 400 while requests run),
 ``GET /openapi.json`` and ``GET /docs`` (``server/openapi.py``). ``OPTIONS`` on a route
-answers 204 (CORS preflights included, ``server/cors.py``); every response carries
-``X-Request-Id`` (``server/request_id.py``). Every handler is wrapped so an unexpected
+answers 204 (CORS preflights included, ``server/http/cors.py``); every response carries
+``X-Request-Id`` (``server/http/request_id.py``). Every handler is wrapped so an unexpected
 exception still answers an OpenAI-shaped error (and logs the traceback); unknown routes
 (404, a trailing slash included: no redirects) and wrong methods (405) are shaped too.
 """
@@ -29,11 +29,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from server.cors import FerryCORSMiddleware, OptionsMiddleware, cors_options
-from server.errors import APIError, http_error
+from server.http.cors import FerryCORSMiddleware, OptionsMiddleware, cors_options
+from server.http.errors import APIError, http_error
+from server.http.request_id import STATE_KEY as REQUEST_ID_KEY
+from server.http.request_id import RequestIdMiddleware
 from server.openapi import ServerFacts, openapi_routes
-from server.request_id import STATE_KEY as REQUEST_ID_KEY
-from server.request_id import RequestIdMiddleware
 from server.responses import ResponsesServing
 from server.serving import OpenAIServing
 from server.tokenizer_manager import TokenizerManager
@@ -221,7 +221,7 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
         elif exc.status_code == 405:
             msg = f"Method {request.method} is not allowed on {request.url.path}"
         headers = dict(exc.headers or {})
-        if "Allow" in headers:  # OPTIONS is answered on every route (server/cors.py)
+        if "Allow" in headers:  # OPTIONS is answered on every route (server/http/cors.py)
             headers["Allow"] += ", OPTIONS"
         return APIError(msg, exc.status_code, None, None, headers=headers).response()
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from server.errors import bad_request, not_supported
+from server.http.errors import bad_request, not_supported
 from server.protocol import ChatMessage
 from server.tool_messages import assistant_tool_calls
 

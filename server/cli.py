@@ -102,7 +102,7 @@ def serve(argv: list[str]) -> int:
     stderr and ``SystemExit(2)``, as argparse does for its own errors.
     """
     from engine.args import ServerArgs
-    from server.cors import cors_options
+    from server.http.cors import cors_options
 
     parser = serve_parser()
     ns = parser.parse_args(argv)

@@ -5,7 +5,7 @@
 2. Spawn the engine and the detokenizer (multiprocessing "spawn"); load the tokenizer in a
    thread meanwhile. Wait for both ``ReadyOut`` messages (a child that dies or a timeout is a
    clear start-up error), then log one line and run uvicorn in the same event loop (with
-   the connection limits and timeouts of ``server/http_limits.py``).
+   the connection limits and timeouts of ``server/http/limits.py``).
 3. Watch the children: if one dies, /health answers 503, every waiting request gets a 503
    (a stream a final error event and ``[DONE]``) and the server exits non-zero.
 4. With ``--tp-size N`` the engine process spawns the model workers of ranks 1..N-1 (see
@@ -34,7 +34,7 @@ import uvicorn
 
 from engine.ipc import IpcPaths
 from server.app import build_app, model_name_of
-from server.http_limits import raise_fd_limit, uvicorn_limits
+from server.http.limits import raise_fd_limit, uvicorn_limits
 from server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("ferry.server")

@@ -9,7 +9,7 @@ path and methods come from ``app.routes``; its request and response bodies from
 of ``server/openapi_models.py`` and are merged into the request schemas, which then forbid
 anything else, as the server does. A route missing from ``OPERATIONS`` is still listed,
 with a generic answer. Every operation documents the OpenAI error body for its error
-statuses and the ``X-Request-Id`` header (``server/request_id.py``).
+statuses and the ``X-Request-Id`` header (``server/http/request_id.py``).
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from server import openapi_models as om
+from server.http.request_id import HEADER as REQUEST_ID
+from server.http.request_id import MAX_REQUEST_ID_LEN
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from server.request_id import HEADER as REQUEST_ID
-from server.request_id import MAX_REQUEST_ID_LEN
 
 #: errors of a generation request: bad body or X-Request-Id, key, model, slow body, size,
 #: media type, queue full / engine gone

@@ -40,7 +40,7 @@ from engine.sampling.params import (
     MAX_STOP_STRINGS,
     SamplingParams,
 )
-from server.errors import APIError, bad_request, not_supported
+from server.http.errors import APIError, bad_request, not_supported
 from server.protocol_base import (  # noqa: F401 - re-exported
     MAX_DETOKENIZE_TOKENS,
     MAX_MESSAGES,

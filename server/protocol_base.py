@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from server.errors import APIError, bad_request
+from server.http.errors import APIError, bad_request
 
 MAX_N_HARD = 128             # upper bound of n whatever --max-n says
 MAX_MESSAGES = 1024

@@ -25,8 +25,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from server.chat_messages import messages_for_template
-from server.errors import APIError, bad_request, not_supported
 from server.formats import LogprobOptions
+from server.http.errors import APIError, bad_request, not_supported
+from server.http.request_id import request_id_of
 from server.protocol import (
     ENGINE_DERIVED,
     INT32_MAX,
@@ -36,7 +37,6 @@ from server.protocol import (
     from_validation_error,
     parse_request,
 )
-from server.request_id import request_id_of
 from server.responses_events import ResponseBuilder, sse_event
 from server.responses_input import (
     ChatConversion,

@@ -27,8 +27,8 @@ import time
 import uuid
 from typing import Any
 
-from server.errors import APIError
 from server.formats import ChatFormat
+from server.http.errors import APIError
 from server.tokenizer_manager import ReqOutput
 
 TERMINAL = {"completed": "response.completed", "incomplete": "response.incomplete",

@@ -28,8 +28,9 @@ from engine.sampling.params import SamplingParams
 from engine.validation import RequestError, verify_sampling
 from server import structured
 from server.chat_messages import messages_for_template
-from server.errors import APIError, bad_request, http_error
 from server.formats import BaseFormat, CompletionFormat, LogprobOptions
+from server.http.errors import APIError, bad_request, http_error
+from server.http.request_id import request_id_of
 from server.logprobs import TokenStrings
 from server.protocol import (
     ChatCompletionRequest,
@@ -38,7 +39,6 @@ from server.protocol import (
     TokenizeRequest,
     parse_request,
 )
-from server.request_id import request_id_of
 from server.tokenizer_manager import ReqOutput, TokenizerManager
 from server.tool_calls import prepare_chat
 from server.tool_format import chat_format

@@ -28,7 +28,7 @@ import msgspec
 
 from engine.sampling.grammar import check_grammar
 from engine.sampling.params import SamplingParams
-from server.errors import bad_request, not_supported
+from server.http.errors import bad_request, not_supported
 
 #: request fields (besides SGLang's ``json_schema``/``regex``/``ebnf``) this module reads
 STRUCTURED_FIELDS = frozenset({"response_format", "guided_json", "guided_regex",

@@ -25,7 +25,7 @@ from engine import io_struct as io
 from engine.ipc import SERVER_IN, AsyncPullSocket, IpcPaths, PushSocket
 from engine.sampling.params import SamplingParams
 from engine.validation import RequestError, validate_request
-from server.errors import APIError, bad_request, unavailable
+from server.http.errors import APIError, bad_request, unavailable
 from server.metrics import Metrics, format_request_log
 
 logger = logging.getLogger("ferry.server")

@@ -24,7 +24,7 @@ import msgspec
 
 from engine.sampling.params import SamplingParams
 from server import structured
-from server.errors import bad_request
+from server.http.errors import bad_request
 from server.tool_parsers import detect_parser
 
 MAX_TOOLS = 128

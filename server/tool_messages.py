@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from server.errors import bad_request
+from server.http.errors import bad_request
 
 MAX_TOOL_CALLS = 128
 

@@ -15,8 +15,8 @@ from engine.sampling.params import SamplingParams
 from engine.scheduler.request import Req
 from engine.scheduler.scheduler import Scheduler
 from engine.tokenizer.detokenizer import DetokenizerManager
-from server.errors import APIError
 from server.formats import ChatFormat, CompletionFormat, LogprobOptions
+from server.http.errors import APIError
 from server.logprobs import TokenStrings
 from server.protocol import (
     ACCEPTED_NOOPS,

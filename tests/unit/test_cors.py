@@ -10,7 +10,7 @@ import pytest
 from app_helpers import make_app
 from starlette.testclient import TestClient
 
-from server.cors import parse_origins
+from server.http.cors import parse_origins
 
 
 def cors_headers(r) -> dict:

@@ -15,7 +15,7 @@ from engine import io_struct as io
 from engine.sampling.params import SamplingParams
 from engine.validation import RequestError, validate_request
 from server.cli import main
-from server.errors import APIError
+from server.http.errors import APIError
 from server.protocol import (
     ACCEPTED_NOOPS,
     ChatCompletionRequest,

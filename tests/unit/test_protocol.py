@@ -14,7 +14,7 @@ import pytest
 from engine.sampling.params import SamplingParams
 from server.app import model_name_of
 from server.chat_messages import messages_for_template
-from server.errors import APIError
+from server.http.errors import APIError
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -401,7 +401,7 @@ def test_min_tokens_bounded_by_the_context():
 
 def test_uvicorn_limits_leave_room_for_ferrys_own_503():
     from engine.args import ServerArgs
-    from server.http_limits import raise_fd_limit, uvicorn_limits
+    from server.http.limits import raise_fd_limit, uvicorn_limits
 
     args = ServerArgs(max_running_requests=256, max_queued_requests=1024)
     lim = uvicorn_limits(args, 200, fd_limit=65536)
@@ -424,7 +424,7 @@ async def _serve_tiny(monkeypatch, stream_s: float):
 
     import uvicorn
 
-    from server import http_limits
+    from server.http import limits as http_limits
 
 
     async def app(scope, receive, send):

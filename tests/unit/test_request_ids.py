@@ -14,8 +14,8 @@ import pytest
 from app_helpers import make_app
 from starlette.testclient import TestClient
 
-from server.errors import APIError
-from server.request_id import parse_header
+from server.http.errors import APIError
+from server.http.request_id import parse_header
 
 BODY = {"prompt": [1, 2, 3], "max_tokens": 1}
 

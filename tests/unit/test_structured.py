@@ -10,7 +10,7 @@ import pytest
 
 from engine.sampling.grammar import check_grammar
 from engine.sampling.params import SamplingParams
-from server.errors import APIError
+from server.http.errors import APIError
 from server.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from server.structured import choice_grammar, constrain
 from server.tool_calls import calls_schema, plan_tools, prepare_chat

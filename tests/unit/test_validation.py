@@ -135,7 +135,7 @@ BAD = [  # (prompt ids, max_tokens, param, hand-written message)
 @pytest.mark.parametrize("ids,max_tokens,param,message", BAD)
 def test_engine_server_and_llm_agree(tiny, ids, max_tokens, param, message):
     from engine import io_struct as io
-    from server.errors import APIError
+    from server.http.errors import APIError
     from server.tokenizer_manager import TokenizerManager
 
     llm, loop = tiny

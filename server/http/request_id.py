@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 import uuid
 
-from server.errors import APIError
+from server.http.errors import APIError
 
 HEADER = "X-Request-Id"
 MAX_REQUEST_ID_LEN = 256

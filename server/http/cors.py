@@ -21,8 +21,8 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 from starlette.routing import Match
 
-from server.errors import APIError
-from server.request_id import HEADER as REQUEST_ID_HEADER
+from server.http.errors import APIError
+from server.http.request_id import HEADER as REQUEST_ID_HEADER
 
 _ORIGIN = re.compile(r"(?P<base>[a-z][a-z0-9+.-]*://(?:\[[0-9a-f:.]+\]|[^/:*\s\[\]@]+))"
                      r"(?::(?P<port>[0-9]{1,5}|\*))?/?")

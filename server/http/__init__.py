@@ -1,0 +1,5 @@
+"""HTTP plumbing every route shares: OpenAI-shaped errors (``errors``), request ids
+(``request_id``), CORS and ``OPTIONS`` (``cors``), uvicorn's limits (``limits``).
+
+The bottom of server/: nothing here imports a server module outside http/.
+"""
