@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import time
 
 import torch
 
+from bench.result_line import emit_result
 from engine import device as dev
 from engine.args import ServerArgs
 from engine.executor.forward_batch import ForwardMode
@@ -155,13 +155,12 @@ def main(argv: list[str] | None = None) -> None:
                     "total_latency_s": total,
                     "total_throughput_tok_s": bs * (il + ol) / total,
                 }
-                print(f"bs={bs} in={il} out={ol} | prefill {res['prefill_latency_s']:.4f} s "
-                      f"({res['prefill_throughput_tok_s']:.0f} tok/s) | decode median "
-                      f"{med:.5f} s ({res['median_decode_throughput_tok_s']:.1f} tok/s) | total "
-                      f"{total:.3f} s ({res['total_throughput_tok_s']:.0f} tok/s)")
-                if ns.result_jsonl:
-                    with open(ns.result_jsonl, "a") as f:
-                        f.write(json.dumps(res) + "\n")
+                emit_result(res, f"bs={bs} in={il} out={ol} | prefill "
+                            f"{res['prefill_latency_s']:.4f} s "
+                            f"({res['prefill_throughput_tok_s']:.0f} tok/s) | decode median "
+                            f"{med:.5f} s ({res['median_decode_throughput_tok_s']:.1f} tok/s) "
+                            f"| total {total:.3f} s ({res['total_throughput_tok_s']:.0f} tok/s)",
+                            ns.result_jsonl)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,10 @@ to the continuous-batching scheduler. Prints requests/s and input, output and to
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 
+from bench.result_line import emit_result
 from engine import device as dev
 from engine.args import ServerArgs
 from engine.sampling.params import SamplingParams
@@ -69,13 +69,10 @@ def main(argv: list[str] | None = None) -> None:
            "input_tok_s": n_in / dt, "output_tok_s": n_out / dt, "total_tok_s": (n_in + n_out) / dt,
            "input_tokens": n_in, "output_tokens": n_out, "device": llm.runner.device_type,
            "preemptions": sched.stats["preemptions"]}
-    print(f"{len(reqs)} requests in {dt:.2f} s: {res['requests_per_s']:.2f} req/s, input "
-          f"{res['input_tok_s']:.0f} tok/s, output {res['output_tok_s']:.0f} tok/s, total "
-          f"{res['total_tok_s']:.0f} tok/s ({n_in} in, {n_out} out, "
-          f"{sched.stats['preemptions']} preemptions)")
-    if ns.result_jsonl:
-        with open(ns.result_jsonl, "a") as f:
-            f.write(json.dumps(res) + "\n")
+    emit_result(res, f"{len(reqs)} requests in {dt:.2f} s: {res['requests_per_s']:.2f} req/s, "
+                f"input {res['input_tok_s']:.0f} tok/s, output {res['output_tok_s']:.0f} tok/s, "
+                f"total {res['total_tok_s']:.0f} tok/s ({n_in} in, {n_out} out, "
+                f"{sched.stats['preemptions']} preemptions)", ns.result_jsonl)
 
 
 if __name__ == "__main__":

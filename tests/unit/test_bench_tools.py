@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from bench import bench_serving as bs
-from bench import hf_baseline, roofline, serving_report, workloads
+from bench import hf_baseline, result_line, roofline, serving_report, workloads
 
 # ------------------------------------------------------------------------ fake server
 
@@ -302,6 +302,20 @@ def test_percentile_and_summary_match_numpy():
     assert all(math.isnan(v) for v in serving_report.summarize([]).values())
     with pytest.raises(ValueError):
         serving_report.percentile(data, 101)
+
+
+# ---------------------------------------------------------------------- result line
+
+
+def test_result_line_appends_json_dumps_lines(tmp_path, capsys):
+    out = tmp_path / "r.jsonl"
+    out.write_text('{"old": 1}\n')
+    result_line.emit_result({"a": 1, "b": 0.5, "c": float("nan")}, "summary 1", str(out))
+    result_line.emit_result({"a": 2}, "summary 2", None)  # printed, not written
+    result_line.emit_result({"a": 3}, "summary 3", str(out))
+    # the bytes bench-latency/bench-offline always wrote: json.dumps defaults, one per line
+    assert out.read_text() == '{"old": 1}\n{"a": 1, "b": 0.5, "c": NaN}\n{"a": 3}\n'
+    assert capsys.readouterr().out == "summary 1\nsummary 2\nsummary 3\n"
 
 
 # ------------------------------------------------------------------------- roofline
