@@ -73,7 +73,7 @@ def test_constraints() -> list[tuple[str, str, str]]:
     """``(name, kind, text)`` of every constraint the tests send, as the server passes them
     to the engine (schemas as ``json.dumps`` text; ``guided_choice`` as its EBNF;
     ``tool_choice: "required"`` as its calls schema), then ``LONG_SCHEMA``."""
-    from server.tool_calls import calls_schema
+    from server.tools.plan import calls_schema
 
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
              {"type": "function", "function": {"name": "get_time", "parameters": TIME_TZ}}]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from server.http.errors import bad_request, not_supported
 from server.protocol import ChatMessage
-from server.tool_messages import assistant_tool_calls
+from server.tools.messages import assistant_tool_calls
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
               "assistant": "assistant"}
@@ -12,7 +12,7 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
 TEMPLATE_FIELDS = ("name", "reasoning_content", "tool_call_id")
 #: message fields accepted and ignored: OpenAI's record of an assistant turn
 MESSAGE_NOOPS = frozenset({"refusal", "annotations"})
-#: message fields of tool calling (server/tool_messages.py converts tool_calls)
+#: message fields of tool calling (server/tools/messages.py converts tool_calls)
 TOOL_FIELDS = frozenset({"tool_calls", "tool_call_id", "function_call"})
 
 

@@ -12,9 +12,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from server.structured import MAX_CHOICES
-from server.tool_calls import MAX_TOOLS
-from server.tool_messages import MAX_TOOL_CALLS
+from server.tools.messages import MAX_TOOL_CALLS
+from server.tools.plan import MAX_TOOLS
+from server.tools.structured import MAX_CHOICES
 
 
 class _Out(BaseModel):
@@ -253,7 +253,7 @@ class ServerInfo(_Out):
 
 
 # ---- request fields the routes read beyond the request models' own ------------------------
-# (``model_extra``: server/structured.py, server/tool_calls.py, server/chat_messages.py and
+# (``model_extra``: server/tools/structured.py, server/tools/plan.py, server/chat_messages.py and
 # the accepted no-ops of server/protocol.py); ``server/openapi.py`` adds their schemas to the
 # request models' ones.
 
@@ -289,7 +289,7 @@ class StructuredOutputs(_Doc):
 
 
 class StructuredFields(_Doc):
-    """Output constraints (server/structured.py): at most one per request."""
+    """Output constraints (server/tools/structured.py): at most one per request."""
 
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -325,7 +325,7 @@ class NamedToolChoice(_Doc):
 
 
 class ToolFields(_Doc):
-    """Tool calling (server/tool_calls.py), chat only."""
+    """Tool calling (server/tools/plan.py), chat only."""
 
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

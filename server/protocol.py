@@ -55,7 +55,7 @@ from server.protocol_base import (  # noqa: F401 - re-exported
     json_schema_of,
     max_n_of,
 )
-from server.structured import STRUCTURED_FIELDS, STRUCTURED_NOOPS, TOOL_REQUEST_FIELDS
+from server.tools.structured import STRUCTURED_FIELDS, STRUCTURED_NOOPS, TOOL_REQUEST_FIELDS
 
 logger = logging.getLogger("ferry.server")
 
@@ -337,8 +337,8 @@ def _refuse(req: BaseModel, name: str, value: Any) -> APIError | None:
     """400 for an undeclared field ``name`` unless its value is harmless (None): the value
     ferry cannot honour, or a field it does not know at all."""
     if name in STRUCTURED_FIELDS or name in STRUCTURED_NOOPS or name in TOOL_REQUEST_FIELDS:
-        return None  # checked by server/structured.py and server/tool_calls.py
-    if name == "parallel_tool_calls":  # server/tool_calls.py reads it (chat only)
+        return None  # checked by server/tools/structured.py and server/tools/plan.py
+    if name == "parallel_tool_calls":  # server/tools/plan.py reads it (chat only)
         if isinstance(req, ChatCompletionRequest) or value is None:
             return None
         return not_supported(name, "only on /v1/chat/completions")

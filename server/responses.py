@@ -5,8 +5,8 @@ no-op or a 400 naming it), turned into a ``/v1/chat/completions`` body (``to_cha
 ``instructions`` + ``input`` -> ``messages``, ``max_output_tokens`` -> ``max_completion_tokens``,
 ``text.format`` -> ``response_format``, flat function ``tools``/``tool_choice`` -> the chat
 shapes) and then runs exactly as a chat request: the same template, the same sampling, the
-same structured-output and tool-calling code (``server/structured.py``,
-``server/tool_calls.py``). The answer is written by ``server/responses_events.py`` from the
+same structured-output and tool-calling code (``server/tools/structured.py``,
+``server/tools/plan.py``). The answer is written by ``server/responses_events.py`` from the
 chat format's chunks: a ``response`` object, or typed SSE events.
 
 ferry is stateless: ``previous_response_id``, ``conversation``, ``background: true`` and an
@@ -46,8 +46,8 @@ from server.responses_input import (
     chat_tools,
 )
 from server.serving import ClientGone, OpenAIServing, _SSEResponse, read_json, run_until_disconnect
-from server.tool_calls import prepare_chat
 from server.tool_format import chat_format
+from server.tools.plan import prepare_chat
 
 logger = logging.getLogger("ferry.server")
 

@@ -192,7 +192,7 @@ def chat_tools(tools: list[dict]) -> list[dict]:
 def chat_tool_choice(choice: str | dict) -> str | dict:
     """A Responses ``tool_choice`` in the chat shape."""
     if isinstance(choice, str):
-        return choice  # none / auto / required; anything else: tool_calls.py's 400
+        return choice  # none / auto / required; anything else: server/tools/plan.py's 400
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
     kind = choice.get("type")

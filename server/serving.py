@@ -26,7 +26,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.sampling.params import SamplingParams
 from engine.validation import RequestError, verify_sampling
-from server import structured
 from server.chat_messages import messages_for_template
 from server.formats import BaseFormat, CompletionFormat, LogprobOptions
 from server.http.errors import APIError, bad_request, http_error
@@ -40,8 +39,9 @@ from server.protocol import (
     parse_request,
 )
 from server.tokenizer_manager import ReqOutput, TokenizerManager
-from server.tool_calls import prepare_chat
 from server.tool_format import chat_format
+from server.tools import structured
+from server.tools.plan import prepare_chat
 
 logger = logging.getLogger("ferry.server")
 

@@ -3,7 +3,7 @@
 ``ToolChatFormat`` writes ``message.tool_calls`` (``finish_reason: "tool_calls"``) and, in a
 stream, OpenAI's tool-call deltas: per call first ``{index, id, type, function: {name,
 arguments: ""}}``, then argument fragments with the same ``index``. What the request asked
-of tools (``ToolPlan``) comes from ``server/tool_calls.py``.
+of tools (``ToolPlan``) comes from ``server/tools/plan.py``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import json
 import uuid
 
 from server.formats import ChatFormat
-from server.tool_calls import ToolPlan
-from server.tool_parsers import START_MARKERS, ParsedCall, parse_tool_calls
+from server.tools.parsers import START_MARKERS, ParsedCall, parse_tool_calls
+from server.tools.plan import ToolPlan
 
 
 def chat_format(plan: ToolPlan, *args, **kwargs) -> ChatFormat:

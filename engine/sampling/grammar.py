@@ -2,7 +2,7 @@
 
 The constraint of a request is one of ``SamplingParams.json_schema``, ``.regex`` or ``.ebnf``
 (SGLang's field names); the server maps OpenAI's ``response_format``, vLLM's ``guided_*`` /
-``structured_outputs`` and tool calling onto them (``server/structured.py``).
+``structured_outputs`` and tool calling onto them (``server/tools/structured.py``).
 
 - ``GrammarBackend`` compiles grammars off the scheduler's thread (a small thread pool) into
   a cache keyed by ``(kind, text)``; the scheduler keeps a request in its grammar queue until

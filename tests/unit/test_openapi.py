@@ -18,7 +18,7 @@ from engine.sampling.params import SamplingParams
 from server.chat_messages import MESSAGE_NOOPS, TEMPLATE_FIELDS, TOOL_FIELDS
 from server.openapi import build_openapi
 from server.protocol import ACCEPTED_NOOPS, ENGINE_DERIVED, SAMPLING_FIELDS
-from server.structured import STRUCTURED_FIELDS, STRUCTURED_NOOPS, TOOL_REQUEST_FIELDS
+from server.tools.structured import STRUCTURED_FIELDS, STRUCTURED_NOOPS, TOOL_REQUEST_FIELDS
 
 
 @pytest.fixture(scope="module")

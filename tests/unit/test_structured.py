@@ -12,9 +12,9 @@ from engine.sampling.grammar import check_grammar
 from engine.sampling.params import SamplingParams
 from server.http.errors import APIError
 from server.protocol import ChatCompletionRequest, CompletionRequest, parse_request
-from server.structured import choice_grammar, constrain
-from server.tool_calls import calls_schema, plan_tools, prepare_chat
-from server.tool_parsers import detect_parser, parse_tool_calls
+from server.tools.parsers import detect_parser, parse_tool_calls
+from server.tools.plan import calls_schema, plan_tools, prepare_chat
+from server.tools.structured import choice_grammar, constrain
 
 MSGS = [{"role": "user", "content": "hi"}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -244,8 +244,8 @@ def _assemble(chunks) -> tuple[str, list[dict], str | None]:
     ("named", None, ['{"city": ', '"Paris"}'], "", ["get_weather"]),
 ])
 def test_stream_assembles_to_the_full_body(choice, parser, pieces, content, names):
-    from server.tool_calls import ToolPlan
     from server.tool_format import chat_format
+    from server.tools.plan import ToolPlan
 
     plan = ToolPlan(tools=TOOLS, choice=choice, parser=parser,
                     name="get_weather" if choice == "named" else None)

@@ -33,7 +33,7 @@ from server.http.errors import bad_request, not_supported
 #: request fields (besides SGLang's ``json_schema``/``regex``/``ebnf``) this module reads
 STRUCTURED_FIELDS = frozenset({"response_format", "guided_json", "guided_regex",
                                "guided_choice", "guided_grammar", "structured_outputs"})
-#: tool calling's request fields (server/tool_calls.py; ``tools`` is a 400 outside chat)
+#: tool calling's request fields (server/tools/plan.py; ``tools`` is a 400 outside chat)
 TOOL_REQUEST_FIELDS = frozenset({"tools", "tool_choice"})
 #: vLLM's knobs of its own guided-decoding backends: accepted, no effect with xgrammar
 STRUCTURED_NOOPS = frozenset({"guided_decoding_backend", "guided_whitespace_pattern"})

@@ -7,7 +7,7 @@
 - A named function (``{"type": "function", "function": {"name"}}``) constrains the output to
   that function's ``parameters`` schema: the output is the arguments.
 - ``"auto"`` lets the model answer freely; the ``--tool-call-parser`` of its family
-  (``server/tool_parsers.py``; ``auto`` reads the chat template) finds the calls.
+  (``server/tools/parsers.py``; ``auto`` reads the chat template) finds the calls.
 - ``"none"``: no calls; the tools are still shown to the template (as vLLM does).
 
 ``ToolChatFormat`` (``server/tool_format.py``) writes the ``tool_calls`` of the answer.
@@ -23,9 +23,9 @@ from typing import Any
 import msgspec
 
 from engine.sampling.params import SamplingParams
-from server import structured
 from server.http.errors import bad_request
-from server.tool_parsers import detect_parser
+from server.tools import structured
+from server.tools.parsers import detect_parser
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
