@@ -16,7 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.layers.quantization.fp8 import FP8_DTYPE, FP8_MAX, SCALE_EPS, WEIGHT_ONLY_MAX_M
+from engine.layers.quantization.fp8_constants import (
+    FP8_DTYPE,
+    FP8_MAX,
+    SCALE_EPS,
+    WEIGHT_ONLY_MAX_M,
+)
 
 
 @triton.jit
@@ -145,7 +150,7 @@ def _fp8_small_m_kernel(x_ptr, w_ptr, sw_ptr, sx_ptr, y_ptr, part_ptr, lock_ptr,
             tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
-#: the largest M the layers give the small-M kernel (fp8.py's WEIGHT_ONLY_MAX_M): at M = 32
+#: the largest M the layers give the small-M kernel (``WEIGHT_ONLY_MAX_M``): at M = 32
 #: quant + ``torch._scaled_mm`` is already as fast (bench/sweep_gemm.py --fp8 on the H200)
 SMALL_M_MAX = WEIGHT_ONLY_MAX_M
 _LOCKS: dict[torch.device, torch.Tensor] = {}
