@@ -33,9 +33,9 @@ from server.http.cors import FerryCORSMiddleware, OptionsMiddleware, cors_option
 from server.http.errors import APIError, http_error
 from server.http.request_id import STATE_KEY as REQUEST_ID_KEY
 from server.http.request_id import RequestIdMiddleware
+from server.openai.serving import OpenAIServing
 from server.openapi import ServerFacts, openapi_routes
 from server.responses import ResponsesServing
-from server.serving import OpenAIServing
 from server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("ferry.server")

@@ -2,7 +2,7 @@
 
 The document is built from the app's route table and the pydantic models: every route's
 path and methods come from ``app.routes``; its request and response bodies from
-``OPERATIONS`` (the request models of ``server/protocol.py``, the response models of
+``OPERATIONS`` (the request models of ``server/openai/protocol.py``, the response models of
 ``server/openapi_models.py``), turned into JSON schemas by pydantic
 (``models_json_schema``). The fields the routes read outside the request models
 (structured output, tools, accepted no-ops, message fields) come from the ``*Fields`` models
@@ -29,7 +29,7 @@ from starlette.routing import Route
 from server import openapi_models as om
 from server.http.request_id import HEADER as REQUEST_ID
 from server.http.request_id import MAX_REQUEST_ID_LEN
-from server.protocol import (
+from server.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,

@@ -1,6 +1,6 @@
 """Pydantic models of the response bodies, for ``/openapi.json`` only.
 
-The routes build their bodies as dicts (``server/formats.py``, ``server/app.py``); these
+The routes build their bodies as dicts (``server/openai/formats.py``, ``server/app.py``); these
 models describe them (``server/openapi.py`` turns them into JSON schemas), and the
 schemathesis test (``tests/e2e/test_schemathesis.py``) checks every response against them.
 Fields a body may carry or not are optional here; every field named is typed.
@@ -253,8 +253,8 @@ class ServerInfo(_Out):
 
 
 # ---- request fields the routes read beyond the request models' own ------------------------
-# (``model_extra``: server/tools/structured.py, server/tools/plan.py, server/chat_messages.py and
-# the accepted no-ops of server/protocol.py); ``server/openapi.py`` adds their schemas to the
+# (``model_extra``: server/tools/structured.py, server/tools/plan.py, server/openai/chat_messages.py and
+# the accepted no-ops of server/openai/protocol.py); ``server/openapi.py`` adds their schemas to the
 # request models' ones.
 
 class _Doc(BaseModel):
@@ -333,7 +333,7 @@ class ToolFields(_Doc):
 
 
 class NoopFields(_Doc):
-    """Accepted no-ops (``ACCEPTED_NOOPS`` in server/protocol.py): any value, no effect."""
+    """Accepted no-ops (``ACCEPTED_NOOPS`` in server/openai/protocol.py): any value, no effect."""
 
     metadata: Any = Field(None, description="e.g. {\"key\": \"value\"}; no effect")
     store: Any = Field(None, description="no effect (nothing is stored)")
@@ -360,7 +360,7 @@ class ToolCallIn(_Doc):
 
 
 class ChatMessageDoc(_Doc):
-    """A chat message as ``messages_for_template`` (server/chat_messages.py) takes it."""
+    """A chat message as ``messages_for_template`` (server/openai/chat_messages.py) takes it."""
 
     # content may be null or absent on an assistant message only
     model_config = ConfigDict(json_schema_extra={"anyOf": [

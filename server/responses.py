@@ -24,11 +24,11 @@ from pydantic import Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from server.chat_messages import messages_for_template
-from server.formats import LogprobOptions
 from server.http.errors import APIError, bad_request, not_supported
 from server.http.request_id import request_id_of
-from server.protocol import (
+from server.openai.chat_messages import messages_for_template
+from server.openai.formats import LogprobOptions
+from server.openai.protocol import (
     ENGINE_DERIVED,
     INT32_MAX,
     SAMPLING_FIELDS,
@@ -37,6 +37,14 @@ from server.protocol import (
     from_validation_error,
     parse_request,
 )
+from server.openai.serving import (
+    ClientGone,
+    OpenAIServing,
+    _SSEResponse,
+    read_json,
+    run_until_disconnect,
+)
+from server.openai.tool_format import chat_format
 from server.responses_events import ResponseBuilder, sse_event
 from server.responses_input import (
     ChatConversion,
@@ -45,8 +53,6 @@ from server.responses_input import (
     chat_tool_choice,
     chat_tools,
 )
-from server.serving import ClientGone, OpenAIServing, _SSEResponse, read_json, run_until_disconnect
-from server.tool_format import chat_format
 from server.tools.plan import prepare_chat
 
 logger = logging.getLogger("ferry.server")

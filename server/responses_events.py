@@ -1,7 +1,7 @@
 """The ``response`` object and the typed SSE events of ``POST /v1/responses``.
 
 ``ResponseBuilder`` reads the chat format's chunks (``ChatFormat`` / ``ToolChatFormat`` of
-``server/formats.py`` and ``server/tool_format.py``, so text, tool calls and their parsing are
+``server/openai/formats.py`` and ``server/openai/tool_format.py``, so text, tool calls and their parsing are
 the chat endpoint's) and turns them into Responses output items: a ``message`` with one
 ``output_text`` part for the text, a ``function_call`` item per tool call. A stream emits, in
 order, with a ``sequence_number`` from 0:
@@ -27,8 +27,8 @@ import time
 import uuid
 from typing import Any
 
-from server.formats import ChatFormat
 from server.http.errors import APIError
+from server.openai.formats import ChatFormat
 from server.tokenizer_manager import ReqOutput
 
 TERMINAL = {"completed": "response.completed", "incomplete": "response.incomplete",

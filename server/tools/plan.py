@@ -10,7 +10,7 @@
   (``server/tools/parsers.py``; ``auto`` reads the chat template) finds the calls.
 - ``"none"``: no calls; the tools are still shown to the template (as vLLM does).
 
-``ToolChatFormat`` (``server/tool_format.py``) writes the ``tool_calls`` of the answer.
+``ToolChatFormat`` (``server/openai/tool_format.py``) writes the ``tool_calls`` of the answer.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from api_helpers import HTTP_TIMEOUT_S, MODEL, chat, post
 from openai.types.responses import response_create_params
 from pydantic import BaseModel
 
-from server.formats import ChatFormat
 from server.http.errors import APIError
+from server.openai.formats import ChatFormat
 from server.responses import parse_responses_request, to_chat
 from server.responses_events import ResponseBuilder
 from server.tokenizer_manager import ReqOutput

@@ -15,16 +15,16 @@ from engine.sampling.params import SamplingParams
 from engine.scheduler.request import Req
 from engine.scheduler.scheduler import Scheduler
 from engine.tokenizer.detokenizer import DetokenizerManager
-from server.formats import ChatFormat, CompletionFormat, LogprobOptions
 from server.http.errors import APIError
-from server.logprobs import TokenStrings
-from server.protocol import (
+from server.openai.formats import ChatFormat, CompletionFormat, LogprobOptions
+from server.openai.logprobs import TokenStrings
+from server.openai.protocol import (
     ACCEPTED_NOOPS,
     ChatCompletionRequest,
     CompletionRequest,
     parse_request,
 )
-from server.serving import check_json_content_type, choice_seed
+from server.openai.serving import check_json_content_type, choice_seed
 from server.tokenizer_manager import ReqOutput
 
 # ---- 1. no field silently dropped ---------------------------------------------------------
@@ -113,7 +113,7 @@ def test_the_issues_examples():
 
 
 def test_message_fields():
-    from server.chat_messages import messages_for_template
+    from server.openai.chat_messages import messages_for_template
 
     req = parse_request(ChatCompletionRequest, {"messages": [
         {"role": "user", "content": "hi", "name": "bob"},

@@ -16,7 +16,7 @@ from engine.sampling.params import SamplingParams
 from engine.validation import RequestError, validate_request
 from server.cli import main
 from server.http.errors import APIError
-from server.protocol import (
+from server.openai.protocol import (
     ACCEPTED_NOOPS,
     ChatCompletionRequest,
     CompletionRequest,

@@ -15,9 +15,9 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from engine.sampling.params import SamplingParams
-from server.chat_messages import MESSAGE_NOOPS, TEMPLATE_FIELDS, TOOL_FIELDS
+from server.openai.chat_messages import MESSAGE_NOOPS, TEMPLATE_FIELDS, TOOL_FIELDS
+from server.openai.protocol import ACCEPTED_NOOPS, ENGINE_DERIVED, SAMPLING_FIELDS
 from server.openapi import build_openapi
-from server.protocol import ACCEPTED_NOOPS, ENGINE_DERIVED, SAMPLING_FIELDS
 from server.tools.structured import STRUCTURED_FIELDS, STRUCTURED_NOOPS, TOOL_REQUEST_FIELDS
 
 
@@ -154,7 +154,7 @@ def test_responses_validate_against_their_schemas(client, doc):
 
 
 def test_chat_response_schemas_match_the_format():
-    from server.formats import ChatFormat
+    from server.openai.formats import ChatFormat
     from server.tokenizer_manager import ReqOutput
 
     client = TestClient(make_app()[0])

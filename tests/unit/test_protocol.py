@@ -13,16 +13,16 @@ import pytest
 
 from engine.sampling.params import SamplingParams
 from server.app import model_name_of
-from server.chat_messages import messages_for_template
 from server.http.errors import APIError
-from server.protocol import (
+from server.openai.chat_messages import messages_for_template
+from server.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
     parse_request,
 )
-from server.serving import BODY_READ_TIMEOUT_S, read_json
+from server.openai.serving import BODY_READ_TIMEOUT_S, read_json
 
 
 def comp(**kw):

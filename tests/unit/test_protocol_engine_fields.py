@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError, create_model
 
 from engine.sampling.params import SamplingParams
-from server.protocol import (
+from server.openai.protocol import (
     ENGINE_DERIVED,
     ChatCompletionRequest,
     CompletionRequest,

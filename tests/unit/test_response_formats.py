@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from server.formats import ChatFormat, CompletionFormat, LogprobOptions
-from server.logprobs import (
+from server.openai.formats import ChatFormat, CompletionFormat, LogprobOptions
+from server.openai.logprobs import (
     TokenStrings,
     byte_level_decoder,
     chat_logprobs,

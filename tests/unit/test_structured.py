@@ -11,7 +11,7 @@ import pytest
 from engine.sampling.grammar import check_grammar
 from engine.sampling.params import SamplingParams
 from server.http.errors import APIError
-from server.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from server.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from server.tools.parsers import detect_parser, parse_tool_calls
 from server.tools.plan import calls_schema, plan_tools, prepare_chat
 from server.tools.structured import choice_grammar, constrain
@@ -244,7 +244,7 @@ def _assemble(chunks) -> tuple[str, list[dict], str | None]:
     ("named", None, ['{"city": ', '"Paris"}'], "", ["get_weather"]),
 ])
 def test_stream_assembles_to_the_full_body(choice, parser, pieces, content, names):
-    from server.tool_format import chat_format
+    from server.openai.tool_format import chat_format
     from server.tools.plan import ToolPlan
 
     plan = ToolPlan(tools=TOOLS, choice=choice, parser=parser,

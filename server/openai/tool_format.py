@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import uuid
 
-from server.formats import ChatFormat
+from server.openai.formats import ChatFormat
 from server.tools.parsers import START_MARKERS, ParsedCall, parse_tool_calls
 from server.tools.plan import ToolPlan
 

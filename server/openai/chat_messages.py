@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from server.http.errors import bad_request, not_supported
-from server.protocol import ChatMessage
+from server.openai.protocol import ChatMessage
 from server.tools.messages import assistant_tool_calls
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",

@@ -1,5 +1,5 @@
 """The base of the request models, the bodies of ``/v1/tokenize`` and ``/v1/detokenize``
-(vLLM's and SGLang's shapes), and pydantic errors as OpenAI errors. ``server/protocol.py``
+(vLLM's and SGLang's shapes), and pydantic errors as OpenAI errors. ``server/openai/protocol.py``
 re-exports all of it."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ documented in docs/usage.md), or refused with a 400 naming it; an unknown field 
 too (as OpenAI does), so nothing a client sends is silently dropped.
 
 The base model, the tokenize/detokenize bodies and the error mapping live in
-``server/protocol_base.py`` (re-exported here).
+``server/openai/protocol_base.py`` (re-exported here).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from engine.sampling.params import (
     SamplingParams,
 )
 from server.http.errors import APIError, bad_request, not_supported
-from server.protocol_base import (  # noqa: F401 - re-exported
+from server.openai.protocol_base import (  # noqa: F401 - re-exported
     MAX_DETOKENIZE_TOKENS,
     MAX_MESSAGES,
     MAX_N_HARD,

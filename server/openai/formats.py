@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from server.logprobs import (
+from server.openai.logprobs import (
     TokenPieces,
     TokenStrings,
     chat_logprobs,

@@ -4,7 +4,7 @@ endpoints (``/v1/tokenize``, ``/v1/detokenize``).
 Each generation handler validates the body, tokenizes (chat template for chat), fans ``n``
 and several prompts out into engine requests with rids ``{id}-{i}``, and answers either one
 JSON body or an SSE stream of OpenAI chunks ending in ``data: [DONE]`` (the shapes live in
-``server/formats.py``). A stream's first output is awaited before the response starts, so an
+``server/openai/formats.py``). A stream's first output is awaited before the response starts, so an
 engine rejection is still a plain HTTP error; after that an error becomes a final
 ``data: {"error": ...}`` event.
 """
@@ -26,20 +26,20 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.sampling.params import SamplingParams
 from engine.validation import RequestError, verify_sampling
-from server.chat_messages import messages_for_template
-from server.formats import BaseFormat, CompletionFormat, LogprobOptions
 from server.http.errors import APIError, bad_request, http_error
 from server.http.request_id import request_id_of
-from server.logprobs import TokenStrings
-from server.protocol import (
+from server.openai.chat_messages import messages_for_template
+from server.openai.formats import BaseFormat, CompletionFormat, LogprobOptions
+from server.openai.logprobs import TokenStrings
+from server.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
     parse_request,
 )
+from server.openai.tool_format import chat_format
 from server.tokenizer_manager import ReqOutput, TokenizerManager
-from server.tool_format import chat_format
 from server.tools import structured
 from server.tools.plan import prepare_chat
 
