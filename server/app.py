@@ -35,7 +35,7 @@ from server.http.request_id import STATE_KEY as REQUEST_ID_KEY
 from server.http.request_id import RequestIdMiddleware
 from server.openai.serving import OpenAIServing
 from server.openapi import ServerFacts, openapi_routes
-from server.responses import ResponsesServing
+from server.responses.serving import ResponsesServing
 from server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("ferry.server")

@@ -19,8 +19,8 @@ from pydantic import BaseModel
 
 from server.http.errors import APIError
 from server.openai.formats import ChatFormat
-from server.responses import parse_responses_request, to_chat
-from server.responses_events import ResponseBuilder
+from server.responses.events import ResponseBuilder
+from server.responses.serving import parse_responses_request, to_chat
 from server.tokenizer_manager import ReqOutput
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ no-op or a 400 naming it), turned into a ``/v1/chat/completions`` body (``to_cha
 ``text.format`` -> ``response_format``, flat function ``tools``/``tool_choice`` -> the chat
 shapes) and then runs exactly as a chat request: the same template, the same sampling, the
 same structured-output and tool-calling code (``server/tools/structured.py``,
-``server/tools/plan.py``). The answer is written by ``server/responses_events.py`` from the
+``server/tools/plan.py``). The answer is written by ``server/responses/events.py`` from the
 chat format's chunks: a ``response`` object, or typed SSE events.
 
 ferry is stateless: ``previous_response_id``, ``conversation``, ``background: true`` and an
@@ -45,8 +45,8 @@ from server.openai.serving import (
     run_until_disconnect,
 )
 from server.openai.tool_format import chat_format
-from server.responses_events import ResponseBuilder, sse_event
-from server.responses_input import (
+from server.responses.events import ResponseBuilder, sse_event
+from server.responses.input import (
     ChatConversion,
     chat_messages,
     chat_response_format,
