@@ -19,7 +19,7 @@ import torch
 from bench.result_line import emit_result
 from engine import device as dev
 from engine.args import ServerArgs
-from engine.executor.forward_batch import ForwardMode
+from engine.forward_batch import ForwardMode
 from engine.sampling.params import SamplingParams
 from engine.scheduler.request import Req
 from engine.scheduler.schedule_batch import ScheduleBatch

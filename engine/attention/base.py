@@ -19,33 +19,15 @@ Steps (``ForwardBatch.mode``):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
-if TYPE_CHECKING:
-    from engine.executor.forward_batch import ForwardBatch
+# the step and its per-step attention state live below the backends (the layers, models and
+# executor read them too); AttentionMetadata is re-exported here for the backends
+from engine.forward_batch import AttentionMetadata, ForwardBatch
 
-
-@dataclass
-class AttentionMetadata:
-    """Per-step state shared by every layer: what the decode path reads.
-
-    Built by :meth:`AttentionBackend.init_forward` for a step with decode requests (all of a
-    DECODE step, the ``num_decodes`` tail of a mixed EXTEND step) and stored in
-    ``ForwardBatch.attn_meta``; None for a step without decodes. Backends subclass it to add
-    their own fields.
-
-    Attributes:
-        num_decodes: decode requests in the step (Bd).
-        req_pool_indices: ``[Bd]`` int64 rows of ``req_to_token`` of those requests.
-        seq_lens: ``[Bd]`` int32 KV lengths (tokens, the new one included).
-    """
-
-    num_decodes: int
-    req_pool_indices: torch.Tensor
-    seq_lens: torch.Tensor
+__all__ = ["AttentionBackend", "AttentionMetadata"]
 
 
 class AttentionBackend(ABC):

@@ -19,15 +19,12 @@ bfloat16), decode attention reads the paged cache directly
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.forward_batch import ForwardBatch
 from kernels import cpu_ops, reference
-
-if TYPE_CHECKING:
-    from engine.executor.forward_batch import ForwardBatch
 
 
 @dataclass

@@ -12,14 +12,11 @@ a machine without Triton. On the CPU the kernels run only in Triton's interprete
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
-
-if TYPE_CHECKING:
-    from engine.executor.forward_batch import ForwardBatch
+from engine.forward_batch import ForwardBatch
 
 
 @dataclass

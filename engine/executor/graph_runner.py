@@ -20,7 +20,7 @@ import time
 import torch
 
 from engine import device as dev
-from engine.executor.forward_batch import ForwardBatch, ForwardMode, resolve_placeholders
+from engine.forward_batch import ForwardBatch, ForwardMode, resolve_placeholders
 from engine.scheduler.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ from engine import device as dev
 from engine import distributed as tpd
 from engine.args import ServerArgs, prefill_budget
 from engine.attention import create_attention_backend, resolve_attention_backend
-from engine.executor.forward_batch import ForwardBatch, ForwardMode, resolve_placeholders
 from engine.executor.tp_worker import IdsMsg, StopMsg, TPMessage, step_msg
+from engine.forward_batch import ForwardBatch, ForwardMode, resolve_placeholders
 from engine.kv.pool import KVPool, ReqToTokenPool
 from engine.layers import select_ops, small_ops_kind
 from engine.layers.linear import pack_cpu_weights

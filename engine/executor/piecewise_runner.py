@@ -27,7 +27,7 @@ import time
 import torch
 
 from engine import device as dev
-from engine.executor.forward_batch import ForwardBatch
+from engine.forward_batch import ForwardBatch
 from engine.scheduler.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)

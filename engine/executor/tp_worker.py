@@ -90,7 +90,7 @@ class _StepReq:
 
 def step_batch(msg: StepMsg):
     """A ``ScheduleBatch`` equivalent to rank 0's, built from ``msg``."""
-    from engine.executor.forward_batch import ForwardMode
+    from engine.forward_batch import ForwardMode
     from engine.scheduler.schedule_batch import ScheduleBatch
 
     reqs = [_StepReq(r, p, ids) for r, p, ids in zip(msg.rows, msg.prefix_lens, msg.tokens)]

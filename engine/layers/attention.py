@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.executor.forward_batch import ForwardBatch
+from engine.forward_batch import ForwardBatch
 
 
 class Attention(nn.Module):

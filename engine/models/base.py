@@ -32,7 +32,7 @@ from torch import nn
 from engine.layers.logits import compute_logits
 
 if TYPE_CHECKING:
-    from engine.executor.forward_batch import ForwardBatch
+    from engine.forward_batch import ForwardBatch
     from engine.layers.attention import Attention
     from engine.models.config import ModelConfig
 

@@ -31,7 +31,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from engine.executor.forward_batch import ForwardBatch
+from engine.forward_batch import ForwardBatch
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
 from engine.layers.linear import (

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.executor.forward_batch import ForwardMode
+from engine.forward_batch import ForwardMode
 from engine.scheduler.request import Req
 
 

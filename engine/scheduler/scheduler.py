@@ -15,7 +15,7 @@ import logging
 from collections import deque
 
 from engine.args import ServerArgs, prefill_budget
-from engine.executor.forward_batch import ForwardMode
+from engine.forward_batch import ForwardMode
 from engine.kv.manager import KVCacheManager
 from engine.scheduler.grammar_queue import GrammarQueue
 from engine.scheduler.output import (

@@ -61,8 +61,8 @@ def test_piecewise_graphs_match_eager_mixed_step(dtype, tol):
     """A prefill and a mixed prefill+decode step replayed from piecewise graphs (padded to a
     token bucket) give the eager forward's logits."""
     from engine.args import ServerArgs
-    from engine.executor.forward_batch import ForwardMode
     from engine.executor.model_runner import ModelRunner
+    from engine.forward_batch import ForwardMode
     from engine.loader.loader import config_dir
     from engine.sampling.params import SamplingParams
     from engine.scheduler.request import Req

@@ -8,7 +8,7 @@ import torch
 
 from engine.args import ServerArgs
 from engine.device import resolve_device, resolve_kv_dtype
-from engine.executor.forward_batch import ForwardMode
+from engine.forward_batch import ForwardMode
 from engine.loader.loader import config_dir
 from engine.sampling.params import SamplingParams
 from engine.scheduler.request import Req

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from engine.args import ServerArgs
-from engine.executor.forward_batch import ForwardMode
 from engine.executor.piecewise_runner import PiecewiseRunner, token_buckets
+from engine.forward_batch import ForwardMode
 from engine.loader.loader import config_dir
 from engine.sampling.params import SamplingParams
 from engine.scheduler.request import Req

@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 from kernel_test_utils import GPU_MARKS, assert_close, make_extend_inputs
 
 from engine.attention import ATTENTION_BACKENDS, TritonMetadata
-from engine.executor.forward_batch import ForwardBatch, ForwardMode
+from engine.forward_batch import ForwardBatch, ForwardMode
 from kernels.reference import extend_attention_ref
 
 F16, F32, BF16 = torch.float16, torch.float32, torch.bfloat16

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import create_attention_backend
-from engine.executor.forward_batch import ForwardBatch, ForwardMode
+from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.kv.pool import KVPool, ReqToTokenPool
 from engine.models.config import ModelConfig
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import TorchNativeAttnBackend
-from engine.executor.forward_batch import ForwardBatch, ForwardMode
+from engine.forward_batch import ForwardBatch, ForwardMode
 from kernels.reference import (
     decode_attention_ref,
     decode_attention_sdpa,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.args import ServerArgs
-from engine.executor.forward_batch import ForwardMode, resolve_placeholders
+from engine.forward_batch import ForwardMode, resolve_placeholders
 from engine.kv.pool import KVPool, ReqToTokenPool
 from engine.sampling.params import SamplingParams
 from engine.scheduler.request import Req

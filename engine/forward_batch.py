@@ -1,7 +1,8 @@
 """``ForwardBatch``: the device-side description of one model step.
 
-The host-side batch is a list of ``Req`` (see ``scheduler.py``); this is what the model and
-the attention backend read. Shapes (T = tokens in the step, B = requests):
+The host-side batch is a ``ScheduleBatch`` (``engine/executor/schedule_batch.py``); the model
+runner turns it into this, which the model, its layers and the attention backend read.
+Shapes (T = tokens in the step, B = requests):
 
   input_ids         [T] int64   (passed to the model separately)
   positions         [T] int64
@@ -19,23 +20,44 @@ one-token requests (the last ``num_decodes`` tokens of T); attention runs the fi
 
 ``attn_backend`` (an ``engine.attention.AttentionBackend``) fills ``attn_meta`` (its
 ``AttentionMetadata``, or None for a step without decodes) once per step in ``init_forward``.
+
+This module sits below the attention backends, the layers, the models and the executor, all
+of which read a ``ForwardBatch``; it imports none of them (``attn_backend`` is typed ``Any``:
+the backends import this module).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from engine.attention.base import AttentionBackend, AttentionMetadata
 
 
 class ForwardMode(IntEnum):
     EXTEND = 1   # prefill, with or without a cached prefix (also chunked prefill)
     DECODE = 2   # one new token per request
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step state shared by every layer: what the decode path reads.
+
+    Built by ``AttentionBackend.init_forward`` (:mod:`engine.attention.base`) for a step with
+    decode requests (all of a DECODE step, the ``num_decodes`` tail of a mixed EXTEND step)
+    and stored in ``ForwardBatch.attn_meta``; None for a step without decodes. Backends
+    subclass it to add their own fields.
+
+    Attributes:
+        num_decodes: decode requests in the step (Bd).
+        req_pool_indices: ``[Bd]`` int64 rows of ``req_to_token`` of those requests.
+        seq_lens: ``[Bd]`` int32 KV lengths (tokens, the new one included).
+    """
+
+    num_decodes: int
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
 
 
 @dataclass
@@ -49,7 +71,7 @@ class ForwardBatch:
     req_to_token: torch.Tensor
     k_buffers: list[torch.Tensor]
     v_buffers: list[torch.Tensor]
-    attn_backend: AttentionBackend | None = None
+    attn_backend: Any = None  # an engine.attention.AttentionBackend
     extend_seq_lens: torch.Tensor | None = None
     extend_prefix_lens: torch.Tensor | None = None
     extend_start_loc: torch.Tensor | None = None
