@@ -4,7 +4,7 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/toke
 ``POST /v1/detokenize`` (also at ``/tokenize`` and ``/detokenize``, vLLM's paths),
 ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /server_info``,
 ``GET /metrics``, ``POST /flush_cache`` (empties the prefix cache; 400 while requests run),
-``GET /openapi.json`` and ``GET /docs`` (``server/openapi.py``). ``OPTIONS`` on a route
+``GET /openapi.json`` and ``GET /docs`` (``server/openapi/spec.py``). ``OPTIONS`` on a route
 answers 204 (CORS preflights included, ``server/http/cors.py``); every response carries
 ``X-Request-Id`` (``server/http/request_id.py``). Every handler is wrapped so an unexpected
 exception still answers an OpenAI-shaped error (and logs the traceback); unknown routes
@@ -34,7 +34,7 @@ from server.http.errors import APIError, http_error
 from server.http.request_id import STATE_KEY as REQUEST_ID_KEY
 from server.http.request_id import RequestIdMiddleware
 from server.openai.serving import OpenAIServing
-from server.openapi import ServerFacts, openapi_routes
+from server.openapi.spec import ServerFacts, openapi_routes
 from server.responses.serving import ResponsesServing
 from server.tokenizer_manager import TokenizerManager
 

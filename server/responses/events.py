@@ -1,10 +1,10 @@
 """The ``response`` object and the typed SSE events of ``POST /v1/responses``.
 
 ``ResponseBuilder`` reads the chat format's chunks (``ChatFormat`` / ``ToolChatFormat`` of
-``server/openai/formats.py`` and ``server/openai/tool_format.py``, so text, tool calls and their parsing are
-the chat endpoint's) and turns them into Responses output items: a ``message`` with one
-``output_text`` part for the text, a ``function_call`` item per tool call. A stream emits, in
-order, with a ``sequence_number`` from 0:
+``server/openai/formats.py`` and ``server/openai/tool_format.py``, so text, tool calls and
+their parsing are the chat endpoint's) and turns them into Responses output items: a
+``message`` with one ``output_text`` part for the text, a ``function_call`` item per tool
+call. A stream emits, in order, with a ``sequence_number`` from 0:
 
 ``response.created``, ``response.in_progress``; per message ``response.output_item.added``,
 ``response.content_part.added``, ``response.output_text.delta``..., ``response.output_text.done``,

@@ -1,7 +1,7 @@
 """Pydantic models of the response bodies, for ``/openapi.json`` only.
 
 The routes build their bodies as dicts (``server/openai/formats.py``, ``server/app.py``); these
-models describe them (``server/openapi.py`` turns them into JSON schemas), and the
+models describe them (``server/openapi/spec.py`` turns them into JSON schemas), and the
 schemathesis test (``tests/e2e/test_schemathesis.py``) checks every response against them.
 Fields a body may carry or not are optional here; every field named is typed.
 """
@@ -253,9 +253,9 @@ class ServerInfo(_Out):
 
 
 # ---- request fields the routes read beyond the request models' own ------------------------
-# (``model_extra``: server/tools/structured.py, server/tools/plan.py, server/openai/chat_messages.py and
-# the accepted no-ops of server/openai/protocol.py); ``server/openapi.py`` adds their schemas to the
-# request models' ones.
+# (``model_extra``: server/tools/structured.py, server/tools/plan.py,
+# server/openai/chat_messages.py and the accepted no-ops of server/openai/protocol.py);
+# ``server/openapi/spec.py`` adds their schemas to the request models' ones.
 
 class _Doc(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)

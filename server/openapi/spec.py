@@ -3,10 +3,10 @@
 The document is built from the app's route table and the pydantic models: every route's
 path and methods come from ``app.routes``; its request and response bodies from
 ``OPERATIONS`` (the request models of ``server/openai/protocol.py``, the response models of
-``server/openapi_models.py``), turned into JSON schemas by pydantic
+``server/openapi/models.py``), turned into JSON schemas by pydantic
 (``models_json_schema``). The fields the routes read outside the request models
 (structured output, tools, accepted no-ops, message fields) come from the ``*Fields`` models
-of ``server/openapi_models.py`` and are merged into the request schemas, which then forbid
+of ``server/openapi/models.py`` and are merged into the request schemas, which then forbid
 anything else, as the server does. A route missing from ``OPERATIONS`` is still listed,
 with a generic answer. Every operation documents the OpenAI error body for its error
 statuses and the ``X-Request-Id`` header (``server/http/request_id.py``).
@@ -26,7 +26,6 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from server import openapi_models as om
 from server.http.request_id import HEADER as REQUEST_ID
 from server.http.request_id import MAX_REQUEST_ID_LEN
 from server.openai.protocol import (
@@ -35,6 +34,7 @@ from server.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from server.openapi import models as om
 
 #: errors of a generation request: bad body or X-Request-Id, key, model, slow body, size,
 #: media type, queue full / engine gone
