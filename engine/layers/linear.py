@@ -201,19 +201,27 @@ class RowParallelLinear(LinearBase):
     """Input features split over ranks; the partial products are all-reduced, then the
     (replicated) bias is added once.
 
-    At tp_size=1 there is no all-reduce and this is a plain linear layer.
+    At tp_size=1 there is no all-reduce and this is a plain linear layer. With
+    ``reduce_results=False`` (no bias) the forward returns this rank's partial product, for a
+    caller that sums it with other partial outputs and all-reduces once (the MoE block adds
+    its shared expert's part to the routed experts' part).
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
-                 tp_size: int | None = None, tp_rank: int | None = None):
+                 tp_size: int | None = None, tp_rank: int | None = None,
+                 reduce_results: bool = True):
         tp_size, tp_rank = _tp(tp_size, tp_rank)
         if input_size % tp_size:
             raise ValueError(f"input size {input_size} is not divisible by tp_size {tp_size}")
+        if bias and not reduce_results:
+            raise ValueError("a row-parallel layer with a bias must reduce its results")
+        self.reduce_results = reduce_results
         super().__init__(input_size // tp_size, output_size, bias, dtype, tp_size, tp_rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., input_size / tp] -> [..., output_size] (summed over the ranks)."""
-        if self.tp_size == 1:
+        """x [..., input_size / tp] -> [..., output_size] (summed over the ranks unless
+        ``reduce_results`` is False)."""
+        if self.tp_size == 1 or not self.reduce_results:
             return self._matmul(x, self.bias)
         y = all_reduce(self._matmul(x, None))
         return y if self.bias is None else y + self.bias

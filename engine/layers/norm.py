@@ -32,3 +32,50 @@ class RMSNorm(nn.Module):
         not written.
         """
         return self.impl(x, self.weight, self.eps, residual)
+
+
+class ShardedRMSNorm(RMSNorm):
+    """RMSNorm over a feature dimension split over the tensor-parallel ranks.
+
+    OLMoE normalises the whole q (and k) projection, ``num_heads * head_dim`` features, while
+    each rank holds only its heads' columns. Rank r keeps ``weight[r*n : (r+1)*n]`` (``n =
+    full_size / tp_size / replicas`` columns; with ``replicas`` > 1, the KV-head case, groups
+    of ``replicas`` ranks hold the same columns) and the mean square is the all-reduced sum of
+    squares (each column counted ``replicas`` times) over ``full_size``. At tp_size=1 it is a
+    plain :class:`RMSNorm` (and takes the selected ``impl``).
+    """
+
+    def __init__(self, full_size: int, eps: float, dtype: torch.dtype, replicas: int = 1,
+                 tp_size: int | None = None, tp_rank: int | None = None):
+        from engine.distributed import get_tp
+
+        g = get_tp()
+        self.tp_size = g.size if tp_size is None else tp_size
+        self.tp_rank = g.rank if tp_rank is None else tp_rank
+        self.replicas = replicas
+        self.full_size = full_size
+        parts = self.tp_size // replicas
+        if full_size % parts:
+            raise ValueError(f"norm size {full_size} does not split over {parts} ranks")
+        super().__init__(full_size // parts, eps, dtype)
+        self.weight.weight_loader = self.weight_loader
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x [..., full_size / parts] (this rank's columns) -> normed, same shape."""
+        if self.tp_size == 1:
+            return super().forward(x, residual)
+        from engine.distributed import all_reduce
+
+        if residual is not None:
+            raise ValueError("ShardedRMSNorm has no fused residual add")
+        xf = x.float()
+        ss = all_reduce(xf.pow(2).sum(-1, keepdim=True))
+        y = xf * torch.rsqrt(ss / (self.full_size * self.replicas) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        if tuple(loaded.shape) != (self.full_size,):
+            raise ValueError(f"ShardedRMSNorm: checkpoint tensor has shape "
+                             f"{tuple(loaded.shape)}, expected {(self.full_size,)}")
+        n = param.shape[0]
+        param.data.copy_(loaded.narrow(0, (self.tp_rank // self.replicas) * n, n))

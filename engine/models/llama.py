@@ -41,7 +41,7 @@ from engine.layers.linear import (
     VocabEmbedding,
     default_weight_loader,
 )
-from engine.layers.norm import RMSNorm
+from engine.layers.norm import RMSNorm, ShardedRMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.base import CausalLM
 from engine.models.config import ModelConfig
@@ -64,8 +64,11 @@ STATIC_SCALE_SUFFIXES = (".input_scale", ".output_scale", ".k_scale", ".v_scale"
 
 
 class LlamaAttention(nn.Module):
+    """Attention with fused QKV; ``qk_norm``: False, True (Qwen3: RMSNorm per head of q and
+    k) or ``"full"`` (OLMoE: one RMSNorm over the whole q and k projections)."""
+
     def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, qkv_bias: bool,
-                 o_bias: bool, qk_norm: bool):
+                 o_bias: bool, qk_norm: bool | str):
         super().__init__()
         self.head_dim = config.head_dim
         self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, config.num_heads,
@@ -77,7 +80,13 @@ class LlamaAttention(nn.Module):
                                         o_bias, dtype)
         self.q_size = self.qkv_proj.q_size
         self.kv_size = self.qkv_proj.kv_size
-        if qk_norm:
+        self.full_qk_norm = qk_norm == "full"
+        if self.full_qk_norm:
+            d, eps = self.head_dim, config.rms_norm_eps
+            self.q_norm = ShardedRMSNorm(config.num_heads * d, eps, dtype)
+            self.k_norm = ShardedRMSNorm(config.num_kv_heads * d, eps, dtype,
+                                         replicas=self.qkv_proj.kv_replicas)
+        elif qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
         else:
@@ -89,7 +98,9 @@ class LlamaAttention(nn.Module):
         """x [T, hidden] -> rotated q [T, Hq*D], k [T, Hkv*D] and v [T, Hkv*D]."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:
+        if self.full_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        elif self.q_norm is not None:
             q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
         q, k = rope.rotate(q.reshape(t, self.q_size), k.reshape(t, self.kv_size), positions)
@@ -103,15 +114,21 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    """SwiGLU MLP of width ``intermediate_size`` (default: the config's); with
+    ``reduce_results=False`` the output is this rank's partial sum (see
+    ``RowParallelLinear``)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype,
+                 intermediate_size: int | None = None, reduce_results: bool = True):
         super().__init__()
         act = config.hidden_act
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {act!r}; ferry supports silu")
         bias = config.mlp_bias
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnLinear(config.hidden_size, [inter, inter], bias, dtype)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, dtype)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, dtype,
+                                           reduce_results=reduce_results)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,10 +136,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, options: dict):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: torch.dtype, options: dict,
+                 make_mlp=None):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, dtype, **options)
-        self.mlp = LlamaMLP(config, dtype)
+        self.mlp = (LlamaMLP(config, dtype) if make_mlp is None
+                    else make_mlp(config, layer_id, dtype))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -154,10 +173,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, options: dict):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, options: dict, make_mlp=None):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype, options)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype, options, make_mlp)
                                     for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
@@ -204,7 +223,7 @@ class LlamaForCausalLM(CausalLM):
         self.config = config
         self.model_config = mc = ModelConfig.from_hf(config)
         self.dtype = dtype
-        self.model = LlamaModel(mc, dtype, self._options(mc))
+        self.model = LlamaModel(mc, dtype, self._options(mc), self._mlp)
         self.tie_word_embeddings = mc.tie_word_embeddings
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
@@ -215,6 +234,10 @@ class LlamaForCausalLM(CausalLM):
     def _options(config: ModelConfig) -> dict:
         bias = config.attention_bias
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
+
+    def _mlp(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> nn.Module:
+        """The MLP of decoder layer ``layer_id`` (a hook: MoE models return their block)."""
+        return LlamaMLP(config, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 forward_batch: ForwardBatch) -> torch.Tensor:
@@ -279,30 +302,31 @@ class LlamaForCausalLM(CausalLM):
         """The full (unsplit) shape of each HF checkpoint tensor the model needs (dummy
         weights are drawn at these shapes, so every tensor-parallel size sees the same
         model)."""
+        return {name: self._hf_weight_shape(name) for name in self.hf_weight_names()}
+
+    def _hf_weight_shape(self, name: str, inter: int | None = None) -> tuple[int, ...]:
+        """The full shape of HF checkpoint tensor ``name`` (MLP width ``inter``, default the
+        config's ``intermediate_size``)."""
         mc = self.model_config
-        h, d, inter = mc.hidden_size, mc.head_dim, mc.intermediate_size
+        h, d = mc.hidden_size, mc.head_dim
+        inter = inter or mc.intermediate_size
         rows = {"q_proj": mc.num_heads * d, "k_proj": mc.num_kv_heads * d,
                 "v_proj": mc.num_kv_heads * d, "gate_proj": inter, "up_proj": inter}
-        shapes = {}
-        for name in self.hf_weight_names():
-            parts = name.split(".")
-            kind, leaf = parts[-2], parts[-1]
-            if name.startswith(("model.embed_tokens.", "lm_head.")):
-                shape = (mc.vocab_size, h)
-            elif kind in ("q_norm", "k_norm"):
-                shape = (d,)
-            elif kind.endswith("norm"):
-                shape = (h,)
-            elif kind in rows:
-                shape = (rows[kind], h) if leaf == "weight" else (rows[kind],)
-            elif kind == "o_proj":
-                shape = (h, mc.num_heads * d) if leaf == "weight" else (h,)
-            elif kind == "down_proj":
-                shape = (h, inter) if leaf == "weight" else (h,)
-            else:
-                raise ValueError(f"no known shape for checkpoint tensor {name}")
-            shapes[name] = shape
-        return shapes
+        parts = name.split(".")
+        kind, leaf = parts[-2], parts[-1]
+        if name.startswith(("model.embed_tokens.", "lm_head.")):
+            return (mc.vocab_size, h)
+        if kind in ("q_norm", "k_norm"):
+            return (d,)
+        if kind.endswith("norm"):
+            return (h,)
+        if kind in rows:
+            return (rows[kind], h) if leaf == "weight" else (rows[kind],)
+        if kind == "o_proj":
+            return (h, mc.num_heads * d) if leaf == "weight" else (h,)
+        if kind == "down_proj":
+            return (h, inter) if leaf == "weight" else (h,)
+        raise ValueError(f"no known shape for checkpoint tensor {name}")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named checkpoint tensors (any float dtype, any device).
