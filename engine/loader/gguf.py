@@ -82,6 +82,31 @@ def scan_gguf(path: str) -> tuple[dict, list[tuple[str, int, tuple[int, ...], in
     return meta, [(n, t, shape, data_start + rel) for n, t, shape, rel in infos]
 
 
+#: GGUF architecture names of MoE models (with an ``<arch>.expert_count``) -> HF's
+_GGUF_MOE_ARCHS = {"qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+                   "llama": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM"}
+
+
+def check_gguf_supported(path: str) -> None:
+    """Refuse a GGUF file of a mixture-of-experts model (``<arch>.expert_count`` > 0).
+
+    llama.cpp stores each layer's experts stacked (``ffn_{gate,up,down}_exps``), which the
+    name table of :func:`iter_gguf` does not map onto ferry's MoE models (they load Hub
+    safetensors, one tensor per expert).
+
+    Raises:
+        ValueError: an MoE GGUF file, naming its architecture and the format.
+    """
+    meta, _ = scan_gguf(path)
+    arch = meta.get("general.architecture")
+    experts = meta.get(f"{arch}.expert_count") or 0
+    if experts:
+        hf = _GGUF_MOE_ARCHS.get(arch, "an MoE model")
+        raise ValueError(f"{path}: GGUF weights of mixture-of-experts models are not "
+                         f"supported (GGUF architecture {arch!r}, {experts} experts: {hf}); "
+                         "load its safetensors checkpoint instead")
+
+
 def iter_gguf(gguf_file: str, config, hf_names: list[str]
               ) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
     """``(num_tensors, iterator of (hf_name, fp32 cpu tensor))`` for a GGUF file.

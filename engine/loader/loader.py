@@ -53,7 +53,7 @@ from engine.layers.quantization import (
     process_weights_after_loading,
     quantization_scope,
 )
-from engine.loader.gguf import iter_gguf
+from engine.loader.gguf import check_gguf_supported, iter_gguf
 from engine.loader.weights import (  # noqa: F401 - re-exported
     DUMMY_STD,
     LazyTensor,
@@ -249,6 +249,7 @@ def load_config(source: ModelSource | str | None):
     if not isinstance(source, ModelSource):
         source = resolve_model_path(source)
     if source.kind == "gguf":
+        check_gguf_supported(source.gguf_file)
         cached = gguf_cache_dir(source.gguf_file) / "config"
         config = None
         if (cached / "config.json").is_file():
