@@ -19,10 +19,10 @@ import torch
 from bench.result_line import emit_result
 from engine import device as dev
 from engine.args import ServerArgs
+from engine.executor.schedule_batch import ScheduleBatch
 from engine.forward_batch import ForwardMode
 from engine.sampling.params import SamplingParams
 from engine.scheduler.request import Req
-from engine.scheduler.schedule_batch import ScheduleBatch
 from server.cli import add_engine_args
 
 

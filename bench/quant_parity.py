@@ -36,10 +36,10 @@ from bench.bench_latency import _alloc
 from bench.parity import greedy_trace
 from engine import device as dev
 from engine.args import ServerArgs
+from engine.executor.schedule_batch import ScheduleBatch
 from engine.forward_batch import ForwardMode
 from engine.sampling.params import SamplingParams
 from engine.scheduler.request import Req
-from engine.scheduler.schedule_batch import ScheduleBatch
 
 PROMPTS = [
     "The capital of France is",

@@ -1,4 +1,4 @@
-"""Tensor parallelism over torch.distributed: process groups, collectives, worker processes.
+"""Tensor parallelism over torch.distributed: process groups, collectives, the step channel.
 
 Layout (one scheduler, dumb workers): rank 0 lives in the engine process (or the offline
 ``LLM``) and owns the only scheduler, KV allocator, radix cache, grammar matchers and sampler.
@@ -18,19 +18,16 @@ Backends come from :func:`engine.device.dist_backend` (nccl on CUDA, xccl on XPU
 CPU); no other module names one. With ``tp_size == 1`` nothing here initialises anything and
 every collective is a no-op, so single-device runs pay nothing.
 
-Failure handling: workers die with their parent (``PR_SET_PDEATHSIG``), and rank 0 runs a
-watchdog thread that ends its process when a worker exits, so a dead rank never leaves rank 0
-blocked inside a collective (the server then answers 503 and exits, see ``server/launch.py``).
+This module holds the primitives only; the worker processes (their entry point and loop,
+rank 0's start-up check, start, watchdog and stop) are ``engine/executor/tp_worker.py``,
+which builds the workers' model runners, and the messages are
+``engine/executor/tp_messages.py``.
 """
 
 from __future__ import annotations
 
-import _thread
 import datetime
 import logging
-import multiprocessing
-import os
-import signal
 import socket
 import threading
 import time
@@ -48,8 +45,6 @@ logger = logging.getLogger("ferry.engine")
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 #: collectives of a step on the device group
 STEP_TIMEOUT = datetime.timedelta(minutes=10)
-#: after a worker dies, rank 0's main thread gets this long to stop before the process ends
-DEATH_GRACE_S = 10.0
 #: a worker connects its step channel within this time after start-up
 CONNECT_TIMEOUT_MS = 120_000
 
@@ -217,7 +212,7 @@ def min_over_ranks(value: int) -> int:
     return int(t.item())
 
 
-# ---- the step channel ---------------------------------------------------------------------
+# ---- the step channel -----------------------------------------------------------------------
 
 
 class StepChannel:
@@ -297,73 +292,7 @@ class StepChannel:
                 raise ConnectionError("rank 0 closed the step channel (its process ended)")
 
 
-# ---- worker processes ---------------------------------------------------------------------
-
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent exits (no orphan ranks)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the workers notice the lost peer instead
-        pass
-
-
-def start_workers(args, ranks: list[int]) -> list[multiprocessing.Process]:
-    """Spawn one model-worker process per rank in ``ranks`` (``spawn`` start method).
-
-    ``args.dist_init_addr`` must be set (every rank meets there).
-    """
-    from engine.executor.tp_worker import run_tp_worker
-
-    ctx = multiprocessing.get_context("spawn")
-    procs = []
-    for r in ranks:
-        p = ctx.Process(target=run_tp_worker, args=(args, r), name=f"ferry-tp{r}", daemon=True)
-        p.start()
-        procs.append(p)
-    return procs
-
-
-def watch_workers(procs: list[multiprocessing.Process], on_death=None) -> threading.Event:
-    """Watch ``procs`` from a daemon thread; when one exits, log it and end this process
-    (exit code 1), since rank 0 may be blocked in a collective with the dead rank.
-
-    Returns the event that stands the watchdog down (set it before stopping the workers).
-    ``on_death(name, exitcode)`` replaces the default (tests)."""
-    stand_down = threading.Event()
-
-    def loop():
-        while not stand_down.is_set():
-            for p in procs:
-                if not p.is_alive() and not stand_down.is_set():
-                    if on_death is not None:
-                        on_death(p.name, p.exitcode)
-                        return
-                    logger.error("tensor-parallel worker %s exited with code %s; the engine "
-                                 "stops", p.name, p.exitcode)
-                    _thread.interrupt_main()  # a main thread inside a collective may not see
-                    if not stand_down.wait(DEATH_GRACE_S):  # it: then end the process
-                        logging.shutdown()
-                        os._exit(1)
-                    return
-            stand_down.wait(0.2)
-
-    threading.Thread(target=loop, name="ferry-tp-watch", daemon=True).start()
-    return stand_down
-
-
-def stop_workers(procs: list[multiprocessing.Process], timeout: float = 5.0) -> None:
-    """Wait up to ``timeout`` seconds for the workers to exit, then SIGKILL the rest."""
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
+# ---- leaving the group ----------------------------------------------------------------------
 
 
 def destroy_tp(timeout: float = 30.0) -> None:

@@ -324,7 +324,8 @@ def run_worker_node(args) -> int:
     scheduler) until one of them exits or a signal arrives; returns the exit code.
 
     The workers meet rank 0 at ``--dist-init-addr``; they die with this process."""
-    from engine.distributed import ranks_per_node, start_workers, stop_workers
+    from engine.distributed import ranks_per_node
+    from engine.executor.tp_worker import start_workers, stop_workers
 
     per_node = ranks_per_node(args)
     first = args.node_rank * per_node

@@ -20,8 +20,8 @@ import time
 import torch
 
 from engine import device as dev
+from engine.executor.schedule_batch import ScheduleBatch
 from engine.forward_batch import ForwardBatch, ForwardMode, resolve_placeholders
-from engine.scheduler.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)
 

@@ -1,109 +1,69 @@
-"""Tensor-parallel model workers (ranks 1..N-1) and the step messages rank 0 sends them.
+"""Tensor-parallel model workers (ranks 1..N-1): their processes, start-up check and loop.
 
-A worker builds its own ``ModelRunner`` (its shard of the weights, a KV pool of its KV heads,
-its graphs) and then repeats what rank 0 asks, in order. The messages travel over a ZMQ
-PUSH/PULL channel per worker (``engine.distributed.StepChannel``, msgspec-encoded; rank 0
-never waits for a worker to read them; a gloo broadcast per step, tried first, cost rank 0
-about 1.5 ms per step on the H200s):
+A worker process (:func:`run_tp_worker`) builds its own ``RankRunner`` (its shard of the
+weights, a KV pool of its KV heads, its graphs) and then repeats what rank 0 asks, in order
+(:func:`worker_loop`; the messages are in ``engine/executor/tp_messages.py``).
 
-- ``StepMsg``: run this forward (the batch's host lists: per request its ``req_to_token`` row
-  and the new token ids, which may be placeholders for the previous step's sampled ids; the
-  prefix and extend lengths; the KV slots; the ``req_to_token`` writes rank 0 made since the
-  last step, for cached prefixes);
-- ``IdsMsg(n)``: receive rank 0's ``n`` sampled ids on the device group (they resolve the
-  next step's placeholders);
-- ``StopMsg``: exit.
+Rank 0's ``ModelRunner`` (``engine/executor/model_runner.py``) checks the group against the
+devices and the model (:func:`check_tensor_parallel`), starts the workers of its node
+(:func:`start_workers`), watches them (:func:`watch_workers`) and stops them
+(:func:`stop_workers`); ``ferry serve --node-rank K`` starts node K's workers the same way.
 
-Rank 0 sends them from ``ModelRunner.forward`` and ``ModelRunner.sample`` (see
-``engine/executor/model_runner.py``), so every caller of the runner (the scheduler, the
-benchmarks, ``ferry parity``) drives the workers without knowing they exist.
+Failure handling: workers die with their parent (``PR_SET_PDEATHSIG``), and rank 0's
+watchdog thread ends its process when a worker exits, so a dead rank never leaves rank 0
+blocked inside a collective (the server then answers 503 and exits, see ``server/launch.py``).
 """
 
 from __future__ import annotations
 
+import _thread
 import logging
+import multiprocessing
 import os
+import signal
 import sys
+import threading
+import time
 
-import msgspec
 import torch
+
+from engine import device as dev
+from engine import distributed as tpd
+from engine.executor.rank_runner import RankRunner
+from engine.executor.tp_messages import IdsMsg, StepMsg, step_batch
 
 logger = logging.getLogger("ferry.engine")
 
 #: tests: the rank named here fails at start-up (``FERRY_TEST_TP_WORKER_FAIL=1``)
 FAIL_ENV = "FERRY_TEST_TP_WORKER_FAIL"
+#: after a worker dies, rank 0's main thread gets this long to stop before the process ends
+DEATH_GRACE_S = 10.0
 
 
-class StepMsg(msgspec.Struct, tag=True, array_like=True):
-    """One forward, as rank 0 scheduled it (host lists only)."""
+def check_tensor_parallel(args, device_type: str) -> None:
+    """``--tp-size``/``--nnodes``/``--node-rank`` against each other, this node's devices
+    and the model's head counts.
 
-    mode: int
-    rows: list[int]              # req_to_token row of each request
-    tokens: list[list[int]]      # each request's new token ids (negative: placeholders)
-    prefix_lens: list[int]
-    extend_lens: list[int]
-    out_cache_loc: list[int]
-    num_decodes: int
-    all_rows: list[bool]
-    has_future: bool             # placeholders refer to the last ids broadcast
-    writes: list[tuple[int, int, list[int]]]  # req_to_token writes (row, start, slots)
+    Raises:
+        ValueError: naming the flags and numbers that do not fit.
+    """
+    from engine.loader.loader import load_config
+    from engine.models.config import ModelConfig
 
-
-class IdsMsg(msgspec.Struct, tag=True, array_like=True):
-    """Rank 0 broadcasts ``n`` sampled ids on the device group next."""
-
-    n: int
+    per_node = tpd.ranks_per_node(args)
+    if dev.is_accelerator(device_type) and dev.visible_device_count(device_type) < per_node:
+        raise ValueError(f"--tp-size {args.tp_size} over {args.nnodes} node(s) needs "
+                         f"{per_node} {device_type} devices here; "
+                         f"{dev.visible_device_count(device_type)} are visible")
+    mc = ModelConfig.from_hf(load_config(args.model_path))
+    tpd.check_tp_shape(mc.num_heads, mc.num_kv_heads, args.tp_size)
 
 
-class StopMsg(msgspec.Struct, tag=True, array_like=True):
-    """Leave the group and exit."""
-
-
-TPMessage = StepMsg | IdsMsg | StopMsg
-
-
-def step_msg(batch, has_future: bool, writes) -> StepMsg:
-    """The ``StepMsg`` of a ``ScheduleBatch`` about to run on rank 0."""
-    return StepMsg(int(batch.mode), [r.req_pool_idx for r in batch.reqs],
-                   [r.tokens(p, n) for r, p, n in zip(batch.reqs, batch.prefix_lens,
-                                                        batch.extend_lens)],
-                   list(batch.prefix_lens), list(batch.extend_lens), list(batch.out_cache_loc),
-                   batch.num_decodes, list(batch.all_rows), has_future, writes)
-
-
-class _StepReq:
-    """What the runners read of a ``Req``: its row and the ids of the step's new tokens."""
-
-    __slots__ = ("req_pool_idx", "_start", "_ids")
-
-    def __init__(self, row: int, start: int, ids: list[int]):
-        self.req_pool_idx = row
-        self._start = start
-        self._ids = ids
-
-    def tokens(self, start: int, count: int) -> list[int]:
-        return self._ids[start - self._start: start - self._start + count]
-
-    def token_at(self, pos: int) -> int:
-        return self._ids[pos - self._start]
-
-
-def step_batch(msg: StepMsg):
-    """A ``ScheduleBatch`` equivalent to rank 0's, built from ``msg``."""
-    from engine.forward_batch import ForwardMode
-    from engine.scheduler.schedule_batch import ScheduleBatch
-
-    reqs = [_StepReq(r, p, ids) for r, p, ids in zip(msg.rows, msg.prefix_lens, msg.tokens)]
-    return ScheduleBatch(mode=ForwardMode(msg.mode), reqs=reqs, prefix_lens=msg.prefix_lens,
-                         extend_lens=msg.extend_lens, sample=[True] * len(reqs),
-                         out_cache_loc=msg.out_cache_loc, all_rows=msg.all_rows,
-                         num_decodes=msg.num_decodes)
+# ---- a worker process -----------------------------------------------------------------------
 
 
 def worker_loop(runner, channel) -> None:
     """Serve rank 0's messages (from ``channel``, a ``StepChannel``) until ``StopMsg``."""
-    from engine import distributed as tpd
-
     future = None
     while True:
         msg = channel.recv()
@@ -118,35 +78,37 @@ def worker_loop(runner, channel) -> None:
             return
 
 
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent exits (no orphan ranks)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the workers notice the lost peer instead
+        pass
+
+
 def run_tp_worker(args, rank: int) -> None:
     """Entry point of a worker process: load this rank's shard, then follow rank 0.
 
     Exits with code 1 (logging the error) on any failure, which rank 0's watchdog turns
     into an engine exit, so a broken rank never leaves the others waiting.
     """
-    import signal
-
-    from engine import device as dev
-    from engine import distributed as tpd
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    tpd.die_with_parent()
+    die_with_parent()
     # tqdm's default lock is a multiprocessing semaphore, which a SIGKILLed worker leaks
-    import threading
-
     from tqdm import tqdm
 
     tqdm.set_lock(threading.RLock())
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s [tp{rank}] %(message)s")
     try:
-        from engine.executor.model_runner import ModelRunner
-
         if os.environ.get(FAIL_ENV) == str(rank):
             raise RuntimeError(f"start-up failure injected by {FAIL_ENV}={rank}")
         dev.set_cpu_threads(dev.cpu_thread_count(args.cpu_threads))
-        runner = ModelRunner(args, tp_rank=rank)
+        runner = RankRunner(args, tp_rank=rank)
         worker_loop(runner, runner.tp_channel)
     except Exception:
         logger.exception("tensor-parallel rank %d failed", rank)
@@ -156,3 +118,59 @@ def run_tp_worker(args, rank: int) -> None:
     # for every rank and can hang; the process's exit releases it)
     logging.shutdown()
     os._exit(0)
+
+
+# ---- rank 0 (or a --node-rank K launcher): start, watch and stop the workers ----------------
+
+
+def start_workers(args, ranks: list[int]) -> list[multiprocessing.Process]:
+    """Spawn one model-worker process per rank in ``ranks`` (``spawn`` start method).
+
+    ``args.dist_init_addr`` must be set (every rank meets there).
+    """
+    ctx = multiprocessing.get_context("spawn")
+    procs = []
+    for r in ranks:
+        p = ctx.Process(target=run_tp_worker, args=(args, r), name=f"ferry-tp{r}", daemon=True)
+        p.start()
+        procs.append(p)
+    return procs
+
+
+def watch_workers(procs: list[multiprocessing.Process], on_death=None) -> threading.Event:
+    """Watch ``procs`` from a daemon thread; when one exits, log it and end this process
+    (exit code 1), since rank 0 may be blocked in a collective with the dead rank.
+
+    Returns the event that stands the watchdog down (set it before stopping the workers).
+    ``on_death(name, exitcode)`` replaces the default (tests)."""
+    stand_down = threading.Event()
+
+    def loop():
+        while not stand_down.is_set():
+            for p in procs:
+                if not p.is_alive() and not stand_down.is_set():
+                    if on_death is not None:
+                        on_death(p.name, p.exitcode)
+                        return
+                    logger.error("tensor-parallel worker %s exited with code %s; the engine "
+                                 "stops", p.name, p.exitcode)
+                    _thread.interrupt_main()  # a main thread inside a collective may not see
+                    if not stand_down.wait(DEATH_GRACE_S):  # it: then end the process
+                        logging.shutdown()
+                        os._exit(1)
+                    return
+            stand_down.wait(0.2)
+
+    threading.Thread(target=loop, name="ferry-tp-watch", daemon=True).start()
+    return stand_down
+
+
+def stop_workers(procs: list[multiprocessing.Process], timeout: float = 5.0) -> None:
+    """Wait up to ``timeout`` seconds for the workers to exit, then SIGKILL the rest."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)

@@ -70,6 +70,7 @@ def check_environment(args: ServerArgs) -> None:
     """
     from engine import device as dev
     from engine.attention import resolve_attention_backend
+    from engine.executor.tp_worker import check_tensor_parallel
     from engine.loader.loader import resolve_model_path
 
     device_type = dev.resolve_device(args.device)
@@ -78,27 +79,6 @@ def check_environment(args: ServerArgs) -> None:
         resolve_model_path(args.model_path)
     if args.tp_size > 1 or args.nnodes > 1:
         check_tensor_parallel(args, device_type)
-
-
-def check_tensor_parallel(args: ServerArgs, device_type: str) -> None:
-    """``--tp-size``/``--nnodes``/``--node-rank`` against each other, this node's devices
-    and the model's head counts.
-
-    Raises:
-        ValueError: naming the flags and numbers that do not fit.
-    """
-    from engine import device as dev
-    from engine.distributed import check_tp_shape, ranks_per_node
-    from engine.loader.loader import load_config
-    from engine.models.config import ModelConfig
-
-    per_node = ranks_per_node(args)
-    if dev.is_accelerator(device_type) and dev.visible_device_count(device_type) < per_node:
-        raise ValueError(f"--tp-size {args.tp_size} over {args.nnodes} node(s) needs "
-                         f"{per_node} {device_type} devices here; "
-                         f"{dev.visible_device_count(device_type)} are visible")
-    mc = ModelConfig.from_hf(load_config(args.model_path))
-    check_tp_shape(mc.num_heads, mc.num_kv_heads, args.tp_size)
 
 
 def build_engine(args: ServerArgs) -> Engine:

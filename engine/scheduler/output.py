@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import time
 
+from engine.executor.schedule_batch import ScheduleBatch
 from engine.scheduler.grammar_queue import grammar_finish
 from engine.scheduler.request import FinishReason, Req
-from engine.scheduler.schedule_batch import ScheduleBatch
 
 
 class StepOutput:

@@ -15,6 +15,7 @@ import logging
 from collections import deque
 
 from engine.args import ServerArgs, prefill_budget
+from engine.executor.schedule_batch import ScheduleBatch
 from engine.forward_batch import ForwardMode
 from engine.kv.manager import KVCacheManager
 from engine.scheduler.grammar_queue import GrammarQueue
@@ -26,7 +27,6 @@ from engine.scheduler.output import (
 )
 from engine.scheduler.prefix_policy import PrefixPolicyMixin
 from engine.scheduler.request import FinishReason, Req
-from engine.scheduler.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)
 

@@ -1,15 +1,32 @@
-"""``ScheduleBatch``: the host-side batch of one step (a list of ``Req`` plus what each does).
+"""``ScheduleBatch``: the host-side batch of one step (a list of requests plus what each does).
 
 The scheduler builds it after allocating KV slots; the model runner turns it into a
-``ForwardBatch`` of device tensors.
+``ForwardBatch`` of device tensors. It is the executor's input, so it lives here, below the
+scheduler: the runner reads a request only through :class:`StepRequest`, which the
+scheduler's ``Req`` (``engine/scheduler/request.py``) and the tensor-parallel workers'
+stand-ins (``engine/executor/tp_messages.py``) both provide.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.forward_batch import ForwardMode
-from engine.scheduler.request import Req
+
+
+class StepRequest(Protocol):
+    """What the model runner reads of a request: its ``req_to_token`` row and token ids."""
+
+    req_pool_idx: int
+
+    def tokens(self, start: int, count: int) -> list[int]:
+        """The token ids at positions ``[start, start + count)``."""
+        ...
+
+    def token_at(self, pos: int) -> int:
+        """The token id at position ``pos``."""
+        ...
 
 
 @dataclass
@@ -24,7 +41,7 @@ class ScheduleBatch:
     """
 
     mode: ForwardMode
-    reqs: list[Req]
+    reqs: list[StepRequest]  # the scheduler's Req objects
     prefix_lens: list[int]
     extend_lens: list[int]
     sample: list[bool]

@@ -1,0 +1,363 @@
+"""``RankRunner``: one rank's model runner: loads the model, sizes the KV pool, runs forward
+and sampling.
+
+Device-agnostic: the device, dtype, memory figures and graphs come from ``engine.device``.
+The model's shape is ``runner.model_config`` (``engine.models.config.ModelConfig``); the
+attention backend is ``--attention-backend`` (default from the device), see
+``engine.attention``.
+
+A tensor-parallel worker (rank > 0, ``engine/executor/tp_worker.py``) runs a ``RankRunner``;
+rank 0 runs its subclass ``ModelRunner`` (``engine/executor/model_runner.py``), which also
+starts and stops the workers' processes, so this module never needs the worker's entry point.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine import device as dev
+from engine import distributed as tpd
+from engine.args import ServerArgs, prefill_budget
+from engine.attention import create_attention_backend, resolve_attention_backend
+from engine.executor.schedule_batch import ScheduleBatch
+from engine.executor.tp_messages import IdsMsg, TPMessage, step_msg
+from engine.forward_batch import ForwardBatch, ForwardMode, resolve_placeholders
+from engine.kv.pool import KVPool, ReqToTokenPool
+from engine.layers import select_ops, small_ops_kind
+from engine.layers.linear import pack_cpu_weights
+
+logger = logging.getLogger(__name__)
+
+# CPU default KV capacity (tokens) when --max-total-tokens is not given
+_CPU_DEFAULT_TOKENS = 32768
+# bytes kept free on an accelerator for activations, graphs and the sampler
+_ACTIVATION_RESERVE = 2 << 30
+
+
+class RankRunner:
+    """Owns the model, the KV pools and the attention backend on one device.
+
+    With ``--tp-size N`` the runner of rank 0 (a ``ModelRunner``, in the engine process)
+    sends the workers of ranks 1..N-1 every forward and every sampled batch
+    (:mod:`engine.executor.tp_messages`); a worker's runner (``tp_rank > 0``, a
+    ``RankRunner``) holds its shard and never samples.
+    """
+
+    def __init__(self, args: ServerArgs, tp_rank: int = 0):
+        self.device_type = dev.resolve_device(args.device)
+        self.tp_leader = False
+        try:
+            self._build(self._init_tp(args, tp_rank))
+        except BaseException:
+            self._abort_tp()
+            raise
+
+    def _build(self, args: ServerArgs) -> None:
+        """Load the weights, size the KV pool, build the attention backend and graphs."""
+        from engine.loader.loader import load_model
+
+        self.args = args
+        self.dtype = dev.resolve_dtype(args.dtype, self.device_type)
+        self.kv_dtype = dev.resolve_kv_dtype(args.kv_cache_dtype, self.dtype)
+        # checked before the weights load: a bad --attention-backend fails in seconds
+        self.attention_backend_name = resolve_attention_backend(args.attention_backend,
+                                                                self.device_type)
+        torch.manual_seed(args.seed)
+        t0 = time.perf_counter()
+        self.model, self.config = load_model(
+            model_path=args.model_path, load_format=args.load_format, dtype=self.dtype,
+            device=self.device, seed=args.seed, quantization=args.quantization)
+        self.load_time = time.perf_counter() - t0
+        if self.device_type == "cpu":
+            if how := dev.tune_cpu_malloc():
+                logger.info("CPU: %s", how)
+            # oneDNN's blocked weight layout (execution only: load_model returns plain weights)
+            packed = pack_cpu_weights(self.model)
+            if packed:
+                logger.info("CPU: %d linear weights prepacked for oneDNN "
+                            "(FERRY_CPU_PACKED_GEMM=0 turns it off)", packed)
+        ops_kind = small_ops_kind(self.device_type, args.disable_fused_ops)
+        select_ops(self.model, ops_kind)
+        if self.device_type == "cpu":
+            logger.info("CPU kernels: %s", {
+                "cpu": "ferry's C++ kernels (decode attention, RMSNorm, rotary, SiLU-and-mul; "
+                       "FERRY_CPU_KERNELS=0 or --disable-fused-ops: the torch references)",
+                "reference": "the torch references (FERRY_CPU_KERNELS=0, "
+                             "--disable-fused-ops, or no C++ compiler)"}.get(ops_kind, ops_kind))
+        self.model_config = mc = self.model.model_config
+        self.vocab_size = mc.vocab_size
+        self.num_layers, self.head_dim = mc.num_layers, mc.head_dim
+        # this rank's heads (the model's with tp_size 1)
+        self.num_heads = self.model.q_size // mc.head_dim
+        self.num_kv_heads = self.model.kv_size // mc.head_dim
+        model_ctx = mc.context_length
+        self.model_max_context = min(model_ctx, args.context_length or model_ctx)
+
+        self.max_total_tokens = tpd.min_over_ranks(self._kv_capacity())
+        self.kv_pool = KVPool(self.max_total_tokens, args.page_size, self.num_layers,
+                              self.num_kv_heads, self.head_dim, self.kv_dtype, self.device)
+        self.max_total_tokens = self.kv_pool.capacity_tokens
+        # a request can never outgrow the pool, so the usable context is the smaller of the two
+        self.max_context_len = min(self.model_max_context, self.max_total_tokens)
+        self.req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.max_context_len,
+                                                self.device)
+        # rank 0 forwards its req_to_token writes (cached prefixes) with the next step
+        self.req_to_token_pool.record_writes = self.tp.size > 1 and self.tp.rank == 0
+        self.attn_backend = create_attention_backend(
+            self.attention_backend_name, self.num_heads, self.num_kv_heads, self.head_dim,
+            device_type=self.device_type, device=self.device,
+            num_sms=dev.multiprocessor_count(self.device_type), waves=args.decode_attention_waves,
+            fused_ops=not args.disable_fused_ops)
+        self.supports_overlap = dev.is_accelerator(self.device_type)
+        self.graph_runner = None
+        self.piecewise_runner = None
+        self._graph_pool = None
+        graphs = dev.graph_class(self.device_type) is not None and not args.disable_cuda_graph
+        if graphs and self.tp.size > 1 and not dev.graphs_capture_collectives(self.device_type):
+            graphs = False
+            if self.tp.rank == 0:
+                logger.warning("tensor parallelism on %s: the collectives cannot be captured "
+                               "in graphs here, so every step runs eagerly", self.device_type)
+        if graphs:
+            from engine.executor.graph_runner import GraphRunner
+            from engine.executor.piecewise_runner import PiecewiseRunner
+
+            if self.attn_backend.supports_graphs:
+                self.graph_runner = GraphRunner(self)
+            else:
+                logger.info("decode runs eagerly: the %s attention backend has no graph "
+                            "support", type(self.attn_backend).__name__)
+            if not args.disable_piecewise_graph:
+                self.piecewise_runner = PiecewiseRunner(self, self.piecewise_max_tokens())
+        logger.info("KV cache: %d tokens (%d layers x %d kv heads x %d dim, %s), page size %d; "
+                    "attention backend %s", self.max_total_tokens, self.num_layers,
+                    self.num_kv_heads, self.head_dim, str(self.kv_dtype).replace("torch.", ""),
+                    args.page_size, self.attention_backend_name)
+        self.rank_memory = tpd.gather_objects(self.memory_report())
+        if self.tp.size > 1 and self.tp.rank == 0:
+            logger.info("tensor parallel: %d ranks over %s; per rank: %s", self.tp.size,
+                        self.tp.backend, "; ".join(
+                            f"rank {m['rank']} weights {m['weight_bytes'] / 2**30:.2f} GiB, "
+                            f"KV {m['kv_bytes'] / 2**30:.2f} GiB" for m in self.rank_memory))
+
+    # ---- tensor parallelism -------------------------------------------------------------
+    def _init_tp(self, args: ServerArgs, tp_rank: int) -> ServerArgs:
+        """Pick this rank's device, spawn the node's workers (rank 0) and join the group.
+
+        Returns ``args`` with ``dist_init_addr`` filled in (a free local port when unset).
+        """
+        self.tp_rank = tp_rank
+        local_rank = 0
+        if args.tp_size > 1:
+            per_node = tpd.ranks_per_node(args)
+            local_rank = tp_rank % per_node
+            if not args.dist_init_addr:
+                args = args.replace(dist_init_addr=tpd.free_local_addr())
+            if tp_rank == 0:
+                self._start_workers(args, list(range(1, per_node)))
+        dev.set_device(self.device_type, local_rank)
+        self.device = torch.device(self.device_type, local_rank) \
+            if dev.is_accelerator(self.device_type) else torch.device("cpu")
+        self.tp = tpd.init_tp(args.tp_size, tp_rank, args.dist_init_addr or "",
+                              self.device_type)
+        #: rank 0 of a group: sends every forward and sampled batch to the other ranks
+        self.tp_leader = self.tp.size > 1 and self.tp.rank == 0
+        self.tp_channel = None
+        if self.tp.size > 1:
+            self.tp_channel = tpd.StepChannel(self.tp, args.dist_init_addr.rpartition(":")[0],
+                                              TPMessage)
+        return args
+
+    def _start_workers(self, args: ServerArgs, ranks: list[int]) -> None:
+        """Rank 0: start the workers of ``ranks`` on this node, before joining the group."""
+        raise RuntimeError("rank 0 of a tensor-parallel group starts the other ranks: build "
+                           "it as a ModelRunner (engine.executor.model_runner)")
+
+    def memory_report(self) -> dict:
+        """This rank's weight and KV bytes (``/server_info`` shows every rank's)."""
+        return {"rank": self.tp.rank,
+                "weight_bytes": sum(p.numel() * p.element_size()
+                                    for p in self.model.parameters()),
+                "kv_bytes": sum(b.numel() * b.element_size()
+                                for b in self.kv_pool.k_buffers + self.kv_pool.v_buffers)}
+
+    def _stop_workers(self, timeout: float) -> None:
+        """Stop the worker processes this runner started (none; see ``ModelRunner``)."""
+
+    def _abort_tp(self) -> None:
+        """The build failed: stop the workers this runner started and leave the group."""
+        self.tp_leader = False
+        if getattr(self, "tp_channel", None) is not None:
+            self.tp_channel.close(0)
+        self._stop_workers(timeout=0.0)
+        tpd.destroy_tp(timeout=5.0)
+
+    def graph_pool(self):
+        """The device graph memory pool shared by the decode and piecewise graphs (they
+        never replay concurrently)."""
+        if self._graph_pool is None:
+            self._graph_pool = dev.graph_pool_handle(self.device_type)
+        return self._graph_pool
+
+    def piecewise_max_tokens(self) -> int:
+        """Largest EXTEND step for the piecewise graphs: --piecewise-graph-max-tokens, else a
+        full prefill chunk plus 256 mixed-in decodes."""
+        a = self.args
+        n = a.piecewise_graph_max_tokens or (
+            prefill_budget(a, self.device_type) + min(a.max_running_requests, 256))
+        return max(16, n)
+
+    # ---- sizing -------------------------------------------------------------------------
+    def _kv_capacity(self) -> int:
+        """KV pool size in tokens: --max-total-tokens, else from free memory after the weights."""
+        per_token = KVPool.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
+                                           self.kv_dtype)
+        if self.args.max_total_tokens:
+            return int(self.args.max_total_tokens)
+        if not dev.is_accelerator(self.device_type):
+            return _CPU_DEFAULT_TOKENS
+        mem = dev.memory_info(self.device_type)
+        budget = mem.total * self.args.mem_fraction_static - (mem.total - mem.free)
+        budget = min(budget, mem.free - _ACTIVATION_RESERVE)
+        if budget < per_token * 256:
+            raise RuntimeError(
+                f"not enough device memory for the KV cache: {budget / 2**30:.2f} GiB left after "
+                f"the weights; raise --mem-fraction-static or set --max-total-tokens")
+        return int(budget // per_token)
+
+    # ---- forward ------------------------------------------------------------------------
+    def build_forward_batch(self, batch: ScheduleBatch, future_ids: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, ForwardBatch]:
+        """Host lists -> device tensors, and write the new slots into ``req_to_token``.
+
+        A negative input id ``-(k + 1)`` is a placeholder for row k of ``future_ids`` (the
+        in-flight step's sampled ids, on the device) and is resolved there.
+        """
+        ids: list[int] = []
+        pos: list[int] = []
+        rows_t: list[int] = []
+        starts: list[int] = []
+        seq_lens: list[int] = []
+        last: list[int] = []
+        off = 0
+        for req, p, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            ids.extend(req.tokens(p, n))
+            pos.extend(range(p, p + n))
+            rows_t.extend([req.req_pool_idx] * n)
+            starts.append(off)
+            seq_lens.append(p + n)
+            off += n
+            last.append(off - 1)
+        d = self.device
+        i64 = torch.int64
+        input_ids = resolve_placeholders(torch.tensor(ids, dtype=i64).to(d, non_blocking=True),
+                                         future_ids)
+        positions_cpu = torch.tensor(pos, dtype=i64)
+        positions = positions_cpu.to(d, non_blocking=True)
+        loc = torch.tensor(batch.out_cache_loc, dtype=i64).to(d, non_blocking=True)
+        rows = torch.tensor(rows_t, dtype=i64).to(d, non_blocking=True)
+        r2t = self.req_to_token_pool.req_to_token
+        r2t[rows, positions] = loc.to(torch.int32)
+        fb = ForwardBatch(
+            mode=batch.mode, batch_size=batch.batch_size, positions=positions,
+            req_pool_indices=torch.tensor([r.req_pool_idx for r in batch.reqs], dtype=i64).to(d),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(d),
+            out_cache_loc=loc, req_to_token=r2t, k_buffers=self.kv_pool.k_buffers,
+            v_buffers=self.kv_pool.v_buffers, attn_backend=self.attn_backend,
+            max_seq_len=max(seq_lens), seq_lens_cpu=seq_lens,
+            extend_seq_lens_cpu=list(batch.extend_lens))
+        if batch.mode == ForwardMode.EXTEND:
+            fb.extend_seq_lens = torch.tensor(batch.extend_lens, dtype=torch.int32).to(d)
+            fb.extend_prefix_lens = torch.tensor(batch.prefix_lens, dtype=torch.int32).to(d)
+            fb.extend_start_loc = torch.tensor(starts, dtype=torch.int32).to(d)
+            fb.max_extend_len = max(batch.extend_lens)
+            fb.num_decodes = batch.num_decodes
+            if any(batch.all_rows):
+                rows = []
+                for s0, n, all_ in zip(starts, batch.extend_lens, batch.all_rows):
+                    rows.extend(range(s0, s0 + n) if all_ else [s0 + n - 1])
+                last = rows
+            fb.logits_indices = torch.tensor(last, dtype=i64).to(d)
+        return input_ids, fb
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduleBatch, future_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one step; returns float32 logits ``[batch_size, vocab]`` (last token of each).
+
+        ``future_ids``: the in-flight step's sampled ids [B'] int64 on the device, which
+        placeholder input ids refer to (overlap scheduling), or None.
+        """
+        if self.tp_leader:
+            pool = self.req_to_token_pool
+            writes, pool.pending_writes = pool.pending_writes, []
+            self.tp_channel.send(step_msg(batch, future_ids is not None, writes))
+        if (batch.mode == ForwardMode.DECODE and self.graph_runner is not None
+                and self.graph_runner.can_run(batch.batch_size)):
+            return self.graph_runner.replay(batch, future_ids)
+        if (batch.mode == ForwardMode.EXTEND and self.piecewise_runner is not None
+                and self.piecewise_runner.can_run(batch.num_tokens)):
+            return self.piecewise_runner.run(batch, future_ids)
+        input_ids, fb = self.build_forward_batch(batch, future_ids)
+        self.attn_backend.init_forward(fb)
+        return self.model(input_ids, fb.positions, fb)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, reqs: list, eos_ids: list[int]) -> SampleResult:
+        """Sample one token per request (rows of ``logits`` [B, vocab] fp32, in ``reqs`` order).
+
+        The ids stay on the device (``ids_dev``) and are copied back asynchronously; call
+        ``host()`` on the result to wait for them.
+        """
+        from engine.sampling.grammar import fill_vocab_mask
+        from engine.sampling.sampler import SamplingBatchInfo, sample
+
+        params = [r.sampling_params for r in reqs]
+        info = SamplingBatchInfo.from_params(
+            params, self.vocab_size, self.device,
+            output_ids=[r.output_ids for r in reqs],
+            prompt_ids=[r.origin_input_ids for r in reqs],
+            steps=[len(r.output_ids) for r in reqs], eos_ids=eos_ids)
+        # constrained rows: the grammar's allowed tokens (filled while the forward runs)
+        # (a request that finished in the step just read back has a spent matcher: free row)
+        info.vocab_mask = fill_vocab_mask(
+            [None if r.finished else getattr(r, "grammar", None) for r in reqs],
+            self.vocab_size)
+        want = [p.logprobs for p in params if p.logprobs is not None]
+        out = sample(logits, info, return_logprobs=max(want) if want else None)
+        if self.tp_leader:  # the workers resolve the next step's placeholders with these
+            self.tp_channel.send(IdsMsg(out.next_token_ids.numel()))
+            tpd.broadcast_tensor(out.next_token_ids)
+        return SampleResult(out, bool(want), self.device_type)
+
+
+class SampleResult:
+    """Sampled ids on the device plus an asynchronous copy to the host."""
+
+    def __init__(self, out, with_logprobs: bool, device_type: str):
+        self.out = out
+        self.ids_dev = out.next_token_ids
+        self.with_logprobs = with_logprobs
+        self._event = None
+        if dev.is_accelerator(device_type):
+            self._host = torch.empty(self.ids_dev.shape, dtype=self.ids_dev.dtype, pin_memory=True)
+            self._host.copy_(self.ids_dev, non_blocking=True)
+            self._event = dev.event_class(device_type)()
+            self._event.record()
+        else:
+            self._host = self.ids_dev
+
+    def host(self) -> tuple[list[int], tuple | None]:
+        """(token ids, logprobs) where logprobs is (chosen [B], top ids [B][k], top lps [B][k])."""
+        if self._event is not None:
+            self._event.synchronize()
+        ids = self._host.tolist()
+        lp = None
+        if self.with_logprobs:
+            o = self.out
+            lp = (o.logprobs.tolist(),
+                  o.top_logprobs_ids.tolist() if o.top_logprobs_ids is not None else None,
+                  o.top_logprobs.tolist() if o.top_logprobs is not None else None)
+        return ids, lp
