@@ -44,6 +44,7 @@ test-fast: install
 
 lint: install
 	$(VENV)/bin/ruff check server engine kernels bench tests
+	$(VENV)/bin/lint-imports --no-cache
 
 bench-latency: install
 	$(VENV)/bin/ferry bench-latency $(ARGS)
