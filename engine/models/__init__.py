@@ -3,13 +3,14 @@
 Every registered class implements the model contract :class:`engine.models.base.CausalLM`
 and reads its shape from :class:`engine.models.config.ModelConfig`. Adding an architecture
 is one file (a ``CausalLM`` subclass in this folder) plus one line in ``MODEL_REGISTRY``
-(and one in ``MODEL_TYPES`` if GGUF files of it carry no ``architectures``).
+(and one in ``MODEL_TYPES``, in ``config.py``, if GGUF files of it carry no
+``architectures``).
 """
 
 from __future__ import annotations
 
 from engine.models.base import CausalLM
-from engine.models.config import ModelConfig
+from engine.models.config import MODEL_TYPES, ModelConfig
 from engine.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -22,13 +23,6 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
-}
-# GGUF-derived configs carry no ``architectures``; fall back on ``model_type``.
-MODEL_TYPES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
 }
 
 

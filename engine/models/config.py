@@ -13,6 +13,14 @@ from typing import Any
 
 #: context (tokens) assumed when a config gives no ``max_position_embeddings``
 DEFAULT_MAX_POSITION = 4096
+# GGUF-derived configs carry no ``architectures``; fall back on ``model_type`` (here, not in
+# the registry ``engine.models``, which imports this module)
+MODEL_TYPES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 
 @dataclass(frozen=True)
@@ -165,6 +173,4 @@ def _architecture(config) -> str:
     archs = getattr(config, "architectures", None) or []
     if archs:
         return archs[0]
-    from engine.models import MODEL_TYPES  # here: engine.models imports this module
-
     return MODEL_TYPES.get(getattr(config, "model_type", None) or "", "")
