@@ -145,7 +145,8 @@ class RankRunner:
 
     # ---- tensor parallelism -------------------------------------------------------------
     def _init_tp(self, args: ServerArgs, tp_rank: int) -> ServerArgs:
-        """Pick this rank's device, spawn the node's workers (rank 0) and join the group.
+        """Pick this rank's device, start the node's workers (rank 0: :meth:`_start_workers`,
+        which ``ModelRunner`` provides) and join the group.
 
         Returns ``args`` with ``dist_init_addr`` filled in (a free local port when unset).
         """
