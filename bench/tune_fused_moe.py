@@ -87,8 +87,13 @@ def search_space(space: str, m: int, top_k: int, num_experts: int, dtype: torch.
     if device_type == "xpu":
         warps, stages = (8, 16, 32), (2, 3)
     bms = [b for b in (16, 32, 64, 128) if b <= min(cap_m, 128)]
+    combos = list(itertools.product(bms, bn, bk, groups, warps, stages))
+    if space == "quick":
+        # decode blocks are weight streams: also try narrower N and deeper K tiles there
+        combos += itertools.product([16], (32,), (64, 128, 256), (1,), (4,), stages)
+        combos += itertools.product([16], (64, 128), (256,), (1,), (4,), stages)
     out = []
-    for bm_, bn_, bk_, g, w, s in itertools.product(bms, bn, bk, groups, warps, stages):
+    for bm_, bn_, bk_, g, w, s in combos:
         if s * (bm_ + bn_) * bk_ * dtype.itemsize > smem_kib * 1024:
             continue
         if bm_ * bn_ < 64 * 64 and w > 4 and device_type != "xpu":
