@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import uuid
 
+from server.http import json_text
 from server.openai.formats import ChatFormat
 from server.tools.parsers import START_MARKERS, ParsedCall, parse_tool_calls
 from server.tools.plan import ToolPlan
@@ -46,8 +47,8 @@ class ToolChatFormat(ChatFormat):
         if plan.choice == "auto":
             return parse_tool_calls(plan.parser, text)
         try:
-            val = json.loads(text)
-        except ValueError:
+            val = json_text.loads(text)
+        except json_text.JSONTextError:
             return text, []
         if plan.choice == "named":
             return (None, [ParsedCall(plan.name, text)]) if isinstance(val, dict) else (text, [])

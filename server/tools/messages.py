@@ -8,9 +8,9 @@ object, which is what the templates of Llama 3.1, Qwen 2.5, Hermes and Mistral e
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from server.http import json_text
 from server.http.errors import bad_request
 
 MAX_TOOL_CALLS = 128
@@ -39,9 +39,12 @@ def assistant_tool_calls(value: Any, where: str) -> list[dict]:
             raise bad_request("function.arguments must be a JSON string",
                               f"{q}.function.arguments")
         try:
-            decoded = json.loads(args) if args.strip() else {}
-        except ValueError:
-            decoded = args  # kept as text; the template shows it as it is
+            decoded = json_text.loads(args) if args.strip() else {}
+        except json_text.JSONTextError as exc:
+            if "nested deeper" in str(exc):
+                raise bad_request(f"function.arguments is {exc}",
+                                  f"{q}.function.arguments") from None
+            decoded = args  # not JSON: kept as text; the template shows it as it is
         entry = {"type": "function", "function": {"name": fn["name"], "arguments": decoded}}
         if isinstance(call.get("id"), str):
             entry["id"] = call["id"]

@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from server.http import json_text
+
 TOOL_CALL_PARSERS = ("hermes", "llama3", "mistral")
 
 
@@ -33,9 +35,9 @@ class ParsedCall:
 def _args_text(obj) -> str:
     if isinstance(obj, str):  # some models emit the arguments as a JSON string already
         try:
-            json.loads(obj)
+            json_text.loads(obj)
             return obj
-        except ValueError:
+        except json_text.JSONTextError:
             return json.dumps(obj, ensure_ascii=False)
     return json.dumps({} if obj is None else obj, ensure_ascii=False)
 
@@ -49,15 +51,15 @@ def _call(obj) -> ParsedCall | None:
 
 def _json_values(text: str, sep: str = "") -> list | None:
     """Consecutive JSON values in ``text`` (whitespace and ``sep`` between), or None."""
-    dec, i, out = json.JSONDecoder(), 0, []
+    i, out = 0, []
     while True:
         while i < len(text) and (text[i].isspace() or (sep and text[i] == sep)):
             i += 1
         if i >= len(text):
             return out
         try:
-            val, i = dec.raw_decode(text, i)
-        except ValueError:
+            val, i = json_text.raw_decode(text, i)
+        except json_text.JSONTextError:
             return None
         out.append(val)
 
@@ -71,8 +73,8 @@ def parse_hermes(text: str) -> tuple[str | None, list[ParsedCall]]:
     for block in rest.split(start):
         body = block.split(end, 1)[0].strip()
         try:
-            call = _call(json.loads(body))
-        except ValueError:
+            call = _call(json_text.loads(body))
+        except json_text.JSONTextError:
             call = None
         if call is None:
             return text, []

@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 
 from engine.sampling.params import SamplingParams
+from server.http import json_text
 from server.http.errors import bad_request
 from server.tools import structured
 from server.tools.parsers import detect_parser
@@ -71,6 +72,11 @@ def _tools(value: Any) -> list[dict]:
                                    or params.get("type", "object") != "object"):
             raise bad_request("function.parameters must be a JSON schema of an object",
                               f"{p}.function.parameters")
+        try:
+            json_text.check_depth(params)
+        except json_text.JSONTextError as exc:
+            raise bad_request(f"function.parameters is {exc}", f"{p}.function.parameters"
+                              ) from None
         if "description" in fn and not isinstance(fn["description"], str):
             raise bad_request("function.description must be a string",
                               f"{p}.function.description")

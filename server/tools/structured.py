@@ -28,6 +28,7 @@ import msgspec
 
 from engine.sampling.grammar import check_grammar
 from engine.sampling.params import SamplingParams
+from server.http import json_text
 from server.http.errors import bad_request, not_supported
 
 #: request fields (besides SGLang's ``json_schema``/``regex``/``ebnf``) this module reads
@@ -45,11 +46,15 @@ def _schema_text(value: Any, param: str) -> str:
     """A JSON schema given as an object (or a boolean) or as a JSON string -> its text."""
     if isinstance(value, str):
         try:
-            json.loads(value)
-        except ValueError:
-            raise bad_request(f"{param} is not valid JSON", param) from None
+            json_text.loads(value)
+        except json_text.JSONTextError as exc:
+            raise bad_request(f"{param} is not valid JSON ({exc})", param) from None
         return value
     if isinstance(value, dict | bool):
+        try:
+            json_text.check_depth(value)
+        except json_text.JSONTextError as exc:
+            raise bad_request(f"{param} is {exc}", param) from None
         return json.dumps(value)
     raise bad_request(f"{param} must be a JSON schema (an object)", param)
 
