@@ -75,18 +75,38 @@ def serve_parser() -> argparse.ArgumentParser:
     """The ``ferry serve`` argument parser (flags generated from ``ServerArgs``)."""
     from engine.args import ServerArgs
 
-    parser = argparse.ArgumentParser(
-        prog="ferry serve",
-        description="Start ferry's OpenAI-compatible server (/v1/completions, "
-                    "/v1/chat/completions, /v1/models, /v1/tokenize, /v1/detokenize, /health, "
-                    "/server_info, /metrics, /openapi.json, /docs).",
-        formatter_class=_HelpFormatter)
+    parser = _ServeParser(prog="ferry serve", description=SERVE_DESCRIPTION,
+                          formatter_class=_HelpFormatter)
     return ServerArgs.add_cli_args(parser)
+
+
+#: ``ferry serve --help``'s text above the flags: every route of server/app.py (a test
+#: compares the two)
+SERVE_DESCRIPTION = """\
+Start ferry's OpenAI-compatible server. Routes (docs/usage.md#endpoints):
+  POST /v1/chat/completions, /v1/completions, /v1/responses
+  POST /v1/tokenize, /v1/detokenize (also /tokenize, /detokenize)
+  GET  /v1/models, /v1/models/{model_id}
+  GET  /health, /server_info, /metrics
+  POST /flush_cache
+  GET  /openapi.json, /docs"""
+
+
+class _ServeParser(argparse.ArgumentParser):
+    """argparse whose usage errors print the message first, then a one-line usage (argparse
+    prints the whole flag synopsis, ~40 lines, before the message, which buried it)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n"
+                     f"usage: {self.prog} [options]  ({self.prog} --help lists every flag)\n")
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows ``(default: X)`` unless the help already says what the default is, or there is
     none to show (None, False)."""
+
+    def _fill_text(self, text, width, indent):
+        return "\n".join(indent + line for line in text.splitlines())  # kept as written
 
     def _get_help_string(self, action):
         text = action.help or ""

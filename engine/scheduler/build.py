@@ -63,7 +63,8 @@ def load_engine_tokenizer(args: ServerArgs):
 
 def check_environment(args: ServerArgs) -> None:
     """The checks that need this machine, before any process starts: the device exists, the
-    attention backend is known and runs on it, and the model path resolves.
+    attention backend is known and runs on it, and the model path resolves (to weights,
+    unless ``--load-format dummy``).
 
     Raises:
         ValueError, FileNotFoundError: with a message naming the flag or the path.
@@ -76,7 +77,13 @@ def check_environment(args: ServerArgs) -> None:
     device_type = dev.resolve_device(args.device)
     resolve_attention_backend(args.attention_backend, device_type)
     if args.load_format != "dummy" or args.model_path:
-        resolve_model_path(args.model_path)
+        source = resolve_model_path(args.model_path)
+        if source.kind == "config" and args.load_format != "dummy":
+            # else the engine process dies in the loader with a traceback, after the server
+            # warned about borrowing the default tokenizer for the config's vocabulary
+            raise ValueError(f"{args.model_path} is a model config without weights (no "
+                             "*.safetensors, no .gguf file): pass --load-format dummy for "
+                             "random weights, or point --model-path at a checkpoint")
     if args.tp_size > 1 or args.nnodes > 1:
         check_tensor_parallel(args, device_type)
 

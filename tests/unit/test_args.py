@@ -2,9 +2,11 @@
 
 import argparse
 import dataclasses
+import os
 
 import pytest
 
+import engine
 from engine.args import ServerArgs
 
 
@@ -157,7 +159,7 @@ def test_serve_turns_bound_errors_into_usage_errors(argv, msg, capsys):
         serve(argv)
     err = capsys.readouterr().err
     assert exc.value.code == 2
-    assert err.startswith("usage: ferry serve") and f"ferry serve: error: {msg}\n" in err
+    assert err.startswith(f"ferry serve: error: {msg}\n")  # the message first
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -180,3 +182,64 @@ def test_serve_checks_the_machine_before_starting_anything(argv, message, capsys
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model-path"], "argument --model-path: expected one argument"),
+    (["--port", "0"], "--port must be in [1, 65535], got 0"),
+    (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+])
+def test_serve_usage_errors_put_the_message_first(argv, message, capsys):
+    """A usage error is the message on the first line and a one-line usage, not argparse's
+    ~40-line flag synopsis before the message (issue 34, kind 8)."""
+    from server.cli import serve
+
+    with pytest.raises(SystemExit) as exc:
+        serve(argv)
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith(f"ferry serve: error: {message}")
+    assert len(lines) == 2 and lines[1].startswith("usage: ferry serve [options]")
+
+
+def test_serve_help_lists_every_route(capsys):
+    """``ferry serve --help`` names every route of the app (it lacked /v1/responses and
+    /flush_cache)."""
+    import re
+
+    from app_helpers import make_app
+
+    from server.cli import SERVE_DESCRIPTION, serve_parser
+
+    app, _ = make_app()
+    routes = {r.path.replace(":path", "") for r in app.routes}
+    listed = set(re.findall(r"/[\w/{}.]+", SERVE_DESCRIPTION)) - {"/usage.md"}
+    assert listed == routes
+    assert SERVE_DESCRIPTION.splitlines()[1] in serve_parser().format_help()
+
+
+@pytest.mark.parametrize("config", ["dir", "file"])
+def test_serve_refuses_a_config_without_weights(config, tmp_path, capsys, monkeypatch):
+    """A config-only model (config.json and tokenizer, no weights) without ``--load-format
+    dummy`` is a one-line start-up error that names the flag, before any process starts
+    (it was a traceback from the engine process)."""
+    import shutil
+
+    import server.launch
+    from server.cli import serve
+
+    src = os.path.join(os.path.dirname(engine.__file__), "configs", "llama-tiny.json")
+    shutil.copy(src, tmp_path / "config.json")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    path = str(tmp_path if config == "dir" else tmp_path / "config.json")
+    monkeypatch.setattr(server.launch, "launch_server",
+                        lambda args: pytest.fail("the server must not start"))
+    with pytest.raises(SystemExit) as exc:
+        serve(["--device", "cpu", "--model-path", path])
+    assert exc.value.code == 2
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith(f"ferry serve: error: {path} is a model config without weights")
+    assert "--load-format dummy" in first
+    monkeypatch.setattr(server.launch, "launch_server", lambda args: 0)
+    assert serve(["--device", "cpu", "--model-path", path, "--load-format", "dummy"]) == 0
