@@ -4,6 +4,8 @@ The small ops (RMSNorm with the residual add, SiLU-and-mul, rotary) each hold th
 implementation in an ``impl`` attribute: the eager torch reference from
 :mod:`kernels.reference` by default, the Triton kernel from :mod:`kernels.fused_ops` /
 :mod:`kernels.rotary` on GPUs, or ferry's C++ kernel from :mod:`kernels.cpu_ops` on the CPU.
+The MoE experts (``engine.layers.moe.FusedMoE``) too: :mod:`kernels.fused_moe` (Triton) on
+GPUs, :func:`kernels.moe_torch.fused_moe_torch` otherwise.
 :func:`select_ops` chooses once per model, after loading; no op looks at a flag or at its
 tensor's device when it is called.
 """
@@ -46,8 +48,10 @@ def op_implementations(fused: bool | str) -> dict:
         ValueError: an unknown kind.
     """
     from engine.layers.activation import SiluAndMul
+    from engine.layers.moe import FusedMoE, triton_fused_moe
     from engine.layers.norm import RMSNorm
     from engine.layers.rotary import RotaryEmbedding
+    from kernels.moe_torch import fused_moe_torch
 
     kind = {True: "triton", False: "reference"}.get(fused, fused)
     if kind not in OP_KINDS:
@@ -58,23 +62,26 @@ def op_implementations(fused: bool | str) -> dict:
         if not cpu_ops.load():
             raise RuntimeError("ferry's C++ CPU kernels are not available (see the log)")
         return {RMSNorm: cpu_ops.rms_norm, SiluAndMul: cpu_ops.silu_and_mul,
-                RotaryEmbedding: cpu_ops.rotary_inplace}
+                RotaryEmbedding: cpu_ops.rotary_inplace, FusedMoE: fused_moe_torch}
     if kind == "triton":
         from kernels.fused_ops import rms_norm, silu_and_mul
         from kernels.rotary import rotary_inplace
 
-        return {RMSNorm: rms_norm, SiluAndMul: silu_and_mul, RotaryEmbedding: rotary_inplace}
+        return {RMSNorm: rms_norm, SiluAndMul: silu_and_mul, RotaryEmbedding: rotary_inplace,
+                FusedMoE: triton_fused_moe()}
     from kernels.reference import rms_norm_ref, rotary_ref, silu_and_mul_ref
 
-    return {RMSNorm: rms_norm_ref, SiluAndMul: silu_and_mul_ref, RotaryEmbedding: rotary_ref}
+    return {RMSNorm: rms_norm_ref, SiluAndMul: silu_and_mul_ref, RotaryEmbedding: rotary_ref,
+            FusedMoE: fused_moe_torch}
 
 
 def select_ops(model, fused: bool | str) -> int:
     """Choose, once for ``model``, the fused Triton, the C++ CPU or the eager torch small ops.
 
-    Walks ``model.modules()`` and sets ``impl`` on every ``RMSNorm``, ``SiluAndMul`` and
-    ``RotaryEmbedding``. The choice belongs to the model, not the process, so a CPU model
-    and a CUDA model can live side by side (``ferry parity --devices cpu,cuda``). The caller
+    Walks ``model.modules()`` and sets ``impl`` on every ``RMSNorm``, ``SiluAndMul``,
+    ``RotaryEmbedding`` and ``FusedMoE``. The choice belongs to the model, not the process,
+    so a CPU model and a CUDA model can live side by side (``ferry parity --devices
+    cpu,cuda``). The caller
     decides from the device once: ``ModelRunner`` passes :func:`small_ops_kind`. Triton ops
     on a CPU model only run under ``TRITON_INTERPRET=1`` (the kernel tests).
 

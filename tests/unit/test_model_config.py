@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import transformers
 from transformers import LlamaConfig, LlavaConfig, Qwen3Config
 
 from engine.models import MODEL_REGISTRY, CausalLM, ModelConfig
@@ -90,6 +91,16 @@ def _tiny(arch: str):
     kw = dict(architectures=[arch], hidden_size=64, intermediate_size=96,
               num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
               vocab_size=128, max_position_embeddings=256)
+    moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    if arch == "Qwen3MoeForCausalLM":   # layer 2 dense
+        return transformers.Qwen3MoeConfig(head_dim=32, mlp_only_layers=[2], **moe, **kw)
+    if arch == "Qwen2MoeForCausalLM":   # layer 2 dense, a shared expert
+        return transformers.Qwen2MoeConfig(mlp_only_layers=[2], **moe, **kw,
+                                           shared_expert_intermediate_size=48)
+    if arch == "MixtralForCausalLM":
+        return transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **kw)
+    if arch == "OlmoeForCausalLM":
+        return transformers.OlmoeConfig(num_experts=4, num_experts_per_tok=2, **kw)
     if arch.startswith("Qwen3"):
         return Qwen3Config(head_dim=32, **kw)
     return LlamaConfig(**kw)
@@ -111,7 +122,9 @@ def test_every_registered_model_keeps_the_contract(arch):
     assert tuple(model.lm_head_weight.shape) == (128, 64)
     names = model.hf_weight_names()
     assert "model.layers.0.self_attn.q_proj.weight" in names
-    assert "model.layers.2.mlp.gate_proj.weight" in names
+    # layer 2's MLP: dense, or the experts of an all-MoE model
+    assert {"model.layers.2.mlp.gate_proj.weight", "model.layers.2.mlp.experts.3.gate_proj.weight",
+            "model.layers.2.block_sparse_moe.experts.3.w1.weight"} & set(names)
     assert len(model.expected_weights()) == len(names)
 
 

@@ -1,0 +1,184 @@
+"""Mixture-of-experts MLP: a router, stacked expert weights, an optional shared expert.
+
+:class:`SparseMoeBlock` is the MLP of an MoE decoder layer (Qwen2/Qwen3-MoE, Mixtral,
+OLMoE)::
+
+    router_logits = gate(x).float()                   # [T, E], replicated linear H -> E
+    topk_weights, topk_ids = select_experts(router_logits, top_k, renormalize)
+    out = fused_moe(x, w13_weight, w2_weight, topk_weights, topk_ids)
+    out += sigmoid(shared_expert_gate(x)) * shared_expert(x)      # Qwen2-MoE only
+    out = all_reduce(out)                                          # tensor parallelism
+
+``select_experts`` is softmax over all experts in fp32, top-k, and (``renormalize``, HF's
+``norm_topk_prob``; always for Mixtral) division by the top-k sum, as in transformers'
+``*TopKRouter``. The router's matmul runs in the model dtype (as in transformers) and its
+logits are cast to fp32 before the softmax.
+
+Expert parameters (:class:`FusedMoE`), this rank's part of every expert:
+
+    w13_weight [E, 2 * I_local, H]   rows [0, I_local): gate (w1), [I_local, 2 I_local): up (w3)
+    w2_weight  [E, H, I_local]       down (w2)
+
+with ``I_local = moe_intermediate_size / tp_size``: tensor parallelism splits each expert's
+intermediate dimension (Megatron-style, like the dense MLP: gate/up column-parallel, down
+row-parallel), so every rank runs every expert on every token and the outputs are partial
+sums. The block all-reduces once, after adding the shared expert's partial output (its
+``down_proj`` is built with ``reduce_results=False``), so an MoE layer costs one all-reduce
+like a dense one. Expert parallelism is a later mode.
+
+The experts' computation is :class:`FusedMoE`'s ``impl``, which
+:func:`engine.layers.select_ops` sets like the small ops' (``engine.device.use_triton``
+decides): the Triton :func:`kernels.fused_moe.fused_moe` on GPUs (through
+:func:`triton_fused_moe`, which passes the device's name for its tuned-config table; no host
+sync, so the block runs inside captured graphs), and
+:func:`kernels.moe_torch.fused_moe_torch` on the CPU and under ``--disable-fused-ops``
+(it syncs with the host: a GPU model with ``--disable-fused-ops`` must also run without
+graphs).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from engine.distributed import all_reduce, get_tp
+from engine.layers.linear import ReplicatedLinear, full_tensor
+from kernels.moe_torch import fused_moe_torch, select_experts
+
+#: HF checkpoint part -> :meth:`FusedMoE.weight_loader` shard id
+EXPERT_SHARDS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down",
+                 "w1": "gate", "w3": "up", "w2": "down"}
+
+
+class FusedMoE(nn.Module):
+    """The routed experts of one layer, stacked (see the module docstring for the layout).
+
+    Args:
+        num_experts: E.
+        top_k: experts per token.
+        hidden_size: H.
+        intermediate_size: one expert's full width I (split over the ranks).
+        renormalize: divide the top-k routing weights by their sum.
+        dtype: parameter dtype.
+    """
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 renormalize: bool, dtype: torch.dtype, tp_size: int | None = None,
+                 tp_rank: int | None = None):
+        super().__init__()
+        g = get_tp()
+        self.tp_size = g.size if tp_size is None else tp_size
+        self.tp_rank = g.rank if tp_rank is None else tp_rank
+        if intermediate_size % self.tp_size:
+            raise ValueError(f"the experts' intermediate size {intermediate_size} is not "
+                             f"divisible by --tp-size {self.tp_size}")
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok {top_k} must be in [1, {num_experts}]")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        i_local = intermediate_size // self.tp_size
+        self.w13_weight = nn.Parameter(
+            torch.empty(num_experts, 2 * i_local, hidden_size, dtype=dtype), requires_grad=False)
+        self.w2_weight = nn.Parameter(
+            torch.empty(num_experts, hidden_size, i_local, dtype=dtype), requires_grad=False)
+        self.w13_weight.weight_loader = self.weight_loader
+        self.w2_weight.weight_loader = self.weight_loader
+        self.impl = fused_moe_torch
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """x [T, H], router_logits [T, E] fp32 -> [T, H] in x's dtype: this rank's partial
+        sum (all-reduced by the caller)."""
+        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        return self.impl(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+
+    def weight_loader(self, param: nn.Parameter, loaded, expert_id: int, shard_id: str) -> None:
+        """Load one Hub per-expert tensor: ``gate`` ([I, H]) and ``up`` ([I, H]) into the
+        gate/up rows of ``w13_weight[expert_id]``, ``down`` ([H, I]) into
+        ``w2_weight[expert_id]``; this rank's slice of I only (``loaded`` may be a lazy
+        safetensors slice).
+
+        Raises:
+            ValueError: a bad expert id or shard id, or a tensor of the wrong shape.
+        """
+        if not 0 <= expert_id < self.num_experts:
+            raise ValueError(f"expert id {expert_id} is outside [0, {self.num_experts})")
+        full_i, h = self.intermediate_size, self.hidden_size
+        n = full_i // self.tp_size
+        if shard_id in ("gate", "up"):
+            want, dim, dst = (full_i, h), 0, self.w13_weight.data[expert_id]
+            dst = dst.narrow(0, 0 if shard_id == "gate" else n, n)
+        elif shard_id == "down":
+            want, dim, dst = (h, full_i), 1, self.w2_weight.data[expert_id]
+        else:
+            raise ValueError(f"expert shard id must be 'gate', 'up' or 'down', got {shard_id!r}")
+        if param is not (self.w2_weight if shard_id == "down" else self.w13_weight):
+            raise ValueError(f"expert shard {shard_id!r} does not load into this parameter")
+        if tuple(loaded.shape) != want:
+            raise ValueError(f"expert {shard_id} tensor has shape {tuple(loaded.shape)}, "
+                             f"expected {want}")
+        part = loaded.narrow(dim, self.tp_rank * n, n) if self.tp_size > 1 else loaded
+        dst.copy_(full_tensor(part))
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + routed experts (+ an optional shared expert), one all-reduce.
+
+    Args:
+        hidden_size, num_experts, top_k, intermediate_size, renormalize, dtype: as
+            :class:`FusedMoE`.
+        shared_expert: a module x [T, H] -> [T, H] whose output is a per-rank partial sum
+            (an MLP whose down projection has ``reduce_results=False``), or None.
+        shared_expert_gate: scale the shared expert by ``sigmoid(x @ w^T)`` (a replicated
+            linear H -> 1, Qwen2-MoE's ``shared_expert_gate``).
+
+    Parameter names follow transformers: ``gate`` (the router), ``experts.w13_weight`` /
+    ``experts.w2_weight``, ``shared_expert.*``, ``shared_expert_gate``.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 renormalize: bool, dtype: torch.dtype, shared_expert: nn.Module | None = None,
+                 shared_expert_gate: bool = False):
+        super().__init__()
+        self.gate = ReplicatedLinear(hidden_size, num_experts, False, dtype)
+        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size,
+                                renormalize, dtype)
+        self.tp_size = self.experts.tp_size
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = (ReplicatedLinear(hidden_size, 1, False, dtype)
+                                   if shared_expert is not None and shared_expert_gate else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H] (summed over the ranks)."""
+        out = self.experts(x, self.gate(x).float())
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return all_reduce(out) if self.tp_size > 1 else out
+
+
+def triton_fused_moe():
+    """:func:`kernels.fused_moe.fused_moe` (imported here: it needs Triton) as a ``FusedMoE``
+    ``impl``: the same arguments as :func:`kernels.moe_torch.fused_moe_torch`, plus the
+    device's name for the tuned launch-config table (looked up once per device type)."""
+    from kernels.fused_moe import fused_moe
+
+    def run(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+            topk_ids: torch.Tensor) -> torch.Tensor:
+        return fused_moe(x, w13, w2, topk_weights, topk_ids,
+                         device_name=_device_name(x.device.type))
+
+    return run
+
+
+@functools.cache
+def _device_name(device_type: str) -> str:
+    from engine import device as devmod
+
+    return devmod.device_name(device_type)

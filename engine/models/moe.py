@@ -1,0 +1,216 @@
+"""Mixture-of-experts decoders on the Llama layers: Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE.
+
+Attention, norms, rotary and the dense MLP are :mod:`engine.models.llama`'s; a layer's MLP
+is either the dense SwiGLU MLP or :class:`engine.layers.moe.SparseMoeBlock` (router,
+stacked experts, optional shared expert), chosen per layer by
+:meth:`engine.models.config.ModelConfig.is_moe_layer` (``decoder_sparse_step``,
+``mlp_only_layers``). The families differ in (checked against transformers 5.24's
+``modeling_{qwen3_moe,qwen2_moe,mixtral,olmoe}.py``):
+
+  - Qwen3-MoE: per-head q/k RMSNorm (as Qwen3), ``norm_topk_prob`` from the config.
+  - Qwen2-MoE: q/k/v bias (``qkv_bias``), none on o; a shared expert
+    (``mlp.shared_expert.{gate,up,down}_proj``, width ``shared_expert_intermediate_size``)
+    scaled by ``sigmoid(mlp.shared_expert_gate(x))`` and added to the routed experts;
+    ``norm_topk_prob`` from the config (False by default).
+  - Mixtral: the block is ``block_sparse_moe`` (router ``gate``, experts ``w1`` gate,
+    ``w3`` up, ``w2`` down); top-k weights always renormalised; every layer is MoE.
+  - OLMoE: one RMSNorm over the whole q and the whole k projection (sizes
+    ``num_heads * head_dim`` and ``num_kv_heads * head_dim``; under tensor parallelism the
+    mean square is all-reduced), no q/k/v bias (``attention_bias``), ``norm_topk_prob`` from
+    the config; ``clip_qkv`` is refused.
+
+Checkpoints hold one tensor per expert (``...mlp.experts.{e}.gate_proj.weight``); ferry
+stacks them into ``...mlp.experts.w13_weight`` / ``w2_weight`` at load time.
+``expected_weights`` names each expert tensor (``model.layers.{l}.mlp.experts.{e}.{part}
+.weight``, Mixtral's under ``mlp.`` too), so a checkpoint missing one is reported by name,
+and ``hf_weight_shapes`` covers them for ``--load-format dummy``.
+
+Not supported (refused at start-up with the reason): FP8 (``--quantization fp8`` or an FP8
+checkpoint: expert FP8 is future work) and GGUF files of MoE models (the loader's check).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from engine.layers.moe import EXPERT_SHARDS, SparseMoeBlock
+from engine.layers.quantization import current_linear_method
+from engine.models.config import ModelConfig
+from engine.models.llama import LlamaForCausalLM, LlamaMLP, _load
+
+_EXPERT_NAME = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
+_STACKED = (".experts.w13_weight", ".experts.w2_weight")
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """Base of the MoE families (see the module docstring); subclasses set the switches."""
+
+    #: HF name of the layer's MoE block ("mlp"; Mixtral: "block_sparse_moe")
+    hf_moe_block = "mlp"
+    #: HF expert parts, in (gate, up, down) order
+    expert_parts = ("gate_proj", "up_proj", "down_proj")
+    #: a Qwen2-MoE shared expert with its sigmoid gate
+    has_shared_expert = False
+
+    def __init__(self, config, dtype: torch.dtype = torch.float32):
+        mc = ModelConfig.from_hf(config)
+        arch = mc.architecture or type(self).__name__
+        method = current_linear_method()
+        if method is not None:
+            raise ValueError(f"{method.config.source} is not supported for {arch}, a "
+                             "mixture-of-experts model (FP8 expert weights are future work); "
+                             "serve it unquantized (bfloat16/float16/float32)")
+        if mc.num_experts <= 0 or mc.num_experts_per_tok <= 0:
+            raise ValueError(f"{arch}: the config gives no experts (num_experts / "
+                             "num_experts_per_tok)")
+        if mc.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"unsupported hidden_act {mc.hidden_act!r}; ferry supports silu")
+        super().__init__(config, dtype)
+
+    # ---- switches ------------------------------------------------------------------------
+
+    def _renormalize(self, config: ModelConfig) -> bool:
+        return config.norm_topk_prob
+
+    def _mlp(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> nn.Module:
+        if not config.is_moe_layer(layer_id):
+            return LlamaMLP(config, dtype)
+        shared = None
+        if self.has_shared_expert and config.shared_expert_intermediate_size:
+            shared = LlamaMLP(config, dtype, config.shared_expert_intermediate_size,
+                              reduce_results=False)
+        return SparseMoeBlock(config.hidden_size, config.num_experts,
+                              config.num_experts_per_tok, config.moe_intermediate_size,
+                              self._renormalize(config), dtype, shared_expert=shared,
+                              shared_expert_gate=shared is not None)
+
+    # ---- names ---------------------------------------------------------------------------
+
+    def _to_ferry(self, name: str) -> str:
+        """HF checkpoint name -> the name ferry's modules use (the block is always ``mlp``)."""
+        if self.hf_moe_block != "mlp":
+            return name.replace(f".{self.hf_moe_block}.", ".mlp.")
+        return name
+
+    def _to_hf(self, name: str) -> str:
+        if self.hf_moe_block != "mlp" and ".mlp." in name:
+            layer = int(name.split(".")[2])
+            if self.model_config.is_moe_layer(layer):
+                return name.replace(".mlp.", f".{self.hf_moe_block}.")
+        return name
+
+    # ---- weights -------------------------------------------------------------------------
+
+    def expected_weights(self) -> set[str]:
+        """The dense keys (:meth:`LlamaForCausalLM.expected_weights`) with each stacked
+        expert parameter replaced by its per-expert checkpoint names."""
+        keys = {k for k in super().expected_weights() if not k.endswith(_STACKED)}
+        mc = self.model_config
+        for layer in range(mc.num_layers):
+            if mc.is_moe_layer(layer):
+                keys.update(f"model.layers.{layer}.mlp.experts.{e}.{part}.weight"
+                            for e in range(mc.num_experts) for part in self.expert_parts)
+        return keys
+
+    def hf_weight_names(self) -> list[str]:
+        return [self._to_hf(n) for n in super().hf_weight_names()]
+
+    def _hf_weight_shape(self, name: str, inter: int | None = None) -> tuple[int, ...]:
+        mc = self.model_config
+        h = mc.hidden_size
+        ferry = self._to_ferry(name)
+        m = _EXPERT_NAME.fullmatch(ferry)
+        if m:
+            i = mc.moe_intermediate_size
+            return (h, i) if EXPERT_SHARDS[m.group(3)] == "down" else (i, h)
+        if ".mlp.shared_expert." in ferry:
+            return super()._hf_weight_shape(name, mc.shared_expert_intermediate_size)
+        if ferry.endswith(".mlp.shared_expert_gate.weight"):
+            return (1, h)
+        if ferry.endswith(".mlp.gate.weight"):
+            return (mc.num_experts, h)
+        return super()._hf_weight_shape(name, inter)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Per-expert tensors go into the stacked expert parameters (before the dense
+        q/k/v and gate/up fusion rules, which would take ``experts.{e}.gate_proj``); the
+        rest through :meth:`LlamaForCausalLM.load_weights`."""
+        params = dict(self.named_parameters())
+        experts: set[str] = set()
+
+        def dense():
+            for hf_name, tensor in weights:
+                name = self._to_ferry(hf_name)
+                m = _EXPERT_NAME.fullmatch(name)
+                if m and m.group(3) in self.expert_parts:
+                    layer, expert, part = m.groups()
+                    shard = EXPERT_SHARDS[part]
+                    stacked = "w2_weight" if shard == "down" else "w13_weight"
+                    p = params.get(f"model.layers.{layer}.mlp.experts.{stacked}")
+                    if p is not None:
+                        _load(hf_name, p.weight_loader, p, tensor, int(expert), shard)
+                        experts.add(name)
+                        continue
+                yield name, tensor
+
+        return super().load_weights(dense()) | experts
+
+
+class Qwen3MoeForCausalLM(MoeForCausalLM):
+    """Qwen3-MoE: Qwen3 attention (per-head q/k norms), MoE layers with optional dense ones."""
+
+    @staticmethod
+    def _options(config: ModelConfig) -> dict:
+        bias = config.attention_bias
+        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": True}
+
+
+class Qwen2MoeForCausalLM(MoeForCausalLM):
+    """Qwen2-MoE (Qwen1.5-MoE): q/k/v bias, a gated shared expert beside the routed ones."""
+
+    has_shared_expert = True
+
+    def _options(self, config: ModelConfig) -> dict:
+        text = getattr(self.config, "text_config", None) or self.config
+        return {"qkv_bias": bool(getattr(text, "qkv_bias", True)), "o_bias": False,
+                "qk_norm": False}
+
+
+class MixtralForCausalLM(MoeForCausalLM):
+    """Mixtral: Mistral attention, ``block_sparse_moe`` experts ``w1``/``w3``/``w2``, the
+    top-k routing weights always renormalised."""
+
+    hf_moe_block = "block_sparse_moe"
+    expert_parts = ("w1", "w3", "w2")
+
+    def _renormalize(self, config: ModelConfig) -> bool:
+        return True
+
+
+class OlmoeForCausalLM(MoeForCausalLM):
+    """OLMoE: RMSNorm over the whole q and k projections, no bias by default."""
+
+    def __init__(self, config, dtype: torch.dtype = torch.float32):
+        text = getattr(config, "text_config", None) or config
+        clip = getattr(text, "clip_qkv", None)
+        if clip is not None:
+            raise ValueError(f"OlmoeForCausalLM with clip_qkv={clip} is not supported (ferry "
+                             "does not clamp q/k/v); only clip_qkv null")
+        super().__init__(config, dtype)
+
+    @staticmethod
+    def _options(config: ModelConfig) -> dict:
+        bias = config.attention_bias
+        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": "full"}
+
+    def _hf_weight_shape(self, name: str, inter: int | None = None) -> tuple[int, ...]:
+        mc = self.model_config
+        if name.endswith(".self_attn.q_norm.weight"):
+            return (mc.num_heads * mc.head_dim,)
+        if name.endswith(".self_attn.k_norm.weight"):
+            return (mc.num_kv_heads * mc.head_dim,)
+        return super()._hf_weight_shape(name, inter)
