@@ -243,8 +243,8 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
                          sm_scale: float, num_kv_splits: torch.Tensor | None = None,
                          max_kv_splits: int = 16, attn_logits: torch.Tensor | None = None,
                          attn_lse: torch.Tensor | None = None, *, block_n: int | None = None,
-                         num_warps: int | None = None,
-                         num_stages: int | None = None) -> torch.Tensor:
+                         num_warps: int | None = None, num_stages: int | None = None,
+                         num_sms: int | None = None) -> torch.Tensor:
     """Paged decode attention (split-KV + LSE merge, grouped query heads), in Triton.
 
     Args:
@@ -263,12 +263,15 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         attn_lse: optional fp32 workspace ``[>=B, Hq, max_kv_splits]`` (log-sum-exp, natural log).
         block_n, num_warps, num_stages: stage-1 launch overrides for benchmarking (None:
             the defaults).
+        num_sms: the device's multiprocessors (``engine.device.multiprocessor_count``), needed
+            only when ``num_kv_splits`` is None (kernels/ does not ask the device itself).
 
     Returns:
         ``o``.
 
     Raises:
-        ValueError: inconsistent shapes, or workspaces of the wrong shape/dtype.
+        ValueError: inconsistent shapes, workspaces of the wrong shape/dtype, or neither
+            ``num_kv_splits`` nor ``num_sms`` given.
 
     No host synchronisation: safe inside CUDA/XPU graph capture when every tensor argument
     (including ``num_kv_splits`` and the workspaces) is a static buffer.
@@ -302,10 +305,9 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         raise ValueError(f"attn_lse must be fp32 [>={bs}, {hq}, {max_kv_splits}], "
                          f"got {attn_lse.dtype} {tuple(attn_lse.shape)}")
     if num_kv_splits is None:
-        from engine.device import multiprocessor_count
-
-        num_kv_splits = choose_num_kv_splits(seq_lens, hkv, max_kv_splits,
-                                             multiprocessor_count(dev.type))
+        if num_sms is None:
+            raise ValueError("pass num_kv_splits, or num_sms to choose them")
+        num_kv_splits = choose_num_kv_splits(seq_lens, hkv, max_kv_splits, num_sms)
 
     meta1, opts1 = _stage1_meta(hq // hkv, d, q.dtype, dev.type, block_n, num_warps,
                                 num_stages)

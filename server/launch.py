@@ -9,7 +9,7 @@
 3. Watch the children: if one dies, /health answers 503, every waiting request gets a 503
    (a stream a final error event and ``[DONE]``) and the server exits non-zero.
 4. With ``--tp-size N`` the engine process spawns the model workers of ranks 1..N-1 (see
-   ``engine/distributed.py``) and ends itself when one dies, which step 3 then handles; a
+   ``engine/executor/tp_worker.py``) and ends itself when one dies, which step 3 then handles; a
    node started with ``--node-rank > 0`` runs only its workers (:func:`run_worker_node`).
 5. SIGINT/SIGTERM (to the server alone or to the whole process group: the children ignore
    both): new requests get 503, in-flight ones may finish for ``--shutdown-timeout``

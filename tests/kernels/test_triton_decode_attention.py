@@ -51,7 +51,8 @@ def _run(group, hkv, d, page, dtype, lens, splits, seed, max_kv_splits=16):
     o = nan_like(q)
     decode_attention_fwd(q, batch.k_buffer, batch.v_buffer, o, batch.req_to_token,
                          batch.req_pool_indices, batch.seq_lens, d ** -0.5,
-                         num_kv_splits=splits, max_kv_splits=max_kv_splits)
+                         num_kv_splits=splits, max_kv_splits=max_kv_splits,
+                         num_sms=devlib.multiprocessor_count(q.device.type))
     return o, ref
 
 
