@@ -81,9 +81,9 @@ def select_ops(model, fused: bool | str) -> int:
     Walks ``model.modules()`` and sets ``impl`` on every ``RMSNorm``, ``SiluAndMul``,
     ``RotaryEmbedding`` and ``FusedMoE``. The choice belongs to the model, not the process,
     so a CPU model and a CUDA model can live side by side (``ferry parity --devices
-    cpu,cuda``). The caller
-    decides from the device once: ``ModelRunner`` passes :func:`small_ops_kind`. Triton ops
-    on a CPU model only run under ``TRITON_INTERPRET=1`` (the kernel tests).
+    cpu,cuda``). The caller decides from the device once: ``ModelRunner`` passes
+    :func:`small_ops_kind`. Triton ops on a CPU model only run under ``TRITON_INTERPRET=1``
+    (the kernel tests).
 
     Args:
         model: an ``nn.Module`` (built and loaded; call again before capturing graphs if the
