@@ -12,6 +12,13 @@ Order of processing (vLLM / OpenAI semantics):
 2. ``min_tokens``: while fewer than ``min_tokens`` tokens have been generated, the EOS ids and
    ``stop_token_ids`` are set to -inf (vLLM: "before EOS or stop_token_ids can be
    generated"). ``ignore_eos`` does not change sampling; the scheduler's stop check owns it.
+   The ban comes after a constrained row's grammar mask and never empties a row: where the
+   ban would leave a row with no finite logit (a grammar whose only continuation is EOS, or
+   stop ids and EOS covering what else is allowed), that row's banned tokens are let back in
+   (``apply_min_tokens_ban``), so the grammar ends the output before ``min_tokens`` (finish
+   ``stop``) rather than a token being drawn from an empty distribution. This is decided on
+   the device (no host sync), so it is overlap- and graph-safe. (``logit_bias`` values are
+   finite, [-100, 100], so they cannot empty a row.)
 3. ``repetition_penalty`` (HF ``RepetitionPenaltyLogitsProcessor``, Keskar et al. 2019,
    CTRL): for every token id seen in the prompt or the output, a positive logit is divided
    by the penalty and a negative one multiplied.
@@ -276,12 +283,31 @@ class SamplingBatchInfo:
 
 # ---- logits processing --------------------------------------------------------------------
 
-def apply_logits_processors(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+def apply_min_tokens_ban(x: torch.Tensor, info: SamplingBatchInfo) -> None:
+    """Step 2 of the module docstring, in place on ``x`` [B, V] float32 (contiguous): the
+    banned ids (``info.ban_index``) to -inf, except in a row the ban would leave with no
+    finite logit, whose banned ids keep their values. Tensor ops only (no host sync)."""
+    idx = info.ban_index
+    if idx is None:
+        return
+    V = x.shape[1]
+    flat = x.view(-1)
+    saved = flat.index_select(0, idx)
+    flat.index_fill_(0, idx, _NEG_INF)
+    dead = x.amax(dim=-1) == _NEG_INF                          # [B]: nothing left to draw
+    keep = dead.index_select(0, torch.div(idx, V, rounding_mode="floor"))
+    flat.index_copy_(0, idx, torch.where(keep, saved, torch.full_like(saved, _NEG_INF)))
+
+
+def apply_logits_processors(logits: torch.Tensor, info: SamplingBatchInfo,
+                            min_tokens_ban: bool = True) -> torch.Tensor:
     """Steps 1-4 of the module docstring: logit_bias, min_tokens, repetition, presence/frequency.
 
     Args:
         logits: [B, V] float; not modified.
         info: the step's ``SamplingBatchInfo``.
+        min_tokens_ban: apply step 2 here; ``sample`` defers it past a grammar mask (the
+            ban sets -inf, which the penalties leave at -inf, so it commutes with them).
     Returns:
         A new [B, V] float32 contiguous tensor.
     """
@@ -290,8 +316,6 @@ def apply_logits_processors(logits: torch.Tensor, info: SamplingBatchInfo) -> to
     flat = x.view(-1)
     if info.bias_index is not None:
         flat.index_add_(0, info.bias_index, info.bias_values)
-    if info.ban_index is not None:
-        flat.index_fill_(0, info.ban_index, _NEG_INF)
     if info.rep_index is not None:
         seen = torch.zeros(B * V, dtype=torch.bool, device=x.device)
         seen.index_fill_(0, info.rep_index, True)
@@ -303,6 +327,8 @@ def apply_logits_processors(logits: torch.Tensor, info: SamplingBatchInfo) -> to
         counts.index_add_(0, info.out_index, torch.ones_like(info.out_index, dtype=torch.float32))
         counts = counts.view(B, V)
         x = x - (info.frequency * counts + info.presence * (counts > 0).to(torch.float32))
+    if min_tokens_ban:
+        apply_min_tokens_ban(x, info)
     return x
 
 
@@ -418,12 +444,15 @@ def sample(logits: torch.Tensor, info: SamplingBatchInfo,
                          f"({info.batch_size}, {info.vocab_size})")
     if return_logprobs is not None and return_logprobs < 0:
         raise ValueError("return_logprobs must be >= 0")
-    x = apply_logits_processors(logits, info) if info.needs_processing else logits.float()
-    if info.vocab_mask is not None:  # grammar: disallowed tokens -inf (logprobs stay raw)
+    masked = info.vocab_mask is not None
+    x = apply_logits_processors(logits, info, min_tokens_ban=not masked) \
+        if info.needs_processing else logits.float()
+    if masked:  # grammar: disallowed tokens -inf (logprobs stay raw), then the min_tokens ban
         from engine.sampling.grammar import apply_vocab_mask
 
         x = x.clone() if x is logits else x
         apply_vocab_mask(x, *info.vocab_mask)
+        apply_min_tokens_ban(x, info)
 
     if info.is_all_greedy:
         next_ids = row_argmax(x)

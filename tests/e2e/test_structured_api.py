@@ -167,3 +167,33 @@ def test_tools_on_completions_is_refused(url):
     r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x",
                                                   "tools": TOOLS}, timeout=HTTP_TIMEOUT_S)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_grammar_that_ends_before_min_tokens_finishes_stop(url, stream):
+    """Issue 34 kind 2: a grammar whose only continuation is EOS and a ``min_tokens`` that
+    bans EOS left nothing to draw: finish "abort" with a garbage token in usage (and a
+    server_error on /v1/responses). The grammar ends the output before min_tokens."""
+    body = {"model": MODEL, "messages": ASK, "guided_choice": ["yes"], "min_tokens": 8,
+            "max_tokens": 16, "temperature": 0}
+    free = chat(url, ASK, guided_choice=["yes"], max_tokens=16)  # the same tokens, EOS too
+    want = free["usage"]["completion_tokens"]
+    if stream:
+        chunks = stream_chunks(url, "/v1/chat/completions",
+                               dict(body, stream_options={"include_usage": True}))
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
+                       if c["choices"])
+        fin = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]
+        usage = chunks[-1]["usage"]
+    else:
+        r = chat(url, **{k: v for k, v in body.items() if k not in ("model",)})
+        text, fin = r["choices"][0]["message"]["content"], r["choices"][0]["finish_reason"]
+        usage = r["usage"]
+    assert (text, fin, usage["completion_tokens"]) == ("yes", "stop", want)
+    r = post(url, "/v1/responses", {"model": MODEL, "input": "Say yes.", "regex": "yes",
+                                    "min_tokens": 8, "max_output_tokens": 16,
+                                    "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["status"] == "completed", r.text
+    assert body["output"][0]["content"][0]["text"] == "yes", r.text

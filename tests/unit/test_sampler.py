@@ -256,6 +256,86 @@ def test_min_tokens_masks_eos_and_stop_ids():
     assert (draws != stop).all() and (draws == eos).any()
 
 
+def _mask(B: int, V: int, allowed: dict[int, list[int]]):
+    """An xgrammar-style bitmask [B, ceil(V/32)] allowing ``allowed[row]`` on those rows."""
+    words = torch.zeros(B, (V + 31) // 32, dtype=torch.int64)
+    for r, ids in allowed.items():
+        for t in ids:
+            words[r, t // 32] |= 1 << (t % 32)
+    words = torch.where(words >= 2**31, words - 2**32, words)  # int32 two's complement
+    return words.to(torch.int32), sorted(allowed)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_min_tokens_never_empties_a_grammar_row(temperature):
+    """Issue 34 kind 2: a grammar whose only continuation is EOS plus a min_tokens ban of
+    EOS left a row all -inf, and the argmax drew token 0 (which the grammar then rejected:
+    finish "abort"). The ban is lifted for that row only, so the grammar's EOS wins; the
+    other rows keep the ban."""
+    V, eos, stop = 40, 7, 3
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(0))
+    logits[:, eos] = -5.0
+    params = [SP(temperature=temperature, seed=1, min_tokens=4, stop_token_ids=[stop])] * 3
+    for step in range(3):
+        info = SamplingBatchInfo.from_params(params, V, "cpu", steps=[step] * 3, eos_ids=[eos])
+        # row 0: only EOS; row 1: EOS and the stop id (both banned); row 2: EOS or token 5
+        info.vocab_mask = _mask(3, V, {0: [eos], 1: [eos, stop], 2: [eos, 5]})
+        out = sample(logits, info, return_logprobs=0)
+        ids = out.next_token_ids.tolist()
+        assert ids[0] == eos and ids[1] in (eos, stop) and ids[2] == 5, ids
+        assert torch.isfinite(out.logprobs).all()  # logprobs stay those of the raw logits
+
+
+def test_min_tokens_ban_of_the_whole_vocab_is_lifted():
+    """stop_token_ids + EOS covering the vocabulary under min_tokens: a defined draw from the
+    unbanned row, never index 0 of an all -inf row (no grammar involved)."""
+    V = 8
+    logits = torch.zeros(2, V)
+    logits[:, 6] = 3.0
+    ids = list(range(1, V))
+    params = [SP(temperature=0.0, min_tokens=2, stop_token_ids=ids),
+              SP(temperature=1.0, seed=3, min_tokens=2, stop_token_ids=ids)]
+    info = SamplingBatchInfo.from_params(params, V, "cpu", eos_ids=[0])
+    x = apply_logits_processors(logits, info)
+    assert torch.equal(x, logits)  # nothing left after the ban: every banned id back
+    assert _run(logits, params, eos_ids=[0])[0] == 6
+    # a row with one unbanned token keeps the ban
+    params = [SP(temperature=0.0, min_tokens=2, stop_token_ids=ids[:-1])]
+    assert _run(logits[:1], params, eos_ids=[0]).tolist() == [7]
+
+
+def test_fuzz_no_draw_from_an_empty_row():
+    """Random batches of grammar masks, min_tokens bans (EOS and stop ids), logit_bias and
+    cuts: every draw is a token the grammar allows, outside the ban whenever the grammar
+    leaves one, and never a token of an all -inf row."""
+    rng = random.Random(34)
+    V, eos = 64, 0
+    for trial in range(60):
+        B = rng.randint(1, 6)
+        params, allowed = [], {}
+        for r in range(B):
+            stop_ids = rng.sample(range(1, V), rng.randint(0, 4))
+            params.append(SP(
+                temperature=rng.choice([0.0, 0.7, 1.5]), seed=rng.choice([None, trial]),
+                top_k=rng.choice([-1, 1, 3]), top_p=rng.choice([1.0, 0.5]),
+                min_tokens=rng.choice([0, 3]), stop_token_ids=stop_ids,
+                logit_bias={rng.randrange(V): rng.choice([-100.0, 100.0])}))
+            if rng.random() < 0.7:  # constrained: a few tokens, often only the banned ones
+                pool = [eos, *stop_ids] if rng.random() < 0.5 else list(range(V))
+                allowed[r] = rng.sample(pool, rng.randint(1, min(3, len(pool))))
+        logits = torch.randn(B, V, generator=torch.Generator().manual_seed(trial))
+        info = SamplingBatchInfo.from_params(params, V, "cpu", steps=[0] * B, eos_ids=[eos])
+        if allowed:
+            info.vocab_mask = _mask(B, V, allowed)
+        ids = sample(logits, info).next_token_ids.tolist()
+        for r, (p, t) in enumerate(zip(params, ids)):
+            ok = allowed.get(r, range(V))
+            assert t in ok, (trial, r, t, ok)
+            banned = {eos, *p.stop_token_ids} if p.min_tokens else set()
+            if set(ok) - banned:
+                assert t not in banned, (trial, r, t, ok, banned)
+
+
 # ---- logprobs and mixed batches ----------------------------------------------------------
 
 def test_logprobs_are_raw_log_softmax():
