@@ -78,6 +78,9 @@ class BatchTokenIdOut(_Msg):
     # the request's min_tokens: a stop string only counts where it ends in the text of
     # generated token min_tokens or later (as the engine checks it)
     min_tokens: list[int] = []
+    # seconds from the scheduler's receipt to the request's first admission into a batch
+    # (Req.queue_time); -1 while it has not been admitted
+    queue_time_s: list[float] = []
 
 
 class BatchStrOut(_Msg):
@@ -92,6 +95,7 @@ class BatchStrOut(_Msg):
     logprobs: list[list | None] = []
     prompt_logprobs: list[list | None] = []
     cached_tokens: list[int] = []
+    queue_time_s: list[float] = []  # as in BatchTokenIdOut
 
 
 class ReadyOut(_Msg):

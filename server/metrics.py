@@ -34,7 +34,8 @@ How the server wires it (server/app.py, server/tokenizer_manager.py):
               completion_tokens=out.completion_tokens[i],
               ttft_s=ttft_s,                          # None if no token was produced
               e2e_s=now - t_arrival,
-              queue_s=None,                           # engine-side figure; None until sent
+              queue_s=queue_s,    # out.queue_time_s[i] (the engine's Req.queue_time), or
+                                  # None while it is -1 (never admitted: no sample)
               itl_s=itl_s)
           logger.info(format_request_log(rid, prompt_tokens, completion_tokens,
                                          ttft_s, e2e_s, reason["type"]))
@@ -148,9 +149,12 @@ class Metrics:
                                           "Number of requests waiting to be scheduled.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc",
                                          "KV-cache usage. 1 means 100 percent usage.")
-        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.prompt_tokens = counter(
+            "prompt_tokens", "Prompt tokens of finished requests: the sum of their "
+            "usage.prompt_tokens, prefix-cache hits included, each of n samples counted "
+            "(/server_info's stats.prompt_tokens counts the computed ones instead).")
         self.generation_tokens = counter("generation_tokens",
-                                         "Number of generation tokens processed.")
+                                         "Generated tokens of finished requests.")
         self.prefix_cache_queries = counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter(
@@ -176,8 +180,9 @@ class Metrics:
         self.e2e = hist("e2e_request_latency_seconds",
                         "End-to-end request latency in seconds.", E2E_BUCKETS)
         self.queue = hist("request_queue_time_seconds",
-                          "Time a request spent waiting before its first schedule, seconds.",
-                          QUEUE_BUCKETS)
+                          "Seconds from the scheduler's receipt of a request to its first "
+                          "admission into a batch (grammar compilation and the waiting "
+                          "queue).", QUEUE_BUCKETS)
 
         m = model_name
         for g in (self.num_requests_running, self.num_requests_waiting,

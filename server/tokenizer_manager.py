@@ -67,6 +67,7 @@ class _ReqState:
     prompt_tokens: int
     completion_tokens: int = 0
     cached_tokens: int = -1
+    queue_s: float | None = None  # the engine's Req.queue_time, once it reports one
     t_first: float | None = None
     t_last: float = 0.0
     itl: list[float] = field(default_factory=list)
@@ -203,6 +204,8 @@ class TokenizerManager:
             plp = b.prompt_logprobs[i] if i < len(b.prompt_logprobs) else None
             if i < len(b.cached_tokens):
                 st.cached_tokens = b.cached_tokens[i]
+            if i < len(b.queue_time_s) and b.queue_time_s[i] >= 0:
+                st.queue_s = b.queue_time_s[i]
             st.queue.put_nowait(ReqOutput(st.index, b.texts[i], ids, fin, b.prompt_tokens[i],
                                           b.completion_tokens[i], lp, plp, st.cached_tokens))
             if fin is not None:
@@ -218,7 +221,7 @@ class TokenizerManager:
                 self.metrics.on_request_finished(
                     finish_reason=reason, prompt_tokens=st.prompt_tokens,
                     completion_tokens=st.completion_tokens, ttft_s=ttft, e2e_s=e2e,
-                    itl_s=st.itl,
+                    queue_s=st.queue_s, itl_s=st.itl,
                     cached_tokens=st.cached_tokens if st.cached_tokens >= 0 else None)
             except ValueError:
                 logger.exception("bad metrics sample for %s", rid)

@@ -150,7 +150,8 @@ class EngineLoop:
         b = io.BatchTokenIdOut(rids=[], new_token_ids=[], finished_reasons=[], prompt_tokens=[],
                                completion_tokens=[], stop_strs=[], skip_special_tokens=[],
                                spaces_between_special_tokens=[], logprobs=[],
-                               prompt_logprobs=[], cached_tokens=[], min_tokens=[])
+                               prompt_logprobs=[], cached_tokens=[], min_tokens=[],
+                               queue_time_s=[])
         for o in outs:
             req, sp = o.req, o.req.sampling_params
             b.rids.append(req.rid)
@@ -160,6 +161,7 @@ class EngineLoop:
             b.cached_tokens.append(-1 if req.cached_tokens is None or not self.sched.kv.enabled
                                    else req.cached_tokens)
             b.completion_tokens.append(len(req.output_ids))
+            b.queue_time_s.append(-1.0 if req.queue_time is None else req.queue_time)
             b.stop_strs.append(sp.stop)
             b.min_tokens.append(sp.min_tokens)
             b.skip_special_tokens.append(sp.skip_special_tokens)

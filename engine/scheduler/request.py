@@ -34,7 +34,8 @@ class Req:
 
     __slots__ = ("rid", "origin_input_ids", "sampling_params", "stream", "output_ids",
                  "req_pool_idx", "pages", "kv_len", "finished_reason", "sent_len",
-                 "arrival_time", "recv_time", "first_token_time", "max_new_tokens",
+                 "arrival_time", "recv_time", "scheduled_time", "first_token_time",
+                 "max_new_tokens",
                  "stop_window", "cached_pages", "last_node", "cached_tokens", "prompt_counted",
                  "logprobs", "sent_logprobs", "prompt_logprobs", "prompt_logprobs_sent",
                  "grammar")
@@ -62,9 +63,11 @@ class Req:
         self.finished_reason: FinishReason | None = None
         self.sent_len = 0
         # wall-clock seconds (time.time(), comparable across the server and engine
-        # processes): arrival at the server, receipt by the scheduler, first token read back
+        # processes): arrival at the server, receipt by the scheduler, first admission into
+        # a batch (None while waiting), first token read back
         self.recv_time = time.time()
         self.arrival_time = arrival_time or self.recv_time
+        self.scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.max_new_tokens = max_new_tokens if max_new_tokens is not None else (
             sampling_params.max_tokens or 1 << 30)
@@ -104,6 +107,14 @@ class Req:
     @property
     def seq_len(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds from the scheduler's receipt to the first admission into a batch (its
+        grammar's compilation and the waiting queue), None while it waits."""
+        if self.scheduled_time is None:
+            return None
+        return max(0.0, self.scheduled_time - self.recv_time)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

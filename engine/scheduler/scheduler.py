@@ -12,6 +12,7 @@ this same class.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 from engine.args import ServerArgs, prefill_budget
@@ -232,6 +233,8 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
             if req is not self.chunked:
                 self.waiting.popleft()
                 self._count_lookup(req)
+                if req.scheduled_time is None:  # not again after a preemption
+                    req.scheduled_time = time.time()
             start = req.kv_len
             locs.extend(self._grow(req, n))
             req.kv_len = start + n

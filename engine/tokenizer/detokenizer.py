@@ -195,7 +195,8 @@ class DetokenizerManager:
                               finished_reasons=b.finished_reasons,
                               prompt_tokens=b.prompt_tokens,
                               completion_tokens=b.completion_tokens, logprobs=b.logprobs,
-                              prompt_logprobs=b.prompt_logprobs, cached_tokens=b.cached_tokens)
+                              prompt_logprobs=b.prompt_logprobs, cached_tokens=b.cached_tokens,
+                              queue_time_s=b.queue_time_s)
 
 
 def run_detokenizer_process(server_args, ipc) -> None:

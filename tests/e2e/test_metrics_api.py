@@ -48,6 +48,30 @@ def test_counters_move_by_the_requests(shared_server):
         moved = (value(after, "ferry:request_success_total", finished_reason=reason)
                  - value(before, "ferry:request_success_total", finished_reason=reason))
         assert moved == reasons.count(reason), reason
-    for hist in ("ferry:e2e_request_latency_seconds", "ferry:time_to_first_token_seconds"):
+    for hist in ("ferry:e2e_request_latency_seconds", "ferry:time_to_first_token_seconds",
+                 "ferry:request_queue_time_seconds"):  # the engine reports each queue time
         moved = value(after, hist + "_count") - value(before, hist + "_count")
         assert moved == len(reasons), hist
+
+
+def test_prompt_token_counts_of_metrics_and_server_info(shared_server):
+    """The two prompt-token counters mean different things (docs/usage.md, endpoints, and
+    docs/deployment.md, metrics): ``ferry:prompt_tokens_total`` sums ``usage.prompt_tokens``
+    of finished requests, prefix-cache hits included; ``/server_info``'s
+    ``stats.prompt_tokens`` counts the prompt tokens the engine computed (prefill), so a
+    prompt found in the cache adds only its uncached tail."""
+    url = shared_server.url
+
+    def computed() -> int:
+        return httpx.get(url + "/server_info", timeout=10).json()["stats"]["prompt_tokens"]
+
+    before, computed_before = scrape(url), computed()
+    prompt = "Counting prompt tokens twice: the second time the prefix cache holds most."
+    runs = [comp(url, prompt, max_tokens=2, ignore_eos=True) for _ in range(2)]
+    after, computed_after = scrape(url), computed()
+    usage = [r["usage"] for r in runs]
+    assert usage[1]["prompt_tokens_details"]["cached_tokens"] > 0  # a prefix-cache hit
+    assert (value(after, "ferry:prompt_tokens_total")
+            - value(before, "ferry:prompt_tokens_total")) == sum(u["prompt_tokens"] for u in usage)
+    assert computed_after - computed_before == sum(
+        u["prompt_tokens"] - u["prompt_tokens_details"]["cached_tokens"] for u in usage)

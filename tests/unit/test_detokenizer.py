@@ -223,8 +223,9 @@ def test_logprobs_forwarded_unchanged(tok):
         rids=["a", "b"], new_token_ids=[[11], [12]], finished_reasons=[None, None],
         prompt_tokens=[2, 2], completion_tokens=[1, 1], stop_strs=[[], []],
         skip_special_tokens=[True, True], spaces_between_special_tokens=[True, True],
-        logprobs=lps, prompt_logprobs=plps))
+        logprobs=lps, prompt_logprobs=plps, cached_tokens=[0, -1], queue_time_s=[0.5, -1.0]))
     assert out.logprobs == lps and out.prompt_logprobs == plps
+    assert out.cached_tokens == [0, -1] and out.queue_time_s == [0.5, -1.0]
     # and through msgpack, as between the processes (tuples become lists)
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(out), type=io.BatchStrOut)
     assert back.logprobs == [[[-0.5, [[11, -0.5]]]], None]

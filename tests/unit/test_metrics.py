@@ -197,3 +197,35 @@ def test_format_request_log_fields_and_one_line():
     fields = dict(kv.split("=", 1) for kv in line.split(" "))
     assert fields["rid"] == "a_b_rid_evil"
     assert fields["ttft_ms"] == "-" and fields["tpot_ms"] == "-" and fields["out_tok_s"] == "-"
+
+
+def test_tokenizer_manager_observes_the_engines_queue_time():
+    """``ferry:request_queue_time_seconds`` gets one sample per request the engine admitted:
+    the ``queue_time_s`` its outputs carry (-1 before admission: no sample). It never got
+    one: the server passed ``queue_s=None`` always (issue 34, kind 8)."""
+    import asyncio
+    import time
+
+    from app_helpers import fake_tm
+
+    from engine import io_struct as io
+    from engine.args import ServerArgs
+    from server.tokenizer_manager import _ReqState
+
+    tm = fake_tm(ServerArgs())
+
+    def out(rid, queue_s, fin):
+        return io.BatchStrOut(rids=[rid], texts=["x"], new_token_ids=[[5]],
+                              finished_reasons=[fin], prompt_tokens=[3], completion_tokens=[1],
+                              queue_time_s=[queue_s])
+
+    stop = {"type": "stop", "matched": 2, "message": None}
+    for rid in ("a", "b"):
+        tm.states[rid] = _ReqState(asyncio.Queue(), 0, time.monotonic(), 3)
+    tm._dispatch(out("a", 0.25, None))
+    tm._dispatch(out("a", 0.25, stop))
+    tm._dispatch(out("b", -1.0, stop))  # never admitted (e.g. aborted while waiting)
+    snap = samples(tm.metrics)
+    assert val(snap, "ferry:request_queue_time_seconds_count", model_name="fake") == 1
+    assert val(snap, "ferry:request_queue_time_seconds_sum", model_name="fake") == 0.25
+    assert val(snap, "ferry:e2e_request_latency_seconds_count", model_name="fake") == 2

@@ -132,6 +132,39 @@ def test_preemption_recomputes_and_keeps_outputs(page_size):
     assert_idle(sched)
 
 
+def test_queue_time_runs_from_receipt_to_the_first_admission():
+    """``Req.queue_time`` (``ferry:request_queue_time_seconds``): None while the request
+    waits, then the seconds from the scheduler's receipt to its first admission, unchanged by
+    a preemption (the readmission is not a new wait)."""
+    runner = FakeRunner(max_total_tokens=1024)
+    sched = Scheduler(ServerArgs(chunked_prefill_size=64, max_running_requests=1), runner)
+    a, b = make_reqs([5, 5], max_tokens=3)
+    sched.add_request(a)
+    sched.add_request(b)
+    sched.step()
+    assert a.queue_time is not None and 0 <= a.queue_time < 60 and b.queue_time is None
+    first = a.scheduled_time
+    run_all(sched, [])
+    assert a.scheduled_time == first and b.scheduled_time >= first
+    assert b.queue_time >= b.scheduled_time - first  # it waited for a to finish
+    # a small pool: these preempt each other (their admissions are still the first ones)
+    runner = FakeRunner(max_total_tokens=96)
+    sched = Scheduler(ServerArgs(chunked_prefill_size=32, max_running_requests=8), runner)
+    reqs = make_reqs([20, 25, 10, 30, 15, 22], max_tokens=20, seed=1)
+    for r in reqs:
+        r.recv_time -= 1.0  # received 1 s ago
+    stamps = {}
+    for r in reqs:
+        sched.add_request(r)
+    while sched.has_work():
+        sched.step()
+        for r in reqs:
+            if r.scheduled_time is not None:
+                assert stamps.setdefault(r.rid, r.scheduled_time) == r.scheduled_time
+    assert sched.stats["preemptions"] > 0
+    assert all(r.queue_time >= 1.0 for r in reqs)
+
+
 def test_abort_frees_kv_and_reports():
     runner = FakeRunner(max_total_tokens=1024)
     sched = Scheduler(ServerArgs(chunked_prefill_size=64), runner)
