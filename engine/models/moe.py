@@ -61,9 +61,11 @@ class MoeForCausalLM(LlamaForCausalLM):
         arch = mc.architecture or type(self).__name__
         method = current_linear_method()
         if method is not None:
-            raise ValueError(f"{method.config.source} is not supported for {arch}, a "
-                             "mixture-of-experts model (FP8 expert weights are future work); "
-                             "serve it unquantized (bfloat16/float16/float32)")
+            src = method.config.source
+            what = src if src.startswith("--") else f"an FP8 checkpoint (quant_method {src!r})"
+            raise ValueError(f"{what} is not supported for {arch}, a mixture-of-experts model "
+                             "(FP8 expert weights are future work); serve it unquantized "
+                             "(bfloat16/float16/float32)")
         if mc.num_experts <= 0 or mc.num_experts_per_tok <= 0:
             raise ValueError(f"{arch}: the config gives no experts (num_experts / "
                              "num_experts_per_tok)")

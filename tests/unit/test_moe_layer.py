@@ -183,6 +183,11 @@ def test_fp8_is_refused_for_moe_models(tmp_path):
     with pytest.raises(ValueError, match=r"--quantization fp8 is not supported for "
                                          r"Qwen3MoeForCausalLM, a mixture-of-experts model"):
         load_model(_write(tmp_path, "qwen3_moe"), "dummy", device="meta", quantization="fp8")
+    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    with pytest.raises(ValueError, match=r"an FP8 checkpoint \(quant_method 'fp8'\) is not "
+                                         r"supported for MixtralForCausalLM"):
+        load_model(_write(tmp_path, "mixtral", quantization_config=fp8), "dummy",
+                   device="meta")
 
 
 def test_olmoe_clip_qkv_is_refused(tmp_path):
