@@ -16,6 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
 
+#: --speculative-algorithm's choices (SGLang's names); only NGRAM is built so far
+SPECULATIVE_ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3", "STANDALONE")
+SPECULATIVE_BUILT = ("NGRAM",)
+#: --speculative-num-draft-tokens when not given
+DEFAULT_NUM_DRAFT_TOKENS = 4
+
+
 def _f(default: Any, help: str, choices: tuple | None = None, **kw) -> Any:
     """A field with its CLI help, its ``choices`` and further metadata in ``kw``: the bounds
     ``ge``, ``gt`` and ``le`` that ``ServerArgs.__post_init__`` checks."""
@@ -95,12 +102,37 @@ class ServerArgs:
     disable_overlap_schedule: bool = _f(False, "do not overlap host scheduling with device work")
     disable_fused_ops: bool = _f(False, "run RMSNorm, SiLU-and-mul and rotary in eager torch "
                                         "instead of the fused Triton kernels")
+    # speculative decoding (SGLang's flag names; engine/speculative/)
+    speculative_algorithm: str | None = _f(
+        None, "speculative decoding: NGRAM (draft tokens copied from the request's own prompt "
+              "and output, no draft model); EAGLE, EAGLE3 and STANDALONE are not implemented "
+              "yet; unset: off", SPECULATIVE_ALGORITHMS)
+    speculative_num_draft_tokens: int | None = _f(
+        None, "draft tokens proposed per request and step; one verify forward scores them "
+              f"all (default: {DEFAULT_NUM_DRAFT_TOKENS})", ge=1, le=64)
+    speculative_num_steps: int | None = _f(
+        None, "EAGLE/STANDALONE: draft forwards per step (the chain length)", ge=1, le=64)
+    speculative_eagle_topk: int | None = _f(
+        None, "EAGLE: candidates per draft step (1 = a chain)", ge=1, le=64)
+    speculative_draft_model_path: str | None = _f(
+        None, "EAGLE, EAGLE3, STANDALONE: the draft model's checkpoint")
+    speculative_ngram_min_match_window_size: int = _f(
+        1, "NGRAM: shortest suffix of the request matched against its earlier tokens", ge=1)
+    speculative_ngram_max_match_window_size: int = _f(
+        12, "NGRAM: longest suffix matched (the longest window with a match wins; its most "
+            "recent match is copied)", ge=1)
+    speculative_max_batch_size: int = _f(
+        8, "speculate only in decode steps of at most this many requests (larger batches "
+           "are compute-bound: a step decodes one token per request)", ge=1)
     # HTTP
     host: str = _f("127.0.0.1", "bind address")
     port: int = _f(30000, "HTTP port", ge=1, le=65535)
     api_key: str | None = _f(None, "require 'Authorization: Bearer KEY'")
     max_request_bytes: int = _f(4 * 1024 * 1024, "largest accepted request body (bytes)", ge=1)
     max_n: int = _f(16, "largest 'n' accepted per request", ge=1)
+    grammar_compile_timeout: float = _f(10.0, "seconds a request's output constraint (JSON "
+                                              "schema, regex, grammar) may take to compile; "
+                                              "past it the request gets a 400", gt=0)
     shutdown_timeout: float = _f(10.0, "seconds in-flight requests may finish at shutdown",
                                  ge=0)
     header_timeout: float = _f(10.0, "seconds a connection may stay open before a request's "
@@ -161,6 +193,8 @@ class ServerArgs:
                 continue
             if error := _field_error(v, md):
                 raise ValueError(f"--{f.name.replace('_', '-')} {error}, got {v!r}")
+        if error := _speculative_error(self):
+            raise ValueError(error)
 
 
 def prefill_budget(args: ServerArgs, device_type: str) -> int:
@@ -181,6 +215,42 @@ def default_chunked_prefill(device_type: str) -> int:
     smooth."""
     del device_type
     return 2048
+
+
+def num_draft_tokens(args: ServerArgs) -> int:
+    """Draft tokens per request and speculative step (0 when speculation is off)."""
+    if not args.speculative_algorithm:
+        return 0
+    return args.speculative_num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS
+
+
+def _speculative_error(a: ServerArgs) -> str | None:
+    """What is wrong with the combination of --speculative-* flags, or None."""
+    algo = a.speculative_algorithm
+    if algo is None:
+        given = [f for f in ("speculative_num_draft_tokens", "speculative_num_steps",
+                             "speculative_eagle_topk", "speculative_draft_model_path")
+                 if getattr(a, f) is not None]
+        if given:
+            return (f"--{given[0].replace('_', '-')} needs --speculative-algorithm "
+                    f"(one of {', '.join(SPECULATIVE_ALGORITHMS)})")
+        return None
+    if algo != "NGRAM" and not a.speculative_draft_model_path:
+        return f"--speculative-algorithm {algo} needs --speculative-draft-model-path"
+    if algo == "NGRAM" and a.speculative_draft_model_path:
+        return ("--speculative-draft-model-path is not used by --speculative-algorithm NGRAM "
+                "(it drafts from the request's own tokens)")
+    if algo not in ("EAGLE", "EAGLE3") and a.speculative_eagle_topk not in (None, 1):
+        return f"--speculative-eagle-topk applies to EAGLE and EAGLE3, not to {algo}"
+    if a.speculative_ngram_min_match_window_size > a.speculative_ngram_max_match_window_size:
+        return ("--speculative-ngram-min-match-window-size must be <= "
+                "--speculative-ngram-max-match-window-size, got "
+                f"{a.speculative_ngram_min_match_window_size} > "
+                f"{a.speculative_ngram_max_match_window_size}")
+    if algo not in SPECULATIVE_BUILT:
+        return (f"--speculative-algorithm {algo} is not implemented yet (built: "
+                f"{', '.join(SPECULATIVE_BUILT)})")
+    return None
 
 
 #: bound key in a field's metadata -> (its sign in messages, the check)
