@@ -74,7 +74,9 @@ def search_space(space: str, m: int, top_k: int, num_experts: int, dtype: torch.
     expert (a bigger block only multiplies padding), and a configuration whose pipeline
     buffers ``stages * (BM + BN) * BK * itemsize`` exceed ``smem_kib`` is left out."""
     rows = max(1.0, m * top_k / num_experts)
-    cap_m = max(16, 1 << math.ceil(math.log2(rows)))
+    # one size above the rows per expert: at ~16 rows an expert often needs two 16-row
+    # blocks (each reads the expert's weights), a 32-row block reads them once
+    cap_m = max(16, 1 << math.ceil(math.log2(2 * rows)))
     if space == "full":
         cap_m *= 2
         bn, bk, groups = (32, 64, 128, 256), (64, 128, 256), (1, 16, 32)
@@ -98,8 +100,8 @@ def search_space(space: str, m: int, top_k: int, num_experts: int, dtype: torch.
             continue
         if bm_ * bn_ < 64 * 64 and w > 4 and device_type != "xpu":
             continue                      # 8 warps on a small tile: idle threads
-        if bms == [16] and g > 1:
-            continue                      # a group size only reorders blocks that exist
+        if rows <= 8 and g > 1:
+            continue                      # about one block per expert: nothing to group
         out.append(dict(BLOCK_SIZE_M=bm_, BLOCK_SIZE_N=bn_, BLOCK_SIZE_K=bk_, GROUP_SIZE_M=g,
                         num_warps=w, num_stages=s))
     return out
