@@ -144,28 +144,30 @@ def default_moe_config(m: int, num_experts: int, inter_size: int, hidden_size: i
     """The configuration used when no table matches: keyed on the average number of routed
     rows per expert ``m * top_k / E`` (the rows one expert's weight tile is reused for).
 
-    * <= 16 rows (decode): ``16 x 64`` output tiles, ``BLOCK_SIZE_K`` 128, so the weight tiles
-      stream with few programs idle on padding;
-    * <= 64: ``32 x 64``; <= 256: ``64 x 128``; more: ``128 x 128`` with 8 warps;
+    * <= 8 rows (decode): ``16 x 64`` output tiles, ``BLOCK_SIZE_K`` 128: the weights stream;
+    * <= 16: ``32 x 128`` (with ~16 rows an expert often spills into a second 16-row block,
+      which reads its weights again); <= 64: ``64 x 128``; more: ``128 x 128``, 8 warps;
     * fp32 halves ``BLOCK_SIZE_K`` (twice the bytes per element, same shared memory).
 
+    These are the H200's tuned winners for Qwen3-30B-A3B and Mixtral-8x7B by rows per expert
+    (``kernels/moe_configs/NVIDIA_H200.json``: both models picked the same tile at 16 rows,
+    within a few percent elsewhere), as a starting point for other shapes and devices.
     CUDA: 3-4 pipeline stages. XPU: triton-xpu lowers ``tl.dot`` to DPAS on 16-lane
-    sub-groups (a "warp" there is a 16-wide sub-group, its default is 32 lanes without DPAS),
-    so the XPU default doubles ``num_warps`` to keep the threads per tile of the CUDA
-    choice, and uses triton-xpu's default of 2 stages. Untuned starting points on either
-    device (the sizes of vLLM's and SGLang's untuned defaults, adjusted); a device table
-    written by ``bench/tune_fused_moe.py`` replaces them.
+    sub-groups (a "warp" there is a 16-wide sub-group; 32 lanes without DPAS), so the XPU
+    default doubles ``num_warps`` to keep the threads per tile of the CUDA choice, and uses
+    triton-xpu's default of 2 stages (untested on an XPU). A device table written by
+    ``bench/tune_fused_moe.py`` replaces all of this.
     """
     del inter_size, hidden_size  # room for shape-aware rules; the tables cover shapes today
     rows = m * top_k / max(num_experts, 1)
-    if rows <= 16:
+    if rows <= 8:
         cfg = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=1,
                    num_warps=4, num_stages=4)
+    elif rows <= 16:
+        cfg = dict(BLOCK_SIZE_M=32, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=1,
+                   num_warps=4, num_stages=3)
     elif rows <= 64:
-        cfg = dict(BLOCK_SIZE_M=32, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=8,
-                   num_warps=4, num_stages=4)
-    elif rows <= 256:
-        cfg = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=8,
+        cfg = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=1,
                    num_warps=4, num_stages=3)
     else:
         cfg = dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=16,

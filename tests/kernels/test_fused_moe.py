@@ -342,6 +342,19 @@ def test_config_table_lookup(tmp_path):
     moe_config.clear_cache()
 
 
+def test_shipped_tables_are_valid():
+    moe_config.clear_cache()
+    paths = sorted(moe_config.CONFIG_DIR.glob("*.json"))
+    assert paths, "kernels/moe_configs/ holds no table"
+    for path in paths:
+        assert moe_config.load_table(str(path)), path          # parsed and checked
+    h200 = json.loads((moe_config.CONFIG_DIR / "NVIDIA_H200.json").read_text())
+    key = moe_config.table_key(128, 768, 2048, BF16)
+    got = moe_config.get_moe_config(3, 128, 768, 2048, 8, BF16, "cuda", "NVIDIA H200",
+                                    moe_config.CONFIG_DIR)
+    assert got == h200[key]["4"]                                 # 3 -> bucket 4
+
+
 def test_default_configs_are_valid():
     for dtype in (BF16, F16, F32):
         for device_type in ("cuda", "xpu"):
