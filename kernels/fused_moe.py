@@ -16,7 +16,9 @@ from scratch here), for T = M * top_k routed ``(token, k)`` pairs, pair index
    scatter; the first program also writes the padding, the block-to-expert table and the
    padded length. Buffers have the static bound of :func:`kernels.moe_torch.align_capacity`
    (``T + min(E, T) * (BLOCK_SIZE_M - 1)``), so there is no host sync and no data-dependent
-   shape: the op can be captured in a CUDA/XPU graph.
+   shape: the op can be captured in a CUDA/XPU graph. H200, graph replays: 6-8 us at decode
+   sizes, 14-40 us at M = 4096; the torch-ops version (``align="torch"``, a stable sort and
+   scatters) took 68-157 us, so the Triton one is the default.
 2. Grouped GEMM (:func:`invoke_moe_gemm`), one program per (block of sorted rows, block of
    N): it loads its block's expert id, returns at once past the padded length, gathers the A
    rows by pair (token ``t // top_k`` for the gate/up GEMM, pair ``t`` for the down GEMM),
