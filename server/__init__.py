@@ -7,8 +7,9 @@
 - ``responses/``: ``/v1/responses``, run through the chat machinery of ``openai/``.
 - ``openai/``: ``/v1/chat/completions``, ``/v1/completions``, tokenize/detokenize.
 - ``tools/``: tool calling and structured output (the request side, the parsers).
-- ``tokenizer_manager``, ``metrics``: the engine client (chat template, tokenize, ZMQ) and
-  its Prometheus metrics.
+- ``tokenizer_manager``, ``chat_template``, ``metrics``: the engine client (chat template,
+  tokenize, ZMQ), the tools fallback for templates that ignore tools, and its Prometheus
+  metrics.
 - ``http/``: errors, request ids, CORS, uvicorn's limits.
 
 Imports only go down that list (``.importlinter``'s ``server-layers`` contract checks it).

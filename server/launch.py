@@ -275,7 +275,7 @@ class Launcher:
             self._spawn()
             tok = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, args))
             await self._wait_ready()
-            self.tm.tokenizer = await tok
+            self.tm.set_tokenizer(await tok)  # probes the chat template (tools)
             ready = self.tm.engine_ready
             host = f"[{args.host}]" if ":" in args.host else args.host
             logger.info("ferry ready: model=%s device=%s dtype=%s tp_size=%d kv_capacity=%d "

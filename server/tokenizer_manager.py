@@ -25,6 +25,7 @@ from engine import io_struct as io
 from engine.ipc import SERVER_IN, AsyncPullSocket, IpcPaths, PushSocket
 from engine.sampling.params import SamplingParams
 from engine.validation import RequestError, validate_request
+from server.chat_template import template_ignores_tools, with_tools_rendered
 from server.http.errors import APIError, bad_request, unavailable
 from server.metrics import Metrics, format_request_log
 
@@ -81,6 +82,10 @@ class TokenizerManager:
         ipc: the ``IpcPaths``; binds the PULL socket at ``ipc.server`` (so bind before the
             children start) and connects a PUSH socket to ``ipc.engine``.
     """
+
+    #: the chat template ignores ``tools``: render them into the messages instead
+    #: (server/chat_template.py); set by ``set_tokenizer``
+    tools_fallback: bool = False
 
     def __init__(self, server_args, ipc: IpcPaths):
         self.args = server_args
@@ -231,6 +236,24 @@ class TokenizerManager:
                                                  ttft, e2e, reason))
 
     # ---- tokenization and checks --------------------------------------------------------
+    def set_tokenizer(self, tokenizer) -> None:
+        """Use ``tokenizer`` (None: token-id prompts only) and probe its chat template: one
+        that ignores ``tools`` gets the tools fallback (logged once)."""
+        self.tokenizer = tokenizer
+        self.tools_fallback = template_ignores_tools(tokenizer)
+        if self.tools_fallback:
+            logger.info("the chat template ignores tools: they are written into the system "
+                        "message in the hermes format (<tool_call> JSON), parsed with "
+                        "--tool-call-parser %s (docs/usage.md#the-tools-fallback)",
+                        self.tool_call_parser)
+
+    @property
+    def tool_call_parser(self) -> str:
+        """``--tool-call-parser``, with ``auto`` meaning ``hermes`` under the tools fallback
+        (the format it shows the model)."""
+        arg = self.args.tool_call_parser
+        return "hermes" if self.tools_fallback and arg == "auto" else arg
+
     def need_tokenizer(self, param: str = "prompt"):
         """The tokenizer. Raises: APIError 400 naming ``param`` when the server has none."""
         if self.tokenizer is None:
@@ -265,12 +288,15 @@ class TokenizerManager:
             continue_final_message: end the prompt inside the last message, without its
                 end-of-turn tokens, so the reply continues it (assistant prefill).
             template_kwargs: extra template variables (``chat_template_kwargs``; the
-                request model refuses keys of ``apply_chat_template`` itself).
+                request model refuses keys of ``apply_chat_template`` itself), and ``tools``
+                (rendered into the messages under ``tools_fallback``).
         Raises:
             APIError: 400 if the template rejects the conversation or there is none.
         """
         tok = self.need_tokenizer()
         extra = dict(template_kwargs or {})
+        if self.tools_fallback:  # the template would drop them: they go into the messages
+            messages = with_tools_rendered(messages, extra.pop("tools", None))
 
         def render() -> str:
             return tok.apply_chat_template(messages, tokenize=False,

@@ -380,7 +380,7 @@ class OpenAIServing:
         self.check_model(req.model)
         sp = self._params(req, req.requested_max_tokens)
         tools, sp = await prepare_chat(req, sp, getattr(self.tm.tokenizer, "chat_template", None),
-                                       self.args.tool_call_parser)  # constraint, tools
+                                       self.tm.tool_call_parser)  # constraint, tools
         self.check_fan_out(1, req.n)
         ids = await self.tm.apply_chat_template(
             messages_for_template(req.messages), req.add_generation_prompt,

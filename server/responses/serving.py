@@ -224,7 +224,7 @@ class ResponsesServing:
                                                         max_n=1)
             sp = s._params(chat, req.max_output_tokens)
             tools, sp = await prepare_chat(chat, sp, getattr(tm.tokenizer, "chat_template",
-                                                             None), args.tool_call_parser)
+                                                             None), tm.tool_call_parser)
             ids = await tm.apply_chat_template(
                 messages_for_template(chat.messages), True, False,
                 template_kwargs=tools.template_kwargs)

@@ -27,12 +27,13 @@ class FakeEngine:
         self.held: list = []
         self.num_running = 0
         self.mute_info = False
+        self.text = "ok"  # what every generation request answers
 
     def send(self, msg) -> None:
         self.sent.append(msg)
         loop = asyncio.get_running_loop()
         if isinstance(msg, io.TokenizedGenerateReq):
-            out = io.BatchStrOut(rids=[msg.rid], texts=["ok"], new_token_ids=[[7]],
+            out = io.BatchStrOut(rids=[msg.rid], texts=[self.text], new_token_ids=[[7]],
                                  finished_reasons=[{"type": "length", "matched": None}],
                                  prompt_tokens=[len(msg.input_ids)], completion_tokens=[1])
             if self.hold:

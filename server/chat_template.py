@@ -1,0 +1,116 @@
+"""The tools fallback for chat templates that ignore ``tools``.
+
+transformers passes a request's ``tools`` to the chat template, and the template decides how
+the model sees them. Some templates never look at them: the embedded SmolLM2-135M-Instruct's
+renders each message's role and content and nothing else, so with it the model never saw the
+tools and ``tool_choice: "auto"`` could never call one. ``template_ignores_tools`` finds such a
+template once, at start-up, by rendering a conversation with a probe tool; for those,
+``TokenizerManager`` renders the tool protocol into the messages themselves, the way Qwen
+2.5's template does (the hermes format, which ``--tool-call-parser hermes`` reads):
+
+- the tools block (below) ends the first system message, or is a system message of its own
+  put first when the conversation has none (the template's default system prompt, if it
+  has one, then gives way, as with any system message);
+- an assistant message's ``tool_calls`` become ``<tool_call>\\n{"name": ..., "arguments":
+  ...}\\n</tool_call>`` lines after its content;
+- ``tool`` messages become one user message of ``<tool_response>\\n...\\n</tool_response>``
+  blocks per run of consecutive results.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+#: the tool the start-up probe renders (its name must appear in a template's output that
+#: shows tools)
+PROBE_TOOL = {"type": "function", "function": {
+    "name": "ferry_probe_tool_3c9e", "description": "Probe whether the template shows tools.",
+    "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}
+
+#: Qwen 2.5's tools block (its chat template's text), around one JSON line per tool
+TOOLS_HEADER = ("# Tools\n\nYou may call one or more functions to assist with the user "
+                "query.\n\nYou are provided with function signatures within <tools></tools> "
+                "XML tags:\n<tools>")
+TOOLS_FOOTER = ("\n</tools>\n\nFor each function call, return a json object with function "
+                "name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+                '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def template_ignores_tools(tokenizer: Any) -> bool:
+    """Whether ``tokenizer``'s chat template leaves ``tools`` out of the prompt.
+
+    Renders one user message with and without :data:`PROBE_TOOL`: the template ignores
+    tools when the two texts are equal or the probe's name is missing, and also when it
+    fails with tools only. Without a tokenizer or a usable template: False (chat requests
+    fail on their own there).
+    """
+    if tokenizer is None:
+        return False
+    messages = [{"role": "user", "content": "Hi"}]
+
+    def render(**kw) -> str:
+        return tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=True, **kw)
+
+    try:
+        plain = render()
+    except Exception:  # noqa: BLE001 - no template (or a broken one): nothing to fall back on
+        return False
+    try:
+        shown = render(tools=[PROBE_TOOL])
+    except Exception:  # noqa: BLE001 - a template that cannot take tools at all
+        return True
+    return shown == plain or PROBE_TOOL["function"]["name"] not in shown
+
+
+def tools_block(tools: list[dict]) -> str:
+    """The system-prompt text that shows ``tools`` (OpenAI's ``{"type": "function",
+    "function": {...}}`` objects) to the model, in Qwen 2.5's hermes layout."""
+    lines = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
+    return TOOLS_HEADER + lines + TOOLS_FOOTER
+
+
+def _call_text(call: dict) -> str:
+    fn = call.get("function", call)
+    body = json.dumps({"name": fn.get("name"), "arguments": fn.get("arguments", {})},
+                      ensure_ascii=False)
+    return f"<tool_call>\n{body}\n</tool_call>"
+
+
+def with_tools_rendered(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """``messages`` (``apply_chat_template`` dicts) with the tool protocol written into
+    their text, for a template that ignores it (see the module docstring).
+
+    Args:
+        messages: role/content dicts; assistant ones may hold ``tool_calls`` (arguments
+            decoded, as ``server/tools/messages.py`` gives them), tool ones ``tool_call_id``.
+        tools: the request's tools, or None/empty (then no tools block).
+    Returns:
+        new dicts (the input is not changed) with only role and content (plus ``name``,
+        ``reasoning_content`` where given).
+    """
+    out: list[dict] = []
+    results: dict | None = None  # the user message collecting a run of tool results
+    for m in messages:
+        if m.get("role") == "tool":
+            block = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+            if out and out[-1] is results:
+                results["content"] += "\n" + block
+            else:
+                results = {"role": "user", "content": block}
+                out.append(results)
+            continue
+        new = {k: v for k, v in m.items() if k not in ("tool_calls", "tool_call_id")}
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            calls = "\n".join(_call_text(c) for c in m["tool_calls"])
+            content = new.get("content") or ""
+            new["content"] = f"{content}\n{calls}" if content else calls
+        out.append(new)
+    if tools:
+        block = tools_block(tools)
+        if out and out[0].get("role") == "system":
+            out[0] = dict(out[0], content=f"{out[0].get('content') or ''}\n\n{block}")
+        else:
+            out.insert(0, {"role": "system", "content": block})
+    return out
