@@ -103,6 +103,12 @@ class EngineLoop:
             for m in msgs:
                 self.handle(m)
             outs = self.sched.step()
+            rejected = self.sched.grammars.take_rejected()
+            if rejected:  # a constraint the engine could not compile: the client's 400
+                for rid, (message, param, code) in rejected.items():
+                    self.to_server.send(io.ErrorOut(rid=rid, message=message, status=400,
+                                                    param=param, code=code))
+                outs = [o for o in outs if o.req.rid not in rejected]
             if outs:
                 self.to_detok.send(self.batch_out(outs))
             now = time.monotonic()

@@ -4,13 +4,19 @@
 ``regex`` or ``ebnf``) to the queue, which starts its compile on ``GrammarBackend``'s thread
 pool (cached by ``(kind, text)``). Each step ``release`` moves the requests whose grammar is
 ready into the waiting queue, with a fresh matcher (``Req.grammar``), and aborts those whose
-compile failed (the server has parsed the constraint already, so that is rare). SGLang's
+compile failed (the server has parsed the constraint already, so that is rare) or has not
+finished within the compile budget (``--grammar-compile-timeout``: compile cost grows
+superlinearly with some schema shapes, e.g. hundreds of optional properties in one object).
+Those requests are also listed in ``rejected`` for the engine loop, which answers them with a
+400 (``ErrorOut``) instead of a finished output. A compile past its budget keeps its pool
+thread until it ends (xgrammar cannot be interrupted); its result stays cached. SGLang's
 ``grammar_queue`` works the same way.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from engine.sampling.grammar import GrammarBackend, GrammarState, grammar_key
@@ -20,6 +26,8 @@ logger = logging.getLogger(__name__)
 
 #: seconds ``release`` blocks on a pending compile when the scheduler has nothing else to run
 IDLE_WAIT_S = 0.01
+#: default seconds a constraint may take to compile (ServerArgs.grammar_compile_timeout)
+COMPILE_BUDGET_S = 10.0
 
 
 class GrammarQueue:
@@ -30,14 +38,21 @@ class GrammarQueue:
             request is aborted: a grammar needs the vocabulary's strings).
         vocab_size: V, the width of the logits.
         eos_ids: the model's stop tokens.
+        budget_s: seconds a compile may take, from the request's arrival in the queue.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int]):
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: list[int],
+                 budget_s: float = COMPILE_BUDGET_S):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_ids = list(eos_ids)
+        self.budget_s = budget_s
         self.backend: GrammarBackend | None = None
-        self.pending: list[tuple[Req, Future | str]] = []
+        # (request, its compile or an error, time.monotonic() it was queued)
+        self.pending: list[tuple[Req, Future | str, float]] = []
+        # rid -> (message, param, code) of the requests the last ``release`` aborted for
+        # their constraint: the client's fault, answered with a 400 by the engine loop
+        self.rejected: dict[str, tuple[str, str, str]] = {}
 
     def __len__(self) -> int:
         return len(self.pending)
@@ -47,35 +62,50 @@ class GrammarQueue:
         key = grammar_key(req.sampling_params)
         if key is None:
             return False
+        now = time.monotonic()
         if self.tokenizer is None:
-            self.pending.append((req, "constrained decoding needs a tokenizer"))
+            self.pending.append((req, "constrained decoding needs a tokenizer", now))
             return True
         if self.backend is None:
             self.backend = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_ids)
-        self.pending.append((req, self.backend.submit(*key)))
+        self.pending.append((req, self.backend.submit(*key), now))
         return True
+
+    def take_rejected(self) -> dict[str, tuple[str, str, str]]:
+        """The requests the last ``release`` rejected (and forget them)."""
+        out, self.rejected = self.rejected, {}
+        return out
 
     def release(self, sched) -> None:
         """Move ready requests to ``sched.waiting``; abort failed ones (``_abort_now``).
 
         Waits up to ``IDLE_WAIT_S`` for a compile when ``sched`` has nothing else to run, so
-        the engine loop does not spin.
+        the engine loop does not spin. ``rejected`` holds this call's rejections only.
         """
+        self.rejected = {}
         if not self.pending:
             return
         if not (sched.running or sched.waiting or sched.chunked or sched.inflight):
-            futs = [f for _, f in self.pending if isinstance(f, Future)]
+            futs = [f for _, f, _ in self.pending if isinstance(f, Future)]
             if futs and not any(f.done() for f in futs):
                 wait(futs, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
         keep = []
-        for req, fut in self.pending:
+        now = time.monotonic()
+        for req, fut, t0 in self.pending:
             if req.finished:
                 continue  # aborted while its grammar compiled
-            if isinstance(fut, Future) and not fut.done():
-                keep.append((req, fut))
-                continue
-            error = fut if isinstance(fut, str) else None
-            if error is None:
+            kind = (grammar_key(req.sampling_params) or ("constraint", ""))[0]
+            error, code = (fut, "constraint_not_supported") if isinstance(fut, str) \
+                else (None, "invalid_constraint")
+            if error is None and not fut.done():
+                if now - t0 <= self.budget_s:
+                    keep.append((req, fut, t0))
+                    continue
+                error = (f"the {kind} constraint did not compile within {self.budget_s:g} s "
+                         "(the grammar compile budget, --grammar-compile-timeout); simplify "
+                         "it (fewer optional properties, enum values or anyOf branches)")
+                code = "constraint_too_complex"
+            elif error is None:
                 try:
                     req.grammar = GrammarState(fut.result())
                 except Exception as exc:  # noqa: BLE001 - a compile error
@@ -84,6 +114,7 @@ class GrammarQueue:
                 sched.waiting.append(req)
             else:
                 logger.info("request %s: %s", req.rid, error)
+                self.rejected[req.rid] = (error, kind, code)
                 sched._abort_now(req, error)
         self.pending = keep
 

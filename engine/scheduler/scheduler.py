@@ -19,7 +19,7 @@ from engine.args import ServerArgs, prefill_budget
 from engine.executor.schedule_batch import ScheduleBatch
 from engine.forward_batch import ForwardMode
 from engine.kv.manager import KVCacheManager
-from engine.scheduler.grammar_queue import GrammarQueue
+from engine.scheduler.grammar_queue import COMPILE_BUDGET_S, GrammarQueue
 from engine.scheduler.output import (
     STATS_TTFT_ZERO,
     OutputProcessorMixin,
@@ -70,7 +70,8 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
         self.running: list[Req] = []
         self.reqs: dict[str, Req] = {}
         # constrained requests wait here until their grammar is compiled
-        self.grammars = GrammarQueue(tokenizer, getattr(runner, "vocab_size", 0), self.eos_ids)
+        self.grammars = GrammarQueue(tokenizer, getattr(runner, "vocab_size", 0), self.eos_ids,
+                                     getattr(args, "grammar_compile_timeout", COMPILE_BUDGET_S))
         self.pending_aborts: set[str] = set()
         self.finished_outputs: list[StepOutput] = []
         self.inflight: _InFlight | None = None

@@ -46,6 +46,11 @@ from server.tools.plan import prepare_chat
 logger = logging.getLogger("ferry.server")
 
 DONE = "data: [DONE]\n\n"
+#: most prompt-token log-probabilities one response may carry: choices x prompt tokens x
+#: (k + 1) of ``prompt_logprobs``, plus the same of completions' ``echo`` with ``logprobs``
+#: (about 50 bytes of JSON each: 2**18 is some 13 MB, built on the event loop's thread)
+MAX_PROMPT_LOGPROBS = 1 << 18
+
 
 #: default seconds a client has to send the whole request body (headers already in); a
 #: client that stalls gets a 408 and the connection is closed (``--body-read-timeout``)
@@ -249,6 +254,27 @@ class OpenAIServing:
         raise bad_request(f"this request needs {total} generations ({what}); this server holds "
                           f"at most {limit} at once (running plus queued requests): {fix}",
                           "n" if n > 1 else "prompt")
+    @staticmethod
+    def check_prompt_logprobs(prompt_lens: list[int], n: int, per_token: int,
+                              params: list[str]) -> None:
+        """400 naming the field when the answer would carry more than ``MAX_PROMPT_LOGPROBS``
+        prompt-token log-probabilities.
+
+        Args:
+            prompt_lens: tokens of each prompt. n: choices per prompt (each repeats them).
+            per_token: log-probabilities per prompt token over the asked representations
+                (``prompt_logprobs + 1``, plus ``logprobs + 1`` with ``echo``).
+            params: the fields that asked for them, the first one named by the 400.
+        """
+        total = n * sum(prompt_lens) * per_token
+        if per_token and total > MAX_PROMPT_LOGPROBS:
+            raise bad_request(
+                f"this request asks for {total} prompt-token log-probabilities (n={n} x "
+                f"{sum(prompt_lens)} prompt tokens x {per_token} per token, from "
+                f"{' and '.join(params)}); the limit is {MAX_PROMPT_LOGPROBS} per request: "
+                "lower n or the number of alternatives, or send a shorter prompt",
+                params[0], "too_many_prompt_logprobs")
+
 
     @staticmethod
     def _fan_out(base: str, prompts: list[list[int]], n: int,
@@ -294,9 +320,13 @@ class OpenAIServing:
                 outs = await run_until_disconnect(request, collect())
             except ClientGone:
                 return Response(status_code=499)
-            body = fmt.full(outs)
+            if fmt.lp.prompt_k is not None:  # a body of up to MAX_PROMPT_LOGPROBS entries:
+                # built and encoded in a worker thread, so other requests are served meanwhile
+                resp = await asyncio.to_thread(lambda: JSONResponse(fmt.full(outs)))
+            else:
+                resp = JSONResponse(fmt.full(outs))
             self._log_output(fmt)
-            return JSONResponse(body)
+            return resp
 
         async def first() -> ReqOutput:
             return await anext(gen)
@@ -354,6 +384,11 @@ class OpenAIServing:
             if req.echo:  # the prompt as sent; token ids decoded like the output
                 texts.append(p if isinstance(p, str) else await self.tm.decode(
                     ids, skip_special_tokens=req.skip_special_tokens))
+        asked = [(f, k + 1) for f, k in (("prompt_logprobs", req.prompt_logprobs),
+                                         ("logprobs", req.logprobs if req.echo else None))
+                 if k is not None]
+        self.check_prompt_logprobs([len(i) for i in ids_list], req.n,
+                                   sum(c for _, c in asked), [f for f, _ in asked])
         subs = self._fan_out(base, ids_list, req.n, sp)
         lp = LogprobOptions(k=req.logprobs, as_ids=req.return_tokens_as_token_ids,
                             echo=req.echo,
@@ -388,6 +423,9 @@ class OpenAIServing:
             template_kwargs=dict(req.chat_template_kwargs or {}, **tools.template_kwargs))
         mt_param = ("max_completion_tokens" if req.max_completion_tokens is not None
                     else "max_tokens" if req.max_tokens is not None else None)
+        if req.prompt_logprobs is not None:
+            self.check_prompt_logprobs([len(ids)], req.n, req.prompt_logprobs + 1,
+                                       ["prompt_logprobs"])
         self.tm.check_prompt(ids, sp.max_tokens, "messages", max_tokens_param=mt_param,
                              min_tokens=sp.min_tokens)
         subs = self._fan_out(base, [ids], req.n, sp)

@@ -1,8 +1,8 @@
 """API key (401), queue full (503), requests that can never fit (400), stalled clients (408,
 closed connections) and graceful shutdown (SIGTERM) of a real server.
 
-The server admits at most one running plus one queued request and waits 2 s for a request's
-headers and 2 s for its body; the module's last test stops it with SIGTERM and checks the drain: new requests 503,
+The server admits at most one running plus one queued request, waits 2 s for a request's
+headers and 2 s for its body, and 10 ms for a constraint to compile; the module's last test stops it with SIGTERM and checks the drain: new requests 503,
 the in-flight stream ends with ``finish_reason`` "abort" and ``[DONE]``, exit code 0, no
 child process and no IPC dir left.
 """
@@ -28,7 +28,7 @@ HEADER_TIMEOUT_S = 2.0
 SERVER_ARGS = ["--max-total-tokens", "4096", "--api-key", KEY, "--max-running-requests", "1",
                "--max-queued-requests", "1", "--shutdown-timeout", "3",
                "--body-read-timeout", str(BODY_TIMEOUT_S), "--header-timeout",
-               str(HEADER_TIMEOUT_S)]
+               str(HEADER_TIMEOUT_S), "--grammar-compile-timeout", "0.01"]
 LONG = {"prompt": "Count from one to one thousand: one, two,", "max_tokens": 2000,
         "ignore_eos": True, "temperature": 0}
 
@@ -102,6 +102,24 @@ def test_fan_out_at_capacity_runs(server):
                    json={"prompt": "Hi", "n": 2, "max_tokens": 1})
     assert r.status_code == 200, r.text
     assert sorted(c["index"] for c in r.json()["choices"]) == [0, 1]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_constraint_past_the_compile_budget_is_a_400(server, stream):
+    """Issue 34 kind 3: compile cost grows superlinearly with some schema shapes (hundreds of
+    optional properties: seconds of CPU for ~10 KB); past --grammar-compile-timeout the
+    request is a 400 naming the limit, stream or not, and the server goes on."""
+    schema = {"type": "object", "properties": {f"k{i}_{stream}": {"type": "string"}
+                                               for i in range(300)}}
+    r = httpx.post(server.url + "/v1/chat/completions", headers=AUTH, timeout=60, json={
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "stream": stream,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "s",
+                                                                  "schema": schema}}})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"]) == ("json_schema", "constraint_too_complex"), err
+    assert "--grammar-compile-timeout" in err["message"]
+    test_fan_out_at_capacity_runs(server)
 
 
 def _stall(server, n_sockets: int) -> list[socket.socket]:

@@ -234,3 +234,30 @@ def test_streamed_prompt_logprobs_equal_the_non_stream_ones(url, path):
     for g, w in zip(got[0][1:], want[1:]):
         for tid in w:
             assert g[tid]["logprob"] == pytest.approx(w[tid]["logprob"], abs=LP_TOL)
+
+
+@pytest.mark.parametrize("path,extra,param", [
+    ("/v1/completions", {"echo": True, "logprobs": 20}, "logprobs"),
+    ("/v1/completions", {"prompt_logprobs": 20, "echo": True, "logprobs": 0},
+     "prompt_logprobs"),
+    ("/v1/chat/completions", {"prompt_logprobs": 20}, "prompt_logprobs"),
+])
+def test_prompt_logprobs_beyond_the_limit_are_a_400(url, path, extra, param):
+    """Issue 34 kind 3: n x prompt_logprobs (x echo) on a long prompt built answers of tens
+    of MB on the event loop; past MAX_PROMPT_LOGPROBS entries it is a 400 naming the field
+    and the limit, before any engine work. Just under it is served."""
+    from server.openai.serving import MAX_PROMPT_LOGPROBS
+
+    words = " ".join(["ferry"] * 1600)  # some 1600+ tokens: x 16 x 21 is past 2**18
+    body = {"model": MODEL, "max_tokens": 1, "n": 16, **extra}
+    body.update({"prompt": words} if path == "/v1/completions"
+                else {"messages": [{"role": "user", "content": words}]})
+    r = post(url, path, body)
+    assert_error(r, param)
+    err = r.json()["error"]
+    assert err["code"] == "too_many_prompt_logprobs" and str(MAX_PROMPT_LOGPROBS) in \
+        err["message"], err
+    body.update(n=1, prompt_logprobs=0)
+    body.pop("echo", None)
+    body.pop("logprobs", None)
+    assert post(url, path, body).status_code == 200

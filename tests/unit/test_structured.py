@@ -280,3 +280,63 @@ def test_torch_mask_path_equals_xgrammars_kernel():
     assert torch.equal(a, b) and torch.equal(a[1], x[1])
     bits = [(int(bitmask[0, j // 32]) >> (j % 32)) & 1 for j in range(V)]
     assert [bool(v) for v in torch.isfinite(a[0]).tolist()] == [bool(t) for t in bits]
+
+
+# ---- the grammar compile budget (issue 34 kind 3) -----------------------------------------
+
+class _Sched:
+    """What ``GrammarQueue.release`` reads of a scheduler."""
+
+    def __init__(self):
+        self.running, self.waiting, self.chunked, self.inflight = [], [], None, None
+        self.aborted = {}
+
+    def _abort_now(self, req, message):
+        self.aborted[req.rid] = message
+        req.finished_reason = message
+
+
+def test_a_compile_past_its_budget_rejects_the_request_with_a_400(monkeypatch):
+    """A constraint whose compile outlives ``--grammar-compile-timeout`` ends its request
+    (the engine loop answers a 400 naming the field kind and the limit); a failed compile
+    likewise; a finished one goes to the waiting queue."""
+    import time
+    from concurrent.futures import Future
+
+    from engine.scheduler.grammar_queue import GrammarQueue
+    from engine.scheduler.request import Req
+
+    class Backend:
+        def __init__(self):
+            self.futs = {}
+
+        def submit(self, kind, text):
+            return self.futs.setdefault((kind, text), Future())
+
+    q = GrammarQueue(object(), 10, [0], budget_s=0.05)
+    q.backend = Backend()
+    slow = Req("slow", [1], SamplingParams(json_schema='{"type": "object"}'))
+    bad = Req("bad", [1], SamplingParams(regex="a+"))
+    ok = Req("ok", [1], SamplingParams(ebnf='root ::= "a"'))
+    for r in (slow, bad, ok):
+        assert q.add(r)
+    sched = _Sched()
+    q.release(sched)
+    assert len(q) == 3 and not sched.aborted and not q.take_rejected()
+    q.backend.futs[("regex", "a+")].set_exception(ValueError("invalid regex: nope", "regex"))
+    q.backend.futs[("ebnf", 'root ::= "a"')].set_result(object())
+    import engine.scheduler.grammar_queue as gq
+
+    monkeypatch.setattr(gq, "GrammarState", lambda compiled: ("state", compiled))
+    q.release(sched)
+    assert sched.waiting == [ok] and list(sched.aborted) == ["bad"] and len(q) == 1
+    assert q.take_rejected() == {"bad": ("invalid regex: nope", "regex", "invalid_constraint")}
+    time.sleep(0.06)
+    q.release(sched)
+    rej = q.take_rejected()
+    assert list(rej) == ["slow"] and not q.pending
+    msg, param, code = rej["slow"]
+    assert (param, code) == ("json_schema", "constraint_too_complex")
+    assert "0.05 s" in msg and "--grammar-compile-timeout" in msg
+    q.release(sched)
+    assert q.take_rejected() == {}  # one release's rejections only
