@@ -15,7 +15,6 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
-
 #: --speculative-algorithm's choices (SGLang's names); only NGRAM is built so far
 SPECULATIVE_ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3", "STANDALONE")
 SPECULATIVE_BUILT = ("NGRAM",)

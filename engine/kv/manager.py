@@ -95,6 +95,16 @@ class KVCacheManager:
             self.tree.evict(short)
         return self.pool.grow(req.pages, req.kv_len, n)
 
+    def shrink(self, req, new_len: int) -> None:
+        """Keep the KV of ``req``'s first ``new_len`` positions only (speculative decoding:
+        the slots of rejected draft tokens): the whole pages past them go back to the pool;
+        slots past ``new_len`` in the last kept page are rewritten by the next growth."""
+        keep = -(-new_len // self.page_size)
+        assert req.cached_pages <= keep <= len(req.pages), "shrink below the cached prefix"
+        self.pool.free_pages(req.pages[keep:])
+        del req.pages[keep:]
+        req.kv_len = new_len
+
     # ---- release ------------------------------------------------------------------------
     def _real_len(self, req) -> int:
         """Leading tokens of ``req`` whose KV is (or is being) computed from real ids: a

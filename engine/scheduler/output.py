@@ -78,11 +78,7 @@ class OutputProcessorMixin:
                 tops = [[lp[1][k][j], lp[2][k][j]] for j in range(top)] if lp[1] else []
                 req.logprobs.append((lp[0][k], tops))
             if req.first_token_time is None:
-                req.first_token_time = now
-                st = self.stats
-                st["first_tokens"] += 1
-                st["ttft_queue_s_sum"] += max(0.0, req.recv_time - req.arrival_time)
-                st["ttft_engine_s_sum"] += now - req.recv_time
+                self._first_token(req, now)
             reason = self._check_finished(req, tok, idx + 1)
             if reason is not None:
                 del req.output_ids[idx + 1:]  # a placeholder of a step launched after this one
@@ -91,6 +87,33 @@ class OutputProcessorMixin:
             self.finished_outputs.append(StepOutput(req, [tok], reason))
         if any_finished:
             self.running = [r for r in self.running if not r.finished]
+
+    def _first_token(self, req: Req, now: float) -> None:
+        req.first_token_time = now
+        st = self.stats
+        st["first_tokens"] += 1
+        st["ttft_queue_s_sum"] += max(0.0, req.recv_time - req.arrival_time)
+        st["ttft_engine_s_sum"] += now - req.recv_time
+
+    def _emit_run(self, req: Req, toks: list[int], logprobs: list | None) -> None:
+        """Append a verify step's run of tokens (speculative decoding) with the stop checks
+        after each: a stop inside the run cuts it there, and ``max_tokens`` is never passed."""
+        if req.finished:
+            return
+        if req.first_token_time is None:
+            self._first_token(req, time.time())
+        reason, n = None, 0
+        for n, tok in enumerate(toks, 1):
+            req.output_ids.append(tok)
+            if logprobs is not None:
+                req.logprobs.append(logprobs[n - 1])
+            reason = self._check_finished(req, tok, len(req.output_ids))
+            if reason is not None:
+                break
+        self.stats["generation_tokens"] += n
+        if reason is not None:
+            self._finish(req, reason)
+        self.finished_outputs.append(StepOutput(req, toks[:n], reason))
 
     def _check_finished(self, req: Req, tok: int, n_out: int) -> FinishReason | None:
         """Stop conditions after the ``n_out``-th generated token ``tok``.

@@ -28,6 +28,8 @@ from engine.scheduler.output import (
 )
 from engine.scheduler.prefix_policy import PrefixPolicyMixin
 from engine.scheduler.request import FinishReason, Req
+from engine.speculative import create_proposer
+from engine.speculative.worker import SpecWorker, VerifyBatch
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +88,11 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0,
                       "prefix_cache_queries": 0, "prefix_cache_hits": 0}
         self.stats.update(STATS_TTFT_ZERO)
+        # speculative decoding (--speculative-algorithm): verify steps replace small decodes
+        proposer = create_proposer(args) if getattr(args, "speculative_algorithm", None) \
+            else None
+        self.spec = SpecWorker(args, proposer, self.kv, runner, self.stats) if proposer \
+            else None
 
     # ---- queue --------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -294,7 +301,36 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
         self.grammars.release(self)
         self._order_waiting()
         batch = self._build_extend() if (self.waiting or self.chunked) else None
+        if batch is None and self.spec is not None and self.spec.wants(self.running):
+            batch = self._build_verify()
         return batch if batch is not None else self._build_decode()
+
+    def _build_verify(self) -> VerifyBatch | None:
+        """A speculative decode step (``engine/speculative/worker.py``), or None when no
+        request has a draft (then a plain decode runs)."""
+        self._drain()  # drafts and positions need every real id
+        if not self.running:
+            return None
+        self._retract()
+        return self.spec.build(self.running) if self.running else None
+
+    def _run_verify(self, vb: VerifyBatch) -> None:
+        """Run a verify step now (it is never left in flight: the next step's positions
+        depend on what it accepts) and append each request's accepted run."""
+        try:
+            runs = self.spec.run(vb, self.eos_ids)
+        except Exception as exc:  # as in _launch: fail this batch, keep serving
+            if getattr(getattr(self.runner, "tp", None), "size", 1) > 1:
+                raise
+            logger.exception("verify step failed; aborting %d requests", len(vb.reqs))
+            for req in vb.reqs:
+                if not req.finished:
+                    self._abort_now(req, f"internal error: {exc}", cache=False)
+            return
+        self.stats["steps"] += 1
+        for req, toks, logprobs in runs:
+            self._emit_run(req, toks, logprobs)
+        self.running = [r for r in self.running if not r.finished]
 
     # ---- run + results ------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -310,7 +346,9 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO,
                                    self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         batch = self.get_next_batch()
-        if batch is None:
+        if isinstance(batch, VerifyBatch):
+            self._run_verify(batch)
+        elif batch is None:
             self._drain()
         else:
             rec = self._launch(batch)

@@ -1,0 +1,221 @@
+"""``SpecWorker``: the speculative decode step, run by the scheduler instead of a 1-token
+decode when every running request is decoding and the batch is small enough
+(``--speculative-max-batch-size``).
+
+One step, for the running requests together:
+
+1. Propose: up to k drafts per request (``Proposer``), fewer near ``max_tokens`` or the
+   context end, none for a request with a grammar (its matcher cannot take unverified
+   tokens yet: it decodes one token per step inside the same batch).
+2. Allocate: every request gets its one decode slot (the scheduler's ``_retract`` made room
+   for those); drafts get slots only where the pool has them beyond that reserve.
+3. Verify: one EXTEND forward over ``[last token, d1..dk]`` at positions ``[L, L+1..L+k]``
+   per request (its cached prefix is the extend's prefix), logits for all k + 1 positions
+   (``all_rows``). A request without drafts is a 1-token extend, a decode.
+4. Accept (``engine/sampling/acceptance.py``): the longest run of drafts the target keeps,
+   plus the target's own token after it; the KV of the rejected positions is dropped
+   (``KVCacheManager.shrink``), so ``req_to_token`` and the radix cache only ever hold
+   accepted tokens. The scheduler appends the run with its stop checks (a stop token or
+   string inside the run cuts it there).
+
+The step is synchronous: the next step's positions and drafts depend on how many tokens
+this one accepted, so with overlap scheduling the in-flight step is drained before a verify
+step, and nothing is launched behind it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.args import ServerArgs, num_draft_tokens
+from engine.executor.schedule_batch import ScheduleBatch
+from engine.forward_batch import ForwardMode
+from engine.sampling.acceptance import verify_drafts
+from engine.speculative.proposer import Proposer
+
+#: the spec counters the worker adds to ``Scheduler.stats`` (/server_info, /metrics)
+SPEC_STAT_KEYS = ("spec_verify_steps", "spec_verify_reqs", "spec_proposed_tokens",
+                  "spec_accepted_tokens", "spec_emitted_tokens")
+
+
+class VerifyReq:
+    """A request's ``StepRequest`` for the verify forward: its tokens with the drafts after
+    them (the request itself holds only accepted tokens)."""
+
+    __slots__ = ("req", "req_pool_idx", "drafts", "base")
+
+    def __init__(self, req, drafts: list[int]):
+        self.req = req
+        self.req_pool_idx = req.req_pool_idx
+        self.drafts = drafts
+        self.base = req.seq_len
+
+    def token_at(self, pos: int) -> int:
+        return self.drafts[pos - self.base] if pos >= self.base else self.req.token_at(pos)
+
+    def tokens(self, start: int, count: int) -> list[int]:
+        end, b = start + count, self.base
+        if end <= b:
+            return self.req.tokens(start, count)
+        head = self.req.tokens(start, b - start) if start < b else []
+        return head + self.drafts[max(0, start - b): end - b]
+
+
+@dataclass
+class VerifyBatch:
+    """A built verify step: the forward's batch, and per request its drafts."""
+
+    batch: ScheduleBatch
+    reqs: list
+    drafts: list[list[int]]
+
+
+class SpecWorker:
+    """Builds and runs verify steps over a runner and the scheduler's KV manager.
+
+    Args:
+        args: the server arguments (k, the max batch size).
+        proposer: where drafts come from.
+        kv: the scheduler's ``KVCacheManager``.
+        runner: the model runner (``forward``, ``vocab_size``, ``max_context_len``).
+        stats: the scheduler's stats dict; the worker adds its counters and
+            ``spec_accept_lengths`` (index i: steps where a request emitted i + 1 tokens).
+    """
+
+    def __init__(self, args: ServerArgs, proposer: Proposer, kv, runner, stats: dict):
+        self.k = num_draft_tokens(args)
+        self.max_bs = args.speculative_max_batch_size
+        self.algorithm = args.speculative_algorithm
+        self.proposer = proposer
+        self.kv = kv
+        self.runner = runner
+        self.stats = stats
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.stats.update(dict.fromkeys(SPEC_STAT_KEYS, 0))
+        self.stats["spec_accept_lengths"] = [0] * (self.k + 1)
+
+    def wants(self, running: list) -> bool:
+        """Whether a decode step over ``running`` speculates (a larger batch decodes)."""
+        return 0 < len(running) <= self.max_bs
+
+    def budget(self, req) -> int:
+        """Drafts ``req`` may have: k, fewer where max_tokens or the context is near (a
+        step emits at most drafts + 1 tokens), none under a grammar."""
+        if getattr(req, "grammar", None) is not None:
+            return 0
+        return max(0, min(self.k, req.max_new_tokens - len(req.output_ids) - 1,
+                          self.runner.max_context_len - req.seq_len - 1))
+
+    # ---- build --------------------------------------------------------------------------
+    def build(self, running: list) -> VerifyBatch | None:
+        """Propose and allocate; None (nothing allocated) when no request has a draft."""
+        ks = [self.budget(r) for r in running]
+        drafts = self.proposer.propose_batch(
+            [r.fill_ids if k else () for r, k in zip(running, ks)], ks)
+        if not any(drafts):
+            return None
+        kv, pool = self.kv, self.kv.pool
+        ps = pool.page_size
+        # pages the 1-token decodes of all running requests need (the scheduler's reserve)
+        reserve = sum(pool.pages_needed(r.kv_len, len(r.pages), 1) for r in running)
+        reqs, vreqs, prefix, ext, locs, kept = [], [], [], [], [], []
+        for r, d in zip(running, drafts):
+            own = pool.pages_needed(r.kv_len, len(r.pages), 1)
+            reserve -= own
+            if d and kv.available_tokens() // ps - reserve < \
+                    pool.pages_needed(r.kv_len, len(r.pages), 1 + len(d)):
+                d = []  # the pool is short: this request decodes one token
+            slots = kv.grow(r, 1 + len(d))
+            if slots is None:
+                continue
+            reqs.append(r)
+            vreqs.append(VerifyReq(r, d))
+            prefix.append(r.kv_len)
+            ext.append(1 + len(d))
+            locs.extend(slots)
+            r.kv_len += 1 + len(d)
+            kept.append(d)
+        if not reqs:
+            return None
+        batch = ScheduleBatch(ForwardMode.EXTEND, vreqs, prefix, ext, [True] * len(reqs), locs,
+                              [True] * len(reqs))
+        return VerifyBatch(batch, reqs, kept)
+
+    # ---- run ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, vb: VerifyBatch, eos_ids: list[int]) -> list[tuple]:
+        """Forward, accept, and drop the rejected KV.
+
+        Returns:
+            per request ``(req, tokens, logprobs)``: the emitted run (accepted drafts plus
+            the target's next token) and, for a request that asked for logprobs, one
+            ``(logprob, top)`` entry per token (raw logits, as ``sample`` reports them).
+        """
+        from engine.sampling.grammar import fill_vocab_mask
+        from engine.sampling.sampler import SamplingBatchInfo
+
+        logits = self.runner.forward(vb.batch)
+        params, steps, row_drafts, grammars = [], [], [], []
+        outs: list | None = [] if any(_penalised(r) for r in vb.reqs) else None
+        for req, d in zip(vb.reqs, vb.drafts):
+            n = len(req.output_ids)
+            for j in range(len(d) + 1):
+                params.append(req.sampling_params)
+                steps.append(n + j)
+                row_drafts.append(d[j] if j < len(d) else -1)
+                grammars.append(getattr(req, "grammar", None))
+                if outs is not None:
+                    outs.append(req.output_ids + d[:j])
+        prompts = [r.origin_input_ids for r, d in zip(vb.reqs, vb.drafts) for _ in range(len(d) + 1)]
+        info = SamplingBatchInfo.from_params(
+            params, self.runner.vocab_size, logits.device, output_ids=outs,
+            prompt_ids=prompts if outs is not None else None, steps=steps, eos_ids=eos_ids)
+        info.vocab_mask = fill_vocab_mask(grammars, self.runner.vocab_size)
+        drafts_t = torch.tensor(row_drafts, dtype=torch.int64).to(logits.device)
+        acc_t, emit_t = verify_drafts(logits, info, drafts_t)
+        want = [p.logprobs for p in params if p.logprobs is not None]
+        lp = None
+        if want:
+            chosen = torch.where(acc_t, drafts_t, emit_t)
+            lsm = torch.log_softmax(logits.float(), dim=-1)
+            top = torch.topk(lsm, min(max(want), lsm.shape[1]), dim=-1)
+            lp = (lsm.gather(1, chosen[:, None])[:, 0].tolist(), top.indices.tolist(),
+                  top.values.tolist())
+        acc, emit = acc_t.tolist(), emit_t.tolist()
+        return self._accept(vb, acc, emit, lp)
+
+    def _accept(self, vb: VerifyBatch, acc: list[bool], emit: list[int], lp) -> list[tuple]:
+        st, lengths = self.stats, self.stats["spec_accept_lengths"]
+        st["spec_verify_steps"] += 1
+        out, r0 = [], 0
+        for req, d, p in zip(vb.reqs, vb.drafts, vb.batch.prefix_lens):
+            a = 0
+            while a < len(d) and acc[r0 + a]:
+                a += 1
+            toks = d[:a] + [emit[r0 + a]]
+            logprobs = None
+            if lp is not None and req.sampling_params.logprobs is not None:
+                k = req.sampling_params.logprobs
+                logprobs = [(lp[0][r], [[lp[1][r][j], lp[2][r][j]] for j in range(k)])
+                            for r in range(r0, r0 + a + 1)]
+            # positions p..p+a hold the last token and the accepted drafts: keep those
+            self.kv.shrink(req, p + 1 + a)
+            if d:
+                st["spec_verify_reqs"] += 1
+                st["spec_proposed_tokens"] += len(d)
+                st["spec_accepted_tokens"] += a
+                st["spec_emitted_tokens"] += a + 1
+                lengths[a] += 1
+            out.append((req, toks, logprobs))
+            r0 += len(d) + 1
+        return out
+
+
+def _penalised(req) -> bool:
+    sp = req.sampling_params
+    return (sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
+            or sp.repetition_penalty != 1.0)

@@ -1,0 +1,304 @@
+"""Speculative decoding (issue 26): the NGRAM proposer, draft acceptance (greedy and
+rejection sampling, checked statistically), the verify step inside the scheduler with the
+KV accounting after every step, and greedy outputs of the real model identical with and
+without speculation."""
+
+import random
+
+import pytest
+import torch
+
+from engine.args import ServerArgs
+from engine.forward_batch import resolve_placeholders
+from engine.kv.pool import KVPool, ReqToTokenPool
+from engine.sampling import acceptance
+from engine.sampling.acceptance import verify_drafts
+from engine.sampling.params import SamplingParams
+from engine.sampling.sampler import SamplingBatchInfo
+from engine.scheduler.request import Req
+from engine.scheduler.scheduler import Scheduler
+from engine.speculative import NgramProposer
+
+# ---- the proposer -------------------------------------------------------------------------
+
+
+def test_ngram_copies_what_followed_the_latest_longest_match():
+    p = NgramProposer(1, 12)
+    assert p.propose([1, 2, 3, 4, 5, 9, 9, 1, 2, 3], 4) == [4, 5, 9, 9]
+    # two matches of the suffix [2, 3]: the most recent one's continuation
+    assert p.propose([2, 3, 7, 2, 3, 8, 2, 3], 1) == [8]
+    # the longest window wins over a more recent shorter match
+    assert p.propose([1, 2, 3, 5, 9, 3, 6, 1, 2, 3], 1) == [5]
+    # a period shorter than k: the copy runs on into its own output
+    assert p.propose([7, 8, 7, 8, 7, 8], 5) == [7, 8, 7, 8, 7]
+    assert p.propose([4, 4], 3) == [4, 4, 4]
+    assert p.propose([1, 2, 3], 3) == [] and p.propose([5], 2) == []
+    assert p.propose([1, 2, 1], 0) == []
+
+
+def test_ngram_window_bounds():
+    toks = [5, 6, 1, 9, 6, 1]  # the suffix [6, 1] occurred at 1..2; [9, 6, 1] never did
+    assert NgramProposer(2, 3).propose(toks, 2) == [9, 6]
+    assert NgramProposer(3, 4).propose(toks, 2) == []
+    assert NgramProposer(1, 1).match(toks) == (3, 1)
+    with pytest.raises(ValueError):
+        NgramProposer(3, 2)
+
+
+# ---- acceptance ---------------------------------------------------------------------------
+
+V = 8
+
+
+def _info(params, steps=None):
+    return SamplingBatchInfo.from_params(params, V, "cpu", steps=steps)
+
+
+def test_greedy_acceptance_is_the_argmax_match():
+    logits = torch.randn(4, V)
+    top = logits.argmax(-1)
+    drafts = torch.tensor([int(top[0]), (int(top[1]) + 1) % V, int(top[2]), -1])
+    acc, emit = verify_drafts(logits, _info([SamplingParams(temperature=0)] * 4), drafts)
+    assert acc.tolist() == [True, False, True, False]
+    assert emit.tolist() == top.tolist()
+
+
+def _chi_square(counts: torch.Tensor, p: torch.Tensor) -> float:
+    exp = p * counts.sum()
+    keep = exp > 0
+    assert counts[~keep].sum() == 0, "a token outside the target's support was emitted"
+    return float(((counts[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+
+
+#: chi-square critical value for 7 degrees of freedom at p = 0.001
+CHI2_7_999 = 24.32
+
+
+def _emitted(params, logits, draft, q=None, n=40000, seed=0):
+    """The token emitted at one position over n independent runs (rows): the draft when
+    accepted, else the residual draw. With a draft distribution q the drafts are drawn
+    from it (the theorem's premise); without, every row drafts ``draft`` (a point mass)."""
+    torch.manual_seed(seed)
+    info = _info([params] * n)
+    if q is None:
+        drafts = torch.full((n,), draft, dtype=torch.int64)
+    else:
+        drafts = torch.multinomial(q[0], n, replacement=True)
+    qs = None if q is None else q.expand(n, V)
+    acc, emit = verify_drafts(logits.expand(n, V), info, drafts, qs)
+    return torch.where(acc, drafts, emit), acc
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8),
+                                    SamplingParams(temperature=1.3, top_k=5),
+                                    SamplingParams(temperature=1.0, top_p=0.8, min_p=0.05)])
+@pytest.mark.parametrize("with_q", [False, True])
+def test_rejection_sampling_emits_the_target_distribution(params, with_q):
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(1, V, generator=g) * 1.5
+    info1 = _info([params])
+    target = torch.softmax(acceptance.apply_cuts(
+        acceptance.target_logits(logits, info1) / info1.temperatures, info1), -1)[0]
+    draft = int(target.argmax())  # a likely draft: accepted often, rejected often enough
+    q = torch.softmax(torch.randn(1, V, generator=g), -1) if with_q else None
+    if q is not None:
+        q[0, draft] = q[0].max() * 2  # overconfident on the draft: p(d) < q(d)
+        q = q / q.sum()
+    toks, acc = _emitted(params, logits, draft, q)
+    counts = torch.bincount(toks, minlength=V).float()
+    assert _chi_square(counts, target) < CHI2_7_999
+    # the acceptance rate: p(d) for a point mass, sum_x min(p(x), q(x)) for d ~ q
+    rate = float(target[draft]) if q is None else float(torch.minimum(target, q[0]).sum())
+    assert abs(acc.float().mean() - rate) < 0.01
+
+    # without the correction (a rejected position drawn from p itself) the test fails
+    orig = acceptance.residual_logits
+    try:
+        acceptance.residual_logits = lambda p, d, q: torch.log(p)
+        bad, _ = _emitted(params, logits, draft, q)
+    finally:
+        acceptance.residual_logits = orig
+    assert _chi_square(torch.bincount(bad, minlength=V).float(), target) > 10 * CHI2_7_999
+
+
+def test_seeded_acceptance_is_reproducible_and_batch_independent():
+    logits = torch.randn(3, V)
+    sp = SamplingParams(temperature=1.0, seed=42)
+    drafts = torch.tensor([1, 2, -1])
+    a = verify_drafts(logits, _info([sp] * 3, steps=[5, 6, 7]), drafts)
+    torch.manual_seed(123)  # the global generator plays no part in seeded rows
+    b = verify_drafts(logits, _info([sp] * 3, steps=[5, 6, 7]), drafts)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    other = SamplingParams(temperature=1.0)
+    c = verify_drafts(torch.cat([torch.randn(1, V), logits]),
+                      _info([other, sp, sp, sp], steps=[0, 5, 6, 7]),
+                      torch.tensor([3, 1, 2, -1]))
+    assert torch.equal(c[0][1:], a[0]) and torch.equal(c[1][1:], a[1])
+
+
+def test_acceptance_applies_min_tokens_penalties_and_bias():
+    """The target at each row is the sampler's: min_tokens bans EOS at its own step, and
+    logit_bias moves the argmax (greedy rows)."""
+    logits = torch.zeros(3, V)
+    logits[:, 0] = 5.0  # token 0 (the EOS here) is the raw argmax
+    sp = SamplingParams(temperature=0, min_tokens=2, logit_bias={3: 4.0})
+    info = SamplingBatchInfo.from_params([sp] * 3, V, "cpu", steps=[0, 1, 2], eos_ids=[0])
+    acc, emit = verify_drafts(logits, info, torch.tensor([3, 3, -1]))
+    assert emit.tolist() == [3, 3, 0] and acc.tolist() == [True, True, False]
+
+
+# ---- the verify step in the scheduler (a fake model) --------------------------------------
+
+FV = 40
+
+
+def fake_next(tok: int, pos: int) -> int:
+    """The fake model: a fixed successor table (cycles, so outputs repeat and NGRAM drafts
+    get accepted), broken at pseudo-random positions (so some drafts get rejected)."""
+    if (pos * 2654435761) % 7 == 0:
+        return (tok * 3 + pos) % FV
+    return (tok * 7 + 3) % FV
+
+
+class FakeRunner:
+    """Logits for every row of an ``all_rows`` request; a shadow KV that must hold each
+    request's tokens at the slots ``req_to_token`` names (checked every forward)."""
+
+    supports_overlap = False
+    vocab_size = FV
+
+    def __init__(self, max_total_tokens, page_size=1, max_running=8, overlap=False):
+        self.supports_overlap = overlap
+        self.kv_pool = KVPool(max_total_tokens, page_size, 1, 1, 1, torch.float32, "cpu")
+        self.max_context_len = min(4096, self.kv_pool.capacity_tokens)
+        self.req_to_token_pool = ReqToTokenPool(max_running, self.max_context_len, "cpu")
+        self.slot_token = torch.full((self.kv_pool.num_slots,), -1, dtype=torch.int64)
+        self.verify_tokens = 0
+
+    def forward(self, batch, future_ids=None):
+        r2t = self.req_to_token_pool.req_to_token
+        off, rows = 0, []
+        assert len(set(batch.out_cache_loc)) == len(batch.out_cache_loc)
+        for i, (req, p, n) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.extend_lens)):
+            fill = resolve_placeholders(torch.tensor(req.tokens(0, p + n)), future_ids).tolist()
+            assert min(fill) >= 0
+            cached = self.slot_token[r2t[req.req_pool_idx, :p].long()]
+            assert cached.tolist() == fill[:p], "KV of the prefix is corrupt"
+            for j in range(n):
+                slot = batch.out_cache_loc[off + j]
+                assert slot >= self.kv_pool.page_size
+                r2t[req.req_pool_idx, p + j] = slot
+                self.slot_token[slot] = fill[p + j]
+            off += n
+            every = batch.all_rows and batch.all_rows[i]
+            if every:
+                self.verify_tokens += n
+            for j in (range(n) if every else [n - 1]):
+                rows.append(fake_next(fill[p + j], p + j))
+        logits = torch.zeros(len(rows), FV)
+        logits[torch.arange(len(rows)), torch.tensor(rows)] = 1.0
+        return logits
+
+    def sample(self, logits, reqs, eos_ids):
+        from engine.sampling.sampler import sample
+
+        out = sample(logits, SamplingBatchInfo.from_params(
+            [r.sampling_params for r in reqs], FV, "cpu"))
+
+        class R:
+            ids_dev = out.next_token_ids
+
+            def host(self):
+                return out.next_token_ids.tolist(), None
+        return R()
+
+
+def fake_expected(prompt, n, stop_ids=()):
+    toks = list(prompt)
+    out = []
+    for _ in range(n):
+        t = fake_next(toks[-1], len(toks) - 1)
+        toks.append(t)
+        out.append(t)
+        if t in stop_ids:
+            break
+    return out
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_verify_steps_keep_outputs_and_kv_accounting(page_size):
+    """Random prompts, lengths and aborts; the page accounting after every step; outputs
+    equal to the model's own greedy continuation."""
+    rnd = random.Random(page_size)
+    runner = FakeRunner(max_total_tokens=600, page_size=page_size)
+    args = ServerArgs(chunked_prefill_size=32, page_size=page_size,
+                      speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
+    sched = Scheduler(args, runner, eos_ids=[])
+    sched.check_kv = True
+    reqs = []
+    for i in range(14):
+        prompt = [rnd.randrange(FV) for _ in range(rnd.randrange(2, 40))]
+        stop = [rnd.randrange(FV)] if i % 3 == 0 else []
+        sp = SamplingParams(max_tokens=rnd.randrange(1, 60), temperature=0, stop_token_ids=stop)
+        reqs.append(Req(f"r{i}", prompt, sp))
+    pending = list(reqs)
+    aborted = set()
+    steps = 0
+    while pending or sched.has_work():
+        if pending and rnd.random() < 0.3:
+            sched.add_request(pending.pop(0))
+        if steps % 9 == 4 and sched.running:
+            victim = rnd.choice(sched.running)
+            sched.abort_request(victim.rid)
+            aborted.add(victim.rid)
+        sched.step()
+        steps += 1
+        assert steps < 5000
+    for r in reqs:
+        exp = fake_expected(r.origin_input_ids, r.max_new_tokens, r.sampling_params.stop_token_ids)
+        if r.rid in aborted and r.finished_reason.type == "abort":
+            assert r.output_ids == exp[:len(r.output_ids)]
+        else:
+            assert r.output_ids == exp, r.rid
+            assert len(r.output_ids) <= r.max_new_tokens
+    sched.kv.check([])
+    assert sched.kv.used_tokens() == 0
+    st = sched.stats
+    assert st["spec_verify_steps"] > 0
+    assert 0 < st["spec_accepted_tokens"] < st["spec_proposed_tokens"]  # both outcomes seen
+    assert st["spec_emitted_tokens"] == st["spec_accepted_tokens"] + st["spec_verify_reqs"]
+    assert sum(st["spec_accept_lengths"]) == st["spec_verify_reqs"]
+
+
+def test_radix_cache_holds_only_accepted_tokens():
+    runner = FakeRunner(max_total_tokens=400)
+    sched = Scheduler(ServerArgs(speculative_algorithm="NGRAM"), runner)
+    sched.check_kv = True
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    r = Req("a", prompt, SamplingParams(max_tokens=30, temperature=0))
+    sched.add_request(r)
+    while sched.has_work():
+        sched.step()
+    assert sched.stats["spec_verify_steps"] > 0
+    tree = sched.kv.tree
+    full = prompt + r.output_ids
+    pages, _ = tree.match_prefix(full)
+    assert tree.cached_tokens() == len(pages) <= len(full)
+    # every cached slot holds the token the tree keys it by
+    assert runner.slot_token[torch.tensor(pages)].tolist() == full[:len(pages)]
+
+
+def test_large_batches_decode_normally():
+    runner = FakeRunner(max_total_tokens=800)
+    sched = Scheduler(ServerArgs(speculative_algorithm="NGRAM",
+                                 speculative_max_batch_size=2), runner)
+    reqs = [Req(f"r{i}", [i, 5, i, 5, i, 5], SamplingParams(max_tokens=8, temperature=0))
+            for i in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    sched.step()  # the prefill
+    while sched.has_work():
+        sched.step()
+        assert len(sched.running) <= 2 or runner.verify_tokens == 0
+    for r in reqs:
+        assert r.output_ids == fake_expected(r.origin_input_ids, 8)
