@@ -136,9 +136,12 @@ class OutputProcessorMixin:
                 tail = self._stop_text(req.output_ids[start:n_out], sp)
                 # what the window held before this token: a match must end beyond it
                 before = len(self._stop_text(req.output_ids[start:n_out - 1], sp))
-                for s in sp.stop:
-                    if s in tail[max(0, before - len(s) + 1):]:
-                        return FinishReason("stop", matched=s)
+                # the stop string that cuts the text is the one that starts first (as the
+                # detokenizer cuts), not the first of the list
+                hits = [(i, k) for k, s in enumerate(sp.stop)
+                        if (i := tail.find(s, max(0, before - len(s) + 1))) != -1]
+                if hits:
+                    return FinishReason("stop", matched=sp.stop[min(hits)[1]])
         if n_out >= req.max_new_tokens:
             return FinishReason("length")
         if len(req.origin_input_ids) + n_out >= self.runner.max_context_len:

@@ -299,3 +299,61 @@ def test_prompt_logprobs_shape(tok):
                    {"7": {"logprob": -0.5, "rank": 1, "decoded_token": tok.decode([7])},
                     "20": {"logprob": -1.5, "rank": None, "decoded_token": tok.decode([20])}},
                    {"30": {"logprob": -0.25, "rank": 1, "decoded_token": tok.decode([30])}}]
+
+
+# ---- issue 34 kind 6: matched_stop is the stop string that cut the text ------------------
+
+def _run_stops(tok, text: str, stops: list[str]):
+    """Feed ``text``'s tokens through the engine's stop check and the detokenizer with
+    several stop strings; return (the engine's matched stop or None, the returned text)."""
+    from test_scheduler import FakeRunner
+
+    ids = tok.encode(text, add_special_tokens=False)
+    sched = Scheduler(ServerArgs(), FakeRunner(max_total_tokens=256), tokenizer=tok)
+    r = Req("s", [1], SamplingParams(max_tokens=100, stop=stops))
+    n, matched = len(ids), None
+    for i, t in enumerate(ids):
+        r.output_ids.append(t)
+        fin = sched._check_finished(r, t, i + 1)
+        if fin is not None:
+            n, matched = i + 1, fin.matched
+            break
+    det = DetokenizerManager(tok)
+    out = ""
+    for i in range(n):
+        fin = ({"type": "stop" if matched else "length", "matched": matched}
+               if i == n - 1 else None)
+        b = BatchTokenIdOut(rids=["s"], new_token_ids=[[ids[i]]], finished_reasons=[fin],
+                            prompt_tokens=[1], completion_tokens=[i + 1], stop_strs=[stops],
+                            skip_special_tokens=[True], spaces_between_special_tokens=[True],
+                            min_tokens=[0])
+        out += det.process(b).texts[0]
+    return matched, out, tok.decode(ids[:n])
+
+
+def test_matched_stop_is_the_earliest_match_not_the_first_listed(tok):
+    # both end inside the token " world": "lo wor" starts first and cuts the text
+    matched, out, _ = _run_stops(tok, " hello world", ["o w", "lo wor"])
+    assert (matched, out) == ("lo wor", " hel")
+
+
+def test_fuzz_matched_stop_names_the_cut(tok):
+    """Random texts and stop lists: the text ends right before ``matched_stop`` and no stop
+    string starts earlier in the generated text."""
+    import random
+
+    rng = random.Random(34)
+    words = ["alpha", " beta", " gamma", ", delta", " epsilon", "\n", " zeta eta", " theta"]
+    for _ in range(150):
+        text = "".join(rng.choice(words) for _ in range(rng.randint(2, 8)))
+        stops = []
+        for _ in range(rng.randint(1, 4)):
+            a = rng.randrange(len(text))
+            stops.append(text[a:a + rng.randint(1, 6)] if rng.random() < 0.8 else "zz")
+        matched, out, gen = _run_stops(tok, text, stops)
+        firsts = [gen.find(s) for s in stops if s in gen]
+        if matched is None:
+            assert not firsts and out == gen, (text, stops)
+            continue
+        assert gen[len(out):].startswith(matched), (text, stops, matched, out)
+        assert len(out) == min(firsts), (text, stops, matched, out)
