@@ -64,7 +64,7 @@ class _Choice:
 
     __slots__ = ("byte_pos", "cached_tokens", "completion_tokens", "entries", "ids",
                  "matched", "offset", "paired", "pieces", "prompt_entries", "prompt_sent",
-                 "started", "text")
+                 "share_len", "started", "text", "text_bytes")
 
     def __init__(self):
         self.ids: list[int] = []
@@ -79,14 +79,20 @@ class _Choice:
         self.cached_tokens = 0
         self.pieces: TokenPieces | None = None  # each token's share of the text (logprobs)
         self.byte_pos = 0         # chat: bytes of the text given to paired tokens
+        self.text_bytes = 0       # UTF-8 bytes of ``text``
+        # chat: token i -> the length of its share of the text's bytes (its own bytes may
+        # hold the start of a character the text has not released yet)
+        self.share_len = None
         self.matched: str | int | None = None  # SGLang's matched_stop
 
     def absorb(self, out: ReqOutput) -> tuple[int, int]:
         """Add one output; returns the ``[start, end)`` of newly paired (token, entry).
 
         With ``pieces``, a token is paired once its share of the text has been released (a
-        token whose text the detokenizer holds back waits), and every token at the finish,
-        its piece cut to the final text: the paired tokens' pieces always index the text.
+        token whose text the detokenizer holds back waits; with ``share_len``, its share of
+        the text's bytes too), and every token at the finish, its piece cut to the final
+        text: the paired tokens' pieces always index the text, and their bytes never run
+        past it (a stop string may still cut a character whose first bytes a token holds).
         """
         self.ids.extend(out.token_ids)
         if out.finish_reason is not None:
@@ -98,6 +104,7 @@ class _Choice:
         if out.prompt_logprobs is not None and self.prompt_entries is None:
             self.prompt_entries = out.prompt_logprobs
         self.text += out.text
+        self.text_bytes += len(out.text.encode("utf-8"))
         self.completion_tokens = out.completion_tokens
         self.cached_tokens = max(out.cached_tokens, 0)
         limit = min(len(self.ids), len(self.entries))
@@ -106,8 +113,12 @@ class _Choice:
             if out.finish_reason is not None:
                 self.pieces.clip(released)
             else:
-                n = self.paired
+                n, used = self.paired, self.byte_pos
                 while n < limit and self.pieces.end_of(n) <= released:
+                    if self.share_len is not None:
+                        used += self.share_len(n)
+                        if used > self.text_bytes:
+                            break
                     n += 1
                 limit = n
         start, self.paired = self.paired, limit
@@ -304,6 +315,13 @@ class ChatFormat(BaseFormat):
 
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for ch in self.choices:
+            if ch.pieces is not None:
+                ch.share_len = (lambda i, ch=ch: len(token_text_bytes(
+                    self.strings, ch.ids[i], ch.pieces.pieces[i])))
 
     def _logprobs(self, ch: _Choice, start: int, end: int, final: bool) -> dict | None:
         if self.lp.k is None:

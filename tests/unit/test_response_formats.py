@@ -157,3 +157,58 @@ def test_chat_stream_concatenates_to_full(tok, strings):
     assert content == msg["logprobs"]["content"] and len(content) == 3
     assert ChatFormat("c", "m", 1, 3, False).full([_outputs(tok)])["choices"][0][
         "logprobs"] is None
+
+
+def _detok_outputs(tok, text: str, stop: str, per: int) -> list[ReqOutput]:
+    """``text``'s tokens through the detokenizer, ``per`` tokens a message, ended where the
+    engine would end on ``stop`` (or by length)."""
+    from engine.io_struct import BatchTokenIdOut
+    from engine.tokenizer.detokenizer import DetokenizerManager
+
+    ids = tok.encode(text, add_special_tokens=False)
+    n = next((i + 1 for i in range(len(ids)) if stop in tok.decode(ids[:i + 1])), len(ids))
+    fin = {"type": "stop", "matched": stop, "message": None} if n < len(ids) or \
+        stop in text else LENGTH
+    det, outs = DetokenizerManager(tok), []
+    for i in range(0, n, per):
+        chunk = ids[i:i + per]
+        f = fin if i + per >= n else None
+        b = BatchTokenIdOut(rids=["s"], new_token_ids=[chunk], finished_reasons=[f],
+                            prompt_tokens=[1], completion_tokens=[i + len(chunk)],
+                            stop_strs=[[stop]], skip_special_tokens=[True],
+                            spaces_between_special_tokens=[True], min_tokens=[0])
+        outs.append(ReqOutput(0, det.process(b).texts[0], chunk, f, 1, i + len(chunk),
+                              [(-0.1, [[c, -0.1]]) for c in chunk]))
+    return outs
+
+
+def test_fuzz_stream_logprobs_near_stop_strings_equal_non_stream(tok, strings):
+    """Issue 34 kind 4: a token holding the first bytes of a character a stop string then
+    cut (" 😆" with stop "😆") gave those bytes in a stream chunk but not in the non-stream
+    body. Random texts of multi-byte characters and stop strings: the streamed chat bytes and
+    completion tokens concatenate to the non-stream ones."""
+    import random
+
+    rng = random.Random(34)
+    words = ["Hi", " 😆", " there", " 世界", " é", "🇫🇷", " ½", "!", " a"]
+    for _ in range(120):
+        text = "".join(rng.choice(words) for _ in range(rng.randint(2, 7)))
+        a = rng.randrange(len(text))
+        stop = text[a:a + rng.randint(1, 3)]
+        per = rng.choice([1, 2, 3])
+        for cls in (ChatFormat, CompletionFormat):
+            lp = LogprobOptions(k=0)
+            outs = _detok_outputs(tok, text, stop, per)
+            body = cls("c", "m", 1, 3, False, False, strings, lp).full([outs])
+            f = cls("c", "m", 1, 3, False, False, strings, lp)
+            got = []
+            for o in _detok_outputs(tok, text, stop, per):
+                for chunk in f.chunks(o):
+                    lps = chunk["choices"][0]["logprobs"]
+                    if lps:
+                        got += [d["bytes"] for d in lps["content"]] if cls is ChatFormat \
+                            else lps["tokens"]
+            want = body["choices"][0]["logprobs"]
+            want = [d["bytes"] for d in want["content"]] if cls is ChatFormat \
+                else want["tokens"]
+            assert got == want, (cls.__name__, text, stop, per)
