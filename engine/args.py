@@ -99,8 +99,10 @@ class ServerArgs:
                                   "than 16 rows also quantize activations per token); FP8 "
                                   "checkpoints are detected from their config", ("fp8",))
     disable_overlap_schedule: bool = _f(False, "do not overlap host scheduling with device work")
-    disable_fused_ops: bool = _f(False, "run RMSNorm, SiLU-and-mul and rotary in eager torch "
-                                        "instead of the fused Triton kernels")
+    disable_fused_ops: bool = _f(False, "run the torch references of RMSNorm, SiLU-and-mul and "
+                                        "rotary instead of the fused kernels (Triton on GPUs; "
+                                        "on the CPU ferry's C++ kernels, decode attention "
+                                        "included)")
     # speculative decoding (SGLang's flag names; engine/speculative/)
     speculative_algorithm: str | None = _f(
         None, "speculative decoding: NGRAM (draft tokens copied from the request's own prompt "
@@ -151,7 +153,9 @@ class ServerArgs:
                               "('*' for any)")
     allowed_methods: str = _f("GET,POST,OPTIONS", "CORS: comma-separated methods a browser may "
                               "use")
-    log_requests: bool = _f(False, "log prompts and outputs of each request (off by default)")
+    log_requests: bool = _f(False, "log each request's prompt and parameters at arrival, its "
+                                   "output text and a summary line (tokens, timings) at the "
+                                   "end, at INFO (default: the summary only, at DEBUG)")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
