@@ -4,17 +4,60 @@
 stream, OpenAI's tool-call deltas: per call first ``{index, id, type, function: {name,
 arguments: ""}}``, then argument fragments with the same ``index``. What the request asked
 of tools (``ToolPlan``) comes from ``server/tools/plan.py``.
+
+Stream and non-stream give the same calls, content and finish reason:
+
+- a forced call (``required``, a named function) cut by ``max_tokens`` is still a call, with
+  its arguments as far as they got and ``finish_reason: "length"`` (OpenAI's shape); a
+  ``required`` call counts once its name is complete;
+- with ``auto``, a call to a function that is not in ``tools`` is no call: the output is
+  content (as an output whose calls do not parse);
+- the content beside calls is the parser's (``call_content`` in ``server/tools/parsers.py``),
+  which a stream sends as it comes;
+- ``matched_stop`` is only on the chunk with the ``finish_reason``.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 
 from server.http import json_text
 from server.openai.formats import ChatFormat
 from server.tools.parsers import START_MARKERS, ParsedCall, parse_tool_calls
 from server.tools.plan import ToolPlan
+
+#: the start of one item of ``tool_choice: "required"``'s array (``calls_schema``), as far as
+#: its name and, once begun, the ``parameters`` key
+_REQUIRED_ITEM = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")'
+                            r'(\s*,\s*"parameters"\s*:\s*)?')
+
+
+def partial_required_calls(text: str) -> list[ParsedCall]:
+    """The calls of a ``required`` output cut short (``[{"name": ..., "parameters": {...}},
+    ...`` without its end): the whole items, then the cut one if its name is complete, with
+    its arguments as far as they got."""
+    i, calls = text.find("[") + 1, []
+    if i == 0:
+        return calls
+    while True:
+        while i < len(text) and (text[i].isspace() or text[i] == ","):
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            return calls
+        try:
+            val, i = json_text.raw_decode(text, i)
+        except json_text.JSONTextError:
+            m = _REQUIRED_ITEM.match(text, i)
+            if m is not None:
+                name = json_text.loads(m.group(1))
+                calls.append(ParsedCall(name, text[m.end():] if m.group(2) else ""))
+            return calls
+        if not isinstance(val, dict) or not isinstance(val.get("name"), str):
+            return calls
+        calls.append(ParsedCall(val["name"], json.dumps(val.get("parameters", {}),
+                                                        ensure_ascii=False)))
 
 
 def chat_format(plan: ToolPlan, *args, **kwargs) -> ChatFormat:
@@ -42,16 +85,22 @@ class ToolChatFormat(ChatFormat):
         self._calls_found = False
 
     def calls(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        """``(content, calls)`` of a finished output; ``(text, [])`` if it holds none."""
+        """``(content, calls)`` of a finished output; ``(text, [])`` if it holds none (see
+        the module docstring for cut and unknown calls)."""
         plan = self.plan
         if plan.choice == "auto":
-            return parse_tool_calls(plan.parser, text)
+            content, calls = parse_tool_calls(plan.parser, text)
+            names = {t["function"]["name"] for t in plan.tools}
+            if any(c.name not in names for c in calls):
+                return text, []
+            return content, calls
+        if plan.choice == "named":  # the output is the arguments, whole or cut
+            return (None, [ParsedCall(plan.name, text)]) if text else (text, [])
         try:
             val = json_text.loads(text)
         except json_text.JSONTextError:
-            return text, []
-        if plan.choice == "named":
-            return (None, [ParsedCall(plan.name, text)]) if isinstance(val, dict) else (text, [])
+            calls = partial_required_calls(text)
+            return (None, calls) if calls else (text, [])
         if not isinstance(val, list) or not all(
                 isinstance(v, dict) and isinstance(v.get("name"), str) for v in val):
             return text, []
@@ -75,7 +124,8 @@ class ToolChatFormat(ChatFormat):
 
     def _held_from(self, text: str) -> int:
         """Characters of ``text`` that may be streamed as content now (auto): up to the
-        first call marker, or to a tail that could begin one."""
+        first call marker, or to a tail that could begin one, less the whitespace before
+        it (which ``call_content`` drops when a call follows)."""
         if self.plan.choice != "auto":
             return 0
         markers = START_MARKERS[self.plan.parser]
@@ -89,14 +139,15 @@ class ToolChatFormat(ChatFormat):
                 if text.endswith(m[:k]):
                     cut = min(cut, len(text) - k)
                     break
-        return cut
+        return len(text[:cut].rstrip())
 
     @staticmethod
     def _like(chunk: dict, delta: dict, finish_reason: str | None = None) -> dict:
-        """A copy of the one-choice ``chunk`` with ``delta`` and no logprobs."""
+        """A copy of the one-choice ``chunk`` with ``delta``, no logprobs and no
+        ``matched_stop`` (which only the finishing chunk carries)."""
         c = dict(chunk)
-        c["choices"] = [dict(chunk["choices"][0], delta=delta, logprobs=None,
-                             finish_reason=finish_reason)]
+        choice = {k: v for k, v in chunk["choices"][0].items() if k != "matched_stop"}
+        c["choices"] = [dict(choice, delta=delta, logprobs=None, finish_reason=finish_reason)]
         return c
 
     def chunks(self, out):
@@ -139,9 +190,9 @@ class ToolChatFormat(ChatFormat):
         text = self.choices[i].text
         content, calls = self.calls(text)
         res = []
-        end = self._marker_at(text) if calls else len(text)
-        rest = text[self.sent[i]:end]
-        if rest and (rest.strip() or not calls):
+        # what was streamed is a prefix of the content (``_held_from``): send the rest
+        rest = (content or "")[self.sent[i]:]
+        if rest:
             res.append(self._like(chunk, {"content": rest}))
         self.sent[i] = len(text)
         for k, (c, tc) in enumerate(zip(calls, self._tool_calls(calls))):
@@ -151,9 +202,3 @@ class ToolChatFormat(ChatFormat):
                 "index": k, "function": {"arguments": c.arguments}}]}))
         self._calls_found = bool(calls)
         return res
-
-    def _marker_at(self, text: str) -> int:
-        if self.plan.choice != "auto":
-            return 0
-        found = [i for m in START_MARKERS[self.plan.parser] if (i := text.find(m)) >= 0]
-        return min(found, default=0)

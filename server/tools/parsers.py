@@ -4,7 +4,8 @@ One parser per model family (``--tool-call-parser``), with the formats their cha
 teach (as in vLLM's and SGLang's parsers of the same names):
 
 - ``hermes`` (Hermes 2/3, Qwen 2.5/3): ``<tool_call>{"name": ..., "arguments": {...}}
-  </tool_call>``, one block per call, text before the first block is content.
+  </tool_call>``, one block per call (the last may lack its end tag); the text outside the
+  blocks is content.
 - ``llama3`` (Llama 3.1+ JSON tool calling): an optional ``<|python_tag|>`` then
   ``{"name": ..., "parameters": {...}}``, several separated by ``;``; the output must start
   with the JSON (or the tag), else it is plain content.
@@ -12,6 +13,12 @@ teach (as in vLLM's and SGLang's parsers of the same names):
   ``[TOOL_CALLS]name[ARGS]{...}`` (v11+), text before the marker is content.
 
 ``detect_parser`` picks one from a chat template's text for ``--tool-call-parser auto``.
+
+The content of an output with calls (``call_content``) is the text outside the calls: the
+text before the first call without its trailing whitespace, then each later stretch of
+text stripped, joined by newlines; None when that is empty. A stream can send it as it comes
+(only whitespace right before a call marker waits), so streamed and non-stream content are
+equal. An output without a valid call is all content, as it is.
 """
 
 from __future__ import annotations
@@ -64,22 +71,30 @@ def _json_values(text: str, sep: str = "") -> list | None:
         out.append(val)
 
 
+def call_content(segments: list[str]) -> str | None:
+    """The content of an output with calls, from the stretches of text outside them (the
+    first one: the text before the first call); see the module docstring."""
+    parts = [segments[0].rstrip()] + [s.strip() for s in segments[1:]] if segments else []
+    return "\n".join(p for p in parts if p) or None
+
+
 def parse_hermes(text: str) -> tuple[str | None, list[ParsedCall]]:
     start, end = "<tool_call>", "</tool_call>"
     if start not in text:
         return text, []
-    content, rest = text.split(start, 1)
-    calls = []
+    head, rest = text.split(start, 1)
+    calls, segments = [], [head]
     for block in rest.split(start):
-        body = block.split(end, 1)[0].strip()
+        body, _, after = block.partition(end)
         try:
-            call = _call(json_text.loads(body))
+            call = _call(json_text.loads(body.strip()))
         except json_text.JSONTextError:
             call = None
         if call is None:
             return text, []
         calls.append(call)
-    return content.strip() or None, calls
+        segments.append(after)  # text after the call, before the next one or the end
+    return call_content(segments), calls
 
 
 def parse_llama3(text: str) -> tuple[str | None, list[ParsedCall]]:
@@ -87,7 +102,7 @@ def parse_llama3(text: str) -> tuple[str | None, list[ParsedCall]]:
     content, body = None, text.strip()
     if tag in text:
         head, body = text.split(tag, 1)
-        content = head.strip() or None
+        content = call_content([head])
     elif not body.startswith("{"):
         return text, []
     vals = _json_values(body, ";")
@@ -118,7 +133,7 @@ def parse_mistral(text: str) -> tuple[str | None, list[ParsedCall]]:
             calls.extend(_call(x) for x in (v if isinstance(v, list) else [v]))
     if not calls or any(c is None for c in calls):
         return text, []
-    return content.strip() or None, calls
+    return call_content([content]), calls
 
 
 PARSERS = {"hermes": parse_hermes, "llama3": parse_llama3, "mistral": parse_mistral}

@@ -340,3 +340,132 @@ def test_a_compile_past_its_budget_rejects_the_request_with_a_400(monkeypatch):
     assert "0.05 s" in msg and "--grammar-compile-timeout" in msg
     q.release(sched)
     assert q.take_rejected() == {}  # one release's rejections only
+
+
+# ---- issue 34 kinds 4 and 6: forced calls cut short, hermes content, unknown functions -----
+
+def _split(text: str, rng) -> list[str]:
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 6)))) \
+        if len(text) > 1 else []
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+def _both(choice, parser, pieces, finish="stop", matched=None):
+    """(non-stream choice, streamed (content, calls, finish), stream chunks)."""
+    from server.openai.tool_format import chat_format
+    from server.tokenizer_manager import ReqOutput
+    from server.tools.plan import ToolPlan
+
+    def outs():
+        return [ReqOutput(0, p, [k], {"type": finish, "matched": matched, "message": None}
+                          if k == len(pieces) - 1 else None, 3, k + 1)
+                for k, p in enumerate(pieces)]
+
+    plan = ToolPlan(tools=TOOLS, choice=choice, parser=parser,
+                    name="get_weather" if choice == "named" else None)
+    full = chat_format(plan, "c", "m", 1, 3, False).full([outs()])["choices"][0]
+    f = chat_format(plan, "c", "m", 1, 3, False)
+    chunks = f.start() + [c for o in outs() for c in f.chunks(o)]
+    return full, _assemble(chunks), chunks
+
+
+def _same(full, streamed):
+    content, calls, fin = streamed
+    msg = full["message"]
+    assert (msg["content"] or "") == content, (msg, streamed)
+    assert [{"name": tc["function"]["name"], "arguments": tc["function"]["arguments"]}
+            for tc in msg.get("tool_calls") or []] == calls, (msg, streamed)
+    assert full["finish_reason"] == fin
+
+
+def test_forced_calls_cut_by_length_are_still_calls():
+    """A named tool_choice cut by max_tokens came back as raw text in content without
+    streaming and as tool_calls deltas with it; a cut "required" array as raw text (the
+    README's tool_calls[0] raised). Both are calls with the arguments so far, "length"."""
+    full, streamed, _ = _both("named", None, ['{"city": ', '"Par'], "length")
+    assert full["message"]["tool_calls"][0]["function"] == {"name": "get_weather",
+                                                            "arguments": '{"city": "Par'}
+    assert full["message"]["content"] is None and full["finish_reason"] == "length"
+    _same(full, streamed)
+    text = '[{"name": "noop", "parameters": {}}, {"name": "get_weather", "parameters": {"ci'
+    full, streamed, _ = _both("required", None, [text[:20], text[20:]], "length")
+    assert [(t["function"]["name"], t["function"]["arguments"])
+            for t in full["message"]["tool_calls"]] == [("noop", "{}"),
+                                                        ("get_weather", '{"ci')]
+    _same(full, streamed)
+    for cut, names in (('[{"name": "get_wea', []), ('[{"name": "noop"', ["noop"]),
+                       ('[{"name": "noop", "param', ["noop"])):
+        full, streamed, _ = _both("required", None, [cut], "length")
+        assert [t["function"]["name"] for t in full["message"].get("tool_calls") or []] \
+            == names
+        _same(full, streamed)
+
+
+@pytest.mark.parametrize("text,content,names", [
+    # text after the last call was dropped
+    ('A <tool_call>{"name": "noop", "arguments": {}}</tool_call> B', "A\nB", ["noop"]),
+    ('<tool_call>{"name": "noop", "arguments": {}}</tool_call>\n<tool_call>{"name": "noop", '
+     '"arguments": {}}</tool_call>\nDone.', "Done.", ["noop", "noop"]),
+    # whitespace before a call is dropped, in streams too (it was streamed)
+    ('Sure! \n<tool_call>{"name": "noop", "arguments": {}}</tool_call>', "Sure!", ["noop"]),
+    ('\n\nSure<tool_call>{"name": "noop", "arguments": {}}', "\n\nSure", ["noop"]),
+    # a call to a function not in tools is no call: the output is content
+    ('Hm <tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
+     'Hm <tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', []),
+    ('<tool_call>{"name": "noop", "arguments": {}}</tool_call><tool_call>{"name": "x", '
+     '"arguments": {}}</tool_call>', '<tool_call>{"name": "noop", "arguments": {}}'
+     '</tool_call><tool_call>{"name": "x", "arguments": {}}</tool_call>', []),
+])
+def test_hermes_content_and_unknown_functions_stream_as_not(text, content, names):
+    import random
+
+    rng = random.Random(len(text))
+    for _ in range(20):
+        full, streamed, _ = _both("auto", "hermes", _split(text, rng))
+        assert (full["message"]["content"] or "") == content
+        assert [t["function"]["name"] for t in full["message"].get("tool_calls") or []] \
+            == names
+        _same(full, streamed)
+
+
+def test_matched_stop_only_on_the_finishing_chunk():
+    for choice, text in (("auto", 'x <tool_call>{"name": "noop", "arguments": {}}'),
+                         ("required", '[{"name": "noop", "parameters": {}}]'),
+                         ("named", '{"city": "Paris"}')):
+        _, _, chunks = _both(choice, "hermes" if choice == "auto" else None, [text], "stop",
+                             matched=2)
+        marked = [c for c in chunks if "matched_stop" in c["choices"][0]]
+        assert len(marked) == 1 and marked[0]["choices"][0]["finish_reason"], (choice, chunks)
+        assert marked[0] is chunks[-1]
+
+
+def test_fuzz_tool_outputs_stream_as_not():
+    """Random hermes outputs (content, whitespace, calls, unknown names, broken JSON) and
+    forced-call outputs cut anywhere, split into random stream messages: the assembled stream
+    equals the non-stream body (content, calls, finish reason)."""
+    import random
+
+    rng = random.Random(34)
+    parts = ["Sure.", " ", "\n", "ok <tool", 'x {"a": 1}',
+             '<tool_call>{"name": "noop", "arguments": {}}</tool_call>',
+             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+             '</tool_call>', '<tool_call>{"name": "nope", "arguments": {}}</tool_call>',
+             '<tool_call>{"name": "noop", "argu']
+    forced = {"required": '[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
+                          '{"name": "noop", "parameters": {}}]',
+              "named": '{"city": "Paris", "unit": "c"}'}
+    for _ in range(300):
+        choice = rng.choice(["auto", "auto", "required", "named"])
+        if choice == "auto":
+            text = "".join(rng.choice(parts) for _ in range(rng.randint(1, 5)))
+            finish = "stop"
+        else:
+            text = forced[choice]
+            if rng.random() < 0.7:
+                text, finish = text[:rng.randint(1, len(text) - 1)], "length"
+            else:
+                finish = "stop"
+        full, streamed, chunks = _both(choice, "hermes" if choice == "auto" else None,
+                                       _split(text, rng), finish)
+        _same(full, streamed)
+        assert sum("matched_stop" in c["choices"][0] for c in chunks) == 1
