@@ -302,3 +302,90 @@ def test_large_batches_decode_normally():
         assert len(sched.running) <= 2 or runner.verify_tokens == 0
     for r in reqs:
         assert r.output_ids == fake_expected(r.origin_input_ids, 8)
+
+
+# ---- the real model (SmolLM2-135M, fp32, CPU) ---------------------------------------------
+
+PARAGRAPH = ("The river rises in the hills north of the town, runs south through the old "
+             "mill and the market square, and joins the sea at the harbour.")
+COPY_PROMPTS = [
+    f"Repeat this paragraph word for word.\n\n{PARAGRAPH}\n\nRepeated:\n",
+    "Rename the variable total to acc:\n\ndef add_all(xs):\n    total = 0\n    for x in xs:\n"
+    "        total += x\n    return total\n\nRenamed:\n",
+    "Echo the list: apples, pears, plums, cherries, grapes, lemons, limes.\nEcho:",
+]
+OTHER_PROMPTS = ["The capital of France is", "Write a haiku about the sea."]
+
+
+@pytest.fixture(scope="module")
+def llms():
+    from engine import LLM
+
+    kw = dict(model_path=None, device="cpu", max_total_tokens=8192)
+    spec = LLM(speculative_algorithm="NGRAM", **kw)
+    spec.scheduler.check_kv = True
+    return LLM(**kw), spec
+
+
+@pytest.mark.slow
+def test_real_model_greedy_identical_with_ngram(llms):
+    from engine import SamplingParams
+
+    base, spec = llms
+    prompts = COPY_PROMPTS + OTHER_PROMPTS
+    sp = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    want = base.generate(prompts, sp)
+    st = spec.scheduler.stats
+    before = st["spec_accepted_tokens"]
+    got = spec.generate(prompts, sp)
+    for p, w, g in zip(prompts, want, got):
+        assert g.token_ids == w.token_ids, p
+        assert g.text == w.text and g.finish_reason == w.finish_reason
+    assert st["spec_accepted_tokens"] - before > 20  # the copy prompts' drafts were taken
+    # alone (batch 1), each prompt too
+    for p, w in zip(prompts[:2], want[:2]):
+        assert spec.generate(p, sp)[0].token_ids == w.token_ids
+
+
+@pytest.mark.slow
+def test_real_model_stops_max_tokens_n_and_logprobs(llms):
+    from engine import SamplingParams
+
+    base, spec = llms
+    prompt = COPY_PROMPTS[0]
+    ref = base.generate(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+    stop = ref.text[len(ref.text) // 2:][:6].strip() or ref.text[-4:]
+    for sp in [SamplingParams(max_tokens=40, temperature=0, stop=[stop]),
+               *(SamplingParams(max_tokens=m, temperature=0, ignore_eos=True)
+                 for m in (1, 3, 9)),
+               SamplingParams(max_tokens=24, temperature=0, logprobs=3)]:
+        w = base.generate([prompt, prompt], sp)  # n = 2: the same prompt twice
+        g = spec.generate([prompt, prompt], sp)
+        for a, b in zip(w, g):
+            assert b.token_ids == a.token_ids and b.text == a.text
+            assert (b.finish_reason, b.matched_stop) == (a.finish_reason, a.matched_stop)
+            assert len(b.token_ids) <= sp.max_tokens
+            if sp.logprobs:
+                assert len(b.logprobs) == len(b.token_ids)
+                for (lp_a, top_a), (lp_b, top_b) in zip(a.logprobs, b.logprobs):
+                    assert lp_b == pytest.approx(lp_a, abs=1e-3)
+                    assert [t[0] for t in top_b] == [t[0] for t in top_a]
+    assert g[0].finish_reason == "length" and w[0].finish_reason == "length"
+
+
+@pytest.mark.slow
+def test_real_model_radix_hit_and_sampling(llms):
+    from engine import SamplingParams
+
+    base, spec = llms
+    prompt = COPY_PROMPTS[1]
+    sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    first = spec.generate(prompt, sp)[0]
+    again = spec.generate(prompt, sp)[0]
+    assert again.num_cached_tokens and again.num_cached_tokens >= len(first.prompt_token_ids) - 1
+    assert again.token_ids == first.token_ids == base.generate(prompt, sp)[0].token_ids
+    # sampled, seeded: reproducible, and within max_tokens
+    ssp = SamplingParams(max_tokens=32, temperature=0.7, top_p=0.9, seed=7, ignore_eos=True)
+    a, b = spec.generate([prompt, prompt], ssp)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 32
+    spec.scheduler.kv.check([])
