@@ -139,6 +139,9 @@ class ServerInfoOut(_Msg):
     evictable_tokens: int = 0
     # {"tp_size", "backend", "ranks": [{"rank", "weight_bytes", "kv_bytes"}, ...]}
     tensor_parallel: dict = {}
+    # speculative decoding: {"algorithm", "num_draft_tokens", "max_batch_size",
+    # "mean_accept_length"}; {} when off (its counters are in ``stats``)
+    speculative: dict = {}
 
 
 class FlushCacheOut(_Msg):

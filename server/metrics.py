@@ -70,6 +70,7 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client import exposition as _exposition
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
 PREFIX = "ferry:"
 
@@ -195,6 +196,11 @@ class Metrics:
         for r in FINISH_REASONS:
             self.request_success.labels(m, r)
 
+        # speculative decoding (--speculative-algorithm): no series until the engine
+        # reports its counters
+        self.spec = SpecDecodeCollector(model_name)
+        reg.register(self.spec)
+
         if include_process_metrics:
             ProcessCollector(registry=reg)
             PlatformCollector(registry=reg)
@@ -266,10 +272,63 @@ class Metrics:
             total = getattr(stats, "kv_total_tokens", 0)
             usage = stats.kv_used_tokens / total if total else 0.0
         self.kv_cache_usage_perc.labels(m).set(min(1.0, max(0.0, float(usage))))
+        engine_stats = getattr(stats, "stats", None)
+        if engine_stats and "spec_verify_steps" in engine_stats:
+            self.spec.update(engine_stats)
 
     def render(self) -> tuple[bytes, str]:
         """Return ``(body, content_type)`` for ``GET /metrics`` (Prometheus text format 0.0.4)."""
         return generate_latest(self.registry), CONTENT_TYPE
+
+
+class SpecDecodeCollector:
+    """Speculative decoding's counters as the engine process last reported them (its
+    cumulative totals, in ``ServerInfoOut.stats``, which every ``/metrics`` scrape asks
+    for), exported as they are. vLLM's ``spec_decode_*`` names:
+
+    - ``spec_decode_num_drafts_total``: (request, verify step) pairs that had drafts;
+    - ``spec_decode_num_draft_tokens_total``: draft tokens proposed;
+    - ``spec_decode_num_accepted_tokens_total``: draft tokens the target accepted;
+    - ``spec_decode_num_emitted_tokens_total``: tokens those steps emitted (accepted drafts
+      plus the target's own token per request and step);
+    - ``spec_decode_accept_length``: a histogram of tokens emitted per request and verify
+      step (1 = every draft rejected; k + 1 = all k accepted).
+    """
+
+    _COUNTERS = (("num_drafts", "spec_verify_reqs", "Requests' verify steps with drafts."),
+                 ("num_draft_tokens", "spec_proposed_tokens", "Draft tokens proposed."),
+                 ("num_accepted_tokens", "spec_accepted_tokens",
+                  "Draft tokens accepted by the target model."),
+                 ("num_emitted_tokens", "spec_emitted_tokens",
+                  "Tokens emitted by verify steps: accepted drafts plus one target token "
+                  "per request and step."))
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.stats: dict | None = None
+
+    def update(self, stats: dict) -> None:
+        self.stats = dict(stats)
+
+    def collect(self):
+        st, m = self.stats, [self.model_name]
+        if st is None:
+            return
+        for name, key, doc in self._COUNTERS:
+            c = CounterMetricFamily(PREFIX + "spec_decode_" + name, doc, labels=["model_name"])
+            c.add_metric(m, float(st.get(key, 0)))
+            yield c
+        lengths = list(st.get("spec_accept_lengths", []))
+        buckets, acc = [], 0
+        for i, n in enumerate(lengths):
+            acc += n
+            buckets.append((str(float(i + 1)), acc))
+        buckets.append(("+Inf", acc))
+        h = HistogramMetricFamily(PREFIX + "spec_decode_accept_length",
+                                  "Tokens emitted per request and verify step.",
+                                  labels=["model_name"])
+        h.add_metric(m, buckets, sum_value=float(sum((i + 1) * n for i, n in enumerate(lengths))))
+        yield h
 
 
 def _fmt_ms(seconds: float | None) -> str:

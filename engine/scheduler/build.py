@@ -113,6 +113,10 @@ def build_engine(args: ServerArgs) -> Engine:
     scheduler = Scheduler(args, runner, tokenizer, eos_token_ids(runner.config, tokenizer))
     logger.info("prefix cache: %s", "off (--disable-radix-cache)" if args.disable_radix_cache
                 else f"on, page size {args.page_size}, schedule policy {args.schedule_policy}")
+    if scheduler.spec is not None:
+        logger.info("speculative decoding: %s, %d draft tokens, in decode steps of up to %d "
+                    "requests (verify steps run eagerly and are not overlapped)",
+                    args.speculative_algorithm, scheduler.spec.k, scheduler.spec.max_bs)
     return Engine(runner=runner, tokenizer=tokenizer, scheduler=scheduler,
                   vocab_size=runner.model_config.vocab_size,
                   max_context_len=runner.max_context_len)

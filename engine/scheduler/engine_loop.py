@@ -48,6 +48,8 @@ def warm_up(sched: Scheduler) -> None:
         sched.step()
     sched.stats.update(prompt_tokens=0, generation_tokens=0, steps=0, prefix_cache_queries=0,
                        prefix_cache_hits=0, **STATS_TTFT_ZERO)
+    if sched.spec is not None:
+        sched.spec.reset_stats()
     sched.flush_cache()  # the warm-up prompts are nobody's prefix
 
 
@@ -212,7 +214,8 @@ class EngineLoop:
                                 evictable_tokens=self.sched.kv.tree.evictable_tokens(),
                                 tensor_parallel={"tp_size": self.runner.tp.size,
                                                  "backend": self.runner.tp.backend,
-                                                 "ranks": self.runner.rank_memory})
+                                                 "ranks": self.runner.rank_memory},
+                                speculative=self.sched.spec.info() if self.sched.spec else {})
 
     def stats_out(self) -> io.StatsOut:
         kv = self.runner.kv_pool

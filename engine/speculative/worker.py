@@ -98,6 +98,11 @@ class SpecWorker:
         self.stats.update(dict.fromkeys(SPEC_STAT_KEYS, 0))
         self.stats["spec_accept_lengths"] = [0] * (self.k + 1)
 
+    def info(self) -> dict:
+        """What /server_info shows: the algorithm, its settings, the mean accept length."""
+        return {"algorithm": self.algorithm, "num_draft_tokens": self.k,
+                "max_batch_size": self.max_bs, "mean_accept_length": mean_accept_length(self.stats)}
+
     def wants(self, running: list) -> bool:
         """Whether a decode step over ``running`` speculates (a larger batch decodes)."""
         return 0 < len(running) <= self.max_bs
@@ -213,6 +218,13 @@ class SpecWorker:
             out.append((req, toks, logprobs))
             r0 += len(d) + 1
         return out
+
+
+def mean_accept_length(stats: dict) -> float | None:
+    """Tokens a speculating request emitted per verify step, on average (accepted drafts
+    plus the target's own token; 1.0 = no draft ever taken); None before any."""
+    n = stats.get("spec_verify_reqs", 0)
+    return stats["spec_emitted_tokens"] / n if n else None
 
 
 def _penalised(req) -> bool:

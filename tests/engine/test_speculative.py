@@ -389,3 +389,26 @@ def test_real_model_radix_hit_and_sampling(llms):
     a, b = spec.generate([prompt, prompt], ssp)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 32
     spec.scheduler.kv.check([])
+
+
+def test_metrics_export_the_engine_spec_counters():
+    from server.metrics import Metrics
+
+    m = Metrics("m", include_process_metrics=False)
+    assert b"spec_decode" not in m.render()[0]  # speculation off: no series
+
+    class Info:  # a ServerInfoOut
+        num_running, num_waiting, kv_used_tokens, kv_total_tokens = 0, 0, 0, 1
+        stats = {"spec_verify_steps": 3, "spec_verify_reqs": 4, "spec_proposed_tokens": 16,
+                 "spec_accepted_tokens": 5, "spec_emitted_tokens": 9,
+                 "spec_accept_lengths": [1, 2, 1, 0, 0]}
+
+    m.on_engine_stats(Info())
+    text = m.render()[0].decode()
+    for line in ['ferry:spec_decode_num_draft_tokens_total{model_name="m"} 16.0',
+                 'ferry:spec_decode_num_accepted_tokens_total{model_name="m"} 5.0',
+                 'ferry:spec_decode_num_emitted_tokens_total{model_name="m"} 9.0',
+                 'ferry:spec_decode_accept_length_bucket{le="2.0",model_name="m"} 3.0',
+                 'ferry:spec_decode_accept_length_count{model_name="m"} 4.0',
+                 'ferry:spec_decode_accept_length_sum{model_name="m"} 8.0']:
+        assert line in text
