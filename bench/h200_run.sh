@@ -139,6 +139,26 @@ for stage in "$@"; do
              run tp70-serving 300 python3 -m bench.bench_serving --base-url http://127.0.0.1:30000 \
                "${SERVE8[@]}" --output-json "$OUT/tp70-serving.json"
              stop_server tp70;;
+    moe-latency) # mixture of experts (issue 25): bs1/bs64 decode of both shipped MoE shapes
+             for m in qwen3-30b-a3b mixtral-8x7b; do
+               run moe-latency-$m 300 python3 -m bench.bench_latency --model-path engine/configs/$m.json \
+                 --load-format dummy --batch-size 1 64 --input-len 512 --output-len 64 \
+                 --result-jsonl "$OUT/moe-latency.jsonl"; done;;
+    moe-offline) for m in qwen3-30b-a3b mixtral-8x7b; do
+               run moe-offline-$m 400 python3 -m bench.bench_offline --model-path engine/configs/$m.json \
+                 --load-format dummy --result-jsonl "$OUT/moe-offline.jsonl"; done;;
+    moe-serving) # Qwen3-30B-A3B with SmolLM2's vocabulary, so .tok detokenizes the outputs
+             python3 -m server --model-path engine/configs/qwen3-30b-a3b-smolvocab.json \
+               --load-format dummy --tokenizer-path "${TOKENIZER:-.tok}" --port 30000 \
+               >"$OUT/server-moe.log" 2>&1 &
+             spid=$!
+             for _ in $(seq 1 300); do curl -sf localhost:30000/health >/dev/null && break; sleep 1; done
+             run moe-serving 300 python3 -m bench.bench_serving --base-url http://127.0.0.1:30000 \
+               "${SERVE8[@]}" --output-json "$OUT/moe-serving.json"
+             stop_server moe;;
+    moe-sweep) # the fused MoE alone at M = 1..256 (graph replays, L2 flushed), per shape
+             run moe-sweep 500 python3 -m bench.tune_fused_moe --batch-sizes 1,2,4,8,16,32,64,128,256 \
+               --out "$OUT/moe-sweep.json";;
     grammar) # structured output (issue 13): bs64 decode steps free / JSON-schema-constrained /
              # mixed, and grammar compile times; needs xgrammar (its wheel in ./.whl) and a
              # tokenizer (SmolLM2's, .tok: the 8B config has none)
