@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from server.http.errors import bad_request, not_supported
 from server.openai.protocol import ChatMessage
-from server.tools.messages import assistant_tool_calls
+from server.tools.messages import assistant_function_call, assistant_tool_calls
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
               "assistant": "assistant"}
@@ -12,8 +12,11 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
 TEMPLATE_FIELDS = ("name", "reasoning_content", "tool_call_id")
 #: message fields accepted and ignored: OpenAI's record of an assistant turn
 MESSAGE_NOOPS = frozenset({"refusal", "annotations"})
-#: message fields of tool calling (server/tools/messages.py converts tool_calls)
-TOOL_FIELDS = frozenset({"tool_calls", "tool_call_id", "function_call"})
+#: message fields of tool calling (server/tools/messages.py converts tool_calls), and the
+#: roles that may carry each (elsewhere a 400: they would be dropped)
+TOOL_FIELDS = {"tool_calls": "assistant", "function_call": "assistant", "tool_call_id": "tool"}
+#: keys of a content part
+PART_KEYS = frozenset({"type", "text"})
 
 
 def messages_for_template(messages: list[ChatMessage]) -> list[dict]:
@@ -21,11 +24,15 @@ def messages_for_template(messages: list[ChatMessage]) -> list[dict]:
 
     Content may be a string or a list of ``{"type": "text", "text": ...}`` parts (joined
     with newlines). ``developer`` maps to ``system``. ``name`` and ``reasoning_content`` go
-    to the template; ``refusal`` and ``annotations`` are accepted no-ops.
+    to the template; ``refusal`` and ``annotations`` are accepted no-ops. An assistant's
+    ``tool_calls`` (or its deprecated ``function_call``: one call) and a tool message's
+    ``tool_call_id`` go to the template too.
 
     Raises:
-        APIError: 400 for an unknown role, a non-text part, tool messages or any other
-            message field (named, e.g. ``messages[1].audio``).
+        APIError: 400 for an unknown role, a non-text part, a tool-calling field on a role
+            that cannot carry it (``tool_calls`` on a user message...), both ``tool_calls``
+            and ``function_call``, or any other field, of the message or of a part (named,
+            e.g. ``messages[1].audio``, ``messages[0].content[2].cache_control``).
     """
     out = []
     for i, m in enumerate(messages):
@@ -37,11 +44,19 @@ def messages_for_template(messages: list[ChatMessage]) -> list[dict]:
             raise bad_request(f"unknown role '{m.role}' (expected one of "
                               f"{sorted(CHAT_ROLES)})", f"{where}.role")
         extra = m.model_extra or {}
-        tool_calls = assistant_tool_calls(extra["tool_calls"], where) \
-            if extra.get("tool_calls") and role == "assistant" else None
         for key in extra:
             if key not in MESSAGE_NOOPS and key not in TOOL_FIELDS and key != "reasoning_content":
                 raise bad_request(f"unrecognized message field '{key}'", f"{where}.{key}")
+            if key in TOOL_FIELDS and extra[key] not in (None, []) and role != TOOL_FIELDS[key]:
+                raise bad_request(f"'{key}' is only allowed on {TOOL_FIELDS[key]} messages "
+                                  f"(this one is a '{m.role}' message)", f"{where}.{key}")
+        tool_calls = assistant_tool_calls(extra["tool_calls"], where) \
+            if extra.get("tool_calls") else None
+        if extra.get("function_call") is not None:
+            if tool_calls:
+                raise bad_request("send either tool_calls or the deprecated function_call, "
+                                  "not both", f"{where}.function_call")
+            tool_calls = assistant_function_call(extra["function_call"], where)
         content = m.content
         if content is None:
             if role != "assistant":
@@ -54,6 +69,10 @@ def messages_for_template(messages: list[ChatMessage]) -> list[dict]:
                 if ptype != "text":
                     raise bad_request(f"content part type {ptype!r} is not supported (only "
                                       "'text')", f"{where}.content[{j}].type")
+                for key in part:
+                    if key not in PART_KEYS:
+                        raise bad_request(f"unrecognized content part field '{key}'",
+                                          f"{where}.content[{j}].{key}")
                 text = part.get("text")
                 if not isinstance(text, str):
                     raise bad_request("a text part needs a string 'text'",

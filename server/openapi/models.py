@@ -271,6 +271,8 @@ class JsonSchemaFormat(_Doc):
 class ResponseFormat(_Doc):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | bool | None = Field(
+        None, alias="schema", description="json_object only (Together's, Fireworks' spelling)")
 
 
 class StructuredOutputs(_Doc):
@@ -283,9 +285,10 @@ class StructuredOutputs(_Doc):
     grammar: str | None = Field(None, min_length=1)
     json_object: bool | None = None
     disable_fallback: bool | None = None
-    disable_any_whitespace: bool | None = None
-    disable_additional_properties: bool | None = None
-    whitespace_pattern: str | None = None
+    disable_any_whitespace: Literal[True] | None = Field(
+        None, description="ferry's JSON has no free whitespace; false is a 400")
+    disable_additional_properties: Literal[True] | None = Field(
+        None, description="ferry's JSON has no properties beyond the schema's; false is a 400")
 
 
 class StructuredFields(_Doc):
@@ -298,16 +301,17 @@ class StructuredFields(_Doc):
         None, min_length=1, max_length=MAX_CHOICES)
     guided_grammar: str | None = Field(None, min_length=1)
     structured_outputs: StructuredOutputs | None = None
-    guided_decoding_backend: str | None = Field(None, description="accepted, no effect")
-    guided_whitespace_pattern: str | None = Field(None, description="accepted, no effect")
+    guided_decoding_backend: Literal[
+        "auto", "xgrammar", "xgrammar:disable-any-whitespace", "xgrammar:no-fallback"] | None \
+        = Field(None, description="ferry's backend (xgrammar): other values are a 400")
+    guided_whitespace_pattern: None = Field(None, description="not supported (a 400 when set)")
 
 
 class FunctionDefinition(_Doc):
-    model_config = ConfigDict(extra="allow")
-
     name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="a JSON schema of an object")
+    strict: bool | None = None
 
 
 class Tool(_Doc):

@@ -3,7 +3,9 @@
 An assistant message's ``tool_calls`` (OpenAI: ``[{"id", "type": "function", "function":
 {"name", "arguments": "<JSON text>"}}]``) go to the template with ``arguments`` decoded to an
 object, which is what the templates of Llama 3.1, Qwen 2.5, Hermes and Mistral expect
-(transformers' chat-template docs do the same). A ``tool`` message carries ``tool_call_id``.
+(transformers' chat-template docs do the same). OpenAI's deprecated ``function_call``
+(``{"name", "arguments"}``) on an assistant message is the same as one tool call. A ``tool``
+message carries ``tool_call_id``. A key outside these shapes is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,15 @@ from server.http import json_text
 from server.http.errors import bad_request
 
 MAX_TOOL_CALLS = 128
+CALL_KEYS = frozenset({"id", "type", "function"})
+FUNCTION_KEYS = frozenset({"name", "arguments"})
+
+
+def _unknown_key(value: dict, allowed, where: str) -> None:
+    for key in value:
+        if key not in allowed:
+            raise bad_request(f"unrecognized field '{key}' (allowed: "
+                              f"{', '.join(sorted(allowed))})", f"{where}.{key}")
 
 
 def assistant_tool_calls(value: Any, where: str) -> list[dict]:
@@ -34,6 +45,12 @@ def assistant_tool_calls(value: Any, where: str) -> list[dict]:
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise bad_request("a tool call needs function.name", f"{q}.function.name")
+        _unknown_key(call, CALL_KEYS, q)
+        _unknown_key(fn, FUNCTION_KEYS, f"{q}.function")
+        if call.get("type", "function") != "function":
+            raise bad_request("a tool call's type must be 'function'", f"{q}.type")
+        if call.get("id") is not None and not isinstance(call["id"], str):
+            raise bad_request("a tool call's id must be a string", f"{q}.id")
         args = fn.get("arguments", "{}")
         if not isinstance(args, str):
             raise bad_request("function.arguments must be a JSON string",
@@ -50,3 +67,18 @@ def assistant_tool_calls(value: Any, where: str) -> list[dict]:
             entry["id"] = call["id"]
         out.append(entry)
     return out
+
+
+def assistant_function_call(value: Any, where: str) -> list[dict]:
+    """OpenAI's deprecated ``function_call`` of an assistant message, as one tool call for
+    the template (no id: the legacy shape had none).
+
+    Raises:
+        APIError: 400 naming ``{where}.function_call...`` for a malformed call.
+    """
+    p = f"{where}.function_call"
+    if not isinstance(value, dict):
+        raise bad_request("function_call must be an object with 'name' and 'arguments'", p)
+    _unknown_key(value, FUNCTION_KEYS, p)
+    calls = assistant_tool_calls([{"function": value}], where)
+    return calls

@@ -30,6 +30,16 @@ from server.tools.parsers import detect_parser
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+#: keys of a tool and of its function (OpenAI's); any other is a 400 naming it
+TOOL_KEYS = frozenset({"type", "function"})
+FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
+
+
+def _unknown_key(value: dict, allowed, param: str) -> None:
+    for key in value:
+        if key not in allowed:
+            raise bad_request(f"unrecognized field '{key}' (allowed: "
+                              f"{', '.join(sorted(allowed))})", f"{param}.{key}")
 
 
 @dataclass
@@ -60,6 +70,11 @@ def _tools(value: Any) -> list[dict]:
         fn = t.get("function")
         if not isinstance(fn, dict):
             raise bad_request("function must be an object", f"{p}.function")
+        _unknown_key(t, TOOL_KEYS, p)
+        _unknown_key(fn, FUNCTION_KEYS, f"{p}.function")
+        if not isinstance(fn.get("strict", False), bool | None):
+            # the arguments of a forced call always match the parameters: strict or not
+            raise bad_request("function.strict must be a boolean", f"{p}.function.strict")
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise bad_request("function.name must be 1-64 letters, digits, '_', '-' or '.'",
@@ -126,6 +141,8 @@ def plan_tools(req, chat_template: str | None, parser_arg: str = "auto") -> Tool
         if choice.get("type") != "function" or not isinstance(name, str):
             raise bad_request("tool_choice must be 'none', 'auto', 'required' or "
                               "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+        _unknown_key(choice, TOOL_KEYS, "tool_choice")
+        _unknown_key(fn, {"name"}, "tool_choice.function")
         if name not in {t["function"]["name"] for t in plan.tools}:
             raise bad_request(f"tool_choice names function {name!r}, which is not in tools",
                               "tool_choice")

@@ -8,14 +8,22 @@ own fields, accepted as they are), compiled in the engine by xgrammar
 |---|---|
 | OpenAI ``response_format: {"type": "text"}`` | none |
 | ``response_format: {"type": "json_object"}`` | json_schema ``{"type": "object"}`` |
-| ``response_format: {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`` | json_schema |
+| ``response_format: {"type": "json_object", "schema": {...}}`` (Together's, Fireworks') | json_schema |
+| ``response_format: {"type": "json_schema", "json_schema": {"name", "description", "schema", "strict"}}`` | json_schema |
 | SGLang ``json_schema`` (string), ``regex``, ``ebnf`` | themselves |
 | vLLM ``guided_json`` (object or string), ``guided_regex``, ``guided_grammar`` | json_schema, regex, ebnf |
 | vLLM ``guided_choice`` (list of strings) | ebnf ``root ::= "a" \\| "b"`` |
 | vLLM ``structured_outputs: {json, regex, choice, grammar, json_object}`` | as above |
 
 More than one constraint in a request is a 400 naming them; a constraint xgrammar cannot
-parse is a 400 naming its field (the parse runs in a worker thread, milliseconds).
+parse is a 400 naming its field (the parse runs in a worker thread, milliseconds). Nothing
+inside these fields is silently dropped: an unknown key (``response_format.json_schema.x``),
+a value of the wrong type (``strict: "yes"``) or an option ferry does not honour is a 400
+naming it. ferry's JSON is compact and closed, so the peers' whitespace and
+additional-properties options are accepted only where they ask for that
+(``disable_any_whitespace: true``, ``disable_additional_properties: true``,
+``guided_decoding_backend: "xgrammar"``); ``whitespace_pattern`` /
+``guided_whitespace_pattern`` and the opposite values are 400s.
 """
 
 from __future__ import annotations
@@ -36,10 +44,30 @@ STRUCTURED_FIELDS = frozenset({"response_format", "guided_json", "guided_regex",
                                "guided_choice", "guided_grammar", "structured_outputs"})
 #: tool calling's request fields (server/tools/plan.py; ``tools`` is a 400 outside chat)
 TOOL_REQUEST_FIELDS = frozenset({"tools", "tool_choice"})
-#: vLLM's knobs of its own guided-decoding backends: accepted, no effect with xgrammar
+#: vLLM's knobs of its guided-decoding backends: read by ``constraints_of``, which accepts
+#: only the values that describe what ferry does (xgrammar, no free whitespace)
 STRUCTURED_NOOPS = frozenset({"guided_decoding_backend", "guided_whitespace_pattern"})
+#: ``guided_decoding_backend`` values ferry is: vLLM's names, with its old option suffixes
+#: that state ferry's behaviour
+BACKENDS = frozenset({"auto", "xgrammar", "xgrammar:disable-any-whitespace",
+                      "xgrammar:no-fallback"})
+#: keys of ``response_format.json_schema`` (OpenAI's; ``json_schema`` is an old alias of
+#: ``schema``)
+JSON_SCHEMA_KEYS = frozenset({"name", "description", "schema", "strict", "json_schema"})
+#: vLLM's ``structured_outputs`` options: the value each must have (what ferry does); None:
+#: any boolean
+SO_OPTIONS = {"disable_any_whitespace": True, "disable_additional_properties": True,
+              "disable_fallback": None}
 MAX_CHOICES = 1024
 ANY_OBJECT = '{"type": "object"}'
+
+
+def _no_other_keys(value: dict, allowed, param: str) -> None:
+    """400 naming ``param.key`` for the first key of ``value`` outside ``allowed``."""
+    for key in value:
+        if key not in allowed:
+            raise bad_request(f"unrecognized field '{key}' in {param} (allowed: "
+                              f"{', '.join(sorted(allowed))})", f"{param}.{key}")
 
 
 def _schema_text(value: Any, param: str) -> str:
@@ -80,17 +108,30 @@ def _response_format(value: Any) -> tuple[str, str, str] | None:
         raise bad_request("response_format must be an object with a 'type'", param)
     kind = value["type"]
     if kind == "text":
+        _no_other_keys(value, {"type"}, param)
         return None
     if kind == "json_object":
+        _no_other_keys(value, {"type", "schema"}, param)
+        if value.get("schema") is not None:  # Together's and Fireworks' spelling
+            return f"{param}.schema", "json_schema", _schema_text(value["schema"],
+                                                                  f"{param}.schema")
         return param, "json_schema", ANY_OBJECT
     if kind == "json_schema":
+        _no_other_keys(value, {"type", "json_schema"}, param)
         spec = value.get("json_schema")
         p = "response_format.json_schema"
         if not isinstance(spec, dict):
             raise bad_request("response_format.json_schema must be an object with 'name' and "
                               "'schema'", p)
-        if not isinstance(spec.get("name", ""), str):
-            raise bad_request("response_format.json_schema.name must be a string", f"{p}.name")
+        _no_other_keys(spec, JSON_SCHEMA_KEYS, p)
+        for key in ("name", "description"):
+            if not isinstance(spec.get(key, ""), str):
+                raise bad_request(f"response_format.json_schema.{key} must be a string",
+                                  f"{p}.{key}")
+        if not isinstance(spec.get("strict", False), bool | None):
+            # the output always matches the schema exactly: strict true or false alike
+            raise bad_request("response_format.json_schema.strict must be a boolean",
+                              f"{p}.strict")
         schema = spec.get("schema", spec.get("json_schema"))
         if schema is None:
             return param, "json_schema", ANY_OBJECT
@@ -105,7 +146,7 @@ def _structured_outputs(value: Any) -> list[tuple[str, str, str]]:
         raise bad_request("structured_outputs must be an object", p)
     out = []
     for key, v in value.items():
-        if v is None or v is False:
+        if v is None or (v is False and key not in SO_OPTIONS):
             continue
         q = f"{p}.{key}"
         if key == "json":
@@ -118,12 +159,28 @@ def _structured_outputs(value: Any) -> list[tuple[str, str, str]]:
             out.append((q, "ebnf", _string(v, q)))
         elif key == "choice":
             out.append((q, "ebnf", choice_grammar(v, q)))
-        elif key in ("disable_fallback", "disable_any_whitespace",
-                     "disable_additional_properties", "whitespace_pattern"):
-            continue
-        else:
+        elif key in SO_OPTIONS:
+            want = SO_OPTIONS[key]
+            if not isinstance(v, bool):
+                raise bad_request(f"{q} must be a boolean", q)
+            if want is not None and v is not want:
+                raise not_supported(q, f"{q}: {v}; ferry's JSON has no free whitespace and no "
+                                       "properties beyond the schema's")
+        else:  # whitespace_pattern (xgrammar has none), structural_tag, unknown keys
             raise not_supported(q)
     return out
+
+
+def _backend_options(extra: dict) -> None:
+    """vLLM's ``guided_decoding_backend`` / ``guided_whitespace_pattern``: 400 unless they
+    describe what ferry does."""
+    backend = extra.get("guided_decoding_backend")
+    if backend is not None and backend not in BACKENDS:
+        raise not_supported("guided_decoding_backend", f"guided_decoding_backend {backend!r}; "
+                                                       "ferry's backend is xgrammar")
+    if extra.get("guided_whitespace_pattern") is not None:
+        raise not_supported("guided_whitespace_pattern", "a whitespace pattern (ferry's JSON "
+                                                         "has no free whitespace)")
 
 
 def constraints_of(req) -> list[tuple[str, str, str]]:
@@ -143,6 +200,7 @@ def constraints_of(req) -> list[tuple[str, str, str]]:
                 v = _schema_text(v, kind)
             found.append((kind, kind, v))
     extra = req.model_extra or {}
+    _backend_options(extra)
     for name, v in extra.items():
         if v is None:
             continue

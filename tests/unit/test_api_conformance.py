@@ -357,3 +357,146 @@ def test_fuzz_matched_stop_names_the_cut(tok):
             continue
         assert gen[len(out):].startswith(matched), (text, stops, matched, out)
         assert len(out) == min(firsts), (text, stops, matched, out)
+
+
+# ---- issue 34 kind 5: no field silently dropped, at any depth ----------------------------
+
+_WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}}
+#: chat bodies that hold every nested object of a request (together they cover them all)
+NESTED_BODIES = [
+    {"messages": [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "21"},
+        {"role": "assistant", "content": None,
+         "function_call": {"name": "get_weather", "arguments": "{}"}}],
+     "tools": [{"type": "function", "function": {"name": "get_weather", "description": "d",
+                                                 "parameters": _WEATHER, "strict": True}}],
+     "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+     "stream": True, "stream_options": {"include_usage": True}},
+    {"messages": [{"role": "user", "content": "x"}],
+     "response_format": {"type": "json_schema", "json_schema": {
+         "name": "w", "description": "d", "schema": _WEATHER, "strict": True}}},
+    {"messages": [{"role": "user", "content": "x"}],
+     "response_format": {"type": "json_object", "schema": _WEATHER}},
+    {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "text"}},
+    {"messages": [{"role": "user", "content": "x"}],
+     "structured_outputs": {"json": _WEATHER, "disable_any_whitespace": True,
+                            "disable_additional_properties": True, "disable_fallback": False}},
+]
+#: objects whose keys are the client's own, not fields: JSON schemas, template variables
+FREE = ("parameters", "schema", "json", "chat_template_kwargs", "logit_bias", "metadata")
+
+
+def _validate_chat(body: dict) -> None:
+    """Everything the server checks of a chat body before it tokenizes."""
+    import asyncio
+
+    from server.openai.chat_messages import messages_for_template
+    from server.tools.plan import prepare_chat
+
+    req = parse_request(ChatCompletionRequest, body)
+    messages_for_template(req.messages)
+    asyncio.run(prepare_chat(req, req.sampling_params(None), None))
+
+
+def _object_paths(value, path=""):
+    """(param path, the dict) of every object nested in ``value``, but the FREE ones."""
+    if isinstance(value, dict):
+        if path:
+            yield path, value
+        for k, v in value.items():
+            if k not in FREE:
+                yield from _object_paths(v, f"{path}.{k}" if path else k)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _object_paths(v, f"{path}[{i}]")
+
+
+@pytest.mark.parametrize("body", NESTED_BODIES)
+def test_unknown_fields_at_any_depth_are_400s_naming_them(body):
+    """Issue 34 kind 5: a key the server would drop, anywhere in the body (a message, a
+    content part, a tool call and its function, a tool and its function, tool_choice,
+    response_format and its json_schema, structured_outputs, stream_options), is a 400
+    naming its path; the bodies themselves are valid."""
+    import copy
+
+    _validate_chat(body)
+    paths = list(_object_paths(body))
+    assert len(paths) >= 2
+    for path, _ in paths:
+        bad = copy.deepcopy(body)
+        target = dict(_object_paths(bad))[path]
+        target["zz_unknown"] = 1
+        with pytest.raises(APIError) as ei:
+            _validate_chat(bad)
+        assert ei.value.status == 400 and ei.value.param == f"{path}.zz_unknown", (
+            path, ei.value.param, ei.value.message)
+
+
+@pytest.mark.parametrize("patch,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "w", "schema": _WEATHER, "strict": "yes"}}}, "response_format.json_schema.strict"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "w", "schema": _WEATHER, "description": 3}}},
+     "response_format.json_schema.description"),
+    ({"structured_outputs": {"regex": "a", "disable_any_whitespace": False}},
+     "structured_outputs.disable_any_whitespace"),
+    ({"structured_outputs": {"regex": "a", "disable_additional_properties": False}},
+     "structured_outputs.disable_additional_properties"),
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": "[ ]?"}},
+     "structured_outputs.whitespace_pattern"),
+    ({"structured_outputs": {"regex": "a", "disable_fallback": "no"}},
+     "structured_outputs.disable_fallback"),
+    ({"guided_regex": "a", "guided_whitespace_pattern": "[ ]?"}, "guided_whitespace_pattern"),
+    ({"guided_regex": "a", "guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages[0].tool_calls"),
+    ({"messages": [{"role": "system", "content": "x", "function_call": {
+        "name": "f", "arguments": "{}"}}, {"role": "user", "content": "x"}]},
+     "messages[0].function_call"),
+    ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c1"}]},
+     "messages[0].tool_call_id"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        "function_call": {"name": "f", "arguments": "{}"}}]}, "messages[0].function_call"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]},
+     "tools[0].function.strict"),
+])
+def test_fields_of_the_wrong_type_or_role_are_400s(patch, param):
+    body = {"messages": [{"role": "user", "content": "x"}], **patch}
+    with pytest.raises(APIError) as ei:
+        _validate_chat(body)
+    assert ei.value.status == 400 and ei.value.param == param, ei.value.message
+
+
+def test_json_object_schema_and_function_call_are_implemented():
+    import asyncio
+
+    from server.openai.chat_messages import messages_for_template
+    from server.tools.plan import prepare_chat
+
+    req = parse_request(ChatCompletionRequest, {
+        "messages": [{"role": "user", "content": "x"}],
+        "response_format": {"type": "json_object", "schema": _WEATHER}})
+    _, sp = asyncio.run(prepare_chat(req, req.sampling_params(None), None))
+    import json
+
+    assert json.loads(sp.json_schema) == _WEATHER  # was {"type": "object"}: schema dropped
+    req = parse_request(ChatCompletionRequest, {"messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": None,
+                                           "function_call": {"name": "f",
+                                                             "arguments": '{"a": 1}'}}]})
+    assert messages_for_template(req.messages)[1]["tool_calls"] == [
+        {"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]
+    for ok in ({"guided_decoding_backend": "xgrammar"},
+               {"structured_outputs": {"regex": "a", "disable_any_whitespace": True}}):
+        req = parse_request(ChatCompletionRequest, {
+            "messages": [{"role": "user", "content": "x"}], "guided_regex": "a", **ok}
+            if "guided" in next(iter(ok)) else {
+            "messages": [{"role": "user", "content": "x"}], **ok})
+        asyncio.run(prepare_chat(req, req.sampling_params(None), None))
