@@ -42,10 +42,13 @@ def sse_event(event: dict) -> str:
 
 
 def responses_usage(chat_usage: dict) -> dict:
-    """OpenAI's Responses ``usage`` from a chat ``usage`` object."""
+    """OpenAI's Responses ``usage`` from a chat ``usage`` object. ``cache_write_tokens``
+    (required by the ``openai`` SDK's types) is 0: ferry's prefix cache keeps prompts as it
+    computes them, with no separately billed cache writes to report."""
     return {"input_tokens": chat_usage["prompt_tokens"],
             "input_tokens_details": {
-                "cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"]},
+                "cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"],
+                "cache_write_tokens": 0},
             "output_tokens": chat_usage["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": chat_usage["total_tokens"]}

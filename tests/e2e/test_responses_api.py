@@ -390,9 +390,9 @@ def test_builder_terminal_events(finish, status, terminal):
     assert [e["sequence_number"] for e in events] == list(range(10))
     final = events[-1]["response"]
     assert final["status"] == status and final["output"][0]["content"][0]["text"] == "Hello"
-    assert final["usage"] == {"input_tokens": 5, "input_tokens_details": {"cached_tokens": 0},
-                              "output_tokens": 2, "output_tokens_details": {
-                                  "reasoning_tokens": 0}, "total_tokens": 7}
+    assert final["usage"] == {"input_tokens": 5, "input_tokens_details": {
+        "cached_tokens": 0, "cache_write_tokens": 0}, "output_tokens": 2,
+        "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 7}
     assert final["output"][0]["status"] == ("completed" if status == "completed"
                                             else "incomplete")
     assert (final["error"] is None) == (status != "failed")
@@ -413,3 +413,31 @@ def test_builder_error_mid_stream_and_empty_answer():
     assert [e["type"] for e in events] == TEXT_EVENTS_HEAD + TEXT_EVENTS_TAIL + [
         "response.completed"]
     assert events[-1]["response"]["output"][0]["content"][0]["text"] == ""
+
+
+def test_response_objects_validate_against_the_sdk_types():
+    """Issue 34 kind 7: usage lacked input_tokens_details.cache_write_tokens, which the
+    ``openai`` SDK's ``ResponseUsage`` declares required; the whole response object (text,
+    tool calls, cut by length) validates against the SDK's ``Response`` model, strictly."""
+    from openai.types.responses import Response
+
+    from server.openai.tool_format import chat_format
+    from server.tools.plan import ToolPlan
+
+    echo = {"instructions": None, "temperature": 1.0, "top_p": 1.0, "tools": [],
+            "tool_choice": "auto", "parallel_tool_calls": True, "metadata": {},
+            "text": {"format": {"type": "text"}}, "max_output_tokens": None}
+    plan = ToolPlan(tools=[{"type": "function", "function": {"name": "f"}}], choice="named",
+                    name="f")
+    for fmt, pieces, finish in (
+            (ChatFormat("r", MODEL, 1, 5, False), ["Hel", "lo"], {"type": "stop"}),
+            (ChatFormat("r", MODEL, 1, 5, False), ["Hel"], {"type": "length"}),
+            (chat_format(plan, "r", MODEL, 1, 5, False), ['{"a": ', "1}"], {"type": "stop"})):
+        b = ResponseBuilder("resp-1", MODEL, fmt, echo)
+        events = b.start()
+        for k, p in enumerate(pieces):
+            events += b.feed(ReqOutput(0, p, [k], finish if k == len(pieces) - 1 else None,
+                                       5, k + 1))
+        Response.model_validate(events[-1]["response"], strict=False)
+        assert events[-1]["response"]["usage"]["input_tokens_details"][
+            "cache_write_tokens"] == 0
