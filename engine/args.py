@@ -97,7 +97,12 @@ class ServerArgs:
     quantization: str | None = _f(None, "quantize a bf16/fp16 checkpoint at load time: fp8 "
                                   "(e4m3 weights, per-output-channel scales; matmuls of more "
                                   "than 16 rows also quantize activations per token); FP8 "
-                                  "checkpoints are detected from their config", ("fp8",))
+                                  "checkpoints are detected from their config. gguf: keep a "
+                                  "GGUF file's Q4_0/Q4_1/Q8_0 linear weights in their blocks "
+                                  "on any device (the CPU does by default)", ("fp8", "gguf"))
+    gguf_dequantize: bool = _f(False, "load a GGUF file's weights dequantized to --dtype "
+                                      "instead of keeping its Q4_0/Q4_1/Q8_0 blocks (the "
+                                      "CPU's default)")
     disable_overlap_schedule: bool = _f(False, "do not overlap host scheduling with device work")
     disable_fused_ops: bool = _f(False, "run the torch references of RMSNorm, SiLU-and-mul and "
                                         "rotary instead of the fused kernels (Triton on GPUs; "

@@ -19,6 +19,9 @@ Ops (CPU tensors, float32 or bfloat16; math in fp32 with the references' roundin
 - :func:`rms_norm`, :func:`silu_and_mul`, :func:`rotary_inplace`: the signatures of the
   Triton small ops (:mod:`kernels.fused_ops`, :mod:`kernels.rotary`), so
   :func:`engine.layers.op_implementations` can set them as ``impl``.
+- ``torch.ops.ferry_cpu.wq_linear`` / ``wq_dequant`` (``kernels/cpu/wq.cpp``): products
+  with and dequantization of :mod:`kernels.quant_ref`'s q4/q8 weight layouts (used by
+  ``engine.layers.quantization.wq``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu") / "ops.cpp"
+#: the weight-only low-bit linear kernels (``wq_linear``, ``wq_dequant``), in the same library
+SOURCES = (SOURCE, SOURCE.with_name("wq.cpp"))
 _STATE: dict = {}
 
 
@@ -62,7 +67,7 @@ def load(verbose: bool = False) -> bool:
             if bindir not in os.environ.get("PATH", "").split(os.pathsep):
                 os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
             name = f"ferry_cpu_ops_{_cpu_flags_tag()}"
-            cpp_extension.load(name=name, sources=[str(SOURCE)], is_python_module=False,
+            cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], is_python_module=False,
                                extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512",
                                              "-fno-trapping-math", "-fopenmp"],
                                extra_ldflags=["-fopenmp"], verbose=verbose)

@@ -69,7 +69,8 @@ class RankRunner:
         t0 = time.perf_counter()
         self.model, self.config = load_model(
             model_path=args.model_path, load_format=args.load_format, dtype=self.dtype,
-            device=self.device, seed=args.seed, quantization=args.quantization)
+            device=self.device, seed=args.seed, quantization=args.quantization,
+            gguf_dequantize=args.gguf_dequantize)
         self.load_time = time.perf_counter() - t0
         if self.device_type == "cpu":
             if how := dev.tune_cpu_malloc():

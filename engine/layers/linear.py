@@ -157,7 +157,7 @@ class LinearBase(nn.Module):
             return
         device = self.weight.device
         self.quant_method = None
-        for name in ("weight", "weight_scale"):
+        for name in ("weight", "weight_scale", "weight_min"):
             if name in self._parameters:
                 del self._parameters[name]
         self.weight = nn.Parameter(torch.empty(self.output_size, self.input_size, dtype=dtype,

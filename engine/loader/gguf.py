@@ -107,23 +107,9 @@ def check_gguf_supported(path: str) -> None:
                          "load its safetensors checkpoint instead")
 
 
-def iter_gguf(gguf_file: str, config, hf_names: list[str]
-              ) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
-    """``(num_tensors, iterator of (hf_name, fp32 cpu tensor))`` for a GGUF file.
+def _name_map(gguf_file: str, arch: str, config, hf_names: list[str]) -> dict[str, str]:
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
-    Tensors are dequantised one at a time (``gguf.dequantize``). GGUF names map to
-    ``hf_names`` through ``gguf.get_tensor_name_map`` (the table llama.cpp's converter
-    uses), and the q/k row permutation llama.cpp applies is undone by transformers'
-    ``TENSOR_PROCESSORS`` (what ``from_pretrained(gguf_file=...)`` runs).
-    GGUF tensors whose names match none of ``hf_names`` are skipped.
-    """
-    import numpy as np
-    from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, dequantize, get_tensor_name_map
-    from gguf.quants import quant_shape_to_byte_shape
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
-
-    meta, infos = scan_gguf(gguf_file)
-    arch = meta.get("general.architecture")
     arch_enum = next((k for k, v in MODEL_ARCH_NAMES.items() if v == arch), None)
     if arch_enum is None:
         raise ValueError(f"{gguf_file}: GGUF architecture {arch!r} is unknown to gguf-py")
@@ -134,6 +120,45 @@ def iter_gguf(gguf_file: str, config, hf_names: list[str]
         g = table.get_name(base)
         if g is not None:
             name_map[f"{g}.{suffix}"] = hf
+    return name_map
+
+
+def gguf_tensor_types(gguf_file: str, config, hf_names: list[str]) -> dict[str, int]:
+    """HF name -> ggml type id of each GGUF tensor that maps onto ``hf_names``."""
+    meta, infos = scan_gguf(gguf_file)
+    name_map = _name_map(gguf_file, meta.get("general.architecture"), config, hf_names)
+    return {name_map[n]: t for n, t, *_ in infos if n in name_map}
+
+
+def iter_gguf(gguf_file: str, config, hf_names: list[str], keep_blocks: bool = False
+              ) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+    """``(num_tensors, iterator of (hf_name, fp32 cpu tensor))`` for a GGUF file.
+
+    Tensors are dequantised one at a time (``gguf.dequantize``). GGUF names map to
+    ``hf_names`` through ``gguf.get_tensor_name_map`` (the table llama.cpp's converter
+    uses), and the q/k row permutation llama.cpp applies is undone by transformers'
+    ``TENSOR_PROCESSORS`` (what ``from_pretrained(gguf_file=...)`` runs).
+    GGUF tensors whose names match none of ``hf_names`` are skipped.
+
+    With ``keep_blocks``, Q4_0/Q4_1/Q8_0 tensors are yielded as
+    :class:`engine.layers.quantization.gguf.GgufBlocks` (raw block rows, which a float
+    layer dequantizes when it loads them): the processor's row permutation is applied to
+    whole rows of blocks (found by running it on the row indices).
+
+    Raises:
+        ValueError: with ``keep_blocks``, a processor that does more than permute the rows
+            of a block tensor.
+    """
+    import numpy as np
+    from gguf import GGMLQuantizationType, dequantize
+    from gguf.quants import quant_shape_to_byte_shape
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    from engine.layers.quantization.gguf import BLOCK_TYPES, GgufBlocks
+
+    meta, infos = scan_gguf(gguf_file)
+    arch = meta.get("general.architecture")
+    name_map = _name_map(gguf_file, arch, config, hf_names)
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
     parsed: dict = {"tensors": {}, "config": config.to_dict()}
 
@@ -150,6 +175,10 @@ def iter_gguf(gguf_file: str, config, hf_names: list[str]
             qtype = GGMLQuantizationType(ggml_type)
             byte_shape = quant_shape_to_byte_shape(shape, qtype)
             raw = data[offset: offset + int(np.prod(byte_shape))].reshape(byte_shape)
+            if keep_blocks and ggml_type in BLOCK_TYPES and len(shape) == 2:
+                yield name_map[name], GgufBlocks(_permute_rows(processor, raw, name, name_map,
+                                                               parsed), ggml_type, shape)
+                continue
             w = dequantize(raw, qtype)
             res = processor.process(weights=w, name=name, tensor_key_mapping=name_map,
                                     parsed_parameters=parsed)
@@ -159,3 +188,19 @@ def iter_gguf(gguf_file: str, config, hf_names: list[str]
             yield name_map[res.name], torch.from_numpy(arr)
 
     return sum(n in name_map for n, *_ in infos), gen()
+
+
+def _permute_rows(processor, raw, name: str, name_map: dict, parsed: dict):
+    """``raw`` block rows in the order the processor gives dequantized rows."""
+    import numpy as np
+
+    rows = raw.shape[0]
+    idx = np.arange(rows, dtype=np.int64).reshape(rows, 1)
+    res = processor.process(weights=idx, name=name, tensor_key_mapping=name_map,
+                            parsed_parameters=parsed)
+    perm = np.asarray(res.weights).reshape(-1)
+    if res.name != name or perm.shape != (rows,) or \
+            not np.array_equal(np.sort(perm), idx.reshape(-1)):
+        raise ValueError(f"GGUF tensor {name}: transformers' processor changes more than the "
+                         "order of its rows; load it with --gguf-dequantize")
+    return raw if np.array_equal(perm, idx.reshape(-1)) else raw[perm]

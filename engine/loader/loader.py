@@ -53,7 +53,8 @@ from engine.layers.quantization import (
     process_weights_after_loading,
     quantization_scope,
 )
-from engine.loader.gguf import check_gguf_supported, iter_gguf
+from engine.layers.quantization.gguf import GgufConfig, plan_layers
+from engine.loader.gguf import check_gguf_supported, gguf_tensor_types, iter_gguf
 from engine.loader.weights import (  # noqa: F401 - re-exported
     DUMMY_STD,
     LazyTensor,
@@ -304,7 +305,7 @@ def _resolve_device(device: str | torch.device) -> torch.device:
 def load_model(model_path: str | None = None, load_format: str = "auto",
                dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
                seed: int = 0, config=None, progress: bool = True,
-               quantization: str | None = None):
+               quantization: str | None = None, gguf_dequantize: bool = False):
     """Build the ferry model on ``device`` in the run dtype and load its weights.
 
     Args:
@@ -319,7 +320,10 @@ def load_model(model_path: str | None = None, load_format: str = "auto",
         progress: show a tqdm bar over tensors.
         quantization: ``"fp8"`` quantizes a float checkpoint's linear layers while they load
             (``engine.layers.quantization``); an FP8 checkpoint is detected from its config
-            whatever this says.
+            whatever this says. ``"gguf"`` keeps a GGUF file's Q4_0/Q4_1/Q8_0 linear weights
+            in their blocks on any device (:func:`keeps_gguf_blocks`).
+        gguf_dequantize: load a GGUF file's weights dequantized to ``dtype`` (the path
+            before blocks were kept; the CPU's default keeps them).
     Returns:
         ``(model, config)``; the model is in eval mode with ``requires_grad=False`` weights.
     Raises:
@@ -337,11 +341,19 @@ def load_model(model_path: str | None = None, load_format: str = "auto",
     dev = _resolve_device(device)
     run_dtype = dtype if isinstance(dtype, torch.dtype) else devmod.resolve_dtype(dtype, dev.type)
 
-    quant = get_quant_config(config, quantization, fmt)
+    keep_blocks = fmt == "gguf" and keeps_gguf_blocks(quantization, gguf_dequantize, dev.type)
+    quant = (GgufConfig(source=f"GGUF blocks ({quantization or 'default on the CPU'})")
+             if keep_blocks else get_quant_config(config, quantization, fmt))
     t0 = time.perf_counter()
     with torch.device(dev), quantization_scope(quant):
         model = cls(config, run_dtype)
-    if quant is not None:
+    if keep_blocks:
+        quant.types = gguf_tensor_types(source.gguf_file, config, model.hf_weight_names())
+        kept, dropped = plan_layers(model, quant, run_dtype)
+        logger.info("GGUF: %d linear layers keep their Q4_0/Q4_1/Q8_0 blocks, %d are "
+                    "dequantized to %s (--gguf-dequantize: all)", kept, dropped,
+                    str(run_dtype).removeprefix("torch."))
+    elif quant is not None:
         apply_ignore(model, quant, run_dtype)
         logger.info("FP8 linear layers (%s): %s weights, per-output-channel scales, "
                     "activations quantized per token", quant.source,
@@ -358,7 +370,8 @@ def load_model(model_path: str | None = None, load_format: str = "auto",
             total = _count_safetensors(source.weight_files)
             it = iter_safetensors(source.weight_files, lazy=get_tp().size > 1)
         else:
-            total, it = iter_gguf(source.gguf_file, config, model.hf_weight_names())
+            total, it = iter_gguf(source.gguf_file, config, model.hf_weight_names(),
+                                  keep_blocks=keep_blocks)
         bar = tqdm(it, total=total, desc=f"loading {fmt}", disable=not progress or None)
         with torch.no_grad():
             loaded = model.load_weights(bar)
@@ -376,8 +389,26 @@ def load_model(model_path: str | None = None, load_format: str = "auto",
     return model, config
 
 
+def keeps_gguf_blocks(quantization: str | None, gguf_dequantize: bool, device_type: str
+                      ) -> bool:
+    """Whether a GGUF file's Q4_0/Q4_1/Q8_0 linear weights stay in their blocks: on the CPU
+    by default, on any device with ``--quantization gguf``; never with
+    ``--gguf-dequantize`` or ``--quantization fp8`` (which quantizes dequantized weights).
+
+    Raises:
+        ValueError: ``--quantization gguf`` with ``--gguf-dequantize``.
+    """
+    if quantization == "gguf" and gguf_dequantize:
+        raise ValueError("--quantization gguf keeps GGUF blocks; --gguf-dequantize drops them: "
+                         "choose one")
+    if gguf_dequantize or quantization == "fp8":
+        return False
+    return quantization == "gguf" or device_type == "cpu"
+
+
 def load_model_from_args(server_args):
     """:func:`load_model` with the fields of an ``engine.args.ServerArgs``."""
     return load_model(model_path=server_args.model_path, load_format=server_args.load_format,
                       dtype=server_args.dtype, device=server_args.device, seed=server_args.seed,
-                      quantization=server_args.quantization)
+                      quantization=server_args.quantization,
+                      gguf_dequantize=server_args.gguf_dequantize)

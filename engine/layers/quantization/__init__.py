@@ -37,7 +37,7 @@ from engine.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("fp8",)
+QUANTIZATION_METHODS = ("fp8", "gguf")
 
 _ACTIVE: contextvars.ContextVar[Fp8LinearMethod | None] = contextvars.ContextVar(
     "ferry_quant_method", default=None)
@@ -146,6 +146,9 @@ def get_quant_config(hf_config, quantization: str | None = None,
         else:
             raise _refuse(f"quant_method {method!r}; ferry loads FP8 checkpoints "
                           "(quant_method 'fp8', or 'compressed-tensors' with FP8 weights)")
+    elif quantization == "gguf":
+        raise ValueError("--quantization gguf keeps a GGUF file's blocks; the model at hand "
+                         f"is {load_format}")
     elif quantization == "fp8":
         cfg = Fp8Config(False, "--quantization fp8")
     else:

@@ -1,0 +1,141 @@
+"""Weight-only low-bit linear layers: the part shared by GGUF blocks, AWQ and GPTQ.
+
+A layer holds its weight in one of :mod:`kernels.quant_ref`'s layouts (``q4``: uint8
+``weight [N, K/2]`` plus ``weight_scale`` and ``weight_min [N, K/G]``; ``q8``: int8
+``weight [N, K]`` plus ``weight_scale``); activations stay in the run dtype (W4A16 / W8A16
+on GPUs, W4A32 / W8A32 on the CPU in fp32). The scheme-specific subclasses say how a
+checkpoint tensor becomes that layout (:mod:`engine.layers.quantization.gguf`).
+
+Paths (chosen per layer in :meth:`WeightOnlyMethod.process_weights_after_loading`):
+
+- ``cpu``: ferry's C++ kernels (``kernels/cpu/wq.cpp``): with at most ``CPU_KERNEL_MAX_M``
+  rows (decode) a kernel that reads the packed weights directly (fp32 math, AVX2+FMA+F16C
+  where the build has them, threads over output rows); with more rows (prefill) the weight
+  is dequantized by the C++ kernel into the run dtype in every call and multiplied by
+  torch's GEMM (dequantizing SmolLM2's largest weight, 1536 x 576, takes ~0.1 ms against
+  ~3 ms for a 128-row GEMM with it).
+- ``triton`` (CUDA, XPU): :func:`kernels.wq_triton.wq_linear`, a GEMM that dequantizes the
+  tiles in registers (``tl.dot`` in the activations' dtype, fp32 accumulation).
+- ``torch``: the reference (dequantize, then matmul), where neither kernel is available.
+
+No host syncs on any path.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from kernels.quant_ref import dequant
+
+logger = logging.getLogger(__name__)
+
+#: the most rows the CPU's packed-weight kernel takes; more rows dequantize and use the GEMM
+CPU_KERNEL_MAX_M = 16
+
+
+def _cpu_kernels() -> bool:
+    from kernels import cpu_ops
+
+    return cpu_ops.load() and hasattr(torch.ops.ferry_cpu, "wq_linear")
+
+
+class WeightOnlyMethod:
+    """A ``LinearBase``'s quant method for q4/q8 weights (one instance per model)."""
+
+    #: the checkpoint tensor kind the weight loader expects (for error messages)
+    source = "weight-only"
+
+    def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
+        """Register q4 parameters with 32-weight groups and fp16 scales; the loader may
+        change the layout with :meth:`set_format` before the weights load."""
+        layer.wq_dtype = dtype
+        self.set_format(layer, "q4", 32, torch.float16)
+
+    def set_format(self, layer: nn.Module, fmt: str, group_size: int,
+                   scale_dtype: torch.dtype) -> None:
+        """(Re)register ``weight``, ``weight_scale`` (and, for q4, ``weight_min``), empty."""
+        n, k = layer.output_size, layer.input_size
+        if k % group_size or group_size % 32:
+            raise ValueError(f"{type(layer).__name__}: input size {k} is not a multiple of "
+                             f"the quantization group ({group_size}, a multiple of 32)")
+        device = layer.weight.device if "weight" in layer._parameters else None
+        for name in ("weight", "weight_scale", "weight_min"):
+            layer._parameters.pop(name, None)
+        shape, wdtype = ((n, k // 2), torch.uint8) if fmt == "q4" else ((n, k), torch.int8)
+        weight = nn.Parameter(torch.empty(shape, dtype=wdtype, device=device),
+                              requires_grad=False)
+        weight.weight_loader = lambda p, t, s=None: self.load_weight(layer, p, t, s)
+        layer.weight = weight
+        names = ("weight_scale", "weight_min") if fmt == "q4" else ("weight_scale",)
+        for name in names:
+            p = nn.Parameter(torch.empty(n, k // group_size, dtype=scale_dtype, device=device),
+                             requires_grad=False)
+            p.derived = True  # filled by the weight's loader
+            setattr(layer, name, p)
+        layer.wq_format = fmt
+        layer.wq_group_size = group_size
+        layer.wq_path = "torch"
+
+    def load_weight(self, layer: nn.Module, param: nn.Parameter, loaded,
+                    shard_id: str | int | None = None) -> None:
+        """Turn one checkpoint tensor into the layer's layout (:meth:`pack`) and load each
+        packed tensor through the layer's own loader (fused parts, tensor-parallel shards:
+        every packed tensor is ``[rows, ...]`` along the weight's rows, and along K in
+        proportion, so the float layers' narrowing applies unchanged)."""
+        packed = self.pack(layer, loaded)
+        for name, t in packed.items():
+            layer.weight_loader(getattr(layer, name), t, shard_id)
+
+    def pack(self, layer: nn.Module, loaded) -> dict[str, torch.Tensor]:  # pragma: no cover
+        """``{parameter name: full packed tensor}`` for one checkpoint tensor."""
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module, device_type: str,
+                                      name: str = "") -> None:
+        """Pick the layer's matmul path (module docstring)."""
+        from engine import device as dev
+
+        if device_type == "cpu":
+            layer.wq_path = "cpu" if _cpu_kernels() else "torch"
+        elif dev.use_triton(device_type):
+            try:
+                import kernels.wq_triton  # noqa: F401
+                layer.wq_path = "triton"
+            except ImportError as e:
+                logger.warning("%s: low-bit weights through the torch reference (triton: %s)",
+                               name, e)
+                layer.wq_path = "torch"
+        else:
+            layer.wq_path = "torch"
+
+    def apply(self, layer: nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [..., K]`` -> ``[..., N]`` in x's dtype."""
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k)
+        n = layer.output_size
+        mins = getattr(layer, "weight_min", None)
+        args = (layer.weight, layer.weight_scale, mins)
+        if x2.shape[0] == 0:
+            y = x2.new_empty(0, n)
+        elif layer.wq_path == "cpu":
+            if x2.shape[0] <= CPU_KERNEL_MAX_M:
+                y = torch.ops.ferry_cpu.wq_linear(x2.contiguous(), *args)
+            else:
+                w = torch.ops.ferry_cpu.wq_dequant(*args, x2.dtype)
+                y = torch.nn.functional.linear(x2, w)
+        elif layer.wq_path == "triton":
+            from kernels.wq_triton import wq_linear
+
+            y = wq_linear(x2, layer.wq_format, *args)
+        else:
+            compute = torch.float32 if x.device.type == "cpu" else x.dtype
+            w = dequant(layer.wq_format, *args, dtype=compute)
+            y = torch.matmul(x2.to(compute), w.t())
+        y = y.to(x.dtype)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], n)
