@@ -4,6 +4,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/toke
 ``POST /v1/detokenize`` (also at ``/tokenize`` and ``/detokenize``, vLLM's paths),
 ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /server_info``,
 ``GET /metrics``, ``POST /flush_cache`` (empties the prefix cache; 400 while requests run),
+SGLang's routes its routers ask (``GET /get_server_info``, ``/model_info``,
+``/get_model_info``, ``/health_generate``, ``/get_load``: ``server/openai/native.py``),
 ``GET /openapi.json`` and ``GET /docs`` (``server/openapi/spec.py``). ``OPTIONS`` on a route
 answers 204 (CORS preflights included, ``server/http/cors.py``); every response carries
 ``X-Request-Id`` (``server/http/request_id.py``). Every handler is wrapped so an unexpected
@@ -33,6 +35,7 @@ from server.http.cors import FerryCORSMiddleware, OptionsMiddleware, cors_option
 from server.http.errors import APIError, http_error
 from server.http.request_id import STATE_KEY as REQUEST_ID_KEY
 from server.http.request_id import RequestIdMiddleware
+from server.openai import native, tokens
 from server.openai.serving import OpenAIServing
 from server.openapi.spec import ServerFacts, openapi_routes
 from server.responses.serving import ResponsesServing
@@ -42,6 +45,8 @@ logger = logging.getLogger("ferry.server")
 
 #: paths that stay open when --api-key is set (OPTIONS is answered before the key check)
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs"})
+#: seconds /health_generate waits for its one generated token (then 503)
+HEALTH_GENERATE_TIMEOUT_S = 20.0
 
 
 def endpoint(fn: Callable[[Request], Awaitable[Response]]):
@@ -154,11 +159,11 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
 
     @endpoint
     async def tokenize(request: Request) -> Response:
-        return await serving.tokenize(request)
+        return await tokens.tokenize(serving, request)
 
     @endpoint
     async def detokenize(request: Request) -> Response:
-        return await serving.detokenize(request)
+        return await tokens.detokenize(serving, request)
 
     @endpoint
     async def models(request: Request) -> Response:
@@ -181,10 +186,25 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
         return JSONResponse({"status": "ok"})
 
     @endpoint
+    async def health_generate(request: Request) -> Response:
+        await health(request)  # 503 when the engine is dead or the server stops
+        await native.generate_one_token(tm, HEALTH_GENERATE_TIMEOUT_S)
+        return JSONResponse({"status": "ok"})
+
+    @endpoint
+    async def model_info(request: Request) -> Response:
+        return JSONResponse(native.model_info(args, model_name))
+
+    @endpoint
+    async def get_load(request: Request) -> Response:
+        return JSONResponse(native.load_of(await tm.server_info()))
+
+    @endpoint
     async def server_info(request: Request) -> Response:
         info = msgspec.structs.asdict(await tm.server_info())
         info.pop("rid", None)  # the IPC message's id, nothing a client can use
         ready = tm.engine_ready
+        info.update(native.model_info(args, model_name), **native.router_facts(args, ready))
         info.update({
             "model": model_name, "device": ready.device, "dtype": ready.dtype,
             "kv_cache_dtype": ready.kv_cache_dtype,
@@ -240,6 +260,12 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
         Route("/v1/models/{model_id:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/server_info", server_info, methods=["GET"]),
+        # what SGLang's routers and their health checks ask (server/openai/native.py)
+        Route("/get_server_info", server_info, methods=["GET"]),
+        Route("/model_info", model_info, methods=["GET"]),
+        Route("/get_model_info", model_info, methods=["GET"]),
+        Route("/health_generate", health_generate, methods=["GET"]),
+        Route("/get_load", get_load, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["POST"]),
         *openapi_routes(model_name, lambda: ServerFacts(

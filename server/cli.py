@@ -88,6 +88,7 @@ Start ferry's OpenAI-compatible server. Routes (docs/usage.md#endpoints):
   POST /v1/tokenize, /v1/detokenize (also /tokenize, /detokenize)
   GET  /v1/models, /v1/models/{model_id}
   GET  /health, /server_info, /metrics
+  GET  /health_generate, /get_server_info, /model_info, /get_model_info, /get_load (SGLang's)
   POST /flush_cache
   GET  /openapi.json, /docs"""
 

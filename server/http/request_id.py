@@ -63,6 +63,21 @@ def request_id_of(request, prefix: str) -> str:
     return rid
 
 
+def adopt(request, rid: str, param: str) -> str:
+    """Make ``rid`` (a request id the body named: SGLang's ``rid``, vLLM's ``request_id``)
+    the id of ``request``, as ``X-Request-Id`` would; returns it.
+
+    Raises:
+        APIError: 400 naming ``param`` when an ``X-Request-Id`` header names another id.
+    """
+    state = request.scope.setdefault("state", {})
+    if state.get(_FROM_CLIENT) and state.get(STATE_KEY) != rid:
+        raise APIError(f"{param} and the {HEADER} header name different ids", 400, param,
+                       "invalid_request_id")
+    state[STATE_KEY] = rid
+    return rid
+
+
 class RequestIdMiddleware:
     """Pure ASGI middleware: reads ``X-Request-Id`` into ``scope["state"]["request_id"]``
     (a new ``req-…`` id without one; a route may replace it with its own, see

@@ -8,8 +8,9 @@ clients send ``"stream_options": null``).
 
 Every field of a generation request is one of three kinds (``check_unsupported``): implemented
 (a declared field, or a ``SamplingParams`` field), an accepted no-op (``ACCEPTED_NOOPS``,
-documented in docs/usage.md), or refused with a 400 naming it; an unknown field is refused
-too (as OpenAI does), so nothing a client sends is silently dropped.
+documented in docs/usage.md; SGLang's and vLLM's fields at their defaults,
+``server/openai/extensions.py``), or refused with a 400 naming it; an unknown field is
+refused too (as OpenAI does), so nothing a client sends is silently dropped.
 
 The base model, the tokenize/detokenize bodies and the error mapping live in
 ``server/openai/protocol_base.py`` (re-exported here).
@@ -41,6 +42,7 @@ from engine.sampling.params import (
     SamplingParams,
 )
 from server.http.errors import APIError, bad_request, not_supported
+from server.openai import extensions
 from server.openai.protocol_base import (  # noqa: F401 - re-exported
     MAX_DETOKENIZE_TOKENS,
     MAX_MESSAGES,
@@ -54,6 +56,7 @@ from server.openai.protocol_base import (  # noqa: F401 - re-exported
     from_validation_error,
     json_schema_of,
     max_n_of,
+    unrecognized,
 )
 from server.tools.structured import STRUCTURED_FIELDS, STRUCTURED_NOOPS, TOOL_REQUEST_FIELDS
 
@@ -323,16 +326,6 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "chat_template", "tools", "documents", "return_dict", "return_assistant_tokens_mask",
     "tokenizer_kwargs", "padding", "truncation", "max_length", "return_tensors"})
 
-#: fields of the peers (vLLM, SGLang) ferry refuses with a reason beyond "unknown"
-_REFUSED_WHY = {
-    "documents": "RAG documents are not passed to the chat template",
-    "chat_template": "the server's chat template is fixed",
-    "use_beam_search": "beam search", "length_penalty": "beam search",
-    "include_stop_str_in_output": "the text always ends before the stop string",
-    "no_stop_trim": "the text always ends before the stop string",
-}
-
-
 def _refuse(req: BaseModel, name: str, value: Any) -> APIError | None:
     """400 for an undeclared field ``name`` unless its value is harmless (None): the value
     ferry cannot honour, or a field it does not know at all."""
@@ -354,15 +347,11 @@ def _refuse(req: BaseModel, name: str, value: Any) -> APIError | None:
         return not_supported(name, "only on /v1/completions") if value else None
     if name in ("web_search_options", "response_schema"):
         return not_supported(name)
-    if name in ("use_beam_search", "include_stop_str_in_output", "no_stop_trim") and \
-            value is False:
-        return None  # the default, asked for explicitly
-    if name in _REFUSED_WHY:
-        return not_supported(name, _REFUSED_WHY[name])
-    # anything else is unknown to ferry: refused (OpenAI answers "Unrecognized request
-    # argument supplied"), never silently dropped
-    return APIError(f"unrecognized request field '{name}' (see docs/usage.md for the "
-                    "fields ferry accepts)", 400, name, "unrecognized_field")
+    if name in extensions.EXTENSION_FIELDS:  # SGLang's and vLLM's: no-ops at their defaults
+        return extensions.check_extension(name, value)
+    if name in ("rid", "request_id"):  # the request's id (extensions.body_request_id)
+        return None
+    return unrecognized(name)  # unknown to ferry: refused, never silently dropped
 
 
 def check_unsupported(req: _SamplingRequest) -> None:
@@ -379,6 +368,7 @@ def check_unsupported(req: _SamplingRequest) -> None:
         err = _refuse(req, name, value)
         if err is not None:
             raise err
+    extensions.body_request_id(req.model_extra or {})
     if req.stream_options is not None and not req.stream:
         # OpenAI and vLLM refuse it too; "stream_options": null is fine (dropped as absent)
         raise bad_request("stream_options is only allowed when stream is true",
@@ -391,16 +381,22 @@ def check_unsupported(req: _SamplingRequest) -> None:
     elif isinstance(req, ChatCompletionRequest):
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-        if req.continue_final_message and req.add_generation_prompt:
-            raise bad_request("continue_final_message needs add_generation_prompt: false",
-                              "continue_final_message")
-        if req.continue_final_message and req.messages[-1].role != "assistant":
-            raise bad_request("continue_final_message needs an assistant message last",
-                              "continue_final_message")
-        for key in req.chat_template_kwargs or {}:
-            if key in RESERVED_TEMPLATE_KWARGS:
-                raise bad_request(f"chat_template_kwargs may not set '{key}' (a field of its "
-                                  "own or fixed by the server)", f"chat_template_kwargs.{key}")
+        check_chat_prompt(req)
+
+
+def check_chat_prompt(req: ChatCompletionRequest | TokenizeRequest) -> None:
+    """The checks of a chat prompt's own fields (chat completions and ``/v1/tokenize`` with
+    ``messages``). Raises: APIError 400 naming the field."""
+    if req.continue_final_message and req.add_generation_prompt:
+        raise bad_request("continue_final_message needs add_generation_prompt: false",
+                          "continue_final_message")
+    if req.continue_final_message and req.messages[-1].role != "assistant":
+        raise bad_request("continue_final_message needs an assistant message last",
+                          "continue_final_message")
+    for key in req.chat_template_kwargs or {}:
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise bad_request(f"chat_template_kwargs may not set '{key}' (a field of its "
+                              "own or fixed by the server)", f"chat_template_kwargs.{key}")
 
 
 def parse_request(model: type[BaseModel], body: Any, max_n: int | None = None) -> Any:
@@ -416,6 +412,8 @@ def parse_request(model: type[BaseModel], body: Any, max_n: int | None = None) -
     """
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    if issubclass(model, _SamplingRequest):
+        body = extensions.apply_aliases(body)
     try:
         req = model.model_validate(body, context={"max_n": max_n})
     except ValidationError as exc:
@@ -429,6 +427,8 @@ def parse_request(model: type[BaseModel], body: Any, max_n: int | None = None) -
         raise bad_request("the request body could not be validated") from None
     if isinstance(req, _SamplingRequest):
         check_unsupported(req)
-    elif isinstance(req, TokenizeRequest):
+    elif isinstance(req, TokenizeRequest | DetokenizeRequest):
         req.check()
+        if isinstance(req, TokenizeRequest) and req.messages is not None:
+            check_chat_prompt(req)
     return req

@@ -70,6 +70,13 @@ def _param_of(loc: tuple) -> str | None:
     return out or None
 
 
+def unrecognized(name: str) -> APIError:
+    """The 400 of a field ferry does not know (OpenAI answers "Unrecognized request argument
+    supplied"): nothing a client sends is silently dropped."""
+    return APIError(f"unrecognized request field '{name}' (see docs/usage.md for the fields "
+                    "ferry accepts)", 400, name, "unrecognized_field")
+
+
 def from_validation_error(exc: ValidationError) -> APIError:
     """The first pydantic error as a 400 naming the field (``param``)."""
     errs = exc.errors(include_url=False)
@@ -109,12 +116,27 @@ class TokenizeRequest(_Base):
     add_generation_prompt: bool = True
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
+    # the chat prompt's fields, as on /v1/chat/completions (messages only); ``tools`` is
+    # read from the extra fields, as chat's tool plan reads it (server/tools/plan.py)
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check(self) -> None:
-        """Raises: APIError 400 (``param`` "prompt") unless exactly one input is given."""
+        """Raises: APIError 400 (``param`` "prompt") unless exactly one input is given; 400
+        naming a chat field sent with ``prompt``, or any field ferry does not know."""
+        for name in self.model_extra or {}:
+            if name != "tools":
+                raise unrecognized(name)
         if (self.prompt is None) == (self.messages is None):
             raise bad_request("send exactly one of 'prompt' (a string) or 'messages'",
                               "prompt")
+        if self.prompt is not None:
+            chat = {"tools": (self.model_extra or {}).get("tools"),
+                    "chat_template_kwargs": self.chat_template_kwargs,
+                    "continue_final_message": self.continue_final_message}
+            for name, value in chat.items():
+                if value:
+                    raise bad_request(f"{name} needs 'messages' (a chat prompt)", name)
 
 
 class DetokenizeRequest(_Base):
@@ -122,4 +144,9 @@ class DetokenizeRequest(_Base):
 
     model: str | None = None
     tokens: list[int] = Field(max_length=MAX_DETOKENIZE_TOKENS)
+
+    def check(self) -> None:
+        """Raises: APIError 400 naming a field ferry does not know."""
+        for name in self.model_extra or {}:
+            raise unrecognized(name)
 

@@ -1,5 +1,5 @@
-"""The generation endpoints (``/v1/completions``, ``/v1/chat/completions``) and the tokenizer
-endpoints (``/v1/tokenize``, ``/v1/detokenize``).
+"""The generation endpoints (``/v1/completions``, ``/v1/chat/completions``); the tokenizer
+endpoints are in ``server/openai/tokens.py``.
 
 Each generation handler validates the body, tokenizes (chat template for chat), fans ``n``
 and several prompts out into engine requests with rids ``{id}-{i}``, and answers either one
@@ -28,16 +28,15 @@ from engine.sampling.params import SamplingParams
 from engine.validation import RequestError, verify_sampling
 from server.http.errors import APIError, bad_request, http_error
 from server.http.request_id import request_id_of
-from server.openai.chat_messages import messages_for_template
+from server.openai.extensions import ROUTER_NO_MODEL, adopt_body_id
 from server.openai.formats import BaseFormat, CompletionFormat, LogprobOptions
 from server.openai.logprobs import TokenStrings
 from server.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
     parse_request,
 )
+from server.openai.tokens import chat_prompt
 from server.openai.tool_format import chat_format
 from server.tokenizer_manager import ReqOutput, TokenizerManager
 from server.tools import structured
@@ -46,11 +45,11 @@ from server.tools.plan import prepare_chat
 logger = logging.getLogger("ferry.server")
 
 DONE = "data: [DONE]\n\n"
+
 #: most prompt-token log-probabilities one response may carry: choices x prompt tokens x
 #: (k + 1) of ``prompt_logprobs``, plus the same of completions' ``echo`` with ``logprobs``
 #: (about 50 bytes of JSON each: 2**18 is some 13 MB, built on the event loop's thread)
 MAX_PROMPT_LOGPROBS = 1 << 18
-
 
 #: default seconds a client has to send the whole request body (headers already in); a
 #: client that stalls gets a 408 and the connection is closed (``--body-read-timeout``)
@@ -219,7 +218,8 @@ class OpenAIServing:
 
     # ---- shared checks ------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
-        if model is None or model in (self.model_name, self.args.model_path):
+        # sglang-router writes "unknown" into a body that names no model (its default)
+        if model in (None, ROUTER_NO_MODEL, self.model_name, self.args.model_path):
             return
         raise APIError(f"The model '{model}' does not exist (this server serves "
                        f"'{self.model_name}')", 404, "model", "model_not_found")
@@ -254,6 +254,7 @@ class OpenAIServing:
         raise bad_request(f"this request needs {total} generations ({what}); this server holds "
                           f"at most {limit} at once (running plus queued requests): {fix}",
                           "n" if n > 1 else "prompt")
+
     @staticmethod
     def check_prompt_logprobs(prompt_lens: list[int], n: int, per_token: int,
                               params: list[str]) -> None:
@@ -274,7 +275,6 @@ class OpenAIServing:
                 f"{' and '.join(params)}); the limit is {MAX_PROMPT_LOGPROBS} per request: "
                 "lower n or the number of alternatives, or send a shorter prompt",
                 params[0], "too_many_prompt_logprobs")
-
 
     @staticmethod
     def _fan_out(base: str, prompts: list[list[int]], n: int,
@@ -363,6 +363,7 @@ class OpenAIServing:
         t0 = time.monotonic()
         base = request_id_of(request, "cmpl")  # X-Request-Id, else a new id
         req: CompletionRequest = await self._parse(CompletionRequest, request)
+        base = adopt_body_id(request, req.model_extra, base)  # SGLang's rid, vLLM's request_id
         self.check_model(req.model)
         sp = await structured.constrain(req, sp=self._params(req, req.max_tokens))
         prompts = req.prompt if isinstance(req.prompt, list) else [req.prompt]
@@ -412,22 +413,20 @@ class OpenAIServing:
         t0 = time.monotonic()
         base = request_id_of(request, "chatcmpl")  # X-Request-Id, else a new id
         req: ChatCompletionRequest = await self._parse(ChatCompletionRequest, request)
+        base = adopt_body_id(request, req.model_extra, base)  # SGLang's rid, vLLM's request_id
         self.check_model(req.model)
         sp = self._params(req, req.requested_max_tokens)
         tools, sp = await prepare_chat(req, sp, getattr(self.tm.tokenizer, "chat_template", None),
                                        self.tm.tool_call_parser)  # constraint, tools
         self.check_fan_out(1, req.n)
-        ids = await self.tm.apply_chat_template(
-            messages_for_template(req.messages), req.add_generation_prompt,
-            bool(req.add_special_tokens), continue_final_message=req.continue_final_message,
-            template_kwargs=dict(req.chat_template_kwargs or {}, **tools.template_kwargs))
+        ids = await chat_prompt(self.tm, req, tools)
         mt_param = ("max_completion_tokens" if req.max_completion_tokens is not None
                     else "max_tokens" if req.max_tokens is not None else None)
+        self.tm.check_prompt(ids, sp.max_tokens, "messages", max_tokens_param=mt_param,
+                             min_tokens=sp.min_tokens)
         if req.prompt_logprobs is not None:
             self.check_prompt_logprobs([len(ids)], req.n, req.prompt_logprobs + 1,
                                        ["prompt_logprobs"])
-        self.tm.check_prompt(ids, sp.max_tokens, "messages", max_tokens_param=mt_param,
-                             min_tokens=sp.min_tokens)
         subs = self._fan_out(base, [ids], req.n, sp)
         lp = LogprobOptions(k=req.logprobs_k, as_ids=req.return_tokens_as_token_ids,
                             prompt_k=req.prompt_logprobs, prompt_ids=[ids] * req.n,
@@ -437,41 +436,3 @@ class OpenAIServing:
                           req.include_usage, req.continuous_usage, self.strings, lp, n=req.n)
         self._log_request(fmt, [m.model_dump(exclude_none=True) for m in req.messages], sp)
         return await self._answer(request, subs, req.stream, t0, fmt)
-
-    async def tokenize(self, request: Request) -> Response:
-        """``POST /v1/tokenize``: ``{"tokens", "count", "max_model_len"}`` (+ ``token_strs``).
-
-        Raises:
-            APIError: 400 for a bad body or a chat template that rejects the messages.
-        """
-        req: TokenizeRequest = await self._parse(TokenizeRequest, request)
-        self.check_model(req.model)
-        if req.messages is not None:
-            ids = await self.tm.apply_chat_template(
-                messages_for_template(req.messages), req.add_generation_prompt,
-                bool(req.add_special_tokens))
-        else:
-            add = True if req.add_special_tokens is None else req.add_special_tokens
-            ids = await self.tm.tokenize(req.prompt, add_special_tokens=add) if req.prompt \
-                else []
-        body = {"tokens": ids, "count": len(ids), "max_model_len": self.tm.max_context_len}
-        if req.return_token_strs:
-            tok = self.tm.need_tokenizer("return_token_strs")
-            body["token_strs"] = tok.convert_ids_to_tokens(ids)
-        return JSONResponse(body)
-
-    async def detokenize(self, request: Request) -> Response:
-        """``POST /v1/detokenize``: ``{"prompt": text}`` (special tokens kept, as vLLM).
-
-        Raises:
-            APIError: 400 for a bad body or a token id outside the vocabulary (``tokens``).
-        """
-        req: DetokenizeRequest = await self._parse(DetokenizeRequest, request)
-        self.check_model(req.model)
-        self.tm.need_tokenizer("tokens")
-        vocab = self.tm.vocab_size
-        for i, t in enumerate(req.tokens):
-            if t < 0 or (vocab and t >= vocab):
-                raise bad_request(f"tokens[{i}]: token id {t} is outside the vocabulary "
-                                  f"[0, {vocab})", "tokens")
-        return JSONResponse({"prompt": await self.tm.decode(req.tokens)})

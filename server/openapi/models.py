@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from server.tools.messages import MAX_TOOL_CALLS
 from server.tools.plan import MAX_TOOLS
@@ -235,6 +235,28 @@ class FlushCacheResponse(_Out):
     message: str
 
 
+class ModelInfo(_Out):
+    """SGLang's ``/model_info`` (server/openai/native.py)."""
+
+    model_path: str
+    tokenizer_path: str
+    served_model_name: str
+    is_generation: bool
+
+
+class LoadEntry(_Out):
+    """One data-parallel rank's load, in SGLang's ``/get_load`` shape."""
+
+    dp_rank: int
+    num_reqs: int = Field(ge=0, description="running plus waiting requests")
+    num_waiting_reqs: int = Field(ge=0)
+    num_tokens: int = Field(ge=0, description="KV tokens held by requests")
+
+
+class LoadList(RootModel[list[LoadEntry]]):
+    """``/get_load``: one entry per data-parallel rank (one per ferry server)."""
+
+
 class ServerInfo(_Out):
     """Engine and server figures (more keys than listed may appear)."""
 
@@ -348,6 +370,12 @@ class NoopFields(_Doc):
     prompt_cache_key: Any = Field(None, description="no effect (the prefix cache is "
                                   "automatic)")
     safety_identifier: Any = Field(None, description="no effect")
+
+
+class TokenizeFields(_Doc):
+    """``/v1/tokenize`` with ``messages``: the tools the chat template shows, as on chat."""
+
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
 
 
 class TextPart(_Doc):

@@ -28,6 +28,7 @@ from starlette.routing import Route
 
 from server.http.request_id import HEADER as REQUEST_ID
 from server.http.request_id import MAX_REQUEST_ID_LEN
+from server.openai import extensions
 from server.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -85,6 +86,17 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
                                   errors=(400, 503), auth=False),
     ("/server_info", "get"): Operation("Engine and server figures", response=om.ServerInfo,
                                        errors=(400, 401, 503)),
+    # SGLang's routes, for its routers and their health checks (server/openai/native.py)
+    ("/get_server_info", "get"): Operation("/server_info (SGLang's path)",
+                                           response=om.ServerInfo, errors=(400, 401, 503)),
+    ("/model_info", "get"): Operation("The model's path, tokenizer path and kind (SGLang's)",
+                                      response=om.ModelInfo),
+    ("/get_model_info", "get"): Operation("/model_info (SGLang's older path)",
+                                          response=om.ModelInfo),
+    ("/health_generate", "get"): Operation("200 once the engine generated a token, else 503",
+                                           response=om.HealthResponse, errors=(400, 401, 503)),
+    ("/get_load", "get"): Operation("Running and waiting requests (SGLang's shape)",
+                                    response=om.LoadList, errors=(400, 401, 503)),
     ("/metrics", "get"): Operation("Prometheus metrics", media="text/plain",
                                    errors=(400, 503), auth=False),
     ("/flush_cache", "post"): Operation("Empty the prefix cache (400 while requests run)",
@@ -101,6 +113,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
 OVERLAYS: dict[str, tuple[type[BaseModel], ...]] = {
     "CompletionRequest": (om.StructuredFields, om.NoopFields),
     "ChatCompletionRequest": (om.StructuredFields, om.ToolFields, om.NoopFields),
+    "TokenizeRequest": (om.TokenizeFields,),
     "ChatMessage": (om.ChatMessageDoc,),
 }
 _PATH_PARAM = re.compile(r"{(\w+)(?::\w+)?}")
@@ -162,6 +175,8 @@ def _component_schemas(facts: ServerFacts) -> dict:
             target["properties"].update(extra["properties"])
             target.update({k: v for k, v in extra.items() if k in ("anyOf", "oneOf")})
         target["additionalProperties"] = False
+    for name in ("CompletionRequest", "ChatCompletionRequest"):  # SGLang's and vLLM's
+        schemas[name]["properties"].update(extensions.json_schemas())
     for model in {m for ms in OVERLAYS.values() for m in ms}:
         del schemas[model.__name__]  # merged: no route refers to them
     _apply_facts(schemas, facts)

@@ -9,9 +9,10 @@ same structured-output and tool-calling code (``server/tools/structured.py``,
 ``server/tools/plan.py``). The answer is written by ``server/responses/events.py`` from the
 chat format's chunks: a ``response`` object, or typed SSE events.
 
-ferry is stateless: ``previous_response_id``, ``conversation``, ``background: true`` and an
-explicit ``store: true`` are 400s naming the field (an absent ``store`` is fine: nothing is
-stored, and the response says ``"store": false``).
+ferry is stateless: ``previous_response_id``, ``conversation`` and ``background: true`` are
+400s naming the field. ``store`` is accepted either way (``true`` is OpenAI's default, and
+sglang-router writes it into every body it forwards): nothing is stored, and the response
+says ``"store": false``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 
 from server.http.errors import APIError, bad_request, not_supported
 from server.http.request_id import request_id_of
-from server.openai.chat_messages import messages_for_template
+from server.openai import extensions
 from server.openai.formats import LogprobOptions
 from server.openai.protocol import (
     ENGINE_DERIVED,
@@ -44,6 +45,7 @@ from server.openai.serving import (
     read_json,
     run_until_disconnect,
 )
+from server.openai.tokens import chat_prompt
 from server.openai.tool_format import chat_format
 from server.responses.events import ResponseBuilder, sse_event
 from server.responses.input import (
@@ -114,11 +116,16 @@ class ResponsesRequest(_Base):
                 continue
             if name in STATEFUL:
                 raise not_supported(name, STATEFUL[name])
+            if name in extensions.EXTENSION_FIELDS:  # SGLang's and vLLM's, at their defaults
+                err = extensions.check_extension(name, value)
+                if err is not None:
+                    raise err
+                continue
+            if name in ("rid", "request_id"):  # the response's id (extensions.adopt_body_id)
+                extensions.body_request_id(self.model_extra)
+                continue
             raise APIError(f"unrecognized request field '{name}' (see docs/usage.md for the "
                            "fields /v1/responses accepts)", 400, name, "unrecognized_field")
-        if self.store:
-            raise not_supported("store", "responses are not stored (ferry is stateless); "
-                                "omit store or send false")
         if self.background:
             raise not_supported("background", "background responses")
         if self.truncation == "auto":
@@ -217,6 +224,7 @@ class ResponsesServing:
         rid = request_id_of(request, "resp")  # X-Request-Id, else a new id
         req = parse_responses_request(await read_json(request, args.max_request_bytes,
                                                       args.body_read_timeout))
+        rid = extensions.adopt_body_id(request, req.model_extra, rid)
         s.check_model(req.model)
         conv = to_chat(req)
         try:
@@ -225,9 +233,7 @@ class ResponsesServing:
             sp = s._params(chat, req.max_output_tokens)
             tools, sp = await prepare_chat(chat, sp, getattr(tm.tokenizer, "chat_template",
                                                              None), tm.tool_call_parser)
-            ids = await tm.apply_chat_template(
-                messages_for_template(chat.messages), True, False,
-                template_kwargs=tools.template_kwargs)
+            ids = await chat_prompt(tm, chat, tools)
             tm.check_prompt(ids, sp.max_tokens, "input", min_tokens=sp.min_tokens,
                             max_tokens_param="max_output_tokens"
                             if req.max_output_tokens is not None else None)

@@ -248,7 +248,7 @@ def test_tool_round_trip_equals_chat(url, client):
 def test_noops_change_nothing(url):
     body = {"model": MODEL, "input": Q, "max_output_tokens": 8, "temperature": 0}
     plain = post(url, "/v1/responses", body).json()
-    extra = {"store": False, "metadata": {"k": "v"}, "user": "u1", "reasoning": {"effort":
+    extra = {"store": True, "metadata": {"k": "v"}, "user": "u1", "reasoning": {"effort":
              "low"}, "truncation": "disabled", "include": ["reasoning.encrypted_content"],
              "service_tier": "auto", "safety_identifier": "s", "prompt_cache_key": "p",
              "parallel_tool_calls": True, "text": {"format": {"type": "text"},
@@ -261,7 +261,6 @@ def test_noops_change_nothing(url):
 
 
 @pytest.mark.parametrize("extra,param,code", [
-    ({"store": True}, "store", "unsupported_parameter"),
     ({"previous_response_id": "resp_1"}, "previous_response_id", "unsupported_parameter"),
     ({"conversation": "conv_1"}, "conversation", "unsupported_parameter"),
     ({"background": True}, "background", "unsupported_parameter"),
@@ -338,9 +337,9 @@ IMPLEMENTED = {"model": MODEL, "input": "hi", "instructions": "Be brief.",
                "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}
 NOOPS = {"metadata": {"k": "v"}, "user": "u", "safety_identifier": "s",
          "prompt_cache_key": "k", "prompt_cache_retention": "24h", "service_tier": "auto",
-         "reasoning": {"effort": "low"}, "store": False, "truncation": "disabled",
+         "reasoning": {"effort": "low"}, "store": True, "truncation": "disabled",
          "include": ["reasoning.encrypted_content"], "top_logprobs": 0, "background": False}
-REFUSED = {"store": True, "background": True, "truncation": "auto", "top_logprobs": 2,
+REFUSED = {"background": True, "truncation": "auto", "top_logprobs": 2,
            "include": ["message.output_text.logprobs"], "max_tool_calls": 3,
            "previous_response_id": "resp_1", "conversation": "conv_1",
            "prompt": {"id": "pmpt_1"}, "context_management": [{"type": "compaction"}],
