@@ -36,6 +36,11 @@ from engine.sampling.acceptance import verify_drafts
 from engine.speculative.proposer import Proposer
 
 #: the spec counters the worker adds to ``Scheduler.stats`` (/server_info, /metrics)
+#: a request whose drafts were all rejected this many verify steps in a row stops proposing
+#: for 2, 4, 8... steps (up to MAX_BACKOFF): below break-even a verify row costs more than
+#: it returns (non-copying text drafts from weak one-token matches)
+MISSES_BEFORE_BACKOFF = 2
+MAX_BACKOFF = 32
 SPEC_STAT_KEYS = ("spec_verify_steps", "spec_verify_reqs", "spec_proposed_tokens",
                   "spec_accepted_tokens", "spec_emitted_tokens")
 
@@ -93,6 +98,8 @@ class SpecWorker:
         self.runner = runner
         self.stats = stats
         self.reset_stats()
+        # rid -> [consecutive verify steps with nothing accepted, steps left without drafts]
+        self._misses: dict[str, list[int]] = {}
 
     def reset_stats(self) -> None:
         self.stats.update(dict.fromkeys(SPEC_STAT_KEYS, 0))
@@ -112,12 +119,19 @@ class SpecWorker:
         step emits at most drafts + 1 tokens), none under a grammar."""
         if getattr(req, "grammar", None) is not None:
             return 0
+        miss = self._misses.get(req.rid)
+        if miss is not None and miss[1] > 0:
+            miss[1] -= 1  # backing off: decode this step
+            return 0
         return max(0, min(self.k, req.max_new_tokens - len(req.output_ids) - 1,
                           self.runner.max_context_len - req.seq_len - 1))
 
     # ---- build --------------------------------------------------------------------------
     def build(self, running: list) -> VerifyBatch | None:
         """Propose and allocate; None (nothing allocated) when no request has a draft."""
+        live = {r.rid for r in running}
+        for rid in [rid for rid in self._misses if rid not in live]:
+            del self._misses[rid]
         ks = [self.budget(r) for r in running]
         drafts = self.proposer.propose_batch(
             [r.fill_ids if k else () for r, k in zip(running, ks)], ks)
@@ -215,9 +229,21 @@ class SpecWorker:
                 st["spec_accepted_tokens"] += a
                 st["spec_emitted_tokens"] += a + 1
                 lengths[a] += 1
+                self._track(req.rid, a)
             out.append((req, toks, logprobs))
             r0 += len(d) + 1
         return out
+
+
+    def _track(self, rid: str, accepted: int) -> None:
+        """Back off a request whose drafts keep failing (see ``MISSES_BEFORE_BACKOFF``)."""
+        if accepted:
+            self._misses.pop(rid, None)
+            return
+        miss = self._misses.setdefault(rid, [0, 0])
+        miss[0] += 1
+        if miss[0] >= MISSES_BEFORE_BACKOFF:
+            miss[1] = min(MAX_BACKOFF, 2 ** (miss[0] - MISSES_BEFORE_BACKOFF + 1))
 
 
 def mean_accept_length(stats: dict) -> float | None:

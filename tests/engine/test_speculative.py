@@ -412,3 +412,23 @@ def test_metrics_export_the_engine_spec_counters():
                  'ferry:spec_decode_accept_length_count{model_name="m"} 4.0',
                  'ferry:spec_decode_accept_length_sum{model_name="m"} 8.0']:
         assert line in text
+
+
+def test_a_request_whose_drafts_keep_failing_backs_off():
+    from engine.speculative.worker import MISSES_BEFORE_BACKOFF
+
+    runner = FakeRunner(max_total_tokens=200)
+    sched = Scheduler(ServerArgs(speculative_algorithm="NGRAM"), runner)
+    w = sched.spec
+    r = Req("a", [1, 2, 3], SamplingParams(max_tokens=100, temperature=0))
+    assert w.budget(r) == 4
+    for _ in range(MISSES_BEFORE_BACKOFF):
+        w._track("a", 0)
+    skipped = 0
+    while w.budget(r) == 0:
+        skipped += 1
+    assert skipped == 2
+    w._track("a", 0)
+    assert [w.budget(r) for _ in range(5)] == [0, 0, 0, 0, 4]
+    w._track("a", 2)  # an accepted draft resets it
+    assert w.budget(r) == 4

@@ -1,0 +1,126 @@
+"""Speculative decoding against plain decoding, in one process on one model (issue 26).
+
+``python -m bench.bench_speculative`` builds one engine with ``--speculative-algorithm``
+(NGRAM by default) and runs each workload twice on it: with the verify steps switched off
+(the scheduler's ``spec`` set aside: plain decode steps) and on. Greedy, so the outputs must
+be identical (checked). Workloads, as chat requests through the model's chat template:
+
+- ``copy``: copy-heavy requests (repeat a paragraph, rename a variable in a function, echo
+  a list), where the answer quotes the prompt;
+- ``other``: open requests (a story, an explanation), where it mostly does not.
+
+Batch 1 runs the requests one after another; batch N sends N at once (the workload's
+requests cycled). Output tok/s = generated tokens / wall time of the whole generate call
+(prefill included, the same for both modes). The mean accept length is tokens emitted per
+request and verify step (accepted drafts + 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+
+from bench.result_line import emit_result
+
+PARAGRAPH = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He "
+             "trimmed the wick, polished the great lens, and wrote the weather in his log: "
+             "wind from the west, seas moderate, two ships passing north before midnight.")
+FUNCTION = ("def summarize(records):\n    total = 0\n    count = 0\n    for rec in records:\n"
+            "        if rec.valid:\n            total += rec.amount\n            count += 1\n"
+            "    average = total / count if count else 0.0\n"
+            "    return {'total': total, 'count': count, 'average': average}\n")
+ITEMS = ("apples, bread, butter, carrots, cheddar cheese, eggs, flour, honey, lemons, milk, "
+         "oats, olive oil, onions, pasta, rice, salt, spinach, sugar, tomatoes, yoghurt")
+
+WORKLOADS = {
+    "copy": [
+        f"Repeat the following paragraph exactly, word for word:\n\n{PARAGRAPH}",
+        f"Rename the variable `total` to `amount_sum` in this function and show the whole "
+        f"function:\n\n```python\n{FUNCTION}```",
+        f"Echo this shopping list back to me, one item per line:\n\n{ITEMS}",
+    ],
+    "other": [
+        "Write a short story about a fox who learns to swim.",
+        "Explain how a refrigerator keeps food cold.",
+        "Give me three tips for learning a new language.",
+    ],
+}
+
+
+def _chat(tokenizer, text: str) -> list[int]:
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                           add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def _run(llm, prompts: list[list[int]], bs: int, sp) -> tuple[float, list[list[int]]]:
+    t0 = time.perf_counter()
+    if bs == 1:
+        outs = [llm.generate(p, sp)[0] for p in prompts]
+    else:
+        outs = llm.generate(prompts, sp)
+    return time.perf_counter() - t0, [o.token_ids for o in outs]
+
+
+def main(argv: list[str] | None = None) -> None:
+    from engine import LLM, SamplingParams
+    from engine.speculative.worker import mean_accept_length
+
+    p = argparse.ArgumentParser(prog="bench_speculative", description=__doc__.split("\n")[0])
+    p.add_argument("--model-path", default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--algorithm", default="NGRAM")
+    p.add_argument("--num-draft-tokens", type=int, default=None)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=1, help="runs per mode; the fastest counts")
+    p.add_argument("--result-jsonl", default=None)
+    ns = p.parse_args(argv)
+
+    llm = LLM(ns.model_path, device=ns.device, dtype=ns.dtype,
+              speculative_algorithm=ns.algorithm,
+              speculative_num_draft_tokens=ns.num_draft_tokens,
+              speculative_max_batch_size=max(ns.batch_sizes))
+    sched, worker = llm.scheduler, llm.scheduler.spec
+    sp = SamplingParams(max_tokens=ns.max_tokens, temperature=0)
+    # warm-up: both modes, a batch of each size (first calls pay allocator and kernel setup)
+    warm = [_chat(llm.tokenizer, t) for t in WORKLOADS["copy"]]
+    for spec, bs in itertools.product((None, worker), ns.batch_sizes):
+        sched.spec = spec
+        _run(llm, (warm * bs)[:max(bs, 2)], bs, SamplingParams(max_tokens=16, temperature=0))
+    for wl, bs in itertools.product(ns.workloads, ns.batch_sizes):
+        texts = WORKLOADS[wl]
+        prompts = [_chat(llm.tokenizer, t) for t in itertools.islice(
+            itertools.cycle(texts), max(bs, len(texts)))]
+        res: dict = {}
+        for mode in ("off", ns.algorithm):
+            sched.spec = None if mode == "off" else worker
+            best, ids = float("inf"), None
+            for _ in range(ns.repeats):
+                worker.reset_stats()
+                dt, got = _run(llm, prompts, bs, sp)
+                best = min(best, dt)
+                ids = ids or got
+                if got != ids:
+                    raise SystemExit(f"{wl} bs{bs} {mode}: outputs differ between repeats")
+            res[mode] = (best, ids, mean_accept_length(sched.stats))
+        (t_off, ids_off, _), (t_on, ids_on, acc_len) = res["off"], res[ns.algorithm]
+        if ids_on != ids_off:
+            raise SystemExit(f"{wl} bs{bs}: greedy outputs differ with {ns.algorithm}")
+        n_out = sum(len(x) for x in ids_off)
+        row = {"bench": "speculative", "algorithm": ns.algorithm, "workload": wl,
+               "batch_size": bs, "requests": len(prompts), "output_tokens": n_out,
+               "off_output_tok_s": n_out / t_off, "spec_output_tok_s": n_out / t_on,
+               "speedup": t_off / t_on, "mean_accept_length": acc_len,
+               "num_draft_tokens": worker.k}
+        emit_result(row, f"{wl:5s} bs{bs}: {n_out} output tokens; off {n_out / t_off:6.1f} "
+                         f"tok/s, {ns.algorithm} {n_out / t_on:6.1f} tok/s: {t_off / t_on:.2f}x "
+                         f"(mean accept length {acc_len or 0:.2f})", ns.result_jsonl)
+    sched.spec = worker
+
+
+if __name__ == "__main__":
+    main()
