@@ -13,6 +13,17 @@ A client can hold a connection in three places; each has a bound:
 
 With those, uvicorn's ``limit_concurrency`` (see ``uvicorn_limits``) cannot be filled by
 stalled sockets for longer than a timeout.
+
+A client may half-close its socket (``shutdown(SHUT_WR)``) once its request is sent: the
+end of its stream then means "no more requests", not "gone". uvicorn closed the connection
+on that EOF and dropped the answer; ``GuardedH11Protocol`` keeps a connection whose request
+is complete open for the response, then closes it. An EOF anywhere else (no request, or a
+body not yet complete) still ends the connection. A client that closed its socket entirely
+looks the same as a half-closed one until a write to it fails, so until the response starts
+the connection is probed every PROBE_INTERVAL_S with an interim ``100 Continue`` (HTTP/1.1
+clients must skip 1xx responses; every client library does for 100): a closed socket answers
+the first probe with a reset, the next write fails, and the request is aborted as before (a
+stream that has started finds out at its next chunks).
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ import contextlib
 import resource
 import socket
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 #: idle keep-alive connections are closed after this many seconds
@@ -31,6 +43,8 @@ KEEP_ALIVE_TIMEOUT_S = 5
 HTTP_HEADROOM = 256
 #: file descriptors kept free of HTTP connections (ZMQ sockets, logs, the model files)
 FD_RESERVE = 128
+#: seconds between the interim responses that probe a half-closed client (see above)
+PROBE_INTERVAL_S = 1.0
 
 
 def set_nodelay(transport) -> bool:
@@ -63,6 +77,9 @@ class GuardedH11Protocol(H11Protocol):
     """
 
     _header_timer: asyncio.TimerHandle | None = None
+    #: the client half-closed after a complete request: answer it, then close
+    _peer_eof = False
+    _probe: asyncio.TimerHandle | None = None
     #: seconds a connection may stay open without a request starting (no complete headers);
     #: ``uvicorn_limits`` makes a subclass with the server's ``--header-timeout``
     header_timeout_s: float = 10.0
@@ -85,11 +102,46 @@ class GuardedH11Protocol(H11Protocol):
         self._arm_header_timer()
 
     def on_response_complete(self) -> None:
+        self._stop_probe()
         super().on_response_complete()
+        if self._peer_eof and not self.transport.is_closing():
+            self.transport.close()  # the client sends nothing more: no keep-alive
         if not self.transport.is_closing():
             self._arm_header_timer()
 
+    def eof_received(self) -> bool | None:
+        """The client's end of stream: True (keep the connection open for writing) when a
+        whole request is in and its response not done; else None (asyncio closes it)."""
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete and not cycle.more_body \
+                and not cycle.disconnected:
+            self._peer_eof = True
+            self._probe = self.loop.call_later(PROBE_INTERVAL_S, self._probe_peer, cycle)
+            return True
+        return None
+
+    def _probe_peer(self, cycle) -> None:
+        """Write an interim 100 while ``cycle``'s response has not started (see the module
+        docstring); a client that is gone makes a later write fail, which ends the cycle."""
+        self._probe = None
+        if self.cycle is not cycle or cycle.response_started or cycle.disconnected \
+                or self.transport.is_closing():
+            return
+        try:
+            data = self.conn.send(h11.InformationalResponse(status_code=100, headers=[],
+                                                            reason=b"Continue"))
+        except h11.LocalProtocolError:
+            return
+        self.transport.write(data)
+        self._probe = self.loop.call_later(PROBE_INTERVAL_S, self._probe_peer, cycle)
+
+    def _stop_probe(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            self._probe = None
+
     def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_probe()
         if self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None

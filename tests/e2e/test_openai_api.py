@@ -461,3 +461,66 @@ def test_request_id_reused_right_after_a_disconnect(server):
         assert again.headers["x-request-id"] == f"retry-{i}"
         assert again.json()["choices"][0]["text"] == want
     assert _wait_kv_free(server, 60.0) < 60.0
+
+
+# ---- issue 34 kind 7: a half-closed client still gets its answer ------------------------
+
+def _raw_request(server, body: bytes, half_close: bool = True) -> bytes:
+    """Send one request on a raw socket, shut our writing side, read to EOF."""
+    import socket
+
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=HTTP_TIMEOUT_S)
+    try:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        if half_close:
+            s.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+        return data
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_half_closed_client_gets_its_answer(server, stream):
+    """A client that shuts its sending side after a complete request (shutdown(SHUT_WR))
+    got no answer: the EOF was taken for a disconnect. It is answered, then the connection
+    is closed (the client can send nothing more)."""
+    body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0,
+                       "stream": stream}).encode()
+    data = _raw_request(server, body)
+    # interim 100s probe a half-closed client while its answer is computed
+    while data.startswith(b"HTTP/1.1 100 Continue\r\n\r\n"):
+        data = data[len(b"HTTP/1.1 100 Continue\r\n\r\n"):]
+    assert data.startswith(b"HTTP/1.1 200 OK"), data[:200]
+    assert (b"data: [DONE]" in data) if stream else b'"finish_reason":"length"' in data
+
+
+def test_half_closed_client_is_probed_and_a_long_answer_arrives(server):
+    """A request that takes several seconds: the half-closed client gets interim 100s, then
+    its whole answer (a closed client would have made a probe fail and the request abort:
+    test_non_stream_disconnect_frees_kv)."""
+    body = json.dumps({"model": MODEL, "prompt": "Count: one, two,", "max_tokens": 120,
+                       "ignore_eos": True, "temperature": 0}).encode()
+    data = _raw_request(server, body)
+    while data.startswith(b"HTTP/1.1 100 Continue\r\n\r\n"):
+        data = data[len(b"HTTP/1.1 100 Continue\r\n\r\n"):]
+    assert data.startswith(b"HTTP/1.1 200 OK"), data[:200]
+    assert b'"completion_tokens":120' in data
+
+
+def test_eof_before_the_body_is_complete_is_a_disconnect(server):
+    """An EOF inside the body (or before any request) still ends the connection with no
+    answer, and nothing reaches the engine."""
+    body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 4}).encode()
+    import socket
+
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=HTTP_TIMEOUT_S)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+              b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:5])
+    s.shutdown(socket.SHUT_WR)
+    assert s.recv(65536) == b""
+    s.close()
+    assert _wait_kv_free(server, 30.0) < 30.0
