@@ -97,6 +97,8 @@ def pack_cpu_weights(model: nn.Module) -> int:
             mod.weight = pack_linear_weight(mod.weight)
             n += 1
     head = getattr(model, "lm_head", None)
+    if getattr(model, "lm_head_quant", None) is not None:
+        head = None  # the logits read the head's GGUF blocks
     if isinstance(head, VocabEmbedding) and head.weight.dtype in (torch.float32, torch.bfloat16):
         packed = pack_linear_weight(head.weight)
         if head is getattr(getattr(model, "model", None), "embed_tokens", None):

@@ -372,6 +372,9 @@ def load_model(model_path: str | None = None, load_format: str = "auto",
         else:
             total, it = iter_gguf(source.gguf_file, config, model.hf_weight_names(),
                                   keep_blocks=keep_blocks)
+        head_blocks: list = []
+        if keep_blocks:
+            it = _capture_head(it, model, head_blocks)
         bar = tqdm(it, total=total, desc=f"loading {fmt}", disable=not progress or None)
         with torch.no_grad():
             loaded = model.load_weights(bar)
@@ -379,6 +382,8 @@ def load_model(model_path: str | None = None, load_format: str = "auto",
         if missing:
             raise ValueError(f"the checkpoint lacks {len(missing)} weights: "
                              f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        if head_blocks:
+            model.lm_head_quant = _quantized_head(head_blocks[0], quant, run_dtype, dev)
     if quant is not None:
         process_weights_after_loading(model, dev.type)
     devmod.synchronize(dev.type)
@@ -387,6 +392,39 @@ def load_model(model_path: str | None = None, load_format: str = "auto",
                 str(run_dtype).removeprefix("torch."), dev, time.perf_counter() - t0,
                 nbytes / 1e9)
     return model, config
+
+
+def _capture_head(it, model, out: list):
+    """Pass ``it`` through, keeping the LM head's GGUF blocks (the embedding table's when
+    tied) in ``out`` when tensor parallelism is off."""
+    from engine.distributed import get_tp
+    from engine.layers.quantization.gguf import BLOCK_TYPES, GgufBlocks
+
+    name = ("model.embed_tokens.weight" if getattr(model, "tie_word_embeddings", False)
+            else "lm_head.weight")
+    for hf_name, t in it:
+        if hf_name == name and isinstance(t, GgufBlocks) and t.ggml_type in BLOCK_TYPES:
+            if get_tp().size == 1:
+                out.append(t)
+        yield hf_name, t
+
+
+def _quantized_head(blocks, quant, dtype: torch.dtype, device: torch.device):
+    """The LM head as a linear layer over its own GGUF blocks (the logits read the embedding
+    table's Q8_0 bytes, 1.06 a weight, instead of 4 in fp32); the embedding lookup keeps
+    the dequantized table. ``model.compute_logits`` uses it."""
+    from engine.layers.linear import ReplicatedLinear
+    from engine.layers.quantization.gguf import BLOCK, BLOCK_TYPES
+
+    vocab, hidden = blocks.shape
+    with torch.device(device), quantization_scope(quant):
+        head = ReplicatedLinear(hidden, vocab, bias=False, dtype=dtype, tp_size=1, tp_rank=0)
+    head.quant_method.set_format(head, BLOCK_TYPES[blocks.ggml_type][2], BLOCK, torch.float16)
+    with torch.no_grad():
+        head.weight.weight_loader(head.weight, blocks)
+    logger.info("GGUF: the LM head reads its %s blocks (%.1f MB)", blocks.type_name,
+                sum(p.numel() * p.element_size() for p in head.parameters()) / 1e6)
+    return head
 
 
 def keeps_gguf_blocks(quantization: str | None, gguf_dequantize: bool, device_type: str

@@ -110,6 +110,11 @@ class CausalLM(nn.Module, ABC):
                        logits_indices: torch.Tensor | None) -> torch.Tensor:
         """Final hidden states [T, hidden] -> float32 logits of rows ``logits_indices``
         ([B] int64; None: all T rows)."""
+        quant = getattr(self, "lm_head_quant", None)  # a GGUF head kept in its blocks
+        if quant is not None:  # (tensor parallelism off: no gather)
+            if logits_indices is not None:
+                hidden = hidden.index_select(0, logits_indices)
+            return quant(hidden).float()
         packed = getattr(self, "lm_head_packed", None)  # CPU: prepacked copy of a tied head
         return compute_logits(hidden, self.lm_head_weight if packed is None else packed,
                               logits_indices,

@@ -1,0 +1,115 @@
+"""Weight-only q4/q8 kernels (GGUF blocks, AWQ/GPTQ groups) against the torch reference
+(:func:`kernels.quant_ref.wq_matmul_ref`, computed again in float64 here): ferry's C++ CPU
+kernels (``wq_linear``, ``wq_dequant``) and the Triton GEMM (in the interpreter on the CPU).
+
+Shapes: M from 1 to 64, K a multiple of 32 but not of 64, 128 or 256 (96, 160, 608), odd N,
+group sizes 32 and 128, fp16 and fp32 scales.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from kernel_test_utils import DEVICE
+
+from kernels.quant_ref import dequant, pack_q4, unpack_q4, wq_matmul_ref
+
+NO_COMPILER = shutil.which("g++") is None and shutil.which("c++") is None
+needs_cpu_kernels = pytest.mark.skipif(
+    NO_COMPILER or os.environ.get("FERRY_CPU_KERNELS") == "0",
+    reason="no C++ compiler (or FERRY_CPU_KERNELS=0)")
+
+
+def _weights(fmt, n, k, group, sdtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    scales = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).to(sdtype)
+    if fmt == "q4":
+        q = torch.randint(0, 16, (n, k), generator=g)
+        mins = (torch.randn(n, k // group, generator=g) * 0.05).to(sdtype)
+        return pack_q4(q), scales, mins
+    return torch.randint(-128, 128, (n, k), generator=g).to(torch.int8), scales, None
+
+
+def _ref64(x, fmt, qw, s, m):
+    return (x.double() @ dequant(fmt, qw, s, m).double().t())
+
+
+def test_pack_q4_hand_example():
+    """One 32-weight chunk: byte j holds weight j (low nibble) and weight j + 16 (high)."""
+    q = torch.arange(32).remainder(16).view(1, 32)       # 0..15, 0..15
+    q[0, 16:] = 15 - q[0, 16:]                            # second half 15..0
+    packed = pack_q4(q)
+    assert packed.shape == (1, 16)
+    assert packed[0, 0].item() == 0xF0 and packed[0, 1].item() == 0xE1
+    assert packed[0, 15].item() == 0x0F
+    assert torch.equal(unpack_q4(packed), q.to(torch.uint8))
+    s, m = torch.tensor([[0.5]]), torch.tensor([[-1.0]])
+    assert torch.equal(dequant("q4", packed, s, m)[0, :3], torch.tensor([-1.0, -0.5, 0.0]))
+
+
+CASES = [(1, 7, 96, 32), (2, 33, 160, 32), (3, 17, 256, 128), (8, 9, 608, 32),
+         (16, 31, 384, 128), (17, 5, 96, 32), (64, 13, 160, 32)]
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("sdtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k,group", CASES)
+def test_cpu_kernels_match_reference(fmt, sdtype, xdtype, m, n, k, group):
+    from kernels import cpu_ops
+
+    assert cpu_ops.load()
+    qw, s, mins = _weights(fmt, n, k, group, sdtype, seed=m * 1000 + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(xdtype)
+    ref = _ref64(x, fmt, qw, s, mins)
+    y = torch.ops.ferry_cpu.wq_linear(x, qw, s, mins)
+    assert y.dtype == xdtype and y.shape == (m, n)
+    # fp32: only the order of the fp32 sums differs; bf16: one rounding of the output
+    tol = 1e-5 if xdtype == torch.float32 else 8e-3
+    assert (y.double() - ref).abs().max() <= tol * ref.abs().max()
+    assert torch.allclose(wq_matmul_ref(x, fmt, qw, s, mins).double(), ref, rtol=0,
+                          atol=1e-5 * ref.abs().max().item())
+    w = torch.ops.ferry_cpu.wq_dequant(qw, s, mins, xdtype)
+    if sdtype == torch.float16 or xdtype == torch.bfloat16:
+        # an fp16 scale times a 4/8-bit integer plus an fp16 min is exact in fp32
+        assert torch.equal(w, dequant(fmt, qw, s, mins, xdtype))
+    else:  # fp32 scales: the C++ may fuse scale * q + min into one FMA (one rounding less)
+        assert torch.allclose(w, dequant(fmt, qw, s, mins, xdtype), rtol=1e-6, atol=1e-7)
+
+
+@needs_cpu_kernels
+def test_cpu_kernel_refuses_bad_layouts():
+    from kernels import cpu_ops
+
+    assert cpu_ops.load()
+    qw, s, mins = _weights("q4", 4, 64, 32, torch.float16, 0)
+    x = torch.randn(1, 64)
+    with pytest.raises(RuntimeError, match="mins"):
+        torch.ops.ferry_cpu.wq_linear(x, qw, s, None)
+    with pytest.raises(RuntimeError, match="x must be"):
+        torch.ops.ferry_cpu.wq_linear(torch.randn(1, 32), qw, s, mins)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.ferry_cpu.wq_linear(x, qw, s.repeat(1, 2)[:, :4], mins.repeat(1, 2)[:, :4])
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,n,k,group", [(1, 7, 96, 32), (5, 33, 160, 32), (16, 17, 256, 128),
+                                         (33, 9, 608, 32), (64, 65, 384, 128)])
+def test_triton_matches_reference(fmt, xdtype, m, n, k, group):
+    pytest.importorskip("triton")
+    from kernels.wq_triton import wq_linear
+
+    qw, s, mins = _weights(fmt, n, k, group, torch.float16, seed=m + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(xdtype)
+    ref = _ref64(x.float(), fmt, qw, s, mins)
+    y = wq_linear(x.to(DEVICE), fmt, qw.to(DEVICE), s.to(DEVICE),
+                  None if mins is None else mins.to(DEVICE))
+    assert y.dtype == xdtype and y.shape == (m, n)
+    # fp16: the dequantized weights are rounded to fp16 before tl.dot, and the output
+    tol = 1e-5 if xdtype == torch.float32 else 4e-3
+    assert (y.cpu().double() - ref).abs().max() <= tol * ref.abs().max()
