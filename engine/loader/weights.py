@@ -77,7 +77,7 @@ def hash_uniform(numel: int, key: int, device: torch.device, chunk: int = 1 << 2
     weights in seconds (a CPU generator takes minutes). The hash is the sampler's lowbias32
     (engine/sampling.py), keyed like its seeds; indices must stay below 2**32.
     """
-    from engine.sampling.sampler import _mix32, seed_keys
+    from engine.sampling.noise import _mix32, seed_keys
 
     if numel >= 1 << 32:
         raise ValueError("hash_uniform supports up to 2**32 values per tensor")

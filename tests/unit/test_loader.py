@@ -361,7 +361,7 @@ def test_model_source_is_plain_data():
 
 def test_hash_uniform_matches_a_plain_python_hash():
     """Dummy weights are a pure function of (key, index): check a few against plain ints."""
-    from engine.sampling.sampler import _mix32, seed_keys
+    from engine.sampling.noise import _mix32, seed_keys
 
     key = 123456789
     u = loader.hash_uniform(5000, key, torch.device("cpu"), chunk=777)

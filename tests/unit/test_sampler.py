@@ -15,15 +15,13 @@ import pytest
 import torch
 
 from engine.device import resolve_device
+from engine.sampling.noise import _mix32, seed_keys, seeded_gumbel
 from engine.sampling.params import SamplingParams as SP
 from engine.sampling.sampler import (
     SamplingBatchInfo,
-    _mix32,
     apply_cuts,
     apply_logits_processors,
     sample,
-    seed_keys,
-    seeded_gumbel,
 )
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
