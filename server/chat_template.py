@@ -1,4 +1,6 @@
-"""The tools fallback for chat templates that ignore ``tools``.
+"""Chat templates: ``ChatTokenizer`` (tokenize, decode, render a conversation; the
+tokenizer side of ``TokenizerManager``) and the tools fallback for templates that ignore
+``tools``.
 
 transformers passes a request's ``tools`` to the chat template, and the template decides how
 the model sees them. Some templates never look at them: the embedded SmolLM2-135M-Instruct's
@@ -19,8 +21,14 @@ template once, at start-up, by rendering a conversation with a probe tool; for t
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from typing import Any
+
+from server.http.errors import bad_request
+
+logger = logging.getLogger("ferry.server")
 
 #: the tool the start-up probe renders (its name must appear in a template's output that
 #: shows tools)
@@ -114,3 +122,87 @@ def with_tools_rendered(messages: list[dict], tools: list[dict] | None) -> list[
         else:
             out.insert(0, {"role": "system", "content": block})
     return out
+
+
+class ChatTokenizer:
+    """The tokenizer side of :class:`server.tokenizer_manager.TokenizerManager`: tokenize,
+    decode and render chat templates (with the tools fallback). Expects ``self.args``
+    (``ServerArgs``), ``self.tokenizer`` and ``self.tools_fallback`` on the instance."""
+
+    tokenizer: Any = None
+    tools_fallback: bool = False
+
+    def set_tokenizer(self, tokenizer) -> None:
+        """Use ``tokenizer`` (None: token-id prompts only) and probe its chat template: one
+        that ignores ``tools`` gets the tools fallback (logged once)."""
+        self.tokenizer = tokenizer
+        self.tools_fallback = template_ignores_tools(tokenizer)
+        if self.tools_fallback:
+            logger.info("the chat template ignores tools: they are written into the system "
+                        "message in the hermes format (<tool_call> JSON), parsed with "
+                        "--tool-call-parser %s (docs/usage.md#the-tools-fallback)",
+                        self.tool_call_parser)
+
+    @property
+    def tool_call_parser(self) -> str:
+        """``--tool-call-parser``, with ``auto`` meaning ``hermes`` under the tools fallback
+        (the format it shows the model)."""
+        arg = self.args.tool_call_parser
+        return "hermes" if self.tools_fallback and arg == "auto" else arg
+
+    def need_tokenizer(self, param: str = "prompt"):
+        """The tokenizer. Raises: APIError 400 naming ``param`` when the server has none."""
+        if self.tokenizer is None:
+            hint = "; send token ids as the prompt" if param == "prompt" else ""
+            raise bad_request(f"this server has no tokenizer{hint}", param)
+        return self.tokenizer
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (tokenized in a worker thread)."""
+        tok = self.need_tokenizer()
+        return await asyncio.to_thread(tok.encode, text, add_special_tokens=add_special_tokens)
+
+    async def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """Text of ``ids`` (decoded in a worker thread); "" when there is no tokenizer."""
+        if self.tokenizer is None:
+            return ""
+        return await asyncio.to_thread(self.tokenizer.decode, ids,
+                                       skip_special_tokens=skip_special_tokens,
+                                       clean_up_tokenization_spaces=False)
+
+    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                                  add_special_tokens: bool = False, *,
+                                  continue_final_message: bool = False,
+                                  template_kwargs: dict | None = None) -> list[int]:
+        """Render ``messages`` with the tokenizer's chat template and tokenize.
+
+        Args:
+            messages: ``{"role", "content"}`` dicts.
+            add_generation_prompt: end with the assistant turn's header.
+            add_special_tokens: let the tokenizer add its BOS etc. on top of the template
+                (False: the template already writes them).
+            continue_final_message: end the prompt inside the last message, without its
+                end-of-turn tokens, so the reply continues it (assistant prefill).
+            template_kwargs: extra template variables (``chat_template_kwargs``; the
+                request model refuses keys of ``apply_chat_template`` itself), and ``tools``
+                (rendered into the messages under ``tools_fallback``).
+        Raises:
+            APIError: 400 if the template rejects the conversation or there is none.
+        """
+        tok = self.need_tokenizer()
+        extra = dict(template_kwargs or {})
+        if self.tools_fallback:  # the template would drop them: they go into the messages
+            messages = with_tools_rendered(messages, extra.pop("tools", None))
+
+        def render() -> str:
+            return tok.apply_chat_template(messages, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message,
+                                           **extra)
+
+        try:
+            text = await asyncio.to_thread(render)
+        except Exception as exc:  # noqa: BLE001 - jinja's raise_exception, or no template
+            raise bad_request(f"the chat template rejected the messages: {exc}",
+                              "messages") from None
+        return await self.tokenize(text, add_special_tokens=add_special_tokens)

@@ -25,7 +25,7 @@ from engine import io_struct as io
 from engine.ipc import SERVER_IN, AsyncPullSocket, IpcPaths, PushSocket
 from engine.sampling.params import SamplingParams
 from engine.validation import RequestError, validate_request
-from server.chat_template import template_ignores_tools, with_tools_rendered
+from server.chat_template import ChatTokenizer
 from server.http.errors import APIError, bad_request, unavailable
 from server.metrics import Metrics, format_request_log
 
@@ -74,7 +74,7 @@ class _ReqState:
     itl: list[float] = field(default_factory=list)
 
 
-class TokenizerManager:
+class TokenizerManager(ChatTokenizer):
     """Tokenize, send to the engine, and route outputs back per rid.
 
     Args:
@@ -236,81 +236,6 @@ class TokenizerManager:
                                                  ttft, e2e, reason))
 
     # ---- tokenization and checks --------------------------------------------------------
-    def set_tokenizer(self, tokenizer) -> None:
-        """Use ``tokenizer`` (None: token-id prompts only) and probe its chat template: one
-        that ignores ``tools`` gets the tools fallback (logged once)."""
-        self.tokenizer = tokenizer
-        self.tools_fallback = template_ignores_tools(tokenizer)
-        if self.tools_fallback:
-            logger.info("the chat template ignores tools: they are written into the system "
-                        "message in the hermes format (<tool_call> JSON), parsed with "
-                        "--tool-call-parser %s (docs/usage.md#the-tools-fallback)",
-                        self.tool_call_parser)
-
-    @property
-    def tool_call_parser(self) -> str:
-        """``--tool-call-parser``, with ``auto`` meaning ``hermes`` under the tools fallback
-        (the format it shows the model)."""
-        arg = self.args.tool_call_parser
-        return "hermes" if self.tools_fallback and arg == "auto" else arg
-
-    def need_tokenizer(self, param: str = "prompt"):
-        """The tokenizer. Raises: APIError 400 naming ``param`` when the server has none."""
-        if self.tokenizer is None:
-            hint = "; send token ids as the prompt" if param == "prompt" else ""
-            raise bad_request(f"this server has no tokenizer{hint}", param)
-        return self.tokenizer
-
-    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text`` (tokenized in a worker thread)."""
-        tok = self.need_tokenizer()
-        return await asyncio.to_thread(tok.encode, text, add_special_tokens=add_special_tokens)
-
-    async def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        """Text of ``ids`` (decoded in a worker thread); "" when there is no tokenizer."""
-        if self.tokenizer is None:
-            return ""
-        return await asyncio.to_thread(self.tokenizer.decode, ids,
-                                       skip_special_tokens=skip_special_tokens,
-                                       clean_up_tokenization_spaces=False)
-
-    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                                  add_special_tokens: bool = False, *,
-                                  continue_final_message: bool = False,
-                                  template_kwargs: dict | None = None) -> list[int]:
-        """Render ``messages`` with the tokenizer's chat template and tokenize.
-
-        Args:
-            messages: ``{"role", "content"}`` dicts.
-            add_generation_prompt: end with the assistant turn's header.
-            add_special_tokens: let the tokenizer add its BOS etc. on top of the template
-                (False: the template already writes them).
-            continue_final_message: end the prompt inside the last message, without its
-                end-of-turn tokens, so the reply continues it (assistant prefill).
-            template_kwargs: extra template variables (``chat_template_kwargs``; the
-                request model refuses keys of ``apply_chat_template`` itself), and ``tools``
-                (rendered into the messages under ``tools_fallback``).
-        Raises:
-            APIError: 400 if the template rejects the conversation or there is none.
-        """
-        tok = self.need_tokenizer()
-        extra = dict(template_kwargs or {})
-        if self.tools_fallback:  # the template would drop them: they go into the messages
-            messages = with_tools_rendered(messages, extra.pop("tools", None))
-
-        def render() -> str:
-            return tok.apply_chat_template(messages, tokenize=False,
-                                           add_generation_prompt=add_generation_prompt,
-                                           continue_final_message=continue_final_message,
-                                           **extra)
-
-        try:
-            text = await asyncio.to_thread(render)
-        except Exception as exc:  # noqa: BLE001 - jinja's raise_exception, or no template
-            raise bad_request(f"the chat template rejected the messages: {exc}",
-                              "messages") from None
-        return await self.tokenize(text, add_special_tokens=add_special_tokens)
-
     def check_prompt(self, input_ids: list[int], max_tokens: int | None, param: str, *,
                      max_tokens_param: str | None = None, min_tokens: int = 0) -> None:
         """Validate a tokenized prompt against the engine's limits
