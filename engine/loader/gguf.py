@@ -7,9 +7,12 @@ permutation that llama.cpp's converter applies is undone by transformers' GGUF p
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
                  10: "<Q", 11: "<q", 12: "<d"}
@@ -204,3 +207,55 @@ def _permute_rows(processor, raw, name: str, name_map: dict, parsed: dict):
         raise ValueError(f"GGUF tensor {name}: transformers' processor changes more than the "
                          "order of its rows; load it with --gguf-dequantize")
     return raw if np.array_equal(perm, idx.reshape(-1)) else raw[perm]
+
+
+def capture_head_blocks(it, model, out: list):
+    """Pass ``it`` through, keeping the LM head's GGUF blocks (the embedding table's when
+    tied) in ``out`` when tensor parallelism is off."""
+    from engine.distributed import get_tp
+    from engine.layers.quantization.gguf import BLOCK_TYPES, GgufBlocks
+
+    name = ("model.embed_tokens.weight" if getattr(model, "tie_word_embeddings", False)
+            else "lm_head.weight")
+    for hf_name, t in it:
+        if hf_name == name and isinstance(t, GgufBlocks) and t.ggml_type in BLOCK_TYPES:
+            if get_tp().size == 1:
+                out.append(t)
+        yield hf_name, t
+
+
+def quantized_head(blocks, quant, dtype: torch.dtype, device: torch.device):
+    """The LM head as a linear layer over its own GGUF blocks (the logits read the embedding
+    table's Q8_0 bytes, 1.06 a weight, instead of 4 in fp32); the embedding lookup keeps
+    the dequantized table. ``model.compute_logits`` uses it."""
+    from engine.layers.linear import ReplicatedLinear
+    from engine.layers.quantization.gguf import BLOCK, BLOCK_TYPES
+
+    vocab, hidden = blocks.shape
+    from engine.layers.quantization import quantization_scope
+
+    with torch.device(device), quantization_scope(quant):
+        head = ReplicatedLinear(hidden, vocab, bias=False, dtype=dtype, tp_size=1, tp_rank=0)
+    head.quant_method.set_format(head, BLOCK_TYPES[blocks.ggml_type][2], BLOCK, torch.float16)
+    with torch.no_grad():
+        head.weight.weight_loader(head.weight, blocks)
+    logger.info("GGUF: the LM head reads its %s blocks (%.1f MB)", blocks.type_name,
+                sum(p.numel() * p.element_size() for p in head.parameters()) / 1e6)
+    return head
+
+
+def keeps_gguf_blocks(quantization: str | None, gguf_dequantize: bool, device_type: str
+                      ) -> bool:
+    """Whether a GGUF file's Q4_0/Q4_1/Q8_0 linear weights stay in their blocks: on the CPU
+    by default, on any device with ``--quantization gguf``; never with
+    ``--gguf-dequantize`` or ``--quantization fp8`` (which quantizes dequantized weights).
+
+    Raises:
+        ValueError: ``--quantization gguf`` with ``--gguf-dequantize``.
+    """
+    if quantization == "gguf" and gguf_dequantize:
+        raise ValueError("--quantization gguf keeps GGUF blocks; --gguf-dequantize drops them: "
+                         "choose one")
+    if gguf_dequantize or quantization == "fp8":
+        return False
+    return quantization == "gguf" or device_type == "cpu"

@@ -54,7 +54,14 @@ from engine.layers.quantization import (
     quantization_scope,
 )
 from engine.layers.quantization.gguf import GgufConfig, plan_layers
-from engine.loader.gguf import check_gguf_supported, gguf_tensor_types, iter_gguf
+from engine.loader.gguf import (
+    capture_head_blocks,
+    check_gguf_supported,
+    gguf_tensor_types,
+    iter_gguf,
+    keeps_gguf_blocks,
+    quantized_head,
+)
 from engine.loader.weights import (  # noqa: F401 - re-exported
     DUMMY_STD,
     LazyTensor,
@@ -374,7 +381,7 @@ def load_model(model_path: str | None = None, load_format: str = "auto",
                                   keep_blocks=keep_blocks)
         head_blocks: list = []
         if keep_blocks:
-            it = _capture_head(it, model, head_blocks)
+            it = capture_head_blocks(it, model, head_blocks)
         bar = tqdm(it, total=total, desc=f"loading {fmt}", disable=not progress or None)
         with torch.no_grad():
             loaded = model.load_weights(bar)
@@ -383,7 +390,7 @@ def load_model(model_path: str | None = None, load_format: str = "auto",
             raise ValueError(f"the checkpoint lacks {len(missing)} weights: "
                              f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
         if head_blocks:
-            model.lm_head_quant = _quantized_head(head_blocks[0], quant, run_dtype, dev)
+            model.lm_head_quant = quantized_head(head_blocks[0], quant, run_dtype, dev)
     if quant is not None:
         process_weights_after_loading(model, dev.type)
     devmod.synchronize(dev.type)
@@ -392,56 +399,6 @@ def load_model(model_path: str | None = None, load_format: str = "auto",
                 str(run_dtype).removeprefix("torch."), dev, time.perf_counter() - t0,
                 nbytes / 1e9)
     return model, config
-
-
-def _capture_head(it, model, out: list):
-    """Pass ``it`` through, keeping the LM head's GGUF blocks (the embedding table's when
-    tied) in ``out`` when tensor parallelism is off."""
-    from engine.distributed import get_tp
-    from engine.layers.quantization.gguf import BLOCK_TYPES, GgufBlocks
-
-    name = ("model.embed_tokens.weight" if getattr(model, "tie_word_embeddings", False)
-            else "lm_head.weight")
-    for hf_name, t in it:
-        if hf_name == name and isinstance(t, GgufBlocks) and t.ggml_type in BLOCK_TYPES:
-            if get_tp().size == 1:
-                out.append(t)
-        yield hf_name, t
-
-
-def _quantized_head(blocks, quant, dtype: torch.dtype, device: torch.device):
-    """The LM head as a linear layer over its own GGUF blocks (the logits read the embedding
-    table's Q8_0 bytes, 1.06 a weight, instead of 4 in fp32); the embedding lookup keeps
-    the dequantized table. ``model.compute_logits`` uses it."""
-    from engine.layers.linear import ReplicatedLinear
-    from engine.layers.quantization.gguf import BLOCK, BLOCK_TYPES
-
-    vocab, hidden = blocks.shape
-    with torch.device(device), quantization_scope(quant):
-        head = ReplicatedLinear(hidden, vocab, bias=False, dtype=dtype, tp_size=1, tp_rank=0)
-    head.quant_method.set_format(head, BLOCK_TYPES[blocks.ggml_type][2], BLOCK, torch.float16)
-    with torch.no_grad():
-        head.weight.weight_loader(head.weight, blocks)
-    logger.info("GGUF: the LM head reads its %s blocks (%.1f MB)", blocks.type_name,
-                sum(p.numel() * p.element_size() for p in head.parameters()) / 1e6)
-    return head
-
-
-def keeps_gguf_blocks(quantization: str | None, gguf_dequantize: bool, device_type: str
-                      ) -> bool:
-    """Whether a GGUF file's Q4_0/Q4_1/Q8_0 linear weights stay in their blocks: on the CPU
-    by default, on any device with ``--quantization gguf``; never with
-    ``--gguf-dequantize`` or ``--quantization fp8`` (which quantizes dequantized weights).
-
-    Raises:
-        ValueError: ``--quantization gguf`` with ``--gguf-dequantize``.
-    """
-    if quantization == "gguf" and gguf_dequantize:
-        raise ValueError("--quantization gguf keeps GGUF blocks; --gguf-dequantize drops them: "
-                         "choose one")
-    if gguf_dequantize or quantization == "fp8":
-        return False
-    return quantization == "gguf" or device_type == "cpu"
 
 
 def load_model_from_args(server_args):

@@ -316,20 +316,23 @@ def test_gguf_config_and_tokenizer_cache(default_gguf_path):
 
 @pytest.fixture(scope="module")
 def gguf_pair(default_gguf_path):
-    """(hf_model, ferry_model, config), both fp32 on the CPU, loaded once."""
+    """(hf_model, ferry_model, ferry_blocks_model, config), fp32 on the CPU, loaded once:
+    ferry's weights dequantized (--gguf-dequantize) and kept in their GGUF blocks."""
     from transformers import AutoModelForCausalLM
 
     root, fname = os.path.split(default_gguf_path)
     hf = AutoModelForCausalLM.from_pretrained(root, gguf_file=fname, dtype=torch.float32).eval()
     # HF's config of the file (ferry's GGUF config conversion is tested above, uncached)
     ours, config = load_model(None, dtype="float32", device="cpu", progress=False,
-                              config=copy.deepcopy(hf.config))
-    return hf, ours, config
+                              config=copy.deepcopy(hf.config), gguf_dequantize=True)
+    blocks, _ = load_model(None, dtype="float32", device="cpu", progress=False,
+                           config=copy.deepcopy(hf.config))
+    return hf, ours, blocks, config
 
 
 @pytest.mark.slow
 def test_gguf_weights_equal_hf(gguf_pair):
-    hf, ours, config = gguf_pair
+    hf, ours, _, config = gguf_pair
     assert type(ours).__name__ == "LlamaForCausalLM" and config.tie_word_embeddings
     ref = hf.state_dict()
     got = _unfused(ours)
@@ -341,17 +344,18 @@ def test_gguf_weights_equal_hf(gguf_pair):
 
 @pytest.mark.slow
 def test_gguf_prefill_logits_match_hf(gguf_pair):
-    hf, ours, config = gguf_pair
+    hf, ours, blocks, config = gguf_pair
     ids = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018,
            411, 407, 19712, 8182, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47]
     with torch.no_grad():
         want = hf(input_ids=torch.tensor([ids])).logits[0].float()
-    kv = KVState(config)
-    input_ids, pos, fb = kv.extend([(0, ids)])
-    with torch.no_grad():
-        logits = ours(input_ids, pos, fb)
-    rel = ((logits - want).norm() / want.norm()).item()
-    assert rel < 1e-4, rel
+    for model in (ours, blocks):  # blocks: the same fp32 weights, dequantized per call
+        kv = KVState(config)
+        input_ids, pos, fb = kv.extend([(0, ids)])
+        with torch.no_grad():
+            logits = model(input_ids, pos, fb)
+        rel = ((logits - want).norm() / want.norm()).item()
+        assert rel < 1e-4, rel
 
 
 def test_model_source_is_plain_data():
