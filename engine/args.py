@@ -94,6 +94,19 @@ class ServerArgs:
                         "others run only model workers", ge=0)
     dist_init_addr: str | None = _f(None, "host:port of rank 0's torch.distributed rendezvous "
                                     "(required with --nnodes > 1; default: a free local port)")
+    dp_size: int = _f(1, "data-parallel size: engine replicas behind the one HTTP server, each "
+                      "with its own engine and detokenizer processes (on GPUs tp-size devices "
+                      "each, on the CPU a share of the cores)", ge=1, le=64)
+    load_balance_method: str = _f("prefix_affinity", "--dp-size: how a request picks its "
+                                  "replica: the one that was sent its longest token prefix "
+                                  "(unless much busier than the least loaded), round robin, or "
+                                  "the fewest requests in flight",
+                                  ("prefix_affinity", "round_robin", "shortest_queue"))
+    dp_balance_abs_threshold: int = _f(8, "--dp-size prefix affinity: ignore the cached prefix "
+                                       "when its replica has more than this many requests in "
+                                       "flight beyond the least loaded one ...", ge=0)
+    dp_balance_rel_threshold: float = _f(1.5, "... and more than this many times as many",
+                                         ge=1.0)
     quantization: str | None = _f(None, "quantize a bf16/fp16 checkpoint at load time: fp8 "
                                   "(e4m3 weights, per-output-channel scales; matmuls of more "
                                   "than 16 rows also quantize activations per token); FP8 "
