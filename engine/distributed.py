@@ -296,15 +296,17 @@ class StepChannel:
 
 
 def destroy_tp(timeout: float = 30.0) -> None:
-    """Leave the group on rank 0 after the workers have exited.
+    """Leave the group (rank 0 after the workers have exited; an XPU worker before it exits).
 
     gloo groups (the CPU) are destroyed, so a process can build another tensor-parallel
-    engine (the tests do). NCCL/XCCL groups are left to the process's exit: on the H200s
-    both their orderly teardown and an abort waited for the exited ranks (more than 10 s,
-    then the waiting thread ended the process at exit), so one device engine per process.
-    A teardown that does not end within ``timeout`` seconds is logged and left behind."""
+    engine (the tests do), and so are XCCL groups, whose leftover oneCCL state can hang the
+    next start (``engine.device.teardown_group_at_exit``). NCCL groups are left to the
+    process's exit: on the H200s both their orderly teardown and an abort waited for the
+    exited ranks (more than 10 s, then the waiting thread ended the process at exit), so
+    one CUDA engine per process. A teardown that does not end within ``timeout`` seconds is
+    logged and left behind."""
     global _TP
-    if _TP.size > 1 and dist.is_initialized() and _TP.backend == "gloo":
+    if _TP.size > 1 and dist.is_initialized() and devmod.teardown_group_at_exit(_TP.backend):
         t = threading.Thread(target=dist.destroy_process_group, name="ferry-tp-destroy",
                              daemon=True)
         t.start()

@@ -115,7 +115,11 @@ def run_tp_worker(args, rank: int) -> None:
         logging.shutdown()
         os._exit(1)
     # stopped by rank 0: exit without tearing down the device group (NCCL's teardown waits
-    # for every rank and can hang; the process's exit releases it)
+    # for every rank and can hang; the process's exit releases it), except on XPU, whose
+    # oneCCL/Level Zero state is released first (engine.device.worker_teardown_at_exit)
+    if dev.worker_teardown_at_exit(runner.device_type):
+        tpd.destroy_tp(timeout=5.0)
+        dev.release_before_exit(runner.device_type)
     logging.shutdown()
     os._exit(0)
 

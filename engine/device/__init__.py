@@ -1,12 +1,17 @@
-"""The device layer: the only module in ferry that names a backend (cuda, xpu).
+"""The device layer: the only package in ferry that names a backend (cuda, xpu).
 
-Everything else asks this module for synchronisation, memory figures, graphs, streams and
+Everything else asks this package for synchronisation, memory figures, graphs, streams and
 the distributed backend, so the XPU path is the same code as the CUDA path. A unit test
-greps the tree to keep it that way.
+greps the tree to keep it that way. ``engine/device/graphs.py`` (graph classes, when to
+capture, the capture fallback and the replay check) and ``engine/device/cpu.py`` (the CPU's
+knobs) are re-exported here, so callers write ``dev.graph_class`` as before.
 
-XPU facts respected here: ``torch.xpu.mem_get_info`` fails on some older integrated Intel
-GPUs, so free memory falls back to total minus reserved; ``torch.xpu.XPUGraph`` exists from
-torch 2.11 on; the distributed backend is ``xccl``.
+XPU facts respected here (sources in docs/deployment.md, "Intel GPUs"):
+``torch.xpu.mem_get_info`` fails on some older integrated Intel GPUs and does not drop after
+torch allocates on others (Arc B-series, Data Center GPU Max), so free memory is at most
+total minus what torch reserved; ``torch.xpu.XPUGraph`` exists from torch 2.11 on and is
+opt-in before 2.14 (``graphs.py``); the distributed backend is ``xccl``, torn down before a
+worker exits; bf16 is not the default on an Arc A770.
 """
 
 from __future__ import annotations
@@ -16,6 +21,21 @@ import os
 from dataclasses import dataclass
 
 import torch
+
+from engine.device.cpu import cpu_native_bf16
+from engine.device.cpu import cpu_packed_gemm as cpu_packed_gemm
+from engine.device.cpu import cpu_thread_count as cpu_thread_count
+from engine.device.cpu import set_cpu_threads as set_cpu_threads
+from engine.device.cpu import tune_cpu_malloc as tune_cpu_malloc
+from engine.device.graphs import capture_or_eager as capture_or_eager
+from engine.device.graphs import coarse_graph_buckets as coarse_graph_buckets
+from engine.device.graphs import graph_check_skipped as graph_check_skipped
+from engine.device.graphs import graph_class as graph_class
+from engine.device.graphs import graph_context as graph_context
+from engine.device.graphs import graph_pool_handle as graph_pool_handle
+from engine.device.graphs import graphs_capture_collectives as graphs_capture_collectives
+from engine.device.graphs import graphs_enabled as graphs_enabled
+from engine.device.graphs import replay_matches_eager as replay_matches_eager
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +81,11 @@ def resolve_dtype(name: str, device_type: str) -> torch.dtype:
              "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
              "fp32": torch.float32, "float": torch.float32}
     if name == "auto":
+        if device_type == "xpu" and not xpu_bf16_default():
+            logger.warning("dtype float16 on %s: vLLM falls back from bfloat16 on the Arc "
+                           "A770 for a known bf16 accuracy issue; --dtype bfloat16 "
+                           "overrides", device_name("xpu"))
+            return torch.float16
         if device_type != "cpu":
             return torch.bfloat16
         global _BF16_HINT_LOGGED
@@ -78,34 +103,11 @@ def resolve_dtype(name: str, device_type: str) -> torch.dtype:
     return table[name]
 
 
-def cpu_native_bf16() -> bool:
-    """Whether this CPU runs bf16 matmuls natively (AVX512-BF16 or AMX tiles), as torch's
-    oneDNN build reports it; False where torch cannot tell."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()
-                    and (torch.cpu._is_avx512_bf16_supported()
-                         or torch.cpu._is_amx_tile_supported()))
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def cpu_packed_gemm(dtype: torch.dtype) -> bool:
-    """Whether CPU linear layers of ``dtype`` run on oneDNN's prepacked weights
-    (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, the pair that
-    torch inductor's CPU freezing uses): float32 wherever torch has oneDNN, bfloat16 where
-    the CPU runs it natively (:func:`cpu_native_bf16`). ``FERRY_CPU_PACKED_GEMM=0`` turns
-    it off (plain ``F.linear``), for comparisons."""
-    if os.environ.get("FERRY_CPU_PACKED_GEMM", "1") == "0":
-        return False
-    try:
-        if not (torch.backends.mkldnn.is_available()
-                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
-            return False
-    except (AttributeError, RuntimeError):
-        return False
-    if dtype == torch.float32:
-        return True
-    return dtype == torch.bfloat16 and cpu_native_bf16()
+def xpu_bf16_default() -> bool:
+    """Whether ``--dtype auto`` may pick bf16 on this XPU: not on an Arc A770, where vLLM's
+    XPU platform falls back to float16 ("bfloat16 accuracy known issue",
+    ``XPUPlatform.device_support_bf16``)."""
+    return "a770" not in device_name("xpu").lower()
 
 
 def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -137,64 +139,6 @@ def default_attention_backend(device_type: str) -> str:
     """The attention backend without ``--attention-backend``: ``triton`` on cuda and xpu,
     ``torch_native`` (the torch reference kernels) on the CPU."""
     return "triton" if use_triton(device_type) else "torch_native"
-
-
-def cpu_thread_count(requested: int | None = None) -> int:
-    """Intra-op threads for the engine: ``requested``, else ``$OMP_NUM_THREADS`` when set,
-    else the cores this process may run on (``os.sched_getaffinity``: a container's or
-    taskset's limit, not the host's core count)."""
-    env = os.environ.get("OMP_NUM_THREADS", "")
-    if requested:
-        return int(requested)
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-        else (os.cpu_count() or 1)
-
-
-def set_cpu_threads(n: int) -> None:
-    """Set torch's intra-op thread count (inter-op stays torch's default)."""
-    torch.set_num_threads(max(1, int(n)))
-
-
-# glibc's mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_MALLOC_TUNED: list[str] = []
-
-
-def tune_cpu_malloc() -> str | None:
-    """Keep the CPU's activation memory mapped between steps (glibc only; once per process).
-
-    glibc serves a request above its mmap threshold (128 KiB at start, raised dynamically
-    up to 32 MiB) with a fresh ``mmap`` and unmaps it on free, and trims the top of its heap
-    back to the OS; every step's activations (a 2048-token chunk's MLP output is 12 MiB in
-    bf16) are then page-faulted and zeroed again by the kernel: 23-76k minor faults per
-    bs8 x 256 ``bench-latency`` run in steady state, 0-3k with this (docs/benchmarks.md,
-    "An AMX machine"). This sets ``M_MMAP_THRESHOLD`` to its 32 MiB maximum and
-    ``M_TRIM_THRESHOLD`` to 1 GiB, so freed blocks stay in the heap for the next step, as
-    tcmalloc or jemalloc (what vLLM's CPU build preloads) would keep them. The price: the process keeps up to 1 GiB of freed heap
-    memory mapped (a step's peak activations; blocks over 32 MiB are still unmapped on free).
-    ``FERRY_CPU_MALLOC=default`` leaves glibc as it is.
-
-    Returns:
-        what was set, for the start-up log; None where nothing was (not glibc, turned off,
-        or already done in this process).
-    """
-    if _MALLOC_TUNED or os.environ.get("FERRY_CPU_MALLOC", "") == "default":
-        return None
-    _MALLOC_TUNED.append("done")
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None)
-        if not hasattr(libc, "gnu_get_libc_version"):
-            return None
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1 \
-            and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30) == 1
-    except (OSError, AttributeError):
-        return None
-    return "glibc malloc keeps blocks under 32 MiB in its heap (mmap threshold 32 MiB, " \
-           "trim threshold 1 GiB; FERRY_CPU_MALLOC=default turns it off)" if ok else None
 
 
 def _mod(device_type: str):
@@ -241,21 +185,26 @@ class MemoryInfo:
 def memory_info(device_type: str) -> MemoryInfo:
     """Free, total and torch-allocated memory of the current device, in bytes.
 
+    XPU: ``free = min(driver free, total - torch.xpu.memory_reserved())``. The driver's
+    figure (``mem_get_info``, the SYCL free-memory query) does not drop after torch
+    allocates on Arc B-series cards and 64 GiB Data Center GPU Max stacks (pytorch#161381,
+    intel/torch-xpu-ops#4966), so trusting it alone would leave the weights out of the KV
+    budget; older integrated GPUs have no such query at all (then total - reserved). The
+    driver's figure still counts other processes where it works, hence the minimum.
     On the CPU, free and total come from the OS (available and total RAM).
     """
     if device_type == "cuda":
         free, total = torch.cuda.mem_get_info()
         return MemoryInfo(free, total, torch.cuda.memory_allocated())
     if device_type == "xpu":
-        props = torch.xpu.get_device_properties()
-        total = props.total_memory
+        total = torch.xpu.get_device_properties().total_memory
+        free = total - torch.xpu.memory_reserved()
         try:
-            free, total = torch.xpu.mem_get_info()
-        except Exception:  # older integrated GPUs: no mem_get_info
-            free = total - torch.xpu.memory_reserved()
-        return MemoryInfo(free, total, torch.xpu.memory_allocated())
-    import os
-
+            driver_free, total = torch.xpu.mem_get_info()
+            free = min(driver_free, total - torch.xpu.memory_reserved())
+        except Exception:  # noqa: BLE001 - older integrated GPUs: no free-memory query
+            pass
+        return MemoryInfo(max(free, 0), total, torch.xpu.memory_allocated())
     try:
         pages = os.sysconf("SC_PHYS_PAGES")
         avail = os.sysconf("SC_AVPHYS_PAGES")
@@ -282,38 +231,7 @@ def multiprocessor_count(device_type: str) -> int:
     if device_type == "xpu":
         props = torch.xpu.get_device_properties()
         return int(getattr(props, "gpu_subslice_count", 0) or getattr(props, "max_compute_units", 64))
-    import os
-
     return os.cpu_count() or 1
-
-
-def graph_class(device_type: str):
-    """The graph-capture class for the device, or None where graphs are unavailable.
-
-    CUDA: ``torch.cuda.CUDAGraph``. XPU: ``torch.xpu.XPUGraph`` (torch >= 2.11).
-    """
-    if device_type == "cuda":
-        return torch.cuda.CUDAGraph
-    if device_type == "xpu":
-        return getattr(torch.xpu, "XPUGraph", None)
-    return None
-
-
-def graph_context(device_type: str, graph, pool=None, stream=None):
-    """Context manager that captures into ``graph`` (``torch.cuda.graph`` or ``torch.xpu.graph``)."""
-    if device_type == "cuda":
-        return torch.cuda.graph(graph, pool=pool, stream=stream)
-    if device_type == "xpu":
-        return torch.xpu.graph(graph, pool=pool, stream=stream)
-    raise RuntimeError(f"no graphs on {device_type}")
-
-
-def graph_pool_handle(device_type: str):
-    if device_type == "cuda":
-        return torch.cuda.graph_pool_handle()
-    if device_type == "xpu" and hasattr(torch.xpu, "graph_pool_handle"):
-        return torch.xpu.graph_pool_handle()
-    return None
 
 
 def set_blas_library(device_type: str, library: str) -> bool:
@@ -355,16 +273,54 @@ def dist_backend(device_type: str) -> str:
     return {"cuda": "nccl", "xpu": "xccl"}.get(device_type, "gloo")
 
 
-def graphs_capture_collectives(device_type: str) -> bool:
-    """Whether a device graph may hold the tensor-parallel collectives: NCCL collectives are
-    capturable in CUDA graphs (NCCL >= 2.9.6, torch >= 2.1); XCCL inside an XPUGraph is not
-    documented by torch, so tensor-parallel XPU steps run eagerly."""
-    return device_type == "cuda"
-
-
 def visible_device_count(device_type: str) -> int:
     mod = _mod(device_type)
     return 1 if mod is None else mod.device_count()
+
+
+def teardown_group_at_exit(backend: str) -> bool:
+    """Whether a rank destroys its process group of ``backend`` when it leaves: gloo (so a
+    process can build another group) and xccl, whose leftover oneCCL/Level Zero state can
+    hang the next start on the same cards (vllm#46433 tears it down before a worker exits;
+    ProcessGroupXCCL's shutdown is a no-op, intel/torch-xpu-ops#5071, so the destroy does
+    not wait for the other ranks). Not nccl: its teardown waited for the exited ranks on
+    the H200s (engine/distributed.py)."""
+    return backend in ("gloo", "xccl")
+
+
+def worker_teardown_at_exit(device_type: str) -> bool:
+    """Whether a tensor-parallel worker destroys its group and releases device memory
+    (:func:`release_before_exit`) before its process exits: on XPU, as vLLM's XPU worker
+    shutdown does (vllm#46433: without it a restart on the same cards hung in oneCCL's first
+    all-reduce). CUDA and CPU workers exit without (unchanged)."""
+    return device_type == "xpu"
+
+
+def release_before_exit(device_type: str) -> None:
+    """Finish the queued device work and return torch's cached device memory (a worker's
+    last step, :func:`worker_teardown_at_exit`); failures are logged, the process exits."""
+    import gc
+
+    try:
+        synchronize(device_type)
+        gc.collect()
+        empty_cache(device_type)
+    except Exception as e:  # noqa: BLE001 - the process exits anyway
+        logger.warning("releasing %s memory before exit: %s", device_type, e)
+
+
+def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without blocking the host: staged through pinned memory
+    and copied ``non_blocking`` on an accelerator; the tensor itself on the CPU.
+
+    A blocking ``.to(device)`` waits for the stream to drain (on XPU an in-order queue's
+    ``memcpy().wait()``), so one such copy in the step path stalls the host until the
+    in-flight step ends and the overlap is lost. The pinned block stays reserved by torch's
+    caching host allocator until the copy has run.
+    """
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 _FP8_BACKENDS: dict[str, str] = {}
@@ -392,6 +348,17 @@ def fp8_linear_backend(device_type: str) -> str:
 def triton_fp8_mma(device_type: str) -> bool:
     """Whether Triton's ``tl.dot`` of two e4m3 operands runs on FP8 tensor cores here: CUDA
     with compute capability >= 8.9. (XPU: not claimed; triton-xpu's FP8 dot is untested.)"""
+    return device_type == "cuda" and torch.cuda.is_available() \
+        and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def triton_fp8_e4m3(device_type: str) -> bool:
+    """Whether Triton kernels here may load e4m3 (``tl.float8e4nv``) and upcast it, which the
+    FP8 weight-only small-M kernel needs (no ``_scaled_mm``, no FP8 dot): CUDA with compute
+    capability >= 8.9 (Triton's CUDA backend rejects the type below), and XPU
+    (triton-xpu's backend sets ``allow_fp8e4nv``)."""
+    if device_type == "xpu":
+        return True
     return device_type == "cuda" and torch.cuda.is_available() \
         and torch.cuda.get_device_capability() >= (8, 9)
 
