@@ -80,9 +80,10 @@ class ServerArgs:
     piecewise_graph_max_tokens: int | None = _f(
         None, "GPU only: largest prefill/mixed step (tokens) run through piecewise graphs "
               "(default: the prefill chunk + 256; larger steps run eagerly)", ge=1)
-    decode_attention_waves: int = _f(1, "decode attention: split the KV until each SM gets this "
-                                        "many programs (more splits hide memory latency)",
-                                    ge=1)
+    decode_attention_waves: int | None = _f(
+        None, "decode attention: split the KV until each SM (Xe core) gets this many programs "
+              "(more splits hide memory latency; default per device: 1 on CUDA, 4 on XPU)",
+        ge=1)
     cpu_threads: int | None = _f(None, "intra-op threads of the engine process (default: "
                                        "$OMP_NUM_THREADS if set, else the cores this process "
                                        "may run on)", ge=1)

@@ -28,10 +28,19 @@ come from :func:`choose_num_kv_splits`, computed with device tensor ops.
 Launch configuration (documented choices, not tuned per GPU model; see ``_stage1_meta``):
 K/V tiles of ``BLOCK_N = 64`` tokens (32 for fp32, head_dim > 128 or the elementwise MHA
 path, to bound registers), ``num_warps = 4`` (8 for fp32) and ``num_stages = 2``
-(double-buffered K/V loads). XPU gets the same values (triton-xpu maps a warp to a
-16/32-lane sub-group). Nothing keys off the CUDA compute capability. Checked with ptxas
-for sm_90 (bf16, D = 128, GQA 4): 78 registers, no spills; MHA path 128 registers.
-Stage 2 is a few microseconds: ``num_warps = 4`` for head_dim >= 128, else 2.
+(double-buffered K/V loads). XPU: the ``tl.dot`` (GQA) path gets twice the warps and 2
+stages (``kernels.launch.dot_kernel_options``: its sub-groups are 16 lanes there); the
+elementwise MHA path and stage 2 keep CUDA's values (32-lane sub-groups). Nothing keys off
+the CUDA compute capability. Checked with ptxas for sm_90 (bf16, D = 128, GQA 4): 78
+registers, no spills; MHA path 128 registers. Stage 2 is a few microseconds:
+``num_warps = 4`` for head_dim >= 128, else 2.
+
+Split defaults per device (:data:`DEFAULT_WAVES`, the ``waves`` of
+:func:`choose_num_kv_splits` without ``--decode-attention-waves``): 1 on CUDA (swept on the
+H200 with ``bench/sweep_decode.py``); 4 on XPU, where the count is of Xe cores (20 on an Arc
+B580, 64 per Data Center GPU Max stack, against the H200's 132 SMs) and each Xe core keeps
+several work-groups resident: one program per Xe core leaves a small batch's KV read by 20
+programs. Not yet swept on an XPU.
 """
 
 from __future__ import annotations
@@ -40,9 +49,18 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import dot_kernel_options
+
 _LOG2E = 1.4426950408889634
 
 DEFAULT_MIN_CHUNK = 32  # tokens; see choose_num_kv_splits (bench/sweep_decode.py on the H200)
+#: ``waves`` of :func:`choose_num_kv_splits` per device type (module docstring); 1 elsewhere
+DEFAULT_WAVES = {"cuda": 1, "xpu": 4}
+
+
+def default_waves(device_type: str) -> int:
+    """Stage-1 programs wanted per SM / Xe core on ``device_type`` (:data:`DEFAULT_WAVES`)."""
+    return DEFAULT_WAVES.get(device_type, 1)
 
 
 @triton.jit
@@ -219,9 +237,13 @@ def _stage1_meta(group: int, head_dim: int, dtype: torch.dtype, device_type: str
         block_n = 32 if (fp32 or head_dim > 128 or not use_dot) else 64
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError("block_n must be a power of two >= 16")
-    # Same on cuda and xpu today; a device may diverge here without touching the kernel
-    # (never keyed on the CUDA compute capability). fp32 tiles need 8 warps not to spill.
-    options = {"num_warps": num_warps or (8 if fp32 else 4), "num_stages": num_stages or 2}
+    # Never keyed on the CUDA compute capability. fp32 tiles need 8 warps not to spill. XPU:
+    # the tl.dot path runs 16-lane sub-groups (kernels/launch.py), the MHA path 32-lane ones.
+    warps = 8 if fp32 else 4
+    options = dot_kernel_options(warps, 2, device_type) if use_dot else \
+        {"num_warps": warps, "num_stages": 2}
+    options = {"num_warps": num_warps or options["num_warps"],
+               "num_stages": num_stages or options["num_stages"]}
     constexprs = {
         "GROUP": group, "HEAD_DIM": head_dim, "NUM_HEAD_BLOCKS": triton.cdiv(group, block_h),
         "BLOCK_H": block_h, "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),

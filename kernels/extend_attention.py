@@ -22,7 +22,9 @@ already stored them in the pool, as the reference does. Non-power-of-two head di
 Launch configuration (documented, not keyed on the CUDA compute capability; see
 ``_extend_meta``): ``BLOCK_M = BLOCK_N = 64`` for 16-bit dtypes and head_dim <= 128 (32 x 32
 for larger heads, 16 x 16 for fp32, whose ieee dots keep operands in registers),
-``num_warps = 4`` for head_dim <= 64 else 8, ``num_stages = 2``, on CUDA and XPU alike.
+``num_warps = 4`` for head_dim <= 64 else 8, ``num_stages = 2`` on CUDA; XPU doubles the
+warps (``kernels.launch.dot_kernel_options``: the dots run 16-lane sub-groups there, and a
+64 x 64 tile with D = 128 on half of CUDA's threads per program would spill).
 Checked with ptxas for sm_90 (bf16): D = 128 uses 177 registers, D = 64 156, no spills;
 128 x 64 tiles with 8 warps also fit (236 registers) and may be worth a try on an H200
 (``block_m=128``; ``bench/bench_kernels.py --extend-block-m 128``).
@@ -33,6 +35,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.launch import dot_kernel_options
 
 _LOG2E = 1.4426950408889634
 
@@ -152,8 +156,10 @@ def _extend_meta(group: int, head_dim: int, dtype: torch.dtype, device_type: str
     if block_m % block_n or block_n < 16 or block_n & (block_n - 1) or block_m & (block_m - 1):
         raise ValueError("block_m and block_n must be powers of two, block_m a multiple of "
                          "block_n, and block_n >= 16")
-    # Same on cuda and xpu today; a device may diverge here without touching the kernel.
-    options = {"num_warps": num_warps or (4 if head_dim <= 64 else 8), "num_stages": 2}
+    # Never keyed on the CUDA compute capability; XPU: twice the warps (kernels/launch.py).
+    options = dot_kernel_options(4 if head_dim <= 64 else 8, 2, device_type)
+    if num_warps:
+        options["num_warps"] = num_warps
     constexprs = {
         "GROUP": group, "HEAD_DIM": head_dim, "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
         "BLOCK_M": block_m, "BLOCK_N": block_n,

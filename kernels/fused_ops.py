@@ -11,7 +11,10 @@
 
 Both save a round trip through memory per op compared with eager torch (which writes the
 sum, the fp32 upcast, the normalised value, ... as separate tensors). They run unchanged on
-CUDA, XPU and in the Triton interpreter. Their semantics are defined by the one eager
+CUDA, XPU and in the Triton interpreter, with one launch table: neither has a ``tl.dot``, so
+triton-xpu runs their warps as 32-lane sub-groups, as wide as CUDA's warps, and the same
+``num_warps`` gives the same threads per row (``kernels/launch.py`` has the rule for
+``tl.dot`` kernels, whose XPU entries differ). Their semantics are defined by the one eager
 version of each op in :mod:`kernels.reference` (``rms_norm_ref``, ``silu_and_mul_ref``),
 which the CPU path runs; ``engine.layers.select_ops`` picks one or the other per model.
 Both kernels are out-of-place, like the references: they return new tensors and never

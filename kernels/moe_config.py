@@ -44,6 +44,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.launch import dot_kernel_options
+
 logger = logging.getLogger(__name__)
 
 CONFIG_DIR = Path(__file__).with_name("moe_configs")
@@ -155,7 +157,8 @@ def default_moe_config(m: int, num_experts: int, inter_size: int, hidden_size: i
     CUDA: 3-4 pipeline stages. XPU: triton-xpu lowers ``tl.dot`` to DPAS on 16-lane
     sub-groups (a "warp" there is a 16-wide sub-group; 32 lanes without DPAS), so the XPU
     default doubles ``num_warps`` to keep the threads per tile of the CUDA choice, and uses
-    triton-xpu's default of 2 stages (untested on an XPU). A device table written by
+    triton-xpu's default of 2 stages (``kernels.launch.dot_kernel_options``, the rule of
+    every kernel's table; untested on an XPU). A device table written by
     ``bench/tune_fused_moe.py`` replaces all of this.
     """
     del inter_size, hidden_size  # room for shape-aware rules; the tables cover shapes today
@@ -175,9 +178,7 @@ def default_moe_config(m: int, num_experts: int, inter_size: int, hidden_size: i
     if dtype == torch.float32:
         cfg["BLOCK_SIZE_K"] = max(32, cfg["BLOCK_SIZE_K"] // 2)
         cfg["num_stages"] = min(cfg["num_stages"], 3)
-    if device_type == "xpu":
-        cfg["num_warps"] = min(cfg["num_warps"] * 2, 32)
-        cfg["num_stages"] = 2
+    cfg.update(dot_kernel_options(cfg["num_warps"], cfg["num_stages"], device_type))
     return cfg
 
 

@@ -55,7 +55,8 @@ def resolve_attention_backend(name: str | None, device_type: str) -> str:
 def create_attention_backend(name: str | None, num_heads: int, num_kv_heads: int,
                              head_dim: int, *, device_type: str = "cpu",
                              device: str | torch.device | None = None, num_sms: int = 1,
-                             waves: int = 1, fused_ops: bool = True) -> AttentionBackend:
+                             waves: int | None = None,
+                             fused_ops: bool = True) -> AttentionBackend:
     """Build a backend by name (see :func:`resolve_attention_backend` for None).
 
     Args:
@@ -63,7 +64,8 @@ def create_attention_backend(name: str | None, num_heads: int, num_kv_heads: int
         num_heads, num_kv_heads, head_dim: per-rank attention shape (Hq, Hkv, D).
         device_type: ``cuda``, ``xpu`` or ``cpu``.
         device: where static graph buffers live (default: ``device_type``).
-        num_sms, waves: device compute units and programs per unit (split-KV decode).
+        num_sms, waves: device compute units and programs per unit (split-KV decode);
+            ``waves`` None is the kernel's default for the device type.
         fused_ops: False (``--disable-fused-ops``) keeps ``torch_native`` on the torch
             references on the CPU instead of ferry's C++ decode kernel.
     Raises:

@@ -40,7 +40,8 @@ class AttentionBackend(ABC):
         device: where static graph buffers live (:meth:`init_capture`).
         num_sms: compute units of the device (SMs, Xe cores, CPU cores), for backends that
             size their launch to it.
-        waves: programs wanted per compute unit (the decode split-KV heuristic).
+        waves: programs wanted per compute unit (the decode split-KV heuristic); None for
+            the backend's default.
     """
 
     #: whether the decode graph runner may capture this backend's decode step (no host
@@ -48,7 +49,8 @@ class AttentionBackend(ABC):
     supports_graphs: ClassVar[bool] = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *,
-                 device: str | torch.device = "cpu", num_sms: int = 1, waves: int = 1):
+                 device: str | torch.device = "cpu", num_sms: int = 1,
+                 waves: int | None = None):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
                              f"{num_kv_heads}")
@@ -57,7 +59,7 @@ class AttentionBackend(ABC):
         self.head_dim = head_dim
         self.device = torch.device(device)
         self.num_sms = num_sms
-        self.waves = waves
+        self.waves = waves or 1
 
     # ---- metadata -----------------------------------------------------------------------
     @abstractmethod

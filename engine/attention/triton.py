@@ -44,11 +44,16 @@ class TritonAttnBackend(AttentionBackend):
     supports_graphs = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *,
-                 device: str | torch.device = "cpu", num_sms: int = 132, waves: int = 1,
-                 max_kv_splits: int = 16):
+                 device: str | torch.device = "cpu", num_sms: int = 132,
+                 waves: int | None = None, max_kv_splits: int = 16):
+        from kernels.decode_attention import (
+            choose_num_kv_splits,
+            decode_attention_fwd,
+            default_waves,
+        )
+
         super().__init__(num_heads, num_kv_heads, head_dim, device=device, num_sms=num_sms,
-                         waves=waves)
-        from kernels.decode_attention import choose_num_kv_splits, decode_attention_fwd
+                         waves=waves or default_waves(torch.device(device).type))
         from kernels.extend_attention import extend_attention_fwd
         from kernels.kv_store import store_kv
 

@@ -22,6 +22,7 @@ from engine.layers.quantization.fp8_constants import (
     SCALE_EPS,
     WEIGHT_ONLY_MAX_M,
 )
+from kernels.launch import dot_kernel_options
 
 
 @triton.jit
@@ -167,31 +168,43 @@ def split_k_locks(device: torch.device) -> torch.Tensor:
     return _LOCKS[device]
 
 
-def small_m_config(m: int, n: int, k: int) -> dict:
+def split_k_trusted(device_type: str) -> bool:
+    """Whether the default configs may split K (the last program of an N block sums the
+    other programs' partials, read back with ``.cg`` loads after an ``acq_rel`` atomic).
+    Not on XPU until ``tests/kernels/test_triton_fp8_small_m.py`` (which runs split-K
+    configs explicitly) has passed there: an Xe core's L1 is not coherent with the others',
+    triton-xpu treats a non-predicated ``.cg`` load as a cached one
+    (intel/intel-xpu-backend-for-triton#7901), and Intel calls communication between
+    work-groups "not widely tested" (#6723), so a partial could be read stale."""
+    return device_type != "xpu"
+
+
+def small_m_config(m: int, n: int, k: int, device_type: str = "cuda") -> dict:
     """Launch parameters for :func:`fp8_linear_small_m`, from ``bench.sweep_gemm --fp8`` on
     the H200 (2026-12-01, weight-only, M = 1 and 16; the best config per Llama-3-8B shape
     was within 3% of this rule): 64 output columns x 128 K per tile, 4 stages, and K split
-    into up to 8 parts so that about 2048 programs stream the weights."""
+    into up to 8 parts so that about 2048 programs stream the weights. XPU: no split
+    (:func:`split_k_trusted`), and twice the warps with 2 stages (``kernels/launch.py``)."""
     block_m = max(16, triton.next_power_of_2(m))
     block_n = 64
-    split = max(1, min(8, 2048 // triton.cdiv(n, block_n)))
+    split = max(1, min(8, 2048 // triton.cdiv(n, block_n))) if split_k_trusted(device_type) else 1
     return dict(USE_DOT=True, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128,
-                num_warps=4, num_stages=4)
+                **dot_kernel_options(4, 4, device_type))
 
 
-def medium_m_config(m: int, n: int, k: int) -> dict:
+def medium_m_config(m: int, n: int, k: int, device_type: str = "cuda") -> dict:
     """Launch parameters of the FP8-dot mode (``fp8_linear_fp8_dot``, 16 < M <= 64), from
     ``bench.sweep_gemm --fp8-medium`` on the H200 (2026-12-01; 48 configs per shape at M = 32
     and 64; this rule is the best config or within 12% of it on every Llama-3-8B shape):
     wide layers (>= 256 blocks of 64 columns) take 128 x 128 tiles without split; the others
-    64 columns x 256 K, K split so that about 128 programs run (at most 4 parts)."""
+    64 columns x 256 K, K split so that about 128 programs run (at most 4 parts). XPU (not
+    used there today: ``engine.device.triton_fp8_mma``): as :func:`small_m_config`."""
     block_m = max(16, triton.next_power_of_2(m))
+    opts = dot_kernel_options(4, 4, device_type)
     if triton.cdiv(n, 64) >= 256:
-        return dict(USE_DOT=True, SPLIT_K=1, BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128,
-                    num_warps=4, num_stages=4)
-    split = max(1, min(4, 128 // triton.cdiv(n, 64)))
-    return dict(USE_DOT=True, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=256,
-                num_warps=4, num_stages=4)
+        return dict(USE_DOT=True, SPLIT_K=1, BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, **opts)
+    split = max(1, min(4, 128 // triton.cdiv(n, 64))) if split_k_trusted(device_type) else 1
+    return dict(USE_DOT=True, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=256, **opts)
 
 
 def fp8_linear_small_m(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
@@ -226,7 +239,7 @@ def fp8_linear_small_m(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
     if x_fp8 and out_dtype is None:
         raise ValueError("x_scale (e4m3 input codes) needs an out_dtype")
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
-    cfg = dict(config or small_m_config(m, n, k))
+    cfg = dict(config or small_m_config(m, n, k, x.device.type))
     split = cfg.setdefault("SPLIT_K", 1)
     n_blocks = triton.cdiv(n, cfg["BLOCK_N"])
     k_per_split = triton.cdiv(triton.cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
@@ -253,4 +266,5 @@ def fp8_linear_fp8_dot(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
     xq, sx = quantize_rows_triton(x)
     m, k = x.shape
     return fp8_linear_small_m(xq, wq, sw, out_dtype=x.dtype, x_scale=sx,
-                              config=config or medium_m_config(m, wq.shape[0], k))
+                              config=config or medium_m_config(m, wq.shape[0], k,
+                                                               x.device.type))
