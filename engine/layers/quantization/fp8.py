@@ -22,7 +22,8 @@ Numerics (one definition, shared by every path; ``q(v, s)`` rounds ``clamp(v / s
 
 Paths (chosen per layer in :meth:`Fp8LinearMethod.process_weights_after_loading`):
 
-- ``small_m`` (M <= 16 on GPUs, where Triton runs): ferry's Triton kernel
+- ``small_m`` (M <= 16 where Triton loads e4m3: CUDA sm89+, XPU; independent of the
+  ``_scaled_mm`` probe, which weight-only never calls): ferry's Triton kernel
   ``fp8_kernels.fp8_linear_small_m``, which streams the e4m3 weights once (split over K
   into enough programs to keep every SM loading) and upcasts them in registers. cuBLASLt's
   FP8 GEMM behind ``_scaled_mm`` is tuned for large M and read the 8B's weights at 1.0-2.5
@@ -126,10 +127,11 @@ def _device_quantizer(device_type: str):
 
 def _small_m_kernel(device_type: str):
     """The small-M Triton kernel (``fp8_linear_small_m``) for ``device_type``, or None where
-    Triton does not run or no matmul is weight-only."""
+    Triton cannot load e4m3 (``engine.device.triton_fp8_e4m3``) or no matmul is weight-only.
+    Weight-only, it never calls ``_scaled_mm``, so it does not depend on that probe."""
     from engine import device as dev
 
-    if WEIGHT_ONLY_MAX_M == 0 or not dev.use_triton(device_type):
+    if WEIGHT_ONLY_MAX_M == 0 or not dev.triton_fp8_e4m3(device_type):
         return None
     try:
         from engine.layers.quantization.fp8_kernels import fp8_linear_small_m
@@ -286,13 +288,16 @@ class Fp8LinearMethod:
                 raise ValueError(f"{name or type(layer).__name__}: the checkpoint's "
                                  "weight_scale has negative, NaN or infinite values")
         backend = dev.fp8_linear_backend(device_type)
-        if backend == "scaled_mm" and (layer.input_size % 16 or layer.output_size % 16):
+        odd = bool(layer.input_size % 16 or layer.output_size % 16)
+        if backend == "scaled_mm" and odd:
             logger.debug("%s: [%d, %d] is not a multiple of 16; dequant path", name,
                          layer.output_size, layer.input_size)
             backend = "dequant"
         layer.fp8_backend = backend
         layer.fp8_quantize = _device_quantizer(device_type)
-        layer.fp8_small_m = _small_m_kernel(device_type) if backend == "scaled_mm" else None
+        # weight-only small M: wherever Triton loads e4m3, whatever the _scaled_mm probe said
+        # (an XPU whose oneDNN lacks it would otherwise upcast every weight in every step)
+        layer.fp8_small_m = None if odd else _small_m_kernel(device_type)
         layer.fp8_medium_m = _medium_m_kernel(device_type) if backend == "scaled_mm" else None
         if layer.fp8_small_m is not None or layer.fp8_medium_m is not None:
             from engine.layers.quantization.fp8_kernels import split_k_locks
