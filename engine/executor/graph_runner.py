@@ -109,7 +109,7 @@ class GraphRunner:
              [req.req_pool_idx for req in batch.reqs] + [0] * pad,
              [p + 1 for p in batch.prefix_lens] + [1] * pad,
              list(batch.out_cache_loc) + [0] * pad], dtype=torch.int64)
-        host = host.to(r.device, non_blocking=True)
+        host = dev.host_to_device(host, r.device)  # pinned, non-blocking: no wait on the stream
         self.input_ids[:gbs].copy_(resolve_placeholders(host[0], future_ids))
         self.positions[:gbs].copy_(host[1])
         self.req_pool_indices[:gbs].copy_(host[2])

@@ -37,6 +37,23 @@ _CPU_DEFAULT_TOKENS = 32768
 _ACTIVATION_RESERVE = 2 << 30
 
 
+def _to_device(arrays: list[list[int]], dtype: torch.dtype, device: torch.device
+               ) -> list[torch.Tensor]:
+    """Host int lists -> device tensors (views of one buffer), with one non-blocking copy.
+
+    Each array starts at a 16-byte boundary of the buffer, so a view is aligned as a fresh
+    allocation is (Triton specialises kernels on 16-byte alignment)."""
+    per = 16 // torch.empty((), dtype=dtype).element_size()
+    flat: list[int] = []
+    spans = []
+    for a in arrays:
+        spans.append((len(flat), len(a)))
+        flat.extend(a)
+        flat.extend([0] * (-len(flat) % per))
+    buf = dev.host_to_device(torch.tensor(flat, dtype=dtype), device)
+    return [buf[o:o + n] for o, n in spans]
+
+
 class RankRunner:
     """Owns the model, the KV pools and the attention backend on one device.
 
@@ -253,36 +270,34 @@ class RankRunner:
             seq_lens.append(p + n)
             off += n
             last.append(off - 1)
-        d = self.device
-        i64 = torch.int64
-        input_ids = resolve_placeholders(torch.tensor(ids, dtype=i64).to(d, non_blocking=True),
-                                         future_ids)
-        positions_cpu = torch.tensor(pos, dtype=i64)
-        positions = positions_cpu.to(d, non_blocking=True)
-        loc = torch.tensor(batch.out_cache_loc, dtype=i64).to(d, non_blocking=True)
-        rows = torch.tensor(rows_t, dtype=i64).to(d, non_blocking=True)
+        extend = batch.mode == ForwardMode.EXTEND
+        if extend and any(batch.all_rows):
+            last = []
+            for s0, n, all_ in zip(starts, batch.extend_lens, batch.all_rows):
+                last.extend(range(s0, s0 + n) if all_ else [s0 + n - 1])
+        # the step's host arrays in two tensors, each one non-blocking copy from pinned memory
+        # (a blocking .to(device) waits for the in-flight step: no overlap)
+        input_ids, positions, loc, rows, req_rows, *logits_idx = _to_device(
+            [ids, pos, batch.out_cache_loc, rows_t, [r.req_pool_idx for r in batch.reqs]]
+            + ([last] if extend else []), torch.int64, self.device)
+        seq_lens_d, *ext = _to_device(
+            [seq_lens] + ([batch.extend_lens, batch.prefix_lens, starts] if extend else []),
+            torch.int32, self.device)
+        input_ids = resolve_placeholders(input_ids, future_ids)
         r2t = self.req_to_token_pool.req_to_token
         r2t[rows, positions] = loc.to(torch.int32)
         fb = ForwardBatch(
             mode=batch.mode, batch_size=batch.batch_size, positions=positions,
-            req_pool_indices=torch.tensor([r.req_pool_idx for r in batch.reqs], dtype=i64).to(d),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(d),
+            req_pool_indices=req_rows, seq_lens=seq_lens_d,
             out_cache_loc=loc, req_to_token=r2t, k_buffers=self.kv_pool.k_buffers,
             v_buffers=self.kv_pool.v_buffers, attn_backend=self.attn_backend,
             max_seq_len=max(seq_lens), seq_lens_cpu=seq_lens,
             extend_seq_lens_cpu=list(batch.extend_lens))
-        if batch.mode == ForwardMode.EXTEND:
-            fb.extend_seq_lens = torch.tensor(batch.extend_lens, dtype=torch.int32).to(d)
-            fb.extend_prefix_lens = torch.tensor(batch.prefix_lens, dtype=torch.int32).to(d)
-            fb.extend_start_loc = torch.tensor(starts, dtype=torch.int32).to(d)
+        if extend:
+            fb.extend_seq_lens, fb.extend_prefix_lens, fb.extend_start_loc = ext
             fb.max_extend_len = max(batch.extend_lens)
             fb.num_decodes = batch.num_decodes
-            if any(batch.all_rows):
-                rows = []
-                for s0, n, all_ in zip(starts, batch.extend_lens, batch.all_rows):
-                    rows.extend(range(s0, s0 + n) if all_ else [s0 + n - 1])
-                last = rows
-            fb.logits_indices = torch.tensor(last, dtype=i64).to(d)
+            fb.logits_indices = logits_idx[0]
         return input_ids, fb
 
     @torch.inference_mode()

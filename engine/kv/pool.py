@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from engine import device as dev
+
 
 class ReqToTokenPool:
     """Rows of ``req_to_token``; row 0 is reserved for padding."""
@@ -44,8 +46,9 @@ class ReqToTokenPool:
         if slots:
             if self.record_writes:
                 self.pending_writes.append((row, start, list(slots)))
-            t = torch.tensor(slots, dtype=torch.int32)
-            self.req_to_token[row, start:start + len(slots)] = t.to(self.req_to_token.device)
+            t = dev.host_to_device(torch.tensor(slots, dtype=torch.int32),
+                                   self.req_to_token.device)  # no wait on the stream
+            self.req_to_token[row, start:start + len(slots)] = t
 
 
 class KVPool:
