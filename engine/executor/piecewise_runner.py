@@ -33,11 +33,19 @@ from engine.forward_batch import ForwardBatch
 logger = logging.getLogger(__name__)
 
 
-def token_buckets(max_tokens: int) -> list[int]:
+def token_buckets(max_tokens: int, coarse: bool = False) -> list[int]:
     """16, 32, then every 64 up to 1024, every 128 up to 2048, every 256 up to ``max_tokens``.
 
     A step pads to the next bucket: at most 63 tokens below 1024, under 12.5% above 512.
+    ``coarse`` (``engine.device.coarse_graph_buckets``: XPU, whose captures also wait for
+    IGC): powers of two up to 256, every 128 up to 1024, then every 256 (16 buckets for
+    2304 tokens instead of 27).
     """
+    if coarse:
+        out = [b for b in (16, 32, 64, 128) if b < max_tokens]
+        out += list(range(256, min(max_tokens, 1024) + 1, 128))
+        out += list(range(1280, max_tokens + 1, 256))
+        return sorted(set(out + [max_tokens]))
     out = [b for b in (16, 32) if b < max_tokens]
     out += list(range(64, min(max_tokens, 1024) + 1, 64))
     out += list(range(1152, min(max_tokens, 2048) + 1, 128))
@@ -63,7 +71,7 @@ class PiecewiseRunner:
         self.model = model = runner.model
         self.attn_layers = model.attention_layers()
         self.num_layers = model.num_pieces - 1
-        self.buckets = token_buckets(max_tokens)
+        self.buckets = token_buckets(max_tokens, dev.coarse_graph_buckets(self.device_type))
         self.max_tokens = self.buckets[-1]
         q_size, kv_size = model.q_size, model.kv_size
         hidden = model.model_config.hidden_size

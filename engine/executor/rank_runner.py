@@ -133,23 +133,19 @@ class RankRunner:
         self.graph_runner = None
         self.piecewise_runner = None
         self._graph_pool = None
-        graphs = dev.graph_class(self.device_type) is not None and not args.disable_cuda_graph
+        graphs, why = dev.graphs_enabled(self.device_type, disable=args.disable_cuda_graph,
+                                         enable_xpu=args.enable_xpu_graph)
         if graphs and self.tp.size > 1 and not dev.graphs_capture_collectives(self.device_type):
             graphs = False
             if self.tp.rank == 0:
                 logger.warning("tensor parallelism on %s: the collectives cannot be captured "
                                "in graphs here, so every step runs eagerly", self.device_type)
+        elif not graphs and self.tp.rank == 0 and dev.is_accelerator(self.device_type):
+            logger.info("graphs off, every step runs eagerly: %s", why)
         if graphs:
-            from engine.executor.graph_runner import GraphRunner
-            from engine.executor.piecewise_runner import PiecewiseRunner
+            from engine.executor.graph_setup import build_graphs
 
-            if self.attn_backend.supports_graphs:
-                self.graph_runner = GraphRunner(self)
-            else:
-                logger.info("decode runs eagerly: the %s attention backend has no graph "
-                            "support", type(self.attn_backend).__name__)
-            if not args.disable_piecewise_graph:
-                self.piecewise_runner = PiecewiseRunner(self, self.piecewise_max_tokens())
+            self.graph_runner, self.piecewise_runner = build_graphs(self)
         logger.info("KV cache: %d tokens (%d layers x %d kv heads x %d dim, %s), page size %d; "
                     "attention backend %s", self.max_total_tokens, self.num_layers,
                     self.num_kv_heads, self.head_dim, str(self.kv_dtype).replace("torch.", ""),

@@ -16,6 +16,7 @@ def _outputs(**kw):
     from engine import LLM, SamplingParams
     from engine.loader.loader import config_dir
 
+    kw.setdefault("enable_xpu_graph", True)  # these tests check the graphs on XPU too
     llm = LLM(model_path=config_dir("llama-tiny"), load_format="dummy", device=DEVICE,
               dtype="float32", max_total_tokens=4096, chunked_prefill_size=64, **kw)
     g = torch.Generator().manual_seed(0)
@@ -70,7 +71,8 @@ def test_piecewise_graphs_match_eager_mixed_step(dtype, tol):
 
     args = ServerArgs(model_path=config_dir("llama-tiny"), load_format="dummy", device=DEVICE,
                       dtype=dtype, max_total_tokens=4096, chunked_prefill_size=64,
-                      max_running_requests=8, disable_overlap_schedule=True)
+                      max_running_requests=8, disable_overlap_schedule=True,
+                      enable_xpu_graph=True)
     runner = ModelRunner(args)
     pw = runner.piecewise_runner
     assert pw is not None and pw.graphs and pw.max_tokens == 64 + 8

@@ -104,7 +104,8 @@ def test_decode_graphs_with_fp8_layers_match_eager():
     for graphs in (False, True):
         llm = LLM(model_path=config_dir("llama-tiny"), load_format="dummy", device=DEVICE,
                   dtype="bfloat16", quantization="fp8", max_total_tokens=4096,
-                  disable_cuda_graph=not graphs, disable_piecewise_graph=True,
+                  disable_cuda_graph=not graphs, enable_xpu_graph=True,
+                  disable_piecewise_graph=True,
                   disable_overlap_schedule=True)
         assert (llm.runner.graph_runner is not None) == graphs
         lin = llm.runner.model.model.layers[0].self_attn.qkv_proj

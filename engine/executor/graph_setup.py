@@ -1,0 +1,163 @@
+"""The model runner's graphs at start-up: capture them, fall back to eager steps when a
+capture raises, and compare one replay of each kind with an eager step before serving.
+
+``build_graphs(runner)`` returns the decode ``GraphRunner`` and the ``PiecewiseRunner`` (each
+None when it is off, its capture raised, or its replay disagreed with the eager step):
+
+1. capture: each runner's constructor captures its graphs inside
+   ``engine.device.capture_or_eager``, which logs a failure's reason and returns None;
+2. agree: under tensor parallelism every rank keeps a runner only when every rank has one
+   (graph replays pad a batch to its bucket, so one eager rank would all-reduce tensors of
+   another shape than its peers);
+3. check: a small batch (3 requests of 7, 40 and 100 tokens, deterministic ids) is
+   prefilled eagerly and through the piecewise graphs, then decoded one step eagerly and by
+   a decode-graph replay; ``engine.device.replay_matches_eager`` compares the logits, and a
+   kind of graph whose replay disagrees is dropped with the measured difference in the log
+   (the ranks agree again). The check borrows ``req_to_token`` rows and KV pages from the
+   pools and hands them back in their order, so allocation is as without it.
+   ``FERRY_SKIP_GRAPH_CHECK=1`` skips it.
+
+Every rank runs the same steps on the same batch, so the collectives inside the forwards
+line up across ranks without rank 0's step channel.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine import device as dev
+from engine import distributed as tpd
+from engine.executor.schedule_batch import ScheduleBatch
+from engine.forward_batch import ForwardMode
+
+logger = logging.getLogger(__name__)
+
+#: prompt lengths of the start-up check's requests (capped by the pool and the context)
+CHECK_LENS = (7, 40, 100)
+
+
+def build_graphs(runner):
+    """Capture, agree and check (module docstring); returns ``(graph_runner,
+    piecewise_runner)``, each possibly None."""
+    from engine.executor.graph_runner import GraphRunner
+    from engine.executor.piecewise_runner import PiecewiseRunner
+
+    d = runner.device_type
+    gr = pw = None
+    if runner.attn_backend.supports_graphs:
+        gr = dev.capture_or_eager(d, "decode graphs", lambda: GraphRunner(runner))
+    else:
+        logger.info("decode runs eagerly: the %s attention backend has no graph support",
+                    type(runner.attn_backend).__name__)
+    if not runner.args.disable_piecewise_graph:
+        pw = dev.capture_or_eager(d, "piecewise graphs",
+                                  lambda: PiecewiseRunner(runner, runner.piecewise_max_tokens()))
+    gr, pw = _agree(gr, "decode graphs"), _agree(pw, "piecewise graphs")
+    if (gr is not None or pw is not None) and not dev.graph_check_skipped():
+        gr_ok, pw_ok = check_graphs(runner, gr, pw)
+        gr = _agree(gr if gr_ok else None, "decode graphs")
+        pw = _agree(pw if pw_ok else None, "piecewise graphs")
+    return gr, pw
+
+
+def _agree(obj, what: str):
+    """``obj`` when every rank of the tensor-parallel group has its own, else None."""
+    if tpd.min_over_ranks(int(obj is not None)) == 0:
+        if obj is not None:
+            logger.warning("%s: another tensor-parallel rank runs these steps eagerly, so "
+                           "this one does too", what)
+        return None
+    return obj
+
+
+class _CheckReq:
+    """A ``StepRequest`` for the check: a ``req_to_token`` row and its token ids."""
+
+    def __init__(self, row: int, ids: list[int]):
+        self.req_pool_idx = row
+        self.ids = ids
+
+    def tokens(self, start: int, count: int) -> list[int]:
+        return self.ids[start:start + count]
+
+    def token_at(self, pos: int) -> int:
+        return self.ids[pos]
+
+
+def _eager(runner, batch: ScheduleBatch) -> torch.Tensor:
+    input_ids, fb = runner.build_forward_batch(batch)
+    runner.attn_backend.init_forward(fb)
+    return runner.model(input_ids, fb.positions, fb)
+
+
+def _check_lens(runner, max_bs: int, max_tokens: int) -> list[int]:
+    """The check's prompt lengths, within the batch, context, pool and step limits."""
+    n = min(len(CHECK_LENS), max_bs, runner.req_to_token_pool.available())
+    if n < 1:
+        return []
+    kv = runner.kv_pool
+    room = kv.free_tokens() // n - kv.page_size - 1
+    lens = [min(L, runner.max_context_len - 2, room) for L in CHECK_LENS[:n]]
+    while sum(lens) > max_tokens and max(lens) > 1:
+        lens = [max(1, L // 2) for L in lens]
+    return lens if min(lens) >= 1 and sum(lens) <= max_tokens else []
+
+
+@torch.inference_mode()
+def check_graphs(runner, gr, pw) -> tuple[bool, bool]:
+    """One replay of each captured kind against an eager step (module docstring).
+
+    Returns:
+        ``(decode graphs agree, piecewise graphs agree)``; True for a kind not captured, and
+        for both when the pools are too small for the check (logged).
+    """
+    lens = _check_lens(runner, gr.max_bs if gr is not None else len(CHECK_LENS),
+                       pw.max_tokens if pw is not None else sum(CHECK_LENS))
+    if not lens:
+        logger.info("graph replay check skipped: the KV pool is too small for it")
+        return True, True
+    g = torch.Generator().manual_seed(0)
+    rows_pool, kv = runner.req_to_token_pool, runner.kv_pool
+    reqs, pages, slots = [], [], []
+    for L in lens:
+        ids = torch.randint(0, runner.vocab_size, (L + 1,), generator=g).tolist()
+        reqs.append(_CheckReq(rows_pool.alloc(), ids))
+        pages.append([])
+        slots.append(kv.grow(pages[-1], 0, L + 1) or [])
+    try:
+        if any(len(ss) != L + 1 for ss, L in zip(slots, lens)):
+            logger.info("graph replay check skipped: the KV pool is too small for it")
+            return True, True
+        prefill = ScheduleBatch(mode=ForwardMode.EXTEND, reqs=reqs, prefix_lens=[0] * len(reqs),
+                                extend_lens=list(lens), sample=[True] * len(reqs),
+                                out_cache_loc=[s for ss, L in zip(slots, lens) for s in ss[:L]])
+        decode = ScheduleBatch(mode=ForwardMode.DECODE, reqs=reqs, prefix_lens=list(lens),
+                               extend_lens=[1] * len(reqs), sample=[True] * len(reqs),
+                               out_cache_loc=[ss[L] for ss, L in zip(slots, lens)])
+        pw_ok = gr_ok = True
+        if pw is not None:
+            replayed = pw.run(prefill)
+            pw_ok = _verdict(runner, "piecewise graphs", replayed, _eager(runner, prefill))
+        else:
+            _eager(runner, prefill)  # the decode step reads this prefix from the pool
+        if gr is not None:
+            replayed = gr.replay(decode).clone()
+            gr_ok = _verdict(runner, "decode graphs", replayed, _eager(runner, decode))
+        dev.synchronize(runner.device_type)
+    finally:  # hand the rows and pages back so that allocation continues as without the check
+        for req, pg in zip(reversed(reqs), reversed(pages)):
+            kv.free_pages(pg)
+            rows_pool.free(req.req_pool_idx)
+    return gr_ok, pw_ok
+
+
+def _verdict(runner, what: str, replayed: torch.Tensor, eager: torch.Tensor) -> bool:
+    ok, detail = dev.replay_matches_eager(replayed, eager, runner.dtype)
+    if ok:
+        logger.info("%s: a replay matches an eager step (%s)", what, detail)
+    else:
+        logger.warning("%s: a replay's logits differ from an eager step's on %s (%s); these "
+                       "steps run eagerly", what, runner.device_type, detail)
+    return ok
