@@ -149,8 +149,11 @@ class SpecWorker:
                     pool.pages_needed(r.kv_len, len(r.pages), 1 + len(d)):
                 d = []  # the pool is short: this request decodes one token
             slots = kv.grow(r, 1 + len(d))
+            if slots is None and d:
+                d = []
+                slots = kv.grow(r, 1)
             if slots is None:
-                continue
+                continue  # as a plain decode step does: it waits for the next step
             reqs.append(r)
             vreqs.append(VerifyReq(r, d))
             prefix.append(r.kv_len)
