@@ -38,6 +38,7 @@ from server.http.request_id import RequestIdMiddleware
 from server.openai import native, tokens
 from server.openai.serving import OpenAIServing
 from server.openapi.spec import ServerFacts, openapi_routes
+from server.replicas import replica_metrics, replica_status
 from server.responses.serving import ResponsesServing
 from server.tokenizer_manager import TokenizerManager
 
@@ -142,6 +143,10 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
     serving = OpenAIServing(tm, args, model_name)
     created = int(time.time())
     children = children or {}
+    # --dp-size: per replica {"engine": Process, "detokenizer": Process}
+    replica_children = [{k.split("-")[0]: p for k, p in children.items()
+                         if (k.partition("-")[2] or "0") == str(i)}
+                        for i in range(len(tm.replicas))]
 
     def model_card() -> dict:
         ready = tm.engine_ready
@@ -183,7 +188,12 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
             raise http_error(503, f"unhealthy: {tm.dead}")
         if tm.shutting_down:
             raise http_error(503, "the server is shutting down")
-        return JSONResponse({"status": "ok"})
+        if len(tm.replicas) == 1:
+            return JSONResponse({"status": "ok"})
+        # --dp-size: 200 while one replica lives ("degraded" once one died)
+        degraded = any(not r.alive for r in tm.replicas)
+        return JSONResponse({"status": "degraded" if degraded else "ok",
+                             "replicas": replica_status(tm.replicas, replica_children)})
 
     @endpoint
     async def health_generate(request: Request) -> Response:
@@ -216,6 +226,11 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
             "detokenizer_pid": getattr(children.get("detokenizer"), "pid", None),
             "num_inflight": tm.num_inflight, "shutting_down": tm.shutting_down,
         })
+        if len(tm.replicas) > 1:  # the figures above are the replicas' sums
+            info.update(dp_size=len(tm.replicas), load_balance_method=args.load_balance_method,
+                        replicas=replica_status(tm.replicas, replica_children),
+                        max_total_tokens=sum(r.ready["engine"].max_total_tokens
+                                             for r in tm.replicas))
         return JSONResponse(info)
 
     @endpoint
@@ -231,6 +246,8 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
             raise http_error(503, "metrics are not ready")
         await refresh_engine_gauges(tm)
         body, content_type = tm.metrics.render()
+        if len(tm.replicas) > 1:
+            body += replica_metrics(tm.replicas, model_name)
         return Response(body, media_type=content_type)
 
     async def http_exception(request: Request, exc: Exception) -> Response:

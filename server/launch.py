@@ -11,7 +11,13 @@
 4. With ``--tp-size N`` the engine process spawns the model workers of ranks 1..N-1 (see
    ``engine/executor/tp_worker.py``) and ends itself when one dies, which step 3 then handles; a
    node started with ``--node-rank > 0`` runs only its workers (:func:`run_worker_node`).
-5. SIGINT/SIGTERM (to the server alone or to the whole process group: the children ignore
+5. With ``--dp-size N``, N replicas each spawn an engine and a detokenizer on IPC paths of
+   their own (``server/replicas.py``; on GPUs replica i sees devices ``i*tp .. i*tp+tp-1``
+   through ``CUDA_VISIBLE_DEVICES``/``ZE_AFFINITY_MASK``, on the CPU each gets ``1/N`` of the
+   engine threads unless ``--cpu-threads`` is given). A replica whose engine or
+   detokenizer dies loses the other one too, is taken out of dispatch and its requests get a
+   503; the server goes on while one replica lives (step 3 when none does).
+6. SIGINT/SIGTERM (to the server alone or to the whole process group: the children ignore
    both): new requests get 503, in-flight ones may finish for ``--shutdown-timeout``
    seconds, the rest end with ``finish_reason`` "abort"; then the children are killed and
    the IPC dir removed. A second signal stops at once (the same signal again within 0.5 s
@@ -24,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import os
 import signal
 import socket
 import sys
@@ -162,7 +169,10 @@ class Launcher:
     def __init__(self, args):
         self.args = args
         self.ipc = IpcPaths.create()
+        self.replica_ipcs = [IpcPaths.create() for _ in range(args.dp_size - 1)]
         self.procs: dict[str, multiprocessing.Process] = {}
+        # per replica: {"engine": Process, "detokenizer": Process}
+        self.replica_procs: list[dict[str, multiprocessing.Process]] = []
         self.tm: TokenizerManager | None = None
         self.server: _Server | None = None
         self._draining = False
@@ -174,11 +184,17 @@ class Launcher:
         passive_openmp_env()
         _one_thread()  # this process tokenizes and serves HTTP; the engine gets the cores
         ctx = multiprocessing.get_context("spawn")
-        for name in ("engine", "detokenizer"):
-            p = ctx.Process(target=_child_main, args=(name, self.args, self.ipc),
-                            name=f"ferry-{name}", daemon=False)
-            p.start()
-            self.procs[name] = p
+        for i, ipc in enumerate([self.ipc, *self.replica_ipcs]):
+            args, env = _replica_args(self.args, i)
+            own: dict[str, multiprocessing.Process] = {}
+            for name in ("engine", "detokenizer"):
+                suffix = f"-{i}" if i else ""
+                p = ctx.Process(target=_child_main, args=(name, args, ipc),
+                                name=f"ferry-{name}{suffix}", daemon=False)
+                with _environ(env):
+                    p.start()
+                self.procs[name + suffix] = own[name] = p
+            self.replica_procs.append(own)
 
     def _dead_child(self) -> tuple[str, int | None] | None:
         for name, p in self.procs.items():
@@ -203,7 +219,8 @@ class Launcher:
 
     async def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.args.startup_timeout
-        while not all(n in self.tm.ready for n in self.procs):
+        while not all(n in r.ready for r, own in zip(self.tm.replicas, self.replica_procs)
+                      for n in own):
             dead = self._dead_child()
             if dead is not None:
                 raise StartupError(f"the {dead[0]} process exited with code {dead[1]} during "
@@ -217,7 +234,9 @@ class Launcher:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
-            dead = self._dead_child()
+            self._watch_replicas()
+            dead = self._dead_child() if self.tm.dead is not None or \
+                len(self.replica_procs) == 1 else None
             if dead is None:
                 continue
             logger.error("the %s process died (exit code %s); failing all requests and "
@@ -227,6 +246,21 @@ class Launcher:
             await asyncio.sleep(DEAD_EXIT_DELAY_S)
             self.server.should_exit = True
             return
+
+    def _watch_replicas(self) -> None:
+        """--dp-size: take a replica whose engine or detokenizer died out (its other
+        child is killed); the last one to go ends the server through ``_watch``."""
+        if len(self.replica_procs) == 1:
+            return
+        for r, own in zip(self.tm.replicas, self.replica_procs):
+            dead = next(((n, p.exitcode) for n, p in own.items() if not p.is_alive()), None)
+            if r.alive and dead is not None:
+                for p in own.values():
+                    if p.is_alive():
+                        p.kill()
+                logger.error("replica %d: the %s process died (exit code %s); its requests "
+                             "fail, the other replicas go on", r.index, *dead)
+                self.tm.on_replica_died(r.index, *dead)
 
     # ---- shutdown -----------------------------------------------------------------------
     def on_signal(self, sig: int) -> None:
@@ -269,7 +303,13 @@ class Launcher:
     async def serve(self) -> int:
         args = self.args
         sock = _bind(args.host, args.port)
-        self.tm = TokenizerManager(args, self.ipc)
+        if args.dp_size > 1 and args.nnodes > 1:
+            raise StartupError("--dp-size > 1 runs on one host: it does not combine with "
+                               "--nnodes > 1 (put a router in front of several servers)")
+        if args.dp_size > 1 and args.tp_size > 1 and args.dist_init_addr:
+            raise StartupError("--dp-size > 1 with --tp-size > 1: leave --dist-init-addr "
+                               "unset (each replica picks a free rendezvous port)")
+        self.tm = TokenizerManager(args, self.ipc, self.replica_ipcs)
         try:
             self.tm.start()
             self._spawn()
@@ -278,9 +318,10 @@ class Launcher:
             self.tm.set_tokenizer(await tok)  # probes the chat template (tools)
             ready = self.tm.engine_ready
             host = f"[{args.host}]" if ":" in args.host else args.host
-            logger.info("ferry ready: model=%s device=%s dtype=%s tp_size=%d kv_capacity=%d "
-                        "tokens max_context_len=%d url=http://%s:%d", model_name_of(args),
-                        ready.device, ready.dtype, ready.tp_size, ready.max_total_tokens,
+            logger.info("ferry ready: model=%s device=%s dtype=%s tp_size=%d dp_size=%d "
+                        "kv_capacity=%d tokens max_context_len=%d url=http://%s:%d",
+                        model_name_of(args), ready.device, ready.dtype, ready.tp_size,
+                        args.dp_size, ready.max_total_tokens,
                         ready.max_context_len, host, args.port)
             app = build_app(self.tm, args, self.procs)
             # log_level=None: keep the levels setup_logging chose for uvicorn's loggers
@@ -316,7 +357,46 @@ class Launcher:
         finally:
             signal.signal(signal.SIGTERM, old_term)
             self.stop_children()
-            self.ipc.cleanup()
+            for ipc in (self.ipc, *self.replica_ipcs):
+                ipc.cleanup()
+
+
+_DEVICE_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "xpu": "ZE_AFFINITY_MASK"}
+
+
+def _replica_args(args, i: int):
+    """``(args, environment overrides)`` of replica ``i`` (see step 5 above)."""
+    if args.dp_size == 1:
+        return args, {}
+    from engine import device as dev
+
+    kind = dev.resolve_device(args.device)
+    if kind == "cpu":
+        share = max(1, dev.cpu_thread_count(None) // args.dp_size)
+        return args.replace(cpu_threads=args.cpu_threads or share), {}
+    var = _DEVICE_ENV[kind]
+    seen = os.environ.get(var)
+    ids = seen.split(",") if seen else [str(d) for d in range(dev.visible_device_count(kind))]
+    need = args.dp_size * args.tp_size
+    if len(ids) < need:
+        raise StartupError(f"--dp-size {args.dp_size} x --tp-size {args.tp_size} needs {need} "
+                           f"{kind} devices, {len(ids)} visible")
+    return args, {var: ",".join(ids[i * args.tp_size:(i + 1) * args.tp_size])}
+
+
+@contextlib.contextmanager
+def _environ(env: dict):
+    """``os.environ`` with ``env`` set (a spawned child copies it at start)."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def run_worker_node(args) -> int:

@@ -25,8 +25,12 @@ A dead replica is skipped and its index dropped.
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+from engine import io_struct as io
+from server.http.errors import unavailable
 
 #: tokens per prefix block (a prompt shorter than one block has no affinity)
 BLOCK = 16
@@ -129,3 +133,143 @@ class Dispatcher:
     def forget(self, i: int) -> None:
         """Drop replica ``i``'s index (it died)."""
         self.index[i].clear()
+
+
+def summed_info(infos: list) -> io.ServerInfoOut:
+    """The replicas' ``ServerInfoOut``s added up (the speculative and TP details of the
+    first; ``stats`` counters summed where numeric)."""
+    first = infos[0]
+    total = {f: sum(getattr(x, f) for x in infos) for f in _INFO_SUMS}
+    stats: dict = {}
+    for x in infos:
+        for k, v in x.stats.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                stats[k] = stats.get(k, 0) + v
+    return io.ServerInfoOut(rid=first.rid, stats=stats, tensor_parallel=first.tensor_parallel,
+                            speculative=first.speculative, **total)
+
+
+_INFO_SUMS = ("kv_used_tokens", "kv_free_tokens", "kv_total_tokens", "num_running",
+              "num_waiting", "cached_tokens", "evictable_tokens")
+
+
+def summed_stats(replicas: list[Replica]) -> io.StatsOut:
+    """The live replicas' last figures as one ``StatsOut`` for the server's gauges (KV usage
+    weighted by each replica's pool size)."""
+    running = waiting = 0
+    used = total = 0.0
+    for r in replicas:
+        x = r.info
+        if x is None or not r.alive:
+            continue
+        running, waiting = running + x.num_running, waiting + x.num_waiting
+        ready = r.ready.get("engine")
+        size = float(ready.max_total_tokens if ready else 1) or 1.0
+        usage = getattr(x, "kv_usage", None)
+        if usage is None:
+            usage = x.kv_used_tokens / x.kv_total_tokens if x.kv_total_tokens else 0.0
+        used, total = used + usage * size, total + size
+    return io.StatsOut(num_running=running, num_waiting=waiting,
+                       kv_usage=used / total if total else 0.0)
+
+
+class ReplicaRouting:
+    """The replica side of ``TokenizerManager`` (its mixin): which replica an engine
+    request goes to, its load, a replica's death, questions to every replica.
+
+    Expects ``replicas``, ``dispatcher``, ``owner`` (rid -> replica index), ``states``,
+    ``metrics``, ``push``, ``_record_finish``, ``_ask_engine`` and ``on_child_died``.
+    """
+
+    def _on_engine_stats(self, msg, replica: int) -> None:
+        if len(self.replicas) > 1:
+            self.replicas[replica].info = msg
+            msg = summed_stats(self.replicas)
+        if self.metrics is not None:
+            self.metrics.on_engine_stats(msg)
+
+    def _release(self, rid: str) -> None:
+        """The engine request ``rid`` no longer counts toward its replica's load."""
+        i = self.owner.pop(rid, None)
+        if i is not None:
+            self.replicas[i].inflight -= 1
+
+    def _push_for(self, rid: str, ids: list[int]):
+        """The socket of the replica the dispatcher picks for ``ids`` (now ``rid``'s)."""
+        if len(self.replicas) == 1:
+            return self.push
+        i = self.dispatcher.choose(ids, [r.inflight if r.alive else None
+                                         for r in self.replicas])
+        self.owner[rid] = i
+        self.replicas[i].inflight += 1
+        return self.replicas[i].push
+
+    def _abort_socket(self, rid: str):
+        """Where the abort of ``rid`` goes: its replica's socket, None if that one is dead."""
+        r = self.replicas[self.owner.get(rid, 0)]
+        self._release(rid)
+        return r.push if r.alive else None
+
+    def on_replica_died(self, index: int, name: str, exitcode: int | None) -> None:
+        """Take replica ``index`` out of dispatch and fail its waiting requests with a 503;
+        the last one to die is ``on_child_died``."""
+        r = self.replicas[index]
+        r.dead = f"the {name} process of replica {index} exited with code {exitcode}"
+        self.dispatcher.forget(index)
+        if not any(x.alive for x in self.replicas):
+            self.on_child_died(name, exitcode)
+            return
+        err = unavailable(f"engine replica {index} died ({r.dead}); retry the request")
+        for rid in [rid for rid, i in self.owner.items() if i == index]:
+            st = self.states.pop(rid, None)
+            self._release(rid)
+            if st is not None:
+                st.queue.put_nowait(err)
+                self._record_finish(rid, st, "abort")
+
+    async def _ask_replicas(self, msg_type, prefix: str) -> list:
+        """``_ask_engine`` of every live replica at once; None for those that did not answer
+        (each answer also lands in its ``Replica.info``).
+
+        Raises:
+            APIError: 503 if none answered.
+        """
+        live = [r for r in self.replicas if r.alive]
+        outs = await asyncio.gather(*(self._ask_engine(msg_type, prefix, r) for r in live),
+                                    return_exceptions=True)
+        outs = [None if isinstance(o, BaseException) else o for o in outs]
+        if not any(outs):
+            raise unavailable("no engine replica answered in time")
+        return outs
+
+
+
+def replica_status(replicas: list[Replica], children: list[dict]) -> list[dict]:
+    """``/server_info``'s and ``/health``'s ``replicas``: per replica its state, pids, the
+    requests the server waits on and its engine's last figures."""
+    out = []
+    for r, own in zip(replicas, children or [{}] * len(replicas)):
+        d = {"index": r.index, "alive": r.alive, "error": r.dead, "num_inflight": r.inflight,
+             "engine_pid": getattr(own.get("engine"), "pid", None),
+             "detokenizer_pid": getattr(own.get("detokenizer"), "pid", None)}
+        if isinstance(r.info, io.ServerInfoOut) and r.alive:
+            d.update({f: getattr(r.info, f) for f in _INFO_SUMS}, stats=r.info.stats)
+        out.append(d)
+    return out
+
+
+def replica_metrics(replicas: list[Replica], model: str) -> bytes:
+    """Per-replica gauges appended to ``/metrics`` with ``--dp-size`` (Prometheus text)."""
+    rows = [("dp_replica_up", "1 while the replica's processes live", lambda r: int(r.alive)),
+            ("dp_replica_inflight_requests", "engine requests the server waits on",
+             lambda r: r.inflight),
+            ("dp_replica_num_requests_running", "requests its engine runs",
+             lambda r: r.info.num_running if r.info is not None and r.alive else 0),
+            ("dp_replica_num_requests_waiting", "requests its engine queues",
+             lambda r: r.info.num_waiting if r.info is not None and r.alive else 0)]
+    lines = []
+    for name, doc, value in rows:
+        lines += [f"# HELP ferry:{name} {doc}", f"# TYPE ferry:{name} gauge"]
+        lines += [f'ferry:{name}{{model_name="{model}",replica="{r.index}"}} {value(r)}'
+                  for r in replicas]
+    return ("\n".join(lines) + "\n").encode()

@@ -5,6 +5,9 @@ engine's limits, sends ``TokenizedGenerateReq`` to the engine and hands every ou
 the waiting route. One state per rid holds an ``asyncio.Queue``; a single listener task
 receives everything the detokenizer and the engine push to the server's PULL socket and
 dispatches it. Requests that fan out (``n`` > 1, several prompts) share one queue.
+With ``--dp-size N`` there is one PUSH and one PULL socket (and listener) per engine replica
+(``server/replicas.py``): each engine request goes to the replica its ``Dispatcher`` picks,
+and its outputs and abort stay with that replica.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from engine.validation import RequestError, validate_request
 from server.chat_template import ChatTokenizer
 from server.http.errors import APIError, bad_request, unavailable
 from server.metrics import Metrics, format_request_log
+from server.replicas import Dispatcher, Replica, ReplicaRouting, summed_info
 
 logger = logging.getLogger("ferry.server")
 
@@ -74,7 +78,7 @@ class _ReqState:
     itl: list[float] = field(default_factory=list)
 
 
-class TokenizerManager(ChatTokenizer):
+class TokenizerManager(ChatTokenizer, ReplicaRouting):
     """Tokenize, send to the engine, and route outputs back per rid.
 
     Args:
@@ -87,16 +91,25 @@ class TokenizerManager(ChatTokenizer):
     #: (server/chat_template.py); set by ``set_tokenizer``
     tools_fallback: bool = False
 
-    def __init__(self, server_args, ipc: IpcPaths):
+    def __init__(self, server_args, ipc: IpcPaths, replica_ipcs: list[IpcPaths] = ()):
         self.args = server_args
         self.ctx = zmq.Context()
         self.actx = zmq.asyncio.Context()
         self.pull = AsyncPullSocket(self.actx, ipc.server, SERVER_IN, bind=True)
         self.push = PushSocket(self.ctx, ipc.engine)
+        # replica 0 is ``ipc``; ``replica_ipcs`` the others (--dp-size)
+        self.replicas = [Replica(0, self.push, self.pull)] + [
+            Replica(i, PushSocket(self.ctx, p.engine),
+                    AsyncPullSocket(self.actx, p.server, SERVER_IN, bind=True))
+            for i, p in enumerate(replica_ipcs, 1)]
+        self.dispatcher = Dispatcher(len(self.replicas), server_args.load_balance_method,
+                                     server_args.dp_balance_abs_threshold,
+                                     server_args.dp_balance_rel_threshold)
+        self.owner: dict[str, int] = {}  # rid -> its replica
         self.states: dict[str, _ReqState] = {}
         # rid -> time.monotonic() of its abort: reserved until the engine sends its end
         self.retired: dict[str, float] = {}
-        self.ready: dict[str, io.ReadyOut] = {}
+        self.ready: dict[str, io.ReadyOut] = self.replicas[0].ready
         self.info_waiters: dict[str, asyncio.Future] = {}
         self.tokenizer = None
         self.dead: str | None = None          # why the engine side is gone
@@ -104,20 +117,24 @@ class TokenizerManager(ChatTokenizer):
         self.metrics: Metrics | None = None
         self.last_stats: io.StatsOut | None = None
         self._listener: asyncio.Task | None = None
+        self._listeners: list[asyncio.Task] = []
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
         """Start the listener task (call inside the running event loop)."""
-        self._listener = asyncio.get_running_loop().create_task(self._listen())
+        loop = asyncio.get_running_loop()
+        self._listeners = [loop.create_task(self._listen(r)) for r in self.replicas]
+        self._listener = self._listeners[0]
 
     async def aclose(self) -> None:
-        """Stop the listener and close the sockets."""
-        if self._listener is not None:
-            self._listener.cancel()
+        """Stop the listeners and close the sockets."""
+        for task in self._listeners:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._listener
-        self.pull.close()
-        self.push.close()
+                await task
+        for r in self.replicas:
+            r.pull.close()
+            r.push.close()
         self.actx.term()
         self.ctx.term()
 
@@ -141,29 +158,32 @@ class TokenizerManager(ChatTokenizer):
     def admission_limit(self) -> int:
         """Most engine requests in flight: running plus ``--max-queued-requests`` waiting."""
         running = self.engine_ready.max_running_requests if self.engine_ready else 0
-        return (running or self.args.max_running_requests) + self.args.max_queued_requests
+        live = sum(r.alive for r in self.replicas) or 1
+        return (running or self.args.max_running_requests) * live + \
+            self.args.max_queued_requests
 
     # ---- listener -----------------------------------------------------------------------
-    async def _listen(self) -> None:
+    async def _listen(self, replica: Replica) -> None:
         while True:
             try:
-                msg = await self.pull.recv()
+                msg = await replica.pull.recv()
             except asyncio.CancelledError:
                 raise
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 logger.error("dropped an undecodable message: %s", exc)
                 continue
             try:
-                self._dispatch(msg)
+                self._dispatch(msg, replica.index)
             except Exception:
                 logger.exception("failed to dispatch %s", type(msg).__name__)
 
-    def _dispatch(self, msg) -> None:
+    def _dispatch(self, msg, replica: int = 0) -> None:
         if isinstance(msg, io.BatchStrOut):
             self._on_outputs(msg)
         elif isinstance(msg, io.ErrorOut):
             st = self.states.pop(msg.rid, None)
             if st is not None:
+                self._release(msg.rid)
                 st.queue.put_nowait(APIError(msg.message, msg.status, msg.param, msg.code))
                 self._record_finish(msg.rid, st, "abort")
         elif isinstance(msg, io.FlushCacheOut):
@@ -174,15 +194,13 @@ class TokenizerManager(ChatTokenizer):
             fut = self.info_waiters.pop(msg.rid, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
-            if self.metrics is not None:
-                self.metrics.on_engine_stats(msg)
+            self._on_engine_stats(msg, replica)
         elif isinstance(msg, io.StatsOut):
             self.last_stats = msg
-            if self.metrics is not None:
-                self.metrics.on_engine_stats(msg)
+            self._on_engine_stats(msg, replica)
         elif isinstance(msg, io.ReadyOut):
-            self.ready[msg.rid] = msg
-            if msg.rid == "engine":
+            self.replicas[replica].ready[msg.rid] = msg
+            if msg.rid == "engine" and self.metrics is None:
                 self.metrics = Metrics(self.args.served_model_name or msg.model,
                                        max_context_len=max(1, msg.max_context_len))
 
@@ -215,6 +233,7 @@ class TokenizerManager(ChatTokenizer):
                                           b.completion_tokens[i], lp, plp, st.cached_tokens))
             if fin is not None:
                 del self.states[rid]
+                self._release(rid)
                 self._record_finish(rid, st, str(fin.get("type", "stop")))
 
     def _record_finish(self, rid: str, st: _ReqState, reason: str) -> None:
@@ -317,7 +336,7 @@ class TokenizerManager(ChatTokenizer):
                 self.states[rid] = _ReqState(queue, idx, t0, len(ids))
                 rids.append(rid)
             for rid, (_, ids, sp) in zip(unique, reqs):
-                self.push.send(io.TokenizedGenerateReq(rid=rid, input_ids=ids,
+                self._push_for(rid, ids).send(io.TokenizedGenerateReq(rid=rid, input_ids=ids,
                                                        sampling_params=sp, stream=stream,
                                                        arrival_time=now))
             remaining = len(reqs)
@@ -338,9 +357,10 @@ class TokenizerManager(ChatTokenizer):
             if st is None:
                 continue
             self.retired[rid] = time.monotonic()  # until the engine's end for it arrives
-            if self.dead is None:
+            sock = self._abort_socket(rid)
+            if self.dead is None and sock is not None:
                 try:
-                    self.push.send(io.AbortReq(rid=rid))
+                    sock.send(io.AbortReq(rid=rid))
                 except zmq.ZMQError:
                     logger.exception("could not send the abort of %s", rid)
             self._record_finish(rid, st, "abort")
@@ -358,6 +378,7 @@ class TokenizerManager(ChatTokenizer):
         for rid, st in list(self.states.items()):
             st.queue.put_nowait(err)
             del self.states[rid]
+            self._release(rid)
             self._record_finish(rid, st, "abort")
         for fut in self.info_waiters.values():
             if not fut.done():
@@ -375,7 +396,10 @@ class TokenizerManager(ChatTokenizer):
         Raises:
             APIError: 503 if the engine is dead or does not answer within 5 s.
         """
-        return await self._ask_engine(io.GetServerInfoReq, "info")
+        if len(self.replicas) == 1:
+            return await self._ask_engine(io.GetServerInfoReq, "info")
+        outs = await self._ask_replicas(io.GetServerInfoReq, "info")
+        return summed_info([o for o in outs if o is not None])
 
     async def flush_cache(self) -> io.FlushCacheOut:
         """Ask the engine to empty its prefix cache (it refuses while requests run).
@@ -383,16 +407,20 @@ class TokenizerManager(ChatTokenizer):
         Raises:
             APIError: 503 if the engine is dead or does not answer within 5 s.
         """
-        return await self._ask_engine(io.FlushCacheReq, "flush")
+        if len(self.replicas) == 1:
+            return await self._ask_engine(io.FlushCacheReq, "flush")
+        outs = [o for o in await self._ask_replicas(io.FlushCacheReq, "flush") if o]
+        return io.FlushCacheOut(rid="flush", success=all(o.success for o in outs),
+                                message="; ".join(sorted({o.message for o in outs})))
 
-    async def _ask_engine(self, msg_type, prefix: str):
+    async def _ask_engine(self, msg_type, prefix: str, replica: Replica | None = None):
         """Send a control request and wait for the engine's answer with the same rid."""
         if self.dead is not None:
             raise unavailable(f"the engine is not running ({self.dead})")
         rid = f"{prefix}-{uuid.uuid4().hex}"
         fut = asyncio.get_running_loop().create_future()
         self.info_waiters[rid] = fut
-        self.push.send(msg_type(rid=rid))
+        (self.push if replica is None else replica.push).send(msg_type(rid=rid))
         try:
             return await asyncio.wait_for(fut, SERVER_INFO_TIMEOUT_S)
         except TimeoutError:

@@ -228,7 +228,10 @@ class DetokenizeResponse(_Out):
 
 
 class HealthResponse(_Out):
-    status: Literal["ok"]
+    """``degraded``: with ``--dp-size``, some engine replica died (``replicas`` says which)."""
+
+    status: Literal["ok", "degraded"]
+    replicas: list[dict[str, Any]] | None = None
 
 
 class FlushCacheResponse(_Out):

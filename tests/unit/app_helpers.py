@@ -12,6 +12,7 @@ import asyncio
 from engine import io_struct as io
 from engine.args import ServerArgs
 from server.app import build_app
+from server.replicas import Dispatcher, Replica
 from server.tokenizer_manager import TokenizerManager
 
 VOCAB = 49152
@@ -66,6 +67,8 @@ def fake_tm(args: ServerArgs) -> TokenizerManager:
     tm.tokenizer, tm.dead, tm.shutting_down = None, None, False
     tm.metrics, tm.last_stats, tm._listener = None, None, None
     tm.push = FakeEngine(tm)
+    tm.replicas, tm.owner = [Replica(0, tm.push, ready=tm.ready)], {}
+    tm.dispatcher = Dispatcher(1)
     tm._dispatch(io.ReadyOut(rid="engine", max_total_tokens=4096, max_context_len=2048,
                              max_running_requests=4, vocab_size=VOCAB, device="cpu",
                              dtype="float32", model="fake"))

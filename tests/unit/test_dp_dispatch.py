@@ -90,3 +90,67 @@ def test_server_args_bounds():
         ServerArgs(load_balance_method="random")
     with pytest.raises(ValueError, match="--dp-balance-rel-threshold"):
         ServerArgs(dp_balance_rel_threshold=0.5)
+
+
+def _two_replica_tm(method: str = "prefix_affinity"):
+    """A fake ``TokenizerManager`` with two replicas, each a held ``FakeEngine``."""
+    from app_helpers import FakeEngine, fake_tm
+
+    from engine import io_struct as io
+    from server.replicas import Replica
+
+    tm = fake_tm(ServerArgs(load_balance_method=method))
+    second = FakeEngine(tm)
+    tm.replicas.append(Replica(1, second))
+    tm.replicas[1].ready["engine"] = tm.ready["engine"]
+    tm.dispatcher = Dispatcher(2, method, block=4)
+    for e in (tm.push, second):
+        e.hold = True
+    assert isinstance(tm.ready["engine"], io.ReadyOut)
+    return tm, [tm.push, second]
+
+
+def test_requests_spread_die_with_their_replica_and_abort_there():
+    import asyncio
+
+    from engine import io_struct as io
+    from engine.sampling.params import SamplingParams
+    from server.http.errors import APIError
+
+    async def main():
+        tm, engines = _two_replica_tm()
+        sp = SamplingParams(max_tokens=1)
+
+        async def run(rid, ids):
+            return [o async for o in tm.generate([(rid, ids, sp)], False)]
+
+        a = asyncio.ensure_future(run("a", ids(8, 100)))
+        b = asyncio.ensure_future(run("b", ids(8, 200)))
+        await asyncio.sleep(0)
+        assert engines[0].rids == ["a"] and engines[1].rids == ["b"]  # least loaded
+        assert [r.inflight for r in tm.replicas] == [1, 1] and tm.owner == {"a": 0, "b": 1}
+        # the same prefix as "a" follows it though replica 0 is busier
+        c = asyncio.ensure_future(run("c", ids(8, 100) + [1]))
+        await asyncio.sleep(0)
+        assert engines[0].rids == ["a", "c"]
+        c.cancel()
+        await asyncio.gather(c, return_exceptions=True)
+        assert [type(m) for m in engines[0].sent][-1] is io.AbortReq  # to its own replica
+        assert not any(isinstance(m, io.AbortReq) for m in engines[1].sent)
+        tm.on_replica_died(1, "engine", -9)
+        with pytest.raises(APIError) as err:
+            await b
+        assert err.value.status == 503 and "replica 1" in err.value.message
+        assert tm.dead is None and tm.replicas[1].dead
+        engines[0].release()
+        assert (await a)[-1].finish_reason is not None
+        d = asyncio.ensure_future(run("d", ids(8, 200)))  # 200's prefix was on 1: now 0
+        await asyncio.sleep(0)
+        engines[0].release()
+        await d
+        assert engines[0].rids == ["a", "c", "d"] and tm.owner == {}
+        assert [r.inflight for r in tm.replicas] == [0, 0]
+        tm.on_replica_died(0, "detokenizer", 1)  # the last one: the server's engine is gone
+        assert tm.dead is not None
+
+    asyncio.run(main())
