@@ -53,13 +53,13 @@ for stage in "$@"; do
               --model-path $L8B --load-format dummy --batch-size $b --input-len 512; done;;
     profile64) run profile64 200 python3 -m bench.profile_decode --model-path $L8B --load-format dummy \
               --disable-cuda-graph --batch-size 64 --input-len 512;;
-    gemm) run gemm 300 python3 -m bench.sweep_gemm;;
+    gemm) run gemm 300 python3 -m bench.kernels.sweep_gemm;;
     profile256) run profile256 200 python3 -m bench.profile_decode --model-path $L8B \
               --load-format dummy --batch-size 256 --input-len 1024;;
-    sweep) run sweep 300 python3 -m bench.sweep_decode ${SWEEP_ARGS:-};;
-    probe) run probe 240 python3 -m bench.probe_ttft --model-path $L8B --load-format dummy \
+    sweep) run sweep 300 python3 -m bench.kernels.sweep_decode ${SWEEP_ARGS:-};;
+    probe) run probe 240 python3 -m bench.serving.probe_ttft --model-path $L8B --load-format dummy \
               --running 36 --prompt-len 560;;
-    waves) for w in 1 2 4; do run kernels-w$w 200 python3 -m bench.bench_kernels --peak-gbs 4800 \
+    waves) for w in 1 2 4; do run kernels-w$w 200 python3 -m bench.kernels.bench_kernels --peak-gbs 4800 \
               --waves $w --batch-sizes 1,16,64,128 --contexts 512,1024,2048 --no-ref --skip-extend; done
            run latency-w2 300 python3 -m bench.bench_latency --model-path $L8B --load-format dummy \
               --decode-attention-waves 2 --batch-size 1 64 --input-len 512 --output-len 64 \
@@ -75,19 +75,19 @@ for stage in "$@"; do
               --output-len 64 "${fj[@]}" --result-jsonl "$OUT/hf.jsonl";;
     offline-prof) run offline-prof 300 python3 -m bench.host_profile bench.bench_offline \
               --model-path $L8B --load-format dummy --num-prompts 128;;
-    kernels) run kernels 300 python3 -m bench.bench_kernels --peak-gbs 4800 ${KERNEL_ARGS:-};;
+    kernels) run kernels 300 python3 -m bench.kernels.bench_kernels --peak-gbs 4800 ${KERNEL_ARGS:-};;
     offline) run offline 400 python3 -m bench.bench_offline --model-path $L8B --load-format dummy \
               --result-jsonl "$OUT/offline.jsonl";;
     offline-small) run offline-small 300 python3 -m bench.bench_offline --model-path $L8B \
               --load-format dummy --num-prompts 64 --result-jsonl "$OUT/offline.jsonl";;
     serving) start_server serving
-             run serving 300 python3 -m bench.bench_serving --base-url http://127.0.0.1:30000 \
+             run serving 300 python3 -m bench.serving.bench_serving --base-url http://127.0.0.1:30000 \
                "${SERVE8[@]}" --output-json "$OUT/serving.json"
              stop_server serving;;
     offline-nocache) run offline-nocache 400 python3 -m bench.bench_offline --model-path $L8B \
               --load-format dummy --disable-radix-cache --result-jsonl "$OUT/offline-nocache.jsonl";;
     serving-nocache) start_server serving-nocache --disable-radix-cache
-             run serving-nocache 300 python3 -m bench.bench_serving --base-url http://127.0.0.1:30000 \
+             run serving-nocache 300 python3 -m bench.serving.bench_serving --base-url http://127.0.0.1:30000 \
                "${SERVE8[@]}" --output-json "$OUT/serving-nocache.json"
              stop_server serving-nocache;;
     prefix) for mode in cache nocache; do  # G=64 P=16 S=2048 Q=128 O=256, all sent at once
@@ -95,7 +95,7 @@ for stage in "$@"; do
                flag=(); [ $mode = nocache ] && flag=(--disable-radix-cache)
                name=gsp-$mode${GSP_TAG:-}
                start_server $name "${flag[@]}" ${GSP_SERVER_ARGS:-}
-               run $name 420 python3 -m bench.bench_serving --base-url http://127.0.0.1:30000 \
+               run $name 420 python3 -m bench.serving.bench_serving --base-url http://127.0.0.1:30000 \
                  --dataset-name generated-shared-prefix --max-duration 360 \
                  --output-json "$OUT/$name.json"
                stop_server $name
@@ -103,7 +103,7 @@ for stage in "$@"; do
     multiturn) for mode in cache nocache; do  # 32 conversations x 8 turns
                flag=(); [ $mode = nocache ] && flag=(--disable-radix-cache)
                start_server mt-$mode "${flag[@]}"
-               run mt-$mode 300 python3 -m bench.bench_serving --base-url http://127.0.0.1:30000 \
+               run mt-$mode 300 python3 -m bench.serving.bench_serving --base-url http://127.0.0.1:30000 \
                  --dataset-name multi-turn --max-duration 240 --output-json "$OUT/mt-$mode.json"
                stop_server mt-$mode
              done;;
@@ -136,7 +136,7 @@ for stage in "$@"; do
                --tokenizer-path "${TOKENIZER:-.tok}" --port 30000 >"$OUT/server-tp70.log" 2>&1 &
              spid=$!
              for _ in $(seq 1 400); do curl -sf localhost:30000/health >/dev/null && break; sleep 1; done
-             run tp70-serving 300 python3 -m bench.bench_serving --base-url http://127.0.0.1:30000 \
+             run tp70-serving 300 python3 -m bench.serving.bench_serving --base-url http://127.0.0.1:30000 \
                "${SERVE8[@]}" --output-json "$OUT/tp70-serving.json"
              stop_server tp70;;
     moe-latency) # mixture of experts (issue 25): bs1/bs64 decode of both shipped MoE shapes
@@ -153,25 +153,25 @@ for stage in "$@"; do
                >"$OUT/server-moe.log" 2>&1 &
              spid=$!
              for _ in $(seq 1 300); do curl -sf localhost:30000/health >/dev/null && break; sleep 1; done
-             run moe-serving 300 python3 -m bench.bench_serving --base-url http://127.0.0.1:30000 \
+             run moe-serving 300 python3 -m bench.serving.bench_serving --base-url http://127.0.0.1:30000 \
                "${SERVE8[@]}" --output-json "$OUT/moe-serving.json"
              stop_server moe;;
     moe-sweep) # the fused MoE alone at M = 1..256 (graph replays, L2 flushed), per shape
-             run moe-sweep 500 python3 -m bench.tune_fused_moe --batch-sizes 1,2,4,8,16,32,64,128,256 \
+             run moe-sweep 500 python3 -m bench.kernels.tune_fused_moe --batch-sizes 1,2,4,8,16,32,64,128,256 \
                --out "$OUT/moe-sweep.json";;
     grammar) # structured output (issue 13): bs64 decode steps free / JSON-schema-constrained /
              # mixed, and grammar compile times; needs xgrammar (its wheel in ./.whl) and a
              # tokenizer (SmolLM2's, .tok: the 8B config has none)
              if python3 -c 'import xgrammar' 2>/dev/null; then
-               run grammar 420 python3 -m bench.bench_grammar --model-path $L8B --load-format dummy \
+               run grammar 420 python3 -m bench.grammar.bench_grammar --model-path $L8B --load-format dummy \
                  --tokenizer-path "${TOKENIZER:-.tok}" --batch-size 64 --input-len 512 --steps 64 \
                  --profile-steps 16 --result-file "$OUT/grammar.json"
              else echo "=== grammar skipped: xgrammar is not installed (put its wheel in ./.whl)"; fi;;
     fp8-sweep) # FP8 decode GEMMs (issue 14): bf16 vs quant+_scaled_mm vs the small-M Triton
              # kernel, and its launch-config sweep
-             run fp8-sweep 420 python3 -m bench.sweep_gemm --fp8 --result-json "$OUT/fp8-sweep.json";;
+             run fp8-sweep 420 python3 -m bench.kernels.sweep_gemm --fp8 --result-json "$OUT/fp8-sweep.json";;
     fp8-medium) # the small-M kernel's W8A16 and FP8-dot configs at M = 32, 64 (vs _scaled_mm)
-             run fp8-medium 500 python3 -m bench.sweep_gemm --fp8-medium --result-json "$OUT/fp8-medium.json";;
+             run fp8-medium 500 python3 -m bench.kernels.sweep_gemm --fp8-medium --result-json "$OUT/fp8-medium.json";;
     fp8-baseline) # FP8 with W8A8 (quant + _scaled_mm) at every M: the path before the small-M kernel
              FERRY_FP8_WEIGHT_ONLY_MAX_M=0 run fp8-latency-scaledmm 300 python3 -m bench.bench_latency \
                --model-path $L8B --load-format dummy --quantization fp8 --batch-size 1 64 \
@@ -207,7 +207,7 @@ device='meta', quantization=q, progress=False)[0]); print('weight bytes bf16', b
              fi
              if want serving; then
                start_server fp8-serving --quantization fp8
-               run fp8-serving 300 python3 -m bench.bench_serving \
+               run fp8-serving 300 python3 -m bench.serving.bench_serving \
                  --base-url http://127.0.0.1:30000 "${SERVE8[@]}" --output-json "$OUT/fp8-serving.json"
                stop_server fp8-serving
              fi

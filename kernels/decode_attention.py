@@ -37,7 +37,7 @@ registers, no spills; MHA path 128 registers. Stage 2 is a few microseconds:
 
 Split defaults per device (:data:`DEFAULT_WAVES`, the ``waves`` of
 :func:`choose_num_kv_splits` without ``--decode-attention-waves``): 1 on CUDA (swept on the
-H200 with ``bench/sweep_decode.py``); 4 on XPU, where the count is of Xe cores (20 on an Arc
+H200 with ``bench/kernels/sweep_decode.py``); 4 on XPU, where the count is of Xe cores (20 on an Arc
 B580, 64 per Data Center GPU Max stack, against the H200's 132 SMs) and each Xe core keeps
 several work-groups resident: one program per Xe core leaves a small batch's KV read by 20
 programs. Not yet swept on an XPU.
@@ -53,7 +53,7 @@ from kernels.launch import dot_kernel_options
 
 _LOG2E = 1.4426950408889634
 
-DEFAULT_MIN_CHUNK = 32  # tokens; see choose_num_kv_splits (bench/sweep_decode.py on the H200)
+DEFAULT_MIN_CHUNK = 32  # tokens; see choose_num_kv_splits (bench/kernels/sweep_decode.py on the H200)
 #: ``waves`` of :func:`choose_num_kv_splits` per device type (module docstring); 1 elsewhere
 DEFAULT_WAVES = {"cuda": 1, "xpu": 4}
 

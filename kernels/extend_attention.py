@@ -27,7 +27,7 @@ warps (``kernels.launch.dot_kernel_options``: the dots run 16-lane sub-groups th
 64 x 64 tile with D = 128 on half of CUDA's threads per program would spill).
 Checked with ptxas for sm_90 (bf16): D = 128 uses 177 registers, D = 64 156, no spills;
 128 x 64 tiles with 8 warps also fit (236 registers) and may be worth a try on an H200
-(``block_m=128``; ``bench/bench_kernels.py --extend-block-m 128``).
+(``block_m=128``; ``bench/kernels/bench_kernels.py --extend-block-m 128``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ holds twice the tile's registers, spills, and the large-GRF rebuild that follows
 resident work-groups. The XPU entry of a ``tl.dot`` kernel therefore doubles ``num_warps``
 (capped at 32 sub-groups) and takes triton-xpu's default of 2 pipeline stages; a kernel
 without ``tl.dot`` keeps CUDA's ``num_warps`` (its sub-groups are 32 lanes, as CUDA's warps).
-None of this is tuned on an XPU: ``bench/bench_kernels.py`` and ``bench/sweep_decode.py``
+None of this is tuned on an XPU: ``bench/kernels/bench_kernels.py`` and ``bench/kernels/sweep_decode.py``
 are the tools for it (docs/deployment.md, "First run on an Intel GPU").
 """
 

@@ -15,8 +15,8 @@ import sys
 SUBCOMMANDS = {
     "bench-latency": ("bench.bench_latency", "latency of one static batch (prefill + decode)"),
     "bench-offline": ("bench.bench_offline", "offline throughput of the engine (no HTTP)"),
-    "bench-serving": ("bench.bench_serving", "load test of a running server over HTTP"),
-    "bench-grammar": ("bench.bench_grammar", "cost of grammar-constrained decoding and compiles"),
+    "bench-serving": ("bench.serving.bench_serving", "load test of a running server over HTTP"),
+    "bench-grammar": ("bench.grammar.bench_grammar", "cost of grammar-constrained decoding and compiles"),
     "parity": ("bench.parity", "greedy outputs and logits on two devices (e.g. cpu,cuda)"),
     "quant-parity": ("bench.quant_parity", "FP8 vs float: greedy agreement and next-token KL"),
 }

@@ -22,6 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.device.accel import _mod as _mod
+from engine.device.accel import empty_cache as empty_cache
+from engine.device.accel import synchronize as synchronize
 from engine.device.cpu import cpu_native_bf16
 from engine.device.cpu import cpu_packed_gemm as cpu_packed_gemm
 from engine.device.cpu import cpu_thread_count as cpu_thread_count
@@ -139,26 +142,6 @@ def default_attention_backend(device_type: str) -> str:
     """The attention backend without ``--attention-backend``: ``triton`` on cuda and xpu,
     ``torch_native`` (the torch reference kernels) on the CPU."""
     return "triton" if use_triton(device_type) else "torch_native"
-
-
-def _mod(device_type: str):
-    if device_type == "cuda":
-        return torch.cuda
-    if device_type == "xpu":
-        return torch.xpu
-    return None
-
-
-def synchronize(device_type: str) -> None:
-    mod = _mod(device_type)
-    if mod is not None:
-        mod.synchronize()
-
-
-def empty_cache(device_type: str) -> None:
-    mod = _mod(device_type)
-    if mod is not None:
-        mod.empty_cache()
 
 
 def set_device(device_type: str, index: int = 0) -> None:

@@ -30,6 +30,8 @@ from typing import TypeVar
 
 import torch
 
+from engine.device.accel import empty_cache, synchronize
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -112,11 +114,9 @@ def coarse_graph_buckets(device_type: str) -> bool:
 
 def _recover(device_type: str) -> None:
     """After a failed capture: wait for the device and release what the capture held."""
-    from engine import device as dev
-
     try:
-        dev.synchronize(device_type)
-        dev.empty_cache(device_type)
+        synchronize(device_type)
+        empty_cache(device_type)
     except Exception as e:  # noqa: BLE001 - a device in an error state: the eager step says so
         logger.warning("after the failed capture the device reports: %s", e)
 

@@ -28,10 +28,10 @@ like a dense one. Expert parallelism is a later mode.
 
 The experts' computation is :class:`FusedMoE`'s ``impl``, which
 :func:`engine.layers.select_ops` sets like the small ops' (``engine.device.use_triton``
-decides): the Triton :func:`kernels.fused_moe.fused_moe` on GPUs (through
+decides): the Triton :func:`kernels.moe.fused_moe.fused_moe` on GPUs (through
 :func:`triton_fused_moe`, which passes the device's name for its tuned-config table; no host
 sync, so the block runs inside captured graphs), and
-:func:`kernels.moe_torch.fused_moe_torch` on the CPU and under ``--disable-fused-ops``
+:func:`kernels.moe.moe_torch.fused_moe_torch` on the CPU and under ``--disable-fused-ops``
 (it syncs with the host: a GPU model with ``--disable-fused-ops`` must also run without
 graphs).
 """
@@ -45,7 +45,7 @@ from torch import nn
 
 from engine.distributed import all_reduce, get_tp
 from engine.layers.linear import ReplicatedLinear, full_tensor
-from kernels.moe_torch import fused_moe_torch, select_experts
+from kernels.moe.moe_torch import fused_moe_torch, select_experts
 
 #: HF checkpoint part -> :meth:`FusedMoE.weight_loader` shard id
 EXPERT_SHARDS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down",
@@ -164,10 +164,10 @@ class SparseMoeBlock(nn.Module):
 
 
 def triton_fused_moe():
-    """:func:`kernels.fused_moe.fused_moe` (imported here: it needs Triton) as a ``FusedMoE``
-    ``impl``: the same arguments as :func:`kernels.moe_torch.fused_moe_torch`, plus the
+    """:func:`kernels.moe.fused_moe.fused_moe` (imported here: it needs Triton) as a ``FusedMoE``
+    ``impl``: the same arguments as :func:`kernels.moe.moe_torch.fused_moe_torch`, plus the
     device's name for the tuned launch-config table (looked up once per device type)."""
-    from kernels.fused_moe import fused_moe
+    from kernels.moe.fused_moe import fused_moe
 
     def run(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
             topk_ids: torch.Tensor) -> torch.Tensor:

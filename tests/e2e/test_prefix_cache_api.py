@@ -95,7 +95,7 @@ def test_flush_cache_and_server_info(shared_server):
 
 
 def test_bench_serving_prefix_workloads(shared_server, capsys):
-    from bench import bench_serving as bs
+    from bench.serving import bench_serving as bs
 
     base = ["--base-url", shared_server.url, "--seed", "11", "--timeout", "120"]
     gsp = bs.run(base + ["--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "2",

@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 from api_helpers import HTTP_TIMEOUT_S, MODEL, chat, comp, post, stream_chunks
 
-from bench.grammar_cases import PERSON, TIME_TZ, WEATHER
+from bench.grammar.grammar_cases import PERSON, TIME_TZ, WEATHER
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ from engine.loader.loader import config_dir
 
 def test_bench_grammar_reports_every_field(tmp_path, capsys):
     pytest.importorskip("xgrammar")
-    from bench.bench_grammar import main
+    from bench.grammar.bench_grammar import main
 
     out = tmp_path / "grammar.json"
     assert main(["--model-path", config_dir("llama-tiny"), "--load-format", "dummy",
@@ -39,10 +39,10 @@ def test_bench_grammar_reports_every_field(tmp_path, capsys):
 
 
 def test_bench_grammar_compiles_the_tests_constraints():
-    """Every constraint the structured-output tests use (bench/grammar_cases.py, which those
+    """Every constraint the structured-output tests use (bench/grammar/grammar_cases.py, which those
     tests import) is among the ones the benchmark compiles."""
-    from bench import bench_grammar as bg
-    from bench import grammar_cases as gc
+    from bench.grammar import bench_grammar as bg
+    from bench.grammar import grammar_cases as gc
 
     texts = {text for _, _, text in bg.test_constraints()}
     for schema in (*gc.SCHEMAS.values(), gc.PERSON, gc.WEATHER):
@@ -51,7 +51,7 @@ def test_bench_grammar_compiles_the_tests_constraints():
 
 
 def test_bench_grammar_help_lists_only_its_flags(capsys):
-    from bench.bench_grammar import main
+    from bench.grammar.bench_grammar import main
 
     with pytest.raises(SystemExit):
         main(["--help"])

@@ -9,7 +9,7 @@ import re
 import jsonschema
 import pytest
 
-from bench.grammar_cases import EBNF, REGEX, SCHEMAS
+from bench.grammar.grammar_cases import EBNF, REGEX, SCHEMAS
 from engine.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""``bench/bench_kernels.py --smoke`` runs end to end in the interpreter and agrees with torch."""
+"""``bench/kernels/bench_kernels.py --smoke`` runs end to end in the interpreter and agrees with torch."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from kernel_test_utils import ON_GPU
 
 @pytest.mark.skipif(ON_GPU, reason="--smoke is the CPU interpreter mode")
 def test_bench_smoke_runs_and_checks_errors(capsys):
-    from bench import bench_kernels
+    from bench.kernels import bench_kernels
 
     # main() exits 1 if any Triton output disagrees with the torch reference/SDPA.
     bench_kernels.main(["--smoke", "--batch-sizes", "2", "--contexts", "70",

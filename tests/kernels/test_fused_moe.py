@@ -20,9 +20,9 @@ pytest.importorskip("triton")
 
 from kernel_test_utils import DEVICE, ON_GPU, gpu_only, rel_err
 
-from kernels import moe_config
-from kernels.fused_moe import fused_moe, invoke_moe_gemm, moe_align_block_size, moe_sum
-from kernels.moe_torch import (
+from kernels.moe import moe_config
+from kernels.moe.fused_moe import fused_moe, invoke_moe_gemm, moe_align_block_size, moe_sum
+from kernels.moe.moe_torch import (
     align_capacity,
     fused_moe_torch,
     moe_align_block_size_torch,
@@ -97,7 +97,7 @@ def check(out, ref, dtype, what):
 
 
 def check_alignment(ids: torch.Tensor, num_experts: int, block_m: int, outputs) -> None:
-    """The outputs of the alignment against their definition (kernels.fused_moe)."""
+    """The outputs of the alignment against their definition (kernels.moe.fused_moe)."""
     sorted_ids, expert_ids, num_post = (t.cpu() for t in outputs)
     flat = ids.reshape(-1).cpu().long()
     num_pairs = flat.numel()
@@ -345,7 +345,7 @@ def test_config_table_lookup(tmp_path):
 def test_shipped_tables_are_valid():
     moe_config.clear_cache()
     paths = sorted(moe_config.CONFIG_DIR.glob("*.json"))
-    assert paths, "kernels/moe_configs/ holds no table"
+    assert paths, "kernels/moe/moe_configs/ holds no table"
     for path in paths:
         assert moe_config.load_table(str(path)), path          # parsed and checked
     h200 = json.loads((moe_config.CONFIG_DIR / "NVIDIA_H200.json").read_text())
@@ -372,7 +372,7 @@ def test_default_configs_are_valid():
 
 @pytest.mark.skipif(ON_GPU, reason="--dry-run is the CPU interpreter mode")
 def test_tuner_help_and_dry_run(tmp_path, capsys):
-    from bench import tune_fused_moe
+    from bench.kernels import tune_fused_moe
 
     with pytest.raises(SystemExit) as exc:
         tune_fused_moe.main(["--help"])

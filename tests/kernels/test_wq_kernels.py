@@ -1,5 +1,5 @@
 """Weight-only q4/q8 kernels (GGUF blocks, AWQ/GPTQ groups) against the torch reference
-(:func:`kernels.quant_ref.wq_matmul_ref`, computed again in float64 here): ferry's C++ CPU
+(:func:`kernels.quant.quant_ref.wq_matmul_ref`, computed again in float64 here): ferry's C++ CPU
 kernels (``wq_linear``, ``wq_dequant``) and the Triton GEMM (in the interpreter on the CPU).
 
 Shapes: M from 1 to 64, K a multiple of 32 but not of 64, 128 or 256 (96, 160, 608), odd N,
@@ -15,7 +15,7 @@ import pytest
 import torch
 from kernel_test_utils import DEVICE
 
-from kernels.quant_ref import dequant, pack_q4, unpack_q4, wq_matmul_ref
+from kernels.quant.quant_ref import dequant, pack_q4, unpack_q4, wq_matmul_ref
 
 NO_COMPILER = shutil.which("g++") is None and shutil.which("c++") is None
 needs_cpu_kernels = pytest.mark.skipif(
@@ -102,7 +102,7 @@ def test_cpu_kernel_refuses_bad_layouts():
                                          (33, 9, 608, 32), (64, 65, 384, 128)])
 def test_triton_matches_reference(fmt, xdtype, m, n, k, group):
     pytest.importorskip("triton")
-    from kernels.wq_triton import wq_linear
+    from kernels.quant.wq_triton import wq_linear
 
     qw, s, mins = _weights(fmt, n, k, group, torch.float16, seed=m + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(xdtype)

@@ -20,8 +20,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from bench import bench_serving as bs
-from bench import hf_baseline, result_line, roofline, serving_report, workloads
+from bench import hf_baseline, result_line, roofline
+from bench.serving import bench_serving as bs
+from bench.serving import serving_report, workloads
 
 # ------------------------------------------------------------------------ fake server
 

@@ -25,7 +25,7 @@ from engine.layers.quantization.gguf import (
     repack,
 )
 from engine.loader.loader import keeps_gguf_blocks
-from kernels.quant_ref import dequant
+from kernels.quant.quant_ref import dequant
 
 gguf = pytest.importorskip("gguf")
 

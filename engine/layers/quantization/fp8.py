@@ -27,13 +27,13 @@ Paths (chosen per layer in :meth:`Fp8LinearMethod.process_weights_after_loading`
   ``fp8_kernels.fp8_linear_small_m``, which streams the e4m3 weights once (split over K
   into enough programs to keep every SM loading) and upcasts them in registers. cuBLASLt's
   FP8 GEMM behind ``_scaled_mm`` is tuned for large M and read the 8B's weights at 1.0-2.5
-  TB/s there (``bench.sweep_gemm --fp8``). Without Triton, the dequant path below does the
+  TB/s there (``bench.kernels.sweep_gemm --fp8``). Without Triton, the dequant path below does the
   weight-only product.
 - ``fp8_dot`` (16 < M <= ``MEDIUM_M_MAX`` (64), CUDA sm89+): the same kernel in its W8A8
   mode, ``fp8_kernels.fp8_linear_fp8_dot``: the Triton quantizer, then e4m3 x e4m3
   ``tl.dot`` on the FP8 tensor cores with fp32 accumulation (``_scaled_mm``'s numerics up
   to the order of the sums). Per Llama-3-8B layer at M = 64 on the H200: 84 us against
-  119 us for quant + ``_scaled_mm`` and 125 us for bf16 (``bench.sweep_gemm --fp8-medium``).
+  119 us for quant + ``_scaled_mm`` and 125 us for bf16 (``bench.kernels.sweep_gemm --fp8-medium``).
 - ``scaled_mm`` (``engine.device.fp8_linear_backend``: CUDA sm89+, XPU with torch >= 2.10):
   ``torch._scaled_mm(xq, Wq.t(), scale_a=sx [M,1], scale_b=sw [1,N], out_dtype=bf16)``. It
   needs K and N multiples of 16, ``xq`` row-major and ``Wq.t()`` column-major (``Wq`` is

@@ -152,7 +152,7 @@ def _fp8_small_m_kernel(x_ptr, w_ptr, sw_ptr, sx_ptr, y_ptr, part_ptr, lock_ptr,
 
 
 #: the largest M the layers give the small-M kernel (``WEIGHT_ONLY_MAX_M``): at M = 32
-#: quant + ``torch._scaled_mm`` is already as fast (bench/sweep_gemm.py --fp8 on the H200)
+#: quant + ``torch._scaled_mm`` is already as fast (bench/kernels/sweep_gemm.py --fp8 on the H200)
 SMALL_M_MAX = WEIGHT_ONLY_MAX_M
 _LOCKS: dict[torch.device, torch.Tensor] = {}
 _MAX_N_BLOCKS = 1 << 16
@@ -180,7 +180,7 @@ def split_k_trusted(device_type: str) -> bool:
 
 
 def small_m_config(m: int, n: int, k: int, device_type: str = "cuda") -> dict:
-    """Launch parameters for :func:`fp8_linear_small_m`, from ``bench.sweep_gemm --fp8`` on
+    """Launch parameters for :func:`fp8_linear_small_m`, from ``bench.kernels.sweep_gemm --fp8`` on
     the H200 (2026-12-01, weight-only, M = 1 and 16; the best config per Llama-3-8B shape
     was within 3% of this rule): 64 output columns x 128 K per tile, 4 stages, and K split
     into up to 8 parts so that about 2048 programs stream the weights. XPU: no split
@@ -194,7 +194,7 @@ def small_m_config(m: int, n: int, k: int, device_type: str = "cuda") -> dict:
 
 def medium_m_config(m: int, n: int, k: int, device_type: str = "cuda") -> dict:
     """Launch parameters of the FP8-dot mode (``fp8_linear_fp8_dot``, 16 < M <= 64), from
-    ``bench.sweep_gemm --fp8-medium`` on the H200 (2026-12-01; 48 configs per shape at M = 32
+    ``bench.kernels.sweep_gemm --fp8-medium`` on the H200 (2026-12-01; 48 configs per shape at M = 32
     and 64; this rule is the best config or within 12% of it on every Llama-3-8B shape):
     wide layers (>= 256 blocks of 64 columns) take 128 x 128 tiles without split; the others
     64 columns x 256 K, K split so that about 128 programs run (at most 4 parts). XPU (not

@@ -1,6 +1,6 @@
 """Weight-only low-bit linear layers: the part shared by GGUF blocks, AWQ and GPTQ.
 
-A layer holds its weight in one of :mod:`kernels.quant_ref`'s layouts (``q4``: uint8
+A layer holds its weight in one of :mod:`kernels.quant.quant_ref`'s layouts (``q4``: uint8
 ``weight [N, K/2]`` plus ``weight_scale`` and ``weight_min [N, K/G]``; ``q8``: int8
 ``weight [N, K]`` plus ``weight_scale``); activations stay in the run dtype (W4A16 / W8A16
 on GPUs, W4A32 / W8A32 on the CPU in fp32). The scheme-specific subclasses say how a
@@ -14,7 +14,7 @@ Paths (chosen per layer in :meth:`WeightOnlyMethod.process_weights_after_loading
   is dequantized by the C++ kernel into the run dtype in every call and multiplied by
   torch's GEMM (dequantizing SmolLM2's largest weight, 1536 x 576, takes ~0.1 ms against
   ~3 ms for a 128-row GEMM with it).
-- ``triton`` (CUDA, XPU): :func:`kernels.wq_triton.wq_linear`, a GEMM that dequantizes the
+- ``triton`` (CUDA, XPU): :func:`kernels.quant.wq_triton.wq_linear`, a GEMM that dequantizes the
   tiles in registers (``tl.dot`` in the activations' dtype, fp32 accumulation).
 - ``torch``: the reference (dequantize, then matmul), where neither kernel is available.
 
@@ -28,7 +28,7 @@ import logging
 import torch
 from torch import nn
 
-from kernels.quant_ref import dequant
+from kernels.quant.quant_ref import dequant
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class WeightOnlyMethod:
             layer.wq_path = "cpu" if _cpu_kernels() else "torch"
         elif dev.use_triton(device_type):
             try:
-                import kernels.wq_triton  # noqa: F401
+                import kernels.quant.wq_triton  # noqa: F401
                 layer.wq_path = "triton"
             except ImportError as e:
                 logger.warning("%s: low-bit weights through the torch reference (triton: %s)",
@@ -128,7 +128,7 @@ class WeightOnlyMethod:
                 w = torch.ops.ferry_cpu.wq_dequant(*args, x2.dtype)
                 y = torch.nn.functional.linear(x2, w)
         elif layer.wq_path == "triton":
-            from kernels.wq_triton import wq_linear
+            from kernels.quant.wq_triton import wq_linear
 
             y = wq_linear(x2, layer.wq_format, *args)
         else:

@@ -1,4 +1,4 @@
-"""Triton GEMM over weight-only low-bit layouts (:mod:`kernels.quant_ref`'s q4 and q8).
+"""Triton GEMM over weight-only low-bit layouts (:mod:`kernels.quant.quant_ref`'s q4 and q8).
 
 ``wq_linear(x [M, K], fmt, qweight, scales, mins) -> [M, N]`` in x's dtype (W4A16 / W8A16
 with fp16 or bf16 activations; fp32 activations multiply in IEEE fp32). One program computes
@@ -7,7 +7,7 @@ packed bytes of ``BLOCK_N`` weight rows, unpacks them in registers (a q4 element
 row sits in byte ``e // 32 * 16 + e % 16``, low nibble for ``e % 32 < 16``, high nibble
 otherwise), applies the per-group scale (and min), and accumulates ``tl.dot`` in fp32. The
 same code path runs on CUDA and XPU; the tests run it in the interpreter against
-:func:`kernels.quant_ref.wq_matmul_ref`.
+:func:`kernels.quant.quant_ref.wq_matmul_ref`.
 
 Not done yet: split-K for small M (the FP8 small-M kernel's scheme) and tuned tile tables;
 the tiles below are a fixed heuristic.

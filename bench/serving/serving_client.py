@@ -2,7 +2,7 @@
 them (``send_request``), reads the server's own counters (``/metrics``, ``/server_info``),
 and runs the two kinds of load: an open-loop Poisson schedule of prepared requests
 (``run_benchmark``) and closed-loop multi-turn chats (``run_multiturn``). The requests come
-from ``bench/workloads.py``; the figures are computed by ``bench/serving_report.py``."""
+from ``bench/serving/workloads.py``; the figures are computed by ``bench/serving/serving_report.py``."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ from dataclasses import asdict
 
 import httpx
 
-from bench.serving_report import (
+from bench.serving.serving_report import (
     RequestOutput,
     cache_hit_rate,
     metrics,
     server_ttft_figures,
     turn_metrics,
 )
-from bench.workloads import RequestInput, arrival_offsets, estimate_tokens, user_message
+from bench.serving.workloads import RequestInput, arrival_offsets, estimate_tokens, user_message
 
 CACHE_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits")
 

@@ -1,5 +1,5 @@
 """The workloads of ``ferry bench-serving``: what to send and when. Plain data, no HTTP (the
-client is ``bench/serving_client.py``), so every other serving module can import it.
+client is ``bench/serving/serving_client.py``), so every other serving module can import it.
 
 - ``random``: prompts of random token ids (``random_requests``).
 - ``sharegpt``: the first human turn of each conversation of a ShareGPT-style JSON file

@@ -1,16 +1,16 @@
 """Tune the fused-MoE launch configurations on this GPU and write the device's table.
 
-``python -m bench.tune_fused_moe`` sweeps launch configurations of
-:func:`kernels.fused_moe.fused_moe` (one configuration drives the alignment and both grouped
+``python -m bench.kernels.tune_fused_moe`` sweeps launch configurations of
+:func:`kernels.moe.fused_moe.fused_moe` (one configuration drives the alignment and both grouped
 GEMMs of a call) for each model shape and batch size M, and writes the fastest per M into
-``kernels/moe_configs/<device name>.json`` (``$FERRY_MOE_CONFIG_DIR`` or ``--out`` elsewhere),
-the table :func:`kernels.moe_config.get_moe_config` reads. Each figure is the median device
+``kernels/moe/moe_configs/<device name>.json`` (``$FERRY_MOE_CONFIG_DIR`` or ``--out`` elsewhere),
+the table :func:`kernels.moe.moe_config.get_moe_config` reads. Each figure is the median device
 time of ``--iters`` calls (device events around each call, after ``--warmup`` calls; the L2
 is flushed before each call so the weights come from memory, as they do in a model's layer
 sequence; the call is captured in a CUDA/XPU graph and the graph replayed, so Python's
 launch overhead is not counted and every chosen configuration is known to be capturable). The routing is softmax top-k of random logits (renormalised), so the experts are
 loaded about evenly. The chosen configuration's output is checked against the torch path
-(``kernels.moe_torch.fused_moe_torch``) and a ``MISMATCH`` line is printed if it disagrees.
+(``kernels.moe.moe_torch.fused_moe_torch``) and a ``MISMATCH`` line is printed if it disagrees.
 
 Shapes (``--model``, repeatable; or ``--shape E,top_k,H,I``): ``qwen3-30b-a3b`` (E=128,
 top-8, H=2048, I=768) and ``mixtral-8x7b`` (E=8, top-2, H=4096, I=14336); ``--tp N`` divides
@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from engine import device as devlib
-from kernels import moe_config
+from kernels.moe import moe_config
 
 MODELS = {  # name: (E, top_k, H, I)
     "qwen3-30b-a3b": (128, 8, 2048, 768),
@@ -210,8 +210,8 @@ def main(argv=None) -> None:
         if not args.dry_run:
             raise SystemExit("tune_fused_moe needs a CUDA/XPU device (or --dry-run)")
         os.environ.setdefault("TRITON_INTERPRET", "1")   # before the kernels are defined
-    from kernels.fused_moe import fused_moe, moe_align_block_size
-    from kernels.moe_torch import fused_moe_torch, moe_align_block_size_torch, select_experts
+    from kernels.moe.fused_moe import fused_moe, moe_align_block_size
+    from kernels.moe.moe_torch import fused_moe_torch, moe_align_block_size_torch, select_experts
 
     dtype = DTYPES[args.dtype]
     if args.dry_run:
@@ -234,7 +234,7 @@ def main(argv=None) -> None:
         out_path = moe_config.config_dir() / moe_config.device_config_file(name)
     table = _read_table(out_path)
     table["_meta"] = {**table.get("_meta", {}), "device_name": name,
-                      "written_by": "bench/tune_fused_moe.py", "torch": torch.__version__,
+                      "written_by": "bench/kernels/tune_fused_moe.py", "torch": torch.__version__,
                       "triton": __import__("triton").__version__}
     timer = Timer(dev, warmup, iters, flush, graphs=not args.no_graphs)
     t_start = time.time()

@@ -1,6 +1,6 @@
 """Fused mixture-of-experts (MoE) experts in Triton: alignment + two grouped GEMMs.
 
-Semantics: :mod:`kernels.moe_torch` (``fused_moe_torch``, the CPU path, and
+Semantics: :mod:`kernels.moe.moe_torch` (``fused_moe_torch``, the CPU path, and
 ``select_experts``, the router). ``w13`` is ``[E, 2I, H]`` with the gate rows (w1) first and
 the up rows (w3) second, as SGLang and vLLM stack them; ``w2`` is ``[E, H, I]``.
 
@@ -14,7 +14,7 @@ from scratch here), for T = M * top_k routed ``(token, k)`` pairs, pair index
    expert. Two small Triton kernels, a counting sort: per chunk of pairs, a per-expert count;
    then per chunk, the offsets (prefix sums over experts and over earlier chunks) and the
    scatter; the first program also writes the padding, the block-to-expert table and the
-   padded length. Buffers have the static bound of :func:`kernels.moe_torch.align_capacity`
+   padded length. Buffers have the static bound of :func:`kernels.moe.moe_torch.align_capacity`
    (``T + min(E, T) * (BLOCK_SIZE_M - 1)``), so there is no host sync and no data-dependent
    shape: the op can be captured in a CUDA/XPU graph. H200, graph replays: 6-8 us at decode
    sizes, 14-40 us at M = 4096; the torch-ops version (``align="torch"``, a stable sort and
@@ -31,7 +31,7 @@ from scratch here), for T = M * top_k routed ``(token, k)`` pairs, pair index
 3. Sum over top-k (:func:`moe_sum`): ``out[m] = sum_k buf[m * top_k + k]`` in fp32 in a fixed
    order (deterministic: no atomics), skipping pairs whose expert id is outside ``[0, E)``.
 
-Launch configurations: :mod:`kernels.moe_config` (tuned tables per device name, default
+Launch configurations: :mod:`kernels.moe.moe_config` (tuned tables per device name, default
 heuristic). Nothing keys off a CUDA compute capability; the same code runs on CUDA, XPU and
 in the Triton interpreter (where a bf16 ``tl.dot`` is unreliable: the tests use fp16/fp32
 there).
@@ -44,8 +44,8 @@ import triton
 import triton.language as tl
 
 from kernels.fused_ops import silu_and_mul
-from kernels.moe_config import check_config, get_moe_config
-from kernels.moe_torch import (
+from kernels.moe.moe_config import check_config, get_moe_config
+from kernels.moe.moe_torch import (
     _check_align_args,
     align_capacity,
     check_moe_shapes,
@@ -135,7 +135,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
 
     Two Triton launches, no host sync, sizes from shapes only (graph capturable).
     Source: vLLM/SGLang ``moe_align_block_size`` (their CUDA kernel; a Triton counting sort
-    here). :func:`kernels.moe_torch.moe_align_block_size_torch` is the torch-ops version.
+    here). :func:`kernels.moe.moe_torch.moe_align_block_size_torch` is the torch-ops version.
 
     Args:
         topk_ids: ``[M, top_k]`` (any shape) int32/int64 expert ids, on the device.
@@ -249,7 +249,7 @@ def invoke_moe_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor,
         topk_weights: ``[M, top_k]`` fp32 contiguous, or None (no scaling).
         sorted_token_ids, expert_ids, num_tokens_post_padded: from
             :func:`moe_align_block_size` with ``config["BLOCK_SIZE_M"]``.
-        config: see :mod:`kernels.moe_config`.
+        config: see :mod:`kernels.moe.moe_config`.
 
     Returns:
         ``c``.
@@ -328,7 +328,7 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         topk_weights: ``[M, top_k]`` routed weights (used in fp32).
         topk_ids: ``[M, top_k]`` int32/int64 expert ids; a pair whose id is outside
             ``[0, E)`` contributes nothing.
-        config: launch configuration (:mod:`kernels.moe_config` keys); None looks it up by
+        config: launch configuration (:mod:`kernels.moe.moe_config` keys); None looks it up by
             ``device_name``, E, I, H, dtype and M.
         device_name: the device's name for that lookup, as :func:`engine.device.device_name`
             gives it (the engine passes it; kernels/ does not import engine/). None: no
@@ -341,7 +341,7 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         ``out`` or a new ``[M, H]`` tensor in the activations' dtype.
 
     Raises:
-        ValueError: bad shapes/dtypes (:func:`kernels.moe_torch.check_moe_shapes`), a bad
+        ValueError: bad shapes/dtypes (:func:`kernels.moe.moe_torch.check_moe_shapes`), a bad
             ``out``, a malformed configuration or an unknown ``align``.
 
     Workspaces: ``[T, 2I]``, ``[T, I]`` and ``[T, H]`` in the activations' dtype

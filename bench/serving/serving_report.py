@@ -1,7 +1,7 @@
 """The report of ``ferry bench-serving``: what one request measured (``RequestOutput``), the
 statistics over a run (``metrics``, ``turn_metrics``, ``server_ttft_figures``), the printed
 table (``format_table``) and strict-JSON cleaning of the result (``json_safe``). No HTTP: the
-client (``bench/serving_client.py``) fills the records, this module only reads them."""
+client (``bench/serving/serving_client.py``) fills the records, this module only reads them."""
 
 from __future__ import annotations
 

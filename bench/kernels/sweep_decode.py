@@ -1,6 +1,6 @@
 """Decode attention launch-configuration sweep, timed the way the decode step runs it.
 
-``python -m bench.sweep_decode [--batch-sizes 1,8,32] [--contexts 512,2048]`` captures one
+``python -m bench.kernels.sweep_decode [--batch-sizes 1,8,32] [--contexts 512,2048]`` captures one
 device graph of ``--layers`` decode-attention calls (each on its own layer's K/V buffers, so
 the KV is not served from L2, as in a real step where the weights of a layer flush it) for
 every configuration (``min_chunk`` of the split rule, ``BLOCK_N``, ``num_warps``,

@@ -2,7 +2,7 @@
 
 ferry keeps low-bit weights (GGUF Q4_0/Q4_1/Q8_0 blocks; AWQ and GPTQ groups) in one of two
 layouts, whatever the checkpoint's own packing, so that one CPU kernel
-(``kernels/cpu/wq.cpp``) and one Triton kernel (:mod:`kernels.wq_triton`) serve them all.
+(``kernels/cpu/wq.cpp``) and one Triton kernel (:mod:`kernels.quant.wq_triton`) serve them all.
 A weight is ``W [N, K]`` (out, in); ``K`` is a multiple of 32 and of the group size ``G``
 (32 for GGUF, 128 for AWQ/GPTQ):
 

@@ -1,7 +1,7 @@
 """Engine-side TTFT probe (no HTTP): with N requests decoding, add one new request and time
 every scheduler step until its first token is processed.
 
-``python -m bench.probe_ttft --model-path engine/configs/llama-3-8b.json --load-format dummy
+``python -m bench.serving.probe_ttft --model-path engine/configs/llama-3-8b.json --load-format dummy
 --running 36 --prompt-len 560`` prints per-step wall times (host clock, device synchronised
 at the end of each step) and the new request's engine TTFT. Also times the host part of
 launching the mixed extend step (no sync) to show whether the step is host-bound.

@@ -6,10 +6,10 @@ A configuration is a dict with the keys of :data:`CONFIG_KEYS`::
      "num_warps": 4, "num_stages": 4}
 
 ``BLOCK_SIZE_M`` is also the padding unit of the token-to-expert alignment, so both GEMMs of
-one :func:`kernels.fused_moe.fused_moe` call share one configuration (as in vLLM and SGLang).
+one :func:`kernels.moe.fused_moe.fused_moe` call share one configuration (as in vLLM and SGLang).
 
 Tables (one JSON file per device, beside this module in ``moe_configs/``, written by
-``bench/tune_fused_moe.py``). The file name is the device's name as
+``bench/kernels/tune_fused_moe.py``). The file name is the device's name as
 :func:`engine.device.device_name` reports it, with every run of characters other than
 letters and digits replaced by ``_`` (:func:`device_config_file`): ``NVIDIA H200`` ->
 ``NVIDIA_H200.json``. Nothing here asks for a CUDA compute capability; an XPU gets its own
@@ -98,7 +98,7 @@ def check_config(cfg: dict, where: str = "config") -> dict:
 
 
 def config_dir(override: str | os.PathLike | None = None) -> Path:
-    """``override``, else ``$FERRY_MOE_CONFIG_DIR``, else ``kernels/moe_configs``."""
+    """``override``, else ``$FERRY_MOE_CONFIG_DIR``, else ``kernels/moe/moe_configs``."""
     if override is not None:
         return Path(override)
     env = os.environ.get("FERRY_MOE_CONFIG_DIR")
@@ -152,14 +152,14 @@ def default_moe_config(m: int, num_experts: int, inter_size: int, hidden_size: i
     * fp32 halves ``BLOCK_SIZE_K`` (twice the bytes per element, same shared memory).
 
     These are the H200's tuned winners for Qwen3-30B-A3B and Mixtral-8x7B by rows per expert
-    (``kernels/moe_configs/NVIDIA_H200.json``: both models picked the same tile at 16 rows,
+    (``kernels/moe/moe_configs/NVIDIA_H200.json``: both models picked the same tile at 16 rows,
     within a few percent elsewhere), as a starting point for other shapes and devices.
     CUDA: 3-4 pipeline stages. XPU: triton-xpu lowers ``tl.dot`` to DPAS on 16-lane
     sub-groups (a "warp" there is a 16-wide sub-group; 32 lanes without DPAS), so the XPU
     default doubles ``num_warps`` to keep the threads per tile of the CUDA choice, and uses
     triton-xpu's default of 2 stages (``kernels.launch.dot_kernel_options``, the rule of
     every kernel's table; untested on an XPU). A device table written by
-    ``bench/tune_fused_moe.py`` replaces all of this.
+    ``bench/kernels/tune_fused_moe.py`` replaces all of this.
     """
     del inter_size, hidden_size  # room for shape-aware rules; the tables cover shapes today
     rows = m * top_k / max(num_experts, 1)
@@ -212,7 +212,7 @@ def get_moe_config(m: int, num_experts: int, inter_size: int, hidden_size: int, 
         if (device_name, key) not in _LOGGED_DEFAULT:
             _LOGGED_DEFAULT.add((device_name, key))
             logger.info("fused MoE: no tuned configuration for %s on %r (looked in %s); "
-                        "using the default heuristic (bench/tune_fused_moe.py writes one)",
+                        "using the default heuristic (bench/kernels/tune_fused_moe.py writes one)",
                         key, device_name, config_dir(directory))
     return default_moe_config(m, num_experts, inter_size, hidden_size, top_k, dtype,
                               device_type)

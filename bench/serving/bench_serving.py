@@ -7,7 +7,7 @@ at once), optionally capped at ``--max-concurrency`` in flight. Prompts are rand
 sent as ``prompt: [ids]`` to ``/v1/completions`` with ``ignore_eos`` so the output length is
 exact, or come from a ShareGPT-style JSON file (``--dataset-path``). Two prefix-sharing
 workloads (``--dataset-name generated-shared-prefix`` and ``multi-turn``, see
-``bench/workloads.py``) exercise a prefix cache; the server's hit rate (from its
+``bench/serving/workloads.py``) exercise a prefix cache; the server's hit rate (from its
 ``prefix_cache_queries``/``prefix_cache_hits`` counters) is printed next to the figures.
 
 Every request streams. Per request it measures TTFT (time to the first chunk with text), ITL
@@ -25,9 +25,9 @@ import asyncio
 import json
 import math
 
-from bench.serving_client import run_benchmark, run_multiturn
-from bench.serving_report import format_table, json_safe
-from bench.workloads import random_requests, shared_prefix_requests, sharegpt_requests
+from bench.serving.serving_client import run_benchmark, run_multiturn
+from bench.serving.serving_report import format_table, json_safe
+from bench.serving.workloads import random_requests, shared_prefix_requests, sharegpt_requests
 
 DEFAULT_URL = "http://127.0.0.1:30000"
 
@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset-name", default=None,
                    choices=("random", "sharegpt", "generated-shared-prefix", "multi-turn"),
                    help="workload (default: sharegpt with --dataset-path, else random); see "
-                        "bench/workloads.py for the two prefix-sharing ones")
+                        "bench/serving/workloads.py for the two prefix-sharing ones")
     p.add_argument("--dataset-path", default=None, help="ShareGPT-style JSON instead of random")
     p.add_argument("--dataset-output-len", type=int, default=None,
                    help="fixed output length for dataset prompts")

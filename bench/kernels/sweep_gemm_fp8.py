@@ -1,4 +1,4 @@
-"""FP8 decode GEMM candidates on a GPU (``python -m bench.sweep_gemm --fp8``; see there)."""
+"""FP8 decode GEMM candidates on a GPU (``python -m bench.kernels.sweep_gemm --fp8``; see there)."""
 
 from __future__ import annotations
 

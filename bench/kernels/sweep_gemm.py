@@ -1,13 +1,13 @@
 """Decode-shaped GEMMs: which weight layout and BLAS library read the weights fastest.
 
-``python -m bench.sweep_gemm [--batch-sizes 1,64,256]`` times ``y = x W^T`` for the
+``python -m bench.kernels.sweep_gemm [--batch-sizes 1,64,256]`` times ``y = x W^T`` for the
 Llama-3-8B projections (qkv, o, gate_up, down, LM head) in bf16 four ways: ``F.linear`` on
 ``W [N, K]`` (ferry's layout) and ``x @ W_t`` on a pre-transposed ``W_t [K, N]``, each with
 torch's default BLAS and with cuBLASLt preferred. Median device time per call
 (``triton.testing.do_bench``, which flushes the L2 between calls) and the weight bytes per
 second, the figure that bounds decode.
 
-``python -m bench.sweep_gemm --fp8 [--result-json F]`` times the FP8 (e4m3, per-channel)
+``python -m bench.kernels.sweep_gemm --fp8 [--result-json F]`` times the FP8 (e4m3, per-channel)
 candidates for the same shapes at decode M: bf16 ``F.linear`` (the baseline),
 ``quantize_rows_triton`` + ``torch._scaled_mm`` (cuBLASLt), and ferry's small-M Triton kernel
 (``fp8_linear_small_m``, W8A8 and W8A16) with its default launch config, plus a sweep of
@@ -52,11 +52,11 @@ def main(argv=None) -> None:
     if not devlib.is_accelerator(dev):
         raise SystemExit("sweep_gemm needs a GPU")
     if args.fp8_medium:
-        from bench.sweep_gemm_fp8 import sweep_fp8_medium
+        from bench.kernels.sweep_gemm_fp8 import sweep_fp8_medium
         sweep_fp8_medium(dev, args.batch_sizes or [32, 64], args.result_json)
         return
     if args.fp8:
-        from bench.sweep_gemm_fp8 import sweep_fp8
+        from bench.kernels.sweep_gemm_fp8 import sweep_fp8
         sweep_fp8(dev, args.batch_sizes or [1, 4, 16, 32, 64], args.result_json)
         return
     args.batch_sizes = args.batch_sizes or [1, 8, 64, 256]

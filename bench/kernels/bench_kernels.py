@@ -17,8 +17,8 @@ decode also SDPA including the gather from the pool. Times are medians of
 ``triton.testing.do_bench`` in microseconds. ``err`` is the relative error norm of the
 Triton output against the torch reference (or SDPA where the reference is skipped).
 
-Usage (the lead, on an H200):  python -m bench.bench_kernels [--peak-gbs 4800]
-Smoke check on the CPU (Triton interpreter, tiny sizes):  python -m bench.bench_kernels --smoke
+Usage (the lead, on an H200):  python -m bench.kernels.bench_kernels [--peak-gbs 4800]
+Smoke check on the CPU (Triton interpreter, tiny sizes):  python -m bench.kernels.bench_kernels --smoke
 """
 
 from __future__ import annotations
@@ -283,7 +283,7 @@ def main(argv=None) -> None:
     _FAILURES.clear()
     if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("--smoke needs TRITON_INTERPRET=1 before the kernels are imported; "
-                         "run it as `python -m bench.bench_kernels --smoke`")
+                         "run it as `python -m bench.kernels.bench_kernels --smoke`")
     dev = devlib.resolve_device(args.device)
     if not args.smoke and not devlib.is_accelerator(dev):
         raise SystemExit("no CUDA/XPU device: use --smoke for a CPU interpreter run")

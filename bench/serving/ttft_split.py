@@ -1,6 +1,6 @@
 """Where a lone streamed request's client-side TTFT goes: send -> response headers -> first
 ``data:`` line, through httpx and through a raw asyncio socket, against the server's own TTFT
-(``/metrics``). ``python -m bench.ttft_split --base-url http://127.0.0.1:30000``."""
+(``/metrics``). ``python -m bench.serving.ttft_split --base-url http://127.0.0.1:30000``."""
 
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ import statistics
 import time
 
 from bench.bench_latency import _Timer
-from bench.grammar_cases import EBNF, PERSON, REGEX, SCHEMAS, TIME_TZ, WEATHER
+from bench.grammar.grammar_cases import EBNF, PERSON, REGEX, SCHEMAS, TIME_TZ, WEATHER
 from engine import device as dev
 from engine.sampling.params import SamplingParams
 from engine.scheduler.request import Req
@@ -63,7 +63,7 @@ LONG_SCHEMA = {"type": "object", "properties": {"records": {
         "additionalProperties": False}}},
     "required": ["records"], "additionalProperties": False}
 
-# with bench/grammar_cases.py's, two short constraints that tests/e2e/test_structured_api.py
+# with bench/grammar/grammar_cases.py's, two short constraints that tests/e2e/test_structured_api.py
 # writes inline
 PHONE = r"\d{3}-\d{4}"
 RED_GREEN = 'root ::= "red" | "green"'

@@ -1,7 +1,7 @@
 """Mixture-of-experts in plain torch: the router's expert selection, the CPU path of the
 fused MoE, and a torch version of the token-to-expert alignment.
 
-Semantics shared with the Triton op :func:`kernels.fused_moe.fused_moe` (shapes: M tokens,
+Semantics shared with the Triton op :func:`kernels.moe.fused_moe.fused_moe` (shapes: M tokens,
 H hidden size, E experts, I intermediate size per rank, K = top_k)::
 
     out[m] = sum_k topk_weights[m, k] * w2[e] @ (silu(w1[e] @ x[m]) * (w3[e] @ x[m])),
@@ -157,7 +157,7 @@ def moe_align_block_size_torch(topk_ids: torch.Tensor, block_m: int, num_experts
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token-to-expert alignment in torch ops (a stable sort by expert, then a scatter into
     per-expert segments padded to ``block_m``); the same outputs as the Triton
-    :func:`kernels.fused_moe.moe_align_block_size`, see there for their definition.
+    :func:`kernels.moe.fused_moe.moe_align_block_size`, see there for their definition.
 
     No ``.item()`` and only shape-determined sizes (the counts come from ``scatter_add_``,
     not ``bincount``, whose output size depends on the data), so it is graph capturable.
