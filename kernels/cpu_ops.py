@@ -26,10 +26,12 @@ Ops (CPU tensors, float32 or bfloat16; math in fp32 with the references' roundin
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -51,6 +53,31 @@ def _cpu_flags_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:8]
 
 
+#: a build lock older than this is a killed build's (a build takes ~15-60 s): removed
+STALE_LOCK_S = 600.0
+
+
+def clear_stale_lock(build_dir: str | os.PathLike, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove ``build_dir/lock`` when it is older than ``max_age_s`` seconds.
+
+    torch's ``cpp_extension.load`` waits, without a limit, for the lock file that a build
+    holds; a build killed before it ends (a server stopped during its first start) leaves the
+    file behind and every later start would hang there. Returns True when a lock was removed.
+    """
+    lock = Path(build_dir) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return False
+    if age < max_age_s:
+        return False
+    logger.warning("removing a stale build lock of ferry's CPU kernels (%s, %.0f s old: a "
+                   "build that was killed)", lock, age)
+    with contextlib.suppress(OSError):
+        lock.unlink()
+    return True
+
+
 def load(verbose: bool = False) -> bool:
     """Build (once) and load the kernels; True when ``torch.ops.ferry_cpu`` is usable."""
     if "ok" in _STATE:
@@ -67,6 +94,8 @@ def load(verbose: bool = False) -> bool:
             if bindir not in os.environ.get("PATH", "").split(os.pathsep):
                 os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
             name = f"ferry_cpu_ops_{_cpu_flags_tag()}"
+            with contextlib.suppress(Exception):  # a private helper of torch's: best effort
+                clear_stale_lock(cpp_extension._get_build_directory(name, verbose=False))
             cpp_extension.load(name=name, sources=[str(p) for p in SOURCES], is_python_module=False,
                                extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512",
                                              "-fno-trapping-math", "-fopenmp"],

@@ -163,3 +163,19 @@ def test_prepacked_linear_matches_float64(dtype, rows):
     assert got.dtype == dtype and got.shape == (rows, 96)
     assert torch.allclose(got.double(), ref, rtol=TOL[dtype], atol=atol)
     assert torch.allclose(linear(x, w, b).double(), ref, rtol=TOL[dtype], atol=atol)
+
+
+def test_a_killed_builds_lock_is_removed_and_a_fresh_one_kept(tmp_path):
+    # torch's cpp_extension.load waits forever on build_dir/lock; a killed build leaves it
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    assert not cpu_ops.clear_stale_lock(tmp_path)            # a build in progress: kept
+    assert lock.exists()
+    old = time.time() - cpu_ops.STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    assert cpu_ops.clear_stale_lock(tmp_path)                # a killed build's: removed
+    assert not lock.exists()
+    assert not cpu_ops.clear_stale_lock(tmp_path)            # none: nothing to do
