@@ -21,6 +21,14 @@ class JSONTextError(ValueError):
     """Invalid JSON, or JSON nested deeper than the limit (the message says which)."""
 
 
+class JSONDepthError(JSONTextError):
+    """JSON nested deeper than the limit (valid or not)."""
+
+
+def _too_deep(max_depth: int) -> JSONDepthError:
+    return JSONDepthError(f"nested deeper than {max_depth} levels")
+
+
 def json_depth(value: Any) -> int:
     """Nesting depth of a decoded JSON value (a scalar is 0, ``[]`` and ``{}`` are 1).
 
@@ -38,22 +46,22 @@ def json_depth(value: Any) -> int:
 
 
 def check_depth(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
-    """Raises: JSONTextError when ``value`` nests deeper than ``max_depth``."""
+    """Raises: JSONDepthError when ``value`` nests deeper than ``max_depth``."""
     if json_depth(value) > max_depth:
-        raise JSONTextError(f"nested deeper than {max_depth} levels")
+        raise _too_deep(max_depth)
 
 
 def loads(text: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """``json.loads(text)`` that raises only :class:`JSONTextError` (a ``ValueError``).
 
     Raises:
-        JSONTextError: not JSON, or nested deeper than ``max_depth`` arrays/objects (the
-            decoder's own recursion limit included).
+        JSONTextError: not JSON; its subclass JSONDepthError: nested deeper than
+            ``max_depth`` arrays/objects (the decoder's own recursion limit included).
     """
     try:
         value = json.loads(text)
     except RecursionError:
-        raise JSONTextError(f"nested deeper than {max_depth} levels") from None
+        raise _too_deep(max_depth) from None
     except ValueError as exc:  # JSONDecodeError, and UnicodeDecodeError for bytes
         raise JSONTextError(str(exc)) from None
     check_depth(value, max_depth)
@@ -65,7 +73,7 @@ def raw_decode(text: str, start: int, max_depth: int = MAX_JSON_DEPTH) -> tuple[
     try:
         value, end = json.JSONDecoder().raw_decode(text, start)
     except RecursionError:
-        raise JSONTextError(f"nested deeper than {max_depth} levels") from None
+        raise _too_deep(max_depth) from None
     except ValueError as exc:
         raise JSONTextError(str(exc)) from None
     check_depth(value, max_depth)

@@ -57,10 +57,10 @@ def assistant_tool_calls(value: Any, where: str) -> list[dict]:
                               f"{q}.function.arguments")
         try:
             decoded = json_text.loads(args) if args.strip() else {}
-        except json_text.JSONTextError as exc:
-            if "nested deeper" in str(exc):
-                raise bad_request(f"function.arguments is {exc}",
-                                  f"{q}.function.arguments") from None
+        except json_text.JSONDepthError as exc:
+            raise bad_request(f"function.arguments is {exc}", f"{q}.function.arguments"
+                              ) from None
+        except json_text.JSONTextError:
             decoded = args  # not JSON: kept as text; the template shows it as it is
         entry = {"type": "function", "function": {"name": fn["name"], "arguments": decoded}}
         if isinstance(call.get("id"), str):
