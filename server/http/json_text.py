@@ -51,6 +51,20 @@ def check_depth(value: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
         raise _too_deep(max_depth)
 
 
+def _guarded(parse, *args, max_depth: int):
+    """``parse(*args)`` with its errors turned into :class:`JSONTextError` (RecursionError:
+    :class:`JSONDepthError`)."""
+    try:
+        return parse(*args)
+    except RecursionError:
+        raise _too_deep(max_depth) from None
+    except ValueError as exc:  # JSONDecodeError, and UnicodeDecodeError for bytes
+        raise JSONTextError(str(exc)) from None
+
+
+_DECODER = json.JSONDecoder()
+
+
 def loads(text: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """``json.loads(text)`` that raises only :class:`JSONTextError` (a ``ValueError``).
 
@@ -58,23 +72,13 @@ def loads(text: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
         JSONTextError: not JSON; its subclass JSONDepthError: nested deeper than
             ``max_depth`` arrays/objects (the decoder's own recursion limit included).
     """
-    try:
-        value = json.loads(text)
-    except RecursionError:
-        raise _too_deep(max_depth) from None
-    except ValueError as exc:  # JSONDecodeError, and UnicodeDecodeError for bytes
-        raise JSONTextError(str(exc)) from None
+    value = _guarded(json.loads, text, max_depth=max_depth)
     check_depth(value, max_depth)
     return value
 
 
 def raw_decode(text: str, start: int, max_depth: int = MAX_JSON_DEPTH) -> tuple[Any, int]:
     """``json.JSONDecoder().raw_decode(text, start)`` with :func:`loads`'s errors."""
-    try:
-        value, end = json.JSONDecoder().raw_decode(text, start)
-    except RecursionError:
-        raise _too_deep(max_depth) from None
-    except ValueError as exc:
-        raise JSONTextError(str(exc)) from None
+    value, end = _guarded(_DECODER.raw_decode, text, start, max_depth=max_depth)
     check_depth(value, max_depth)
     return value, end
