@@ -38,3 +38,36 @@ def stream_chunks(url: str, path: str, body: dict) -> list[dict]:
                       timeout=HTTP_TIMEOUT_S) as r:
         assert r.status_code == 200
         return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+WEATHER_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def openai_tour(base_url: str, timeout_s: float = HTTP_TIMEOUT_S):
+    """One greedy chat, the same chat streamed, a forced tool call and a Responses call
+    through the official client against ``base_url`` (a server, a router, replicas), with the
+    checks every front end must pass; returns ``(client, chat, stream chunks, tool call
+    completion, response)`` for the caller's own checks."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", timeout=timeout_s,
+                           max_retries=0)
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4,
+                                       temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == r.choices[0].message.content  # greedy: the same text either way
+    t = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=WEATHER_TOOLS, tool_choice="required", max_tokens=40, temperature=0)
+    assert t.choices[0].message.tool_calls[0].function.name == "get_weather"
+    resp = client.responses.create(model=MODEL, input="Name a colour.", max_output_tokens=4,
+                                   temperature=0)
+    assert resp.output_text
+    return client, r, chunks, t, resp

@@ -22,6 +22,7 @@ import time
 
 import httpx
 import pytest
+from api_helpers import openai_tour
 from conftest import FerryServer
 from test_router import MODEL, _affinity_share, _chat, _system_prompts
 
@@ -47,32 +48,10 @@ def _info(s: FerryServer) -> dict:
 
 
 def test_openai_routes_and_the_figures(server):
-    import openai
-
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=TIMEOUT_S,
-                           max_retries=0)
-    msgs = [{"role": "user", "content": "Name a colour."}]
-    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4,
-                                       temperature=0)
-    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
+    client, _, _, _, _ = openai_tour(server.url, TIMEOUT_S)
     c = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=4,
                                   temperature=0, n=2)
     assert len(c.choices) == 2 and c.choices[0].text == c.choices[1].text
-    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4,
-                                                 temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
-    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-    assert text == r.choices[0].message.content
-    tools = [{"type": "function", "function": {
-        "name": "get_weather", "parameters": {"type": "object", "properties": {
-            "city": {"type": "string"}}, "required": ["city"]}}}]
-    t = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
-        tools=tools, tool_choice="required", max_tokens=40, temperature=0)
-    assert t.choices[0].message.tool_calls[0].function.name == "get_weather"
-    resp = client.responses.create(model=MODEL, input="Name a colour.", max_output_tokens=4,
-                                   temperature=0)
-    assert resp.output_text
     info = _info(server)
     assert info["dp_size"] == 2 and info["load_balance_method"] == "prefix_affinity"
     reps = info["replicas"]
