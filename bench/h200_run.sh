@@ -30,7 +30,7 @@ for stage in "$@"; do
     info) nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
           python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)";;
     gputests) run gputests 400 python3 -m pytest -q -x -m gpu tests/kernels tests/unit/test_sampler.py \
-              tests/engine/test_engine_gpu.py -p no:cacheprovider
+              tests/engine/test_engine_gpu.py tests/engine/test_graph_check_gpu.py -p no:cacheprovider
               run gputests-engine 300 python3 -m pytest -q -x tests/engine/test_kv_cache_dtype.py \
               tests/engine/test_piecewise.py -p no:cacheprovider;;
     parity) run parity 200 python3 -m bench.parity --model-path engine/configs/llama-tiny.json \
