@@ -1,0 +1,214 @@
+"""Batched LoRA for mixed-adapter batches: segmented shrink and expand (Triton) and a torch path.
+
+A LoRA adapter adds ``scale * B (A x)`` to a linear layer's output (Hu et al. 2021, "LoRA:
+Low-Rank Adaptation of Large Language Models"). A batch mixes requests of several adapters
+(and of the base model), so the rows of ``x [T, K]`` are cut into *segments*: runs of rows
+that use one adapter slot (a prefill request's new tokens are one segment, a decode request is
+a segment of one row). Every adapter lives in one slot of stacked buffers
+
+    A [S, R, K]   the slot's ``lora_A`` rows (rank r <= R, rows past r are zero)
+    B [S, N, R]   the slot's ``lora_B`` (scale folded in; columns past r are zero)
+
+so a graph captured once reads any mix of adapters through the segment arrays (device
+tensors: ``seg_start``, ``seg_len``, ``seg_slot`` [G] int32; slot -1 = the base model, no
+delta). This is the segmented-GEMM scheme of Punica (Chen et al. 2023, SGMV) and of SGLang's
+chunked SGMV backend, written here from that description:
+
+- :func:`lora_shrink`: ``s[rows of g] = x[rows of g] @ A[slot g]^T`` -> ``[T, R]`` fp32;
+- :func:`lora_expand`: ``y[rows of g, y_off:y_off+N] += s[rows of g, s_off:s_off+R] @
+  B[slot g]^T``, in place, in y's dtype.
+
+A fused projection (q/k/v, gate/up) has one A block of R rows per part (``A [S, P*R, K]``,
+one shrink) and one B per part (one expand per part, each reading its R columns of ``s``).
+
+Grid: ``(segments, ceil(max_len / BLOCK_M), ceil(N / BLOCK_N))``; a program past its
+segment's end or on a base segment returns at once. ``max_len`` is a host int (decode: 1).
+:func:`lora_apply_torch` is the CPU path and the tests' second opinion: one matmul pair per
+adapter over its rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.launch import dot_kernel_options
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, a_ptr, s_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
+                   R, K, stride_xm, stride_as, stride_ar, stride_sm,
+                   IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    g = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_n = tl.program_id(2)
+    seg_len = tl.load(seg_len_ptr + g)
+    slot = tl.load(seg_slot_ptr + g)
+    if pid_m * BLOCK_M >= seg_len or slot < 0:
+        return
+    start = tl.load(seg_start_ptr + g)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < seg_len
+    mask_n = offs_n < R
+    rows = (start + offs_m).to(tl.int64)
+    a_base = a_ptr + slot.to(tl.int64) * stride_as
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        mask_k = kk < K
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :],
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        a = tl.load(a_base + offs_n[None, :] * stride_ar + kk[:, None],
+                    mask=mask_n[None, :] & mask_k[:, None], other=0.0)
+        if IEEE:
+            acc += tl.dot(x, a, input_precision="ieee")
+        else:
+            acc += tl.dot(x, a)
+    tl.store(s_ptr + rows[:, None] * stride_sm + offs_n[None, :], acc,
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _expand_kernel(s_ptr, b_ptr, y_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
+                   N, R, stride_sm, stride_bs, stride_bn, stride_ym,
+                   IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    g = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_n = tl.program_id(2)
+    seg_len = tl.load(seg_len_ptr + g)
+    slot = tl.load(seg_slot_ptr + g)
+    if pid_m * BLOCK_M >= seg_len or slot < 0:
+        return
+    start = tl.load(seg_start_ptr + g)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < seg_len
+    mask_n = offs_n < N
+    rows = (start + offs_m).to(tl.int64)
+    b_base = b_ptr + slot.to(tl.int64) * stride_bs
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, R, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        mask_k = kk < R
+        s = tl.load(s_ptr + rows[:, None] * stride_sm + kk[None, :],
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(b_base + offs_n[None, :] * stride_bn + kk[:, None],
+                    mask=mask_n[None, :] & mask_k[:, None], other=0.0)
+        if IEEE:
+            acc += tl.dot(s, b.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(s.to(b.dtype), b)
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0)
+    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _block_m(max_len: int) -> int:
+    return 16 if max_len <= 16 else 32 if max_len <= 32 else 64
+
+
+def _pow2(n: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, triton.next_power_of_2(max(n, 1))))
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_start: torch.Tensor,
+                seg_len: torch.Tensor, seg_slot: torch.Tensor, max_len: int,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [T, K] @ A[slot]^T`` per segment -> ``[T, R]`` float32.
+
+    Args:
+        x: [T, K] activations (fp16, bf16 or fp32), rows with stride 1 in K.
+        a: [S, R, K] stacked ``lora_A`` in x's dtype (contiguous).
+        seg_start, seg_len, seg_slot: [G] int32 on x's device (slot -1: base rows).
+        max_len: the longest segment (host int; a bound is enough).
+        out: optional [T, R] fp32 output buffer.
+    Returns:
+        ``out``; rows of base segments are left unwritten.
+    """
+    t, k = x.shape
+    r = a.shape[1]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if out is None:
+        out = torch.empty(t, r, dtype=torch.float32, device=x.device)
+    g = seg_start.shape[0]
+    if g == 0 or max_len <= 0:
+        return out
+    bm = _block_m(max_len)
+    bn = _pow2(r, 16, 64)
+    grid = (g, triton.cdiv(max_len, bm), triton.cdiv(r, bn))
+    _shrink_kernel[grid](x, a, out, seg_start, seg_len, seg_slot, r, k, x.stride(0),
+                         a.stride(0), a.stride(1), out.stride(0),
+                         IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64,
+                         **dot_kernel_options(4, 2, x.device.type))
+    return out
+
+
+def lora_expand(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, seg_start: torch.Tensor,
+                seg_len: torch.Tensor, seg_slot: torch.Tensor, max_len: int) -> torch.Tensor:
+    """``y[rows] += s[rows] @ B[slot]^T`` per segment, in place (y's dtype).
+
+    Args:
+        y: [T, N] output view (row stride free, column stride 1), e.g. one part of a fused
+            projection's output.
+        s: [T, R] float32 view of :func:`lora_shrink`'s output (this part's R columns).
+        b: [S, N, R] stacked ``lora_B`` (scale folded in), contiguous.
+        seg_start, seg_len, seg_slot, max_len: as in :func:`lora_shrink`.
+    """
+    t, n = y.shape
+    r = b.shape[2]
+    g = seg_start.shape[0]
+    if g == 0 or max_len <= 0:
+        return y
+    assert y.stride(1) == 1 and s.stride(1) == 1, "lora_expand: column stride must be 1"
+    bm = _block_m(max_len)
+    bn = 64
+    grid = (g, triton.cdiv(max_len, bm), triton.cdiv(n, bn))
+    _expand_kernel[grid](s, b, y, seg_start, seg_len, seg_slot, n, r, s.stride(0),
+                         b.stride(0), b.stride(1), y.stride(0),
+                         IEEE=y.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn,
+                         BLOCK_K=_pow2(r, 16, 64), **dot_kernel_options(4, 2, y.device.type))
+    return y
+
+
+def lora_apply_triton(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor],
+                      parts: list[tuple[int, int]], seg_start: torch.Tensor,
+                      seg_len: torch.Tensor, seg_slot: torch.Tensor, max_len: int,
+                      shrink_out: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole LoRA delta of one (possibly fused) projection, added to ``y`` in place.
+
+    Args:
+        x: [T, K]; y: [T, N_total] (the base output).
+        a: [S, P*R, K] (part p's rows at ``[p*R, (p+1)*R)``).
+        bs: P tensors [S, n_p, R].
+        parts: P ``(column offset, n_p)`` of each part in y.
+    """
+    s = lora_shrink(x, a, seg_start, seg_len, seg_slot, max_len, shrink_out)
+    for p, ((off, n), b) in enumerate(zip(parts, bs)):
+        r = b.shape[2]
+        lora_expand(y[:, off:off + n], s[:, p * r:(p + 1) * r], b, seg_start, seg_len,
+                    seg_slot, max_len)
+    return y
+
+
+def lora_apply_torch(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor],
+                     parts: list[tuple[int, int]], rows_by_slot: list[tuple[int, torch.Tensor]]
+                     ) -> torch.Tensor:
+    """:func:`lora_apply_triton` in torch: for each slot, its rows' shrink and expands.
+
+    ``rows_by_slot``: ``(slot, row indices [n] int64)`` per adapter in the batch (base rows
+    are in none). The delta is computed in x's dtype, as peft does.
+    """
+    for slot, rows in rows_by_slot:
+        xs = x.index_select(0, rows)
+        s = xs @ a[slot].t()
+        for p, ((off, n), b) in enumerate(zip(parts, bs)):
+            r = b.shape[2]
+            delta = s[:, p * r:(p + 1) * r] @ b[slot].t()
+            y[:, off:off + n].index_add_(0, rows, delta.to(y.dtype))
+    return y
