@@ -53,3 +53,29 @@ def test_parity_cpu_against_itself(tiny_args, capsys):
                            "--prompt-len", "10"])
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["min_steps_agreed"] == 4 and summary["max_rel_logit_err"] == 0.0
+
+
+def test_bench_spec_steps_rows_and_pool(tiny_args, tmp_path):
+    """Every kind (decode, verify k) is timed ``reps`` times per batch size, and the KV pool
+    and request slots are all back afterwards (a leak would shrink later runs)."""
+    from bench.bench_spec_steps import main, measure
+    from engine.args import ServerArgs
+    from engine.executor.model_runner import ModelRunner
+
+    out = tmp_path / "spec.jsonl"
+    main(tiny_args + ["--batch-size", "1", "2", "--input-len", "12", "--drafts", "1", "3",
+                      "--reps", "2", "--result-jsonl", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["batch_size"], r["drafts"]) for r in rows] == [(1, 0), (1, 1), (1, 3),
+                                                              (2, 0), (2, 1), (2, 3)]
+    for r in rows:
+        assert r["median_step_s"] > 0
+        assert r["ratio_to_decode"] == pytest.approx(
+            r["median_step_s"] / next(b["median_step_s"] for b in rows
+                                      if b["batch_size"] == r["batch_size"] and not b["drafts"]))
+    runner = ModelRunner(ServerArgs(model_path=tiny_args[1], load_format="dummy", device="cpu",
+                                    max_total_tokens=512, max_running_requests=2))
+    free_pages = runner.kv_pool.num_free_pages
+    times = measure(runner, 2, 10, [2], reps=3)
+    assert {k: len(v) for k, v in times.items()} == {0: 3, 2: 3}
+    assert runner.kv_pool.num_free_pages == free_pages
