@@ -9,10 +9,11 @@ be identical (checked). Workloads, as chat requests through the model's chat tem
   a list), where the answer quotes the prompt;
 - ``other``: open requests (a story, an explanation), where it mostly does not.
 
-Batch 1 runs the requests one after another; batch N sends N at once (the workload's
-requests cycled). Output tok/s = generated tokens / wall time of the whole generate call
-(prefill included, the same for both modes). The mean accept length is tokens emitted per
-request and verify step (accepted drafts + 1).
+Batch N sends N requests at once, batch after batch (the workload's requests cycled until
+each ran at least once and the last batch is full; batch 1 runs them one after another).
+Output tok/s = generated tokens / wall time of the whole generate call (prefill included,
+the same for both modes). The mean accept length is tokens emitted per request and verify
+step (accepted drafts + 1).
 """
 
 from __future__ import annotations
@@ -56,10 +57,9 @@ def _chat(tokenizer, text: str) -> list[int]:
 
 def _run(llm, prompts: list[list[int]], bs: int, sp) -> tuple[float, list[list[int]]]:
     t0 = time.perf_counter()
-    if bs == 1:
-        outs = [llm.generate(p, sp)[0] for p in prompts]
-    else:
-        outs = llm.generate(prompts, sp)
+    outs = []
+    for i in range(0, len(prompts), bs):  # batches of bs at once, one after another
+        outs += llm.generate(prompts[i:i + bs], sp)
     return time.perf_counter() - t0, [o.token_ids for o in outs]
 
 
@@ -71,6 +71,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model-path", default=None)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--load-format", default="auto",
+                   help="dummy: random weights (a GPU run of a config's shape; greedy outputs "
+                        "of random weights repeat, so NGRAM's drafts land often)")
+    p.add_argument("--tokenizer-path", default=None,
+                   help="the chat template's tokenizer (needed for a config without one)")
     p.add_argument("--algorithm", default="NGRAM")
     p.add_argument("--num-draft-tokens", type=int, default=None)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
@@ -80,7 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--result-jsonl", default=None)
     ns = p.parse_args(argv)
 
-    llm = LLM(ns.model_path, device=ns.device, dtype=ns.dtype,
+    llm = LLM(ns.model_path, device=ns.device, dtype=ns.dtype, load_format=ns.load_format,
+              tokenizer_path=ns.tokenizer_path,
               speculative_algorithm=ns.algorithm,
               speculative_num_draft_tokens=ns.num_draft_tokens,
               speculative_max_batch_size=max(ns.batch_sizes))
@@ -93,8 +99,8 @@ def main(argv: list[str] | None = None) -> None:
         _run(llm, (warm * bs)[:max(bs, 2)], bs, SamplingParams(max_tokens=16, temperature=0))
     for wl, bs in itertools.product(ns.workloads, ns.batch_sizes):
         texts = WORKLOADS[wl]
-        prompts = [_chat(llm.tokenizer, t) for t in itertools.islice(
-            itertools.cycle(texts), max(bs, len(texts)))]
+        n = -(-max(bs, len(texts)) // bs) * bs  # every text at least once, whole batches
+        prompts = [_chat(llm.tokenizer, t) for t in itertools.islice(itertools.cycle(texts), n)]
         res: dict = {}
         for mode in ("off", ns.algorithm):
             sched.spec = None if mode == "off" else worker

@@ -156,9 +156,22 @@ for stage in "$@"; do
              run moe-serving 300 python3 -m bench.serving.bench_serving --base-url http://127.0.0.1:30000 \
                "${SERVE8[@]}" --output-json "$OUT/moe-serving.json"
              stop_server moe;;
+    moe-profile) # where the Qwen3-30B-A3B bs1 step goes (kernel sums of eager steps; the
+             # graph step's time minus this sum is launch gaps)
+             run moe-profile 240 python3 -m bench.profile_decode --model-path engine/configs/qwen3-30b-a3b.json \
+               --load-format dummy --batch-size 1 --input-len 512;;
     moe-sweep) # the fused MoE alone at M = 1..256 (graph replays, L2 flushed), per shape
              run moe-sweep 500 python3 -m bench.kernels.tune_fused_moe --batch-sizes 1,2,4,8,16,32,64,128,256 \
                --out "$OUT/moe-sweep.json";;
+    spec-steps) # speculative decoding (issue 26): a verify step of k = 1..8 drafts against a
+             # decode step, bs1 and bs16, Llama-3-8B shape
+             run spec-steps 300 python3 -m bench.bench_spec_steps --model-path $L8B --load-format dummy \
+               --batch-size 1 16 --input-len 512 --reps 20 --result-jsonl "$OUT/spec-steps.jsonl";;
+    spec-ngram) # NGRAM on the dummy 8B (its greedy outputs repeat, so drafts land), bs1 and bs16
+             run spec-ngram 400 python3 -m bench.bench_speculative --model-path \
+               engine/configs/llama-3-8b-smolvocab.json --load-format dummy --device cuda \
+               --tokenizer-path "${TOKENIZER:-.tok}" --batch-sizes 1 16 --max-tokens 256 \
+               --result-jsonl "$OUT/spec-ngram.jsonl";;
     grammar) # structured output (issue 13): bs64 decode steps free / JSON-schema-constrained /
              # mixed, and grammar compile times; needs xgrammar (its wheel in ./.whl) and a
              # tokenizer (SmolLM2's, .tok: the 8B config has none)
