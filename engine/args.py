@@ -153,6 +153,12 @@ class ServerArgs:
     api_key: str | None = _f(None, "require 'Authorization: Bearer KEY'")
     max_request_bytes: int = _f(4 * 1024 * 1024, "largest accepted request body (bytes)", ge=1)
     max_n: int = _f(16, "largest 'n' accepted per request", ge=1)
+    responses_store_size: int = _f(1024, "most Responses API responses kept in memory for "
+                                         "previous_response_id and GET /v1/responses/{id} "
+                                         "(the oldest is evicted; 0: store nothing); lost at "
+                                         "restart", ge=0)
+    responses_store_ttl: float = _f(3600.0, "seconds a stored Responses API response lives",
+                                    gt=0)
     grammar_compile_timeout: float = _f(10.0, "seconds a request's output constraint (JSON "
                                               "schema, regex, grammar) may take to compile; "
                                               "past it the request gets a 400", gt=0)

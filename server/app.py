@@ -141,6 +141,7 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
     """
     model_name = model_name_of(args)
     serving = OpenAIServing(tm, args, model_name)
+    responses = ResponsesServing(serving)  # its store lives here, for every replica
     created = int(time.time())
     children = children or {}
     # --dp-size: per replica {"engine": Process, "detokenizer": Process}
@@ -268,7 +269,13 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
-        Route("/v1/responses", endpoint(ResponsesServing(serving).create), methods=["POST"]),
+        Route("/v1/responses", endpoint(responses.create), methods=["POST"]),
+        Route("/v1/responses/{response_id}", endpoint(responses.retrieve), methods=["GET"]),
+        Route("/v1/responses/{response_id}", endpoint(responses.delete), methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", endpoint(responses.input_items),
+              methods=["GET"]),
+        Route("/v1/responses/{response_id}/cancel", endpoint(responses.cancel),
+              methods=["POST"]),
         Route("/v1/tokenize", tokenize, methods=["POST"]),
         Route("/v1/detokenize", detokenize, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),

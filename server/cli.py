@@ -85,6 +85,8 @@ def serve_parser() -> argparse.ArgumentParser:
 SERVE_DESCRIPTION = """\
 Start ferry's OpenAI-compatible server. Routes (docs/usage.md#endpoints):
   POST /v1/chat/completions, /v1/completions, /v1/responses
+  GET  /v1/responses/{response_id}, /v1/responses/{response_id}/input_items
+  DELETE /v1/responses/{response_id}; POST /v1/responses/{response_id}/cancel
   POST /v1/tokenize, /v1/detokenize (also /tokenize, /detokenize)
   GET  /v1/models, /v1/models/{model_id}
   GET  /health, /server_info, /metrics

@@ -71,6 +71,17 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("/v1/chat/completions", "post"): Operation(
         "Create a chat completion", ChatCompletionRequest, om.ChatCompletionResponse,
         om.ChatCompletionChunk, errors=GENERATE_ERRORS),
+    # the stored responses of the Responses API (server/responses/store.py)
+    ("/v1/responses/{response_id}", "get"): Operation(
+        "A stored response (404: unknown, expired or deleted)", media="application/json",
+        errors=(400, 401, 404)),
+    ("/v1/responses/{response_id}", "delete"): Operation(
+        "Delete a stored response", media="application/json", errors=(400, 401, 404)),
+    ("/v1/responses/{response_id}/input_items", "get"): Operation(
+        "The input items of a stored response", media="application/json",
+        errors=(400, 401, 404)),
+    ("/v1/responses/{response_id}/cancel", "post"): Operation(
+        "Cancel a background response", media="application/json", errors=(400, 401, 404)),
     ("/v1/tokenize", "post"): Operation("Tokenize a prompt or messages", TokenizeRequest,
                                         om.TokenizeResponse, errors=BODY_ERRORS),
     ("/v1/detokenize", "post"): Operation("Detokenize token ids", DetokenizeRequest,

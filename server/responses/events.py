@@ -61,7 +61,7 @@ class ResponseBuilder:
         rid: the response id (``resp_...``). model: the served model name.
         fmt: the chat format of the request (one choice).
         echo: request settings the ``response`` object repeats (``instructions``,
-            ``temperature``, ``tools``...).
+            ``temperature``, ``tools``, ``store``, ``previous_response_id``, ``background``...).
     """
 
     def __init__(self, rid: str, model: str, fmt: ChatFormat, echo: dict):
@@ -85,10 +85,11 @@ class ResponseBuilder:
         """The ``response`` object as it stands (the whole body once finished)."""
         return {"id": self.id, "object": "response", "created_at": self.created_at,
                 "status": self.status, "background": False, "error": self.error,
-                "incomplete_details": self.incomplete, **self.echo, "max_tool_calls": None,
+                "incomplete_details": self.incomplete, "previous_response_id": None,
+                "store": False, **self.echo, "max_tool_calls": None,
                 "model": self.model, "output": copy.deepcopy(self.items),
-                "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
-                "store": False, "truncation": "disabled", "usage": self.usage,
+                "reasoning": {"effort": None, "summary": None},
+                "truncation": "disabled", "usage": self.usage,
                 "completed_at": self.completed_at}
 
     def _event(self, kind: str, **fields: Any) -> dict:
@@ -128,6 +129,13 @@ class ResponseBuilder:
         events += self._close_all("incomplete")
         events.append(self._event(TERMINAL["failed"], response=self.response()))
         return events
+
+    def cancel(self) -> None:
+        """Status ``cancelled`` (``POST /v1/responses/{id}/cancel`` of a background
+        response): open items close as ``incomplete``; usage counts what was generated."""
+        self.status = "cancelled"
+        self._close_all("incomplete")
+        self.usage = responses_usage(self.fmt.usage())
 
     # ---- items --------------------------------------------------------------------------
     def _open_message(self) -> list[dict]:

@@ -19,7 +19,9 @@ chat-side error's ``param`` back into the Responses name.
 
 from __future__ import annotations
 
+import copy
 import re
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,23 +107,27 @@ def _string(item: dict, key: str, where: str) -> str:
     return v
 
 
-def chat_messages(instructions: str | None, inp: str | list[dict]) -> tuple[list[dict], list[str]]:
+def chat_messages(instructions: str | None, inp: str | list[dict],
+                  prior: list[dict] = ()) -> tuple[list[dict], list[str]]:
     """Chat messages and their origins (``"input[3]"``...) from ``instructions`` and
-    ``input``."""
+    ``input``, after the ``prior`` items (a stored conversation that ``previous_response_id``
+    continues; their origin is ``previous_response_id``)."""
     msgs: list[dict] = []
     origins: list[str] = []
     if instructions is not None:
         msgs.append({"role": "system", "content": instructions})
         origins.append("instructions")
-    if isinstance(inp, str):
+    if isinstance(inp, str) and not prior:
         msgs.append({"role": "user", "content": inp})
         origins.append("input")
         return msgs, origins
     if not inp:
         raise bad_request("input must be a string or a non-empty list of items", "input")
+    items = [*prior, *([{"role": "user", "content": inp}] if isinstance(inp, str) else inp)]
+    names = ["previous_response_id"] * len(prior) + (
+        ["input"] if isinstance(inp, str) else [f"input[{i}]" for i in range(len(inp))])
     calls_from = -1  # index of the chat message that collects consecutive function_calls
-    for i, raw in enumerate(inp):
-        where = f"input[{i}]"
+    for raw, where in zip(items, names, strict=True):
         if not isinstance(raw, dict):
             raise bad_request(f"{where} must be an object", where)
         item = {k: v for k, v in raw.items() if v is not None}
@@ -167,6 +173,32 @@ def chat_messages(instructions: str | None, inp: str | list[dict]) -> tuple[list
             origins.append(where)
         calls_from = -1
     return msgs, origins
+
+
+#: id prefixes of the items a response stores, by item type (OpenAI's)
+ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def stored_items(inp: str | list[dict]) -> list[dict]:
+    """A validated ``input`` as the Responses items a stored response keeps and
+    ``GET /v1/responses/{id}/input_items`` lists: every item with its ``type`` and an ``id``
+    (kept when the client gave one), a string message content as one ``input_text`` part
+    (``output_text``, with ``annotations``, for an assistant message)."""
+    raw = [{"role": "user", "content": inp}] if isinstance(inp, str) else inp
+    out = []
+    for item in copy.deepcopy(raw):
+        item = {k: v for k, v in item.items() if v is not None}
+        kind = item.setdefault("type", "message")
+        if kind == "message":
+            part = "output_text" if item["role"] == "assistant" else "input_text"
+            if isinstance(item["content"], str):
+                item["content"] = [{"type": part, "text": item["content"]}]
+            if part == "output_text":
+                for p in item["content"]:
+                    p.setdefault("annotations", [])
+            item.setdefault("status", "completed")
+        out.append({"id": f"{ITEM_ID_PREFIX[kind]}_{uuid.uuid4().hex}", **item})
+    return out
 
 
 def chat_tools(tools: list[dict]) -> list[dict]:

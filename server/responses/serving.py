@@ -9,14 +9,21 @@ same structured-output and tool-calling code (``server/tools/structured.py``,
 ``server/tools/plan.py``). The answer is written by ``server/responses/events.py`` from the
 chat format's chunks: a ``response`` object, or typed SSE events.
 
-ferry is stateless: ``previous_response_id``, ``conversation`` and ``background: true`` are
-400s naming the field. ``store`` is accepted either way (``true`` is OpenAI's default, and
-sglang-router writes it into every body it forwards): nothing is stored, and the response
-says ``"store": false``.
+State (``server/responses/store.py``): ``store`` (default true, as OpenAI) keeps the response
+in the HTTP process's bounded in-memory store; ``previous_response_id`` continues a stored
+one (its conversation, input and output items, goes before this ``input``; its
+``instructions`` do not carry over, as OpenAI documents); ``GET``/``DELETE
+/v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` read and remove them.
+``background: true`` (needs ``store``; not with ``stream``) answers at once with status
+``queued`` and generates in a task of the HTTP process; ``GET`` polls it and
+``POST /v1/responses/{id}/cancel`` cancels it (status ``cancelled``). ``conversation`` (the
+Conversations API) is a 400 naming it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import logging
 import time
 from typing import Any, Literal
@@ -54,7 +61,9 @@ from server.responses.input import (
     chat_response_format,
     chat_tool_choice,
     chat_tools,
+    stored_items,
 )
+from server.responses.store import ResponseStore, StoredResponse
 from server.tools.plan import prepare_chat
 
 logger = logging.getLogger("ferry.server")
@@ -73,9 +82,8 @@ NOOP_INCLUDES = frozenset({"file_search_call.results", "web_search_call.results"
                            "computer_call_output.output.image_url",
                            "code_interpreter_call.outputs", "reasoning.encrypted_content"})
 #: stateful or hosted features ferry has not got: a 400 naming them when set
-STATEFUL = {"previous_response_id": "responses are not stored (ferry is stateless); send "
-                                    "the whole conversation in 'input'",
-            "conversation": "conversations are not stored (ferry is stateless)",
+STATEFUL = {"conversation": "the Conversations API (continue a stored response with "
+                            "'previous_response_id')",
             "prompt": "stored prompt templates", "context_management": "context management",
             "moderation": "moderation", "access_programs": "programmatic tool calling",
             "background_options": "background responses", "image": "image generation",
@@ -99,6 +107,7 @@ class ResponsesRequest(_Base):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
     store: bool | None = None
+    previous_response_id: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
     include: list[str] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -126,8 +135,12 @@ class ResponsesRequest(_Base):
                 continue
             raise APIError(f"unrecognized request field '{name}' (see docs/usage.md for the "
                            "fields /v1/responses accepts)", 400, name, "unrecognized_field")
-        if self.background:
-            raise not_supported("background", "background responses")
+        if self.background and self.store is False:
+            raise bad_request("background responses need store: true (they are read back "
+                              "with GET /v1/responses/{id})", "background")
+        if self.background and self.stream:
+            raise not_supported("background", "background responses with stream: true (poll "
+                                "GET /v1/responses/{id} instead)")
         if self.truncation == "auto":
             raise not_supported("truncation", "only 'disabled' (an input beyond the context "
                                 "is a 400)")
@@ -150,13 +163,14 @@ class ResponsesRequest(_Base):
                                       "boolean) is accepted", f"stream_options.{key}")
 
 
-def to_chat(req: ResponsesRequest) -> ChatConversion:
-    """The ``/v1/chat/completions`` body of a validated Responses request.
+def to_chat(req: ResponsesRequest, prior: list[dict] = ()) -> ChatConversion:
+    """The ``/v1/chat/completions`` body of a validated Responses request, continuing the
+    ``prior`` items (the stored conversation of ``previous_response_id``).
 
     Raises:
         APIError: 400 naming the Responses field (a malformed item, tool or format).
     """
-    msgs, origins = chat_messages(req.instructions, req.input)
+    msgs, origins = chat_messages(req.instructions, req.input, prior)
     body: dict[str, Any] = {"messages": msgs}
     if req.max_output_tokens is not None:
         body["max_completion_tokens"] = req.max_output_tokens
@@ -202,14 +216,115 @@ def echo_fields(req: ResponsesRequest) -> dict:
             "top_p": 1.0 if req.top_p is None else req.top_p, "text": text,
             "tool_choice": choice, "tools": list(req.tools or []),
             "metadata": (req.model_extra or {}).get("metadata") or {},
-            "user": (req.model_extra or {}).get("user")}
+            "user": (req.model_extra or {}).get("user"),
+            "previous_response_id": req.previous_response_id,
+            "background": bool(req.background)}
+
+
+#: ``GET /v1/responses/{id}/input_items``: most items per page, and the default
+MAX_ITEMS_PAGE, ITEMS_PAGE = 100, 20
+
+
+def _query(request: Request, allowed: set[str]) -> dict[str, str]:
+    """The query parameters of a stored-response route.
+
+    Raises: APIError 400 naming a parameter the route does not take, or one given twice."""
+    out: dict[str, str] = {}
+    for key, value in request.query_params.multi_items():
+        name = key[:-2] if key.endswith("[]") else key
+        if name not in allowed:
+            raise bad_request(f"unrecognized query parameter '{key}'", key)
+        if name in out and name != "include":
+            raise bad_request(f"query parameter '{key}' given twice", key)
+        out[name] = value
+    if out.get("stream", "false") not in ("false", "0"):
+        raise not_supported("stream", "streaming a stored response (GET it without stream)")
+    if "include" in out:
+        for value in request.query_params.getlist("include") + \
+                request.query_params.getlist("include[]"):
+            if value not in NOOP_INCLUDES:
+                raise bad_request(f"include: unknown or unsupported value {value!r}", "include")
+    return out
+
+
+def items_page(items: list[dict], q: dict[str, str]) -> dict:
+    """One page of ``items`` as OpenAI lists them: ``order`` (``desc`` by default), ``limit``
+    (1 to 100, default 20), ``after``/``before`` (item ids, exclusive).
+
+    Raises: APIError 400 naming the parameter (a bad value, an unknown item id)."""
+    order = q.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request("order must be 'asc' or 'desc'", "order")
+    raw = q.get("limit", str(ITEMS_PAGE))
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_ITEMS_PAGE:
+        raise bad_request(f"limit must be an integer in [1, {MAX_ITEMS_PAGE}]", "limit")
+    seq = items if order == "asc" else items[::-1]
+    ids = [it["id"] for it in seq]
+    lo, hi = 0, len(seq)
+    for name in ("after", "before"):
+        if name in q:
+            if q[name] not in ids:
+                raise bad_request(f"{name}: no input item '{q[name]}' in this response", name)
+            if name == "after":
+                lo = ids.index(q[name]) + 1
+            else:
+                hi = ids.index(q[name])
+    page = seq[lo:hi][:int(raw)]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": lo + len(page) < hi}
 
 
 class ResponsesServing:
     """The ``/v1/responses`` handler, sharing ``OpenAIServing``'s engine and checks."""
 
-    def __init__(self, serving: OpenAIServing):
+    def __init__(self, serving: OpenAIServing, store: ResponseStore | None = None):
         self.serving = serving
+        args = serving.args
+        self.store = store if store is not None else ResponseStore(
+            getattr(args, "responses_store_size", 0), getattr(args, "responses_store_ttl", 1.0))
+
+    def _keep(self, st: StoredResponse, build: ResponseBuilder, prior: list[dict]) -> None:
+        """Store (or update) a finished response with its conversation."""
+        st.response, st.live = build.response(), None
+        st.conversation = [*prior, *st.input_items, *copy.deepcopy(st.response["output"])]
+        self.store.update(st) if st.task is not None else self.store.put(st)
+
+    # ---- the stored responses -----------------------------------------------------------
+    async def retrieve(self, request: Request) -> Response:
+        """``GET /v1/responses/{id}``. Raises: APIError 404 naming an unknown id, 400 for a
+        query parameter it does not take (``stream=true``)."""
+        _query(request, {"include", "stream", "starting_after", "include_obfuscation"})
+        return JSONResponse(self.store.snapshot(request.path_params["response_id"]))
+
+    async def delete(self, request: Request) -> Response:
+        """``DELETE /v1/responses/{id}`` (a running background response is cancelled).
+        Raises: APIError 404 naming an unknown id."""
+        _query(request, set())
+        rid = request.path_params["response_id"]
+        self.store.delete(rid)
+        return JSONResponse({"id": rid, "object": "response", "deleted": True})
+
+    async def input_items(self, request: Request) -> Response:
+        """``GET /v1/responses/{id}/input_items``: the response's own input items (not those
+        of the responses it continues). Raises: APIError 404, 400 naming a bad parameter."""
+        q = _query(request, {"after", "before", "limit", "order", "include"})
+        st = self.store.get(request.path_params["response_id"])
+        return JSONResponse(items_page(copy.deepcopy(st.input_items), q))
+
+    async def cancel(self, request: Request) -> Response:
+        """``POST /v1/responses/{id}/cancel``: stop a background response (its engine
+        request is aborted; status ``cancelled``); one that has ended is answered as it is.
+        Raises: APIError 404 naming an unknown id, 400 for a response not in background."""
+        _query(request, set())
+        rid = request.path_params["response_id"]
+        st = self.store.get(rid)
+        if not st.response.get("background"):
+            raise bad_request(f"response '{rid}' was not created with background: true; only "
+                              "background responses can be cancelled", "response_id")
+        if st.running:
+            st.task.cancel()
+            await asyncio.wait([st.task])
+        return JSONResponse(self.store.snapshot(rid))
 
     async def create(self, request: Request) -> Response:
         """``POST /v1/responses``: a ``response`` object, or its SSE events with
@@ -226,7 +341,15 @@ class ResponsesServing:
                                                       args.body_read_timeout))
         rid = extensions.adopt_body_id(request, req.model_extra, rid)
         s.check_model(req.model)
-        conv = to_chat(req)
+        prior: list[dict] = []
+        if req.previous_response_id is not None:
+            prev = self.store.get(req.previous_response_id, "previous_response_id")
+            if prev.running:
+                raise bad_request(f"response '{req.previous_response_id}' is still in "
+                                  "progress; continue it once it has ended",
+                                  "previous_response_id")
+            prior = prev.conversation
+        conv = to_chat(req, prior)
         try:
             chat: ChatCompletionRequest = parse_request(ChatCompletionRequest, conv.body,
                                                         max_n=1)
@@ -243,10 +366,17 @@ class ResponsesServing:
                             spaces_between_special_tokens=sp.spaces_between_special_tokens)
         fmt = chat_format(tools, rid, s.model_name, 1, len(ids), False, False, s.strings, lp,
                           n=1)
-        build = ResponseBuilder(rid, s.model_name, fmt, echo_fields(req))
+        keep = req.store is not False and self.store.enabled
+        if req.background and not keep:
+            raise not_supported("background", "background responses with the response store "
+                                "off (--responses-store-size 0)")
+        build = ResponseBuilder(rid, s.model_name, fmt, dict(echo_fields(req), store=keep))
+        st = StoredResponse({}, stored_items(req.input), prior) if keep else None
         s._log_request(fmt, conv.body["messages"], sp)
         rids: list[str] = []  # the engine rid generate registers (unique; see request_id)
         gen = tm.generate([(rid, ids, sp)], req.stream, arrival=t0, registered=rids)
+        if req.background:
+            return self._background(build, gen, st, prior)
         if not req.stream:
             async def collect() -> None:
                 async for o in gen:
@@ -257,6 +387,8 @@ class ResponsesServing:
             except ClientGone:
                 return Response(status_code=499)
             s._log_output(fmt)
+            if st is not None:
+                self._keep(st, build, prior)
             return JSONResponse(build.response())
 
         async def first():
@@ -284,5 +416,37 @@ class ResponsesServing:
                 for e in build.fail(APIError("internal error while streaming", 500)):
                     yield sse_event(e)
             s._log_output(fmt)
+            if st is not None:  # a stream the client left early is not stored
+                self._keep(st, build, prior)
 
         return _SSEResponse(events(), on_close=lambda: tm.abort(rids))
+
+    def _background(self, build: ResponseBuilder, gen, st: StoredResponse,
+                    prior: list[dict]) -> Response:
+        """Answer a ``background: true`` request at once (status ``queued``) and generate in a
+        task of this process; the stored response follows it (``GET``) until it ends."""
+        self.serving.tm.check_admission(1)  # a full queue is still this request's 503
+        build.status = "queued"
+
+        async def run() -> None:
+            try:
+                async for o in gen:
+                    if build.status == "queued":
+                        build.status = "in_progress"
+                    build.feed(o)
+            except asyncio.CancelledError:
+                build.cancel()  # the generator's finally aborted the engine request
+            except APIError as err:
+                build.fail(err)
+            except Exception:  # noqa: BLE001 - logged; the stored response says failed
+                logger.exception("background response %s failed", build.id)
+                build.fail(APIError("internal error while generating", 500))
+            finally:
+                await gen.aclose()
+                self._keep(st, build, prior)
+
+        st.live = build.response
+        st.response = build.response()
+        self.store.put(st)
+        st.task = asyncio.create_task(run(), name=f"background {build.id}")
+        return JSONResponse(st.response)

@@ -257,13 +257,12 @@ def test_noops_change_nothing(url):
     r = post(url, "/v1/responses", dict(body, **extra))
     assert r.status_code == 200, r.text
     assert r.json()["output"][0]["content"] == plain["output"][0]["content"]
-    assert r.json()["metadata"] == {"k": "v"} and r.json()["store"] is False
+    assert r.json()["metadata"] == {"k": "v"} and r.json()["store"] is True
 
 
 @pytest.mark.parametrize("extra,param,code", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id", "unsupported_parameter"),
     ({"conversation": "conv_1"}, "conversation", "unsupported_parameter"),
-    ({"background": True}, "background", "unsupported_parameter"),
+    ({"background": True, "stream": True}, "background", "unsupported_parameter"),
     ({"truncation": "auto"}, "truncation", "unsupported_parameter"),
     ({"include": ["message.output_text.logprobs"]}, "include[0]", "unsupported_parameter"),
     ({"max_tokens": 5}, "max_tokens", "unrecognized_field"),
@@ -335,13 +334,15 @@ IMPLEMENTED = {"model": MODEL, "input": "hi", "instructions": "Be brief.",
                "stream_options": {"include_obfuscation": False},
                "text": {"format": {"type": "json_object"}},
                "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}
+#: the stored-response fields (tests/unit/test_responses_store.py)
+STATE = {"previous_response_id": "resp_1", "background": True}
 NOOPS = {"metadata": {"k": "v"}, "user": "u", "safety_identifier": "s",
          "prompt_cache_key": "k", "prompt_cache_retention": "24h", "service_tier": "auto",
          "reasoning": {"effort": "low"}, "store": True, "truncation": "disabled",
-         "include": ["reasoning.encrypted_content"], "top_logprobs": 0, "background": False}
-REFUSED = {"background": True, "truncation": "auto", "top_logprobs": 2,
+         "include": ["reasoning.encrypted_content"], "top_logprobs": 0}
+REFUSED = {"truncation": "auto", "top_logprobs": 2,
            "include": ["message.output_text.logprobs"], "max_tool_calls": 3,
-           "previous_response_id": "resp_1", "conversation": "conv_1",
+           "conversation": "conv_1",
            "prompt": {"id": "pmpt_1"}, "context_management": [{"type": "compaction"}],
            "moderation": {"model": "m"}, "access_programs": {"x": 1},
            "background_options": {"x": 1}, "image": {"x": 1},
@@ -350,7 +351,7 @@ REFUSED = {"background": True, "truncation": "auto", "top_logprobs": 2,
 
 def test_every_client_field_is_decided():
     fields = set(response_create_params.ResponseCreateParamsStreaming.__annotations__)
-    assert fields == set(IMPLEMENTED) | set(NOOPS) | set(REFUSED)
+    assert fields == set(IMPLEMENTED) | set(NOOPS) | set(REFUSED) | set(STATE)
     body = dict(IMPLEMENTED)
     req = parse_responses_request(body)
     chat_body = to_chat(req).body  # hand-mapped: the chat request it must become

@@ -101,7 +101,7 @@ def test_the_routers_chat_body_is_served(body):
 def test_the_routers_completion_and_responses_bodies_are_served():
     parse_request(CompletionRequest, SGLANG_ROUTER_COMPLETION)
     req = parse_responses_request(SGLANG_ROUTER_RESPONSES)
-    assert req.store is True  # accepted: nothing is stored, the response says false
+    assert req.store is True  # the response is stored (tests/unit/test_responses_store.py)
 
 
 def test_unknown_fields_are_still_refused_by_name():
@@ -178,7 +178,7 @@ async def test_the_routers_bodies_through_the_app(app):
                         if "responses" not in path else dict(body, model=None))
         assert r.status_code == 200, (path, r.text)
         if "responses" in path:
-            assert r.json()["store"] is False  # nothing was stored
+            assert r.json()["store"] is True  # stored, as OpenAI's default
 
 
 def test_docs_table_is_the_table():
