@@ -113,10 +113,13 @@ class ServerArgs:
                                          ge=1.0)
     quantization: str | None = _f(None, "quantize a bf16/fp16 checkpoint at load time: fp8 "
                                   "(e4m3 weights, per-output-channel scales; matmuls of more "
-                                  "than 16 rows also quantize activations per token); FP8 "
+                                  "than 16 rows also quantize activations per token); awq / "
+                                  "gptq (4-bit weights in groups of 128, round to nearest: "
+                                  "for dummy-weight benchmarks). FP8, AWQ and GPTQ "
                                   "checkpoints are detected from their config. gguf: keep a "
                                   "GGUF file's Q4_0/Q4_1/Q8_0 linear weights in their blocks "
-                                  "on any device (the CPU does by default)", ("fp8", "gguf"))
+                                  "on any device (the CPU does by default)",
+                                  ("fp8", "gguf", "awq", "gptq"))
     gguf_dequantize: bool = _f(False, "load a GGUF file's weights dequantized to --dtype "
                                       "instead of keeping its Q4_0/Q4_1/Q8_0 blocks (the "
                                       "CPU's default)")

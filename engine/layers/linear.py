@@ -154,12 +154,13 @@ class LinearBase(nn.Module):
 
     def drop_quantization(self, dtype: torch.dtype) -> None:
         """Make this layer a float layer again (uninitialised ``weight`` in ``dtype``, on
-        the same device): for layers an FP8 checkpoint keeps unquantized."""
+        the same device): for layers a quantized checkpoint keeps unquantized."""
         if self.quant_method is None:
             return
-        device = self.weight.device
+        device = next(p for p in self._parameters.values() if p is not None).device
         self.quant_method = None
-        for name in ("weight", "weight_scale", "weight_min"):
+        for name in ("weight", "weight_scale", "weight_min", "qweight", "scales", "qzeros",
+                     "g_idx"):  # a quant method's own (FP8, GGUF blocks, AWQ/GPTQ)
             if name in self._parameters:
                 del self._parameters[name]
         self.weight = nn.Parameter(torch.empty(self.output_size, self.input_size, dtype=dtype,

@@ -248,7 +248,8 @@ def keeps_gguf_blocks(quantization: str | None, gguf_dequantize: bool, device_ty
                       ) -> bool:
     """Whether a GGUF file's Q4_0/Q4_1/Q8_0 linear weights stay in their blocks: on the CPU
     by default, on any device with ``--quantization gguf``; never with
-    ``--gguf-dequantize`` or ``--quantization fp8`` (which quantizes dequantized weights).
+    ``--gguf-dequantize`` or ``--quantization fp8|awq|gptq`` (which quantize dequantized
+    weights).
 
     Raises:
         ValueError: ``--quantization gguf`` with ``--gguf-dequantize``.
@@ -256,6 +257,6 @@ def keeps_gguf_blocks(quantization: str | None, gguf_dequantize: bool, device_ty
     if quantization == "gguf" and gguf_dequantize:
         raise ValueError("--quantization gguf keeps GGUF blocks; --gguf-dequantize drops them: "
                          "choose one")
-    if gguf_dequantize or quantization == "fp8":
+    if gguf_dequantize or quantization in ("fp8", "awq", "gptq"):
         return False
     return quantization == "gguf" or device_type == "cpu"

@@ -22,7 +22,10 @@ names onto ferry's fused parameters, and its weight loaders keep this rank's sha
 FP8: an FP8 checkpoint (``quantization_config``) or ``quantization="fp8"`` builds the linear
 layers with e4m3 weights (``engine.layers.quantization``); float checkpoint tensors, dummy
 ones included, are quantized per output channel as they load, and the layers pick their
-matmul path after loading.
+matmul path after loading. AWQ/GPTQ checkpoints (``quant_method: awq|gptq``) load their
+packed ``qweight``/``qzeros``/``scales`` into 4-bit layers; ``quantization="awq"|"gptq"``
+(or such a config with dummy weights) quantizes float tensors to 4 bits as they load
+(``engine.layers.quantization.int4``).
 
 Sliding window: ferry has no sliding-window attention. When a config sets ``sliding_window``
 (and, for Qwen, ``use_sliding_window``) below ``max_position_embeddings``, :func:`load_config`
@@ -54,6 +57,7 @@ from engine.layers.quantization import (
     quantization_scope,
 )
 from engine.layers.quantization.gguf import GgufConfig, plan_layers
+from engine.layers.quantization.int4 import Int4Config
 from engine.loader.gguf import (
     capture_head_blocks,
     check_gguf_supported,
@@ -325,10 +329,10 @@ def load_model(model_path: str | None = None, load_format: str = "auto",
         seed: seed of the dummy weights.
         config: an already loaded (possibly edited) HF config to use instead of reading it.
         progress: show a tqdm bar over tensors.
-        quantization: ``"fp8"`` quantizes a float checkpoint's linear layers while they load
-            (``engine.layers.quantization``); an FP8 checkpoint is detected from its config
-            whatever this says. ``"gguf"`` keeps a GGUF file's Q4_0/Q4_1/Q8_0 linear weights
-            in their blocks on any device (:func:`keeps_gguf_blocks`).
+        quantization: ``"fp8"``, ``"awq"`` or ``"gptq"`` quantizes a float checkpoint's
+            linear layers while they load (``engine.layers.quantization``); a quantized
+            checkpoint is detected from its config. ``"gguf"`` keeps a GGUF file's
+            Q4_0/Q4_1/Q8_0 linear weights in their blocks on any device (:func:`keeps_gguf_blocks`).
         gguf_dequantize: load a GGUF file's weights dequantized to ``dtype`` (the path
             before blocks were kept; the CPU's default keeps them).
     Returns:
@@ -362,9 +366,12 @@ def load_model(model_path: str | None = None, load_format: str = "auto",
                     str(run_dtype).removeprefix("torch."))
     elif quant is not None:
         apply_ignore(model, quant, run_dtype)
-        logger.info("FP8 linear layers (%s): %s weights, per-output-channel scales, "
-                    "activations quantized per token", quant.source,
-                    "e4m3 checkpoint" if quant.checkpoint_fp8 else "quantized at load time")
+        if isinstance(quant, Int4Config):
+            logger.info("%s", quant.describe())
+        else:
+            logger.info("FP8 linear layers (%s): %s weights, per-output-channel scales, "
+                        "activations quantized per token", quant.source,
+                        "e4m3 checkpoint" if quant.checkpoint_fp8 else "quantized at load time")
     model.eval()
     if dev.type == "meta":
         return model, config

@@ -286,7 +286,7 @@ def test_quant_config_detection_and_refusals():
         (_ct({"strategy": "group"}), "weight strategy 'group'"),
         (_ct(acts={"type": "int", "num_bits": 8, "dynamic": True}), "int 8-bit activations"),
         (_ct(format="pack-quantized"), "format 'pack-quantized'"),
-        ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
         ({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e5m2"}, "e5m2"),
     ]
     for qc, msg in refusals:

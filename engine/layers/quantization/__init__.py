@@ -1,7 +1,10 @@
 """Quantized linear layers: which scheme a model uses, and the hooks the loader calls.
 
-One scheme today, FP8 W8A8 (:mod:`engine.layers.quantization.fp8`). It comes from the
-checkpoint's ``config.json`` ``quantization_config`` or from ``--quantization fp8``:
+FP8 W8A8 (:mod:`engine.layers.quantization.fp8`), AWQ and GPTQ 4-bit weights
+(:mod:`engine.layers.quantization.int4`: ``quant_method: awq`` GEMM layout, ``gptq`` 4-bit
+without act-order, or ``--quantization awq|gptq`` to quantize float weights at load) and GGUF
+blocks (:mod:`engine.layers.quantization.gguf`, planned by the GGUF loader). FP8 comes from
+the checkpoint's ``config.json`` ``quantization_config`` or from ``--quantization fp8``:
 
 - ``quant_method: "compressed-tensors"`` (llm-compressor's FP8 models): every
   ``config_groups`` entry must target ``Linear`` with ``weights`` ``{type: float,
@@ -34,16 +37,17 @@ import torch
 from torch import nn
 
 from engine.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod
+from engine.layers.quantization.int4 import Int4Config, parse_awq, parse_gptq
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("fp8", "gguf")
+QUANTIZATION_METHODS = ("fp8", "gguf", "awq", "gptq")
 
 _ACTIVE: contextvars.ContextVar[Fp8LinearMethod | None] = contextvars.ContextVar(
     "ferry_quant_method", default=None)
 
-__all__ = ["Fp8Config", "Fp8LinearMethod", "QUANTIZATION_METHODS", "apply_ignore",
-           "current_linear_method", "get_quant_config", "process_weights_after_loading",
+__all__ = ["Fp8Config", "Fp8LinearMethod", "Int4Config", "QUANTIZATION_METHODS",
+           "apply_ignore", "current_linear_method", "get_quant_config", "process_weights_after_loading",
            "quantization_scope"]
 
 
@@ -113,19 +117,23 @@ def _parse_compressed_tensors(qc: dict) -> Fp8Config:
 
 
 def get_quant_config(hf_config, quantization: str | None = None,
-                     load_format: str = "auto") -> Fp8Config | None:
+                     load_format: str = "auto") -> Fp8Config | Int4Config | None:
     """The quantization scheme of a model, or None for a plain float model.
 
     Args:
         hf_config: the HF config (its ``quantization_config``, or its ``text_config``'s).
-        quantization: ``--quantization`` (None or ``"fp8"``).
-        load_format: with ``dummy``, an FP8 checkpoint config means FP8 weights quantized
-            from the dummy float weights; with ``gguf`` (whose tensors the loader
-            dequantizes) a ``quantization_config`` is ignored, as is transformers'
+        quantization: ``--quantization`` (None, ``"fp8"``, ``"awq"`` or ``"gptq"``: quantize
+            a float checkpoint at load; a quantized checkpoint's own scheme wins, and another
+            one named here is an error).
+        load_format: with ``dummy``, a quantized checkpoint config means weights of that
+            scheme quantized from the dummy float weights; with ``gguf`` (whose tensors the
+            loader dequantizes) a ``quantization_config`` is ignored, as is transformers'
             ``quant_method: gguf``.
     Raises:
         ValueError: an unknown ``--quantization`` value, or a checkpoint scheme ferry cannot
-            load (block-wise FP8, integer or 4-bit weights, another quant_method), naming it.
+            load (block-wise FP8, 8-bit integer or act-order GPTQ weights, another
+            quant_method), naming it; ``--quantization awq|gptq`` on a checkpoint quantized
+            another way.
     """
     if quantization not in (None, *QUANTIZATION_METHODS):
         raise ValueError(f"--quantization {quantization!r} is not supported; choose "
@@ -143,23 +151,36 @@ def get_quant_config(hf_config, quantization: str | None = None,
             cfg = _parse_fp8(qc)
         elif method == "compressed-tensors":
             cfg = _parse_compressed_tensors(qc)
+        elif method == "awq":
+            cfg = parse_awq(qc)
+        elif method == "gptq":
+            cfg = parse_gptq(qc)
         else:
             raise _refuse(f"quant_method {method!r}; ferry loads FP8 checkpoints "
-                          "(quant_method 'fp8', or 'compressed-tensors' with FP8 weights)")
+                          "(quant_method 'fp8', or 'compressed-tensors' with FP8 weights), "
+                          "AWQ ('awq') and GPTQ ('gptq')")
+        if quantization in ("awq", "gptq") and method != quantization:
+            raise ValueError(f"--quantization {quantization}: the checkpoint is already "
+                             f"quantized (quantization_config quant_method {method!r})")
     elif quantization == "gguf":
         raise ValueError("--quantization gguf keeps a GGUF file's blocks; the model at hand "
                          f"is {load_format}")
     elif quantization == "fp8":
         cfg = Fp8Config(False, "--quantization fp8")
+    elif quantization in ("awq", "gptq"):
+        cfg = Int4Config(quantization, checkpoint=False, source=f"--quantization {quantization}")
     else:
         return None
-    if cfg.checkpoint_fp8 and load_format == "dummy":
+    if isinstance(cfg, Int4Config):
+        if load_format == "dummy" and cfg.checkpoint:
+            cfg = dataclasses.replace(cfg, checkpoint=False)
+    elif cfg.checkpoint_fp8 and load_format == "dummy":
         cfg = dataclasses.replace(cfg, checkpoint_fp8=False)
     return cfg
 
 
 @contextlib.contextmanager
-def quantization_scope(config: Fp8Config | None):
+def quantization_scope(config: Fp8Config | Int4Config | None):
     """Within this block, every ``LinearBase`` constructed uses ``config``'s quant method
     (none when ``config`` is None)."""
     token = _ACTIVE.set(None if config is None else config.linear_method())
@@ -174,7 +195,7 @@ def current_linear_method() -> Fp8LinearMethod | None:
     return _ACTIVE.get()
 
 
-def apply_ignore(model: nn.Module, config: Fp8Config, dtype: torch.dtype) -> int:
+def apply_ignore(model: nn.Module, config: Fp8Config | Int4Config, dtype: torch.dtype) -> int:
     """Return the linear layers that ``config.ignore`` names to the run dtype ``dtype``.
 
     A fused layer (``model.stacked_params``: ``(fused, part, shard)``) is ignored when all of
