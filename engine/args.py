@@ -15,9 +15,11 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
-#: --speculative-algorithm's choices (SGLang's names); only NGRAM is built so far
+#: --speculative-algorithm's choices (SGLang's names)
 SPECULATIVE_ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3", "STANDALONE")
-SPECULATIVE_BUILT = ("NGRAM",)
+SPECULATIVE_BUILT = ("NGRAM", "EAGLE", "EAGLE3", "STANDALONE")
+#: the algorithms whose drafts come from a model (--speculative-draft-model-path)
+SPECULATIVE_MODEL_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE")
 #: --speculative-num-draft-tokens when not given
 DEFAULT_NUM_DRAFT_TOKENS = 4
 
@@ -131,15 +133,21 @@ class ServerArgs:
     # speculative decoding (SGLang's flag names; engine/speculative/)
     speculative_algorithm: str | None = _f(
         None, "speculative decoding: NGRAM (draft tokens copied from the request's own prompt "
-              "and output, no draft model); EAGLE, EAGLE3 and STANDALONE are not implemented "
-              "yet; unset: off", SPECULATIVE_ALGORITHMS)
+              "and output, no draft model), EAGLE / EAGLE3 (a draft head over the target's "
+              "hidden states) or STANDALONE (a smaller model with the same vocabulary); "
+              "unset: off", SPECULATIVE_ALGORITHMS)
     speculative_num_draft_tokens: int | None = _f(
         None, "draft tokens proposed per request and step; one verify forward scores them "
-              f"all (default: {DEFAULT_NUM_DRAFT_TOKENS})", ge=1, le=64)
+              f"all (default: {DEFAULT_NUM_DRAFT_TOKENS}; EAGLE/EAGLE3/STANDALONE: "
+              "--speculative-num-steps, or that plus 1 as SGLang counts the verified token)",
+        ge=1, le=64)
     speculative_num_steps: int | None = _f(
-        None, "EAGLE/STANDALONE: draft forwards per step (the chain length)", ge=1, le=64)
+        None, "EAGLE/EAGLE3/STANDALONE: draft forwards per step, one draft token each (a "
+              "chain; default: --speculative-num-draft-tokens, else "
+              f"{DEFAULT_NUM_DRAFT_TOKENS})", ge=1, le=64)
     speculative_eagle_topk: int | None = _f(
-        None, "EAGLE: candidates per draft step (1 = a chain)", ge=1, le=64)
+        None, "EAGLE/EAGLE3: candidates per draft step (1 = a chain, the only shape built)",
+        ge=1, le=64)
     speculative_draft_model_path: str | None = _f(
         None, "EAGLE, EAGLE3, STANDALONE: the draft model's checkpoint")
     speculative_ngram_min_match_window_size: int = _f(
@@ -252,7 +260,8 @@ def default_chunked_prefill(device_type: str) -> int:
 
 
 def num_draft_tokens(args: ServerArgs) -> int:
-    """Draft tokens per request and speculative step (0 when speculation is off)."""
+    """Draft tokens per request and speculative step (0 when speculation is off): a model
+    proposer's chain is ``--speculative-num-steps`` long (one token per draft forward)."""
     if not args.speculative_algorithm:
         return 0
     return args.speculative_num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS
@@ -277,6 +286,8 @@ def _speculative_error(a: ServerArgs) -> str | None:
     if algo not in ("EAGLE", "EAGLE3") and a.speculative_eagle_topk not in (None, 1):
         return f"--speculative-eagle-topk applies to EAGLE and EAGLE3, not to {algo}"
     if a.speculative_ngram_min_match_window_size > a.speculative_ngram_max_match_window_size:
+    if args.speculative_algorithm in SPECULATIVE_MODEL_ALGORITHMS and args.speculative_num_steps:
+        return args.speculative_num_steps
         return ("--speculative-ngram-min-match-window-size must be <= "
                 "--speculative-ngram-max-match-window-size, got "
                 f"{a.speculative_ngram_min_match_window_size} > "
@@ -298,6 +309,20 @@ def _field_error(v: Any, md) -> str | None:
     bounds = [k for k in _BOUNDS if k in md]
     if not bounds:
         return None
+    if a.speculative_eagle_topk not in (None, 1):
+        return ("--speculative-eagle-topk above 1 (a draft tree) is not built: ferry's EAGLE "
+                "drafts a chain (--speculative-eagle-topk 1)")
+    if algo == "NGRAM" and a.speculative_num_steps is not None:
+        return ("--speculative-num-steps is not used by --speculative-algorithm NGRAM (it "
+                "proposes --speculative-num-draft-tokens per step without a draft forward)")
+    steps, drafts = a.speculative_num_steps, a.speculative_num_draft_tokens
+    if steps is not None and drafts is not None and drafts not in (steps, steps + 1):
+        return (f"--speculative-num-draft-tokens {drafts} does not fit --speculative-num-steps "
+                f"{steps}: a chain of {steps} draft forwards proposes {steps} tokens (pass "
+                f"{steps}, or {steps + 1} counting the verified token as SGLang does)")
+    if algo in SPECULATIVE_MODEL_ALGORITHMS and (a.tp_size > 1 or a.nnodes > 1):
+        return (f"--speculative-algorithm {algo} with --tp-size {a.tp_size} is not built: "
+                "the draft model runs on rank 0 only (use NGRAM, or --tp-size 1)")
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return "must be a number"
     failed = [k for k in bounds if not _BOUNDS[k][1](v, md[k])]  # NaN fails every bound

@@ -89,8 +89,8 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
                       "prefix_cache_queries": 0, "prefix_cache_hits": 0}
         self.stats.update(STATS_TTFT_ZERO)
         # speculative decoding (--speculative-algorithm): verify steps replace small decodes
-        proposer = create_proposer(args) if getattr(args, "speculative_algorithm", None) \
-            else None
+        proposer = create_proposer(args, runner, tokenizer) \
+            if getattr(args, "speculative_algorithm", None) else None
         self.spec = SpecWorker(args, proposer, self.kv, runner, self.stats) if proposer \
             else None
 
@@ -390,6 +390,8 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
         except Exception as exc:  # a bug or a device error: fail this batch, keep serving
             if getattr(getattr(self.runner, "tp", None), "size", 1) > 1:
                 raise  # the other ranks may be inside this step's collectives: stop them all
+            if self.spec is not None:  # an EAGLE head keeps the hidden states of the step
+                self.spec.proposer.observe(batch)
             logger.exception("step failed; aborting %d requests", batch.batch_size)
             self._drain()
             for req in batch.reqs:

@@ -27,8 +27,22 @@ class Proposer:
         raise NotImplementedError
 
     def propose_batch(self, token_lists: list[Sequence[int]], ks: list[int]) -> list[list[int]]:
-        """``propose`` for each request of a step (a proposer with a model batches here)."""
+        """``propose`` for each request of a step."""
         return [self.propose(t, k) if k > 0 else [] for t, k in zip(token_lists, ks)]
+
+    def propose_reqs(self, reqs: list, ks: list[int]) -> list[list[int]]:
+        """Drafts for the running requests of a verify step, up to ``ks[i]`` for request i
+        (what the verify step calls; a proposer with a model and per-request state, such
+        as its KV, works here on the ``Req`` objects)."""
+        return self.propose_batch([r.fill_ids if k > 0 else () for r, k in zip(reqs, ks)], ks)
+
+    def observe(self, batch) -> None:
+        """A target forward over ``batch`` (a ``ScheduleBatch``) just ran: an EAGLE head
+        takes the hidden states it left (``CausalLM.hidden_out``); others ignore it."""
+
+    def trim(self, req, valid_len: int) -> None:
+        """After a verify step, positions ``< valid_len`` of ``req`` hold accepted tokens:
+        a proposer with its own KV drops what it drafted past them."""
 
 
 class NgramProposer(Proposer):

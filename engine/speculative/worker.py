@@ -133,8 +133,7 @@ class SpecWorker:
         for rid in [rid for rid in self._misses if rid not in live]:
             del self._misses[rid]
         ks = [self.budget(r) for r in running]
-        drafts = self.proposer.propose_batch(
-            [r.fill_ids if k else () for r, k in zip(running, ks)], ks)
+        drafts = self.proposer.propose_reqs(running, ks)
         if not any(drafts):
             return None
         kv, pool = self.kv, self.kv.pool
@@ -201,6 +200,7 @@ class SpecWorker:
         acc_t, emit_t = verify_drafts(logits, info, drafts_t)
         want = [p.logprobs for p in params if p.logprobs is not None]
         lp = None
+        self.proposer.observe(vb.batch)
         if want:
             chosen = torch.where(acc_t, drafts_t, emit_t)
             lsm = torch.log_softmax(logits.float(), dim=-1)
@@ -246,6 +246,7 @@ class SpecWorker:
         miss = self._misses.setdefault(rid, [0, 0])
         miss[0] += 1
         if miss[0] >= MISSES_BEFORE_BACKOFF:
+            self.proposer.trim(req, p + 1 + a)
             miss[1] = min(MAX_BACKOFF, 2 ** (miss[0] - MISSES_BEFORE_BACKOFF + 1))
 
 

@@ -125,7 +125,7 @@ def test_every_choices_field_is_checked():
     for f in fields:
         for ok in f.metadata["choices"]:
             if f.name == "speculative_algorithm" and ok != "NGRAM":
-                continue  # needs a draft model and is not built yet: tested below
+                continue  # needs a draft model: tested below
             assert getattr(ServerArgs(**{f.name: ok}), f.name) == ok
         with pytest.raises(ValueError, match=f"^{_flag(f.name)} must be one of .*'bogus'$"):
             ServerArgs(**{f.name: "bogus"})
@@ -250,10 +250,15 @@ def test_serve_refuses_a_config_without_weights(config, tmp_path, capsys, monkey
 @pytest.mark.parametrize("kw, message", [
     ({"speculative_algorithm": "EAGLE"},
      "--speculative-algorithm EAGLE needs --speculative-draft-model-path"),
-    ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/m"},
-     "--speculative-algorithm STANDALONE is not implemented yet"),
-    ({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "/m"},
-     "--speculative-algorithm EAGLE3 is not implemented yet"),
+    ({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "/m",
+      "speculative_eagle_topk": 4}, "--speculative-eagle-topk above 1"),
+    ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/m",
+      "speculative_num_steps": 3, "speculative_num_draft_tokens": 6},
+     "--speculative-num-draft-tokens 6 does not fit --speculative-num-steps 3"),
+    ({"speculative_algorithm": "NGRAM", "speculative_num_steps": 3},
+     "--speculative-num-steps is not used by --speculative-algorithm NGRAM"),
+    ({"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "/m", "tp_size": 2},
+     "--speculative-algorithm EAGLE with --tp-size 2 is not built"),
     ({"speculative_num_draft_tokens": 4}, "--speculative-num-draft-tokens needs "
                                           "--speculative-algorithm"),
     ({"speculative_algorithm": "NGRAM", "speculative_draft_model_path": "/m"},
@@ -282,3 +287,15 @@ def test_speculative_ngram_defaults():
     assert (a.speculative_ngram_min_match_window_size,
             a.speculative_ngram_max_match_window_size) == (1, 12)
     assert num_draft_tokens(a.replace(speculative_num_draft_tokens=7)) == 7
+
+
+def test_speculative_chain_length_of_a_draft_model():
+    from engine.args import num_draft_tokens
+
+    a = ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/m")
+    assert num_draft_tokens(a) == 4
+    assert num_draft_tokens(a.replace(speculative_num_steps=3)) == 3
+    # SGLang's count (the verified token included) names the same chain
+    assert num_draft_tokens(a.replace(speculative_num_steps=3,
+                                      speculative_num_draft_tokens=4)) == 3
+    assert num_draft_tokens(a.replace(speculative_num_draft_tokens=5)) == 5
