@@ -1,16 +1,30 @@
-"""Triton GEMM over weight-only low-bit layouts (:mod:`kernels.quant.quant_ref`'s q4 and q8).
+"""Triton GEMMs over weight-only low-bit layouts (:mod:`kernels.quant.quant_ref`'s q4 and q8).
 
 ``wq_linear(x [M, K], fmt, qweight, scales, mins) -> [M, N]`` in x's dtype (W4A16 / W8A16
-with fp16 or bf16 activations; fp32 activations multiply in IEEE fp32). One program computes
-a ``BLOCK_M x BLOCK_N`` tile of the output: for each ``BLOCK_K`` slice of K it loads the
-packed bytes of ``BLOCK_N`` weight rows, unpacks them in registers (a q4 element ``e`` of a
-row sits in byte ``e // 32 * 16 + e % 16``, low nibble for ``e % 32 < 16``, high nibble
-otherwise), applies the per-group scale (and min), and accumulates ``tl.dot`` in fp32. The
-same code path runs on CUDA and XPU; the tests run it in the interpreter against
-:func:`kernels.quant.quant_ref.wq_matmul_ref`.
+with fp16 or bf16 activations; fp32 activations multiply in IEEE fp32). One code path for
+CUDA and XPU, by the number of rows M:
 
-Not done yet: split-K for small M (the FP8 small-M kernel's scheme) and tuned tile tables;
-the tiles below are a fixed heuristic.
+- ``M <= SMALL_M_MAX`` (16, decode): a ``BLOCK_M = 16`` tile of x against ``BLOCK_N``
+  weight rows, K split into up to 8 parts so that about 2048 programs stream the weights
+  (the FP8 small-M kernel's scheme, ``kernels/split_k.py``: the last part of a block of
+  columns to arrive sums the fp32 partials in K order; no split on XPU);
+- ``M <= DEQUANT_MIN_M`` (256): the same kernel with larger ``BLOCK_M``/``BLOCK_N`` tiles and
+  no split;
+- larger M (prefill): :func:`wq_dequant` writes W in x's dtype (one pass over the packed
+  weights) and ``torch.matmul`` multiplies (vendor GEMM; the dequantized copy is W's size
+  in 16 bits, freed after the call). At M = 2048 with K = 4096 the GEMM is ~25x the
+  dequantization's time.
+
+The q4 tile: a ``BLOCK_K``-weight slice of a row is ``BLOCK_K / 2`` bytes, loaded once;
+byte ``b`` of a 32-weight chunk ``c`` holds weight ``32c + b`` in its low nibble and
+``32c + 16 + b`` in its high nibble, so the tile is two ``tl.dot``s: the low nibbles against
+the x columns ``32c + b`` and the high ones against ``32c + 16 + b``. When the tile lies in
+one quantization group (``G % BLOCK_K == 0``: AWQ/GPTQ groups of 128 or more) the integer
+codes (exact in fp16/bf16) are multiplied and each product is scaled in fp32 afterwards:
+``sum_k x q s + m x`` = ``s (x . q) + m (sum x)``; otherwise (GGUF's 32-weight blocks) the
+codes are dequantized in registers (``s q + m`` in fp32, cast to x's dtype) before the dot.
+Accumulation is fp32 throughout. The tests run every path in the interpreter against
+:func:`kernels.quant.quant_ref.wq_matmul_ref`. The tile sizes are a heuristic, not tuned.
 """
 
 from __future__ import annotations
@@ -19,63 +33,218 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import dot_kernel_options
+from kernels.split_k import MAX_N_BLOCKS, split_k_locks, split_k_trusted
+
+#: the most rows of the split-K (decode) configuration
+SMALL_M_MAX = 16
+#: above this many rows: dequantize, then the vendor GEMM
+DEQUANT_MIN_M = 256
+
 
 @triton.jit
-def _wq_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, y_ptr, M, N, K, G, stride_xm, stride_ym,
-               Q4: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _wq_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, G,
+               k_per_split, stride_xm, stride_ym,
+               Q4: tl.constexpr, ONE_GROUP: tl.constexpr, IEEE: tl.constexpr,
+               SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
     ng = K // G
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    s_rows = s_ptr + offs_n.to(tl.int64) * ng
+    m_rows = m_ptr + offs_n.to(tl.int64) * ng
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        mask_k = kk < K
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        wmask = mask_n[:, None] & mask_k[None, :]
-        if Q4:
-            j = kk % 32
-            byte = (kk // 32) * 16 + j % 16
-            shift = (j // 16) * 4
-            b = tl.load(qw_ptr + offs_n[:, None] * (K // 2) + byte[None, :], mask=wmask,
-                        other=0).to(tl.int32)
-            q = ((b >> shift[None, :]) & 0xF).to(tl.float32)
-        else:
-            q = tl.load(qw_ptr + offs_n[:, None] * K + kk[None, :], mask=wmask,
-                        other=0).to(tl.float32)
-        sidx = offs_n[:, None] * ng + (kk // G)[None, :]
-        w = q * tl.load(s_ptr + sidx, mask=wmask, other=0.0).to(tl.float32)
-        if Q4:
-            w += tl.load(m_ptr + sidx, mask=wmask, other=0.0).to(tl.float32)
-        if IEEE:
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    k_start = pid_k * k_per_split
+    if Q4:
+        b = tl.arange(0, BLOCK_K // 2)
+        lo = (b // 16) * 32 + b % 16          # weight index of byte b's low nibble
+        w_rows = qw_ptr + offs_n[:, None].to(tl.int64) * (K // 2)
+        for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+            k_lo = k0 + lo
+            mask_k = k_lo < K                  # K is a multiple of 32: hi is in range too
+            x_lo = tl.load(x_rows + k_lo[None, :], mask=mask_m[:, None] & mask_k[None, :],
+                           other=0.0)
+            x_hi = tl.load(x_rows + (k_lo + 16)[None, :],
+                           mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            wb = tl.load(w_rows + (k0 // 2 + b)[None, :], mask=mask_n[:, None] & mask_k[None, :],
+                         other=0).to(tl.int32)
+            q_lo = wb & 0xF
+            q_hi = wb >> 4
+            if ONE_GROUP:
+                g = tl.minimum(k0 // G, ng - 1)  # the last K part may run past K (x is 0)
+                s = tl.load(s_rows + g, mask=mask_n, other=0.0).to(tl.float32)
+                mn = tl.load(m_rows + g, mask=mask_n, other=0.0).to(tl.float32)
+                if IEEE:
+                    d = tl.dot(x_lo, tl.trans(q_lo.to(tl.float32)), input_precision="ieee")
+                    d += tl.dot(x_hi, tl.trans(q_hi.to(tl.float32)), input_precision="ieee")
+                else:
+                    d = tl.dot(x_lo, tl.trans(q_lo.to(x_lo.dtype)))
+                    d += tl.dot(x_hi, tl.trans(q_hi.to(x_lo.dtype)))
+                xsum = tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
+                acc += d * s[None, :] + xsum[:, None] * mn[None, :]
+            else:
+                sidx = (k_lo // G)[None, :]
+                wmask = mask_n[:, None] & mask_k[None, :]
+                s = tl.load(s_rows[:, None] + sidx, mask=wmask, other=0.0).to(tl.float32)
+                mn = tl.load(m_rows[:, None] + sidx, mask=wmask, other=0.0).to(tl.float32)
+                w_lo = q_lo.to(tl.float32) * s + mn
+                w_hi = q_hi.to(tl.float32) * s + mn
+                if IEEE:
+                    acc += tl.dot(x_lo, tl.trans(w_lo), input_precision="ieee")
+                    acc += tl.dot(x_hi, tl.trans(w_hi), input_precision="ieee")
+                else:
+                    acc += tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)))
+                    acc += tl.dot(x_hi, tl.trans(w_hi.to(x_lo.dtype)))
+    else:
+        kk0 = tl.arange(0, BLOCK_K)
+        w_rows = qw_ptr + offs_n[:, None].to(tl.int64) * K
+        for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+            kk = k0 + kk0
+            mask_k = kk < K
+            x = tl.load(x_rows + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            wmask = mask_n[:, None] & mask_k[None, :]
+            q = tl.load(w_rows + kk[None, :], mask=wmask, other=0).to(tl.float32)
+            w = q * tl.load(s_rows[:, None] + (kk // G)[None, :], mask=wmask,
+                            other=0.0).to(tl.float32)
+            if IEEE:
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:  # kernels/split_k.py: the last K part of this block of columns sums the partials
+        mn_idx = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part_ptr + pid_k * M * N + mn_idx, acc, mask=out_mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for sk in tl.static_range(SPLIT_K):
+                total += tl.load(part_ptr + sk * M * N + mn_idx, mask=out_mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _wq_dequant_kernel(qw_ptr, s_ptr, m_ptr, w_ptr, N, K, G, Q4: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    ng = K // G
+    out_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
+    s_rows = s_ptr + offs_n[:, None].to(tl.int64) * ng
+    if Q4:
+        b = tl.arange(0, BLOCK_K // 2)
+        k_lo = tl.program_id(1) * BLOCK_K + (b // 16) * 32 + b % 16
+        mask = mask_n[:, None] & (k_lo < K)[None, :]
+        wb = tl.load(qw_ptr + offs_n[:, None].to(tl.int64) * (K // 2)
+                     + (tl.program_id(1) * (BLOCK_K // 2) + b)[None, :], mask=mask,
+                     other=0).to(tl.int32)
+        sidx = (k_lo // G)[None, :]
+        s = tl.load(s_rows + sidx, mask=mask, other=0.0).to(tl.float32)
+        mn = tl.load(m_ptr + offs_n[:, None].to(tl.int64) * ng + sidx, mask=mask,
+                     other=0.0).to(tl.float32)
+        tl.store(out_rows + k_lo[None, :], ((wb & 0xF).to(tl.float32) * s + mn)
+                 .to(w_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_rows + (k_lo + 16)[None, :], ((wb >> 4).to(tl.float32) * s + mn)
+                 .to(w_ptr.dtype.element_ty), mask=mask)
+    else:
+        kk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = mask_n[:, None] & (kk < K)[None, :]
+        q = tl.load(qw_ptr + offs_n[:, None].to(tl.int64) * K + kk[None, :], mask=mask,
+                    other=0).to(tl.float32)
+        s = tl.load(s_rows + (kk // G)[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_rows + kk[None, :], (q * s).to(w_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(fmt: str) -> bool:
+    if fmt not in ("q4", "q8"):
+        raise ValueError(f"unknown weight layout {fmt!r} (q4 or q8)")
+    return fmt == "q4"
+
+
+def wq_dequant(fmt: str, qweight: torch.Tensor, scales: torch.Tensor,
+               mins: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The weight ``W [N, K]`` of a q4/q8 layout in ``dtype`` (``s * q (+ min)`` in fp32,
+    rounded once to ``dtype``): :func:`kernels.quant.quant_ref.dequant` on the device."""
+    q4 = _check(fmt)
+    n = qweight.shape[0]
+    k = qweight.shape[1] * (2 if q4 else 1)
+    w = torch.empty(n, k, dtype=dtype, device=qweight.device)
+    block_n, block_k = 32, 128
+    grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
+    _wq_dequant_kernel[grid](qweight, scales, mins if q4 else scales, w, n, k,
+                             k // scales.shape[1], Q4=q4, BLOCK_N=block_n, BLOCK_K=block_k)
+    return w
+
+
+def wq_config(m: int, n: int, k: int, group: int, device_type: str = "cuda") -> dict:
+    """Launch parameters of :func:`wq_linear`'s kernel (M <= ``DEQUANT_MIN_M``).
+
+    M <= 16: ``16 x 64`` tiles of 128 weights of K, K split into up to 8 parts so that about
+    2048 programs run (none on XPU, ``kernels/split_k.py``), 4 warps and 4 stages (the FP8
+    small-M kernel's rule from its H200 sweep). Larger M: ``BLOCK_M`` the next power of two
+    up to 64, 128 columns once M > 32, no split. ``BLOCK_K`` is 128, or 64 for groups that
+    are a multiple of 64 but not of 128 (a tile within one group)."""
+    block_k = 64 if group % 128 and group % 64 == 0 else 128
+    if m <= SMALL_M_MAX:
+        n_blocks = triton.cdiv(n, 64)
+        split = 1
+        if split_k_trusted(device_type):
+            split = max(1, min(8, 2048 // n_blocks, triton.cdiv(k, block_k)))
+        return dict(SPLIT_K=split, BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k,
+                    **dot_kernel_options(4, 4, device_type))
+    block_m = min(64, triton.next_power_of_2(m))
+    return dict(SPLIT_K=1, BLOCK_M=block_m, BLOCK_N=64 if m <= 32 else 128, BLOCK_K=block_k,
+                **dot_kernel_options(4 if m <= 32 else 8, 3, device_type))
 
 
 def wq_linear(x: torch.Tensor, fmt: str, qweight: torch.Tensor, scales: torch.Tensor,
-              mins: torch.Tensor | None) -> torch.Tensor:
-    """``x [M, K] @ W^T`` -> ``[M, N]`` in x's dtype, W in the ``q4``/``q8`` layout."""
-    if fmt not in ("q4", "q8"):
-        raise ValueError(f"unknown weight layout {fmt!r} (q4 or q8)")
-    q4 = fmt == "q4"
+              mins: torch.Tensor | None, config: dict | None = None) -> torch.Tensor:
+    """``x [M, K] @ W^T`` -> ``[M, N]`` in x's dtype, W in the ``q4``/``q8`` layout.
+
+    Args:
+        x: [M, K] fp16/bf16/fp32, M >= 1.
+        qweight, scales, mins: the layout (``scales``/``mins`` ``[N, K/G]`` fp16 or fp32,
+            ``G`` a multiple of 32; ``mins`` None for q8).
+        config: launch parameters (:func:`wq_config`'s keys) instead of the heuristic; with
+            a config the kernel runs at any M (no dequantize-then-GEMM).
+    Raises:
+        ValueError: an unknown layout, or a split-K launch with more than 65536 blocks of
+            output columns.
+    """
+    q4 = _check(fmt)
     m, k = x.shape
     n = qweight.shape[0]
+    group = k // scales.shape[1]
+    if config is None and m > DEQUANT_MIN_M:
+        return torch.matmul(x, wq_dequant(fmt, qweight, scales, mins, x.dtype).t())
     if x.stride(1) != 1:
         x = x.contiguous()
+    cfg = dict(config or wq_config(m, n, k, group, x.device.type))
+    split = cfg.pop("SPLIT_K", 1)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n, block_k = 64, 64
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _wq_kernel[grid](x, qweight, scales, mins if q4 else scales, y, m, n, k,
-                     k // scales.shape[1], x.stride(0), y.stride(0), Q4=q4,
-                     IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
-                     BLOCK_K=block_k)
+    n_blocks = triton.cdiv(n, cfg["BLOCK_N"])
+    k_per_split = triton.cdiv(triton.cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    if split > 1:
+        if n_blocks > MAX_N_BLOCKS:
+            raise ValueError(f"{n_blocks} blocks of output columns > {MAX_N_BLOCKS}")
+        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        locks = split_k_locks(x.device)
+    else:
+        part = locks = y
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), n_blocks, split)
+    _wq_kernel[grid](x, qweight, scales, mins if q4 else scales, y, part, locks, m, n, k,
+                     group, k_per_split, x.stride(0), y.stride(0), Q4=q4,
+                     ONE_GROUP=group % cfg["BLOCK_K"] == 0, IEEE=x.dtype == torch.float32,
+                     SPLIT_K=split, **cfg)
     return y

@@ -99,17 +99,64 @@ def test_cpu_kernel_refuses_bad_layouts():
 @pytest.mark.parametrize("fmt", ["q4", "q8"])
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m,n,k,group", [(1, 7, 96, 32), (5, 33, 160, 32), (16, 17, 256, 128),
-                                         (33, 9, 608, 32), (64, 65, 384, 128)])
+                                         (33, 9, 608, 32), (64, 65, 384, 128),
+                                         (1, 130, 640, 128), (3, 67, 384, 64),
+                                         (100, 31, 256, 128), (300, 19, 160, 32),
+                                         (512, 9, 256, 128)])
 def test_triton_matches_reference(fmt, xdtype, m, n, k, group):
+    """Every path of ``wq_linear`` by M: split-K decode tiles (M <= 16; K=640 splits into 5
+    parts, the last one partly past K), larger tiles (M <= 256; tiles within one group of
+    64/128, or dequantized in registers for groups of 32), dequantize + GEMM (M > 256);
+    K not a multiple of the 128-weight tile, odd N, fp16 and fp32 scales."""
     pytest.importorskip("triton")
-    from kernels.quant.wq_triton import wq_linear
+    from kernels.quant.wq_triton import wq_config, wq_linear
 
-    qw, s, mins = _weights(fmt, n, k, group, torch.float16, seed=m + n)
+    sdtype = torch.float32 if (m + n) % 2 else torch.float16
+    qw, s, mins = _weights(fmt, n, k, group, sdtype, seed=m + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(xdtype)
     ref = _ref64(x.float(), fmt, qw, s, mins)
+    if m <= 16:
+        cfg = wq_config(m, n, k, group)
+        assert cfg["BLOCK_K"] == (64 if group == 64 else 128)
+        assert cfg["SPLIT_K"] == min(8, -(-k // cfg["BLOCK_K"]))
     y = wq_linear(x.to(DEVICE), fmt, qw.to(DEVICE), s.to(DEVICE),
                   None if mins is None else mins.to(DEVICE))
     assert y.dtype == xdtype and y.shape == (m, n)
-    # fp16: the dequantized weights are rounded to fp16 before tl.dot, and the output
+    # fp16: the dequantized weights (or the dequantized copy) are rounded to fp16, and the
+    # output; the integer codes of a one-group tile are exact
     tol = 1e-5 if xdtype == torch.float32 else 4e-3
     assert (y.cpu().double() - ref).abs().max() <= tol * ref.abs().max()
+
+
+@pytest.mark.parametrize("split", [2, 3])
+def test_triton_split_k_counters_reset(split):
+    """Explicit split-K configs, twice in a row: the same result each time (the partials
+    summed in K order) and the arrival counters back at 0."""
+    pytest.importorskip("triton")
+    from kernels.quant.wq_triton import wq_linear
+    from kernels.split_k import split_k_locks
+
+    qw, s, mins = _weights("q4", 40, 384, 128, torch.float16, seed=split)
+    x = torch.randn(2, 384, generator=torch.Generator().manual_seed(9))
+    ref = _ref64(x, "q4", qw, s, mins)
+    cfg = dict(SPLIT_K=split, BLOCK_M=16, BLOCK_N=16, BLOCK_K=128)
+    args = [t.to(DEVICE) for t in (x, qw, s, mins)]
+    y1 = wq_linear(args[0], "q4", *args[1:], config=cfg)
+    y2 = wq_linear(args[0], "q4", *args[1:], config=cfg)
+    assert torch.equal(y1, y2)
+    assert (y1.cpu().double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert int(split_k_locks(args[0].device).abs().sum()) == 0
+
+
+def test_triton_dequant_matches_reference():
+    pytest.importorskip("triton")
+    from kernels.quant.wq_triton import wq_dequant
+
+    for fmt, k, group, sdtype in (("q4", 416, 32, torch.float16),
+                                  ("q4", 384, 128, torch.float32),
+                                  ("q8", 416, 32, torch.float16)):
+        qw, s, mins = _weights(fmt, 13, k, group, sdtype, seed=group)
+        w = wq_dequant(fmt, qw.to(DEVICE), s.to(DEVICE),
+                       None if mins is None else mins.to(DEVICE), torch.float32)
+        # fp32 scales: s * q + min may be one FMA on a device (one rounding less)
+        assert torch.allclose(w.cpu(), dequant(fmt, qw, s, mins), rtol=1e-6, atol=1e-7)

@@ -23,6 +23,8 @@ from engine.layers.quantization.fp8_constants import (
     WEIGHT_ONLY_MAX_M,
 )
 from kernels.launch import dot_kernel_options
+from kernels.split_k import MAX_N_BLOCKS as _MAX_N_BLOCKS
+from kernels.split_k import split_k_locks, split_k_trusted  # noqa: F401 - re-exported
 
 
 @triton.jit
@@ -154,29 +156,6 @@ def _fp8_small_m_kernel(x_ptr, w_ptr, sw_ptr, sx_ptr, y_ptr, part_ptr, lock_ptr,
 #: the largest M the layers give the small-M kernel (``WEIGHT_ONLY_MAX_M``): at M = 32
 #: quant + ``torch._scaled_mm`` is already as fast (bench/kernels/sweep_gemm.py --fp8 on the H200)
 SMALL_M_MAX = WEIGHT_ONLY_MAX_M
-_LOCKS: dict[torch.device, torch.Tensor] = {}
-_MAX_N_BLOCKS = 1 << 16
-
-
-def split_k_locks(device: torch.device) -> torch.Tensor:
-    """The per-device arrival counters of split-K launches ([65536] int32, zero between
-    launches). Allocated on first use: call it once before graph capture (the layers do, at
-    load time). Launches on one device must not run concurrently on two streams."""
-    device = torch.device(device)
-    if device not in _LOCKS:
-        _LOCKS[device] = torch.zeros(_MAX_N_BLOCKS, dtype=torch.int32, device=device)
-    return _LOCKS[device]
-
-
-def split_k_trusted(device_type: str) -> bool:
-    """Whether the default configs may split K (the last program of an N block sums the
-    other programs' partials, read back with ``.cg`` loads after an ``acq_rel`` atomic).
-    Not on XPU until ``tests/kernels/test_triton_fp8_small_m.py`` (which runs split-K
-    configs explicitly) has passed there: an Xe core's L1 is not coherent with the others',
-    triton-xpu treats a non-predicated ``.cg`` load as a cached one
-    (intel/intel-xpu-backend-for-triton#7901), and Intel calls communication between
-    work-groups "not widely tested" (#6723), so a partial could be read stale."""
-    return device_type != "xpu"
 
 
 def small_m_config(m: int, n: int, k: int, device_type: str = "cuda") -> dict:

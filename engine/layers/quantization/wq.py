@@ -14,8 +14,10 @@ Paths (chosen per layer in :meth:`WeightOnlyMethod.process_weights_after_loading
   is dequantized by the C++ kernel into the run dtype in every call and multiplied by
   torch's GEMM (dequantizing SmolLM2's largest weight, 1536 x 576, takes ~0.1 ms against
   ~3 ms for a 128-row GEMM with it).
-- ``triton`` (CUDA, XPU): :func:`kernels.quant.wq_triton.wq_linear`, a GEMM that dequantizes the
-  tiles in registers (``tl.dot`` in the activations' dtype, fp32 accumulation).
+- ``triton`` (CUDA, XPU): :func:`kernels.quant.wq_triton.wq_linear`: up to 256 rows a GEMM
+  that unpacks the tiles in registers (``tl.dot`` in the activations' dtype, fp32
+  accumulation; K split over more programs at decode sizes), above that a dequantizing
+  kernel and the vendor GEMM.
 - ``torch``: the reference (dequantize, then matmul), where neither kernel is available.
 
 No host syncs on any path.
@@ -102,7 +104,9 @@ class WeightOnlyMethod:
             layer.wq_path = "cpu" if _cpu_kernels() else "torch"
         elif dev.use_triton(device_type):
             try:
-                import kernels.quant.wq_triton  # noqa: F401
+                from kernels.quant.wq_triton import split_k_locks
+
+                split_k_locks(layer.weight.device)  # allocated now, before any graph capture
                 layer.wq_path = "triton"
             except ImportError as e:
                 logger.warning("%s: low-bit weights through the torch reference (triton: %s)",
