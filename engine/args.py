@@ -22,6 +22,8 @@ SPECULATIVE_BUILT = ("NGRAM", "EAGLE", "EAGLE3", "STANDALONE")
 SPECULATIVE_MODEL_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE")
 #: --speculative-num-draft-tokens when not given
 DEFAULT_NUM_DRAFT_TOKENS = 4
+#: --max-lora-rank without --lora-paths to take it from
+DEFAULT_MAX_LORA_RANK = 16
 
 
 def _f(default: Any, help: str, choices: tuple | None = None, **kw) -> Any:
@@ -158,6 +160,21 @@ class ServerArgs:
     speculative_max_batch_size: int = _f(
         8, "speculate only in decode steps of at most this many requests (larger batches "
            "are compute-bound: a step decodes one token per request)", ge=1)
+    # LoRA adapters (SGLang's flag names; engine/lora/)
+    lora_paths: tuple[str, ...] | None = _f(
+        None, "LoRA adapters (peft directories) to serve: name=path (SGLang's form) or a path "
+              "(named after its directory); a request picks one with model 'name' or "
+              "'<served model>:name'")
+    enable_lora: bool = _f(False, "serve LoRA adapters even without --lora-paths (they come "
+                                  "later through POST /load_lora_adapter)")
+    max_loras_per_batch: int = _f(8, "LoRA: most distinct adapters in one step (the device "
+                                     "slots of every layer)", ge=1, le=64)
+    max_loaded_loras: int | None = _f(
+        None, "LoRA: most adapters loaded at once (host memory; beyond --max-loras-per-batch "
+              "the least recently used leave the device; default: no limit)", ge=1)
+    max_lora_rank: int | None = _f(
+        None, "LoRA: largest adapter rank (the slots' size; default: the largest of "
+              f"--lora-paths, else {DEFAULT_MAX_LORA_RANK})", ge=1, le=512)
     # HTTP
     host: str = _f("127.0.0.1", "bind address")
     port: int = _f(30000, "HTTP port", ge=1, le=65535)
@@ -208,6 +225,8 @@ class ServerArgs:
                 continue
             base = _base_type(typ)
             kw: dict[str, Any] = {"type": base, "default": f.default, "help": md["help"]}
+            if getattr(base, "__origin__", None) is tuple:  # tuple[str, ...]: one or more
+                kw.update(type=base.__args__[0], nargs="+")
             if "choices" in md:
                 kw["choices"] = md["choices"]
             parser.add_argument(flag, **kw)
@@ -216,7 +235,8 @@ class ServerArgs:
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+        return cls(**{k: tuple(v) if isinstance(v, list) else v
+                      for k, v in vars(ns).items() if k in names})
 
     def replace(self, **kw) -> ServerArgs:
         return dataclasses.replace(self, **kw)
@@ -236,6 +256,8 @@ class ServerArgs:
             if error := _field_error(v, md):
                 raise ValueError(f"--{f.name.replace('_', '-')} {error}, got {v!r}")
         if error := _speculative_error(self):
+            raise ValueError(error)
+        if error := _lora_error(self):
             raise ValueError(error)
 
 
@@ -340,3 +362,52 @@ def _base_type(typ) -> type:
         non_none = [a for a in args if a is not type(None)]
         return non_none[0]
     return typ
+
+
+def lora_enabled(args: ServerArgs) -> bool:
+    """Whether the engine serves LoRA adapters (--lora-paths or --enable-lora)."""
+    return bool(args.lora_paths) or args.enable_lora
+
+
+def lora_path_items(paths) -> list[tuple[str, str]]:
+    """``--lora-paths`` as ``(name, path)``: ``name=path``, or a path named after its last
+    directory (SGLang's forms).
+
+    Raises:
+        ValueError: naming --lora-paths, for an empty name or path, a name with ':' or a
+            name given twice.
+    """
+    out: list[tuple[str, str]] = []
+    for item in paths or ():
+        name, eq, path = item.partition("=")
+        if not eq:
+            path = item
+            name = item.rstrip("/").rpartition("/")[2]
+        if not name or not path or ":" in name:
+            raise ValueError(f"--lora-paths {item!r}: expected name=path or a directory, with "
+                             "a name without ':'")
+        if name in dict(out):
+            raise ValueError(f"--lora-paths: the adapter name {name!r} is given twice")
+        out.append((name, path))
+    return out
+
+
+def _lora_error(a: ServerArgs) -> str | None:
+    """What is wrong with the --lora-* flags, or None."""
+    if not lora_enabled(a):
+        given = [f for f in ("max_loaded_loras", "max_lora_rank") if getattr(a, f) is not None]
+        if given:
+            return f"--{given[0].replace('_', '-')} needs --lora-paths or --enable-lora"
+        return None
+    try:
+        items = lora_path_items(a.lora_paths)
+    except ValueError as e:
+        return str(e)
+    if a.max_loaded_loras is not None and len(items) > a.max_loaded_loras:
+        return (f"--lora-paths gives {len(items)} adapters, more than --max-loaded-loras "
+                f"{a.max_loaded_loras}")
+    if a.speculative_algorithm:
+        return ("--lora-paths/--enable-lora with --speculative-algorithm is not built (verify "
+                "steps do not apply adapters yet)")
+    return None
+

@@ -76,8 +76,36 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
+    def _lora_id(self, name: str | None) -> int | None:
+        if name is None:
+            return None
+        if self.runner.lora is None:
+            raise RequestError(f"LoRA adapter {name!r}: this engine serves no adapters "
+                               "(lora_paths or enable_lora)", "lora")
+        try:
+            return self.runner.lora.resolve(name)
+        except ValueError as e:
+            raise RequestError(str(e), "lora") from None
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load a peft LoRA adapter under ``name`` (``enable_lora`` or ``lora_paths``).
+
+        Raises:
+            ValueError: (``engine.lora.adapter.LoRAError``) a bad adapter or a taken name.
+        """
+        if self.runner.lora is None:
+            raise ValueError("this engine serves no LoRA adapters: pass enable_lora=True")
+        self.runner.lora.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter ``name`` (requests running on it finish on it)."""
+        if self.runner.lora is None:
+            raise ValueError("this engine serves no LoRA adapters")
+        self.runner.lora.unload(name)
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, lora: str | list[str | None] | None = None
+                 ) -> list[RequestOutput]:
         """Generate for each prompt (a string or a list of token ids), in input order.
 
         Args:
@@ -86,10 +114,12 @@ class LLM:
                 (default: ``SamplingParams()``). A ``max_tokens`` beyond the context left by
                 the prompt is cut to it.
             use_tqdm: show a progress bar.
+            lora: the LoRA adapter (a name of ``lora_paths`` or :meth:`load_lora`) for all
+                prompts, or one per prompt (None: the base model).
         Raises:
             ValueError: (``engine.validation.RequestError``, with ``param`` and ``code``)
-                before anything runs, for an empty prompt, a token id outside the
-                vocabulary, a prompt that leaves no room for one token in the context
+                before anything runs, for an unknown LoRA adapter, an empty prompt, a token id
+                outside the vocabulary, a prompt that leaves no room for one token in the context
                 (``context_length_exceeded``), out-of-range sampling settings, or a text
                 prompt without a tokenizer.
         """
@@ -97,8 +127,9 @@ class LLM:
             prompts = [prompts]
         sps = sampling_params if isinstance(sampling_params, list) else (
             [sampling_params or SamplingParams()] * len(prompts))
+        loras = lora if isinstance(lora, list) else [lora] * len(prompts)
         reqs = []
-        for p, sp in zip(prompts, sps):  # check all before the scheduler sees any
+        for p, sp, name in zip(prompts, sps, loras):  # check all before the scheduler sees any
             if isinstance(p, str) and self.tokenizer is None:
                 raise RequestError("this engine has no tokenizer; send token ids as the "
                                    "prompt", "prompt")
@@ -106,7 +137,8 @@ class LLM:
             # a max_tokens beyond the room the prompt leaves is cut to it (finish "length")
             max_new = validate_request(ids, sp, self.vocab_size, self.runner.max_context_len,
                                        clamp_max_tokens=True)
-            reqs.append(Req(f"offline-{next(self._ids)}", ids, sp, False, max_new))
+            reqs.append(Req(f"offline-{next(self._ids)}", ids, sp, False, max_new,
+                            lora_id=self._lora_id(name)))
         for req in reqs:
             self.scheduler.add_request(req)
         bar = None

@@ -23,7 +23,7 @@ one shrink) and one B per part (one expand per part, each reading its R columns 
 
 Grid: ``(segments, ceil(max_len / BLOCK_M), ceil(N / BLOCK_N))``; a program past its
 segment's end or on a base segment returns at once. ``max_len`` is a host int (decode: 1).
-:func:`lora_apply_torch` is the CPU path and the tests' second opinion: one matmul pair per
+:func:`kernels.lora_torch.lora_apply_torch` is the CPU path and the tests' second opinion: one matmul pair per
 adapter over its rows.
 """
 
@@ -193,22 +193,4 @@ def lora_apply_triton(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, bs: lis
         r = b.shape[2]
         lora_expand(y[:, off:off + n], s[:, p * r:(p + 1) * r], b, seg_start, seg_len,
                     seg_slot, max_len)
-    return y
-
-
-def lora_apply_torch(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor],
-                     parts: list[tuple[int, int]], rows_by_slot: list[tuple[int, torch.Tensor]]
-                     ) -> torch.Tensor:
-    """:func:`lora_apply_triton` in torch: for each slot, its rows' shrink and expands.
-
-    ``rows_by_slot``: ``(slot, row indices [n] int64)`` per adapter in the batch (base rows
-    are in none). The delta is computed in x's dtype, as peft does.
-    """
-    for slot, rows in rows_by_slot:
-        xs = x.index_select(0, rows)
-        s = xs @ a[slot].t()
-        for p, ((off, n), b) in enumerate(zip(parts, bs)):
-            r = b.shape[2]
-            delta = s[:, p * r:(p + 1) * r] @ b[slot].t()
-            y[:, off:off + n].index_add_(0, rows, delta.to(y.dtype))
     return y

@@ -53,6 +53,10 @@ class GraphRunner:
         self.req_pool_indices = torch.zeros(n, dtype=torch.int64, device=d)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=d)
         self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=d)
+        # LoRA: one segment per row; replay writes each row's adapter slot (-1: base)
+        self.lora_seg_start = torch.arange(n, dtype=torch.int32, device=d)
+        self.lora_seg_len = torch.ones(n, dtype=torch.int32, device=d)
+        self.lora_seg_slot = torch.full((n,), -1, dtype=torch.int32, device=d)
         self.pool = runner.graph_pool()
         runner.attn_backend.init_capture(self.max_bs)
         t0 = time.perf_counter()
@@ -74,6 +78,9 @@ class GraphRunner:
 
     def _run(self, bs: int) -> torch.Tensor:
         fb = self._fb(bs)
+        if self.runner.lora is not None:  # the LoRA kernels read the static segments
+            self.runner.lora.batch.set_static(self.lora_seg_start[:bs], self.lora_seg_len[:bs],
+                                              self.lora_seg_slot[:bs], 1)
         self.runner.attn_backend.init_forward_graph(fb)
         return self.runner.model(self.input_ids[:bs], fb.positions, fb)
 
@@ -108,13 +115,15 @@ class GraphRunner:
              list(batch.prefix_lens) + [0] * pad,
              [req.req_pool_idx for req in batch.reqs] + [0] * pad,
              [p + 1 for p in batch.prefix_lens] + [1] * pad,
-             list(batch.out_cache_loc) + [0] * pad], dtype=torch.int64)
+             list(batch.out_cache_loc) + [0] * pad,
+             (list(batch.lora_slots) or [-1] * bs) + [-1] * pad], dtype=torch.int64)
         host = dev.host_to_device(host, r.device)  # pinned, non-blocking: no wait on the stream
         self.input_ids[:gbs].copy_(resolve_placeholders(host[0], future_ids))
         self.positions[:gbs].copy_(host[1])
         self.req_pool_indices[:gbs].copy_(host[2])
         self.seq_lens[:gbs].copy_(host[3])
         self.out_cache_loc[:gbs].copy_(host[4])
+        self.lora_seg_slot[:gbs].copy_(host[5])
         r.req_to_token_pool.req_to_token[host[2, :bs], host[1, :bs]] = host[4, :bs].to(torch.int32)
         self.graphs[gbs].replay()
         return self.outputs[gbs][:bs]

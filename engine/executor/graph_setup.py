@@ -51,7 +51,10 @@ def build_graphs(runner):
     else:
         logger.info("decode runs eagerly: the %s attention backend has no graph support",
                     type(runner.attn_backend).__name__)
-    if not runner.args.disable_piecewise_graph:
+    if runner.lora is not None and not runner.args.disable_piecewise_graph:
+        logger.info("prefill and mixed steps run eagerly with LoRA adapters (the piecewise "
+                    "graphs do not take the adapter segments yet)")
+    elif not runner.args.disable_piecewise_graph:
         pw = dev.capture_or_eager(d, "piecewise graphs",
                                   lambda: PiecewiseRunner(runner, runner.piecewise_max_tokens()))
     gr, pw = _agree(gr, "decode graphs"), _agree(pw, "piecewise graphs")

@@ -20,7 +20,7 @@ import torch
 
 from engine import device as dev
 from engine import distributed as tpd
-from engine.args import ServerArgs, prefill_budget
+from engine.args import ServerArgs, lora_enabled, prefill_budget
 from engine.attention import create_attention_backend, resolve_attention_backend
 from engine.executor.schedule_batch import ScheduleBatch
 from engine.executor.tp_messages import IdsMsg, TPMessage, step_msg
@@ -28,6 +28,7 @@ from engine.forward_batch import ForwardBatch, ForwardMode, resolve_placeholders
 from engine.kv.pool import KVPool, ReqToTokenPool
 from engine.layers import select_ops, small_ops_kind
 from engine.layers.linear import pack_cpu_weights
+from engine.lora.manager import LoRAManager
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,10 @@ class RankRunner:
                        "FERRY_CPU_KERNELS=0 or --disable-fused-ops: the torch references)",
                 "reference": "the torch references (FERRY_CPU_KERNELS=0, "
                              "--disable-fused-ops, or no C++ compiler)"}.get(ops_kind, ops_kind))
+        # LoRA adapters: device slots in every projection, before the KV pool takes the rest
+        self.lora = LoRAManager.for_args(args, self.model, self.dtype, self.device,
+                                         dev.is_accelerator(self.device_type)) \
+            if lora_enabled(args) else None
         self.model_config = mc = self.model.model_config
         self.vocab_size = mc.vocab_size
         self.num_layers, self.head_dim = mc.num_layers, mc.head_dim
@@ -276,9 +281,17 @@ class RankRunner:
         input_ids, positions, loc, rows, req_rows, *logits_idx = _to_device(
             [ids, pos, batch.out_cache_loc, rows_t, [r.req_pool_idx for r in batch.reqs]]
             + ([last] if extend else []), torch.int64, self.device)
+        lora = self.lora is not None and bool(batch.lora_slots)
+        lora_segs = [starts, list(batch.extend_lens), batch.lora_slots] \
+            if lora and self.lora.batch.use_triton else []
         seq_lens_d, *ext = _to_device(
-            [seq_lens] + ([batch.extend_lens, batch.prefix_lens, starts] if extend else []),
-            torch.int32, self.device)
+            [seq_lens] + ([batch.extend_lens, batch.prefix_lens, starts] if extend else [])
+            + lora_segs, torch.int32, self.device)
+        if self.lora is not None:  # the LoRA segments: one per request
+            self.lora.set_batch(starts, list(batch.extend_lens),
+                                batch.lora_slots or [-1] * len(starts),
+                                ext[-3:] if lora_segs else None)
+            ext = ext[:-3] if lora_segs else ext
         input_ids = resolve_placeholders(input_ids, future_ids)
         r2t = self.req_to_token_pool.req_to_token
         r2t[rows, positions] = loc.to(torch.int32)
@@ -303,6 +316,8 @@ class RankRunner:
         ``future_ids``: the in-flight step's sampled ids [B'] int64 on the device, which
         placeholder input ids refer to (overlap scheduling), or None.
         """
+        if self.lora is not None:
+            self._prepare_lora(batch)
         if self.tp_leader:
             pool = self.req_to_token_pool
             writes, pool.pending_writes = pool.pending_writes, []
@@ -316,6 +331,17 @@ class RankRunner:
         input_ids, fb = self.build_forward_batch(batch, future_ids)
         self.attn_backend.init_forward(fb)
         return self.model(input_ids, fb.positions, fb)
+
+    def _prepare_lora(self, batch: ScheduleBatch) -> None:
+        """Rank 0: give the batch's requests their adapter slots (``req.lora_id``, None for
+        the base model), copying adapters in; a worker: repeat rank 0's copies."""
+        if self.tp.rank == 0:
+            ids = [getattr(r, "lora_id", None) for r in batch.reqs]
+            batch.lora_slots, batch.lora_copies = (
+                self.lora.slots_for(ids) if any(i is not None for i in ids) else ([], []))
+        else:
+            for copy in batch.lora_copies:
+                self.lora.load_slot(*copy)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, reqs: list, eos_ids: list[int]) -> SampleResult:

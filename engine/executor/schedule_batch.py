@@ -51,6 +51,12 @@ class ScheduleBatch:
     # EXTEND only: the last ``num_decodes`` requests are running decodes mixed into the step
     # (one token each); attention runs them through the decode kernel
     num_decodes: int = 0
+    # LoRA (engine/lora/): each request's adapter slot (-1 the base model; empty: no request
+    # uses an adapter), and the adapters rank 0 copied into slots for this step, as
+    # ``(slot, id, name, path)`` (the tensor-parallel workers repeat the copies); set by the
+    # model runner
+    lora_slots: list[int] = field(default_factory=list)
+    lora_copies: list[tuple] = field(default_factory=list)
 
     def logits_rows(self) -> list[tuple[int, int]]:
         """Per request, ``(first row, row count)`` in the step's logits."""

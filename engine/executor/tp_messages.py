@@ -39,6 +39,8 @@ class StepMsg(msgspec.Struct, tag=True, array_like=True):
     all_rows: list[bool]
     has_future: bool             # placeholders refer to the last ids broadcast
     writes: list[tuple[int, int, list[int]]]  # req_to_token writes (row, start, slots)
+    lora_slots: list[int] = []   # each request's LoRA slot (empty: none uses an adapter)
+    lora_copies: list[tuple[int, int, str, str]] = []  # adapters copied into slots now
 
 
 class IdsMsg(msgspec.Struct, tag=True, array_like=True):
@@ -60,7 +62,8 @@ def step_msg(batch: ScheduleBatch, has_future: bool, writes) -> StepMsg:
                    [r.tokens(p, n) for r, p, n in zip(batch.reqs, batch.prefix_lens,
                                                         batch.extend_lens)],
                    list(batch.prefix_lens), list(batch.extend_lens), list(batch.out_cache_loc),
-                   batch.num_decodes, list(batch.all_rows), has_future, writes)
+                   batch.num_decodes, list(batch.all_rows), has_future, writes,
+                   list(batch.lora_slots), [tuple(c) for c in batch.lora_copies])
 
 
 class _StepReq:
@@ -87,4 +90,5 @@ def step_batch(msg: StepMsg) -> ScheduleBatch:
     return ScheduleBatch(mode=ForwardMode(msg.mode), reqs=reqs, prefix_lens=msg.prefix_lens,
                          extend_lens=msg.extend_lens, sample=[True] * len(reqs),
                          out_cache_loc=msg.out_cache_loc, all_rows=msg.all_rows,
-                         num_decodes=msg.num_decodes)
+                         num_decodes=msg.num_decodes, lora_slots=list(msg.lora_slots),
+                         lora_copies=[tuple(c) for c in msg.lora_copies])

@@ -10,14 +10,21 @@ chunked prefill has computed so far, so a request with the same prefix admitted 
 chunks run can hit it.
 
 Ownership of ``req.pages`` (in position order): the first ``req.cached_pages`` belong to the
-tree and are locked through ``req.last_node``; the rest belong to the request. ``check``
-proves that free + request-owned + tree pages equal the pool, with no page counted twice.
+tree and are locked through ``req.last_node``; the rest belong to the request. The tree is
+keyed by ``req.lora_id`` (the request's LoRA adapter, None for the base model): a prefix is
+only shared between requests of the same adapter. ``check`` proves that free +
+request-owned + tree pages equal the pool, with no page counted twice.
 """
 
 from __future__ import annotations
 
 from engine.kv.pool import KVPool, ReqToTokenPool
 from engine.kv.radix_cache import RadixCache
+
+
+def _ns(req):
+    """The radix tree namespace of ``req``: its LoRA adapter id (None: the base model)."""
+    return getattr(req, "lora_id", None)
 
 
 class KVCacheManager:
@@ -46,7 +53,7 @@ class KVCacheManager:
         """Tokens of ``req`` that the tree holds now (no lock taken; for queue ordering)."""
         if not self.enabled or req.prompt_logprobs is not None:
             return 0
-        pages, _ = self.tree.match_prefix(req.tokens(0, req.seq_len - 1))
+        pages, _ = self.tree.match_prefix(req.tokens(0, req.seq_len - 1), _ns(req))
         return len(pages) * self.page_size
 
     def match(self, req) -> int:
@@ -57,7 +64,7 @@ class KVCacheManager:
         assert not req.pages and req.kv_len == 0
         if not self.enabled or req.prompt_logprobs is not None:
             return 0
-        pages, node = self.tree.match_prefix(req.tokens(0, req.seq_len - 1))
+        pages, node = self.tree.match_prefix(req.tokens(0, req.seq_len - 1), _ns(req))
         if not pages:
             return 0
         self.tree.lock(node)
@@ -127,10 +134,10 @@ class KVCacheManager:
         if m <= req.cached_pages:
             return
         ids = req.tokens(0, m * ps)
-        n_old, node = self.tree.insert(ids, req.pages[:m])
+        n_old, node = self.tree.insert(ids, req.pages[:m], _ns(req))
         if n_old > req.cached_pages:
             # pages [cached, n_old) duplicate the tree's: switch to the tree's copies
-            tree_pages, _ = self.tree.match_prefix(ids)
+            tree_pages, _ = self.tree.match_prefix(ids, _ns(req))
             lo, hi = req.cached_pages, n_old
             dup = req.pages[lo:hi]
             req.pages[lo:hi] = tree_pages[lo:hi]
@@ -153,7 +160,8 @@ class KVCacheManager:
             if cache and self.enabled:
                 m = self._real_len(req) // ps
                 if m > keep:
-                    n_old, _ = self.tree.insert(req.tokens(0, m * ps), req.pages[:m])
+                    n_old, _ = self.tree.insert(req.tokens(0, m * ps), req.pages[:m],
+                                                _ns(req))
                     self.pool.free_pages(req.pages[keep:n_old])  # duplicates of tree pages
                     keep = m
             self.pool.free_pages(req.pages[keep:])

@@ -15,6 +15,10 @@ owned by the tree. A tree page is *locked* while a running request reads it (the
 ``lock_ref`` > 0 on the path from the root to the request's ``last_node``) and *evictable*
 otherwise; eviction frees unlocked leaves in least-recently-used order.
 
+Namespaces: a LoRA adapter's KV differs from the base model's for the same tokens, so each
+adapter id has a tree of its own (``namespace``, SGLang keys its tree the same way); a prefix
+cached under one is never matched under another or under the base model (namespace None).
+
 ``RadixCache(disable=True)`` keeps the same interface and caches nothing (``--disable-radix-
 cache``): matches are empty and inserts free what they are given, so the scheduler has no
 branches for it.
@@ -66,6 +70,8 @@ class RadixCache:
         """Forget the tree (its pages must already be back in the pool: see ``flush``)."""
         self.root = TreeNode()
         self.root.lock_ref = 1  # never evicted
+        # one root per namespace (LoRA adapter id; None: the base model)
+        self.roots: dict[object, TreeNode] = {None: self.root}
         self.evictable_pages = 0
         self.protected_pages = 0
 
@@ -107,16 +113,16 @@ class RadixCache:
         return upper
 
     # ---- match / lock -------------------------------------------------------------------
-    def match_prefix(self, token_ids: list[int]) -> tuple[list[int], TreeNode]:
-        """The longest cached prefix of ``token_ids``, in whole pages.
+    def match_prefix(self, token_ids: list[int], namespace=None) -> tuple[list[int], TreeNode]:
+        """The longest cached prefix of ``token_ids`` in ``namespace``'s tree, in whole pages.
 
         Returns ``(pages, last_node)``: the pages holding the KV of the first
         ``len(pages) * page_size`` tokens, and the node where the match ends (split so
         that it ends exactly there). Touches the matched nodes (LRU).
         """
-        node = self.root
-        if self.disable or len(token_ids) < self.page_size:
-            return [], node
+        node = self.roots.get(namespace)
+        if node is None or self.disable or len(token_ids) < self.page_size:
+            return [], self.root if node is None else node
         now = time.monotonic()
         pages: list[int] = []
         pos = 0
@@ -140,7 +146,7 @@ class RadixCache:
 
     def lock(self, node: TreeNode) -> None:
         """A running request reads the pages from the root to ``node``: protect them."""
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref == 0:
                 self.evictable_pages -= len(node.pages)
                 self.protected_pages += len(node.pages)
@@ -148,7 +154,7 @@ class RadixCache:
             node = node.parent
 
     def unlock(self, node: TreeNode) -> None:
-        while node is not self.root:
+        while node.parent is not None:
             node.lock_ref -= 1
             assert node.lock_ref >= 0, "radix cache: unlock without lock"
             if node.lock_ref == 0:
@@ -157,8 +163,10 @@ class RadixCache:
             node = node.parent
 
     # ---- insert -------------------------------------------------------------------------
-    def insert(self, token_ids: list[int], pages: list[int]) -> tuple[int, TreeNode]:
-        """Put the KV of ``token_ids`` (``len(pages) * page_size`` tokens) into the tree.
+    def insert(self, token_ids: list[int], pages: list[int], namespace=None
+               ) -> tuple[int, TreeNode]:
+        """Put the KV of ``token_ids`` (``len(pages) * page_size`` tokens) into
+        ``namespace``'s tree.
 
         The pages that extend the tree become the tree's; the caller keeps ownership of
         the rest. Returns ``(n, last_node)``: ``n`` leading pages of the key were already
@@ -170,7 +178,11 @@ class RadixCache:
             return len(pages), self.root
         ps = self.page_size
         key = tuple(token_ids[: len(pages) * ps])
-        node, pos, now = self.root, 0, time.monotonic()
+        node = self.roots.get(namespace)
+        if node is None:
+            node = self.roots[namespace] = TreeNode()
+            node.lock_ref = 1
+        pos, now = 0, time.monotonic()
         while pos < len(key):
             child = node.children.get(key[pos:pos + ps])
             if child is None:
@@ -202,7 +214,7 @@ class RadixCache:
             self.evictable_pages -= len(leaf.pages)
             parent = leaf.parent
             del parent.children[self._child_key(leaf.key)]
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, parent)
         return freed
 
@@ -215,10 +227,10 @@ class RadixCache:
         return True
 
     def _nodes(self):
-        stack = [self.root]
+        stack = list(self.roots.values())
         while stack:
             n = stack.pop()
-            if n is not self.root:
+            if n.parent is not None:
                 yield n
             stack.extend(n.children.values())
 

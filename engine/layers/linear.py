@@ -122,6 +122,9 @@ class LinearBase(nn.Module):
 
     #: whether the weight loader narrows the output rows to this rank's (column-parallel)
     shards_output = False
+    #: LoRA adapter slots (``engine.layers.lora.LoRASlots``) or None; set by
+    #: ``engine.lora.LoRAManager`` when the server serves adapters
+    lora = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
                  tp_size: int | None = None, tp_rank: int | None = None):
@@ -149,8 +152,12 @@ class LinearBase(nn.Module):
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant_method is None:
-            return linear(x, self.weight, bias)
-        return self.quant_method.apply(self, x, bias)
+            y = linear(x, self.weight, bias)
+        else:
+            y = self.quant_method.apply(self, x, bias)
+        if self.lora is not None:  # the step's LoRA deltas (before a row-parallel all-reduce)
+            y = self.lora.apply(x, y)
+        return y
 
     def drop_quantization(self, dtype: torch.dtype) -> None:
         """Make this layer a float layer again (uninitialised ``weight`` in ``dtype``, on

@@ -71,11 +71,12 @@ class PrefixPolicyMixin:
 
     def _head(self, req: Req) -> tuple | None:
         """The first ``IN_BATCH_PREFIX`` tokens of a request that could share them (the cache
-        is on and its prompt is longer), else None."""
+        is on and its prompt is longer), else None; keyed by its LoRA adapter too (only
+        requests of one adapter share KV)."""
         if not self.kv.enabled or req.seq_len <= IN_BATCH_PREFIX \
                 or req.prompt_logprobs is not None:
             return None
-        return tuple(req.tokens(0, IN_BATCH_PREFIX))
+        return (req.lora_id, *req.tokens(0, IN_BATCH_PREFIX))
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -38,12 +38,14 @@ class Req:
                  "max_new_tokens",
                  "stop_window", "cached_pages", "last_node", "cached_tokens", "prompt_counted",
                  "logprobs", "sent_logprobs", "prompt_logprobs", "prompt_logprobs_sent",
-                 "grammar")
+                 "grammar", "lora_id")
 
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams,
                  stream: bool = False, max_new_tokens: int | None = None,
-                 arrival_time: float | None = None):
+                 arrival_time: float | None = None, lora_id: int | None = None):
         self.rid = rid
+        # the LoRA adapter (engine.lora.manager.LoRAManager id; None: the base model)
+        self.lora_id = lora_id
         self.origin_input_ids = input_ids
         self.sampling_params = sampling_params
         self.stream = stream

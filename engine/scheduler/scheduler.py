@@ -96,6 +96,8 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
 
     # ---- queue --------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
+        if req.lora_id is not None:  # the adapter stays loaded until the request ends
+            self.runner.lora.acquire(req.lora_id)
         self.reqs[req.rid] = req
         if not self.grammars.add(req):
             self.waiting.append(req)
@@ -129,7 +131,8 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
     def _finish(self, req: Req, reason: FinishReason, cache: bool = True) -> None:
         req.finished_reason = reason
         self.kv.release(req, cache)
-        self.reqs.pop(req.rid, None)
+        if self.reqs.pop(req.rid, None) is not None and req.lora_id is not None:
+            self.runner.lora.release(req.lora_id)
 
     def _process_aborts(self) -> None:
         if not self.pending_aborts:
@@ -199,6 +202,12 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
         if self.chunked is not None and (h := self._head(self.chunked)) is not None:
             heads[h] = [self.chunked]
         deferred: list[Req] = []
+        # LoRA: the adapters of the running requests and of those admitted below; a step
+        # holds at most --max-loras-per-batch of them
+        adapters = {r.lora_id for r in self.running if r.lora_id is not None}
+        if self.chunked is not None and self.chunked.lora_id is not None:
+            adapters.add(self.chunked.lora_id)
+        max_adapters = getattr(self.args, "max_loras_per_batch", 0)
         while budget > 0:
             if self.chunked is not None:
                 req = self.chunked
@@ -206,6 +215,10 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
                 req = self.waiting[0]
                 if len(self.running) + len(reqs) >= max_running or self.req_pool.available() == 0:
                     break
+                if (req.lora_id is not None and req.lora_id not in adapters
+                        and len(adapters) >= max_adapters):
+                    deferred.append(self.waiting.popleft())  # its adapter has no slot now
+                    continue
                 head = self._head(req)
                 if head in heads and self._wait_for_twin(req, heads[head]):
                     deferred.append(self.waiting.popleft())
@@ -238,6 +251,8 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
             if req.req_pool_idx is None:
                 req.req_pool_idx = self.req_pool.alloc()
                 self.kv.write_prefix(req)
+            if req.lora_id is not None:
+                adapters.add(req.lora_id)
             if req is not self.chunked:
                 self.waiting.popleft()
                 self._count_lookup(req)

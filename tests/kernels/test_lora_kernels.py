@@ -13,7 +13,8 @@ import pytest
 import torch
 from kernel_test_utils import DEVICE, assert_close
 
-from kernels.lora import lora_apply_torch, lora_apply_triton, lora_expand, lora_shrink
+from kernels.lora import lora_apply_triton, lora_expand, lora_shrink
+from kernels.lora_torch import lora_apply_torch
 
 K = 96
 PARTS_N = (64, 32, 32)  # a fused q/k/v-like projection

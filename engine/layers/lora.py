@@ -1,0 +1,146 @@
+"""LoRA on the linear layers: per-layer adapter slots and the per-step batch they read.
+
+A layer with adapters gets a :class:`LoRASlots` as its ``lora`` attribute
+(``engine.layers.linear.LinearBase``): stacked buffers with one slot per adapter that the
+step may use (``--max-loras-per-batch`` slots, rank ``--max-lora-rank`` each), so a graph
+captured once serves any adapter mix:
+
+    a      [S, P*R, K_rank]  float, the model dtype: part p's ``lora_A`` rows at [p*R, p*R+r)
+    bs[p]  [S, n_p, R]       part p's ``lora_B`` times the adapter's scale, columns [0, r)
+
+A fused projection has P parts (q/k/v: 3, gate/up: 2, others 1); a slot of an adapter
+without some module keeps zeros there. Tensor parallelism follows the base layer (Megatron
+split, as SGLang and vLLM do): a column-parallel layer keeps A whole and this rank's rows of
+B; a row-parallel layer keeps this rank's columns of A and B whole, so its delta is a partial
+sum that the layer's all-reduce adds up with the base output.
+
+All the layers of a model share one :class:`LoRABatch`, which the model runner fills before
+each step (segments: one per request, with its slot, -1 for the base model). The delta runs
+through ``kernels.lora`` (Triton) on an accelerator and through the torch path, grouped by
+slot, on the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.lora_torch import lora_apply_torch
+
+
+class LoRABatch:
+    """One step's adapter rows, read by every :class:`LoRASlots` of the model.
+
+    Attributes:
+        active: False when no row of the step uses an adapter (the layers skip LoRA).
+        seg_start, seg_len, seg_slot: [G] int32 device tensors (Triton path).
+        max_len: the longest segment in tokens (host int).
+        rows_by_slot: ``(slot, row indices [n] int64)`` per slot used (torch path).
+        use_triton: run the Triton kernels (accelerators) or the torch path (CPU).
+    """
+
+    def __init__(self, use_triton: bool):
+        self.use_triton = use_triton
+        self.active = False
+        self.seg_start = self.seg_len = self.seg_slot = None
+        self.max_len = 0
+        self.rows_by_slot: list[tuple[int, torch.Tensor]] = []
+
+    def set_segments(self, starts: list[int], lens: list[int], slots: list[int],
+                     device: torch.device, seg_tensors=None) -> None:
+        """Describe a step: request i's ``lens[i]`` rows from ``starts[i]`` use ``slots[i]``.
+
+        ``seg_tensors``: the three [G] int32 tensors already on the device (the runner
+        copies them with the step's other arrays), else they are made here when needed.
+        """
+        self.active = any(s >= 0 for s in slots)
+        if not self.active:
+            return
+        if self.use_triton:
+            if seg_tensors is None:
+                seg_tensors = torch.tensor([starts, lens, slots], dtype=torch.int32,
+                                           device=device).unbind(0)
+            self.seg_start, self.seg_len, self.seg_slot = seg_tensors
+            self.max_len = max(lens)
+            return
+        rows: dict[int, list[int]] = {}
+        for s0, n, slot in zip(starts, lens, slots):
+            if slot >= 0:
+                rows.setdefault(slot, []).extend(range(s0, s0 + n))
+        self.rows_by_slot = [(slot, torch.tensor(r, dtype=torch.int64, device=device))
+                             for slot, r in rows.items()]
+
+    def set_static(self, seg_start: torch.Tensor, seg_len: torch.Tensor,
+                   seg_slot: torch.Tensor, max_len: int) -> None:
+        """Point the layers at a decode graph's static buffers (captured; the runner fills
+        ``seg_slot`` before each replay)."""
+        self.active = True
+        self.seg_start, self.seg_len, self.seg_slot, self.max_len = (
+            seg_start, seg_len, seg_slot, max_len)
+
+
+class LoRASlots:
+    """The adapter slots of one linear layer.
+
+    Args:
+        parts: per part ``(column offset in the output, n_p rows on this rank, rank whose
+            rows of the full lora_B this rank holds or None for all)``.
+        in_features: K on this rank; ``in_shard``: ``(rank, K)`` when A is split by input
+            columns (row-parallel), else None.
+        num_slots, max_rank: S and R.
+        batch: the model's shared :class:`LoRABatch`.
+    """
+
+    def __init__(self, parts: list[tuple[int, int, int | None]], in_features: int,
+                 in_shard: tuple[int, int] | None, num_slots: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device, batch: LoRABatch):
+        self.parts = parts
+        self.cols = [(off, n) for off, n, _ in parts]
+        self.in_shard = in_shard
+        self.max_rank = max_rank
+        self.batch = batch
+        r = max_rank
+        self.a = torch.zeros(num_slots, len(parts) * r, in_features, dtype=dtype, device=device)
+        self.bs = [torch.zeros(num_slots, n, r, dtype=dtype, device=device)
+                   for _, n, _ in parts]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in [self.a, *self.bs])
+
+    def clear_part(self, slot: int, part: int) -> None:
+        """Zero one part of ``slot`` (an adapter without this projection)."""
+        r = self.max_rank
+        self.a[slot, part * r:(part + 1) * r].zero_()
+        self.bs[part][slot].zero_()
+
+    def load(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Copy one part of an adapter into ``slot``.
+
+        Args:
+            a: [r, K_full] the full ``lora_A``; b: [N_full_part, r] the full ``lora_B`` with
+                the scale folded in (any float dtype, any device). r <= R.
+        """
+        r, big = a.shape[0], self.max_rank
+        if self.in_shard is not None:
+            rank, k = self.in_shard
+            a = a[:, rank * k:(rank + 1) * k]
+        _, n, b_rank = self.parts[part]
+        if b_rank is not None:
+            b = b[b_rank * n:(b_rank + 1) * n]
+        rows = self.a[slot, part * big:(part + 1) * big]
+        rows.zero_()
+        rows[:r].copy_(a)
+        dst = self.bs[part][slot]
+        dst.zero_()
+        dst[:, :r].copy_(b)
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y [T, N] += delta(x [T, K])`` for the rows of the step's adapters."""
+        batch = self.batch
+        if not batch.active:
+            return y
+        if batch.use_triton:
+            from kernels.lora import lora_apply_triton
+
+            return lora_apply_triton(x, y, self.a, self.bs, self.cols, batch.seg_start,
+                                     batch.seg_len, batch.seg_slot, batch.max_len)
+        return lora_apply_torch(x, y, self.a, self.bs, self.cols, batch.rows_by_slot)
