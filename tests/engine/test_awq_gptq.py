@@ -20,6 +20,7 @@ import torch
 from moe_helpers import save_char_tokenizer
 from safetensors.torch import load_file, save_file
 
+from engine.device import is_accelerator, resolve_device
 from engine.layers.linear import QKVLinear, RowParallelLinear
 from engine.layers.quantization import get_quant_config, quantization_scope
 from engine.layers.quantization.int4 import Int4Config, unpack_awq, unpack_gptq_qweight
@@ -27,6 +28,13 @@ from engine.loader.loader import load_model
 from kernels.quant.quant_ref import dequant
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+ON_GPU = is_accelerator(resolve_device("auto"))
+
+
+def gpu_only(fn):
+    return pytest.mark.gpu(pytest.mark.skipif(not ON_GPU, reason="needs a GPU")(fn))
+
+
 LINEARS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
            "mlp": ("gate_proj", "up_proj", "down_proj")}
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "bos_token_id": 1,
@@ -277,3 +285,56 @@ def test_quantize_at_load_with_dummy_weights(tmp_path, method):
             assert torch.equal(lin.weight_min, -8 * lin.weight_scale), name
         n += 1
     assert n == 2 * 4
+
+
+def test_bench_latency_with_awq_dummy_weights(tmp_path):
+    """The H200 benchmark's command (``bench.bench_latency --quantization awq --load-format
+    dummy``) on a tiny config on the CPU: prefill and decode run over 4-bit layers."""
+    from bench.bench_latency import main
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(CONFIG, hidden_size=128,
+                                                            intermediate_size=256)))
+    out = tmp_path / "lat.jsonl"
+    main(["--model-path", str(tmp_path), "--load-format", "dummy", "--device", "cpu",
+          "--quantization", "awq", "--batch-size", "1", "2", "--input-len", "24",
+          "--output-len", "3", "--result-jsonl", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["batch_size"], r["input_len"]) for r in rows] == [(1, 24), (2, 24)]
+    assert all(r["total_latency_s"] > r["prefill_latency_s"] > 0 for r in rows)
+
+
+@gpu_only
+def test_awq_checkpoint_on_the_gpu_matches_hf(tmp_path):
+    """The Triton path (split-K decode tiles, larger tiles for prefill) in fp32 on the GPU
+    gives HF transformers' greedy tokens on the float twin."""
+    from engine.llm import LLM
+    from engine.sampling.params import SamplingParams
+
+    _, paths = write_checkpoints(tmp_path, "awq", 32)
+    prompts = [[5, 17, 99, 4, 250, 31], [7, 8, 9]]
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    with LLM(paths["quant"], dtype="float32") as llm:
+        lin = llm.runner.model.model.layers[0].mlp.gate_up_proj
+        assert lin.wq_path == "triton"
+        got = [list(o.token_ids) for o in llm.generate(prompts, sp)]
+    assert got == [_greedy_hf(paths["float"], p, 8) for p in prompts]
+
+
+@gpu_only
+@pytest.mark.parametrize("m", [1, 16, 64, 2048])
+def test_llama3_8b_shapes_on_the_gpu(m):
+    """bf16 activations, the 8B's gate_up and down weights in 4 bits (groups of 128), against
+    the fp32 product of the dequantized weights."""
+    from engine.layers.quantization.int4 import quantize_rtn
+    from kernels.quant.quant_ref import pack_q4
+    from kernels.quant.wq_triton import wq_linear
+
+    g = torch.Generator().manual_seed(m)
+    for n, k in ((28672, 4096), (4096, 14336)):
+        w = torch.randn(n, k, generator=g) * 0.02
+        q, s, z = quantize_rtn(w, 128, symmetric=False)
+        layout = [t.cuda() for t in (pack_q4(q), s.float(), -s.float() * z.float())]
+        x = torch.randn(m, k, generator=g).cuda().bfloat16()
+        ref = x.float() @ dequant("q4", *layout).t()
+        y = wq_linear(x, "q4", *layout)
+        assert ((y.float() - ref).norm() / ref.norm()).item() < 1e-2

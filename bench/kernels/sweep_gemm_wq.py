@@ -1,0 +1,108 @@
+"""4-bit weight-only GEMMs (AWQ/GPTQ's q4 layout, groups of 128) against bf16 on a GPU.
+
+``python -m bench.kernels.sweep_gemm_wq [--batch-sizes 1,16,64,256,2048] [--configs]
+[--result-json F]`` times, for the Llama-3-8B projections, bf16 ``F.linear`` and
+:func:`kernels.quant.wq_triton.wq_linear` with its default launch (the split-K decode tiles
+up to M = 16, larger tiles up to 256, dequantize + GEMM above) on the same random weight
+quantized to 4 bits (fp32 scale and min per 128 weights, as AWQ/GPTQ checkpoints load).
+``--configs`` also sweeps the kernel's launch parameters at M = 1 and 16 (tile of columns,
+of K, split, warps, stages), for a better rule in ``wq_config``. Each figure is one call's
+device time from a CUDA graph of calls that cycle through >= 256 MB of weight copies (no
+call finds its weights in the L2), median of 7 replays; GB/s counts the weight bytes of the
+call's format (4-bit: nibbles + scales + mins). GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from bench.kernels.sweep_gemm_fp8 import L2_DEFEAT_BYTES, SHAPES, time_per_call
+from engine import device as devlib
+from engine.layers.quantization.int4 import quantize_rtn
+from kernels.quant.quant_ref import dequant, pack_q4
+from kernels.quant.wq_triton import wq_config, wq_linear
+
+GROUP = 128
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def _copies(dev: str, n: int, k: int, g: torch.Generator):
+    """Weight copies (bf16 and 4-bit) that together defeat the L2."""
+    w = (torch.randn((n, k), generator=g) * 0.02).to(dev)
+    q, s, z = quantize_rtn(w, GROUP, symmetric=False)
+    packed = (pack_q4(q), s.float(), -s.float() * z.float())
+    wb = dequant("q4", *packed, dtype=torch.bfloat16)
+    copies = max(2, -(-L2_DEFEAT_BYTES // (n * k * 2)))
+    return ([wb.clone() for _ in range(copies)],
+            [tuple(t.clone() for t in packed) for _ in range(copies)])
+
+
+def _configs():
+    for bn, bk, split, warps, stages in itertools.product((32, 64, 128), (128, 256),
+                                                          (1, 2, 4, 8), (4, 8), (3, 4)):
+        yield dict(SPLIT_K=split, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+                   num_stages=stages)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog="sweep_gemm_wq", description=__doc__.splitlines()[0])
+    p.add_argument("--batch-sizes", type=_ints, default=[1, 16, 64, 256, 2048])
+    p.add_argument("--configs", action="store_true", help="sweep launch configs at M = 1, 16")
+    p.add_argument("--result-json", default=None)
+    args = p.parse_args(argv)
+    dev = devlib.resolve_device("auto")
+    if not devlib.is_accelerator(dev):
+        raise SystemExit("sweep_gemm_wq needs a GPU")
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    print(f"{devlib.device_name(dev)}; us per call (weight GB/s)")
+    print(f"{'shape':8s} {'M':>5s} {'bf16':>16s} {'int4':>16s} {'int4/bf16':>9s} {'err':>8s}")
+    for name, (n, k) in SHAPES.items():
+        wbs, wqs = _copies(dev, n, k, g)
+        q_bytes = n * k // 2 + 2 * 4 * n * k // GROUP
+        for m in args.batch_sizes:
+            x = torch.randn((m, k), generator=g).to(dev, torch.bfloat16)
+            ref = F.linear(x, wbs[0]).float()
+            err = ((wq_linear(x, "q4", *wqs[0]).float() - ref).norm() / ref.norm()).item()
+            t_bf = time_per_call(dev, [partial(F.linear, x, w) for w in wbs])
+            t_q = time_per_call(dev, [partial(wq_linear, x, "q4", *w) for w in wqs])
+            rows.append(dict(shape=name, m=m, bf16_us=t_bf, int4_us=t_q, rel_err=err,
+                             config=(wq_config(m, n, k, GROUP, torch.device(dev).type)
+                                     if m <= 256 else "dequant")))
+            print(f"{name:8s} {m:5d} {t_bf:8.1f} ({n * k * 2 / t_bf / 1e3:5.0f}) "
+                  f"{t_q:8.1f} ({q_bytes / t_q / 1e3:5.0f}) {t_q / t_bf:9.2f} {err:8.1e}")
+        if args.configs:
+            for m in (1, 16):
+                x = torch.randn((m, k), generator=g).to(dev, torch.bfloat16)
+                best = []
+                for cfg in _configs():
+                    try:
+                        t = time_per_call(dev, [partial(wq_linear, x, "q4", *w, config=cfg)
+                                                for w in wqs])
+                    except Exception as e:  # noqa: BLE001 - a config that does not compile
+                        print(f"  {name} M={m} {cfg}: {type(e).__name__}")
+                        continue
+                    best.append((t, cfg))
+                    rows.append(dict(shape=name, m=m, int4_us=t, config=cfg))
+                best.sort(key=lambda r: r[0])
+                for t, cfg in best[:3]:
+                    print(f"  {name} M={m}: {t:7.1f} us ({q_bytes / t / 1e3:5.0f} GB/s) {cfg}")
+        del wbs, wqs
+        devlib.empty_cache(dev)
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump(rows, f, indent=1, default=str)
+    return {"rows": rows}
+
+
+if __name__ == "__main__":
+    main()
