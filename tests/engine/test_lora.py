@@ -182,3 +182,18 @@ def test_lora_rows_leave_base_rows_alone(ckpt):
     mgr.set_batch([0], [5], [-1])
     y0 = layer(x)
     assert torch.equal(y[:2], y0[:2]) and not torch.allclose(y[2:], y0[2:])
+
+
+def test_tensor_parallel_2_matches_peft(ckpt):
+    """TP=2 on the CPU (gloo): A and B split with their base layers; one slot, so rank 0
+    copies adapters in during the run and the worker repeats the copies (a2 loaded late)."""
+    from engine import LLM
+
+    with LLM(ckpt["base"], lora_paths=[f"a1={ckpt['a1']}"], enable_lora=True,
+             max_lora_rank=16, max_loras_per_batch=1, tp_size=2, cpu_threads=1, **KW) as llm:
+        llm.load_lora("a2", ckpt["a2"])
+        names = ["a2", None, "a1", "a1", "a2"]
+        prompts = [PROMPTS[i % 3] for i in range(len(names))]
+        outs = llm.generate(prompts, _sp(), lora=names)
+    for i, (out, name) in enumerate(zip(outs, names)):
+        _check(out, ckpt["refs"][name or "base"][i % 3], f"{name} at TP=2")
