@@ -84,12 +84,44 @@ def test_layout_plan():
     assert cfg.layout_of(["missing.weight"])[0] is None
 
 
+def test_plan_names_the_types_it_dequantizes(caplog):
+    """Layers whose GGUF types cannot keep their blocks (Q4_K, Q6_K, F16...) are dequantized
+    with a warning that names the types; the others keep q4/q8."""
+    import logging
+
+    from transformers import LlamaConfig
+
+    from engine.layers.quantization import quantization_scope
+    from engine.layers.quantization.gguf import plan_layers
+    from engine.models.llama import LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    plan = GgufConfig()
+    with torch.device("meta"), quantization_scope(plan):
+        model = LlamaForCausalLM(cfg, torch.float32)
+    q4k, q6k = int(gguf.GGMLQuantizationType.Q4_K), int(gguf.GGMLQuantizationType.Q6_K)
+    p = "model.layers.0."
+    plan.types = {p + "self_attn.q_proj.weight": q4k, p + "self_attn.k_proj.weight": q4k,
+                  p + "self_attn.v_proj.weight": q6k, p + "self_attn.o_proj.weight": Q4_1,
+                  p + "mlp.gate_proj.weight": Q8_0, p + "mlp.up_proj.weight": Q8_0,
+                  p + "mlp.down_proj.weight": 1}  # F16
+    with caplog.at_level(logging.WARNING, logger="engine.layers.quantization.gguf"):
+        assert plan_layers(model, plan, torch.float32) == (2, 2)
+    text = caplog.text
+    assert "GGUF Q4_K/Q6_K weights are dequantized" in text and "GGUF F16 weights" in text
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_proj.quant_method is None
+    assert layer.self_attn.o_proj.wq_format == "q4" and layer.mlp.gate_up_proj.wq_format == "q8"
+
+
 def test_flags():
     assert keeps_gguf_blocks(None, False, "cpu")
     assert not keeps_gguf_blocks(None, False, "cuda")          # GPUs: only when asked
     assert keeps_gguf_blocks("gguf", False, "cuda")
     assert not keeps_gguf_blocks(None, True, "cpu")
     assert not keeps_gguf_blocks("fp8", False, "cpu")
+    assert not keeps_gguf_blocks("awq", False, "cpu")           # quantizes dequantized weights
     with pytest.raises(ValueError, match="choose one"):
         keeps_gguf_blocks("gguf", True, "cpu")
 
