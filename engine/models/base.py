@@ -44,6 +44,10 @@ class CausalLM(nn.Module, ABC):
     """
 
     model_config: ModelConfig
+    #: hidden states kept by :meth:`forward` for a speculative draft head (None: none; see
+    #: :meth:`set_capture_hidden`), and the last forward's, ``[T, width]`` (every new token)
+    capture_hidden: str | None = None
+    hidden_out: torch.Tensor | None = None
 
     # ---- the step ------------------------------------------------------------------------
     @abstractmethod
@@ -59,6 +63,22 @@ class CausalLM(nn.Module, ABC):
             float32 logits ``[len(logits_indices), vocab]`` (``[T, vocab]`` when
             ``logits_indices`` is None).
         """
+
+    def set_capture_hidden(self, mode: str | None) -> None:
+        """Keep hidden states of every forward in :attr:`hidden_out` for a draft head, from
+        the same forward (EAGLE reads them; no second pass):
+
+        - ``"last"``: the final normed hidden states ``[T, hidden]`` (EAGLE-1/2);
+        - ``"aux"``: the unnormed inputs of three layers, low, mid and high, concatenated
+          ``[T, 3 * hidden]`` (EAGLE-3);
+        - None: nothing kept (the default).
+
+        Only the eager forward keeps them (not a captured graph's replay).
+
+        Raises:
+            NotImplementedError: a model without the hook; ValueError: a bad mode.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not expose hidden states")
 
     # ---- the piecewise split -------------------------------------------------------------
     @abstractmethod

@@ -181,14 +181,23 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                           config.rope_theta, config.rope_parameters)
+        #: layers whose input (hidden + residual, unnormed) the forward keeps in
+        #: ``aux_hidden`` (EAGLE-3's low/mid/high states); empty: none kept
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: list[torch.Tensor] = []
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 fb: ForwardBatch) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final normed hidden states [T, hidden]."""
         hidden = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        aux = {}
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                aux[i] = hidden if residual is None else hidden + residual
             hidden, residual = layer(hidden, residual, self.rotary_emb, positions, fb)
+        if self.aux_layers:  # in the listed order (a layer may be listed twice)
+            self.aux_hidden = [aux[i] for i in self.aux_layers]
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -252,7 +261,23 @@ class LlamaForCausalLM(CausalLM):
             ``forward_batch.logits_indices`` is None.
         """
         hidden = self.model(input_ids, positions, forward_batch)
+        if self.capture_hidden is not None:
+            self.hidden_out = hidden if self.capture_hidden == "last" else \
+                torch.cat(self.model.aux_hidden, dim=-1)
         return self.compute_logits(hidden, forward_batch.logits_indices)
+
+    def set_capture_hidden(self, mode: str | None) -> None:
+        """See :meth:`engine.models.base.CausalLM.set_capture_hidden`; ``"aux"`` keeps the
+        inputs of layers ``(2, L // 2, L - 3)`` (SGLang's and vLLM's EAGLE-3 default)."""
+        if mode not in (None, "last", "aux"):
+            raise ValueError(f"unknown hidden-state capture {mode!r}")
+        n = len(self.model.layers)
+        if mode == "aux" and n < 3:
+            raise ValueError(f"EAGLE-3 reads the inputs of layers 2, L/2 and L-3: the target "
+                             f"needs at least 3 layers, it has {n}")
+        self.model.aux_layers = (2, n // 2, n - 3) if mode == "aux" else ()
+        self.capture_hidden = mode
+        self.hidden_out = None
 
     # ---- the contract's piecewise split and LM head -------------------------------------
 

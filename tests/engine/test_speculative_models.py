@@ -123,3 +123,153 @@ def test_standalone_vocabulary_mismatch_fails_at_start(ckpts, tmp_path):
                                          "320 ids, the target's 256"):
         LLM(ckpts["target"], speculative_algorithm="STANDALONE",
             speculative_draft_model_path=str(tmp_path), **KW)
+
+
+# ---- EAGLE / EAGLE-3 heads ----------------------------------------------------------------
+
+H, HEADS, KV_HEADS, D = 64, 4, 2, 16
+DRAFT_VOCAB = 64
+
+
+def _head_tensors(eagle3: bool, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded random head weights under the names SGLang and vLLM load."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=0.2):
+        return torch.randn(*shape, generator=g) * scale
+
+    def norm():
+        return 1.0 + r(H, scale=0.1)
+
+    pre = "midlayer." if eagle3 else "layers.0."
+    w = {f"{pre}self_attn.q_proj.weight": r(HEADS * D, 2 * H if eagle3 else H),
+         f"{pre}self_attn.k_proj.weight": r(KV_HEADS * D, 2 * H if eagle3 else H),
+         f"{pre}self_attn.v_proj.weight": r(KV_HEADS * D, 2 * H if eagle3 else H),
+         f"{pre}self_attn.o_proj.weight": r(H, HEADS * D),
+         f"{pre}post_attention_layernorm.weight": norm(),
+         f"{pre}mlp.gate_proj.weight": r(2 * H, H), f"{pre}mlp.up_proj.weight": r(2 * H, H),
+         f"{pre}mlp.down_proj.weight": r(H, 2 * H)}
+    if eagle3:
+        hot = torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB].sort().values
+        w.update({"fc.weight": r(H, 3 * H), "midlayer.input_layernorm.weight": norm(),
+                  "midlayer.hidden_norm.weight": norm(), "norm.weight": norm(),
+                  "lm_head.weight": r(DRAFT_VOCAB, H, scale=1.0),
+                  "d2t": hot - torch.arange(DRAFT_VOCAB),
+                  "t2d": torch.zeros(VOCAB, dtype=torch.bool).index_fill(0, hot, True)})
+    else:
+        w.update({"fc.weight": r(H, 2 * H), "fc.bias": r(H)})
+    return w
+
+
+def save_head(path, eagle3: bool, seed: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import save_file
+
+    cfg = _llama_config(1)
+    cfg.architectures = ["LlamaForCausalLMEagle3" if eagle3 else "LlamaForCausalLMEagle"]
+    if eagle3:
+        cfg.draft_vocab_size, cfg.target_hidden_size = DRAFT_VOCAB, H
+    cfg.save_pretrained(path)
+    w = _head_tensors(eagle3, seed)
+    save_file({k: v.contiguous() for k, v in w.items()}, f"{path}/model.safetensors")
+    return w
+
+
+def _rms(x, w, eps=1e-5):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x, pos, theta=10000.0):
+    inv = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
+    f = pos[:, None].float() * inv[None]
+    cos, sin = torch.cat([f, f], -1)[:, None], torch.cat([f, f], -1)[:, None]
+    cos, sin = cos.cos(), sin.sin()
+    x1, x2 = x[..., :D // 2], x[..., D // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def ref_head_next(w, eagle3, hidden, ids_next, embed, lm_head):
+    """A plain torch EAGLE / EAGLE-3 head over positions 0..P-1 (causal attention, NeoX
+    RoPE): the greedy token after the last row, as a target id."""
+    pre = "midlayer." if eagle3 else "layers.0."
+    e = embed[ids_next]
+    if eagle3:
+        h = hidden @ w["fc.weight"].T
+        x = torch.cat([_rms(e, w["midlayer.input_layernorm.weight"]),
+                       _rms(h, w["midlayer.hidden_norm.weight"])], -1)
+        res = h
+    else:
+        x = torch.cat([e, hidden], -1) @ w["fc.weight"].T + w["fc.bias"]
+        res = x
+    P = x.shape[0]
+    pos = torch.arange(P)
+    q = _rope((x @ w[f"{pre}self_attn.q_proj.weight"].T).view(P, HEADS, D), pos)
+    k = _rope((x @ w[f"{pre}self_attn.k_proj.weight"].T).view(P, KV_HEADS, D), pos)
+    v = (x @ w[f"{pre}self_attn.v_proj.weight"].T).view(P, KV_HEADS, D)
+    k, v = k.repeat_interleave(HEADS // KV_HEADS, 1), v.repeat_interleave(HEADS // KV_HEADS, 1)
+    att = torch.einsum("qhd,khd->hqk", q, k) / D ** 0.5
+    att = att.masked_fill(torch.ones(P, P, dtype=torch.bool).triu(1), float("-inf"))
+    o = torch.einsum("hqk,khd->qhd", att.softmax(-1), v).reshape(P, HEADS * D)
+    r2 = o @ w[f"{pre}self_attn.o_proj.weight"].T + res
+    hp = _rms(r2, w[f"{pre}post_attention_layernorm.weight"])
+    m = (torch.nn.functional.silu(hp @ w[f"{pre}mlp.gate_proj.weight"].T)
+         * (hp @ w[f"{pre}mlp.up_proj.weight"].T)) @ w[f"{pre}mlp.down_proj.weight"].T
+    out = m + r2
+    if eagle3:
+        i = int((_rms(out, w["norm.weight"])[-1] @ w["lm_head.weight"].T).argmax())
+        return i + int(w["d2t"][i])
+    return int((out[-1] @ lm_head.T).argmax())
+
+
+@pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3"])
+def test_eagle_heads_keep_greedy_output_and_match_a_torch_reference(ckpts, baseline, algo):
+    from engine import LLM
+
+    eagle3 = algo == "EAGLE3"
+    path = ckpts["root"] / algo.lower()
+    w = save_head(path, eagle3, seed=5)
+    llm = LLM(ckpts["target"], speculative_algorithm=algo,
+              speculative_draft_model_path=str(path), speculative_num_steps=3, **KW)
+    llm.scheduler.check_kv = True
+    prop = llm.scheduler.spec.proposer
+    first: dict[str, list[int]] = {}
+    orig = prop.propose_reqs
+
+    def spy(reqs, ks):
+        out = orig(reqs, ks)
+        for r, d in zip(reqs, out):
+            if d:
+                first.setdefault(r.rid, [r.fill_ids, d])
+        return out
+
+    prop.propose_reqs = spy
+    assert _run(llm) == baseline
+    st = llm.scheduler.stats
+    assert st["spec_verify_reqs"] > 0 and st["spec_proposed_tokens"] > 0
+    _check_released(llm)
+
+    # the first proposal for a request equals a plain torch head over the HF target's states
+    hf = ckpts["hf"]
+    L = hf.config.num_hidden_layers
+    fill, drafts = first["offline-0"]  # the prompt, and what the target emitted until then
+    ids = torch.tensor([fill[:-1]])
+    with torch.no_grad():
+        hs = hf(ids, output_hidden_states=True).hidden_states
+        hidden = torch.cat([hs[2][0], hs[L // 2][0], hs[L - 3][0]], -1) if eagle3 \
+            else hs[L][0]
+        want = ref_head_next(w, eagle3, hidden, torch.tensor(fill[1:]),
+                             hf.model.embed_tokens.weight, hf.lm_head.weight)
+    assert drafts[0] == want
+
+
+def test_eagle_checkpoint_errors_name_the_flag(ckpts, tmp_path):
+    from engine import LLM
+
+    w = save_head(tmp_path, True, seed=1)
+    from safetensors.torch import save_file
+
+    del w["midlayer.hidden_norm.weight"]
+    save_file(w, f"{tmp_path}/model.safetensors")
+    with pytest.raises(ValueError, match="--speculative-draft-model-path .* lacks "
+                                         "midlayer.hidden_norm.weight"):
+        LLM(ckpts["target"], speculative_algorithm="EAGLE3",
+            speculative_draft_model_path=str(tmp_path), **KW)

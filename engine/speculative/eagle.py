@@ -1,0 +1,358 @@
+"""EAGLE draft heads (``--speculative-algorithm EAGLE`` and ``EAGLE3``) and their proposer.
+
+An EAGLE head is one small decoder over the target's own features: at position j it reads
+the target's hidden state of position j with the embedding of token j + 1 and predicts the
+feature, and through an LM head the token, of position j + 1 (Li et al. 2024, EAGLE; Li et
+al. 2025, EAGLE-3). The target exposes those hidden states from the forwards it runs
+anyway (``CausalLM.set_capture_hidden``): no second target pass.
+
+- EAGLE-1/2 (SGLang's ``LlamaForCausalLMEagle``): ``fc`` ``[hidden, 2 * hidden]`` (with
+  bias) over ``concat(embed(token), target's final normed hidden)``, then Llama decoder
+  layers ``layers.i.*`` (layer 0 without its input norm), no final norm; the output
+  ``hidden + residual`` feeds the target's LM head, and the next draft step.
+- EAGLE-3 (SGLang's and vLLM's ``LlamaForCausalLMEagle3``): ``fc`` ``[hidden, 3 *
+  target_hidden]`` fuses the target's low/mid/high states (the inputs of layers 2, L/2 and
+  L-3); ``midlayer.*`` is one decoder layer whose attention reads ``concat(
+  input_layernorm(embed(token)), hidden_norm(h))`` (q/k/v of width ``2 * hidden``); ``norm``
+  then its own ``lm_head`` ``[draft_vocab_size, hidden]``; draft id ``i`` is target id ``i +
+  d2t[i]``. The pre-norm output feeds the next step (``fc`` is skipped there). Without
+  ``embed_tokens.weight`` the target's embedding is used, without ``lm_head.weight`` its LM
+  head (then ``draft_vocab_size`` is the vocabulary).
+
+Checkpoint names may carry a ``model.`` prefix; ``t2d`` (its inverse map) is not needed.
+The head's KV (its own small pool, one layer) and the chain are ``ModelProposer``'s
+(``engine/speculative/draft.py``); drafts are greedy, a chain (topk 1).
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+
+import torch
+from torch import nn
+
+from engine.args import ServerArgs, prefill_budget
+from engine.speculative.draft import DraftSeq, ModelProposer
+
+logger = logging.getLogger(__name__)
+
+#: target hidden-state rows a request may hold for its head before the oldest are dropped
+#: (a request that keeps decoding in batches too large to speculate)
+MAX_PENDING_ROWS = 4096
+
+
+class EagleHead(nn.Module):
+    """The draft head's modules and forward (see the module docstring).
+
+    Args:
+        config: the head's HF config (Llama fields; EAGLE-3's ``draft_vocab_size`` and
+            ``target_hidden_size``).
+        eagle3: EAGLE-3's layout, else EAGLE-1/2's.
+        target: the target's model (``CausalLM``): its embedding and LM head when the
+            checkpoint has none.
+        dtype: the run dtype.
+    """
+
+    def __init__(self, config, eagle3: bool, target, dtype: torch.dtype):
+        super().__init__()
+        from engine.layers.linear import QKVLinear, ReplicatedLinear, VocabEmbedding
+        from engine.layers.norm import RMSNorm
+        from engine.layers.rotary import RotaryEmbedding
+        from engine.models.config import ModelConfig
+        from engine.models.llama import LlamaDecoderLayer
+
+        self.mc = mc = ModelConfig.from_hf(config)
+        self.eagle3 = eagle3
+        self.__dict__["target"] = target  # not a submodule: its weights are not the head's
+        h = mc.hidden_size
+        self.hidden_size = h
+        opts = {"qkv_bias": mc.attention_bias, "o_bias": mc.attention_bias, "qk_norm": False}
+        if eagle3:
+            th = getattr(config, "target_hidden_size", None) or h
+            self.fc = ReplicatedLinear(3 * th, h, bool(getattr(config, "bias", False)), dtype)
+            self.midlayer = LlamaDecoderLayer(mc, 0, dtype, opts)
+            attn = self.midlayer.self_attn
+            attn.qkv_proj = QKVLinear(2 * h, mc.head_dim, mc.num_heads, mc.num_kv_heads,
+                                      False, dtype)
+            self.midlayer.hidden_norm = RMSNorm(h, mc.rms_norm_eps, dtype)
+            self.norm = RMSNorm(h, mc.rms_norm_eps, dtype)
+            self.draft_vocab = getattr(config, "draft_vocab_size", None) or mc.vocab_size
+            self.lm_head = VocabEmbedding(self.draft_vocab, h, dtype)
+            self.register_buffer("d2t", torch.zeros(self.draft_vocab, dtype=torch.int64))
+        else:
+            self.fc = ReplicatedLinear(2 * h, h, True, dtype)
+            self.layers = nn.ModuleList(LlamaDecoderLayer(mc, i, dtype, opts)
+                                        for i in range(mc.num_layers))
+            self.layers[0].input_layernorm = nn.Identity()
+            self.lm_head = None
+        self.dtype = dtype
+        self.embed_tokens = None  # the checkpoint's own embedding, if it has one
+        self.own_lm_head = False
+        self.rotary_emb = RotaryEmbedding(mc.head_dim, mc.max_position_embeddings,
+                                          mc.rope_theta, mc.rope_parameters)
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers, each with its own KV in the head's pool."""
+        return 1 if self.eagle3 else len(self.layers)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        table = self.embed_tokens if self.embed_tokens is not None else \
+            self.target.model.embed_tokens
+        return table(ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                fb) -> tuple[torch.Tensor, torch.Tensor]:
+        """One head step over T rows.
+
+        Args:
+            input_ids: [T] int64 (token j + 1 for row j); positions: [T] int64 (j).
+            hidden: [T, 3 * target hidden] (EAGLE-3, the target's), [T, hidden] (EAGLE-1/2's
+                target state, or the head's own output of the previous draft step).
+        Returns:
+            ``(for_logits, next_hidden)``, both [T, hidden]: what the LM head reads, and
+            what the next draft step takes as ``hidden``.
+        """
+        emb = self.embed(input_ids)
+        if not self.eagle3:
+            x = self.fc(torch.cat([emb, hidden.to(emb.dtype)], dim=-1))
+            residual = None
+            for layer in self.layers:
+                x, residual = layer(x, residual, self.rotary_emb, positions, fb)
+            out = x + residual
+            return out, out
+        h = hidden.to(emb.dtype)
+        if h.shape[-1] != self.hidden_size:
+            h = self.fc(h)
+        layer = self.midlayer
+        x = torch.cat([layer.input_layernorm(emb), layer.hidden_norm(h)], dim=-1)
+        q, k, v = layer.self_attn.project_qkv(x, self.rotary_emb, positions)
+        x, residual = layer.post_attn(layer.self_attn.attn(q, k, v, fb), h)
+        return self.norm(x, residual)
+
+    def greedy(self, for_logits: torch.Tensor) -> torch.Tensor:
+        """Rows [B, hidden] -> the greedy next token of each, as target ids [B] int64."""
+        if self.own_lm_head:
+            w = self.lm_head.weight[:self.draft_vocab]
+            ids = torch.argmax(torch.nn.functional.linear(for_logits, w).float(), dim=-1)
+            return ids + self.d2t[ids] if self.eagle3 else ids
+        return torch.argmax(self.target.compute_logits(for_logits, None), dim=-1)
+
+    # ---- weights ------------------------------------------------------------------------
+    def load_weights(self, weights) -> None:
+        """Load the checkpoint's tensors (names as in the module docstring).
+
+        Raises:
+            ValueError: a tensor of the wrong shape, an unknown tensor, or a missing one.
+        """
+        from engine.layers.linear import VocabEmbedding, default_weight_loader
+        from engine.models.llama import STACKED_PARAMS
+
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if name == "t2d" or name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "d2t":
+                if not self.eagle3 or tensor.shape != self.d2t.shape:
+                    raise ValueError(f"d2t of shape {tuple(tensor.shape)} does not fit the "
+                                     f"head (draft vocabulary {getattr(self, 'draft_vocab', 0)})")
+                self.d2t.copy_(tensor.to(torch.int64))
+                continue
+            if name == "layers.0.input_layernorm.weight" and not self.eagle3:
+                continue  # EAGLE-1 skips layer 0's input norm
+            if name == "lm_head.weight" and not self.eagle3:
+                continue  # EAGLE-1/2 read the target's LM head
+            if name == "embed_tokens.weight" and self.embed_tokens is None:
+                with torch.device(self.fc.weight.device):
+                    self.embed_tokens = VocabEmbedding(self.mc.vocab_size, self.hidden_size,
+                                                       self.dtype)
+                params = dict(self.named_parameters())
+            shard = None
+            for fused, part, sid in STACKED_PARAMS:
+                if f".{part}." in name:
+                    name, shard = name.replace(f".{part}.", f".{fused}."), sid
+                    break
+            p = params.get(name)
+            if p is None:
+                raise ValueError(f"unknown tensor {name!r} in the EAGLE checkpoint")
+            loader = getattr(p, "weight_loader", default_weight_loader)
+            loader(p, tensor, shard) if shard is not None else loader(p, tensor)
+            loaded.add(name if shard is None else f"{name}:{shard}")
+        self.own_lm_head = "lm_head.weight" in loaded
+        if self.eagle3 and not self.own_lm_head and self.draft_vocab != self.mc.vocab_size:
+            raise ValueError("the EAGLE-3 checkpoint has no lm_head.weight but a draft "
+                             f"vocabulary of {self.draft_vocab}")
+        need = set()
+        for name, _ in self.named_parameters():
+            if name.startswith(("embed_tokens.", "lm_head.")):
+                continue
+            fused = [sid for f, _, sid in STACKED_PARAMS if f".{f}." in name]
+            need.update({f"{name}:{s}" for s in fused} if fused else {name})
+        missing = sorted(need - loaded)
+        if missing:
+            raise ValueError(f"the EAGLE checkpoint lacks {', '.join(missing[:6])}")
+
+
+def load_eagle_head(path: str, eagle3: bool, target, dtype: torch.dtype,
+                    device: torch.device, ops_kind: str = "reference") -> EagleHead:
+    """Build the head from ``path`` (``config.json`` + ``*.safetensors``) on ``device``.
+
+    Raises:
+        FileNotFoundError: no config or no safetensors file; ValueError: as
+            :meth:`EagleHead.load_weights`, or a hidden size that does not fit the target.
+    """
+    from transformers import AutoConfig
+
+    from engine.layers import select_ops
+    from engine.loader.weights import iter_safetensors
+
+    flag = "--speculative-draft-model-path"
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{flag} {path}: no config.json")
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"{flag} {path}: no *.safetensors file")
+    config = AutoConfig.from_pretrained(path)
+    tmc = target.model_config
+    th = getattr(config, "target_hidden_size", None) or config.hidden_size
+    if th != tmc.hidden_size or (not eagle3 and config.hidden_size != tmc.hidden_size):
+        raise ValueError(f"{flag} {path}: the head reads hidden states of width {th}, the "
+                         f"target's are {tmc.hidden_size}")
+    if config.vocab_size != tmc.vocab_size:
+        raise ValueError(f"{flag} {path}: the head's vocabulary has {config.vocab_size} ids, "
+                         f"the target's {tmc.vocab_size}")
+    with torch.device(device):
+        head = EagleHead(config, eagle3, target, dtype)
+    try:
+        head.load_weights(iter_safetensors(files))
+    except ValueError as e:
+        raise ValueError(f"{flag} {path}: {e}") from None
+    select_ops(head, ops_kind)
+    return head.eval()
+
+
+class EagleProposer(ModelProposer):
+    """Greedy chains from an EAGLE or EAGLE-3 head fed by the target's hidden states.
+
+    Per request the proposer keeps the target's hidden states of the positions its head has
+    not taken in yet (``DraftSeq.hidden``): every target forward leaves them
+    (:meth:`observe`, from the scheduler's steps and the verify step), the next proposal
+    feeds them in (:meth:`catch_up`). A radix-cache prefix or a preemption leaves positions
+    without hidden states: the head then starts at the first position it has, and a gap
+    restarts it; the drafts get worse there, never the output.
+
+    Args:
+        args: the server arguments (algorithm, head path, prefill budget).
+        target: the target's runner; its model keeps hidden states from now on, and its
+            graphs are turned off (a graph replay does not keep them).
+    """
+
+    #: what ``RankRunner.build_forward_batch`` reads besides the pools: no LoRA in the head
+    lora = None
+
+    def __init__(self, args: ServerArgs, target):
+        from engine.attention import create_attention_backend
+        from engine.kv.pool import KVPool, ReqToTokenPool
+        from engine.layers import small_ops_kind
+
+        self.target = target
+        eagle3 = args.speculative_algorithm == "EAGLE3"
+        model = target.model
+        model.set_capture_hidden("aux" if eagle3 else "last")
+        if target.graph_runner is not None or target.piecewise_runner is not None:
+            logger.warning("%s: the target's graphs are off (a graph replay does not keep "
+                           "the hidden states the head reads)", args.speculative_algorithm)
+            target.graph_runner = target.piecewise_runner = None
+        self.head = load_eagle_head(args.speculative_draft_model_path, eagle3, model,
+                                    target.dtype, target.device,
+                                    small_ops_kind(target.device_type, args.disable_fused_ops))
+        mc = self.head.mc
+        self.device = target.device
+        self.kv_pool = KVPool(target.max_total_tokens, args.page_size, self.head.num_layers,
+                              mc.num_kv_heads, mc.head_dim, target.kv_dtype, target.device)
+        self.req_to_token_pool = ReqToTokenPool(args.max_running_requests,
+                                                target.max_context_len, target.device)
+        self.attn_backend = create_attention_backend(
+            target.attention_backend_name, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+            device_type=target.device_type, device=target.device,
+            fused_ops=not args.disable_fused_ops)
+        super().__init__(self.kv_pool, self.req_to_token_pool,
+                         prefill_budget(args, target.device_type))
+        logger.info("%s head %s: %d layer(s), hidden %d%s", args.speculative_algorithm,
+                    args.speculative_draft_model_path, self.head.num_layers, mc.hidden_size,
+                    f", draft vocabulary {self.head.draft_vocab}" if eagle3 else "")
+
+    # ---- the target's hidden states -----------------------------------------------------
+    def observe(self, batch) -> None:
+        h = self.target.model.hidden_out
+        if h is None:
+            return
+        self.target.model.hidden_out = None
+        row = 0
+        for r, p, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            req = getattr(r, "req", r)  # a verify step's VerifyReq wraps the request
+            self._take(req, p, h[row:row + n])
+            row += n
+
+    def _take(self, req, p: int, rows: torch.Tensor) -> None:
+        """Keep the target's hidden states of positions ``p .. p + len(rows) - 1``."""
+        seq = self.seqs.get(req.rid)
+        if seq is None:
+            seq = self.seqs[req.rid] = DraftSeq(req, base=p)
+        end = seq.hidden_start + seq.hidden_rows
+        if p > end or p < seq.base:
+            self.reset(seq, p)  # a gap (or a restart before the head's first position)
+        elif p < end:  # recomputed positions (after rejected drafts, or a cut run)
+            if p >= seq.hidden_start:
+                keep = p - seq.hidden_start
+                seq.hidden = [torch.cat(seq.hidden)[:keep]] if keep else []
+                seq.hidden_rows = keep
+            else:
+                self.truncate(seq, p - seq.base)
+                seq.hidden, seq.hidden_rows, seq.hidden_start = [], 0, p
+        seq.hidden.append(rows)
+        seq.hidden_rows += rows.shape[0]
+        if seq.hidden_rows > MAX_PENDING_ROWS:
+            keep = torch.cat(seq.hidden)[-(MAX_PENDING_ROWS // 2):]
+            self.reset(seq, seq.hidden_start + seq.hidden_rows - keep.shape[0])
+            seq.hidden, seq.hidden_rows = [keep], keep.shape[0]
+
+    # ---- the chain ----------------------------------------------------------------------
+    def catch_up(self, seq: DraftSeq, req):
+        """The pairs (hidden of position j, token j + 1) from the head's next position up
+        to the request's last token; None without the target's states up to there."""
+        L = req.seq_len
+        e = seq.base + seq.kv_len
+        if seq.hidden_start != e:
+            self.reset(seq, L - 1)  # out of step (a failed allocation): start afresh
+            return None
+        n = L - 1 - e
+        if n <= 0 or seq.hidden_start + seq.hidden_rows < L - 1:
+            return None
+        rows = torch.cat(seq.hidden)
+        rest = rows[n:]
+        seq.hidden, seq.hidden_rows = ([rest] if rest.shape[0] else []), rest.shape[0]
+        seq.hidden_start += n
+        return req.tokens(e + 1, n), rows[:n]
+
+    def after_propose(self, seq: DraftSeq) -> None:
+        # entries fed by the head's own states are not the target's: drop them
+        self.truncate(seq, seq.hidden_start - seq.base)
+
+    def forward(self, batch, seqs, hidden):
+        from engine.executor.rank_runner import RankRunner
+
+        # the runner's host -> device step (this object has the fields it reads)
+        input_ids, fb = RankRunner.build_forward_batch(self, batch)
+        self.attn_backend.init_forward(fb)
+        base = [s.base for s, n in zip(seqs, batch.extend_lens) for _ in range(n)]
+        positions = fb.positions + torch.tensor(base, dtype=torch.int64).to(self.device)
+        for_logits, nxt = self.head(input_ids, positions, hidden, fb)
+        rows = fb.logits_indices
+        if rows is not None:
+            for_logits, nxt = for_logits.index_select(0, rows), nxt.index_select(0, rows)
+        return self.head.greedy(for_logits), nxt
