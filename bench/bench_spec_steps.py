@@ -6,9 +6,12 @@ prompts, then times, round-robin so the growing context touches every kind alike
 
 - ``decode``: the engine's 1-token decode step (``ForwardMode.DECODE``: decode graphs where
   the device has them);
-- ``verify k``: the forward a verify step runs (``engine/speculative/worker.py``): an
-  EXTEND of ``1 + k`` tokens per request over its cached prefix, logits for every row, and
-  the greedy accept that follows it on the device (argmax of every row).
+- ``verify k``: the forward a verify step runs (``engine/speculative/worker.py``
+  ``verify_batch``) over ``1 + k`` tokens per request, logits for every row, and the greedy
+  accept that follows it on the device (argmax of every row), in both of its forms:
+  ``decode`` (k + 1 decode rows per request: decode graphs, the decode kernel) and
+  ``extend`` (an EXTEND over the cached prefix). The engine picks ``decode`` while the KV
+  the extra rows read stays small against the weights.
 
 Each figure is the median over ``--reps`` rounds of one step's elapsed time (device events
 after a warm-up round on accelerators, synchronised host clocks on the CPU), from before
@@ -34,12 +37,14 @@ from engine.executor.schedule_batch import ScheduleBatch
 from engine.forward_batch import ForwardMode
 from engine.sampling.params import SamplingParams
 from engine.scheduler.request import Req
+from engine.speculative.worker import verify_batch
 from server.cli import add_engine_args
 
 
-def _step(runner, reqs: list[Req], drafts: int, gen: torch.Generator) -> float:
-    """One decode (``drafts == 0``) or verify step of ``drafts`` random drafts per request;
-    the requests keep the tokens (the next round's context is one step longer)."""
+def _step(runner, reqs: list[Req], drafts: int, as_decode: bool, gen: torch.Generator) -> float:
+    """One decode (``drafts == 0``) or verify step of ``drafts`` random drafts per request,
+    as decode rows or as an EXTEND (``as_decode``); the requests keep the tokens (the next
+    round's context is longer)."""
     bs = len(reqs)
     with _Timer(runner.device_type) as t:
         prefix = [r.kv_len for r in reqs]
@@ -51,8 +56,7 @@ def _step(runner, reqs: list[Req], drafts: int, gen: torch.Generator) -> float:
         for r in reqs:
             locs += _alloc(runner, r, 1 + drafts)
         if drafts:
-            batch = ScheduleBatch(ForwardMode.EXTEND, reqs, prefix, [1 + drafts] * bs,
-                                  [True] * bs, locs, [True] * bs)
+            batch = verify_batch(reqs, prefix, [1 + drafts] * bs, locs, as_decode)
         else:
             batch = ScheduleBatch(ForwardMode.DECODE, reqs, prefix, [1] * bs, [True] * bs, locs)
         logits = runner.forward(batch)
@@ -64,8 +68,10 @@ def _step(runner, reqs: list[Req], drafts: int, gen: torch.Generator) -> float:
 
 
 def measure(runner, bs: int, input_len: int, drafts: list[int], reps: int,
-            seed: int = 0) -> dict[int, list[float]]:
-    """Per draft count (0 = decode), the step times in seconds of ``reps`` rounds."""
+            seed: int = 0) -> dict[tuple[int, str], list[float]]:
+    """Per ``(draft count, form)`` (``(0, "decode")``: the plain decode step; forms
+    ``"decode"`` and ``"extend"`` of each verify step), the step times in seconds of
+    ``reps`` rounds."""
     g = torch.Generator().manual_seed(seed)
     reqs = []
     for i in range(bs):
@@ -73,7 +79,8 @@ def measure(runner, bs: int, input_len: int, drafts: list[int], reps: int,
         r = Req(f"spec-bench-{i}", ids, SamplingParams(max_tokens=1 << 20, temperature=0))
         r.req_pool_idx = runner.req_to_token_pool.alloc()
         reqs.append(r)
-    times: dict[int, list[float]] = {k: [] for k in [0, *drafts]}
+    times: dict[tuple[int, str], list[float]] = {(0, "decode"): []}
+    times.update({(k, f): [] for k in drafts for f in ("decode", "extend")})
     try:
         locs = []
         for r in reqs:
@@ -82,11 +89,11 @@ def measure(runner, bs: int, input_len: int, drafts: list[int], reps: int,
                                               [input_len] * bs, [True] * bs, locs))
         for r, tok in zip(reqs, torch.argmax(logits, dim=-1).tolist()):
             r.output_ids.append(tok)
-        for k in times:  # warm-up: compiles each extend length's kernels
-            _step(runner, reqs, k, g)
+        for k, form in times:  # warm-up: compiles each extend length's kernels
+            _step(runner, reqs, k, form == "decode", g)
         for _ in range(reps):
-            for k in times:
-                times[k].append(_step(runner, reqs, k, g))
+            for (k, form), ts in times.items():
+                ts.append(_step(runner, reqs, k, form == "decode", g))
     finally:
         for r in reqs:
             runner.kv_pool.free_pages(r.pages)
@@ -106,10 +113,15 @@ def main(argv: list[str] | None = None) -> None:
     add_engine_args(p)
     ns = p.parse_args(argv)
     rounds = ns.reps + 1
-    per_req = ns.input_len + rounds * sum(1 + k for k in [0, *ns.drafts]) + 16
+    per_req = ns.input_len + rounds * (1 + sum(2 * (1 + k) for k in ns.drafts)) + 16
     args = ServerArgs.from_cli_args(ns)
+    # decode graphs up to the verify rows of the largest batch (as the engine sizes them for
+    # speculation: engine/executor/graph_runner.py)
     args = args.replace(max_total_tokens=args.max_total_tokens or max(ns.batch_size) * per_req,
-                        max_running_requests=max(ns.batch_size))
+                        max_running_requests=max(ns.batch_size),
+                        speculative_algorithm=args.speculative_algorithm or "NGRAM",
+                        speculative_max_batch_size=max(ns.batch_size),
+                        speculative_num_draft_tokens=max(ns.drafts))
     from engine.executor.model_runner import ModelRunner
 
     runner = ModelRunner(args)
@@ -118,14 +130,14 @@ def main(argv: list[str] | None = None) -> None:
           f"dtype={str(runner.dtype).replace('torch.', '')}")
     for bs in ns.batch_size:
         times = measure(runner, bs, ns.input_len, ns.drafts, ns.reps)
-        base = statistics.median(times[0])
-        for k, ts in times.items():
+        base = statistics.median(times[0, "decode"])
+        for (k, form), ts in times.items():
             med = statistics.median(ts)
-            res = {"batch_size": bs, "input_len": ns.input_len, "drafts": k,
+            res = {"batch_size": bs, "input_len": ns.input_len, "drafts": k, "form": form,
                    "device": runner.device_type, "median_step_s": med,
                    "ratio_to_decode": med / base}
-            what = "decode" if k == 0 else f"verify k={k}"
-            emit_result(res, f"bs={bs} {what:<12} median {med * 1e3:8.3f} ms  "
+            what = "decode" if k == 0 else f"verify k={k} {form}"
+            emit_result(res, f"bs={bs} {what:<19} median {med * 1e3:8.3f} ms  "
                         f"x{med / base:5.2f} of decode (speedup = accept length / "
                         f"{med / base:.2f})", ns.result_jsonl)
 

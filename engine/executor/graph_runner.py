@@ -20,6 +20,7 @@ import time
 import torch
 
 from engine import device as dev
+from engine.args import num_draft_tokens
 from engine.executor.schedule_batch import ScheduleBatch
 from engine.forward_batch import ForwardBatch, ForwardMode, resolve_placeholders
 
@@ -42,7 +43,10 @@ class GraphRunner:
     def __init__(self, runner):
         self.runner = runner
         self.device_type = runner.device_type
-        self.max_bs = min(runner.args.cuda_graph_max_bs, runner.args.max_running_requests)
+        a = runner.args
+        # a speculative verify step of small batches runs as decode rows (k + 1 per request)
+        rows = max(a.max_running_requests, a.speculative_max_batch_size * (1 + num_draft_tokens(a)))
+        self.max_bs = min(a.cuda_graph_max_bs, rows)
         self.buckets = batch_size_buckets(self.max_bs)
         self.graphs: dict[int, object] = {}
         self.outputs: dict[int, torch.Tensor] = {}

@@ -9,9 +9,15 @@ One step, for the running requests together:
    tokens yet: it decodes one token per step inside the same batch).
 2. Allocate: every request gets its one decode slot (the scheduler's ``_retract`` made room
    for those); drafts get slots only where the pool has them beyond that reserve.
-3. Verify: one EXTEND forward over ``[last token, d1..dk]`` at positions ``[L, L+1..L+k]``
-   per request (its cached prefix is the extend's prefix), logits for all k + 1 positions
-   (``all_rows``). A request without drafts is a 1-token extend, a decode.
+3. Verify: one forward over ``[last token, d1..dk]`` at positions ``[L, L+1..L+k]`` per
+   request, logits for all k + 1 positions. While the extra KV it reads is small against
+   the weights (``VERIFY_AS_DECODE_KV_SHARE``), the step is a DECODE of k + 1 rows per
+   request, row j at position L + j over the same ``req_to_token`` row: each layer stores
+   every row's K/V before attention, so row j sees exactly positions <= L + j (causal), and
+   the step takes the decode path (its graphs, the CPU's C++ decode kernel) where an EXTEND
+   would run eager extend attention; row j reads the prefix again, which is what bounds it.
+   Otherwise it is an EXTEND over the cached prefix with logits for every row
+   (``all_rows``). A request without drafts is one row, a plain decode.
 4. Accept (``engine/sampling/acceptance.py``): the longest run of drafts the target keeps,
    plus the target's own token after it; the KV of the rejected positions is dropped
    (``KVCacheManager.shrink``), so ``req_to_token`` and the radix cache only ever hold
@@ -41,6 +47,9 @@ from engine.speculative.proposer import Proposer
 #: it returns (non-copying text drafts from weak one-token matches)
 MISSES_BEFORE_BACKOFF = 2
 MAX_BACKOFF = 32
+#: verify as decode rows while the KV those rows read beyond a plain decode step (k x the
+#: context per request) is at most this share of the weight bytes a step reads
+VERIFY_AS_DECODE_KV_SHARE = 0.25
 SPEC_STAT_KEYS = ("spec_verify_steps", "spec_verify_reqs", "spec_proposed_tokens",
                   "spec_accepted_tokens", "spec_emitted_tokens")
 
@@ -75,6 +84,7 @@ class VerifyBatch:
     batch: ScheduleBatch
     reqs: list
     drafts: list[list[int]]
+    prefix: list[int]  # per request, its KV length before the step (the last token's position)
 
 
 class SpecWorker:
@@ -98,6 +108,9 @@ class SpecWorker:
         self.runner = runner
         self.stats = stats
         self.reset_stats()
+        mem = runner.memory_report()  # this rank's bytes (a shard under TP: the same ratio)
+        self._weight_bytes = mem["weight_bytes"]
+        self._kv_token_bytes = mem["kv_bytes"] / max(1, runner.kv_pool.num_slots)
         # rid -> [consecutive verify steps with nothing accepted, steps left without drafts]
         self._misses: dict[str, list[int]] = {}
 
@@ -162,9 +175,9 @@ class SpecWorker:
             kept.append(d)
         if not reqs:
             return None
-        batch = ScheduleBatch(ForwardMode.EXTEND, vreqs, prefix, ext, [True] * len(reqs), locs,
-                              [True] * len(reqs))
-        return VerifyBatch(batch, reqs, kept)
+        extra_kv = sum((n - 1) * p for p, n in zip(prefix, ext)) * self._kv_token_bytes
+        as_decode = extra_kv <= VERIFY_AS_DECODE_KV_SHARE * self._weight_bytes
+        return VerifyBatch(verify_batch(vreqs, prefix, ext, locs, as_decode), reqs, kept, prefix)
 
     # ---- run ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -180,6 +193,7 @@ class SpecWorker:
         from engine.sampling.sampler import SamplingBatchInfo
 
         logits = self.runner.forward(vb.batch)
+        self.proposer.observe(vb.batch)
         params, steps, row_drafts, grammars = [], [], [], []
         outs: list | None = [] if any(_penalised(r) for r in vb.reqs) else None
         for req, d in zip(vb.reqs, vb.drafts):
@@ -200,7 +214,6 @@ class SpecWorker:
         acc_t, emit_t = verify_drafts(logits, info, drafts_t)
         want = [p.logprobs for p in params if p.logprobs is not None]
         lp = None
-        self.proposer.observe(vb.batch)
         if want:
             chosen = torch.where(acc_t, drafts_t, emit_t)
             lsm = torch.log_softmax(logits.float(), dim=-1)
@@ -214,7 +227,7 @@ class SpecWorker:
         st, lengths = self.stats, self.stats["spec_accept_lengths"]
         st["spec_verify_steps"] += 1
         out, r0 = [], 0
-        for req, d, p in zip(vb.reqs, vb.drafts, vb.batch.prefix_lens):
+        for req, d, p in zip(vb.reqs, vb.drafts, vb.prefix):
             a = 0
             while a < len(d) and acc[r0 + a]:
                 a += 1
@@ -226,6 +239,7 @@ class SpecWorker:
                             for r in range(r0, r0 + a + 1)]
             # positions p..p+a hold the last token and the accepted drafts: keep those
             self.kv.shrink(req, p + 1 + a)
+            self.proposer.trim(req, p + 1 + a)
             if d:
                 st["spec_verify_reqs"] += 1
                 st["spec_proposed_tokens"] += len(d)
@@ -246,8 +260,25 @@ class SpecWorker:
         miss = self._misses.setdefault(rid, [0, 0])
         miss[0] += 1
         if miss[0] >= MISSES_BEFORE_BACKOFF:
-            self.proposer.trim(req, p + 1 + a)
             miss[1] = min(MAX_BACKOFF, 2 ** (miss[0] - MISSES_BEFORE_BACKOFF + 1))
+
+
+def verify_batch(reqs: list, prefix: list[int], ext: list[int], locs: list[int],
+                 as_decode: bool) -> ScheduleBatch:
+    """The verify forward's batch: request i scores ``ext[i]`` tokens from position
+    ``prefix[i]`` (its last token and its drafts), into the slots ``locs`` (batch order), with
+    logits for every one of them, in that order.
+
+    ``as_decode``: a DECODE batch of ``ext[i]`` rows per request (row j at position
+    ``prefix[i] + j``, the same request object and ``req_to_token`` row); else an EXTEND with
+    ``all_rows``. Both give the same logits rows (see the module docstring)."""
+    if as_decode:
+        rows = [r for r, n in zip(reqs, ext) for _ in range(n)]
+        pos = [p + j for p, n in zip(prefix, ext) for j in range(n)]
+        return ScheduleBatch(ForwardMode.DECODE, rows, pos, [1] * len(rows), [True] * len(rows),
+                             locs)
+    return ScheduleBatch(ForwardMode.EXTEND, reqs, prefix, ext, [True] * len(reqs), locs,
+                         [True] * len(reqs))
 
 
 def mean_accept_length(stats: dict) -> float | None:

@@ -66,8 +66,9 @@ def test_bench_spec_steps_rows_and_pool(tiny_args, tmp_path):
     main(tiny_args + ["--batch-size", "1", "2", "--input-len", "12", "--drafts", "1", "3",
                       "--reps", "2", "--result-jsonl", str(out)])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["batch_size"], r["drafts"]) for r in rows] == [(1, 0), (1, 1), (1, 3),
-                                                              (2, 0), (2, 1), (2, 3)]
+    kinds = [(0, "decode")] + [(k, f) for k in (1, 3) for f in ("decode", "extend")]
+    assert [(r["batch_size"], r["drafts"], r["form"]) for r in rows] == \
+        [(b, k, f) for b in (1, 2) for k, f in kinds]
     for r in rows:
         assert r["median_step_s"] > 0
         assert r["ratio_to_decode"] == pytest.approx(
@@ -77,5 +78,6 @@ def test_bench_spec_steps_rows_and_pool(tiny_args, tmp_path):
                                     max_total_tokens=512, max_running_requests=2))
     free_pages = runner.kv_pool.num_free_pages
     times = measure(runner, 2, 10, [2], reps=3)
-    assert {k: len(v) for k, v in times.items()} == {0: 3, 2: 3}
+    assert {k: len(v) for k, v in times.items()} == {(0, "decode"): 3, (2, "decode"): 3,
+                                                     (2, "extend"): 3}
     assert runner.kv_pool.num_free_pages == free_pages

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.args import ServerArgs
-from engine.forward_batch import resolve_placeholders
+from engine.forward_batch import ForwardMode, resolve_placeholders
 from engine.kv.pool import KVPool, ReqToTokenPool
 from engine.sampling import acceptance
 from engine.sampling.acceptance import verify_drafts
@@ -18,6 +18,7 @@ from engine.sampling.sampler import SamplingBatchInfo
 from engine.scheduler.request import Req
 from engine.scheduler.scheduler import Scheduler
 from engine.speculative import NgramProposer
+from engine.speculative.worker import VerifyReq
 
 # ---- the proposer -------------------------------------------------------------------------
 
@@ -167,13 +168,18 @@ class FakeRunner:
     supports_overlap = False
     vocab_size = FV
 
-    def __init__(self, max_total_tokens, page_size=1, max_running=8, overlap=False):
+    def __init__(self, max_total_tokens, page_size=1, max_running=8, overlap=False,
+                 verify_as_decode=False):
         self.supports_overlap = overlap
+        # the worker verifies as decode rows when the extra KV they read is small against
+        # the weights: huge weights -> always, none -> always an all-rows EXTEND
+        self.weight_bytes = 1 << 50 if verify_as_decode else 0
         self.kv_pool = KVPool(max_total_tokens, page_size, 1, 1, 1, torch.float32, "cpu")
         self.max_context_len = min(4096, self.kv_pool.capacity_tokens)
         self.req_to_token_pool = ReqToTokenPool(max_running, self.max_context_len, "cpu")
         self.slot_token = torch.full((self.kv_pool.num_slots,), -1, dtype=torch.int64)
         self.verify_tokens = 0
+        self.verify_modes = set()  # the ForwardModes verify steps ran as
 
     def forward(self, batch, future_ids=None):
         r2t = self.req_to_token_pool.req_to_token
@@ -191,13 +197,17 @@ class FakeRunner:
                 self.slot_token[slot] = fill[p + j]
             off += n
             every = batch.all_rows and batch.all_rows[i]
-            if every:
+            if every or isinstance(req, VerifyReq):
                 self.verify_tokens += n
+                self.verify_modes.add(batch.mode)
             for j in (range(n) if every else [n - 1]):
                 rows.append(fake_next(fill[p + j], p + j))
         logits = torch.zeros(len(rows), FV)
         logits[torch.arange(len(rows)), torch.tensor(rows)] = 1.0
         return logits
+
+    def memory_report(self):
+        return {"weight_bytes": self.weight_bytes, "kv_bytes": self.kv_pool.num_slots * 8}
 
     def sample(self, logits, reqs, eos_ids):
         from engine.sampling.sampler import sample
@@ -226,11 +236,13 @@ def fake_expected(prompt, n, stop_ids=()):
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_verify_steps_keep_outputs_and_kv_accounting(page_size):
+@pytest.mark.parametrize("as_decode", [False, True])
+def test_verify_steps_keep_outputs_and_kv_accounting(page_size, as_decode):
     """Random prompts, lengths and aborts; the page accounting after every step; outputs
-    equal to the model's own greedy continuation."""
+    equal to the model's own greedy continuation; verify steps as all-rows EXTENDs and as
+    DECODEs of k + 1 rows per request (each row checks the KV of every earlier position)."""
     rnd = random.Random(page_size)
-    runner = FakeRunner(max_total_tokens=600, page_size=page_size)
+    runner = FakeRunner(max_total_tokens=600, page_size=page_size, verify_as_decode=as_decode)
     args = ServerArgs(chunked_prefill_size=32, page_size=page_size,
                       speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
     sched = Scheduler(args, runner, eos_ids=[])
@@ -263,6 +275,7 @@ def test_verify_steps_keep_outputs_and_kv_accounting(page_size):
             assert len(r.output_ids) <= r.max_new_tokens
     sched.kv.check([])
     assert sched.kv.used_tokens() == 0
+    assert runner.verify_modes == {ForwardMode.DECODE if as_decode else ForwardMode.EXTEND}
     st = sched.stats
     assert st["spec_verify_steps"] > 0
     assert 0 < st["spec_accepted_tokens"] < st["spec_proposed_tokens"]  # both outcomes seen
