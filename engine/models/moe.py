@@ -25,8 +25,9 @@ stacks them into ``...mlp.experts.w13_weight`` / ``w2_weight`` at load time.
 .weight``, Mixtral's under ``mlp.`` too), so a checkpoint missing one is reported by name,
 and ``hf_weight_shapes`` covers them for ``--load-format dummy``.
 
-Not supported (refused at start-up with the reason): FP8 (``--quantization fp8`` or an FP8
-checkpoint: expert FP8 is future work) and GGUF files of MoE models (the loader's check).
+Not supported (refused at start-up with the reason): FP8, AWQ and GPTQ (``--quantization
+fp8|awq|gptq`` or such a checkpoint: quantized experts are future work) and GGUF files of MoE
+models (the loader's check).
 """
 
 from __future__ import annotations
@@ -62,10 +63,11 @@ class MoeForCausalLM(LlamaForCausalLM):
         method = current_linear_method()
         if method is not None:
             src = method.config.source
-            what = src if src.startswith("--") else f"an FP8 checkpoint (quant_method {src!r})"
+            what = (src if src.startswith(("--", "quant_method"))
+                    else f"an FP8 checkpoint (quant_method {src!r})")
             raise ValueError(f"{what} is not supported for {arch}, a mixture-of-experts model "
-                             "(FP8 expert weights are future work); serve it unquantized "
-                             "(bfloat16/float16/float32)")
+                             "(FP8 and 4-bit expert weights are future work); serve it "
+                             "unquantized (bfloat16/float16/float32)")
         if mc.num_experts <= 0 or mc.num_experts_per_tok <= 0:
             raise ValueError(f"{arch}: the config gives no experts (num_experts / "
                              "num_experts_per_tok)")

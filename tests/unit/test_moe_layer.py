@@ -179,7 +179,7 @@ def test_missing_expert_tensor_is_named(tmp_path):
 # ---- refusals -------------------------------------------------------------------------------
 
 
-def test_fp8_is_refused_for_moe_models(tmp_path):
+def test_quantization_is_refused_for_moe_models(tmp_path):
     with pytest.raises(ValueError, match=r"--quantization fp8 is not supported for "
                                          r"Qwen3MoeForCausalLM, a mixture-of-experts model"):
         load_model(_write(tmp_path, "qwen3_moe"), "dummy", device="meta", quantization="fp8")
@@ -187,6 +187,14 @@ def test_fp8_is_refused_for_moe_models(tmp_path):
     with pytest.raises(ValueError, match=r"an FP8 checkpoint \(quant_method 'fp8'\) is not "
                                          r"supported for MixtralForCausalLM"):
         load_model(_write(tmp_path, "mixtral", quantization_config=fp8), "dummy",
+                   device="meta")
+    with pytest.raises(ValueError, match=r"--quantization awq is not supported for "
+                                         r"Qwen3MoeForCausalLM.*4-bit expert weights"):
+        load_model(_write(tmp_path, "qwen3_moe"), "dummy", device="meta", quantization="awq")
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False}
+    with pytest.raises(ValueError, match=r"quant_method gptq \(gptq\) is not supported for "
+                                         r"MixtralForCausalLM"):
+        load_model(_write(tmp_path, "mixtral", quantization_config=gptq), "dummy",
                    device="meta")
 
 
