@@ -71,6 +71,8 @@ class BatchTokenIdOut(_Msg):
     # logprobs of the new tokens: per rid a list (one per new token) of
     # (chosen_logprob, [[token_id, logprob], ...top-k]) or None when not asked for
     logprobs: list[list | None] = []
+    # per rid, on its first output: per prompt token None (the first) or (chosen_logprob,
+    # [[token_id, logprob], ...top-k], rank of the prompt token in the vocabulary)
     prompt_logprobs: list[list | None] = []
     # prompt tokens found in the prefix cache at admission; -1 before admission or with the
     # cache off
@@ -78,6 +80,8 @@ class BatchTokenIdOut(_Msg):
     # the request's min_tokens: a stop string only counts where it ends in the text of
     # generated token min_tokens or later (as the engine checks it)
     min_tokens: list[int] = []
+    # the request's stop_regex patterns (engine/sampling/stops.py)
+    stop_regex: list[list[str]] = []
     # seconds from the scheduler's receipt to the request's first admission into a batch
     # (Req.queue_time); -1 while it has not been admitted
     queue_time_s: list[float] = []

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from engine.args import ServerArgs
 from engine.sampling.params import SamplingParams
+from engine.sampling.stops import compile_patterns, first_match
 from engine.scheduler.request import Req
 from engine.validation import RequestError, validate_request
 
@@ -27,18 +28,24 @@ class RequestOutput:
     matched_stop: str | int | None = None
     # with SamplingParams.logprobs: per generated token (logprob, [[id, logprob], ...top-k])
     logprobs: list | None = None
-    # with SamplingParams.prompt_logprobs: per prompt token, None for the first
+    # with SamplingParams.prompt_logprobs: per prompt token, None for the first, else
+    # (logprob, [[id, logprob], ...top-k], rank of the prompt token in the vocabulary)
     prompt_logprobs: list | None = None
     # prompt tokens whose KV came from the prefix cache (None: the cache is disabled)
     num_cached_tokens: int | None = None
 
 
-def final_text(tokenizer, token_ids: list[int], matched, skip_special_tokens: bool = True) -> str:
-    """The text of a finished output: without a matched stop token, cut before a stop string."""
+def final_text(tokenizer, token_ids: list[int], matched, skip_special_tokens: bool = True,
+               stop_regex: list[str] = ()) -> str:
+    """The text of a finished output: without a matched stop token, cut before a stop string
+    (or before the first match of the ``stop_regex`` pattern ``matched``)."""
     ids = token_ids[:-1] if isinstance(matched, int) and token_ids else token_ids
     text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
     if isinstance(matched, str):
-        cut = text.find(matched)
+        if matched in stop_regex:
+            cut, _ = first_match(compile_patterns([matched]), text, 0, partial=False)
+        else:
+            cut = text.find(matched)
         if cut >= 0:
             text = text[:cut]
     return text
@@ -158,7 +165,8 @@ class LLM:
             text = None
             if self.tokenizer is not None:
                 text = final_text(self.tokenizer, r.output_ids, fr.matched,
-                                  r.sampling_params.skip_special_tokens)
+                                  r.sampling_params.skip_special_tokens,
+                                  r.sampling_params.stop_regex)
             results.append(RequestOutput(
                 r.origin_input_ids, list(r.output_ids), text, fr.type, fr.matched,
                 r.logprobs if r.sampling_params.logprobs is not None else None,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import msgspec
 
+from engine.sampling.stops import compile_patterns
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_LOGPROBS = 20
@@ -32,6 +34,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     seed: int | None = None
     stop: list[str] = []
     stop_token_ids: list[int] = []
+    # SGLang's regular-expression stops (engine/sampling/stops.py): the text ends before the
+    # first match, matched_stop names the pattern
+    stop_regex: list[str] = []
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -86,6 +91,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         for s in self.stop:
             if not s or len(s) > MAX_STOP_LEN:
                 bad(f"each stop string must have 1..{MAX_STOP_LEN} characters", "stop")
+        if len(self.stop_regex) > MAX_STOP_STRINGS:
+            bad(f"at most {MAX_STOP_STRINGS} stop_regex patterns", "stop_regex")
+        for p in self.stop_regex:
+            if not p or len(p) > MAX_STOP_LEN:
+                bad(f"each stop_regex pattern must have 1..{MAX_STOP_LEN} characters",
+                    "stop_regex")
+        if self.stop_regex and self.min_tokens:
+            bad("stop_regex cannot be combined with min_tokens", "stop_regex")
+        compile_patterns(self.stop_regex)  # ValueError naming stop_regex
         if len(self.stop_token_ids) > MAX_STOP_STRINGS:
             bad(f"at most {MAX_STOP_STRINGS} stop_token_ids", "stop_token_ids")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:

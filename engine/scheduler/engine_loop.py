@@ -159,7 +159,7 @@ class EngineLoop:
                                completion_tokens=[], stop_strs=[], skip_special_tokens=[],
                                spaces_between_special_tokens=[], logprobs=[],
                                prompt_logprobs=[], cached_tokens=[], min_tokens=[],
-                               queue_time_s=[])
+                               queue_time_s=[], stop_regex=[])
         for o in outs:
             req, sp = o.req, o.req.sampling_params
             b.rids.append(req.rid)
@@ -172,6 +172,7 @@ class EngineLoop:
             b.queue_time_s.append(-1.0 if req.queue_time is None else req.queue_time)
             b.stop_strs.append(sp.stop)
             b.min_tokens.append(sp.min_tokens)
+            b.stop_regex.append(sp.stop_regex)
             b.skip_special_tokens.append(sp.skip_special_tokens)
             b.spaces_between_special_tokens.append(sp.spaces_between_special_tokens)
             if sp.logprobs is not None:

@@ -34,7 +34,9 @@ class OutputProcessorMixin:
 
     def _prompt_logprobs(self, batch: ScheduleBatch, logits, rows) -> None:
         """Log-probabilities of the prompt tokens (echo): the logits at position j score
-        prompt token j + 1. Top-k alternatives come with each (k = prompt_logprobs)."""
+        prompt token j + 1. Each entry is ``(logprob, [[id, logprob], ...top k], rank)``:
+        the top-k alternatives (k = prompt_logprobs) and the prompt token's own rank in the
+        vocabulary (1 + the tokens more likely than it; vLLM's ``rank``), top k or not."""
         import torch
 
         for i, req in enumerate(batch.reqs):
@@ -52,14 +54,16 @@ class OutputProcessorMixin:
                 b = min(a + 128, r0 + m)
                 lp = torch.log_softmax(logits[a:b].float(), dim=-1)
                 nxt = torch.tensor(prompt[p + 1 + a - r0: p + 1 + b - r0], device=lp.device)
-                chosen = lp.gather(1, nxt[:, None])[:, 0].tolist()
+                chosen_t = lp.gather(1, nxt[:, None])
+                ranks = ((lp > chosen_t).sum(dim=-1) + 1).tolist()
+                chosen = chosen_t[:, 0].tolist()
                 if k:
                     top_lp, top_id = lp.topk(k, dim=-1)
                     top = [[[x, y] for x, y in zip(ids, lps)]
                            for ids, lps in zip(top_id.tolist(), top_lp.tolist())]
                 else:
                     top = [[] for _ in range(b - a)]
-                req.prompt_logprobs.extend(zip(chosen, top))
+                req.prompt_logprobs.extend(zip(chosen, top, ranks))
 
     def _process(self, rec: _InFlight | None) -> None:
         if rec is None:
@@ -142,12 +146,32 @@ class OutputProcessorMixin:
                         if (i := tail.find(s, max(0, before - len(s) + 1))) != -1]
                 if hits:
                     return FinishReason("stop", matched=sp.stop[min(hits)[1]])
+            if sp.stop_regex and self.tokenizer is not None:
+                if (done := self._stop_regex(req, n_out)) is not None:
+                    return done
         if n_out >= req.max_new_tokens:
             return FinishReason("length")
         if len(req.origin_input_ids) + n_out >= self.runner.max_context_len:
             return FinishReason("length")
         return None
 
+
+    def _stop_regex(self, req: Req, n_out: int) -> FinishReason | None:
+        """``stop`` naming the pattern when the text of the first ``n_out`` generated tokens
+        holds a ``stop_regex`` match: the detokenizer's own incremental state
+        (``IncrementalDetokenizer``) fed the same tokens, so both stop at the same token and
+        cut the text at the same place."""
+        from engine.tokenizer.detokenizer import IncrementalDetokenizer
+
+        sp = req.sampling_params
+        st = req.stop_regex_state
+        if st is None:
+            st = req.stop_regex_state = IncrementalDetokenizer(
+                self.tokenizer, None, sp.skip_special_tokens, sp.spaces_between_special_tokens,
+                stop_regex=sp.stop_regex)
+        if n_out > len(st.ids):
+            st.step(req.output_ids[len(st.ids):n_out])
+        return FinishReason("stop", matched=st.matched_regex) if st.stopped else None
 
     def _stop_text(self, ids: list[int], sp) -> str:
         """The text of ``ids`` as the stop-string check sees it: the window may start or end

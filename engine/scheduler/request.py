@@ -38,7 +38,7 @@ class Req:
                  "max_new_tokens",
                  "stop_window", "cached_pages", "last_node", "cached_tokens", "prompt_counted",
                  "logprobs", "sent_logprobs", "prompt_logprobs", "prompt_logprobs_sent",
-                 "grammar", "lora_id")
+                 "grammar", "lora_id", "stop_regex_state")
 
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams,
                  stream: bool = False, max_new_tokens: int | None = None,
@@ -85,6 +85,9 @@ class Req:
         self.prompt_logprobs_sent = False
         # the constraint's matcher (engine/sampling/grammar.py), set once it is compiled
         self.grammar = None
+        # stop_regex: the output's incremental text and pattern matching, the detokenizer's
+        # own (engine/sampling/stops.py); made at the first generated token
+        self.stop_regex_state = None
 
     @property
     def fill_ids(self) -> list[int]:

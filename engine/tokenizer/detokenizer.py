@@ -7,8 +7,9 @@ depends on the previous token (SentencePiece's leading space) still give the rig
 and a delta is only released when it does not end in U+FFFD (a multi-byte character split
 across tokens waits for its last byte).
 
-On top of that, any tail of the text that could be the beginning of a stop string is held
-back, and the text is cut right before the first stop string. When a request finishes the
+On top of that, any tail of the text that could be the beginning of a stop string, or grow
+into a match of a ``stop_regex`` pattern (partial matching, ``engine/sampling/stops.py``), is
+held back, and the text is cut right before the first stop string or pattern match. When a request finishes the
 whole output is decoded once more and the missing remainder is sent, so the concatenated
 stream equals ``decode(all_ids)`` with trailing U+FFFD removed (a multi-byte character cut
 by ``max_tokens``) and cut at the first stop string: the non-stream text.
@@ -22,6 +23,7 @@ import signal
 import sys
 
 from engine import io_struct as io
+from engine.sampling.stops import compile_patterns, first_match
 
 logger = logging.getLogger("ferry.detokenizer")
 
@@ -39,19 +41,25 @@ class IncrementalDetokenizer:
         min_tokens: the request's ``min_tokens``: a stop string counts only where it ends in
             the text of generated token ``min_tokens`` or later (the engine's rule), so one
             that ends earlier stays in the text.
+        stop_regex: SGLang's stop patterns; the text ends before the first match, and a
+            tail that could still grow into one is held back (``matched_regex`` then names
+            the pattern). Never combined with ``min_tokens`` (a 400).
         skip_special_tokens, spaces_between_special_tokens: passed to ``decode``. As in
             vLLM, ``spaces_between_special_tokens`` only changes the text for tokenizers
             whose decode puts spaces between added tokens (transformers' slow tokenizers);
             byte-level fast tokenizers (SmolLM2, Llama 3, Qwen) decode the same either way.
     """
 
-    __slots__ = ("floor", "ids", "max_stop", "min_tokens", "prefix_offset", "prefix_text", "read_offset", "sent",
-                 "skip_special", "spaces_between", "stop", "stopped", "text", "tokenizer")
+    __slots__ = ("floor", "ids", "matched_regex", "max_stop", "min_tokens", "prefix_offset",
+                 "prefix_text", "read_offset", "regex", "sent", "skip_special",
+                 "spaces_between", "stop", "stopped", "text", "tokenizer")
 
     def __init__(self, tokenizer, stop: list[str] | None = None,
                  skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True,
-                 min_tokens: int = 0):
+                 min_tokens: int = 0, stop_regex: list[str] | None = None):
         self.tokenizer = tokenizer
+        self.regex = compile_patterns(stop_regex) if stop_regex else []
+        self.matched_regex: str | None = None
         self.min_tokens = min_tokens
         # characters of the text of the first min_tokens - 1 tokens: a stop string must end
         # beyond them; None until that many tokens are in
@@ -104,7 +112,19 @@ class IncrementalDetokenizer:
         return best
 
     def _safe_end(self) -> int:
-        """How far ``text`` may be released: before a stop string or a possible start of one."""
+        """How far ``text`` may be released: before a stop string or a possible start of one,
+        and before a stop_regex match or a tail that could still grow into one."""
+        end = self._string_end()
+        if self.regex:
+            pos, which = first_match(self.regex, self.text, self.sent, partial=True)
+            if which is not None and (pos < end or not self.stopped):  # a complete match
+                end, self.stopped, self.matched_regex = pos, True, which
+            elif which is None and not self.stopped:  # a tail that could still match
+                end = min(end, pos)
+        return end
+
+    def _string_end(self) -> int:
+        """``_safe_end`` for the stop strings alone."""
         text = self.text
         if not self.stop:
             return len(text)
@@ -159,6 +179,10 @@ class IncrementalDetokenizer:
         end = self._first_stop(final, self.sent) if self.stop else -1
         if end == -1:
             end = len(final)
+        if self.regex:
+            pos, which = first_match(self.regex, final[:end], self.sent, partial=False)
+            if which is not None:
+                end, self.matched_regex = pos, which
         delta = final[self.sent:end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         self.stopped = True
@@ -185,7 +209,8 @@ class DetokenizerManager:
                     b.skip_special_tokens[i] if i < len(b.skip_special_tokens) else True,
                     b.spaces_between_special_tokens[i]
                     if i < len(b.spaces_between_special_tokens) else True,
-                    b.min_tokens[i] if i < len(b.min_tokens) else 0)
+                    b.min_tokens[i] if i < len(b.min_tokens) else 0,
+                    b.stop_regex[i] if i < len(b.stop_regex) else None)
                 self.states[rid] = st
             fin = b.finished_reasons[i]
             texts.append(st.step(b.new_token_ids[i], fin))

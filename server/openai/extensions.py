@@ -79,7 +79,6 @@ EXTENSION_FIELDS: dict[str, Extension] = {
     "disagg_prefill_dp_rank": Extension((None,), _S, _PD),
     "custom_logit_processor": Extension((None,), _S, "custom logit processors"),
     "custom_params": Extension((None,), _S, "custom logit processors"),
-    "stop_regex": Extension((None,), _S, "regular-expression stop conditions"),
     "return_routed_experts": Extension((False,), _S, "returning MoE routing decisions"),
     "routed_experts_start_len": Extension((0,), _S, "returning MoE routing decisions"),
     "return_cached_tokens_details": Extension(
@@ -104,7 +103,6 @@ EXTENSION_FIELDS: dict[str, Extension] = {
                                      "served)"),
     "session_id": Extension((None,), _SV, "sessions"),
     "cache_salt": Extension((None,), _SV, "prefix-cache salts"),
-    "return_token_ids": Extension((False,), _SV, "token ids in the response"),
     # vLLM
     "use_beam_search": Extension((False,), _V, "beam search"),
     "length_penalty": Extension((1.0,), _V, "beam search"),
@@ -137,6 +135,19 @@ EXTENSION_FIELDS: dict[str, Extension] = {
     "return_mm_kwargs": Extension((True,), _V, "vLLM's render routes"),
 }
 
+#: peer fields implemented as request fields (docs table rows); /v1/responses passes the
+#: sampling ones on (``stop_regex``) and takes the others at their defaults only
+#: (``chat_only_error``)
+IMPLEMENTED = {
+    "return_token_ids": (_SV, "`prompt_token_ids` (chat: the body's top level; completions: "
+                              "each choice) and each choice's `token_ids` (EOS or stop token "
+                              "included), streamed with their chunks (vLLM's placement)"),
+    "stop_regex": (_S, "a pattern or a list (at most 16, 256 characters each; not with "
+                       "`min_tokens`): the text ends before the first match, `matched_stop` "
+                       "names the pattern; a stream holds back a tail that could still grow "
+                       "into a match"),
+}
+
 #: peer fields implemented as aliases of ferry's own (docs table rows; see the module docstring)
 ALIASES = {
     "sampling_seed": (_S, "`seed` (a 400 if both are set and differ)"),
@@ -144,6 +155,14 @@ ALIASES = {
                 "(a 400 if they differ)"),
     "request_id": (_V, "as `rid`"),
 }
+
+
+def chat_only_error(name: str, value: Any) -> APIError | None:
+    """The 400 of an ``IMPLEMENTED`` field that ``/v1/responses`` got at a value other than
+    its default (``null`` and ``false`` pass), else None."""
+    if value is None or value is False:
+        return None
+    return not_supported(name, "only on /v1/chat/completions and /v1/completions")
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -245,7 +264,7 @@ def json_schemas() -> dict[str, dict]:
 def markdown_table() -> str:
     """docs/usage.md's table of these fields (``EXTENSION_FIELDS`` and ``ALIASES``)."""
     rows = ["| field | from | ferry |", "|---|---|---|"]
-    for name, (origin, what) in ALIASES.items():
+    for name, (origin, what) in {**IMPLEMENTED, **ALIASES}.items():
         rows.append(f"| `{name}` | {origin} | implemented: {what} |")
     for name, ext in EXTENSION_FIELDS.items():
         values = ", ".join(f"`{json.dumps(v)}`" for v in ext.accepted)

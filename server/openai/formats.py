@@ -55,8 +55,8 @@ class LogprobOptions:
     prompt_ids: list[list[int]] = field(default_factory=list)  # per choice (echo logprobs)
     skip_special_tokens: bool = True     # the request's, for the tokens' share of the text
     spaces_between_special_tokens: bool = True
-    prompt_skip_special: list[bool] = field(default_factory=list)  # per choice (echo)
     prompt_k: int | None = None          # vLLM's prompt_logprobs (needs prompt_ids)
+    token_ids: bool = False              # vLLM's return_token_ids (needs prompt_ids)
 
 
 class _Choice:
@@ -141,6 +141,9 @@ class BaseFormat:
 
     object_full = ""
     object_chunk = ""
+    #: where vLLM puts ``prompt_logprobs`` and ``prompt_token_ids``: the body's top level
+    #: (chat: every choice has the one prompt) or each choice (completions)
+    prompt_fields_top_level = False
 
     def __init__(self, rid: str, model: str, count: int, prompt_tokens: int,
                  include_usage: bool, continuous_usage: bool = False,
@@ -203,10 +206,22 @@ class BaseFormat:
                 ch.absorb(o)
             fin = finish_reason_of(seq[-1]) if seq else "abort"
             choices.append(self._choice(i, ch, fin))
-        if self.lp.prompt_k is not None:
-            for i, c in enumerate(choices):
-                c["prompt_logprobs"] = self.prompt_logprobs(i, self.choices[i])
+            if self.lp.token_ids:
+                choices[-1]["token_ids"] = list(ch.ids)
         body = self._envelope(self.object_full, choices)
+        prompt = {}  # per choice (completions), or choice 0's at the top (chat)
+        if self.lp.prompt_k is not None:
+            prompt["prompt_logprobs"] = [self.prompt_logprobs(i, c)
+                                         for i, c in enumerate(self.choices)]
+        if self.lp.token_ids:
+            prompt["prompt_token_ids"] = [list(self.lp.prompt_ids[i])
+                                          for i in range(len(self.choices))]
+        for key, per_choice in prompt.items():
+            if self.prompt_fields_top_level:
+                body[key] = per_choice[0] if per_choice else None
+            else:
+                for c, value in zip(choices, per_choice, strict=True):
+                    c[key] = value
         body["usage"] = self.usage()
         return body
 
@@ -216,8 +231,8 @@ class BaseFormat:
     def prompt_logprobs(self, index: int, ch: _Choice) -> list | None:
         """vLLM's ``prompt_logprobs`` of a choice: per prompt token None (the first) or
         ``{token id: {"logprob", "rank", "decoded_token"}}`` with the prompt token and its
-        ``prompt_k`` most likely alternatives (ranks from 1; the prompt token's rank only
-        when it is among them)."""
+        ``prompt_k`` most likely alternatives (ranks from 1; the prompt token's own rank in
+        the vocabulary, computed by the engine, whether it is among them or not)."""
         k = self.lp.prompt_k
         if k is None or not self.lp.prompt_ids:
             return None
@@ -232,8 +247,9 @@ class BaseFormat:
             for rank, (alt, alt_lp) in enumerate(e[1][:k], 1):
                 d[str(alt)] = {"logprob": clamp(alt_lp), "rank": rank,
                                "decoded_token": self.strings.text(alt)}
-            d.setdefault(str(tid), {"logprob": clamp(e[0]), "rank": None,
-                                    "decoded_token": self.strings.text(tid)})
+            d[str(tid)] = {"logprob": clamp(e[0]), "rank": e[2] if len(e) > 2 else
+                           d.get(str(tid), {}).get("rank"),
+                           "decoded_token": self.strings.text(tid)}
             out.append(d)
         return out
 
@@ -247,6 +263,11 @@ class BaseFormat:
         if self.lp.prompt_k is not None and ch.prompt_entries is not None and not ch.prompt_sent:
             choice["prompt_logprobs"] = self.prompt_logprobs(index, ch)
             ch.prompt_sent = True
+
+    def _new_ids(self, out: ReqOutput) -> list[int] | None:
+        """vLLM's ``token_ids`` of a stream chunk: the output's new token ids (an EOS or stop
+        token id included) when ``return_token_ids`` asked for them, else None."""
+        return list(out.token_ids) if self.lp.token_ids else None
 
 
 class CompletionFormat(BaseFormat):
@@ -265,10 +286,9 @@ class CompletionFormat(BaseFormat):
             ids = self.lp.prompt_ids[index]
             entries = ch.prompt_entries or [None] * len(ids)
             pp = None
-            if ch.pieces is not None:  # the prompt tokens' shares of the echoed prompt
-                skip = self.lp.prompt_skip_special[index] if self.lp.prompt_skip_special \
-                    else self.lp.skip_special_tokens
-                tp = TokenPieces(self.strings.tokenizer, skip,
+            if ch.pieces is not None:  # the prompt tokens' shares of the echoed prompt,
+                # which keeps its special tokens (the prompt verbatim)
+                tp = TokenPieces(self.strings.tokenizer, False,
                                  self.lp.spaces_between_special_tokens)
                 tp.feed(ids)
                 tp.clip(len(self._prefix(index)))
@@ -299,11 +319,17 @@ class CompletionFormat(BaseFormat):
         ch.started = True
         fin = finish_reason_of(out)
         text = (self._prefix(out.index) if first else "") + out.text
-        if not text and fin is None and start == end and not (first and self.lp.echo):
+        ids = self._new_ids(out)
+        if not text and fin is None and start == end and not (first and self.lp.echo) \
+                and not ids and not (first and self.lp.token_ids):
             return []
         choice = {"index": out.index, "text": text,
                   "logprobs": self._logprobs(out.index, ch, start, end, first),
                   "finish_reason": fin}
+        if ids is not None:
+            if first:
+                choice["prompt_token_ids"] = list(self.lp.prompt_ids[out.index])
+            choice["token_ids"] = ids
         if fin is not None:
             choice["matched_stop"] = ch.matched
         self._stream_prompt_logprobs(out.index, ch, choice)
@@ -315,6 +341,7 @@ class ChatFormat(BaseFormat):
 
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
+    prompt_fields_top_level = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -353,17 +380,23 @@ class ChatFormat(BaseFormat):
                              "finish_reason": finish_reason}])
 
     def start(self):
-        return [self._delta(i, {"role": "assistant", "content": ""}, None, None)
-                for i in range(self.count)]
+        chunks = [self._delta(i, {"role": "assistant", "content": ""}, None, None)
+                  for i in range(self.count)]
+        if self.lp.token_ids and chunks:  # vLLM: on the first chunk, at the top level
+            chunks[0]["prompt_token_ids"] = list(self.lp.prompt_ids[0])
+        return chunks
 
     def chunks(self, out):
         ch = self.choices[out.index]
         start, end = ch.absorb(out)
         fin = finish_reason_of(out)
+        ids = self._new_ids(out)
         res = []
-        if out.text or start < end:
+        if out.text or start < end or ids:
             res.append(self._delta(out.index, {"content": out.text},
                                    self._logprobs(ch, start, end, fin is not None), None))
+            if ids is not None:
+                res[-1]["choices"][0]["token_ids"] = ids
         if fin is not None:
             res.append(self._delta(out.index, {}, None, fin))
             res[-1]["choices"][0]["matched_stop"] = ch.matched

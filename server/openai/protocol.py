@@ -91,6 +91,12 @@ class _SamplingFields(_Base):
         {"type": "array", "maxItems": MAX_STOP_STRINGS,
          "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN}}]}))
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
+    # SGLang's: regular expressions (engine/sampling/stops.py); compiled and bounded by
+    # SamplingParams.verify (a 400 naming stop_regex)
+    stop_regex: list[str] = Field(default_factory=list, json_schema_extra=json_schema_of({
+        "anyOf": [{"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN},
+                  {"type": "array", "maxItems": MAX_STOP_STRINGS,
+                   "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LEN}}]}))
     ignore_eos: bool = False
     logit_bias: dict[int, float] = Field(default_factory=dict, json_schema_extra=json_schema_of({
         "type": "object", "maxProperties": MAX_LOGIT_BIAS,
@@ -102,6 +108,9 @@ class _SamplingFields(_Base):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False   # vLLM: logprobs tokens as "token_id:N"
+    # vLLM: the prompt's and each choice's token ids in the response (prompt_token_ids,
+    # choices[i].token_ids; streamed with their chunks)
+    return_token_ids: bool = False
     # vLLM: the k most likely tokens at every prompt position (first entry null); -1 ("the
     # whole vocabulary") is refused like any k beyond MAX_LOGPROBS
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -130,6 +139,15 @@ class _SamplingFields(_Base):
         for s in v:
             if not 1 <= len(s) <= MAX_STOP_LEN:
                 raise ValueError(f"each stop string must have 1 to {MAX_STOP_LEN} characters")
+        return v
+
+    @field_validator("stop_regex", mode="before")
+    @classmethod
+    def _stop_regex(cls, v: Any) -> list[str]:
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+            raise ValueError("must be a regular expression or a list of them")
         return v
 
     @field_validator("stop_token_ids")
@@ -387,9 +405,14 @@ def check_unsupported(req: _SamplingRequest) -> None:
 def check_chat_prompt(req: ChatCompletionRequest | TokenizeRequest) -> None:
     """The checks of a chat prompt's own fields (chat completions and ``/v1/tokenize`` with
     ``messages``). Raises: APIError 400 naming the field."""
-    if req.continue_final_message and req.add_generation_prompt:
-        raise bad_request("continue_final_message needs add_generation_prompt: false",
-                          "continue_final_message")
+    if req.continue_final_message:
+        # SGLang's convention: a continuation has no generation prompt, so leaving out
+        # add_generation_prompt (default true) means false; an explicit true is vLLM's 400
+        if req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
+            raise bad_request("continue_final_message continues the last message, so it "
+                              "takes no generation prompt: leave add_generation_prompt out "
+                              "or set it false", "continue_final_message")
+        req.add_generation_prompt = False
     if req.continue_final_message and req.messages[-1].role != "assistant":
         raise bad_request("continue_final_message needs an assistant message last",
                           "continue_final_message")

@@ -382,9 +382,10 @@ class OpenAIServing:
             self.tm.check_prompt(ids, sp.max_tokens, "prompt", max_tokens_param=mt_param,
                                  min_tokens=sp.min_tokens)
             ids_list.append(ids)
-            if req.echo:  # the prompt as sent; token ids decoded like the output
+            if req.echo:  # the prompt verbatim: as sent, token ids decoded with their
+                # special tokens (skip_special_tokens applies to the output only)
                 texts.append(p if isinstance(p, str) else await self.tm.decode(
-                    ids, skip_special_tokens=req.skip_special_tokens))
+                    ids, skip_special_tokens=False))
         asked = [(f, k + 1) for f, k in (("prompt_logprobs", req.prompt_logprobs),
                                          ("logprobs", req.logprobs if req.echo else None))
                  if k is not None]
@@ -397,11 +398,7 @@ class OpenAIServing:
                             prompt_ids=[ids for ids in ids_list for _ in range(req.n)],
                             skip_special_tokens=req.skip_special_tokens,
                             spaces_between_special_tokens=req.spaces_between_special_tokens,
-                            # a text prompt is echoed as sent, token ids as decoded
-                            prompt_skip_special=[not isinstance(p, str) and
-                                                 req.skip_special_tokens
-                                                 for p in prompts for _ in range(req.n)],
-                            prompt_k=req.prompt_logprobs)
+                            prompt_k=req.prompt_logprobs, token_ids=req.return_token_ids)
         fmt = CompletionFormat(base, self.model_name, len(subs), sum(map(len, ids_list)),
                                req.include_usage, req.continuous_usage, self.strings, lp,
                                n=req.n)
@@ -430,6 +427,7 @@ class OpenAIServing:
         subs = self._fan_out(base, [ids], req.n, sp)
         lp = LogprobOptions(k=req.logprobs_k, as_ids=req.return_tokens_as_token_ids,
                             prompt_k=req.prompt_logprobs, prompt_ids=[ids] * req.n,
+                            token_ids=req.return_token_ids,
                             skip_special_tokens=req.skip_special_tokens,
                             spaces_between_special_tokens=req.spaces_between_special_tokens)
         fmt = chat_format(tools, base, self.model_name, len(subs), len(ids),

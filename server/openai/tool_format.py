@@ -144,9 +144,11 @@ class ToolChatFormat(ChatFormat):
     @staticmethod
     def _like(chunk: dict, delta: dict, finish_reason: str | None = None) -> dict:
         """A copy of the one-choice ``chunk`` with ``delta``, no logprobs and no
-        ``matched_stop`` (which only the finishing chunk carries)."""
+        ``matched_stop`` (which only the finishing chunk carries) nor ``token_ids`` (which
+        the chunk itself carries)."""
         c = dict(chunk)
-        choice = {k: v for k, v in chunk["choices"][0].items() if k != "matched_stop"}
+        choice = {k: v for k, v in chunk["choices"][0].items()
+                  if k not in ("matched_stop", "token_ids")}
         c["choices"] = [dict(choice, delta=delta, logprobs=None, finish_reason=finish_reason)]
         return c
 
@@ -172,7 +174,7 @@ class ToolChatFormat(ChatFormat):
                     choice["delta"] = {"content": text[self.sent[i]:safe]} \
                         if safe > self.sent[i] else {}
                     self.sent[i] = safe
-                if choice["delta"] or choice.get("logprobs"):
+                if choice["delta"] or choice.get("logprobs") or choice.get("token_ids"):
                     res.append(c)
             if fin is not None:
                 res.extend(self._final(c, i))

@@ -130,6 +130,11 @@ class ResponsesRequest(_Base):
                 if err is not None:
                     raise err
                 continue
+            if name in extensions.IMPLEMENTED:  # chat and completions fields
+                err = extensions.chat_only_error(name, value)
+                if err is not None:
+                    raise err
+                continue
             if name in ("rid", "request_id"):  # the response's id (extensions.adopt_body_id)
                 extensions.body_request_id(self.model_extra)
                 continue

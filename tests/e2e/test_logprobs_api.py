@@ -90,6 +90,46 @@ def test_echo_text_and_prompt_logprobs(url, ref_tokenizer):
     assert r["choices"][0]["text"].startswith(ref_tokenizer.decode(pids))
 
 
+def test_echo_of_token_ids_is_verbatim(url, ref_tokenizer):
+    """Issue 28 item 3: a prompt of special-token ids echoes them (a prompt of
+    <|endoftext|> ids echoed as nothing), and the echoed logprobs index that text."""
+    eot, im_start = ref_tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>"])
+    pids = [eot, im_start, *ref_tokenizer.encode("user Hi")]
+    want = ref_tokenizer.decode(pids, skip_special_tokens=False)
+    assert want.startswith("<|endoftext|><|im_start|>")
+    for skip in (True, False):  # skip_special_tokens is the output's, not the echo's
+        r = comp(url, pids, max_tokens=3, echo=True, logprobs=0, ignore_eos=True,
+                 skip_special_tokens=skip)
+        ch = r["choices"][0]
+        assert ch["text"].startswith(want)
+        lp = ch["logprobs"]
+        assert lp["tokens"][:len(pids)] == [ref_tokenizer.decode([i]) for i in pids]
+        for tok_s, off in zip(lp["tokens"], lp["text_offset"], strict=True):
+            assert ch["text"][off:off + len(tok_s)] == tok_s
+
+
+def test_prompt_logprobs_rank_outside_the_top_k(url, ref_tokenizer):
+    """Issue 28 item 2: each prompt token's own rank, also when it is not among the top k
+    (it was null), consistent with the alternatives: k of them rank 1..k, the prompt token
+    ranks after every alternative more likely than it."""
+    text = "Zebras quietly juggle purple marmalade on Tuesdays."
+    r = post(url, "/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "temperature": 0,
+                                           "prompt_logprobs": 1, "messages": [
+                                               {"role": "user", "content": text}]})
+    assert r.status_code == 200, r.text
+    plp = r.json()["prompt_logprobs"]
+    outside = 0
+    for e in plp[1:]:
+        ranks = {int(t): v["rank"] for t, v in e.items()}
+        assert all(isinstance(k, int) and k >= 1 for k in ranks.values())
+        if len(e) == 2:  # the top 1 and the prompt token, which is not it
+            (top, top_v), (own, own_v) = sorted(e.items(), key=lambda kv: kv[1]["rank"])
+            assert top_v["rank"] == 1 and own_v["rank"] >= 2
+            assert own_v["logprob"] <= top_v["logprob"]
+            outside += 1
+    assert outside >= 3
+
+
 @pytest.mark.parametrize("echo", [False, True])
 def test_completion_stream_logprobs_concatenate_to_non_stream(url, echo):
     # emoji are split over byte-level tokens and a stop string holds text back: the stream's
@@ -223,7 +263,9 @@ def test_streamed_prompt_logprobs_equal_the_non_stream_ones(url, path):
         body["messages"] = [{"role": "user", "content": PROMPT}]
     r = post(url, path, body)
     assert r.status_code == 200, r.text
-    want = r.json()["choices"][0]["prompt_logprobs"]
+    # vLLM's placement: chat at the top level, completions in each choice
+    want = r.json()["choices"][0]["prompt_logprobs"] if path == "/v1/completions" \
+        else r.json()["prompt_logprobs"]
     assert want[0] is None and len(want) > 3
     chunks = stream_chunks(url, path, body)
     got = [c["choices"][0]["prompt_logprobs"] for c in chunks

@@ -140,8 +140,11 @@ def test_logprobs_and_prompt_logprobs_match_hf(llm, hf_model):
         ref = torch.log_softmax(hf_model(full).logits[0].double(), dim=-1)
     assert o.prompt_logprobs[0] is None and len(o.prompt_logprobs) == len(ids)
     for j in range(1, len(ids)):
-        lp, top = o.prompt_logprobs[j]
+        lp, top, rank = o.prompt_logprobs[j]
         assert abs(lp - ref[j - 1, ids[j]].item()) < 1e-3
+        # the prompt token's rank in the whole vocabulary (fp32 vs HF's fp64: ties at 1e-4)
+        row = ref[j - 1]
+        assert int((row > lp + 1e-4).sum()) + 1 <= rank <= int((row > lp - 1e-4).sum()) + 1
         ref_top = torch.topk(ref[j - 1], 2)
         assert [t[0] for t in top] == ref_top.indices.tolist()
     assert len(o.logprobs) == len(o.token_ids) == 5

@@ -35,10 +35,12 @@ from server.tokenizer_manager import ReqOutput
 HANDLED = {"model", "n", "stream", "stream_options", "prompt", "echo", "logprobs", "best_of",
            "suffix", "messages", "max_completion_tokens", "top_logprobs", "max_tokens",
            "return_tokens_as_token_ids", "prompt_logprobs", "add_special_tokens",
-           "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "user"}
+           "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "user",
+           "return_token_ids"}
 SAMPLING = {"min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
             "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids",
-            "ignore_eos", "logit_bias", "skip_special_tokens", "spaces_between_special_tokens"}
+            "ignore_eos", "logit_bias", "skip_special_tokens", "spaces_between_special_tokens",
+            "stop_regex"}
 #: issue 13's fields (structured output, tools): refused until their module lands
 STRUCTURED = {"response_format", "regex", "ebnf", "json_schema", "guided_json", "guided_regex",
               "guided_choice", "guided_grammar", "structured_outputs", "tools", "tool_choice",
@@ -133,7 +135,12 @@ def test_message_fields():
 
 def test_continuation_rules():
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}]
-    for kw, param in (({"continue_final_message": True}, "continue_final_message"),
+    # SGLang's convention: continue_final_message alone implies add_generation_prompt false
+    req = parse_request(ChatCompletionRequest, {"messages": msgs,
+                                                "continue_final_message": True})
+    assert req.add_generation_prompt is False
+    for kw, param in (({"continue_final_message": True, "add_generation_prompt": True},
+                       "continue_final_message"),
                       ({"chat_template_kwargs": {"tokenize": True}},
                        "chat_template_kwargs.tokenize")):
         with pytest.raises(APIError) as ei:
@@ -244,12 +251,15 @@ def test_completion_offsets_with_special_tokens_and_echo(tok, skip):
     strings = TokenStrings(tok)
     im_start, im_end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     prompt = [im_start, *tok.encode("user hi", add_special_tokens=False), im_end]
-    prompt_text = tok.decode(prompt, skip_special_tokens=skip)
+    # echo gives the prompt verbatim: its special tokens whatever skip_special_tokens says
+    # (that applies to the output)
+    prompt_text = tok.decode(prompt, skip_special_tokens=False)
+    assert prompt_text.startswith("<|im_start|>")
     out_ids = tok.encode(" Hello world", add_special_tokens=False) + [im_end]
     # the detokenizer's deltas: the EOS (matched) is never shown
     deltas = [tok.decode([t]) for t in out_ids[:-1]] + [""]
     lp = LogprobOptions(k=0, echo=True, prompt_texts=[prompt_text], prompt_ids=[prompt],
-                        skip_special_tokens=skip, prompt_skip_special=[skip])
+                        skip_special_tokens=skip)
     fin = {"type": "stop", "matched": im_end}
     fmt = CompletionFormat("c", "m", 1, len(prompt), False, strings=strings, lp=lp)
     body = fmt.full([_outs(out_ids, deltas, fin)])
@@ -290,17 +300,27 @@ def test_offsets_with_a_stop_string_and_split_characters(tok):
             assert ch["matched_stop"] == " STOP"
 
 
-def test_prompt_logprobs_shape(tok):
+@pytest.mark.parametrize("fmt_cls", [ChatFormat, CompletionFormat])
+def test_prompt_logprobs_shape_and_place(tok, fmt_cls):
+    """vLLM's placement (issue 28 item 2): chat at the body's top level, completions in each
+    choice; the prompt token's own rank (the engine's third entry) even outside the top k."""
     strings = TokenStrings(tok)
     prompt = [10, 20, 30]
     lp = LogprobOptions(prompt_k=1, prompt_ids=[prompt])
-    fmt = ChatFormat("c", "m", 1, 3, False, strings=strings, lp=lp)
+    fmt = fmt_cls("c", "m", 1, 3, False, strings=strings, lp=lp)
     out = ReqOutput(0, "x", [5], {"type": "length", "matched": None}, 3, 1,
-                    prompt_logprobs=[None, (-1.5, [[7, -0.5], [20, -1.5]]), (-0.25, [[30, -0.25]])])
-    got = fmt.full([[out]])["choices"][0]["prompt_logprobs"]
+                    prompt_logprobs=[None, (-1.5, [[7, -0.5], [20, -1.5]], 2),
+                                     (-0.25, [[30, -0.25]], 1)])
+    body = fmt.full([[out]])
+    if fmt_cls is ChatFormat:
+        got = body["prompt_logprobs"]
+        assert "prompt_logprobs" not in body["choices"][0]
+    else:
+        got = body["choices"][0]["prompt_logprobs"]
+        assert "prompt_logprobs" not in body
     assert got == [None,
                    {"7": {"logprob": -0.5, "rank": 1, "decoded_token": tok.decode([7])},
-                    "20": {"logprob": -1.5, "rank": None, "decoded_token": tok.decode([20])}},
+                    "20": {"logprob": -1.5, "rank": 2, "decoded_token": tok.decode([20])}},
                    {"30": {"logprob": -0.25, "rank": 1, "decoded_token": tok.decode([30])}}]
 
 

@@ -55,12 +55,13 @@ async def _tokens(app, path: str = "/v1/tokenize", **fields) -> list[int]:
 
 @pytest.mark.parametrize("fields", [
     {"messages": CONTINUE, "continue_final_message": True, "add_generation_prompt": False},
+    {"messages": CONTINUE, "continue_final_message": True},  # SGLang's: no generation prompt
     {"messages": CONTINUE[:1]},
     {"messages": CONTINUE[:1], "add_generation_prompt": False},
     {"messages": CONTINUE[:1], "chat_template_kwargs": {"enable_thinking": False}},
     {"messages": CONTINUE[:1], "tools": TOOLS},
     {"messages": CONTINUE[:1], "add_special_tokens": True},
-], ids=["continue", "plain", "no-generation-prompt", "template-kwargs", "tools", "special"])
+], ids=["continue", "continue-sglang", "plain", "no-generation-prompt", "template-kwargs", "tools", "special"])
 async def test_tokenize_counts_the_prompt_chat_runs(app, tok, fields):
     for path in ("/v1/tokenize", "/tokenize"):
         assert await _tokens(app, path, **fields) == await _chat_prompt_ids(app, **fields)
@@ -71,6 +72,8 @@ async def test_tokenize_continues_the_final_message(app, tok):
     ids = await _tokens(app, messages=CONTINUE, continue_final_message=True,
                         add_generation_prompt=False)
     assert tok.decode(ids).endswith("1. Red\n2.")
+    # SGLang's convention (issue 28): a continuation without add_generation_prompt has none
+    assert await _tokens(app, messages=CONTINUE, continue_final_message=True) == ids
     closed = await _tokens(app, messages=CONTINUE, add_generation_prompt=False)
     assert tok.decode(closed).endswith("<|im_end|>\n") and len(closed) > len(ids)
     tools = await _tokens(app, messages=CONTINUE[:1], tools=TOOLS)
@@ -78,7 +81,8 @@ async def test_tokenize_continues_the_final_message(app, tok):
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"messages": CONTINUE, "continue_final_message": True}, "continue_final_message"),
+    ({"messages": CONTINUE, "continue_final_message": True, "add_generation_prompt": True},
+     "continue_final_message"),
     ({"messages": CONTINUE[:1], "continue_final_message": True,
       "add_generation_prompt": False}, "continue_final_message"),
     ({"messages": CONTINUE[:1], "chat_template_kwargs": {"tools": []}},

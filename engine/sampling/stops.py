@@ -1,0 +1,67 @@
+"""Regular-expression stop conditions (SGLang's ``stop_regex``).
+
+A request may stop where one of its patterns first matches the generated text: the text
+ends right before the match (like a stop string) and ``matched_stop`` names the pattern.
+Patterns are compiled by the ``regex`` package (the ``re`` syntax), whose partial matching
+says whether the text's tail could still grow into a match: the detokenizer holds such a
+tail back while streaming, so no streamed text is ever cut afterwards. A search that runs
+past ``SEARCH_TIMEOUT_S`` (catastrophic backtracking) counts as no match.
+
+The engine (``engine/scheduler/output.py``) and the detokenizer run the same incremental
+state (``engine.tokenizer.detokenizer.IncrementalDetokenizer``), so the engine stops on the
+very token whose text completes the match, and the usage counts the tokens behind the text.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import regex
+
+logger = logging.getLogger("ferry.sampling")
+
+#: seconds one search may take (a pattern with catastrophic backtracking on a long tail)
+SEARCH_TIMEOUT_S = 0.05
+
+
+def compile_patterns(patterns: list[str]) -> list[tuple[str, regex.Pattern]]:
+    """``[(pattern, compiled)]``.
+
+    Raises:
+        ValueError: ``(message, "stop_regex")`` for a pattern that does not compile or that
+            matches the empty string (it would stop every request before its first token).
+    """
+    out = []
+    for p in patterns:
+        try:
+            c = regex.compile(p)
+        except (regex.error, TypeError, ValueError, OverflowError) as exc:
+            raise ValueError(f"stop_regex {p!r} is not a valid regular expression: {exc}",
+                             "stop_regex") from None
+        if c.fullmatch("") is not None:
+            raise ValueError(f"stop_regex {p!r} matches the empty string", "stop_regex")
+        out.append((p, c))
+    return out
+
+
+def first_match(compiled: list[tuple[str, regex.Pattern]], text: str, pos: int,
+                partial: bool) -> tuple[int, str | None]:
+    """Where the text must end, searching ``text[pos:]``: ``(start of the earliest complete
+    match, its pattern)``; else, with ``partial``, ``(start of the earliest tail that could
+    still grow into a match, None)``; else ``(len(text), None)``. A timed-out search counts
+    as no match."""
+    full, which, hold = len(text), None, len(text)
+    for p, c in compiled:
+        try:
+            m = c.search(text, pos, timeout=SEARCH_TIMEOUT_S)
+            if m is not None and m.start() < full:
+                full, which = m.start(), p
+            if partial:
+                m = c.search(text, pos, partial=True, timeout=SEARCH_TIMEOUT_S)
+                if m is not None and m.partial:
+                    hold = min(hold, m.start())
+        except TimeoutError:
+            logger.warning("stop_regex %r: search timed out; taken as no match", p)
+    if which is not None:
+        return full, which
+    return hold, None

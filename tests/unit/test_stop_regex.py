@@ -1,0 +1,135 @@
+"""Issue 28 item 4: SGLang's ``stop_regex``. The engine's stop check and the detokenizer (fed
+the same tokens, streamed one at a time) against Python's ``re`` on the whole generated
+text: the engine stops on the token whose text completes the first match, the text ends
+right before it, ``matched_stop`` names the pattern, and no streamed delta is ever cut
+afterwards (a tail that could still match is held back). Plus the request's bounds (400s
+naming ``stop_regex``) and the offline ``LLM``'s text.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+
+from engine.args import ServerArgs
+from engine.io_struct import BatchTokenIdOut
+from engine.llm import final_text
+from engine.sampling.params import SamplingParams
+from engine.scheduler.request import Req
+from engine.scheduler.scheduler import Scheduler
+from engine.tokenizer.detokenizer import DetokenizerManager
+from server.http.errors import APIError
+from server.openai.protocol import ChatCompletionRequest, parse_request
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from engine.tokenizer.tokenizer import load_tokenizer
+
+    return load_tokenizer(None)
+
+
+def _run(tok, text: str, patterns: list[str]):
+    """(the engine's matched stop or None, the streamed deltas, the generated text up to the
+    engine's stop, the same without the last token)."""
+    from test_scheduler import FakeRunner
+
+    ids = tok.encode(text, add_special_tokens=False)
+    sched = Scheduler(ServerArgs(), FakeRunner(max_total_tokens=256), tokenizer=tok)
+    r = Req("s", [1], SamplingParams(max_tokens=200, stop_regex=patterns))
+    n, matched = len(ids), None
+    for i, t in enumerate(ids):
+        r.output_ids.append(t)
+        fin = sched._check_finished(r, t, i + 1)
+        if fin is not None:
+            n, matched = i + 1, fin.matched
+            break
+    det = DetokenizerManager(tok)
+    deltas = []
+    for i in range(n):
+        fin = ({"type": "stop" if matched else "length", "matched": matched}
+               if i == n - 1 else None)
+        b = BatchTokenIdOut(rids=["s"], new_token_ids=[[ids[i]]], finished_reasons=[fin],
+                            prompt_tokens=[1], completion_tokens=[i + 1], stop_strs=[[]],
+                            skip_special_tokens=[True], spaces_between_special_tokens=[True],
+                            min_tokens=[0], stop_regex=[patterns])
+        deltas.append(det.process(b).texts[0])
+    return matched, deltas, tok.decode(ids[:n]), tok.decode(ids[:n - 1])
+
+
+def _reference(text: str, patterns: list[str]):
+    """The earliest match over the patterns in ``text`` by Python's ``re``: (start,
+    pattern) or None."""
+    hits = [(m.start(), p) for p in patterns if (m := re.search(p, text))]
+    return min(hits, key=lambda h: h[0]) if hits else None
+
+
+def test_a_number_pattern_cuts_before_the_number(tok):
+    text = "The answer is 42 apples and 7 pears."
+    matched, deltas, _, _ = _run(tok, text, [r"\d+"])
+    assert matched == r"\d+"
+    assert "".join(deltas) == "The answer is "
+
+
+def test_a_tail_that_could_still_match_is_held_back(tok):
+    # "END" + digits: " EN" and " END" could still grow into a match; never streamed
+    text = "alpha beta END gamma ENDING END7 rest"
+    matched, deltas, _, _ = _run(tok, text, [r"END\d"])
+    assert matched == r"END\d"
+    # released text is never taken back: without the hold-back " END" went out before "7"
+    assert "".join(deltas) == "alpha beta END gamma ENDING "
+    assert "" in deltas[-4:]  # the tail " END" waited
+
+
+def test_fuzz_against_python_re(tok):
+    rng = random.Random(28)
+    words = ["alpha", " beta", " 12", " gamma", ", delta", " 7.5", "\n", " zeta", " x9y"]
+    pats = [r"\d+\.\d", r"ga[m]+a", r"\n", r"[xy]\d", r"delta|zeta", r"\bbeta\b"]
+    for _ in range(120):
+        text = "".join(rng.choice(words) for _ in range(rng.randint(2, 9)))
+        patterns = rng.sample(pats, rng.randint(1, 3))
+        matched, deltas, gen, before = _run(tok, text, patterns)
+        ref = _reference(gen, patterns)
+        out = "".join(deltas)
+        if matched is None:
+            assert ref is None and out == gen, (text, patterns)
+            continue
+        assert ref is not None and out == gen[:ref[0]], (text, patterns, out)
+        assert re.search(matched, gen).start() == ref[0]
+        # the engine stopped on the first token whose text completes a match
+        assert _reference(before, patterns) is None, (text, patterns)
+
+
+@pytest.mark.parametrize("value,msg", [
+    ("(", "not a valid regular expression"),
+    ("a*", "matches the empty string"),
+    (["x"] * 17, "at most 16"),
+    ("x" * 257, "256 characters"),
+    (5, "regular expression"),
+])
+def test_bad_patterns_are_400s_naming_the_field(value, msg):
+    from server.openai.serving import OpenAIServing
+
+    req = None
+    try:
+        req = parse_request(ChatCompletionRequest, {
+            "messages": [{"role": "user", "content": "hi"}], "stop_regex": value})
+        serving = OpenAIServing.__new__(OpenAIServing)
+        serving.tm = type("TM", (), {"vocab_size": 100})()
+        serving._params(req, 4)
+    except APIError as err:
+        assert err.status == 400 and err.param == "stop_regex" and msg in err.message, err
+    else:
+        pytest.fail(f"{value!r} accepted: {req}")
+
+
+def test_min_tokens_with_stop_regex_is_refused():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(stop_regex=["x"], min_tokens=2).verify()
+
+
+def test_offline_text_is_cut_at_the_pattern(tok):
+    ids = tok.encode("Total: 15 items", add_special_tokens=False)
+    assert final_text(tok, ids, r"\d+", stop_regex=[r"\d+"]) == "Total: "
