@@ -97,9 +97,11 @@ def _quantized(n: int, k: int, group: int, gen: torch.Generator):
     return q, z, s, w.t().float()  # w: [N, K], exact in fp32
 
 
-def write_checkpoints(root, method: str, group: int, fmt: str = "gptq", seed: int = 0):
+def write_checkpoints(root, method: str, group: int, fmt: str = "gptq", seed: int = 0,
+                      keep_float: tuple[str, ...] = ()):
     """An AWQ or GPTQ checkpoint of a random tiny Llama in ``root/quant`` and its float
-    twin ``(q - z) * s`` in ``root/float``; returns ``({hf linear name: W [N, K]}, paths)``."""
+    twin ``(q - z) * s`` in ``root/float``; returns ``({hf linear name: W [N, K]}, paths)``.
+    AWQ parts named in ``keep_float`` stay float (``modules_to_not_convert``)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -114,6 +116,10 @@ def write_checkpoints(root, method: str, group: int, fmt: str = "gptq", seed: in
             for part in parts:
                 name = f"model.layers.{i}.{block}.{part}"
                 n, k = float_sd[f"{name}.weight"].shape
+                if part in keep_float:
+                    ref[name] = float_sd[f"{name}.weight"]
+                    quant_sd[f"{name}.weight"] = ref[name]
+                    continue
                 q, z, s, w = _quantized(n, k, group, gen)
                 ref[name] = w
                 float_sd[f"{name}.weight"] = w
@@ -127,7 +133,8 @@ def write_checkpoints(root, method: str, group: int, fmt: str = "gptq", seed: in
                     quant_sd[f"{name}.g_idx"] = torch.arange(k, dtype=torch.int32) // group
                 quant_sd[f"{name}.scales"] = s
     qc = ({"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
-           "version": "gemm"} if method == "awq" else
+           "version": "gemm", "modules_to_not_convert": list(keep_float)}
+          if method == "awq" else
           {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
            "sym": False, "checkpoint_format": fmt})
     paths = {}
@@ -179,6 +186,18 @@ def test_checkpoint_weights_equal_the_reference(tmp_path, method, group, fmt):
             assert lin.weight_scale.shape == (want.shape[0], want.shape[1] // group)
             assert torch.equal(_layer_weight(lin), want), (i, name)
     assert model.model.layers[0].mlp.gate_up_proj.wq_path in ("cpu", "torch")
+
+
+def test_modules_to_not_convert_stay_float(tmp_path):
+    """AWQ's ``modules_to_not_convert`` (substrings of module names): those layers load the
+    checkpoint's float weights into the run dtype; the others stay 4-bit."""
+    ref, paths = write_checkpoints(tmp_path, "awq", 32, keep_float=("down_proj",))
+    model, _ = load_model(paths["quant"], device="cpu", dtype="float32", progress=False)
+    for i, layer in enumerate(model.model.layers):
+        down = layer.mlp.down_proj
+        assert down.quant_method is None and down.weight.dtype == torch.float32
+        assert torch.equal(down.weight, ref[f"model.layers.{i}.mlp.down_proj"].float())
+        assert layer.mlp.gate_up_proj.weight.dtype == torch.uint8
 
 
 def test_awq_greedy_tokens_equal_hf_on_the_dequantized_model(tmp_path):
