@@ -273,3 +273,34 @@ def test_eagle_checkpoint_errors_name_the_flag(ckpts, tmp_path):
                                          "midlayer.hidden_norm.weight"):
         LLM(ckpts["target"], speculative_algorithm="EAGLE3",
             speculative_draft_model_path=str(tmp_path), **KW)
+
+
+@pytest.mark.parametrize("algo", ["STANDALONE", "EAGLE3"])
+def test_model_proposers_with_preemption_radix_cache_stops_and_sampling(ckpts, baseline, algo):
+    """A pool small enough to preempt, batches above --speculative-max-batch-size (plain
+    decode steps in between), page size 2, a radix-cache hit, a stop string inside a run,
+    and seeded sampling: the greedy output stays the target's, the KV adds up."""
+    from engine import LLM
+
+    path = ckpts["draft"]
+    if algo == "EAGLE3":
+        path = ckpts["root"] / "eagle3_rest"
+        save_head(path, True, seed=8)
+    kw = {**KW, "max_total_tokens": 80, "page_size": 2}
+    llm = LLM(ckpts["target"], speculative_algorithm=algo, speculative_draft_model_path=str(path),
+              speculative_num_steps=2, speculative_max_batch_size=2, **kw)
+    llm.scheduler.check_kv = True
+    assert _run(llm) == baseline
+    st = llm.scheduler.stats
+    assert st["preemptions"] > 0 and st["spec_verify_reqs"] > 0
+    again = llm.generate(PROMPTS[1], SamplingParams(max_tokens=20, temperature=0,
+                                                    ignore_eos=True))[0]
+    assert again.num_cached_tokens > 0 and again.token_ids == baseline[1]
+    text = llm.tokenizer.decode(baseline[0])
+    stop = text[9:11]
+    o = llm.generate(PROMPTS[0], SamplingParams(max_tokens=20, temperature=0, stop=[stop]))[0]
+    assert o.finish_reason == "stop" and o.text == text[:text.index(stop)]
+    sp = SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True)
+    a, b = llm.generate([PROMPTS[2], PROMPTS[2]], sp)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 12
+    _check_released(llm)
