@@ -29,6 +29,7 @@ class TokenizedGenerateReq(_Msg):
     sampling_params: SamplingParams
     stream: bool = False
     arrival_time: float = 0.0  # time.time() when the HTTP request arrived (0: unknown)
+    lora_name: str | None = None  # the LoRA adapter it runs on (None: the base model)
 
 
 class AbortReq(_Msg):
@@ -47,6 +48,22 @@ class FlushCacheReq(_Msg):
     """Empty the radix prefix cache; answered with ``FlushCacheOut``."""
 
     rid: str
+
+
+class LoadLoRAReq(_Msg):
+    """Load a peft LoRA adapter directory under a name; answered with ``LoRAOut``."""
+
+    rid: str
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAReq(_Msg):
+    """Forget a LoRA adapter (its running requests finish on it); answered with
+    ``LoRAOut``."""
+
+    rid: str
+    lora_name: str
 
 
 # ---- away from the engine ----------------------------------------------------------------
@@ -115,6 +132,10 @@ class ReadyOut(_Msg):
     kv_cache_dtype: str = ""
     model: str = ""
     tp_size: int = 1
+    # LoRA (--lora-paths / --enable-lora): whether adapters can be served, and the loaded
+    # ones (name -> path)
+    lora_enabled: bool = False
+    lora_adapters: dict[str, str] = {}
 
 
 class ErrorOut(_Msg):
@@ -156,6 +177,18 @@ class FlushCacheOut(_Msg):
     message: str = ""
 
 
+class LoRAOut(_Msg):
+    """Answer to ``LoadLoRAReq`` / ``UnloadLoRAReq``: on failure ``status`` (400 a bad
+    adapter, 404 an unknown name) and ``param``; ``adapters`` the loaded ones afterwards."""
+
+    rid: str
+    success: bool
+    message: str = ""
+    status: int = 200
+    param: str | None = None
+    adapters: dict[str, str] = {}
+
+
 class StatsOut(_Msg):
     """Periodic engine step statistics for /metrics."""
 
@@ -167,7 +200,9 @@ class StatsOut(_Msg):
     generation_tokens: int = 0
 
 
-EngineReq = TokenizedGenerateReq | AbortReq | GetServerInfoReq | FlushCacheReq
+EngineReq = (TokenizedGenerateReq | AbortReq | GetServerInfoReq | FlushCacheReq | LoadLoRAReq
+             | UnloadLoRAReq)
 DetokReq = BatchTokenIdOut
-ServerBound = BatchStrOut | ReadyOut | ErrorOut | ServerInfoOut | StatsOut | FlushCacheOut
+ServerBound = (BatchStrOut | ReadyOut | ErrorOut | ServerInfoOut | StatsOut | FlushCacheOut
+               | LoRAOut)
 AnyMsg = EngineReq | BatchTokenIdOut | ServerBound

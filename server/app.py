@@ -35,7 +35,7 @@ from server.http.cors import FerryCORSMiddleware, OptionsMiddleware, cors_option
 from server.http.errors import APIError, http_error
 from server.http.request_id import STATE_KEY as REQUEST_ID_KEY
 from server.http.request_id import RequestIdMiddleware
-from server.openai import native, tokens
+from server.openai import lora, native, tokens
 from server.openai.serving import OpenAIServing
 from server.openapi.spec import ServerFacts, openapi_routes
 from server.replicas import replica_metrics, replica_status
@@ -173,15 +173,26 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
 
     @endpoint
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [model_card()]})
+        return JSONResponse({"object": "list", "data": [model_card()]
+                             + lora.adapter_cards(tm, model_name, created)})
 
     @endpoint
     async def model(request: Request) -> Response:
         mid = request.path_params["model_id"]
-        if mid not in (model_name, args.model_path):
-            raise APIError(f"The model '{mid}' does not exist", 404, "model",
-                           "model_not_found")
-        return JSONResponse(model_card())
+        if mid in (model_name, args.model_path):
+            return JSONResponse(model_card())
+        for card in lora.adapter_cards(tm, model_name, created):
+            if card["id"] == mid:
+                return JSONResponse(card)
+        raise APIError(f"The model '{mid}' does not exist", 404, "model", "model_not_found")
+
+    @endpoint
+    async def load_lora_adapter(request: Request) -> Response:
+        return await lora.change_adapter(serving, request, "load")
+
+    @endpoint
+    async def unload_lora_adapter(request: Request) -> Response:
+        return await lora.change_adapter(serving, request, "unload")
 
     @endpoint
     async def health(request: Request) -> Response:
@@ -292,6 +303,11 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
         Route("/get_load", get_load, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["POST"]),
+        # LoRA adapters at run time: SGLang's paths and vLLM's
+        Route("/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+        Route("/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
+        Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
         *openapi_routes(model_name, lambda: ServerFacts(
             max_n=args.max_n, api_key=bool(args.api_key),
             models=tuple(m for m in (model_name, args.model_path) if m),

@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 
 import msgspec
 import zmq
@@ -36,6 +37,8 @@ from server.replicas import Dispatcher, Replica, ReplicaRouting, summed_info
 logger = logging.getLogger("ferry.server")
 
 SERVER_INFO_TIMEOUT_S = 5.0
+#: seconds an engine may take to read a LoRA adapter's files and answer
+LORA_TIMEOUT_S = 120.0
 #: an aborted rid whose end never comes back from the engine is reusable after this long
 RETIRED_RID_TTL_S = 60.0
 
@@ -111,6 +114,10 @@ class TokenizerManager(ChatTokenizer, ReplicaRouting):
         self.retired: dict[str, float] = {}
         self.ready: dict[str, io.ReadyOut] = self.replicas[0].ready
         self.info_waiters: dict[str, asyncio.Future] = {}
+        # LoRA: whether the engines serve adapters, and the loaded ones (name -> path), from
+        # the engine's ReadyOut, then from each load/unload answer
+        self.lora_enabled = False
+        self.lora_adapters: dict[str, str] = {}
         self.tokenizer = None
         self.dead: str | None = None          # why the engine side is gone
         self.shutting_down = False
@@ -186,7 +193,7 @@ class TokenizerManager(ChatTokenizer, ReplicaRouting):
                 self._release(msg.rid)
                 st.queue.put_nowait(APIError(msg.message, msg.status, msg.param, msg.code))
                 self._record_finish(msg.rid, st, "abort")
-        elif isinstance(msg, io.FlushCacheOut):
+        elif isinstance(msg, (io.FlushCacheOut, io.LoRAOut)):
             fut = self.info_waiters.pop(msg.rid, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
@@ -200,6 +207,8 @@ class TokenizerManager(ChatTokenizer, ReplicaRouting):
             self._on_engine_stats(msg, replica)
         elif isinstance(msg, io.ReadyOut):
             self.replicas[replica].ready[msg.rid] = msg
+            if msg.rid == "engine" and replica == 0:
+                self.lora_enabled, self.lora_adapters = msg.lora_enabled, dict(msg.lora_adapters)
             if msg.rid == "engine" and self.metrics is None:
                 self.metrics = Metrics(self.args.served_model_name or msg.model,
                                        max_context_len=max(1, msg.max_context_len))
@@ -308,7 +317,8 @@ class TokenizerManager(ChatTokenizer, ReplicaRouting):
 
     async def generate(self, reqs: list[tuple[str, list[int], SamplingParams]], stream: bool,
                        arrival: float | None = None,
-                       registered: list[str] | None = None) -> AsyncIterator[ReqOutput]:
+                       registered: list[str] | None = None,
+                       lora: str | None = None) -> AsyncIterator[ReqOutput]:
         """Send engine requests and yield their outputs as they come.
 
         Args:
@@ -318,6 +328,7 @@ class TokenizerManager(ChatTokenizer, ReplicaRouting):
             arrival: ``time.monotonic()`` when the HTTP request arrived (for TTFT/E2E).
             registered: a list this appends the engine rids to as it registers them: the
                 given ones, or ``unique_rids``' when one of them is in flight already.
+            lora: the LoRA adapter every request runs on (None: the base model).
         Yields:
             ``ReqOutput`` until every request has finished.
         Raises:
@@ -338,7 +349,7 @@ class TokenizerManager(ChatTokenizer, ReplicaRouting):
             for rid, (_, ids, sp) in zip(unique, reqs):
                 self._push_for(rid, ids).send(io.TokenizedGenerateReq(rid=rid, input_ids=ids,
                                                        sampling_params=sp, stream=stream,
-                                                       arrival_time=now))
+                                                       arrival_time=now, lora_name=lora))
             remaining = len(reqs)
             while remaining:
                 item = await queue.get()
@@ -413,8 +424,41 @@ class TokenizerManager(ChatTokenizer, ReplicaRouting):
         return io.FlushCacheOut(rid="flush", success=all(o.success for o in outs),
                                 message="; ".join(sorted({o.message for o in outs})))
 
-    async def _ask_engine(self, msg_type, prefix: str, replica: Replica | None = None):
-        """Send a control request and wait for the engine's answer with the same rid."""
+    async def change_lora(self, name: str, path: str | None = None) -> io.LoRAOut:
+        """Load adapter ``name`` from ``path`` (or unload it when ``path`` is None) in every
+        live replica's engine; a load that fails in one replica is undone in the others.
+
+        Returns:
+            the engines' answer (the first failure, if any).
+        Raises:
+            APIError: 503 if an engine is dead or does not answer in time.
+        """
+        make = (partial(io.UnloadLoRAReq, lora_name=name) if path is None
+                else partial(io.LoadLoRAReq, lora_name=name, lora_path=path))
+        live = [r for r in self.replicas if r.alive]
+        outs = await asyncio.gather(*(self._ask_engine(make, "lora", r, LORA_TIMEOUT_S)
+                                      for r in live), return_exceptions=True)
+        failed = [o for o in outs if isinstance(o, BaseException) or not o.success]
+        if path is not None and failed:  # keep the replicas alike
+            done = [r for r, o in zip(live, outs)
+                    if not isinstance(o, BaseException) and o.success]
+            await asyncio.gather(*(self._ask_engine(partial(io.UnloadLoRAReq, lora_name=name),
+                                                    "lora", r, LORA_TIMEOUT_S) for r in done),
+                                 return_exceptions=True)
+        for o in failed:
+            if isinstance(o, BaseException):
+                raise o
+        good = [o for o in outs if o.success]
+        if good:
+            self.lora_adapters = dict(good[0].adapters)
+        if failed and path is not None:
+            self.lora_adapters.pop(name, None)
+        return failed[0] if failed else outs[0]
+
+    async def _ask_engine(self, msg_type, prefix: str, replica: Replica | None = None,
+                          timeout: float = SERVER_INFO_TIMEOUT_S):
+        """Send a control request and wait for the engine's answer with the same rid
+        (``msg_type(rid=...)`` builds the request)."""
         if self.dead is not None:
             raise unavailable(f"the engine is not running ({self.dead})")
         rid = f"{prefix}-{uuid.uuid4().hex}"
@@ -422,7 +466,7 @@ class TokenizerManager(ChatTokenizer, ReplicaRouting):
         self.info_waiters[rid] = fut
         (self.push if replica is None else replica.push).send(msg_type(rid=rid))
         try:
-            return await asyncio.wait_for(fut, SERVER_INFO_TIMEOUT_S)
+            return await asyncio.wait_for(fut, timeout)
         except TimeoutError:
             raise unavailable("the engine did not answer in time") from None
         finally:

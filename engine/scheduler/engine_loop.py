@@ -17,6 +17,7 @@ import zmq
 from engine import io_struct as io
 from engine.args import ServerArgs
 from engine.ipc import ENGINE_IN, PullSocket, PushSocket
+from engine.lora.adapter import LoRAError
 from engine.sampling.params import SamplingParams
 from engine.scheduler.request import Req
 from engine.scheduler.scheduler import STATS_TTFT_ZERO, Scheduler, StepOutput
@@ -92,7 +93,8 @@ class EngineLoop:
             max_running_requests=self.args.max_running_requests, vocab_size=self.vocab_size,
             device=r.device_type, dtype=str(r.dtype).replace("torch.", ""),
             kv_cache_dtype=str(r.kv_dtype).replace("torch.", ""),
-            model=self.args.model_path or "SmolLM2-135M-Instruct", tp_size=r.tp.size))
+            model=self.args.model_path or "SmolLM2-135M-Instruct", tp_size=r.tp.size,
+            lora_enabled=r.lora is not None, lora_adapters=self.lora_adapters()))
         last_stats = 0.0
         while True:
             msgs = self.pull.recv_nowait()
@@ -125,14 +127,60 @@ class EngineLoop:
             if isinstance(max_new, io.ErrorOut):
                 self.to_server.send(max_new)
                 return
+            lora_id = self.lora_id(m)
+            if isinstance(lora_id, io.ErrorOut):
+                self.to_server.send(lora_id)
+                return
             self.sched.add_request(Req(m.rid, list(m.input_ids), m.sampling_params, m.stream,
-                                       max_new, m.arrival_time or None))
+                                       max_new, m.arrival_time or None, lora_id))
         elif isinstance(m, io.AbortReq):
             self.sched.abort_request(m.rid)
         elif isinstance(m, io.GetServerInfoReq):
             self.to_server.send(self.info_out(m.rid))
         elif isinstance(m, io.FlushCacheReq):
             self.to_server.send(self.flush_out(m.rid))
+        elif isinstance(m, (io.LoadLoRAReq, io.UnloadLoRAReq)):
+            self.to_server.send(self.lora_out(m))
+
+    # ---- LoRA adapters ------------------------------------------------------------------
+    def lora_adapters(self) -> dict[str, str]:
+        """The loaded LoRA adapters, name -> path (empty without LoRA)."""
+        mgr = self.runner.lora
+        return {} if mgr is None else {a["name"]: a["path"] for a in mgr.list()}
+
+    def lora_id(self, m: io.TokenizedGenerateReq) -> int | None | io.ErrorOut:
+        """The adapter id of a request (None: the base model), or the error for a name
+        that is not loaded (404: unloaded between the server's check and now)."""
+        if m.lora_name is None:
+            return None
+        if self.runner.lora is None:
+            return io.ErrorOut(rid=m.rid, message="this server serves no LoRA adapters "
+                               "(start it with --lora-paths or --enable-lora)", status=400,
+                               param="model")
+        try:
+            return self.runner.lora.resolve(m.lora_name)
+        except LoRAError as e:
+            return io.ErrorOut(rid=m.rid, message=str(e), status=e.status, param=e.param,
+                               code="model_not_found" if e.status == 404 else None)
+
+    def lora_out(self, m: io.LoadLoRAReq | io.UnloadLoRAReq) -> io.LoRAOut:
+        """Load or unload an adapter (reading its files blocks the loop for that long)."""
+        mgr = self.runner.lora
+        if mgr is None:
+            return io.LoRAOut(rid=m.rid, success=False, status=400, message="this server "
+                              "serves no LoRA adapters: start it with --enable-lora (or "
+                              "--lora-paths)")
+        try:
+            if isinstance(m, io.LoadLoRAReq):
+                mgr.load(m.lora_name, m.lora_path)
+                msg = f"LoRA adapter {m.lora_name!r} loaded from {m.lora_path}"
+            else:
+                mgr.unload(m.lora_name)
+                msg = f"LoRA adapter {m.lora_name!r} unloaded"
+        except LoRAError as e:
+            return io.LoRAOut(rid=m.rid, success=False, message=str(e), status=e.status,
+                              param=e.param, adapters=self.lora_adapters())
+        return io.LoRAOut(rid=m.rid, success=True, message=msg, adapters=self.lora_adapters())
 
     def validate(self, m: io.TokenizedGenerateReq) -> io.ErrorOut | int:
         """Check a request with ``engine.validation.validate_request`` (the server ran the

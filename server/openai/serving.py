@@ -217,12 +217,23 @@ class OpenAIServing:
         return self._strings
 
     # ---- shared checks ------------------------------------------------------------------
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter a body's ``model`` names (vLLM's ``"name"``, SGLang's
+        ``"base:name"``), None for the base model. Raises a 404 naming an unknown model."""
         # sglang-router writes "unknown" into a body that names no model (its default)
         if model in (None, ROUTER_NO_MODEL, self.model_name, self.args.model_path):
-            return
+            return None
+        adapters = self.tm.lora_adapters
+        name = model
+        for base in (self.model_name, self.args.model_path):
+            if base and model.startswith(base + ":"):
+                name = model[len(base) + 1:]
+        if name in adapters:
+            return name
+        also = f" or one of its LoRA adapters: {', '.join(sorted(adapters))}" if adapters \
+            else ""
         raise APIError(f"The model '{model}' does not exist (this server serves "
-                       f"'{self.model_name}')", 404, "model", "model_not_found")
+                       f"'{self.model_name}'{also})", 404, "model", "model_not_found")
 
     async def _parse(self, model, request: Request):
         """The validated body of ``request`` (``parse_request`` with this server's --max-n)."""
@@ -306,9 +317,10 @@ class OpenAIServing:
         if self.args.log_requests:
             logger.info("request %s outputs=%.4000r", fmt.id, fmt.texts)
 
-    async def _answer(self, request: Request, subs, stream: bool, t0: float, fmt) -> Response:
+    async def _answer(self, request: Request, subs, stream: bool, t0: float, fmt,
+                      lora: str | None = None) -> Response:
         rids: list[str] = []  # the engine rids generate registers (unique; see request_id)
-        gen = self.tm.generate(subs, stream, arrival=t0, registered=rids)
+        gen = self.tm.generate(subs, stream, arrival=t0, registered=rids, lora=lora)
         if not stream:
             async def collect() -> list[list[ReqOutput]]:
                 outs: list[list[ReqOutput]] = [[] for _ in subs]
@@ -364,7 +376,7 @@ class OpenAIServing:
         base = request_id_of(request, "cmpl")  # X-Request-Id, else a new id
         req: CompletionRequest = await self._parse(CompletionRequest, request)
         base = adopt_body_id(request, req.model_extra, base)  # SGLang's rid, vLLM's request_id
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         sp = await structured.constrain(req, sp=self._params(req, req.max_tokens))
         prompts = req.prompt if isinstance(req.prompt, list) else [req.prompt]
         self.check_fan_out(len(prompts), req.n)
@@ -399,11 +411,11 @@ class OpenAIServing:
                             skip_special_tokens=req.skip_special_tokens,
                             spaces_between_special_tokens=req.spaces_between_special_tokens,
                             prompt_k=req.prompt_logprobs, token_ids=req.return_token_ids)
-        fmt = CompletionFormat(base, self.model_name, len(subs), sum(map(len, ids_list)),
+        fmt = CompletionFormat(base, lora or self.model_name, len(subs), sum(map(len, ids_list)),
                                req.include_usage, req.continuous_usage, self.strings, lp,
                                n=req.n)
         self._log_request(fmt, req.prompt, sp)
-        return await self._answer(request, subs, req.stream, t0, fmt)
+        return await self._answer(request, subs, req.stream, t0, fmt, lora)
 
     async def chat(self, request: Request) -> Response:
         """``POST /v1/chat/completions``."""
@@ -411,7 +423,7 @@ class OpenAIServing:
         base = request_id_of(request, "chatcmpl")  # X-Request-Id, else a new id
         req: ChatCompletionRequest = await self._parse(ChatCompletionRequest, request)
         base = adopt_body_id(request, req.model_extra, base)  # SGLang's rid, vLLM's request_id
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         sp = self._params(req, req.requested_max_tokens)
         tools, sp = await prepare_chat(req, sp, getattr(self.tm.tokenizer, "chat_template", None),
                                        self.tm.tool_call_parser)  # constraint, tools
@@ -430,7 +442,7 @@ class OpenAIServing:
                             token_ids=req.return_token_ids,
                             skip_special_tokens=req.skip_special_tokens,
                             spaces_between_special_tokens=req.spaces_between_special_tokens)
-        fmt = chat_format(tools, base, self.model_name, len(subs), len(ids),
+        fmt = chat_format(tools, base, lora or self.model_name, len(subs), len(ids),
                           req.include_usage, req.continuous_usage, self.strings, lp, n=req.n)
         self._log_request(fmt, [m.model_dump(exclude_none=True) for m in req.messages], sp)
-        return await self._answer(request, subs, req.stream, t0, fmt)
+        return await self._answer(request, subs, req.stream, t0, fmt, lora)

@@ -345,7 +345,7 @@ class ResponsesServing:
         req = parse_responses_request(await read_json(request, args.max_request_bytes,
                                                       args.body_read_timeout))
         rid = extensions.adopt_body_id(request, req.model_extra, rid)
-        s.check_model(req.model)
+        lora = s.check_model(req.model)
         prior: list[dict] = []
         if req.previous_response_id is not None:
             prev = self.store.get(req.previous_response_id, "previous_response_id")
@@ -379,7 +379,8 @@ class ResponsesServing:
         st = StoredResponse({}, stored_items(req.input), prior) if keep else None
         s._log_request(fmt, conv.body["messages"], sp)
         rids: list[str] = []  # the engine rid generate registers (unique; see request_id)
-        gen = tm.generate([(rid, ids, sp)], req.stream, arrival=t0, registered=rids)
+        gen = tm.generate([(rid, ids, sp)], req.stream, arrival=t0, registered=rids,
+                          lora=lora)
         if req.background:
             return self._background(build, gen, st, prior)
         if not req.stream:

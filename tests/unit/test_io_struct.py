@@ -22,6 +22,10 @@ ENGINE_MSGS = [
     io.TokenizedGenerateReq(rid="r2", input_ids=[4], sampling_params=SamplingParams()),
     io.AbortReq(rid="r1"),
     io.GetServerInfoReq(rid="info-1"),
+    io.TokenizedGenerateReq(rid="r3", input_ids=[5], sampling_params=SamplingParams(),
+                            lora_name="sql"),
+    io.LoadLoRAReq(rid="lora-1", lora_name="sql", lora_path="/adapters/sql"),
+    io.UnloadLoRAReq(rid="lora-2", lora_name="sql"),
 ]
 DETOK_MSGS = [
     io.BatchTokenIdOut(rids=["a", "b"], new_token_ids=[[1], []],
@@ -39,6 +43,9 @@ SERVER_MSGS = [
                 max_running_requests=256, vocab_size=49152, device="cpu", dtype="float32",
                 model="m"),
     io.ReadyOut(rid="detokenizer"),
+    io.ReadyOut(rid="engine", lora_enabled=True, lora_adapters={"sql": "/adapters/sql"}),
+    io.LoRAOut(rid="lora-1", success=False, message="no such adapter", status=404,
+               param="lora_name", adapters={"a": "/x"}),
     io.ErrorOut(rid="r", message="bad", status=400, param="prompt",
                 code="context_length_exceeded"),
     io.ServerInfoOut(rid="i", kv_used_tokens=1, kv_free_tokens=2, kv_total_tokens=3,

@@ -1,0 +1,61 @@
+"""LoRA adapter endpoints: ``POST /load_lora_adapter`` and ``/unload_lora_adapter`` (SGLang's
+paths; also at vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``), and the
+``/v1/models`` cards of the loaded adapters.
+
+Bodies (both projects' form): ``{"lora_name": "sql", "lora_path": "/adapters/sql"}`` to load,
+``{"lora_name": "sql"}`` to unload. The answer is ``{"success": true, "message": ...,
+"loaded_adapters": {name: path}}``; a bad body, path, format or rank is a 400 naming the
+field, an unknown name a 404, a server started without ``--enable-lora`` / ``--lora-paths``
+a 400. Requests already running on an unloaded adapter finish on it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from server.http.errors import APIError, bad_request
+from server.openai.serving import read_json
+
+_FIELDS = {"load": ("lora_name", "lora_path"), "unload": ("lora_name",)}
+
+
+def _body_fields(body: Any, kind: str) -> dict[str, str]:
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object")
+    allowed = _FIELDS[kind]
+    for key in body:
+        if key not in allowed:
+            raise bad_request(f"unknown field '{key}' ({kind} takes {', '.join(allowed)})", key)
+    out = {}
+    for key in allowed:
+        v = body.get(key)
+        if not isinstance(v, str) or not v.strip():
+            raise bad_request(f"'{key}' must be a non-empty string", key)
+        out[key] = v
+    return out
+
+
+async def change_adapter(serving, request: Request, kind: str) -> Response:
+    """``kind`` "load" or "unload" an adapter in every engine replica."""
+    body = await read_json(request, serving.args.max_request_bytes,
+                           serving.args.body_read_timeout)
+    fields = _body_fields(body, kind)
+    tm = serving.tm
+    if not tm.lora_enabled:
+        raise bad_request("this server serves no LoRA adapters: start it with --enable-lora "
+                          "(or --lora-paths)", "lora_name")
+    out = await tm.change_lora(fields["lora_name"], fields.get("lora_path"))
+    if not out.success:
+        raise APIError(out.message, out.status, out.param,
+                       "model_not_found" if out.status == 404 else None)
+    return JSONResponse({"success": True, "message": out.message,
+                         "loaded_adapters": tm.lora_adapters})
+
+
+def adapter_cards(tm, base: str, created: int) -> list[dict]:
+    """``/v1/models`` entries of the loaded adapters (``parent``: the base model, as vLLM)."""
+    return [{"id": name, "object": "model", "created": created, "owned_by": "ferry",
+             "root": path, "parent": base} for name, path in sorted(tm.lora_adapters.items())]

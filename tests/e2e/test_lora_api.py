@@ -1,0 +1,111 @@
+"""LoRA adapters over HTTP (issue 29): ``ferry serve --lora-paths`` on a tiny seeded random
+Llama with peft adapters made in the test (``tests/engine/lora_helpers.py``).
+
+Checked against transformers + peft: greedy completions (token ids and log-probs within
+1e-3) for the base, an adapter of --lora-paths picked by ``model: "name"`` and one loaded at
+run time picked by ``model: "base:name"``, the three concurrently; ``/v1/models`` lists the
+adapters with ``parent``; load/unload at SGLang's and vLLM's paths; the errors (unknown
+adapter 404 naming ``model``, bad path 400 naming ``lora_path``, unknown body field 400).
+"""
+
+from __future__ import annotations
+
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+
+PROMPTS = [[5, 9, 14, 3, 77, 120, 31], [200, 201, 7, 7, 40, 41]]
+N = 5
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from lora_helpers import ALL_MODULES, greedy_reference, save_adapter, save_llama
+
+    root = tmp_path_factory.mktemp("lora_api")
+    hf = save_llama(root / "base")
+    a1 = save_adapter(root / "base", root / "a1", seed=1, r=8, targets=ALL_MODULES)
+    a2 = save_adapter(root / "base", root / "a2", seed=2, r=16,
+                      targets=["q_proj", "v_proj", "down_proj"], rslora=True)
+    refs = {k: [greedy_reference(m, p, N) for p in PROMPTS]
+            for k, m in (("base", hf), ("a1", a1), ("a2", a2))}
+    return root, refs
+
+
+def _complete(srv, model, prompt):
+    r = httpx.post(srv.url + "/v1/completions", timeout=srv.http_timeout, json={
+        "model": model, "prompt": prompt, "max_tokens": N, "temperature": 0,
+        "ignore_eos": True, "logprobs": 0, "return_token_ids": True})
+    return r
+
+
+def _check(r, ref, what):
+    assert r.status_code == 200, f"{what}: {r.text}"
+    choice = r.json()["choices"][0]
+    toks, lps = ref
+    assert choice["token_ids"] == toks, f"{what}: tokens differ from transformers + peft"
+    got = choice["logprobs"]["token_logprobs"]
+    assert max(abs(a - b) for a, b in zip(got, lps)) < 1e-3, f"{what}: log-probs differ"
+
+
+def test_lora_serving(setup, make_server):
+    root, refs = setup
+    srv = make_server(["--model-path", str(root / "base"), "--device", "cpu", "--dtype",
+                       "float32", "--served-model-name", "tiny", "--max-total-tokens", "2048",
+                       "--lora-paths", f"a1={root / 'a1'}", "--max-lora-rank", "16",
+                       "--max-loras-per-batch", "2"])
+    srv.start()
+    models = httpx.get(srv.url + "/v1/models").json()["data"]
+    assert [(m["id"], m.get("parent")) for m in models] == [("tiny", None), ("a1", "tiny")]
+    _check(_complete(srv, "a1", PROMPTS[0]), refs["a1"][0], "a1")
+    _check(_complete(srv, "tiny", PROMPTS[0]), refs["base"][0], "base")
+
+    # load at run time (vLLM's path), pick with SGLang's "base:name"
+    r = httpx.post(srv.url + "/v1/load_lora_adapter", timeout=srv.http_timeout,
+                   json={"lora_name": "a2", "lora_path": str(root / "a2")})
+    assert r.status_code == 200, r.text
+    assert set(r.json()["loaded_adapters"]) == {"a1", "a2"}
+    _check(_complete(srv, "tiny:a2", PROMPTS[1]), refs["a2"][1], "tiny:a2")
+
+    # base + two adapters at once, twice each
+    jobs = [(m, i) for m in ("tiny", "a1", "a2") for i in range(2)]
+    with ThreadPoolExecutor(len(jobs)) as ex:
+        outs = list(ex.map(lambda j: _complete(srv, j[0], PROMPTS[j[1]]), jobs))
+    for (m, i), r in zip(jobs, outs):
+        _check(r, refs["base" if m == "tiny" else m][i], f"{m} concurrent")
+
+    # the openai client, model "a1"
+    import openai
+
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
+    c = client.completions.create(model="a1", prompt=PROMPTS[1], max_tokens=N,
+                                  temperature=0, extra_body={"ignore_eos": True,
+                                                             "return_token_ids": True})
+    assert c.model == "a1" and c.choices[0].token_ids == refs["a1"][1][0]
+
+    # errors
+    r = _complete(srv, "nope", PROMPTS[0])
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert "'nope'" in r.json()["error"]["message"]
+    r = httpx.post(srv.url + "/load_lora_adapter", json={"lora_name": "bad",
+                                                         "lora_path": str(root / "missing")})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", r.text
+    r = httpx.post(srv.url + "/load_lora_adapter", json={"lora_name": "x", "lora_path": "y",
+                                                         "pinned": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "pinned"
+    r = httpx.post(srv.url + "/unload_lora_adapter", json={"lora_name": "nope"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "lora_name"
+
+    # unload (SGLang's path): the name is gone for new requests
+    r = httpx.post(srv.url + "/unload_lora_adapter", json={"lora_name": "a2"})
+    assert r.status_code == 200 and set(r.json()["loaded_adapters"]) == {"a1"}
+    assert _complete(srv, "tiny:a2", PROMPTS[1]).status_code == 404
+    assert [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]] == ["tiny", "a1"]
+    srv.stop()
