@@ -84,6 +84,10 @@ def check_environment(args: ServerArgs) -> None:
             raise ValueError(f"{args.model_path} is a model config without weights (no "
                              "*.safetensors, no .gguf file): pass --load-format dummy for "
                              "random weights, or point --model-path at a checkpoint")
+    draft = args.speculative_draft_model_path
+    if draft and not os.path.exists(draft):
+        raise FileNotFoundError(f"--speculative-draft-model-path {draft}: no such file or "
+                                "directory")
     if args.tp_size > 1 or args.nnodes > 1:
         check_tensor_parallel(args, device_type)
 

@@ -262,7 +262,11 @@ class EagleProposer(ModelProposer):
         self.target = target
         eagle3 = args.speculative_algorithm == "EAGLE3"
         model = target.model
-        model.set_capture_hidden("aux" if eagle3 else "last")
+        try:
+            model.set_capture_hidden("aux" if eagle3 else "last")
+        except (NotImplementedError, ValueError) as e:
+            raise ValueError(f"--speculative-algorithm {args.speculative_algorithm}: {e}") \
+                from None
         if target.graph_runner is not None or target.piecewise_runner is not None:
             logger.warning("%s: the target's graphs are off (a graph replay does not keep "
                            "the hidden states the head reads)", args.speculative_algorithm)

@@ -304,3 +304,20 @@ def test_model_proposers_with_preemption_radix_cache_stops_and_sampling(ckpts, b
     a, b = llm.generate([PROMPTS[2], PROMPTS[2]], sp)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 12
     _check_released(llm)
+
+
+def test_start_up_errors_name_the_flags(ckpts, tmp_path):
+    from engine import LLM
+    from engine.args import ServerArgs
+    from engine.loader.loader import config_dir
+    from engine.scheduler.build import check_environment
+
+    missing = str(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="--speculative-draft-model-path .*nowhere"):
+        check_environment(ServerArgs(model_path=ckpts["target"], device="cpu",
+                                     speculative_algorithm="STANDALONE",
+                                     speculative_draft_model_path=missing))
+    save_head(tmp_path, True, seed=2)
+    with pytest.raises(ValueError, match="--speculative-algorithm EAGLE3: .* at least 3 layers"):
+        LLM(config_dir("llama-tiny"), load_format="dummy", device="cpu", max_total_tokens=256,
+            speculative_algorithm="EAGLE3", speculative_draft_model_path=str(tmp_path))
