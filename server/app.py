@@ -6,6 +6,9 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/toke
 ``GET /metrics``, ``POST /flush_cache`` (empties the prefix cache; 400 while requests run),
 SGLang's routes its routers ask (``GET /get_server_info``, ``/model_info``,
 ``/get_model_info``, ``/health_generate``, ``/get_load``: ``server/openai/native.py``),
+vLLM's small routes (``POST /invocations``, ``GET``/``POST /ping``, ``GET /version``,
+``GET /load``: ``server/openai/vllm_routes.py``), the stored responses of the Responses API
+(``GET``/``DELETE /v1/responses/{id}``, ``.../input_items``, ``POST .../cancel``),
 ``GET /openapi.json`` and ``GET /docs`` (``server/openapi/spec.py``). ``OPTIONS`` on a route
 answers 204 (CORS preflights included, ``server/http/cors.py``); every response carries
 ``X-Request-Id`` (``server/http/request_id.py``). Every handler is wrapped so an unexpected
@@ -37,6 +40,9 @@ from server.http.request_id import STATE_KEY as REQUEST_ID_KEY
 from server.http.request_id import RequestIdMiddleware
 from server.openai import lora, native, tokens
 from server.openai.serving import OpenAIServing
+from server.openai.vllm_routes import invocations as invoke
+from server.openai.vllm_routes import load_of as server_load
+from server.openai.vllm_routes import version as ferry_version
 from server.openapi.spec import ServerFacts, openapi_routes
 from server.replicas import replica_metrics, replica_status
 from server.responses.serving import ResponsesServing
@@ -45,7 +51,7 @@ from server.tokenizer_manager import TokenizerManager
 logger = logging.getLogger("ferry.server")
 
 #: paths that stay open when --api-key is set (OPTIONS is answered before the key check)
-OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/docs"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/openapi.json", "/docs"})
 #: seconds /health_generate waits for its one generated token (then 503)
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 
@@ -221,6 +227,23 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
     async def get_load(request: Request) -> Response:
         return JSONResponse(native.load_of(await tm.server_info()))
 
+    # vLLM's small routes (server/openai/vllm_routes.py)
+    @endpoint
+    async def invocations(request: Request) -> Response:
+        return await invoke(serving, request)
+
+    @endpoint
+    async def ping(request: Request) -> Response:
+        return await health(request)
+
+    @endpoint
+    async def version(request: Request) -> Response:
+        return JSONResponse({"version": ferry_version()})
+
+    @endpoint
+    async def load(request: Request) -> Response:
+        return JSONResponse(server_load(serving))
+
     @endpoint
     async def server_info(request: Request) -> Response:
         info = msgspec.structs.asdict(await tm.server_info())
@@ -301,6 +324,11 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
         Route("/get_model_info", model_info, methods=["GET"]),
         Route("/health_generate", health_generate, methods=["GET"]),
         Route("/get_load", get_load, methods=["GET"]),
+        # vLLM's: SageMaker's entry point and health check, the version, the server load
+        Route("/invocations", invocations, methods=["POST"]),
+        Route("/ping", ping, methods=["GET", "POST"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/load", load, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/flush_cache", flush_cache, methods=["POST"]),
         # LoRA adapters at run time: SGLang's paths and vLLM's

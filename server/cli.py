@@ -91,6 +91,7 @@ Start ferry's OpenAI-compatible server. Routes (docs/usage.md#endpoints):
   GET  /v1/models, /v1/models/{model_id}
   GET  /health, /server_info, /metrics
   GET  /health_generate, /get_server_info, /model_info, /get_model_info, /get_load (SGLang's)
+  POST /invocations; GET, POST /ping; GET /version, /load (vLLM's)
   POST /flush_cache
   GET  /openapi.json, /docs"""
 

@@ -83,9 +83,12 @@ class CompletionChoice(_Out):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None
-    matched_stop: MatchedStop = Field(None, description="SGLang's: the stop string or stop "
-                                      "token id that ended the choice")
+    matched_stop: MatchedStop = Field(None, description="SGLang's: the stop string, stop "
+                                      "token id or stop_regex pattern that ended the choice")
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = Field(None, description="return_token_ids (vLLM's)")
+    token_ids: list[int] | None = Field(None, description="return_token_ids (vLLM's): the "
+                                        "generated ids (a stream chunk's new ones)")
 
 
 class CompletionResponse(_Out):
@@ -149,7 +152,7 @@ class ChatChoice(_Out):
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason | None
     matched_stop: MatchedStop = None
-    prompt_logprobs: PromptLogprobs | None = None
+    token_ids: list[int] | None = Field(None, description="return_token_ids (vLLM's)")
 
 
 class ChatCompletionResponse(_Out):
@@ -161,6 +164,9 @@ class ChatCompletionResponse(_Out):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="vLLM's, for the one "
+                                                   "prompt of every choice")
+    prompt_token_ids: list[int] | None = Field(None, description="return_token_ids (vLLM's)")
 
 
 class FunctionCallDelta(_Out):
@@ -187,6 +193,9 @@ class ChatChunkChoice(_Out):
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
     matched_stop: MatchedStop = None
+    prompt_logprobs: PromptLogprobs | None = None
+    token_ids: list[int] | None = Field(None, description="return_token_ids (vLLM's): the "
+                                        "chunk's new token ids")
 
 
 class ChatCompletionChunk(_Out):
@@ -198,6 +207,8 @@ class ChatCompletionChunk(_Out):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = Field(None, description="return_token_ids (vLLM's): "
+                                               "on the first chunk")
 
 
 # ---- the other routes ---------------------------------------------------------------------
@@ -236,6 +247,18 @@ class HealthResponse(_Out):
 
 class FlushCacheResponse(_Out):
     message: str
+
+
+class VersionResponse(_Out):
+    """``GET /version`` (vLLM's)."""
+
+    version: str
+
+
+class ServerLoad(_Out):
+    """``GET /load`` (vLLM's): engine requests the server waits on now."""
+
+    server_load: int = Field(ge=0)
 
 
 class ModelInfo(_Out):

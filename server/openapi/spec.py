@@ -108,6 +108,18 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
                                            response=om.HealthResponse, errors=(400, 401, 503)),
     ("/get_load", "get"): Operation("Running and waiting requests (SGLang's shape)",
                                     response=om.LoadList, errors=(400, 401, 503)),
+    # vLLM's small routes (server/openai/vllm_routes.py)
+    ("/invocations", "post"): Operation(
+        "SageMaker's entry point: a chat body (messages) or a completions body (prompt), "
+        "answered as /v1/chat/completions or /v1/completions", errors=GENERATE_ERRORS,
+        generic=True),
+    ("/ping", "get"): Operation("SageMaker's health check: /health's answer",
+                                response=om.HealthResponse, errors=(400, 503), auth=False),
+    ("/ping", "post"): Operation("SageMaker's health check: /health's answer",
+                                 response=om.HealthResponse, errors=(400, 503), auth=False),
+    ("/version", "get"): Operation("ferry's version", response=om.VersionResponse),
+    ("/load", "get"): Operation("vLLM's server load: engine requests in flight",
+                                response=om.ServerLoad),
     ("/metrics", "get"): Operation("Prometheus metrics", media="text/plain",
                                    errors=(400, 503), auth=False),
     ("/flush_cache", "post"): Operation("Empty the prefix cache (400 while requests run)",
