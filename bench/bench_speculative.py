@@ -2,12 +2,15 @@
 
 ``python -m bench.bench_speculative`` builds one engine with ``--speculative-algorithm``
 (NGRAM by default) and runs each workload twice on it: with the verify steps switched off
-(the scheduler's ``spec`` set aside: plain decode steps) and on. Greedy, so the outputs must
-be identical (checked). Workloads, as chat requests through the model's chat template:
+(the scheduler's ``spec`` set aside: plain decode steps) and on, greedy. Workloads, as
+chat requests through the model's chat template:
 
 - ``copy``: copy-heavy requests (repeat a paragraph, rename a variable in a function, echo
   a list), where the answer quotes the prompt;
 - ``other``: open requests (a story, an explanation), where it mostly does not.
+
+Greedy: in float32 the outputs must be identical with speculation (checked: the run stops
+otherwise); in 16-bit they are compared and the differing requests reported.
 
 Batch N sends N requests at once, batch after batch (the workload's requests cycled until
 each ran at least once and the last batch is full; batch 1 runs them one after another).
@@ -63,6 +66,10 @@ def _run(llm, prompts: list[list[int]], bs: int, sp) -> tuple[float, list[list[i
     return time.perf_counter() - t0, [o.token_ids for o in outs]
 
 
+def _first_diff(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def main(argv: list[str] | None = None) -> None:
     from engine import LLM, SamplingParams
     from engine.speculative.worker import mean_accept_length
@@ -91,6 +98,8 @@ def main(argv: list[str] | None = None) -> None:
               speculative_num_draft_tokens=ns.num_draft_tokens,
               speculative_max_batch_size=max(ns.batch_sizes))
     sched, worker = llm.scheduler, llm.scheduler.spec
+    runner_dtype = str(llm.runner.dtype).replace("torch.", "")
+    exact = runner_dtype == "float32"  # outputs must then be identical with speculation
     sp = SamplingParams(max_tokens=ns.max_tokens, temperature=0)
     # warm-up: both modes, a batch of each size (first calls pay allocator and kernel setup)
     warm = [_chat(llm.tokenizer, t) for t in WORKLOADS["copy"]]
@@ -110,15 +119,23 @@ def main(argv: list[str] | None = None) -> None:
                 dt, got = _run(llm, prompts, bs, sp)
                 best = min(best, dt)
                 ids = ids or got
-                if got != ids:
+                if got != ids and exact:
                     raise SystemExit(f"{wl} bs{bs} {mode}: outputs differ between repeats")
             res[mode] = (best, ids, mean_accept_length(sched.stats))
         (t_off, ids_off, _), (t_on, ids_on, acc_len) = res["off"], res[ns.algorithm]
-        if ids_on != ids_off:
-            raise SystemExit(f"{wl} bs{bs}: greedy outputs differ with {ns.algorithm}")
+        same = sum(a == b for a, b in zip(ids_on, ids_off))
+        if same < len(ids_off):
+            if exact:
+                raise SystemExit(f"{wl} bs{bs}: greedy outputs differ with {ns.algorithm}")
+            # 16-bit: a verify forward's batch shape differs from a decode step's, so its
+            # reductions round differently and near-tied greedy choices can flip
+            firsts = [_first_diff(a, b) for a, b in zip(ids_on, ids_off) if a != b]
+            print(f"{wl} bs{bs}: {len(firsts)} of {len(ids_off)} greedy outputs differ "
+                  f"({runner_dtype}), first at output tokens {firsts}")
         n_out = sum(len(x) for x in ids_off)
         row = {"bench": "speculative", "algorithm": ns.algorithm, "workload": wl,
-               "batch_size": bs, "requests": len(prompts), "output_tokens": n_out,
+               "batch_size": bs, "requests": len(prompts), "identical_outputs": same,
+               "output_tokens": n_out,
                "off_output_tok_s": n_out / t_off, "spec_output_tok_s": n_out / t_on,
                "speedup": t_off / t_on, "mean_accept_length": acc_len,
                "num_draft_tokens": worker.k}
