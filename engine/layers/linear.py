@@ -166,10 +166,8 @@ class LinearBase(nn.Module):
             return
         device = next(p for p in self._parameters.values() if p is not None).device
         self.quant_method = None
-        for name in ("weight", "weight_scale", "weight_min", "qweight", "scales", "qzeros",
-                     "g_idx"):  # a quant method's own (FP8, GGUF blocks, AWQ/GPTQ)
-            if name in self._parameters:
-                del self._parameters[name]
+        for name in [n for n in self._parameters if n != "bias"]:  # the quant method's own
+            del self._parameters[name]
         self.weight = nn.Parameter(torch.empty(self.output_size, self.input_size, dtype=dtype,
                                                device=device), requires_grad=False)
         self.weight.weight_loader = self.weight_loader

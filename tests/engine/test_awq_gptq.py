@@ -89,9 +89,11 @@ def test_packed_words_by_hand():
 
 # ---- a tiny quantized Llama --------------------------------------------------------------
 
-def _quantized(n: int, k: int, group: int, gen: torch.Generator):
+def _quantized(n: int, k: int, group: int, gen: torch.Generator, sym: bool = False):
     q = torch.randint(0, 16, (k, n), generator=gen)
     z = torch.randint(3, 13, (k // group, n), generator=gen)
+    if sym:
+        z = torch.full_like(z, 8)
     s = (torch.rand(k // group, n, generator=gen) * 0.01 + 0.004).half()
     w = (q - z.repeat_interleave(group, 0)).double() * s.double().repeat_interleave(group, 0)
     return q, z, s, w.t().float()  # w: [N, K], exact in fp32
@@ -120,10 +122,20 @@ def write_checkpoints(root, method: str, group: int, fmt: str = "gptq", seed: in
                     ref[name] = float_sd[f"{name}.weight"]
                     quant_sd[f"{name}.weight"] = ref[name]
                     continue
-                q, z, s, w = _quantized(n, k, group, gen)
+                q, z, s, w = _quantized(n, k, group, gen, sym=fmt == "sym")
                 ref[name] = w
                 float_sd[f"{name}.weight"] = w
                 del quant_sd[f"{name}.weight"]
+                if method == "ct":  # compressed-tensors: codes stored as signed + 8
+                    quant_sd[f"{name}.weight_packed"] = pack_cols(q.t())   # [N, K/8]
+                    quant_sd[f"{name}.weight_scale"] = s.t().bfloat16().contiguous()
+                    quant_sd[f"{name}.weight_shape"] = torch.tensor([n, k])
+                    if fmt != "sym":
+                        quant_sd[f"{name}.weight_zero_point"] = pack_cols(z).t()  # [N/8, K/G]
+                    w = (q - z.repeat_interleave(group, 0)).double().t() * \
+                        s.bfloat16().double().t().repeat_interleave(group, 1)
+                    ref[name] = float_sd[f"{name}.weight"] = w.float()
+                    continue
                 if method == "awq":
                     quant_sd[f"{name}.qweight"] = pack_awq(q)
                     quant_sd[f"{name}.qzeros"] = pack_awq(z)
@@ -135,6 +147,14 @@ def write_checkpoints(root, method: str, group: int, fmt: str = "gptq", seed: in
     qc = ({"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
            "version": "gemm", "modules_to_not_convert": list(keep_float)}
           if method == "awq" else
+          {"quant_method": "compressed-tensors", "format": "pack-quantized",
+           "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                         "weights": {"type": "int", "num_bits": 4,
+                                                     "strategy": "group", "group_size": group,
+                                                     "symmetric": fmt == "sym",
+                                                     "actorder": None}}},
+           "ignore": ["lm_head"]}
+          if method == "ct" else
           {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
            "sym": False, "checkpoint_format": fmt})
     paths = {}
@@ -173,7 +193,8 @@ def _greedy_hf(path: str, prompt: list[int], steps: int) -> list[int]:
 
 
 @pytest.mark.parametrize("method,group,fmt", [("awq", 32, None), ("gptq", 64, "gptq"),
-                                              ("gptq", 32, "gptq_v2")])
+                                              ("gptq", 32, "gptq_v2"), ("ct", 32, "sym"),
+                                              ("ct", 64, "asym")])
 def test_checkpoint_weights_equal_the_reference(tmp_path, method, group, fmt):
     """Every fused layer's dequantized 4-bit weight equals ``(q - z) * s`` bit for bit."""
     ref, paths = write_checkpoints(tmp_path, method, group, fmt or "gptq")
@@ -257,6 +278,19 @@ def test_refusals_name_the_field():
              (dict(gptq, checkpoint_format="marlin"), "checkpoint_format"),
              (dict(gptq, dynamic={"-:.*": {}}), "dynamic"),
              (dict(gptq, group_size=100), "group_size 100")]
+    ct_w = {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 128}
+
+    def ct(weights=None, **group):
+        return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                "config_groups": {"g": {"targets": ["Linear"], "weights": weights or ct_w,
+                                        **group}}}
+
+    c = get_quant_config(cfg(**ct()))
+    assert (c.method, c.group_size, c.symmetric) == ("compressed-tensors", 128, True)
+    cases += [(ct(dict(ct_w, actorder="group")), "actorder 'group'"),
+              (ct(dict(ct_w, strategy="channel")), "strategy 'channel'"),
+              (ct(dict(ct_w, num_bits=8)), "int 8-bit weights"),
+              (ct(input_activations={"type": "int", "num_bits": 8}), "input_activations")]
     for qc, words in cases:
         with pytest.raises(ValueError, match=words):
             get_quant_config(cfg(**qc))

@@ -285,7 +285,8 @@ def test_quant_config_detection_and_refusals():
         (_ct({"type": "int", "num_bits": 4, "strategy": "group"}), "int 4-bit weights"),
         (_ct({"strategy": "group"}), "weight strategy 'group'"),
         (_ct(acts={"type": "int", "num_bits": 8, "dynamic": True}), "int 8-bit activations"),
-        (_ct(format="pack-quantized"), "format 'pack-quantized'"),
+        (_ct(format="pack-quantized"), "pack-quantized group .* float 8-bit weights"),
+        (_ct(format="marlin-24"), "format 'marlin-24'"),
         ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
         ({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e5m2"}, "e5m2"),
     ]

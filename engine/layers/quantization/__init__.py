@@ -2,7 +2,8 @@
 
 FP8 W8A8 (:mod:`engine.layers.quantization.fp8`), AWQ and GPTQ 4-bit weights
 (:mod:`engine.layers.quantization.int4`: ``quant_method: awq`` GEMM layout, ``gptq`` 4-bit
-without act-order, or ``--quantization awq|gptq`` to quantize float weights at load) and GGUF
+without act-order, compressed-tensors ``pack-quantized`` 4-bit groups, or ``--quantization
+awq|gptq`` to quantize float weights at load) and GGUF
 blocks (:mod:`engine.layers.quantization.gguf`, planned by the GGUF loader). FP8 comes from
 the checkpoint's ``config.json`` ``quantization_config`` or from ``--quantization fp8``:
 
@@ -37,7 +38,12 @@ import torch
 from torch import nn
 
 from engine.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod
-from engine.layers.quantization.int4 import Int4Config, parse_awq, parse_gptq
+from engine.layers.quantization.int4 import (
+    Int4Config,
+    parse_awq,
+    parse_compressed_int4,
+    parse_gptq,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,14 +83,16 @@ def _parse_fp8(qc: dict) -> Fp8Config:
     return Fp8Config(True, "fp8", scheme, list(ignore))
 
 
-def _parse_compressed_tensors(qc: dict) -> Fp8Config:
+def _parse_compressed_tensors(qc: dict) -> Fp8Config | Int4Config:
     groups = qc.get("config_groups") or {}
     if not groups:
         raise _refuse("compressed-tensors without config_groups")
     fmt = qc.get("format")
+    if fmt == "pack-quantized":
+        return parse_compressed_int4(qc)
     if fmt not in (None, "float-quantized", "naive-quantized"):
         raise _refuse(f"compressed-tensors format {fmt!r}; ferry loads float-quantized "
-                      "(FP8) checkpoints")
+                      "(FP8) and pack-quantized (4-bit) checkpoints")
     schemes = set()
     for gname, g in groups.items():
         w = g.get("weights") or {}
@@ -159,7 +167,7 @@ def get_quant_config(hf_config, quantization: str | None = None,
             raise _refuse(f"quant_method {method!r}; ferry loads FP8 checkpoints "
                           "(quant_method 'fp8', or 'compressed-tensors' with FP8 weights), "
                           "AWQ ('awq') and GPTQ ('gptq')")
-        if quantization in ("awq", "gptq") and method != quantization:
+        if quantization in ("awq", "gptq") and getattr(cfg, "method", None) != quantization:
             raise ValueError(f"--quantization {quantization}: the checkpoint is already "
                              f"quantized (quantization_config quant_method {method!r})")
     elif quantization == "gguf":

@@ -1,4 +1,5 @@
-"""AWQ and GPTQ 4-bit linear weights, kept 4-bit (W4A16 on GPUs, W4A32 on the CPU).
+"""AWQ, GPTQ and compressed-tensors 4-bit linear weights, kept 4-bit (W4A16 on GPUs, W4A32
+on the CPU).
 
 Checkpoint layouts (a linear weight is ``W [N, K]``, out x in; ``G`` the group size along K;
 an int32 word holds 8 nibbles, nibble ``i`` in bits ``4i .. 4i+3``):
@@ -17,6 +18,12 @@ an int32 word holds 8 nibbles, nibble ``i`` in bits ``4i .. 4i+3``):
   ``sym: true`` checkpoints store 7 for the zero 8); ``gptq_v2`` stores ``z`` itself.
   ``desc_act: true`` (act-order: ``g_idx`` is not ``k // G``) is refused, as is a
   ``g_idx`` tensor that is not ``k // G``.
+- **compressed-tensors** ``format: pack-quantized`` (llm-compressor's W4A16; weights
+  ``{type: int, num_bits: 4, strategy: group}``): ``weight_packed [N, K/8]`` int32 packed
+  along K in order, each code stored as its signed value plus 8 (compressed-tensors'
+  ``pack_to_int32``), ``weight_scale [N, K/G]``, ``weight_shape``, and for
+  ``symmetric: false`` ``weight_zero_point [N/8, K/G]`` packed along N the same way (else
+  the zero is 8); ``W = (q - z) * s`` on the stored codes. ``actorder: group`` is refused.
 
 Anything else (other ``bits``, ``group_size`` -1 or not a multiple of 32, AWQ's GEMV /
 Marlin / exllama versions, ``zero_point: false``, GPTQ's ``dynamic`` per-module rules or the
@@ -47,6 +54,7 @@ weights, not a calibrated quantization.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -97,14 +105,16 @@ class Int4Config:
     """AWQ/GPTQ 4-bit linear layers of a model.
 
     Attributes:
-        method: ``"awq"`` or ``"gptq"``.
+        method: ``"awq"``, ``"gptq"`` or ``"compressed-tensors"`` (pack-quantized).
         group_size: weights per scale along K (a multiple of 32).
         checkpoint: the checkpoint holds packed tensors (``qweight``, ``qzeros``, ``scales``);
             False: float weights are quantized while they load.
         zero_offset: added to every stored zero (GPTQ v1: 1).
         source: where the scheme came from (for the log and errors).
         ignore: module names kept in the run dtype (AWQ's ``modules_to_not_convert``: a
-            module is kept when one entry is a substring of its name, vLLM's rule).
+            module is kept when one entry is a substring of its name, vLLM's rule;
+            compressed-tensors' ``ignore``: exact names or ``re:`` patterns).
+        symmetric: the checkpoint has no zeros (compressed-tensors ``symmetric``: 8).
     """
 
     method: str
@@ -113,8 +123,12 @@ class Int4Config:
     zero_offset: int = 0
     source: str = ""
     ignore: list[str] = field(default_factory=list)
+    symmetric: bool = False
 
     def is_ignored(self, hf_module: str) -> bool:
+        if self.method == "compressed-tensors":  # exact names or re: patterns
+            return any(re.match(e[3:], hf_module) if e.startswith("re:") else e == hf_module
+                       for e in self.ignore)
         return any(entry in hf_module for entry in self.ignore)
 
     def linear_method(self) -> Int4LinearMethod:
@@ -181,6 +195,44 @@ def parse_gptq(qc: dict) -> Int4Config:
                       f"quant_method gptq ({fmt})")
 
 
+def parse_compressed_int4(qc: dict) -> Int4Config:
+    """compressed-tensors ``format: pack-quantized`` with 4-bit integer weights in groups
+    (llm-compressor's W4A16): every ``config_groups`` entry must target ``Linear`` with
+    ``weights {type: int, num_bits: 4, strategy: group, group_size: G}``, no input
+    activations, and the same G and ``symmetric``; ``actorder: group`` is refused.
+
+    Raises:
+        ValueError: anything else, naming the group and the field.
+    """
+    groups = qc.get("config_groups") or {}
+    if not groups:
+        raise _refuse("compressed-tensors without config_groups")
+    seen = set()
+    for gname, g in groups.items():
+        w = g.get("weights") or {}
+        what = f"compressed-tensors pack-quantized group {gname!r}"
+        if w.get("type") != "int" or w.get("num_bits") != 4:
+            raise _refuse(f"{what} has {w.get('type')} {w.get('num_bits')}-bit weights; "
+                          "ferry loads 4-bit integer packed weights")
+        if w.get("strategy") != "group":
+            raise _refuse(f"{what}: weight strategy {w.get('strategy')!r} (supported: group)")
+        if w.get("actorder") == "group":
+            raise _refuse(f"{what}: actorder 'group' (act-order g_idx) is not supported")
+        if g.get("input_activations"):
+            raise _refuse(f"{what} quantizes input_activations; ferry loads weight-only "
+                          "4-bit checkpoints")
+        if "Linear" not in (g.get("targets") or []):
+            raise _refuse(f"{what} targets {g.get('targets')}; ferry expects 'Linear'")
+        seen.add((_group_size(w, what), bool(w.get("symmetric", True))))
+    if len(seen) != 1:
+        raise _refuse(f"compressed-tensors groups with different group_size/symmetric "
+                      f"{sorted(seen)}")
+    group, sym = seen.pop()
+    return Int4Config("compressed-tensors", group, True, 0,
+                      "compressed-tensors pack-quantized", list(qc.get("ignore") or []),
+                      symmetric=sym)
+
+
 def quantize_rtn(w: torch.Tensor, group: int, symmetric: bool
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest 4-bit quantization per group of ``group`` weights along K.
@@ -211,8 +263,11 @@ def _full(t) -> torch.Tensor:
     return t if isinstance(t, torch.Tensor) else t.materialize()
 
 
-#: checkpoint tensor names of a layer -> the dtype of ferry's row-layout parameter
-_CKPT_PARAMS = {"qweight": torch.uint8, "scales": torch.float32, "qzeros": torch.uint8}
+#: a format's tensor names for the codes, the scales and the zeros of a layer
+TENSOR_NAMES = {"awq": ("qweight", "scales", "qzeros"), "gptq": ("qweight", "scales", "qzeros"),
+                "compressed-tensors": ("weight_packed", "weight_scale", "weight_zero_point")}
+#: a format's per-layer tensors that are only checked (act-order indices, the weight's shape)
+CHECKED_NAMES = {"gptq": ("g_idx",), "compressed-tensors": ("weight_g_idx", "weight_shape")}
 
 
 class Int4LinearMethod(WeightOnlyMethod):
@@ -237,9 +292,11 @@ class Int4LinearMethod(WeightOnlyMethod):
 
     def create_weights(self, layer: nn.Module, dtype: torch.dtype) -> None:
         """Quantized at load: ``weight``/``weight_scale``/``weight_min`` in the q4 layout
-        (filled by :meth:`pack`). From a checkpoint: ``qweight [N, K/2]`` uint8, ``scales``
-        fp32 and ``qzeros`` uint8 ``[N, K/G]`` in rows of W (and an empty ``g_idx`` whose
-        loader only checks the checkpoint's), renamed into the q4 layout after loading.
+        (filled by :meth:`pack`). From a checkpoint: parameters named like the format's
+        tensors (:data:`TENSOR_NAMES`) in rows of W: the codes uint8 ``[N, K/2]``, the scales
+        fp32 and the zeros uint8 ``[N, K/G]`` (a symmetric compressed-tensors checkpoint has
+        no zeros: 8, not expected), plus empty parameters whose loaders only check
+        :data:`CHECKED_NAMES`; renamed into the q4 layout after loading.
 
         Raises:
             ValueError: K not a multiple of the group size (naming --tp-size when a
@@ -247,22 +304,29 @@ class Int4LinearMethod(WeightOnlyMethod):
         """
         self._check_split(layer)
         layer.wq_dtype = dtype
-        g = self.config.group_size
-        if not self.config.checkpoint:
+        cfg = self.config
+        g = cfg.group_size
+        if not cfg.checkpoint:
             self.set_format(layer, "q4", g, torch.float32)
             return
         n, k = layer.output_size, layer.input_size
-        shapes = {"qweight": (n, k // 2), "scales": (n, k // g), "qzeros": (n, k // g)}
-        for name, dt in _CKPT_PARAMS.items():
-            p = nn.Parameter(torch.empty(shapes[name], dtype=dt), requires_grad=False)
-            p.weight_loader = (lambda prm, t, s=None, _n=name:
-                               self.load_packed(layer, _n, prm, t, s))
+        q_name, s_name, z_name = TENSOR_NAMES[cfg.method]
+        for name, kind, shape, dt in ((q_name, "q", (n, k // 2), torch.uint8),
+                                      (s_name, "s", (n, k // g), torch.float32),
+                                      (z_name, "z", (n, k // g), torch.uint8)):
+            p = nn.Parameter(torch.empty(shape, dtype=dt), requires_grad=False)
+            p.weight_loader = (lambda prm, t, s=None, _k=kind:
+                               self.load_packed(layer, _k, prm, t, s))
             setattr(layer, name, p)
-        if self.config.method == "gptq":
+        if cfg.symmetric:
+            getattr(layer, z_name).data.fill_(8)
+            getattr(layer, z_name).derived = True
+        for name in CHECKED_NAMES.get(cfg.method, ()):
             p = nn.Parameter(torch.empty(0, dtype=torch.int32), requires_grad=False)
-            p.weight_loader = lambda prm, t, s=None: self.check_g_idx(layer, t)
+            p.weight_loader = (lambda prm, t, s=None, _n=name:
+                               self.check_tensor(layer, _n, t))
             p.derived = True  # optional in a checkpoint
-            layer.g_idx = p
+            setattr(layer, name, p)
         layer.wq_format = "q4"
         layer.wq_group_size = g
         layer.wq_path = "torch"
@@ -274,46 +338,65 @@ class Int4LinearMethod(WeightOnlyMethod):
         if not w.is_floating_point():
             raise ValueError(f"{type(layer).__name__}: expected a float weight to quantize, "
                              f"got {w.dtype}")
-        q, s, z = quantize_rtn(w, self.config.group_size, self.config.method == "gptq")
+        sym = self.config.method == "gptq" or self.config.symmetric
+        q, s, z = quantize_rtn(w, self.config.group_size, sym)
         s32 = s.float()
         return {"weight": pack_q4(q), "weight_scale": s32, "weight_min": -s32 * z.float()}
 
-    def to_rows(self, name: str, loaded) -> torch.Tensor:
-        """One checkpoint tensor (``qweight``, ``qzeros`` or ``scales``) -> ferry's rows of
-        W (``[N, K/2]`` q4 nibbles, ``[N, K/G]`` zeros with the offset added, or fp32 scales).
+    def to_rows(self, kind: str, loaded) -> torch.Tensor:
+        """One checkpoint tensor -> ferry's rows of W: ``kind`` ``"q"`` (codes) -> ``[N, K/2]``
+        q4 nibbles, ``"s"`` (scales) -> fp32 ``[N, K/G]``, ``"z"`` (zeros) -> uint8
+        ``[N, K/G]`` with the format's offset added.
 
         Raises:
-            ValueError: a tensor of the wrong dtype for its name.
+            ValueError: a tensor of the wrong dtype for its kind.
         """
         t = _full(loaded)
-        if name == "scales":
+        method = self.config.method
+        what = TENSOR_NAMES[method]["qsz".index(kind)]
+        if kind == "s":
             if not t.is_floating_point():
-                raise ValueError(f"scales is {t.dtype}, expected a float tensor")
-            return t.t().float()
+                raise ValueError(f"{what} is {t.dtype}, expected a float tensor")
+            return (t if method == "compressed-tensors" else t.t()).float()
+        if kind == "z" and method == "compressed-tensors" and t.dtype == torch.int8:
+            return (t.to(torch.int16) + 8).to(torch.uint8)  # unpacked signed zero points
         if t.dtype != torch.int32:
-            raise ValueError(f"{name} is {t.dtype}, expected int32 (8 packed 4-bit values)")
-        if name == "qzeros":
-            z = unpack_awq(t) if self.config.method == "awq" else nibbles(t)
-            return (z + self.config.zero_offset).t()
-        q = unpack_awq(t) if self.config.method == "awq" else unpack_gptq_qweight(t)
-        return pack_q4(q.t())
+            raise ValueError(f"{what} is {t.dtype}, expected int32 (8 packed 4-bit values)")
+        if kind == "z":
+            if method == "awq":
+                return unpack_awq(t).t()
+            if method == "gptq":
+                return (nibbles(t) + self.config.zero_offset).t()
+            return nibbles(t.t().contiguous()).t()       # packed along N: [N/8, K/G]
+        if method == "awq":
+            return pack_q4(unpack_awq(t).t())
+        if method == "gptq":
+            return pack_q4(unpack_gptq_qweight(t).t())
+        return pack_q4(nibbles(t))                        # [N, K/8] along K
 
-    def load_packed(self, layer: nn.Module, name: str, param: nn.Parameter, loaded,
+    def load_packed(self, layer: nn.Module, kind: str, param: nn.Parameter, loaded,
                     shard_id=None) -> None:
-        """Load checkpoint tensor ``name`` through the layer's own loader (fused parts,
-        tensor-parallel shards) once in rows of W."""
-        layer.weight_loader(param, self.to_rows(name, loaded), shard_id)
+        """Load one checkpoint tensor through the layer's own loader (fused parts,
+        tensor-parallel shards) once in rows of W (:meth:`to_rows`)."""
+        layer.weight_loader(param, self.to_rows(kind, loaded), shard_id)
 
-    def check_g_idx(self, layer: nn.Module, loaded) -> None:
-        """A GPTQ ``g_idx [K]`` must be ``k // group_size`` (no act-order).
+    def check_tensor(self, layer: nn.Module, name: str, loaded) -> None:
+        """A ``g_idx``/``weight_g_idx [K]`` must be ``k // group_size`` (no act-order); a
+        ``weight_shape`` must give the layer's full input size.
 
         Raises:
-            ValueError: any other g_idx.
+            ValueError: any other value, naming the tensor.
         """
         t = _full(loaded).to(torch.int64).reshape(-1)
+        if name == "weight_shape":
+            k = layer.input_size * (1 if layer.shards_output else layer.tp_size)
+            if t.numel() != 2 or int(t[1]) != k:
+                raise ValueError(f"weight_shape {t.tolist()} does not match the layer's "
+                                 f"input size {k}")
+            return
         want = torch.arange(t.numel(), device=t.device) // self.config.group_size
         if not torch.equal(t, want):
-            raise ValueError("g_idx is not k // group_size (act-order / desc_act weights "
+            raise ValueError(f"{name} is not k // group_size (act-order / desc_act weights "
                              "are not supported)")
 
     def process_weights_after_loading(self, layer: nn.Module, device_type: str,
@@ -324,14 +407,15 @@ class Int4LinearMethod(WeightOnlyMethod):
         Raises:
             ValueError: a scale that is NaN or infinite.
         """
-        if self.config.checkpoint and "qweight" in layer._parameters:
-            s = layer.scales.data
+        q_name, s_name, z_name = TENSOR_NAMES.get(self.config.method, ("",) * 3)
+        if self.config.checkpoint and q_name in layer._parameters:
+            s = getattr(layer, s_name).data
             if not bool(torch.isfinite(s).all()):
-                raise ValueError(f"{name or type(layer).__name__}: the checkpoint's scales "
+                raise ValueError(f"{name or type(layer).__name__}: the checkpoint's {s_name} "
                                  "have NaN or infinite values")
-            mins = -(s * layer.qzeros.data.float())
-            weight = layer.qweight.data
-            for n in ("qweight", "scales", "qzeros", "g_idx"):
+            mins = -(s * getattr(layer, z_name).data.float())
+            weight = getattr(layer, q_name).data
+            for n in (q_name, s_name, z_name, *CHECKED_NAMES.get(self.config.method, ())):
                 layer._parameters.pop(n, None)
             layer.weight = nn.Parameter(weight, requires_grad=False)
             layer.weight_scale = nn.Parameter(s, requires_grad=False)
