@@ -52,11 +52,17 @@ def save_tiny(case: str, path) -> torch.nn.Module:
 
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(config_of(case), dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(99)
+    return save_random(hf, path)
+
+
+def save_random(hf, path, seed: int = 99, scale: float = 0.1) -> torch.nn.Module:
+    """Draw ``hf``'s weights (seeded: norms 1 + 0.1 N(0, 1), the rest ``scale`` N(0, 1)),
+    save it with the character tokenizer beside it; returns it."""
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in hf.named_parameters():
             noise = torch.randn(p.shape, generator=g)
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.1 * noise)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else scale * noise)
     hf.save_pretrained(path)
     save_char_tokenizer(path)
     return hf

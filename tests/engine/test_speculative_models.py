@@ -25,19 +25,11 @@ def _llama_config(layers: int, hidden: int = 64, seed_heads: int = 4):
 
 def save_llama(path, layers: int, seed: int, hidden: int = 64):
     """A seeded random HF Llama (fp32) saved with a 256-token character tokenizer."""
-    from moe_helpers import save_char_tokenizer
+    from moe_helpers import save_random
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    hf = LlamaForCausalLM(_llama_config(layers, hidden)).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.3 * noise)
-    hf.save_pretrained(path)
-    save_char_tokenizer(path)
-    return hf
+    return save_random(LlamaForCausalLM(_llama_config(layers, hidden)).eval(), path, seed, 0.3)
 
 
 @pytest.fixture(scope="module")
