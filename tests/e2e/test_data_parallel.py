@@ -48,7 +48,14 @@ def _info(s: FerryServer) -> dict:
 
 
 def test_openai_routes_and_the_figures(server):
-    client, _, _, _, _ = openai_tour(server.url, TIMEOUT_S)
+    client, _, _, _, resp = openai_tour(server.url, TIMEOUT_S)
+    # issue 28: the Responses store lives in the one HTTP process, so a continuation works
+    # whichever replica answered each turn; its prompt is the whole conversation
+    more = client.responses.create(model=MODEL, input="And another?", max_output_tokens=4,
+                                   temperature=0, previous_response_id=resp.id)
+    assert more.previous_response_id == resp.id
+    assert more.usage.input_tokens > resp.usage.input_tokens + resp.usage.output_tokens
+    assert client.responses.retrieve(resp.id).output_text == resp.output_text
     c = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=4,
                                   temperature=0, n=2)
     assert len(c.choices) == 2 and c.choices[0].text == c.choices[1].text
