@@ -38,3 +38,28 @@ def split_k_trusted(device_type: str) -> bool:
     (intel/intel-xpu-backend-for-triton#7901), and Intel calls communication between
     work-groups "not widely tested" (#6723), so a partial could be read stale."""
     return device_type != "xpu"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def split_k_launch(y: torch.Tensor, k: int, split: int, block_n: int, block_k: int
+                   ) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """What a split-K launch writing ``y [M, N]`` needs: ``(n_blocks, k_per_split, part,
+    locks)``, with ``k_per_split`` a whole number of ``block_k`` tiles, ``part`` the fp32
+    partials ``[split, M, N]`` and ``locks`` the device's counters (both ``y`` itself when
+    ``split`` is 1: unused).
+
+    Raises:
+        ValueError: more than ``MAX_N_BLOCKS`` blocks of output columns with ``split > 1``.
+    """
+    m, n = y.shape
+    n_blocks = _cdiv(n, block_n)
+    k_per_split = _cdiv(_cdiv(k, split), block_k) * block_k
+    if split == 1:
+        return n_blocks, k_per_split, y, y
+    if n_blocks > MAX_N_BLOCKS:
+        raise ValueError(f"{n_blocks} blocks of output columns > {MAX_N_BLOCKS}")
+    part = torch.empty(split, m, n, dtype=torch.float32, device=y.device)
+    return n_blocks, k_per_split, part, split_k_locks(y.device)

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from kernels.launch import dot_kernel_options
-from kernels.split_k import MAX_N_BLOCKS, split_k_locks, split_k_trusted
+from kernels.split_k import split_k_launch, split_k_locks, split_k_trusted  # noqa: F401
 
 #: the most rows of the split-K (decode) configuration
 SMALL_M_MAX = 16
@@ -233,15 +233,8 @@ def wq_linear(x: torch.Tensor, fmt: str, qweight: torch.Tensor, scales: torch.Te
     cfg = dict(config or wq_config(m, n, k, group, x.device.type))
     split = cfg.pop("SPLIT_K", 1)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    n_blocks = triton.cdiv(n, cfg["BLOCK_N"])
-    k_per_split = triton.cdiv(triton.cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-    if split > 1:
-        if n_blocks > MAX_N_BLOCKS:
-            raise ValueError(f"{n_blocks} blocks of output columns > {MAX_N_BLOCKS}")
-        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        locks = split_k_locks(x.device)
-    else:
-        part = locks = y
+    n_blocks, k_per_split, part, locks = split_k_launch(y, k, split, cfg["BLOCK_N"],
+                                                        cfg["BLOCK_K"])
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), n_blocks, split)
     _wq_kernel[grid](x, qweight, scales, mins if q4 else scales, y, part, locks, m, n, k,
                      group, k_per_split, x.stride(0), y.stride(0), Q4=q4,

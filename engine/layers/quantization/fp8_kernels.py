@@ -23,8 +23,11 @@ from engine.layers.quantization.fp8_constants import (
     WEIGHT_ONLY_MAX_M,
 )
 from kernels.launch import dot_kernel_options
-from kernels.split_k import MAX_N_BLOCKS as _MAX_N_BLOCKS
-from kernels.split_k import split_k_locks, split_k_trusted  # noqa: F401 - re-exported
+from kernels.split_k import (  # noqa: F401 - split_k_locks/trusted re-exported
+    split_k_launch,
+    split_k_locks,
+    split_k_trusted,
+)
 
 
 @triton.jit
@@ -220,15 +223,8 @@ def fp8_linear_small_m(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     cfg = dict(config or small_m_config(m, n, k, x.device.type))
     split = cfg.setdefault("SPLIT_K", 1)
-    n_blocks = triton.cdiv(n, cfg["BLOCK_N"])
-    k_per_split = triton.cdiv(triton.cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-    if split > 1:
-        if n_blocks > _MAX_N_BLOCKS:
-            raise ValueError(f"{n_blocks} blocks of output columns > {_MAX_N_BLOCKS}")
-        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        locks = split_k_locks(x.device)
-    else:
-        part = locks = y
+    n_blocks, k_per_split, part, locks = split_k_launch(y, k, split, cfg["BLOCK_N"],
+                                                        cfg["BLOCK_K"])
     _fp8_small_m_kernel[(n_blocks, split)](
         x, wq, sw, x_scale if x_fp8 else sw, y, part, locks, m, n, k, k_per_split,
         x.stride(0), wq.stride(0), y.stride(0), FMAX=FP8_MAX, EPS=SCALE_EPS,
