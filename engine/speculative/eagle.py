@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 #: target hidden-state rows a request may hold for its head before the oldest are dropped
 #: (a request that keeps decoding in batches too large to speculate)
-MAX_PENDING_ROWS = 4096
+MAX_PENDING_ROWS = 2048
 
 
 class EagleHead(nn.Module):
@@ -90,8 +90,11 @@ class EagleHead(nn.Module):
         self.dtype = dtype
         self.embed_tokens = None  # the checkpoint's own embedding, if it has one
         self.own_lm_head = False
-        self.rotary_emb = RotaryEmbedding(mc.head_dim, mc.max_position_embeddings,
-                                          mc.rope_theta, mc.rope_parameters)
+        # the head runs at the target's positions (published heads say 2048, their targets
+        # run longer)
+        max_pos = max(mc.max_position_embeddings, target.model_config.max_position_embeddings)
+        self.rotary_emb = RotaryEmbedding(mc.head_dim, max_pos, mc.rope_theta,
+                                          mc.rope_parameters)
 
     @property
     def num_layers(self) -> int:
@@ -198,8 +201,12 @@ class EagleHead(nn.Module):
 
 
 def load_eagle_head(path: str, eagle3: bool, target, dtype: torch.dtype,
-                    device: torch.device, ops_kind: str = "reference") -> EagleHead:
-    """Build the head from ``path`` (``config.json`` + ``*.safetensors``) on ``device``.
+                    device: torch.device, ops_kind: str = "reference",
+                    dummy: bool = False, seed: int = 0) -> EagleHead:
+    """Build the head from ``path`` (``config.json`` + ``*.safetensors``) on ``device``;
+    with ``dummy`` (``--load-format dummy``) a directory with only ``config.json`` gets
+    seeded random weights (benchmarks of the step cost: such a head's drafts are rarely
+    accepted).
 
     Raises:
         FileNotFoundError: no config or no safetensors file; ValueError: as
@@ -214,8 +221,9 @@ def load_eagle_head(path: str, eagle3: bool, target, dtype: torch.dtype,
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{flag} {path}: no config.json")
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"{flag} {path}: no *.safetensors file")
+    if not files and not dummy:
+        raise FileNotFoundError(f"{flag} {path}: no *.safetensors file (or pass "
+                                "--load-format dummy for a random head)")
     config = AutoConfig.from_pretrained(path)
     tmc = target.model_config
     th = getattr(config, "target_hidden_size", None) or config.hidden_size
@@ -228,11 +236,36 @@ def load_eagle_head(path: str, eagle3: bool, target, dtype: torch.dtype,
     with torch.device(device):
         head = EagleHead(config, eagle3, target, dtype)
     try:
-        head.load_weights(iter_safetensors(files))
+        head.load_weights(iter_safetensors(files) if files else _random_weights(head, seed))
     except ValueError as e:
         raise ValueError(f"{flag} {path}: {e}") from None
     select_ops(head, ops_kind)
     return head.eval()
+
+
+def _random_weights(head: EagleHead, seed: int):
+    """Checkpoint-named random tensors for ``head`` (norms 1, the rest N(0, 0.02))."""
+    from engine.models.llama import STACKED_PARAMS
+
+    g = torch.Generator().manual_seed(seed)
+    parts = {f: [(p, sid) for ff, p, sid in STACKED_PARAMS if ff == f]
+             for f, _, _ in STACKED_PARAMS}
+    for name, p in head.named_parameters():
+        if name.startswith("embed_tokens."):
+            continue
+        fused = next((f for f in parts if f".{f}." in name), None)
+        if fused is None:
+            shape, outs = tuple(p.shape), [(name, None)]
+        else:  # the unfused checkpoint parts of a fused parameter
+            mod = head.get_submodule(name.rsplit(".", 2)[0] + "." + fused)
+            sizes = ([mod.q_size, mod.kv_size, mod.kv_size] if fused == "qkv_proj"
+                     else [p.shape[0] // 2] * 2)
+            outs = [(name.replace(f".{fused}.", f".{part}."), n)
+                    for (part, _), n in zip(parts[fused], sizes)]
+        for out, rows in outs:
+            shape = tuple(p.shape) if rows is None else (rows, p.shape[1])
+            t = torch.ones(shape) if "norm" in out else torch.randn(shape, generator=g) * 0.02
+            yield out, t
 
 
 class EagleProposer(ModelProposer):
@@ -273,7 +306,8 @@ class EagleProposer(ModelProposer):
             target.graph_runner = target.piecewise_runner = None
         self.head = load_eagle_head(args.speculative_draft_model_path, eagle3, model,
                                     target.dtype, target.device,
-                                    small_ops_kind(target.device_type, args.disable_fused_ops))
+                                    small_ops_kind(target.device_type, args.disable_fused_ops),
+                                    dummy=args.load_format == "dummy", seed=args.seed)
         mc = self.head.mc
         self.device = target.device
         self.kv_pool = KVPool(target.max_total_tokens, args.page_size, self.head.num_layers,
@@ -320,6 +354,8 @@ class EagleProposer(ModelProposer):
                 seq.hidden, seq.hidden_rows, seq.hidden_start = [], 0, p
         seq.hidden.append(rows)
         seq.hidden_rows += rows.shape[0]
+        if len(seq.hidden) > 16:  # a copy of its own rows: the steps' tensors can go
+            seq.hidden = [torch.cat(seq.hidden)]
         if seq.hidden_rows > MAX_PENDING_ROWS:
             keep = torch.cat(seq.hidden)[-(MAX_PENDING_ROWS // 2):]
             self.reset(seq, seq.hidden_start + seq.hidden_rows - keep.shape[0])

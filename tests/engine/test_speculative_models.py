@@ -313,3 +313,21 @@ def test_start_up_errors_name_the_flags(ckpts, tmp_path):
     with pytest.raises(ValueError, match="--speculative-algorithm EAGLE3: .* at least 3 layers"):
         LLM(config_dir("llama-tiny"), load_format="dummy", device="cpu", max_total_tokens=256,
             speculative_algorithm="EAGLE3", speculative_draft_model_path=str(tmp_path))
+
+
+def test_eagle3_dummy_head_from_a_config(ckpts, tmp_path):
+    """--load-format dummy draws a random head for a config-only directory (the benchmarks'
+    published-shape heads); the greedy output is still the target's."""
+    from engine import LLM
+
+    cfg = _llama_config(1)
+    cfg.architectures, cfg.draft_vocab_size = ["LlamaForCausalLMEagle3"], DRAFT_VOCAB
+    cfg.save_pretrained(tmp_path)
+    kw = {**KW, "load_format": "dummy"}
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = LLM(ckpts["target"], **kw).generate(PROMPTS[:2], sp)
+    spec = LLM(ckpts["target"], speculative_algorithm="EAGLE3",
+               speculative_draft_model_path=str(tmp_path), **kw)
+    got = spec.generate(PROMPTS[:2], sp)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert spec.scheduler.stats["spec_proposed_tokens"] > 0
