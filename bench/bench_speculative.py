@@ -1,8 +1,10 @@
 """Speculative decoding against plain decoding, in one process on one model (issue 26).
 
 ``python -m bench.bench_speculative`` builds one engine with ``--speculative-algorithm``
-(NGRAM by default) and runs each workload twice on it: with the verify steps switched off
-(the scheduler's ``spec`` set aside: plain decode steps) and on, greedy. Workloads, as
+(NGRAM by default; EAGLE, EAGLE3 and STANDALONE with ``--draft-model-path``) and runs each
+workload twice on it: with the verify steps switched off (the scheduler's ``spec`` set
+aside: plain decode steps) and on, greedy. With EAGLE the target's graphs are off in both
+modes (the head needs its hidden states). Workloads, as
 chat requests through the model's chat template:
 
 - ``copy``: copy-heavy requests (repeat a paragraph, rename a variable in a function, echo
@@ -85,6 +87,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="the chat template's tokenizer (needed for a config without one)")
     p.add_argument("--algorithm", default="NGRAM")
     p.add_argument("--num-draft-tokens", type=int, default=None)
+    p.add_argument("--draft-model-path", default=None,
+                   help="EAGLE/EAGLE3/STANDALONE: the draft head or model (with --load-format "
+                        "dummy, an EAGLE head directory may hold only its config.json)")
+    p.add_argument("--num-steps", type=int, default=None,
+                   help="EAGLE/EAGLE3/STANDALONE: the draft chain's length")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--max-tokens", type=int, default=128)
@@ -96,6 +103,8 @@ def main(argv: list[str] | None = None) -> None:
               tokenizer_path=ns.tokenizer_path,
               speculative_algorithm=ns.algorithm,
               speculative_num_draft_tokens=ns.num_draft_tokens,
+              speculative_draft_model_path=ns.draft_model_path,
+              speculative_num_steps=ns.num_steps,
               speculative_max_batch_size=max(ns.batch_sizes))
     sched, worker = llm.scheduler, llm.scheduler.spec
     runner_dtype = str(llm.runner.dtype).replace("torch.", "")

@@ -331,3 +331,19 @@ def test_eagle3_dummy_head_from_a_config(ckpts, tmp_path):
     got = spec.generate(PROMPTS[:2], sp)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert spec.scheduler.stats["spec_proposed_tokens"] > 0
+
+
+def test_bench_speculative_runs_a_draft_model(ckpts, tmp_path):
+    """bench.bench_speculative with STANDALONE (the target as its own draft): one row, the
+    greedy outputs identical (float32: the bench stops otherwise), drafts accepted."""
+    import json
+
+    from bench.bench_speculative import main
+
+    out = tmp_path / "rows.jsonl"
+    main(["--model-path", ckpts["target"], "--algorithm", "STANDALONE", "--draft-model-path",
+          ckpts["target"], "--num-steps", "3", "--batch-sizes", "1", "--workloads", "copy",
+          "--max-tokens", "8", "--result-jsonl", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["identical_outputs"] == rows[0]["requests"] == 3
+    assert rows[0]["num_draft_tokens"] == 3 and rows[0]["mean_accept_length"] > 2
