@@ -93,7 +93,9 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [T, H], router_logits [T, E] fp32 -> [T, H] in x's dtype: this rank's partial
         sum (all-reduced by the caller)."""
-        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        # the Triton impl brings its one-launch router (kernels.moe.fused_moe.fused_topk)
+        route = getattr(self.impl, "router", select_experts)
+        topk_weights, topk_ids = route(router_logits, self.top_k, self.renormalize)
         return self.impl(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
 
     def weight_loader(self, param: nn.Parameter, loaded, expert_id: int, shard_id: str) -> None:
@@ -166,14 +168,16 @@ class SparseMoeBlock(nn.Module):
 def triton_fused_moe():
     """:func:`kernels.moe.fused_moe.fused_moe` (imported here: it needs Triton) as a ``FusedMoE``
     ``impl``: the same arguments as :func:`kernels.moe.moe_torch.fused_moe_torch`, plus the
-    device's name for the tuned launch-config table (looked up once per device type)."""
-    from kernels.moe.fused_moe import fused_moe
+    device's name for the tuned launch-config table (looked up once per device type), and
+    its ``router``: :func:`kernels.moe.fused_moe.fused_topk`, the routing in one launch."""
+    from kernels.moe.fused_moe import fused_moe, fused_topk
 
     def run(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
             topk_ids: torch.Tensor) -> torch.Tensor:
         return fused_moe(x, w13, w2, topk_weights, topk_ids,
                          device_name=_device_name(x.device.type))
 
+    run.router = fused_topk  # select_experts in one launch, for FusedMoE.forward
     return run
 
 

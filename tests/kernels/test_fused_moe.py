@@ -21,7 +21,13 @@ pytest.importorskip("triton")
 from kernel_test_utils import DEVICE, ON_GPU, gpu_only, rel_err
 
 from kernels.moe import moe_config
-from kernels.moe.fused_moe import fused_moe, invoke_moe_gemm, moe_align_block_size, moe_sum
+from kernels.moe.fused_moe import (
+    fused_moe,
+    fused_topk,
+    invoke_moe_gemm,
+    moe_align_block_size,
+    moe_sum,
+)
 from kernels.moe.moe_torch import (
     align_capacity,
     fused_moe_torch,
@@ -139,24 +145,48 @@ def check_alignment(ids: torch.Tensor, num_experts: int, block_m: int, outputs) 
 # ---------------------------------------------------------------------------- router
 
 
-def test_select_experts_matches_hand_computation():
+def _fused_topk_on_device(logits, top_k, renorm):
+    w, ids = fused_topk(logits.to(DEVICE), top_k, renorm)
+    return w.cpu(), ids.cpu()
+
+
+@pytest.mark.parametrize("route", [select_experts, _fused_topk_on_device],
+                         ids=["torch", "triton"])
+def test_select_experts_matches_hand_computation(route):
     logits = torch.tensor([[1.0, 3.0, 0.0, 2.0], [0.5, -1.0, 0.5, 4.0]], dtype=BF16)
     z = [[math.exp(v) for v in row] for row in logits.float().tolist()]
     p = [[v / sum(row) for v in row] for row in z]
     for renorm in (False, True):
-        w, ids = select_experts(logits, 2, renorm)
+        w, ids = route(logits, 2, renorm)
         assert w.dtype == F32 and ids.dtype == torch.int32 and w.shape == ids.shape == (2, 2)
         assert ids[0].tolist() == [1, 3] and ids[1, 0] == 3 and ids[1, 1] in (0, 2)
         for r in range(2):
             picked = [p[r][int(i)] for i in ids[r]]
             want = [v / sum(picked) for v in picked] if renorm else picked
             assert torch.allclose(w[r], torch.tensor(want), rtol=1e-6, atol=0)
-    w1, ids1 = select_experts(logits, 1, True)
+    w1, ids1 = route(logits, 1, True)
     assert ids1.view(-1).tolist() == [1, 3] and torch.equal(w1, torch.ones(2, 1))
     with pytest.raises(ValueError):
-        select_experts(logits, 5, True)
+        route(logits, 5, True)
     with pytest.raises(ValueError):
-        select_experts(logits[0], 1, True)
+        route(logits[0], 1, True)
+
+
+@pytest.mark.parametrize("m,num_experts,top_k,dtype,renorm", [
+    (1, 8, 2, F32, True), (7, 60, 4, F16, False), (40, 128, 8, BF16, True),
+    (3, 128, 1, F16, True), (5, 6, 6, F32, False)])
+def test_fused_topk_matches_select_experts(m, num_experts, top_k, dtype, renorm):
+    """The one-launch router against the torch one on shuffled logits (no ties): the same ids
+    in the same (descending) order, weights to fp32 rounding; top_k = E takes every expert."""
+    g = torch.Generator().manual_seed(m)
+    # distinct per row and exact in 16 bits (multiples of 1/16 within +-4: 7 significant bits)
+    logits = torch.stack([torch.randperm(num_experts, generator=g) for _ in range(m)])
+    logits = ((logits - num_experts // 2) / 16.0).to(dtype)
+    w_ref, ids_ref = select_experts(logits, top_k, renorm)
+    w, ids = _fused_topk_on_device(logits, top_k, renorm)
+    assert w.dtype == F32 and ids.dtype == torch.int32 and w.shape == (m, top_k)
+    assert torch.equal(ids, ids_ref)
+    assert torch.allclose(w, w_ref, rtol=1e-5, atol=1e-7)
 
 
 # ---------------------------------------------------------------------------- alignment
@@ -439,3 +469,23 @@ def test_gpu_fused_moe_graph_capture():
         ref = fused_moe_torch(x.float().cpu(), w13.float().cpu(), w2.float().cpu(),
                               weights, ids)
         check(out, ref, dtype, "graph replay")
+
+
+def test_moe_layer_with_the_triton_impl_routes_with_fused_topk():
+    """``FusedMoE`` with the Triton impl (what ``select_ops`` sets on a GPU) routes with its
+    one-launch router and gives the torch path's output (fp32 in the interpreter)."""
+    from engine.layers.moe import FusedMoE, triton_fused_moe
+
+    g = torch.Generator().manual_seed(3)
+    layer = FusedMoE(num_experts=6, top_k=2, hidden_size=32, intermediate_size=48,
+                     renormalize=True, dtype=F32)
+    with torch.no_grad():
+        layer.w13_weight.copy_(torch.randn(layer.w13_weight.shape, generator=g) / 6)
+        layer.w2_weight.copy_(torch.randn(layer.w2_weight.shape, generator=g) / 7)
+    layer = layer.to(DEVICE)
+    x = torch.randn(5, 32, generator=g).to(DEVICE)
+    logits = torch.randn(5, 6, generator=g).to(DEVICE)
+    ref = layer(x, logits)  # the torch impl and select_experts
+    layer.impl = triton_fused_moe()
+    assert layer.impl.router is fused_topk
+    assert rel_err(layer(x, logits), ref) < TOL[F32]
