@@ -204,8 +204,8 @@ def load_eagle_head(path: str, eagle3: bool, target, dtype: torch.dtype,
                     device: torch.device, ops_kind: str = "reference",
                     dummy: bool = False, seed: int = 0) -> EagleHead:
     """Build the head from ``path`` (``config.json`` + ``*.safetensors``) on ``device``;
-    with ``dummy`` (``--load-format dummy``) a directory with only ``config.json`` gets
-    seeded random weights (benchmarks of the step cost: such a head's drafts are rarely
+    with ``dummy`` (``--load-format dummy``) a directory with only ``config.json``, or a
+    config ``.json`` file, gets seeded random weights (benchmarks of the step cost: such a head's drafts are rarely
     accepted).
 
     Raises:
@@ -218,9 +218,10 @@ def load_eagle_head(path: str, eagle3: bool, target, dtype: torch.dtype,
     from engine.loader.weights import iter_safetensors
 
     flag = "--speculative-draft-model-path"
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    is_json = path.endswith(".json") and os.path.isfile(path)  # a bare config (dummy only)
+    if not is_json and not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"{flag} {path}: no config.json")
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    files = [] if is_json else sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files and not dummy:
         raise FileNotFoundError(f"{flag} {path}: no *.safetensors file (or pass "
                                 "--load-format dummy for a random head)")

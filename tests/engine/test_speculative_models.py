@@ -316,7 +316,7 @@ def test_start_up_errors_name_the_flags(ckpts, tmp_path):
 
 
 def test_eagle3_dummy_head_from_a_config(ckpts, tmp_path):
-    """--load-format dummy draws a random head for a config-only directory (the benchmarks'
+    """--load-format dummy draws a random head for a bare config (the benchmarks'
     published-shape heads); the greedy output is still the target's."""
     from engine import LLM
 
@@ -327,7 +327,7 @@ def test_eagle3_dummy_head_from_a_config(ckpts, tmp_path):
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     want = LLM(ckpts["target"], **kw).generate(PROMPTS[:2], sp)
     spec = LLM(ckpts["target"], speculative_algorithm="EAGLE3",
-               speculative_draft_model_path=str(tmp_path), **kw)
+               speculative_draft_model_path=str(tmp_path / "config.json"), **kw)
     got = spec.generate(PROMPTS[:2], sp)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert spec.scheduler.stats["spec_proposed_tokens"] > 0
