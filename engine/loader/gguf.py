@@ -143,7 +143,7 @@ def iter_gguf(gguf_file: str, config, hf_names: list[str], keep_blocks: bool = F
     ``TENSOR_PROCESSORS`` (what ``from_pretrained(gguf_file=...)`` runs).
     GGUF tensors whose names match none of ``hf_names`` are skipped.
 
-    With ``keep_blocks``, Q4_0/Q4_1/Q8_0 tensors are yielded as
+    With ``keep_blocks``, Q4_0/Q4_1/Q8_0/Q4_K tensors are yielded as
     :class:`engine.layers.quantization.gguf.GgufBlocks` (raw block rows, which a float
     layer dequantizes when it loads them): the processor's row permutation is applied to
     whole rows of blocks (found by running it on the row indices).
@@ -229,14 +229,15 @@ def quantized_head(blocks, quant, dtype: torch.dtype, device: torch.device):
     table's Q8_0 bytes, 1.06 a weight, instead of 4 in fp32); the embedding lookup keeps
     the dequantized table. ``model.compute_logits`` uses it."""
     from engine.layers.linear import ReplicatedLinear
-    from engine.layers.quantization.gguf import BLOCK, BLOCK_TYPES
+    from engine.layers.quantization.gguf import BLOCK, BLOCK_TYPES, scale_dtype
 
     vocab, hidden = blocks.shape
     from engine.layers.quantization import quantization_scope
 
     with torch.device(device), quantization_scope(quant):
         head = ReplicatedLinear(hidden, vocab, bias=False, dtype=dtype, tp_size=1, tp_rank=0)
-    head.quant_method.set_format(head, BLOCK_TYPES[blocks.ggml_type][2], BLOCK, torch.float16)
+    head.quant_method.set_format(head, BLOCK_TYPES[blocks.ggml_type][2], BLOCK,
+                                 scale_dtype([blocks.ggml_type]))
     with torch.no_grad():
         head.weight.weight_loader(head.weight, blocks)
     logger.info("GGUF: the LM head reads its %s blocks (%.1f MB)", blocks.type_name,
@@ -246,7 +247,7 @@ def quantized_head(blocks, quant, dtype: torch.dtype, device: torch.device):
 
 def keeps_gguf_blocks(quantization: str | None, gguf_dequantize: bool, device_type: str
                       ) -> bool:
-    """Whether a GGUF file's Q4_0/Q4_1/Q8_0 linear weights stay in their blocks: on the CPU
+    """Whether a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K linear weights stay in their blocks: on the CPU
     by default, on any device with ``--quantization gguf``; never with
     ``--gguf-dequantize`` or ``--quantization fp8|awq|gptq`` (which quantize dequantized
     weights).

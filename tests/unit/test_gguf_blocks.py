@@ -19,13 +19,14 @@ from engine.layers.quantization.gguf import (
     BLOCK_TYPES,
     Q4_0,
     Q4_1,
+    Q4_K,
     Q8_0,
     GgufBlocks,
     GgufConfig,
     repack,
 )
 from engine.loader.loader import keeps_gguf_blocks
-from kernels.quant.quant_ref import dequant
+from kernels.quant.quant_ref import dequant, wq_matmul_ref
 
 gguf = pytest.importorskip("gguf")
 
@@ -67,6 +68,33 @@ def test_repack_matches_gguf_quantized_floats(ggml_type):
     assert np.abs(got.numpy() - w).max() < 0.05     # and it is the weight, approximately
 
 
+def _random_q4_k(n: int, k: int, seed: int) -> np.ndarray:
+    """Random Q4_K super-blocks: random scale bytes and nibbles, finite fp16 d and dmin."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // 256, 144), dtype=np.uint8)
+    halves = (rng.standard_normal((n, k // 256, 2)) * 0.01).astype(np.float16)
+    raw[..., :4] = halves.view(np.uint8).reshape(n, k // 256, 4)
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("n,k", [(1, 256), (5, 768)])
+def test_q4_k_repack_matches_gguf_dequantize(n, k):
+    """Q4_K (6-bit sub-block scales and mins, nibbles of two sub-blocks per 32 bytes) ->
+    q4 with fp32 scales and mins: gguf-py's dequantization bit for bit, through the torch
+    reference and, where it builds, ferry's C++ kernel."""
+    raw = _random_q4_k(n, k, seed=n + k)
+    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)
+    packed = repack(GgufBlocks(raw, Q4_K, (n, k)))
+    assert packed["weight_scale"].dtype == torch.float32
+    assert packed["weight_scale"].shape == (n, k // 32)
+    w = dequant("q4", packed["weight"], packed["weight_scale"], packed["weight_min"])
+    np.testing.assert_array_equal(w.numpy(), ref)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(0))
+    y = wq_matmul_ref(x, "q4", packed["weight"], packed["weight_scale"], packed["weight_min"])
+    want = x.double() @ torch.from_numpy(ref).double().t()
+    assert (y.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
 def test_repack_refuses_other_types():
     q6k = int(gguf.GGMLQuantizationType.Q6_K)
     with pytest.raises(ValueError, match="Q6_K"):
@@ -80,13 +108,15 @@ def test_layout_plan():
     assert cfg.layout_of(["a.q.weight", "a.k.weight"]) == ("q4", "Q4_0/Q4_1")
     assert cfg.layout_of(["b.x.weight"]) == ("q8", "Q8_0")
     assert cfg.layout_of(["c.x.weight", "c.y.weight"])[0] is None    # 4- and 8-bit parts
-    assert cfg.layout_of(["d.x.weight"]) == (None, "Q4_K")
+    assert cfg.layout_of(["d.x.weight"]) == ("q4", "Q4_K")
+    cfg.types["e.x.weight"] = int(gguf.GGMLQuantizationType.Q6_K)
+    assert cfg.layout_of(["e.x.weight"]) == (None, "Q6_K")
     assert cfg.layout_of(["missing.weight"])[0] is None
 
 
 def test_plan_names_the_types_it_dequantizes(caplog):
-    """Layers whose GGUF types cannot keep their blocks (Q4_K, Q6_K, F16...) are dequantized
-    with a warning that names the types; the others keep q4/q8."""
+    """Layers whose GGUF types cannot keep their blocks (Q6_K, F16, a mix with them...) are
+    dequantized with a warning that names the types; the others keep q4/q8."""
     import logging
 
     from transformers import LlamaConfig
@@ -104,7 +134,7 @@ def test_plan_names_the_types_it_dequantizes(caplog):
     p = "model.layers.0."
     plan.types = {p + "self_attn.q_proj.weight": q4k, p + "self_attn.k_proj.weight": q4k,
                   p + "self_attn.v_proj.weight": q6k, p + "self_attn.o_proj.weight": Q4_1,
-                  p + "mlp.gate_proj.weight": Q8_0, p + "mlp.up_proj.weight": Q8_0,
+                  p + "mlp.gate_proj.weight": Q4_1, p + "mlp.up_proj.weight": q4k,
                   p + "mlp.down_proj.weight": 1}  # F16
     with caplog.at_level(logging.WARNING, logger="engine.layers.quantization.gguf"):
         assert plan_layers(model, plan, torch.float32) == (2, 2)
@@ -112,7 +142,11 @@ def test_plan_names_the_types_it_dequantizes(caplog):
     assert "GGUF Q4_K/Q6_K weights are dequantized" in text and "GGUF F16 weights" in text
     layer = model.model.layers[0]
     assert layer.self_attn.qkv_proj.quant_method is None
-    assert layer.self_attn.o_proj.wq_format == "q4" and layer.mlp.gate_up_proj.wq_format == "q8"
+    assert layer.self_attn.o_proj.wq_format == "q4"
+    assert layer.self_attn.o_proj.weight_scale.dtype == torch.float16
+    # a Q4_1 part and a Q4_K part: one q4 layout with fp32 scales (Q4_K's need them)
+    assert layer.mlp.gate_up_proj.wq_format == "q4"
+    assert layer.mlp.gate_up_proj.weight_scale.dtype == torch.float32
 
 
 def test_flags():
