@@ -84,6 +84,11 @@ class ModelProposer(Proposer):
                     if s.req.finished or s.req.req_pool_idx is None]:
             self.drop(rid)
 
+    def observe(self, batch) -> None:
+        # after every target step (cheap: one pass over the requests with draft state), so
+        # requests that end while batches are too large to speculate do not keep their KV
+        self.sweep()
+
     def truncate(self, seq: DraftSeq, n: int) -> None:
         """Keep the first ``n`` KV entries of ``seq`` (0: all of its pages go back)."""
         if n < seq.kv_len:

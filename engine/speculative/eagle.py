@@ -327,6 +327,7 @@ class EagleProposer(ModelProposer):
 
     # ---- the target's hidden states -----------------------------------------------------
     def observe(self, batch) -> None:
+        super().observe(batch)
         h = self.target.model.hidden_out
         if h is None:
             return
