@@ -127,27 +127,20 @@ class _SamplingFields(_Base):
             raise ValueError(f"n must be at most {limit} on this server")
         return v
 
-    @field_validator("stop", mode="before")
+    @field_validator("stop", "stop_regex", mode="before")
     @classmethod
-    def _stop(cls, v: Any) -> list[str]:
+    def _stop(cls, v: Any, info: ValidationInfo) -> list[str]:
+        kind = ("a string", "stop strings", "stop string") if info.field_name == "stop" else \
+            ("a regular expression", "stop_regex patterns", "stop_regex pattern")
         if isinstance(v, str):
             v = [v]
         if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-            raise ValueError("must be a string or a list of strings")
+            raise ValueError(f"must be {kind[0]} or a list of them")
         if len(v) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+            raise ValueError(f"at most {MAX_STOP_STRINGS} {kind[1]} are allowed")
         for s in v:
             if not 1 <= len(s) <= MAX_STOP_LEN:
-                raise ValueError(f"each stop string must have 1 to {MAX_STOP_LEN} characters")
-        return v
-
-    @field_validator("stop_regex", mode="before")
-    @classmethod
-    def _stop_regex(cls, v: Any) -> list[str]:
-        if isinstance(v, str):
-            v = [v]
-        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-            raise ValueError("must be a regular expression or a list of them")
+                raise ValueError(f"each {kind[2]} must have 1 to {MAX_STOP_LEN} characters")
         return v
 
     @field_validator("stop_token_ids")

@@ -326,14 +326,16 @@ def test_prompt_logprobs_shape_and_place(tok, fmt_cls):
 
 # ---- issue 34 kind 6: matched_stop is the stop string that cut the text ------------------
 
-def _run_stops(tok, text: str, stops: list[str]):
-    """Feed ``text``'s tokens through the engine's stop check and the detokenizer with
-    several stop strings; return (the engine's matched stop or None, the returned text)."""
+def stream_stops(tok, text: str, stops: list[str], stop_regex: list[str] = ()):
+    """Feed ``text``'s tokens through the engine's stop check and then, one at a time, the
+    detokenizer, with stop strings and ``stop_regex`` patterns; return (the engine's matched
+    stop or None, the detokenizer's deltas, the ids up to the engine's stop)."""
     from test_scheduler import FakeRunner
 
     ids = tok.encode(text, add_special_tokens=False)
     sched = Scheduler(ServerArgs(), FakeRunner(max_total_tokens=256), tokenizer=tok)
-    r = Req("s", [1], SamplingParams(max_tokens=100, stop=stops))
+    r = Req("s", [1], SamplingParams(max_tokens=200, stop=stops,
+                                     stop_regex=list(stop_regex)))
     n, matched = len(ids), None
     for i, t in enumerate(ids):
         r.output_ids.append(t)
@@ -342,16 +344,22 @@ def _run_stops(tok, text: str, stops: list[str]):
             n, matched = i + 1, fin.matched
             break
     det = DetokenizerManager(tok)
-    out = ""
+    deltas = []
     for i in range(n):
         fin = ({"type": "stop" if matched else "length", "matched": matched}
                if i == n - 1 else None)
         b = BatchTokenIdOut(rids=["s"], new_token_ids=[[ids[i]]], finished_reasons=[fin],
                             prompt_tokens=[1], completion_tokens=[i + 1], stop_strs=[stops],
                             skip_special_tokens=[True], spaces_between_special_tokens=[True],
-                            min_tokens=[0])
-        out += det.process(b).texts[0]
-    return matched, out, tok.decode(ids[:n])
+                            min_tokens=[0], stop_regex=[list(stop_regex)])
+        deltas.append(det.process(b).texts[0])
+    return matched, deltas, ids[:n]
+
+
+def _run_stops(tok, text: str, stops: list[str]):
+    """(the engine's matched stop or None, the returned text, the generated text)."""
+    matched, deltas, ids = stream_stops(tok, text, stops)
+    return matched, "".join(deltas), tok.decode(ids)
 
 
 def test_matched_stop_is_the_earliest_match_not_the_first_listed(tok):

@@ -12,14 +12,10 @@ import random
 import re
 
 import pytest
+from test_api_conformance import stream_stops
 
-from engine.args import ServerArgs
-from engine.io_struct import BatchTokenIdOut
 from engine.llm import final_text
 from engine.sampling.params import SamplingParams
-from engine.scheduler.request import Req
-from engine.scheduler.scheduler import Scheduler
-from engine.tokenizer.detokenizer import DetokenizerManager
 from server.http.errors import APIError
 from server.openai.protocol import ChatCompletionRequest, parse_request
 
@@ -34,29 +30,8 @@ def tok():
 def _run(tok, text: str, patterns: list[str]):
     """(the engine's matched stop or None, the streamed deltas, the generated text up to the
     engine's stop, the same without the last token)."""
-    from test_scheduler import FakeRunner
-
-    ids = tok.encode(text, add_special_tokens=False)
-    sched = Scheduler(ServerArgs(), FakeRunner(max_total_tokens=256), tokenizer=tok)
-    r = Req("s", [1], SamplingParams(max_tokens=200, stop_regex=patterns))
-    n, matched = len(ids), None
-    for i, t in enumerate(ids):
-        r.output_ids.append(t)
-        fin = sched._check_finished(r, t, i + 1)
-        if fin is not None:
-            n, matched = i + 1, fin.matched
-            break
-    det = DetokenizerManager(tok)
-    deltas = []
-    for i in range(n):
-        fin = ({"type": "stop" if matched else "length", "matched": matched}
-               if i == n - 1 else None)
-        b = BatchTokenIdOut(rids=["s"], new_token_ids=[[ids[i]]], finished_reasons=[fin],
-                            prompt_tokens=[1], completion_tokens=[i + 1], stop_strs=[[]],
-                            skip_special_tokens=[True], spaces_between_special_tokens=[True],
-                            min_tokens=[0], stop_regex=[patterns])
-        deltas.append(det.process(b).texts[0])
-    return matched, deltas, tok.decode(ids[:n]), tok.decode(ids[:n - 1])
+    matched, deltas, ids = stream_stops(tok, text, [], patterns)
+    return matched, deltas, tok.decode(ids), tok.decode(ids[:-1])
 
 
 def _reference(text: str, patterns: list[str]):
