@@ -110,6 +110,20 @@ def main(argv: list[str] | None = None) -> None:
     runner_dtype = str(llm.runner.dtype).replace("torch.", "")
     exact = runner_dtype == "float32"  # outputs must then be identical with speculation
     sp = SamplingParams(max_tokens=ns.max_tokens, temperature=0)
+    # host clocks around the worker's two phases: build (propose: a draft model's forwards;
+    # allocate) and run (the verify forward and acceptance); both end in a host sync
+    # (drafts and accepted tokens come back as lists), so wall time is device time included
+    phase = {"build": 0.0, "run": 0.0}
+
+    def timed(name, fn):
+        def call(*a, **kw):
+            t0 = time.perf_counter()
+            out = fn(*a, **kw)
+            phase[name] += time.perf_counter() - t0
+            return out
+        return call
+
+    worker.build, worker.run = timed("build", worker.build), timed("run", worker.run)
     # warm-up: both modes, a batch of each size (first calls pay allocator and kernel setup)
     warm = [_chat(llm.tokenizer, t) for t in WORKLOADS["copy"]]
     for spec, bs in itertools.product((None, worker), ns.batch_sizes):
@@ -125,6 +139,7 @@ def main(argv: list[str] | None = None) -> None:
             best, ids = float("inf"), None
             for _ in range(ns.repeats):
                 worker.reset_stats()
+                phase.update(build=0.0, run=0.0)
                 dt, got = _run(llm, prompts, bs, sp)
                 best = min(best, dt)
                 ids = ids or got
@@ -132,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
                     raise SystemExit(f"{wl} bs{bs} {mode}: outputs differ between repeats")
             res[mode] = (best, ids, mean_accept_length(sched.stats))
         (t_off, ids_off, _), (t_on, ids_on, acc_len) = res["off"], res[ns.algorithm]
+        rounds = sched.stats["spec_verify_steps"]  # of the last repeat, as `phase`
         same = sum(a == b for a, b in zip(ids_on, ids_off))
         if same < len(ids_off):
             if exact:
@@ -147,10 +163,21 @@ def main(argv: list[str] | None = None) -> None:
                "output_tokens": n_out,
                "off_output_tok_s": n_out / t_off, "spec_output_tok_s": n_out / t_on,
                "speedup": t_off / t_on, "mean_accept_length": acc_len,
-               "num_draft_tokens": worker.k}
+               "num_draft_tokens": worker.k, "verify_steps": rounds}
+        # per speculative round (propose + verify) against a plain step of the off run (its
+        # wall time over its steps: prefill included, a percent or two at these lengths)
+        if rounds:
+            plain = t_off * bs / n_out
+            row.update(draft_ms=phase["build"] / rounds * 1e3,
+                       verify_ms=phase["run"] / rounds * 1e3, plain_step_ms=plain * 1e3,
+                       round_cost_in_plain_steps=(phase["build"] + phase["run"]) / rounds / plain)
         emit_result(row, f"{wl:5s} bs{bs}: {n_out} output tokens; off {n_out / t_off:6.1f} "
                          f"tok/s, {ns.algorithm} {n_out / t_on:6.1f} tok/s: {t_off / t_on:.2f}x "
-                         f"(mean accept length {acc_len or 0:.2f})", ns.result_jsonl)
+                         f"(mean accept length {acc_len or 0:.2f})"
+                         + (f"; a round: draft {row['draft_ms']:.2f} ms + verify "
+                            f"{row['verify_ms']:.2f} ms = {row['round_cost_in_plain_steps']:.2f} "
+                            f"plain steps of {row['plain_step_ms']:.2f} ms" if rounds else ""),
+                   ns.result_jsonl)
     sched.spec = worker
 
 

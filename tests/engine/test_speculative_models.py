@@ -347,3 +347,58 @@ def test_bench_speculative_runs_a_draft_model(ckpts, tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 1 and rows[0]["identical_outputs"] == rows[0]["requests"] == 3
     assert rows[0]["num_draft_tokens"] == 3 and rows[0]["mean_accept_length"] > 2
+    # the round's phases: the draft model's forwards and the verify forward both cost time
+    r = rows[0]
+    assert r["verify_steps"] > 0 and r["draft_ms"] > 0 and r["verify_ms"] > 0
+    assert r["round_cost_in_plain_steps"] == pytest.approx(
+        (r["draft_ms"] + r["verify_ms"]) / r["plain_step_ms"])
+
+
+def test_eagle_head_that_knows_the_target_gets_drafts_accepted(tmp_path):
+    """A target whose attention and MLP outputs are zero predicts from the current token
+    alone (its logits are lm_head(norm(embed(t))), norms of weight 1); an EAGLE head that
+    passes embed(token j + 1) through (fc = [I | c I], zero o_proj and down_proj) then
+    predicts the target's next token, up to the c-weighted target state mixed in: drafts are
+    accepted, some rejected, and the greedy output is still the target's."""
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    from engine import LLM
+    from moe_helpers import save_random
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(_llama_config(2)).eval()
+    save_random(hf, tmp_path / "t", seed=4, scale=0.3)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "o_proj" in name or "down_proj" in name:
+                p.zero_()
+            elif "norm" in name:
+                p.fill_(1.0)
+    hf.save_pretrained(tmp_path / "t")
+    w = _head_tensors(False, seed=6)
+    eye = torch.eye(H)
+    w["fc.weight"] = torch.cat([eye, C_MIX * eye], dim=1)
+    w["fc.bias"] = torch.zeros(H)
+    w["layers.0.self_attn.o_proj.weight"].zero_()
+    w["layers.0.mlp.down_proj.weight"].zero_()
+    head = tmp_path / "head"
+    cfg = _llama_config(1)
+    cfg.save_pretrained(head)
+    save_file({k: v.contiguous() for k, v in w.items()}, f"{head}/model.safetensors")
+
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(tmp_path / "t"), **KW).generate(PROMPTS, sp)]
+    llm = LLM(str(tmp_path / "t"), speculative_algorithm="EAGLE",
+              speculative_draft_model_path=str(head), speculative_num_steps=3, **KW)
+    llm.scheduler.check_kv = True
+    assert [o.token_ids for o in llm.generate(PROMPTS, sp)] == want
+    st = llm.scheduler.stats
+    assert 0 < st["spec_accepted_tokens"] < st["spec_proposed_tokens"], st
+    lengths = st["spec_accept_lengths"]
+    assert lengths[0] and lengths[3] and (lengths[1] or lengths[2])  # none, all, some
+    _check_released(llm)
+
+
+
+C_MIX = 0.2
