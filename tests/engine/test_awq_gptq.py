@@ -100,10 +100,12 @@ def _quantized(n: int, k: int, group: int, gen: torch.Generator, sym: bool = Fal
 
 
 def write_checkpoints(root, method: str, group: int, fmt: str = "gptq", seed: int = 0,
-                      keep_float: tuple[str, ...] = ()):
+                      keep_float: tuple[str, ...] = (), act_order: bool = False):
     """An AWQ or GPTQ checkpoint of a random tiny Llama in ``root/quant`` and its float
     twin ``(q - z) * s`` in ``root/float``; returns ``({hf linear name: W [N, K]}, paths)``.
-    AWQ parts named in ``keep_float`` stay float (``modules_to_not_convert``)."""
+    AWQ parts named in ``keep_float`` stay float (``modules_to_not_convert``). GPTQ with
+    ``act_order``: each layer input's group is a random permutation of ``k // group``
+    (``g_idx``), shared by the parts that read the same input, as GPTQ's act-order gives."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -123,6 +125,11 @@ def write_checkpoints(root, method: str, group: int, fmt: str = "gptq", seed: in
                     quant_sd[f"{name}.weight"] = ref[name]
                     continue
                 q, z, s, w = _quantized(n, k, group, gen, sym=fmt == "sym")
+                g_idx = torch.arange(k, dtype=torch.int32) // group
+                if act_order:
+                    g_idx = g_idx[torch.randperm(k, generator=torch.Generator().manual_seed(
+                        hash((i, block, k)) % 1000))]
+                    w = ((q - z[g_idx.long()]).double() * s[g_idx.long()].double()).t().float()
                 ref[name] = w
                 float_sd[f"{name}.weight"] = w
                 del quant_sd[f"{name}.weight"]
@@ -142,7 +149,7 @@ def write_checkpoints(root, method: str, group: int, fmt: str = "gptq", seed: in
                 else:
                     quant_sd[f"{name}.qweight"] = pack_rows(q)
                     quant_sd[f"{name}.qzeros"] = pack_cols(z - (1 if fmt == "gptq" else 0))
-                    quant_sd[f"{name}.g_idx"] = torch.arange(k, dtype=torch.int32) // group
+                    quant_sd[f"{name}.g_idx"] = g_idx
                 quant_sd[f"{name}.scales"] = s
     qc = ({"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
            "version": "gemm", "modules_to_not_convert": list(keep_float)}
@@ -155,7 +162,7 @@ def write_checkpoints(root, method: str, group: int, fmt: str = "gptq", seed: in
                                                      "actorder": None}}},
            "ignore": ["lm_head"]}
           if method == "ct" else
-          {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+          {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order,
            "sym": False, "checkpoint_format": fmt})
     paths = {}
     for kind, sd, cfg in (("quant", quant_sd, dict(CONFIG, quantization_config=qc)),
@@ -274,7 +281,7 @@ def test_refusals_name_the_field():
     cases = [(dict(awq, bits=8), "bits 8"), (dict(awq, version="gemv"), "version"),
              (dict(awq, zero_point=False), "zero_point"), (dict(awq, group_size=-1),
                                                           "group_size -1"),
-             (dict(gptq, desc_act=True), "desc_act"), (dict(gptq, bits=3), "bits 3"),
+             (dict(gptq, bits=3), "bits 3"),
              (dict(gptq, checkpoint_format="marlin"), "checkpoint_format"),
              (dict(gptq, dynamic={"-:.*": {}}), "dynamic"),
              (dict(gptq, group_size=100), "group_size 100")]
@@ -287,8 +294,9 @@ def test_refusals_name_the_field():
 
     c = get_quant_config(cfg(**ct()))
     assert (c.method, c.group_size, c.symmetric) == ("compressed-tensors", 128, True)
-    cases += [(ct(dict(ct_w, actorder="group")), "actorder 'group'"),
-              (ct(dict(ct_w, strategy="channel")), "strategy 'channel'"),
+    assert get_quant_config(cfg(**ct(dict(ct_w, actorder="group")))).act_order
+    assert get_quant_config(cfg(**dict(gptq, desc_act=True))).act_order
+    cases += [(ct(dict(ct_w, strategy="channel")), "strategy 'channel'"),
               (ct(dict(ct_w, num_bits=8)), "int 8-bit weights"),
               (ct(input_activations={"type": "int", "num_bits": 8}), "input_activations")]
     for qc, words in cases:
@@ -304,7 +312,7 @@ def test_refusals_name_the_field():
         RowParallelLinear(64, 64, False, torch.float32, tp_size=2, tp_rank=0)
 
 
-def test_act_order_g_idx_is_refused(tmp_path):
+def test_g_idx_without_desc_act_is_refused(tmp_path):
     _, paths = write_checkpoints(tmp_path, "gptq", 32)
     f = paths["quant"] + "/model.safetensors"
     sd = load_file(f)
@@ -312,6 +320,41 @@ def test_act_order_g_idx_is_refused(tmp_path):
     save_file(sd, f)
     with pytest.raises(ValueError, match="down_proj.g_idx.*act-order"):
         load_model(paths["quant"], device="cpu", dtype="float32", progress=False)
+
+
+def test_act_order_layers_and_greedy_tokens(tmp_path):
+    """GPTQ desc_act: every layer's product equals x @ W^T of the reference weights
+    ``(q[k] - z[g_idx[k]]) * s[g_idx[k]]``, and greedy tokens equal HF's on the float twin."""
+    from engine.llm import LLM
+    from engine.sampling.params import SamplingParams
+
+    ref, paths = write_checkpoints(tmp_path, "gptq", 32, act_order=True)
+    model, _ = load_model(paths["quant"], device="cpu", dtype="float32", progress=False)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(1))
+    for i, layer in enumerate(model.model.layers):
+        for name, want in _fused_refs(ref, i).items():
+            block, proj = name.split(".")
+            lin = getattr(getattr(layer, block), proj)
+            assert lin.wq_perm.shape == (want.shape[1],)
+            xi = x[:, :want.shape[1]]
+            y = lin.quant_method.apply(lin, xi)
+            exact = xi.double() @ want.double().t()
+            assert (y.double() - exact).abs().max() <= 1e-5 * exact.abs().max(), (i, name)
+    prompts = [[5, 17, 99, 4, 250, 31], [7, 8, 9]]
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    with LLM(paths["quant"], cpu_threads=1) as llm:
+        got = [list(o.token_ids) for o in llm.generate(prompts, sp)]
+    assert got == [_greedy_hf(paths["float"], p, 8) for p in prompts]
+    # fused parts with different g_idx cannot share one activation order
+    f = paths["quant"] + "/model.safetensors"
+    sd = load_file(f)
+    sd["model.layers.0.self_attn.k_proj.g_idx"] = torch.arange(64, dtype=torch.int32) // 32
+    save_file(sd, f)
+    with pytest.raises(ValueError, match="_proj.g_idx: the parts of the fused QKVLinear have different"):
+        load_model(paths["quant"], device="cpu", dtype="float32", progress=False)
+    with quantization_scope(Int4Config("gptq", 32, act_order=True)), \
+            pytest.raises(ValueError, match="--tp-size 2: act-order"):
+        RowParallelLinear(64, 64, False, torch.float32, tp_size=2, tp_rank=0)
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq"])

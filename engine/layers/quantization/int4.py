@@ -16,14 +16,15 @@ an int32 word holds 8 nibbles, nibble ``i`` in bits ``4i .. 4i+3``):
   ``checkpoint_format: gptq`` (v1, the default) stores every zero minus one, so
   ``W = (q - (z + 1)) * s`` (vLLM's and exllama's GPTQ kernels add the 1 back;
   ``sym: true`` checkpoints store 7 for the zero 8); ``gptq_v2`` stores ``z`` itself.
-  ``desc_act: true`` (act-order: ``g_idx`` is not ``k // G``) is refused, as is a
-  ``g_idx`` tensor that is not ``k // G``.
+  With ``desc_act: true`` (act-order) ``g_idx[k]`` is the group of input ``k`` in any
+  order (every group ``G`` members); otherwise it must be ``k // G``.
 - **compressed-tensors** ``format: pack-quantized`` (llm-compressor's W4A16; weights
   ``{type: int, num_bits: 4, strategy: group}``): ``weight_packed [N, K/8]`` int32 packed
   along K in order, each code stored as its signed value plus 8 (compressed-tensors'
   ``pack_to_int32``), ``weight_scale [N, K/G]``, ``weight_shape``, and for
   ``symmetric: false`` ``weight_zero_point [N/8, K/G]`` packed along N the same way (else
-  the zero is 8); ``W = (q - z) * s`` on the stored codes. ``actorder: group`` is refused.
+  the zero is 8); ``W = (q - z) * s`` on the stored codes; ``actorder: group`` adds
+  ``weight_g_idx [K]`` (act-order, as GPTQ's).
 
 Anything else (other ``bits``, ``group_size`` -1 or not a multiple of 32, AWQ's GEMV /
 Marlin / exllama versions, ``zero_point: false``, GPTQ's ``dynamic`` per-module rules or the
@@ -36,6 +37,12 @@ is ``(q - z) * s`` exactly in fp32 (an fp16 scale times an integer below 17 has 
 significant bits). The CPU's C++ kernels and the Triton kernel of the GGUF blocks run it
 unchanged (:mod:`engine.layers.quantization.wq`). Bytes per weight: 4.5 bits (AWQ's own
 files: 4.16); fp16 scales with a 4-bit zero would need a ``(q - z) * s`` kernel variant.
+
+Act-order: the codes are stored with K sorted by group (a stable sort of ``g_idx``, so the
+groups are contiguous again) and the layer gathers its activations in that order
+(``wq_perm``, one ``index_select`` per matmul), as vLLM's GPTQ kernels do; fused q/k/v and
+gate/up parts must share their ``g_idx`` (GPTQ derives it from the layer input, which they
+share), and a row-parallel layer with act-order is refused at ``--tp-size`` above 1.
 
 Every packed tensor is converted whole (one HF part), then the layer's own loader places it:
 fused q/k/v and gate/up parts are rows of the fused weight, column-parallel ranks take rows
@@ -61,7 +68,7 @@ import torch
 from torch import nn
 
 from engine.layers.quantization.wq import WeightOnlyMethod
-from kernels.quant.quant_ref import pack_q4
+from kernels.quant.quant_ref import pack_q4, unpack_q4
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +122,8 @@ class Int4Config:
             module is kept when one entry is a substring of its name, vLLM's rule;
             compressed-tensors' ``ignore``: exact names or ``re:`` patterns).
         symmetric: the checkpoint has no zeros (compressed-tensors ``symmetric``: 8).
+        act_order: GPTQ's ``desc_act`` / compressed-tensors' ``actorder: group``: a
+            ``g_idx`` gives each input's group (module docstring).
     """
 
     method: str
@@ -124,6 +133,7 @@ class Int4Config:
     source: str = ""
     ignore: list[str] = field(default_factory=list)
     symmetric: bool = False
+    act_order: bool = False
 
     def is_ignored(self, hf_module: str) -> bool:
         if self.method == "compressed-tensors":  # exact names or re: patterns
@@ -176,14 +186,11 @@ def parse_gptq(qc: dict) -> Int4Config:
     """A GPTQ ``quantization_config`` (module docstring).
 
     Raises:
-        ValueError: bits, group_size, desc_act, checkpoint_format, dynamic or a Marlin
+        ValueError: bits, group_size, checkpoint_format, dynamic or a Marlin
             serialization ferry cannot load, naming it.
     """
     _bits(qc, "gptq")
     group = _group_size(qc, "gptq")
-    if qc.get("desc_act"):
-        raise _refuse("gptq desc_act true (act-order: g_idx permutes the groups along K) is "
-                      "not supported; ferry loads desc_act false checkpoints")
     fmt = qc.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
         raise _refuse(f"gptq checkpoint_format {fmt!r} (supported: gptq, gptq_v2)")
@@ -192,14 +199,14 @@ def parse_gptq(qc: dict) -> Int4Config:
     if qc.get("dynamic"):
         raise _refuse("gptq dynamic (per-module overrides) is not supported")
     return Int4Config("gptq", group, True, 1 if fmt == "gptq" else 0,
-                      f"quant_method gptq ({fmt})")
+                      f"quant_method gptq ({fmt})", act_order=bool(qc.get("desc_act")))
 
 
 def parse_compressed_int4(qc: dict) -> Int4Config:
     """compressed-tensors ``format: pack-quantized`` with 4-bit integer weights in groups
     (llm-compressor's W4A16): every ``config_groups`` entry must target ``Linear`` with
     ``weights {type: int, num_bits: 4, strategy: group, group_size: G}``, no input
-    activations, and the same G and ``symmetric``; ``actorder: group`` is refused.
+    activations, and the same G, ``symmetric`` and ``actorder``.
 
     Raises:
         ValueError: anything else, naming the group and the field.
@@ -216,21 +223,20 @@ def parse_compressed_int4(qc: dict) -> Int4Config:
                           "ferry loads 4-bit integer packed weights")
         if w.get("strategy") != "group":
             raise _refuse(f"{what}: weight strategy {w.get('strategy')!r} (supported: group)")
-        if w.get("actorder") == "group":
-            raise _refuse(f"{what}: actorder 'group' (act-order g_idx) is not supported")
         if g.get("input_activations"):
             raise _refuse(f"{what} quantizes input_activations; ferry loads weight-only "
                           "4-bit checkpoints")
         if "Linear" not in (g.get("targets") or []):
             raise _refuse(f"{what} targets {g.get('targets')}; ferry expects 'Linear'")
-        seen.add((_group_size(w, what), bool(w.get("symmetric", True))))
+        seen.add((_group_size(w, what), bool(w.get("symmetric", True)),
+                  w.get("actorder") == "group"))
     if len(seen) != 1:
-        raise _refuse(f"compressed-tensors groups with different group_size/symmetric "
-                      f"{sorted(seen)}")
-    group, sym = seen.pop()
+        raise _refuse(f"compressed-tensors groups with different group_size/symmetric/"
+                      f"actorder {sorted(seen)}")
+    group, sym, act_order = seen.pop()
     return Int4Config("compressed-tensors", group, True, 0,
                       "compressed-tensors pack-quantized", list(qc.get("ignore") or []),
-                      symmetric=sym)
+                      symmetric=sym, act_order=act_order)
 
 
 def quantize_rtn(w: torch.Tensor, group: int, symmetric: bool
@@ -268,6 +274,8 @@ TENSOR_NAMES = {"awq": ("qweight", "scales", "qzeros"), "gptq": ("qweight", "sca
                 "compressed-tensors": ("weight_packed", "weight_scale", "weight_zero_point")}
 #: a format's per-layer tensors that are only checked (act-order indices, the weight's shape)
 CHECKED_NAMES = {"gptq": ("g_idx",), "compressed-tensors": ("weight_g_idx", "weight_shape")}
+#: a format's act-order indices
+G_IDX_NAMES = {"gptq": "g_idx", "compressed-tensors": "weight_g_idx"}
 
 
 class Int4LinearMethod(WeightOnlyMethod):
@@ -322,6 +330,9 @@ class Int4LinearMethod(WeightOnlyMethod):
             getattr(layer, z_name).data.fill_(8)
             getattr(layer, z_name).derived = True
         for name in CHECKED_NAMES.get(cfg.method, ()):
+            if cfg.act_order and name == G_IDX_NAMES[cfg.method]:
+                self._create_g_idx(layer, name)
+                continue
             p = nn.Parameter(torch.empty(0, dtype=torch.int32), requires_grad=False)
             p.weight_loader = (lambda prm, t, s=None, _n=name:
                                self.check_tensor(layer, _n, t))
@@ -330,6 +341,54 @@ class Int4LinearMethod(WeightOnlyMethod):
         layer.wq_format = "q4"
         layer.wq_group_size = g
         layer.wq_path = "torch"
+
+    def _create_g_idx(self, layer: nn.Module, name: str) -> None:
+        """Act-order: ``name`` [K] int32, expected in the checkpoint, shared by fused parts.
+
+        Raises:
+            ValueError: a row-parallel layer split over ranks (naming --tp-size).
+        """
+        if not layer.shards_output and layer.tp_size > 1:
+            raise ValueError(f"--tp-size {layer.tp_size}: act-order weights (desc_act / "
+                             f"actorder group) of a row-parallel {type(layer).__name__} "
+                             "cannot be split along K; use --tp-size 1")
+        p = nn.Parameter(torch.full((layer.input_size,), -1, dtype=torch.int32),
+                         requires_grad=False)
+        p.weight_loader = lambda prm, t, s=None: self.load_g_idx(layer, name, prm, t)
+        setattr(layer, name, p)
+
+    def load_g_idx(self, layer: nn.Module, name: str, param: nn.Parameter, loaded) -> None:
+        """Keep an act-order ``g_idx``; every part of a fused layer must bring the same.
+
+        Raises:
+            ValueError: a wrong shape, or fused parts with different indices.
+        """
+        t = _full(loaded).to(torch.int32).reshape(-1)
+        if t.numel() != param.numel():
+            raise ValueError(f"{name} has {t.numel()} entries, expected {param.numel()}")
+        t = t.to(param.device)
+        if bool((param.data >= 0).all()) and not torch.equal(param.data, t):
+            raise ValueError(f"the parts of the fused {type(layer).__name__} have different "
+                             f"{name} (act-order), which one matmul cannot share")
+        param.data.copy_(t)
+
+    def _apply_act_order(self, layer: nn.Module, name: str, label: str) -> None:
+        """Sort K by group: permute the codes' columns and keep the order in ``wq_perm``.
+
+        Raises:
+            ValueError: a g_idx whose groups do not have group_size members each.
+        """
+        g = getattr(layer, name).data.long()
+        perm = torch.argsort(g, stable=True)
+        want = torch.arange(g.numel(), device=g.device) // self.config.group_size
+        if not torch.equal(g[perm], want):
+            raise ValueError(f"{label}: {name} does not give each group "
+                             f"{self.config.group_size} inputs")
+        if torch.equal(perm, torch.arange(g.numel(), device=g.device)):
+            return
+        codes = unpack_q4(layer.weight.data)
+        layer.weight.data = pack_q4(codes.index_select(1, perm))
+        layer.register_buffer("wq_perm", perm, persistent=False)
 
     def pack(self, layer: nn.Module, loaded) -> dict[str, torch.Tensor]:
         """A float weight ``[N, K]`` quantized at load (:func:`quantize_rtn`) -> the q4
@@ -415,9 +474,12 @@ class Int4LinearMethod(WeightOnlyMethod):
                                  "have NaN or infinite values")
             mins = -(s * getattr(layer, z_name).data.float())
             weight = getattr(layer, q_name).data
+            layer.weight = nn.Parameter(weight, requires_grad=False)
+            if self.config.act_order:
+                self._apply_act_order(layer, G_IDX_NAMES[self.config.method],
+                                      name or type(layer).__name__)
             for n in (q_name, s_name, z_name, *CHECKED_NAMES.get(self.config.method, ())):
                 layer._parameters.pop(n, None)
-            layer.weight = nn.Parameter(weight, requires_grad=False)
             layer.weight_scale = nn.Parameter(s, requires_grad=False)
             layer.weight_min = nn.Parameter(mins, requires_grad=False)
         super().process_weights_after_loading(layer, device_type, name)

@@ -120,6 +120,9 @@ class WeightOnlyMethod:
         """``x [..., K]`` -> ``[..., N]`` in x's dtype."""
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
+        perm = getattr(layer, "wq_perm", None)  # act-order: K stored sorted by group
+        if perm is not None:
+            x2 = x2.index_select(1, perm)
         n = layer.output_size
         mins = getattr(layer, "weight_min", None)
         args = (layer.weight, layer.weight_scale, mins)
