@@ -8,8 +8,8 @@ CUDA and XPU, by the number of rows M:
   weight rows, K split into up to 8 parts so that about 2048 programs stream the weights
   (the FP8 small-M kernel's scheme, ``kernels/split_k.py``: the last part of a block of
   columns to arrive sums the fp32 partials in K order; no split on XPU);
-- ``M <= DEQUANT_MIN_M`` (256): the same kernel with larger ``BLOCK_M``/``BLOCK_N`` tiles and
-  no split;
+- ``M <= DEQUANT_MIN_M`` (256): the same kernel with larger ``BLOCK_M`` tiles, split over K
+  when the tiles alone make few programs (:func:`wq_config`);
 - larger M (prefill): :func:`wq_dequant` writes W in x's dtype (one pass over the packed
   weights) and ``torch.matmul`` multiplies (vendor GEMM; the dequantized copy is W's size
   in 16 bits, freed after the call). At M = 2048 with K = 4096 the GEMM is ~25x the
@@ -191,21 +191,28 @@ def wq_config(m: int, n: int, k: int, group: int, device_type: str = "cuda") -> 
     """Launch parameters of :func:`wq_linear`'s kernel (M <= ``DEQUANT_MIN_M``).
 
     M <= 16: ``16 x 64`` tiles of 128 weights of K, K split into up to 8 parts so that about
-    2048 programs run (none on XPU, ``kernels/split_k.py``), 4 warps and 4 stages (the FP8
-    small-M kernel's rule from its H200 sweep). Larger M: ``BLOCK_M`` the next power of two
-    up to 64, 128 columns once M > 32, no split. ``BLOCK_K`` is 128, or 64 for groups that
-    are a multiple of 64 but not of 128 (a tile within one group)."""
+    2048 programs run, 4 warps and 4 stages (the FP8 small-M kernel's rule from its H200
+    sweep). Larger M: ``BLOCK_M`` the next power of two up to 64; when the tiles of 64
+    columns already make >= 256 programs, 128 columns and no split, else 64 columns with K
+    split into up to 4 parts so that about 128 programs run (the FP8 medium-M rule). No
+    split on XPU (``kernels/split_k.py``). ``BLOCK_K`` is 128, or 64 for groups that are a
+    multiple of 64 but not of 128 (a tile within one group). Not tuned for this kernel yet:
+    ``python -m bench.kernels.sweep_gemm_wq --configs`` on a GPU."""
     block_k = 64 if group % 128 and group % 64 == 0 else 128
+    trusted = split_k_trusted(device_type)
+    k_tiles = triton.cdiv(k, block_k)
     if m <= SMALL_M_MAX:
-        n_blocks = triton.cdiv(n, 64)
-        split = 1
-        if split_k_trusted(device_type):
-            split = max(1, min(8, 2048 // n_blocks, triton.cdiv(k, block_k)))
+        split = max(1, min(8, 2048 // triton.cdiv(n, 64), k_tiles)) if trusted else 1
         return dict(SPLIT_K=split, BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k,
                     **dot_kernel_options(4, 4, device_type))
     block_m = min(64, triton.next_power_of_2(m))
-    return dict(SPLIT_K=1, BLOCK_M=block_m, BLOCK_N=64 if m <= 32 else 128, BLOCK_K=block_k,
-                **dot_kernel_options(4 if m <= 32 else 8, 3, device_type))
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, 64)
+    if tiles >= 256:
+        return dict(SPLIT_K=1, BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=block_k,
+                    **dot_kernel_options(8 if block_m >= 64 else 4, 3, device_type))
+    split = max(1, min(4, 128 // tiles, k_tiles)) if trusted else 1
+    return dict(SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k,
+                **dot_kernel_options(4, 3, device_type))
 
 
 def wq_linear(x: torch.Tensor, fmt: str, qweight: torch.Tensor, scales: torch.Tensor,

@@ -105,8 +105,9 @@ def test_cpu_kernel_refuses_bad_layouts():
                                          (512, 9, 256, 128)])
 def test_triton_matches_reference(fmt, xdtype, m, n, k, group):
     """Every path of ``wq_linear`` by M: split-K decode tiles (M <= 16; K=640 splits into 5
-    parts, the last one partly past K), larger tiles (M <= 256; tiles within one group of
-    64/128, or dequantized in registers for groups of 32), dequantize + GEMM (M > 256);
+    parts, the last one partly past K), larger tiles (M <= 256, split too; tiles within one
+    group of 64/128, or dequantized in registers for groups of 32), dequantize + GEMM
+    (M > 256);
     K not a multiple of the 128-weight tile, odd N, fp16 and fp32 scales."""
     pytest.importorskip("triton")
     from kernels.quant.wq_triton import wq_config, wq_linear
@@ -115,10 +116,10 @@ def test_triton_matches_reference(fmt, xdtype, m, n, k, group):
     qw, s, mins = _weights(fmt, n, k, group, sdtype, seed=m + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(xdtype)
     ref = _ref64(x.float(), fmt, qw, s, mins)
-    if m <= 16:
-        cfg = wq_config(m, n, k, group)
-        assert cfg["BLOCK_K"] == (64 if group == 64 else 128)
-        assert cfg["SPLIT_K"] == min(8, -(-k // cfg["BLOCK_K"]))
+    cfg = wq_config(m, n, k, group)
+    assert cfg["BLOCK_K"] == (64 if group == 64 else 128)
+    if m <= 256:  # few columns: K split over as many parts as the rule allows
+        assert cfg["SPLIT_K"] == min(8 if m <= 16 else 4, -(-k // cfg["BLOCK_K"]))
     y = wq_linear(x.to(DEVICE), fmt, qw.to(DEVICE), s.to(DEVICE),
                   None if mins is None else mins.to(DEVICE))
     assert y.dtype == xdtype and y.shape == (m, n)
@@ -160,3 +161,20 @@ def test_triton_dequant_matches_reference():
                        None if mins is None else mins.to(DEVICE), torch.float32)
         # fp32 scales: s * q + min may be one FMA on a device (one rounding less)
         assert torch.allclose(w.cpu(), dequant(fmt, qw, s, mins), rtol=1e-6, atol=1e-7)
+
+
+def test_launch_rule_on_the_llama3_8b_shapes():
+    """``wq_config`` by hand on the 8B's o_proj (4096 x 4096) and gate_up (28672 x 4096):
+    decode splits K until ~2048 programs run, M = 64 splits o_proj's 64 tiles in 2 parts
+    (~128 programs) and gives gate_up's 448 tiles 128 columns, XPU never splits."""
+    pytest.importorskip("triton")
+    from kernels.quant.wq_triton import wq_config
+
+    assert wq_config(1, 4096, 4096, 128)["SPLIT_K"] == 8             # 64 blocks x 8
+    assert wq_config(1, 28672, 4096, 128)["SPLIT_K"] == 4            # 448 blocks x 4
+    mid = wq_config(64, 4096, 4096, 128)
+    assert (mid["BLOCK_M"], mid["BLOCK_N"], mid["SPLIT_K"]) == (64, 64, 2)
+    wide = wq_config(64, 28672, 4096, 128)
+    assert (wide["BLOCK_N"], wide["SPLIT_K"], wide["num_warps"]) == (128, 1, 8)
+    assert wq_config(1, 4096, 4096, 128, "xpu")["SPLIT_K"] == 1
+    assert wq_config(64, 4096, 4096, 128, "xpu")["SPLIT_K"] == 1
