@@ -50,6 +50,9 @@ class GraphRunner:
         self.buckets = batch_size_buckets(self.max_bs)
         self.graphs: dict[int, object] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # the model's kept hidden states (an EAGLE head's input, CausalLM.set_capture_hidden)
+        # as each graph wrote them: static like the logits, handed out as copies
+        self.hidden: dict[int, torch.Tensor] = {}
         d = runner.device
         n = self.max_bs
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=d)
@@ -102,6 +105,9 @@ class GraphRunner:
                 out = self._run(bs)
             self.graphs[bs] = g
             self.outputs[bs] = out
+            model = self.runner.model
+            if getattr(model, "capture_hidden", None) is not None:
+                self.hidden[bs] = model.hidden_out
         dev.synchronize(self.device_type)
 
     def replay(self, batch: ScheduleBatch, future_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -130,4 +136,6 @@ class GraphRunner:
         self.lora_seg_slot[:gbs].copy_(host[5])
         r.req_to_token_pool.req_to_token[host[2, :bs], host[1, :bs]] = host[4, :bs].to(torch.int32)
         self.graphs[gbs].replay()
+        if self.hidden:  # a copy: the next replay overwrites the static buffer
+            r.model.hidden_out = self.hidden[gbs][:bs].clone()
         return self.outputs[gbs][:bs]

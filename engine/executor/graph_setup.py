@@ -51,7 +51,11 @@ def build_graphs(runner):
     else:
         logger.info("decode runs eagerly: the %s attention backend has no graph support",
                     type(runner.attn_backend).__name__)
-    if runner.lora is not None and not runner.args.disable_piecewise_graph:
+    if getattr(runner.model, "capture_hidden", None) is not None \
+            and not runner.args.disable_piecewise_graph:
+        logger.info("prefill and mixed steps run eagerly with an EAGLE head (the piecewise "
+                    "graphs do not keep the hidden states it reads; decode graphs do)")
+    elif runner.lora is not None and not runner.args.disable_piecewise_graph:
         logger.info("prefill and mixed steps run eagerly with LoRA adapters (the piecewise "
                     "graphs do not take the adapter segments yet)")
     elif not runner.args.disable_piecewise_graph:

@@ -13,6 +13,7 @@ starts and stops the workers' processes, so this module never needs the worker's
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -147,6 +148,12 @@ class RankRunner:
                                "in graphs here, so every step runs eagerly", self.device_type)
         elif not graphs and self.tp.rank == 0 and dev.is_accelerator(self.device_type):
             logger.info("graphs off, every step runs eagerly: %s", why)
+        if graphs and args.speculative_algorithm in ("EAGLE", "EAGLE3"):
+            # the head reads the target's hidden states: the decode graphs capture them too
+            # (a model without the hook: the EAGLE proposer names the error at its start)
+            with contextlib.suppress(NotImplementedError, ValueError):
+                self.model.set_capture_hidden(
+                    "aux" if args.speculative_algorithm == "EAGLE3" else "last")
         if graphs:
             from engine.executor.graph_setup import build_graphs
 
