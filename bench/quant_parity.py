@@ -1,8 +1,10 @@
-"""``ferry quant-parity``: how far FP8 W8A8 moves a model from its float version.
+"""``ferry quant-parity``: how far FP8 W8A8 (or 4-bit weights) moves a model from its float
+version.
 
 Runs the same prompts through the float model (the run dtype: fp32 on the CPU, bf16 on GPUs
 by default) and through the FP8 version of the same weights (``--quantization fp8``, or an
-FP8 checkpoint given as ``--fp8-model-path``), greedy, and reports per prompt:
+FP8 checkpoint given as ``--fp8-model-path``; ``--quantization awq|gptq``: the same weights
+in 4 bits, round to nearest in groups of 128), greedy, and reports per prompt:
 
 - the mean KL divergence ``KL(p_ref || p_fp8)`` of the next-token distributions (float64
   log-softmax of the fp32 logits), teacher-forced: the FP8 model is fed the reference's
@@ -153,7 +155,7 @@ def run(ns) -> dict:
     if ns.fp8_model_path:  # an FP8 checkpoint (its format from the path)
         fp8 = _runner(ns, ns.fp8_model_path, "auto", "fp8")
     else:
-        fp8 = _runner(ns, ns.model_path, ns.load_format, "fp8")
+        fp8 = _runner(ns, ns.model_path, ns.load_format, ns.quantization)
     forced = forced_trace(fp8, prompts, ref_toks)
     device_type = fp8.device_type
     _release(fp8)
@@ -168,7 +170,8 @@ def run(ns) -> dict:
                      "max_kl": float(kl[i].max()), "top1_match": float(top1[i].float().mean())})
     full = sum(r["steps_agreed"] == r["steps"] for r in rows)
     return {"model": ns.model_path or "SmolLM2-135M-Instruct (embedded)",
-            "fp8_model": ns.fp8_model_path or "same weights, --quantization fp8",
+            "fp8_model": ns.fp8_model_path or f"same weights, --quantization {ns.quantization}",
+            "quantization": "fp8" if ns.fp8_model_path else ns.quantization,
             "device": device_type, "reference_dtype": dtype, "prompts": kind,
             "num_prompts": len(rows), "steps": ns.steps,
             "prompts_fully_agreed": full,
@@ -185,6 +188,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fp8-model-path", default=None,
                    help="an FP8 checkpoint of the same model (default: the float model with "
                         "--quantization fp8)")
+    p.add_argument("--quantization", default="fp8", choices=("fp8", "awq", "gptq"),
+                   help="how the same weights are quantized (without --fp8-model-path): FP8 "
+                        "W8A8, or 4-bit weights (awq: asymmetric, gptq: symmetric groups)")
     p.add_argument("--load-format", default="auto", help="auto, safetensors, gguf or dummy")
     p.add_argument("--tokenizer-path", default=None, help="tokenizer for the text prompts")
     p.add_argument("--device", default="auto", choices=dev.DEVICE_CHOICES)
@@ -211,7 +217,9 @@ def main(argv: list[str] | None = None) -> dict:
         parser().error("--steps and --num-prompts must be >= 1")
     dev.set_cpu_threads(dev.cpu_thread_count(ns.cpu_threads))
     rep = run(ns)
-    print(f"{rep['model']}: {rep['reference_dtype']} vs FP8 W8A8 on {rep['device']}, "
+    what = {"fp8": "FP8 W8A8", "awq": "AWQ-style 4-bit", "gptq": "GPTQ-style 4-bit"}
+    print(f"{rep['model']}: {rep['reference_dtype']} vs {what[rep['quantization']]} on "
+          f"{rep['device']}, "
           f"{rep['num_prompts']} {rep['prompts']} prompts x {rep['steps']} greedy steps")
     for r in rep["rows"]:
         print(f"  prompt {r['prompt']} ({r['prompt_tokens']} tok): agreed "

@@ -434,3 +434,24 @@ def test_llama3_8b_shapes_on_the_gpu(m):
         ref = x.float() @ dequant("q4", *layout).t()
         y = wq_linear(x, "q4", *layout)
         assert ((y.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_quant_parity_with_4bit_weights(method):
+    """``ferry quant-parity --quantization awq|gptq`` on llama-tiny (K = 64: groups of 64 at
+    load): the 4-bit model is scored against the float one (KL above 0: the weights did
+    change; bounded: they stay close)."""
+    from bench.quant_parity import main
+    from engine.loader.loader import config_dir
+
+    threads = torch.get_num_threads()
+    try:
+        rep = main(["--model-path", config_dir("llama-tiny"), "--load-format", "dummy",
+                    "--quantization", method, "--steps", "3", "--num-prompts", "2",
+                    "--cpu-threads", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    assert rep["quantization"] == method and len(rep["rows"]) == 2
+    print(f"\nllama-tiny dummy, {method} RTN 4-bit: mean KL {rep['mean_kl']:.3e}, "
+          f"top-1 {rep['top1_match']:.2f}")
+    assert 1e-6 < rep["mean_kl"] < 1e-2

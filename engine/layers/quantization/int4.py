@@ -33,8 +33,8 @@ old Marlin serialization) is a start-up error naming the field.
 ferry's layout: at load every packed tensor is unpacked and transposed to rows of W, then
 kept in :mod:`kernels.quant.quant_ref`'s ``q4`` layout (uint8 nibbles ``[N, K/2]``) with
 float32 ``weight_scale = s`` and ``weight_min = -s * z`` (``[N, K/G]``), so ``s * q + min``
-is ``(q - z) * s`` exactly in fp32 (an fp16 scale times an integer below 17 has at most 15
-significant bits). The CPU's C++ kernels and the Triton kernel of the GGUF blocks run it
+is ``(q - z) * s`` exactly in fp32 (an fp16 or bf16 scale times an integer up to 16 has at
+most 16 significant bits). The CPU's C++ kernels and the Triton kernel of the GGUF blocks run it
 unchanged (:mod:`engine.layers.quantization.wq`). Bytes per weight: 4.5 bits (AWQ's own
 files: 4.16); fp16 scales with a 4-bit zero would need a ``(q - z) * s`` kernel variant.
 
@@ -51,7 +51,7 @@ K cuts a group is refused at start-up).
 
 Quantized at load (``--quantization awq|gptq`` on a float checkpoint or dummy weights, or a
 checkpoint config with ``--load-format dummy``): round-to-nearest per group of 128 (the
-config's ``group_size`` when it has one): ``awq`` asymmetric (AutoAWQ's
+config's ``group_size`` when it has one; 64 or 32 in a layer whose K is not a multiple): ``awq`` asymmetric (AutoAWQ's
 ``pseudo_quantize_tensor`` without the activation-aware scale search: ``s = (max - min) /
 15`` in fp16, ``z = round(-min / s)``), ``gptq`` symmetric (GPTQ's quantizer with
 ``sym``: ``s = 2 * amax / 15``, ``z = 8``), into the same layout: for benchmarks with dummy
@@ -287,8 +287,8 @@ class Int4LinearMethod(WeightOnlyMethod):
     def __init__(self, config: Int4Config):
         self.config = config
 
-    def _check_split(self, layer: nn.Module) -> None:
-        g, k = self.config.group_size, layer.input_size
+    def _check_split(self, layer: nn.Module, g: int) -> None:
+        k = layer.input_size
         if k % g == 0:
             return
         if not layer.shards_output and layer.tp_size > 1:
@@ -310,13 +310,15 @@ class Int4LinearMethod(WeightOnlyMethod):
             ValueError: K not a multiple of the group size (naming --tp-size when a
                 row-parallel split causes it).
         """
-        self._check_split(layer)
         layer.wq_dtype = dtype
         cfg = self.config
         g = cfg.group_size
-        if not cfg.checkpoint:
+        if not cfg.checkpoint:  # the largest of G, 64, 32 that divides K (SmolLM2: K = 576)
+            g = next((c for c in (g, 64, 32) if c <= g and layer.input_size % c == 0), g)
+            self._check_split(layer, g)
             self.set_format(layer, "q4", g, torch.float32)
             return
+        self._check_split(layer, g)
         n, k = layer.output_size, layer.input_size
         q_name, s_name, z_name = TENSOR_NAMES[cfg.method]
         for name, kind, shape, dt in ((q_name, "q", (n, k // 2), torch.uint8),
@@ -398,7 +400,7 @@ class Int4LinearMethod(WeightOnlyMethod):
             raise ValueError(f"{type(layer).__name__}: expected a float weight to quantize, "
                              f"got {w.dtype}")
         sym = self.config.method == "gptq" or self.config.symmetric
-        q, s, z = quantize_rtn(w, self.config.group_size, sym)
+        q, s, z = quantize_rtn(w, layer.wq_group_size, sym)
         s32 = s.float()
         return {"weight": pack_q4(q), "weight_scale": s32, "weight_min": -s32 * z.float()}
 
