@@ -40,6 +40,7 @@ from torch import nn
 from engine.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod
 from engine.layers.quantization.int4 import (
     Int4Config,
+    ct_groups,
     parse_awq,
     parse_compressed_int4,
     parse_gptq,
@@ -84,8 +85,7 @@ def _parse_fp8(qc: dict) -> Fp8Config:
 
 
 def _parse_compressed_tensors(qc: dict) -> Fp8Config | Int4Config:
-    groups = qc.get("config_groups") or {}
-    if not groups:
+    if not qc.get("config_groups"):
         raise _refuse("compressed-tensors without config_groups")
     fmt = qc.get("format")
     if fmt == "pack-quantized":
@@ -94,12 +94,8 @@ def _parse_compressed_tensors(qc: dict) -> Fp8Config | Int4Config:
         raise _refuse(f"compressed-tensors format {fmt!r}; ferry loads float-quantized "
                       "(FP8) and pack-quantized (4-bit) checkpoints")
     schemes = set()
-    for gname, g in groups.items():
-        w = g.get("weights") or {}
-        what = f"compressed-tensors group {gname!r}"
-        if w.get("type") != "float" or w.get("num_bits") != 8:
-            raise _refuse(f"{what} has {w.get('type')} {w.get('num_bits')}-bit weights; "
-                          "ferry loads FP8 weights (type float, num_bits 8) only")
+    for what, g, w in ct_groups(qc, "", "float", 8,
+                                "FP8 weights (type float, num_bits 8) only"):
         strategy = w.get("strategy")
         if strategy == "block" or w.get("block_structure"):
             raise _refuse(f"{what}: block-wise FP8 weights (block_structure "
@@ -107,8 +103,6 @@ def _parse_compressed_tensors(qc: dict) -> Fp8Config | Int4Config:
         if strategy not in ("channel", "tensor"):
             raise _refuse(f"{what}: weight strategy {strategy!r} (supported: channel, "
                           "tensor)")
-        if "Linear" not in (g.get("targets") or []):
-            raise _refuse(f"{what} targets {g.get('targets')}; ferry expects 'Linear'")
         a = g.get("input_activations")
         if a:
             if a.get("type") != "float" or a.get("num_bits") != 8:

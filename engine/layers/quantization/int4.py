@@ -202,6 +202,28 @@ def parse_gptq(qc: dict) -> Int4Config:
                       f"quant_method gptq ({fmt})", act_order=bool(qc.get("desc_act")))
 
 
+def ct_groups(qc: dict, label: str, wtype: str, bits: int, hint: str):
+    """Yield ``(what, group, weights)`` for each compressed-tensors ``config_groups`` entry,
+    after checking that it has ``wtype`` ``bits``-bit weights and targets ``Linear``.
+
+    Raises:
+        ValueError: no groups, or a group that does not, naming it (``hint``: what ferry
+            loads).
+    """
+    groups = qc.get("config_groups") or {}
+    if not groups:
+        raise _refuse("compressed-tensors without config_groups")
+    for gname, g in groups.items():
+        w = g.get("weights") or {}
+        what = f"compressed-tensors {label}group {gname!r}"
+        if w.get("type") != wtype or w.get("num_bits") != bits:
+            raise _refuse(f"{what} has {w.get('type')} {w.get('num_bits')}-bit weights; "
+                          f"ferry loads {hint}")
+        if "Linear" not in (g.get("targets") or []):
+            raise _refuse(f"{what} targets {g.get('targets')}; ferry expects 'Linear'")
+        yield what, g, w
+
+
 def parse_compressed_int4(qc: dict) -> Int4Config:
     """compressed-tensors ``format: pack-quantized`` with 4-bit integer weights in groups
     (llm-compressor's W4A16): every ``config_groups`` entry must target ``Linear`` with
@@ -211,23 +233,14 @@ def parse_compressed_int4(qc: dict) -> Int4Config:
     Raises:
         ValueError: anything else, naming the group and the field.
     """
-    groups = qc.get("config_groups") or {}
-    if not groups:
-        raise _refuse("compressed-tensors without config_groups")
     seen = set()
-    for gname, g in groups.items():
-        w = g.get("weights") or {}
-        what = f"compressed-tensors pack-quantized group {gname!r}"
-        if w.get("type") != "int" or w.get("num_bits") != 4:
-            raise _refuse(f"{what} has {w.get('type')} {w.get('num_bits')}-bit weights; "
-                          "ferry loads 4-bit integer packed weights")
+    for what, g, w in ct_groups(qc, "pack-quantized ", "int", 4,
+                                "4-bit integer packed weights"):
         if w.get("strategy") != "group":
             raise _refuse(f"{what}: weight strategy {w.get('strategy')!r} (supported: group)")
         if g.get("input_activations"):
             raise _refuse(f"{what} quantizes input_activations; ferry loads weight-only "
                           "4-bit checkpoints")
-        if "Linear" not in (g.get("targets") or []):
-            raise _refuse(f"{what} targets {g.get('targets')}; ferry expects 'Linear'")
         seen.add((_group_size(w, what), bool(w.get("symmetric", True)),
                   w.get("actorder") == "group"))
     if len(seen) != 1:
