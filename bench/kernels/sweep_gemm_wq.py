@@ -9,7 +9,9 @@ quantized to 4 bits (fp32 scale and min per 128 weights, as AWQ/GPTQ checkpoints
 of K, split, warps, stages), for a better rule in ``wq_config``. Each figure is one call's
 device time from a CUDA graph of calls that cycle through >= 256 MB of weight copies (no
 call finds its weights in the L2), median of 7 replays; GB/s counts the weight bytes of the
-call's format (4-bit: nibbles + scales + mins). GPU only.
+call's format (4-bit: nibbles + scales + mins). Above ``DEQUANT_MIN_M`` rows the last column
+times the tiled kernel itself (what ``FERRY_WQ_DEQUANT_MIN_M`` set higher would run). GPU
+only.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from bench.kernels.sweep_gemm_fp8 import L2_DEFEAT_BYTES, SHAPES, time_per_call
 from engine import device as devlib
 from engine.layers.quantization.int4 import quantize_rtn
 from kernels.quant.quant_ref import dequant, pack_q4
-from kernels.quant.wq_triton import wq_config, wq_linear
+from kernels.quant.wq_triton import DEQUANT_MIN_M, wq_config, wq_linear
 
 GROUP = 128
 
@@ -65,7 +67,8 @@ def main(argv=None) -> dict:
     g = torch.Generator().manual_seed(0)
     rows = []
     print(f"{devlib.device_name(dev)}; us per call (weight GB/s)")
-    print(f"{'shape':8s} {'M':>5s} {'bf16':>16s} {'int4':>16s} {'int4/bf16':>9s} {'err':>8s}")
+    print(f"{'shape':8s} {'M':>5s} {'bf16':>16s} {'int4':>16s} {'int4/bf16':>9s} {'err':>8s} "
+          f"{'kernel':>8s}")
     for name, (n, k) in SHAPES.items():
         wbs, wqs = _copies(dev, n, k, g)
         q_bytes = n * k // 2 + 2 * 4 * n * k // GROUP
@@ -75,11 +78,17 @@ def main(argv=None) -> dict:
             err = ((wq_linear(x, "q4", *wqs[0]).float() - ref).norm() / ref.norm()).item()
             t_bf = time_per_call(dev, [partial(F.linear, x, w) for w in wbs])
             t_q = time_per_call(dev, [partial(wq_linear, x, "q4", *w) for w in wqs])
+            cfg = wq_config(m, n, k, GROUP, torch.device(dev).type)
+            t_kernel = None
+            if m > DEQUANT_MIN_M:  # the tiled kernel where the default dequantizes + GEMM
+                t_kernel = time_per_call(dev, [partial(wq_linear, x, "q4", *w, config=cfg)
+                                               for w in wqs])
             rows.append(dict(shape=name, m=m, bf16_us=t_bf, int4_us=t_q, rel_err=err,
-                             config=(wq_config(m, n, k, GROUP, torch.device(dev).type)
-                                     if m <= 256 else "dequant")))
+                             config=cfg if m <= DEQUANT_MIN_M else "dequant",
+                             kernel_us=t_kernel))
             print(f"{name:8s} {m:5d} {t_bf:8.1f} ({n * k * 2 / t_bf / 1e3:5.0f}) "
-                  f"{t_q:8.1f} ({q_bytes / t_q / 1e3:5.0f}) {t_q / t_bf:9.2f} {err:8.1e}")
+                  f"{t_q:8.1f} ({q_bytes / t_q / 1e3:5.0f}) {t_q / t_bf:9.2f} {err:8.1e} "
+                  + (f"{t_kernel:8.1f}" if t_kernel is not None else f"{'':8s}"))
         if args.configs:
             for m in (1, 16):
                 x = torch.randn((m, k), generator=g).to(dev, torch.bfloat16)

@@ -8,7 +8,7 @@ CUDA and XPU, by the number of rows M:
   weight rows, K split into up to 8 parts so that about 2048 programs stream the weights
   (the FP8 small-M kernel's scheme, ``kernels/split_k.py``: the last part of a block of
   columns to arrive sums the fp32 partials in K order; no split on XPU);
-- ``M <= DEQUANT_MIN_M`` (256): the same kernel with larger ``BLOCK_M`` tiles, split over K
+- ``M <= DEQUANT_MIN_M`` (256, or ``$FERRY_WQ_DEQUANT_MIN_M``): the same kernel with larger ``BLOCK_M`` tiles, split over K
   when the tiles alone make few programs (:func:`wq_config`);
 - larger M (prefill): :func:`wq_dequant` writes W in x's dtype (one pass over the packed
   weights) and ``torch.matmul`` multiplies (vendor GEMM; the dequantized copy is W's size
@@ -29,6 +29,8 @@ Accumulation is fp32 throughout. The tests run every path in the interpreter aga
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -38,8 +40,9 @@ from kernels.split_k import split_k_launch, split_k_locks, split_k_trusted  # no
 
 #: the most rows of the split-K (decode) configuration
 SMALL_M_MAX = 16
-#: above this many rows: dequantize, then the vendor GEMM
-DEQUANT_MIN_M = 256
+#: above this many rows: dequantize, then the vendor GEMM (``FERRY_WQ_DEQUANT_MIN_M`` changes
+#: it: the kernel's tiles against cuBLAS at prefill sizes are not measured yet)
+DEQUANT_MIN_M = int(os.environ.get("FERRY_WQ_DEQUANT_MIN_M", 256))
 
 
 @triton.jit
