@@ -11,7 +11,7 @@ device time from a CUDA graph of calls that cycle through >= 256 MB of weight co
 call finds its weights in the L2), median of 7 replays; GB/s counts the weight bytes of the
 call's format (4-bit: nibbles + scales + mins). Above ``DEQUANT_MIN_M`` rows the last column
 times the tiled kernel itself (what ``FERRY_WQ_DEQUANT_MIN_M`` set higher would run). GPU
-only.
+only, but ``--smoke`` checks the calls on the CPU in the Triton interpreter.
 """
 
 from __future__ import annotations
@@ -37,13 +37,14 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
 
-def _copies(dev: str, n: int, k: int, g: torch.Generator):
-    """Weight copies (bf16 and 4-bit) that together defeat the L2."""
+def _copies(dev: str, n: int, k: int, g: torch.Generator, dtype=torch.bfloat16,
+            min_copies: int = 2):
+    """Weight copies (``dtype`` and 4-bit) that together defeat the L2."""
     w = (torch.randn((n, k), generator=g) * 0.02).to(dev)
     q, s, z = quantize_rtn(w, GROUP, symmetric=False)
     packed = (pack_q4(q), s.float(), -s.float() * z.float())
-    wb = dequant("q4", *packed, dtype=torch.bfloat16)
-    copies = max(2, -(-L2_DEFEAT_BYTES // (n * k * 2)))
+    wb = dequant("q4", *packed, dtype=dtype)
+    copies = max(min_copies, -(-L2_DEFEAT_BYTES // (n * k * 2)) if min_copies > 1 else 1)
     return ([wb.clone() for _ in range(copies)],
             [tuple(t.clone() for t in packed) for _ in range(copies)])
 
@@ -55,15 +56,42 @@ def _configs():
                    num_stages=stages)
 
 
+def smoke(batch_sizes: list[int]) -> list[dict]:
+    """CPU check of this script's calls (the Triton interpreter, ``TRITON_INTERPRET=1``, set
+    before ``kernels.quant.wq_triton`` is imported): a 72 x 256 weight, fp16 activations,
+    each path's error against the fp16 ``F.linear`` of the dequantized weight and one
+    call's host time (not a benchmark)."""
+    import time
+
+    g = torch.Generator().manual_seed(0)
+    wbs, wqs = _copies("cpu", 72, 256, g, dtype=torch.float32, min_copies=1)
+    rows = []
+    for m in batch_sizes:
+        x = torch.randn((m, 256), generator=g).half()
+        ref = F.linear(x.float(), wbs[0])
+        t0 = time.perf_counter()
+        y = wq_linear(x, "q4", *wqs[0])
+        dt = time.perf_counter() - t0
+        err = ((y.float() - ref).norm() / ref.norm()).item()
+        rows.append(dict(shape="smoke", m=m, int4_s=dt, rel_err=err,
+                         path="dequant" if m > DEQUANT_MIN_M else "kernel"))
+        print(f"smoke M={m}: {rows[-1]['path']}, rel err {err:.1e}, {dt * 1e3:.0f} ms")
+    return rows
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="sweep_gemm_wq", description=__doc__.splitlines()[0])
     p.add_argument("--batch-sizes", type=_ints, default=[1, 16, 64, 256, 2048])
     p.add_argument("--configs", action="store_true", help="sweep launch configs at M = 1, 16")
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU check of the calls in the Triton interpreter (see smoke())")
     p.add_argument("--result-json", default=None)
     args = p.parse_args(argv)
+    if args.smoke:
+        return {"rows": smoke(args.batch_sizes)}
     dev = devlib.resolve_device("auto")
     if not devlib.is_accelerator(dev):
-        raise SystemExit("sweep_gemm_wq needs a GPU")
+        raise SystemExit("sweep_gemm_wq needs a GPU (or --smoke)")
     g = torch.Generator().manual_seed(0)
     rows = []
     print(f"{devlib.device_name(dev)}; us per call (weight GB/s)")

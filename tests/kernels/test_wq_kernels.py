@@ -178,3 +178,15 @@ def test_launch_rule_on_the_llama3_8b_shapes():
     assert (wide["BLOCK_N"], wide["SPLIT_K"], wide["num_warps"]) == (128, 1, 8)
     assert wq_config(1, 4096, 4096, 128, "xpu")["SPLIT_K"] == 1
     assert wq_config(64, 4096, 4096, 128, "xpu")["SPLIT_K"] == 1
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="--smoke is the CPU interpreter mode")
+def test_sweep_gemm_wq_smoke():
+    """``bench.kernels.sweep_gemm_wq --smoke``: the benchmark's calls, both paths (tiled
+    kernel at M = 1 and 3, dequantize + GEMM at M = 300), agree with the float product."""
+    pytest.importorskip("triton")
+    from bench.kernels.sweep_gemm_wq import main
+
+    rows = main(["--smoke", "--batch-sizes", "1,3,300"])["rows"]
+    assert [r["path"] for r in rows] == ["kernel", "kernel", "dequant"]
+    assert all(r["rel_err"] < 2e-3 for r in rows)
