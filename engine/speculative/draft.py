@@ -18,6 +18,7 @@ ended, was aborted or preempted loses its draft KV at the next step (:meth:`swee
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -26,6 +27,8 @@ from engine.executor.schedule_batch import ScheduleBatch
 from engine.forward_batch import ForwardMode
 from engine.kv.manager import KVCacheManager
 from engine.speculative.proposer import Proposer
+
+logger = logging.getLogger(__name__)
 
 
 class DraftSeq:
@@ -138,6 +141,19 @@ class ModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose_reqs(self, reqs: list, ks: list[int]) -> list[list[int]]:
+        """Draft up to ``ks[i]`` tokens for ``reqs[i]``. A draft forward that fails (a bug,
+        a device error) costs the step its drafts, never the engine: the requests' draft
+        state is dropped and they decode this step."""
+        try:
+            return self._propose(reqs, ks)
+        except Exception:
+            logger.exception("draft step failed: %d requests verify without drafts and "
+                             "restart their draft state", len(reqs))
+            for r in reqs:
+                self.drop(r.rid)
+            return [[] for _ in reqs]
+
+    def _propose(self, reqs: list, ks: list[int]) -> list[list[int]]:
         self.sweep()
         out: list[list[int]] = [[] for _ in reqs]
         work = []  # (index, seq, ids to feed, hidden rows to feed)

@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from engine.args import ServerArgs, prefill_budget
+from engine.args import ServerArgs, num_draft_tokens, prefill_budget
 from engine.speculative.draft import DraftSeq, ModelProposer
 
 logger = logging.getLogger(__name__)
@@ -73,14 +73,19 @@ class StandaloneProposer(ModelProposer):
                               args.speculative_draft_model_path)
         super().__init__(self.runner.kv_pool, self.runner.req_to_token_pool,
                          prefill_budget(args, target.device_type))
+        self.k = num_draft_tokens(args)
         logger.info("STANDALONE draft model %s: %d layers, KV pool of %d tokens",
                     args.speculative_draft_model_path, self.runner.num_layers,
                     self.runner.max_total_tokens)
 
     def catch_up(self, seq: DraftSeq, req):
         """The request's tokens the draft has no KV for, up to and including its last one;
-        KV of tokens that are no longer the request's (a cut run) is dropped first."""
+        KV of tokens that are no longer the request's (a cut run) is dropped first. None
+        (and its KV freed) once the chain would run past the draft model's context."""
         L = req.seq_len
+        if L + self.k > self.runner.max_context_len:  # past the draft model's context
+            self.drop(req.rid)
+            return None
         e = min(seq.kv_len, L - 1)
         if e and seq.ids[:e] != req.tokens(0, e):
             e = next(i for i, (a, b) in enumerate(zip(seq.ids, req.tokens(0, e))) if a != b)

@@ -398,3 +398,40 @@ def test_eagle_head_that_knows_the_target_gets_drafts_accepted(tmp_path):
     lengths = st["spec_accept_lengths"]
     assert lengths[0] and lengths[3] and (lengths[1] or lengths[2])  # none, all, some
     _check_released(llm)
+
+
+def test_standalone_draft_with_a_shorter_context(ckpts, baseline, tmp_path):
+    """A draft model of 32 positions: requests past them stop drafting, nothing breaks."""
+    from transformers import LlamaForCausalLM
+
+    from engine import LLM
+    from moe_helpers import save_random
+
+    cfg = _llama_config(1)
+    cfg.max_position_embeddings = 32
+    torch.manual_seed(0)
+    save_random(LlamaForCausalLM(cfg).eval(), tmp_path, seed=12, scale=0.3)
+    llm = LLM(ckpts["target"], speculative_algorithm="STANDALONE",
+              speculative_draft_model_path=str(tmp_path), speculative_num_steps=3, **KW)
+    assert llm.scheduler.spec.proposer.runner.max_context_len == 32
+    assert _run(llm) == baseline
+    assert llm.scheduler.stats["spec_proposed_tokens"] > 0
+    _check_released(llm)
+
+
+def test_a_failing_draft_forward_costs_drafts_not_the_engine(ckpts, baseline, monkeypatch):
+    from engine import LLM
+
+    llm = LLM(ckpts["target"], speculative_algorithm="STANDALONE",
+              speculative_draft_model_path=ckpts["draft"], speculative_num_steps=2, **KW)
+    prop = llm.scheduler.spec.proposer
+    calls = []
+
+    def broken(batch, seqs, hidden):
+        calls.append(len(seqs))
+        raise RuntimeError("device error")
+
+    monkeypatch.setattr(prop, "forward", broken)
+    assert _run(llm) == baseline
+    assert calls and llm.scheduler.stats["spec_proposed_tokens"] == 0
+    _check_released(llm)
