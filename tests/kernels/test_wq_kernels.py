@@ -190,3 +190,38 @@ def test_sweep_gemm_wq_smoke():
     rows = main(["--smoke", "--batch-sizes", "1,3,300"])["rows"]
     assert [r["path"] for r in rows] == ["kernel", "kernel", "dequant"]
     assert all(r["rel_err"] < 2e-3 for r in rows)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_layer_triton_path_matches_the_reference_path(act_order):
+    """A 4-bit ``MergedColumnLinear`` (quantized at load, groups of 64) through
+    ``WeightOnlyMethod.apply``'s Triton path equals its torch reference path, also with an
+    act-order activation permutation (``wq_perm``), for decode, mid and prefill row counts;
+    both equal x @ W^T of the layer's dequantized weight."""
+    pytest.importorskip("triton")
+    from engine.layers.linear import MergedColumnLinear
+    from engine.layers.quantization import quantization_scope
+    from engine.layers.quantization.int4 import Int4Config
+
+    with quantization_scope(Int4Config("awq", 64, checkpoint=False)):
+        lin = MergedColumnLinear(192, [40, 40], False, torch.float32, tp_size=1, tp_rank=0)
+    g = torch.Generator().manual_seed(5)
+    for shard in (0, 1):
+        lin.weight.weight_loader(lin.weight, torch.randn(40, 192, generator=g) * 0.05, shard)
+    lin.quant_method.process_weights_after_loading(lin, "cpu")
+    w = dequant("q4", lin.weight, lin.weight_scale, lin.weight_min)
+    if act_order:
+        perm = torch.randperm(192, generator=g)
+        lin.register_buffer("wq_perm", perm, persistent=False)
+        w = torch.empty_like(w).index_copy_(1, perm, w)   # W[:, perm[j]] = stored[:, j]
+    xs = [torch.randn(m, 192, generator=g) for m in (1, 20, 300)]
+    lin.wq_path = "torch"
+    refs = [lin.quant_method.apply(lin, x) for x in xs]
+    lin.to(DEVICE)
+    lin.wq_path = "triton"
+    for x, ref in zip(xs, refs):
+        got = lin.quant_method.apply(lin, x.to(DEVICE)).cpu()
+        exact = x.double() @ w.double().t()
+        for y in (ref, got):
+            assert y.shape == (x.shape[0], 80)
+            assert (y.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
