@@ -38,8 +38,9 @@ import torch
 from torch import nn
 
 from engine.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod
-from engine.layers.quantization.int4 import (
-    Int4Config,
+from engine.layers.quantization.int4 import Int4Config
+from engine.layers.quantization.int4_config import (
+    _refuse,
     ct_groups,
     parse_awq,
     parse_compressed_int4,
@@ -64,10 +65,6 @@ def _as_dict(qc) -> dict:
     if hasattr(qc, "to_dict"):
         return qc.to_dict()
     return dict(vars(qc))
-
-
-def _refuse(msg: str) -> ValueError:
-    return ValueError(f"unsupported quantization_config: {msg}")
 
 
 def _parse_fp8(qc: dict) -> Fp8Config:
