@@ -79,7 +79,6 @@ AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_UNPACK_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 #: the group size of weights quantized at load when the config gives none
 DEFAULT_GROUP = 128
-INT4_METHODS = ("awq", "gptq")
 
 _SHIFTS = tuple(range(0, 32, 4))
 
