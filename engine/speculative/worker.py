@@ -31,6 +31,7 @@ step, and nothing is launched behind it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -42,11 +43,18 @@ from engine.sampling.acceptance import verify_drafts
 from engine.speculative.proposer import Proposer
 
 #: the spec counters the worker adds to ``Scheduler.stats`` (/server_info, /metrics)
-#: a request whose drafts were all rejected this many verify steps in a row stops proposing
-#: for 2, 4, 8... steps (up to MAX_BACKOFF): below break-even a verify row costs more than
-#: it returns (non-copying text drafts from weak one-token matches)
+#: a request below break-even this many verify steps in a row stops proposing for 2, 4,
+#: 8... steps (up to MAX_BACKOFF), then tries again. Below break-even: nothing accepted, or
+#: its running accept length (tokens per verify step, an exponential average with weight
+#: ACCEPT_EMA on the newest step) under the measured cost of a verify step in plain decode
+#: steps (``SpecWorker.breakeven``): a verify step then costs more than it returns
+#: (non-copying text drafted from weak one-token matches; on the CPU a verify row costs
+#: nearly a decode step's compute, on a GPU a few percent)
 MISSES_BEFORE_BACKOFF = 2
 MAX_BACKOFF = 32
+ACCEPT_EMA = 0.5
+#: weight of the newest step in the step-time averages the break-even comes from
+STEP_TIME_EMA = 0.1
 #: verify as decode rows while the KV those rows read beyond a plain decode step (k x the
 #: context per request) is at most this share of the weight bytes a step reads
 VERIFY_AS_DECODE_KV_SHARE = 0.25
@@ -111,8 +119,14 @@ class SpecWorker:
         mem = runner.memory_report()  # this rank's bytes (a shard under TP: the same ratio)
         self._weight_bytes = mem["weight_bytes"]
         self._kv_token_bytes = mem["kv_bytes"] / max(1, runner.kv_pool.num_slots)
-        # rid -> [consecutive verify steps with nothing accepted, steps left without drafts]
+        # rid -> [consecutive verify steps below break-even, steps left without drafts]
         self._misses: dict[str, list[int]] = {}
+        self._accept_len: dict[str, float] = {}  # rid -> running accept length
+        # step times (s, averaged) of verify steps and of plain decode steps of speculating
+        # batches, measured between consecutive scheduler steps (see ``wants``)
+        self.clock = time.perf_counter
+        self.step_time = {"verify": None, "decode": None}
+        self._mark: tuple[float, int, str | None] | None = None
 
     def reset_stats(self) -> None:
         self.stats.update(dict.fromkeys(SPEC_STAT_KEYS, 0))
@@ -120,12 +134,41 @@ class SpecWorker:
 
     def info(self) -> dict:
         """What /server_info shows: the algorithm, its settings, the mean accept length."""
+        v, d = self.step_time["verify"], self.step_time["decode"]
         return {"algorithm": self.algorithm, "num_draft_tokens": self.k,
-                "max_batch_size": self.max_bs, "mean_accept_length": mean_accept_length(self.stats)}
+                "max_batch_size": self.max_bs, "mean_accept_length": mean_accept_length(self.stats),
+                "verify_step_ms": v and v * 1e3, "decode_step_ms": d and d * 1e3,
+                "breakeven_accept_length": self.breakeven}
 
     def wants(self, running: list) -> bool:
-        """Whether a decode step over ``running`` speculates (a larger batch decodes)."""
-        return 0 < len(running) <= self.max_bs
+        """Whether a decode step over ``running`` speculates (a larger batch decodes).
+
+        Called once per scheduler step that decodes: the time since the previous call is
+        the previous step's, which ``build`` labelled verify or decode; it counts when
+        exactly one scheduler step ran in between (``stats["steps"]``), so a prefill step
+        between two decodes is not taken for either."""
+        now, steps = self.clock(), self.stats.get("steps", 0)
+        if self._mark is not None:
+            t0, s0, kind = self._mark
+            if kind is not None and steps == s0 + 1:
+                old = self.step_time[kind]
+                dt = now - t0
+                self.step_time[kind] = dt if old is None else \
+                    old + STEP_TIME_EMA * (dt - old)
+        ok = 0 < len(running) <= self.max_bs
+        self._mark = (now, steps, None)
+        return ok
+
+    @property
+    def breakeven(self) -> float:
+        """A verify step's measured cost in plain decode steps (1.0 until both are
+        measured): the accept length below which speculating loses."""
+        v, d = self.step_time["verify"], self.step_time["decode"]
+        return v / d if v and d else 1.0
+
+    def _label(self, kind: str) -> None:
+        if self._mark is not None:
+            self._mark = (self._mark[0], self._mark[1], kind)
 
     def budget(self, req) -> int:
         """Drafts ``req`` may have: k, fewer where max_tokens or the context is near (a
@@ -145,6 +188,9 @@ class SpecWorker:
         live = {r.rid for r in running}
         for rid in [rid for rid in self._misses if rid not in live]:
             del self._misses[rid]
+        for rid in [rid for rid in self._accept_len if rid not in live]:
+            del self._accept_len[rid]
+        self._label("decode")  # unless a verify batch is built below
         ks = [self.budget(r) for r in running]
         drafts = self.proposer.propose_reqs(running, ks)
         if not any(drafts):
@@ -175,6 +221,7 @@ class SpecWorker:
             kept.append(d)
         if not reqs:
             return None
+        self._label("verify")
         extra_kv = sum((n - 1) * p for p, n in zip(prefix, ext)) * self._kv_token_bytes
         as_decode = extra_kv <= VERIFY_AS_DECODE_KV_SHARE * self._weight_bytes
         return VerifyBatch(verify_batch(vreqs, prefix, ext, locs, as_decode), reqs, kept, prefix)
@@ -253,8 +300,11 @@ class SpecWorker:
 
 
     def _track(self, rid: str, accepted: int) -> None:
-        """Back off a request whose drafts keep failing (see ``MISSES_BEFORE_BACKOFF``)."""
-        if accepted:
+        """Back off a request below break-even (see ``MISSES_BEFORE_BACKOFF``)."""
+        old = self._accept_len.get(rid)
+        acc = accepted + 1.0 if old is None else old + ACCEPT_EMA * (accepted + 1.0 - old)
+        self._accept_len[rid] = acc
+        if accepted and acc >= self.breakeven:
             self._misses.pop(rid, None)
             return
         miss = self._misses.setdefault(rid, [0, 0])

@@ -427,6 +427,48 @@ def test_metrics_export_the_engine_spec_counters():
         assert line in text
 
 
+def test_breakeven_comes_from_measured_step_times():
+    """``wants`` times each scheduler step (verify or decode, as ``build`` labelled it) with
+    the worker's clock; a step interval that spans more than one scheduler step (a prefill
+    in between) is not counted; the break-even is verify time / decode time."""
+    runner = FakeRunner(max_total_tokens=200)
+    sched = Scheduler(ServerArgs(speculative_algorithm="NGRAM"), runner)
+    w = sched.spec
+    now = [0.0]
+    w.clock = lambda: now[0]
+
+    def step(kind, dt, steps=1):
+        assert w.wants([object()])
+        w._label(kind)
+        sched.stats["steps"] += steps
+        now[0] += dt
+
+    assert w.breakeven == 1.0
+    step("verify", 0.030)
+    step("decode", 0.010)
+    step("decode", 0.500, steps=2)  # a prefill ran in between: not a decode step's time
+    w.wants([object()])
+    assert w.step_time["verify"] == pytest.approx(0.030)
+    assert w.step_time["decode"] == pytest.approx(0.010)
+    assert w.breakeven == pytest.approx(3.0)
+    assert w.info()["breakeven_accept_length"] == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("verify_cost,backs_off", [(3.0, True), (1.2, False)])
+def test_a_request_below_breakeven_backs_off(verify_cost, backs_off):
+    """One accepted draft of four per step (accept length 2): worth it when a verify step
+    costs 1.2 decode steps, a loss at 3 (the CPU's order with many drafts)."""
+    from engine.speculative.worker import MISSES_BEFORE_BACKOFF
+
+    runner = FakeRunner(max_total_tokens=200)
+    w = Scheduler(ServerArgs(speculative_algorithm="NGRAM"), runner).spec
+    w.step_time.update(verify=verify_cost * 0.01, decode=0.01)
+    r = Req("a", [1, 2, 3], SamplingParams(max_tokens=100, temperature=0))
+    for _ in range(MISSES_BEFORE_BACKOFF):
+        w._track("a", 1)
+    assert (w.budget(r) == 0) == backs_off
+
+
 def test_a_request_whose_drafts_keep_failing_backs_off():
     from engine.speculative.worker import MISSES_BEFORE_BACKOFF
 
