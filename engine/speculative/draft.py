@@ -120,6 +120,13 @@ class ModelProposer(Proposer):
         """Draft KV tokens held (whole pages), for the accounting tests."""
         return self.kv.used_tokens()
 
+    def check(self) -> None:
+        """Assert the draft pool's page accounting: free + held by the requests' draft
+        state = the pool, no page twice (``KVCacheManager.check``)."""
+        self.kv.check(list(self.seqs.values()))
+        for seq in self.seqs.values():
+            assert len(seq.ids) == seq.kv_len, "draft ids and KV length disagree"
+
     # ---- what a subclass provides --------------------------------------------------------
     def catch_up(self, seq: DraftSeq, req) -> tuple[list[int], torch.Tensor | None] | None:
         """The input ids (and, for EAGLE, hidden-state rows) of the KV entries ``seq`` lacks

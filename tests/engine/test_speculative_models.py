@@ -281,7 +281,16 @@ def test_model_proposers_with_preemption_radix_cache_stops_and_sampling(ckpts, b
     kw = {**KW, "max_total_tokens": 80, "page_size": 2}
     llm = LLM(ckpts["target"], speculative_algorithm=algo, speculative_draft_model_path=str(path),
               speculative_num_steps=2, speculative_max_batch_size=2, **kw)
-    llm.scheduler.check_kv = True
+    sched = llm.scheduler
+    sched.check_kv = True
+    step = sched.step
+
+    def checked_step():  # the draft pool's accounting after every step too
+        out = step()
+        sched.spec.proposer.check()
+        return out
+
+    sched.step = checked_step
     assert _run(llm) == baseline
     st = llm.scheduler.stats
     assert st["preemptions"] > 0 and st["spec_verify_reqs"] > 0
