@@ -286,6 +286,8 @@ def num_draft_tokens(args: ServerArgs) -> int:
     proposer's chain is ``--speculative-num-steps`` long (one token per draft forward)."""
     if not args.speculative_algorithm:
         return 0
+    if args.speculative_algorithm in SPECULATIVE_MODEL_ALGORITHMS and args.speculative_num_steps:
+        return args.speculative_num_steps
     return args.speculative_num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS
 
 
@@ -307,9 +309,21 @@ def _speculative_error(a: ServerArgs) -> str | None:
                 "(it drafts from the request's own tokens)")
     if algo not in ("EAGLE", "EAGLE3") and a.speculative_eagle_topk not in (None, 1):
         return f"--speculative-eagle-topk applies to EAGLE and EAGLE3, not to {algo}"
+    if a.speculative_eagle_topk not in (None, 1):
+        return ("--speculative-eagle-topk above 1 (a draft tree) is not built: ferry's EAGLE "
+                "drafts a chain (--speculative-eagle-topk 1)")
+    if algo == "NGRAM" and a.speculative_num_steps is not None:
+        return ("--speculative-num-steps is not used by --speculative-algorithm NGRAM (it "
+                "proposes --speculative-num-draft-tokens per step without a draft forward)")
+    steps, drafts = a.speculative_num_steps, a.speculative_num_draft_tokens
+    if steps is not None and drafts is not None and drafts not in (steps, steps + 1):
+        return (f"--speculative-num-draft-tokens {drafts} does not fit --speculative-num-steps "
+                f"{steps}: a chain of {steps} draft forwards proposes {steps} tokens (pass "
+                f"{steps}, or {steps + 1} counting the verified token as SGLang does)")
+    if algo in SPECULATIVE_MODEL_ALGORITHMS and (a.tp_size > 1 or a.nnodes > 1):
+        return (f"--speculative-algorithm {algo} with --tp-size {a.tp_size} is not built: "
+                "the draft model runs on rank 0 only (use NGRAM, or --tp-size 1)")
     if a.speculative_ngram_min_match_window_size > a.speculative_ngram_max_match_window_size:
-    if args.speculative_algorithm in SPECULATIVE_MODEL_ALGORITHMS and args.speculative_num_steps:
-        return args.speculative_num_steps
         return ("--speculative-ngram-min-match-window-size must be <= "
                 "--speculative-ngram-max-match-window-size, got "
                 f"{a.speculative_ngram_min_match_window_size} > "
@@ -331,20 +345,6 @@ def _field_error(v: Any, md) -> str | None:
     bounds = [k for k in _BOUNDS if k in md]
     if not bounds:
         return None
-    if a.speculative_eagle_topk not in (None, 1):
-        return ("--speculative-eagle-topk above 1 (a draft tree) is not built: ferry's EAGLE "
-                "drafts a chain (--speculative-eagle-topk 1)")
-    if algo == "NGRAM" and a.speculative_num_steps is not None:
-        return ("--speculative-num-steps is not used by --speculative-algorithm NGRAM (it "
-                "proposes --speculative-num-draft-tokens per step without a draft forward)")
-    steps, drafts = a.speculative_num_steps, a.speculative_num_draft_tokens
-    if steps is not None and drafts is not None and drafts not in (steps, steps + 1):
-        return (f"--speculative-num-draft-tokens {drafts} does not fit --speculative-num-steps "
-                f"{steps}: a chain of {steps} draft forwards proposes {steps} tokens (pass "
-                f"{steps}, or {steps + 1} counting the verified token as SGLang does)")
-    if algo in SPECULATIVE_MODEL_ALGORITHMS and (a.tp_size > 1 or a.nnodes > 1):
-        return (f"--speculative-algorithm {algo} with --tp-size {a.tp_size} is not built: "
-                "the draft model runs on rank 0 only (use NGRAM, or --tp-size 1)")
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return "must be a number"
     failed = [k for k in bounds if not _BOUNDS[k][1](v, md[k])]  # NaN fails every bound
