@@ -390,6 +390,8 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
         future = self.inflight.result.ids_dev if self.inflight is not None else None
         try:
             logits = self.runner.forward(batch, future)
+            if self.spec is not None:  # an EAGLE head keeps the hidden states of the step
+                self.spec.proposer.observe(batch)
             if needs_ids:
                 # while this forward runs: read the in-flight step back, so the grammars
                 # accept its tokens (this step's masks follow from them) and penalties see
@@ -405,8 +407,6 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
         except Exception as exc:  # a bug or a device error: fail this batch, keep serving
             if getattr(getattr(self.runner, "tp", None), "size", 1) > 1:
                 raise  # the other ranks may be inside this step's collectives: stop them all
-            if self.spec is not None:  # an EAGLE head keeps the hidden states of the step
-                self.spec.proposer.observe(batch)
             logger.exception("step failed; aborting %d requests", batch.batch_size)
             self._drain()
             for req in batch.reqs:
