@@ -111,7 +111,12 @@ def write_checkpoints(root, method: str, group: int, fmt: str = "gptq", seed: in
     torch.manual_seed(seed)
     hf = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in CONFIG.items()
                                          if k not in ("architectures", "torch_dtype")}))
+    with torch.no_grad():  # embeddings and head wide enough that the tokens vary
+        hf.model.embed_tokens.weight.normal_(0, 1.0)
+        hf.lm_head.weight.normal_(0, 0.3)
     float_sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    for k in [k for k in float_sd if k.endswith(("embed_tokens.weight", "lm_head.weight"))]:
+        float_sd[k] = float_sd[k].half().float()  # the same values in both checkpoints
     quant_sd = {k: v.half() for k, v in float_sd.items()}
     gen = torch.Generator().manual_seed(seed + 1)
     ref = {}
@@ -242,6 +247,7 @@ def test_awq_greedy_tokens_equal_hf_on_the_dequantized_model(tmp_path):
         got = [list(o.token_ids) for o in llm.generate(prompts, sp)]
     want = [_greedy_hf(paths["float"], p, 8) for p in prompts]
     assert got == want
+    assert len({t for toks in got for t in toks}) > 8  # not one repeated token
 
 
 def test_tensor_parallel_shards_are_the_reference_slices(tmp_path):
@@ -345,6 +351,7 @@ def test_act_order_layers_and_greedy_tokens(tmp_path):
     with LLM(paths["quant"], cpu_threads=1) as llm:
         got = [list(o.token_ids) for o in llm.generate(prompts, sp)]
     assert got == [_greedy_hf(paths["float"], p, 8) for p in prompts]
+    assert len({t for toks in got for t in toks}) > 8
     # fused parts with different g_idx cannot share one activation order
     f = paths["quant"] + "/model.safetensors"
     sd = load_file(f)
