@@ -7,24 +7,24 @@ that use one adapter slot (a prefill request's new tokens are one segment, a dec
 a segment of one row). Every adapter lives in one slot of stacked buffers
 
     A [S, R, K]   the slot's ``lora_A`` rows (rank r <= R, rows past r are zero)
-    B [S, N, R]   the slot's ``lora_B`` (scale folded in; columns past r are zero)
+    B [S, R, N]   the slot's ``lora_B`` transposed (scale folded in; rows past r are zero)
 
 so a graph captured once reads any mix of adapters through the segment arrays (device
 tensors: ``seg_start``, ``seg_len``, ``seg_slot`` [G] int32; slot -1 = the base model, no
 delta). This is the segmented-GEMM scheme of Punica (Chen et al. 2023, SGMV) and of SGLang's
 chunked SGMV backend, written here from that description:
 
-- :func:`lora_shrink`: ``s[rows of g] = x[rows of g] @ A[slot g]^T`` -> ``[T, R]`` fp32;
+- :func:`lora_shrink`: ``s[rows of g] = x[rows of g] @ A[slot g]^T`` -> ``[T, P*R]`` fp32;
 - :func:`lora_expand`: ``y[rows of g, y_off:y_off+N] += s[rows of g, s_off:s_off+R] @
-  B[slot g]^T``, in place, in y's dtype.
+  B[slot g]``, in place, in y's dtype.
 
-A fused projection (q/k/v, gate/up) has one A block of R rows per part (``A [S, P*R, K]``,
-one shrink) and one B per part (one expand per part, each reading its R columns of ``s``).
+A fused projection (q/k/v, gate/up) has P parts: ``A [P, S, R, K]`` (one shrink writes the
+P*R columns of ``s``, part p's at [p*R, (p+1)*R)) and one B per part (one expand per part,
+each reading its R columns of ``s``).
 
 Grid: ``(segments, ceil(max_len / BLOCK_M), ceil(N / BLOCK_N))``; a program past its
 segment's end or on a base segment returns at once. ``max_len`` is a host int (decode: 1).
-:func:`kernels.lora_torch.lora_apply_torch` is the CPU path and the tests' second opinion: one matmul pair per
-adapter over its rows.
+:func:`kernels.lora_torch.lora_apply_torch` is the CPU path and the tests' second opinion.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from kernels.launch import dot_kernel_options
 
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, s_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
-                   R, K, stride_xm, stride_as, stride_ar, stride_sm,
+                   R_ALL, R, K, stride_xm, stride_ap, stride_as, stride_ar, stride_sm,
                    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr):
     g = tl.program_id(0)
@@ -52,16 +52,18 @@ def _shrink_kernel(x_ptr, a_ptr, s_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < seg_len
-    mask_n = offs_n < R
+    mask_n = offs_n < R_ALL
     rows = (start + offs_m).to(tl.int64)
     a_base = a_ptr + slot.to(tl.int64) * stride_as
+    # output column j is row j % R of part j // R
+    a_rows = (offs_n // R).to(tl.int64) * stride_ap + (offs_n % R) * stride_ar
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         mask_k = kk < K
         x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        a = tl.load(a_base + offs_n[None, :] * stride_ar + kk[:, None],
+        a = tl.load(a_base + a_rows[None, :] + kk[:, None],
                     mask=mask_n[None, :] & mask_k[:, None], other=0.0)
         if IEEE:
             acc += tl.dot(x, a, input_precision="ieee")
@@ -73,7 +75,7 @@ def _shrink_kernel(x_ptr, a_ptr, s_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr
 
 @triton.jit
 def _expand_kernel(s_ptr, b_ptr, y_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
-                   N, R, stride_sm, stride_bs, stride_bn, stride_ym,
+                   N, R, stride_sm, stride_bs, stride_bk, stride_ym,
                    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr):
     g = tl.program_id(0)
@@ -96,7 +98,7 @@ def _expand_kernel(s_ptr, b_ptr, y_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr
         mask_k = kk < R
         s = tl.load(s_ptr + rows[:, None] * stride_sm + kk[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(b_base + offs_n[None, :] * stride_bn + kk[:, None],
+        b = tl.load(b_base + kk[:, None] * stride_bk + offs_n[None, :],
                     mask=mask_n[None, :] & mask_k[:, None], other=0.0)
         if IEEE:
             acc += tl.dot(s, b.to(tl.float32), input_precision="ieee")
@@ -119,31 +121,32 @@ def _pow2(n: int, lo: int, hi: int) -> int:
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_start: torch.Tensor,
                 seg_len: torch.Tensor, seg_slot: torch.Tensor, max_len: int,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [T, K] @ A[slot]^T`` per segment -> ``[T, R]`` float32.
+    """``x [T, K] @ A[:, slot]^T`` per segment -> ``[T, P*R]`` float32.
 
     Args:
         x: [T, K] activations (fp16, bf16 or fp32), rows with stride 1 in K.
-        a: [S, R, K] stacked ``lora_A`` in x's dtype (contiguous).
+        a: [P, S, R, K] stacked ``lora_A`` of P parts in x's dtype (K contiguous).
         seg_start, seg_len, seg_slot: [G] int32 on x's device (slot -1: base rows).
         max_len: the longest segment (host int; a bound is enough).
-        out: optional [T, R] fp32 output buffer.
+        out: optional [T, P*R] fp32 output buffer.
     Returns:
         ``out``; rows of base segments are left unwritten.
     """
     t, k = x.shape
-    r = a.shape[1]
+    r = a.shape[2]
+    r_all = a.shape[0] * r
     if x.stride(1) != 1:
         x = x.contiguous()
     if out is None:
-        out = torch.empty(t, r, dtype=torch.float32, device=x.device)
+        out = torch.empty(t, r_all, dtype=torch.float32, device=x.device)
     g = seg_start.shape[0]
     if g == 0 or max_len <= 0:
         return out
     bm = _block_m(max_len)
-    bn = _pow2(r, 16, 64)
-    grid = (g, triton.cdiv(max_len, bm), triton.cdiv(r, bn))
-    _shrink_kernel[grid](x, a, out, seg_start, seg_len, seg_slot, r, k, x.stride(0),
-                         a.stride(0), a.stride(1), out.stride(0),
+    bn = _pow2(r_all, 16, 64)
+    grid = (g, triton.cdiv(max_len, bm), triton.cdiv(r_all, bn))
+    _shrink_kernel[grid](x, a, out, seg_start, seg_len, seg_slot, r_all, r, k, x.stride(0),
+                         a.stride(0), a.stride(1), a.stride(2), out.stride(0),
                          IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64,
                          **dot_kernel_options(4, 2, x.device.type))
     return out
@@ -151,17 +154,17 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_start: torch.Tensor,
 
 def lora_expand(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, seg_start: torch.Tensor,
                 seg_len: torch.Tensor, seg_slot: torch.Tensor, max_len: int) -> torch.Tensor:
-    """``y[rows] += s[rows] @ B[slot]^T`` per segment, in place (y's dtype).
+    """``y[rows] += s[rows] @ B[slot]`` per segment, in place (y's dtype).
 
     Args:
         y: [T, N] output view (row stride free, column stride 1), e.g. one part of a fused
             projection's output.
         s: [T, R] float32 view of :func:`lora_shrink`'s output (this part's R columns).
-        b: [S, N, R] stacked ``lora_B`` (scale folded in), contiguous.
+        b: [S, R, N] stacked ``lora_B`` transposed (scale folded in), N contiguous.
         seg_start, seg_len, seg_slot, max_len: as in :func:`lora_shrink`.
     """
     t, n = y.shape
-    r = b.shape[2]
+    r = b.shape[1]
     g = seg_start.shape[0]
     if g == 0 or max_len <= 0:
         return y
@@ -184,13 +187,13 @@ def lora_apply_triton(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, bs: lis
 
     Args:
         x: [T, K]; y: [T, N_total] (the base output).
-        a: [S, P*R, K] (part p's rows at ``[p*R, (p+1)*R)``).
-        bs: P tensors [S, n_p, R].
+        a: [P, S, R, K].
+        bs: P tensors [S, R, n_p].
         parts: P ``(column offset, n_p)`` of each part in y.
     """
     s = lora_shrink(x, a, seg_start, seg_len, seg_slot, max_len, shrink_out)
     for p, ((off, n), b) in enumerate(zip(parts, bs)):
-        r = b.shape[2]
+        r = b.shape[1]
         lora_expand(y[:, off:off + n], s[:, p * r:(p + 1) * r], b, seg_start, seg_len,
                     seg_slot, max_len)
     return y

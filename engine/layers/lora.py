@@ -5,8 +5,9 @@ A layer with adapters gets a :class:`LoRASlots` as its ``lora`` attribute
 step may use (``--max-loras-per-batch`` slots, rank ``--max-lora-rank`` each), so a graph
 captured once serves any adapter mix:
 
-    a      [S, P*R, K_rank]  float, the model dtype: part p's ``lora_A`` rows at [p*R, p*R+r)
-    bs[p]  [S, n_p, R]       part p's ``lora_B`` times the adapter's scale, columns [0, r)
+    a      [P, S, R, K_rank] float, the model dtype: part p's ``lora_A`` rows [0, r)
+    bs[p]  [S, R, n_p]       part p's ``lora_B`` transposed, times the adapter's scale, rows
+                             [0, r)
 
 A fused projection has P parts (q/k/v: 3, gate/up: 2, others 1); a slot of an adapter
 without some module keeps zeros there. Tensor parallelism follows the base layer (Megatron
@@ -34,16 +35,18 @@ class LoRABatch:
         active: False when no row of the step uses an adapter (the layers skip LoRA).
         seg_start, seg_len, seg_slot: [G] int32 device tensors (Triton path).
         max_len: the longest segment in tokens (host int).
-        rows_by_slot: ``(slot, row indices [n] int64)`` per slot used (torch path).
+        onehot: [T, S] in the model dtype, 1 at each row's slot (torch path).
         use_triton: run the Triton kernels (accelerators) or the torch path (CPU).
     """
 
-    def __init__(self, use_triton: bool):
+    def __init__(self, use_triton: bool, num_slots: int, dtype: torch.dtype):
         self.use_triton = use_triton
+        self.num_slots = num_slots
+        self.dtype = dtype
         self.active = False
         self.seg_start = self.seg_len = self.seg_slot = None
         self.max_len = 0
-        self.rows_by_slot: list[tuple[int, torch.Tensor]] = []
+        self.onehot: torch.Tensor | None = None
 
     def set_segments(self, starts: list[int], lens: list[int], slots: list[int],
                      device: torch.device, seg_tensors=None) -> None:
@@ -62,12 +65,10 @@ class LoRABatch:
             self.seg_start, self.seg_len, self.seg_slot = seg_tensors
             self.max_len = max(lens)
             return
-        rows: dict[int, list[int]] = {}
-        for s0, n, slot in zip(starts, lens, slots):
-            if slot >= 0:
-                rows.setdefault(slot, []).extend(range(s0, s0 + n))
-        self.rows_by_slot = [(slot, torch.tensor(r, dtype=torch.int64, device=device))
-                             for slot, r in rows.items()]
+        row_slot = torch.tensor([slot for n, slot in zip(lens, slots) for _ in range(n)])
+        onehot = torch.zeros(len(row_slot), self.num_slots + 1, dtype=self.dtype)
+        onehot[torch.arange(len(row_slot)), row_slot] = 1  # base rows: the extra column -1
+        self.onehot = onehot[:, :self.num_slots].to(device)
 
     def set_static(self, seg_start: torch.Tensor, seg_len: torch.Tensor,
                    seg_slot: torch.Tensor, max_len: int) -> None:
@@ -99,8 +100,8 @@ class LoRASlots:
         self.max_rank = max_rank
         self.batch = batch
         r = max_rank
-        self.a = torch.zeros(num_slots, len(parts) * r, in_features, dtype=dtype, device=device)
-        self.bs = [torch.zeros(num_slots, n, r, dtype=dtype, device=device)
+        self.a = torch.zeros(len(parts), num_slots, r, in_features, dtype=dtype, device=device)
+        self.bs = [torch.zeros(num_slots, r, n, dtype=dtype, device=device)
                    for _, n, _ in parts]
 
     def nbytes(self) -> int:
@@ -108,8 +109,7 @@ class LoRASlots:
 
     def clear_part(self, slot: int, part: int) -> None:
         """Zero one part of ``slot`` (an adapter without this projection)."""
-        r = self.max_rank
-        self.a[slot, part * r:(part + 1) * r].zero_()
+        self.a[part, slot].zero_()
         self.bs[part][slot].zero_()
 
     def load(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -119,19 +119,19 @@ class LoRASlots:
             a: [r, K_full] the full ``lora_A``; b: [N_full_part, r] the full ``lora_B`` with
                 the scale folded in (any float dtype, any device). r <= R.
         """
-        r, big = a.shape[0], self.max_rank
+        r = a.shape[0]
         if self.in_shard is not None:
             rank, k = self.in_shard
             a = a[:, rank * k:(rank + 1) * k]
         _, n, b_rank = self.parts[part]
         if b_rank is not None:
             b = b[b_rank * n:(b_rank + 1) * n]
-        rows = self.a[slot, part * big:(part + 1) * big]
+        rows = self.a[part, slot]
         rows.zero_()
         rows[:r].copy_(a)
         dst = self.bs[part][slot]
         dst.zero_()
-        dst[:, :r].copy_(b)
+        dst[:r].copy_(b.t())
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y [T, N] += delta(x [T, K])`` for the rows of the step's adapters."""
@@ -143,4 +143,4 @@ class LoRASlots:
 
             return lora_apply_triton(x, y, self.a, self.bs, self.cols, batch.seg_start,
                                      batch.seg_len, batch.seg_slot, batch.max_len)
-        return lora_apply_torch(x, y, self.a, self.bs, self.cols, batch.rows_by_slot)
+        return lora_apply_torch(x, y, self.a, self.bs, self.cols, batch.onehot)

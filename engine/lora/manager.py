@@ -110,7 +110,7 @@ class LoRAManager:
         self.max_rank = max_rank
         self.max_loaded = max_loaded
         self.device = device
-        self.batch = LoRABatch(use_triton)
+        self.batch = LoRABatch(use_triton, num_slots, dtype)
         self.targets = _layer_targets(model)
         if not self.targets:
             raise ValueError(f"{type(model).__name__}: LoRA adapters are not supported for "
@@ -170,21 +170,33 @@ class LoRAManager:
         if not name or ":" in name:
             raise LoRAError(f"LoRA adapter name {name!r} must be non-empty without ':'",
                             "lora_name")
+        self._check_name(name)
+        return self.register(read_adapter(name, path, self.max_rank))
+
+    def _check_name(self, name: str) -> None:
         if name in self.names:
             raise LoRAError(f"a LoRA adapter named {name!r} is already loaded", "lora_name")
         live = len(self.names)
         if self.max_loaded is not None and live >= self.max_loaded:
             raise LoRAError(f"{live} LoRA adapters are loaded, the most --max-loaded-loras "
                             f"allows; unload one first", "lora_name")
-        adapter = read_adapter(name, path, self.max_rank)
+
+    def register(self, adapter: LoRAAdapter) -> int:
+        """Register an adapter already in host memory (:meth:`load` reads one from disk;
+        the benchmarks make random ones); returns its id. Raises LoRAError as ``load``."""
+        self._check_name(adapter.name)
+        if adapter.rank > self.max_rank:
+            raise LoRAError(f"{adapter.name}: rank {adapter.rank} is above --max-lora-rank "
+                            f"{self.max_rank}", "r")
         self._check_fits(adapter)
         aid = self._next_id
         self._next_id += 1
         self.adapters[aid] = adapter
-        self.names[name] = aid
+        self.names[adapter.name] = aid
         self.refs[aid] = 0
-        logger.info("LoRA adapter %r loaded from %s (rank %d, %d modules, %.1f MB)", name,
-                    path, adapter.rank, len(adapter.weights), adapter.nbytes() / 1e6)
+        logger.info("LoRA adapter %r loaded from %s (rank %d, %d modules, %.1f MB)",
+                    adapter.name, adapter.path, adapter.rank, len(adapter.weights),
+                    adapter.nbytes() / 1e6)
         return aid
 
     def _check_fits(self, adapter: LoRAAdapter) -> None:

@@ -22,12 +22,12 @@ RMAX = 64
 
 
 def _adapters(dtype, ranks, seed):
-    """Stacked slots: A [S, 3*RMAX, K], B_p [S, n_p, RMAX]; plus each adapter's unpadded
+    """Stacked slots: A [3, S, RMAX, K], B_p^T [S, RMAX, n_p]; plus each adapter's unpadded
     float64 matrices (A_p [r, K], B_p [n_p, r]) for the reference; slot 1 lacks part 1."""
     g = torch.Generator().manual_seed(seed)
     s = len(ranks)
-    a = torch.zeros(s, 3 * RMAX, K, dtype=dtype)
-    bs = [torch.zeros(s, n, RMAX, dtype=dtype) for n in PARTS_N]
+    a = torch.zeros(3, s, RMAX, K, dtype=dtype)
+    bs = [torch.zeros(s, RMAX, n, dtype=dtype) for n in PARTS_N]
     ref = []
     for slot, r in enumerate(ranks):
         mats = []
@@ -36,8 +36,8 @@ def _adapters(dtype, ranks, seed):
             bp = (torch.randn(n, r, generator=g) / r ** 0.5).to(dtype)
             if slot == 1 and p == 1:
                 bp.zero_()  # the adapter has no module here
-            a[slot, p * RMAX:p * RMAX + r] = ap
-            bs[p][slot, :, :r] = bp
+            a[p, slot, :r] = ap
+            bs[p][slot, :r] = bp.t()
             mats.append((ap.double(), bp.double()))
         ref.append(mats)
     return a, bs, ref
@@ -93,22 +93,22 @@ def test_lora_triton_matches_loop_per_adapter(dtype, case):
     assert_close(out - y.to(dev), (want - y.double()).to(dev), dtype, "triton LoRA delta")
     base = [i for s0, n, sl in segs if sl < 0 for i in range(s0, s0 + n)]
     assert torch.equal(out[base].cpu(), y[base]), "base rows changed"
-    # the torch path, grouped by slot
-    rows = {}
+    # the torch path: every slot at once, a one-hot row x slot mask
+    onehot = torch.zeros(len(y), len(bs[0]), dtype=dtype)
     for s0, n, sl in segs:
         if sl >= 0:
-            rows.setdefault(sl, []).extend(range(s0, s0 + n))
-    out_t = lora_apply_torch(x, y.clone(), a, bs, col,
-                             [(sl, torch.tensor(r)) for sl, r in rows.items()])
+            onehot[s0:s0 + n, sl] = 1
+    out_t = lora_apply_torch(x, y.clone(), a, bs, col, onehot)
     assert_close(out_t - y, want - y.double(), dtype, "torch LoRA delta")
+    assert torch.equal(out_t[base], y[base]), "torch path changed base rows"
 
 
 def test_lora_shrink_expand_hand_values():
     """One row, rank 2, K 3: s = A x and y += B s, computed by hand."""
     dev = torch.device(DEVICE)
     x = torch.tensor([[1.0, 2.0, 3.0]], device=dev)
-    a = torch.tensor([[[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]]], device=dev)  # [1, 2, 3]
-    b = torch.tensor([[[2.0, 0.0], [1.0, 1.0]]], device=dev)             # [1, 2, 2]
+    a = torch.tensor([[[[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]]]], device=dev)  # [P=1, S=1, 2, 3]
+    b = torch.tensor([[[2.0, 1.0], [0.0, 1.0]]], device=dev)  # B^T [1, r=2, N=2]
     one = torch.ones(1, dtype=torch.int32, device=dev)
     zero = torch.zeros(1, dtype=torch.int32, device=dev)
     s = lora_shrink(x, a, zero, one, zero, 1)
