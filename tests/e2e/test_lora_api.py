@@ -89,6 +89,15 @@ def test_lora_serving(setup, make_server):
                                   temperature=0, extra_body={"ignore_eos": True,
                                                              "return_token_ids": True})
     assert c.model == "a1" and c.choices[0].token_ids == refs["a1"][1][0]
+    # loading through the client's plain post (docs/usage.md shows it)
+    client.post("/load_lora_adapter", cast_to=object,
+                body={"lora_name": "again", "lora_path": str(root / "a1")})
+    assert "again" in [m.id for m in client.models.list().data]
+    c = client.completions.create(model="again", prompt=PROMPTS[0], max_tokens=N,
+                                  temperature=0, extra_body={"ignore_eos": True,
+                                                             "return_token_ids": True})
+    assert c.choices[0].token_ids == refs["a1"][0][0]
+    client.post("/unload_lora_adapter", cast_to=object, body={"lora_name": "again"})
 
     # errors
     r = _complete(srv, "nope", PROMPTS[0])
