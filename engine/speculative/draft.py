@@ -60,6 +60,17 @@ class DraftSeq:
         return self.ids[pos]
 
 
+def draft_pool_tokens(args, target) -> int:
+    """Tokens of a draft's KV pool: what the requests of a speculative step can hold
+    (``--speculative-max-batch-size`` requests of the whole context plus a chain each),
+    at most the target's pool. Requests outside the step lose their draft state when the
+    pool is short (``ModelProposer._evict_idle``)."""
+    from engine.args import num_draft_tokens
+
+    per = target.max_context_len + num_draft_tokens(args) + args.page_size
+    return min(target.max_total_tokens, args.speculative_max_batch_size * per)
+
+
 class ModelProposer(Proposer):
     """A proposer with a draft forward (subclasses: ``StandaloneProposer``,
     ``EagleProposer``) over its own KV pool.
@@ -74,6 +85,7 @@ class ModelProposer(Proposer):
         self.req_pool = req_pool
         self.chunk = max(1, chunk)
         self.seqs: dict[str, DraftSeq] = {}
+        self._active: set[str] = set()  # the rids being drafted for (kept by _evict_idle)
 
     # ---- the draft's KV -----------------------------------------------------------------
     def drop(self, rid: str) -> None:
@@ -105,16 +117,29 @@ class ModelProposer(Proposer):
         seq.hidden, seq.hidden_rows = [], 0
 
     def _grow(self, seq: DraftSeq, ids: list[int]) -> list[int] | None:
-        """Slots for ``ids`` as ``seq``'s next KV entries; None (nothing taken) if no room."""
+        """Slots for ``ids`` as ``seq``'s next KV entries; None (nothing taken) if no room
+        even after dropping the draft state of the requests that are not drafting now."""
         if seq.req_pool_idx is None:
             seq.req_pool_idx = self.req_pool.alloc()
+            if seq.req_pool_idx is None and self._evict_idle():
+                seq.req_pool_idx = self.req_pool.alloc()
             if seq.req_pool_idx is None:
                 return None
         slots = self.kv.grow(seq, len(ids))
+        if slots is None and self._evict_idle():
+            slots = self.kv.grow(seq, len(ids))
         if slots is not None:
             seq.ids.extend(ids)
             seq.kv_len += len(ids)
         return slots
+
+    def _evict_idle(self) -> bool:
+        """Drop the draft state of requests outside the step being drafted (they ran in
+        batches too large to speculate); whether anything was freed."""
+        idle = [rid for rid in self.seqs if rid not in self._active]
+        for rid in idle:
+            self.drop(rid)
+        return bool(idle)
 
     def used_tokens(self) -> int:
         """Draft KV tokens held (whole pages), for the accounting tests."""
@@ -162,6 +187,7 @@ class ModelProposer(Proposer):
 
     def _propose(self, reqs: list, ks: list[int]) -> list[list[int]]:
         self.sweep()
+        self._active = {r.rid for r, k in zip(reqs, ks) if k > 0}
         out: list[list[int]] = [[] for _ in reqs]
         work = []  # (index, seq, ids to feed, hidden rows to feed)
         for i, (req, k) in enumerate(zip(reqs, ks)):

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from engine.args import ServerArgs, prefill_budget
-from engine.speculative.draft import DraftSeq, ModelProposer
+from engine.speculative.draft import DraftSeq, ModelProposer, draft_pool_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -311,7 +311,8 @@ class EagleProposer(ModelProposer):
                                     dummy=args.load_format == "dummy", seed=args.seed)
         mc = self.head.mc
         self.device = target.device
-        self.kv_pool = KVPool(target.max_total_tokens, args.page_size, self.head.num_layers,
+        self.kv_pool = KVPool(draft_pool_tokens(args, target), args.page_size,
+                              self.head.num_layers,
                               mc.num_kv_heads, mc.head_dim, target.kv_dtype, target.device)
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests,
                                                 target.max_context_len, target.device)

@@ -2,7 +2,8 @@
 target's vocabulary drafts the chain, greedily, with its own KV cache.
 
 The draft model is a second ``ModelRunner`` on the same device (same dtype, page size and
-attention backend; its pool holds as many tokens as the target's), built from
+attention backend; its pool holds what a speculative step's requests can, at most the
+target's token count: ``draft_pool_tokens``), built from
 ``--speculative-draft-model-path``. Its vocabulary must be the target's: the same
 ``vocab_size`` and, where both directories ship a tokenizer, the same token -> id map
 (checked at start-up, :func:`check_same_vocabulary`).
@@ -15,7 +16,7 @@ import logging
 import torch
 
 from engine.args import ServerArgs, num_draft_tokens, prefill_budget
-from engine.speculative.draft import DraftSeq, ModelProposer
+from engine.speculative.draft import DraftSeq, ModelProposer, draft_pool_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class StandaloneProposer(ModelProposer):
     def __init__(self, args: ServerArgs, target, tokenizer=None):
         from engine.executor.model_runner import ModelRunner
 
-        self.runner = ModelRunner(draft_args(args, target.max_total_tokens))
+        self.runner = ModelRunner(draft_args(args, draft_pool_tokens(args, target)))
         check_same_vocabulary(target.vocab_size, self.runner.vocab_size, tokenizer,
                               args.speculative_draft_model_path)
         super().__init__(self.runner.kv_pool, self.runner.req_to_token_pool,

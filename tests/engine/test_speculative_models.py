@@ -444,3 +444,32 @@ def test_a_failing_draft_forward_costs_drafts_not_the_engine(ckpts, baseline, mo
     assert _run(llm) == baseline
     assert calls and llm.scheduler.stats["spec_proposed_tokens"] == 0
     _check_released(llm)
+
+
+def test_draft_pool_makes_room_by_dropping_idle_requests(ckpts):
+    """The draft pool holds --speculative-max-batch-size requests of the whole context; a
+    request outside the step being drafted loses its draft state when room is short. The
+    drafts are the draft model's own greedy continuation (HF transformers)."""
+    from transformers import LlamaForCausalLM
+
+    from engine import LLM
+    from engine.scheduler.request import Req
+
+    llm = LLM(ckpts["target"], speculative_algorithm="STANDALONE",
+              speculative_draft_model_path=ckpts["draft"], speculative_num_steps=2,
+              speculative_max_batch_size=1, context_length=64, **KW)
+    prop = llm.scheduler.spec.proposer
+    assert prop.kv.pool.capacity_tokens == 64 + 2 + 1
+    hf = LlamaForCausalLM.from_pretrained(ckpts["draft"]).eval()
+    reqs = []
+    for i, start in enumerate((3, 60)):
+        r = Req(f"r{i}", list(range(start, start + 50)), SamplingParams(max_tokens=4))
+        r.req_pool_idx = i  # as if admitted (a released request has None)
+        reqs.append(r)
+        got = prop.propose_reqs([r], [2])[0]
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([r.origin_input_ids]), max_new_tokens=2,
+                               do_sample=False)[0, 50:].tolist()
+        assert got == want
+        assert list(prop.seqs) == [r.rid]  # the other one made room
+        prop.check()
