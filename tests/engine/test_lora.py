@@ -20,6 +20,7 @@ from lora_helpers import (
     save_llama,
 )
 
+from engine.device import is_accelerator, resolve_device
 from engine.sampling.params import SamplingParams
 
 N = 6
@@ -197,3 +198,26 @@ def test_tensor_parallel_2_matches_peft(ckpt):
         outs = llm.generate(prompts, _sp(), lora=names)
     for i, (out, name) in enumerate(zip(outs, names)):
         _check(out, ckpt["refs"][name or "base"][i % 3], f"{name} at TP=2")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not is_accelerator(resolve_device("auto")), reason="needs a CUDA or XPU "
+                    "device")
+def test_gpu_triton_and_decode_graphs_match_peft(ckpt):
+    """On an accelerator (fp32: IEEE tl.dot): the Triton kernels in eager prefill and in
+    captured decode graphs (slots read from the graph's buffer), mixed batch of base + both
+    adapters; then the same with graphs off."""
+    from engine import LLM
+
+    names = [None, "a1", "a2"]
+    prompts = [p for p in PROMPTS for _ in names]
+    for graphs in (True, False):
+        llm = LLM(ckpt["base"], lora_paths=[f"a1={ckpt['a1']}", f"a2={ckpt['a2']}"],
+                  device=resolve_device("auto"), dtype="float32", max_total_tokens=2048,
+                  disable_cuda_graph=not graphs)
+        assert (llm.runner.graph_runner is not None) == graphs
+        outs = llm.generate(prompts, _sp(), lora=names * len(PROMPTS))
+        for i, out in enumerate(outs):
+            _check(out, ckpt["refs"][names[i % 3] or "base"][i // 3],
+                   f"{names[i % 3]} on the device, graphs {graphs}")
+        llm.shutdown()

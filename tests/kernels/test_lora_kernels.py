@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_test_utils import DEVICE, assert_close
+from kernel_test_utils import DEVICE, GPU_MARKS, assert_close
 
 from kernels.lora import lora_apply_triton, lora_expand, lora_shrink
 from kernels.lora_torch import lora_apply_torch
@@ -74,7 +74,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16,
+                                   pytest.param(torch.bfloat16, marks=GPU_MARKS)])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_lora_triton_matches_loop_per_adapter(dtype, case):
     lens, slots = CASES[case]
