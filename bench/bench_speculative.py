@@ -3,8 +3,9 @@
 ``python -m bench.bench_speculative`` builds one engine with ``--speculative-algorithm``
 (NGRAM by default; EAGLE, EAGLE3 and STANDALONE with ``--draft-model-path``) and runs each
 workload twice on it: with the verify steps switched off (the scheduler's ``spec`` set
-aside: plain decode steps) and on, greedy. With EAGLE the target's graphs are off in both
-modes (the head needs its hidden states). Workloads, as
+aside: plain decode steps) and on, greedy. With EAGLE the target's piecewise graphs are
+off in both modes (prefill runs eagerly: they do not keep the head's hidden states).
+Workloads, as
 chat requests through the model's chat template:
 
 - ``copy``: copy-heavy requests (repeat a paragraph, rename a variable in a function, echo
@@ -119,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
         def call(*a, **kw):
             t0 = time.perf_counter()
             out = fn(*a, **kw)
-            phase[name] += time.perf_counter() - t0
+            if out is not None:  # a build without drafts (backing off) is no round
+                phase[name] += time.perf_counter() - t0
             return out
         return call
 

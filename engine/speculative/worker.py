@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import device as dev
 from engine.args import ServerArgs, num_draft_tokens
 from engine.executor.schedule_batch import ScheduleBatch
 from engine.forward_batch import ForwardMode
@@ -257,7 +258,8 @@ class SpecWorker:
             params, self.runner.vocab_size, logits.device, output_ids=outs,
             prompt_ids=prompts if outs is not None else None, steps=steps, eos_ids=eos_ids)
         info.vocab_mask = fill_vocab_mask(grammars, self.runner.vocab_size)
-        drafts_t = torch.tensor(row_drafts, dtype=torch.int64).to(logits.device)
+        drafts_t = dev.host_to_device(torch.tensor(row_drafts, dtype=torch.int64),
+                                      logits.device)
         acc_t, emit_t = verify_drafts(logits, info, drafts_t)
         want = [p.logprobs for p in params if p.logprobs is not None]
         lp = None
@@ -267,7 +269,7 @@ class SpecWorker:
             top = torch.topk(lsm, min(max(want), lsm.shape[1]), dim=-1)
             lp = (lsm.gather(1, chosen[:, None])[:, 0].tolist(), top.indices.tolist(),
                   top.values.tolist())
-        acc, emit = acc_t.tolist(), emit_t.tolist()
+        acc, emit = torch.stack([acc_t.long(), emit_t]).tolist()  # one host sync
         return self._accept(vb, acc, emit, lp)
 
     def _accept(self, vb: VerifyBatch, acc: list[bool], emit: list[int], lp) -> list[tuple]:
