@@ -281,8 +281,8 @@ class EagleProposer(ModelProposer):
 
     Args:
         args: the server arguments (algorithm, head path, prefill budget).
-        target: the target's runner; its model keeps hidden states from now on, and its
-            graphs are turned off (a graph replay does not keep them).
+        target: the target's runner; its model keeps hidden states from now on (its decode
+            graphs keep them too, ``GraphRunner``; piecewise graphs do not and are off).
     """
 
     #: what ``RankRunner.build_forward_batch`` reads besides the pools: no LoRA in the head
@@ -301,10 +301,16 @@ class EagleProposer(ModelProposer):
         except (NotImplementedError, ValueError) as e:
             raise ValueError(f"--speculative-algorithm {args.speculative_algorithm}: {e}") \
                 from None
-        if target.graph_runner is not None or target.piecewise_runner is not None:
-            logger.warning("%s: the target's graphs are off (a graph replay does not keep "
-                           "the hidden states the head reads)", args.speculative_algorithm)
-            target.graph_runner = target.piecewise_runner = None
+        # graphs captured without the hidden states would hand the head none: off (the
+        # runner sets the capture before its graphs, so its decode graphs keep them)
+        if target.graph_runner is not None and not getattr(target.graph_runner, "hidden", None):
+            logger.warning("%s: the target's decode graphs run eagerly (captured without the "
+                           "hidden states the head reads)", args.speculative_algorithm)
+            target.graph_runner = None
+        if target.piecewise_runner is not None:
+            logger.warning("%s: prefill and mixed steps run eagerly (piecewise graphs do not "
+                           "keep the hidden states)", args.speculative_algorithm)
+            target.piecewise_runner = None
         self.head = load_eagle_head(args.speculative_draft_model_path, eagle3, model,
                                     target.dtype, target.device,
                                     small_ops_kind(target.device_type, args.disable_fused_ops),

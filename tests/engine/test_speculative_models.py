@@ -363,43 +363,49 @@ def test_bench_speculative_runs_a_draft_model(ckpts, tmp_path):
         (r["draft_ms"] + r["verify_ms"]) / r["plain_step_ms"])
 
 
-def test_eagle_head_that_knows_the_target_gets_drafts_accepted(tmp_path):
-    """A target whose attention and MLP outputs are zero predicts from the current token
-    alone (its logits are lm_head(norm(embed(t))), norms of weight 1); an EAGLE head that
-    passes embed(token j + 1) through (fc = [I | c I], zero o_proj and down_proj) then
-    predicts the target's next token, up to the c-weighted target state mixed in: drafts are
-    accepted, some rejected, and the greedy output is still the target's."""
+def save_knowing_pair(root) -> tuple[str, str]:
+    """A target whose attention and MLP outputs are zero, so it predicts from the current
+    token alone (its logits are lm_head(norm(embed(t))), norms of weight 1), and an EAGLE
+    head that passes embed(token j + 1) through (fc = [I | 0.1 I], zero o_proj and
+    down_proj), so it predicts the target's next token but for the target state mixed in.
+    Returns the two directories."""
     from safetensors.torch import save_file
     from transformers import LlamaForCausalLM
 
-    from engine import LLM
     from moe_helpers import save_random
 
     torch.manual_seed(0)
     hf = LlamaForCausalLM(_llama_config(2)).eval()
-    save_random(hf, tmp_path / "t", seed=4, scale=0.3)
+    save_random(hf, root / "t", seed=4, scale=0.3)
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if "o_proj" in name or "down_proj" in name:
                 p.zero_()
             elif "norm" in name:
                 p.fill_(1.0)
-    hf.save_pretrained(tmp_path / "t")
+    hf.save_pretrained(root / "t")
     w = _head_tensors(False, seed=6)
     eye = torch.eye(H)
     w["fc.weight"] = torch.cat([eye, 0.1 * eye], dim=1)
     w["fc.bias"] = torch.zeros(H)
     w["layers.0.self_attn.o_proj.weight"].zero_()
     w["layers.0.mlp.down_proj.weight"].zero_()
-    head = tmp_path / "head"
-    cfg = _llama_config(1)
-    cfg.save_pretrained(head)
+    head = root / "head"
+    _llama_config(1).save_pretrained(head)
     save_file({k: v.contiguous() for k, v in w.items()}, f"{head}/model.safetensors")
+    return str(root / "t"), str(head)
 
+
+def test_eagle_head_that_knows_the_target_gets_drafts_accepted(tmp_path):
+    """The pair of ``save_knowing_pair``: verify steps see none, some and all drafts
+    accepted (all of them with 0 instead of 0.1), and the greedy output is the target's."""
+    from engine import LLM
+
+    target, head = save_knowing_pair(tmp_path)
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    want = [o.token_ids for o in LLM(str(tmp_path / "t"), **KW).generate(PROMPTS, sp)]
-    llm = LLM(str(tmp_path / "t"), speculative_algorithm="EAGLE",
-              speculative_draft_model_path=str(head), speculative_num_steps=3, **KW)
+    want = [o.token_ids for o in LLM(target, **KW).generate(PROMPTS, sp)]
+    llm = LLM(target, speculative_algorithm="EAGLE", speculative_draft_model_path=head,
+              speculative_num_steps=3, **KW)
     llm.scheduler.check_kv = True
     assert [o.token_ids for o in llm.generate(PROMPTS, sp)] == want
     st = llm.scheduler.stats
