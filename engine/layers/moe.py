@@ -93,7 +93,7 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [T, H], router_logits [T, E] fp32 -> [T, H] in x's dtype: this rank's partial
         sum (all-reduced by the caller)."""
-        # the Triton impl brings its one-launch router (kernels.moe.fused_moe.fused_topk)
+        # the Triton impl brings its one-launch router (kernels.moe.routing.fused_topk)
         route = getattr(self.impl, "router", select_experts)
         topk_weights, topk_ids = route(router_logits, self.top_k, self.renormalize)
         return self.impl(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
@@ -169,8 +169,9 @@ def triton_fused_moe():
     """:func:`kernels.moe.fused_moe.fused_moe` (imported here: it needs Triton) as a ``FusedMoE``
     ``impl``: the same arguments as :func:`kernels.moe.moe_torch.fused_moe_torch`, plus the
     device's name for the tuned launch-config table (looked up once per device type), and
-    its ``router``: :func:`kernels.moe.fused_moe.fused_topk`, the routing in one launch."""
-    from kernels.moe.fused_moe import fused_moe, fused_topk
+    its ``router``: :func:`kernels.moe.routing.fused_topk`, the routing in one launch."""
+    from kernels.moe.fused_moe import fused_moe
+    from kernels.moe.routing import fused_topk
 
     def run(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
             topk_ids: torch.Tensor) -> torch.Tensor:

@@ -21,19 +21,14 @@ pytest.importorskip("triton")
 from kernel_test_utils import DEVICE, ON_GPU, gpu_only, rel_err
 
 from kernels.moe import moe_config
-from kernels.moe.fused_moe import (
-    fused_moe,
-    fused_topk,
-    invoke_moe_gemm,
-    moe_align_block_size,
-    moe_sum,
-)
+from kernels.moe.fused_moe import fused_moe, invoke_moe_gemm, moe_align_block_size, moe_sum
 from kernels.moe.moe_torch import (
     align_capacity,
     fused_moe_torch,
     moe_align_block_size_torch,
     select_experts,
 )
+from kernels.moe.routing import fused_topk
 
 F16, F32, BF16 = torch.float16, torch.float32, torch.bfloat16
 #: norm-relative error bounds vs float64: the GPU path rounds gate/up, the SwiGLU output and
