@@ -172,6 +172,16 @@ for stage in "$@"; do
                engine/configs/llama-3-8b-smolvocab.json --load-format dummy --device cuda \
                --tokenizer-path "${TOKENIZER:-.tok}" --batch-sizes 1 16 --max-tokens 256 \
                --result-jsonl "$OUT/spec-ngram.jsonl";;
+    awq) # 4-bit weights (issue 30): the kernels and loaders compiled for the GPU, then the 8B
+             # shape quantized at load in the AWQ layout against bf16 in the same call
+             run awq-tests 200 python3 -m pytest -q -x tests/kernels/test_wq_kernels.py \
+               tests/engine/test_awq_gptq.py -p no:cacheprovider
+             run awq-latency-bf16 200 python3 -m bench.bench_latency --model-path $L8B --load-format dummy \
+               --batch-size 1 64 --input-len 512 --output-len 64 --result-jsonl "$OUT/awq-latency-bf16.jsonl"
+             run awq-latency 200 python3 -m bench.bench_latency --model-path $L8B --load-format dummy \
+               --quantization awq --batch-size 1 64 --input-len 512 --output-len 64 \
+               --result-jsonl "$OUT/awq-latency.jsonl";;
+    awq-sweep) run awq-sweep 300 python3 -m bench.kernels.sweep_gemm_wq --result-json "$OUT/wq-sweep.json";;
     grammar) # structured output (issue 13): bs64 decode steps free / JSON-schema-constrained /
              # mixed, and grammar compile times; needs xgrammar (its wheel in ./.whl) and a
              # tokenizer (SmolLM2's, .tok: the 8B config has none)
