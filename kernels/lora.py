@@ -19,8 +19,10 @@ chunked SGMV backend, written here from that description:
   B[slot g]``, in place, in y's dtype.
 
 A fused projection (q/k/v, gate/up) has P parts: ``A [P, S, R, K]`` (one shrink writes the
-P*R columns of ``s``, part p's at [p*R, (p+1)*R)) and one B per part (one expand per part,
-each reading its R columns of ``s``).
+P*R columns of ``s``, part p's at [p*R, (p+1)*R)) and ``B [S, R, N_total]`` with the parts'
+columns side by side; one expand covers all parts when its column tile divides the part
+boundaries (a tile reads the R columns of ``s`` of its part), else one expand per part.
+On a decode step that is 2 launches per projection, 8 per Llama layer.
 
 Grid: ``(segments, ceil(max_len / BLOCK_M), ceil(N / BLOCK_N))``; a program past its
 segment's end or on a base segment returns at once. ``max_len`` is a host int (decode: 1).
@@ -75,7 +77,7 @@ def _shrink_kernel(x_ptr, a_ptr, s_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr
 
 @triton.jit
 def _expand_kernel(s_ptr, b_ptr, y_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
-                   N, R, stride_sm, stride_bs, stride_bk, stride_ym,
+                   N, R, OFF1, OFF2, stride_sm, stride_bs, stride_bk, stride_ym,
                    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr):
     g = tl.program_id(0)
@@ -92,11 +94,14 @@ def _expand_kernel(s_ptr, b_ptr, y_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr
     mask_n = offs_n < N
     rows = (start + offs_m).to(tl.int64)
     b_base = b_ptr + slot.to(tl.int64) * stride_bs
+    # the part this column tile lies in (parts start at 0, OFF1, OFF2) reads its R columns
+    n0 = pid_n * BLOCK_N
+    s_col = ((n0 >= OFF1).to(tl.int32) + (n0 >= OFF2).to(tl.int32)) * R
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, R, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         mask_k = kk < R
-        s = tl.load(s_ptr + rows[:, None] * stride_sm + kk[None, :],
+        s = tl.load(s_ptr + rows[:, None] * stride_sm + s_col + kk[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         b = tl.load(b_base + kk[:, None] * stride_bk + offs_n[None, :],
                     mask=mask_n[None, :] & mask_k[:, None], other=0.0)
@@ -152,16 +157,29 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_start: torch.Tensor,
     return out
 
 
+def expand_tile(part_starts: tuple[int, ...]) -> int | None:
+    """The column tile (64, 32 or 16) of one expand over parts starting at ``part_starts``
+    (besides 0): the largest that divides every start; None when none does."""
+    for bn in (64, 32, 16):
+        if all(off % bn == 0 for off in part_starts):
+            return bn
+    return None
+
+
 def lora_expand(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, seg_start: torch.Tensor,
-                seg_len: torch.Tensor, seg_slot: torch.Tensor, max_len: int) -> torch.Tensor:
-    """``y[rows] += s[rows] @ B[slot]`` per segment, in place (y's dtype).
+                seg_len: torch.Tensor, seg_slot: torch.Tensor, max_len: int,
+                part_starts: tuple[int, ...] = ()) -> torch.Tensor:
+    """``y[rows] += s[rows, part's R columns] @ B[slot]`` per segment, in place (y's dtype).
 
     Args:
-        y: [T, N] output view (row stride free, column stride 1), e.g. one part of a fused
-            projection's output.
-        s: [T, R] float32 view of :func:`lora_shrink`'s output (this part's R columns).
+        y: [T, N] output view (row stride free, column stride 1).
+        s: [T, P*R] float32 (:func:`lora_shrink`'s output, or a view of one part's R).
         b: [S, R, N] stacked ``lora_B`` transposed (scale folded in), N contiguous.
         seg_start, seg_len, seg_slot, max_len: as in :func:`lora_shrink`.
+        part_starts: the first columns of parts 1.. (at most 2; part p reads columns
+            [p*R, (p+1)*R) of ``s``); :func:`expand_tile` must accept them.
+    Raises:
+        ValueError: part starts that no column tile divides, or more than 3 parts.
     """
     t, n = y.shape
     r = b.shape[1]
@@ -169,17 +187,20 @@ def lora_expand(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, seg_start: to
     if g == 0 or max_len <= 0:
         return y
     assert y.stride(1) == 1 and s.stride(1) == 1, "lora_expand: column stride must be 1"
+    bn = expand_tile(part_starts)
+    if bn is None or len(part_starts) > 2:
+        raise ValueError(f"lora_expand: parts starting at {part_starts} need one call each")
+    off1, off2 = (list(part_starts) + [n, n])[:2]
     bm = _block_m(max_len)
-    bn = 64
     grid = (g, triton.cdiv(max_len, bm), triton.cdiv(n, bn))
-    _expand_kernel[grid](s, b, y, seg_start, seg_len, seg_slot, n, r, s.stride(0),
+    _expand_kernel[grid](s, b, y, seg_start, seg_len, seg_slot, n, r, off1, off2, s.stride(0),
                          b.stride(0), b.stride(1), y.stride(0),
                          IEEE=y.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn,
                          BLOCK_K=_pow2(r, 16, 64), **dot_kernel_options(4, 2, y.device.type))
     return y
 
 
-def lora_apply_triton(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor],
+def lora_apply_triton(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                       parts: list[tuple[int, int]], seg_start: torch.Tensor,
                       seg_len: torch.Tensor, seg_slot: torch.Tensor, max_len: int,
                       shrink_out: torch.Tensor | None = None) -> torch.Tensor:
@@ -188,12 +209,15 @@ def lora_apply_triton(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, bs: lis
     Args:
         x: [T, K]; y: [T, N_total] (the base output).
         a: [P, S, R, K].
-        bs: P tensors [S, R, n_p].
-        parts: P ``(column offset, n_p)`` of each part in y.
+        b: [S, R, N_total] (the parts' columns side by side, as in y).
+        parts: P ``(column offset, n_p)`` of each part in y (contiguous, in order).
     """
     s = lora_shrink(x, a, seg_start, seg_len, seg_slot, max_len, shrink_out)
-    for p, ((off, n), b) in enumerate(zip(parts, bs)):
-        r = b.shape[1]
-        lora_expand(y[:, off:off + n], s[:, p * r:(p + 1) * r], b, seg_start, seg_len,
-                    seg_slot, max_len)
+    starts = tuple(off for off, _ in parts[1:])
+    if expand_tile(starts) is not None and len(parts) <= 3:
+        return lora_expand(y, s, b, seg_start, seg_len, seg_slot, max_len, starts)
+    r = b.shape[1]
+    for p, (off, n) in enumerate(parts):
+        lora_expand(y[:, off:off + n], s[:, p * r:(p + 1) * r], b[:, :, off:off + n],
+                    seg_start, seg_len, seg_slot, max_len)
     return y

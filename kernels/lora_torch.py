@@ -13,14 +13,15 @@ from __future__ import annotations
 import torch
 
 
-def lora_apply_torch(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor],
+def lora_apply_torch(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                      parts: list[tuple[int, int]], onehot: torch.Tensor) -> torch.Tensor:
     """:func:`kernels.lora.lora_apply_triton` in torch, added to ``y`` in place.
 
     Args:
         x: [T, K]; y: [T, N_total].
         a: [P, S, R, K] stacked lora_A of the P parts (contiguous).
-        bs: P tensors [S, R, n_p], stacked lora_B transposed (scale folded in, contiguous).
+        b: [S, R, N_total] stacked lora_B transposed, the parts' columns side by side (scale
+            folded in, contiguous).
         parts: P ``(column offset, n_p)`` of each part in y.
         onehot: [T, S] in x's dtype: 1 at each row's slot, a zero row for base rows.
     """
@@ -28,6 +29,7 @@ def lora_apply_torch(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, bs: list
     p_num, s_num, r, k = a.shape
     s = (x @ a.view(p_num * s_num * r, k).t()).view(t, p_num, s_num, r)
     s = s * onehot.view(t, 1, s_num, 1)
-    for p, ((off, n), b) in enumerate(zip(parts, bs)):
-        y[:, off:off + n].addmm_(s[:, p].reshape(t, s_num * r), b.view(s_num * r, n))
+    b2 = b.view(s_num * r, b.shape[2])
+    for p, (off, n) in enumerate(parts):
+        y[:, off:off + n].addmm_(s[:, p].reshape(t, s_num * r), b2[:, off:off + n])
     return y

@@ -6,8 +6,8 @@ step may use (``--max-loras-per-batch`` slots, rank ``--max-lora-rank`` each), s
 captured once serves any adapter mix:
 
     a      [P, S, R, K_rank] float, the model dtype: part p's ``lora_A`` rows [0, r)
-    bs[p]  [S, R, n_p]       part p's ``lora_B`` transposed, times the adapter's scale, rows
-                             [0, r)
+    b      [S, R, N_rank]    ``lora_B`` transposed, times the adapter's scale, rows [0, r),
+                             the parts' columns side by side as in the layer's output
 
 A fused projection has P parts (q/k/v: 3, gate/up: 2, others 1); a slot of an adapter
 without some module keeps zeros there. Tensor parallelism follows the base layer (Megatron
@@ -101,16 +101,17 @@ class LoRASlots:
         self.batch = batch
         r = max_rank
         self.a = torch.zeros(len(parts), num_slots, r, in_features, dtype=dtype, device=device)
-        self.bs = [torch.zeros(num_slots, r, n, dtype=dtype, device=device)
-                   for _, n, _ in parts]
+        self.b = torch.zeros(num_slots, r, sum(n for _, n, _ in parts), dtype=dtype,
+                             device=device)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in [self.a, *self.bs])
+        return sum(t.numel() * t.element_size() for t in (self.a, self.b))
 
     def clear_part(self, slot: int, part: int) -> None:
         """Zero one part of ``slot`` (an adapter without this projection)."""
+        off, n = self.cols[part]
         self.a[part, slot].zero_()
-        self.bs[part][slot].zero_()
+        self.b[slot, :, off:off + n].zero_()
 
     def load(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Copy one part of an adapter into ``slot``.
@@ -129,7 +130,8 @@ class LoRASlots:
         rows = self.a[part, slot]
         rows.zero_()
         rows[:r].copy_(a)
-        dst = self.bs[part][slot]
+        off = self.cols[part][0]
+        dst = self.b[slot, :, off:off + n]
         dst.zero_()
         dst[:r].copy_(b.t())
 
@@ -141,6 +143,6 @@ class LoRASlots:
         if batch.use_triton:
             from kernels.lora import lora_apply_triton
 
-            return lora_apply_triton(x, y, self.a, self.bs, self.cols, batch.seg_start,
+            return lora_apply_triton(x, y, self.a, self.b, self.cols, batch.seg_start,
                                      batch.seg_len, batch.seg_slot, batch.max_len)
-        return lora_apply_torch(x, y, self.a, self.bs, self.cols, batch.onehot)
+        return lora_apply_torch(x, y, self.a, self.b, self.cols, batch.onehot)

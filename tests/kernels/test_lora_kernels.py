@@ -13,55 +13,61 @@ import pytest
 import torch
 from kernel_test_utils import DEVICE, GPU_MARKS, assert_close
 
-from kernels.lora import lora_apply_triton, lora_expand, lora_shrink
+from kernels.lora import expand_tile, lora_apply_triton, lora_expand, lora_shrink
 from kernels.lora_torch import lora_apply_torch
 
 K = 96
-PARTS_N = (64, 32, 32)  # a fused q/k/v-like projection
+# a fused q/k/v-like projection: part widths whose starts a 32-column tile divides (one
+# expand launch), and widths no tile of 16 or more divides (one expand per part)
+LAYOUTS = {"fused": (64, 32, 32), "per-part": (40, 24, 24)}
 RMAX = 64
 
 
-def _adapters(dtype, ranks, seed):
-    """Stacked slots: A [3, S, RMAX, K], B_p^T [S, RMAX, n_p]; plus each adapter's unpadded
-    float64 matrices (A_p [r, K], B_p [n_p, r]) for the reference; slot 1 lacks part 1."""
+def _cols(parts_n):
+    return [(sum(parts_n[:i]), n) for i, n in enumerate(parts_n)]
+
+
+def _adapters(dtype, ranks, seed, parts_n):
+    """Stacked slots: A [3, S, RMAX, K], B^T [S, RMAX, N] (parts side by side); plus each
+    adapter's unpadded float64 matrices (A_p [r, K], B_p [n_p, r]) for the reference; slot
+    1 lacks part 1."""
     g = torch.Generator().manual_seed(seed)
     s = len(ranks)
     a = torch.zeros(3, s, RMAX, K, dtype=dtype)
-    bs = [torch.zeros(s, RMAX, n, dtype=dtype) for n in PARTS_N]
+    b = torch.zeros(s, RMAX, sum(parts_n), dtype=dtype)
     ref = []
     for slot, r in enumerate(ranks):
         mats = []
-        for p, n in enumerate(PARTS_N):
+        for p, (off, n) in enumerate(_cols(parts_n)):
             ap = (torch.randn(r, K, generator=g) / K ** 0.5).to(dtype)
             bp = (torch.randn(n, r, generator=g) / r ** 0.5).to(dtype)
             if slot == 1 and p == 1:
                 bp.zero_()  # the adapter has no module here
             a[p, slot, :r] = ap
-            bs[p][slot, :r] = bp.t()
+            b[slot, :r, off:off + n] = bp.t()
             mats.append((ap.double(), bp.double()))
         ref.append(mats)
-    return a, bs, ref
+    return a, b, ref
 
 
-def _reference(x, y, segs, ref):
+def _reference(x, y, segs, ref, parts_n):
     out = y.double().clone()
     off = 0
-    col = [0, PARTS_N[0], PARTS_N[0] + PARTS_N[1]]
     for start, n, slot in segs:
         assert start == off
         if slot >= 0:
             xs = x[start:start + n].double()
-            for p, (ap, bp) in enumerate(ref[slot]):
-                out[start:start + n, col[p]:col[p] + PARTS_N[p]] += xs @ ap.t() @ bp.t()
+            for (c, w), (ap, bp) in zip(_cols(parts_n), ref[slot]):
+                out[start:start + n, c:c + w] += xs @ ap.t() @ bp.t()
         off += n
     return out
 
 
-def _batch(lens, slots, dtype, seed):
+def _batch(lens, slots, dtype, seed, parts_n):
     g = torch.Generator().manual_seed(seed)
     t = sum(lens)
     x = torch.randn(t, K, generator=g).to(dtype)
-    y = torch.randn(t, sum(PARTS_N), generator=g).to(dtype)
+    y = torch.randn(t, sum(parts_n), generator=g).to(dtype)
     starts = [sum(lens[:i]) for i in range(len(lens))]
     return x, y, list(zip(starts, lens, slots))
 
@@ -77,29 +83,32 @@ CASES = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16,
                                    pytest.param(torch.bfloat16, marks=GPU_MARKS)])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_lora_triton_matches_loop_per_adapter(dtype, case):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_lora_triton_matches_loop_per_adapter(dtype, case, layout):
+    parts_n = LAYOUTS[layout]
+    assert (expand_tile((parts_n[0], parts_n[0] + parts_n[1])) is None) == (layout != "fused")
     lens, slots = CASES[case]
-    a, bs, ref = _adapters(dtype, ranks=(8, 16, 64), seed=case)
-    x, y, segs = _batch(lens, slots, dtype, seed=10 + case)
-    want = _reference(x, y, segs, ref)
+    a, b, ref = _adapters(dtype, ranks=(8, 16, 64), seed=case, parts_n=parts_n)
+    x, y, segs = _batch(lens, slots, dtype, seed=10 + case, parts_n=parts_n)
+    want = _reference(x, y, segs, ref, parts_n)
     dev = torch.device(DEVICE)
     i32 = dict(dtype=torch.int32, device=dev)
     seg_start = torch.tensor([s[0] for s in segs], **i32)
     seg_len = torch.tensor([s[1] for s in segs], **i32)
     seg_slot = torch.tensor([s[2] for s in segs], **i32)
-    col = [(0, 64), (64, 32), (96, 32)]
+    col = _cols(parts_n)
     out = y.to(dev).clone()
-    lora_apply_triton(x.to(dev), out, a.to(dev), [b.to(dev) for b in bs], col, seg_start,
-                      seg_len, seg_slot, max(lens))
+    lora_apply_triton(x.to(dev), out, a.to(dev), b.to(dev), col, seg_start, seg_len,
+                      seg_slot, max(lens))
     assert_close(out - y.to(dev), (want - y.double()).to(dev), dtype, "triton LoRA delta")
     base = [i for s0, n, sl in segs if sl < 0 for i in range(s0, s0 + n)]
     assert torch.equal(out[base].cpu(), y[base]), "base rows changed"
     # the torch path: every slot at once, a one-hot row x slot mask
-    onehot = torch.zeros(len(y), len(bs[0]), dtype=dtype)
+    onehot = torch.zeros(len(y), b.shape[0], dtype=dtype)
     for s0, n, sl in segs:
         if sl >= 0:
             onehot[s0:s0 + n, sl] = 1
-    out_t = lora_apply_torch(x, y.clone(), a, bs, col, onehot)
+    out_t = lora_apply_torch(x, y.clone(), a, b, col, onehot)
     assert_close(out_t - y, want - y.double(), dtype, "torch LoRA delta")
     assert torch.equal(out_t[base], y[base]), "torch path changed base rows"
 
