@@ -1,15 +1,21 @@
 """The result side of a scheduler step: read a launched step's sampled ids back, append them
 to their requests, record logprobs and TTFT, and check stop conditions (EOS, stop token ids,
-stop strings, ``max_tokens``, the context). ``Scheduler`` (``scheduler.py``) mixes it in.
+stop strings, ``max_tokens``, the context). A speculative verify step is run and read back at
+once (``_run_verify``: each request's accepted run of tokens, ``engine/speculative/worker.py``).
+``Scheduler`` (``scheduler.py``) mixes it in.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 from engine.executor.schedule_batch import ScheduleBatch
 from engine.scheduler.grammar_queue import grammar_finish
 from engine.scheduler.request import FinishReason, Req
+from engine.speculative.worker import VerifyBatch
+
+logger = logging.getLogger(__name__)
 
 
 class StepOutput:
@@ -98,6 +104,24 @@ class OutputProcessorMixin:
         st["first_tokens"] += 1
         st["ttft_queue_s_sum"] += max(0.0, req.recv_time - req.arrival_time)
         st["ttft_engine_s_sum"] += now - req.recv_time
+
+    def _run_verify(self, vb: VerifyBatch) -> None:
+        """Run a verify step now (it is never left in flight: the next step's positions
+        depend on what it accepts) and append each request's accepted run."""
+        try:
+            runs = self.spec.run(vb, self.eos_ids)
+        except Exception as exc:  # as in _launch: fail this batch, keep serving
+            if getattr(getattr(self.runner, "tp", None), "size", 1) > 1:
+                raise
+            logger.exception("verify step failed; aborting %d requests", len(vb.reqs))
+            for req in vb.reqs:
+                if not req.finished:
+                    self._abort_now(req, f"internal error: {exc}", cache=False)
+            return
+        self.stats["steps"] += 1
+        for req, toks, logprobs in runs:
+            self._emit_run(req, toks, logprobs)
+        self.running = [r for r in self.running if not r.finished]
 
     def _emit_run(self, req: Req, toks: list[int], logprobs: list | None) -> None:
         """Append a verify step's run of tokens (speculative decoding) with the stop checks

@@ -329,24 +329,6 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
         self._retract()
         return self.spec.build(self.running) if self.running else None
 
-    def _run_verify(self, vb: VerifyBatch) -> None:
-        """Run a verify step now (it is never left in flight: the next step's positions
-        depend on what it accepts) and append each request's accepted run."""
-        try:
-            runs = self.spec.run(vb, self.eos_ids)
-        except Exception as exc:  # as in _launch: fail this batch, keep serving
-            if getattr(getattr(self.runner, "tp", None), "size", 1) > 1:
-                raise
-            logger.exception("verify step failed; aborting %d requests", len(vb.reqs))
-            for req in vb.reqs:
-                if not req.finished:
-                    self._abort_now(req, f"internal error: {exc}", cache=False)
-            return
-        self.stats["steps"] += 1
-        for req, toks, logprobs in runs:
-            self._emit_run(req, toks, logprobs)
-        self.running = [r for r in self.running if not r.finished]
-
     # ---- run + results ------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Run one scheduler step; returns outputs of requests that produced tokens or ended.
