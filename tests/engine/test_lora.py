@@ -221,3 +221,37 @@ def test_gpu_triton_and_decode_graphs_match_peft(ckpt):
             _check(out, ckpt["refs"][names[i % 3] or "base"][i // 3],
                    f"{names[i % 3]} on the device, graphs {graphs}")
         llm.shutdown()
+
+
+@pytest.mark.slow
+def test_embedded_model_with_an_adapter_matches_peft(tmp_path):
+    """The embedded SmolLM2 (its GGUF dequantized by transformers, saved as safetensors) with
+    a peft adapter on q/v/o/down: ferry's greedy tokens and log-probs are peft's, for the
+    adapter and the base in one batch."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    from engine import LLM
+    from engine.loader.loader import resolve_model_path
+
+    src = resolve_model_path(None)
+    gguf = AutoModelForCausalLM.from_pretrained(src.root, gguf_file=src.gguf_file,
+                                                dtype=torch.float32)
+    hf = LlamaForCausalLM(gguf.config).eval()
+    hf.load_state_dict(gguf.state_dict())
+    del gguf
+    base = tmp_path / "smollm2"
+    hf.save_pretrained(base)
+    AutoTokenizer.from_pretrained(src.root, gguf_file=src.gguf_file).save_pretrained(base)
+    peft_model = save_adapter(base, tmp_path / "ad", seed=5, r=8,
+                              targets=["q_proj", "v_proj", "o_proj", "down_proj"], scale=0.2)
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 9690, 198, 2683, 1090, 30]]
+    refs = {name: [greedy_reference(m, p, 4) for p in prompts]
+            for name, m in (("ad", peft_model), (None, hf))}
+    assert refs["ad"] != refs[None]
+    llm = LLM(str(base), lora_paths=[f"ad={tmp_path / 'ad'}"], device="cpu",
+              max_total_tokens=1024)
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=0)
+    names = ["ad", None] * len(prompts)
+    outs = llm.generate([p for p in prompts for _ in range(2)], sp, lora=names)
+    for i, out in enumerate(outs):
+        _check(out, refs[names[i]][i // 2], f"embedded model, adapter {names[i]}")
