@@ -3,7 +3,8 @@
 Each replica is an engine process (with its tensor-parallel ranks) and its own detokenizer,
 on IPC paths of its own; the ``TokenizerManager`` keeps one PUSH and one PULL socket per
 replica and remembers which replica each rid went to (its outputs come back on that
-replica's socket; its abort goes there).
+replica's socket; its abort goes there). Its mixin ``ReplicaRouting`` also sends the control
+requests (server info, flush cache, LoRA load/unload) to one replica or to every live one.
 
 ``Dispatcher`` picks the replica of a generation request from its token ids
 (``--load-balance-method``):
@@ -26,8 +27,10 @@ A dead replica is skipped and its index dropped.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from functools import partial
 
 from engine import io_struct as io
 from server.http.errors import unavailable
@@ -36,6 +39,10 @@ from server.http.errors import unavailable
 BLOCK = 16
 #: prefix blocks remembered per replica (LRU), about 1M tokens of prompts
 MAX_BLOCKS = 65536
+#: seconds an engine may take to answer a control request (server info, flush cache)
+SERVER_INFO_TIMEOUT_S = 5.0
+#: seconds an engine may take to read a LoRA adapter's files and answer
+LORA_TIMEOUT_S = 120.0
 
 
 def prefix_keys(ids: list[int], block: int = BLOCK) -> list[int]:
@@ -175,10 +182,12 @@ def summed_stats(replicas: list[Replica]) -> io.StatsOut:
 
 class ReplicaRouting:
     """The replica side of ``TokenizerManager`` (its mixin): which replica an engine
-    request goes to, its load, a replica's death, questions to every replica.
+    request goes to, its load, a replica's death, control requests to one replica or to
+    every replica (server info, flush cache, LoRA load/unload).
 
     Expects ``replicas``, ``dispatcher``, ``owner`` (rid -> replica index), ``states``,
-    ``metrics``, ``push``, ``_record_finish``, ``_ask_engine`` and ``on_child_died``.
+    ``metrics``, ``push``, ``dead``, ``info_waiters`` (control rid -> its future),
+    ``lora_adapters``, ``_record_finish`` and ``on_child_died``.
     """
 
     def _on_engine_stats(self, msg, replica: int) -> None:
@@ -226,6 +235,78 @@ class ReplicaRouting:
             if st is not None:
                 st.queue.put_nowait(err)
                 self._record_finish(rid, st, "abort")
+
+    # ---- control requests ---------------------------------------------------------------
+    async def server_info(self) -> io.ServerInfoOut:
+        """Ask the engine for its KV pool and queue figures.
+
+        Raises:
+            APIError: 503 if the engine is dead or does not answer within 5 s.
+        """
+        if len(self.replicas) == 1:
+            return await self._ask_engine(io.GetServerInfoReq, "info")
+        outs = await self._ask_replicas(io.GetServerInfoReq, "info")
+        return summed_info([o for o in outs if o is not None])
+
+    async def flush_cache(self) -> io.FlushCacheOut:
+        """Ask the engine to empty its prefix cache (it refuses while requests run).
+
+        Raises:
+            APIError: 503 if the engine is dead or does not answer within 5 s.
+        """
+        if len(self.replicas) == 1:
+            return await self._ask_engine(io.FlushCacheReq, "flush")
+        outs = [o for o in await self._ask_replicas(io.FlushCacheReq, "flush") if o]
+        return io.FlushCacheOut(rid="flush", success=all(o.success for o in outs),
+                                message="; ".join(sorted({o.message for o in outs})))
+
+    async def change_lora(self, name: str, path: str | None = None) -> io.LoRAOut:
+        """Load adapter ``name`` from ``path`` (or unload it when ``path`` is None) in every
+        live replica's engine; a load that fails in one replica is undone in the others.
+
+        Returns:
+            the engines' answer (the first failure, if any).
+        Raises:
+            APIError: 503 if an engine is dead or does not answer in time.
+        """
+        make = (partial(io.UnloadLoRAReq, lora_name=name) if path is None
+                else partial(io.LoadLoRAReq, lora_name=name, lora_path=path))
+        live = [r for r in self.replicas if r.alive]
+        outs = await asyncio.gather(*(self._ask_engine(make, "lora", r, LORA_TIMEOUT_S)
+                                      for r in live), return_exceptions=True)
+        failed = [o for o in outs if isinstance(o, BaseException) or not o.success]
+        if path is not None and failed:  # keep the replicas alike
+            done = [r for r, o in zip(live, outs)
+                    if not isinstance(o, BaseException) and o.success]
+            await asyncio.gather(*(self._ask_engine(partial(io.UnloadLoRAReq, lora_name=name),
+                                                    "lora", r, LORA_TIMEOUT_S) for r in done),
+                                 return_exceptions=True)
+        for o in failed:
+            if isinstance(o, BaseException):
+                raise o
+        good = [o for o in outs if o.success]
+        if good:
+            self.lora_adapters = dict(good[0].adapters)
+        if failed and path is not None:
+            self.lora_adapters.pop(name, None)
+        return failed[0] if failed else outs[0]
+
+    async def _ask_engine(self, msg_type, prefix: str, replica: Replica | None = None,
+                          timeout: float = SERVER_INFO_TIMEOUT_S):
+        """Send a control request and wait for the engine's answer with the same rid
+        (``msg_type(rid=...)`` builds the request)."""
+        if self.dead is not None:
+            raise unavailable(f"the engine is not running ({self.dead})")
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        fut = asyncio.get_running_loop().create_future()
+        self.info_waiters[rid] = fut
+        (self.push if replica is None else replica.push).send(msg_type(rid=rid))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise unavailable("the engine did not answer in time") from None
+        finally:
+            self.info_waiters.pop(rid, None)
 
     async def _ask_replicas(self, msg_type, prefix: str) -> list:
         """``_ask_engine`` of every live replica at once; None for those that did not answer

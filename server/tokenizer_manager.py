@@ -7,7 +7,8 @@ receives everything the detokenizer and the engine push to the server's PULL soc
 dispatches it. Requests that fan out (``n`` > 1, several prompts) share one queue.
 With ``--dp-size N`` there is one PUSH and one PULL socket (and listener) per engine replica
 (``server/replicas.py``): each engine request goes to the replica its ``Dispatcher`` picks,
-and its outputs and abort stay with that replica.
+and its outputs and abort stay with that replica. The control requests to the engines
+(``server_info``, ``flush_cache``, ``change_lora``) come from ``ReplicaRouting`` there too.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from functools import partial
 
 import msgspec
 import zmq
@@ -32,13 +32,10 @@ from engine.validation import RequestError, validate_request
 from server.chat_template import ChatTokenizer
 from server.http.errors import APIError, bad_request, unavailable
 from server.metrics import Metrics, format_request_log
-from server.replicas import Dispatcher, Replica, ReplicaRouting, summed_info
+from server.replicas import Dispatcher, Replica, ReplicaRouting
 
 logger = logging.getLogger("ferry.server")
 
-SERVER_INFO_TIMEOUT_S = 5.0
-#: seconds an engine may take to read a LoRA adapter's files and answer
-LORA_TIMEOUT_S = 120.0
 #: an aborted rid whose end never comes back from the engine is reusable after this long
 RETIRED_RID_TTL_S = 60.0
 
@@ -400,74 +397,3 @@ class TokenizerManager(ChatTokenizer, ReplicaRouting):
         """Mark the engine side dead and fail every waiting request with a 503."""
         self.dead = f"the {name} process exited with code {exitcode}"
         self.fail_all(unavailable(f"the engine is not running ({self.dead})"))
-
-    async def server_info(self) -> io.ServerInfoOut:
-        """Ask the engine for its KV pool and queue figures.
-
-        Raises:
-            APIError: 503 if the engine is dead or does not answer within 5 s.
-        """
-        if len(self.replicas) == 1:
-            return await self._ask_engine(io.GetServerInfoReq, "info")
-        outs = await self._ask_replicas(io.GetServerInfoReq, "info")
-        return summed_info([o for o in outs if o is not None])
-
-    async def flush_cache(self) -> io.FlushCacheOut:
-        """Ask the engine to empty its prefix cache (it refuses while requests run).
-
-        Raises:
-            APIError: 503 if the engine is dead or does not answer within 5 s.
-        """
-        if len(self.replicas) == 1:
-            return await self._ask_engine(io.FlushCacheReq, "flush")
-        outs = [o for o in await self._ask_replicas(io.FlushCacheReq, "flush") if o]
-        return io.FlushCacheOut(rid="flush", success=all(o.success for o in outs),
-                                message="; ".join(sorted({o.message for o in outs})))
-
-    async def change_lora(self, name: str, path: str | None = None) -> io.LoRAOut:
-        """Load adapter ``name`` from ``path`` (or unload it when ``path`` is None) in every
-        live replica's engine; a load that fails in one replica is undone in the others.
-
-        Returns:
-            the engines' answer (the first failure, if any).
-        Raises:
-            APIError: 503 if an engine is dead or does not answer in time.
-        """
-        make = (partial(io.UnloadLoRAReq, lora_name=name) if path is None
-                else partial(io.LoadLoRAReq, lora_name=name, lora_path=path))
-        live = [r for r in self.replicas if r.alive]
-        outs = await asyncio.gather(*(self._ask_engine(make, "lora", r, LORA_TIMEOUT_S)
-                                      for r in live), return_exceptions=True)
-        failed = [o for o in outs if isinstance(o, BaseException) or not o.success]
-        if path is not None and failed:  # keep the replicas alike
-            done = [r for r, o in zip(live, outs)
-                    if not isinstance(o, BaseException) and o.success]
-            await asyncio.gather(*(self._ask_engine(partial(io.UnloadLoRAReq, lora_name=name),
-                                                    "lora", r, LORA_TIMEOUT_S) for r in done),
-                                 return_exceptions=True)
-        for o in failed:
-            if isinstance(o, BaseException):
-                raise o
-        good = [o for o in outs if o.success]
-        if good:
-            self.lora_adapters = dict(good[0].adapters)
-        if failed and path is not None:
-            self.lora_adapters.pop(name, None)
-        return failed[0] if failed else outs[0]
-
-    async def _ask_engine(self, msg_type, prefix: str, replica: Replica | None = None,
-                          timeout: float = SERVER_INFO_TIMEOUT_S):
-        """Send a control request and wait for the engine's answer with the same rid
-        (``msg_type(rid=...)`` builds the request)."""
-        if self.dead is not None:
-            raise unavailable(f"the engine is not running ({self.dead})")
-        rid = f"{prefix}-{uuid.uuid4().hex}"
-        fut = asyncio.get_running_loop().create_future()
-        self.info_waiters[rid] = fut
-        (self.push if replica is None else replica.push).send(msg_type(rid=rid))
-        try:
-            return await asyncio.wait_for(fut, timeout)
-        except TimeoutError:
-            raise unavailable("the engine did not answer in time") from None
-        finally:
-            self.info_waiters.pop(rid, None)
