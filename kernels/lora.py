@@ -39,23 +39,30 @@ from kernels.launch import dot_kernel_options
 
 
 @triton.jit
+def _segment_rows(seg_start_ptr, seg_len_ptr, seg_slot_ptr, BLOCK_M: tl.constexpr):
+    """This program's rows of its segment (``program_id(0)``, row block ``program_id(1)``):
+    ``(rows [BLOCK_M] int64, row mask, slot, done)``; done past the segment's end or on a
+    base segment (slot < 0)."""
+    g = tl.program_id(0)
+    m0 = tl.program_id(1) * BLOCK_M
+    seg_len = tl.load(seg_len_ptr + g)
+    slot = tl.load(seg_slot_ptr + g)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    rows = (tl.load(seg_start_ptr + g) + offs_m).to(tl.int64)
+    return rows, offs_m < seg_len, slot, (m0 >= seg_len) | (slot < 0)
+
+
+@triton.jit
 def _shrink_kernel(x_ptr, a_ptr, s_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
                    R_ALL, R, K, stride_xm, stride_ap, stride_as, stride_ar, stride_sm,
                    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr):
-    g = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_n = tl.program_id(2)
-    seg_len = tl.load(seg_len_ptr + g)
-    slot = tl.load(seg_slot_ptr + g)
-    if pid_m * BLOCK_M >= seg_len or slot < 0:
+    rows, mask_m, slot, done = _segment_rows(seg_start_ptr, seg_len_ptr, seg_slot_ptr,
+                                             BLOCK_M)
+    if done:
         return
-    start = tl.load(seg_start_ptr + g)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < seg_len
+    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < R_ALL
-    rows = (start + offs_m).to(tl.int64)
     a_base = a_ptr + slot.to(tl.int64) * stride_as
     # output column j is row j % R of part j // R
     a_rows = (offs_n // R).to(tl.int64) * stride_ap + (offs_n % R) * stride_ar
@@ -80,22 +87,15 @@ def _expand_kernel(s_ptr, b_ptr, y_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr
                    N, R, OFF1, OFF2, stride_sm, stride_bs, stride_bk, stride_ym,
                    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr):
-    g = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_n = tl.program_id(2)
-    seg_len = tl.load(seg_len_ptr + g)
-    slot = tl.load(seg_slot_ptr + g)
-    if pid_m * BLOCK_M >= seg_len or slot < 0:
+    rows, mask_m, slot, done = _segment_rows(seg_start_ptr, seg_len_ptr, seg_slot_ptr,
+                                             BLOCK_M)
+    if done:
         return
-    start = tl.load(seg_start_ptr + g)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < seg_len
+    n0 = tl.program_id(2) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    rows = (start + offs_m).to(tl.int64)
     b_base = b_ptr + slot.to(tl.int64) * stride_bs
     # the part this column tile lies in (parts start at 0, OFF1, OFF2) reads its R columns
-    n0 = pid_n * BLOCK_N
     s_col = ((n0 >= OFF1).to(tl.int32) + (n0 >= OFF2).to(tl.int32)) * R
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, R, BLOCK_K):
