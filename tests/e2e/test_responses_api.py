@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from server.http.errors import APIError
 from server.openai.formats import ChatFormat
 from server.responses.events import ResponseBuilder
-from server.responses.serving import parse_responses_request, to_chat
+from server.responses.request import parse_responses_request, to_chat
 from server.tokenizer_manager import ReqOutput
 
 pytestmark = pytest.mark.slow

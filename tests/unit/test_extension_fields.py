@@ -21,7 +21,7 @@ from server.openai.extensions import (
     markdown_table,
 )
 from server.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
-from server.responses.serving import parse_responses_request
+from server.responses.request import parse_responses_request
 
 ROOT = Path(__file__).resolve().parents[2]
 MESSAGES = [{"role": "user", "content": "hi"}]
