@@ -93,6 +93,8 @@ Start ferry's OpenAI-compatible server. Routes (docs/usage.md#endpoints):
   GET  /health_generate, /get_server_info, /model_info, /get_model_info, /get_load (SGLang's)
   POST /invocations; GET, POST /ping; GET /version, /load (vLLM's)
   POST /flush_cache
+  POST /load_lora_adapter, /unload_lora_adapter (SGLang's; vLLM's: /v1/load_lora_adapter,
+       /v1/unload_lora_adapter)
   GET  /openapi.json, /docs"""
 
 
