@@ -92,7 +92,7 @@ def items_page(items: list[dict], q: dict[str, str]) -> dict:
     if order not in ("asc", "desc"):
         raise bad_request("order must be 'asc' or 'desc'", "order")
     raw = q.get("limit", str(ITEMS_PAGE))
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_ITEMS_PAGE:
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_ITEMS_PAGE:
         raise bad_request(f"limit must be an integer in [1, {MAX_ITEMS_PAGE}]", "limit")
     seq = items if order == "asc" else items[::-1]
     ids = [it["id"] for it in seq]

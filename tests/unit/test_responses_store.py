@@ -108,6 +108,13 @@ async def test_input_items_pages(tok):
     with pytest.raises(openai.BadRequestError) as exc:
         await client.responses.input_items.list(r.id, limit=101)
     assert exc.value.body["param"] == "limit"
+    # digits str.isdigit() accepts but int() does not (superscript: a 500 once), or reads
+    # as another number (fullwidth): only ASCII digits are a limit, as in OpenAI's API
+    for raw in ("\u00b2", "\uff11", "1.0", " 1", "+1", "0x1"):
+        with pytest.raises(openai.BadRequestError) as exc:
+            await client.get(f"/responses/{r.id}/input_items", cast_to=object,
+                             options={"params": {"limit": raw}})
+        assert exc.value.body["param"] == "limit", raw
 
 
 async def test_size_cap_and_ttl(tok):
