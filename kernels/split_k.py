@@ -44,22 +44,23 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def split_k_launch(y: torch.Tensor, k: int, split: int, block_n: int, block_k: int
-                   ) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+def split_k_launch(y: torch.Tensor, k: int, split: int, block_n: int, block_k: int,
+                   m_blocks: int = 1) -> tuple[int, int, torch.Tensor, torch.Tensor]:
     """What a split-K launch writing ``y [M, N]`` needs: ``(n_blocks, k_per_split, part,
     locks)``, with ``k_per_split`` a whole number of ``block_k`` tiles, ``part`` the fp32
     partials ``[split, M, N]`` and ``locks`` the device's counters (both ``y`` itself when
-    ``split`` is 1: unused).
+    ``split`` is 1: unused). A kernel with ``m_blocks`` blocks of rows takes one counter per
+    (block of rows, block of columns): ``m_block * n_blocks + n_block``.
 
     Raises:
-        ValueError: more than ``MAX_N_BLOCKS`` blocks of output columns with ``split > 1``.
+        ValueError: more than ``MAX_N_BLOCKS`` output blocks with ``split > 1``.
     """
     m, n = y.shape
     n_blocks = _cdiv(n, block_n)
     k_per_split = _cdiv(_cdiv(k, split), block_k) * block_k
     if split == 1:
         return n_blocks, k_per_split, y, y
-    if n_blocks > MAX_N_BLOCKS:
-        raise ValueError(f"{n_blocks} blocks of output columns > {MAX_N_BLOCKS}")
+    if m_blocks * n_blocks > MAX_N_BLOCKS:
+        raise ValueError(f"{m_blocks} x {n_blocks} output blocks > {MAX_N_BLOCKS}")
     part = torch.empty(split, m, n, dtype=torch.float32, device=y.device)
     return n_blocks, k_per_split, part, split_k_locks(y.device)

@@ -127,14 +127,17 @@ def _wq_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, 
         mn_idx = offs_m[:, None] * N + offs_n[None, :]
         tl.store(part_ptr + pid_k * M * N + mn_idx, acc, mask=out_mask)
         tl.debug_barrier()
-        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        # one counter per (block of rows, block of columns): the blocks of rows of one
+        # column block run concurrently on a GPU (the interpreter runs them in turn)
+        lock = lock_ptr + pid_m * tl.num_programs(1) + pid_n
+        arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for sk in tl.static_range(SPLIT_K):
                 total += tl.load(part_ptr + sk * M * N + mn_idx, mask=out_mask, other=0.0,
                                  cache_modifier=".cg")
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -243,9 +246,10 @@ def wq_linear(x: torch.Tensor, fmt: str, qweight: torch.Tensor, scales: torch.Te
     cfg = dict(config or wq_config(m, n, k, group, x.device.type))
     split = cfg.pop("SPLIT_K", 1)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    m_blocks = triton.cdiv(m, cfg["BLOCK_M"])
     n_blocks, k_per_split, part, locks = split_k_launch(y, k, split, cfg["BLOCK_N"],
-                                                        cfg["BLOCK_K"])
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]), n_blocks, split)
+                                                        cfg["BLOCK_K"], m_blocks)
+    grid = (m_blocks, n_blocks, split)
     _wq_kernel[grid](x, qweight, scales, mins if q4 else scales, y, part, locks, m, n, k,
                      group, k_per_split, x.stride(0), y.stride(0), Q4=q4,
                      ONE_GROUP=group % cfg["BLOCK_K"] == 0, IEEE=x.dtype == torch.float32,
