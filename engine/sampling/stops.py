@@ -22,17 +22,41 @@ logger = logging.getLogger("ferry.sampling")
 
 #: seconds one search may take (a pattern with catastrophic backtracking on a long tail)
 SEARCH_TIMEOUT_S = 0.05
+#: most characters a pattern may expand to when compiled (``expansion_bound``): ~25 ms of
+#: compiling; the regex package writes out each counted repeat's mandatory copies, so
+#: ``(?:(?:(?:(?:a{100}){100}){100}){100})`` alone would take tens of GB
+MAX_EXPANSION = 20_000
+#: a counted repeat ``{m}``, ``{m,}``, ``{m,n}`` or ``{,n}`` (the regex package's forms)
+_COUNTED = regex.compile(r"\{(\d*)(?:,\d*)?\}")
+
+
+def expansion_bound(pattern: str) -> int:
+    """An upper bound of the characters ``pattern`` expands to when the regex package
+    compiles it: its length times the product of every counted repeat's minimum (at least
+    1), nested or not (so no parsing is needed; a brace that is not a repeat only makes the
+    bound larger)."""
+    bound = len(pattern)
+    for m in _COUNTED.finditer(pattern):
+        bound *= max(1, int(m.group(1) or 0))
+        if bound > MAX_EXPANSION:
+            break
+    return bound
 
 
 def compile_patterns(patterns: list[str]) -> list[tuple[str, regex.Pattern]]:
     """``[(pattern, compiled)]``.
 
     Raises:
-        ValueError: ``(message, "stop_regex")`` for a pattern that does not compile or that
-            matches the empty string (it would stop every request before its first token).
+        ValueError: ``(message, "stop_regex")`` for a pattern that does not compile, that
+            matches the empty string (it would stop every request before its first token)
+            or that repeats too much (``expansion_bound`` > ``MAX_EXPANSION``).
     """
     out = []
     for p in patterns:
+        if expansion_bound(p) > MAX_EXPANSION:
+            raise ValueError(f"stop_regex {p!r} repeats too much: its length times its counted "
+                             f"repeats' minimums ({{m}}, {{m,n}}) must stay within "
+                             f"{MAX_EXPANSION}", "stop_regex")
         try:
             c = regex.compile(p)
         except (regex.error, TypeError, ValueError, OverflowError) as exc:

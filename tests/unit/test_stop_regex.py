@@ -12,10 +12,12 @@ import random
 import re
 
 import pytest
+import regex
 from test_api_conformance import stream_stops
 
 from engine.llm import final_text
 from engine.sampling.params import SamplingParams
+from engine.sampling.stops import compile_patterns
 from server.http.errors import APIError
 from server.openai.protocol import ChatCompletionRequest, parse_request
 
@@ -80,6 +82,12 @@ def test_fuzz_against_python_re(tok):
 @pytest.mark.parametrize("value,msg", [
     ("(", "not a valid regular expression"),
     ("a*", "matches the empty string"),
+    # the regex package writes out a counted repeat's mandatory copies when it compiles:
+    # four nested {100} (10^8 copies) took a server's HTTP process past 20 GB (OOM-killed);
+    # these milder ones (10^6 copies, about 1 s each) stand for them
+    ("(?:a{1000}){1000}", "repeats too much"),
+    ("(?:(?:x{100,}){100}){100,200}", "repeats too much"),
+    ("(?:ba{0}){1000000}", "repeats too much"),
     (["x"] * 17, "at most 16"),
     ("x" * 257, "256 characters"),
     (5, "regular expression"),
@@ -98,6 +106,16 @@ def test_bad_patterns_are_400s_naming_the_field(value, msg):
         assert err.status == 400 and err.param == "stop_regex" and msg in err.message, err
     else:
         pytest.fail(f"{value!r} accepted: {req}")
+
+
+@pytest.mark.parametrize("pattern,text", [
+    (r"\d{3}-\d{4}", "call 555-1234 now"), ("(?:ab){1000}", "x" + "ab" * 1000),
+    ("a{1,100000}", "baaa"), (r"-{80}\n", "title\n" + "-" * 80 + "\n"),
+    (r"\p{Lu}{2}", "ab CD"), ("[{]{2}", "a{{b"), (r"\{1000000\}", "x{1000000}")])
+def test_counted_repeats_of_real_patterns_are_accepted(pattern, text):
+    (p, c), = compile_patterns([pattern])
+    ref = regex.search(pattern, text)  # the regex package itself, no bound in the way
+    assert ref is not None and c.search(text).span() == ref.span()
 
 
 def test_min_tokens_with_stop_regex_is_refused():
