@@ -13,6 +13,12 @@ times decode steps round-robin (the growing context touches every kind alike):
   every row: decode graphs hold them);
 - ``adapters``: the LoRA runner, request i on adapter ``i % num_adapters`` (bs 1: adapter 0).
 
+``--save-adapters DIR`` instead writes ``--num-adapters`` random adapters in peft's format
+(``DIR/lora0`` ...; bf16, all seven projections) for the model's config, for a serving run:
+``ferry serve ... --lora-paths DIR/lora0 ... --max-loras-per-batch 4`` and
+``python -m bench.serving.bench_serving --model lora0,lora1,...`` (requests spread over the
+adapters in turn).
+
 Each figure is the median over ``--reps`` rounds of one step (device events after a
 warm-up on accelerators, synchronised host clocks on the CPU), from before the batch is
 built to after the argmax, as ``bench.bench_spec_steps`` times its steps; the ratio to
@@ -54,6 +60,48 @@ def random_adapters(manager, n: int, rank: int, seed: int = 0) -> list[int]:
             weights[module] = (a, b)
         ids.append(manager.register(LoRAAdapter(f"bench-{i}", "(random)", rank, weights)))
     return ids
+
+
+def save_adapters(model_path: str, out_dir: str, n: int, rank: int, seed: int = 0) -> list[str]:
+    """Write ``n`` random rank-``rank`` peft adapters (all seven projections, bf16) for the
+    HF config at ``model_path`` (a config.json or a directory holding one) into
+    ``out_dir/lora{i}``; returns their directories."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    cfg_file = model_path if model_path.endswith(".json") else os.path.join(model_path,
+                                                                          "config.json")
+    with open(cfg_file) as f:
+        c = json.load(f)
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    d = c.get("head_dim") or h // heads
+    kv = c.get("num_key_value_heads", heads) * d
+    inter = c["intermediate_size"]
+    shapes = {"self_attn.q_proj": (h, heads * d), "self_attn.k_proj": (h, kv),
+              "self_attn.v_proj": (h, kv), "self_attn.o_proj": (heads * d, h),
+              "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter), "mlp.down_proj": (inter, h)}
+    g = torch.Generator().manual_seed(seed)
+    dirs = []
+    for i in range(n):
+        path = os.path.join(out_dir, f"lora{i}")
+        os.makedirs(path, exist_ok=True)
+        tensors = {}
+        for layer in range(c["num_hidden_layers"]):
+            for mod, (k, o) in shapes.items():
+                key = f"base_model.model.model.layers.{layer}.{mod}"
+                tensors[f"{key}.lora_A.weight"] = (
+                    torch.randn(rank, k, generator=g) / k ** 0.5).to(torch.bfloat16)
+                tensors[f"{key}.lora_B.weight"] = (
+                    torch.randn(o, rank, generator=g) * 0.01).to(torch.bfloat16)
+        save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+                       "target_modules": [m.split(".")[1] for m in shapes],
+                       "bias": "none", "base_model_name_or_path": model_path}, f)
+        dirs.append(path)
+    return dirs
 
 
 def _requests(runner, bs: int, input_len: int, g: torch.Generator, tag: str) -> list[Req]:
@@ -130,8 +178,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--reps", type=int, default=20, help="timed rounds (each: every kind once)")
     p.add_argument("--result-jsonl", default=None)
+    p.add_argument("--save-adapters", default=None, metavar="DIR",
+                   help="only write --num-adapters random peft adapters for --model-path's "
+                        "config into DIR/lora0 ... (for a serving run) and exit")
     add_engine_args(p)
     ns = p.parse_args(argv)
+    if ns.save_adapters:
+        for path in save_adapters(ns.model_path, ns.save_adapters, ns.num_adapters,
+                                  ns.lora_rank, ns.seed):
+            print(path)
+        return
     per_req = ns.input_len + 3 * (ns.reps + 1) + 16
     args = ServerArgs.from_cli_args(ns)
     args = args.replace(max_total_tokens=args.max_total_tokens or max(ns.batch_size) * per_req,

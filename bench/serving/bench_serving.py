@@ -40,7 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ferry bench-serving", description=__doc__,
                                 formatter_class=_Formatter)
     p.add_argument("--base-url", default=DEFAULT_URL)
-    p.add_argument("--model", default=None, help="default: the first id from /v1/models")
+    p.add_argument("--model", default=None, help="default: the first id from /v1/models; a "
+                   "comma-separated list spreads the requests over the names in turn (LoRA "
+                   "adapters of one server)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--num-prompts", type=int, default=200)
     p.add_argument("--request-rate", type=float, default=math.inf,

@@ -178,7 +178,8 @@ async def run_benchmark(base_url: str, requests: list[RequestInput], *, model: s
                         api_key: str | None = None, extra_body: dict | None = None,
                         transport: httpx.AsyncBaseTransport | None = None) -> dict:
     """Send ``requests`` on a Poisson schedule and measure them; returns ``metrics(...)``
-    plus ``model`` and ``records`` (one dict per request, in input order).
+    plus ``model`` and ``records`` (one dict per request, in input order). A ``model`` of
+    comma-separated names sends request i to name ``i % count`` (LoRA adapters).
 
     After ``max_duration`` seconds no more requests are sent and those in flight are
     cancelled; both count as failed. ``transport`` lets tests swap the HTTP transport.
@@ -196,6 +197,7 @@ async def run_benchmark(base_url: str, requests: list[RequestInput], *, model: s
                                  trust_env=False) as client:
         if model is None:
             model = await fetch_model(client)
+        models = model.split(",")
         ttft_before = await scrape_ttft(client)
         parts_before = await scrape_ttft_parts(client)
         cache_before = await scrape_counters(client, CACHE_COUNTERS)
@@ -208,12 +210,13 @@ async def run_benchmark(base_url: str, requests: list[RequestInput], *, model: s
             delay = t0 + offsets[i] - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
+            name = models[i % len(models)]
             if sem is None:
-                await send_request(client, model, requests[i], outputs[i], t0, timeout, extra_body)
+                await send_request(client, name, requests[i], outputs[i], t0, timeout, extra_body)
                 return
             async with sem:
                 if time.perf_counter() < deadline:
-                    await send_request(client, model, requests[i], outputs[i], t0, timeout,
+                    await send_request(client, name, requests[i], outputs[i], t0, timeout,
                                        extra_body)
 
         tasks = [asyncio.create_task(one(i)) for i in range(len(requests))]

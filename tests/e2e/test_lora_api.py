@@ -99,6 +99,20 @@ def test_lora_serving(setup, make_server):
     assert c.choices[0].token_ids == refs["a1"][0][0]
     client.post("/unload_lora_adapter", cast_to=object, body={"lora_name": "again"})
 
+    # streaming and n=2 on an adapter give its greedy tokens too
+    r = httpx.post(srv.url + "/v1/completions", timeout=srv.http_timeout, json={
+        "model": "a1", "prompt": PROMPTS[1], "max_tokens": N, "temperature": 0,
+        "ignore_eos": True, "n": 2, "return_token_ids": True})
+    assert [ch["token_ids"] for ch in r.json()["choices"]] == [refs["a1"][1][0]] * 2, r.text
+    streamed = []
+    for ev in client.completions.create(model="tiny:a2", prompt=PROMPTS[0], max_tokens=N,
+                                        temperature=0, stream=True,
+                                        extra_body={"ignore_eos": True,
+                                                    "return_token_ids": True}):
+        if ev.choices:
+            streamed += getattr(ev.choices[0], "token_ids", None) or []
+    assert streamed == refs["a2"][0][0]
+
     # errors
     r = _complete(srv, "nope", PROMPTS[0])
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"

@@ -47,3 +47,49 @@ def test_bench_lora_rows_and_pools(tmp_path):
         y = layer(x)
         lora.lora.set_batch([0, 1, 2], [1, 1, 1], [-1] * 3)
         assert not torch.allclose(y, layer(x))
+
+
+def test_saved_adapters_load_and_change_the_output(tmp_path):
+    """``--save-adapters`` writes peft directories that ferry loads (every projection of
+    every layer) and that change the greedy answer."""
+    from bench.bench_lora import main
+    from engine import LLM
+    from engine.sampling.params import SamplingParams
+
+    cfg = config_dir("llama-tiny")
+    main(["--save-adapters", str(tmp_path), "--model-path", cfg, "--num-adapters", "2",
+          "--lora-rank", "8"])
+    llm = LLM(cfg, load_format="dummy", device="cpu", max_total_tokens=512,
+              lora_paths=[str(tmp_path / "lora0"), str(tmp_path / "lora1")])
+    assert sorted(a["name"] for a in llm.runner.lora.list()) == ["lora0", "lora1"]
+    assert all(len(a.weights) == 14 for a in llm.runner.lora.adapters.values())
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=0)
+    base, ad = llm.generate([[5, 6, 7], [5, 6, 7]], sp, lora=[None, "lora0"])
+    assert [lp[0] for lp in base.logprobs] != [lp[0] for lp in ad.logprobs]
+
+
+def test_bench_serving_spreads_requests_over_models():
+    """``bench_serving --model a,b,c``: request i goes to name i % 3 (a stub server answers
+    each stream with one token)."""
+    import asyncio
+
+    import httpx
+
+    from bench.serving.serving_client import run_benchmark
+    from bench.serving.workloads import RequestInput
+
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/v1/completions":
+            return httpx.Response(404)
+        seen.append(json.loads(request.content)["model"])
+        body = ('data: {"choices":[{"index":0,"text":"x"}]}\n\n'
+                'data: {"choices":[],"usage":{"completion_tokens":1}}\n\ndata: [DONE]\n\n')
+        return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
+
+    reqs = [RequestInput([1, 2], 2, 1) for _ in range(7)]
+    out = asyncio.run(run_benchmark("http://t", reqs, model="a,b,c", max_concurrency=1,
+                                    transport=httpx.MockTransport(handler)))
+    assert seen == ["a", "b", "c", "a", "b", "c", "a"]
+    assert out["model"] == "a,b,c"
