@@ -182,6 +182,19 @@ for stage in "$@"; do
                --quantization awq --batch-size 1 64 --input-len 512 --output-len 64 \
                --result-jsonl "$OUT/awq-latency.jsonl";;
     awq-sweep) run awq-sweep 300 python3 -m bench.kernels.sweep_gemm_wq --result-json "$OUT/wq-sweep.json";;
+    spec-eagle3) # EAGLE-3 (issue 26): a random head of the published Llama-3.1-8B EAGLE-3 shape,
+             # chain of 3: the round's draft and verify phases against a plain step; the GPU tests
+             run spec-gputest 120 python3 -m pytest -q -x tests/engine/test_speculative_models_gpu.py \
+               -p no:cacheprovider
+             run spec-eagle3 300 python3 -m bench.bench_speculative --model-path \
+               engine/configs/llama-3-8b-smolvocab.json --load-format dummy --device cuda \
+               --tokenizer-path "${TOKENIZER:-.tok}" --algorithm EAGLE3 --draft-model-path \
+               engine/configs/eagle3-llama-3.1-8b-smolvocab.json --num-steps 3 --batch-sizes 1 16 \
+               --max-tokens 256 --result-jsonl "$OUT/spec-eagle3.jsonl";;
+    lora) # LoRA (issue 29): 4 random rank-16 adapters on all seven projections vs the base
+             run lora 300 python3 -m bench.bench_lora --model-path $L8B --load-format dummy \
+               --num-adapters 4 --lora-rank 16 --batch-size 1 64 --input-len 512 \
+               --result-jsonl "$OUT/lora.jsonl";;
     grammar) # structured output (issue 13): bs64 decode steps free / JSON-schema-constrained /
              # mixed, and grammar compile times; needs xgrammar (its wheel in ./.whl) and a
              # tokenizer (SmolLM2's, .tok: the 8B config has none)
