@@ -54,22 +54,28 @@ def _segment_rows(seg_start_ptr, seg_len_ptr, seg_slot_ptr, BLOCK_M: tl.constexp
 
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, s_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
-                   R_ALL, R, K, stride_xm, stride_ap, stride_as, stride_ar, stride_sm,
-                   IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+                   R_ALL, R, K, K_SPLIT, stride_xm, stride_ap, stride_as, stride_ar,
+                   stride_sm, IEEE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows, mask_m, slot, done = _segment_rows(seg_start_ptr, seg_len_ptr, seg_slot_ptr,
                                              BLOCK_M)
     if done:
         return
-    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # axis 2: column block x K chunk (split-K: a decode row's shrink would otherwise be one
+    # program walking all of K, latency-bound)
+    n_blocks = tl.cdiv(R_ALL, BLOCK_N)
+    pid_n = tl.program_id(2) % n_blocks
+    k_lo = (tl.program_id(2) // n_blocks) * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < R_ALL
     a_base = a_ptr + slot.to(tl.int64) * stride_as
     # output column j is row j % R of part j // R
     a_rows = (offs_n // R).to(tl.int64) * stride_ap + (offs_n % R) * stride_ar
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
-        mask_k = kk < K
+        mask_k = kk < k_hi
         x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         a = tl.load(a_base + a_rows[None, :] + kk[:, None],
@@ -78,8 +84,11 @@ def _shrink_kernel(x_ptr, a_ptr, s_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr
             acc += tl.dot(x, a, input_precision="ieee")
         else:
             acc += tl.dot(x, a)
-    tl.store(s_ptr + rows[:, None] * stride_sm + offs_n[None, :], acc,
-             mask=mask_m[:, None] & mask_n[None, :])
+    s_ptrs = s_ptr + rows[:, None] * stride_sm + offs_n[None, :]
+    if SPLIT:
+        tl.atomic_add(s_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
+    else:
+        tl.store(s_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
@@ -123,9 +132,14 @@ def _pow2(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, triton.next_power_of_2(max(n, 1))))
 
 
+#: split-K: aim for this many shrink programs; a K chunk is at least SHRINK_MIN_CHUNK wide
+SHRINK_PROGRAMS = 256
+SHRINK_MIN_CHUNK = 256
+
+
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_start: torch.Tensor,
                 seg_len: torch.Tensor, seg_slot: torch.Tensor, max_len: int,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, split_k: int | None = None) -> torch.Tensor:
     """``x [T, K] @ A[:, slot]^T`` per segment -> ``[T, P*R]`` float32.
 
     Args:
@@ -134,6 +148,9 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_start: torch.Tensor,
         seg_start, seg_len, seg_slot: [G] int32 on x's device (slot -1: base rows).
         max_len: the longest segment (host int; a bound is enough).
         out: optional [T, P*R] fp32 output buffer.
+        split_k: K chunks (default: enough for ~SHRINK_PROGRAMS programs, chunks of at least
+            SHRINK_MIN_CHUNK; a decode step's few rows would otherwise walk K in one
+            program each). Chunks add into ``out`` atomically (fp32; order not fixed).
     Returns:
         ``out``; rows of base segments are left unwritten.
     """
@@ -142,18 +159,27 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_start: torch.Tensor,
     r_all = a.shape[0] * r
     if x.stride(1) != 1:
         x = x.contiguous()
-    if out is None:
-        out = torch.empty(t, r_all, dtype=torch.float32, device=x.device)
     g = seg_start.shape[0]
+    bm, bk = _block_m(max_len), 64
+    bn = _pow2(r_all, 16, 64)
+    blocks = (g, triton.cdiv(max(max_len, 1), bm), triton.cdiv(r_all, bn))
+    if split_k is None:
+        split_k = min(triton.cdiv(k, SHRINK_MIN_CHUNK),
+                      triton.cdiv(SHRINK_PROGRAMS, blocks[0] * blocks[1] * blocks[2]))
+    chunk = triton.cdiv(triton.cdiv(k, max(split_k, 1)), bk) * bk
+    split_k = triton.cdiv(k, chunk)
+    if out is None:
+        out = (torch.zeros if split_k > 1 else torch.empty)(t, r_all, dtype=torch.float32,
+                                                            device=x.device)
+    elif split_k > 1:
+        out.zero_()
     if g == 0 or max_len <= 0:
         return out
-    bm = _block_m(max_len)
-    bn = _pow2(r_all, 16, 64)
-    grid = (g, triton.cdiv(max_len, bm), triton.cdiv(r_all, bn))
-    _shrink_kernel[grid](x, a, out, seg_start, seg_len, seg_slot, r_all, r, k, x.stride(0),
-                         a.stride(0), a.stride(1), a.stride(2), out.stride(0),
-                         IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64,
-                         **dot_kernel_options(4, 2, x.device.type))
+    grid = (blocks[0], blocks[1], blocks[2] * split_k)
+    _shrink_kernel[grid](x, a, out, seg_start, seg_len, seg_slot, r_all, r, k, chunk,
+                         x.stride(0), a.stride(0), a.stride(1), a.stride(2), out.stride(0),
+                         IEEE=x.dtype == torch.float32, SPLIT=split_k > 1, BLOCK_M=bm,
+                         BLOCK_N=bn, BLOCK_K=bk, **dot_kernel_options(4, 2, x.device.type))
     return out
 
 

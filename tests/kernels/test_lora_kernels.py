@@ -151,7 +151,9 @@ seg = dict(seg_start_ptr="i32", seg_len_ptr="i32", seg_slot_ptr="i32")
 for t, ieee in (("bf16", False), ("fp16", False), ("fp32", True)):
     for arch in (90, 80):
         compile_one(lora._shrink_kernel, dict(x_ptr=t, a_ptr=t, s_ptr="fp32", **seg),
-                    dict(IEEE=ieee, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64), arch)
+                    dict(IEEE=ieee, SPLIT=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64), arch)
+        compile_one(lora._shrink_kernel, dict(x_ptr=t, a_ptr=t, s_ptr="fp32", **seg),
+                    dict(IEEE=ieee, SPLIT=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64), arch)
         compile_one(lora._expand_kernel, dict(s_ptr="fp32", b_ptr=t, y_ptr=t, **seg),
                     dict(IEEE=ieee, BLOCK_M=16, BLOCK_N=64, BLOCK_K=16), arch)
 print("COMPILED OK")
@@ -178,3 +180,23 @@ def test_lora_kernels_compile_for_nvidia_targets():
     res = subprocess.run([sys.executable, "-c", COMPILE], cwd=Path(__file__).parents[2],
                          env=env, capture_output=True, text=True, timeout=600, check=False)
     assert res.returncode == 0 and "COMPILED OK" in res.stdout, res.stderr[-4000:]
+
+
+@pytest.mark.parametrize("split_k", [2, 3, 7])
+def test_lora_shrink_split_k_matches_one_chunk(split_k):
+    """K in chunks that add into the output atomically equals one program per K (K = 200:
+    chunks of 64 and a short last one; 7 asks for more chunks than 64-wide ones fill)."""
+    dev = torch.device(DEVICE)
+    g = torch.Generator().manual_seed(3)
+    k = 200
+    a = torch.randn(2, 3, 16, k, generator=g).to(dev)
+    x = torch.randn(9, k, generator=g).to(dev)
+    i32 = dict(dtype=torch.int32, device=dev)
+    segs = [torch.tensor(v, **i32) for v in ([0, 4, 5], [4, 1, 4], [2, -1, 0])]
+    one = lora_shrink(x, a, *segs, 4, split_k=1)
+    many = lora_shrink(x, a, *segs, 4, split_k=split_k)
+    rows = [0, 1, 2, 3, 5, 6, 7, 8]  # the base segment's row (4) is not written
+    ref = torch.cat([x[0:4].double() @ a[:, 2].reshape(-1, k).double().t(),
+                     x[5:9].double() @ a[:, 0].reshape(-1, k).double().t()])
+    assert_close(one[rows], ref, torch.float32, "shrink, one chunk")
+    assert_close(many[rows], ref, torch.float32, f"shrink, split_k={split_k}")
