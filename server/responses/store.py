@@ -100,12 +100,15 @@ class ResponseStore:
         return st
 
     def put(self, st: StoredResponse) -> bool:
-        """Store (or update) ``st`` under its response's id, as the newest; evict the oldest
+        """Store (or update) ``st`` under its response's id, as the newest (replacing, and
+        cancelling if it runs, another response stored under that id); evict the oldest
         beyond ``max_items``. Returns False (nothing stored) when the store is off."""
         if not self.enabled:
             return False
         rid = st.response["id"]
         st.stored_at = self.clock()
+        if self._items.get(rid) is not st:  # another response under its id (X-Request-Id)
+            self._drop(rid)  # is replaced; one still running in background is cancelled
         self._items.pop(rid, None)
         self._items[rid] = st
         self._expire()

@@ -176,3 +176,26 @@ async def test_background_poll_and_cancel(tok):
     with pytest.raises(openai.BadRequestError) as exc:
         await client.responses.create(model=M, input="x", background=True, store=False)
     assert exc.value.body["param"] == "background"
+
+
+async def test_a_background_response_replaced_under_its_id_is_cancelled(tok):
+    """A second response under the same id (the client's X-Request-Id) replaces the first in
+    the store; a first still running in background is cancelled (its engine request
+    aborted) as when it is deleted, not left generating where no id reaches it."""
+    client, engine = _app(tok)
+    engine.hold = True
+    hdr = {"X-Request-Id": "bg-same"}
+    await client.responses.create(model=M, input="long story", background=True,
+                                  extra_headers=hdr)
+    await asyncio.sleep(0.05)
+    first = [m.rid for m in engine.sent if isinstance(m, io.TokenizedGenerateReq)]
+    await client.responses.create(model=M, input="another", background=True,
+                                  extra_headers=hdr)
+    await asyncio.sleep(0.05)
+    aborted = {m.rid for m in engine.sent if isinstance(m, io.AbortReq)}
+    assert len(first) == 1 and first[0] in aborted
+    await client.responses.delete("bg-same")
+    await asyncio.sleep(0.05)
+    engine_rids = {m.rid for m in engine.sent if isinstance(m, io.TokenizedGenerateReq)}
+    assert len(engine_rids) == 2 and engine_rids <= {m.rid for m in engine.sent
+                                                     if isinstance(m, io.AbortReq)}
