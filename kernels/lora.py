@@ -124,6 +124,42 @@ def _expand_kernel(s_ptr, b_ptr, y_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr
     tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _expand_rows_kernel(s_ptr, b_ptr, y_ptr, seg_start_ptr, seg_slot_ptr, G, N, R, OFF1,
+                        OFF2, stride_sm, stride_bs, stride_bk, stride_ym,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """:func:`lora_expand` for one-row segments (decode): a program takes BLOCK_M rows,
+    each with its own slot (B gathered per row, a broadcast multiply-add over the rank
+    instead of ``tl.dot``), so a batch of B rows runs ceil(B / BLOCK_M) programs per column
+    tile instead of B, and a block of base rows returns at once."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(seg_slot_ptr + offs_m, mask=offs_m < G, other=-1)
+    live = slot >= 0
+    if tl.max(live.to(tl.int32), axis=0) == 0:
+        return
+    rows = tl.load(seg_start_ptr + offs_m, mask=live, other=0).to(tl.int64)
+    n0 = tl.program_id(1) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    s_col = ((n0 >= OFF1).to(tl.int32) + (n0 >= OFF2).to(tl.int32)) * R
+    b_rows = b_ptr + slot.to(tl.int64) * stride_bs
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, R, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        mask_k = kk < R
+        s = tl.load(s_ptr + rows[:, None] * stride_sm + s_col + kk[None, :],
+                    mask=live[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(b_rows[:, None, None] + kk[None, :, None] * stride_bk
+                    + offs_n[None, None, :],
+                    mask=live[:, None, None] & mask_k[None, :, None] & mask_n[None, None, :],
+                    other=0.0)
+        acc += tl.sum(s[:, :, None] * b.to(tl.float32), axis=1)
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :]
+    mask = live[:, None] & mask_n[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0)
+    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
 def _block_m(max_len: int) -> int:
     return 16 if max_len <= 16 else 32 if max_len <= 32 else 64
 
@@ -133,7 +169,7 @@ def _pow2(n: int, lo: int, hi: int) -> int:
 
 
 #: split-K: aim for this many shrink programs; a K chunk is at least SHRINK_MIN_CHUNK wide
-SHRINK_PROGRAMS = 256
+SHRINK_PROGRAMS = 1024
 SHRINK_MIN_CHUNK = 256
 
 
@@ -217,6 +253,12 @@ def lora_expand(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, seg_start: to
     if bn is None or len(part_starts) > 2:
         raise ValueError(f"lora_expand: parts starting at {part_starts} need one call each")
     off1, off2 = (list(part_starts) + [n, n])[:2]
+    if max_len == 1:  # decode: rows with their own slots, 16 to a program
+        bn = min(bn, 32)
+        _expand_rows_kernel[(triton.cdiv(g, 16), triton.cdiv(n, bn))](
+            s, b, y, seg_start, seg_slot, g, n, r, off1, off2, s.stride(0), b.stride(0),
+            b.stride(1), y.stride(0), BLOCK_M=16, BLOCK_N=bn, BLOCK_K=16, num_warps=4)
+        return y
     bm = _block_m(max_len)
     grid = (g, triton.cdiv(max_len, bm), triton.cdiv(n, bn))
     _expand_kernel[grid](s, b, y, seg_start, seg_len, seg_slot, n, r, off1, off2, s.stride(0),

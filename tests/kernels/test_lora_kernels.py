@@ -77,6 +77,8 @@ CASES = [
     ([17, 5, 40, 1, 1, 1, 1], [0, -1, 2, 1, -1, 0, 2]),
     ([1, 1, 1, 1, 1, 1, 1, 1], [2, 0, 1, -1, 0, 2, 1, -1]),   # a decode batch
     ([33], [1]),
+    # a decode batch of 20 rows (the one-row-segment expand: two row blocks, one all base)
+    ([1] * 20, [0, 2, -1, 1, 1, 0, 2, -1, 0, 1, 2, 2, 0, -1, 1, 0] + [-1] * 4),
 ]
 
 
@@ -156,6 +158,9 @@ for t, ieee in (("bf16", False), ("fp16", False), ("fp32", True)):
                     dict(IEEE=ieee, SPLIT=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64), arch)
         compile_one(lora._expand_kernel, dict(s_ptr="fp32", b_ptr=t, y_ptr=t, **seg),
                     dict(IEEE=ieee, BLOCK_M=16, BLOCK_N=64, BLOCK_K=16), arch)
+        compile_one(lora._expand_rows_kernel, dict(s_ptr="fp32", b_ptr=t, y_ptr=t,
+                    seg_start_ptr="i32", seg_slot_ptr="i32"),
+                    dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16), arch)
 print("COMPILED OK")
 '''
 
