@@ -132,3 +132,27 @@ def test_lora_serving(setup, make_server):
     assert _complete(srv, "tiny:a2", PROMPTS[1]).status_code == 404
     assert [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]] == ["tiny", "a1"]
     srv.stop()
+
+
+def test_lora_under_data_parallel(setup, make_server):
+    """--dp-size 2: an adapter loaded over HTTP reaches both replicas (round robin sends the
+    requests to each), and an unload leaves neither with it."""
+    root, refs = setup
+    srv = make_server(["--model-path", str(root / "base"), "--device", "cpu", "--dtype",
+                       "float32", "--served-model-name", "tiny", "--max-total-tokens", "1024",
+                       "--enable-lora", "--max-lora-rank", "16", "--dp-size", "2",
+                       "--load-balance-method", "round_robin"])
+    srv.start()
+    r = httpx.post(srv.url + "/load_lora_adapter", timeout=srv.http_timeout,
+                   json={"lora_name": "a2", "lora_path": str(root / "a2")})
+    assert r.status_code == 200, r.text
+    with ThreadPoolExecutor(4) as ex:
+        outs = list(ex.map(lambda i: _complete(srv, "a2", PROMPTS[i % 2]), range(4)))
+    for i, r in enumerate(outs):
+        _check(r, refs["a2"][i % 2], f"a2 at dp 2, request {i}")
+    stats = httpx.get(srv.url + "/server_info").json()["replicas"]
+    assert len(stats) == 2
+    r = httpx.post(srv.url + "/unload_lora_adapter", json={"lora_name": "a2"})
+    assert r.status_code == 200 and r.json()["loaded_adapters"] == {}
+    assert _complete(srv, "a2", PROMPTS[0]).status_code == 404
+    srv.stop()
