@@ -40,6 +40,7 @@ from engine import device as dev
 from engine.args import ServerArgs, num_draft_tokens
 from engine.executor.schedule_batch import ScheduleBatch
 from engine.forward_batch import ForwardMode
+from engine.layers.quantization.wq import CPU_KERNEL_MAX_M
 from engine.sampling.acceptance import verify_drafts
 from engine.speculative.proposer import Proposer
 
@@ -111,6 +112,11 @@ class SpecWorker:
     def __init__(self, args: ServerArgs, proposer: Proposer, kv, runner, stats: dict):
         self.k = num_draft_tokens(args)
         self.max_bs = args.speculative_max_batch_size
+        # the CPU: a verify step's rows cost nearly a decode step's compute each, and past
+        # CPU_KERNEL_MAX_M rows the 4-bit linear layers dequantize their weights per call
+        # (bench_spec_steps, embedded model: verify at bs8 2-8x a decode step)
+        self.max_rows = CPU_KERNEL_MAX_M if getattr(runner, "device_type", None) == "cpu" \
+            else None
         self.algorithm = args.speculative_algorithm
         self.proposer = proposer
         self.kv = kv
@@ -142,7 +148,8 @@ class SpecWorker:
                 "breakeven_accept_length": self.breakeven}
 
     def wants(self, running: list) -> bool:
-        """Whether a decode step over ``running`` speculates (a larger batch decodes).
+        """Whether a decode step over ``running`` speculates (a larger batch decodes; on the
+        CPU also one whose verify rows, ``(1 + k)`` per request, pass ``CPU_KERNEL_MAX_M``).
 
         Called once per scheduler step that decodes: the time since the previous call is
         the previous step's, which ``build`` labelled verify or decode; it counts when
@@ -156,7 +163,8 @@ class SpecWorker:
                 dt = now - t0
                 self.step_time[kind] = dt if old is None else \
                     old + STEP_TIME_EMA * (dt - old)
-        ok = 0 < len(running) <= self.max_bs
+        ok = 0 < len(running) <= self.max_bs and \
+            (self.max_rows is None or len(running) * (1 + self.k) <= self.max_rows)
         self._mark = (now, steps, None)
         return ok
 

@@ -335,7 +335,9 @@ def llms():
     from engine import LLM
 
     kw = dict(model_path=None, device="cpu", max_total_tokens=8192)
-    spec = LLM(speculative_algorithm="NGRAM", **kw)
+    # 2 drafts: a batch of the 5 prompts below is 15 verify rows, within the CPU's 16
+    # (CPU_KERNEL_MAX_M), so it speculates as a batch
+    spec = LLM(speculative_algorithm="NGRAM", speculative_num_draft_tokens=2, **kw)
     spec.scheduler.check_kv = True
     return LLM(**kw), spec
 
@@ -467,6 +469,20 @@ def test_a_request_below_breakeven_backs_off(verify_cost, backs_off):
     for _ in range(MISSES_BEFORE_BACKOFF):
         w._track("a", 1)
     assert (w.budget(r) == 0) == backs_off
+
+
+def test_cpu_speculates_only_while_verify_rows_fit_the_small_m_kernels():
+    """On the CPU a verify step of bs x (1 + k) rows speculates only up to the rows the
+    packed-weight kernels take (CPU_KERNEL_MAX_M = 16): k = 4 -> at most 3 requests."""
+    from engine.layers.quantization.wq import CPU_KERNEL_MAX_M
+
+    runner = FakeRunner(max_total_tokens=200)
+    args = ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
+    assert Scheduler(args, runner).spec.wants([object()] * 8)  # no device type: no cap
+    runner.device_type = "cpu"
+    w = Scheduler(args, runner).spec
+    fits = CPU_KERNEL_MAX_M // 5
+    assert [w.wants([object()] * n) for n in range(1, 9)] == [n <= fits for n in range(1, 9)]
 
 
 def test_a_request_whose_drafts_keep_failing_backs_off():
