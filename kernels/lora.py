@@ -14,7 +14,8 @@ tensors: ``seg_start``, ``seg_len``, ``seg_slot`` [G] int32; slot -1 = the base 
 delta). This is the segmented-GEMM scheme of Punica (Chen et al. 2023, SGMV) and of SGLang's
 chunked SGMV backend, written here from that description:
 
-- :func:`lora_shrink`: ``s[rows of g] = x[rows of g] @ A[slot g]^T`` -> ``[T, P*R]`` fp32;
+- :func:`lora_shrink`: ``s[rows of g] = x[rows of g] @ A[slot g]^T`` -> ``[split, T, P*R]``
+  fp32 partial sums over K chunks (split-K for decode's few rows);
 - :func:`lora_expand`: ``y[rows of g, y_off:y_off+N] += s[rows of g, s_off:s_off+R] @
   B[slot g]``, in place, in y's dtype.
 
@@ -53,9 +54,20 @@ def _segment_rows(seg_start_ptr, seg_len_ptr, seg_slot_ptr, BLOCK_M: tl.constexp
 
 
 @triton.jit
+def _load_s(s_ptr, rows, cols, mask, NSPLIT, stride_ss, stride_sm):
+    """The shrink output at ``rows`` x ``cols`` [BLOCK_M, BLOCK_K] fp32: the sum of its
+    ``NSPLIT`` K-chunk partials."""
+    ptrs = s_ptr + rows[:, None] * stride_sm + cols[None, :]
+    s = tl.load(ptrs, mask=mask, other=0.0)
+    for i in range(1, NSPLIT):
+        s += tl.load(ptrs + i * stride_ss, mask=mask, other=0.0)
+    return s
+
+
+@triton.jit
 def _shrink_kernel(x_ptr, a_ptr, s_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
                    R_ALL, R, K, K_SPLIT, stride_xm, stride_ap, stride_as, stride_ar,
-                   stride_sm, IEEE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                   stride_ss, stride_sm, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows, mask_m, slot, done = _segment_rows(seg_start_ptr, seg_len_ptr, seg_slot_ptr,
                                              BLOCK_M)
@@ -65,7 +77,8 @@ def _shrink_kernel(x_ptr, a_ptr, s_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr
     # program walking all of K, latency-bound)
     n_blocks = tl.cdiv(R_ALL, BLOCK_N)
     pid_n = tl.program_id(2) % n_blocks
-    k_lo = (tl.program_id(2) // n_blocks) * K_SPLIT
+    pid_k = tl.program_id(2) // n_blocks
+    k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < R_ALL
@@ -84,16 +97,16 @@ def _shrink_kernel(x_ptr, a_ptr, s_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr
             acc += tl.dot(x, a, input_precision="ieee")
         else:
             acc += tl.dot(x, a)
-    s_ptrs = s_ptr + rows[:, None] * stride_sm + offs_n[None, :]
-    if SPLIT:
-        tl.atomic_add(s_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
-    else:
-        tl.store(s_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
+    # each K chunk writes its own partial sum; the expand adds them up as it reads them
+    s_ptrs = s_ptr + pid_k.to(tl.int64) * stride_ss + rows[:, None] * stride_sm \
+        + offs_n[None, :]
+    tl.store(s_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
 def _expand_kernel(s_ptr, b_ptr, y_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
-                   N, R, OFF1, OFF2, stride_sm, stride_bs, stride_bk, stride_ym,
+                   N, R, OFF1, OFF2, NSPLIT, stride_ss, stride_sm, stride_bs, stride_bk,
+                   stride_ym,
                    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr):
     rows, mask_m, slot, done = _segment_rows(seg_start_ptr, seg_len_ptr, seg_slot_ptr,
@@ -110,8 +123,8 @@ def _expand_kernel(s_ptr, b_ptr, y_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr
     for k0 in range(0, R, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         mask_k = kk < R
-        s = tl.load(s_ptr + rows[:, None] * stride_sm + s_col + kk[None, :],
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        s = _load_s(s_ptr, rows, s_col + kk, mask_m[:, None] & mask_k[None, :], NSPLIT,
+                    stride_ss, stride_sm)
         b = tl.load(b_base + kk[:, None] * stride_bk + offs_n[None, :],
                     mask=mask_n[None, :] & mask_k[:, None], other=0.0)
         if IEEE:
@@ -126,7 +139,7 @@ def _expand_kernel(s_ptr, b_ptr, y_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr
 
 @triton.jit
 def _expand_rows_kernel(s_ptr, b_ptr, y_ptr, seg_start_ptr, seg_slot_ptr, G, N, R, OFF1,
-                        OFF2, stride_sm, stride_bs, stride_bk, stride_ym,
+                        OFF2, NSPLIT, stride_ss, stride_sm, stride_bs, stride_bk, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """:func:`lora_expand` for one-row segments (decode): a program takes BLOCK_M rows,
     each with its own slot (B gathered per row, a broadcast multiply-add over the rank
@@ -147,8 +160,8 @@ def _expand_rows_kernel(s_ptr, b_ptr, y_ptr, seg_start_ptr, seg_slot_ptr, G, N, 
     for k0 in range(0, R, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         mask_k = kk < R
-        s = tl.load(s_ptr + rows[:, None] * stride_sm + s_col + kk[None, :],
-                    mask=live[:, None] & mask_k[None, :], other=0.0)
+        s = _load_s(s_ptr, rows, s_col + kk, live[:, None] & mask_k[None, :], NSPLIT,
+                    stride_ss, stride_sm)
         b = tl.load(b_rows[:, None, None] + kk[None, :, None] * stride_bk
                     + offs_n[None, None, :],
                     mask=live[:, None, None] & mask_k[None, :, None] & mask_n[None, None, :],
@@ -176,17 +189,18 @@ SHRINK_MIN_CHUNK = 256
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_start: torch.Tensor,
                 seg_len: torch.Tensor, seg_slot: torch.Tensor, max_len: int,
                 out: torch.Tensor | None = None, split_k: int | None = None) -> torch.Tensor:
-    """``x [T, K] @ A[:, slot]^T`` per segment -> ``[T, P*R]`` float32.
+    """``x [T, K] @ A[:, slot]^T`` per segment -> ``[split, T, P*R]`` float32 partial sums
+    over K chunks (their sum is the product; :func:`lora_expand` adds them up).
 
     Args:
         x: [T, K] activations (fp16, bf16 or fp32), rows with stride 1 in K.
         a: [P, S, R, K] stacked ``lora_A`` of P parts in x's dtype (K contiguous).
         seg_start, seg_len, seg_slot: [G] int32 on x's device (slot -1: base rows).
         max_len: the longest segment (host int; a bound is enough).
-        out: optional [T, P*R] fp32 output buffer.
+        out: optional [split, T, P*R] fp32 output buffer (its split must be the one chosen).
         split_k: K chunks (default: enough for ~SHRINK_PROGRAMS programs, chunks of at least
             SHRINK_MIN_CHUNK; a decode step's few rows would otherwise walk K in one
-            program each). Chunks add into ``out`` atomically (fp32; order not fixed).
+            program each). Each chunk writes its own partial: no atomics, no zeroing.
     Returns:
         ``out``; rows of base segments are left unwritten.
     """
@@ -205,16 +219,13 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_start: torch.Tensor,
     chunk = triton.cdiv(triton.cdiv(k, max(split_k, 1)), bk) * bk
     split_k = triton.cdiv(k, chunk)
     if out is None:
-        out = (torch.zeros if split_k > 1 else torch.empty)(t, r_all, dtype=torch.float32,
-                                                            device=x.device)
-    elif split_k > 1:
-        out.zero_()
+        out = torch.empty(split_k, t, r_all, dtype=torch.float32, device=x.device)
     if g == 0 or max_len <= 0:
         return out
     grid = (blocks[0], blocks[1], blocks[2] * split_k)
     _shrink_kernel[grid](x, a, out, seg_start, seg_len, seg_slot, r_all, r, k, chunk,
                          x.stride(0), a.stride(0), a.stride(1), a.stride(2), out.stride(0),
-                         IEEE=x.dtype == torch.float32, SPLIT=split_k > 1, BLOCK_M=bm,
+                         out.stride(1), IEEE=x.dtype == torch.float32, BLOCK_M=bm,
                          BLOCK_N=bn, BLOCK_K=bk, **dot_kernel_options(4, 2, x.device.type))
     return out
 
@@ -235,7 +246,8 @@ def lora_expand(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, seg_start: to
 
     Args:
         y: [T, N] output view (row stride free, column stride 1).
-        s: [T, P*R] float32 (:func:`lora_shrink`'s output, or a view of one part's R).
+        s: [split, T, P*R] float32 (:func:`lora_shrink`'s partial sums, or a view of one
+            part's R columns of them).
         b: [S, R, N] stacked ``lora_B`` transposed (scale folded in), N contiguous.
         seg_start, seg_len, seg_slot, max_len: as in :func:`lora_shrink`.
         part_starts: the first columns of parts 1.. (at most 2; part p reads columns
@@ -248,7 +260,7 @@ def lora_expand(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, seg_start: to
     g = seg_start.shape[0]
     if g == 0 or max_len <= 0:
         return y
-    assert y.stride(1) == 1 and s.stride(1) == 1, "lora_expand: column stride must be 1"
+    assert y.stride(1) == 1 and s.stride(2) == 1, "lora_expand: column stride must be 1"
     bn = expand_tile(part_starts)
     if bn is None or len(part_starts) > 2:
         raise ValueError(f"lora_expand: parts starting at {part_starts} need one call each")
@@ -256,13 +268,14 @@ def lora_expand(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, seg_start: to
     if max_len == 1:  # decode: rows with their own slots, 16 to a program
         bn = min(bn, 32)
         _expand_rows_kernel[(triton.cdiv(g, 16), triton.cdiv(n, bn))](
-            s, b, y, seg_start, seg_slot, g, n, r, off1, off2, s.stride(0), b.stride(0),
-            b.stride(1), y.stride(0), BLOCK_M=16, BLOCK_N=bn, BLOCK_K=16, num_warps=4)
+            s, b, y, seg_start, seg_slot, g, n, r, off1, off2, s.shape[0], s.stride(0),
+            s.stride(1), b.stride(0), b.stride(1), y.stride(0), BLOCK_M=16, BLOCK_N=bn,
+            BLOCK_K=16, num_warps=4)
         return y
     bm = _block_m(max_len)
     grid = (g, triton.cdiv(max_len, bm), triton.cdiv(n, bn))
-    _expand_kernel[grid](s, b, y, seg_start, seg_len, seg_slot, n, r, off1, off2, s.stride(0),
-                         b.stride(0), b.stride(1), y.stride(0),
+    _expand_kernel[grid](s, b, y, seg_start, seg_len, seg_slot, n, r, off1, off2, s.shape[0],
+                         s.stride(0), s.stride(1), b.stride(0), b.stride(1), y.stride(0),
                          IEEE=y.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn,
                          BLOCK_K=_pow2(r, 16, 64), **dot_kernel_options(4, 2, y.device.type))
     return y
@@ -286,6 +299,6 @@ def lora_apply_triton(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torc
         return lora_expand(y, s, b, seg_start, seg_len, seg_slot, max_len, starts)
     r = b.shape[1]
     for p, (off, n) in enumerate(parts):
-        lora_expand(y[:, off:off + n], s[:, p * r:(p + 1) * r], b[:, :, off:off + n],
+        lora_expand(y[:, off:off + n], s[:, :, p * r:(p + 1) * r], b[:, :, off:off + n],
                     seg_start, seg_len, seg_slot, max_len)
     return y
