@@ -88,6 +88,11 @@ def check_environment(args: ServerArgs) -> None:
     if draft and not os.path.exists(draft):
         raise FileNotFoundError(f"--speculative-draft-model-path {draft}: no such file or "
                                 "directory")
+    if draft:
+        try:  # a path with no model in it, before the engine process loads the target
+            resolve_model_path(draft)
+        except ValueError as exc:
+            raise ValueError(f"--speculative-draft-model-path {draft}: {exc}") from None
     if args.tp_size > 1 or args.nnodes > 1:
         check_tensor_parallel(args, device_type)
 

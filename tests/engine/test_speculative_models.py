@@ -318,6 +318,16 @@ def test_start_up_errors_name_the_flags(ckpts, tmp_path):
         check_environment(ServerArgs(model_path=ckpts["target"], device="cpu",
                                      speculative_algorithm="STANDALONE",
                                      speculative_draft_model_path=missing))
+    # a path that exists but holds no model: refused before any process starts (the
+    # engine process died in the draft's loader, after loading the target, with a traceback)
+    readme, empty = tmp_path / "README.md", tmp_path / "empty"
+    readme.write_text("not a model")
+    empty.mkdir()
+    for bad, why in ((readme, "not a .gguf or .json"), (empty, "nothing loadable")):
+        with pytest.raises(ValueError, match=f"--speculative-draft-model-path .*{why}"):
+            check_environment(ServerArgs(model_path=ckpts["target"], device="cpu",
+                                         speculative_algorithm="STANDALONE",
+                                         speculative_draft_model_path=str(bad)))
     save_head(tmp_path, True, seed=2)
     with pytest.raises(ValueError, match="--speculative-algorithm EAGLE3: .* at least 3 layers"):
         LLM(config_dir("llama-tiny"), load_format="dummy", device="cpu", max_total_tokens=256,
