@@ -58,6 +58,27 @@ def _alloc(runner, req: Req, n: int) -> list[int]:
     return slots
 
 
+def prefill_random(runner, bs: int, input_len: int, g: torch.Generator, tag: str) -> list[Req]:
+    """``bs`` requests of ``input_len`` random prompt tokens (from ``g``), given request rows
+    and KV slots and prefilled in one EXTEND, each with its greedy first token appended: the
+    starting point of the decode-step benchmarks (``bench_spec_steps``, ``bench_lora``). The
+    caller frees ``r.pages`` and ``r.req_pool_idx`` of each."""
+    reqs = []
+    for i in range(bs):
+        ids = torch.randint(0, runner.vocab_size, (input_len,), generator=g).tolist()
+        r = Req(f"{tag}-{i}", ids, SamplingParams(max_tokens=1 << 20, temperature=0))
+        r.req_pool_idx = runner.req_to_token_pool.alloc()
+        reqs.append(r)
+    locs = []
+    for r in reqs:
+        locs += _alloc(runner, r, input_len)
+    logits = runner.forward(ScheduleBatch(ForwardMode.EXTEND, reqs, [0] * bs, [input_len] * bs,
+                                          [True] * bs, locs))
+    for r, tok in zip(reqs, torch.argmax(logits, dim=-1).tolist()):
+        r.output_ids.append(tok)
+    return reqs
+
+
 def run_once(runner, bs: int, input_len: int, output_len: int, seed: int = 0,
              decode_context=None) -> dict:
     """Prefill ``bs`` random prompts of ``input_len`` tokens, then ``output_len - 1`` greedy

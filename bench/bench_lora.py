@@ -33,14 +33,13 @@ import statistics
 
 import torch
 
-from bench.bench_latency import _alloc, _Timer
+from bench.bench_latency import _alloc, _Timer, prefill_random
 from bench.result_line import emit_result
 from engine import device as dev
 from engine.args import ServerArgs
 from engine.executor.schedule_batch import ScheduleBatch
 from engine.forward_batch import ForwardMode
 from engine.lora.adapter import LoRAAdapter
-from engine.sampling.params import SamplingParams
 from engine.scheduler.request import Req
 from server.cli import add_engine_args
 
@@ -104,23 +103,6 @@ def save_adapters(model_path: str, out_dir: str, n: int, rank: int, seed: int = 
     return dirs
 
 
-def _requests(runner, bs: int, input_len: int, g: torch.Generator, tag: str) -> list[Req]:
-    reqs = []
-    for i in range(bs):
-        ids = torch.randint(0, runner.vocab_size, (input_len,), generator=g).tolist()
-        r = Req(f"lora-bench-{tag}-{i}", ids, SamplingParams(max_tokens=1 << 20, temperature=0))
-        r.req_pool_idx = runner.req_to_token_pool.alloc()
-        reqs.append(r)
-    locs = []
-    for r in reqs:
-        locs += _alloc(runner, r, input_len)
-    logits = runner.forward(ScheduleBatch(ForwardMode.EXTEND, reqs, [0] * bs, [input_len] * bs,
-                                          [True] * bs, locs))
-    for r, tok in zip(reqs, torch.argmax(logits, dim=-1).tolist()):
-        r.output_ids.append(tok)
-    return reqs
-
-
 def _decode(runner, reqs: list[Req]) -> float:
     bs = len(reqs)
     with _Timer(runner.device_type) as t:
@@ -145,8 +127,8 @@ def measure(base_runner, lora_runner, adapter_ids: list[int], bs: int, input_len
             reps: int, seed: int = 0) -> dict[str, list[float]]:
     """Per kind (``KINDS``), the decode step times in seconds of ``reps`` rounds."""
     g = torch.Generator().manual_seed(seed)
-    base_reqs = _requests(base_runner, bs, input_len, g, "base")
-    lora_reqs = _requests(lora_runner, bs, input_len, g, "lora")
+    base_reqs = prefill_random(base_runner, bs, input_len, g, "lora-bench-base")
+    lora_reqs = prefill_random(lora_runner, bs, input_len, g, "lora-bench-lora")
     mixed = [adapter_ids[i % len(adapter_ids)] for i in range(bs)]
     times: dict[str, list[float]] = {k: [] for k in KINDS}
 

@@ -29,13 +29,12 @@ import statistics
 
 import torch
 
-from bench.bench_latency import _alloc, _Timer
+from bench.bench_latency import _alloc, _Timer, prefill_random
 from bench.result_line import emit_result
 from engine import device as dev
 from engine.args import ServerArgs
 from engine.executor.schedule_batch import ScheduleBatch
 from engine.forward_batch import ForwardMode
-from engine.sampling.params import SamplingParams
 from engine.scheduler.request import Req
 from engine.speculative.worker import verify_batch
 from server.cli import add_engine_args
@@ -73,22 +72,10 @@ def measure(runner, bs: int, input_len: int, drafts: list[int], reps: int,
     ``"decode"`` and ``"extend"`` of each verify step), the step times in seconds of
     ``reps`` rounds."""
     g = torch.Generator().manual_seed(seed)
-    reqs = []
-    for i in range(bs):
-        ids = torch.randint(0, runner.vocab_size, (input_len,), generator=g).tolist()
-        r = Req(f"spec-bench-{i}", ids, SamplingParams(max_tokens=1 << 20, temperature=0))
-        r.req_pool_idx = runner.req_to_token_pool.alloc()
-        reqs.append(r)
     times: dict[tuple[int, str], list[float]] = {(0, "decode"): []}
     times.update({(k, f): [] for k in drafts for f in ("decode", "extend")})
+    reqs = prefill_random(runner, bs, input_len, g, "spec-bench")
     try:
-        locs = []
-        for r in reqs:
-            locs += _alloc(runner, r, input_len)
-        logits = runner.forward(ScheduleBatch(ForwardMode.EXTEND, reqs, [0] * bs,
-                                              [input_len] * bs, [True] * bs, locs))
-        for r, tok in zip(reqs, torch.argmax(logits, dim=-1).tolist()):
-            r.output_ids.append(tok)
         for k, form in times:  # warm-up: compiles each extend length's kernels
             _step(runner, reqs, k, form == "decode", g)
         for _ in range(reps):
