@@ -5,7 +5,8 @@ ends right before the match (like a stop string) and ``matched_stop`` names the 
 Patterns are compiled by the ``regex`` package (the ``re`` syntax), whose partial matching
 says whether the text's tail could still grow into a match: the detokenizer holds such a
 tail back while streaming, so no streamed text is ever cut afterwards. A search that runs
-past ``SEARCH_TIMEOUT_S`` (catastrophic backtracking) counts as no match.
+past ``SEARCH_TIMEOUT_S`` (catastrophic backtracking) counts as no match, and the pattern is
+not searched again for that request.
 
 The engine (``engine/scheduler/output.py``) and the detokenizer run the same incremental
 state (``engine.tokenizer.detokenizer.IncrementalDetokenizer``), so the engine stops on the
@@ -73,9 +74,10 @@ def first_match(compiled: list[tuple[str, regex.Pattern]], text: str, pos: int,
     """Where the text must end, searching ``text[pos:]``: ``(start of the earliest complete
     match, its pattern)``; else, with ``partial``, ``(start of the earliest tail that could
     still grow into a match, None)``; else ``(len(text), None)``. A timed-out search counts
-    as no match."""
+    as no match, and its pattern is removed from ``compiled`` (the request's own list), so
+    a pattern costs the engine's step at most one ``SEARCH_TIMEOUT_S``, not one per token."""
     full, which, hold = len(text), None, len(text)
-    for p, c in compiled:
+    for p, c in list(compiled):
         try:
             m = c.search(text, pos, timeout=SEARCH_TIMEOUT_S)
             if m is not None and m.start() < full:
@@ -85,7 +87,9 @@ def first_match(compiled: list[tuple[str, regex.Pattern]], text: str, pos: int,
                 if m is not None and m.partial:
                     hold = min(hold, m.start())
         except TimeoutError:
-            logger.warning("stop_regex %r: search timed out; taken as no match", p)
+            compiled.remove((p, c))
+            logger.warning("stop_regex %r: search timed out; taken as no match, and no "
+                           "longer searched for this request", p)
     if which is not None:
         return full, which
     return hold, None

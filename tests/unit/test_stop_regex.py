@@ -126,3 +126,18 @@ def test_min_tokens_with_stop_regex_is_refused():
 def test_offline_text_is_cut_at_the_pattern(tok):
     ids = tok.encode("Total: 15 items", add_special_tokens=False)
     assert final_text(tok, ids, r"\d+", stop_regex=[r"\d+"]) == "Total: "
+
+
+def test_a_pattern_whose_search_times_out_is_dropped_for_the_request():
+    """A search past SEARCH_TIMEOUT_S counts as no match; the pattern is then no longer
+    searched for that request. The engine runs these searches in its step for every token
+    (and the detokenizer again): 16 catastrophic patterns stalled every other request on
+    the server (a 20-token request took 9.5 s instead of 0.1 s)."""
+    from engine.sampling.stops import first_match
+
+    compiled = compile_patterns(["(K|K)+Z", "KA"])  # 2^n paths over a run of K (no Z)
+    text = "K" * 60
+    # "(K|K)+Z" times out; "KA" could still start at the last K: held back from there
+    assert first_match(compiled, text, 0, partial=True) == (len(text) - 1, None)
+    assert [p for p, _ in compiled] == ["KA"]  # dropped; the other pattern still runs
+    assert first_match(compiled, text + "A", 0, partial=False) == (59, "KA")
