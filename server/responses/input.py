@@ -6,7 +6,8 @@
   ``developer`` or ``assistant``; content a string or ``input_text``/``output_text`` parts),
   ``function_call`` items (consecutive ones, with the assistant text just before them, make
   one assistant turn with ``tool_calls``) and ``function_call_output`` items (``tool``
-  messages with their ``tool_call_id``).
+  messages with their ``tool_call_id``; its ``call_id`` must name a ``function_call`` of the
+  input or of the ``previous_response_id`` conversation, else a 400 as OpenAI's).
 - flat function tools ``{"type": "function", "name", "description", "parameters",
   "strict"}`` -> ``{"type": "function", "function": {...}}``; ``tool_choice``
   ``{"type": "function", "name"}`` -> ``{"type": "function", "function": {"name"}}``.
@@ -35,6 +36,9 @@ TEXT_PARTS = ("input_text", "output_text")
 TOOL_KEYS = {"type", "name", "description", "parameters", "strict"}
 FORMAT_KEYS = {"text": {"type"}, "json_object": {"type"},
                "json_schema": {"type", "name", "schema", "strict", "description"}}
+#: chat's names of the token budget, which a Responses request calls ``max_output_tokens``
+CHAT_BUDGET = re.compile(r"\bmax_(?:completion_)?tokens\b")
+
 
 @dataclass
 class ChatConversion:
@@ -65,13 +69,17 @@ class ChatConversion:
         return p
 
     def rename(self, err: APIError) -> APIError:
-        """``err`` with its ``param`` (and the message's mention of it) renamed."""
+        """``err`` with its ``param`` and the message's mentions of it, and of chat's token
+        budget (``max_tokens``, ``max_completion_tokens``: ``max_output_tokens`` here),
+        renamed."""
         new = self.param(err.param)
-        if new == err.param:
+        msg = err.message.replace(err.param, new) if err.param and new != err.param \
+            else err.message
+        if err.param and err.param.startswith("tools[") and new != err.param:
+            msg = msg.replace("function.", "")  # chat tools nest their fields in "function"
+        msg = CHAT_BUDGET.sub("max_output_tokens", msg)
+        if new == err.param and msg == err.message:
             return err
-        msg = err.message.replace(err.param, new) if err.param else err.message
-        if err.param.startswith("tools["):  # chat tools nest their fields in "function"
-            msg = msg.replace("function.", "")
         return APIError(msg, err.status, new, err.code, err.headers)
 
 
@@ -126,6 +134,10 @@ def chat_messages(instructions: str | None, inp: str | list[dict],
     items = [*prior, *([{"role": "user", "content": inp}] if isinstance(inp, str) else inp)]
     names = ["previous_response_id"] * len(prior) + (
         ["input"] if isinstance(inp, str) else [f"input[{i}]" for i in range(len(inp))])
+    # the call ids an output may answer: every function_call of the conversation (OpenAI
+    # answers an output of an unknown call with a 400)
+    call_ids = {it.get("call_id") for it in items
+                if isinstance(it, dict) and it.get("type") == "function_call"}
     calls_from = -1  # index of the chat message that collects consecutive function_calls
     for raw, where in zip(items, names, strict=True):
         if not isinstance(raw, dict):
@@ -168,8 +180,13 @@ def chat_messages(instructions: str | None, inp: str | list[dict],
             if "output" not in item:
                 raise bad_request(f"{where}.output is required", f"{where}.output")
             content = _text_of(item["output"], f"{where}.output")
-            msgs.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
-                         "content": content})
+            call_id = _string(item, "call_id", where)
+            if call_id not in call_ids:
+                raise bad_request(f"{where}.call_id: no function_call with call_id {call_id!r} "
+                                  "in the input or the previous_response_id conversation "
+                                  "for this function_call_output to answer",
+                                  f"{where}.call_id")
+            msgs.append({"role": "tool", "tool_call_id": call_id, "content": content})
             origins.append(where)
         calls_from = -1
     return msgs, origins

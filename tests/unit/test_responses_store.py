@@ -199,3 +199,46 @@ async def test_a_background_response_replaced_under_its_id_is_cancelled(tok):
     engine_rids = {m.rid for m in engine.sent if isinstance(m, io.TokenizedGenerateReq)}
     assert len(engine_rids) == 2 and engine_rids <= {m.rid for m in engine.sent
                                                      if isinstance(m, io.AbortReq)}
+
+
+async def test_function_call_output_needs_its_function_call(tok):
+    """A ``function_call_output`` whose ``call_id`` names no ``function_call`` of the
+    conversation (this input and the ``previous_response_id`` chain) is a 400 naming its
+    ``call_id``, as OpenAI answers, and nothing reaches the engine; one that answers a call
+    of the input or of a previous response runs."""
+    client, engine = _app(tok)
+    with pytest.raises(openai.BadRequestError) as exc:
+        await client.responses.create(model=M, input=[
+            {"type": "function_call_output", "call_id": "nope", "output": "x"}])
+    assert exc.value.body["param"] == "input[0].call_id"
+    assert "'nope'" in exc.value.body["message"]
+    assert engine.rids == []
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    r1 = await client.responses.create(model=M, input=[{"role": "user", "content": "go"},
+                                                       call])
+    with pytest.raises(openai.BadRequestError) as exc:
+        await client.responses.create(model=M, previous_response_id=r1.id, input=[
+            {"role": "user", "content": "and?"},
+            {"type": "function_call_output", "call_id": "c2", "output": "x"}])
+    assert exc.value.body["param"] == "input[1].call_id"
+    assert len(engine.rids) == 1
+    r2 = await client.responses.create(model=M, previous_response_id=r1.id, input=[
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"}])
+    assert r2.output_text == "ok"
+    r3 = await client.responses.create(model=M, input=[
+        {"role": "user", "content": "go"}, call,
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"}])
+    assert r3.output_text == "ok" and len(engine.rids) == 3
+
+
+async def test_min_tokens_error_names_max_output_tokens(tok):
+    """``min_tokens`` above ``max_output_tokens``: the 400 speaks of the Responses field,
+    not of chat's ``max_tokens``."""
+    client, _ = _app(tok)
+    with pytest.raises(openai.BadRequestError) as exc:
+        await client.responses.create(model=M, input="hi", max_output_tokens=2,
+                                      extra_body={"min_tokens": 5})
+    msg = exc.value.body["message"]
+    assert exc.value.body["param"] == "min_tokens"
+    assert "max_output_tokens" in msg and "max_tokens" not in msg
+    assert "max_completion_tokens" not in msg
