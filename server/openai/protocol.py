@@ -393,6 +393,30 @@ def check_unsupported(req: _SamplingRequest) -> None:
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         check_chat_prompt(req)
+        check_continuation_structure(req)
+
+
+def check_continuation_structure(req: ChatCompletionRequest) -> None:
+    """400 for ``continue_final_message`` with a forced structure: ``tool_choice``
+    ``required`` or a named function, or ``response_format`` ``json_object``/``json_schema``.
+    Their grammar would constrain only the continued part, so the whole message would not be
+    the tool call or JSON document asked for (SGLang and vLLM do not combine them either).
+
+    Raises: APIError 400 naming ``continue_final_message`` and the other field."""
+    if not req.continue_final_message:
+        return
+    extra = req.model_extra or {}
+    choice, fmt = extra.get("tool_choice"), extra.get("response_format")
+    if choice == "required" or isinstance(choice, dict):
+        other = f"tool_choice {choice!r}" if isinstance(choice, str) else \
+            "tool_choice naming a function"
+    elif isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema"):
+        other = f"response_format {fmt['type']!r}"
+    else:
+        return
+    raise bad_request(f"continue_final_message cannot be combined with {other}: the forced "
+                      "structure would constrain only the continued part of the last message, "
+                      "so the whole message would not follow it", "continue_final_message")
 
 
 def check_chat_prompt(req: ChatCompletionRequest | TokenizeRequest) -> None:

@@ -153,6 +153,35 @@ def test_continuation_rules():
     assert ei.value.param == "continue_final_message"
 
 
+FN_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("fields,other", [
+    ({"tools": FN_TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ({"tools": FN_TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}}}}, "response_format"),
+])
+def test_continuation_refuses_a_forced_structure(fields, other):
+    """A forced tool call or JSON answer constrains only the continued part, so the whole
+    message would not be the structure asked for: a 400 naming both fields (SGLang and vLLM
+    do not combine them either). Without continue_final_message, or with ``auto`` and
+    ``text``, the same bodies parse."""
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "{\"a\": "}]
+    with pytest.raises(APIError) as ei:
+        parse_request(ChatCompletionRequest, {"messages": msgs, "continue_final_message": True,
+                                              **fields})
+    assert ei.value.status == 400 and ei.value.param == "continue_final_message"
+    assert other in ei.value.message and "continue_final_message" in ei.value.message
+    parse_request(ChatCompletionRequest, {"messages": msgs, **fields})
+    for ok in ({"tools": FN_TOOLS, "tool_choice": "auto"}, {"tools": FN_TOOLS,
+               "tool_choice": "none"}, {"response_format": {"type": "text"}}):
+        parse_request(ChatCompletionRequest, {"messages": msgs, "continue_final_message": True,
+                                              **ok})
+
+
 # ---- 2. content type ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("value", ["application/json", "application/json; charset=utf-8",
