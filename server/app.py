@@ -252,7 +252,7 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
         info.update(native.model_info(args, model_name), **native.router_facts(args, ready))
         info.update({
             "model": model_name, "device": ready.device, "dtype": ready.dtype,
-            "kv_cache_dtype": ready.kv_cache_dtype,
+            "kv_cache_dtype": ready.kv_cache_dtype, "quantization": args.quantization,
             "radix_cache": not args.disable_radix_cache, "schedule_policy": args.schedule_policy,
             "max_context_len": ready.max_context_len, "max_total_tokens":
             ready.max_total_tokens, "max_running_requests": ready.max_running_requests,

@@ -289,6 +289,8 @@ class ServerInfo(_Out):
     model: str
     device: str
     dtype: str
+    quantization: str | None = Field(None, description="--quantization as given (null: none, "
+                                     "or the checkpoint's own scheme)")
     max_context_len: int
     max_total_tokens: int
     max_running_requests: int

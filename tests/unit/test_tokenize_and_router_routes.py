@@ -171,3 +171,13 @@ async def test_the_new_routes_need_the_api_key():
     for path in ("/model_info", "/get_model_info", "/get_server_info", "/health_generate",
                  "/get_load"):
         assert (await _call((app, None), "GET", path)).status_code == 401, path
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8", "gguf"])
+async def test_server_info_reports_quantization(tok, quantization):
+    """``/server_info`` and ``/get_server_info`` report ``--quantization`` (null when not
+    given), as SGLang's server-args dump does."""
+    app = make_app(quantization=quantization)
+    for path in ("/server_info", "/get_server_info"):
+        info = (await _call(app, "GET", path)).json()
+        assert "quantization" in info and info["quantization"] == quantization, path
