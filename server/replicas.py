@@ -64,7 +64,8 @@ class Replica:
     ready: dict = field(default_factory=dict)   # child name -> ReadyOut
     dead: str | None = None           # why it is gone
     inflight: int = 0                 # its engine requests the server waits on
-    info: object = None               # its last ServerInfoOut or StatsOut
+    info: object = None               # its last ServerInfoOut or StatsOut (the gauges)
+    figures: object = None            # its last ServerInfoOut (/server_info's replicas list)
 
     @property
     def alive(self) -> bool:
@@ -310,7 +311,7 @@ class ReplicaRouting:
 
     async def _ask_replicas(self, msg_type, prefix: str) -> list:
         """``_ask_engine`` of every live replica at once; None for those that did not answer
-        (each answer also lands in its ``Replica.info``).
+        (each answer also lands in its ``Replica.figures``).
 
         Raises:
             APIError: 503 if none answered.
@@ -333,8 +334,10 @@ def replica_status(replicas: list[Replica], children: list[dict]) -> list[dict]:
         d = {"index": r.index, "alive": r.alive, "error": r.dead, "num_inflight": r.inflight,
              "engine_pid": getattr(own.get("engine"), "pid", None),
              "detokenizer_pid": getattr(own.get("detokenizer"), "pid", None)}
-        if isinstance(r.info, io.ServerInfoOut) and r.alive:
-            d.update({f: getattr(r.info, f) for f in _INFO_SUMS}, stats=r.info.stats)
+        # the answer to the server-info request, not a later StatsOut: a step's stats can
+        # land between that answer and this list (they carry no KV token figures)
+        if isinstance(r.figures, io.ServerInfoOut) and r.alive:
+            d.update({f: getattr(r.figures, f) for f in _INFO_SUMS}, stats=r.figures.stats)
         out.append(d)
     return out
 

@@ -198,6 +198,7 @@ class TokenizerManager(ChatTokenizer, ReplicaRouting):
             fut = self.info_waiters.pop(msg.rid, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
+            self.replicas[replica].figures = msg
             self._on_engine_stats(msg, replica)
         elif isinstance(msg, io.StatsOut):
             self.last_stats = msg

@@ -154,3 +154,20 @@ def test_requests_spread_die_with_their_replica_and_abort_there():
         assert tm.dead is not None
 
     asyncio.run(main())
+
+
+def test_replica_figures_survive_a_later_step_stats_message():
+    """/server_info's replicas list shows each replica's answer to the server-info request,
+    even when an engine's periodic StatsOut (no KV token figures) lands after it (the
+    --dp-size e2e test read a KeyError there when it did)."""
+    from engine import io_struct as io
+    from server.replicas import replica_status
+
+    tm, _ = _two_replica_tm()
+    for i in (0, 1):
+        tm._dispatch(io.ServerInfoOut(rid=f"info-{i}", kv_used_tokens=10 + i, kv_free_tokens=90,
+                                      kv_total_tokens=100, num_running=i, num_waiting=0), i)
+    tm._dispatch(io.StatsOut(num_running=3, num_waiting=0, kv_usage=0.5), 0)
+    reps = replica_status(tm.replicas, [])
+    assert [r["kv_total_tokens"] for r in reps] == [100, 100]
+    assert [r["kv_used_tokens"] for r in reps] == [10, 11]
