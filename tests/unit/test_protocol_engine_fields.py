@@ -44,7 +44,7 @@ def test_every_sampling_field_reaches_the_engine(cls, body):
               "seed": 11, "stop": ["a", "b"], "stop_token_ids": [5], "ignore_eos": True,
               "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2,
               "logit_bias": {"9": 1.5}, "skip_special_tokens": False,
-              "spaces_between_special_tokens": False,
+              "spaces_between_special_tokens": False, "stop_regex": [r"\d{3}"],
               # constraints (one at a time is verify's rule, not the model's)
               "json_schema": '{"type": "object"}', "regex": "[a-z]+", "ebnf": 'root ::= "a"'}
     fields = {f.name for f in msgspec.structs.fields(SamplingParams)}
