@@ -43,6 +43,11 @@ from engine.sampling.params import (
 )
 from server.http.errors import APIError, bad_request, not_supported
 from server.openai import extensions
+from server.openai.chat_checks import (  # noqa: F401 - re-exported
+    RESERVED_TEMPLATE_KWARGS,
+    check_chat_prompt,
+    check_continuation_structure,
+)
 from server.openai.protocol_base import (  # noqa: F401 - re-exported
     MAX_DETOKENIZE_TOKENS,
     MAX_MESSAGES,
@@ -331,11 +336,6 @@ ACCEPTED_NOOPS = frozenset({
     "reasoning_effort", "verbosity", "prompt_cache_key", "safety_identifier",
 })
 IGNORED_FIELDS = ACCEPTED_NOOPS  # the old name
-#: arguments of ``apply_chat_template`` that ``chat_template_kwargs`` may not set
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
-    "chat_template", "tools", "documents", "return_dict", "return_assistant_tokens_mask",
-    "tokenizer_kwargs", "padding", "truncation", "max_length", "return_tensors"})
 
 def _refuse(req: BaseModel, name: str, value: Any) -> APIError | None:
     """400 for an undeclared field ``name`` unless its value is harmless (None): the value
@@ -394,49 +394,6 @@ def check_unsupported(req: _SamplingRequest) -> None:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         check_chat_prompt(req)
         check_continuation_structure(req)
-
-
-def check_continuation_structure(req: ChatCompletionRequest) -> None:
-    """400 for ``continue_final_message`` with a forced structure: ``tool_choice``
-    ``required`` or a named function, or ``response_format`` ``json_object``/``json_schema``.
-    Their grammar would constrain only the continued part, so the whole message would not be
-    the tool call or JSON document asked for (SGLang and vLLM do not combine them either).
-
-    Raises: APIError 400 naming ``continue_final_message`` and the other field."""
-    if not req.continue_final_message:
-        return
-    extra = req.model_extra or {}
-    choice, fmt = extra.get("tool_choice"), extra.get("response_format")
-    if choice == "required" or isinstance(choice, dict):
-        other = f"tool_choice {choice!r}" if isinstance(choice, str) else \
-            "tool_choice naming a function"
-    elif isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema"):
-        other = f"response_format {fmt['type']!r}"
-    else:
-        return
-    raise bad_request(f"continue_final_message cannot be combined with {other}: the forced "
-                      "structure would constrain only the continued part of the last message, "
-                      "so the whole message would not follow it", "continue_final_message")
-
-
-def check_chat_prompt(req: ChatCompletionRequest | TokenizeRequest) -> None:
-    """The checks of a chat prompt's own fields (chat completions and ``/v1/tokenize`` with
-    ``messages``). Raises: APIError 400 naming the field."""
-    if req.continue_final_message:
-        # SGLang's convention: a continuation has no generation prompt, so leaving out
-        # add_generation_prompt (default true) means false; an explicit true is vLLM's 400
-        if req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
-            raise bad_request("continue_final_message continues the last message, so it "
-                              "takes no generation prompt: leave add_generation_prompt out "
-                              "or set it false", "continue_final_message")
-        req.add_generation_prompt = False
-    if req.continue_final_message and req.messages[-1].role != "assistant":
-        raise bad_request("continue_final_message needs an assistant message last",
-                          "continue_final_message")
-    for key in req.chat_template_kwargs or {}:
-        if key in RESERVED_TEMPLATE_KWARGS:
-            raise bad_request(f"chat_template_kwargs may not set '{key}' (a field of its "
-                              "own or fixed by the server)", f"chat_template_kwargs.{key}")
 
 
 def parse_request(model: type[BaseModel], body: Any, max_n: int | None = None) -> Any:
