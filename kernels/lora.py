@@ -54,6 +54,24 @@ def _segment_rows(seg_start_ptr, seg_len_ptr, seg_slot_ptr, BLOCK_M: tl.constexp
 
 
 @triton.jit
+def _column_tile(pid_n, N, R, OFF1, OFF2, BLOCK_N: tl.constexpr):
+    """An expand program's columns ``offs_n``, their mask, and the first column of the
+    shrink output its part reads (parts start at 0, OFF1, OFF2; R columns each)."""
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    s_col = ((n0 >= OFF1).to(tl.int32) + (n0 >= OFF2).to(tl.int32)) * R
+    return offs_n, offs_n < N, s_col
+
+
+@triton.jit
+def _add_into(y_ptr, rows, offs_n, mask, acc, stride_ym):
+    """``y[rows, offs_n] += acc`` (fp32 sum, stored in y's dtype)."""
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0)
+    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _load_s(s_ptr, rows, cols, mask, NSPLIT, stride_ss, stride_sm):
     """The shrink output at ``rows`` x ``cols`` [BLOCK_M, BLOCK_K] fp32: the sum of its
     ``NSPLIT`` K-chunk partials."""
@@ -113,12 +131,8 @@ def _expand_kernel(s_ptr, b_ptr, y_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr
                                              BLOCK_M)
     if done:
         return
-    n0 = tl.program_id(2) * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
+    offs_n, mask_n, s_col = _column_tile(tl.program_id(2), N, R, OFF1, OFF2, BLOCK_N)
     b_base = b_ptr + slot.to(tl.int64) * stride_bs
-    # the part this column tile lies in (parts start at 0, OFF1, OFF2) reads its R columns
-    s_col = ((n0 >= OFF1).to(tl.int32) + (n0 >= OFF2).to(tl.int32)) * R
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, R, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
@@ -131,10 +145,7 @@ def _expand_kernel(s_ptr, b_ptr, y_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr
             acc += tl.dot(s, b.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(s.to(b.dtype), b)
-    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :]
-    mask = mask_m[:, None] & mask_n[None, :]
-    y = tl.load(y_ptrs, mask=mask, other=0.0)
-    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+    _add_into(y_ptr, rows, offs_n, mask_m[:, None] & mask_n[None, :], acc, stride_ym)
 
 
 @triton.jit
@@ -151,10 +162,7 @@ def _expand_rows_kernel(s_ptr, b_ptr, y_ptr, seg_start_ptr, seg_slot_ptr, G, N, 
     if tl.max(live.to(tl.int32), axis=0) == 0:
         return
     rows = tl.load(seg_start_ptr + offs_m, mask=live, other=0).to(tl.int64)
-    n0 = tl.program_id(1) * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    s_col = ((n0 >= OFF1).to(tl.int32) + (n0 >= OFF2).to(tl.int32)) * R
+    offs_n, mask_n, s_col = _column_tile(tl.program_id(1), N, R, OFF1, OFF2, BLOCK_N)
     b_rows = b_ptr + slot.to(tl.int64) * stride_bs
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, R, BLOCK_K):
@@ -167,10 +175,7 @@ def _expand_rows_kernel(s_ptr, b_ptr, y_ptr, seg_start_ptr, seg_slot_ptr, G, N, 
                     mask=live[:, None, None] & mask_k[None, :, None] & mask_n[None, None, :],
                     other=0.0)
         acc += tl.sum(s[:, :, None] * b.to(tl.float32), axis=1)
-    y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :]
-    mask = live[:, None] & mask_n[None, :]
-    y = tl.load(y_ptrs, mask=mask, other=0.0)
-    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+    _add_into(y_ptr, rows, offs_n, live[:, None] & mask_n[None, :], acc, stride_ym)
 
 
 def _block_m(max_len: int) -> int:
