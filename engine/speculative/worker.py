@@ -195,10 +195,9 @@ class SpecWorker:
     def build(self, running: list) -> VerifyBatch | None:
         """Propose and allocate; None (nothing allocated) when no request has a draft."""
         live = {r.rid for r in running}
-        for rid in [rid for rid in self._misses if rid not in live]:
-            del self._misses[rid]
-        for rid in [rid for rid in self._accept_len if rid not in live]:
-            del self._accept_len[rid]
+        for per_rid in (self._misses, self._accept_len):  # forget ended requests
+            for rid in [rid for rid in per_rid if rid not in live]:
+                del per_rid[rid]
         self._label("decode")  # unless a verify batch is built below
         ks = [self.budget(r) for r in running]
         drafts = self.proposer.propose_reqs(running, ks)
