@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One bounded GPU call for the seventh session's last figures (issues 26, 29, 30): each part
-# has its own time limit so the call ends inside the device budget. Stages of the same
-# commands live in bench/h200_run.sh (awq, spec-*, lora).
+# One bounded GPU call: `bash bench/h200_final.sh PART...` runs the named parts, each with its
+# own time limit, so the call ends inside the device budget (the stages of bench/h200_run.sh
+# run the same commands without the bounds). Parts: wq-tests awq-latency awq-sweep lora
+# lora-serving spec-gputest eagle3 bf16-latency.
 set -u
 OUT=${OUT:-./out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -11,13 +12,28 @@ L8B=engine/configs/llama-3-8b.json
 part() { local name=$1 t=$2; shift 2; echo "=== $name ($(date +%T))"
   timeout "$t" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   grep -v "it/s\]" "$OUT/$name.log" | grep -Ev "^\s*$|Warning|warn" | tail -n ${TAIL:-8}; echo "=== $name rc=$rc"; }
-part wq-tests 110 python3 -m pytest -q -x tests/kernels/test_wq_kernels.py -p no:cacheprovider
-part awq-latency 110 python3 -m bench.bench_latency --model-path $L8B --load-format dummy \
-  --quantization awq --batch-size 1 64 --input-len 512 --output-len 64 --result-jsonl "$OUT/awq-latency.jsonl"
-part spec-gputest 80 python3 -m pytest -q -x tests/engine/test_speculative_models_gpu.py -p no:cacheprovider
-part eagle3 90 python3 -m bench.bench_speculative --model-path engine/configs/llama-3-8b-smolvocab.json \
-  --load-format dummy --device cuda --tokenizer-path .tok --algorithm EAGLE3 \
-  --draft-model-path engine/configs/eagle3-llama-3.1-8b-smolvocab.json --num-steps 3 \
-  --batch-sizes 1 --workloads copy --max-tokens 96 --result-jsonl "$OUT/spec-eagle3.jsonl"
-part lora 110 python3 -m bench.bench_lora --model-path $L8B --load-format dummy --num-adapters 4 \
-  --lora-rank 16 --batch-size 1 64 --input-len 512 --reps 8 --result-jsonl "$OUT/lora.jsonl"
+for p in "$@"; do case $p in
+  wq-tests) part wq-tests 120 python3 -m pytest -q -x tests/kernels/test_wq_kernels.py \
+      tests/kernels/test_wq_gemv.py -p no:cacheprovider;;
+  awq-latency) part awq-latency 120 python3 -m bench.bench_latency --model-path $L8B \
+      --load-format dummy --quantization awq --batch-size 1 64 --input-len 512 --output-len 64 \
+      --result-jsonl "$OUT/awq-latency.jsonl";;
+  bf16-latency) part bf16-latency 100 python3 -m bench.bench_latency --model-path $L8B \
+      --load-format dummy --batch-size 1 64 --input-len 512 --output-len 64 \
+      --result-jsonl "$OUT/bf16-latency.jsonl";;
+  awq-sweep) TAIL=60 part awq-sweep ${SWEEP_T:-330} python3 -m bench.kernels.sweep_gemm_wq \
+      --batch-sizes ${SWEEP_M:-1,64,512} --configs ${SWEEP_CONFIGS:-1,64,512} \
+      --result-json "$OUT/wq-sweep.json";;
+  lora) part lora 120 python3 -m bench.bench_lora --model-path $L8B --load-format dummy \
+      --num-adapters 4 --lora-rank 16 --batch-size 1 64 --input-len 512 --reps 8 \
+      --result-jsonl "$OUT/lora.jsonl";;
+  lora-serving) part lora-serving 240 bash bench/h200_run.sh lora-serving;;
+  spec-gputest) part spec-gputest 150 python3 -m pytest -q -x \
+      tests/engine/test_speculative_models_gpu.py -p no:cacheprovider;;
+  eagle3) part eagle3 120 python3 -m bench.bench_speculative --model-path \
+      engine/configs/llama-3-8b-smolvocab.json --load-format dummy --device cuda \
+      --tokenizer-path .tok --algorithm EAGLE3 \
+      --draft-model-path engine/configs/eagle3-llama-3.1-8b-smolvocab.json --num-steps 3 \
+      --batch-sizes 1 --workloads copy --max-tokens 96 --result-jsonl "$OUT/spec-eagle3.jsonl";;
+  *) echo "unknown part $p";;
+esac; done

@@ -195,6 +195,23 @@ for stage in "$@"; do
              run lora 300 python3 -m bench.bench_lora --model-path $L8B --load-format dummy \
                --num-adapters 4 --lora-rank 16 --batch-size 1 64 --input-len 512 \
                --result-jsonl "$OUT/lora.jsonl";;
+    lora-serving) # LoRA serving (issue 29): 8 rank-16 adapters, --max-loras-per-batch 4, 8 req/s
+             # spread over the adapters in turn, against the base model, one server at a time
+             python3 -m bench.bench_lora --model-path engine/configs/llama-3-8b-smolvocab.json \
+               --save-adapters /tmp/adapters --num-adapters 8 --lora-rank 16 >/dev/null
+             LSERVE=(--num-prompts 120 --request-rate 8 --random-input-len 512
+                     --random-output-len 256 --random-range-ratio 0.5 --max-duration 120)
+             start_server lora-base
+             run lora-serving-base 200 python3 -m bench.serving.bench_serving \
+               --base-url http://127.0.0.1:30000 "${LSERVE[@]}" \
+               --output-json "$OUT/lora-serving-base.json"
+             stop_server lora-base
+             start_server lora --lora-paths /tmp/adapters/lora{0..7} --max-loras-per-batch 4
+             run lora-serving-adapters 200 python3 -m bench.serving.bench_serving \
+               --base-url http://127.0.0.1:30000 "${LSERVE[@]}" \
+               --model lora0,lora1,lora2,lora3,lora4,lora5,lora6,lora7 \
+               --output-json "$OUT/lora-serving-adapters.json"
+             stop_server lora;;
     grammar) # structured output (issue 13): bs64 decode steps free / JSON-schema-constrained /
              # mixed, and grammar compile times; needs xgrammar (its wheel in ./.whl) and a
              # tokenizer (SmolLM2's, .tok: the 8B config has none)

@@ -5,8 +5,9 @@
 :func:`kernels.quant.wq_triton.wq_linear` with its default launch (the split-K decode tiles
 up to M = 16, larger tiles up to 256, dequantize + GEMM above) on the same random weight
 quantized to 4 bits (fp32 scale and min per 128 weights, as AWQ/GPTQ checkpoints load).
-``--configs`` also sweeps the kernel's launch parameters at M = 1 and 16 (tile of columns,
-of K, split, warps, stages), for a better rule in ``wq_config``. Each figure is one call's
+``--configs 1,4,16,64,512`` also sweeps the kernels' launch parameters at those M (the GEMV
+kernel up to M = 4, the tiled kernel above: tiles, split, warps, stages), for a better rule
+in ``wq_config``; it prints the three best per shape and M. Each figure is one call's
 device time from a CUDA graph of calls that cycle through >= 256 MB of weight copies (no
 call finds its weights in the L2), median of 7 replays; GB/s counts the weight bytes of the
 call's format (4-bit: nibbles + scales + mins). Above ``DEQUANT_MIN_M`` rows the last column
@@ -49,11 +50,29 @@ def _copies(dev: str, n: int, k: int, g: torch.Generator, dtype=torch.bfloat16,
             [tuple(t.clone() for t in packed) for _ in range(copies)])
 
 
-def _configs():
-    for bn, bk, split, warps, stages in itertools.product((32, 64, 128), (128, 256),
-                                                          (1, 2, 4, 8), (4, 8), (3, 4)):
-        yield dict(SPLIT_K=split, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                   num_stages=stages)
+def _configs(m: int):
+    """Launch configs swept at ``m`` rows: the GEMV kernel (M <= 4) and the tiled one."""
+    if m <= 4:
+        for bn, bk, split, warps, stages in itertools.product((16, 32, 64), (128, 256),
+                                                              (1, 2, 4, 8), (4, 8), (1, 2)):
+            yield dict(GEMV=True, SPLIT_K=split, BLOCK_M=1 << (m - 1).bit_length(),
+                       BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    if 4 <= m <= 16:
+        for bn, bk, split, warps, stages in itertools.product((32, 64, 128), (128,),
+                                                              (1, 2, 4, 8), (4, 8), (3, 4)):
+            yield dict(SPLIT_K=split, BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+                       num_stages=stages)
+    if 16 < m <= 256:
+        for bm, bn, split, warps, stages in itertools.product((32, 64), (64, 128), (1, 2, 4),
+                                                              (4, 8), (3, 4)):
+            yield dict(SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, num_warps=warps,
+                       num_stages=stages)
+    if m > 256:
+        for bm, bn, bk, warps, stages in itertools.product((64, 128), (64, 128, 256), (64, 128),
+                                                           (4, 8), (3, 4)):
+            if bm * bn <= 128 * 128:
+                yield dict(SPLIT_K=1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+                           num_stages=stages)
 
 
 def smoke(batch_sizes: list[int]) -> list[dict]:
@@ -82,7 +101,8 @@ def smoke(batch_sizes: list[int]) -> list[dict]:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="sweep_gemm_wq", description=__doc__.splitlines()[0])
     p.add_argument("--batch-sizes", type=_ints, default=[1, 16, 64, 256, 2048])
-    p.add_argument("--configs", action="store_true", help="sweep launch configs at M = 1, 16")
+    p.add_argument("--configs", type=_ints, nargs="?", const=[1, 16], default=None,
+                   help="sweep launch configs at these M (default 1,16), e.g. 1,4,64,512")
     p.add_argument("--smoke", action="store_true",
                    help="CPU check of the calls in the Triton interpreter (see smoke())")
     p.add_argument("--result-json", default=None)
@@ -118,10 +138,10 @@ def main(argv=None) -> dict:
                   f"{t_q:8.1f} ({q_bytes / t_q / 1e3:5.0f}) {t_q / t_bf:9.2f} {err:8.1e} "
                   + (f"{t_kernel:8.1f}" if t_kernel is not None else f"{'':8s}"))
         if args.configs:
-            for m in (1, 16):
+            for m in args.configs:
                 x = torch.randn((m, k), generator=g).to(dev, torch.bfloat16)
                 best = []
-                for cfg in _configs():
+                for cfg in _configs(m):
                     try:
                         t = time_per_call(dev, [partial(wq_linear, x, "q4", *w, config=cfg)
                                                 for w in wqs])

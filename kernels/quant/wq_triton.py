@@ -40,9 +40,38 @@ from kernels.split_k import split_k_launch, split_k_locks, split_k_trusted  # no
 
 #: the most rows of the split-K (decode) configuration
 SMALL_M_MAX = 16
+#: the most rows of the q4 GEMV kernel (no ``tl.dot``; ``$FERRY_WQ_GEMV_MAX_M``)
+GEMV_MAX_M = int(os.environ.get("FERRY_WQ_GEMV_MAX_M", 4))
 #: above this many rows: dequantize, then the vendor GEMM (``FERRY_WQ_DEQUANT_MIN_M`` changes
 #: it: the kernel's tiles against cuBLAS at prefill sizes are not measured yet)
 DEQUANT_MIN_M = int(os.environ.get("FERRY_WQ_DEQUANT_MIN_M", 256))
+
+
+@triton.jit
+def _store_out(acc, y_ptr, part_ptr, lock_ptr, offs_m, offs_n, mask_m, mask_n, M, N,
+               stride_ym, pid_m, pid_n, pid_k, SPLIT_K: tl.constexpr):
+    """Write the fp32 tile ``acc [BLOCK_M, BLOCK_N]``: directly, or (split K) as this K
+    part's partial, the last part of the block of rows and columns to arrive summing the
+    partials in K order (``kernels/split_k.py``)."""
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        mn_idx = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part_ptr + pid_k * M * N + mn_idx, acc, mask=out_mask)
+        tl.debug_barrier()
+        # one counter per (block of rows, block of columns): the blocks of rows of one
+        # column block run concurrently on a GPU (the interpreter runs them in turn)
+        lock = lock_ptr + pid_m * tl.num_programs(1) + pid_n
+        arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros(acc.shape, dtype=tl.float32)
+            for sk in tl.static_range(SPLIT_K):
+                total += tl.load(part_ptr + sk * M * N + mn_idx, mask=out_mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -86,11 +115,23 @@ def _wq_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, 
                 if IEEE:
                     d = tl.dot(x_lo, tl.trans(q_lo.to(tl.float32)), input_precision="ieee")
                     d += tl.dot(x_hi, tl.trans(q_hi.to(tl.float32)), input_precision="ieee")
+                    bias = 0.0
                 else:
-                    d = tl.dot(x_lo, tl.trans(q_lo.to(x_lo.dtype)))
-                    d += tl.dot(x_hi, tl.trans(q_hi.to(x_lo.dtype)))
+                    # codes as 16-bit floats without a conversion instruction: the bits
+                    # 0x6400 | q are the fp16 1024 + q, 0x4300 | q the bf16 128 + q; the
+                    # bias times sum(x) comes off after the dot (fp32, exact products)
+                    if x_lo.dtype == tl.float16:
+                        f_lo = (q_lo | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+                        f_hi = (q_hi | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+                        bias = 1024.0
+                    else:
+                        f_lo = (q_lo | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                        f_hi = (q_hi | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                        bias = 128.0
+                    d = tl.dot(x_lo, tl.trans(f_lo))
+                    d += tl.dot(x_hi, tl.trans(f_hi))
                 xsum = tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
-                acc += d * s[None, :] + xsum[:, None] * mn[None, :]
+                acc += (d - bias * xsum[:, None]) * s[None, :] + xsum[:, None] * mn[None, :]
             else:
                 sidx = (k_lo // G)[None, :]
                 wmask = mask_n[:, None] & mask_k[None, :]
@@ -119,25 +160,75 @@ def _wq_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, 
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
             else:
                 acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-    out_mask = mask_m[:, None] & mask_n[None, :]
-    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-    else:  # kernels/split_k.py: the last K part of this block of columns sums the partials
-        mn_idx = offs_m[:, None] * N + offs_n[None, :]
-        tl.store(part_ptr + pid_k * M * N + mn_idx, acc, mask=out_mask)
-        tl.debug_barrier()
-        # one counter per (block of rows, block of columns): the blocks of rows of one
-        # column block run concurrently on a GPU (the interpreter runs them in turn)
-        lock = lock_ptr + pid_m * tl.num_programs(1) + pid_n
-        arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for sk in tl.static_range(SPLIT_K):
-                total += tl.load(part_ptr + sk * M * N + mn_idx, mask=out_mask, other=0.0,
-                                 cache_modifier=".cg")
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
+    _store_out(acc, y_ptr, part_ptr, lock_ptr, offs_m, offs_n, mask_m, mask_n, M, N,
+               stride_ym, pid_m, pid_n, pid_k, SPLIT_K)
+
+
+@triton.jit
+def _wq_gemv_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, G,
+                    k_per_split, stride_xm, stride_ym, ONE_GROUP: tl.constexpr,
+                    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """q4 for a few rows (decode): no ``tl.dot``; the weights are read as int32 words and
+    each nibble becomes the fp32 ``1 + q / 16`` by bit operations alone (``(q << 19) |
+    0x3F800000``: no conversion instruction), so a weight costs a shift, an and-or and an
+    FMA. Word ``w`` of a 32-weight chunk ``c`` holds bytes ``4w .. 4w + 3``: its nibble
+    ``i`` is weight ``32c + 16 (i % 2) + 4w + i // 2``. Per tile: ``t = sum x (1 + q/16)``,
+    so ``sum x q = 16 (t - sum x)``; the group's scale and min apply once per tile (tiles
+    in one group) or once per word (GGUF's 32-weight blocks)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    ng = K // G
+    KW: tl.constexpr = BLOCK_K // 8
+    wi = tl.arange(0, KW)
+    kbase = (wi // 4) * 32 + (wi % 4) * 4      # weight index of each word's nibble 0
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    w_rows = qw_ptr + offs_n[:, None].to(tl.int64) * (K // 8)
+    s_rows = s_ptr + offs_n.to(tl.int64) * ng
+    m_rows = m_ptr + offs_n.to(tl.int64) * ng
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N, KW), dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+        kw = k0 // 8 + wi
+        mask_k = kw < K // 8                   # K is a multiple of 32: whole chunks
+        w = tl.load(w_rows + kw[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0)
+        xmask = mask_m[:, None] & mask_k[None, :]
+        t = tl.zeros((BLOCK_M, BLOCK_N, KW), dtype=tl.float32)
+        xs = tl.zeros((BLOCK_M, KW), dtype=tl.float32)
+        for i in tl.static_range(8):
+            if 4 * i <= 19:
+                v = (w << (19 - 4 * i)) & 0x780000
+            else:
+                v = (w >> (4 * i - 19)) & 0x780000
+            qf = (v | 0x3F800000).to(tl.float32, bitcast=True)
+            xv = tl.load(x_rows + (k0 + kbase + 16 * (i % 2) + i // 2)[None, :], mask=xmask,
+                         other=0.0).to(tl.float32)
+            t += xv[:, None, :] * qf[None, :, :]
+            xs += xv
+        if ONE_GROUP:
+            g = tl.minimum(k0 // G, ng - 1)    # the last K part may run past K (x is 0)
+            s = tl.load(s_rows + g, mask=mask_n, other=0.0).to(tl.float32)
+            mn = tl.load(m_rows + g, mask=mask_n, other=0.0).to(tl.float32)
+            xsum = tl.sum(xs, axis=1)
+            acc += (16.0 * (tl.sum(t, axis=2) - xsum[:, None]) * s[None, :]
+                    + xsum[:, None] * mn[None, :])
+        else:
+            gw = tl.minimum((k0 + (wi // 4) * 32) // G, ng - 1)
+            wmask = mask_n[:, None] & mask_k[None, :]
+            s = tl.load(s_rows[:, None] + gw[None, :], mask=wmask, other=0.0).to(tl.float32)
+            mn = tl.load(m_rows[:, None] + gw[None, :], mask=wmask, other=0.0).to(tl.float32)
+            acc3 += (16.0 * (t - xs[:, None, :]) * s[None, :, :]
+                     + xs[:, None, :] * mn[None, :, :])
+    if not ONE_GROUP:
+        acc = tl.sum(acc3, axis=2)
+    _store_out(acc, y_ptr, part_ptr, lock_ptr, offs_m, offs_n, mask_m, mask_n, M, N,
+               stride_ym, pid_m, pid_n, pid_k, SPLIT_K)
 
 
 @triton.jit
@@ -193,7 +284,8 @@ def wq_dequant(fmt: str, qweight: torch.Tensor, scales: torch.Tensor,
     return w
 
 
-def wq_config(m: int, n: int, k: int, group: int, device_type: str = "cuda") -> dict:
+def wq_config(m: int, n: int, k: int, group: int, device_type: str = "cuda",
+              q4: bool = True) -> dict:
     """Launch parameters of :func:`wq_linear`'s kernel (M <= ``DEQUANT_MIN_M``).
 
     M <= 16: ``16 x 64`` tiles of 128 weights of K, K split into up to 8 parts so that about
@@ -207,6 +299,10 @@ def wq_config(m: int, n: int, k: int, group: int, device_type: str = "cuda") -> 
     block_k = 64 if group % 128 and group % 64 == 0 else 128
     trusted = split_k_trusted(device_type)
     k_tiles = triton.cdiv(k, block_k)
+    if m <= GEMV_MAX_M and q4 and group % 32 == 0:
+        split = max(1, min(8, 1024 // triton.cdiv(n, 32), k_tiles)) if trusted else 1
+        return dict(GEMV=True, SPLIT_K=split, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=32,
+                    BLOCK_K=block_k, **dot_kernel_options(4, 2, device_type))
     if m <= SMALL_M_MAX:
         split = max(1, min(8, 2048 // triton.cdiv(n, 64), k_tiles)) if trusted else 1
         return dict(SPLIT_K=split, BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k,
@@ -243,13 +339,21 @@ def wq_linear(x: torch.Tensor, fmt: str, qweight: torch.Tensor, scales: torch.Te
         return torch.matmul(x, wq_dequant(fmt, qweight, scales, mins, x.dtype).t())
     if x.stride(1) != 1:
         x = x.contiguous()
-    cfg = dict(config or wq_config(m, n, k, group, x.device.type))
+    cfg = dict(config or wq_config(m, n, k, group, x.device.type, q4))
     split = cfg.pop("SPLIT_K", 1)
+    gemv = cfg.pop("GEMV", False)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     m_blocks = triton.cdiv(m, cfg["BLOCK_M"])
     n_blocks, k_per_split, part, locks = split_k_launch(y, k, split, cfg["BLOCK_N"],
                                                         cfg["BLOCK_K"], m_blocks)
     grid = (m_blocks, n_blocks, split)
+    if gemv:
+        if not q4 or k % 32:
+            raise ValueError("the GEMV kernel takes the q4 layout with K a multiple of 32")
+        _wq_gemv_kernel[grid](x, qweight.view(torch.int32), scales, mins, y, part, locks, m,
+                              n, k, group, k_per_split, x.stride(0), y.stride(0),
+                              ONE_GROUP=group % cfg["BLOCK_K"] == 0, SPLIT_K=split, **cfg)
+        return y
     _wq_kernel[grid](x, qweight, scales, mins if q4 else scales, y, part, locks, m, n, k,
                      group, k_per_split, x.stride(0), y.stride(0), Q4=q4,
                      ONE_GROUP=group % cfg["BLOCK_K"] == 0, IEEE=x.dtype == torch.float32,

@@ -165,13 +165,13 @@ def test_triton_dequant_matches_reference():
 
 def test_launch_rule_on_the_llama3_8b_shapes():
     """``wq_config`` by hand on the 8B's o_proj (4096 x 4096) and gate_up (28672 x 4096):
-    decode splits K until ~2048 programs run, M = 64 splits o_proj's 64 tiles in 2 parts
+    decode rows past the GEMV's (M = 8) split K until ~2048 programs run, M = 64 splits o_proj's 64 tiles in 2 parts
     (~128 programs) and gives gate_up's 448 tiles 128 columns, XPU never splits."""
     pytest.importorskip("triton")
     from kernels.quant.wq_triton import wq_config
 
-    assert wq_config(1, 4096, 4096, 128)["SPLIT_K"] == 8             # 64 blocks x 8
-    assert wq_config(1, 28672, 4096, 128)["SPLIT_K"] == 4            # 448 blocks x 4
+    assert wq_config(8, 4096, 4096, 128)["SPLIT_K"] == 8             # 64 blocks x 8
+    assert wq_config(8, 28672, 4096, 128)["SPLIT_K"] == 4            # 448 blocks x 4
     mid = wq_config(64, 4096, 4096, 128)
     assert (mid["BLOCK_M"], mid["BLOCK_N"], mid["SPLIT_K"]) == (64, 64, 2)
     wide = wq_config(64, 28672, 4096, 128)
