@@ -167,6 +167,46 @@ class ModelProposer(Proposer):
     def after_propose(self, seq: DraftSeq) -> None:
         """Called once a chain is drafted (EAGLE drops the entries fed by its own states)."""
 
+    def decode_chain(self, live: list, out: list[list[int]], ks: list[int]) -> bool:
+        """Draft the rest of the chains at once (``live``, ``out``, ``ks`` as in
+        :meth:`decode_steps`); False (nothing done) where this proposer cannot."""
+        return False
+
+    def decode_steps(self, live: list, out: list[list[int]], ks: list[int]) -> None:
+        """One batched DECODE forward per further draft token, until ``out[i]`` holds
+        ``ks[i]`` drafts or the pool is full.
+
+        Args:
+            live: ``(i, seq, hidden)`` per request still drafting: its index in ``out``, its
+                ``DraftSeq``, and (EAGLE) the ``[1, hidden]`` state after its last draft.
+            out: the drafts so far per request (appended to); ks: the chain lengths.
+        """
+        while True:
+            live = [x for x in live if len(out[x[0]]) < ks[x[0]]]
+            if not live:
+                break
+            rows, prefix, locs = [], [], []
+            for i, seq, h in live:
+                p = seq.kv_len
+                slots = self._grow(seq, [out[i][-1]])
+                if slots is None:
+                    continue
+                rows.append((i, seq, h))
+                prefix.append(p)
+                locs.extend(slots)
+            if not rows:
+                break
+            seqs = [s for _, s, _ in rows]
+            hid = [h for _, _, h in rows]
+            batch = ScheduleBatch(ForwardMode.DECODE, seqs, prefix, [1] * len(seqs),
+                                  [True] * len(seqs), locs)
+            toks, h = self.forward(batch, seqs, torch.cat(hid) if hid[0] is not None else None)
+            toks = toks.tolist()
+            live = []
+            for j, (i, seq, _) in enumerate(rows):
+                out[i].append(toks[j])
+                live.append((i, seq, None if h is None else h[j:j + 1]))
+
     # ---- proposing ----------------------------------------------------------------------
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         raise TypeError("a model proposer drafts per request: call propose_reqs")
@@ -240,37 +280,14 @@ class ModelProposer(Proposer):
                 if not w[2]:
                     nxt[w[0]] = (toks[j], None if h is None else h[j:j + 1])
             todo = keep
-        # one DECODE per further draft token
-        live = []
-        for i, seq, _, _ in work:
-            if i in nxt:
-                out[i].append(nxt[i][0])
-                live.append((i, seq, nxt[i][1]))
-        while True:
-            live = [x for x in live if len(out[x[0]]) < ks[x[0]]]
-            if not live:
-                break
-            rows, prefix, locs = [], [], []
-            for i, seq, h in live:
-                p = seq.kv_len
-                slots = self._grow(seq, [out[i][-1]])
-                if slots is None:
-                    continue
-                rows.append((i, seq, h))
-                prefix.append(p)
-                locs.extend(slots)
-            if not rows:
-                break
-            seqs = [s for _, s, _ in rows]
-            hid = [h for _, _, h in rows]
-            batch = ScheduleBatch(ForwardMode.DECODE, seqs, prefix, [1] * len(seqs),
-                                  [True] * len(seqs), locs)
-            toks, h = self.forward(batch, seqs, torch.cat(hid) if hid[0] is not None else None)
-            toks = toks.tolist()
-            live = []
-            for j, (i, seq, _) in enumerate(rows):
-                out[i].append(toks[j])
-                live.append((i, seq, None if h is None else h[j:j + 1]))
+        # one DECODE per further draft token: as one device chain (EAGLE's head graphs),
+        # else step by step
+        live = [(i, seq, nxt[i][1]) for i, seq, _, _ in work if i in nxt]
+        for i, _, _ in live:
+            out[i].append(nxt[i][0])
+        live = [x for x in live if len(out[x[0]]) < ks[x[0]]]
+        if live and not self.decode_chain(live, out, ks):
+            self.decode_steps(live, out, ks)
         for _, seq, _, _ in work:
             self.after_propose(seq)
         return out

@@ -328,6 +328,24 @@ class EagleProposer(ModelProposer):
             fused_ops=not args.disable_fused_ops)
         super().__init__(self.kv_pool, self.req_to_token_pool,
                          prefill_budget(args, target.device_type))
+        #: the head's DECODE steps as device graphs, where the target's decode steps have
+        #: theirs (``engine/speculative/head_graphs.py``); None: eager steps
+        self.head_graphs = None
+        if target.graph_runner is not None and self.attn_backend.supports_graphs:
+            from engine import device as dev
+            from engine.speculative.head_graphs import HeadGraphRunner, check_head_graphs
+
+            self.head_graphs = dev.capture_or_eager(
+                target.device_type, "EAGLE head graphs",
+                lambda: HeadGraphRunner(self, args.speculative_max_batch_size,
+                                        target.graph_pool()))
+            if self.head_graphs is not None and not dev.graph_check_skipped():
+                ok, detail = check_head_graphs(self, self.head_graphs)
+                log = logger.info if ok else logger.warning
+                log("EAGLE head graphs: a replay %s the eager step (%s)%s",
+                    "matches" if ok else "differs from", detail,
+                    "" if ok else "; the head's draft steps run eagerly")
+                self.head_graphs = self.head_graphs if ok else None
         logger.info("%s head %s: %d layer(s), hidden %d%s", args.speculative_algorithm,
                     args.speculative_draft_model_path, self.head.num_layers, mc.hidden_size,
                     f", draft vocabulary {self.head.draft_vocab}" if eagle3 else "")
@@ -391,6 +409,12 @@ class EagleProposer(ModelProposer):
     def after_propose(self, seq: DraftSeq) -> None:
         # entries fed by the head's own states are not the target's: drop them
         self.truncate(seq, seq.hidden_start - seq.base)
+
+    def decode_chain(self, live, out, ks) -> bool:
+        from engine.speculative.head_graphs import draft_chain
+
+        return self.head_graphs is not None and draft_chain(self, self.head_graphs, live,
+                                                            out, ks)
 
     def forward(self, batch, seqs, hidden):
         from engine.executor.rank_runner import RankRunner

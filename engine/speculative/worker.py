@@ -145,7 +145,9 @@ class SpecWorker:
         return {"algorithm": self.algorithm, "num_draft_tokens": self.k,
                 "max_batch_size": self.max_bs, "mean_accept_length": mean_accept_length(self.stats),
                 "verify_step_ms": v and v * 1e3, "decode_step_ms": d and d * 1e3,
-                "breakeven_accept_length": self.breakeven}
+                "breakeven_accept_length": self.breakeven,
+                # EAGLE: whether the head's draft steps replay device graphs
+                "head_graphs": getattr(self.proposer, "head_graphs", None) is not None}
 
     def wants(self, running: list) -> bool:
         """Whether a decode step over ``running`` speculates (a larger batch decodes; on the

@@ -1,6 +1,8 @@
 """Speculative decoding with model proposers on an accelerator (marker gpu): with the
 target's decode graphs (which keep an EAGLE head's hidden states) and the draft's own
-graphs, greedy float32 output must be the target's without speculation."""
+graphs (a STANDALONE draft model's decode graphs, an EAGLE head's DECODE-step graphs,
+``engine/speculative/head_graphs.py``), greedy float32 output must be the target's without
+speculation, and the head graphs' drafts must be those of the head's eager steps."""
 
 import pytest
 
@@ -36,9 +38,73 @@ def test_model_proposers_with_graphs_keep_greedy_output(tmp_path, algo):
     spec = LLM(target, speculative_algorithm=algo, speculative_draft_model_path=draft,
                speculative_num_steps=3, **kw)
     assert spec.runner.graph_runner is not None  # the decode graphs stay on
+    if algo != "STANDALONE":  # and the head's draft steps replay graphs
+        assert spec.scheduler.spec.proposer.head_graphs is not None
     spec.scheduler.check_kv = True
     assert [o.token_ids for o in spec.generate(PROMPTS, sp)] == want
     st = spec.scheduler.stats
     assert st["spec_proposed_tokens"] > 0
     if algo == "EAGLE":  # the head that knows the target: drafts accepted through graphs
         assert st["spec_accepted_tokens"] > 0
+
+
+def _eagle3(tmp_path, dtype, caplog):
+    from test_head_graphs import eagle3_engine, eagle3_paths
+
+    target, head = eagle3_paths(tmp_path)
+    kw = dict(device=DEVICE, dtype=dtype, max_total_tokens=4096, chunked_prefill_size=16,
+              enable_xpu_graph=True)
+    with caplog.at_level("INFO"):
+        llm = eagle3_engine(target, head, **kw)
+    return llm, target, head, kw
+
+
+# (request lengths, chain lengths): batches of a bucket's size (1, 2, 4, 8) and padded ones
+CHAINS = [([5], [4]), ([7, 30], [4, 4]), ([5, 9, 17, 40], [4, 2, 3, 4]),
+          ([4, 6, 8, 10, 12, 14, 16, 90], [4] * 8), ([5, 9, 17], [4, 2, 3]),
+          ([4, 6, 8, 10, 12], [3, 3, 4, 2, 4])]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_eagle3_head_graph_drafts_match_eager_steps(tmp_path, dtype, caplog):
+    """The chain through the captured graphs against the head's eager DECODE steps from the
+    same draft state (seeded random head and target states). float32: every case; bfloat16:
+    the batches of a bucket's size (a padded batch's GEMMs may round differently)."""
+    from test_head_graphs import chain_matches_steps
+
+    llm, *_ = _eagle3(tmp_path, dtype, caplog)
+    prop = llm.scheduler.spec.proposer
+    runner = prop.head_graphs
+    assert runner is not None and runner.graphs, caplog.text
+    assert "captured 4 EAGLE head graphs" in caplog.text  # buckets 1, 2, 4, 8
+    assert llm.scheduler.spec.info()["head_graphs"] is True
+    for lens, ks in CHAINS:
+        if dtype != "float32" and len(lens) not in runner.buckets:
+            continue
+        (chain, chain_ids), (steps, step_ids) = chain_matches_steps(prop, runner, lens, ks)
+        assert [len(d) for d in steps] == ks
+        assert chain == steps and chain_ids == step_ids, (lens, ks)
+
+
+def test_eagle3_generation_with_head_graphs_keeps_output_and_drafts(tmp_path, caplog):
+    """float32 greedy generation: EAGLE-3 with head graphs = the target without speculation,
+    and its every proposal = an engine's whose head steps run eagerly; the graph chain ran."""
+    from test_head_graphs import eagle3_engine, generate_with_drafts
+    from test_speculative_models import PROMPTS
+
+    from engine import LLM, SamplingParams
+
+    llm, target, head, kw = _eagle3(tmp_path, "float32", caplog)
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(target, **kw).generate(PROMPTS, sp)]
+    runner = llm.scheduler.spec.proposer.head_graphs
+    assert runner is not None
+    calls = []
+    orig = runner.run_chain
+    runner.run_chain = lambda *a: calls.append(len(a[0])) or orig(*a)
+    out, drafts = generate_with_drafts(llm, PROMPTS, sp)
+    assert out == want and calls
+    eager = eagle3_engine(target, head, **kw)
+    eager.scheduler.spec.proposer.head_graphs = None
+    out_e, drafts_e = generate_with_drafts(eager, PROMPTS, sp)
+    assert out_e == want and drafts == drafts_e
