@@ -29,9 +29,11 @@ from bench.kernels.sweep_gemm_fp8 import L2_DEFEAT_BYTES, SHAPES, time_per_call
 from engine import device as devlib
 from engine.layers.quantization.int4 import quantize_rtn
 from kernels.quant.quant_ref import dequant, pack_q4
-from kernels.quant.wq_triton import DEQUANT_MIN_M, wq_config, wq_linear
+from kernels.quant.wq_triton import DEQUANT_MIN_M, wq_config, wq_dequant, wq_linear
 
 GROUP = 128
+#: dequantization programs timed by --configs (rows, weights of K, warps)
+DEQUANT_BLOCKS = [(32, 128, 4), (16, 256, 4), (32, 256, 4), (64, 256, 8), (32, 512, 8)]
 
 
 def _ints(s: str) -> list[int]:
@@ -53,8 +55,8 @@ def _copies(dev: str, n: int, k: int, g: torch.Generator, dtype=torch.bfloat16,
 def _configs(m: int):
     """Launch configs swept at ``m`` rows: the GEMV kernel (M <= 4) and the tiled one."""
     if m <= 4:
-        for bn, bk, split, warps, stages in itertools.product((16, 32, 64), (128, 256),
-                                                              (1, 2, 4, 8), (4, 8), (1, 2)):
+        for bn, bk, split, warps, stages in itertools.product((32, 64, 128, 256), (128, 256),
+                                                              (2, 4, 8), (4, 8), (1, 2)):
             yield dict(GEMV=True, SPLIT_K=split, BLOCK_M=1 << (m - 1).bit_length(),
                        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     if 4 <= m <= 16:
@@ -138,6 +140,13 @@ def main(argv=None) -> dict:
                   f"{t_q:8.1f} ({q_bytes / t_q / 1e3:5.0f}) {t_q / t_bf:9.2f} {err:8.1e} "
                   + (f"{t_kernel:8.1f}" if t_kernel is not None else f"{'':8s}"))
         if args.configs:
+            out = torch.empty(n, k, dtype=torch.bfloat16, device=dev)
+            for blk in DEQUANT_BLOCKS:  # the prefill path's dequantization alone
+                t = time_per_call(dev, [partial(wq_dequant, "q4", *w, torch.bfloat16, blk)
+                                        for w in wqs])
+                rows.append(dict(shape=name, dequant_block=blk, dequant_us=t))
+                print(f"  {name} dequant {blk}: {t:7.1f} us ({(q_bytes + out.numel() * 2) / t / 1e3:5.0f} GB/s)")
+            del out
             for m in args.configs:
                 x = torch.randn((m, k), generator=g).to(dev, torch.bfloat16)
                 best = []

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from kernels.launch import dot_kernel_options
+from kernels.quant.wq_gemv import _wq_gemv1_kernel, _wq_gemv_kernel, _store_out
 from kernels.split_k import split_k_launch, split_k_locks, split_k_trusted  # noqa: F401
 
 #: the most rows of the split-K (decode) configuration
@@ -45,33 +46,8 @@ GEMV_MAX_M = int(os.environ.get("FERRY_WQ_GEMV_MAX_M", 4))
 #: above this many rows: dequantize, then the vendor GEMM (``FERRY_WQ_DEQUANT_MIN_M`` changes
 #: it: the kernel's tiles against cuBLAS at prefill sizes are not measured yet)
 DEQUANT_MIN_M = int(os.environ.get("FERRY_WQ_DEQUANT_MIN_M", 256))
-
-
-@triton.jit
-def _store_out(acc, y_ptr, part_ptr, lock_ptr, offs_m, offs_n, mask_m, mask_n, M, N,
-               stride_ym, pid_m, pid_n, pid_k, SPLIT_K: tl.constexpr):
-    """Write the fp32 tile ``acc [BLOCK_M, BLOCK_N]``: directly, or (split K) as this K
-    part's partial, the last part of the block of rows and columns to arrive summing the
-    partials in K order (``kernels/split_k.py``)."""
-    out_mask = mask_m[:, None] & mask_n[None, :]
-    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        mn_idx = offs_m[:, None] * N + offs_n[None, :]
-        tl.store(part_ptr + pid_k * M * N + mn_idx, acc, mask=out_mask)
-        tl.debug_barrier()
-        # one counter per (block of rows, block of columns): the blocks of rows of one
-        # column block run concurrently on a GPU (the interpreter runs them in turn)
-        lock = lock_ptr + pid_m * tl.num_programs(1) + pid_n
-        arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros(acc.shape, dtype=tl.float32)
-            for sk in tl.static_range(SPLIT_K):
-                total += tl.load(part_ptr + sk * M * N + mn_idx, mask=out_mask, other=0.0,
-                                 cache_modifier=".cg")
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")
+#: :func:`wq_dequant`'s program: rows, weights of K, warps
+DEQUANT_BLOCK = (32, 128, 4)
 
 
 @triton.jit
@@ -165,73 +141,6 @@ def _wq_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, 
 
 
 @triton.jit
-def _wq_gemv_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, G,
-                    k_per_split, stride_xm, stride_ym, ONE_GROUP: tl.constexpr,
-                    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
-    """q4 for a few rows (decode): no ``tl.dot``; the weights are read as int32 words and
-    each nibble becomes the fp32 ``1 + q / 16`` by bit operations alone (``(q << 19) |
-    0x3F800000``: no conversion instruction), so a weight costs a shift, an and-or and an
-    FMA. Word ``w`` of a 32-weight chunk ``c`` holds bytes ``4w .. 4w + 3``: its nibble
-    ``i`` is weight ``32c + 16 (i % 2) + 4w + i // 2``. Per tile: ``t = sum x (1 + q/16)``,
-    so ``sum x q = 16 (t - sum x)``; the group's scale and min apply once per tile (tiles
-    in one group) or once per word (GGUF's 32-weight blocks)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    ng = K // G
-    KW: tl.constexpr = BLOCK_K // 8
-    wi = tl.arange(0, KW)
-    kbase = (wi // 4) * 32 + (wi % 4) * 4      # weight index of each word's nibble 0
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-    w_rows = qw_ptr + offs_n[:, None].to(tl.int64) * (K // 8)
-    s_rows = s_ptr + offs_n.to(tl.int64) * ng
-    m_rows = m_ptr + offs_n.to(tl.int64) * ng
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_M, BLOCK_N, KW), dtype=tl.float32)
-    k_start = pid_k * k_per_split
-    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
-        kw = k0 // 8 + wi
-        mask_k = kw < K // 8                   # K is a multiple of 32: whole chunks
-        w = tl.load(w_rows + kw[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0)
-        xmask = mask_m[:, None] & mask_k[None, :]
-        t = tl.zeros((BLOCK_M, BLOCK_N, KW), dtype=tl.float32)
-        xs = tl.zeros((BLOCK_M, KW), dtype=tl.float32)
-        for i in tl.static_range(8):
-            if 4 * i <= 19:
-                v = (w << (19 - 4 * i)) & 0x780000
-            else:
-                v = (w >> (4 * i - 19)) & 0x780000
-            qf = (v | 0x3F800000).to(tl.float32, bitcast=True)
-            xv = tl.load(x_rows + (k0 + kbase + 16 * (i % 2) + i // 2)[None, :], mask=xmask,
-                         other=0.0).to(tl.float32)
-            t += xv[:, None, :] * qf[None, :, :]
-            xs += xv
-        if ONE_GROUP:
-            g = tl.minimum(k0 // G, ng - 1)    # the last K part may run past K (x is 0)
-            s = tl.load(s_rows + g, mask=mask_n, other=0.0).to(tl.float32)
-            mn = tl.load(m_rows + g, mask=mask_n, other=0.0).to(tl.float32)
-            xsum = tl.sum(xs, axis=1)
-            acc += (16.0 * (tl.sum(t, axis=2) - xsum[:, None]) * s[None, :]
-                    + xsum[:, None] * mn[None, :])
-        else:
-            gw = tl.minimum((k0 + (wi // 4) * 32) // G, ng - 1)
-            wmask = mask_n[:, None] & mask_k[None, :]
-            s = tl.load(s_rows[:, None] + gw[None, :], mask=wmask, other=0.0).to(tl.float32)
-            mn = tl.load(m_rows[:, None] + gw[None, :], mask=wmask, other=0.0).to(tl.float32)
-            acc3 += (16.0 * (t - xs[:, None, :]) * s[None, :, :]
-                     + xs[:, None, :] * mn[None, :, :])
-    if not ONE_GROUP:
-        acc = tl.sum(acc3, axis=2)
-    _store_out(acc, y_ptr, part_ptr, lock_ptr, offs_m, offs_n, mask_m, mask_n, M, N,
-               stride_ym, pid_m, pid_n, pid_k, SPLIT_K)
-
-
-@triton.jit
 def _wq_dequant_kernel(qw_ptr, s_ptr, m_ptr, w_ptr, N, K, G, Q4: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -240,20 +149,22 @@ def _wq_dequant_kernel(qw_ptr, s_ptr, m_ptr, w_ptr, N, K, G, Q4: tl.constexpr,
     out_rows = w_ptr + offs_n[:, None].to(tl.int64) * K
     s_rows = s_ptr + offs_n[:, None].to(tl.int64) * ng
     if Q4:
-        b = tl.arange(0, BLOCK_K // 2)
-        k_lo = tl.program_id(1) * BLOCK_K + (b // 16) * 32 + b % 16
-        mask = mask_n[:, None] & (k_lo < K)[None, :]
-        wb = tl.load(qw_ptr + offs_n[:, None].to(tl.int64) * (K // 2)
-                     + (tl.program_id(1) * (BLOCK_K // 2) + b)[None, :], mask=mask,
-                     other=0).to(tl.int32)
-        sidx = (k_lo // G)[None, :]
-        s = tl.load(s_rows + sidx, mask=mask, other=0.0).to(tl.float32)
-        mn = tl.load(m_ptr + offs_n[:, None].to(tl.int64) * ng + sidx, mask=mask,
-                     other=0.0).to(tl.float32)
-        tl.store(out_rows + k_lo[None, :], ((wb & 0xF).to(tl.float32) * s + mn)
-                 .to(w_ptr.dtype.element_ty), mask=mask)
-        tl.store(out_rows + (k_lo + 16)[None, :], ((wb >> 4).to(tl.float32) * s + mn)
-                 .to(w_ptr.dtype.element_ty), mask=mask)
+        # [rows, 32-weight chunks, 16 bytes]: one scale and min per chunk (G is a multiple
+        # of 32), each chunk's low nibbles are its weights 0-15, the high ones 16-31
+        NC: tl.constexpr = BLOCK_K // 32
+        c = tl.program_id(1) * NC + tl.arange(0, NC)
+        j = tl.arange(0, 16)
+        mask = mask_n[:, None, None] & (c < K // 32)[None, :, None]
+        rows3 = offs_n[:, None, None].to(tl.int64)
+        wb = tl.load(qw_ptr + rows3 * (K // 2) + (c * 16)[None, :, None] + j[None, None, :],
+                     mask=mask, other=0).to(tl.int32)
+        sidx = rows3 * ng + ((c * 32) // G)[None, :, None]
+        s = tl.load(s_ptr + sidx, mask=mask, other=0.0).to(tl.float32)
+        mn = tl.load(m_ptr + sidx, mask=mask, other=0.0).to(tl.float32)
+        out = w_ptr + rows3 * K + (c * 32)[None, :, None] + j[None, None, :]
+        tl.store(out, ((wb & 0xF).to(tl.float32) * s + mn).to(w_ptr.dtype.element_ty), mask=mask)
+        tl.store(out + 16, ((wb >> 4).to(tl.float32) * s + mn).to(w_ptr.dtype.element_ty),
+                 mask=mask)
     else:
         kk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         mask = mask_n[:, None] & (kk < K)[None, :]
@@ -270,17 +181,20 @@ def _check(fmt: str) -> bool:
 
 
 def wq_dequant(fmt: str, qweight: torch.Tensor, scales: torch.Tensor,
-               mins: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+               mins: torch.Tensor | None, dtype: torch.dtype,
+               block: tuple[int, int, int] = DEQUANT_BLOCK) -> torch.Tensor:
     """The weight ``W [N, K]`` of a q4/q8 layout in ``dtype`` (``s * q (+ min)`` in fp32,
-    rounded once to ``dtype``): :func:`kernels.quant.quant_ref.dequant` on the device."""
+    rounded once to ``dtype``): :func:`kernels.quant.quant_ref.dequant` on the device.
+    ``block``: rows, weights of K and warps per program."""
     q4 = _check(fmt)
     n = qweight.shape[0]
     k = qweight.shape[1] * (2 if q4 else 1)
     w = torch.empty(n, k, dtype=dtype, device=qweight.device)
-    block_n, block_k = 32, 128
+    block_n, block_k, warps = block
     grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
     _wq_dequant_kernel[grid](qweight, scales, mins if q4 else scales, w, n, k,
-                             k // scales.shape[1], Q4=q4, BLOCK_N=block_n, BLOCK_K=block_k)
+                             k // scales.shape[1], Q4=q4, BLOCK_N=block_n, BLOCK_K=block_k,
+                             num_warps=warps)
     return w
 
 
@@ -300,8 +214,9 @@ def wq_config(m: int, n: int, k: int, group: int, device_type: str = "cuda",
     trusted = split_k_trusted(device_type)
     k_tiles = triton.cdiv(k, block_k)
     if m <= GEMV_MAX_M and q4 and group % 32 == 0:
-        split = max(1, min(8, 1024 // triton.cdiv(n, 32), k_tiles)) if trusted else 1
-        return dict(GEMV=True, SPLIT_K=split, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=32,
+        # the H200 sweep (2026-12-02, docs/benchmarks.md): 64 rows, K in 8 parts, 4 warps
+        split = min(8, k_tiles) if trusted else 1
+        return dict(GEMV=True, SPLIT_K=split, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=64,
                     BLOCK_K=block_k, **dot_kernel_options(4, 2, device_type))
     if m <= SMALL_M_MAX:
         split = max(1, min(8, 2048 // triton.cdiv(n, 64), k_tiles)) if trusted else 1
@@ -350,9 +265,15 @@ def wq_linear(x: torch.Tensor, fmt: str, qweight: torch.Tensor, scales: torch.Te
     if gemv:
         if not q4 or k % 32:
             raise ValueError("the GEMV kernel takes the q4 layout with K a multiple of 32")
-        _wq_gemv_kernel[grid](x, qweight.view(torch.int32), scales, mins, y, part, locks, m,
-                              n, k, group, k_per_split, x.stride(0), y.stride(0),
-                              ONE_GROUP=group % cfg["BLOCK_K"] == 0, SPLIT_K=split, **cfg)
+        one = group % cfg["BLOCK_K"] == 0
+        if m == 1 and cfg["BLOCK_M"] == 1:
+            cfg.pop("BLOCK_M")
+            _wq_gemv1_kernel[grid](x, qweight.view(torch.int32), scales, mins, y, part, locks,
+                                   n, k, group, k_per_split, ONE_GROUP=one, SPLIT_K=split, **cfg)
+        else:
+            _wq_gemv_kernel[grid](x, qweight.view(torch.int32), scales, mins, y, part, locks, m,
+                                  n, k, group, k_per_split, x.stride(0), y.stride(0),
+                                  ONE_GROUP=one, SPLIT_K=split, **cfg)
         return y
     _wq_kernel[grid](x, qweight, scales, mins if q4 else scales, y, part, locks, m, n, k,
                      group, k_per_split, x.stride(0), y.stride(0), Q4=q4,
