@@ -167,6 +167,11 @@ class ModelProposer(Proposer):
     def after_propose(self, seq: DraftSeq) -> None:
         """Called once a chain is drafted (EAGLE drops the entries fed by its own states)."""
 
+    def draft_round(self, work: list, out: list[list[int]], ks: list[int]) -> bool:
+        """Draft whole chains at once: ``work`` holds ``[i, seq, ids, hidden]`` per request
+        (what :meth:`catch_up` gave); False (nothing done) where this proposer cannot."""
+        return False
+
     def decode_chain(self, live: list, out: list[list[int]], ks: list[int]) -> bool:
         """Draft the rest of the chains at once (``live``, ``out``, ``ks`` as in
         :meth:`decode_steps`); False (nothing done) where this proposer cannot."""
@@ -241,6 +246,10 @@ class ModelProposer(Proposer):
                 continue
             work.append([i, seq, feed[0], feed[1]])
         if not work:
+            return out
+        if self.draft_round(work, out, ks):  # the whole round on the device (EAGLE graphs)
+            for _, seq, _, _ in work:
+                self.after_propose(seq)
             return out
         # catch-up: EXTEND forwards of at most `chunk` tokens; a request's last chunk gives
         # its first draft token

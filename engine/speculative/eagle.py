@@ -33,7 +33,7 @@ import os
 import torch
 from torch import nn
 
-from engine.args import ServerArgs, prefill_budget
+from engine.args import ServerArgs, num_draft_tokens, prefill_budget
 from engine.speculative.draft import DraftSeq, ModelProposer, draft_pool_tokens
 
 logger = logging.getLogger(__name__)
@@ -335,9 +335,10 @@ class EagleProposer(ModelProposer):
             from engine import device as dev
             from engine.speculative.head_graphs import HeadGraphRunner, check_head_graphs
 
+            bs = args.speculative_max_batch_size  # catch-ups: k + 1 rows each, or back-offs
             self.head_graphs = dev.capture_or_eager(
                 target.device_type, "EAGLE head graphs",
-                lambda: HeadGraphRunner(self, args.speculative_max_batch_size,
+                lambda: HeadGraphRunner(self, bs, max(64, bs * (1 + num_draft_tokens(args))),
                                         target.graph_pool()))
             if self.head_graphs is not None and not dev.graph_check_skipped():
                 ok, detail = check_head_graphs(self, self.head_graphs)
@@ -409,6 +410,12 @@ class EagleProposer(ModelProposer):
     def after_propose(self, seq: DraftSeq) -> None:
         # entries fed by the head's own states are not the target's: drop them
         self.truncate(seq, seq.hidden_start - seq.base)
+
+    def draft_round(self, work, out, ks) -> bool:
+        from engine.speculative.head_graphs import draft_round
+
+        return self.head_graphs is not None and draft_round(self, self.head_graphs, work,
+                                                            out, ks)
 
     def decode_chain(self, live, out, ks) -> bool:
         from engine.speculative.head_graphs import draft_chain

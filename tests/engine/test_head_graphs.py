@@ -33,6 +33,21 @@ def test_pack_chain_positions_slots_and_padding():
         pack_chain([(5, 0, 0, [1], 0)] * 3, steps=1, gbs=2)
 
 
+
+def test_pack_rows_of_a_catch_up():
+    from engine.speculative.head_graphs import pack_rows
+
+    # request A: row 5, base 100, 7 entries, 2 new rows; B: row 3, base 0, 2 entries, 1 row
+    rows, last = pack_rows([(5, 100, 7, [40, 41], [9, 10]), (3, 0, 2, [8], [4])], rb=4,
+                           nlast=3)
+    want = torch.tensor([[9, 107, 5, 40, 8, 7], [10, 108, 5, 41, 9, 8], [4, 2, 3, 8, 3, 2],
+                         [0, 0, 0, 0, 1, 0]]).T
+    assert torch.equal(rows, want) and last.tolist() == [1, 2, 0]
+    with pytest.raises(ValueError):
+        pack_rows([(5, 0, 0, [1, 2], [3, 4])], rb=1, nlast=1)
+    with pytest.raises(ValueError):
+        pack_rows([(5, 0, 0, [1], [3, 4])], rb=4, nlast=1)
+
 class _Req:
     finished = False
     req_pool_idx = 1
@@ -41,45 +56,104 @@ class _Req:
         self.rid = rid
 
 
-def chain_matches_steps(prop, runner, lens, ks, seed=0):
-    """Catch up ``len(lens)`` fresh draft sequences (random ids and target states, bases
-    0, 3, 6...), then draft the rest of their chains twice from the same state: through
-    ``runner`` and through the eager ``decode_steps``. Returns both drafts and both KV ids
-    lists (equal when the chain is right)."""
+def _catch_up(prop, seqs, feeds, hidden):
+    """An eager catch-up EXTEND of ``feeds[j]`` for ``seqs[j]`` from target states
+    ``hidden``; the first drafts (list) and the next hidden states [len(seqs), hidden]."""
     from engine.executor.schedule_batch import ScheduleBatch
     from engine.forward_batch import ForwardMode
-    from engine.speculative.draft import DraftSeq
-    from engine.speculative.head_graphs import draft_chain
 
-    g = torch.Generator().manual_seed(seed)
-    head = prop.head
-    width = head.fc.weight.shape[1] if head.eagle3 else head.hidden_size
-    seqs, locs = [], []
-    for j, L in enumerate(lens):
-        seq = prop.seqs[f"c{j}"] = DraftSeq(_Req(f"c{j}"), base=3 * j)
-        ids = torch.randint(3, head.mc.vocab_size, (L,), generator=g).tolist()
+    prefix, locs = [], []
+    for seq, ids in zip(seqs, feeds):
+        prefix.append(seq.kv_len)
         locs += prop._grow(seq, ids)
-        seqs.append(seq)
-    hidden = torch.randn(sum(lens), width, generator=g).to(prop.device, head.dtype)
-    batch = ScheduleBatch(ForwardMode.EXTEND, seqs, [0] * len(seqs), list(lens),
+    batch = ScheduleBatch(ForwardMode.EXTEND, seqs, prefix, [len(f) for f in feeds],
                           [True] * len(seqs), locs)
     toks, nxt = prop.forward(batch, seqs, hidden)
-    first = toks.tolist()
-    live = [(j, s, nxt[j:j + 1]) for j, s in enumerate(seqs)]
+    return toks.tolist(), nxt
+
+
+def _random_feeds(prop, lens, g):
+    from engine.speculative.head_graphs import hidden_in_width
+
+    head = prop.head
+    feeds = [torch.randint(3, head.mc.vocab_size, (n,), generator=g).tolist() for n in lens]
+    hidden = torch.randn(sum(lens), hidden_in_width(head), generator=g)
+    return feeds, hidden.to(prop.device, head.dtype)
+
+
+def _fresh(prop, lens, g):
+    """Fresh draft sequences (bases 0, 3, 6...) caught up eagerly over random ids and
+    target states of ``lens`` positions."""
+    from engine.speculative.draft import DraftSeq
+
+    seqs = []
+    for j in range(len(lens)):
+        seqs.append(DraftSeq(_Req(f"c{j}"), base=3 * j))
+        prop.seqs[f"c{j}"] = seqs[-1]
+    return seqs, _catch_up(prop, seqs, *_random_feeds(prop, lens, g))
+
+
+def _twice(prop, seqs, keep, run):
+    """``run(chained)`` for True then False from the same draft state; each time the drafts
+    and the KV ids, then the sequences cut back to ``keep`` entries (dropped at the end)."""
     results = []
     for chained in (True, False):
+        out = run(chained)
+        prop.check()
+        results.append((out, [list(s.ids) for s in seqs]))
+        for s, n in zip(seqs, keep):
+            prop.truncate(s, n)
+    for s in seqs:
+        prop.drop(s.req.rid)
+    return results
+
+
+def chain_matches_steps(prop, runner, lens, ks, seed=0):
+    """Catch up fresh draft sequences of ``lens`` positions, then draft the rest of their
+    chains twice from the same state: through ``runner`` (the chain) and through the eager
+    ``decode_steps``. Returns both drafts and KV ids lists (equal when the chain is right)."""
+    from engine.speculative.head_graphs import draft_chain
+
+    seqs, (first, nxt) = _fresh(prop, lens, torch.Generator().manual_seed(seed))
+    live = [(j, s, nxt[j:j + 1]) for j, s in enumerate(seqs)]
+
+    def run(chained):
         out = [[t] for t in first]
         if chained:
             assert draft_chain(prop, runner, live, out, ks)
         else:
             prop.decode_steps(live, out, ks)
-        prop.check()
-        results.append((out, [list(s.ids) for s in seqs]))
-        for s, L in zip(seqs, lens):
-            prop.truncate(s, L)
-    for j in range(len(lens)):
-        prop.drop(f"c{j}")
-    return results
+        return out
+
+    return _twice(prop, seqs, list(lens), run)
+
+
+def round_matches_eager(prop, runner, lens, news, ks, seed=0):
+    """Fresh draft sequences of ``lens`` positions, then a round of ``news[j]`` new
+    positions (random ids and target states) and chains of ``ks[j]`` drafts twice: through
+    ``runner`` (catch-up graph + chain) and eagerly (an EXTEND, then ``decode_steps``).
+    Returns both drafts and KV ids lists."""
+    from engine.speculative.head_graphs import draft_round
+
+    g = torch.Generator().manual_seed(seed)
+    seqs, _ = _fresh(prop, lens, g)
+    feeds, hidden = _random_feeds(prop, news, g)
+    offs = [sum(news[:j]) for j in range(len(news) + 1)]
+
+    def run(chained):
+        if chained:
+            out = [[] for _ in seqs]
+            work = [[j, s, feeds[j], hidden[offs[j]:offs[j + 1]]] for j, s in enumerate(seqs)]
+            assert draft_round(prop, runner, work, out, ks)
+            return out
+        first, nxt = _catch_up(prop, seqs, feeds, hidden)
+        out = [[t] for t in first]
+        live = [(j, s, nxt[j:j + 1]) for j, s in enumerate(seqs) if ks[j] > 1]
+        if live:
+            prop.decode_steps(live, out, ks)
+        return out
+
+    return _twice(prop, seqs, list(lens), run)
 
 
 def eagle3_paths(root):
@@ -111,22 +185,43 @@ def paths(tmp_path_factory):
     return eagle3_paths(tmp_path_factory.mktemp("head_graphs"))
 
 
-@pytest.mark.parametrize("lens,ks", [([5], [4]), ([5, 9, 17], [4, 2, 3]),
-                                     ([4, 6, 8, 10, 12], [3, 3, 4, 2, 4])])
-def test_chain_drafts_match_eager_steps(paths, lens, ks):
+@pytest.fixture(scope="module")
+def proposer(paths):
     from test_speculative_models import KW
-
-    from engine.speculative.head_graphs import HeadGraphRunner
 
     prop = eagle3_engine(*paths, **KW).scheduler.spec.proposer
     assert prop.head_graphs is None  # the CPU: no graphs
-    runner = HeadGraphRunner(prop, 8, capture=False)
-    (chain, chain_ids), (steps, step_ids) = chain_matches_steps(prop, runner, lens, ks)
+    return prop
+
+
+@pytest.mark.parametrize("lens,ks", [([5], [4]), ([5, 9, 17], [4, 2, 3]),
+                                     ([4, 6, 8, 10, 12], [3, 3, 4, 2, 4])])
+def test_chain_drafts_match_eager_steps(proposer, lens, ks):
+    from engine.speculative.head_graphs import HeadGraphRunner
+
+    runner = HeadGraphRunner(proposer, 8, capture=False)
+    (chain, chain_ids), (steps, step_ids) = chain_matches_steps(proposer, runner, lens, ks)
     assert [len(d) for d in steps] == ks
     assert chain == steps and chain_ids == step_ids
 
 
-def test_generation_through_the_chain_keeps_output_and_drafts(paths):
+@pytest.mark.parametrize("lens,news,ks", [([5], [1], [4]), ([5, 9, 17], [4, 1, 2], [4, 2, 3]),
+                                          ([4, 6, 8, 10, 12], [2, 2, 3, 1, 4], [3, 3, 4, 1, 4]),
+                                          ([5, 7], [2, 3], [1, 1])])
+def test_round_drafts_match_an_eager_round(proposer, lens, news, ks):
+    from engine.speculative.head_graphs import HeadGraphRunner
+
+    runner = HeadGraphRunner(proposer, 8, 16, capture=False)
+    (chain, chain_ids), (eager, eager_ids) = round_matches_eager(proposer, runner, lens, news,
+                                                                 ks)
+    assert [len(d) for d in eager] == ks
+    assert chain == eager and chain_ids == eager_ids
+
+
+def test_generation_through_the_graph_paths_keeps_output_and_drafts(paths):
+    """Rounds on the static buffers (a catch-up of up to 16 rows; the prompts' longer
+    first catch-ups run eagerly, then the chain): the output is the target's, the drafts
+    those of an engine with eager head steps."""
     from test_speculative_models import KW, PROMPTS
 
     from engine import LLM
@@ -138,35 +233,37 @@ def test_generation_through_the_chain_keeps_output_and_drafts(paths):
     assert out == want
     llm = eagle3_engine(*paths, **KW)
     prop = llm.scheduler.spec.proposer
-    prop.head_graphs = runner = HeadGraphRunner(prop, 4, capture=False)
-    calls = []
-    orig_chain = runner.run_chain
-    runner.run_chain = lambda *a: calls.append(len(a[0])) or orig_chain(*a)
+    prop.head_graphs = runner = HeadGraphRunner(prop, 4, 16, capture=False)
+    calls = {"run_chain": 0, "run_round": 0}
+    for name in calls:
+        real = getattr(runner, name)
+        setattr(runner, name, lambda *a, _real=real, _name=name:
+                calls.__setitem__(_name, calls[_name] + 1) or _real(*a))
     out, chained = generate_with_drafts(llm, PROMPTS, sp)
     assert out == want and chained == eager
-    assert calls and max(calls) == len(PROMPTS)
+    assert calls["run_chain"] and calls["run_round"], calls
     assert llm.scheduler.spec.info()["head_graphs"] is True
 
 
-def test_start_up_check_passes_a_right_chain_and_drops_a_wrong_one(paths, monkeypatch):
-    from test_speculative_models import KW
-
+@pytest.mark.parametrize("broken", ["_step", "_catch_up"])
+def test_start_up_check_passes_right_graphs_and_drops_a_wrong_one(proposer, monkeypatch,
+                                                                  broken):
     from engine.speculative.head_graphs import HeadGraphRunner, check_head_graphs
 
-    prop = eagle3_engine(*paths, **KW).scheduler.spec.proposer
-    runner = HeadGraphRunner(prop, 4, capture=False)
+    prop = proposer
+    runner = HeadGraphRunner(prop, 4, 16, capture=False)
     rows = prop.req_pool.available()
     ok, detail = check_head_graphs(prop, runner)
-    assert ok, detail
+    assert ok and "catch-up: max |replay - eager|" in detail and "chain: " in detail
     assert prop.used_tokens() == 0 and prop.req_pool.available() == rows
-    real = runner._step
+    real = getattr(runner, broken)
 
-    def stale(bs):  # a replay that leaves the previous step's hidden state
-        keep = runner.hidden[:bs].clone()
-        real(bs)
-        runner.hidden[:bs].copy_(keep)
+    def stale(n):  # a replay that leaves the chain's previous hidden states
+        keep = runner.hidden.clone()
+        real(n)
+        runner.hidden.copy_(keep)
 
-    monkeypatch.setattr(runner, "_step", stale)
+    monkeypatch.setattr(runner, broken, stale)
     ok, detail = check_head_graphs(prop, runner)
-    assert not ok and "max |replay - eager|" in detail
-    assert prop.used_tokens() == 0
+    assert not ok
+    assert prop.used_tokens() == 0 and prop.req_pool.available() == rows

@@ -69,26 +69,51 @@ CHAINS = [([5], [4]), ([7, 30], [4, 4]), ([5, 9, 17, 40], [4, 2, 3, 4]),
 def test_eagle3_head_graph_drafts_match_eager_steps(tmp_path, dtype, caplog):
     """The chain through the captured graphs against the head's eager DECODE steps from the
     same draft state (seeded random head and target states). float32: every case; bfloat16:
-    the batches of a bucket's size (a padded batch's GEMMs may round differently)."""
+    the batches of a bucket's size whose chains are all as long (a padded step's GEMMs may
+    round differently from the eager step's smaller ones)."""
     from test_head_graphs import chain_matches_steps
 
     llm, *_ = _eagle3(tmp_path, dtype, caplog)
     prop = llm.scheduler.spec.proposer
     runner = prop.head_graphs
     assert runner is not None and runner.graphs, caplog.text
-    assert "captured 4 EAGLE head graphs" in caplog.text  # buckets 1, 2, 4, 8
+    # chain buckets 1, 2, 4, 8; catch-up row buckets 1, 2, 4, 8, 16, ..., 64
+    assert sorted(runner.graphs) == [1, 2, 4, 8] and max(runner.row_graphs) == 64
+    assert f"captured {4 + len(runner.row_graphs)} EAGLE head graphs" in caplog.text
+    assert "EAGLE head graphs: a replay matches the eager step (catch-up" in caplog.text
     assert llm.scheduler.spec.info()["head_graphs"] is True
     for lens, ks in CHAINS:
-        if dtype != "float32" and len(lens) not in runner.buckets:
-            continue
+        if dtype != "float32" and (len(lens) not in runner.buckets or len(set(ks)) > 1):
+            continue  # a padded step (the eager loop's batch shrinks as chains end)
         (chain, chain_ids), (steps, step_ids) = chain_matches_steps(prop, runner, lens, ks)
         assert [len(d) for d in steps] == ks
         assert chain == steps and chain_ids == step_ids, (lens, ks)
 
 
+
+# (positions the head has, new positions of the round, chain lengths)
+ROUNDS = [([5], [1], [4]), ([5, 9, 17, 40], [4, 1, 2, 3], [4, 2, 3, 4]),
+          ([4, 6, 8, 10, 12], [2, 2, 3, 1, 4], [3, 3, 4, 1, 4]), ([5, 7], [2, 3], [1, 1]),
+          ([9] * 8, [4] * 8, [4] * 8), ([30], [60], [4])]
+
+
+def test_eagle3_round_graphs_match_an_eager_round(tmp_path, caplog):
+    """float32: a whole round through the graphs (the catch-up as DECODE rows, then the
+    chain) against an eager EXTEND and eager DECODE steps, from the same draft state."""
+    from test_head_graphs import round_matches_eager
+
+    llm, *_ = _eagle3(tmp_path, "float32", caplog)
+    prop = llm.scheduler.spec.proposer
+    for lens, news, ks in ROUNDS:
+        (graph, graph_ids), (eager, eager_ids) = round_matches_eager(prop, prop.head_graphs,
+                                                                     lens, news, ks)
+        assert [len(d) for d in eager] == ks
+        assert graph == eager and graph_ids == eager_ids, (lens, news, ks)
+
+
 def test_eagle3_generation_with_head_graphs_keeps_output_and_drafts(tmp_path, caplog):
     """float32 greedy generation: EAGLE-3 with head graphs = the target without speculation,
-    and its every proposal = an engine's whose head steps run eagerly; the graph chain ran."""
+    and its every proposal = an engine's whose head steps run eagerly; graph rounds ran."""
     from test_head_graphs import eagle3_engine, generate_with_drafts
     from test_speculative_models import PROMPTS
 
@@ -100,8 +125,8 @@ def test_eagle3_generation_with_head_graphs_keeps_output_and_drafts(tmp_path, ca
     runner = llm.scheduler.spec.proposer.head_graphs
     assert runner is not None
     calls = []
-    orig = runner.run_chain
-    runner.run_chain = lambda *a: calls.append(len(a[0])) or orig(*a)
+    orig = runner.run_round
+    runner.run_round = lambda *a: calls.append(len(a[0])) or orig(*a)
     out, drafts = generate_with_drafts(llm, PROMPTS, sp)
     assert out == want and calls
     eager = eagle3_engine(target, head, **kw)
