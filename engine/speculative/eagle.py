@@ -21,7 +21,8 @@ anyway (``CausalLM.set_capture_hidden``): no second target pass.
 
 Checkpoint names may carry a ``model.`` prefix; ``t2d`` (its inverse map) is not needed.
 The head's KV (its own small pool, one layer) and the chain are ``ModelProposer``'s
-(``engine/speculative/draft.py``); drafts are greedy, a chain (topk 1).
+(``engine/speculative/draft.py``); drafts are greedy, a chain (topk 1). On an accelerator
+with graphs a round replays the head's own graphs (``engine/speculative/head_graphs.py``).
 """
 
 from __future__ import annotations
@@ -328,8 +329,8 @@ class EagleProposer(ModelProposer):
             fused_ops=not args.disable_fused_ops)
         super().__init__(self.kv_pool, self.req_to_token_pool,
                          prefill_budget(args, target.device_type))
-        #: the head's DECODE steps as device graphs, where the target's decode steps have
-        #: theirs (``engine/speculative/head_graphs.py``); None: eager steps
+        #: the head's draft rounds (catch-up + chain) as device graphs, where the target's
+        #: decode steps have theirs (``engine/speculative/head_graphs.py``); None: eager
         self.head_graphs = None
         if target.graph_runner is not None and self.attn_backend.supports_graphs:
             from engine import device as dev
