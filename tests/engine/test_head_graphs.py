@@ -1,9 +1,11 @@
-"""The EAGLE head's DECODE chain on static buffers (``engine/speculative/head_graphs.py``,
-issue 26) on the CPU, where nothing is captured: the host-side packing against hand values,
-the chain's drafts against the eager step-by-step loop (``ModelProposer.decode_steps``) on
-the same draft state, and a whole greedy generation (output = the target's without
-speculation, drafts = those of an engine with eager head steps). The GPU tests
-(``test_speculative_models_gpu.py``) run the same checks on captured graphs."""
+"""The EAGLE head's graph paths on static buffers (``engine/speculative/head_graphs.py``,
+issue 26) on the CPU, where nothing is captured: the host-side packing against hand values;
+the chain's drafts against the eager step-by-step loop (``ModelProposer.decode_steps``) and
+a whole round (catch-up as DECODE rows, then the chain) against an eager EXTEND + steps, from
+the same draft state; the start-up check (passes, and fails for a stale replay); and a whole
+greedy generation (output = the target's without speculation, drafts = those of an engine
+with eager head steps). The GPU tests (``test_speculative_models_gpu.py``) run the same
+checks on captured graphs."""
 
 from __future__ import annotations
 
