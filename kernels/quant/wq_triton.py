@@ -4,6 +4,8 @@
 with fp16 or bf16 activations; fp32 activations multiply in IEEE fp32). One code path for
 CUDA and XPU, by the number of rows M:
 
+- q4, ``M <= GEMV_MAX_M`` (4, bs1-4 decode): the GEMV kernels of :mod:`kernels.quant.wq_gemv`
+  (no ``tl.dot``; nibbles to floats by bit operations), K split in up to 8 parts;
 - ``M <= SMALL_M_MAX`` (16, decode): a ``BLOCK_M = 16`` tile of x against ``BLOCK_N``
   weight rows, K split into up to 8 parts so that about 2048 programs stream the weights
   (the FP8 small-M kernel's scheme, ``kernels/split_k.py``: the last part of a block of
@@ -20,7 +22,8 @@ byte ``b`` of a 32-weight chunk ``c`` holds weight ``32c + b`` in its low nibble
 ``32c + 16 + b`` in its high nibble, so the tile is two ``tl.dot``s: the low nibbles against
 the x columns ``32c + b`` and the high ones against ``32c + 16 + b``. When the tile lies in
 one quantization group (``G % BLOCK_K == 0``: AWQ/GPTQ groups of 128 or more) the integer
-codes (exact in fp16/bf16) are multiplied and each product is scaled in fp32 afterwards:
+codes (as 16-bit floats ``1024 + q`` / ``128 + q`` made by or-ing the exponent bits, the
+offset taken off after the dot) are multiplied and each product is scaled in fp32 afterwards:
 ``sum_k x q s + m x`` = ``s (x . q) + m (sum x)``; otherwise (GGUF's 32-weight blocks) the
 codes are dequantized in registers (``s q + m`` in fp32, cast to x's dtype) before the dot.
 Accumulation is fp32 throughout. The tests run every path in the interpreter against
@@ -47,7 +50,7 @@ GEMV_MAX_M = int(os.environ.get("FERRY_WQ_GEMV_MAX_M", 4))
 #: it: the kernel's tiles against cuBLAS at prefill sizes are not measured yet)
 DEQUANT_MIN_M = int(os.environ.get("FERRY_WQ_DEQUANT_MIN_M", 256))
 #: :func:`wq_dequant`'s program: rows, weights of K, warps
-DEQUANT_BLOCK = (32, 128, 4)
+DEQUANT_BLOCK = (16, 256, 4)  # the H200 sweep's best of five (2.8-3.2 TB/s)
 
 
 @triton.jit
@@ -202,7 +205,9 @@ def wq_config(m: int, n: int, k: int, group: int, device_type: str = "cuda",
               q4: bool = True) -> dict:
     """Launch parameters of :func:`wq_linear`'s kernel (M <= ``DEQUANT_MIN_M``).
 
-    M <= 16: ``16 x 64`` tiles of 128 weights of K, K split into up to 8 parts so that about
+    q4, M <= ``GEMV_MAX_M``: the GEMV kernel, 128 weight rows and 128 weights of K per
+    program, K in up to 8 parts (the H200 sweep's best). M <= 16: ``16 x 64`` tiles of 128
+    weights of K, K split into up to 8 parts so that about
     2048 programs run, 4 warps and 4 stages (the FP8 small-M kernel's rule from its H200
     sweep). Larger M: ``BLOCK_M`` the next power of two up to 64; when the tiles of 64
     columns already make >= 256 programs, 128 columns and no split, else 64 columns with K
@@ -214,10 +219,12 @@ def wq_config(m: int, n: int, k: int, group: int, device_type: str = "cuda",
     trusted = split_k_trusted(device_type)
     k_tiles = triton.cdiv(k, block_k)
     if m <= GEMV_MAX_M and q4 and group % 32 == 0:
-        # the H200 sweep (2026-12-02, docs/benchmarks.md): 64 rows, K in 8 parts, 4 warps
+        # the H200 sweep (2026-12-02, docs/benchmarks.md): 128 rows, K in 8 parts, 8 warps
+        # (4 for the widest weights, gate_up's 28672 rows)
         split = min(8, k_tiles) if trusted else 1
-        return dict(GEMV=True, SPLIT_K=split, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=64,
-                    BLOCK_K=block_k, **dot_kernel_options(4, 2, device_type))
+        return dict(GEMV=True, SPLIT_K=split, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=128,
+                    BLOCK_K=block_k, **dot_kernel_options(8 if n <= 16384 else 4, 2,
+                                                          device_type))
     if m <= SMALL_M_MAX:
         split = max(1, min(8, 2048 // triton.cdiv(n, 64), k_tiles)) if trusted else 1
         return dict(SPLIT_K=split, BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k,
