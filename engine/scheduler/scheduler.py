@@ -40,6 +40,9 @@ FUTURE_TOKENS_CLIP = 4096
 PROMPT_LOGPROBS_CHUNK = 512  # prompt tokens per step for a request that wants their logprobs
 
 
+LORA_MAX_DEFER_S = 0.5  # seconds a request may wait for an adapter slot (see _build_extend)
+
+
 class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
     """Continuous-batching scheduler over a ``ModelRunner``.
 
@@ -208,6 +211,11 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
         if self.chunked is not None and self.chunked.lora_id is not None:
             adapters.add(self.chunked.lora_id)
         max_adapters = getattr(self.args, "max_loras_per_batch", 0)
+        # adapters kept out > LORA_MAX_DEFER_S hold back the other adapters' requests until a
+        # slot drains and goes to them (no adapter starves)
+        now = time.time()
+        starved = {r.lora_id for r in self.waiting if r.lora_id not in adapters and r.lora_id
+                   is not None and now - r.recv_time > LORA_MAX_DEFER_S} if max_adapters else ()
         while budget > 0:
             if self.chunked is not None:
                 req = self.chunked
@@ -218,6 +226,9 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
                 if (req.lora_id is not None and req.lora_id not in adapters
                         and len(adapters) >= max_adapters):
                     deferred.append(self.waiting.popleft())  # its adapter has no slot now
+                    continue
+                if starved and req.lora_id is not None and req.lora_id not in starved:
+                    deferred.append(self.waiting.popleft())  # behind a starved adapter
                     continue
                 head = self._head(req)
                 if head in heads and self._wait_for_twin(req, heads[head]):

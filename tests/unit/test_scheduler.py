@@ -342,3 +342,53 @@ def test_a_request_that_fills_the_whole_pool_finishes(page_size):
     assert long.output_ids == expected(long.origin_input_ids, 1040)
     assert sched.stats["preemptions"] == 0   # alone, it never has to give up its KV
     assert_idle(sched)
+
+
+def test_a_request_waiting_for_an_adapter_slot_is_not_starved():
+    """One adapter slot: a request for adapter 2 that has waited past LORA_MAX_DEFER_S holds
+    back a later request for the running adapter 1, so adapter 1 drains and 2 runs next
+    (without the hold, a steady stream for adapter 1 keeps adapter 2 out)."""
+    class Adapters:  # the scheduler's side of LoRAManager: who holds which adapter
+        held: dict[int, int] = {}
+
+        def acquire(self, i):
+            self.held[i] = self.held.get(i, 0) + 1
+
+        def release(self, i):
+            self.held[i] -= 1
+
+    runner = FakeRunner(max_total_tokens=4096)
+    runner.lora = Adapters()
+    sched = Scheduler(ServerArgs(chunked_prefill_size=256, max_running_requests=8,
+                                 max_loras_per_batch=1), runner)
+    sched.check_kv = True
+
+    def req(rid, lora, n=4):
+        return Req(rid, [7] * n, SamplingParams(max_tokens=5, temperature=0), lora_id=lora)
+
+    first, starved = req("a1-first", 1), req("a2", 2)
+    sched.add_request(first)
+    sched.step()
+    starved.recv_time -= 1.0  # it has waited a second already
+    sched.add_request(starved)
+    sched.add_request(later := req("a1-later", 1))
+    order = []
+    while sched.has_work():
+        sched.step()
+        for r in (starved, later):
+            if r.scheduled_time is not None and r.rid not in order:
+                order.append(r.rid)
+    assert order == ["a2", "a1-later"]
+    for r in (first, starved, later):
+        assert r.output_ids == expected(r.origin_input_ids, 5)
+    assert_idle(sched)
+    # a fresh request for adapter 2 (not yet past the bound) does not hold adapter 1 back
+    sched.add_request(a := req("a1-again", 1))
+    sched.step()
+    sched.add_request(fresh := req("a2-fresh", 2))
+    sched.add_request(more := req("a1-more", 1))
+    sched.step()
+    assert more.scheduled_time is not None and fresh.scheduled_time is None
+    run_all(sched, [])
+    assert a.finished_reason is not None and fresh.output_ids == expected([7] * 4, 5)
+    assert all(n == 0 for n in runner.lora.held.values())
