@@ -82,8 +82,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--load-format", default="auto",
-                   help="dummy: random weights (a GPU run of a config's shape; greedy outputs "
-                        "of random weights repeat, so NGRAM's drafts land often)")
+                   help="dummy: random weights (a GPU run of a config's shape; their greedy "
+                        "outputs did not repeat within 256 tokens on the H200, so NGRAM's "
+                        "drafts land on real weights only)")
+    p.add_argument("--gguf-dequantize", action="store_true",
+                   help="a GGUF model's weights dequantized to --dtype (not kept in blocks)")
     p.add_argument("--tokenizer-path", default=None,
                    help="the chat template's tokenizer (needed for a config without one)")
     p.add_argument("--algorithm", default="NGRAM")
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     ns = p.parse_args(argv)
 
     llm = LLM(ns.model_path, device=ns.device, dtype=ns.dtype, load_format=ns.load_format,
-              tokenizer_path=ns.tokenizer_path,
+              tokenizer_path=ns.tokenizer_path, gguf_dequantize=ns.gguf_dequantize,
               speculative_algorithm=ns.algorithm,
               speculative_num_draft_tokens=ns.num_draft_tokens,
               speculative_draft_model_path=ns.draft_model_path,

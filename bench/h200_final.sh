@@ -2,7 +2,7 @@
 # One bounded GPU call: `bash bench/h200_final.sh PART...` runs the named parts, each with its
 # own time limit, so the call ends inside the device budget (the stages of bench/h200_run.sh
 # run the same commands without the bounds). Parts: wq-tests awq-latency awq-sweep lora
-# lora-serving spec-gputest eagle3 bf16-latency.
+# lora-serving spec-gputest eagle3 bf16-latency ngram-real stash-gguf1.
 set -u
 OUT=${OUT:-./out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -35,5 +35,14 @@ for p in "$@"; do case $p in
       --tokenizer-path .tok --algorithm EAGLE3 \
       --draft-model-path engine/configs/eagle3-llama-3.1-8b-smolvocab.json --num-steps 3 \
       --batch-sizes 1 --workloads copy --max-tokens 96 --result-jsonl "$OUT/spec-eagle3.jsonl";;
+  ngram-real) # NGRAM on real weights: the embedded SmolLM2 GGUF (98 MB) travels in two calls
+      # (.gguf1/part1 stored as /tmp/g1 by `stash-gguf1` in the first, .gguf2/part2 here)
+      cat /tmp/g1 ../.gguf2/part2 > /tmp/smol.gguf 2>/dev/null || cat /tmp/g1 .gguf2/part2 > /tmp/smol.gguf
+      part ngram-real 200 python3 -m bench.bench_speculative --model-path /tmp/smol.gguf \
+        --gguf-dequantize --dtype bfloat16 --device cuda --algorithm NGRAM --batch-sizes 1 16 \
+        --workloads copy other --max-tokens 128 --result-jsonl "$OUT/ngram-real.jsonl";;
+  stash-gguf1) cp .gguf1/part1 /tmp/g1 2>/dev/null || cp ../.gguf1/part1 /tmp/g1; ls -la /tmp/g1;;
   *) echo "unknown part $p";;
 esac; done
+# at most 8 files come back: every log and result in one archive
+(cd "$OUT" && tar czf results.tgz --exclude results.tgz . && find . -type f ! -name results.tgz -delete)
