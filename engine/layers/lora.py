@@ -6,6 +6,7 @@ step may use (``--max-loras-per-batch`` slots, rank ``--max-lora-rank`` each), s
 captured once serves any adapter mix:
 
     a      [P, S, R, K_rank] float, the model dtype: part p's ``lora_A`` rows [0, r)
+                             (in memory [S, P, R, K_rank] on the torch path, below)
     b      [S, R, N_rank]    ``lora_B`` transposed, times the adapter's scale, rows [0, r),
                              the parts' columns side by side as in the layer's output
 
@@ -17,15 +18,19 @@ sum that the layer's all-reduce adds up with the base output.
 
 All the layers of a model share one :class:`LoRABatch`, which the model runner fills before
 each step (segments: one per request, with its slot, -1 for the base model). The delta runs
-through ``kernels.lora`` (Triton) on an accelerator and through the torch path, grouped by
-slot, on the CPU.
+through ``kernels.lora`` (Triton) on an accelerator and through the torch path
+(``kernels.lora_torch``) on the CPU. For the torch path the batch works out once per step
+which slots the step uses (a range ``[first, first + U)``) and each row's mask over them, and
+the slots keep ``a`` slot-major in memory (``[S, P, R, K]``, seen as ``[P, S, R, K]``) with
+2-D views of each slot range cached, so a projection's delta is 1 + 2P ops over the U slots'
+bytes only.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.lora_torch import lora_apply_torch
+from kernels.lora_torch import lora_apply_slots
 
 
 class LoRABatch:
@@ -35,7 +40,10 @@ class LoRABatch:
         active: False when no row of the step uses an adapter (the layers skip LoRA).
         seg_start, seg_len, seg_slot: [G] int32 device tensors (Triton path).
         max_len: the longest segment in tokens (host int).
-        onehot: [T, S] in the model dtype, 1 at each row's slot (torch path).
+        first_slot, num_used: the torch path's slot range ``[first_slot, first_slot +
+            num_used)``: every slot the step's rows use lies in it.
+        mask: [T, num_used, 1] in the model dtype, 1 at each row's slot in the range (a zero
+            row for base rows), or None when every row uses the one slot (torch path).
         use_triton: run the Triton kernels (accelerators) or the torch path (CPU).
     """
 
@@ -46,7 +54,8 @@ class LoRABatch:
         self.active = False
         self.seg_start = self.seg_len = self.seg_slot = None
         self.max_len = 0
-        self.onehot: torch.Tensor | None = None
+        self.first_slot = self.num_used = 0
+        self.mask: torch.Tensor | None = None
 
     def set_segments(self, starts: list[int], lens: list[int], slots: list[int],
                      device: torch.device, seg_tensors=None) -> None:
@@ -65,10 +74,17 @@ class LoRABatch:
             self.seg_start, self.seg_len, self.seg_slot = seg_tensors
             self.max_len = max(lens)
             return
-        row_slot = torch.tensor([slot for n, slot in zip(lens, slots) for _ in range(n)])
-        onehot = torch.zeros(len(row_slot), self.num_slots + 1, dtype=self.dtype)
-        onehot[torch.arange(len(row_slot)), row_slot] = 1  # base rows: the extra column -1
-        self.onehot = onehot[:, :self.num_slots].to(device)
+        used = [s for s in slots if s >= 0]
+        first = min(used)
+        self.first_slot, self.num_used = first, max(used) + 1 - first
+        if len(used) == len(slots) and self.num_used == 1:
+            self.mask = None  # every row on one slot: no mask
+            return
+        row_slot = torch.tensor([slot - first if slot >= 0 else self.num_used
+                                 for n, slot in zip(lens, slots) for _ in range(n)])
+        mask = torch.zeros(len(row_slot), self.num_used + 1, dtype=self.dtype)
+        mask[torch.arange(len(row_slot)), row_slot] = 1  # base rows: the extra column
+        self.mask = mask[:, :self.num_used].contiguous().view(-1, self.num_used, 1).to(device)
 
     def set_static(self, seg_start: torch.Tensor, seg_len: torch.Tensor,
                    seg_slot: torch.Tensor, max_len: int) -> None:
@@ -100,9 +116,17 @@ class LoRASlots:
         self.max_rank = max_rank
         self.batch = batch
         r = max_rank
-        self.a = torch.zeros(len(parts), num_slots, r, in_features, dtype=dtype, device=device)
+        p_num = len(parts)
+        if batch.use_triton:
+            self.a = torch.zeros(p_num, num_slots, r, in_features, dtype=dtype, device=device)
+        else:  # slot-major in memory (a slot range is one 2-D view), [P, S, R, K] in shape
+            self.a = torch.zeros(num_slots, p_num, r, in_features, dtype=dtype,
+                                 device=device).transpose(0, 1)
         self.b = torch.zeros(num_slots, r, sum(n for _, n, _ in parts), dtype=dtype,
                              device=device)
+        #: torch path: ``(first slot, U) -> (A [U*P*R, K], [B_p [U*R, n_p]])`` views of the
+        #: slot range (the buffers are only ever written in place, so views stay valid)
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.a, self.b))
@@ -145,4 +169,14 @@ class LoRASlots:
 
             return lora_apply_triton(x, y, self.a, self.b, self.cols, batch.seg_start,
                                      batch.seg_len, batch.seg_slot, batch.max_len)
-        return lora_apply_torch(x, y, self.a, self.b, self.cols, batch.onehot)
+        key = (batch.first_slot, batch.num_used)
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = self._range_views(*key)
+        return lora_apply_slots(x, y, views[0], views[1], self.cols, batch.mask)
+
+    def _range_views(self, first: int, u: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        p_num, _, r, k = self.a.shape
+        a2 = self.a.transpose(0, 1)[first:first + u].view(u * p_num * r, k)
+        b2 = self.b[first:first + u].view(u * r, self.b.shape[2])
+        return a2, [b2[:, off:off + n] for off, n in self.cols]

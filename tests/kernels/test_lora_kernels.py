@@ -115,6 +115,47 @@ def test_lora_triton_matches_loop_per_adapter(dtype, case, layout):
     assert torch.equal(out_t[base], y[base]), "torch path changed base rows"
 
 
+
+# (segment lengths, slots): steps whose slots span a range [first, first + U) of the 3
+# slots, one with every row on one slot (no mask), and base rows inside a range
+RANGE_CASES = [
+    ([1, 1, 1, 1], [1, 2, 2, 1]),       # slots 1..2 (U = 2), no base rows
+    ([1, 1, 1], [2, -1, 2]),            # one slot (2) with a base row: a mask of one column
+    ([5, 1, 1], [1, 1, 1]),             # every row on slot 1: no mask
+    ([1], [0]),                         # bs1 on slot 0: no mask
+    ([3, 1, 1, 2], [0, 2, -1, 0]),      # the full range with a gap (slot 1 unused)
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", range(len(RANGE_CASES)))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("slot_major", [False, True])
+def test_lora_torch_slot_range_matches_loop_per_adapter(dtype, case, layout, slot_major):
+    """The torch path over only the slots a step uses (``first_slot`` and a [T, U] mask,
+    or no mask when every row has the one slot), with A stored part-major (the Triton
+    layout, copied) or slot-major (the CPU slots' layout, read in place), against the
+    float64 loop."""
+    parts_n = LAYOUTS[layout]
+    lens, slots = RANGE_CASES[case]
+    a, b, ref = _adapters(dtype, ranks=(8, 16, 64), seed=20 + case, parts_n=parts_n)
+    if slot_major:
+        a = a.transpose(0, 1).contiguous().transpose(0, 1)
+    x, y, segs = _batch(lens, slots, dtype, seed=30 + case, parts_n=parts_n)
+    want = _reference(x, y, segs, ref, parts_n)
+    used = [sl for sl in slots if sl >= 0]
+    first, u = min(used), max(used) + 1 - min(used)
+    mask = None
+    if u > 1 or len(used) < len(slots):
+        mask = torch.zeros(len(y), u, dtype=dtype)
+        for s0, n, sl in segs:
+            if sl >= 0:
+                mask[s0:s0 + n, sl - first] = 1
+    out = lora_apply_torch(x, y.clone(), a, b, _cols(parts_n), mask, first)
+    assert_close(out - y, want - y.double(), dtype, "torch LoRA delta over a slot range")
+    base = [i for s0, n, sl in segs if sl < 0 for i in range(s0, s0 + n)]
+    assert torch.equal(out[base], y[base]), "torch path changed base rows"
+
 def test_lora_shrink_expand_hand_values():
     """One row, rank 2, K 3: s = A x and y += B s, computed by hand."""
     dev = torch.device(DEVICE)
