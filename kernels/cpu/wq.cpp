@@ -5,11 +5,13 @@
 //   q8: qweight int8 [N, K], scales [N, K/G], weight = scale * q.
 //
 // wq_linear(x [M, K] fp32/bf16, qweight, scales, mins?) -> [M, N] in x's dtype, for small M
-// (decode): it reads the packed weights once per tile of up to 4 activation rows, unpacks 32
-// weights at a time to fp32 and accumulates x * q per group in fp32, then adds
-// scale * dot + min * sum(x over the group) (the min term needs only the activations' group
-// sums, computed once per call). AVX2+FMA+F16C where the build has them, scalar loops
-// otherwise. Threads over output rows (at::parallel_for, torch's intra-op pool).
+// (decode). With 1-3 activation rows it unpacks 32 weights at a time to fp32 and accumulates
+// x * q per group in fp32, then adds scale * dot + min * sum(x over the group) (the min term
+// needs only the activations' group sums, computed once per call). With 4 or more rows it
+// reads the packed weights once per tile of up to 16 rows: each 32 weights are unpacked and
+// dequantized (scale * q + min) to fp32 once and multiplied into every row of the tile.
+// AVX2+FMA+F16C where the build has them, scalar loops otherwise. Threads over output rows
+// (at::parallel_for, torch's intra-op pool).
 //
 // wq_dequant(qweight, scales, mins?, dtype) -> [N, K] float32/bfloat16 (prefill: the caller
 // multiplies with torch's GEMM). Both are exact in fp32 up to the order of the sums; built
@@ -72,6 +74,8 @@ inline void unpack_q4(const uint8_t* p, __m256 w[4]) {
   w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
 }
 constexpr int kQ4Order[4] = {0, 16, 8, 24};
+// the most activation rows that share one unpacking of the weights (rows_avx2_multi)
+constexpr int kMultiMaxM = 16;
 constexpr int kQ8Order[4] = {0, 8, 16, 24};
 inline void unpack_q8(const int8_t* p, __m256 w[4]) {
   for (int i = 0; i < 4; ++i)
@@ -146,6 +150,67 @@ void rows_avx2(const float* x, int64_t K, const float* xs, const uint8_t* qw, co
     }
   }
 }
+
+// Output rows [n0, n1) for MT (4..16) activation rows at once: each 32-weight chunk is
+// unpacked and dequantized (scale * q + min, one FMA) to fp32 once, in registers, and then
+// multiplied into all MT rows (one accumulator per row; GCC keeps what fits in the 16 ymm
+// registers and spills the rest to L1). The rows_avx2 tiles above re-unpack every chunk for
+// each tile of up to 4 rows and fold the scale per (row, group); here that is done once per
+// chunk, so at 8-16 rows the work per weight is the row FMAs alone.
+template <bool Q4, typename S, int MT>
+void rows_avx2_multi(const float* x, int64_t K, const uint8_t* qw, const S* sc, const S* mn,
+                     int64_t G, int64_t n0, int64_t n1, float* y, int64_t N, float* sbuf,
+                     float* mbuf) {
+  const int64_t ng = K / G, cpg = G / 32;
+  const int64_t row_bytes = Q4 ? K / 2 : K;
+  const int64_t chunk_bytes = Q4 ? 16 : 32;
+  const int* order = Q4 ? kQ4Order : kQ8Order;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = qw + n * row_bytes;
+    const float* s = row_floats(sc + n * ng, ng, sbuf);
+    const float* mg = Q4 ? row_floats(mn + n * ng, ng, mbuf) : nullptr;
+    __m256 acc[MT];
+    for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ng; ++g) {
+      const __m256 sg = _mm256_broadcast_ss(s + g);
+      const __m256 mv = Q4 ? _mm256_broadcast_ss(mg + g) : _mm256_setzero_ps();
+      for (int64_t c = g * cpg; c < (g + 1) * cpg; ++c) {
+        __m256 w[4];
+        if constexpr (Q4) {
+          unpack_q4(row + c * chunk_bytes, w);
+          for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(w[i], sg, mv);
+        } else {
+          unpack_q8(reinterpret_cast<const int8_t*>(row) + c * chunk_bytes, w);
+          for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(w[i], sg);
+        }
+        const float* xc = x + c * 32;
+        for (int m = 0; m < MT; ++m) {
+          const float* xp = xc + m * K;
+          // two short chains per row: the rows give the FMA units their independent work
+          const __m256 t0 = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xp + order[0]), acc[m]);
+          const __m256 t1 = _mm256_mul_ps(w[1], _mm256_loadu_ps(xp + order[1]));
+          const __m256 u0 = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xp + order[2]), t0);
+          const __m256 u1 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xp + order[3]), t1);
+          acc[m] = _mm256_add_ps(u0, u1);
+        }
+      }
+    }
+    for (int m = 0; m < MT; ++m) y[m * N + n] = hsum(acc[m]);
+  }
+}
+
+//  one tile of mt (4..16) rows: the instance for that many
+template <bool Q4, typename S, int MT = 4>
+void rows_multi_dispatch(int mt, const float* x, int64_t K, const uint8_t* qw, const S* sc,
+                         const S* mn, int64_t G, int64_t n0, int64_t n1, float* y, int64_t N,
+                         float* sbuf, float* mbuf) {
+  if constexpr (MT <= kMultiMaxM) {
+    if (mt == MT)
+      rows_avx2_multi<Q4, S, MT>(x, K, qw, sc, mn, G, n0, n1, y, N, sbuf, mbuf);
+    else
+      rows_multi_dispatch<Q4, S, MT + 1>(mt, x, K, qw, sc, mn, G, n0, n1, y, N, sbuf, mbuf);
+  }
+}
 #endif
 
 // the same computation with scalar loops (no AVX2 in the build)
@@ -201,9 +266,15 @@ void linear_impl(const float* x, int64_t M, int64_t K, const uint8_t* qw, const 
     std::vector<float> buf(2 * ng);
     float *sb = buf.data(), *mb = buf.data() + ng;
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4)
-      rows_avx2<Q4, S, 4, 2>(x + m * K, K, xs.data() + m * ng, qw, sc, mn, G, n0, n1,
-                             y + m * N, N, sb, mb);
+    // tiles of up to 16 rows, as even as they go (17 rows: 9 + 8); 4 rows or more take the
+    // shared-unpacking kernel, 1-3 the per-row-group one (less work per weight at M = 1)
+    const int64_t tiles = (M + kMultiMaxM - 1) / kMultiMaxM;
+    for (int64_t t = 0; t < tiles && M - m >= 4; ++t) {
+      const int64_t mt = (M - m + (tiles - t) - 1) / (tiles - t);
+      rows_multi_dispatch<Q4, S>(static_cast<int>(mt), x + m * K, K, qw, sc, mn, G, n0, n1,
+                                 y + m * N, N, sb, mb);
+      m += mt;
+    }
     for (; m + 2 <= M; m += 2)
       rows_avx2<Q4, S, 2, 4>(x + m * K, K, xs.data() + m * ng, qw, sc, mn, G, n0, n1,
                              y + m * N, N, sb, mb);
