@@ -340,7 +340,8 @@ class EagleProposer(ModelProposer):
             self.head_graphs = dev.capture_or_eager(
                 target.device_type, "EAGLE head graphs",
                 lambda: HeadGraphRunner(self, bs, max(64, bs * (1 + num_draft_tokens(args))),
-                                        target.graph_pool()))
+                                        target.graph_pool(),
+                                        steps=max(0, num_draft_tokens(args) - 1)))
             if self.head_graphs is not None and not dev.graph_check_skipped():
                 ok, detail = check_head_graphs(self, self.head_graphs)
                 log = logger.info if ok else logger.warning

@@ -2,7 +2,9 @@
 issue 26) on the CPU, where nothing is captured: the host-side packing against hand values;
 the chain's drafts against the eager step-by-step loop (``ModelProposer.decode_steps``) and
 a whole round (catch-up as DECODE rows, then the chain) against an eager EXTEND + steps, from
-the same draft state; the start-up check (passes, and fails for a stale replay); and a whole
+the same draft state, for a chain of the runner's usual length (the whole chain's function,
+what its chain graph runs) and of another (the one-step function per step); a runner's
+limits; the start-up check (catch-up, whole round, one step) (passes, and fails for a stale replay); and a whole
 greedy generation (output = the target's without speculation, drafts = those of an engine
 with eager head steps). The GPU tests (``test_speculative_models_gpu.py``) run the same
 checks on captured graphs."""
@@ -16,7 +18,7 @@ from engine.sampling.params import SamplingParams
 
 
 def test_pack_chain_positions_slots_and_padding():
-    from engine.speculative.head_graphs import pack_chain
+    from engine.speculative.head_packing import pack_chain
 
     # request A: req_to_token row 5, base 100, 7 KV entries, 3 steps; B: row 3, base 0,
     # 2 entries, 1 step; the batch padded to 4
@@ -37,7 +39,7 @@ def test_pack_chain_positions_slots_and_padding():
 
 
 def test_pack_rows_of_a_catch_up():
-    from engine.speculative.head_graphs import pack_rows
+    from engine.speculative.head_packing import pack_rows
 
     # request A: row 5, base 100, 7 entries, 2 new rows; B: row 3, base 0, 2 entries, 1 row
     rows, last = pack_rows([(5, 100, 7, [40, 41], [9, 10]), (3, 0, 2, [8], [4])], rb=4,
@@ -196,28 +198,66 @@ def proposer(paths):
     return prop
 
 
+def spied(runner):
+    """``runner`` counting the calls of its graph functions (``_catch_up``, the whole
+    chain's ``_chain_steps``, the one-step ``_step``)."""
+    calls = {"_catch_up": 0, "_chain_steps": 0, "_step": 0}
+    for name in calls:
+        real = getattr(runner, name)
+        setattr(runner, name, lambda n, _real=real, _name=name:
+                calls.__setitem__(_name, calls[_name] + 1) or _real(n))
+    return calls
+
+
+# a chain of the runner's steps (3 for the longest, k = 4) is one call of the whole chain's
+# function; a runner of 4 steps runs the same chains one step at a time
+@pytest.mark.parametrize("graph_steps", [3, 4])
 @pytest.mark.parametrize("lens,ks", [([5], [4]), ([5, 9, 17], [4, 2, 3]),
                                      ([4, 6, 8, 10, 12], [3, 3, 4, 2, 4])])
-def test_chain_drafts_match_eager_steps(proposer, lens, ks):
+def test_chain_drafts_match_eager_steps(proposer, lens, ks, graph_steps):
     from engine.speculative.head_graphs import HeadGraphRunner
 
-    runner = HeadGraphRunner(proposer, 8, capture=False)
+    runner = HeadGraphRunner(proposer, 8, capture=False, steps=graph_steps)
+    calls = spied(runner)
     (chain, chain_ids), (steps, step_ids) = chain_matches_steps(proposer, runner, lens, ks)
     assert [len(d) for d in steps] == ks
     assert chain == steps and chain_ids == step_ids
+    whole = graph_steps == max(ks) - 1
+    assert calls == {"_catch_up": 0, "_chain_steps": int(whole),
+                     "_step": 0 if whole else max(ks) - 1}
 
 
 @pytest.mark.parametrize("lens,news,ks", [([5], [1], [4]), ([5, 9, 17], [4, 1, 2], [4, 2, 3]),
                                           ([4, 6, 8, 10, 12], [2, 2, 3, 1, 4], [3, 3, 4, 1, 4]),
                                           ([5, 7], [2, 3], [1, 1])])
-def test_round_drafts_match_an_eager_round(proposer, lens, news, ks):
+@pytest.mark.parametrize("graph_steps", [3, 4])
+def test_round_drafts_match_an_eager_round(proposer, lens, news, ks, graph_steps):
     from engine.speculative.head_graphs import HeadGraphRunner
 
-    runner = HeadGraphRunner(proposer, 8, 16, capture=False)
+    runner = HeadGraphRunner(proposer, 8, 16, capture=False, steps=graph_steps)
+    calls = spied(runner)
     (chain, chain_ids), (eager, eager_ids) = round_matches_eager(proposer, runner, lens, news,
                                                                  ks)
     assert [len(d) for d in eager] == ks
     assert chain == eager and chain_ids == eager_ids
+    steps = max(ks) - 1
+    whole = steps == graph_steps
+    assert calls == {"_catch_up": 1, "_chain_steps": int(whole),
+                     "_step": 0 if whole else steps}
+
+
+def test_a_runner_refuses_past_its_buckets(proposer):
+    """Batches, catch-ups and chains past what the runner holds: can_run says no, the
+    runs raise, draft_round leaves the round to the eager path (nothing done)."""
+    from engine.speculative.head_graphs import HeadGraphRunner, draft_round
+
+    runner = HeadGraphRunner(proposer, 2, 8, capture=False, steps=2)
+    assert runner.can_run(2, 8, 2)
+    assert not runner.can_run(3) and not runner.can_run(1, 9) and not runner.can_run(1, 1, 3)
+    with pytest.raises(ValueError):
+        runner.run_chain([(1, 0, 0, [1, 2, 3], 0)], None, 3)
+    work = [[0, None, [5], torch.zeros(1, 1)]]
+    assert not draft_round(proposer, runner, work, [[]], [4])
 
 
 def test_generation_through_the_graph_paths_keeps_output_and_drafts(paths):
@@ -235,7 +275,7 @@ def test_generation_through_the_graph_paths_keeps_output_and_drafts(paths):
     assert out == want
     llm = eagle3_engine(*paths, **KW)
     prop = llm.scheduler.spec.proposer
-    prop.head_graphs = runner = HeadGraphRunner(prop, 4, 16, capture=False)
+    prop.head_graphs = runner = HeadGraphRunner(prop, 4, 16, capture=False, steps=2)
     calls = {"run_chain": 0, "run_round": 0}
     for name in calls:
         real = getattr(runner, name)
@@ -247,16 +287,17 @@ def test_generation_through_the_graph_paths_keeps_output_and_drafts(paths):
     assert llm.scheduler.spec.info()["head_graphs"] is True
 
 
-@pytest.mark.parametrize("broken", ["_step", "_catch_up"])
+@pytest.mark.parametrize("broken", ["_step", "_catch_up", "_chain_steps"])
 def test_start_up_check_passes_right_graphs_and_drops_a_wrong_one(proposer, monkeypatch,
                                                                   broken):
     from engine.speculative.head_graphs import HeadGraphRunner, check_head_graphs
 
     prop = proposer
-    runner = HeadGraphRunner(prop, 4, 16, capture=False)
+    runner = HeadGraphRunner(prop, 4, 16, capture=False, steps=2)
     rows = prop.req_pool.available()
     ok, detail = check_head_graphs(prop, runner)
     assert ok and "catch-up: max |replay - eager|" in detail and "chain: " in detail
+    assert "round of 2 steps: max |replay - eager|" in detail
     assert prop.used_tokens() == 0 and prop.req_pool.available() == rows
     real = getattr(runner, broken)
 

@@ -59,10 +59,12 @@ def _eagle3(tmp_path, dtype, caplog):
     return llm, target, head, kw
 
 
-# (request lengths, chain lengths): batches of a bucket's size (1, 2, 4, 8) and padded ones
-CHAINS = [([5], [4]), ([7, 30], [4, 4]), ([5, 9, 17, 40], [4, 2, 3, 4]),
-          ([4, 6, 8, 10, 12, 14, 16, 90], [4] * 8), ([5, 9, 17], [4, 2, 3]),
-          ([4, 6, 8, 10, 12], [3, 3, 4, 2, 4])]
+# (request lengths, chain lengths): batches of a bucket's size (1, 2, 4, 8) and padded ones;
+# the engine's chains are 3 long (--speculative-num-steps 3): a longest chain of 3 replays
+# the whole chain's graph (2 steps after the first draft), a shorter one the one-step graph
+CHAINS = [([5], [3]), ([7, 30], [3, 3]), ([5, 9, 17, 40], [3, 2, 3, 1]),
+          ([4, 6, 8, 10, 12, 14, 16, 90], [3] * 8), ([5, 9, 17], [3, 2, 3]),
+          ([4, 6, 8, 10, 12], [2, 2, 1, 2, 2]), ([7, 30], [2, 2])]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -78,9 +80,12 @@ def test_eagle3_head_graph_drafts_match_eager_steps(tmp_path, dtype, caplog):
     runner = prop.head_graphs
     assert runner is not None and runner.graphs, caplog.text
     # chain buckets 1, 2, 4, 8; catch-up row buckets 1, 2, 4, 8, 16, ..., 64
+    # and chains of 2 steps (after the catch-up's draft) as one graph per batch bucket
     assert sorted(runner.graphs) == [1, 2, 4, 8] and max(runner.row_graphs) == 64
-    assert f"captured {4 + len(runner.row_graphs)} EAGLE head graphs" in caplog.text
+    assert sorted(runner.chain_graphs) == [1, 2, 4, 8] and runner.steps == 2
+    assert f"captured {8 + len(runner.row_graphs)} EAGLE head graphs" in caplog.text
     assert "EAGLE head graphs: a replay matches the eager step (catch-up" in caplog.text
+    assert "round of 2 steps: max |replay - eager|" in caplog.text
     assert llm.scheduler.spec.info()["head_graphs"] is True
     for lens, ks in CHAINS:
         if dtype != "float32" and (len(lens) not in runner.buckets or len(set(ks)) > 1):
@@ -92,9 +97,10 @@ def test_eagle3_head_graph_drafts_match_eager_steps(tmp_path, dtype, caplog):
 
 
 # (positions the head has, new positions of the round, chain lengths)
-ROUNDS = [([5], [1], [4]), ([5, 9, 17, 40], [4, 1, 2, 3], [4, 2, 3, 4]),
-          ([4, 6, 8, 10, 12], [2, 2, 3, 1, 4], [3, 3, 4, 1, 4]), ([5, 7], [2, 3], [1, 1]),
-          ([9] * 8, [4] * 8, [4] * 8), ([30], [60], [4])]
+# (chains of 3 replay the whole chain's graph, shorter ones the one-step graph)
+ROUNDS = [([5], [1], [3]), ([5, 9, 17, 40], [4, 1, 2, 3], [3, 2, 3, 1]),
+          ([4, 6, 8, 10, 12], [2, 2, 3, 1, 4], [2, 2, 1, 1, 2]), ([5, 7], [2, 3], [1, 1]),
+          ([9] * 8, [4] * 8, [3] * 8), ([30], [60], [3]), ([7, 30], [2, 3], [2, 2])]
 
 
 def test_eagle3_round_graphs_match_an_eager_round(tmp_path, caplog):
