@@ -53,6 +53,12 @@ class GraphRunner:
         # the model's kept hidden states (an EAGLE head's input, CausalLM.set_capture_hidden)
         # as each graph wrote them: static like the logits, handed out as copies
         self.hidden: dict[int, torch.Tensor] = {}
+        # LoRA: each bucket again without the LoRA kernels, replayed for steps without an
+        # adapter row (the kernels cost ~1.5 us a launch even when every row skips them)
+        self.base_graphs: dict[int, object] = {}
+        self.base_outputs: dict[int, torch.Tensor] = {}
+        self.base_hidden: dict[int, torch.Tensor] = {}
+        self._lora_off = False
         d = runner.device
         n = self.max_bs
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=d)
@@ -85,7 +91,9 @@ class GraphRunner:
 
     def _run(self, bs: int) -> torch.Tensor:
         fb = self._fb(bs)
-        if self.runner.lora is not None:  # the LoRA kernels read the static segments
+        if self.runner.lora is not None and self._lora_off:
+            self.runner.lora.batch.active = False  # the layers skip LoRA: nothing recorded
+        elif self.runner.lora is not None:  # the LoRA kernels read the static segments
             self.runner.lora.batch.set_static(self.lora_seg_start[:bs], self.lora_seg_len[:bs],
                                               self.lora_seg_slot[:bs], 1)
         self.runner.attn_backend.init_forward_graph(fb)
@@ -95,25 +103,34 @@ class GraphRunner:
     def capture(self) -> None:
         gcls = dev.graph_class(self.device_type)
         stream = dev.stream_class(self.device_type)()
+        kinds = [(False, self.graphs, self.outputs, self.hidden)]
+        if self.runner.lora is not None:
+            kinds.append((True, self.base_graphs, self.base_outputs, self.base_hidden))
         for bs in reversed(self.buckets):  # largest first so the pool is sized once
-            with dev.stream_context(self.device_type, stream):
-                for _ in range(2):  # warm up: Triton compiles, autotune, allocator settles
-                    self._run(bs)
-            dev.synchronize(self.device_type)
-            g = gcls()
-            with dev.graph_context(self.device_type, g, pool=self.pool, stream=stream):
-                out = self._run(bs)
-            self.graphs[bs] = g
-            self.outputs[bs] = out
-            model = self.runner.model
-            if getattr(model, "capture_hidden", None) is not None:
-                self.hidden[bs] = model.hidden_out
+            for off, graphs, outputs, hidden in kinds:
+                self._lora_off = off
+                with dev.stream_context(self.device_type, stream):
+                    for _ in range(2):  # warm up: Triton compiles, autotune, allocator settles
+                        self._run(bs)
+                dev.synchronize(self.device_type)
+                g = gcls()
+                with dev.graph_context(self.device_type, g, pool=self.pool, stream=stream):
+                    out = self._run(bs)
+                graphs[bs] = g
+                outputs[bs] = out
+                model = self.runner.model
+                if getattr(model, "capture_hidden", None) is not None:
+                    hidden[bs] = model.hidden_out
+        self._lora_off = False
         dev.synchronize(self.device_type)
 
-    def replay(self, batch: ScheduleBatch, future_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def replay(self, batch: ScheduleBatch, future_ids: torch.Tensor | None = None,
+               with_lora: bool = False) -> torch.Tensor:
         """Copy the batch into the static buffers, replay, return logits ``[bs, vocab]``.
 
-        Placeholder input ids (overlap scheduling) are resolved from ``future_ids``.
+        Placeholder input ids (overlap scheduling) are resolved from ``future_ids``. A batch
+        without adapter rows replays the graph without the LoRA kernels, unless
+        ``with_lora`` (the start-up check of both kinds).
         """
         bs = batch.batch_size
         gbs = self.buckets[bisect.bisect_left(self.buckets, bs)]
@@ -135,7 +152,11 @@ class GraphRunner:
         self.out_cache_loc[:gbs].copy_(host[4])
         self.lora_seg_slot[:gbs].copy_(host[5])
         r.req_to_token_pool.req_to_token[host[2, :bs], host[1, :bs]] = host[4, :bs].to(torch.int32)
-        self.graphs[gbs].replay()
-        if self.hidden:  # a copy: the next replay overwrites the static buffer
-            r.model.hidden_out = self.hidden[gbs][:bs].clone()
-        return self.outputs[gbs][:bs]
+        base = bool(self.base_graphs) and not with_lora \
+            and not any(s >= 0 for s in batch.lora_slots)
+        graphs, outputs, hidden = (self.base_graphs, self.base_outputs, self.base_hidden) \
+            if base else (self.graphs, self.outputs, self.hidden)
+        graphs[gbs].replay()
+        if hidden:  # a copy: the next replay overwrites the static buffer
+            r.model.hidden_out = hidden[gbs][:bs].clone()
+        return outputs[gbs][:bs]

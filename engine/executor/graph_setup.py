@@ -151,7 +151,11 @@ def check_graphs(runner, gr, pw) -> tuple[bool, bool]:
             _eager(runner, prefill)  # the decode step reads this prefix from the pool
         if gr is not None:
             replayed = gr.replay(decode).clone()
-            gr_ok = _verdict(runner, "decode graphs", replayed, _eager(runner, decode))
+            eager = _eager(runner, decode)
+            gr_ok = _verdict(runner, "decode graphs", replayed, eager)
+            if gr.base_graphs:  # LoRA: the kind with the kernels too (on base rows)
+                replayed = gr.replay(decode, with_lora=True).clone()
+                gr_ok = _verdict(runner, "decode graphs with LoRA", replayed, eager) and gr_ok
         dev.synchronize(runner.device_type)
     finally:  # hand the rows and pages back so that allocation continues as without the check
         for req, pg in zip(reversed(reqs), reversed(pages)):

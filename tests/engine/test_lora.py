@@ -206,7 +206,8 @@ def test_tensor_parallel_2_matches_peft(ckpt):
 def test_gpu_triton_and_decode_graphs_match_peft(ckpt):
     """On an accelerator (fp32: IEEE tl.dot): the Triton kernels in eager prefill and in
     captured decode graphs (slots read from the graph's buffer), mixed batch of base + both
-    adapters; then the same with graphs off."""
+    adapters, then base requests alone (the graphs captured without the LoRA kernels); then
+    the same with graphs off."""
     from engine import LLM
 
     names = [None, "a1", "a2"]
@@ -220,6 +221,12 @@ def test_gpu_triton_and_decode_graphs_match_peft(ckpt):
         for i, out in enumerate(outs):
             _check(out, ckpt["refs"][names[i % 3] or "base"][i // 3],
                    f"{names[i % 3]} on the device, graphs {graphs}")
+        if graphs:  # steps without an adapter row replay the graphs without the kernels
+            gr = llm.runner.graph_runner
+            assert set(gr.base_graphs) == set(gr.graphs)
+        outs = llm.generate(PROMPTS, _sp(), lora=[None] * len(PROMPTS))
+        for i, out in enumerate(outs):
+            _check(out, ckpt["refs"]["base"][i], f"base alone on the device, graphs {graphs}")
         llm.shutdown()
 
 
