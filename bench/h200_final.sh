@@ -24,13 +24,15 @@ for p in "$@"; do case $p in
   awq-sweep) TAIL=60 part awq-sweep ${SWEEP_T:-330} python3 -m bench.kernels.sweep_gemm_wq \
       --batch-sizes ${SWEEP_M:-1,64,512} --configs ${SWEEP_CONFIGS:-1,64,512} \
       --result-json "$OUT/wq-sweep.json";;
-  lora) part lora 120 python3 -m bench.bench_lora --model-path $L8B --load-format dummy \
+  lora) part lora ${LBT:-120} python3 -m bench.bench_lora --model-path $L8B --load-format dummy \
       --num-adapters 4 --lora-rank 16 --batch-size 1 64 --input-len 512 --reps 8 \
       --result-jsonl "$OUT/lora.jsonl";;
-  lora-serving) part lora-serving 240 bash bench/h200_run.sh lora-serving;;
-  spec-gputest) part spec-gputest 150 python3 -m pytest -q -x \
+  lora-serving) part lora-serving ${LST:-240} bash bench/h200_run.sh lora-serving;;
+  lora-gputest) part lora-gputest ${LT:-100} python3 -m pytest -q -x tests/engine/test_lora.py -k gpu \
+      -p no:cacheprovider;;
+  spec-gputest) part spec-gputest ${ST:-150} python3 -m pytest -q -x \
       tests/engine/test_speculative_models_gpu.py -p no:cacheprovider;;
-  eagle3) part eagle3 120 python3 -m bench.bench_speculative --model-path \
+  eagle3) part eagle3 ${ET:-120} python3 -m bench.bench_speculative --model-path \
       engine/configs/llama-3-8b-smolvocab.json --load-format dummy --device cuda \
       --tokenizer-path .tok --algorithm EAGLE3 \
       --draft-model-path engine/configs/eagle3-llama-3.1-8b-smolvocab.json --num-steps 3 \
@@ -38,7 +40,7 @@ for p in "$@"; do case $p in
   ngram-real) # NGRAM on real weights: the embedded SmolLM2 GGUF (98 MB) travels in two calls
       # (.gguf1/part1 stored as /tmp/g1 by `stash-gguf1` in the first, .gguf2/part2 here)
       cat /tmp/g1 ../.gguf2/part2 > /tmp/smol.gguf 2>/dev/null || cat /tmp/g1 .gguf2/part2 > /tmp/smol.gguf
-      part ngram-real 200 python3 -m bench.bench_speculative --model-path /tmp/smol.gguf \
+      part ngram-real ${NT:-200} python3 -m bench.bench_speculative --model-path /tmp/smol.gguf \
         --gguf-dequantize --dtype bfloat16 --device cuda --algorithm NGRAM --batch-sizes 1 16 \
         --workloads copy other --max-tokens 128 --result-jsonl "$OUT/ngram-real.jsonl";;
   stash-gguf1) cp .gguf1/part1 /tmp/g1 2>/dev/null || cp ../.gguf1/part1 /tmp/g1; ls -la /tmp/g1;;
