@@ -330,8 +330,8 @@ def draft_chain(proposer, runner: HeadGraphRunner, live: list, out: list[list[in
     rows, kept = [], []
     for i, seq, h in live:
         need, start, first = ks[i] - len(out[i]), seq.kv_len, out[i][-1]
-        slots = proposer._grow(seq, [first] * need)  # the entries' ids are set below
-        if slots is None:
+        slots = proposer._grow(seq, [first] * need) if need > 0 else None  # ids set below
+        if slots is None:  # no room, or its chain is complete
             continue
         rows.append((seq.req_pool_idx, seq.base, start, slots, first))
         kept.append((i, seq, h, start, need))

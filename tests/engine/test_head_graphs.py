@@ -213,7 +213,8 @@ def spied(runner):
 # function; a runner of 4 steps runs the same chains one step at a time
 @pytest.mark.parametrize("graph_steps", [3, 4])
 @pytest.mark.parametrize("lens,ks", [([5], [4]), ([5, 9, 17], [4, 2, 3]),
-                                     ([4, 6, 8, 10, 12], [3, 3, 4, 2, 4])])
+                                     ([4, 6, 8, 10, 12], [3, 3, 4, 2, 4]),
+                                     ([5, 9, 17, 40], [4, 2, 4, 1])])  # one chain complete
 def test_chain_drafts_match_eager_steps(proposer, lens, ks, graph_steps):
     from engine.speculative.head_graphs import HeadGraphRunner
 
