@@ -46,6 +46,17 @@ def _store_out(acc, y_ptr, part_ptr, lock_ptr, offs_m, offs_n, mask_m, mask_n, M
 
 
 @triton.jit
+def _nibble_f32(w, i: tl.constexpr):
+    """Nibble ``i`` (bits ``4i .. 4i + 3``) of the int32 words ``w`` as the fp32 ``1 + q / 16``:
+    the nibble moved to mantissa bits 19-22 under the exponent of 1.0."""
+    if 4 * i <= 19:
+        v = (w << (19 - 4 * i)) & 0x780000
+    else:
+        v = (w >> (4 * i - 19)) & 0x780000
+    return (v | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _wq_gemv_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, G,
                     k_per_split, stride_xm, stride_ym, ONE_GROUP: tl.constexpr,
                     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -83,11 +94,7 @@ def _wq_gemv_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, y_ptr, part_ptr, lock_ptr, M, N
         t = tl.zeros((BLOCK_M, BLOCK_N, KW), dtype=tl.float32)
         xs = tl.zeros((BLOCK_M, KW), dtype=tl.float32)
         for i in tl.static_range(8):
-            if 4 * i <= 19:
-                v = (w << (19 - 4 * i)) & 0x780000
-            else:
-                v = (w >> (4 * i - 19)) & 0x780000
-            qf = (v | 0x3F800000).to(tl.float32, bitcast=True)
+            qf = _nibble_f32(w, i)
             xv = tl.load(x_rows + (k0 + kbase + 16 * (i % 2) + i // 2)[None, :], mask=xmask,
                          other=0.0).to(tl.float32)
             t += xv[:, None, :] * qf[None, :, :]
@@ -139,11 +146,7 @@ def _wq_gemv1_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, y_ptr, part_ptr, lock_ptr, N, 
         t = tl.zeros((BLOCK_N, KW), dtype=tl.float32)
         xs = tl.zeros((KW,), dtype=tl.float32)
         for i in tl.static_range(8):
-            if 4 * i <= 19:
-                v = (w << (19 - 4 * i)) & 0x780000
-            else:
-                v = (w >> (4 * i - 19)) & 0x780000
-            qf = (v | 0x3F800000).to(tl.float32, bitcast=True)
+            qf = _nibble_f32(w, i)
             xv = tl.load(x_ptr + k0 + kbase + 16 * (i % 2) + i // 2, mask=mask_k,
                          other=0.0).to(tl.float32)
             t += xv[None, :] * qf
