@@ -316,7 +316,7 @@ class TokenizerManager(ChatTokenizer, ReplicaRouting):
     async def generate(self, reqs: list[tuple[str, list[int], SamplingParams]], stream: bool,
                        arrival: float | None = None,
                        registered: list[str] | None = None,
-                       lora: str | None = None) -> AsyncIterator[ReqOutput]:
+                       lora: str | list[str | None] | None = None) -> AsyncIterator[ReqOutput]:
         """Send engine requests and yield their outputs as they come.
 
         Args:
@@ -326,7 +326,8 @@ class TokenizerManager(ChatTokenizer, ReplicaRouting):
             arrival: ``time.monotonic()`` when the HTTP request arrived (for TTFT/E2E).
             registered: a list this appends the engine rids to as it registers them: the
                 given ones, or ``unique_rids``' when one of them is in flight already.
-            lora: the LoRA adapter every request runs on (None: the base model).
+            lora: the LoRA adapter every request runs on (None: the base model), or a list
+                of one adapter (or None) per entry of ``reqs``.
         Yields:
             ``ReqOutput`` until every request has finished.
         Raises:
@@ -335,6 +336,9 @@ class TokenizerManager(ChatTokenizer, ReplicaRouting):
         aborted in the engine.
         """
         self.check_admission(len(reqs))
+        loras = lora if isinstance(lora, list) else [lora] * len(reqs)
+        if len(loras) != len(reqs):
+            raise ValueError(f"{len(loras)} adapters for {len(reqs)} requests")
         queue: asyncio.Queue = asyncio.Queue()
         t0 = arrival if arrival is not None else time.monotonic()
         now = time.time() - (time.monotonic() - t0)  # the arrival, on the wall clock
@@ -344,10 +348,10 @@ class TokenizerManager(ChatTokenizer, ReplicaRouting):
             for idx, (rid, (_, ids, _)) in enumerate(zip(unique, reqs)):
                 self.states[rid] = _ReqState(queue, idx, t0, len(ids))
                 rids.append(rid)
-            for rid, (_, ids, sp) in zip(unique, reqs):
+            for rid, (_, ids, sp), name in zip(unique, reqs, loras):
                 self._push_for(rid, ids).send(io.TokenizedGenerateReq(rid=rid, input_ids=ids,
                                                        sampling_params=sp, stream=stream,
-                                                       arrival_time=now, lora_name=lora))
+                                                       arrival_time=now, lora_name=name))
             remaining = len(reqs)
             while remaining:
                 item = await queue.get()

@@ -16,7 +16,8 @@ of these fields is ``markdown_table()`` (a test compares the two).
 
 A few peer fields are implemented instead, as aliases of ferry's own: ``sampling_seed``
 (SGLang) is ``seed``; ``rid`` (SGLang) and ``request_id`` (vLLM) name the request like the
-``X-Request-Id`` header (``body_request_id``). sglang-router writes ``"model": "unknown"``
+``X-Request-Id`` header (``body_request_id``); SGLang's ``lora_path`` names the LoRA
+adapter like ``model`` (``ROUTE_FIELDS``, ``server/openai/lora_choice.py``). sglang-router writes ``"model": "unknown"``
 into a body that names no model; ferry takes it as absent (``ROUTER_NO_MODEL``).
 ``python -m server.openai.extensions`` prints the docs table.
 """
@@ -67,8 +68,8 @@ EXTENSION_FIELDS: dict[str, Extension] = {
     "no_stop_trim": Extension((False,), _S, "keeping the stop string (the text always ends "
                                             "before it)"),
     # SGLang
-    "lora_path": Extension((None,), _S, "LoRA adapters"),
-    "lora_id": Extension((None,), _S, "LoRA adapters"),
+    "lora_id": Extension((None,), _S, "SGLang's internal adapter ids (name the adapter with "
+                                      "`model` or `lora_path`)"),
     "session_params": Extension((None,), _S, "SGLang sessions"),
     "bootstrap_host": Extension((None,), _S, _PD),
     "bootstrap_port": Extension((None,), _S, _PD),
@@ -146,6 +147,16 @@ IMPLEMENTED = {
                        "`min_tokens`): the text ends before the first match, `matched_stop` "
                        "names the pattern; a stream holds back a tail that could still grow "
                        "into a match"),
+}
+
+#: peer fields every generation route (chat, completions, Responses) reads from the body itself
+#: (docs table rows): ``server/openai/lora_choice.py``
+ROUTE_FIELDS = {
+    "lora_path": (_S, "the LoRA adapter by name (as loaded with `--lora-paths name=path`), as "
+                      "`model: \"name\"`: a string for the whole request, or a list "
+                      "of one name or null per prompt (null: what `model` names; several "
+                      "prompts on /v1/completions may each have their own); an adapter other than the one `model` names is a 400, "
+                      "an unknown one a 404, both naming `lora_path`"),
 }
 
 #: peer fields implemented as aliases of ferry's own (docs table rows; see the module docstring)
@@ -250,7 +261,11 @@ def json_schemas() -> dict[str, dict]:
                           "description": "SGLang's name of seed"},
         **{name: {"type": "string", "pattern": _REQUEST_ID.pattern.join("^$"),
                   "description": "the request's id, as the X-Request-Id header"}
-           for name in ("rid", "request_id")}}
+           for name in ("rid", "request_id")},
+        "lora_path": {"anyOf": [{"type": "string", "minLength": 1}, {
+            "type": "array", "items": {"anyOf": [{"type": "string", "minLength": 1},
+                                                 {"type": "null"}]}}, {"type": "null"}],
+                      "description": "SGLang's: the LoRA adapter's name (one per prompt)"}}
     for name, ext in EXTENSION_FIELDS.items():
         values = [v for v in ext.accepted if v is not None]
         out[name] = {"anyOf": [{"enum": values}, {"type": "null"}] if values else
@@ -262,9 +277,10 @@ def json_schemas() -> dict[str, dict]:
 
 
 def markdown_table() -> str:
-    """docs/usage.md's table of these fields (``EXTENSION_FIELDS`` and ``ALIASES``)."""
+    """docs/usage.md's table of these fields (``IMPLEMENTED``, ``ROUTE_FIELDS``, ``ALIASES``
+    and ``EXTENSION_FIELDS``)."""
     rows = ["| field | from | ferry |", "|---|---|---|"]
-    for name, (origin, what) in {**IMPLEMENTED, **ALIASES}.items():
+    for name, (origin, what) in {**IMPLEMENTED, **ROUTE_FIELDS, **ALIASES}.items():
         rows.append(f"| `{name}` | {origin} | implemented: {what} |")
     for name, ext in EXTENSION_FIELDS.items():
         values = ", ".join(f"`{json.dumps(v)}`" for v in ext.accepted)

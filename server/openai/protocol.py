@@ -360,8 +360,8 @@ def _refuse(req: BaseModel, name: str, value: Any) -> APIError | None:
         return not_supported(name)
     if name in extensions.EXTENSION_FIELDS:  # SGLang's and vLLM's: no-ops at their defaults
         return extensions.check_extension(name, value)
-    if name in ("rid", "request_id"):  # the request's id (extensions.body_request_id)
-        return None
+    if name in ("rid", "request_id", *extensions.ROUTE_FIELDS):  # read by the routes
+        return None  # (extensions.body_request_id, server/openai/lora_choice.py)
     return unrecognized(name)  # unknown to ferry: refused, never silently dropped
 
 

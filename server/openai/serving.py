@@ -28,9 +28,10 @@ from engine.sampling.params import SamplingParams
 from engine.validation import RequestError, verify_sampling
 from server.http.errors import APIError, bad_request, http_error
 from server.http.request_id import request_id_of
-from server.openai.extensions import ROUTER_NO_MODEL, adopt_body_id
+from server.openai.extensions import adopt_body_id
 from server.openai.formats import BaseFormat, CompletionFormat, LogprobOptions
 from server.openai.logprobs import TokenStrings
+from server.openai.lora_choice import adapter_of_model, adapters_of_request, shown_model
 from server.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -220,20 +221,14 @@ class OpenAIServing:
     def check_model(self, model: str | None) -> str | None:
         """The LoRA adapter a body's ``model`` names (vLLM's ``"name"``, SGLang's
         ``"base:name"``), None for the base model. Raises a 404 naming an unknown model."""
-        # sglang-router writes "unknown" into a body that names no model (its default)
-        if model in (None, ROUTER_NO_MODEL, self.model_name, self.args.model_path):
-            return None
-        adapters = self.tm.lora_adapters
-        name = model
-        for base in (self.model_name, self.args.model_path):
-            if base and model.startswith(base + ":"):
-                name = model[len(base) + 1:]
-        if name in adapters:
-            return name
-        also = f" or one of its LoRA adapters: {', '.join(sorted(adapters))}" if adapters \
-            else ""
-        raise APIError(f"The model '{model}' does not exist (this server serves "
-                       f"'{self.model_name}'{also})", 404, "model", "model_not_found")
+        return adapter_of_model(model, (self.model_name, self.args.model_path),
+                                self.model_name, self.tm.lora_adapters)
+
+    def request_loras(self, req, prompts: int = 1) -> list[str | None]:
+        """The adapter of each prompt of ``req`` from its ``model`` and SGLang's ``lora_path``
+        (``server/openai/lora_choice.py``). Raises: APIError 400/404 naming the field."""
+        return adapters_of_request(self.check_model(req.model), (req.model_extra or {}).get(
+            "lora_path"), self.model_name, self.tm.lora_adapters, prompts)
 
     async def _parse(self, model, request: Request):
         """The validated body of ``request`` (``parse_request`` with this server's --max-n)."""
@@ -318,7 +313,7 @@ class OpenAIServing:
             logger.info("request %s outputs=%.4000r", fmt.id, fmt.texts)
 
     async def _answer(self, request: Request, subs, stream: bool, t0: float, fmt,
-                      lora: str | None = None) -> Response:
+                      lora: str | list[str | None] | None = None) -> Response:
         rids: list[str] = []  # the engine rids generate registers (unique; see request_id)
         gen = self.tm.generate(subs, stream, arrival=t0, registered=rids, lora=lora)
         if not stream:
@@ -376,9 +371,9 @@ class OpenAIServing:
         base = request_id_of(request, "cmpl")  # X-Request-Id, else a new id
         req: CompletionRequest = await self._parse(CompletionRequest, request)
         base = adopt_body_id(request, req.model_extra, base)  # SGLang's rid, vLLM's request_id
-        lora = self.check_model(req.model)
-        sp = await structured.constrain(req, sp=self._params(req, req.max_tokens))
         prompts = req.prompt if isinstance(req.prompt, list) else [req.prompt]
+        loras = self.request_loras(req, len(prompts))  # one adapter (or None) per prompt
+        sp = await structured.constrain(req, sp=self._params(req, req.max_tokens))
         self.check_fan_out(len(prompts), req.n)
         # completions' default max_tokens (16) is not the client's; then the prompt is at fault
         mt_param = "max_tokens" if "max_tokens" in req.model_fields_set else None
@@ -411,11 +406,13 @@ class OpenAIServing:
                             skip_special_tokens=req.skip_special_tokens,
                             spaces_between_special_tokens=req.spaces_between_special_tokens,
                             prompt_k=req.prompt_logprobs, token_ids=req.return_token_ids)
-        fmt = CompletionFormat(base, lora or self.model_name, len(subs), sum(map(len, ids_list)),
+        fmt = CompletionFormat(base, shown_model(loras, self.model_name), len(subs),
+                               sum(map(len, ids_list)),
                                req.include_usage, req.continuous_usage, self.strings, lp,
                                n=req.n)
         self._log_request(fmt, req.prompt, sp)
-        return await self._answer(request, subs, req.stream, t0, fmt, lora)
+        return await self._answer(request, subs, req.stream, t0, fmt,
+                                  [lora for lora in loras for _ in range(req.n)])
 
     async def chat(self, request: Request) -> Response:
         """``POST /v1/chat/completions``."""
@@ -423,7 +420,7 @@ class OpenAIServing:
         base = request_id_of(request, "chatcmpl")  # X-Request-Id, else a new id
         req: ChatCompletionRequest = await self._parse(ChatCompletionRequest, request)
         base = adopt_body_id(request, req.model_extra, base)  # SGLang's rid, vLLM's request_id
-        lora = self.check_model(req.model)
+        lora = self.request_loras(req)[0]
         sp = self._params(req, req.requested_max_tokens)
         tools, sp = await prepare_chat(req, sp, getattr(self.tm.tokenizer, "chat_template", None),
                                        self.tm.tool_call_parser)  # constraint, tools

@@ -94,6 +94,8 @@ class ResponsesRequest(_Base):
                 if err is not None:
                     raise err
                 continue
+            if name in extensions.ROUTE_FIELDS:  # lora_path: the route reads it (lora_choice)
+                continue
             if name in extensions.IMPLEMENTED:  # chat and completions fields
                 err = extensions.chat_only_error(name, value)
                 if err is not None:

@@ -176,7 +176,7 @@ class ResponsesServing:
         req = parse_responses_request(await read_json(request, args.max_request_bytes,
                                                       args.body_read_timeout))
         rid = extensions.adopt_body_id(request, req.model_extra, rid)
-        lora = s.check_model(req.model)
+        lora = s.request_loras(req)[0]  # model, SGLang's lora_path
         prior: list[dict] = []
         if req.previous_response_id is not None:
             prev = self.store.get(req.previous_response_id, "previous_response_id")

@@ -16,7 +16,7 @@ from engine.scheduler.request import Req
 from engine.scheduler.scheduler import Scheduler
 from engine.tokenizer.detokenizer import DetokenizerManager
 from server.http.errors import APIError
-from server.openai.extensions import ALIASES, EXTENSION_FIELDS, check_extension
+from server.openai.extensions import ALIASES, EXTENSION_FIELDS, ROUTE_FIELDS, check_extension
 from server.openai.formats import ChatFormat, CompletionFormat, LogprobOptions
 from server.openai.logprobs import TokenStrings
 from server.openai.protocol import (
@@ -86,6 +86,8 @@ def test_peer_fields_are_implemented_noops_or_refused_by_name(model, name):
                             else "[0-9]+")
     if name in _fields(model) or name in ACCEPTED_NOOPS or name in ALIASES:
         return  # implemented (ALIASES: sampling_seed, rid, request_id)
+    if name in ROUTE_FIELDS:
+        return  # lora_path: checked by the route (tests/unit/test_lora_path.py)
     if name in EXTENSION_FIELDS and check_extension(name, value) is None:
         return  # a value ferry's output already is (test_extension_fields.py)
     if name in STRUCTURED:  # issue 13's: handled by their module once it lands

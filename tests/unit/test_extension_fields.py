@@ -198,4 +198,5 @@ async def test_openapi_documents_every_field(app):
         props = doc["components"]["schemas"][schema]["properties"]
         assert set(EXTENSION_FIELDS) | set(ALIASES) <= set(props)
         assert props["separate_reasoning"]["anyOf"][0] == {"enum": [True, False]}
-        assert props["lora_path"]["anyOf"] == [{"type": "null"}]
+        assert props["lora_id"]["anyOf"] == [{"type": "null"}]
+        assert {"type": "string", "minLength": 1} in props["lora_path"]["anyOf"]

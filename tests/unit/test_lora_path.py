@@ -1,0 +1,179 @@
+"""Issue 29: SGLang's per-request ``lora_path`` (the adapter's name) on /v1/completions,
+/v1/chat/completions and /v1/responses, over a fake engine that records the ``lora_name``
+of every engine request the routes send (``tests/unit/app_helpers.py``).
+
+Checked against hand-written expectations: a string picks the adapter like ``model``; a list
+gives one adapter per prompt of a completions request (each of its ``n`` choices on it);
+``null`` is absent; a ``model`` naming another adapter is a 400, an unknown name the 404 of
+an unknown model, a list of the wrong length or a value of another type a 400, all naming
+``lora_path`` (or ``lora_path[i]``) and sending nothing to the engine; ``lora_id`` stays
+refused. The adapters' outputs against transformers + peft: tests/e2e/test_lora_path.py.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from app_helpers import make_app
+
+from engine import io_struct as io
+from server.http.errors import APIError
+from server.openai.lora_choice import adapter_of_model, adapters_of_request, shown_model
+
+ADAPTERS = {"a1": "/adapters/a1", "a2": "/adapters/a2"}
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from engine.tokenizer.tokenizer import load_tokenizer
+
+    return load_tokenizer(None)  # the embedded SmolLM2 GGUF's HF tokenizer
+
+
+def _app(tok, adapters=ADAPTERS):
+    app, engine = make_app(served_model_name="tiny")
+    engine.tm.set_tokenizer(tok)
+    engine.tm.lora_enabled = bool(adapters)
+    engine.tm.lora_adapters = dict(adapters)
+    return app, engine
+
+
+@pytest.fixture
+def app(tok):
+    return _app(tok)
+
+
+async def _post(app, path: str, body: dict) -> httpx.Response:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app[0]),
+                                 base_url="http://t") as c:
+        return await c.post(path, json=body)
+
+
+def _sent(engine) -> dict[str, str | None]:
+    """rid -> lora_name of the engine requests sent so far (then forgotten)."""
+    out = {m.rid: m.lora_name for m in engine.sent if isinstance(m, io.TokenizedGenerateReq)}
+    engine.sent.clear()
+    return out
+
+
+BODIES = {"/v1/completions": {"prompt": [1, 2, 3], "max_tokens": 1},
+          "/v1/chat/completions": {"messages": MESSAGES, "max_tokens": 1},
+          "/v1/responses": {"input": "hi", "max_output_tokens": 1}}
+
+
+@pytest.mark.parametrize("path", sorted(BODIES))
+async def test_a_string_picks_the_adapter_like_model(app, path):
+    body = BODIES[path]
+    for extra, want in (({}, None), ({"lora_path": None}, None),
+                        ({"lora_path": "a1"}, "a1"), ({"model": "a1"}, "a1"),
+                        ({"model": "tiny:a2"}, "a2"), ({"lora_path": "a2"}, "a2"),
+                        # model naming the base model, or the same adapter: no conflict
+                        ({"model": "tiny", "lora_path": "a2"}, "a2"),
+                        ({"model": "tiny:a1", "lora_path": "a1"}, "a1"),
+                        ({"model": "a1", "lora_path": None}, "a1"),
+                        ({"lora_path": ["a2"]}, "a2")):  # a list of one for one prompt
+        r = await _post(app, path, {**body, **extra})
+        assert r.status_code == 200, (extra, r.text)
+        assert list(_sent(app[1]).values()) == [want], extra
+        if path != "/v1/responses":  # the adapter is the response's model
+            assert r.json()["model"] == (want or "tiny"), extra
+
+
+async def test_a_list_gives_each_prompt_its_adapter(app):
+    prompts = [[1, 2], [3, 4], [5, 6]]
+    r = await _post(app, "/v1/completions", {"prompt": prompts, "max_tokens": 1, "n": 2,
+                                             "lora_path": ["a1", None, "a2"]})
+    assert r.status_code == 200, r.text
+    rid = r.json()["id"]
+    # choice i = prompt * n + j runs on its prompt's adapter
+    assert _sent(app[1]) == {f"{rid}-0": "a1", f"{rid}-1": "a1", f"{rid}-2": None,
+                             f"{rid}-3": None, f"{rid}-4": "a2", f"{rid}-5": "a2"}
+    assert r.json()["model"] == "tiny"  # several adapters: the served name
+    assert len(r.json()["choices"]) == 6
+    # null entries take what model names; the same name everywhere is that adapter's answer
+    r = await _post(app, "/v1/completions", {"prompt": prompts[:2], "max_tokens": 1,
+                                             "model": "a2", "lora_path": [None, "a2"]})
+    assert r.status_code == 200, r.text
+    assert list(_sent(app[1]).values()) == ["a2", "a2"] and r.json()["model"] == "a2"
+    # a string applies to every prompt; streaming sends the same
+    r = await _post(app, "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 1,
+                                             "lora_path": "a1", "stream": True})
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n"), r.text
+    assert list(_sent(app[1]).values()) == ["a1", "a1"]
+
+
+@pytest.mark.parametrize("path,extra,status,param", [
+    ("/v1/completions", {"model": "a1", "lora_path": "a2"}, 400, "lora_path"),
+    ("/v1/chat/completions", {"model": "tiny:a1", "lora_path": "a2"}, 400, "lora_path"),
+    ("/v1/responses", {"model": "a2", "lora_path": "a1"}, 400, "lora_path"),
+    ("/v1/completions", {"model": "a1", "lora_path": ["a2"]}, 400, "lora_path[0]"),
+    ("/v1/completions", {"lora_path": "nope"}, 404, "lora_path"),
+    ("/v1/chat/completions", {"lora_path": "nope"}, 404, "lora_path"),
+    ("/v1/responses", {"lora_path": "nope"}, 404, "lora_path"),
+    ("/v1/completions", {"lora_path": ["nope"]}, 404, "lora_path[0]"),
+    ("/v1/completions", {"lora_path": ["a1", "a2"]}, 400, "lora_path"),  # one prompt
+    ("/v1/chat/completions", {"lora_path": []}, 400, "lora_path"),
+    ("/v1/completions", {"lora_path": 5}, 400, "lora_path"),
+    ("/v1/completions", {"lora_path": ""}, 400, "lora_path"),
+    ("/v1/completions", {"lora_path": {"name": "a1"}}, 400, "lora_path"),
+    ("/v1/completions", {"lora_path": [["a1"]]}, 400, "lora_path[0]"),
+    ("/v1/chat/completions", {"lora_id": 1}, 400, "lora_id"),
+    ("/v1/responses", {"lora_id": 1}, 400, "lora_id"),
+    ("/v1/completions", {"model": "nope", "lora_path": "a1"}, 404, "model"),
+])
+async def test_refusals_name_the_field_and_send_nothing(app, path, extra, status, param):
+    r = await _post(app, path, {**BODIES[path], **extra})
+    err = r.json()["error"]
+    assert (r.status_code, err["param"]) == (status, param), r.text
+    assert _sent(app[1]) == {}
+    if status == 404:
+        assert err["code"] == "model_not_found" and "'nope'" in err["message"]
+        assert "a1, a2" in err["message"]  # the adapters it could have named
+    if param == "lora_id":
+        assert "lora_path" in err["message"] and "model" in err["message"]
+    if "model" in extra and status == 400:  # the conflict names both adapters
+        assert "'a1'" in err["message"] and "'a2'" in err["message"]
+
+
+async def test_list_length_must_match_the_prompts(app):
+    r = await _post(app, "/v1/completions", {"prompt": ["x", "y", "z"], "max_tokens": 1,
+                                             "lora_path": ["a1", "a2"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+    assert "2 entries" in r.json()["error"]["message"] and "3 prompts" in \
+        r.json()["error"]["message"]
+    assert _sent(app[1]) == {}
+
+
+async def test_a_server_without_adapters(tok):
+    app = _app(tok, adapters={})
+    r = await _post(app, "/v1/completions", {"prompt": [1, 2], "max_tokens": 1,
+                                             "lora_path": "a1"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "lora_path"
+    assert "no LoRA adapters" in r.json()["error"]["message"]
+    r = await _post(app, "/v1/completions", {"prompt": [1, 2], "max_tokens": 1,
+                                             "lora_path": [None]})
+    assert r.status_code == 200 and list(_sent(app[1]).values()) == [None]
+
+
+def test_the_resolution_functions():
+    bases = ("tiny", "/models/tiny")
+    assert adapter_of_model(None, bases, "tiny", ADAPTERS) is None
+    assert adapter_of_model("unknown", bases, "tiny", ADAPTERS) is None  # sglang-router's
+    assert adapter_of_model("/models/tiny", bases, "tiny", ADAPTERS) is None
+    assert adapter_of_model("/models/tiny:a2", bases, "tiny", ADAPTERS) == "a2"
+    with pytest.raises(APIError) as ei:
+        adapter_of_model("tiny:nope", bases, "tiny", ADAPTERS)
+    assert (ei.value.status, ei.value.param) == (404, "model")
+    assert adapters_of_request(None, None, "tiny", ADAPTERS, 3) == [None] * 3
+    assert adapters_of_request("a1", None, "tiny", ADAPTERS, 2) == ["a1", "a1"]
+    assert adapters_of_request(None, "a2", "tiny", ADAPTERS, 2) == ["a2", "a2"]
+    assert adapters_of_request(None, [None, "a1"], "tiny", ADAPTERS, 2) == [None, "a1"]
+    assert adapters_of_request("a1", [None, "a1"], "tiny", ADAPTERS, 2) == ["a1", "a1"]
+    with pytest.raises(APIError) as ei:
+        adapters_of_request("a1", [None, "a2"], "tiny", ADAPTERS, 2)
+    assert (ei.value.status, ei.value.param) == (400, "lora_path[1]")
+    assert shown_model(["a1", "a1"], "tiny") == "a1"
+    assert shown_model(["a1", None], "tiny") == "tiny"
+    assert shown_model([None, None], "tiny") == "tiny"
+    assert shown_model(["a1", "a2"], "tiny") == "tiny"
