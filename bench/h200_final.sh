@@ -47,4 +47,4 @@ for p in "$@"; do case $p in
   *) echo "unknown part $p";;
 esac; done
 # at most 8 files come back: every log and result in one archive
-(cd "$OUT" && tar czf results.tgz --exclude results.tgz . && find . -type f ! -name results.tgz -delete)
+(cd "$OUT" && tar czf /tmp/results.tgz . && find . -type f -delete && mv /tmp/results.tgz .)
