@@ -96,6 +96,10 @@ class ServerArgs:
                                        "may run on)", ge=1)
     tp_size: int = _f(1, "tensor-parallel size: ranks that each hold 1/N of the weights "
                       "(one process per rank; NCCL on CUDA, XCCL on XPU, gloo on the CPU)", ge=1)
+    ep_size: int = _f(1, "expert-parallel size (MoE models): 1, or equal to --tp-size to "
+                      "partition each MoE layer's experts over the tensor-parallel ranks "
+                      "(E/N whole experts per rank; attention stays tensor-parallel). A "
+                      "model without MoE layers ignores it", ge=1)
     nnodes: int = _f(1, "nodes the tensor-parallel ranks span (tp-size must be a multiple)",
                      ge=1)
     node_rank: int = _f(0, "this node's index: 0 runs the HTTP server and the scheduler, "
@@ -255,6 +259,10 @@ class ServerArgs:
                 continue
             if error := _field_error(v, md):
                 raise ValueError(f"--{f.name.replace('_', '-')} {error}, got {v!r}")
+        if self.ep_size not in (1, self.tp_size):
+            raise ValueError(f"--ep-size {self.ep_size} must be 1 or equal to --tp-size "
+                             f"{self.tp_size} (the experts are partitioned over the "
+                             "tensor-parallel ranks)")
         if error := _speculative_error(self):
             raise ValueError(error)
         if error := _lora_error(self):

@@ -29,6 +29,7 @@ from engine.forward_batch import ForwardBatch, ForwardMode, resolve_placeholders
 from engine.kv.pool import KVPool, ReqToTokenPool
 from engine.layers import select_ops, small_ops_kind
 from engine.layers.linear import pack_cpu_weights
+from engine.layers.moe_ep import expert_parallel
 from engine.lora.manager import LoRAManager
 
 logger = logging.getLogger(__name__)
@@ -86,10 +87,11 @@ class RankRunner:
                                                                 self.device_type)
         torch.manual_seed(args.seed)
         t0 = time.perf_counter()
-        self.model, self.config = load_model(
-            model_path=args.model_path, load_format=args.load_format, dtype=self.dtype,
-            device=self.device, seed=args.seed, quantization=args.quantization,
-            gguf_dequantize=args.gguf_dequantize)
+        with expert_parallel(args.ep_size):   # MoE layers partition their experts (--ep-size)
+            self.model, self.config = load_model(
+                model_path=args.model_path, load_format=args.load_format, dtype=self.dtype,
+                device=self.device, seed=args.seed, quantization=args.quantization,
+                gguf_dequantize=args.gguf_dequantize)
         self.load_time = time.perf_counter() - t0
         if self.device_type == "cpu":
             if how := dev.tune_cpu_malloc():

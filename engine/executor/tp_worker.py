@@ -31,6 +31,7 @@ from engine import device as dev
 from engine import distributed as tpd
 from engine.executor.rank_runner import RankRunner
 from engine.executor.tp_messages import IdsMsg, StepMsg, step_batch
+from engine.layers.moe_ep import check_ep
 
 logger = logging.getLogger("ferry.engine")
 
@@ -42,7 +43,8 @@ DEATH_GRACE_S = 10.0
 
 def check_tensor_parallel(args, device_type: str) -> None:
     """``--tp-size``/``--nnodes``/``--node-rank`` against each other, this node's devices
-    and the model's head counts.
+    and the model's head counts; ``--ep-size`` against the model's experts (a model without
+    MoE layers ignores it, with a log line).
 
     Raises:
         ValueError: naming the flags and numbers that do not fit.
@@ -57,6 +59,12 @@ def check_tensor_parallel(args, device_type: str) -> None:
                          f"{dev.visible_device_count(device_type)} are visible")
     mc = ModelConfig.from_hf(load_config(args.model_path))
     tpd.check_tp_shape(mc.num_heads, mc.num_kv_heads, args.tp_size)
+    if args.ep_size > 1:
+        if mc.num_experts > 0:
+            check_ep(mc.num_experts, args.ep_size, args.tp_size)
+        else:
+            logger.info("--ep-size %d ignored: %s has no MoE layers", args.ep_size,
+                        mc.architecture or "the model")
 
 
 # ---- a worker process -----------------------------------------------------------------------

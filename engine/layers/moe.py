@@ -24,7 +24,13 @@ intermediate dimension (Megatron-style, like the dense MLP: gate/up column-paral
 row-parallel), so every rank runs every expert on every token and the outputs are partial
 sums. The block all-reduces once, after adding the shared expert's partial output (its
 ``down_proj`` is built with ``reduce_results=False``), so an MoE layer costs one all-reduce
-like a dense one. Expert parallelism is a later mode.
+like a dense one.
+
+Expert parallelism (``--ep-size N``, equal to ``--tp-size``; :mod:`engine.layers.moe_ep`)
+instead gives rank ``r`` the experts ``[r E/N, (r+1) E/N)`` whole: ``w13_weight
+[E/N, 2I, H]``, ``w2_weight [E/N, H, I]``; routing over all E experts is unchanged, the pairs
+of other ranks' experts are skipped (sentinel id -1), and the same single all-reduce sums
+the ranks' partial outputs (the shared expert stays TP-split).
 
 The experts' computation is :class:`FusedMoE`'s ``impl``, which
 :func:`engine.layers.select_ops` sets like the small ops' (``engine.device.use_triton``
@@ -45,6 +51,7 @@ from torch import nn
 
 from engine.distributed import all_reduce, get_tp
 from engine.layers.linear import ReplicatedLinear, full_tensor
+from engine.layers.moe_ep import check_ep, current_ep_size, localize_topk
 from kernels.moe.moe_torch import fused_moe_torch, select_experts
 
 #: HF checkpoint part -> :meth:`FusedMoE.weight_loader` shard id
@@ -56,53 +63,75 @@ class FusedMoE(nn.Module):
     """The routed experts of one layer, stacked (see the module docstring for the layout).
 
     Args:
-        num_experts: E.
+        num_experts: E (all experts, over every rank).
         top_k: experts per token.
         hidden_size: H.
-        intermediate_size: one expert's full width I (split over the ranks).
+        intermediate_size: one expert's full width I (split over the ranks unless
+            ``ep_size > 1``).
         renormalize: divide the top-k routing weights by their sum.
         dtype: parameter dtype.
+        tp_size, tp_rank: the tensor-parallel group (default: :func:`get_tp`'s).
+        ep_size: 1 (tensor parallelism over I) or ``tp_size`` (this rank holds
+            ``E / ep_size`` whole experts, from expert ``tp_rank * E / ep_size``); default
+            :func:`engine.layers.moe_ep.current_ep_size`.
+
+    Raises:
+        ValueError: I not divisible by ``tp_size`` (without expert parallelism), ``top_k``
+            outside ``[1, E]``, or an ``ep_size`` that is neither 1 nor ``tp_size`` or does
+            not divide E.
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool, dtype: torch.dtype, tp_size: int | None = None,
-                 tp_rank: int | None = None):
+                 tp_rank: int | None = None, ep_size: int | None = None):
         super().__init__()
         g = get_tp()
         self.tp_size = g.size if tp_size is None else tp_size
         self.tp_rank = g.rank if tp_rank is None else tp_rank
-        if intermediate_size % self.tp_size:
+        self.ep_size = current_ep_size() if ep_size is None else ep_size
+        check_ep(num_experts, self.ep_size, self.tp_size)
+        #: ranks that split each expert's intermediate dimension (1 under expert parallelism)
+        self.i_split = 1 if self.ep_size > 1 else self.tp_size
+        if intermediate_size % self.i_split:
             raise ValueError(f"the experts' intermediate size {intermediate_size} is not "
                              f"divisible by --tp-size {self.tp_size}")
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be in [1, {num_experts}]")
         self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.ep_size
+        #: global id of this rank's first expert (0 without expert parallelism)
+        self.first_expert = self.tp_rank * self.num_local_experts if self.ep_size > 1 else 0
         self.top_k = top_k
         self.renormalize = renormalize
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
-        i_local = intermediate_size // self.tp_size
+        i_local = intermediate_size // self.i_split
+        e_local = self.num_local_experts
         self.w13_weight = nn.Parameter(
-            torch.empty(num_experts, 2 * i_local, hidden_size, dtype=dtype), requires_grad=False)
+            torch.empty(e_local, 2 * i_local, hidden_size, dtype=dtype), requires_grad=False)
         self.w2_weight = nn.Parameter(
-            torch.empty(num_experts, hidden_size, i_local, dtype=dtype), requires_grad=False)
+            torch.empty(e_local, hidden_size, i_local, dtype=dtype), requires_grad=False)
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
         self.impl = fused_moe_torch
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """x [T, H], router_logits [T, E] fp32 -> [T, H] in x's dtype: this rank's partial
-        sum (all-reduced by the caller)."""
+        """x [T, H], router_logits [T, E] fp32 (all experts) -> [T, H] in x's dtype: this
+        rank's partial sum (all-reduced by the caller)."""
         # the Triton impl brings its one-launch router (kernels.moe.routing.fused_topk)
         route = getattr(self.impl, "router", select_experts)
         topk_weights, topk_ids = route(router_logits, self.top_k, self.renormalize)
+        if self.ep_size > 1:
+            topk_weights, topk_ids = localize_topk(topk_weights, topk_ids, self.first_expert,
+                                                   self.num_local_experts)
         return self.impl(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
 
     def weight_loader(self, param: nn.Parameter, loaded, expert_id: int, shard_id: str) -> None:
         """Load one Hub per-expert tensor: ``gate`` ([I, H]) and ``up`` ([I, H]) into the
         gate/up rows of ``w13_weight[expert_id]``, ``down`` ([H, I]) into
         ``w2_weight[expert_id]``; this rank's slice of I only (``loaded`` may be a lazy
-        safetensors slice).
+        safetensors slice). Under expert parallelism another rank's expert is skipped
+        (nothing is read) and a local one is loaded whole.
 
         Raises:
             ValueError: a bad expert id or shard id, or a tensor of the wrong shape.
@@ -110,20 +139,25 @@ class FusedMoE(nn.Module):
         if not 0 <= expert_id < self.num_experts:
             raise ValueError(f"expert id {expert_id} is outside [0, {self.num_experts})")
         full_i, h = self.intermediate_size, self.hidden_size
-        n = full_i // self.tp_size
+        n = full_i // self.i_split
+        local = expert_id - self.first_expert
         if shard_id in ("gate", "up"):
-            want, dim, dst = (full_i, h), 0, self.w13_weight.data[expert_id]
-            dst = dst.narrow(0, 0 if shard_id == "gate" else n, n)
+            want, dim, param_of = (full_i, h), 0, self.w13_weight
         elif shard_id == "down":
-            want, dim, dst = (h, full_i), 1, self.w2_weight.data[expert_id]
+            want, dim, param_of = (h, full_i), 1, self.w2_weight
         else:
             raise ValueError(f"expert shard id must be 'gate', 'up' or 'down', got {shard_id!r}")
-        if param is not (self.w2_weight if shard_id == "down" else self.w13_weight):
+        if param is not param_of:
             raise ValueError(f"expert shard {shard_id!r} does not load into this parameter")
         if tuple(loaded.shape) != want:
             raise ValueError(f"expert {shard_id} tensor has shape {tuple(loaded.shape)}, "
                              f"expected {want}")
-        part = loaded.narrow(dim, self.tp_rank * n, n) if self.tp_size > 1 else loaded
+        if not 0 <= local < self.num_local_experts:
+            return                                   # another rank's expert
+        dst = param_of.data[local]
+        if shard_id != "down":
+            dst = dst.narrow(0, 0 if shard_id == "gate" else n, n)
+        part = loaded.narrow(dim, self.tp_rank * n, n) if self.i_split > 1 else loaded
         dst.copy_(full_tensor(part))
 
 

@@ -9,7 +9,9 @@ with the prefix cache hit. Two cases put dense MLP layers between the MoE layers
 (``mlp_only_layers``, ``decoder_sparse_step``). Tensor parallelism TP=2 vs TP=1 (gloo)
 runs on the Qwen2-MoE checkpoint (shared expert: one all-reduce per MoE layer, lazy
 safetensors slices) and on dummy OLMoE weights (the q/k norm over the split projection, the
-k part replicated).
+k part replicated). Expert parallelism (``--tp-size 2 --ep-size 2``: each rank holds 4 of the
+8 experts whole) runs against TP=1 on the Qwen2-MoE checkpoint (the shared expert stays
+TP-split) and on dummy Mixtral weights.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pytest
 import torch
 from moe_helpers import CASES, config_of, save_tiny
 
+from engine.layers.moe import FusedMoE
 from engine.llm import LLM
 from engine.sampling.params import SamplingParams
 
@@ -110,10 +113,15 @@ PROMPT_B = PROMPT_A[:200] + [5, 6, 7, 8, 9, 10]        # shares a 200-token pref
 PROMPT_C = [11, 12, 13]
 
 
-def _run_tp(path: str, tp: int, **kw):
+def _run_tp(path: str, tp: int, ep: int = 1, **kw):
     sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
-    with LLM(path, tp_size=tp, cpu_threads=1, dtype="float32", device="cpu", seed=3,
-             **kw) as llm:
+    with LLM(path, tp_size=tp, ep_size=ep, cpu_threads=1, dtype="float32", device="cpu",
+             seed=3, **kw) as llm:
+        experts = [m for m in llm.runner.model.modules() if isinstance(m, FusedMoE)]
+        assert experts
+        for m in experts:   # rank 0 holds E/ep experts (whole under ep, I/tp of each under tp)
+            assert m.w13_weight.shape[:2] == (m.num_experts // ep,
+                                              2 * m.intermediate_size // (1 if ep > 1 else tp))
         first = llm.generate([PROMPT_A, PROMPT_C], sp)
         second = llm.generate([PROMPT_B], sp)
     assert second[0].num_cached_tokens >= 192
@@ -123,13 +131,13 @@ def _run_tp(path: str, tp: int, **kw):
     return [o.token_ids for o in outs], lps
 
 
-def _assert_tp_matches(path: str, **kw) -> None:
+def _assert_tp_matches(path: str, ep: int = 1, **kw) -> None:
     ref_toks, ref_lps = _run_tp(path, 1, **kw)
-    toks, lps = _run_tp(path, 2, **kw)
+    toks, lps = _run_tp(path, 2, ep, **kw)
     assert toks == ref_toks
     assert len(lps) == len(ref_lps) > 0
     worst = max(abs(a - b) for a, b in zip(lps, ref_lps))
-    assert worst < 1e-4, f"largest log-prob difference TP=2 vs TP=1: {worst:.2e}"
+    assert worst < 1e-4, f"largest log-prob difference TP=2 (EP={ep}) vs TP=1: {worst:.2e}"
 
 
 def test_tp2_matches_tp1_qwen2_moe_checkpoint(tmp_path):
@@ -144,3 +152,33 @@ def test_tp2_matches_tp1_olmoe_dummy(tmp_path):
     cfg["num_key_value_heads"] = 1
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     _assert_tp_matches(str(tmp_path), load_format="dummy")
+
+
+# ---- expert parallelism (--ep-size 2 with --tp-size 2, gloo) --------------------------------
+
+
+def test_ep2_matches_tp1_qwen2_moe_checkpoint(tmp_path):
+    """Experts 0-3 on rank 0, 4-7 on rank 1 (lazy slices of the other rank's experts never
+    read); the shared expert and attention stay tensor-parallel."""
+    save_tiny("qwen2_moe_step2", tmp_path)
+    _assert_tp_matches(str(tmp_path), ep=2)
+
+
+def test_ep2_matches_tp1_mixtral_dummy(tmp_path):
+    cfg = config_of("mixtral").to_dict()
+    cfg.pop("attn_implementation", None)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    _assert_tp_matches(str(tmp_path), ep=2, load_format="dummy")
+
+
+def test_ep_start_up_errors(tmp_path):
+    """Refused before any worker starts: --ep-size without a matching --tp-size, and a
+    number of experts the ranks cannot share."""
+    cfg = config_of("mixtral").to_dict()
+    cfg.pop("attn_implementation", None)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_local_experts": 5}))
+    with pytest.raises(ValueError, match="--ep-size 2 must be 1 or equal to --tp-size 1"):
+        LLM(str(tmp_path), ep_size=2, device="cpu", load_format="dummy")
+    with pytest.raises(ValueError, match="--ep-size 2 does not divide the model's 5 experts"):
+        LLM(str(tmp_path), tp_size=2, ep_size=2, device="cpu", load_format="dummy",
+            cpu_threads=1)

@@ -484,3 +484,51 @@ def test_moe_layer_with_the_triton_impl_routes_with_fused_topk():
     layer.impl = triton_fused_moe()
     assert layer.impl.router is fused_topk
     assert rel_err(layer(x, logits), ref) < TOL[F32]
+
+
+# ---------------------------------------------------------------------------- expert parallel
+
+
+@pytest.mark.parametrize("path", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", [F16, F32])
+@pytest.mark.parametrize("ep", [2, 4])
+def test_expert_parallel_ranks_sum_to_the_float64_loop(path, dtype, ep):
+    """--ep-size: each rank runs only its E/ep experts (the other ranks' pairs localised to
+    the sentinel -1 by ``localize_topk``); the ranks' outputs summed (the block's
+    all-reduce) equal the float64 loop over all experts, on the Triton path (interpreter)
+    and the torch path."""
+    from engine.layers.moe_ep import localize_topk
+
+    m, num_experts, top_k, hidden, inter = 37, 8, 2, 32, 32
+    weights, ids = edge_routing(m, num_experts, top_k, seed=11, hot=20)
+    w13, w2 = make_weights(num_experts, hidden, inter, dtype, seed=5)
+    x = make_x(m, hidden, dtype, seed=6)
+    ref = moe_loop_ref(x, w13, w2, weights, ids)
+    n = num_experts // ep
+    total = torch.zeros(ref.shape, dtype=torch.float64)
+    for r in range(ep):
+        lw, li = localize_topk(weights.to(DEVICE), ids.to(torch.int32).to(DEVICE), r * n, n)
+        assert ((li >= 0) == ((ids >= r * n) & (ids < (r + 1) * n)).to(DEVICE)).all()
+        assert (li[li < 0] == -1).all() and (lw[li < 0] == 0).all()
+        w13_r, w2_r = w13[r * n:(r + 1) * n].contiguous(), w2[r * n:(r + 1) * n].contiguous()
+        if path == "triton":
+            part = fused_moe(x, w13_r, w2_r, lw, li, config=_SMALL_CFG)
+        else:
+            part = fused_moe_torch(x, w13_r, w2_r, lw, li)
+        # one rank alone matches the loop restricted to its experts
+        check(part, moe_loop_ref(x, w13_r, w2_r, lw, li), dtype, f"rank {r} of {ep}")
+        total += part.double().cpu()
+    check(total.to(dtype), ref, dtype, f"{path} ep={ep} summed over the ranks")
+
+
+def test_triton_alignment_with_every_pair_on_another_rank():
+    """A rank none of whose experts is routed to: the alignment is empty, the GEMMs skip
+    every block and the output is exactly zero (not stale memory)."""
+    ids = torch.full((5, 2), -1, dtype=torch.int32, device=DEVICE)
+    sorted_ids, expert_ids, num_post = moe_align_block_size(ids, 16, 4)
+    assert int(num_post[0]) == 0 and (expert_ids == -1).all() and (sorted_ids == 10).all()
+    w13, w2 = make_weights(4, 32, 32, F32, seed=1)
+    x = make_x(5, 32, F32, seed=2)
+    out = fused_moe(x, w13, w2, torch.zeros(5, 2, device=DEVICE), ids,
+                    out=torch.full((5, 32), float("nan"), device=DEVICE))
+    assert torch.equal(out, torch.zeros_like(out))

@@ -8,11 +8,13 @@ The HF-parity and tensor-parallel runs are in ``tests/engine/test_moe_models.py`
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 
 from engine.layers.moe import FusedMoE
+from engine.layers.moe_ep import current_ep_size, expert_parallel, localize_topk
 from engine.loader.loader import config_dir, load_config, load_model
 from engine.loader.weights import iter_dummy_weights
 from engine.models.config import ModelConfig
@@ -220,3 +222,105 @@ def test_moe_gguf_is_refused(arch, hf, tmp_path):
     with pytest.raises(ValueError, match=f"GGUF weights of mixture-of-experts models are not "
                                          f"supported .*'{arch}', 8 experts: {hf}"):
         load_model(path, device="meta")
+
+
+# ---- expert parallelism (--ep-size) ---------------------------------------------------------
+
+
+def test_fused_moe_torch_skips_sentinel_ids_hand_computed():
+    """H 2, I 1, E 2: expert 0 is gate (1, 0), up (2, 0), down (1, 0.5); expert 1 would add
+    1000s. Pairs with ids -1 or >= E (another rank's experts) contribute nothing."""
+    w13 = torch.tensor([[[1.0, 0.0], [2.0, 0.0]], [[1000.0, 0.0], [1000.0, 0.0]]])
+    w2 = torch.tensor([[[1.0], [0.5]], [[1000.0], [1000.0]]])
+    x = torch.tensor([[1.0, 0.0], [3.0, 5.0], [1.0, 0.0]])
+    ids = torch.tensor([[0, -1], [-1, -1], [2, 0]], dtype=torch.int32)
+    w = torch.tensor([[0.5, 7.0], [1.0, 1.0], [9.0, 0.25]])
+    out = fused_moe_torch(x, w13, w2, w, ids)
+    act = 2.0 / (1.0 + math.exp(-1.0))               # silu(1) * 2 = 1.4621171...
+    want = torch.tensor([[0.5 * act, 0.25 * act], [0.0, 0.0], [0.25 * act, 0.125 * act]])
+    assert torch.allclose(out, want, rtol=1e-6, atol=0), out
+
+
+def test_localize_topk_hand_case():
+    w = torch.tensor([[0.6, 0.4], [0.9, 0.1]])
+    ids = torch.tensor([[5, 2], [3, 4]], dtype=torch.int32)     # E 8, ep 2: rank 1 has 4..7
+    lw, li = localize_topk(w, ids, 4, 4)
+    assert li.tolist() == [[1, -1], [-1, 0]] and li.dtype == torch.int32
+    assert lw.tolist() == [[pytest.approx(0.6), 0.0], [0.0, pytest.approx(0.1)]]
+
+
+def test_expert_parallel_layer_holds_whole_local_experts():
+    """ep 2: rank r holds experts [2r, 2r + 2) whole (I not split) and skips the others'
+    tensors; the two ranks' outputs sum to the float64 definition over all 4 experts."""
+    e, h, inter, top_k = 4, 8, 6, 2
+    g = torch.Generator().manual_seed(1)
+    parts = {(ex, s): torch.randn(shape, generator=g, dtype=torch.float64)
+             for ex in range(e) for s, shape in (("gate", (inter, h)), ("up", (inter, h)),
+                                                 ("down", (h, inter)))}
+    ranks = [FusedMoE(e, top_k, h, inter, True, torch.float32, tp_size=2, tp_rank=r,
+                      ep_size=2) for r in range(2)]
+    for r, layer in enumerate(ranks):
+        assert layer.w13_weight.shape == (2, 2 * inter, h) and layer.w2_weight.shape == (2, h, inter)
+        layer.w13_weight.data.fill_(float("nan"))
+        layer.w2_weight.data.fill_(float("nan"))
+        for (ex, s), t in parts.items():
+            p = layer.w2_weight if s == "down" else layer.w13_weight
+            p.weight_loader(p, t.float(), ex, s)
+        for j in range(2):
+            ex = 2 * r + j
+            assert torch.equal(layer.w13_weight[j], torch.cat([parts[ex, "gate"],
+                                                               parts[ex, "up"]]).float())
+            assert torch.equal(layer.w2_weight[j], parts[ex, "down"].float())
+    x = torch.randn(7, h, generator=g)
+    logits = torch.randn(7, e, generator=g)
+    probs = torch.softmax(logits.double(), -1)
+    tw, ti = probs.topk(top_k, -1)
+    tw = tw / tw.sum(-1, keepdim=True)
+    want = torch.zeros(7, h, dtype=torch.float64)
+    for m in range(7):
+        for k in range(top_k):
+            ex, xm = int(ti[m, k]), x[m].double()
+            act = torch.nn.functional.silu(parts[ex, "gate"] @ xm) * (parts[ex, "up"] @ xm)
+            want[m] += tw[m, k] * (parts[ex, "down"] @ act)
+    got = (ranks[0](x, logits) + ranks[1](x, logits)).double()
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def test_expert_parallel_start_up_errors(tmp_path):
+    from engine.args import ServerArgs
+    from engine.executor.tp_worker import check_tensor_parallel
+
+    with pytest.raises(ValueError, match="--ep-size 2 must be 1 or equal to --tp-size 1"):
+        ServerArgs(ep_size=2)
+    with pytest.raises(ValueError, match="--ep-size 2 must be 1 or equal to --tp-size 4"):
+        ServerArgs(ep_size=2, tp_size=4)
+    with pytest.raises(ValueError, match="--ep-size 2 does not divide the model's 5 experts"):
+        FusedMoE(5, 2, 8, 6, False, torch.float32, tp_size=2, tp_rank=0, ep_size=2)
+    with pytest.raises(ValueError, match="must be 1 or equal to --tp-size 2"):
+        FusedMoE(8, 2, 8, 6, False, torch.float32, tp_size=2, tp_rank=0, ep_size=4)
+    path = _write(tmp_path, "mixtral", num_local_experts=6)
+    with pytest.raises(ValueError, match="--ep-size 4 does not divide the model's 6 experts"):
+        check_tensor_parallel(ServerArgs(model_path=path, tp_size=4, ep_size=4, device="cpu"),
+                              "cpu")
+    check_tensor_parallel(ServerArgs(model_path=path, tp_size=2, ep_size=2, device="cpu"), "cpu")
+
+
+def test_ep_size_is_set_around_model_construction(tmp_path):
+    """expert_parallel() reaches every MoE layer built inside it (the runner wraps
+    load_model); a dense layer of the same model is unaffected."""
+    with expert_parallel(2):
+        assert current_ep_size() == 2
+        with pytest.raises(ValueError, match="--ep-size 2 must be 1 or equal to --tp-size 1"):
+            load_model(_write(tmp_path, "qwen3_moe"), "dummy", device="meta", progress=False)
+    assert current_ep_size() == 1
+
+
+def test_ep_size_is_ignored_with_a_log_line_for_a_dense_model(caplog):
+    from engine.args import ServerArgs
+    from engine.executor.tp_worker import check_tensor_parallel
+
+    dense = config_dir("llama-tiny")
+    with caplog.at_level("INFO", logger="ferry.engine"):
+        check_tensor_parallel(ServerArgs(model_path=dense, tp_size=2, ep_size=2, device="cpu"),
+                              "cpu")
+    assert "--ep-size 2 ignored: LlamaForCausalLM has no MoE layers" in caplog.text
