@@ -9,15 +9,16 @@ checkpoint tensor becomes that layout (:mod:`engine.layers.quantization.gguf`).
 Paths (chosen per layer in :meth:`WeightOnlyMethod.process_weights_after_loading`):
 
 - ``cpu``: ferry's C++ kernels (``kernels/cpu/wq.cpp``): with at most ``CPU_KERNEL_MAX_M``
-  rows (decode) a kernel that reads the packed weights directly (fp32 math, AVX2+FMA+F16C
-  where the build has them, threads over output rows); with more rows (prefill) the weight
+  rows (decode, a speculative verify) a kernel that reads the packed weights directly (fp32
+  math, AVX2+FMA+F16C where the build has them, threads over output rows; from 4 rows each
+  32-weight chunk is unpacked once for up to 16 rows); with more rows (prefill) the weight
   is dequantized by the C++ kernel into the run dtype in every call and multiplied by
   torch's GEMM (dequantizing SmolLM2's largest weight, 1536 x 576, takes ~0.1 ms against
   ~3 ms for a 128-row GEMM with it).
-- ``triton`` (CUDA, XPU): :func:`kernels.quant.wq_triton.wq_linear`: up to 256 rows a GEMM
-  that unpacks the tiles in registers (``tl.dot`` in the activations' dtype, fp32
-  accumulation; K split over more programs at decode sizes), above that a dequantizing
-  kernel and the vendor GEMM.
+- ``triton`` (CUDA, XPU): :func:`kernels.quant.wq_triton.wq_linear`: up to 4 rows (q4) a
+  GEMV without ``tl.dot`` (:mod:`kernels.quant.wq_gemv`), up to 256 rows a GEMM that unpacks
+  the tiles in registers (``tl.dot`` in the activations' dtype, fp32 accumulation; K split
+  over more programs at decode sizes), above that a dequantizing kernel and the vendor GEMM.
 - ``torch``: the reference (dequantize, then matmul), where neither kernel is available.
 
 No host syncs on any path.
