@@ -76,6 +76,7 @@ class _ReqState:
     t_first: float | None = None
     t_last: float = 0.0
     itl: list[float] = field(default_factory=list)
+    lora_param: str | None = None  # the field that named its adapter (lora_path)
 
 
 class TokenizerManager(ChatTokenizer, ReplicaRouting):
@@ -188,7 +189,9 @@ class TokenizerManager(ChatTokenizer, ReplicaRouting):
             st = self.states.pop(msg.rid, None)
             if st is not None:
                 self._release(msg.rid)
-                st.queue.put_nowait(APIError(msg.message, msg.status, msg.param, msg.code))
+                param = (st.lora_param if msg.code == "model_not_found" and st.lora_param
+                         else msg.param)  # an adapter unloaded since the route's check
+                st.queue.put_nowait(APIError(msg.message, msg.status, param, msg.code))
                 self._record_finish(msg.rid, st, "abort")
         elif isinstance(msg, (io.FlushCacheOut, io.LoRAOut)):
             fut = self.info_waiters.pop(msg.rid, None)
@@ -316,7 +319,8 @@ class TokenizerManager(ChatTokenizer, ReplicaRouting):
     async def generate(self, reqs: list[tuple[str, list[int], SamplingParams]], stream: bool,
                        arrival: float | None = None,
                        registered: list[str] | None = None,
-                       lora: str | list[str | None] | None = None) -> AsyncIterator[ReqOutput]:
+                       lora: str | list[str | None] | None = None,
+                       lora_param: list[str | None] | None = None) -> AsyncIterator[ReqOutput]:
         """Send engine requests and yield their outputs as they come.
 
         Args:
@@ -328,6 +332,9 @@ class TokenizerManager(ChatTokenizer, ReplicaRouting):
                 given ones, or ``unique_rids``' when one of them is in flight already.
             lora: the LoRA adapter every request runs on (None: the base model), or a list
                 of one adapter (or None) per entry of ``reqs``.
+            lora_param: per entry of ``reqs``, the body field that named its adapter
+                (``lora_choice.lora_fields``; None: ``model``): the engine's 404 for an
+                adapter unloaded meanwhile names it.
         Yields:
             ``ReqOutput`` until every request has finished.
         Raises:
@@ -346,7 +353,8 @@ class TokenizerManager(ChatTokenizer, ReplicaRouting):
         try:
             unique = self.unique_rids([r[0] for r in reqs])  # no await until registered
             for idx, (rid, (_, ids, _)) in enumerate(zip(unique, reqs)):
-                self.states[rid] = _ReqState(queue, idx, t0, len(ids))
+                self.states[rid] = _ReqState(queue, idx, t0, len(ids),
+                                             lora_param=lora_param[idx] if lora_param else None)
                 rids.append(rid)
             for rid, (_, ids, sp), name in zip(unique, reqs, loras):
                 self._push_for(rid, ids).send(io.TokenizedGenerateReq(rid=rid, input_ids=ids,

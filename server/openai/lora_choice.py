@@ -111,6 +111,19 @@ def adapters_of_request(model_adapter: str | None, lora_path: Any, served: str,
     return out
 
 
+def fields_of(req: Any, prompts: int, n: int = 1) -> list[str | None]:
+    """The body field that named the adapter of each engine request of a parsed request
+    (``prompts`` x ``n``, prompt by prompt): ``"lora_path"`` or ``"lora_path[i]"``, None where
+    ``model`` did (or nothing did). The engine's 404 for an adapter unloaded after the
+    route's check names it (``TokenizerManager.generate``'s ``lora_param``)."""
+    lora_path = (getattr(req, "model_extra", None) or {}).get("lora_path")
+    if isinstance(lora_path, list):
+        one = [f"lora_path[{i}]" if v is not None else None for i, v in enumerate(lora_path)]
+    else:
+        one = ["lora_path" if lora_path is not None else None] * prompts
+    return [f for f in one for _ in range(n)]
+
+
 def shown_model(loras: list[str | None], served: str) -> str:
     """The response's ``model``: the adapter when every prompt ran on the same one, else the
     served model name."""

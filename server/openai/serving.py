@@ -31,7 +31,7 @@ from server.http.request_id import request_id_of
 from server.openai.extensions import adopt_body_id
 from server.openai.formats import BaseFormat, CompletionFormat, LogprobOptions
 from server.openai.logprobs import TokenStrings
-from server.openai.lora_choice import adapter_of_model, adapters_of_request, shown_model
+from server.openai.lora_choice import adapter_of_model, adapters_of_request, fields_of, shown_model
 from server.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -313,9 +313,11 @@ class OpenAIServing:
             logger.info("request %s outputs=%.4000r", fmt.id, fmt.texts)
 
     async def _answer(self, request: Request, subs, stream: bool, t0: float, fmt,
-                      lora: str | list[str | None] | None = None) -> Response:
+                      lora: str | list[str | None] | None = None,
+                      fields: list[str | None] | None = None) -> Response:
         rids: list[str] = []  # the engine rids generate registers (unique; see request_id)
-        gen = self.tm.generate(subs, stream, arrival=t0, registered=rids, lora=lora)
+        gen = self.tm.generate(subs, stream, arrival=t0, registered=rids, lora=lora,
+                               lora_param=fields)  # the 404 of an adapter unloaded meanwhile
         if not stream:
             async def collect() -> list[list[ReqOutput]]:
                 outs: list[list[ReqOutput]] = [[] for _ in subs]
@@ -412,7 +414,8 @@ class OpenAIServing:
                                n=req.n)
         self._log_request(fmt, req.prompt, sp)
         return await self._answer(request, subs, req.stream, t0, fmt,
-                                  [lora for lora in loras for _ in range(req.n)])
+                                  [lora for lora in loras for _ in range(req.n)],
+                                  fields_of(req, len(prompts), req.n))
 
     async def chat(self, request: Request) -> Response:
         """``POST /v1/chat/completions``."""
@@ -442,4 +445,5 @@ class OpenAIServing:
         fmt = chat_format(tools, base, lora or self.model_name, len(subs), len(ids),
                           req.include_usage, req.continuous_usage, self.strings, lp, n=req.n)
         self._log_request(fmt, [m.model_dump(exclude_none=True) for m in req.messages], sp)
-        return await self._answer(request, subs, req.stream, t0, fmt, lora)
+        return await self._answer(request, subs, req.stream, t0, fmt, lora,
+                                  fields_of(req, 1, req.n))

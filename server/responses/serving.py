@@ -34,6 +34,7 @@ from server.http.errors import APIError, bad_request, not_supported
 from server.http.request_id import request_id_of
 from server.openai import extensions
 from server.openai.formats import LogprobOptions
+from server.openai.lora_choice import fields_of
 from server.openai.protocol import ChatCompletionRequest, parse_request
 from server.openai.serving import (
     ClientGone,
@@ -200,18 +201,18 @@ class ResponsesServing:
             raise conv.rename(err) from None
         lp = LogprobOptions(skip_special_tokens=sp.skip_special_tokens,
                             spaces_between_special_tokens=sp.spaces_between_special_tokens)
-        fmt = chat_format(tools, rid, s.model_name, 1, len(ids), False, False, s.strings, lp,
-                          n=1)
+        shown = lora or s.model_name  # the adapter, as on /v1/chat/completions
+        fmt = chat_format(tools, rid, shown, 1, len(ids), False, False, s.strings, lp, n=1)
         keep = req.store is not False and self.store.enabled
         if req.background and not keep:
             raise not_supported("background", "background responses with the response store "
                                 "off (--responses-store-size 0)")
-        build = ResponseBuilder(rid, s.model_name, fmt, dict(echo_fields(req), store=keep))
+        build = ResponseBuilder(rid, shown, fmt, dict(echo_fields(req), store=keep))
         st = StoredResponse({}, stored_items(req.input), prior) if keep else None
         s._log_request(fmt, conv.body["messages"], sp)
         rids: list[str] = []  # the engine rid generate registers (unique; see request_id)
         gen = tm.generate([(rid, ids, sp)], req.stream, arrival=t0, registered=rids,
-                          lora=lora)
+                          lora=lora, lora_param=fields_of(req, 1))
         if req.background:
             return self._background(build, gen, st, prior)
         if not req.stream:

@@ -12,6 +12,9 @@ refused. The adapters' outputs against transformers + peft: tests/e2e/test_lora_
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import httpx
 import pytest
 from app_helpers import make_app
@@ -76,8 +79,8 @@ async def test_a_string_picks_the_adapter_like_model(app, path):
         r = await _post(app, path, {**body, **extra})
         assert r.status_code == 200, (extra, r.text)
         assert list(_sent(app[1]).values()) == [want], extra
-        if path != "/v1/responses":  # the adapter is the response's model
-            assert r.json()["model"] == (want or "tiny"), extra
+        # the adapter is the response's model (Responses too: it showed the served name)
+        assert r.json()["model"] == (want or "tiny"), (path, extra)
 
 
 async def test_a_list_gives_each_prompt_its_adapter(app):
@@ -177,3 +180,50 @@ def test_the_resolution_functions():
     assert shown_model(["a1", None], "tiny") == "tiny"
     assert shown_model([None, None], "tiny") == "tiny"
     assert shown_model(["a1", "a2"], "tiny") == "tiny"
+
+
+def _unloaded_meanwhile(engine, name: str) -> None:
+    """The fake engine answers requests for adapter ``name`` as engine_loop.lora_id does for
+    an adapter unloaded between the route's check and the engine (the 404 naming model)."""
+    send = engine.send
+
+    def send_or_404(msg):
+        if isinstance(msg, io.TokenizedGenerateReq) and msg.lora_name == name:
+            engine.sent.append(msg)
+            asyncio.get_running_loop().call_soon(engine.tm._dispatch, io.ErrorOut(
+                rid=msg.rid, message=f"The model '{name}' does not exist: no such LoRA "
+                "adapter is loaded", status=404, param="model", code="model_not_found"))
+        else:
+            send(msg)
+    engine.send = send_or_404
+
+
+@pytest.mark.parametrize("path,extra,param", [
+    ("/v1/completions", {"lora_path": "a2"}, "lora_path"),
+    ("/v1/completions", {"prompt": ["x", "y"], "lora_path": ["a1", "a2"]}, "lora_path[1]"),
+    ("/v1/completions", {"prompt": ["x", "y"], "n": 2, "lora_path": [None, "a2"]},
+     "lora_path[1]"),
+    ("/v1/completions", {"prompt": ["x", "y"], "lora_path": ["a1", "a2"], "stream": True},
+     "lora_path[1]"),
+    ("/v1/chat/completions", {"lora_path": "a2"}, "lora_path"),
+    ("/v1/chat/completions", {"lora_path": ["a2"], "stream": True}, "lora_path[0]"),
+    ("/v1/responses", {"lora_path": "a2"}, "lora_path"),
+    ("/v1/responses", {"lora_path": "a2", "stream": True}, "lora_path"),
+    ("/v1/completions", {"model": "a2"}, "model"),
+    ("/v1/chat/completions", {"model": "tiny:a2", "lora_path": [None]}, "model"),
+])
+async def test_an_adapter_unloaded_after_the_check_is_named_by_its_field(app, path, extra,
+                                                                         param):
+    """The engine's 404 (the adapter went between the route's check and the engine) names
+    the field the body named the adapter with; it named model before the fix."""
+    _unloaded_meanwhile(app[1], "a2")
+    r = await _post(app, path, {**BODIES[path], **extra})
+    if r.headers.get("content-type", "").startswith("text/event-stream"):
+        assert r.status_code == 200 and '"model_not_found"' in r.text, r.text
+        err = json.loads(next(ln[6:] for ln in r.text.splitlines()
+                              if "model_not_found" in ln))["error"]
+    else:
+        assert r.status_code == 404, r.text
+        err = r.json()["error"]
+    assert (err["param"], err["code"]) == (param, "model_not_found"), err
+    assert "'a2'" in err["message"]
