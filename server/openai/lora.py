@@ -5,7 +5,8 @@ paths; also at vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``)
 Bodies (both projects' form): ``{"lora_name": "sql", "lora_path": "/adapters/sql"}`` to load,
 ``{"lora_name": "sql"}`` to unload. The answer is ``{"success": true, "message": ...,
 "loaded_adapters": {name: path}}``; a bad body, path, format or rank is a 400 naming the
-field, an unknown name a 404, a server started without ``--enable-lora`` / ``--lora-paths``
+field (a name that names the base model too: its served name, ``--model-path`` or
+sglang-router's ``unknown``), an unknown name a 404, a server started without ``--enable-lora`` / ``--lora-paths``
 a 400. Requests already running on an unloaded adapter finish on it.
 """
 
@@ -17,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from server.http.errors import APIError, bad_request
+from server.openai.extensions import ROUTER_NO_MODEL
 from server.openai.serving import read_json
 
 _FIELDS = {"load": ("lora_name", "lora_path"), "unload": ("lora_name",)}
@@ -47,7 +49,12 @@ async def change_adapter(serving, request: Request, kind: str) -> Response:
     if not tm.lora_enabled:
         raise bad_request("this server serves no LoRA adapters: start it with --enable-lora "
                           "(or --lora-paths)", "lora_name")
-    out = await tm.change_lora(fields["lora_name"], fields.get("lora_path"))
+    name = fields["lora_name"]
+    if kind == "load" and name in (serving.model_name, serving.args.model_path, ROUTER_NO_MODEL):
+        # model (and the response's model) would name the base model, lora_path the adapter
+        raise bad_request(f"the adapter name '{name}' names the base model (model: "
+                          f"'{name}' picks the base model): choose another name", "lora_name")
+    out = await tm.change_lora(name, fields.get("lora_path"))
     if not out.success:
         raise APIError(out.message, out.status, out.param,
                        "model_not_found" if out.status == 404 else None)

@@ -227,3 +227,14 @@ async def test_an_adapter_unloaded_after_the_check_is_named_by_its_field(app, pa
         err = r.json()["error"]
     assert (err["param"], err["code"]) == (param, "model_not_found"), err
     assert "'a2'" in err["message"]
+
+
+@pytest.mark.parametrize("name", ["tiny", "unknown"])
+async def test_an_adapter_may_not_take_the_base_models_name(app, name):
+    """Loaded as "tiny" (the served name), model: "tiny" would pick the base model but
+    lora_path: "tiny" the adapter, and /v1/models would list "tiny" twice; "unknown" is
+    sglang-router's model for none. Refused before the engine hears of it."""
+    r = await _post(app, "/load_lora_adapter", {"lora_name": name, "lora_path": "/adapters/x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", r.text
+    assert f"'{name}'" in r.json()["error"]["message"]
+    assert not any(isinstance(m, io.LoadLoRAReq) for m in app[1].sent)
