@@ -28,6 +28,12 @@ from server.http.errors import APIError, bad_request
 from server.openai.extensions import ROUTER_NO_MODEL
 
 
+def _q(name: str, most: int = 100) -> str:
+    """``name`` for an error message, cut to ``most`` characters (a client's 100 kB name is
+    not echoed back whole)."""
+    return name if len(name) <= most else name[:most] + f"... ({len(name)} characters)"
+
+
 def _also(adapters: Mapping[str, str]) -> str:
     return f" or one of its LoRA adapters: {', '.join(sorted(adapters))}" if adapters else ""
 
@@ -54,7 +60,7 @@ def adapter_of_model(model: str | None, base_names: Iterable[str | None],
             name = model[len(base) + 1:]
     if name in adapters:
         return name
-    raise APIError(f"The model '{model}' does not exist (this server serves "
+    raise APIError(f"The model '{_q(model)}' does not exist (this server serves "
                    f"'{served}'{_also(adapters)})", 404, "model", "model_not_found")
 
 
@@ -63,7 +69,7 @@ def _named(value: Any, param: str, served: str, adapters: Mapping[str, str]) -> 
         raise bad_request("lora_path must be an adapter's name (a non-empty string), a list "
                           "of them and nulls (one per prompt), or null", param)
     if value not in adapters:
-        raise APIError(f"The LoRA adapter '{value}' does not exist (this server serves "
+        raise APIError(f"The LoRA adapter '{_q(value)}' does not exist (this server serves "
                        f"'{served}'{_also(adapters) or ' and no LoRA adapters'})", 404, param,
                        "model_not_found")
     return value

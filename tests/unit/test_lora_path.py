@@ -238,3 +238,15 @@ async def test_an_adapter_may_not_take_the_base_models_name(app, name):
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", r.text
     assert f"'{name}'" in r.json()["error"]["message"]
     assert not any(isinstance(m, io.LoadLoRAReq) for m in app[1].sent)
+
+
+@pytest.mark.parametrize("field", ["lora_path", "model"])
+async def test_a_long_unknown_name_is_not_echoed_whole(app, field):
+    """A 100 000-character name: the 404 quotes its first 100 characters and its length
+    (it echoed all of it)."""
+    r = await _post(app, "/v1/completions", {**BODIES["/v1/completions"], field: "é" * 100_000})
+    err = r.json()["error"]
+    assert (r.status_code, err["param"]) == (404, field), r.text
+    assert "'" + "é" * 100 + "... (100000 characters)'" in err["message"]
+    assert len(err["message"]) < 400
+    assert _sent(app[1]) == {}
