@@ -288,8 +288,8 @@ class ReplicaRouting:
         good = [o for o in outs if o.success]
         if good:
             self.lora_adapters = dict(good[0].adapters)
-        if failed and path is not None:
-            self.lora_adapters.pop(name, None)
+        if failed and path is not None and good:  # undone above (none loaded it: unchanged,
+            self.lora_adapters.pop(name, None)  # e.g. a name already loaded stays)
         return failed[0] if failed else outs[0]
 
     async def _ask_engine(self, msg_type, prefix: str, replica: Replica | None = None,

@@ -250,3 +250,31 @@ async def test_a_long_unknown_name_is_not_echoed_whole(app, field):
     assert "'" + "é" * 100 + "... (100000 characters)'" in err["message"]
     assert len(err["message"]) < 400
     assert _sent(app[1]) == {}
+
+
+async def test_a_failed_load_keeps_an_adapter_already_loaded(app):
+    """Loading a name that is loaded already fails in the engine (400 naming lora_name);
+    the adapter stays usable (the server forgot it: /v1/models dropped it and model or
+    lora_path naming it became a 404 while the engine still held it)."""
+    engine = app[1]
+    send = engine.send
+
+    def answer_lora(msg):
+        if isinstance(msg, io.LoadLoRAReq):  # as engine_loop.lora_out answers a taken name
+            engine.sent.append(msg)
+            asyncio.get_running_loop().call_soon(engine.tm._dispatch, io.LoRAOut(
+                rid=msg.rid, success=False, status=400, param="lora_name",
+                message=f"a LoRA adapter named {msg.lora_name!r} is already loaded",
+                adapters=dict(ADAPTERS)))
+        else:
+            send(msg)
+    engine.send = answer_lora
+    r = await _post(app, "/load_lora_adapter", {"lora_name": "a1", "lora_path": "/adapters/x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", r.text
+    assert engine.tm.lora_adapters == ADAPTERS
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app[0]),
+                                 base_url="http://t") as c:
+        ids = [m["id"] for m in (await c.get("/v1/models")).json()["data"]]
+    assert ids == ["tiny", "a1", "a2"]
+    r = await _post(app, "/v1/completions", {**BODIES["/v1/completions"], "lora_path": "a1"})
+    assert r.status_code == 200 and list(_sent(app[1]).values()) == ["a1"], r.text
