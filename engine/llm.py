@@ -86,6 +86,9 @@ class LLM:
     def _lora_id(self, name: str | None) -> int | None:
         if name is None:
             return None
+        if not isinstance(name, str):
+            raise RequestError(f"lora must be an adapter's name (a string), a list of them "
+                               f"(one per prompt) or None, got {type(name).__name__}", "lora")
         if self.runner.lora is None:
             raise RequestError(f"LoRA adapter {name!r}: this engine serves no adapters "
                                "(lora_paths or enable_lora)", "lora")
@@ -125,16 +128,21 @@ class LLM:
                 prompts, or one per prompt (None: the base model).
         Raises:
             ValueError: (``engine.validation.RequestError``, with ``param`` and ``code``)
-                before anything runs, for an unknown LoRA adapter, an empty prompt, a token id
-                outside the vocabulary, a prompt that leaves no room for one token in the context
-                (``context_length_exceeded``), out-of-range sampling settings, or a text
-                prompt without a tokenizer.
+                before anything runs, for an unknown LoRA adapter, a ``lora`` of another
+                type, a ``lora`` or ``sampling_params`` list whose length is not the number
+                of prompts, an empty prompt, a token id outside the vocabulary, a prompt that
+                leaves no room for one token in the context (``context_length_exceeded``),
+                out-of-range sampling settings, or a text prompt without a tokenizer.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         sps = sampling_params if isinstance(sampling_params, list) else (
             [sampling_params or SamplingParams()] * len(prompts))
         loras = lora if isinstance(lora, list) else [lora] * len(prompts)
+        for what, given in (("sampling_params", sps), ("lora", loras)):
+            if len(given) != len(prompts):  # zip would drop prompts or ignore entries
+                raise RequestError(f"{what} has {len(given)} entries for {len(prompts)} "
+                                   "prompts: give one per prompt (or a single value)", what)
         reqs = []
         for p, sp, name in zip(prompts, sps, loras):  # check all before the scheduler sees any
             if isinstance(p, str) and self.tokenizer is None:
