@@ -138,9 +138,12 @@ def serve(argv: list[str]) -> int:
     except ValueError as exc:
         parser.error(str(exc))  # usage + "ferry serve: error: ...", exit code 2
     from engine.scheduler.build import check_environment
+    from server.app import model_name_of
+    from server.openai.lora import check_adapter_names
 
     try:
         check_environment(args)  # device, attention backend, model path: before any child
+        check_adapter_names(args, model_name_of(args))  # --lora-paths names like the base's
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         parser.error(str(exc))
 

@@ -40,6 +40,27 @@ def _body_fields(body: Any, kind: str) -> dict[str, str]:
     return out
 
 
+def base_names(args, served: str) -> tuple[str, ...]:
+    """Names that pick the base model as a body's ``model`` (an adapter may not take them)."""
+    return tuple(n for n in (served, args.model_path, ROUTER_NO_MODEL) if n)
+
+
+def check_adapter_names(args, served: str) -> None:
+    """``--lora-paths`` names against the base model's (``base_names``; ``served``: the
+    served model name, ``server.app.model_name_of``), before start-up.
+
+    Raises:
+        ValueError: naming --lora-paths and the name.
+    """
+    from engine.args import lora_path_items
+
+    taken = base_names(args, served)
+    for name, _ in lora_path_items(args.lora_paths or []):
+        if name in taken:
+            raise ValueError(f"--lora-paths: the adapter name '{name}' names the base model "
+                             f"(model: '{name}' picks the base model): choose another name")
+
+
 async def change_adapter(serving, request: Request, kind: str) -> Response:
     """``kind`` "load" or "unload" an adapter in every engine replica."""
     body = await read_json(request, serving.args.max_request_bytes,
@@ -50,7 +71,7 @@ async def change_adapter(serving, request: Request, kind: str) -> Response:
         raise bad_request("this server serves no LoRA adapters: start it with --enable-lora "
                           "(or --lora-paths)", "lora_name")
     name = fields["lora_name"]
-    if kind == "load" and name in (serving.model_name, serving.args.model_path, ROUTER_NO_MODEL):
+    if kind == "load" and name in base_names(serving.args, serving.model_name):
         # model (and the response's model) would name the base model, lora_path the adapter
         raise bad_request(f"the adapter name '{name}' names the base model (model: "
                           f"'{name}' picks the base model): choose another name", "lora_name")

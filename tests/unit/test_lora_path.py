@@ -278,3 +278,35 @@ async def test_a_failed_load_keeps_an_adapter_already_loaded(app):
     assert ids == ["tiny", "a1", "a2"]
     r = await _post(app, "/v1/completions", {**BODIES["/v1/completions"], "lora_path": "a1"})
     assert r.status_code == 200 and list(_sent(app[1]).values()) == ["a1"], r.text
+
+
+@pytest.mark.parametrize("argv,name", [
+    (["--lora-paths", "SmolLM2-135M-Instruct=/adapters/x"], "SmolLM2-135M-Instruct"),
+    (["--served-model-name", "tiny", "--lora-paths", "a1=/adapters/a1", "tiny=/adapters/x"],
+     "tiny"),
+    (["--lora-paths", "/adapters/unknown"], "unknown"),  # named after its directory
+])
+def test_start_up_refuses_an_adapter_named_like_the_base_model(argv, name, capsys,
+                                                               monkeypatch):
+    """``ferry serve --lora-paths`` with such a name: a usage error (exit 2, one line naming
+    --lora-paths) before any process starts; it served two models of one name."""
+    import server.launch
+    from server.cli import serve
+
+    monkeypatch.setattr(server.launch, "launch_server", lambda args: 0)  # never start one
+
+    with pytest.raises(SystemExit) as ei:
+        serve(["--device", "cpu", *argv])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--lora-paths: the adapter name '{name}' names the base model" in err
+    assert "Traceback" not in err
+
+
+def test_adapter_names_that_do_not_name_the_base_model_pass():
+    from engine.args import ServerArgs
+    from server.openai.lora import check_adapter_names
+
+    check_adapter_names(ServerArgs(served_model_name="tiny", lora_paths=["a1=/a", "/b/a2"]),
+                        "tiny")
+    check_adapter_names(ServerArgs(enable_lora=True), "SmolLM2-135M-Instruct")
