@@ -38,8 +38,6 @@ MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001  # per step, back toward MIN after a preemption raised it
 FUTURE_TOKENS_CLIP = 4096
 PROMPT_LOGPROBS_CHUNK = 512  # prompt tokens per step for a request that wants their logprobs
-
-
 LORA_MAX_DEFER_S = 0.5  # seconds a request may wait for an adapter slot (see _build_extend)
 
 
@@ -211,11 +209,11 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
         if self.chunked is not None and self.chunked.lora_id is not None:
             adapters.add(self.chunked.lora_id)
         max_adapters = getattr(self.args, "max_loras_per_batch", 0)
-        # adapters kept out > LORA_MAX_DEFER_S hold back the other adapters' requests until a
-        # slot drains and goes to them (no adapter starves)
-        now = time.time()
+        # adapters kept out > LORA_MAX_DEFER_S hold back requests that would take or keep a
+        # full batch's slot until one drains and goes to them (no adapter starves)
         starved = {r.lora_id for r in self.waiting if r.lora_id not in adapters and r.lora_id
-                   is not None and now - r.recv_time > LORA_MAX_DEFER_S} if max_adapters else ()
+                   is not None and time.time() - r.recv_time > LORA_MAX_DEFER_S} \
+            if max_adapters else set()
         while budget > 0:
             if self.chunked is not None:
                 req = self.chunked
@@ -227,7 +225,8 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
                         and len(adapters) >= max_adapters):
                     deferred.append(self.waiting.popleft())  # its adapter has no slot now
                     continue
-                if starved and req.lora_id is not None and req.lora_id not in starved:
+                if starved and req.lora_id is not None and req.lora_id not in starved and (
+                        req.lora_id not in adapters or len(adapters) >= max_adapters):
                     deferred.append(self.waiting.popleft())  # behind a starved adapter
                     continue
                 head = self._head(req)
@@ -264,6 +263,7 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
                 self.kv.write_prefix(req)
             if req.lora_id is not None:
                 adapters.add(req.lora_id)
+                starved.discard(req.lora_id)  # it has its slot
             if req is not self.chunked:
                 self.waiting.popleft()
                 self._count_lookup(req)

@@ -363,8 +363,8 @@ def test_a_request_waiting_for_an_adapter_slot_is_not_starved():
                                  max_loras_per_batch=1), runner)
     sched.check_kv = True
 
-    def req(rid, lora, n=4):
-        return Req(rid, [7] * n, SamplingParams(max_tokens=5, temperature=0), lora_id=lora)
+    def req(rid, lora, n=4, tok=7):
+        return Req(rid, [tok] * n, SamplingParams(max_tokens=5, temperature=0), lora_id=lora)
 
     first, starved = req("a1-first", 1), req("a2", 2)
     sched.add_request(first)
@@ -392,3 +392,21 @@ def test_a_request_waiting_for_an_adapter_slot_is_not_starved():
     run_all(sched, [])
     assert a.finished_reason is not None and fresh.output_ids == expected([7] * 4, 5)
     assert all(n == 0 for n in runner.lora.held.values())
+    # two slots, one free: an old request for adapter 2 takes the free slot, and adapter 1's
+    # new request still runs beside it (the hold is for full batches and new slots only)
+    runner = FakeRunner(max_total_tokens=4096)
+    runner.lora = Adapters()
+    sched = Scheduler(ServerArgs(chunked_prefill_size=256, max_running_requests=8,
+                                 max_loras_per_batch=2), runner)
+    sched.add_request(one := req("a1-running", 1))
+    sched.step()
+    sched.add_request(mine := req("a1-new", 1, tok=9))  # other prompts: no prefix twins
+    old = req("a2-old", 2, tok=8)
+    old.recv_time -= 1.0  # as if it had queued behind other work for a second
+    sched.add_request(old)
+    sched.add_request(third := req("a3-new", 3, tok=10))
+    sched.step()
+    assert old.scheduled_time is not None and mine.scheduled_time is not None
+    assert third.scheduled_time is None  # no third slot
+    run_all(sched, [])
+    assert one.finished_reason is not None and third.output_ids == expected([10] * 4, 5)
