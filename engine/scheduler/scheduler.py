@@ -94,6 +94,7 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
             if getattr(args, "speculative_algorithm", None) else None
         self.spec = SpecWorker(args, proposer, self.kv, runner, self.stats) if proposer \
             else None
+        self.lora_served = getattr(runner, "lora", None) is not None  # adapter slots to fill
 
     # ---- queue --------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -209,11 +210,10 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
         if self.chunked is not None and self.chunked.lora_id is not None:
             adapters.add(self.chunked.lora_id)
         max_adapters = getattr(self.args, "max_loras_per_batch", 0)
-        # adapters kept out > LORA_MAX_DEFER_S hold back requests that would take or keep a
-        # full batch's slot until one drains and goes to them (no adapter starves)
-        starved = {r.lora_id for r in self.waiting if r.lora_id not in adapters and r.lora_id
-                   is not None and time.time() - r.recv_time > LORA_MAX_DEFER_S} \
-            if max_adapters else set()
+        # adapters kept out > LORA_MAX_DEFER_S hold back requests taking/keeping a full batch's slot
+        old = time.time() - LORA_MAX_DEFER_S
+        starved = {r.lora_id for r in self.waiting if r.lora_id is not None and r.lora_id not in
+                   adapters and r.recv_time < old} if self.lora_served else set()
         while budget > 0:
             if self.chunked is not None:
                 req = self.chunked
