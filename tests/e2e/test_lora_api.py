@@ -27,16 +27,10 @@ N = 5
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from lora_helpers import ALL_MODULES, greedy_reference, save_adapter, save_llama
+    from lora_helpers import base_and_two_adapters
 
     root = tmp_path_factory.mktemp("lora_api")
-    hf = save_llama(root / "base")
-    a1 = save_adapter(root / "base", root / "a1", seed=1, r=8, targets=ALL_MODULES)
-    a2 = save_adapter(root / "base", root / "a2", seed=2, r=16,
-                      targets=["q_proj", "v_proj", "down_proj"], rslora=True)
-    refs = {k: [greedy_reference(m, p, N) for p in PROMPTS]
-            for k, m in (("base", hf), ("a1", a1), ("a2", a2))}
-    return root, refs
+    return root, base_and_two_adapters(root, PROMPTS, N)
 
 
 def _complete(srv, model, prompt):
@@ -47,12 +41,10 @@ def _complete(srv, model, prompt):
 
 
 def _check(r, ref, what):
+    from lora_helpers import check_choice
+
     assert r.status_code == 200, f"{what}: {r.text}"
-    choice = r.json()["choices"][0]
-    toks, lps = ref
-    assert choice["token_ids"] == toks, f"{what}: tokens differ from transformers + peft"
-    got = choice["logprobs"]["token_logprobs"]
-    assert max(abs(a - b) for a, b in zip(got, lps)) < 1e-3, f"{what}: log-probs differ"
+    check_choice(r.json()["choices"][0], ref, what)
 
 
 def test_lora_serving(setup, make_server):

@@ -21,6 +21,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+from lora_helpers import check_choice  # noqa: E402
 
 PROMPTS = [[5, 9, 14, 3, 77, 120, 31], [200, 201, 7, 7, 40, 41], [12, 13, 99, 4]]
 N = 5
@@ -28,25 +29,13 @@ N = 5
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from lora_helpers import ALL_MODULES, greedy_reference, save_adapter, save_llama
+    from lora_helpers import base_and_two_adapters
 
     root = tmp_path_factory.mktemp("lora_path")
-    hf = save_llama(root / "base")
-    a1 = save_adapter(root / "base", root / "a1", seed=1, r=8, targets=ALL_MODULES)
-    a2 = save_adapter(root / "base", root / "a2", seed=2, r=16,
-                      targets=["q_proj", "v_proj", "down_proj"], rslora=True)
-    refs = {k: [greedy_reference(m, p, N) for p in PROMPTS]
-            for k, m in (("base", hf), ("a1", a1), ("a2", a2))}
+    refs = base_and_two_adapters(root, PROMPTS, N)
     for i in range(len(PROMPTS)):  # the adapters change the answer, so a wrong pick shows
         assert refs["a1"][i][0] != refs["base"][i][0] != refs["a2"][i][0]
     return root, refs
-
-
-def _check(choice, ref, what):
-    toks, lps = ref
-    assert choice["token_ids"] == toks, f"{what}: tokens differ from transformers + peft"
-    got = choice["logprobs"]["token_logprobs"]
-    assert max(abs(a - b) for a, b in zip(got, lps)) < 1e-3, f"{what}: log-probs differ"
 
 
 def test_lora_path(setup, make_server):
@@ -67,9 +56,9 @@ def test_lora_path(setup, make_server):
         r = complete(prompt=PROMPTS[0], lora_path=name)
         assert r.status_code == 200, r.text
         assert r.json()["model"] == name
-        _check(r.json()["choices"][0], refs[name][0], f"lora_path {name}")
+        check_choice(r.json()["choices"][0], refs[name][0], f"lora_path {name}")
     r = complete(prompt=PROMPTS[1], lora_path=None, model="tiny")
-    _check(r.json()["choices"][0], refs["base"][1], "lora_path null")
+    check_choice(r.json()["choices"][0], refs["base"][1], "lora_path null")
 
     # a list: one adapter per prompt of one request (null: the base model)
     r = complete(prompt=PROMPTS, lora_path=["a2", None, "a1"])
@@ -77,7 +66,7 @@ def test_lora_path(setup, make_server):
     assert r.json()["model"] == "tiny"
     choices = sorted(r.json()["choices"], key=lambda c: c["index"])
     for i, (choice, name) in enumerate(zip(choices, ("a2", "base", "a1"))):
-        _check(choice, refs[name][i], f"prompt {i} on {name}")
+        check_choice(choice, refs[name][i], f"prompt {i} on {name}")
 
     # chat: the same adapter whichever field names it
     def chat(**body):

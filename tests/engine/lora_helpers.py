@@ -77,3 +77,24 @@ def greedy_reference(model, prompt: list[int], n: int) -> tuple[list[int], list[
         lps.append(float(lp[t]))
         ids.append(t)
     return toks, lps
+
+
+def base_and_two_adapters(root, prompts: list[list[int]], n: int):
+    """The tiny Llama saved under ``root/base`` with two seeded peft adapters: ``a1`` (rank
+    8, every projection) and ``a2`` (rank 16, q/v/down, rsLoRA); returns ``{"base" | "a1" |
+    "a2": [greedy_reference(model, prompt, n) for each prompt]}`` from transformers + peft."""
+    hf = save_llama(root / "base")
+    a1 = save_adapter(root / "base", root / "a1", seed=1, r=8, targets=ALL_MODULES)
+    a2 = save_adapter(root / "base", root / "a2", seed=2, r=16,
+                      targets=["q_proj", "v_proj", "down_proj"], rslora=True)
+    return {k: [greedy_reference(m, p, n) for p in prompts]
+            for k, m in (("base", hf), ("a1", a1), ("a2", a2))}
+
+
+def check_choice(choice: dict, ref: tuple[list[int], list[float]], what: str) -> None:
+    """A completion choice (``return_token_ids``, ``logprobs: 0``) against a greedy reference:
+    the same tokens, log-probs within 1e-3."""
+    toks, lps = ref
+    assert choice["token_ids"] == toks, f"{what}: tokens differ from transformers + peft"
+    got = choice["logprobs"]["token_logprobs"]
+    assert max(abs(a - b) for a, b in zip(got, lps)) < 1e-3, f"{what}: log-probs differ"
