@@ -10,29 +10,16 @@ dispatch and launch overhead: the wall time minus all ops' self time).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 from torch.profiler import ProfilerActivity, profile
 
 from bench.bench_latency import run_once
-from engine.args import ServerArgs
+from bench.profile_decode import warm_runner
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="profile_cpu_decode")
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--steps", type=int, default=16)
-    ServerArgs.add_cli_args(p)
-    ns = p.parse_args(argv)
-    args = ServerArgs.from_cli_args(ns).replace(
-        max_total_tokens=ns.batch_size * (ns.input_len + ns.steps + 16),
-        max_running_requests=ns.batch_size)
-    from engine.executor.model_runner import ModelRunner
-
-    runner = ModelRunner(args)
-    run_once(runner, ns.batch_size, ns.input_len, 4)  # warm-up
+    ns, _, runner = warm_runner("profile_cpu_decode", argv, 128, 16)
     plain = run_once(runner, ns.batch_size, ns.input_len, ns.steps + 1)["decode_steps_s"]
     prof = profile(activities=[ProfilerActivity.CPU])
     res = run_once(runner, ns.batch_size, ns.input_len, ns.steps + 1, decode_context=prof)

@@ -16,11 +16,13 @@ from engine import device as dev
 from engine.args import ServerArgs
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="profile_decode")
+def warm_runner(prog: str, argv, input_len: int, steps: int):
+    """Parse ``--batch-size --input-len --steps`` and the engine's flags, build a model runner
+    sized for one such batch and warm it up (compiles, allocator); ``(ns, args, runner)``."""
+    p = argparse.ArgumentParser(prog=prog)
     p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--input-len", type=int, default=512)
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--input-len", type=int, default=input_len)
+    p.add_argument("--steps", type=int, default=steps)
     ServerArgs.add_cli_args(p)
     ns = p.parse_args(argv)
     args = ServerArgs.from_cli_args(ns).replace(
@@ -30,6 +32,11 @@ def main(argv=None):
 
     runner = ModelRunner(args)
     run_once(runner, ns.batch_size, ns.input_len, 4)  # warm-up and compile
+    return ns, args, runner
+
+
+def main(argv=None):
+    ns, args, runner = warm_runner("profile_decode", argv, 512, 8)
     acts = [ProfilerActivity.CPU]
     if dev.is_accelerator(runner.device_type):
         acts.append(ProfilerActivity.CUDA if runner.device_type == "cuda" else ProfilerActivity.XPU)
