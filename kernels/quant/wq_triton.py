@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from kernels.launch import dot_kernel_options
-from kernels.quant.wq_gemv import _wq_gemv1_kernel, _wq_gemv_kernel, _store_out
+from kernels.quant.wq_gemv import _store_out, _wq_gemv1_kernel, _wq_gemv_kernel
 from kernels.split_k import split_k_launch, split_k_locks, split_k_trusted  # noqa: F401
 
 #: the most rows of the split-K (decode) configuration
@@ -269,10 +269,10 @@ def wq_linear(x: torch.Tensor, fmt: str, qweight: torch.Tensor, scales: torch.Te
     n_blocks, k_per_split, part, locks = split_k_launch(y, k, split, cfg["BLOCK_N"],
                                                         cfg["BLOCK_K"], m_blocks)
     grid = (m_blocks, n_blocks, split)
+    one = group % cfg["BLOCK_K"] == 0  # every tile of K within one quantization group
     if gemv:
         if not q4 or k % 32:
             raise ValueError("the GEMV kernel takes the q4 layout with K a multiple of 32")
-        one = group % cfg["BLOCK_K"] == 0
         if m == 1 and cfg["BLOCK_M"] == 1:
             cfg.pop("BLOCK_M")
             _wq_gemv1_kernel[grid](x, qweight.view(torch.int32), scales, mins, y, part, locks,
@@ -284,6 +284,6 @@ def wq_linear(x: torch.Tensor, fmt: str, qweight: torch.Tensor, scales: torch.Te
         return y
     _wq_kernel[grid](x, qweight, scales, mins if q4 else scales, y, part, locks, m, n, k,
                      group, k_per_split, x.stride(0), y.stride(0), Q4=q4,
-                     ONE_GROUP=group % cfg["BLOCK_K"] == 0, IEEE=x.dtype == torch.float32,
+                     ONE_GROUP=one, IEEE=x.dtype == torch.float32,
                      SPLIT_K=split, **cfg)
     return y
