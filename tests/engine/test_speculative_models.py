@@ -379,10 +379,9 @@ def save_knowing_pair(root) -> tuple[str, str]:
     head that passes embed(token j + 1) through (fc = [I | 0.1 I], zero o_proj and
     down_proj), so it predicts the target's next token but for the target state mixed in.
     Returns the two directories."""
+    from moe_helpers import save_random
     from safetensors.torch import save_file
     from transformers import LlamaForCausalLM
-
-    from moe_helpers import save_random
 
     torch.manual_seed(0)
     hf = LlamaForCausalLM(_llama_config(2)).eval()
@@ -427,10 +426,10 @@ def test_eagle_head_that_knows_the_target_gets_drafts_accepted(tmp_path):
 
 def test_standalone_draft_with_a_shorter_context(ckpts, baseline, tmp_path):
     """A draft model of 32 positions: requests past them stop drafting, nothing breaks."""
+    from moe_helpers import save_random
     from transformers import LlamaForCausalLM
 
     from engine import LLM
-    from moe_helpers import save_random
 
     cfg = _llama_config(1)
     cfg.max_position_embeddings = 32

@@ -4,9 +4,8 @@ bodies validate against its response schemas. /docs serves Swagger UI. Over a fa
 
 from __future__ import annotations
 
-import re
-
 import json
+import re
 
 import pytest
 from app_helpers import make_app
