@@ -20,7 +20,7 @@ Ops (CPU tensors, float32 or bfloat16; math in fp32 with the references' roundin
   Triton small ops (:mod:`kernels.fused_ops`, :mod:`kernels.rotary`), so
   :func:`engine.layers.op_implementations` can set them as ``impl``.
 - ``torch.ops.ferry_cpu.wq_linear`` / ``wq_dequant`` (``kernels/cpu/wq.cpp``): products
-  with and dequantization of :mod:`kernels.quant.quant_ref`'s q4/q8 weight layouts (used by
+  with and dequantization of :mod:`kernels.quant.reference`'s q4/q8 weight layouts (used by
   ``engine.layers.quantization.wq``).
 """
 

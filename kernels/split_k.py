@@ -1,5 +1,5 @@
 """Split-K bookkeeping shared by the small-M GEMM kernels (FP8 in
-``engine.layers.quantization.fp8_kernels``, 4-bit/8-bit weight-only in
+``kernels.fp8.fp8_triton``, 4-bit/8-bit weight-only in
 :mod:`kernels.quant.wq_triton`).
 
 A split-K launch runs ``SPLIT_K`` programs per block of output columns, each over a part of

@@ -11,13 +11,13 @@ import torch
 import torch.nn.functional as F
 
 from engine import device as devlib
-from engine.layers.quantization.fp8 import quantize_rows
-from engine.layers.quantization.fp8_kernels import (
+from kernels.fp8.fp8_triton import (
     fp8_linear_fp8_dot,
     fp8_linear_small_m,
     quantize_rows_triton,
     small_m_config,
 )
+from kernels.fp8.reference import quantize_rows
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from bench.kernels.sweep_gemm_fp8 import L2_DEFEAT_BYTES, SHAPES, time_per_call
 from engine import device as devlib
 from engine.layers.quantization.int4 import quantize_rtn
-from kernels.quant.quant_ref import dequant, pack_q4
+from kernels.quant.reference import dequant, pack_q4
 from kernels.quant.wq_triton import DEQUANT_MIN_M, wq_config, wq_dequant, wq_linear
 
 GROUP = 128

@@ -10,7 +10,7 @@ is flushed before each call so the weights come from memory, as they do in a mod
 sequence; the call is captured in a CUDA/XPU graph and the graph replayed, so Python's
 launch overhead is not counted and every chosen configuration is known to be capturable). The routing is softmax top-k of random logits (renormalised), so the experts are
 loaded about evenly. The chosen configuration's output is checked against the torch path
-(``kernels.moe.moe_torch.fused_moe_torch``) and a ``MISMATCH`` line is printed if it disagrees.
+(``kernels.moe.reference.fused_moe_torch``) and a ``MISMATCH`` line is printed if it disagrees.
 
 Shapes (``--model``, repeatable; or ``--shape E,top_k,H,I``): ``qwen3-30b-a3b`` (E=128,
 top-8, H=2048, I=768) and ``mixtral-8x7b`` (E=8, top-2, H=4096, I=14336); ``--tp N`` divides
@@ -211,7 +211,7 @@ def main(argv=None) -> None:
             raise SystemExit("tune_fused_moe needs a CUDA/XPU device (or --dry-run)")
         os.environ.setdefault("TRITON_INTERPRET", "1")   # before the kernels are defined
     from kernels.moe.fused_moe import fused_moe, moe_align_block_size
-    from kernels.moe.moe_torch import fused_moe_torch, moe_align_block_size_torch, select_experts
+    from kernels.moe.reference import fused_moe_torch, moe_align_block_size_torch, select_experts
 
     dtype = DTYPES[args.dtype]
     if args.dry_run:

@@ -5,7 +5,7 @@ implementation in an ``impl`` attribute: the eager torch reference from
 :mod:`kernels.reference` by default, the Triton kernel from :mod:`kernels.fused_ops` /
 :mod:`kernels.rotary` on GPUs, or ferry's C++ kernel from :mod:`kernels.cpu_ops` on the CPU.
 The MoE experts (``engine.layers.moe.FusedMoE``) too: :mod:`kernels.moe.fused_moe` (Triton) on
-GPUs, :func:`kernels.moe.moe_torch.fused_moe_torch` otherwise.
+GPUs, :func:`kernels.moe.reference.fused_moe_torch` otherwise.
 :func:`select_ops` chooses once per model, after loading; no op looks at a flag or at its
 tensor's device when it is called.
 """
@@ -51,7 +51,7 @@ def op_implementations(fused: bool | str) -> dict:
     from engine.layers.moe import FusedMoE, triton_fused_moe
     from engine.layers.norm import RMSNorm
     from engine.layers.rotary import RotaryEmbedding
-    from kernels.moe.moe_torch import fused_moe_torch
+    from kernels.moe.reference import fused_moe_torch
 
     kind = {True: "triton", False: "reference"}.get(fused, fused)
     if kind not in OP_KINDS:

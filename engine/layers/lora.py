@@ -18,8 +18,8 @@ sum that the layer's all-reduce adds up with the base output.
 
 All the layers of a model share one :class:`LoRABatch`, which the model runner fills before
 each step (segments: one per request, with its slot, -1 for the base model). The delta runs
-through ``kernels.lora`` (Triton) on an accelerator and through the torch path
-(``kernels.lora_torch``) on the CPU. For the torch path the batch works out once per step
+through ``kernels.lora.lora_triton`` (Triton) on an accelerator and through the torch path
+(``kernels.lora.reference``) on the CPU. For the torch path the batch works out once per step
 which slots the step uses (a range ``[first, first + U)``) and each row's mask over them, and
 the slots keep ``a`` slot-major in memory (``[S, P, R, K]``, seen as ``[P, S, R, K]``) with
 2-D views of each slot range cached, so a projection's delta is 1 + 2P ops over the U slots'
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.lora_torch import lora_apply_slots
+from kernels.lora.reference import lora_apply_slots
 
 
 class LoRABatch:
@@ -165,7 +165,7 @@ class LoRASlots:
         if not batch.active:
             return y
         if batch.use_triton:
-            from kernels.lora import lora_apply_triton
+            from kernels.lora.lora_triton import lora_apply_triton
 
             return lora_apply_triton(x, y, self.a, self.b, self.cols, batch.seg_start,
                                      batch.seg_len, batch.seg_slot, batch.max_len)

@@ -37,7 +37,7 @@ The experts' computation is :class:`FusedMoE`'s ``impl``, which
 decides): the Triton :func:`kernels.moe.fused_moe.fused_moe` on GPUs (through
 :func:`triton_fused_moe`, which passes the device's name for its tuned-config table; no host
 sync, so the block runs inside captured graphs), and
-:func:`kernels.moe.moe_torch.fused_moe_torch` on the CPU and under ``--disable-fused-ops``
+:func:`kernels.moe.reference.fused_moe_torch` on the CPU and under ``--disable-fused-ops``
 (it syncs with the host: a GPU model with ``--disable-fused-ops`` must also run without
 graphs).
 """
@@ -52,7 +52,7 @@ from torch import nn
 from engine.distributed import all_reduce, get_tp
 from engine.layers.linear import ReplicatedLinear, full_tensor
 from engine.layers.moe_ep import check_ep, current_ep_size, localize_topk
-from kernels.moe.moe_torch import fused_moe_torch, select_experts
+from kernels.moe.reference import fused_moe_torch, select_experts
 
 #: HF checkpoint part -> :meth:`FusedMoE.weight_loader` shard id
 EXPERT_SHARDS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down",
@@ -201,7 +201,7 @@ class SparseMoeBlock(nn.Module):
 
 def triton_fused_moe():
     """:func:`kernels.moe.fused_moe.fused_moe` (imported here: it needs Triton) as a ``FusedMoE``
-    ``impl``: the same arguments as :func:`kernels.moe.moe_torch.fused_moe_torch`, plus the
+    ``impl``: the same arguments as :func:`kernels.moe.reference.fused_moe_torch`, plus the
     device's name for the tuned launch-config table (looked up once per device type), and
     its ``router``: :func:`kernels.moe.routing.fused_topk`, the routing in one launch."""
     from kernels.moe.fused_moe import fused_moe

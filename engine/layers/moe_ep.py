@@ -6,7 +6,7 @@ whole (their intermediate dimension is not split) and no part of the others. Rou
 unchanged and replicated: every rank runs the router over all E experts and gets the same
 ``topk_ids``. :func:`localize_topk` then maps the ids to this rank's local numbering and
 every pair routed to another rank's expert to the sentinel ``-1`` with weight 0, which
-the fused-MoE kernels (:func:`kernels.moe.moe_torch.fused_moe_torch` and the Triton
+the fused-MoE kernels (:func:`kernels.moe.reference.fused_moe_torch` and the Triton
 :func:`kernels.moe.fused_moe.fused_moe`: alignment, GEMMs and top-k sum) skip without
 computing it. Each rank's output is the sum over its own experts' pairs; the MoE block's
 existing single all-reduce adds the ranks' partial outputs (and the TP-split shared

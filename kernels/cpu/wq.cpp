@@ -1,4 +1,4 @@
-// ferry's CPU kernels for weight-only low-bit linear layers (kernels/quant/quant_ref.py's layouts):
+// ferry's CPU kernels for weight-only low-bit linear layers (kernels/quant/reference.py's layouts):
 //
 //   q4: qweight uint8 [N, K/2] (per 32 weights: byte j = weight j | weight j+16 << 4),
 //       scales and mins [N, K/G] fp16 or fp32, weight = scale * q + min;

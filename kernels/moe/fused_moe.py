@@ -1,6 +1,6 @@
 """Fused mixture-of-experts (MoE) experts in Triton: alignment + two grouped GEMMs.
 
-Semantics: :mod:`kernels.moe.moe_torch` (``fused_moe_torch``, the CPU path, and
+Semantics: :mod:`kernels.moe.reference` (``fused_moe_torch``, the CPU path, and
 ``select_experts``, the router). ``w13`` is ``[E, 2I, H]`` with the gate rows (w1) first and
 the up rows (w3) second, as SGLang and vLLM stack them; ``w2`` is ``[E, H, I]``.
 
@@ -14,7 +14,7 @@ from scratch here), for T = M * top_k routed ``(token, k)`` pairs, pair index
    expert. Two small Triton kernels, a counting sort: per chunk of pairs, a per-expert count;
    then per chunk, the offsets (prefix sums over experts and over earlier chunks) and the
    scatter; the first program also writes the padding, the block-to-expert table and the
-   padded length. Buffers have the static bound of :func:`kernels.moe.moe_torch.align_capacity`
+   padded length. Buffers have the static bound of :func:`kernels.moe.reference.align_capacity`
    (``T + min(E, T) * (BLOCK_SIZE_M - 1)``), so there is no host sync and no data-dependent
    shape: the op can be captured in a CUDA/XPU graph. H200, graph replays: 6-8 us at decode
    sizes, 14-40 us at M = 4096; the torch-ops version (``align="torch"``, a stable sort and
@@ -45,7 +45,7 @@ import triton.language as tl
 
 from kernels.fused_ops import silu_and_mul
 from kernels.moe.moe_config import check_config, get_moe_config
-from kernels.moe.moe_torch import (
+from kernels.moe.reference import (
     _check_align_args,
     align_capacity,
     check_moe_shapes,
@@ -135,7 +135,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
 
     Two Triton launches, no host sync, sizes from shapes only (graph capturable).
     Source: vLLM/SGLang ``moe_align_block_size`` (their CUDA kernel; a Triton counting sort
-    here). :func:`kernels.moe.moe_torch.moe_align_block_size_torch` is the torch-ops version.
+    here). :func:`kernels.moe.reference.moe_align_block_size_torch` is the torch-ops version.
 
     Args:
         topk_ids: ``[M, top_k]`` (any shape) int32/int64 expert ids, on the device.
@@ -341,7 +341,7 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         ``out`` or a new ``[M, H]`` tensor in the activations' dtype.
 
     Raises:
-        ValueError: bad shapes/dtypes (:func:`kernels.moe.moe_torch.check_moe_shapes`), a bad
+        ValueError: bad shapes/dtypes (:func:`kernels.moe.reference.check_moe_shapes`), a bad
             ``out``, a malformed configuration or an unknown ``align``.
 
     Workspaces: ``[T, 2I]``, ``[T, I]`` and ``[T, H]`` in the activations' dtype

@@ -1,6 +1,6 @@
 """The MoE router's expert selection in one Triton launch (CUDA, XPU; the interpreter on
 the CPU): :func:`fused_topk`, the device version of
-:func:`kernels.moe.moe_torch.select_experts` that ``engine.layers.moe.triton_fused_moe``
+:func:`kernels.moe.reference.select_experts` that ``engine.layers.moe.triton_fused_moe``
 hands to ``FusedMoE`` with the fused experts."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, num_experts, stride_lm,
 
 def fused_topk(router_logits: torch.Tensor, top_k: int,
                renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`kernels.moe.moe_torch.select_experts` in one Triton launch: softmax over the
+    """:func:`kernels.moe.reference.select_experts` in one Triton launch: softmax over the
     experts in fp32, the ``top_k`` largest in descending order, optionally renormalised.
 
     One program per token row; the top-k are ``top_k`` rounds of max + lowest index at the

@@ -1,0 +1,3 @@
+"""Weight-only 4-bit/8-bit quantized GEMMs: the layouts and their torch references
+(:mod:`kernels.quant.reference`) and the Triton GEMMs over them (:mod:`kernels.quant.wq_triton`,
+the decode GEMV :mod:`kernels.quant.wq_gemv`)."""

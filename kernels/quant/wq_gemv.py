@@ -4,7 +4,7 @@ and the split-K epilogue they share with its tiled kernel.
 No ``tl.dot``: the weights (``qweight [N, K/2]`` uint8 viewed as int32 words ``[N, K/8]``)
 become floats by bit operations alone. Word ``w`` of a 32-weight chunk ``c`` holds bytes
 ``4w .. 4w + 3``, so its nibble ``i`` (bits ``4i .. 4i + 3``) is weight ``32c + 16 (i % 2) +
-4w + i // 2`` (:func:`kernels.quant.quant_ref.pack_q4`'s byte order). Shifting the nibble to
+4w + i // 2`` (:func:`kernels.quant.reference.pack_q4`'s byte order). Shifting the nibble to
 bits 19-22 and or-ing ``0x3F800000`` gives the fp32 ``1 + q / 16`` (an exponent of 0, q the
 top mantissa bits): a weight costs a shift, an and, an or and an FMA, with no conversion
 instruction. Per tile ``t = sum x (1 + q/16)``, so ``sum x q = 16 (t - sum x)``; a group's

@@ -1,4 +1,4 @@
-"""Triton GEMMs over weight-only low-bit layouts (:mod:`kernels.quant.quant_ref`'s q4 and q8).
+"""Triton GEMMs over weight-only low-bit layouts (:mod:`kernels.quant.reference`'s q4 and q8).
 
 ``wq_linear(x [M, K], fmt, qweight, scales, mins) -> [M, N]`` in x's dtype (W4A16 / W8A16
 with fp16 or bf16 activations; fp32 activations multiply in IEEE fp32). One code path for
@@ -27,7 +27,7 @@ offset taken off after the dot) are multiplied and each product is scaled in fp3
 ``sum_k x q s + m x`` = ``s (x . q) + m (sum x)``; otherwise (GGUF's 32-weight blocks) the
 codes are dequantized in registers (``s q + m`` in fp32, cast to x's dtype) before the dot.
 Accumulation is fp32 throughout. The tests run every path in the interpreter against
-:func:`kernels.quant.quant_ref.wq_matmul_ref`. The tile sizes are a heuristic, not tuned.
+:func:`kernels.quant.reference.wq_matmul_ref`. The tile sizes are a heuristic, not tuned.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def wq_dequant(fmt: str, qweight: torch.Tensor, scales: torch.Tensor,
                mins: torch.Tensor | None, dtype: torch.dtype,
                block: tuple[int, int, int] = DEQUANT_BLOCK) -> torch.Tensor:
     """The weight ``W [N, K]`` of a q4/q8 layout in ``dtype`` (``s * q (+ min)`` in fp32,
-    rounded once to ``dtype``): :func:`kernels.quant.quant_ref.dequant` on the device.
+    rounded once to ``dtype``): :func:`kernels.quant.reference.dequant` on the device.
     ``block``: rows, weights of K and warps per program."""
     q4 = _check(fmt)
     n = qweight.shape[0]

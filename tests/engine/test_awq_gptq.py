@@ -25,7 +25,7 @@ from engine.layers.linear import QKVLinear, RowParallelLinear
 from engine.layers.quantization import get_quant_config, quantization_scope
 from engine.layers.quantization.int4 import Int4Config, unpack_awq, unpack_gptq_qweight
 from engine.loader.loader import load_model
-from kernels.quant.quant_ref import dequant
+from kernels.quant.reference import dequant
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 ON_GPU = is_accelerator(resolve_device("auto"))
@@ -429,7 +429,7 @@ def test_llama3_8b_shapes_on_the_gpu(m):
     """bf16 activations, the 8B's gate_up and down weights in 4 bits (groups of 128), against
     the fp32 product of the dequantized weights."""
     from engine.layers.quantization.int4 import quantize_rtn
-    from kernels.quant.quant_ref import pack_q4
+    from kernels.quant.reference import pack_q4
     from kernels.quant.wq_triton import wq_linear
 
     g = torch.Generator().manual_seed(m)

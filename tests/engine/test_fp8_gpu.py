@@ -35,7 +35,7 @@ def _layers(device, dtype):
 
 def test_scaled_mm_path_matches_the_cpu_reference():
     from engine.layers.quantization import process_weights_after_loading
-    from engine.layers.quantization.fp8 import quantize_rows
+    from kernels.fp8.reference import quantize_rows
 
     backend = fp8_linear_backend(DEVICE)
     print(f"\nFP8 backend on {DEVICE}: {backend}")

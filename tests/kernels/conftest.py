@@ -21,7 +21,7 @@ if DEVICE == "cpu":
     # A kernel module imported before this conftest (by another test directory) was
     # compiled for a GPU that is not here; re-define its kernels for the interpreter.
     for _name in ("kernels.kv_store", "kernels.decode_attention", "kernels.extend_attention",
-                  "kernels.fused_ops", "kernels.rotary", "kernels.lora",
-                  "engine.layers.quantization.fp8_kernels"):
+                  "kernels.fused_ops", "kernels.rotary", "kernels.lora.lora_triton",
+                  "kernels.fp8.fp8_triton"):
         if _name in sys.modules:
             importlib.reload(sys.modules[_name])

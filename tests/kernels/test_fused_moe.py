@@ -22,7 +22,7 @@ from kernel_test_utils import DEVICE, ON_GPU, gpu_only, rel_err
 
 from kernels.moe import moe_config
 from kernels.moe.fused_moe import fused_moe, invoke_moe_gemm, moe_align_block_size, moe_sum
-from kernels.moe.moe_torch import (
+from kernels.moe.reference import (
     align_capacity,
     fused_moe_torch,
     moe_align_block_size_torch,

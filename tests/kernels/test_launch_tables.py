@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import torch
 
-from engine.layers.quantization.fp8_kernels import (
+from kernels import decode_attention as da
+from kernels import extend_attention as ea
+from kernels.fp8.fp8_triton import (
     medium_m_config,
     small_m_config,
     split_k_trusted,
 )
-from kernels import decode_attention as da
-from kernels import extend_attention as ea
 from kernels.launch import dot_kernel_options
 
 BF16 = torch.bfloat16

@@ -1,5 +1,5 @@
-"""Batched LoRA shrink/expand (kernels/lora.py): the Triton kernels (the interpreter on the
-CPU) and the torch path against a float64 loop over the requests, each with its own adapter.
+"""Batched LoRA shrink/expand (kernels/lora/lora_triton.py): the Triton kernels (the interpreter
+on the CPU) and the torch path against a float64 loop over the requests, each with its own adapter.
 
 Batches mix prefill segments (lengths 1-40) and decode rows (length 1), base-model rows
 (slot -1), adapters of ranks 8, 16 and 64 padded into one rank-64 slot buffer, a fused
@@ -13,8 +13,8 @@ import pytest
 import torch
 from kernel_test_utils import DEVICE, GPU_MARKS, assert_close
 
-from kernels.lora import expand_tile, lora_apply_triton, lora_expand, lora_shrink
-from kernels.lora_torch import lora_apply_torch
+from kernels.lora.lora_triton import expand_tile, lora_apply_triton, lora_expand, lora_shrink
+from kernels.lora.reference import lora_apply_torch
 
 K = 96
 # a fused q/k/v-like projection: part widths whose starts a 32-column tile divides (one
@@ -175,7 +175,7 @@ COMPILE = '''
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import lora
+from kernels.lora import lora_triton as lora
 
 def compile_one(kernel, ptrs, constexprs, arch):
     sig, attrs = {}, {}

@@ -17,8 +17,7 @@ pytest.importorskip("triton")
 
 from kernel_test_utils import DEVICE, gpu_only
 
-from engine.layers.quantization.fp8 import quantize_rows
-from engine.layers.quantization.fp8_kernels import (
+from kernels.fp8.fp8_triton import (
     SMALL_M_MAX,
     fp8_linear_fp8_dot,
     fp8_linear_small_m,
@@ -26,6 +25,7 @@ from engine.layers.quantization.fp8_kernels import (
     small_m_config,
     split_k_locks,
 )
+from kernels.fp8.reference import quantize_rows
 
 
 def _operands(m, n, k, seed, x_dtype):

@@ -19,7 +19,7 @@ import shutil
 import pytest
 import torch
 
-from kernels.quant.quant_ref import dequant, pack_q4
+from kernels.quant.reference import dequant, pack_q4
 
 pytestmark = pytest.mark.skipif(
     (shutil.which("g++") is None and shutil.which("c++") is None)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from kernel_test_utils import DEVICE
 
-from kernels.quant.quant_ref import dequant, pack_q4
+from kernels.quant.reference import dequant, pack_q4
 
 pytest.importorskip("triton")
 

@@ -1,5 +1,5 @@
 """Weight-only q4/q8 kernels (GGUF blocks, AWQ/GPTQ groups) against the torch reference
-(:func:`kernels.quant.quant_ref.wq_matmul_ref`, computed again in float64 here): ferry's C++ CPU
+(:func:`kernels.quant.reference.wq_matmul_ref`, computed again in float64 here): ferry's C++ CPU
 kernels (``wq_linear``, ``wq_dequant``) and the Triton GEMM (in the interpreter on the CPU).
 
 Shapes: M from 1 to 64, K a multiple of 32 but not of 64, 128 or 256 (96, 160, 608), odd N,
@@ -15,7 +15,7 @@ import pytest
 import torch
 from kernel_test_utils import DEVICE
 
-from kernels.quant.quant_ref import dequant, pack_q4, unpack_q4, wq_matmul_ref
+from kernels.quant.reference import dequant, pack_q4, unpack_q4, wq_matmul_ref
 
 NO_COMPILER = shutil.which("g++") is None and shutil.which("c++") is None
 needs_cpu_kernels = pytest.mark.skipif(

@@ -31,10 +31,10 @@ from engine.layers.quantization import (
     process_weights_after_loading,
     quantization_scope,
 )
-from engine.layers.quantization.fp8 import quantize_rows
 from engine.loader import loader
 from engine.loader.loader import config_dir, load_model
 from engine.loader.weights import iter_dummy_weights, iter_safetensors
+from kernels.fp8.reference import quantize_rows
 
 FP8 = torch.float8_e4m3fn
 ONLINE = Fp8Config(False, "test")
@@ -463,8 +463,8 @@ def test_triton_quantizer_in_the_interpreter():
     pytest.importorskip("triton")
     code = textwrap.dedent("""
         import torch
-        from engine.layers.quantization.fp8 import quantize_rows
-        from engine.layers.quantization.fp8_kernels import quantize_rows_triton
+        from kernels.fp8.reference import quantize_rows
+        from kernels.fp8.fp8_triton import quantize_rows_triton
         torch.manual_seed(0)   # unseeded, ~1% of runs drew a value that the interpreter
         # (truncating in e4m3's subnormal range) flushes to 0 where torch rounds to 2^-9
         x = torch.randn(6, 200 * 3)[:, ::3] * 5          # a strided input

@@ -11,7 +11,7 @@ import torch
 from engine import device as dev
 from engine.layers.linear import RowParallelLinear
 from engine.layers.quantization import Fp8Config, process_weights_after_loading, quantization_scope
-from engine.layers.quantization.fp8_kernels import fp8_linear_small_m
+from kernels.fp8.fp8_triton import fp8_linear_small_m
 
 
 def _layer(n, k):

@@ -26,7 +26,7 @@ from engine.layers.quantization.gguf import (
     repack,
 )
 from engine.loader.loader import keeps_gguf_blocks
-from kernels.quant.quant_ref import dequant, wq_matmul_ref
+from kernels.quant.reference import dequant, wq_matmul_ref
 
 gguf = pytest.importorskip("gguf")
 

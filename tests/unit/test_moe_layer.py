@@ -18,7 +18,7 @@ from engine.layers.moe_ep import current_ep_size, expert_parallel, localize_topk
 from engine.loader.loader import config_dir, load_config, load_model
 from engine.loader.weights import iter_dummy_weights
 from engine.models.config import ModelConfig
-from kernels.moe.moe_torch import fused_moe_torch
+from kernels.moe.reference import fused_moe_torch
 
 BASE = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
         "num_hidden_layers": 2, "vocab_size": 128, "max_position_embeddings": 256,

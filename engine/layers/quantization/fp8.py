@@ -24,13 +24,13 @@ Paths (chosen per layer in :meth:`Fp8LinearMethod.process_weights_after_loading`
 
 - ``small_m`` (M <= 16 where Triton loads e4m3: CUDA sm89+, XPU; independent of the
   ``_scaled_mm`` probe, which weight-only never calls): ferry's Triton kernel
-  ``fp8_kernels.fp8_linear_small_m``, which streams the e4m3 weights once (split over K
+  ``kernels.fp8.fp8_triton.fp8_linear_small_m``, which streams the e4m3 weights once (split over K
   into enough programs to keep every SM loading) and upcasts them in registers. cuBLASLt's
   FP8 GEMM behind ``_scaled_mm`` is tuned for large M and read the 8B's weights at 1.0-2.5
   TB/s there (``bench.kernels.sweep_gemm --fp8``). Without Triton, the dequant path below does the
   weight-only product.
 - ``fp8_dot`` (16 < M <= ``MEDIUM_M_MAX`` (64), CUDA sm89+): the same kernel in its W8A8
-  mode, ``fp8_kernels.fp8_linear_fp8_dot``: the Triton quantizer, then e4m3 x e4m3
+  mode, ``kernels.fp8.fp8_triton.fp8_linear_fp8_dot``: the Triton quantizer, then e4m3 x e4m3
   ``tl.dot`` on the FP8 tensor cores with fp32 accumulation (``_scaled_mm``'s numerics up
   to the order of the sums). Per Llama-3-8B layer at M = 64 on the H200: 84 us against
   119 us for quant + ``_scaled_mm`` and 125 us for bf16 (``bench.kernels.sweep_gemm --fp8-medium``).
@@ -40,7 +40,8 @@ Paths (chosen per layer in :meth:`Fp8LinearMethod.process_weights_after_loading`
   stored row-major [N, K], so the transpose is a view). Its row-wise kernels write bf16 only,
   so a fp16/fp32 run casts the result. A layer whose K or N is not a multiple of 16 takes the
   dequant path. The activation quantization is one Triton program per token
-  (:mod:`engine.layers.quantization.fp8_kernels`) on GPUs, the torch reference on the CPU.
+  (:mod:`kernels.fp8.fp8_triton`) on GPUs, the torch reference (:mod:`kernels.fp8.reference`)
+  on the CPU.
 - ``dequant``: the e4m3 operands are upcast (exactly) and multiplied in fp32 on the CPU (the
   reference) or bf16 on accelerators without FP8 matmuls, then scaled.
 
@@ -57,57 +58,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from engine.layers.quantization.fp8_constants import (
-    FP8_DTYPE,
-    FP8_MAX,
-    MEDIUM_M_MAX,
-    SCALE_EPS,
-    WEIGHT_ONLY_MAX_M,
-)
+from kernels.fp8.constants import FP8_DTYPE, MEDIUM_M_MAX, WEIGHT_ONLY_MAX_M
+from kernels.fp8.reference import fp8_matmul_dequant, fp8_matmul_weight_only, quantize_rows
 
 logger = logging.getLogger(__name__)
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric e4m3 quantization, one scale per row (the torch reference).
-
-    Args:
-        x: [M, K], any float dtype.
-    Returns:
-        ``(xq [M, K] float8_e4m3fn, scale [M, 1] float32)`` with
-        ``scale = max(amax_k |x|, 1e-12) / 448`` and ``xq = fp8(clamp(x / scale, ±448))``,
-        so ``xq * scale`` approximates ``x``.
-    """
-    xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=SCALE_EPS) / FP8_MAX
-    xq = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return xq, scale
-
-
-def fp8_matmul_dequant(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor,
-                       sw: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
-    """``(xq @ wq^T) * sx * sw^T`` with the e4m3 operands upcast to ``compute_dtype``.
-
-    Args:
-        xq: [M, K] e4m3; sx: [M, 1] fp32; wq: [N, K] e4m3; sw: [N] fp32.
-    Returns:
-        [M, N] float32.
-    """
-    acc = torch.matmul(xq.to(compute_dtype), wq.to(compute_dtype).t())
-    return acc.float() * sx * sw
-
-
-def fp8_matmul_weight_only(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
-                           compute_dtype: torch.dtype) -> torch.Tensor:
-    """``(x @ wq^T) * sw^T`` with the e4m3 weights upcast to ``compute_dtype``.
-
-    Args:
-        x: [M, K] float; wq: [N, K] e4m3 (or its exact upcast); sw: [N] fp32.
-    Returns:
-        [M, N] float32.
-    """
-    acc = torch.matmul(x.to(compute_dtype), wq.to(compute_dtype).t())
-    return acc.float() * sw
 
 
 def _device_quantizer(device_type: str):
@@ -118,7 +72,7 @@ def _device_quantizer(device_type: str):
     if not dev.use_triton(device_type):
         return quantize_rows
     try:
-        from engine.layers.quantization.fp8_kernels import quantize_rows_triton
+        from kernels.fp8.fp8_triton import quantize_rows_triton
     except ImportError as e:
         logger.warning("FP8 activations quantized with torch ops (triton: %s)", e)
         return quantize_rows
@@ -134,7 +88,7 @@ def _small_m_kernel(device_type: str):
     if WEIGHT_ONLY_MAX_M == 0 or not dev.triton_fp8_e4m3(device_type):
         return None
     try:
-        from engine.layers.quantization.fp8_kernels import fp8_linear_small_m
+        from kernels.fp8.fp8_triton import fp8_linear_small_m
     except ImportError:
         return None
     return fp8_linear_small_m
@@ -148,7 +102,7 @@ def _medium_m_kernel(device_type: str):
     if MEDIUM_M_MAX <= WEIGHT_ONLY_MAX_M or not dev.triton_fp8_mma(device_type):
         return None
     try:
-        from engine.layers.quantization.fp8_kernels import fp8_linear_fp8_dot
+        from kernels.fp8.fp8_triton import fp8_linear_fp8_dot
     except ImportError:
         return None
     return fp8_linear_fp8_dot
@@ -300,7 +254,7 @@ class Fp8LinearMethod:
         layer.fp8_small_m = None if odd else _small_m_kernel(device_type)
         layer.fp8_medium_m = _medium_m_kernel(device_type) if backend == "scaled_mm" else None
         if layer.fp8_small_m is not None or layer.fp8_medium_m is not None:
-            from engine.layers.quantization.fp8_kernels import split_k_locks
+            from kernels.fp8.fp8_triton import split_k_locks
             split_k_locks(layer.weight.device)   # allocated now, before any graph capture
         # the CPU upcasts e4m3 element by element (~20 ns each): keep the exact fp32 values
         # of the weights instead of upcasting them in every step (CPU memory is not saved)

@@ -10,7 +10,7 @@ GGUF (llama.cpp) stores a linear weight ``[N, K]`` row by row in blocks of 32 or
   scales and mins under fp16 super-scales;
 
 a Q4_0/Q4_1 nibble byte ``j`` holds weight ``j`` (low) and ``j + 16`` (high) of its block.
-At load time :func:`repack` splits the blocks into :mod:`kernels.quant.quant_ref`'s layouts,
+At load time :func:`repack` splits the blocks into :mod:`kernels.quant.reference`'s layouts,
 which keep that nibble order: Q4_0 and Q4_1 become ``q4`` (uint8 nibbles ``[N, K/2]``, fp16 scales and mins
 ``[N, K/32]``; a Q4_0 block's min is ``-8 * d``, exact in fp16 and giving the same fp32
 weights, so Q4_0 costs 5 bits a weight here instead of 4.5), Q8_0 becomes ``q8`` (int8
@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from engine.layers.quantization.wq import WeightOnlyMethod
-from kernels.quant.quant_ref import pack_q4
+from kernels.quant.reference import pack_q4
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ old Marlin serialization) is a start-up error naming the field: the configs are 
 :mod:`engine.layers.quantization.int4_config`.
 
 ferry's layout: at load every packed tensor is unpacked and transposed to rows of W, then
-kept in :mod:`kernels.quant.quant_ref`'s ``q4`` layout (uint8 nibbles ``[N, K/2]``) with
+kept in :mod:`kernels.quant.reference`'s ``q4`` layout (uint8 nibbles ``[N, K/2]``) with
 float32 ``weight_scale = s`` and ``weight_min = -s * z`` (``[N, K/G]``), so ``s * q + min``
 is ``(q - z) * s`` exactly in fp32 (an fp16 or bf16 scale times an integer up to 16 has at
 most 16 significant bits). The CPU's C++ kernels and the Triton kernel of the GGUF blocks run it
@@ -69,7 +69,7 @@ import torch
 from torch import nn
 
 from engine.layers.quantization.wq import WeightOnlyMethod
-from kernels.quant.quant_ref import pack_q4, unpack_q4
+from kernels.quant.reference import pack_q4, unpack_q4
 
 logger = logging.getLogger(__name__)
 

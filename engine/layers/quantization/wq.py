@@ -1,6 +1,6 @@
 """Weight-only low-bit linear layers: the part shared by GGUF blocks, AWQ and GPTQ.
 
-A layer holds its weight in one of :mod:`kernels.quant.quant_ref`'s layouts (``q4``: uint8
+A layer holds its weight in one of :mod:`kernels.quant.reference`'s layouts (``q4``: uint8
 ``weight [N, K/2]`` plus ``weight_scale`` and ``weight_min [N, K/G]``; ``q8``: int8
 ``weight [N, K]`` plus ``weight_scale``); activations stay in the run dtype (W4A16 / W8A16
 on GPUs, W4A32 / W8A32 on the CPU in fp32). The scheme-specific subclasses say how a
@@ -31,7 +31,7 @@ import logging
 import torch
 from torch import nn
 
-from kernels.quant.quant_ref import dequant
+from kernels.quant.reference import dequant
 
 logger = logging.getLogger(__name__)
 

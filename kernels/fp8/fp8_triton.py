@@ -1,6 +1,9 @@
-"""Per-token e4m3 quantization of activations in one Triton program per row.
+"""FP8 Triton kernels: per-token e4m3 quantization of activations in one program per row,
+and the small/medium-M FP8 linear (the decode GEMV-like matmul); their torch references are in
+:mod:`kernels.fp8.reference`, the numbers they share with the FP8 layers in
+:mod:`kernels.fp8.constants`.
 
-The torch reference (:func:`engine.layers.quantization.fp8.quantize_rows`) is five kernels
+The torch reference (:func:`kernels.fp8.reference.quantize_rows`) is five kernels
 (upcast, abs, amax, divide, clamp-and-cast); at decode batch sizes each FP8 linear layer
 would pay their launch latency. This kernel reads the row once into registers, takes its
 amax, and writes the e4m3 row and its fp32 scale: the same formula. Triton's fp32 division
@@ -16,12 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.layers.quantization.fp8_constants import (
-    FP8_DTYPE,
-    FP8_MAX,
-    SCALE_EPS,
-    WEIGHT_ONLY_MAX_M,
-)
+from kernels.fp8.constants import FP8_DTYPE, FP8_MAX, SCALE_EPS, WEIGHT_ONLY_MAX_M
 from kernels.launch import dot_kernel_options
 from kernels.split_k import (  # noqa: F401 - split_k_locks/trusted re-exported
     split_k_launch,
@@ -72,8 +70,8 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # tuned for large M and streams the weights well below the copy bandwidth, and it needs the
 # activations quantized by a separate kernel first. This kernel streams each weight tile once
 # (split over K when N alone gives too few programs) and upcasts it in registers. The layers
-# call it weight-only (``quant_x=False``, see fp8.py's WEIGHT_ONLY_MAX_M); ``quant_x=True``
-# quantizes x per token inside the kernel (the per-token scale is the amax of the row, a
+# call it weight-only (``quant_x=False``, see WEIGHT_ONLY_MAX_M in constants.py and
+# engine/layers/quantization/fp8.py); ``quant_x=True`` quantizes x per token inside the kernel (the per-token scale is the amax of the row, a
 # first pass over x) and multiplies the exact e4m3 codes in fp16 (every e4m3 value is exact
 # in fp16, so each product is exact in the fp32 accumulator): the numerics of
 # ``quantize_rows`` + ``_scaled_mm`` up to the order of the fp32 sums, kept for the

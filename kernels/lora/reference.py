@@ -1,5 +1,5 @@
-"""The torch path of batched LoRA (:mod:`kernels.lora`): the CPU's, and the tests' second
-opinion. No Triton import, so the CPU engine needs no Triton.
+"""The torch reference of batched LoRA (:mod:`kernels.lora.lora_triton`): the CPU's path, and
+the tests' second opinion. No Triton import, so the CPU engine needs no Triton.
 
 Instead of one matmul pair per adapter (a dozen small ops per slot and projection, which the
 CPU pays for in dispatch), every row is multiplied with every slot of the step's slot range
@@ -62,7 +62,7 @@ def lora_apply_slots(x: torch.Tensor, y: torch.Tensor, a2: torch.Tensor,
 def lora_apply_torch(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                      parts: list[tuple[int, int]], onehot: torch.Tensor | None,
                      first_slot: int = 0) -> torch.Tensor:
-    """:func:`kernels.lora.lora_apply_triton` in torch, added to ``y`` in place.
+    """:func:`kernels.lora.lora_triton.lora_apply_triton` in torch, added to ``y`` in place.
 
     Args:
         x: [T, K]; y: [T, N_total].

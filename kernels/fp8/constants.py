@@ -1,5 +1,7 @@
-"""The FP8 numbers shared by the FP8 linear layers (:mod:`.fp8`) and their Triton kernels
-(:mod:`.fp8_kernels`): the e4m3 format, the scale floor and the M thresholds of the paths.
+"""The FP8 numbers shared by the FP8 linear layers (:mod:`engine.layers.quantization.fp8`),
+their Triton kernels (:mod:`kernels.fp8.fp8_triton`) and the torch references
+(:mod:`kernels.fp8.reference`): the e4m3 format, the scale floor and the M thresholds of the
+paths. They live in kernels/ because the kernels, which sit below the engine, need them.
 
 See :mod:`engine.layers.quantization.fp8` for what the thresholds choose.
 """
@@ -18,6 +20,6 @@ SCALE_EPS = 1e-12
 #: (the numerics and kernels of ferry before the small-M kernel, for benchmarks)
 WEIGHT_ONLY_MAX_M = max(0, min(16, int(os.environ.get("FERRY_FP8_WEIGHT_ONLY_MAX_M", 16))))
 #: W8A8 matmuls with at most this many rows run ferry's FP8-dot Triton kernel where Triton
-#: has FP8 tensor cores (``fp8_kernels.fp8_linear_fp8_dot``), larger ones ``_scaled_mm``;
+#: has FP8 tensor cores (``fp8_triton.fp8_linear_fp8_dot``), larger ones ``_scaled_mm``;
 #: ``FERRY_FP8_MEDIUM_M_MAX=0`` sends them all to ``_scaled_mm`` (for benchmarks)
 MEDIUM_M_MAX = max(0, min(64, int(os.environ.get("FERRY_FP8_MEDIUM_M_MAX", 64))))

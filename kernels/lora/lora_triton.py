@@ -27,7 +27,7 @@ On a decode step that is 2 launches per projection, 8 per Llama layer.
 
 Grid: ``(segments, ceil(max_len / BLOCK_M), ceil(N / BLOCK_N))``; a program past its
 segment's end or on a base segment returns at once. ``max_len`` is a host int (decode: 1).
-:func:`kernels.lora_torch.lora_apply_torch` is the CPU path and the tests' second opinion.
+:func:`kernels.lora.reference.lora_apply_torch` is the CPU path and the tests' second opinion.
 """
 
 from __future__ import annotations

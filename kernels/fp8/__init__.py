@@ -1,0 +1,3 @@
+"""FP8 (e4m3) kernels: the per-token activation quantizer and the small/medium-M FP8 linear in
+Triton (:mod:`kernels.fp8.fp8_triton`), their torch references (:mod:`kernels.fp8.reference`)
+and the FP8 numbers they share with the engine's FP8 layers (:mod:`kernels.fp8.constants`)."""
