@@ -20,12 +20,13 @@ continued through any. It is bounded three times (SGLang and vLLM keep an unboun
 - at most ``--responses-store-size`` responses are kept; storing one more evicts the oldest.
   0 turns the store off: ``store: true`` is then answered with ``"store": false``;
 - at most ``--responses-store-bytes`` of estimated size (``estimate_size``: the length of the
-  JSON of what is kept, plus ``CONTAINER_BYTES`` per JSON object or array, which is above
-  what CPython takes for it) are kept: storing one more evicts the oldest until it fits. A
-  response bigger than the whole budget is not stored: it is answered with ``"store":
-  false`` (as with the store off); a ``background`` one is a 400 naming ``background``
-  before it starts; one that outgrew the budget while it ran in background is dropped, like
-  an evicted one. 0 turns the store off.
+  JSON of what is kept plus ``CONTAINER_BYTES`` per JSON object or array; measured, that is
+  at or above what CPython takes for it, also for inputs of many small items) are kept:
+  storing one more evicts the oldest until it fits. A response bigger than the whole budget
+  is not stored: it is answered with ``"store": false`` (as with the store off; a stream's
+  events, written before its end, said true); a ``background`` one is a 400 naming
+  ``background`` before it starts; one that outgrew the budget while it ran in background
+  is dropped, like an evicted one. 0 turns the store off.
 
 The request fields a response keeps besides its conversation are bounded at the request
 (``metadata``, ``user``...: ``server/openai/field_limits.py``).
