@@ -191,6 +191,11 @@ class ServerArgs:
                                          "restart", ge=0)
     responses_store_ttl: float = _f(3600.0, "seconds a stored Responses API response lives",
                                     gt=0)
+    responses_store_bytes: int = _f(
+        1 << 30, "most bytes the stored Responses API responses may take, all together "
+                 "(estimated from their JSON size; the oldest are evicted first; a single "
+                 "response bigger than this is not stored and says \"store\": false; 0: "
+                 "store nothing; default 1 GiB)", ge=0)
     grammar_compile_timeout: float = _f(10.0, "seconds a request's output constraint (JSON "
                                               "schema, regex, grammar) may take to compile; "
                                               "past it the request gets a 400", gt=0)

@@ -280,6 +280,7 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
         if tm.metrics is None:
             raise http_error(503, "metrics are not ready")
         await refresh_engine_gauges(tm)
+        tm.metrics.on_response_store(*responses.store.stats())
         body, content_type = tm.metrics.render()
         if len(tm.replicas) > 1:
             body += replica_metrics(tm.replicas, model_name)

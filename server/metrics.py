@@ -51,7 +51,9 @@ Names (vLLM v1, docs/design/metrics.md and docs/usage/metrics.md of vllm-project
 ``prompt_tokens_total``, ``generation_tokens_total``, ``request_success_total{finished_reason}``,
 ``request_prompt_tokens``, ``request_generation_tokens``, ``time_to_first_token_seconds``,
 ``inter_token_latency_seconds``, ``request_time_per_output_token_seconds``,
-``e2e_request_latency_seconds``, ``request_queue_time_seconds``.
+``e2e_request_latency_seconds``, ``request_queue_time_seconds``. ferry's own:
+``responses_store_items`` and ``responses_store_bytes`` (the Responses API's store,
+``server/responses/store.py``; set at every scrape by ``on_response_store``).
 """
 
 from __future__ import annotations
@@ -150,6 +152,12 @@ class Metrics:
                                           "Number of requests waiting to be scheduled.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc",
                                          "KV-cache usage. 1 means 100 percent usage.")
+        self.responses_store_items = gauge(
+            "responses_store_items", "Responses API responses kept in the HTTP process's "
+            "store (--responses-store-size bounds it).")
+        self.responses_store_bytes = gauge(
+            "responses_store_bytes", "Estimated bytes of the stored Responses API responses "
+            "(their JSON size plus 64 per object or array; --responses-store-bytes bounds it).")
         self.prompt_tokens = counter(
             "prompt_tokens", "Prompt tokens of finished requests: the sum of their "
             "usage.prompt_tokens, prefix-cache hits included, each of n samples counted "
@@ -187,7 +195,8 @@ class Metrics:
 
         m = model_name
         for g in (self.num_requests_running, self.num_requests_waiting,
-                  self.kv_cache_usage_perc):
+                  self.kv_cache_usage_perc, self.responses_store_items,
+                  self.responses_store_bytes):
             g.labels(m).set(0)
         self.prompt_tokens.labels(m)
         self.generation_tokens.labels(m)
@@ -275,6 +284,12 @@ class Metrics:
         engine_stats = getattr(stats, "stats", None)
         if engine_stats and "spec_verify_steps" in engine_stats:
             self.spec.update(engine_stats)
+
+    def on_response_store(self, items: int, nbytes: int) -> None:
+        """Set the response-store gauges (``ResponseStore.stats()``: responses kept, their
+        estimated bytes); ``GET /metrics`` calls it before ``render``."""
+        self.responses_store_items.labels(self.model_name).set(items)
+        self.responses_store_bytes.labels(self.model_name).set(nbytes)
 
     def render(self) -> tuple[bytes, str]:
         """Return ``(body, content_type)`` for ``GET /metrics`` (Prometheus text format 0.0.4)."""

@@ -1,8 +1,10 @@
 """Request ids: the ``X-Request-Id`` header in, the request's id out on every response.
 
 A client may name its request with ``X-Request-Id`` (1 to ``MAX_REQUEST_ID_LEN`` printable
-ASCII characters, no spaces); the generation routes then use it as the response's ``id``,
-the engine's request id and the id in the request log, as vLLM does with the header (vLLM
+ASCII characters, no spaces); the generation routes then use it as the response's ``id``
+(not ``/v1/responses``: a stored response's id is always server-made and random,
+``server/responses/store.py``), the engine's request id and the id in the request log, as
+vLLM does with the header (vLLM
 prefixes it with ``chatcmpl-``/``cmpl-`` in the body; ferry keeps it as sent, so the body,
 the log and the response header show the same string). Choice ``i`` of an ``n > 1`` request
 is ``{id}-{i}`` in the engine. A client that reuses an id still in flight is served: the
@@ -53,13 +55,14 @@ def parse_header(values: list[bytes]) -> str | None:
     return values[0].decode("ascii")
 
 
-def request_id_of(request, prefix: str) -> str:
-    """The id of ``request``: the client's ``X-Request-Id``, else a new ``{prefix}-…`` id,
-    which becomes the id the response header carries."""
+def request_id_of(request, prefix: str, fresh: str | None = None) -> str:
+    """The id of ``request``: the client's ``X-Request-Id``, else ``fresh`` when given (the
+    Responses API passes the response's server-made id), else a new ``{prefix}-…`` id; the
+    id made here becomes the one the response header carries."""
     state = request.scope.setdefault("state", {})
     if state.get(_FROM_CLIENT):
         return state[STATE_KEY]
-    rid = state[STATE_KEY] = new_id(prefix)
+    rid = state[STATE_KEY] = fresh or new_id(prefix)
     return rid
 
 

@@ -162,8 +162,8 @@ ROUTE_FIELDS = {
 #: peer fields implemented as aliases of ferry's own (docs table rows; see the module docstring)
 ALIASES = {
     "sampling_seed": (_S, "`seed` (a 400 if both are set and differ)"),
-    "rid": (_S, "the `X-Request-Id` header: the response's `id` and the engine's request id "
-                "(a 400 if they differ)"),
+    "rid": (_S, "the `X-Request-Id` header: the response's `id` (not on /v1/responses, whose "
+                "ids are the server's) and the engine's request id (a 400 if they differ)"),
     "request_id": (_V, "as `rid`"),
 }
 

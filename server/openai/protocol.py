@@ -42,7 +42,7 @@ from engine.sampling.params import (
     SamplingParams,
 )
 from server.http.errors import APIError, bad_request, not_supported
-from server.openai import extensions
+from server.openai import extensions, field_limits
 from server.openai.chat_checks import (  # noqa: F401 - re-exported
     RESERVED_TEMPLATE_KWARGS,
     check_chat_prompt,
@@ -122,7 +122,10 @@ class _SamplingFields(_Base):
     # vLLM: let the tokenizer add its special tokens (BOS...); None: the endpoint's default
     # (True for a completions prompt, False for chat: the template writes them)
     add_special_tokens: bool | None = None
-    user: str | None = None  # an accepted no-op (ACCEPTED_NOOPS), declared for its type
+    # an accepted no-op (ACCEPTED_NOOPS), declared for its type; at most 64 characters
+    # (check_unsupported, server/openai/field_limits.py)
+    user: str | None = Field(None, json_schema_extra=json_schema_of(
+        field_limits.json_schemas()["user"]))
 
     @field_validator("n")
     @classmethod
@@ -371,8 +374,10 @@ def check_unsupported(req: _SamplingRequest) -> None:
     Covers extra fields (``tools``, ``response_format``...), known fields whose value is
     not supported yet (``best_of`` other than n, ``suffix``), ``stream_options`` without
     ``stream: true`` and chat ``top_logprobs`` > 0 without ``logprobs: true`` (OpenAI
-    refuses both too).
+    refuses both too); ``metadata``, ``user``, ``safety_identifier`` and
+    ``prompt_cache_key`` beyond OpenAI's bounds (``server/openai/field_limits.py``).
     """
+    field_limits.check_fields({**(req.model_extra or {}), "user": req.user})
     for name, value in (req.model_extra or {}).items():
         if name in ACCEPTED_NOOPS:
             continue

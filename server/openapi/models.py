@@ -12,6 +12,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel
 
+from server.openai.field_limits import MAX_ID_LEN
+from server.openai.field_limits import json_schemas as _limit_schemas
+from server.openai.protocol_base import json_schema_of
 from server.tools.messages import MAX_TOOL_CALLS
 from server.tools.plan import MAX_TOOLS
 from server.tools.structured import MAX_CHOICES
@@ -386,18 +389,24 @@ class ToolFields(_Doc):
     parallel_tool_calls: bool | None = None
 
 
-class NoopFields(_Doc):
-    """Accepted no-ops (``ACCEPTED_NOOPS`` in server/openai/protocol.py): any value, no effect."""
+_LIMITS = _limit_schemas()
 
-    metadata: Any = Field(None, description="e.g. {\"key\": \"value\"}; no effect")
+
+class NoopFields(_Doc):
+    """Accepted no-ops (``ACCEPTED_NOOPS`` in server/openai/protocol.py): no effect; the
+    bookkeeping ones within OpenAI's bounds (server/openai/field_limits.py)."""
+
+    metadata: Any = Field(None, json_schema_extra=json_schema_of(_LIMITS["metadata"]))
     store: Any = Field(None, description="no effect (nothing is stored)")
     service_tier: Any = Field(None, description="no effect")
     prediction: Any = Field(None, description="no effect")
     reasoning_effort: Any = Field(None, description="no effect")
     verbosity: Any = Field(None, description="no effect")
-    prompt_cache_key: Any = Field(None, description="no effect (the prefix cache is "
-                                  "automatic)")
-    safety_identifier: Any = Field(None, description="no effect")
+    prompt_cache_key: Any = Field(None, json_schema_extra=json_schema_of(dict(
+        _LIMITS["prompt_cache_key"], description=f"at most {MAX_ID_LEN} characters; no effect "
+                                                 "(the prefix cache is automatic)")))
+    safety_identifier: Any = Field(None, json_schema_extra=json_schema_of(
+        _LIMITS["safety_identifier"]))
 
 
 class TokenizeFields(_Doc):

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError
 
 from server.http.errors import APIError, bad_request, not_supported
-from server.openai import extensions
+from server.openai import extensions, field_limits
 from server.openai.protocol import (
     ENGINE_DERIVED,
     INT32_MAX,
@@ -35,8 +35,6 @@ from server.responses.input import (
 #: fields accepted and ignored: bookkeeping on OpenAI's side or hints that change no output
 RESPONSES_NOOPS = frozenset({"metadata", "user", "safety_identifier", "prompt_cache_key",
                              "prompt_cache_retention", "service_tier", "reasoning"})
-#: the no-ops whose type OpenAI checks (and ferry echoes in the response)
-NOOP_TYPES = {"metadata": dict, "user": str, "safety_identifier": str, "prompt_cache_key": str}
 #: ferry's sampling extensions passed to the engine under their own names (as on chat)
 SAMPLING_PASSTHROUGH = frozenset(SAMPLING_FIELDS) - ENGINE_DERIVED - {"max_tokens", "temperature",
                                                                         "top_p"}
@@ -79,12 +77,13 @@ class ResponsesRequest(_Base):
     max_tool_calls: int | None = Field(None, ge=1)
 
     def check(self) -> None:
-        """Raises: APIError 400 naming the first field ferry cannot honour."""
+        """Raises: APIError 400 naming the first field ferry cannot honour, or a bounded
+        no-op (``metadata``, ``user``, ``safety_identifier``, ``prompt_cache_key``) beyond
+        OpenAI's bounds (``server/openai/field_limits.py``)."""
         for name, value in (self.model_extra or {}).items():
-            want = NOOP_TYPES.get(name)
-            if want is not None and value is not None and not isinstance(value, want):
-                kind = "an object" if want is dict else "a string"
-                raise APIError(f"'{name}' must be {kind}", 400, name, "invalid_type")
+            err = field_limits.check_field(name, value)  # metadata, user... (OpenAI's bounds)
+            if err is not None:
+                raise err
             if name in RESPONSES_NOOPS or name in SAMPLING_PASSTHROUGH:
                 continue
             if name in STATEFUL:

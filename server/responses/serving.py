@@ -53,7 +53,7 @@ from server.responses.request import (
     parse_responses_request,
     to_chat,
 )
-from server.responses.store import ResponseStore, StoredResponse
+from server.responses.store import ResponseStore, StoredResponse, new_response_id
 from server.tools.plan import prepare_chat
 
 logger = logging.getLogger("ferry.server")
@@ -117,14 +117,14 @@ class ResponsesServing:
     def __init__(self, serving: OpenAIServing, store: ResponseStore | None = None):
         self.serving = serving
         args = serving.args
-        self.store = store if store is not None else ResponseStore(
-            getattr(args, "responses_store_size", 0), getattr(args, "responses_store_ttl", 1.0))
+        self.store = store if store is not None else ResponseStore.from_args(args)
 
     def _keep(self, st: StoredResponse, build: ResponseBuilder, prior: list[dict]) -> None:
         """Store (or update) a finished response with its conversation."""
         st.response, st.live = build.response(), None
         st.conversation = [*prior, *st.input_items, *copy.deepcopy(st.response["output"])]
-        self.store.update(st) if st.task is not None else self.store.put(st)
+        if not (self.store.update(st) if st.task is not None else self.store.put(st)):
+            build.echo["store"] = False  # bigger than --responses-store-bytes: not stored
 
     # ---- the stored responses -----------------------------------------------------------
     async def retrieve(self, request: Request) -> Response:
@@ -173,7 +173,8 @@ class ResponsesServing:
         """
         s, tm, args = self.serving, self.serving.tm, self.serving.args
         t0 = time.monotonic()
-        rid = request_id_of(request, "resp")  # X-Request-Id, else a new id
+        resp_id = new_response_id()  # server-made, never the client's (store.py)
+        rid = request_id_of(request, "resp", resp_id)  # X-Request-Id, else the response's id
         req = parse_responses_request(await read_json(request, args.max_request_bytes,
                                                       args.body_read_timeout))
         rid = extensions.adopt_body_id(request, req.model_extra, rid)
@@ -206,8 +207,8 @@ class ResponsesServing:
         keep = req.store is not False and self.store.enabled
         if req.background and not keep:
             raise not_supported("background", "background responses with the response store "
-                                "off (--responses-store-size 0)")
-        build = ResponseBuilder(rid, shown, fmt, dict(echo_fields(req), store=keep))
+                                "off (--responses-store-size or -bytes 0)")
+        build = ResponseBuilder(resp_id, shown, fmt, dict(echo_fields(req), store=keep))
         st = StoredResponse({}, stored_items(req.input), prior) if keep else None
         s._log_request(fmt, conv.body["messages"], sp)
         rids: list[str] = []  # the engine rid generate registers (unique; see request_id)
@@ -285,6 +286,6 @@ class ResponsesServing:
 
         st.live = build.response
         st.response = build.response()
-        self.store.put(st)
+        self.store.put(st, refuse_param="background")
         st.task = asyncio.create_task(run(), name=f"background {build.id}")
         return JSONResponse(st.response)

@@ -9,6 +9,8 @@ event orders, ``jsonschema`` (structured output). Never the endpoint's own outpu
 from __future__ import annotations
 
 import json
+import re
+import time
 
 import httpx
 import jsonschema
@@ -24,6 +26,8 @@ from server.responses.request import parse_responses_request, to_chat
 from server.tokenizer_manager import ReqOutput
 
 pytestmark = pytest.mark.slow
+
+RESP_ID = re.compile(r"resp_[0-9a-f]{48}")  # server-made, as OpenAI's: resp_ + 48 hex digits
 
 Q = "What is the capital of France?"
 WEATHER = {"type": "object", "properties": {
@@ -73,7 +77,7 @@ def test_text_equals_chat_and_usage(url, client, ref_tokenizer):
     ref = chat(url, msgs, max_tokens=16)
     r = client.responses.create(model=MODEL, instructions="You are concise.", input=Q,
                                 max_output_tokens=16, temperature=0)
-    assert r.object == "response" and r.id.startswith("resp-") and r.model == MODEL
+    assert r.object == "response" and RESP_ID.fullmatch(r.id) and r.model == MODEL
     assert r.output_text == ref["choices"][0]["message"]["content"]
     assert len(r.output) == 1 and r.output[0].type == "message"
     assert r.output[0].role == "assistant" and r.output[0].content[0].type == "output_text"
@@ -297,6 +301,15 @@ def test_noops_change_nothing(url):
                           "strict": "yes"}}}, "text.format.strict", None),
     ({"metadata": "x"}, "metadata", "invalid_type"),
     ({"user": 5}, "user", "invalid_type"),
+    # issue 41: OpenAI's bounds (16 pairs, 64-character keys, 512-character values, ids of
+    # 64 characters): a response must not pin megabytes of bookkeeping in the store
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata",
+     "object_above_max_properties"),
+    ({"metadata": {"k": "v" * 513}}, "metadata.k", "string_above_max_length"),
+    ({"metadata": {"k" * 65: "v"}}, "metadata", "string_above_max_length"),
+    ({"user": "u" * 65}, "user", "string_above_max_length"),
+    ({"safety_identifier": "s" * 65}, "safety_identifier", "string_above_max_length"),
+    ({"prompt_cache_key": "p" * 65}, "prompt_cache_key", "string_above_max_length"),
 ])
 def test_errors_name_the_field(url, extra, param, code):
     r = post(url, "/v1/responses", dict({"model": MODEL, "input": "hi",
@@ -319,11 +332,76 @@ def test_bad_bodies(url):
     assert r.status_code == 405
 
 
-def test_request_id_is_the_response_id(url):
+def test_request_id_names_the_request_not_the_response(url):
+    """``X-Request-Id`` names the request (echoed back, the engine's id, the logs); the
+    response's id is the server's own (issue 41: a client id could replace a stored one)."""
     r = httpx.post(url + "/v1/responses", headers={"X-Request-Id": "my-resp-1"}, timeout=60,
                    json={"model": MODEL, "input": "Hi", "max_output_tokens": 2})
-    assert r.status_code == 200 and r.json()["id"] == "my-resp-1"
+    assert r.status_code == 200 and RESP_ID.fullmatch(r.json()["id"])
     assert r.headers["x-request-id"] == "my-resp-1"
+    r = httpx.post(url + "/v1/responses", timeout=60,
+                   json={"model": MODEL, "input": "Hi", "max_output_tokens": 2})
+    assert r.headers["x-request-id"] == r.json()["id"]  # no client id: the response's
+
+
+def _settled(url: str, rid: str) -> dict:
+    """``GET /v1/responses/{rid}`` once it is no longer queued or in progress."""
+    deadline = time.monotonic() + HTTP_TIMEOUT_S
+    while True:
+        got = httpx.get(f"{url}/v1/responses/{rid}", timeout=30)
+        assert got.status_code == 200, got.text
+        if got.json()["status"] not in ("queued", "in_progress") or \
+                time.monotonic() > deadline:
+            return got.json()
+        time.sleep(0.1)
+
+
+def test_a_client_id_cannot_reach_another_clients_response(url):
+    """Issue 41 item 2, black box: requests whose ``X-Request-Id`` and ``rid``/``request_id``
+    body fields equal a stored background response's id get responses of their own; the
+    first stays retrievable, unchanged (its settings, its input) and is not cancelled."""
+    first = {"model": MODEL, "input": "Count from one to fifty in words.",
+             "instructions": "first", "metadata": {"owner": "first"},
+             "max_output_tokens": 48, "temperature": 0, "background": True}
+    r1 = post(url, "/v1/responses", first).json()
+    assert RESP_ID.fullmatch(r1["id"]) and r1["status"] == "queued"
+    items = httpx.get(f"{url}/v1/responses/{r1['id']}/input_items", timeout=30).json()
+    seconds = []
+    for extra in ({}, {"rid": r1["id"]}, {"request_id": r1["id"]}):
+        for background in (True, False):
+            r = httpx.post(url + "/v1/responses", headers={"X-Request-Id": r1["id"]},
+                           timeout=HTTP_TIMEOUT_S, json={
+                               "model": MODEL, "input": "Say hi.", "instructions": "second",
+                               "metadata": {"owner": "second"}, "max_output_tokens": 2,
+                               "background": background, **extra})
+            assert r.status_code == 200, r.text
+            assert r.headers["x-request-id"] == r1["id"]  # the client's id, echoed
+            assert RESP_ID.fullmatch(r.json()["id"]) and r.json()["id"] != r1["id"]
+            seconds.append(r.json()["id"])
+    assert len(set(seconds)) == len(seconds)
+    got = _settled(url, r1["id"])
+    assert got["status"] in ("completed", "incomplete"), got  # never cancelled
+    assert (got["id"], got["instructions"], got["metadata"], got["background"]) == \
+        (r1["id"], "first", {"owner": "first"}, True)
+    assert got["output"] and got["usage"]["output_tokens"] > 0
+    assert httpx.get(f"{url}/v1/responses/{r1['id']}/input_items", timeout=30).json() == items
+    for rid in seconds:
+        assert _settled(url, rid)["metadata"] == {"owner": "second"}
+    metrics = httpx.get(url + "/metrics", timeout=30).text
+    assert re.search(r"^ferry:responses_store_items\{[^}]*\} [1-9]", metrics, re.M)
+    assert re.search(r"^ferry:responses_store_bytes\{[^}]*\} [1-9]", metrics, re.M)
+
+
+def test_chat_bounds_the_same_fields(url):
+    """Issue 41: chat completions bound ``metadata`` and ``user`` as the Responses API."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    for extra, param in (({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+                         ({"metadata": {"k": "v" * 513}}, "metadata.k"),
+                         ({"user": "u" * 65}, "user")):
+        r = post(url, "/v1/chat/completions", dict(body, **extra))
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    ok = dict(body, metadata={f"k{i}": "v" * 512 for i in range(16)}, user="u" * 64)
+    assert post(url, "/v1/chat/completions", ok).status_code == 200
 
 
 # ---- every field of the official client's request: implemented, a no-op or a 400 ----------

@@ -87,7 +87,20 @@ BOUNDARIES = [
     ("mem_fraction_static", 1.0, 1.01), ("mem_fraction_static", 0.01, 0.0),
     ("shutdown_timeout", 0.0, -0.5), ("header_timeout", 0.01, 0.0),
     ("body_read_timeout", 0.01, -1.0), ("startup_timeout", 0.01, 0.0),
+    ("responses_store_bytes", 0, -1),
 ]
+
+
+def test_responses_store_bytes_flag(capsys):
+    """Issue 41: ``--responses-store-bytes`` bounds the Responses API's store by estimated
+    size (default 1 GiB; 0 stores nothing), and ``ferry serve --help`` says so."""
+    from server.cli import serve_parser
+
+    assert ServerArgs().responses_store_bytes == 1024 ** 3
+    args = serve_parser().parse_args(["--responses-store-bytes", "65536"])
+    assert ServerArgs.from_cli_args(args).responses_store_bytes == 65536
+    text = " ".join(serve_parser().format_help().split())
+    assert "--responses-store-bytes" in text and "default 1 GiB" in text
 
 
 @pytest.mark.parametrize("name,good,bad", BOUNDARIES)

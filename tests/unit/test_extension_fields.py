@@ -7,6 +7,7 @@ docs/usage.md's table is the table's. Over a fake engine."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import httpx
@@ -151,13 +152,21 @@ async def _post(app, path: str, body: dict, headers: dict | None = None) -> http
     ("/v1/responses", {"input": "hi", "max_output_tokens": 1})])
 @pytest.mark.parametrize("field", ["rid", "request_id"])
 async def test_rid_and_request_id_name_the_request(app, path, body, field):
+    def body_id(r: httpx.Response, client_id: str) -> None:
+        if path == "/v1/responses":  # a stored response's id is server-made (issue 41)
+            assert re.fullmatch(r"resp_[0-9a-f]{48}", r.json()["id"]), r.json()["id"]
+        else:
+            assert r.json()["id"] == client_id
+
     r = await _post(app, path, {**body, field: "my-id-1"})
     assert r.status_code == 200, r.text
-    assert r.json()["id"] == "my-id-1" == r.headers["x-request-id"]
+    assert r.headers["x-request-id"] == "my-id-1"
+    body_id(r, "my-id-1")
     assert app[1].rids[-1] == "my-id-1"  # the engine's request id too
     # the header and the body naming the same id is fine; different ids are a 400
     r = await _post(app, path, {**body, field: "my-id-2"}, {"X-Request-Id": "my-id-2"})
-    assert r.status_code == 200 and r.json()["id"] == "my-id-2"
+    assert r.status_code == 200 and r.headers["x-request-id"] == "my-id-2"
+    body_id(r, "my-id-2")
     r = await _post(app, path, {**body, field: "my-id-3"}, {"X-Request-Id": "other"})
     assert r.status_code == 400 and r.json()["error"]["param"] == field
     for bad in ("has space", "", 5, ["a", "b"], "x" * 257):

@@ -138,6 +138,21 @@ def test_engine_stats_set_gauges_from_statsout_and_serverinfo():
     assert val(snap, "ferry:num_requests_waiting") == 0
 
 
+def test_response_store_gauges():
+    """Issue 41: the Responses API store's size (responses kept, estimated bytes) is two
+    gauges, at 0 before anything is stored, set as ``/metrics`` reads the store."""
+    m = fresh()
+    snap = samples(m)
+    assert val(snap, "ferry:responses_store_items") == 0
+    assert val(snap, "ferry:responses_store_bytes") == 0
+    m.on_response_store(3, 12345)
+    snap = samples(m)
+    assert val(snap, "ferry:responses_store_items") == 3
+    assert val(snap, "ferry:responses_store_bytes") == 12345
+    m.on_response_store(0, 0)
+    assert val(samples(m), "ferry:responses_store_bytes") == 0
+
+
 def test_registries_are_private():
     a, b = fresh(), fresh()  # a global registry would raise "Duplicated timeseries"
     a.on_request_finished(finish_reason="stop", prompt_tokens=5, completion_tokens=1,
