@@ -29,7 +29,14 @@ class FakeResult:
 
 
 class FakeRunner:
+    """A ``StepRunner`` (engine/executor/step_runner.py) whose model is the successor table."""
+
     supports_overlap = False
+    device_type = "cpu"
+    vocab_size = V
+    lora = None  # no adapters (a test may set its own)
+    tp_size = 1
+    max_verify_rows = None
 
     def __init__(self, max_total_tokens, page_size=1, max_running=8, max_context=4096,
                  overlap=False):
@@ -65,6 +72,9 @@ class FakeRunner:
     def sample(self, logits, reqs, eos_ids):
         assert len(reqs) == logits.shape[0]
         return FakeResult(torch.argmax(logits, -1))
+
+    def memory_report(self):
+        return {"weight_bytes": 0, "kv_bytes": self.kv_pool.num_slots * 4}
 
 
 def assert_idle(sched) -> bool:
@@ -303,7 +313,7 @@ def test_stop_string_check_ignores_partial_characters():
         hit = None
         for i, t in enumerate(ids):
             r.output_ids.append(t)
-            if sched._check_finished(r, t, i + 1) is not None:
+            if sched.out.check_finished(r, t, i + 1) is not None:
                 hit = i
                 break
         assert hit == expect_at, (stop, hit, expect_at)
