@@ -420,3 +420,18 @@ def test_a_request_waiting_for_an_adapter_slot_is_not_starved():
     assert third.scheduled_time is None  # no third slot
     run_all(sched, [])
     assert one.finished_reason is not None and third.output_ids == expected([10] * 4, 5)
+
+
+def step_runner_members() -> set[str]:
+    """The attributes and methods ``StepRunner`` names (engine/executor/step_runner.py)."""
+    from engine.executor.step_runner import StepRunner
+
+    return set(StepRunner.__annotations__) | {
+        n for n, v in vars(StepRunner).items() if callable(v) and not n.startswith("_")}
+
+
+def test_the_fake_runner_has_what_step_runner_names():
+    runner = FakeRunner(max_total_tokens=64)
+    members = step_runner_members()
+    assert {"forward", "sample", "memory_report", "max_verify_rows", "tp_size"} <= members
+    assert [n for n in sorted(members) if not hasattr(runner, n)] == []
