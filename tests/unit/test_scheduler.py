@@ -435,3 +435,24 @@ def test_the_fake_runner_has_what_step_runner_names():
     members = step_runner_members()
     assert {"forward", "sample", "memory_report", "max_verify_rows", "tp_size"} <= members
     assert [n for n in sorted(members) if not hasattr(runner, n)] == []
+
+
+def test_lora_gate_caps_adapters_and_holds_back_behind_a_starved_one():
+    """``LoRAGate`` on its own: the cap on distinct adapters per step, and the hold while an
+    adapter has waited past LORA_MAX_DEFER_S (only for new slots or a full step)."""
+    from types import SimpleNamespace as R
+
+    from engine.lora.gate import LORA_MAX_DEFER_S, LoRAGate
+
+    now = 100.0
+    running = [R(lora_id=1, recv_time=now), R(lora_id=None, recv_time=now)]
+    waiting = [R(lora_id=2, recv_time=now - 2 * LORA_MAX_DEFER_S), R(lora_id=3, recv_time=now)]
+    gate = LoRAGate.for_step(2, running, waiting, served=True, now=now)
+    assert gate.starved == {2} and gate.active == {1}
+    assert gate.admits(None) and gate.admits(2)
+    assert not gate.admits(3)  # a new slot, while adapter 2 starves
+    assert gate.admits(1)      # adapter 1 is in the step and the step is not full
+    gate.take(2)
+    assert gate.starved == set() and gate.active == {1, 2}
+    assert not gate.admits(3) and gate.admits(1)  # no third slot
+    assert LoRAGate.for_step(2, running, waiting, served=False, now=now).starved == set()
