@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     exact = runner_dtype == "float32"  # outputs must then be identical with speculation
     sp = SamplingParams(max_tokens=ns.max_tokens, temperature=0)
     # host clocks around the worker's two phases: build (propose: a draft model's forwards;
-    # allocate) and run (the verify forward and acceptance); both end in a host sync
+    # allocate) and run (step: the verify forward and acceptance); both end in a host sync
     # (drafts and accepted tokens come back as lists), so wall time is device time included
     phase = {"build": 0.0, "run": 0.0}
 
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
             return out
         return call
 
-    worker.build, worker.run = timed("build", worker.build), timed("run", worker.run)
+    worker.build, worker.step = timed("build", worker.build), timed("run", worker.step)
     # warm-up: both modes, a batch of each size (first calls pay allocator and kernel setup)
     warm = [_chat(llm.tokenizer, t) for t in WORKLOADS["copy"]]
     for spec, bs in itertools.product((None, worker), ns.batch_sizes):

@@ -213,6 +213,19 @@ class RankRunner:
                 "kv_bytes": sum(b.numel() * b.element_size()
                                 for b in self.kv_pool.k_buffers + self.kv_pool.v_buffers)}
 
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel ranks (1 without tensor parallelism)."""
+        return self.tp.size
+
+    @property
+    def max_verify_rows(self) -> int | None:
+        """Rows a speculative verify step may have before the linear layers leave their
+        small-M kernel (the CPU's packed-weight kernels), or None where there is no such cliff."""
+        from engine.layers.quantization.wq import small_m_max_rows
+
+        return small_m_max_rows(self.device_type)
+
     def _stop_workers(self, timeout: float) -> None:
         """Stop the worker processes this runner started (none; see ``ModelRunner``)."""
 

@@ -19,8 +19,9 @@ from engine.args import ServerArgs
 from engine.ipc import ENGINE_IN, PullSocket, PushSocket
 from engine.lora.adapter import LoRAError
 from engine.sampling.params import SamplingParams
+from engine.scheduler.output import STATS_TTFT_ZERO, StepOutput
 from engine.scheduler.request import Req
-from engine.scheduler.scheduler import STATS_TTFT_ZERO, Scheduler, StepOutput
+from engine.scheduler.scheduler import Scheduler
 from engine.validation import RequestError, validate_request
 
 logger = logging.getLogger("ferry.engine")

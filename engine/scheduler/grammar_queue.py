@@ -2,12 +2,12 @@
 
 ``Scheduler.add_request`` hands a request with a constraint (``SamplingParams.json_schema``,
 ``regex`` or ``ebnf``) to the queue, which starts its compile on ``GrammarBackend``'s thread
-pool (cached by ``(kind, text)``). Each step ``release`` moves the requests whose grammar is
-ready into the waiting queue, with a fresh matcher (``Req.grammar``), and aborts those whose
-compile failed (the server has parsed the constraint already, so that is rare) or has not
-finished within the compile budget (``--grammar-compile-timeout``: compile cost grows
-superlinearly with some schema shapes, e.g. hundreds of optional properties in one object).
-Those requests are also listed in ``rejected`` for the engine loop, which answers them with a
+pool (cached by ``(kind, text)``). Each step ``release`` hands the scheduler the requests
+whose grammar is ready (with a fresh matcher, ``Req.grammar``), which it puts in its waiting
+queue, and those it aborts: their compile failed (the server has parsed the constraint
+already, so that is rare) or has not finished within the compile budget
+(``--grammar-compile-timeout``: compile cost grows superlinearly with some schema shapes,
+e.g. hundreds of optional properties in one object). Those requests are also listed in ``rejected`` for the engine loop, which answers them with a
 400 (``ErrorOut``) instead of a finished output. A compile past its budget keeps its pool
 thread until it ends (xgrammar cannot be interrupted); its result stays cached. SGLang's
 ``grammar_queue`` works the same way.
@@ -76,16 +76,25 @@ class GrammarQueue:
         out, self.rejected = self.rejected, {}
         return out
 
-    def release(self, sched) -> None:
-        """Move ready requests to ``sched.waiting``; abort failed ones (``_abort_now``).
+    def release(self, idle: bool) -> tuple[list[Req], list[tuple[Req, str]]]:
+        """Take the requests whose compile has ended (or run past its budget) out of the
+        queue.
 
-        Waits up to ``IDLE_WAIT_S`` for a compile when ``sched`` has nothing else to run, so
-        the engine loop does not spin. ``rejected`` holds this call's rejections only.
+        Args:
+            idle: whether the scheduler has nothing else to run; then this waits up to
+                ``IDLE_WAIT_S`` for a compile, so the engine loop does not spin.
+
+        Returns:
+            ``(ready, rejected)``: the requests whose matcher (``Req.grammar``) is set, for
+            the waiting queue, and ``(request, message)`` for those to abort. ``rejected``
+            (the attribute) holds this call's rejections only, for ``take_rejected``.
         """
         self.rejected = {}
+        ready: list[Req] = []
+        failed: list[tuple[Req, str]] = []
         if not self.pending:
-            return
-        if not (sched.running or sched.waiting or sched.chunked or sched.inflight):
+            return ready, failed
+        if idle:
             futs = [f for _, f, _ in self.pending if isinstance(f, Future)]
             if futs and not any(f.done() for f in futs):
                 wait(futs, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
@@ -111,12 +120,13 @@ class GrammarQueue:
                 except Exception as exc:  # noqa: BLE001 - a compile error
                     error = str(exc.args[0]) if exc.args else repr(exc)
             if error is None:
-                sched.waiting.append(req)
+                ready.append(req)
             else:
                 logger.info("request %s: %s", req.rid, error)
                 self.rejected[req.rid] = (error, kind, code)
-                sched._abort_now(req, error)
+                failed.append((req, error))
         self.pending = keep
+        return ready, failed
 
 
 def grammar_finish(req: Req, tok: int) -> FinishReason | None:

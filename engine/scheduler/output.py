@@ -1,21 +1,19 @@
-"""The result side of a scheduler step: read a launched step's sampled ids back, append them
-to their requests, record logprobs and TTFT, and check stop conditions (EOS, stop token ids,
-stop strings, ``max_tokens``, the context). A speculative verify step is run and read back at
-once (``_run_verify``: each request's accepted run of tokens, ``engine/speculative/worker.py``).
-``Scheduler`` (``scheduler.py``) mixes it in.
+"""``OutputProcessor``: the result side of a scheduler step. It reads a launched step's sampled
+ids back, appends them to their requests, records logprobs, prompt logprobs and TTFT, checks
+stop conditions (EOS, stop token ids, stop strings and regexes, ``max_tokens``, the context)
+and collects each request's ``StepOutput`` for the detokenizer. A speculative verify step's
+accepted runs (``engine/speculative/worker.py``) come in through ``emit_run``.
+``Scheduler`` (``scheduler.py``) owns one and calls it.
 """
 
 from __future__ import annotations
 
-import logging
 import time
+from collections.abc import Callable
 
 from engine.executor.schedule_batch import ScheduleBatch
 from engine.scheduler.grammar_queue import grammar_finish
 from engine.scheduler.request import FinishReason, Req
-from engine.speculative.worker import VerifyBatch
-
-logger = logging.getLogger(__name__)
 
 
 class StepOutput:
@@ -35,10 +33,39 @@ class StepOutput:
 STATS_TTFT_ZERO = {"first_tokens": 0, "ttft_queue_s_sum": 0.0, "ttft_engine_s_sum": 0.0}
 
 
-class OutputProcessorMixin:
-    """Methods of ``Scheduler`` that turn a finished step into request state."""
+class OutputProcessor:
+    """Turns a finished step into request state and ``StepOutput`` s.
 
-    def _prompt_logprobs(self, batch: ScheduleBatch, logits, rows) -> None:
+    Args:
+        tokenizer: decodes the output's tail for stop strings and regexes (None: those are
+            not checked).
+        eos_ids: token ids that end generation unless ``ignore_eos``.
+        max_context_len: the runner's context limit (tokens); a request ends there.
+        stats: the scheduler's stats dict (``generation_tokens`` and the TTFT sums of
+            ``STATS_TTFT_ZERO``).
+        finish: the scheduler's ``(req, reason)`` callback that ends a request (frees its KV
+            and adapter).
+    """
+
+    def __init__(self, tokenizer, eos_ids: list[int], max_context_len: int, stats: dict,
+                 finish: Callable[[Req, FinishReason], None]):
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.max_context_len = max_context_len
+        self.stats = stats
+        self.finish = finish
+        self.outputs: list[StepOutput] = []  # since the last ``take``
+
+    def take(self) -> list[StepOutput]:
+        """The outputs collected since the last call (and forget them)."""
+        out, self.outputs = self.outputs, []
+        return out
+
+    def aborted(self, req: Req) -> None:
+        """Report ``req``, ended by an abort, with no new tokens."""
+        self.outputs.append(StepOutput(req, [], req.finished_reason))
+
+    def prompt_logprobs(self, batch: ScheduleBatch, logits, rows) -> None:
         """Log-probabilities of the prompt tokens (echo): the logits at position j score
         prompt token j + 1. Each entry is ``(logprob, [[id, logprob], ...top k], rank)``:
         the top-k alternatives (k = prompt_logprobs) and the prompt token's own rank in the
@@ -71,9 +98,8 @@ class OutputProcessorMixin:
                     top = [[] for _ in range(b - a)]
                 req.prompt_logprobs.extend(zip(chosen, top, ranks))
 
-    def _process(self, rec: _InFlight | None) -> None:
-        if rec is None:
-            return
+    def process(self, rec: _InFlight) -> bool:
+        """Read a launched step back into its requests; True when one of them finished."""
         ids, lp = rec.result.host()
         now = time.time()
         any_finished = False
@@ -89,14 +115,13 @@ class OutputProcessorMixin:
                 req.logprobs.append((lp[0][k], tops))
             if req.first_token_time is None:
                 self._first_token(req, now)
-            reason = self._check_finished(req, tok, idx + 1)
+            reason = self.check_finished(req, tok, idx + 1)
             if reason is not None:
                 del req.output_ids[idx + 1:]  # a placeholder of a step launched after this one
-                self._finish(req, reason)
+                self.finish(req, reason)
                 any_finished = True
-            self.finished_outputs.append(StepOutput(req, [tok], reason))
-        if any_finished:
-            self.running = [r for r in self.running if not r.finished]
+            self.outputs.append(StepOutput(req, [tok], reason))
+        return any_finished
 
     def _first_token(self, req: Req, now: float) -> None:
         req.first_token_time = now
@@ -105,25 +130,7 @@ class OutputProcessorMixin:
         st["ttft_queue_s_sum"] += max(0.0, req.recv_time - req.arrival_time)
         st["ttft_engine_s_sum"] += now - req.recv_time
 
-    def _run_verify(self, vb: VerifyBatch) -> None:
-        """Run a verify step now (it is never left in flight: the next step's positions
-        depend on what it accepts) and append each request's accepted run."""
-        try:
-            runs = self.spec.run(vb, self.eos_ids)
-        except Exception as exc:  # as in _launch: fail this batch, keep serving
-            if getattr(getattr(self.runner, "tp", None), "size", 1) > 1:
-                raise
-            logger.exception("verify step failed; aborting %d requests", len(vb.reqs))
-            for req in vb.reqs:
-                if not req.finished:
-                    self._abort_now(req, f"internal error: {exc}", cache=False)
-            return
-        self.stats["steps"] += 1
-        for req, toks, logprobs in runs:
-            self._emit_run(req, toks, logprobs)
-        self.running = [r for r in self.running if not r.finished]
-
-    def _emit_run(self, req: Req, toks: list[int], logprobs: list | None) -> None:
+    def emit_run(self, req: Req, toks: list[int], logprobs: list | None) -> None:
         """Append a verify step's run of tokens (speculative decoding) with the stop checks
         after each: a stop inside the run cuts it there, and ``max_tokens`` is never passed."""
         if req.finished:
@@ -135,15 +142,15 @@ class OutputProcessorMixin:
             req.output_ids.append(tok)
             if logprobs is not None:
                 req.logprobs.append(logprobs[n - 1])
-            reason = self._check_finished(req, tok, len(req.output_ids))
+            reason = self.check_finished(req, tok, len(req.output_ids))
             if reason is not None:
                 break
         self.stats["generation_tokens"] += n
         if reason is not None:
-            self._finish(req, reason)
-        self.finished_outputs.append(StepOutput(req, toks[:n], reason))
+            self.finish(req, reason)
+        self.outputs.append(StepOutput(req, toks[:n], reason))
 
-    def _check_finished(self, req: Req, tok: int, n_out: int) -> FinishReason | None:
+    def check_finished(self, req: Req, tok: int, n_out: int) -> FinishReason | None:
         """Stop conditions after the ``n_out``-th generated token ``tok``.
 
         EOS, stop token ids and stop strings count only from the ``min_tokens``-th token on;
@@ -175,10 +182,9 @@ class OutputProcessorMixin:
                     return done
         if n_out >= req.max_new_tokens:
             return FinishReason("length")
-        if len(req.origin_input_ids) + n_out >= self.runner.max_context_len:
+        if len(req.origin_input_ids) + n_out >= self.max_context_len:
             return FinishReason("length")
         return None
-
 
     def _stop_regex(self, req: Req, n_out: int) -> FinishReason | None:
         """``stop`` naming the pattern when the text of the first ``n_out`` generated tokens

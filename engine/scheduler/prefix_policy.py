@@ -1,6 +1,7 @@
-"""How the scheduler uses the radix prefix cache: which waiting request goes first
-(``--schedule-policy lpm``), which waits a step for a twin's prefill to be cached, and the
-hit accounting. ``Scheduler`` (``scheduler.py``) mixes it in; the cache itself is
+"""``PrefixPolicy``: how the scheduler uses the radix prefix cache: which waiting request goes
+first (``--schedule-policy lpm``), which waits a step for a twin's prefill to be cached, and
+the hit accounting. ``Scheduler`` (``scheduler.py``) owns one; the step's admission
+(``admission.py``) asks it about twins and counts hits through it. The cache itself is
 ``engine/kv/``.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from engine.kv.manager import KVCacheManager
 from engine.scheduler.request import Req
 
 LPM_MAX_QUEUE = 128  # longer waiting queues are served FCFS (matching each would cost too much)
@@ -20,16 +22,22 @@ LPM_MAX_WAIT_S = 5.0  # a request waiting this long goes first under lpm (second
 IN_BATCH_PREFIX = 32
 
 
-class PrefixPolicyMixin:
-    """Prefix-cache decisions of ``Scheduler`` (uses its ``kv``, ``waiting``, ``stats``,
-    ``reqs``, ``inflight`` and ``schedule_policy``)."""
+class PrefixPolicy:
+    """Prefix-cache decisions of the scheduler.
 
-    def _admit_prefix(self, req: Req) -> None:
-        """Give a request at the head of the queue its cached prefix (locked); ``kv.unmatch``
-        undoes it when the request does not fit after all."""
-        self.kv.match(req)
+    Args:
+        kv: the scheduler's ``KVCacheManager`` (the radix tree is ``kv.tree``).
+        stats: the scheduler's stats dict; ``count_lookup`` adds to its
+            ``prefix_cache_queries`` and ``prefix_cache_hits`` (prompt tokens).
+        schedule_policy: ``--schedule-policy``, ``"fcfs"`` or ``"lpm"``.
+    """
 
-    def _count_lookup(self, req: Req) -> None:
+    def __init__(self, kv: KVCacheManager, stats: dict, schedule_policy: str = "fcfs"):
+        self.kv = kv
+        self.stats = stats
+        self.schedule_policy = schedule_policy
+
+    def count_lookup(self, req: Req) -> None:
         """Count a request's cache hit once it is really admitted (``req.kv_len`` is its
         matched prefix then); on its first admission only, so a preempted request that is
         looked up again is not counted twice."""
@@ -40,28 +48,23 @@ class PrefixPolicyMixin:
                 self.stats["prefix_cache_queries"] += n_prompt
                 self.stats["prefix_cache_hits"] += req.cached_tokens
 
-    def _order_waiting(self) -> None:
-        """``--schedule-policy lpm``: longest cached prefix first (SGLang's policy), stable
-        among equals; FCFS when the queue is longer than ``LPM_MAX_QUEUE``. A request that has
-        waited ``LPM_MAX_WAIT_S`` goes first whatever its prefix (no starvation while
-        requests with cached prefixes keep arriving)."""
+    def order(self, waiting: deque[Req]) -> deque[Req]:
+        """The waiting queue in the order admission takes it. ``--schedule-policy lpm``:
+        longest cached prefix first (SGLang's policy), stable among equals; FCFS (``waiting``
+        itself) when the queue is longer than ``LPM_MAX_QUEUE``. A request that has waited
+        ``LPM_MAX_WAIT_S`` goes first whatever its prefix (no starvation while requests with
+        cached prefixes keep arriving)."""
         if (self.schedule_policy != "lpm" or not self.kv.enabled
-                or not 1 < len(self.waiting) <= LPM_MAX_QUEUE or self.kv.tree.total_pages == 0):
-            return
+                or not 1 < len(waiting) <= LPM_MAX_QUEUE or self.kv.tree.total_pages == 0):
+            return waiting
         now = time.time()
         keyed = [(0 if now - r.recv_time >= LPM_MAX_WAIT_S else 1,
-                  -self.kv.prefix_len(r), i, r) for i, r in enumerate(self.waiting)]
+                  -self.kv.prefix_len(r), i, r) for i, r in enumerate(waiting)]
         keyed.sort(key=lambda x: x[:3])
-        self.waiting = deque(x[3] for x in keyed)
-
-    def flush_cache(self) -> bool:
-        """Empty the prefix cache; refused (False) while any request is queued or running."""
-        if self.reqs or self.inflight is not None:
-            return False
-        return self.kv.flush()
+        return deque(x[3] for x in keyed)
 
     # ---- batch building -----------------------------------------------------------------
-    def _wait_for_twin(self, req: Req, twins: list[Req]) -> bool:
+    def wait_for_twin(self, req: Req, twins: list[Req]) -> bool:
         """Whether ``req`` should wait: one of ``twins`` (being prefilled) shares at least
         ``IN_BATCH_PREFIX`` more of its prompt than the cache holds now."""
         want = req.tokens(0, req.seq_len - 1)
@@ -69,7 +72,7 @@ class PrefixPolicyMixin:
         return any(_common_prefix(want, t.tokens(0, t.seq_len)) - cached >= IN_BATCH_PREFIX
                    for t in twins)
 
-    def _head(self, req: Req) -> tuple | None:
+    def head(self, req: Req) -> tuple | None:
         """The first ``IN_BATCH_PREFIX`` tokens of a request that could share them (the cache
         is on and its prompt is longer), else None; keyed by its LoRA adapter too (only
         requests of one adapter share KV)."""

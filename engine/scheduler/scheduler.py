@@ -12,21 +12,18 @@ this same class.
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 
 from engine.args import ServerArgs, prefill_budget
 from engine.executor.schedule_batch import ScheduleBatch
+from engine.executor.step_runner import StepRunner
 from engine.forward_batch import ForwardMode
 from engine.kv.manager import KVCacheManager
+from engine.lora.gate import LoRAGate
+from engine.scheduler.admission import Admit, ExtendAdder
 from engine.scheduler.grammar_queue import COMPILE_BUDGET_S, GrammarQueue
-from engine.scheduler.output import (
-    STATS_TTFT_ZERO,
-    OutputProcessorMixin,
-    StepOutput,
-    _InFlight,
-)
-from engine.scheduler.prefix_policy import PrefixPolicyMixin
+from engine.scheduler.output import STATS_TTFT_ZERO, OutputProcessor, StepOutput, _InFlight
+from engine.scheduler.prefix_policy import PrefixPolicy
 from engine.scheduler.request import FinishReason, Req
 from engine.speculative import create_proposer
 from engine.speculative.worker import SpecWorker, VerifyBatch
@@ -36,21 +33,27 @@ logger = logging.getLogger(__name__)
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001  # per step, back toward MIN after a preemption raised it
-FUTURE_TOKENS_CLIP = 4096
-PROMPT_LOGPROBS_CHUNK = 512  # prompt tokens per step for a request that wants their logprobs
-LORA_MAX_DEFER_S = 0.5  # seconds a request may wait for an adapter slot (see _build_extend)
 
 
-class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
-    """Continuous-batching scheduler over a ``ModelRunner``.
+class Scheduler:
+    """Continuous-batching scheduler over a model runner.
+
+    It composes the step's parts: ``ExtendAdder`` (``admission.py``) admits the waiting
+    requests of an extend step, ``PrefixPolicy`` (``prefix_policy.py``) orders the queue and
+    spots prefix twins, ``GrammarQueue`` (``grammar_queue.py``) holds constrained requests
+    until their grammar compiles, ``SpecWorker`` (``engine/speculative/worker.py``) builds
+    and runs verify steps, and ``OutputProcessor`` (``output.py``) turns each step's tokens
+    into request state and ``StepOutput`` s.
 
     Args:
-        runner: the ModelRunner (owns the model, ``req_to_token_pool`` and ``kv_pool``).
+        runner: the model runner (a ``StepRunner``: ``forward``, ``sample``,
+            ``req_to_token_pool``, ``kv_pool``, ...).
         tokenizer: used to find stop strings in the tail of the output (may be None).
         eos_ids: token ids that end generation unless ``ignore_eos``.
     """
 
-    def __init__(self, args: ServerArgs, runner, tokenizer=None, eos_ids: list[int] | None = None):
+    def __init__(self, args: ServerArgs, runner: StepRunner, tokenizer=None,
+                 eos_ids: list[int] | None = None):
         self.args = args
         self.runner = runner
         self.tokenizer = tokenizer
@@ -61,10 +64,9 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
         # KV pages, req_to_token rows and the radix prefix cache (engine/kv/manager.py)
         self.kv = KVCacheManager(self.kv_pool, self.req_pool,
                                  disable_cache=getattr(args, "disable_radix_cache", False))
-        self.schedule_policy = getattr(args, "schedule_policy", "fcfs")
         # assert the KV page accounting after every step (tests; costs O(pool) per step)
         self.check_kv = False
-        self.chunk_size = prefill_budget(args, getattr(runner, "device_type", "cpu"))
+        self.chunk_size = prefill_budget(args, runner.device_type)
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None  # the request whose prefill is partly done
         # fraction of their remaining max_tokens that running requests are expected to still
@@ -73,28 +75,29 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
         self.running: list[Req] = []
         self.reqs: dict[str, Req] = {}
         # constrained requests wait here until their grammar is compiled
-        self.grammars = GrammarQueue(tokenizer, getattr(runner, "vocab_size", 0), self.eos_ids,
+        self.grammars = GrammarQueue(tokenizer, runner.vocab_size, self.eos_ids,
                                      getattr(args, "grammar_compile_timeout", COMPILE_BUDGET_S))
         self.pending_aborts: set[str] = set()
-        self.finished_outputs: list[StepOutput] = []
         self.inflight: _InFlight | None = None
         # requests whose prompt an earlier extend step computed: their whole pages go into
         # the prefix cache when the next extend step is built
         self._prefilled: list[Req] = []
         # overlap host scheduling with device work; pointless on the CPU, where ops block
-        self.overlap = (not args.disable_overlap_schedule
-                        and getattr(runner, "supports_overlap", False))
+        self.overlap = not args.disable_overlap_schedule and runner.supports_overlap
         # prefix_cache_queries/hits: prompt tokens looked up in the radix cache at admission,
         # and those found (vLLM's counter pair)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0,
                       "prefix_cache_queries": 0, "prefix_cache_hits": 0}
         self.stats.update(STATS_TTFT_ZERO)
+        self.prefix = PrefixPolicy(self.kv, self.stats, getattr(args, "schedule_policy", "fcfs"))
+        self.out = OutputProcessor(tokenizer, self.eos_ids, runner.max_context_len, self.stats,
+                                   self._finish)
         # speculative decoding (--speculative-algorithm): verify steps replace small decodes
         proposer = create_proposer(args, runner, tokenizer) \
             if getattr(args, "speculative_algorithm", None) else None
-        self.spec = SpecWorker(args, proposer, self.kv, runner, self.stats) if proposer \
-            else None
-        self.lora_served = getattr(runner, "lora", None) is not None  # adapter slots to fill
+        self.spec = SpecWorker(args, proposer, self.kv, runner, self.stats, self.eos_ids) \
+            if proposer else None
+        self.lora_served = runner.lora is not None  # adapter slots to fill
 
     # ---- queue --------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -111,7 +114,7 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked or self.pending_aborts
-                    or self.finished_outputs or self.inflight or self.grammars)
+                    or self.out.outputs or self.inflight or self.grammars)
 
     @property
     def num_running(self) -> int:
@@ -121,15 +124,21 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache; refused (False) while any request is queued or running."""
+        if self.reqs or self.inflight is not None:
+            return False
+        return self.kv.flush()
+
+    def _release_grammars(self) -> None:
+        """Queue the requests whose grammar compiled; abort those whose compile failed."""
+        idle = not (self.running or self.waiting or self.chunked or self.inflight)
+        ready, rejected = self.grammars.release(idle)
+        self.waiting.extend(ready)
+        for req, message in rejected:
+            self._abort_now(req, message)
+
     # ---- KV bookkeeping -----------------------------------------------------------------
-    def _grow(self, req: Req, n: int) -> list[int] | None:
-        """Allocate slots for ``n`` more tokens of ``req``; None (nothing taken) if no room."""
-        return self.kv.grow(req, n)
-
-    def _free_tokens(self) -> int:
-        """KV tokens that can be allocated: free pages plus evictable prefix-cache pages."""
-        return self.kv.available_tokens()
-
     def _finish(self, req: Req, reason: FinishReason, cache: bool = True) -> None:
         req.finished_reason = reason
         self.kv.release(req, cache)
@@ -144,12 +153,6 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
             if req is not None and not req.finished:
                 self._abort_now(req, "aborted")
         self.pending_aborts.clear()
-
-    @staticmethod
-    def _future_tokens(req: Req) -> int:
-        """Tokens ``req`` may still generate, clipped (a max_tokens of the whole context
-        would otherwise block admission for requests that mostly stop early)."""
-        return min(req.max_new_tokens - len(req.output_ids), FUTURE_TOKENS_CLIP)
 
     def _preempt(self, req: Req) -> None:
         # after a preemption admit more cautiously; the ratio decays back each step
@@ -170,11 +173,11 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
         """Free KV until every running request can take one more token: preempt the newest
         running requests first, then the partly prefilled one, the oldest running request
         last, so it always progresses (it fits alone: no request outgrows the pool)."""
-        if self._free_tokens() < self._decode_reserve():
+        if self.kv.available_tokens() < self._decode_reserve():
             # a preempted request is recomputed from its ids: they must be real ones, and
             # the in-flight step may finish (and free) some requests
             self._drain()
-        while self._free_tokens() < self._decode_reserve():
+        while self.kv.available_tokens() < self._decode_reserve():
             if len(self.running) > 1 or (self.running and self.chunked is None):
                 self._preempt(self.running.pop())
             elif self.chunked is not None:
@@ -183,105 +186,32 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
             else:
                 return
 
+    # ---- batch building -----------------------------------------------------------------
     def _build_extend(self) -> ScheduleBatch | None:
-        """Continue the chunked request, admit waiting ones under the chunk budget, and mix
-        in the running decodes as 1-token extends."""
-        budget = self.chunk_size
-        # keep the pages free that the running requests' next decode tokens need
-        reserve = self._decode_reserve()
-        # and room for the tokens the admitted requests are still expected to generate
-        future = self.new_token_ratio * sum(self._future_tokens(r) for r in self.running)
-        reqs, prefix, ext, sample, locs = [], [], [], [], []
-        max_running = self.args.max_running_requests
-        # what earlier steps prefilled (whole prompts and the chunked request's chunks) goes
-        # into the prefix cache now, so requests admitted below with the same prefix hit it
-        for r in self._prefilled:
-            if not r.finished and r.req_pool_idx is not None:
-                self.kv.cache_unfinished(r)
-        self._prefilled = []
-        # requests being prefilled, by their first IN_BATCH_PREFIX tokens
-        heads: dict[tuple, list[Req]] = {}
-        if self.chunked is not None and (h := self._head(self.chunked)) is not None:
-            heads[h] = [self.chunked]
+        """Continue the chunked request, admit waiting ones under the chunk budget
+        (``ExtendAdder``), and mix in the running decodes as 1-token extends."""
+        reserve = self._decode_reserve()  # the pages the running requests' next tokens need
+        self._cache_prefilled()
+        stepping = self.running + ([self.chunked] if self.chunked is not None else [])
+        lora = LoRAGate.for_step(getattr(self.args, "max_loras_per_batch", 0), stepping,
+                                 self.waiting, self.lora_served)
+        adder = ExtendAdder(self.kv, self.req_pool, self.prefix, lora, self.running,
+                            self.chunked, self.chunk_size, reserve,
+                            self.args.max_running_requests, self.new_token_ratio)
+        if self.chunked is not None:
+            adder.try_add(self.chunked)
         deferred: list[Req] = []
-        # LoRA: the adapters of the running requests and of those admitted below; a step
-        # holds at most --max-loras-per-batch of them
-        adapters = {r.lora_id for r in self.running if r.lora_id is not None}
-        if self.chunked is not None and self.chunked.lora_id is not None:
-            adapters.add(self.chunked.lora_id)
-        max_adapters = getattr(self.args, "max_loras_per_batch", 0)
-        # adapters kept out > LORA_MAX_DEFER_S hold back requests taking/keeping a full batch's slot
-        old = time.time() - LORA_MAX_DEFER_S
-        starved = {r.lora_id for r in self.waiting if r.lora_id is not None and r.lora_id not in
-                   adapters and r.recv_time < old} if self.lora_served else set()
-        while budget > 0:
-            if self.chunked is not None:
-                req = self.chunked
-            elif self.waiting:
-                req = self.waiting[0]
-                if len(self.running) + len(reqs) >= max_running or self.req_pool.available() == 0:
-                    break
-                if (req.lora_id is not None and req.lora_id not in adapters
-                        and len(adapters) >= max_adapters):
-                    deferred.append(self.waiting.popleft())  # its adapter has no slot now
-                    continue
-                if starved and req.lora_id is not None and req.lora_id not in starved and (
-                        req.lora_id not in adapters or len(adapters) >= max_adapters):
-                    deferred.append(self.waiting.popleft())  # behind a starved adapter
-                    continue
-                head = self._head(req)
-                if head in heads and self._wait_for_twin(req, heads[head]):
-                    deferred.append(self.waiting.popleft())
-                    continue
-                if head is not None:
-                    heads.setdefault(head, []).append(req)
-                self._admit_prefix(req)
-                # a new request must fit with everything it and the others will still need;
-                # alone it is always admitted (no request outgrows the pool)
-                own = req.seq_len - req.kv_len + self.new_token_ratio * self._future_tokens(req)
-                if (self.running or reqs) and self._free_tokens() - reserve < own + future:
-                    self.kv.unmatch(req)
-                    break
-                future += self.new_token_ratio * self._future_tokens(req)
-            else:
+        while adder.open and self.waiting:
+            verdict = adder.try_add(self.waiting[0])
+            if verdict is Admit.STOP:
                 break
-            n = min(req.seq_len - req.kv_len, budget)
-            if req.wants_prompt_logprobs:
-                # every row of its chunk comes back as fp32 logits [n, vocab]: keep n small
-                n = min(n, PROMPT_LOGPROBS_CHUNK)
-            # what fits: the free slots of its last page plus the pages beyond the reserve
-            room = len(req.pages) * self.page_size - req.kv_len \
-                + self._free_tokens() - reserve
-            if room < n:
-                n = room
-                if n <= 0:
-                    if req is not self.chunked:
-                        self.kv.unmatch(req)
-                    break
-            if req.req_pool_idx is None:
-                req.req_pool_idx = self.req_pool.alloc()
-                self.kv.write_prefix(req)
-            if req.lora_id is not None:
-                adapters.add(req.lora_id)
-                starved.discard(req.lora_id)  # it has its slot
-            if req is not self.chunked:
-                self.waiting.popleft()
-                self._count_lookup(req)
-                if req.scheduled_time is None:  # not again after a preemption
-                    req.scheduled_time = time.time()
-            start = req.kv_len
-            locs.extend(self._grow(req, n))
-            req.kv_len = start + n
-            reqs.append(req)
-            prefix.append(start)
-            ext.append(n)
-            done = req.kv_len == req.seq_len
-            sample.append(done)
-            budget -= n
-            self.chunked = None if done else req
-            if not done:
-                break  # the chunked request continues next step
+            req = self.waiting.popleft()
+            if verdict is Admit.DEFER:
+                deferred.append(req)
         self.waiting.extendleft(reversed(deferred))
+        self.chunked = adder.chunked
+        reqs, prefix, ext, sample, locs = (adder.reqs, adder.prefix_lens, adder.ext,
+                                           adder.sample, adder.locs)
         if not reqs:
             return None
         self._prefilled = list(reqs)
@@ -294,6 +224,14 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
         return ScheduleBatch(ForwardMode.EXTEND, reqs, prefix, ext, sample, locs,
                              all_rows if any(all_rows) else [], num_decodes=n)
 
+    def _cache_prefilled(self) -> None:
+        """Put what earlier steps prefilled (whole prompts and the chunked request's chunks)
+        into the prefix cache, so requests admitted now with the same prefix hit it."""
+        for r in self._prefilled:
+            if not r.finished and r.req_pool_idx is not None:
+                self.kv.cache_unfinished(r)
+        self._prefilled = []
+
     def _add_decodes(self, reqs: list[Req], prefix: list[int], locs: list[int]) -> int:
         """Append every running request that gets a KV slot as a one-token step."""
         # evict what the whole step needs at once (an eviction walks the tree)
@@ -301,7 +239,7 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
                               for r in self.running))
         n = 0
         for req in self.running:
-            slots = self._grow(req, 1)
+            slots = self.kv.grow(req, 1)
             if slots is None:
                 continue
             reqs.append(req)
@@ -322,10 +260,10 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
         return ScheduleBatch(ForwardMode.DECODE, reqs, prefix, [1] * len(reqs),
                              [True] * len(reqs), locs)
 
-    def get_next_batch(self) -> ScheduleBatch | None:
+    def get_next_batch(self) -> ScheduleBatch | VerifyBatch | None:
         self._process_aborts()
-        self.grammars.release(self)
-        self._order_waiting()
+        self._release_grammars()
+        self.waiting = self.prefix.order(self.waiting)
         batch = self._build_extend() if (self.waiting or self.chunked) else None
         if batch is None and self.spec is not None and self.spec.wants(self.running):
             batch = self._build_verify()
@@ -361,11 +299,10 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
         else:
             rec = self._launch(batch)
             prev, self.inflight = self.inflight, rec
-            if prev is not None:
-                self._process(prev)
+            self._process(prev)
             if not self.overlap:
                 self._drain()
-        outs, self.finished_outputs = self.finished_outputs, []
+        outs = self.out.take()
         if self.check_kv:
             self.kv.check(self.reqs.values())
         return outs
@@ -376,7 +313,28 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
             rec, self.inflight = self.inflight, None
             self._process(rec)
 
+    def _process(self, rec: _InFlight | None) -> None:
+        """Hand a launched step's results to the output processor; drop finished requests."""
+        if rec is not None and self.out.process(rec):
+            self.running = [r for r in self.running if not r.finished]
+
+    def _run_verify(self, vb: VerifyBatch) -> None:
+        """Run a verify step now (it is never left in flight: the next step's positions
+        depend on what it accepts) and hand each request's accepted run to the output
+        processor."""
+        try:
+            runs = self.spec.step(vb)
+        except Exception as exc:  # as in _launch: fail this batch, keep serving
+            self._fail(vb.reqs, exc, "verify step")
+            return
+        self.stats["steps"] += 1
+        for req, toks, logprobs in runs:
+            self.out.emit_run(req, toks, logprobs)
+        self.running = [r for r in self.running if not r.finished]
+
     def _launch(self, batch: ScheduleBatch) -> _InFlight | None:
+        """Run ``batch``'s forward and start its sampling; the sampled ids stay on the device
+        (placeholders in ``output_ids``) until the returned step is processed."""
         sample_rows = [i for i, s in enumerate(batch.sample) if s]
         reqs = [batch.reqs[i] for i in sample_rows]
         needs_ids = self.inflight is not None and any(_needs_output_ids(r) for r in reqs)
@@ -392,29 +350,16 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
                 self._drain()
             if batch.all_rows:
                 rows = batch.logits_rows()
-                self._prompt_logprobs(batch, logits, rows)
+                self.out.prompt_logprobs(batch, logits, rows)
                 logits = logits[[rows[i][0] + rows[i][1] - 1 for i in sample_rows]]
             elif len(sample_rows) != batch.batch_size:
                 logits = logits[sample_rows]
             result = self.runner.sample(logits, reqs, self.eos_ids) if reqs else None
         except Exception as exc:  # a bug or a device error: fail this batch, keep serving
-            if getattr(getattr(self.runner, "tp", None), "size", 1) > 1:
-                raise  # the other ranks may be inside this step's collectives: stop them all
-            logger.exception("step failed; aborting %d requests", batch.batch_size)
-            self._drain()
-            for req in batch.reqs:
-                if not req.finished:
-                    self._abort_now(req, f"internal error: {exc}", cache=False)
+            self._fail(batch.reqs, exc, "step")
             return None
         self.stats["steps"] += 1
-        n_prompt = 0
-        for i, req in enumerate(batch.reqs):
-            end = min(batch.prefix_lens[i] + batch.extend_lens[i], len(req.origin_input_ids))
-            start = max(batch.prefix_lens[i], req.prompt_counted)
-            if end > start:
-                n_prompt += end - start
-                req.prompt_counted = end
-        self.stats["prompt_tokens"] += n_prompt
+        self._count_prompt_tokens(batch)
         slots = []
         running = {id(r) for r in self.running}
         for k, req in enumerate(reqs):
@@ -425,6 +370,33 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
             if id(req) not in running:
                 self.running.append(req)
         return _InFlight(result, slots) if slots else None
+
+    def _count_prompt_tokens(self, batch: ScheduleBatch) -> None:
+        """Add the prompt tokens ``batch`` computed for the first time to the stats."""
+        n_prompt = 0
+        for i, req in enumerate(batch.reqs):
+            end = min(batch.prefix_lens[i] + batch.extend_lens[i], len(req.origin_input_ids))
+            start = max(batch.prefix_lens[i], req.prompt_counted)
+            if end > start:
+                n_prompt += end - start
+                req.prompt_counted = end
+        self.stats["prompt_tokens"] += n_prompt
+
+    def _fail(self, reqs: list[Req], exc: Exception, what: str) -> None:
+        """A step raised (a bug or a device error): abort its requests (after reading back
+        the step in flight, if any) and keep serving.
+
+        Raises:
+            ``exc`` again with tensor parallelism: the other ranks may be inside the step's
+            collectives, so they must all stop.
+        """
+        if self.runner.tp_size > 1:
+            raise exc
+        logger.exception("%s failed; aborting %d requests", what, len(reqs))
+        self._drain()
+        for req in reqs:
+            if not req.finished:
+                self._abort_now(req, f"internal error: {exc}", cache=False)
 
     def _abort_now(self, req: Req, message: str, cache: bool = True) -> None:
         """End ``req`` now; ``cache=False`` keeps its KV out of the prefix cache (a failed
@@ -441,7 +413,8 @@ class Scheduler(PrefixPolicyMixin, OutputProcessorMixin):
         while req.output_ids and req.output_ids[-1] < 0:
             req.output_ids.pop()
         self._finish(req, FinishReason("abort", message=message), cache)
-        self.finished_outputs.append(StepOutput(req, [], req.finished_reason))
+        self.out.aborted(req)
+
 
 def _needs_output_ids(req: Req) -> bool:
     sp = req.sampling_params

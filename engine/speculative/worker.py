@@ -21,8 +21,9 @@ One step, for the running requests together:
 4. Accept (``engine/sampling/acceptance.py``): the longest run of drafts the target keeps,
    plus the target's own token after it; the KV of the rejected positions is dropped
    (``KVCacheManager.shrink``), so ``req_to_token`` and the radix cache only ever hold
-   accepted tokens. The scheduler appends the run with its stop checks (a stop token or
-   string inside the run cuts it there).
+   accepted tokens. ``SpecWorker.step`` returns each request's run (``AcceptedRun``); the
+   scheduler's ``OutputProcessor`` appends it with its stop checks (a stop token or string
+   inside the run cuts it there).
 
 The step is synchronous: the next step's positions and drafts depend on how many tokens
 this one accepted, so with overlap scheduling the in-flight step is drained before a verify
@@ -33,14 +34,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from engine import device as dev
 from engine.args import ServerArgs, num_draft_tokens
 from engine.executor.schedule_batch import ScheduleBatch
+from engine.executor.step_runner import StepRunner
 from engine.forward_batch import ForwardMode
-from engine.layers.quantization.wq import CPU_KERNEL_MAX_M
 from engine.sampling.acceptance import verify_drafts
 from engine.speculative.proposer import Proposer
 
@@ -87,6 +89,17 @@ class VerifyReq:
         return head + self.drafts[max(0, start - b): end - b]
 
 
+class AcceptedRun(NamedTuple):
+    """What a verify step emitted for one request."""
+
+    req: object
+    #: the accepted drafts, then the target's own next token
+    tokens: list[int]
+    #: per token ``(logprob, [[id, logprob], ...top k])`` when the request asked for
+    #: logprobs (raw logits, as ``sample`` reports them), else None
+    logprobs: list | None
+
+
 @dataclass
 class VerifyBatch:
     """A built verify step: the forward's batch, and per request its drafts."""
@@ -104,19 +117,22 @@ class SpecWorker:
         args: the server arguments (k, the max batch size).
         proposer: where drafts come from.
         kv: the scheduler's ``KVCacheManager``.
-        runner: the model runner (``forward``, ``vocab_size``, ``max_context_len``).
+        runner: the model runner (``forward``, ``vocab_size``, ``max_context_len``,
+            ``max_verify_rows``, ``memory_report``, ``kv_pool``).
         stats: the scheduler's stats dict; the worker adds its counters and
             ``spec_accept_lengths`` (index i: steps where a request emitted i + 1 tokens).
+        eos_ids: the model's stop tokens (the acceptance's sampling needs them).
     """
 
-    def __init__(self, args: ServerArgs, proposer: Proposer, kv, runner, stats: dict):
+    def __init__(self, args: ServerArgs, proposer: Proposer, kv, runner: StepRunner,
+                 stats: dict, eos_ids: list[int] | None = None):
         self.k = num_draft_tokens(args)
         self.max_bs = args.speculative_max_batch_size
+        self.eos_ids = list(eos_ids or [])
         # the CPU: a verify step's rows cost nearly a decode step's compute each, and past
-        # CPU_KERNEL_MAX_M rows the 4-bit linear layers dequantize their weights per call
-        # (bench_spec_steps, embedded model: verify at bs8 2-8x a decode step)
-        self.max_rows = CPU_KERNEL_MAX_M if getattr(runner, "device_type", None) == "cpu" \
-            else None
+        # the runner's small-M rows the 4-bit linear layers dequantize their weights per
+        # call (bench_spec_steps, embedded model: verify at bs8 2-8x a decode step)
+        self.max_rows = runner.max_verify_rows
         self.algorithm = args.speculative_algorithm
         self.proposer = proposer
         self.kv = kv
@@ -150,8 +166,9 @@ class SpecWorker:
                 "head_graphs": getattr(self.proposer, "head_graphs", None) is not None}
 
     def wants(self, running: list) -> bool:
-        """Whether a decode step over ``running`` speculates (a larger batch decodes; on the
-        CPU also one whose verify rows, ``(1 + k)`` per request, pass ``CPU_KERNEL_MAX_M``).
+        """Whether a decode step over ``running`` speculates (a larger batch decodes; so does
+        one whose verify rows, ``(1 + k)`` per request, pass the runner's
+        ``max_verify_rows``: the CPU's small-M kernel).
 
         Called once per scheduler step that decodes: the time since the previous call is
         the previous step's, which ``build`` labelled verify or decode; it counts when
@@ -238,13 +255,16 @@ class SpecWorker:
 
     # ---- run ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, vb: VerifyBatch, eos_ids: list[int]) -> list[tuple]:
-        """Forward, accept, and drop the rejected KV.
+    def step(self, vb: VerifyBatch) -> list[AcceptedRun]:
+        """Run the verify step: forward, accept, and drop the rejected KV.
 
         Returns:
-            per request ``(req, tokens, logprobs)``: the emitted run (accepted drafts plus
-            the target's next token) and, for a request that asked for logprobs, one
-            ``(logprob, top)`` entry per token (raw logits, as ``sample`` reports them).
+            per request of ``vb``, its ``AcceptedRun``: the emitted run (accepted drafts
+            plus the target's next token) and, for a request that asked for logprobs, one
+            ``(logprob, top)`` entry per token.
+
+        Raises:
+            whatever the runner's forward raises (the scheduler fails the batch).
         """
         from engine.sampling.grammar import fill_vocab_mask
         from engine.sampling.sampler import SamplingBatchInfo
@@ -265,7 +285,7 @@ class SpecWorker:
         prompts = [r.origin_input_ids for r, d in zip(vb.reqs, vb.drafts) for _ in range(len(d) + 1)]
         info = SamplingBatchInfo.from_params(
             params, self.runner.vocab_size, logits.device, output_ids=outs,
-            prompt_ids=prompts if outs is not None else None, steps=steps, eos_ids=eos_ids)
+            prompt_ids=prompts if outs is not None else None, steps=steps, eos_ids=self.eos_ids)
         info.vocab_mask = fill_vocab_mask(grammars, self.runner.vocab_size)
         drafts_t = dev.host_to_device(torch.tensor(row_drafts, dtype=torch.int64),
                                       logits.device)
@@ -281,7 +301,8 @@ class SpecWorker:
         acc, emit = torch.stack([acc_t.long(), emit_t]).tolist()  # one host sync
         return self._accept(vb, acc, emit, lp)
 
-    def _accept(self, vb: VerifyBatch, acc: list[bool], emit: list[int], lp) -> list[tuple]:
+    def _accept(self, vb: VerifyBatch, acc: list[bool], emit: list[int], lp
+                ) -> list[AcceptedRun]:
         st, lengths = self.stats, self.stats["spec_accept_lengths"]
         st["spec_verify_steps"] += 1
         out, r0 = [], 0
@@ -305,10 +326,9 @@ class SpecWorker:
                 st["spec_emitted_tokens"] += a + 1
                 lengths[a] += 1
                 self._track(req.rid, a)
-            out.append((req, toks, logprobs))
+            out.append(AcceptedRun(req, toks, logprobs))
             r0 += len(d) + 1
         return out
-
 
     def _track(self, rid: str, accepted: int) -> None:
         """Back off a request below break-even (see ``MISSES_BEFORE_BACKOFF``)."""

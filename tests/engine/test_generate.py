@@ -56,6 +56,18 @@ def hf_reference(llm, hf_model):
     return out
 
 
+def test_the_model_runner_has_what_step_runner_names(llm):
+    """The scheduler and SpecWorker read a runner only through ``StepRunner``: the real
+    runner has each of its members as a plain attribute or method."""
+    from engine.executor.step_runner import StepRunner
+    from engine.layers.quantization.wq import CPU_KERNEL_MAX_M
+
+    members = set(StepRunner.__annotations__) | {
+        n for n, v in vars(StepRunner).items() if callable(v) and not n.startswith("_")}
+    assert [n for n in sorted(members) if not hasattr(llm.runner, n)] == []
+    assert llm.runner.tp_size == 1 and llm.runner.max_verify_rows == CPU_KERNEL_MAX_M
+
+
 def test_greedy_batch_matches_hf(llm, hf_reference):
     from engine import SamplingParams
 

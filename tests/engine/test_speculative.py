@@ -167,6 +167,10 @@ class FakeRunner:
 
     supports_overlap = False
     vocab_size = FV
+    device_type = "cpu"
+    lora = None
+    tp_size = 1
+    max_verify_rows = None  # no small-M cliff (a test may set the CPU's)
 
     def __init__(self, max_total_tokens, page_size=1, max_running=8, overlap=False,
                  verify_as_decode=False):
@@ -473,13 +477,21 @@ def test_a_request_below_breakeven_backs_off(verify_cost, backs_off):
 
 def test_cpu_speculates_only_while_verify_rows_fit_the_small_m_kernels():
     """On the CPU a verify step of bs x (1 + k) rows speculates only up to the rows the
-    packed-weight kernels take (CPU_KERNEL_MAX_M = 16): k = 4 -> at most 3 requests."""
+    packed-weight kernels take (CPU_KERNEL_MAX_M = 16): k = 4 -> at most 3 requests. The
+    runner answers the cap (``max_verify_rows``): the CPU's kernel limit, none on a GPU."""
+    from types import SimpleNamespace
+
+    from engine.executor.rank_runner import RankRunner
     from engine.layers.quantization.wq import CPU_KERNEL_MAX_M
 
+    def rows_of(device_type):
+        return RankRunner.max_verify_rows.fget(SimpleNamespace(device_type=device_type))
+
+    assert rows_of("cpu") == CPU_KERNEL_MAX_M and rows_of("cuda") is None
     runner = FakeRunner(max_total_tokens=200)
     args = ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
-    assert Scheduler(args, runner).spec.wants([object()] * 8)  # no device type: no cap
-    runner.device_type = "cpu"
+    assert Scheduler(args, runner).spec.wants([object()] * 8)  # no small-M cliff: no cap
+    runner.max_verify_rows = rows_of("cpu")
     w = Scheduler(args, runner).spec
     fits = CPU_KERNEL_MAX_M // 5
     assert [w.wants([object()] * n) for n in range(1, 9)] == [n <= fits for n in range(1, 9)]

@@ -232,7 +232,7 @@ def _run_stop(tok, text: str, stop: str, min_tokens: int):
     n = len(ids)
     for i, t in enumerate(ids):
         r.output_ids.append(t)
-        if sched._check_finished(r, t, i + 1) is not None:
+        if sched.out.check_finished(r, t, i + 1) is not None:
             n = i + 1
             break
     det = DetokenizerManager(tok)
@@ -370,7 +370,7 @@ def stream_stops(tok, text: str, stops: list[str], stop_regex: list[str] = ()):
     n, matched = len(ids), None
     for i, t in enumerate(ids):
         r.output_ids.append(t)
-        fin = sched._check_finished(r, t, i + 1)
+        fin = sched.out.check_finished(r, t, i + 1)
         if fin is not None:
             n, matched = i + 1, fin.matched
             break

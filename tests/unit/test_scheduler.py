@@ -29,7 +29,14 @@ class FakeResult:
 
 
 class FakeRunner:
+    """A ``StepRunner`` (engine/executor/step_runner.py) whose model is the successor table."""
+
     supports_overlap = False
+    device_type = "cpu"
+    vocab_size = V
+    lora = None  # no adapters (a test may set its own)
+    tp_size = 1
+    max_verify_rows = None
 
     def __init__(self, max_total_tokens, page_size=1, max_running=8, max_context=4096,
                  overlap=False):
@@ -65,6 +72,9 @@ class FakeRunner:
     def sample(self, logits, reqs, eos_ids):
         assert len(reqs) == logits.shape[0]
         return FakeResult(torch.argmax(logits, -1))
+
+    def memory_report(self):
+        return {"weight_bytes": 0, "kv_bytes": self.kv_pool.num_slots * 4}
 
 
 def assert_idle(sched) -> bool:
@@ -303,7 +313,7 @@ def test_stop_string_check_ignores_partial_characters():
         hit = None
         for i, t in enumerate(ids):
             r.output_ids.append(t)
-            if sched._check_finished(r, t, i + 1) is not None:
+            if sched.out.check_finished(r, t, i + 1) is not None:
                 hit = i
                 break
         assert hit == expect_at, (stop, hit, expect_at)
@@ -410,3 +420,39 @@ def test_a_request_waiting_for_an_adapter_slot_is_not_starved():
     assert third.scheduled_time is None  # no third slot
     run_all(sched, [])
     assert one.finished_reason is not None and third.output_ids == expected([10] * 4, 5)
+
+
+def step_runner_members() -> set[str]:
+    """The attributes and methods ``StepRunner`` names (engine/executor/step_runner.py)."""
+    from engine.executor.step_runner import StepRunner
+
+    return set(StepRunner.__annotations__) | {
+        n for n, v in vars(StepRunner).items() if callable(v) and not n.startswith("_")}
+
+
+def test_the_fake_runner_has_what_step_runner_names():
+    runner = FakeRunner(max_total_tokens=64)
+    members = step_runner_members()
+    assert {"forward", "sample", "memory_report", "max_verify_rows", "tp_size"} <= members
+    assert [n for n in sorted(members) if not hasattr(runner, n)] == []
+
+
+def test_lora_gate_caps_adapters_and_holds_back_behind_a_starved_one():
+    """``LoRAGate`` on its own: the cap on distinct adapters per step, and the hold while an
+    adapter has waited past LORA_MAX_DEFER_S (only for new slots or a full step)."""
+    from types import SimpleNamespace as R
+
+    from engine.lora.gate import LORA_MAX_DEFER_S, LoRAGate
+
+    now = 100.0
+    running = [R(lora_id=1, recv_time=now), R(lora_id=None, recv_time=now)]
+    waiting = [R(lora_id=2, recv_time=now - 2 * LORA_MAX_DEFER_S), R(lora_id=3, recv_time=now)]
+    gate = LoRAGate.for_step(2, running, waiting, served=True, now=now)
+    assert gate.starved == {2} and gate.active == {1}
+    assert gate.admits(None) and gate.admits(2)
+    assert not gate.admits(3)  # a new slot, while adapter 2 starves
+    assert gate.admits(1)      # adapter 1 is in the step and the step is not full
+    gate.take(2)
+    assert gate.starved == set() and gate.active == {1, 2}
+    assert not gate.admits(3) and gate.admits(1)  # no third slot
+    assert LoRAGate.for_step(2, running, waiting, served=False, now=now).starved == set()

@@ -284,18 +284,6 @@ def test_torch_mask_path_equals_xgrammars_kernel():
 
 # ---- the grammar compile budget (issue 34 kind 3) -----------------------------------------
 
-class _Sched:
-    """What ``GrammarQueue.release`` reads of a scheduler."""
-
-    def __init__(self):
-        self.running, self.waiting, self.chunked, self.inflight = [], [], None, None
-        self.aborted = {}
-
-    def _abort_now(self, req, message):
-        self.aborted[req.rid] = message
-        req.finished_reason = message
-
-
 def test_a_compile_past_its_budget_rejects_the_request_with_a_400(monkeypatch):
     """A constraint whose compile outlives ``--grammar-compile-timeout`` ends its request
     (the engine loop answers a 400 naming the field kind and the limit); a failed compile
@@ -320,25 +308,26 @@ def test_a_compile_past_its_budget_rejects_the_request_with_a_400(monkeypatch):
     ok = Req("ok", [1], SamplingParams(ebnf='root ::= "a"'))
     for r in (slow, bad, ok):
         assert q.add(r)
-    sched = _Sched()
-    q.release(sched)
-    assert len(q) == 3 and not sched.aborted and not q.take_rejected()
+    ready, rejected = q.release(idle=True)  # waits IDLE_WAIT_S: nothing compiled yet
+    assert len(q) == 3 and not ready and not rejected and not q.take_rejected()
     q.backend.futs[("regex", "a+")].set_exception(ValueError("invalid regex: nope", "regex"))
     q.backend.futs[("ebnf", 'root ::= "a"')].set_result(object())
     import engine.scheduler.grammar_queue as gq
 
     monkeypatch.setattr(gq, "GrammarState", lambda compiled: ("state", compiled))
-    q.release(sched)
-    assert sched.waiting == [ok] and list(sched.aborted) == ["bad"] and len(q) == 1
+    ready, rejected = q.release(idle=True)
+    assert ready == [ok] and [(r.rid, m) for r, m in rejected] == [("bad", "invalid regex: nope")]
+    assert len(q) == 1
     assert q.take_rejected() == {"bad": ("invalid regex: nope", "regex", "invalid_constraint")}
     time.sleep(0.06)
-    q.release(sched)
+    ready, rejected = q.release(idle=False)
+    assert not ready and [r.rid for r, _ in rejected] == ["slow"]
     rej = q.take_rejected()
     assert list(rej) == ["slow"] and not q.pending
     msg, param, code = rej["slow"]
     assert (param, code) == ("json_schema", "constraint_too_complex")
     assert "0.05 s" in msg and "--grammar-compile-timeout" in msg
-    q.release(sched)
+    assert q.release(idle=True) == ([], [])
     assert q.take_rejected() == {}  # one release's rejections only
 
 

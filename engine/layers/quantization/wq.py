@@ -39,6 +39,14 @@ logger = logging.getLogger(__name__)
 CPU_KERNEL_MAX_M = 16
 
 
+def small_m_max_rows(device_type: str) -> int | None:
+    """The most rows (tokens) a linear call on ``device_type`` may have and still take the
+    small-M path: on the CPU ``CPU_KERNEL_MAX_M`` (past it the 4-bit layers dequantize their
+    weights in every call, and every row costs nearly a decode step's compute); None on an
+    accelerator, where rows stay cheap."""
+    return CPU_KERNEL_MAX_M if device_type == "cpu" else None
+
+
 def _cpu_kernels() -> bool:
     from kernels import cpu_ops
 

@@ -1,0 +1,200 @@
+"""``ExtendAdder``: the admission of one extend (prefill) step.
+
+The scheduler makes one adder per extend step, hands it the partly prefilled request first
+(if any) and then the waiting requests in queue order; :meth:`ExtendAdder.try_add` answers
+each with an :class:`Admit`:
+
+- ``ADD``: the request is in the step (its prefix matched and locked, a ``req_to_token`` row
+  and KV slots for its chunk taken, its row appended to the step's lists);
+- ``DEFER``: it stays in the queue, and admission goes on with the next one;
+- ``STOP``: nothing more joins this step (it keeps its place at the head of the queue).
+
+A waiting request passes these gates, in this order (the order matters: a deferred request
+never locks a prefix, and a request that stops admission has its prefix unlocked again):
+
+1. capacity: the step's requests stay under ``--max-running-requests`` and a
+   ``req_to_token`` row is free, else STOP;
+2. LoRA (``engine/lora/gate.py``): its adapter has a slot and no starved adapter waits
+   ahead of it, else DEFER;
+3. the twin wait (``PrefixPolicy``): a request being prefilled shares enough of its prompt
+   that waiting a step for that prefill to be cached pays, else DEFER;
+4. KV fit: with its cached prefix matched, its prompt and the tokens it and the running
+   requests are still expected to generate (``new_token_ratio`` of their remaining
+   ``max_tokens``) fit beside the running requests' next-token reserve, else STOP (alone
+   in the step it is always admitted: no request outgrows the pool);
+5. the chunk: the rest of the token budget, at most ``PROMPT_LOGPROBS_CHUNK`` tokens for a
+   request that wants its prompt's logprobs, and at most the KV room left; none left: STOP.
+
+The partly prefilled request passes only the last gate. A request whose chunk does not end
+its prompt becomes the step's chunked request and closes the step.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+
+from engine.kv.manager import KVCacheManager
+from engine.kv.pool import ReqToTokenPool
+from engine.lora.gate import LoRAGate
+from engine.scheduler.prefix_policy import PrefixPolicy
+from engine.scheduler.request import Req
+
+FUTURE_TOKENS_CLIP = 4096
+PROMPT_LOGPROBS_CHUNK = 512  # prompt tokens per step for a request that wants their logprobs
+
+
+class Admit(enum.Enum):
+    """What ``ExtendAdder.try_add`` did with a request."""
+
+    ADD = "add"
+    DEFER = "defer"
+    STOP = "stop"
+
+
+def future_tokens(req: Req) -> int:
+    """Tokens ``req`` may still generate, clipped (a max_tokens of the whole context would
+    otherwise block admission for requests that mostly stop early)."""
+    return min(req.max_new_tokens - len(req.output_ids), FUTURE_TOKENS_CLIP)
+
+
+class ExtendAdder:
+    """One extend step's token budget, KV reserve and rows.
+
+    Args:
+        kv: the scheduler's KV manager (prefix matching, slots, the free-token count).
+        req_pool: the ``req_to_token`` rows.
+        prefix: the scheduler's ``PrefixPolicy`` (twins, hit accounting).
+        lora: this step's ``LoRAGate``.
+        running: the running (decoding) requests; they join the step later as 1-token rows.
+        chunked: the partly prefilled request, or None.
+        budget: prompt tokens the step may compute (``--chunked-prefill-size``).
+        reserve: KV tokens kept free for the running requests' next tokens (whole pages).
+        max_running: ``--max-running-requests``.
+        new_token_ratio: the share of their remaining ``max_tokens`` that requests are
+            expected to still generate (admission keeps that much KV free).
+
+    After admission, ``reqs``, ``prefix``, ``ext``, ``sample`` and ``locs`` are the step's
+    rows (request, KV length before the step, tokens computed, whether it samples, the KV
+    slots in row order), and ``chunked`` the request whose prefill continues next step.
+    """
+
+    def __init__(self, kv: KVCacheManager, req_pool: ReqToTokenPool, prefix: PrefixPolicy,
+                 lora: LoRAGate, running: list[Req], chunked: Req | None, budget: int,
+                 reserve: int, max_running: int, new_token_ratio: float):
+        self.kv, self.req_pool, self.prefix, self.lora = kv, req_pool, prefix, lora
+        self.running = running
+        self.chunked = chunked
+        self.budget = budget
+        self.reserve = reserve
+        self.max_running = max_running
+        self.ratio = new_token_ratio
+        # KV the running requests (and those admitted here) are still expected to generate
+        self.future = new_token_ratio * sum(future_tokens(r) for r in running)
+        self.stopped = False
+        self.reqs: list[Req] = []
+        self.prefix_lens: list[int] = []
+        self.ext: list[int] = []
+        self.sample: list[bool] = []
+        self.locs: list[int] = []
+        # requests being prefilled, by their first IN_BATCH_PREFIX tokens
+        self.heads: dict[tuple, list[Req]] = {}
+        if chunked is not None and (h := prefix.head(chunked)) is not None:
+            self.heads[h] = [chunked]
+        self._gates: tuple[Callable[[Req], Admit | None], ...] = (
+            self._capacity, self._lora, self._twin, self._kv_fit)
+
+    @property
+    def open(self) -> bool:
+        """Whether another waiting request may still join: budget left, admission not
+        stopped, and no request left partly prefilled by this step."""
+        return self.budget > 0 and not self.stopped and self.chunked is None
+
+    def try_add(self, req: Req) -> Admit:
+        """Run ``req`` (the chunked request, or the head of the waiting queue) through the
+        gates; on ``ADD`` its row is in the step. The caller takes a waiting request out of
+        its queue on ``ADD`` and ``DEFER``, and stops offering requests on ``STOP``."""
+        if self.budget <= 0 or self.stopped:
+            return self._stop()
+        waiting = req is not self.chunked
+        if waiting:
+            for gate in self._gates:
+                if (verdict := gate(req)) is not None:
+                    return verdict
+        n = self._chunk_len(req)
+        if n <= 0:
+            if waiting:
+                self.kv.unmatch(req)
+            return self._stop()
+        self._add(req, n, waiting)
+        return Admit.ADD
+
+    def _stop(self) -> Admit:
+        self.stopped = True
+        return Admit.STOP
+
+    # ---- the gates, in order (None: passed) ---------------------------------------------
+    def _capacity(self, req: Req) -> Admit | None:
+        if len(self.running) + len(self.reqs) >= self.max_running \
+                or self.req_pool.available() == 0:
+            return self._stop()
+        return None
+
+    def _lora(self, req: Req) -> Admit | None:
+        return None if self.lora.admits(req.lora_id) else Admit.DEFER
+
+    def _twin(self, req: Req) -> Admit | None:
+        head = self.prefix.head(req)
+        if head is None:
+            return None
+        if head in self.heads and self.prefix.wait_for_twin(req, self.heads[head]):
+            return Admit.DEFER
+        self.heads.setdefault(head, []).append(req)
+        return None
+
+    def _kv_fit(self, req: Req) -> Admit | None:
+        self.kv.match(req)  # its cached prefix, locked; unmatched again if it stops here
+        # it must fit with everything it and the others will still need; alone it is always
+        # admitted (no request outgrows the pool)
+        own = req.seq_len - req.kv_len + self.ratio * future_tokens(req)
+        if (self.running or self.reqs) and \
+                self.kv.available_tokens() - self.reserve < own + self.future:
+            self.kv.unmatch(req)
+            return self._stop()
+        self.future += self.ratio * future_tokens(req)
+        return None
+
+    def _chunk_len(self, req: Req) -> int:
+        """Prompt tokens of ``req`` this step computes: the rest of its prompt within the
+        budget (and ``PROMPT_LOGPROBS_CHUNK``: every row of its chunk comes back as fp32
+        logits ``[n, vocab]``), within the KV room: the free slots of its last page plus the
+        tokens beyond the reserve."""
+        n = min(req.seq_len - req.kv_len, self.budget)
+        if req.wants_prompt_logprobs:
+            n = min(n, PROMPT_LOGPROBS_CHUNK)
+        room = len(req.pages) * self.kv.pool.page_size - req.kv_len \
+            + self.kv.available_tokens() - self.reserve
+        return min(n, room)
+
+    # ---- commit -------------------------------------------------------------------------
+    def _add(self, req: Req, n: int, waiting: bool) -> None:
+        if req.req_pool_idx is None:
+            req.req_pool_idx = self.req_pool.alloc()
+            self.kv.write_prefix(req)
+        self.lora.take(req.lora_id)
+        if waiting:
+            self.prefix.count_lookup(req)
+            if req.scheduled_time is None:  # not again after a preemption
+                req.scheduled_time = time.time()
+        start = req.kv_len
+        self.locs.extend(self.kv.grow(req, n))
+        req.kv_len = start + n
+        self.reqs.append(req)
+        self.prefix_lens.append(start)
+        self.ext.append(n)
+        done = req.kv_len == req.seq_len
+        self.sample.append(done)
+        self.budget -= n
+        # the chunked request continues next step
+        self.chunked = None if done else req
