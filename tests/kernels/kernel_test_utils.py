@@ -178,3 +178,36 @@ def poison_outside_window(batch: PagedBatch, window: int, queries_from: list[int
         slots = batch.req_to_token[row, :lo].long()
         batch.k_buffer[slots] = float("nan")
         batch.v_buffer[slots] = float("nan")
+
+
+def backend_mixed_step(name: str, dtype: torch.dtype, scale: float, **variants):
+    """One layer call of attention backend ``name`` (on the CPU) on a mixed step: a chunk
+    whose prefix (40) crosses a window, a prefill, three decodes; ``variants`` are passed to
+    ``AttentionBackend.forward``. Returns ``(out, dense float64 reference)``."""
+    from engine.attention import ATTENTION_BACKENDS
+    from engine.forward_batch import ForwardBatch, ForwardMode
+
+    group, hkv, d = 2, 2, 32
+    prefix, extend = [40, 0, 70, 5, 33], [25, 20, 1, 1, 1]
+    batch, q, k, v, ext, starts = make_extend_inputs(group, hkv, d, 16, dtype, prefix,
+                                                     extend, seed=13)
+    refs = []
+    for b, (p, n) in enumerate(zip(prefix, extend)):
+        s0 = int(starts[b])
+        kk, vv = request_kv(batch, b, k[s0:s0 + n], v[s0:s0 + n])
+        refs.append(dense_attention(q[s0:s0 + n], kk, vv, list(range(p, p + n)), scale,
+                                    window=variants.get("sliding_window"),
+                                    softcap=variants.get("logit_softcap"),
+                                    sinks=variants.get("sinks")))
+    loc = torch.cat([batch.req_to_token[r, p:p + n].long()
+                     for r, p, n in zip(batch.req_pool_indices.tolist(), prefix, extend)])
+    backend = ATTENTION_BACKENDS[name](group * hkv, hkv, d, num_sms=8, device="cpu")
+    fb = ForwardBatch(
+        mode=ForwardMode.EXTEND, batch_size=len(extend), positions=None,
+        req_pool_indices=batch.req_pool_indices, seq_lens=batch.seq_lens, out_cache_loc=loc,
+        req_to_token=batch.req_to_token, k_buffers=[batch.k_buffer],
+        v_buffers=[batch.v_buffer], attn_backend=backend, extend_seq_lens=ext,
+        extend_start_loc=starts, max_extend_len=max(extend), num_decodes=3)
+    backend.init_forward(fb)
+    out = backend.forward(q, k, v, 0, scale, fb, **variants)
+    return out, torch.cat(refs)

@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 from kernel_test_utils import (
     DEVICE,
     assert_close,
+    backend_mixed_step,
     dense_attention,
     make_extend_inputs,
     make_paged_batch,
@@ -162,3 +163,12 @@ def test_extend_variants_match_dense(group, hkv, d, page, dtype, prefix_lens, ex
                          max_extend_len=max(extend_lens), block_m=bm, block_n=bn,
                          sliding_window=window, logit_softcap=softcap, sinks=sink_t)
     assert_close(o, ref, dtype, "extend variants")
+
+
+def test_triton_backend_passes_the_variants():
+    """``AttentionBackend.forward`` with the variants on a mixed step: the extend kernel for
+    the chunk (prefix across the window) and the prefill, the decode kernel for the tail."""
+    sinks = randn((4,), F32, 8, scale=2.0)
+    out, ref = backend_mixed_step("triton", F16, 0.2, sliding_window=16, logit_softcap=5.0,
+                                  sinks=sinks)
+    assert_close(out, ref, F16, "triton backend mixed step")
