@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.reference import check_variants
+from kernels.attention_variants import check_variants
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     (``[Hq]`` contiguous float32); None: off.
 
     Raises:
-        ValueError: a variant out of range (:func:`kernels.reference.check_variants`).
+        ValueError: a variant out of range (:func:`kernels.attention_variants.check_variants`).
         RuntimeError: shapes, strides or dtypes outside the contract above.
     """
     check_variants(q.shape[1], sliding_window, logit_softcap, sinks)

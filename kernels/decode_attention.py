@@ -22,6 +22,11 @@ layout follows SGLang's Triton decode backend, written from scratch here):
   straight into the output, and stage 2 returns at once for it (on the H200 the merge of
   one split cost 0.28 ms of a 6.5 ms bs64 Llama-3-8B decode step).
 
+Variants (:mod:`kernels.attention_variants`; ``tl.constexpr`` switches, off by default):
+``sliding_window`` W starts the KV at ``seq_len - W`` before the split, so only the window's
+~W keys are read; ``logit_softcap`` caps the scaled scores (:func:`scale_scores`); ``sinks``
+join the softmax denominator once, in stage 2 (stage 1 for one split: :func:`sink_normalise`).
+
 There is no host synchronisation anywhere (no ``.item()``/``.tolist()``): split counts
 come from :func:`choose_num_kv_splits`, computed with device tensor ops.
 
@@ -49,10 +54,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_variants import variant_launch_args
 from kernels.launch import dot_kernel_options
-from kernels.reference import check_variants
-
-_LOG2E = 1.4426950408889634
 
 DEFAULT_MIN_CHUNK = 32  # tokens; see choose_num_kv_splits (bench/kernels/sweep_decode.py on the H200)
 #: ``waves`` of :func:`choose_num_kv_splits` per device type (module docstring); 1 elsewhere
@@ -307,33 +310,6 @@ def _stage2_meta(head_dim: int, max_kv_splits: int) -> tuple[dict, dict]:
             {"num_warps": 4 if block_d >= 128 else 2})
 
 
-def variant_launch_args(num_q_heads: int, sm_scale: float, sliding_window: int | None,
-                        logit_softcap: float | None,
-                        sinks: torch.Tensor | None) -> tuple[tuple, dict]:
-    """The attention variants as kernel arguments, shared by the decode and extend kernels.
-
-    Returns ``((qk_scale, window, cap_log2, sinks), constexprs)``: ``qk_scale`` multiplies
-    the raw ``q . k`` products (``sm_scale * log2(e)``, or ``sm_scale / cap`` with a
-    soft-cap, see :func:`scale_scores`), ``window`` is the window or 0, ``cap_log2`` the cap
-    in log2 units or 0.0, ``sinks`` the tensor or None; the constexprs ``SLIDING``,
-    ``SOFTCAP`` and ``HAS_SINKS`` switch the code in (off: the plain kernel's code).
-
-    Raises:
-        ValueError: as :func:`kernels.reference.check_variants`; sinks must also be
-            contiguous.
-    """
-    check_variants(num_q_heads, sliding_window, logit_softcap, sinks)
-    if sinks is not None and sinks.stride(0) != 1:
-        raise ValueError("sinks must be contiguous")
-    if logit_softcap is None:
-        qk_scale, cap_log2 = sm_scale * _LOG2E, 0.0
-    else:
-        qk_scale, cap_log2 = sm_scale / logit_softcap, logit_softcap * _LOG2E
-    constexprs = {"SLIDING": sliding_window is not None, "SOFTCAP": logit_softcap is not None,
-                  "HAS_SINKS": sinks is not None}
-    return (qk_scale, sliding_window or 0, cap_log2, sinks), constexprs
-
-
 def _check_decode_args(q, k_buffer, v_buffer, o, req_to_token, req_pool_indices, seq_lens,
                        max_kv_splits: int) -> None:
     bs, hq, d = q.shape
@@ -369,6 +345,13 @@ def _decode_workspaces(q: torch.Tensor, max_kv_splits: int, attn_logits: torch.T
         raise ValueError(f"attn_lse must be fp32 [>={bs}, {hq}, {max_kv_splits}], "
                          f"got {attn_lse.dtype} {tuple(attn_lse.shape)}")
     return attn_logits, attn_lse
+
+
+def _auto_splits(seq_lens: torch.Tensor, hkv: int, max_kv_splits: int,
+                 num_sms: int | None) -> torch.Tensor:
+    if num_sms is None:
+        raise ValueError("pass num_kv_splits, or num_sms to choose them")
+    return choose_num_kv_splits(seq_lens, hkv, max_kv_splits, num_sms)
 
 
 def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
@@ -428,10 +411,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         return o
     attn_logits, attn_lse = _decode_workspaces(q, max_kv_splits, attn_logits, attn_lse)
     if num_kv_splits is None:
-        if num_sms is None:
-            raise ValueError("pass num_kv_splits, or num_sms to choose them")
-        num_kv_splits = choose_num_kv_splits(seq_lens, hkv, max_kv_splits, num_sms)
-
+        num_kv_splits = _auto_splits(seq_lens, hkv, max_kv_splits, num_sms)
     meta1, opts1 = _stage1_meta(hq // hkv, d, q.dtype, q.device.type, block_n, num_warps,
                                 num_stages)
     grid1 = (bs, hkv * meta1["NUM_HEAD_BLOCKS"], max_kv_splits)
@@ -454,5 +434,4 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     return o
 
 
-__all__ = ["DEFAULT_MIN_CHUNK", "choose_num_kv_splits", "decode_attention_fwd",
-           "variant_launch_args"]
+__all__ = ["DEFAULT_MIN_CHUNK", "choose_num_kv_splits", "decode_attention_fwd"]

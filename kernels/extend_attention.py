@@ -15,6 +15,13 @@ phases, keeping the running max / sum / accumulator in fp32 registers:
 2. new tokens strictly before this query block: fully visible, no mask at all;
 3. the diagonal tiles of new tokens: causal mask ``key <= query`` and length mask.
 
+Variants (keyword arguments, each behind a ``tl.constexpr`` switch: without them the
+plain kernel): ``sliding_window`` W starts phase 1 at the first key the block's first
+query sees (``prefix + m_lo - W + 1``) and phase 2 at the tile holding ``m_lo - W + 1``,
+and masks ``key <= query - W`` in every phase (rows that see no key of a tile keep an
+empty running state); ``logit_softcap`` caps the scaled scores and ``sinks`` joins the
+final normalisation (``kernels.decode_attention.scale_scores`` / ``sink_normalise``).
+
 The new tokens' K/V are read from ``k_extend``/``v_extend`` even though the caller has
 already stored them in the pool, as the reference does. Non-power-of-two head dims (80,
 96, ...) are padded to the next power of two with a mask on the head axis.
@@ -36,7 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_attention import scale_scores, sink_normalise, variant_launch_args
+from kernels.attention_variants import variant_launch_args
+from kernels.decode_attention import scale_scores, sink_normalise
 from kernels.launch import dot_kernel_options
 
 

@@ -19,6 +19,10 @@ query and KV heads with Hq % Hkv == 0, D = head_dim, S = pool slots, R = req_to_
   seq_lens           : [B]               int32/int64, tokens in the KV after this step
 
 Attention is softmax(q k^T * sm_scale) v with fp32 accumulation; the output has q's dtype.
+Optional keyword-only variants of every attention reference (:func:`decode_attention_ref`
+documents them; :func:`check_variants` validates them): ``sliding_window`` (HF's window of W
+keys, the query's own included), ``logit_softcap`` (Gemma 2's ``cap * tanh(s / cap)``)
+and ``sinks`` (gpt-oss's per-head logit in the softmax denominator only).
 Each attention reference is a plan (gather indices and masks, which depend only on the
 batch: ``decode_plan`` / ``extend_plan``) plus a per-layer kernel
 (``decode_attention_planned`` / ``extend_attention_planned``); the torch-native backend
@@ -37,6 +41,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kernels.attention_variants import check_variants, variant_softmax
 
 # ---------------------------------------------------------------------------- small ops
 
@@ -121,48 +127,6 @@ def store_kv_ref(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tens
     v_buffer[loc] = v.to(v_buffer.dtype)
 
 
-def check_variants(num_q_heads: int, sliding_window: int | None = None,
-                   logit_softcap: float | None = None,
-                   sinks: torch.Tensor | None = None) -> None:
-    """Validate the optional attention variants shared by the references and the kernels.
-
-    Args:
-        num_q_heads: Hq of the call.
-        sliding_window: W >= 1 keys per query (its own token included), or None.
-        logit_softcap: cap > 0, or None.
-        sinks: ``[Hq]`` float32 logits, or None.
-
-    Raises:
-        ValueError: a window below 1, a non-positive cap, or sinks of another shape/dtype.
-    """
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
-    if logit_softcap is not None and not logit_softcap > 0:
-        raise ValueError(f"logit_softcap must be > 0, got {logit_softcap}")
-    if sinks is not None and (sinks.shape != (num_q_heads,) or sinks.dtype != torch.float32):
-        raise ValueError(f"sinks must be float32 [{num_q_heads}], got {sinks.dtype} "
-                         f"{tuple(sinks.shape)}")
-
-
-def _softmax(s: torch.Tensor, logit_softcap: float | None, hidden: torch.Tensor | None,
-             sinks: torch.Tensor | None) -> torch.Tensor:
-    """Softmax over the last axis of the scaled fp32 scores ``s``, with the variants in HF's
-    order (Gemma 2's eager attention: cap after the scale, then the mask; gpt-oss: the sink
-    a last column of the softmax, dropped after it).
-
-    hidden: bool, broadcast to ``s``, True where a key is masked. sinks: fp32 logits shaped
-    to broadcast against ``s[..., :1]``.
-    """
-    if logit_softcap is not None:
-        s = torch.tanh(s / logit_softcap) * logit_softcap
-    if hidden is not None:
-        s = s.masked_fill(hidden, float("-inf"))
-    if sinks is None:
-        return torch.softmax(s, dim=-1)
-    sink_col = sinks.to(s.dtype).expand(*s.shape[:-1], 1)
-    return torch.softmax(torch.cat([s, sink_col], dim=-1), dim=-1)[..., :-1]
-
-
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
             mask: torch.Tensor | None, logit_softcap: float | None = None,
             sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -177,7 +141,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
     kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)   # [Hq, m, D]
     vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
     s = torch.matmul(qf, kf.transpose(1, 2)) * sm_scale               # [Hq, n, m]
-    p = _softmax(s, logit_softcap, mask, None if sinks is None else sinks.view(hq, 1, 1))
+    p = variant_softmax(s, logit_softcap, mask,
+                        None if sinks is None else sinks.view(hq, 1, 1))
     return torch.matmul(p, vf).transpose(0, 1)                      # [n, Hq, D]
 
 
@@ -249,7 +214,7 @@ def decode_attention_planned(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: 
     v = v_buffer.index_select(0, plan.slots).view(shape).float()
     qf = q.float().view(bsz, hkv, group, d)
     s = torch.einsum("bhgd,blhd->bhgl", qf, k) * sm_scale                  # [B, Hkv, G, L]
-    p = _softmax(s, logit_softcap, plan.hidden(sliding_window),
+    p = variant_softmax(s, logit_softcap, plan.hidden(sliding_window),
                  None if sinks is None else sinks.view(1, hkv, group, 1))
     out = torch.einsum("bhgl,blhd->bhgd", p, v)
     o.copy_(out.reshape(bsz, hq, d).to(o.dtype))
