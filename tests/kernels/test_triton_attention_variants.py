@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 
 from kernel_test_utils import (
     DEVICE,
+    GPU_MARKS,
     assert_close,
     backend_mixed_step,
     dense_attention,
@@ -31,7 +32,7 @@ from kernel_test_utils import (
 from kernels.decode_attention import decode_attention_fwd
 from kernels.extend_attention import extend_attention_fwd
 
-F16, F32 = torch.float16, torch.float32
+F16, F32, BF16 = torch.float16, torch.float32, torch.bfloat16
 
 
 def _sinks(hq: int, seed: int) -> torch.Tensor:
@@ -54,6 +55,8 @@ DECODE = [
                  id="sinks-splits-mha"),
     pytest.param(4, 2, 32, 1, F32, [80, 12], [3, 2], 24, 8.0, True, 0.3, id="all-gqa"),
     pytest.param(1, 2, 32, 16, F16, [75], [4], 20, 3.0, True, None, id="all-mha-p16"),
+    pytest.param(4, 8, 128, 16, BF16, [3000, 700, 4097], [8, 2, 5], 1024, 30.0, True, None,
+                 id="all-bf16-big", marks=GPU_MARKS),
 ]
 
 
@@ -135,6 +138,8 @@ EXTEND = [
                  id="sinks"),
     pytest.param(2, 2, 32, 16, F16, [60, 5], [40, 20], 18, 8.0, True, 0.3, None,
                  id="all-chunked"),
+    pytest.param(4, 8, 128, 16, BF16, [1500, 0], [700, 300], 512, 50.0, True, None, None,
+                 id="all-bf16-big", marks=GPU_MARKS),
 ]
 
 
