@@ -459,13 +459,13 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tens
   // enough requests to keep the threads busy; else one task per (request, KV head).
   const int64_t nh = bsz >= 4 * at::get_num_threads() ? hkv : 1;
   const int64_t per_req = hkv / nh;
-  // Small steps run on the calling thread: waking the pool (passive OpenMP waiting) costs
-  // more than ~4k token-heads of work.
-  // a sliding window of `window` keys: request b reads its last min(len, window) tokens only
+  // A sliding window of `window` keys: request b reads its last min(len, window) tokens only.
   auto first = [&](int64_t b) { return window > 0 ? std::max<int64_t>(lp[b] - window, 0) : 0; };
   // the bf16 dot task has its own softmax, without the soft-cap and the sinks
   const bool plain_softmax = softcap <= 0.f && sinks == nullptr;
   (void)plain_softmax;
+  // Small steps run on the calling thread: waking the pool (passive OpenMP waiting) costs
+  // more than ~4k token-heads of work.
   int64_t work = 0;
   for (int64_t b = 0; b < bsz; ++b) work += (lp[b] - first(b)) * hkv;
   const int64_t grain = work < 4096 ? bsz * per_req : 1;
@@ -559,8 +559,9 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_buffer,
     sk = sinks->data_ptr<float>();
   }
   const float cap = static_cast<float>(logit_softcap);
-#define FERRY_DECODE(T, I) \
-  decode_impl<T, I>(q, k_buffer, v_buffer, o, req_to_token, rows, seq_lens, sm_scale, sliding_window, cap, sk)
+#define FERRY_DECODE(T, I)                                                                  \
+  decode_impl<T, I>(q, k_buffer, v_buffer, o, req_to_token, rows, seq_lens, sm_scale,       \
+                    sliding_window, cap, sk)
   if (q.scalar_type() == at::kFloat) {
     if (i32) FERRY_DECODE(float, int32_t);
     else FERRY_DECODE(float, int64_t);
