@@ -16,6 +16,8 @@ Ops (CPU tensors, float32 or bfloat16; math in fp32 with the references' roundin
   request's K/V rows straight from the paged cache (no gather), softmax in fp32; a task is a
   whole request (every KV head, each slot's row read once) when there are at least 4
   requests per thread, else one (request, KV head) with the G query heads of its group.
+  Optional ``sliding_window`` (only the last W tokens are read), ``logit_softcap`` and
+  ``sinks`` as in :func:`kernels.reference.decode_attention_ref`.
 - :func:`rms_norm`, :func:`silu_and_mul`, :func:`rotary_inplace`: the signatures of the
   Triton small ops (:mod:`kernels.fused_ops`, :mod:`kernels.rotary`), so
   :func:`engine.layers.op_implementations` can set them as ``impl``.
@@ -35,6 +37,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from kernels.attention_variants import check_variants
 
 logger = logging.getLogger(__name__)
 
@@ -111,14 +115,23 @@ def load(verbose: bool = False) -> bool:
 
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      o: torch.Tensor, req_to_token: torch.Tensor, rows: torch.Tensor,
-                     seq_lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
+                     seq_lens: torch.Tensor, sm_scale: float, *,
+                     sliding_window: int | None = None, logit_softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over the paged KV cache; writes and returns ``o`` [B, Hq, D].
 
+    The variants are :func:`kernels.reference.decode_attention_ref`'s: ``sliding_window``
+    (the last W tokens are read, the query's own included), ``logit_softcap`` and ``sinks``
+    (``[Hq]`` contiguous float32); None: off.
+
     Raises:
+        ValueError: a variant out of range (:func:`kernels.attention_variants.check_variants`).
         RuntimeError: shapes, strides or dtypes outside the contract above.
     """
+    check_variants(q.shape[1], sliding_window, logit_softcap, sinks)
     torch.ops.ferry_cpu.decode_attention(q, k_buffer, v_buffer, o, req_to_token, rows,
-                                         seq_lens, sm_scale)
+                                         seq_lens, sm_scale, sliding_window or 0,
+                                         logit_softcap or 0.0, sinks)
     return o
 
 

@@ -22,6 +22,11 @@ layout follows SGLang's Triton decode backend, written from scratch here):
   straight into the output, and stage 2 returns at once for it (on the H200 the merge of
   one split cost 0.28 ms of a 6.5 ms bs64 Llama-3-8B decode step).
 
+Variants (:mod:`kernels.attention_variants`; ``tl.constexpr`` switches, off by default):
+``sliding_window`` W starts the KV at ``seq_len - W`` before the split, so only the window's
+~W keys are read; ``logit_softcap`` caps the scaled scores (:func:`scale_scores`); ``sinks``
+join the softmax denominator once, in stage 2 (stage 1 for one split: :func:`sink_normalise`).
+
 There is no host synchronisation anywhere (no ``.item()``/``.tolist()``): split counts
 come from :func:`choose_num_kv_splits`, computed with device tensor ops.
 
@@ -49,9 +54,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_variants import variant_launch_args
 from kernels.launch import dot_kernel_options
-
-_LOG2E = 1.4426950408889634
 
 DEFAULT_MIN_CHUNK = 32  # tokens; see choose_num_kv_splits (bench/kernels/sweep_decode.py on the H200)
 #: ``waves`` of :func:`choose_num_kv_splits` per device type (module docstring); 1 elsewhere
@@ -64,14 +68,43 @@ def default_waves(device_type: str) -> int:
 
 
 @triton.jit
+def scale_scores(qk, qk_scale, cap_log2, SOFTCAP: tl.constexpr):
+    """Raw ``q . k`` products to log2-domain logits. Without SOFTCAP ``qk_scale`` is
+    ``sm_scale * log2(e)``; with it ``qk_scale = sm_scale / cap`` and ``cap_log2 = cap *
+    log2(e)``: ``cap * tanh(sm_scale * qk / cap)`` in log2 units. tanh is built from exp2
+    as ``sign(x) (1 - e) / (1 + e)``, ``e = exp(-2|x|)`` (no overflow; portable to every
+    backend and the interpreter)."""
+    if SOFTCAP:
+        x = qk * qk_scale
+        e = tl.exp2(tl.abs(x) * -2.8853900817779268)    # exp(-2|x|)
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(x < 0.0, -t, t) * cap_log2
+    else:
+        return qk * qk_scale
+
+
+@triton.jit
+def sink_normalise(acc, m_i, l_i, sink_log2):
+    """``acc / (l_i + exp2(sink - m_i))`` computed stably: the final output of an online
+    softmax (running max ``m_i``, sum ``l_i``, both log2 domain) whose denominator also holds
+    a sink logit ``sink_log2`` (log2 units) with no value. An empty row (``m_i = -inf``)
+    gives 0."""
+    m_f = tl.maximum(m_i, sink_log2)
+    a = tl.exp2(m_i - m_f)
+    den = l_i * a + tl.exp2(sink_log2 - m_f)
+    return acc * (a / den)[:, None]
+
+
+@triton.jit
 def _decode_stage1_kernel(
     q_ptr, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits,
-    part_o, part_lse, o_ptr, qk_scale, max_splits,
+    part_o, part_lse, o_ptr, qk_scale, max_splits, window, cap_log2, sinks_ptr,
     stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_r2t,
     stride_pob, stride_poh, stride_pos, stride_peb, stride_peh, stride_ob, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_HEAD_BLOCKS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -83,8 +116,15 @@ def _decode_stage1_kernel(
     if split < n_splits:
         seq_len = tl.load(seq_lens + b)
         row = tl.load(req_pool_indices + b).to(tl.int64)
-        split_len = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
-        lo = split * split_len
+        if SLIDING:
+            # the query (position seq_len - 1) sees the last `window` keys: the splits
+            # share those only, so no program reads a key outside the window
+            kv_lo = tl.maximum(seq_len - window, 0)
+            split_len = tl.cdiv(tl.cdiv(seq_len - kv_lo, n_splits), BLOCK_N) * BLOCK_N
+            lo = kv_lo + split * split_len
+        else:
+            split_len = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
+            lo = split * split_len
         hi = tl.minimum(lo + split_len, seq_len)
 
         offs_g = hblk * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -116,7 +156,8 @@ def _decode_stage1_kernel(
                 qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
             else:
                 qk = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), 2)
-            qk = tl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
+            qk = tl.where(mask_n[None, :], scale_scores(qk, qk_scale, cap_log2, SOFTCAP),
+                          float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
@@ -136,6 +177,9 @@ def _decode_stage1_kernel(
         lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         if n_splits == 1:
             # one split is the whole answer: write it and let stage 2 skip this request
+            if HAS_SINKS:
+                sink = tl.load(sinks_ptr + q_heads, mask=mask_h, other=0.0) * 1.4426950408889634
+                out = sink_normalise(acc, m_i, l_i, sink)
             tl.store(o_ptr + b64 * stride_ob + q_heads[:, None] * stride_oh + offs_d[None, :],
                      out.to(o_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
         else:
@@ -148,9 +192,10 @@ def _decode_stage1_kernel(
 
 @triton.jit
 def _decode_stage2_kernel(
-    part_o, part_lse, o_ptr, num_kv_splits, max_splits,
+    part_o, part_lse, o_ptr, num_kv_splits, max_splits, sinks_ptr,
     stride_pob, stride_poh, stride_pos, stride_peb, stride_peh, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -165,12 +210,18 @@ def _decode_stage2_kernel(
     lse = tl.load(part_lse + b * stride_peb + h * stride_peh + offs_s, mask=mask_s,
                   other=float("-inf"))
     m = tl.max(lse, 0)
+    if HAS_SINKS:
+        # the sink joins the denominator here, once per request and head (never per split)
+        sink = tl.load(sinks_ptr + h)
+        m = tl.maximum(m, sink)
     m = tl.where(m == float("-inf"), 0.0, m)   # all splits empty (seq_len 0): weights 0
     w = tl.exp(lse - m)
     parts = tl.load(part_o + b * stride_pob + h * stride_poh + offs_s[:, None] * stride_pos
                     + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0)
     num = tl.sum(w[:, None] * parts, 0)
     den = tl.sum(w, 0)
+    if HAS_SINKS:
+        den += tl.exp(sink - m)
     out = tl.where(den > 0.0, num / tl.where(den > 0.0, den, 1.0), 0.0)
     tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty),
              mask=mask_d)
@@ -259,45 +310,8 @@ def _stage2_meta(head_dim: int, max_kv_splits: int) -> tuple[dict, dict]:
             {"num_warps": 4 if block_d >= 128 else 2})
 
 
-def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
-                         o: torch.Tensor, req_to_token: torch.Tensor,
-                         req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                         sm_scale: float, num_kv_splits: torch.Tensor | None = None,
-                         max_kv_splits: int = 16, attn_logits: torch.Tensor | None = None,
-                         attn_lse: torch.Tensor | None = None, *, block_n: int | None = None,
-                         num_warps: int | None = None, num_stages: int | None = None,
-                         num_sms: int | None = None) -> torch.Tensor:
-    """Paged decode attention (split-KV + LSE merge, grouped query heads), in Triton.
-
-    Args:
-        q: ``[B, Hq, D]`` query of the one new token per request (fp16/bf16/fp32; last axis
-            unit stride).
-        k_buffer, v_buffer: ``[S, Hkv, D]`` pool tensors of this layer; ``Hq % Hkv == 0``.
-        o: ``[B, Hq, D]`` output, written in place (its dtype) and returned.
-        req_to_token: ``[R, max_context]`` int32 slot table.
-        req_pool_indices: ``[B]`` int rows of ``req_to_token``.
-        seq_lens: ``[B]`` int KV lengths including the new token (0 gives a zero output).
-        sm_scale: softmax scale, usually ``D ** -0.5``.
-        num_kv_splits: ``[B]`` int32 split counts (values clamped to ``[1, max_kv_splits]``),
-            or None to compute them with :func:`choose_num_kv_splits`.
-        max_kv_splits: size of the split axis of the workspaces and of the stage-1 grid.
-        attn_logits: optional fp32 workspace ``[>=B, Hq, max_kv_splits, D]`` (partial outputs).
-        attn_lse: optional fp32 workspace ``[>=B, Hq, max_kv_splits]`` (log-sum-exp, natural log).
-        block_n, num_warps, num_stages: stage-1 launch overrides for benchmarking (None:
-            the defaults).
-        num_sms: the device's multiprocessors (``engine.device.multiprocessor_count``), needed
-            only when ``num_kv_splits`` is None (kernels/ does not ask the device itself).
-
-    Returns:
-        ``o``.
-
-    Raises:
-        ValueError: inconsistent shapes, workspaces of the wrong shape/dtype, or neither
-            ``num_kv_splits`` nor ``num_sms`` given.
-
-    No host synchronisation: safe inside CUDA/XPU graph capture when every tensor argument
-    (including ``num_kv_splits`` and the workspaces) is a static buffer.
-    """
+def _check_decode_args(q, k_buffer, v_buffer, o, req_to_token, req_pool_indices, seq_lens,
+                       max_kv_splits: int) -> None:
     bs, hq, d = q.shape
     hkv = k_buffer.shape[1]
     if hq % hkv or k_buffer.shape[2] != d or v_buffer.shape != k_buffer.shape \
@@ -310,13 +324,17 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         raise ValueError("the last axis of q, o, the pool and req_to_token must be unit stride")
     if max_kv_splits < 1:
         raise ValueError("max_kv_splits must be >= 1")
-    if bs == 0:
-        return o
-    dev = q.device
+
+
+def _decode_workspaces(q: torch.Tensor, max_kv_splits: int, attn_logits: torch.Tensor | None,
+                       attn_lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split workspaces: the caller's (checked) or fresh ones."""
+    bs, hq, d = q.shape
     if attn_logits is None:
-        attn_logits = torch.empty((bs, hq, max_kv_splits, d), dtype=torch.float32, device=dev)
+        attn_logits = torch.empty((bs, hq, max_kv_splits, d), dtype=torch.float32,
+                                  device=q.device)
     if attn_lse is None:
-        attn_lse = torch.empty((bs, hq, max_kv_splits), dtype=torch.float32, device=dev)
+        attn_lse = torch.empty((bs, hq, max_kv_splits), dtype=torch.float32, device=q.device)
     if attn_logits.dtype != torch.float32 or attn_logits.shape[0] < bs \
             or tuple(attn_logits.shape[1:]) != (hq, max_kv_splits, d) \
             or attn_logits.stride(3) != 1:
@@ -326,27 +344,92 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
             or tuple(attn_lse.shape[1:]) != (hq, max_kv_splits) or attn_lse.stride(2) != 1:
         raise ValueError(f"attn_lse must be fp32 [>={bs}, {hq}, {max_kv_splits}], "
                          f"got {attn_lse.dtype} {tuple(attn_lse.shape)}")
-    if num_kv_splits is None:
-        if num_sms is None:
-            raise ValueError("pass num_kv_splits, or num_sms to choose them")
-        num_kv_splits = choose_num_kv_splits(seq_lens, hkv, max_kv_splits, num_sms)
+    return attn_logits, attn_lse
 
-    meta1, opts1 = _stage1_meta(hq // hkv, d, q.dtype, dev.type, block_n, num_warps,
+
+def _auto_splits(seq_lens: torch.Tensor, hkv: int, max_kv_splits: int,
+                 num_sms: int | None) -> torch.Tensor:
+    if num_sms is None:
+        raise ValueError("pass num_kv_splits, or num_sms to choose them")
+    return choose_num_kv_splits(seq_lens, hkv, max_kv_splits, num_sms)
+
+
+def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                         o: torch.Tensor, req_to_token: torch.Tensor,
+                         req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                         sm_scale: float, num_kv_splits: torch.Tensor | None = None,
+                         max_kv_splits: int = 16, attn_logits: torch.Tensor | None = None,
+                         attn_lse: torch.Tensor | None = None, *, block_n: int | None = None,
+                         num_warps: int | None = None, num_stages: int | None = None,
+                         num_sms: int | None = None, sliding_window: int | None = None,
+                         logit_softcap: float | None = None,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Paged decode attention (split-KV + LSE merge, grouped query heads), in Triton.
+
+    Args:
+        q: ``[B, Hq, D]`` query of the one new token per request (fp16/bf16/fp32; last axis
+            unit stride), at position ``seq_lens[b] - 1``.
+        k_buffer, v_buffer: ``[S, Hkv, D]`` pool tensors of this layer; ``Hq % Hkv == 0``.
+        o: ``[B, Hq, D]`` output, written in place (its dtype) and returned.
+        req_to_token: ``[R, max_context]`` int32 slot table.
+        req_pool_indices: ``[B]`` int rows of ``req_to_token``.
+        seq_lens: ``[B]`` int KV lengths including the new token (0 gives a zero output).
+        sm_scale: softmax scale, usually ``D ** -0.5`` (Gemma: ``query_pre_attn_scalar **
+            -0.5``).
+        num_kv_splits: ``[B]`` int32 split counts (values clamped to ``[1, max_kv_splits]``),
+            or None to compute them with :func:`choose_num_kv_splits`.
+        max_kv_splits: size of the split axis of the workspaces and of the stage-1 grid.
+        attn_logits: optional fp32 workspace ``[>=B, Hq, max_kv_splits, D]`` (partial outputs).
+        attn_lse: optional fp32 workspace ``[>=B, Hq, max_kv_splits]`` (log-sum-exp, natural log).
+        block_n, num_warps, num_stages: stage-1 launch overrides for benchmarking (None:
+            the defaults).
+        num_sms: the device's multiprocessors (``engine.device.multiprocessor_count``), needed
+            only when ``num_kv_splits`` is None (kernels/ does not ask the device itself).
+        sliding_window: W: only the last W keys (the query's own included) are attended;
+            the splits cut those W, so the kernel reads ~W keys. None: all.
+        logit_softcap: cap: scores ``cap * tanh(s / cap)`` after the scale (Gemma 2).
+        sinks: ``[Hq]`` float32 per-head logits in the softmax denominator only (gpt-oss);
+            merged once, in stage 2 (or stage 1 for a single split).
+
+    Returns:
+        ``o``.
+
+    Raises:
+        ValueError: inconsistent shapes, workspaces of the wrong shape/dtype, neither
+            ``num_kv_splits`` nor ``num_sms`` given, or a variant out of range.
+
+    No host synchronisation: safe inside CUDA/XPU graph capture when every tensor argument
+    (including ``num_kv_splits`` and the workspaces) is a static buffer.
+    """
+    _check_decode_args(q, k_buffer, v_buffer, o, req_to_token, req_pool_indices, seq_lens,
+                       max_kv_splits)
+    bs, hq, d = q.shape
+    hkv = k_buffer.shape[1]
+    (qk_scale, window, cap_log2, sinks), switches = variant_launch_args(
+        hq, sm_scale, sliding_window, logit_softcap, sinks)
+    if bs == 0:
+        return o
+    attn_logits, attn_lse = _decode_workspaces(q, max_kv_splits, attn_logits, attn_lse)
+    if num_kv_splits is None:
+        num_kv_splits = _auto_splits(seq_lens, hkv, max_kv_splits, num_sms)
+    meta1, opts1 = _stage1_meta(hq // hkv, d, q.dtype, q.device.type, block_n, num_warps,
                                 num_stages)
     grid1 = (bs, hkv * meta1["NUM_HEAD_BLOCKS"], max_kv_splits)
     _decode_stage1_kernel[grid1](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, num_kv_splits,
-        attn_logits, attn_lse, o, sm_scale * _LOG2E, max_kv_splits,
+        attn_logits, attn_lse, o, qk_scale, max_kv_splits, window, cap_log2, sinks,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
-        attn_lse.stride(0), attn_lse.stride(1), o.stride(0), o.stride(1), **meta1, **opts1,
+        attn_lse.stride(0), attn_lse.stride(1), o.stride(0), o.stride(1), **meta1,
+        **switches, **opts1,
     )
     meta2, opts2 = _stage2_meta(d, max_kv_splits)
     _decode_stage2_kernel[(bs, hq)](
-        attn_logits, attn_lse, o, num_kv_splits, max_kv_splits,
+        attn_logits, attn_lse, o, num_kv_splits, max_kv_splits, sinks,
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
-        attn_lse.stride(0), attn_lse.stride(1), o.stride(0), o.stride(1), **meta2, **opts2,
+        attn_lse.stride(0), attn_lse.stride(1), o.stride(0), o.stride(1), **meta2,
+        HAS_SINKS=switches["HAS_SINKS"], **opts2,
     )
     return o
 

@@ -15,6 +15,13 @@ phases, keeping the running max / sum / accumulator in fp32 registers:
 2. new tokens strictly before this query block: fully visible, no mask at all;
 3. the diagonal tiles of new tokens: causal mask ``key <= query`` and length mask.
 
+Variants (keyword arguments, each behind a ``tl.constexpr`` switch: without them the
+plain kernel): ``sliding_window`` W starts phase 1 at the first key the block's first
+query sees (``prefix + m_lo - W + 1``) and phase 2 at the tile holding ``m_lo - W + 1``,
+and masks ``key <= query - W`` in every phase (rows that see no key of a tile keep an
+empty running state); ``logit_softcap`` caps the scaled scores and ``sinks`` joins the
+final normalisation (``kernels.decode_attention.scale_scores`` / ``sink_normalise``).
+
 The new tokens' K/V are read from ``k_extend``/``v_extend`` even though the caller has
 already stored them in the pool, as the reference does. Non-power-of-two head dims (80,
 96, ...) are padded to the next power of two with a mask on the head axis.
@@ -36,18 +43,26 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_variants import variant_launch_args
+from kernels.decode_attention import scale_scores, sink_normalise
 from kernels.launch import dot_kernel_options
-
-_LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PREC: tl.constexpr):
+def _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PREC: tl.constexpr,
+                         EMPTY_ROWS: tl.constexpr = False):
     """One online-softmax update with the (already scaled, log2-domain) scores ``qk``;
-    ``v`` is already in the dtype of the ``p @ v`` product."""
+    ``v`` is already in the dtype of the ``p @ v`` product. EMPTY_ROWS: a row may have seen
+    no key yet and none in this tile (a sliding window), so its max stays -inf: the update
+    then subtracts 0 instead (no ``-inf - -inf`` NaN) and the row keeps l = 0, acc = 0."""
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    if EMPTY_ROWS:
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(qk - m_sub[:, None])
+    else:
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
@@ -58,11 +73,12 @@ def _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PREC: tl.constexpr):
 def _extend_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, k_buf, v_buf,
     req_to_token, req_pool_indices, seq_lens, extend_seq_lens, extend_start_loc,
-    qk_scale,
+    qk_scale, window, cap_log2, sinks_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_r2t,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -91,10 +107,15 @@ def _extend_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-        # Phase 1: the cached prefix, gathered from the pool.
+        # Phase 1: the cached prefix, gathered from the pool. A sliding window starts at the
+        # first key the block's first query (position prefix + m_lo) sees.
+        if SLIDING:
+            p_lo = tl.maximum(prefix + m_lo - window + 1, 0)   # gathered: no alignment
+        else:
+            p_lo = 0
         kb_base = k_buf + kv_h * stride_kbh
         vb_base = v_buf + kv_h * stride_vbh
-        for n0 in range(0, prefix, BLOCK_N):
+        for n0 in range(p_lo, prefix, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < prefix
             slots = tl.load(req_to_token + row * stride_r2t + offs_n, mask=mask_n,
@@ -102,23 +123,38 @@ def _extend_kernel(
             mask_kv = mask_n[:, None] & mask_d[None, :]
             k = tl.load(kb_base + slots[:, None] * stride_kbs + offs_d[None, :], mask=mask_kv,
                         other=0.0)
-            qk = tl.dot(q, tl.trans(k.to(dot_dtype)), input_precision=DOT_PREC) * qk_scale
-            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            qk = scale_scores(tl.dot(q, tl.trans(k.to(dot_dtype)), input_precision=DOT_PREC),
+                              qk_scale, cap_log2, SOFTCAP)
+            if SLIDING:
+                visible = mask_n[None, :] & (offs_n[None, :] > prefix + offs_m[:, None] - window)
+                qk = tl.where(visible, qk, float("-inf"))
+            else:
+                qk = tl.where(mask_n[None, :], qk, float("-inf"))
             v = tl.load(vb_base + slots[:, None] * stride_vbs + offs_d[None, :], mask=mask_kv,
                         other=0.0)
-            m_i, l_i, acc = _online_softmax_step(qk, v.to(dot_dtype), m_i, l_i, acc, DOT_PREC)
+            m_i, l_i, acc = _online_softmax_step(qk, v.to(dot_dtype), m_i, l_i, acc, DOT_PREC,
+                                                 SLIDING)
 
-        # Phase 2: new tokens before this query block (all visible to every row here).
+        # Phase 2: new tokens before this query block (all visible to every row here, but
+        # for a sliding window, which also starts the loop at the first visible tile).
+        if SLIDING:
+            n_lo = tl.maximum(m_lo - window + 1, 0) // BLOCK_N * BLOCK_N
+        else:
+            n_lo = 0
         k_base = k_ptr + start * stride_kt + kv_h * stride_kh
         v_base = v_ptr + start * stride_vt + kv_h * stride_vh
-        for n0 in range(0, m_lo, BLOCK_N):
+        for n0 in range(n_lo, m_lo, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :],
                         mask=mask_d[None, :], other=0.0)
-            qk = tl.dot(q, tl.trans(k.to(dot_dtype)), input_precision=DOT_PREC) * qk_scale
+            qk = scale_scores(tl.dot(q, tl.trans(k.to(dot_dtype)), input_precision=DOT_PREC),
+                              qk_scale, cap_log2, SOFTCAP)
+            if SLIDING:
+                qk = tl.where(offs_n[None, :] > offs_m[:, None] - window, qk, float("-inf"))
             v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :],
                         mask=mask_d[None, :], other=0.0)
-            m_i, l_i, acc = _online_softmax_step(qk, v.to(dot_dtype), m_i, l_i, acc, DOT_PREC)
+            m_i, l_i, acc = _online_softmax_step(qk, v.to(dot_dtype), m_i, l_i, acc, DOT_PREC,
+                                                 SLIDING)
 
         # Phase 3: the diagonal block, causal and length masked.
         hi = tl.minimum(ext_len, m_lo + BLOCK_M)
@@ -128,15 +164,26 @@ def _extend_kernel(
             mask_kv = mask_n[:, None] & mask_d[None, :]
             k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :], mask=mask_kv,
                         other=0.0)
-            qk = tl.dot(q, tl.trans(k.to(dot_dtype)), input_precision=DOT_PREC) * qk_scale
+            qk = scale_scores(tl.dot(q, tl.trans(k.to(dot_dtype)), input_precision=DOT_PREC),
+                              qk_scale, cap_log2, SOFTCAP)
             visible = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
+            if SLIDING:
+                visible = visible & (offs_n[None, :] > offs_m[:, None] - window)
             qk = tl.where(visible, qk, float("-inf"))
             v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], mask=mask_kv,
                         other=0.0)
-            m_i, l_i, acc = _online_softmax_step(qk, v.to(dot_dtype), m_i, l_i, acc, DOT_PREC)
+            m_i, l_i, acc = _online_softmax_step(qk, v.to(dot_dtype), m_i, l_i, acc, DOT_PREC,
+                                                 SLIDING)
 
-        # Every row sees key 0 of phase 1 or 3, so l_i > 0 for all rows.
-        out = acc / l_i[:, None]
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + h) * 1.4426950408889634
+            out = sink_normalise(acc, m_i, l_i, sink)
+        elif SLIDING:
+            # a row past ext_len (never stored) may have seen no key in its window
+            out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        else:
+            # Every row sees key 0 of phase 1 or 3, so l_i > 0 for all rows.
+            out = acc / l_i[:, None]
         tl.store(o_ptr + (start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
@@ -175,7 +222,9 @@ def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
                          seq_lens: torch.Tensor, extend_seq_lens: torch.Tensor,
                          extend_start_loc: torch.Tensor, sm_scale: float, max_extend_len: int,
                          *, block_m: int | None = None, block_n: int | None = None,
-                         num_warps: int | None = None) -> torch.Tensor:
+                         num_warps: int | None = None, sliding_window: int | None = None,
+                         logit_softcap: float | None = None,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Extend attention: new tokens over the pooled prefix plus causal self-attention.
 
     Args:
@@ -189,17 +238,23 @@ def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
         seq_lens: ``[B]`` int total KV length (prefix + new) per request, in tokens.
         extend_seq_lens: ``[B]`` int new tokens per request (0 allowed).
         extend_start_loc: ``[B]`` int offset of each request's first new token in ``T``.
-        sm_scale: softmax scale, usually ``D ** -0.5``.
+        sm_scale: softmax scale, usually ``D ** -0.5`` (Gemma: ``query_pre_attn_scalar **
+            -0.5``).
         max_extend_len: host int >= max(extend_seq_lens); sizes the grid (too small a value
             leaves rows unwritten).
         block_m, block_n, num_warps: launch overrides for benchmarking (None: defaults).
             ``block_m`` must be a multiple of ``block_n``.
+        sliding_window: W: new token i (position ``prefix + i``) sees keys ``prefix + i - W +
+            1 .. prefix + i``; the K/V tiles below a query block's window are skipped.
+        logit_softcap: cap: scores ``cap * tanh(s / cap)`` after the scale (Gemma 2).
+        sinks: ``[Hq]`` float32 per-head logits in the softmax denominator only (gpt-oss).
 
     Returns:
         ``o_extend``.
 
     Raises:
-        ValueError: inconsistent shapes, a non-unit-stride last axis, or bad block sizes.
+        ValueError: inconsistent shapes, a non-unit-stride last axis, bad block sizes, or a
+            variant out of range.
     """
     t, hq, d = q_extend.shape
     hkv = k_buffer.shape[1]
@@ -214,6 +269,8 @@ def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
     for x in (q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, req_to_token):
         if x.stride(-1) != 1:
             raise ValueError("the last axis of every tensor argument must be unit stride")
+    (qk_scale, window, cap_log2, sinks), switches = variant_launch_args(
+        hq, sm_scale, sliding_window, logit_softcap, sinks)
     if bs == 0 or t == 0 or max_extend_len <= 0:
         return o_extend
     meta, opts = _extend_meta(hq // hkv, d, q_extend.dtype, q_extend.device.type, block_m,
@@ -222,11 +279,11 @@ def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
     _extend_kernel[grid](
         q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
         req_to_token, req_pool_indices, seq_lens, extend_seq_lens, extend_start_loc,
-        sm_scale * _LOG2E,
+        qk_scale, window, cap_log2, sinks,
         q_extend.stride(0), q_extend.stride(1), k_extend.stride(0), k_extend.stride(1),
         v_extend.stride(0), v_extend.stride(1), o_extend.stride(0), o_extend.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        req_to_token.stride(0), **meta, **opts,
+        req_to_token.stride(0), **meta, **switches, **opts,
     )
     return o_extend
 

@@ -19,6 +19,10 @@ query and KV heads with Hq % Hkv == 0, D = head_dim, S = pool slots, R = req_to_
   seq_lens           : [B]               int32/int64, tokens in the KV after this step
 
 Attention is softmax(q k^T * sm_scale) v with fp32 accumulation; the output has q's dtype.
+Optional keyword-only variants of every attention reference (:func:`decode_attention_ref`
+documents them; :func:`check_variants` validates them): ``sliding_window`` (HF's window of W
+keys, the query's own included), ``logit_softcap`` (Gemma 2's ``cap * tanh(s / cap)``)
+and ``sinks`` (gpt-oss's per-head logit in the softmax denominator only).
 Each attention reference is a plan (gather indices and masks, which depend only on the
 batch: ``decode_plan`` / ``extend_plan``) plus a per-layer kernel
 (``decode_attention_planned`` / ``extend_attention_planned``); the torch-native backend
@@ -37,6 +41,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kernels.attention_variants import check_variants, variant_softmax
 
 # ---------------------------------------------------------------------------- small ops
 
@@ -122,10 +128,12 @@ def store_kv_ref(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tens
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
-            mask: torch.Tensor | None) -> torch.Tensor:
+            mask: torch.Tensor | None, logit_softcap: float | None = None,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [n, Hq, D], k/v [m, Hkv, D] -> [n, Hq, D] in fp32.
 
     mask: optional bool [n, m], True where query i may NOT see key j (None: all keys).
+    logit_softcap, sinks: as :func:`extend_attention_ref`.
     """
     hq, hkv = q.shape[1], k.shape[1]
     group = hq // hkv
@@ -133,9 +141,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
     kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)   # [Hq, m, D]
     vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
     s = torch.matmul(qf, kf.transpose(1, 2)) * sm_scale               # [Hq, n, m]
-    if mask is not None:
-        s = s.masked_fill(mask, float("-inf"))
-    p = torch.softmax(s, dim=-1)
+    p = variant_softmax(s, logit_softcap, mask,
+                        None if sinks is None else sinks.view(hq, 1, 1))
     return torch.matmul(p, vf).transpose(0, 1)                      # [n, Hq, D]
 
 
@@ -152,13 +159,30 @@ class DecodePlan:
 
     slots: ``[B * L]`` int64 pool slots of the padded ``[B, L]`` block (0 past a request's
     length); invalid: ``[B, 1, 1, L]`` bool, True on that padding; valid: its negation (the
-    ``attn_mask`` of ``F.scaled_dot_product_attention``); max_len: L.
+    ``attn_mask`` of ``F.scaled_dot_product_attention``); max_len: L; lens: ``[B, 1, 1, 1]``
+    the requests' lengths (for a sliding window).
     """
 
     slots: torch.Tensor
     invalid: torch.Tensor
     max_len: int
     valid: torch.Tensor | None = None
+    lens: torch.Tensor | None = None
+
+    def hidden(self, sliding_window: int | None) -> torch.Tensor:
+        """``[B, 1, 1, L]`` bool, True where the query may not see position l: the padding,
+        and with a window W the positions below ``len - W`` (the query is at ``len - 1``
+        and sees W keys, its own included: HF's ``kv_idx > q_idx - W``).
+
+        Raises:
+            ValueError: a window on a plan built without ``lens``.
+        """
+        if sliding_window is None:
+            return self.invalid
+        if self.lens is None:
+            raise ValueError("a sliding window needs a DecodePlan built by decode_plan")
+        pos = torch.arange(self.max_len, device=self.invalid.device)
+        return self.invalid | (pos < self.lens - sliding_window)
 
 
 def decode_plan(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
@@ -172,29 +196,36 @@ def decode_plan(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
     valid = pos[None, :] < seq_lens[:, None].to(pos.dtype)                   # [B, L]
     slots = req_to_token[req_pool_indices.long(), :max_len].long() * valid   # [B, L]
     return DecodePlan(slots.reshape(-1), (~valid)[:, None, None, :], max_len,
-                      valid[:, None, None, :])
+                      valid[:, None, None, :], seq_lens.to(pos.dtype).view(bsz, 1, 1, 1))
 
 
 def decode_attention_planned(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
-                             o: torch.Tensor, plan: DecodePlan, sm_scale: float) -> torch.Tensor:
+                             o: torch.Tensor, plan: DecodePlan, sm_scale: float, *,
+                             sliding_window: int | None = None,
+                             logit_softcap: float | None = None,
+                             sinks: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`decode_attention_ref` with the batch's :class:`DecodePlan` built beforehand."""
     bsz, hq, d = q.shape
     hkv = k_buffer.shape[1]
     group = hq // hkv
+    check_variants(hq, sliding_window, logit_softcap, sinks)
     shape = (bsz, plan.max_len, hkv, d)
     k = k_buffer.index_select(0, plan.slots).view(shape).float()            # [B, L, Hkv, D]
     v = v_buffer.index_select(0, plan.slots).view(shape).float()
     qf = q.float().view(bsz, hkv, group, d)
     s = torch.einsum("bhgd,blhd->bhgl", qf, k) * sm_scale                  # [B, Hkv, G, L]
-    s = s.masked_fill(plan.invalid, float("-inf"))
-    p = torch.softmax(s, dim=-1)
+    p = variant_softmax(s, logit_softcap, plan.hidden(sliding_window),
+                 None if sinks is None else sinks.view(1, hkv, group, 1))
     out = torch.einsum("bhgl,blhd->bhgd", p, v)
     o.copy_(out.reshape(bsz, hq, d).to(o.dtype))
     return o
 
 
 def decode_attention_sdpa(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
-                          o: torch.Tensor, plan: DecodePlan, sm_scale: float) -> torch.Tensor:
+                          o: torch.Tensor, plan: DecodePlan, sm_scale: float, *,
+                          sliding_window: int | None = None,
+                          logit_softcap: float | None = None,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention through ``F.scaled_dot_product_attention`` (the CPU path of the
     torch-native backend; same result as :func:`decode_attention_planned` up to rounding).
 
@@ -205,17 +236,28 @@ def decode_attention_sdpa(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: tor
     CPU kernel (flash attention, fp32 accumulation for bf16/fp16 inputs) runs it. Measured
     on the 2-core CI machine, B=64, L=300, SmolLM2's 3 KV x 3 query heads of 64: 5.3 ms per
     layer in fp32 and 3.9 ms in bf16 against 10.2 and 13.1 ms for the einsum version.
+    A sliding window is one more mask; SDPA has no soft-cap or sink, so with either of
+    those the call runs :func:`decode_attention_planned`.
 
-    Args: q [B, Hq, D]; k/v_buffer [slots, Hkv, D]; o [B, Hq, D] written and returned.
+    Args: q [B, Hq, D]; k/v_buffer [slots, Hkv, D]; o [B, Hq, D] written and returned; the
+    variants as :func:`decode_attention_ref`.
     """
+    if logit_softcap is not None or sinks is not None:
+        return decode_attention_planned(q, k_buffer, v_buffer, o, plan, sm_scale,
+                                        sliding_window=sliding_window,
+                                        logit_softcap=logit_softcap, sinks=sinks)
     bsz, hq, d = q.shape
     hkv = k_buffer.shape[1]
+    check_variants(hq, sliding_window)
     shape = (bsz, plan.max_len, hkv, d)
     k = k_buffer.index_select(0, plan.slots).view(shape).transpose(1, 2)   # [B, Hkv, L, D]
     v = v_buffer.index_select(0, plan.slots).view(shape).transpose(1, 2)
     if k.dtype != q.dtype:           # an fp8 KV cache: attend in the query's dtype
         k, v = k.to(q.dtype), v.to(q.dtype)
-    valid = plan.valid if plan.valid is not None else ~plan.invalid
+    if sliding_window is not None:
+        valid = ~plan.hidden(sliding_window)
+    else:
+        valid = plan.valid if plan.valid is not None else ~plan.invalid
     out = F.scaled_dot_product_attention(q.reshape(bsz, hkv, hq // hkv, d), k, v,
                                          attn_mask=valid, scale=sm_scale)
     o.copy_(out.reshape(bsz, hq, d))
@@ -225,18 +267,32 @@ def decode_attention_sdpa(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: tor
 def decode_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                          o: torch.Tensor, req_to_token: torch.Tensor,
                          req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                         sm_scale: float) -> torch.Tensor:
+                         sm_scale: float, *, sliding_window: int | None = None,
+                         logit_softcap: float | None = None,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention: one query token per request over its whole KV (already stored).
 
     The batch is gathered into a padded ``[B, max_len]`` block with a length mask, so the CPU
     runs one batched product per layer instead of a loop over requests. The gather indices
     and the mask (:func:`decode_plan`) depend only on the batch, so a caller running many
-    layers builds them once and calls :func:`decode_attention_planned` per layer.
+    layers builds them once and calls :func:`decode_attention_planned` per layer. The query
+    of request b is at position ``seq_lens[b] - 1``.
 
     Args: q [B, Hq, D]; o [B, Hq, D] written in place and returned.
+    Optional variants (keyword-only; the defaults are plain causal attention):
+        sliding_window: W >= 1: the query at position p sees keys ``p - W + 1 .. p`` (W keys,
+            its own included; HF's ``sliding_window_overlay``); None: all of them.
+        logit_softcap: cap > 0: scores ``cap * tanh(s / cap)`` after the scale, before the
+            mask (Gemma 2); None: no cap.
+        sinks: ``[Hq]`` float32 logit per query head that joins the softmax denominator
+            only (gpt-oss's sinks; not capped); None: no sink.
+    Raises:
+        ValueError: a variant out of range (:func:`check_variants`).
     """
     plan = decode_plan(req_to_token, req_pool_indices, seq_lens)
-    return decode_attention_planned(q, k_buffer, v_buffer, o, plan, sm_scale)
+    return decode_attention_planned(q, k_buffer, v_buffer, o, plan, sm_scale,
+                                    sliding_window=sliding_window,
+                                    logit_softcap=logit_softcap, sinks=sinks)
 
 
 @dataclass
@@ -265,6 +321,21 @@ def extend_plan(req_to_token: torch.Tensor, rows: list[int], seq_lens: list[int]
     return plan
 
 
+def windowed(it: ExtendItem, sliding_window: int | None) -> ExtendItem:
+    """``it`` cut to a sliding window of W keys: the prefix slots below ``prefix - W + 1``
+    (which no new token sees) dropped, and the window added to the mask (new token i, at
+    position ``prefix + i``, sees keys ``prefix + i - W + 1 .. prefix + i``). None: ``it``."""
+    if sliding_window is None:
+        return it
+    prefix = it.slots.numel()
+    lo = max(0, prefix - sliding_window + 1)
+    dev = it.mask.device
+    qpos = torch.arange(it.n, device=dev)[:, None] + prefix
+    kpos = torch.arange(lo, prefix + it.n, device=dev)[None, :]
+    return ExtendItem(it.start, it.n, it.slots[lo:],
+                      it.mask[:, lo:] | (kpos <= qpos - sliding_window))
+
+
 def _extend_kv(it: ExtendItem, k_extend, v_extend, k_buffer, v_buffer):
     """Request ``it``'s keys and values: its cached prefix from the pool, then its new rows."""
     k, v = k_extend[it.start:it.start + it.n], v_extend[it.start:it.start + it.n]
@@ -277,34 +348,51 @@ def _extend_kv(it: ExtendItem, k_extend, v_extend, k_buffer, v_buffer):
 def extend_attention_planned(q_extend: torch.Tensor, k_extend: torch.Tensor,
                              v_extend: torch.Tensor, o_extend: torch.Tensor,
                              k_buffer: torch.Tensor, v_buffer: torch.Tensor,
-                             plan: list[ExtendItem], sm_scale: float) -> torch.Tensor:
+                             plan: list[ExtendItem], sm_scale: float, *,
+                             sliding_window: int | None = None,
+                             logit_softcap: float | None = None,
+                             sinks: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`extend_attention_ref` with the batch's :func:`extend_plan` built beforehand."""
+    check_variants(q_extend.shape[1], sliding_window, logit_softcap, sinks)
     for it in plan:
+        it = windowed(it, sliding_window)
         s0, e = it.start, it.start + it.n
         k, v = _extend_kv(it, k_extend, v_extend, k_buffer, v_buffer)
-        o_extend[s0:e] = _attend(q_extend[s0:e], k, v, sm_scale, it.mask).to(o_extend.dtype)
+        o_extend[s0:e] = _attend(q_extend[s0:e], k, v, sm_scale, it.mask, logit_softcap,
+                                 sinks).to(o_extend.dtype)
     return o_extend
 
 
 def extend_attention_sdpa(q_extend: torch.Tensor, k_extend: torch.Tensor,
                           v_extend: torch.Tensor, o_extend: torch.Tensor,
                           k_buffer: torch.Tensor, v_buffer: torch.Tensor,
-                          plan: list[ExtendItem], sm_scale: float) -> torch.Tensor:
+                          plan: list[ExtendItem], sm_scale: float, *,
+                          sliding_window: int | None = None,
+                          logit_softcap: float | None = None,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`extend_attention_planned` through ``F.scaled_dot_product_attention`` (the CPU
     path of the torch-native backend; same result up to rounding): one fused call per
     request, ``is_causal`` when it has no cached prefix, else its causal mask, grouped-query
     heads through ``enable_gqa`` (no copy of K/V per query head). On the 2-core CI machine,
     SmolLM2's heads, 256 new tokens: 1.3 ms (no prefix) and 2.8 ms (256 cached) against 4.3
-    and 9.6 ms for :func:`extend_attention_planned` in fp32.
+    and 9.6 ms for :func:`extend_attention_planned` in fp32. A sliding window is a mask
+    (:func:`windowed`); SDPA has no soft-cap or sink, so with either of those the call runs
+    :func:`extend_attention_planned`.
 
     Args: as :func:`extend_attention_planned`.
     """
+    if logit_softcap is not None or sinks is not None:
+        return extend_attention_planned(q_extend, k_extend, v_extend, o_extend, k_buffer,
+                                        v_buffer, plan, sm_scale, sliding_window=sliding_window,
+                                        logit_softcap=logit_softcap, sinks=sinks)
+    check_variants(q_extend.shape[1], sliding_window)
     for it in plan:
+        it = windowed(it, sliding_window)
         s0, e = it.start, it.start + it.n
         k, v = _extend_kv(it, k_extend, v_extend, k_buffer, v_buffer)
         q = q_extend[s0:e].transpose(0, 1).unsqueeze(0)                 # [1, Hq, n, D]
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-        if it.slots.numel():
+        if it.slots.numel() or sliding_window is not None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=~it.mask, scale=sm_scale,
                                                  enable_gqa=True)
         else:
@@ -318,20 +406,29 @@ def extend_attention_ref(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
                          o_extend: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                          req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                          seq_lens: torch.Tensor, extend_seq_lens: torch.Tensor,
-                         extend_start_loc: torch.Tensor, sm_scale: float) -> torch.Tensor:
+                         extend_start_loc: torch.Tensor, sm_scale: float, *,
+                         sliding_window: int | None = None,
+                         logit_softcap: float | None = None,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Extend (prefill with an optional cached prefix) attention.
 
     Request b has ``prefix = seq_lens[b] - extend_seq_lens[b]`` tokens already in the pool,
     read through ``req_to_token[req_pool_indices[b], :prefix]``, and ``extend_seq_lens[b]``
     new tokens at rows ``extend_start_loc[b] : + extend_seq_lens[b]`` of q/k/v_extend. New
-    token i sees the whole prefix and new tokens 0..i (causal). Plain prefill is prefix 0.
-    The per-request slots and masks (:func:`extend_plan`) depend only on the batch; a caller
-    running many layers builds them once and calls :func:`extend_attention_planned`.
+    token i (at position ``prefix + i``) sees the whole prefix and new tokens 0..i (causal).
+    Plain prefill is prefix 0. The per-request slots and masks (:func:`extend_plan`) depend
+    only on the batch; a caller running many layers builds them once and calls
+    :func:`extend_attention_planned`.
 
     Args: q_extend [T, Hq, D]; k_extend, v_extend [T, Hkv, D]; o_extend [T, Hq, D] written
-    in place and returned; extend_seq_lens, extend_start_loc [B] int.
+    in place and returned; extend_seq_lens, extend_start_loc [B] int; the variants as
+    :func:`decode_attention_ref`.
+
+    Raises:
+        ValueError: a variant out of range (:func:`check_variants`).
     """
     plan = extend_plan(req_to_token, req_pool_indices.tolist(), seq_lens.tolist(),
                        extend_seq_lens.tolist(), extend_start_loc.tolist())
     return extend_attention_planned(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
-                                    plan, sm_scale)
+                                    plan, sm_scale, sliding_window=sliding_window,
+                                    logit_softcap=logit_softcap, sinks=sinks)

@@ -96,19 +96,25 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        o: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
-                       fb: ForwardBatch, sm_scale: float) -> None:
+                       fb: ForwardBatch, sm_scale: float, *, sliding_window: int | None = None,
+                       logit_softcap: float | None = None,
+                       sinks: torch.Tensor | None = None) -> None:
         """Extend attention of the first ``fb.num_extends`` requests into ``o``.
 
         q, o [Te, Hq, D] and k, v [Te, Hkv, D] are their tokens' rows (already stored in the
-        pool); each new token sees its request's prefix and the new tokens up to itself.
+        pool); each new token sees its request's prefix and the new tokens up to itself. The
+        variants as in :meth:`forward`.
         """
 
     @abstractmethod
     def forward_decode(self, q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
-                       v_buffer: torch.Tensor, fb: ForwardBatch, sm_scale: float) -> None:
+                       v_buffer: torch.Tensor, fb: ForwardBatch, sm_scale: float, *,
+                       sliding_window: int | None = None, logit_softcap: float | None = None,
+                       sinks: torch.Tensor | None = None) -> None:
         """Decode attention of the step's ``fb.attn_meta.num_decodes`` decode requests.
 
-        q, o [Bd, Hq, D]: one query row per request, in ``fb.attn_meta``'s order.
+        q, o [Bd, Hq, D]: one query row per request, in ``fb.attn_meta``'s order. The
+        variants as in :meth:`forward`.
 
         Raises:
             RuntimeError: ``init_forward`` was not called for the step.
@@ -116,23 +122,33 @@ class AttentionBackend(ABC):
 
     # ---- one layer ----------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                sm_scale: float, fb: ForwardBatch, out: torch.Tensor | None = None
-                ) -> torch.Tensor:
+                sm_scale: float, fb: ForwardBatch, out: torch.Tensor | None = None, *,
+                sliding_window: int | None = None, logit_softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Store the new K/V of layer ``layer_id``, then attend.
 
         Args:
             q: [T, Hq, D]; k, v: [T, Hkv, D] (the step's new tokens).
-            sm_scale: softmax scale, usually ``D ** -0.5``.
+            sm_scale: softmax scale, usually ``D ** -0.5`` (Gemma: ``query_pre_attn_scalar
+                ** -0.5``).
             fb: the step (``init_forward`` done).
             out: optional [T, Hq, D] view to write into (e.g. a graph runner's static buffer).
+            sliding_window: W >= 1: a query at position p sees keys ``p - W + 1 .. p``
+                (HF's sliding window); None: all earlier keys.
+            logit_softcap: cap > 0: scores ``cap * tanh(s / cap)`` after the scale (Gemma 2).
+            sinks: ``[Hq]`` float32 per-head logits in the softmax denominator only (gpt-oss).
         Returns:
             [T, Hq, D] in q's dtype (``out`` when given).
+        Raises:
+            ValueError: a variant out of range (``kernels.reference.check_variants``).
         """
+        variants = {"sliding_window": sliding_window, "logit_softcap": logit_softcap,
+                    "sinks": sinks}
         kb, vb = fb.k_buffers[layer_id], fb.v_buffers[layer_id]
         self.store_kv(kb, vb, fb.out_cache_loc, k, v)
         o = torch.empty_like(q) if out is None else out
         if fb.is_decode:
-            self.forward_decode(q, o, kb, vb, fb, sm_scale)
+            self.forward_decode(q, o, kb, vb, fb, sm_scale, **variants)
             return o
         nd = fb.num_decodes
         te = q.shape[0] - nd             # tokens of the requests that extend
@@ -142,9 +158,9 @@ class AttentionBackend(ABC):
                 # an fp8 cache: attend to the new tokens as stored, like to the prefix, so the
                 # result does not depend on where the chunks (and so the load) cut the prompt
                 ke, ve = ke.to(kb.dtype).to(k.dtype), ve.to(vb.dtype).to(v.dtype)
-            self.forward_extend(q[:te], ke, ve, o[:te], kb, vb, fb, sm_scale)
+            self.forward_extend(q[:te], ke, ve, o[:te], kb, vb, fb, sm_scale, **variants)
         if nd:
-            self.forward_decode(q[te:], o[te:], kb, vb, fb, sm_scale)
+            self.forward_decode(q[te:], o[te:], kb, vb, fb, sm_scale, **variants)
         return o
 
     @staticmethod

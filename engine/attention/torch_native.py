@@ -79,26 +79,33 @@ class TorchNativeAttnBackend(AttentionBackend):
         reference.store_kv_ref(k_buffer, v_buffer, loc, k, v)
 
     def forward_extend(self, q, k, v, o, k_buffer, v_buffer, fb: ForwardBatch,
-                       sm_scale: float) -> None:
+                       sm_scale: float, **variants) -> None:
+        """:meth:`AttentionBackend.forward_extend`; ``variants`` (sliding_window,
+        logit_softcap, sinks) go to the references (``extend_attention_sdpa`` runs the
+        soft-cap and the sinks through ``extend_attention_planned``)."""
         plan = getattr(fb.attn_meta, "extend", None)
         if plan is None:  # no init_forward plan: build it for this layer
             rows = slice(0, fb.num_extends)
             reference.extend_attention_ref(
                 q, k, v, o, k_buffer, v_buffer, fb.req_to_token, fb.req_pool_indices[rows],
                 fb.seq_lens[rows], fb.extend_seq_lens[rows], fb.extend_start_loc[rows],
-                sm_scale)
+                sm_scale, **variants)
             return
-        reference.extend_attention_sdpa(q, k, v, o, k_buffer, v_buffer, plan, sm_scale)
+        reference.extend_attention_sdpa(q, k, v, o, k_buffer, v_buffer, plan, sm_scale,
+                                        **variants)
 
     def forward_decode(self, q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
-                       v_buffer: torch.Tensor, fb: ForwardBatch, sm_scale: float) -> None:
+                       v_buffer: torch.Tensor, fb: ForwardBatch, sm_scale: float,
+                       **variants) -> None:
+        """:meth:`AttentionBackend.forward_decode`; ``variants`` (sliding_window,
+        logit_softcap, sinks) go to the C++ kernel or the references."""
         m = self._meta(fb)
         lens64 = getattr(m, "decode_lens64", None)
         if lens64 is not None and q.dtype == k_buffer.dtype:
             cpu_ops.decode_attention(q, k_buffer, v_buffer, o, fb.req_to_token,
-                                     m.req_pool_indices, lens64, sm_scale)
+                                     m.req_pool_indices, lens64, sm_scale, **variants)
             return
         plan = getattr(m, "decode", None)
         if plan is None:  # no init_forward plan: build it for this layer
             plan = reference.decode_plan(fb.req_to_token, m.req_pool_indices, m.seq_lens)
-        reference.decode_attention_sdpa(q, k_buffer, v_buffer, o, plan, sm_scale)
+        reference.decode_attention_sdpa(q, k_buffer, v_buffer, o, plan, sm_scale, **variants)

@@ -116,16 +116,21 @@ class TritonAttnBackend(AttentionBackend):
         self._store(k_buffer, v_buffer, loc, k, v)
 
     def forward_extend(self, q, k, v, o, k_buffer, v_buffer, fb: ForwardBatch,
-                       sm_scale: float) -> None:
+                       sm_scale: float, **variants) -> None:
+        """:meth:`AttentionBackend.forward_extend`; ``variants`` (sliding_window,
+        logit_softcap, sinks) go to ``extend_attention_fwd``."""
         rows = slice(0, fb.num_extends)
         self._extend(q, k, v, o, k_buffer, v_buffer, fb.req_to_token, fb.req_pool_indices[rows],
                      fb.seq_lens[rows], fb.extend_seq_lens[rows], fb.extend_start_loc[rows],
-                     sm_scale, max_extend_len=fb.max_extend_len)
+                     sm_scale, max_extend_len=fb.max_extend_len, **variants)
 
     def forward_decode(self, q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
-                       v_buffer: torch.Tensor, fb: ForwardBatch, sm_scale: float) -> None:
+                       v_buffer: torch.Tensor, fb: ForwardBatch, sm_scale: float,
+                       **variants) -> None:
+        """:meth:`AttentionBackend.forward_decode`; ``variants`` (sliding_window,
+        logit_softcap, sinks) go to ``decode_attention_fwd``."""
         m = self._meta(fb)
         self._decode(q, k_buffer, v_buffer, o, fb.req_to_token, m.req_pool_indices,
                      m.seq_lens, sm_scale, num_kv_splits=m.num_kv_splits,
                      max_kv_splits=self.max_kv_splits, attn_logits=m.attn_logits,
-                     attn_lse=m.attn_lse)
+                     attn_lse=m.attn_lse, **variants)

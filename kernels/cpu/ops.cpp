@@ -147,13 +147,18 @@ inline void axpy_row(float* a, float p, const T* v, int64_t d) {
   for (int64_t i = 0; i < d; ++i) a[i] += p * to_f(v[i]);
 }
 
-// In-place softmax of nq rows of len fp32 scores (s[j * len + l]).
-inline void softmax_rows(float* s, int64_t nq, int64_t len) {
+// In-place softmax of nq rows of len fp32 scores (s[j * len + l]). softcap > 0: the scores
+// become softcap * tanh(s / softcap) first (Gemma 2); sinks: row j's sink logit sinks[j]
+// joins the denominator only (gpt-oss).
+inline void softmax_rows(float* s, int64_t nq, int64_t len, float softcap = 0.f,
+                         const float* sinks = nullptr) {
   for (int64_t j = 0; j < nq; ++j) {
     float* sj = s + j * len;
-    float m = -INFINITY;
+    if (softcap > 0.f)
+      for (int64_t l = 0; l < len; ++l) sj[l] = softcap * std::tanh(sj[l] / softcap);
+    float m = sinks ? sinks[j] : -INFINITY;
     for (int64_t l = 0; l < len; ++l) m = std::max(m, sj[l]);
-    float sum = 0.f;
+    float sum = sinks ? exp_f(sinks[j] - m) : 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t l = 0; l < len; ++l) {
       sj[l] = exp_f(sj[l] - m);
@@ -194,7 +199,8 @@ template <typename T, typename I>
 void decode_task(const T* q, int64_t q_head_stride, const T* kb, const T* vb,
                  int64_t slot_stride, int64_t head_stride, const I* tokens, int64_t len,
                  int64_t nq, int64_t group, int64_t d, float scale, T* o,
-                 int64_t o_head_stride, std::vector<float>& buf) {
+                 int64_t o_head_stride, std::vector<float>& buf, float softcap,
+                 const float* sinks) {
   // buf: nq*d scaled queries, nq*d accumulators, nq*len scores
   buf.resize(static_cast<size_t>(nq * (2 * d + len)));
   float* qf = buf.data();
@@ -212,7 +218,7 @@ void decode_task(const T* q, int64_t q_head_stride, const T* kb, const T* vb,
       s[j * len + l] = dot_row(qf + j * d, row + (j / group) * head_stride, d);
     }
   }
-  softmax_rows(s, nq, len);
+  softmax_rows(s, nq, len, softcap, sinks);
   for (int64_t l = 0; l < len; ++l) {
     const T* row = slot_row(vb, tokens, l, len, slot_stride, row_bytes);
     for (int64_t j = 0; j < nq; ++j) {
@@ -255,7 +261,7 @@ template <typename T, typename I, int G>
 void decode_task_grouped(const T* q, int64_t q_head_stride, const T* kb, const T* vb,
                          int64_t slot_stride, int64_t head_stride, const I* tokens, int64_t len,
                          int64_t nh, int64_t d, float scale, T* o, int64_t o_head_stride,
-                         std::vector<float>& buf) {
+                         std::vector<float>& buf, float softcap, const float* sinks) {
   const int64_t nq = nh * G;
   buf.resize(static_cast<size_t>(nq * (d + len)));
   float* qf = buf.data();
@@ -278,7 +284,7 @@ void decode_task_grouped(const T* q, int64_t q_head_stride, const T* kb, const T
       for (int g = 0; g < G; ++g) s[(h * G + g) * len + l] = vsum(a[g]);
     }
   }
-  softmax_rows(s, nq, len);
+  softmax_rows(s, nq, len, softcap, sinks);
   for (int64_t h = 0; h < nh; ++h) {
     for (int64_t i = 0; i < d; i += 2 * kW) {
       VecT a0[G], a1[G];
@@ -434,7 +440,8 @@ void decode_task_bf16dp(const bf16* q, int64_t q_head_stride, const bf16* kb, co
 template <typename T, typename I>
 void decode_impl(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tensor& v_buffer,
                  at::Tensor& o, const at::Tensor& req_to_token, const at::Tensor& rows,
-                 const at::Tensor& seq_lens, double sm_scale) {
+                 const at::Tensor& seq_lens, double sm_scale, int64_t window, float softcap,
+                 const float* sinks) {
   const int64_t bsz = q.size(0), hq = q.size(1), d = q.size(2), hkv = k_buffer.size(1);
   const int64_t group = hq / hkv;
   const T* qp = static_cast<T*>(q.data_ptr());
@@ -452,10 +459,15 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tens
   // enough requests to keep the threads busy; else one task per (request, KV head).
   const int64_t nh = bsz >= 4 * at::get_num_threads() ? hkv : 1;
   const int64_t per_req = hkv / nh;
+  // A sliding window of `window` keys: request b reads its last min(len, window) tokens only.
+  auto first = [&](int64_t b) { return window > 0 ? std::max<int64_t>(lp[b] - window, 0) : 0; };
+  // the bf16 dot task has its own softmax, without the soft-cap and the sinks
+  const bool plain_softmax = softcap <= 0.f && sinks == nullptr;
+  (void)plain_softmax;
   // Small steps run on the calling thread: waking the pool (passive OpenMP waiting) costs
   // more than ~4k token-heads of work.
   int64_t work = 0;
-  for (int64_t b = 0; b < bsz; ++b) work += lp[b] * hkv;
+  for (int64_t b = 0; b < bsz; ++b) work += (lp[b] - first(b)) * hkv;
   const int64_t grain = work < 4096 ? bsz * per_req : 1;
   // FERRY_CPU_BF16_DOT=0: the grouped fp32 task for bf16 too (for comparisons and tests)
   const char* dp_env = std::getenv("FERRY_CPU_BF16_DOT");
@@ -467,15 +479,17 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tens
       const int64_t b = t / per_req, h0 = (t % per_req) * nh;
       const T* qb = qp + b * q.stride(0) + h0 * group * q.stride(1);
       T* ob = op + b * o.stride(0) + h0 * group * o.stride(1);
-      const I* tb = r2t + rp[b] * r2t_stride;
+      const int64_t lo = first(b), len = lp[b] - lo;
+      const I* tb = r2t + rp[b] * r2t_stride + lo;
+      const float* sk = sinks ? sinks + h0 * group : nullptr;
 #if FERRY_BF16DP
       if constexpr (std::is_same_v<T, bf16>) {
-        if (d % 64 == 0 && group <= 4 && !dp_off) {
+        if (d % 64 == 0 && group <= 4 && !dp_off && plain_softmax) {
           switch (group) {
 #define FERRY_BF16DP_CASE(G)                                                                    \
   case G:                                                                                       \
     decode_task_bf16dp<I, G>(qb, q.stride(1), kp + h0 * head_stride, vp + h0 * head_stride,     \
-                             slot_stride, head_stride, tb, lp[b], nh, d, scale, ob,             \
+                             slot_stride, head_stride, tb, len, nh, d, scale, ob,               \
                              o.stride(1), buf);                                                 \
     continue;
             FERRY_BF16DP_CASE(1) FERRY_BF16DP_CASE(2) FERRY_BF16DP_CASE(3) FERRY_BF16DP_CASE(4)
@@ -491,8 +505,8 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tens
 #define FERRY_GROUPED(G)                                                                       \
   case G:                                                                                      \
     decode_task_grouped<T, I, G>(qb, q.stride(1), kp + h0 * head_stride, vp + h0 * head_stride, \
-                                 slot_stride, head_stride, tb, lp[b], nh, d, scale, ob,         \
-                                 o.stride(1), buf);                                             \
+                                 slot_stride, head_stride, tb, len, nh, d, scale, ob,           \
+                                 o.stride(1), buf, softcap, sk);                                \
     continue;
           FERRY_GROUPED(1) FERRY_GROUPED(2) FERRY_GROUPED(3)
           FERRY_GROUPED(4) FERRY_GROUPED(5) FERRY_GROUPED(6)
@@ -502,17 +516,21 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_buffer, const at::Tens
       }
 #endif
       decode_task<T, I>(qb, q.stride(1), kp + h0 * head_stride, vp + h0 * head_stride,
-                        slot_stride, head_stride, tb, lp[b], nh * group, group, d, scale, ob,
-                        o.stride(1), buf);
+                        slot_stride, head_stride, tb, len, nh * group, group, d, scale, ob,
+                        o.stride(1), buf, softcap, sk);
     }
   });
 }
 
 // Decode attention: q [B, Hq, D] against each request's first seq_lens[b] tokens, whose
-// slots are req_to_token[rows[b], :seq_lens[b]]; writes o [B, Hq, D].
+// slots are req_to_token[rows[b], :seq_lens[b]]; writes o [B, Hq, D]. Variants (0 / None:
+// off): sliding_window W > 0 reads the last W tokens only; logit_softcap > 0 caps the scaled
+// scores (cap * tanh(s / cap)); sinks [Hq] float32 logits join the softmax denominator only.
 void decode_attention(const at::Tensor& q, const at::Tensor& k_buffer,
                       const at::Tensor& v_buffer, at::Tensor o, const at::Tensor& req_to_token,
-                      const at::Tensor& rows, const at::Tensor& seq_lens, double sm_scale) {
+                      const at::Tensor& rows, const at::Tensor& seq_lens, double sm_scale,
+                      int64_t sliding_window, double logit_softcap,
+                      const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && o.sizes() == q.sizes(), "q and o must be [B, Hq, D]");
   TORCH_CHECK(k_buffer.dim() == 3 && v_buffer.sizes() == k_buffer.sizes() &&
                   k_buffer.strides() == v_buffer.strides(),
@@ -531,15 +549,29 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_buffer,
   TORCH_CHECK(req_to_token.stride(1) == 1, "req_to_token rows must be contiguous");
   const bool i32 = req_to_token.scalar_type() == at::kInt;
   TORCH_CHECK(i32 || req_to_token.scalar_type() == at::kLong, "req_to_token must be int32/64");
+  TORCH_CHECK(sliding_window >= 0 && logit_softcap >= 0.0,
+              "sliding_window and logit_softcap must be >= 0 (0: off)");
+  const float* sk = nullptr;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                    sinks->dim() == 1 && sinks->size(0) == q.size(1),
+                "sinks must be contiguous float32 [Hq]");
+    sk = sinks->data_ptr<float>();
+  }
+  const float cap = static_cast<float>(logit_softcap);
+#define FERRY_DECODE(T, I)                                                                  \
+  decode_impl<T, I>(q, k_buffer, v_buffer, o, req_to_token, rows, seq_lens, sm_scale,       \
+                    sliding_window, cap, sk)
   if (q.scalar_type() == at::kFloat) {
-    if (i32) decode_impl<float, int32_t>(q, k_buffer, v_buffer, o, req_to_token, rows, seq_lens, sm_scale);
-    else decode_impl<float, int64_t>(q, k_buffer, v_buffer, o, req_to_token, rows, seq_lens, sm_scale);
+    if (i32) FERRY_DECODE(float, int32_t);
+    else FERRY_DECODE(float, int64_t);
   } else if (q.scalar_type() == at::kBFloat16) {
-    if (i32) decode_impl<bf16, int32_t>(q, k_buffer, v_buffer, o, req_to_token, rows, seq_lens, sm_scale);
-    else decode_impl<bf16, int64_t>(q, k_buffer, v_buffer, o, req_to_token, rows, seq_lens, sm_scale);
+    if (i32) FERRY_DECODE(bf16, int32_t);
+    else FERRY_DECODE(bf16, int64_t);
   } else {
     TORCH_CHECK(false, "decode_attention: float32 or bfloat16 only");
   }
+#undef FERRY_DECODE
 }
 
 // Grain for at::parallel_for over `rows` rows of `per_row` elements: all rows on the calling
@@ -695,7 +727,8 @@ void rotary(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::T
 
 TORCH_LIBRARY(ferry_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor(a!) o, "
-        "Tensor req_to_token, Tensor rows, Tensor seq_lens, float sm_scale) -> ()");
+        "Tensor req_to_token, Tensor rows, Tensor seq_lens, float sm_scale, "
+        "int sliding_window=0, float logit_softcap=0., Tensor? sinks=None) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> Tensor[]");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos_sin_cache, "

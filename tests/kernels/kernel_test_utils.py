@@ -124,3 +124,90 @@ def make_extend_inputs(group: int, hkv: int, d: int, page: int, dtype: torch.dty
     ext = torch.tensor(extend_lens, dtype=torch.int32, device=DEVICE)
     starts = (torch.cumsum(ext, 0) - ext).to(torch.int32)
     return batch, q, k, v, ext, starts
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: list[int],
+                    scale: float, *, window: int | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain masked-softmax attention in float64, written from the model definitions (not
+    from the code under test): q ``[n, Hq, D]`` at positions ``q_pos``, k/v ``[m, Hkv, D]``
+    at positions ``0..m-1``. Scores ``q.k * scale``, then ``softcap * tanh(s / softcap)``
+    (Gemma 2), then the causal mask and HF's sliding window (key ``j`` visible to the query
+    at ``p`` iff ``p - window < j <= p``), then a softmax with the per-head sink logit as
+    one more column that is dropped afterwards (gpt-oss). Returns ``[n, Hq, D]`` float64."""
+    hq, hkv = q.shape[1], k.shape[1]
+    kf = k.double().cpu().repeat_interleave(hq // hkv, 1)          # [m, Hq, D]
+    vf = v.double().cpu().repeat_interleave(hq // hkv, 1)
+    s = torch.einsum("nhd,mhd->hnm", q.double().cpu(), kf) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    qp = torch.tensor(q_pos, dtype=torch.long)[:, None]
+    kp = torch.arange(k.shape[0])[None, :]
+    hidden = kp > qp
+    if window is not None:
+        hidden |= kp <= qp - window
+    s = s.masked_fill(hidden, float("-inf"))
+    if sinks is not None:
+        col = sinks.double().cpu().view(hq, 1, 1).expand(hq, s.shape[1], 1)
+        p = torch.softmax(torch.cat([s, col], -1), -1)[..., :-1]
+    else:
+        p = torch.softmax(s, -1)
+    return torch.einsum("hnm,mhd->nhd", p, vf)
+
+
+def request_kv(batch: PagedBatch, b: int, k_new: torch.Tensor | None = None,
+               v_new: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request ``b``'s keys and values in position order: its pooled prefix (its whole KV for
+    a decode batch), then ``k_new``/``v_new`` (its new tokens' rows, extend)."""
+    row = int(batch.req_pool_indices[b])
+    n = batch.prefix_lens[b] if k_new is not None else int(batch.seq_lens[b])
+    slots = batch.req_to_token[row, :n].long()
+    k, v = batch.k_buffer[slots], batch.v_buffer[slots]
+    if k_new is not None:
+        k, v = torch.cat([k, k_new.to(k.dtype)]), torch.cat([v, v_new.to(v.dtype)])
+    return k, v
+
+
+def poison_outside_window(batch: PagedBatch, window: int, queries_from: list[int]) -> None:
+    """NaN the pool slots of the keys that no query sees under ``window`` (request b's
+    queries start at position ``queries_from[b]``): a kernel that reads them, even to mask
+    them, turns its output NaN (``0 * NaN`` in ``p @ v``)."""
+    for b, p0 in enumerate(queries_from):
+        row = int(batch.req_pool_indices[b])
+        lo = max(0, p0 - window + 1)
+        slots = batch.req_to_token[row, :lo].long()
+        batch.k_buffer[slots] = float("nan")
+        batch.v_buffer[slots] = float("nan")
+
+
+def backend_mixed_step(name: str, dtype: torch.dtype, scale: float, **variants):
+    """One layer call of attention backend ``name`` (on the CPU) on a mixed step: a chunk
+    whose prefix (40) crosses a window, a prefill, three decodes; ``variants`` are passed to
+    ``AttentionBackend.forward``. Returns ``(out, dense float64 reference)``."""
+    from engine.attention import ATTENTION_BACKENDS
+    from engine.forward_batch import ForwardBatch, ForwardMode
+
+    group, hkv, d = 2, 2, 32
+    prefix, extend = [40, 0, 70, 5, 33], [25, 20, 1, 1, 1]
+    batch, q, k, v, ext, starts = make_extend_inputs(group, hkv, d, 16, dtype, prefix,
+                                                     extend, seed=13)
+    refs = []
+    for b, (p, n) in enumerate(zip(prefix, extend)):
+        s0 = int(starts[b])
+        kk, vv = request_kv(batch, b, k[s0:s0 + n], v[s0:s0 + n])
+        refs.append(dense_attention(q[s0:s0 + n], kk, vv, list(range(p, p + n)), scale,
+                                    window=variants.get("sliding_window"),
+                                    softcap=variants.get("logit_softcap"),
+                                    sinks=variants.get("sinks")))
+    loc = torch.cat([batch.req_to_token[r, p:p + n].long()
+                     for r, p, n in zip(batch.req_pool_indices.tolist(), prefix, extend)])
+    backend = ATTENTION_BACKENDS[name](group * hkv, hkv, d, num_sms=8, device="cpu")
+    fb = ForwardBatch(
+        mode=ForwardMode.EXTEND, batch_size=len(extend), positions=None,
+        req_pool_indices=batch.req_pool_indices, seq_lens=batch.seq_lens, out_cache_loc=loc,
+        req_to_token=batch.req_to_token, k_buffers=[batch.k_buffer],
+        v_buffers=[batch.v_buffer], attn_backend=backend, extend_seq_lens=ext,
+        extend_start_loc=starts, max_extend_len=max(extend), num_decodes=3)
+    backend.init_forward(fb)
+    out = backend.forward(q, k, v, 0, scale, fb, **variants)
+    return out, torch.cat(refs)

@@ -40,7 +40,7 @@ SCRIPT = textwrap.dedent('''
             elif name in ptr_types:
                 sig[name] = "*" + ptr_types[name]
                 attrs[(i,)] = [["tt.divisibility", 16]]
-            elif name in ("qk_scale", "eps"):
+            elif name in ("qk_scale", "eps", "cap_log2"):
                 sig[name] = "fp32"
             else:
                 sig[name] = "i32"
@@ -49,29 +49,41 @@ SCRIPT = textwrap.dedent('''
         src = ASTSource(kernel, sig, constexprs, attrs)
         triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
-    def decode(dtype, group, d, arch):
+    # the attention variants' switches: all off (the default build; sinks_ptr is None, a
+    # constexpr, as at launch) or all on
+    OFF = dict(SLIDING=False, SOFTCAP=False, HAS_SINKS=False, sinks_ptr=None)
+    ON = dict(SLIDING=True, SOFTCAP=True, HAS_SINKS=True)
+
+    def sinks(var):
+        return {} if "sinks_ptr" in var else {"sinks_ptr": "fp32"}
+
+    def decode(dtype, group, d, arch, var=OFF):
         t = TY[dtype]
         ptrs = dict(q_ptr=t, k_buf=t, v_buf=t, req_to_token="i32", req_pool_indices="i64",
                     seq_lens="i32", num_kv_splits="i32", part_o="fp32", part_lse="fp32",
-                    o_ptr=t)
+                    o_ptr=t, **sinks(var))
         meta, opts = da._stage1_meta(group, d, dtype, "cuda")
-        compile_one(da._decode_stage1_kernel, ptrs, meta, opts, arch)
+        compile_one(da._decode_stage1_kernel, ptrs, {**meta, **var}, opts, arch)
         meta, opts = da._stage2_meta(d, 16)
+        var2 = {k: var[k] for k in ("HAS_SINKS", "sinks_ptr") if k in var}
         compile_one(da._decode_stage2_kernel, dict(part_o="fp32", part_lse="fp32", o_ptr=t,
-                    num_kv_splits="i32"), meta, opts, arch)
+                    num_kv_splits="i32", **sinks(var)), {**meta, **var2}, opts, arch)
 
-    def extend(dtype, group, d, arch):
+    def extend(dtype, group, d, arch, var=OFF):
         t = TY[dtype]
         ptrs = dict(q_ptr=t, k_ptr=t, v_ptr=t, o_ptr=t, k_buf=t, v_buf=t, req_to_token="i32",
                     req_pool_indices="i64", seq_lens="i32", extend_seq_lens="i32",
-                    extend_start_loc="i32")
+                    extend_start_loc="i32", **sinks(var))
         meta, opts = ea._extend_meta(group, d, dtype, "cuda")
-        compile_one(ea._extend_kernel, ptrs, meta, opts, arch)
+        compile_one(ea._extend_kernel, ptrs, {**meta, **var}, opts, arch)
 
     for arch in (90, 80):
         decode(torch.bfloat16, 4, 128, arch)
         extend(torch.bfloat16, 4, 128, arch)
     decode(torch.float32, 1, 64, 90)        # elementwise (MHA) path, ieee fp32 dots
+    decode(torch.bfloat16, 4, 128, 90, ON)  # sliding window, soft-cap and sinks
+    decode(torch.float16, 1, 64, 90, ON)
+    extend(torch.bfloat16, 4, 128, 90, ON)
     decode(torch.float16, 3, 80, 90)        # padded head_dim
     extend(torch.float32, 8, 64, 90)
     extend(torch.float16, 3, 96, 90)
