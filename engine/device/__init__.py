@@ -10,7 +10,7 @@ XPU facts respected here (sources in docs/deployment.md, "Intel GPUs"):
 ``torch.xpu.mem_get_info`` fails on some older integrated Intel GPUs and does not drop after
 torch allocates on others (Arc B-series, Data Center GPU Max), so free memory is at most
 total minus what torch reserved; ``torch.xpu.XPUGraph`` exists from torch 2.11 on and is
-opt-in before 2.14 (``graphs.py``); the distributed backend is ``xccl``, torn down before a
+opt-in on every torch until a run on Intel hardware (``graphs.py``); the distributed backend is ``xccl``, torn down before a
 worker exits; bf16 is not the default on an Arc A770.
 """
 
@@ -39,6 +39,7 @@ from engine.device.graphs import graph_pool_handle as graph_pool_handle
 from engine.device.graphs import graphs_capture_collectives as graphs_capture_collectives
 from engine.device.graphs import graphs_enabled as graphs_enabled
 from engine.device.graphs import replay_matches_eager as replay_matches_eager
+from engine.device.graphs import replay_or_none as replay_or_none
 
 logger = logging.getLogger(__name__)
 
