@@ -144,7 +144,8 @@ def test_moe_with_a_quantization_is_refused(fields, quant, message, serve_stubbe
 
 
 def test_an_unsupported_architecture_is_refused(serve_stubbed, capsys, tmp_path):
-    path = _config(tmp_path, "gpt2", architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    path = _config(tmp_path, "gpt2", architectures=["GPT2LMHeadModel"], model_type="gpt2",
+                   bos_token_id=0, eos_token_id=0)  # in the vocabulary: no config warning
     line = _refused(serve_stubbed, capsys, ["--model-path", path, "--load-format", "dummy"])
     assert line.startswith("unsupported model architecture GPT2LMHeadModel; ferry supports "
                            "LlamaForCausalLM"), line
