@@ -77,9 +77,11 @@ class ServerArgs:
                                      "(alias fp8) / fp8_e5m2: one byte per value, cast "
                                      "without a scale", ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"))
     disable_cuda_graph: bool = _f(False, "run decode eagerly (no CUDA/XPU graphs)")
-    enable_xpu_graph: bool = _f(False, "XPU: capture graphs with torch < 2.14 too (off there "
-                                       "by default: SYCL graphs are not stable, vllm#38193; "
-                                       "a replay that disagrees with eager turns them off)")
+    enable_xpu_graph: bool = _f(False, "XPU: capture decode and piecewise graphs (off by "
+                                       "default on every torch until shown right on Intel "
+                                       "hardware: SYCL graphs are not stable, vllm#38193; a "
+                                       "replay that disagrees with eager or raises turns them "
+                                       "off; ignored off XPU)")
     cuda_graph_max_bs: int = _f(256, "GPU only: largest batch size captured in a decode graph",
                                 ge=1)
     disable_piecewise_graph: bool = _f(False, "GPU only: run prefill and mixed steps eagerly "

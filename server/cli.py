@@ -137,6 +137,7 @@ def serve(argv: list[str]) -> int:
         cors_options(args)  # --allowed-origins entries
     except ValueError as exc:
         parser.error(str(exc))  # usage + "ferry serve: error: ...", exit code 2
+    from engine.executor.preflight import check_start_up, one_line
     from engine.scheduler.build import check_environment
     from server.app import model_name_of
     from server.openai.lora import check_adapter_names
@@ -144,12 +145,22 @@ def serve(argv: list[str]) -> int:
     try:
         check_environment(args)  # device, attention backend, model path: before any child
         check_adapter_names(args, model_name_of(args))  # --lora-paths names like the base's
+        check_start_up(args, given_fields(argv))  # adapters, the model's config and classes
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        parser.error(str(exc))
+        parser.error(one_line(str(exc)))
 
     from server.launch import launch_server
 
     return launch_server(args)
+
+
+def given_fields(argv: list[str]) -> frozenset[str]:
+    """The ``ServerArgs`` fields given on the ``ferry serve`` command line (parsed again with
+    no defaults, so a flag given with its default value counts as given)."""
+    parser = serve_parser()
+    for action in parser._actions:  # argparse has no public way to drop every default
+        action.default = argparse.SUPPRESS
+    return frozenset(vars(parser.parse_args(argv)))
 
 
 def run_subcommand(name: str, argv: list[str]) -> int:

@@ -8,9 +8,10 @@ knobs) are re-exported here, so callers write ``dev.graph_class`` as before.
 
 XPU facts respected here (sources in docs/deployment.md, "Intel GPUs"):
 ``torch.xpu.mem_get_info`` fails on some older integrated Intel GPUs and does not drop after
-torch allocates on others (Arc B-series, Data Center GPU Max), so free memory is at most
-total minus what torch reserved; ``torch.xpu.XPUGraph`` exists from torch 2.11 on and is
-opt-in before 2.14 (``graphs.py``); the distributed backend is ``xccl``, torn down before a
+torch allocates on others (Arc B-series, Data Center GPU Max), so free memory is then
+total minus what torch reserved minus ``XPU_UNTRACKED_RESERVE`` for what it holds outside
+torch; ``torch.xpu.XPUGraph`` exists from torch 2.11 on and is
+opt-in on every torch until a run on Intel hardware (``graphs.py``); the distributed backend is ``xccl``, torn down before a
 worker exits; bf16 is not the default on an Arc A770.
 """
 
@@ -39,6 +40,7 @@ from engine.device.graphs import graph_pool_handle as graph_pool_handle
 from engine.device.graphs import graphs_capture_collectives as graphs_capture_collectives
 from engine.device.graphs import graphs_enabled as graphs_enabled
 from engine.device.graphs import replay_matches_eager as replay_matches_eager
+from engine.device.graphs import replay_or_none as replay_or_none
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +158,14 @@ def manual_seed_all(device_type: str, seed: int) -> None:
         mod.manual_seed_all(seed)
 
 
+#: XPU bytes held outside torch's caching allocator that no free-memory figure reports when
+#: the driver's is stuck (the Level Zero context and command lists, kernels compiled by IGC,
+#: oneCCL's buffers under tensor parallelism): left out of the free memory the KV pool is
+#: sized from (memory_info). An estimate, not a measurement; --max-total-tokens overrides
+#: the sizing (docs/deployment.md, "Memory sizing")
+XPU_UNTRACKED_RESERVE = 1 << 30
+
+
 @dataclass
 class MemoryInfo:
     """Device memory figures in bytes."""
@@ -168,12 +178,14 @@ class MemoryInfo:
 def memory_info(device_type: str) -> MemoryInfo:
     """Free, total and torch-allocated memory of the current device, in bytes.
 
-    XPU: ``free = min(driver free, total - torch.xpu.memory_reserved())``. The driver's
-    figure (``mem_get_info``, the SYCL free-memory query) does not drop after torch
+    XPU: the driver's figure (``mem_get_info``, the SYCL free-memory query) where it is
+    below ``total - torch.xpu.memory_reserved()``: there it counts torch's memory, and also
+    other processes' and what this one holds outside torch. It does not drop after torch
     allocates on Arc B-series cards and 64 GiB Data Center GPU Max stacks (pytorch#161381,
-    intel/torch-xpu-ops#4966), so trusting it alone would leave the weights out of the KV
-    budget; older integrated GPUs have no such query at all (then total - reserved). The
-    driver's figure still counts other processes where it works, hence the minimum.
+    intel/torch-xpu-ops#4966), and older integrated GPUs have no such query at all; then
+    ``free = total - reserved - XPU_UNTRACKED_RESERVE``: the weights are out of the budget,
+    and so is an allowance for the device memory outside torch's allocator that nothing
+    reports (the Level Zero context, the compiled kernels, oneCCL's buffers).
     On the CPU, free and total come from the OS (available and total RAM).
     """
     if device_type == "cuda":
@@ -181,12 +193,16 @@ def memory_info(device_type: str) -> MemoryInfo:
         return MemoryInfo(free, total, torch.cuda.memory_allocated())
     if device_type == "xpu":
         total = torch.xpu.get_device_properties().total_memory
-        free = total - torch.xpu.memory_reserved()
+        driver_free = None
         try:
             driver_free, total = torch.xpu.mem_get_info()
-            free = min(driver_free, total - torch.xpu.memory_reserved())
         except Exception:  # noqa: BLE001 - older integrated GPUs: no free-memory query
             pass
+        tracked = total - torch.xpu.memory_reserved()
+        if driver_free is not None and driver_free < tracked:
+            free = driver_free  # the driver sees torch's memory, so it sees the rest too
+        else:  # stuck or absent: what torch holds, and an allowance for what it does not
+            free = tracked - XPU_UNTRACKED_RESERVE
         return MemoryInfo(max(free, 0), total, torch.xpu.memory_allocated())
     try:
         pages = os.sysconf("SC_PHYS_PAGES")

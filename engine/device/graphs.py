@@ -6,25 +6,25 @@ the sources (docs/deployment.md, "Intel GPUs", says what each means for a deploy
 
 - CUDA: graphs on unless ``--disable-cuda-graph`` (unchanged).
 - XPU: ``torch.xpu.XPUGraph`` ships with torch 2.11, built on SYCL graphs until torch 2.14
-  moves it to Level Zero graphs (vllm#51600). vLLM turned XPU graphs off
-  by default right after moving to torch 2.11 ("requires a specific driver version, not
+  moves it to Level Zero graphs (vllm#51600, an open upstream change). vLLM turned XPU graphs
+  off by default right after moving to torch 2.11 ("requires a specific driver version, not
   stable", vllm#38193, opt-in with ``VLLM_XPU_ENABLE_XPU_GRAPH=1``), piecewise capture has
   given corrupt output on a Data Center GPU Max (vllm#48946) and graphs with collectives
-  garbage under tensor parallelism (intel/llm-scaler#698). So before torch 2.14 XPU graphs
-  are opt-in (``--enable-xpu-graph``); from 2.14 they are on, as vLLM's pending change
-  proposes. Tensor-parallel XPU steps run eagerly either way
-  (:func:`graphs_capture_collectives`).
-- Every device: a capture that raises is logged with its reason and those steps run eagerly
-  (:func:`capture_or_eager`); after the capture one replay is compared with an eager step
-  (:func:`replay_matches_eager`, ``engine/executor/graph_setup.py``), and a replay that
-  disagrees turns that kind of graph off.
+  garbage under tensor parallelism (intel/llm-scaler#698). So XPU graphs are opt-in
+  (``--enable-xpu-graph``) on every torch, 2.14 included, until a run on Intel hardware
+  shows them right (:data:`XPU_GRAPHS_BY_DEFAULT`). Tensor-parallel XPU steps run eagerly
+  either way (:func:`graphs_capture_collectives`).
+- Every device: a capture or a replay that raises is logged with its reason and those steps
+  run eagerly (:func:`capture_or_eager`, :func:`replay_or_none`); after the capture one
+  replay is compared with an eager step (:func:`replay_matches_eager`,
+  ``engine/executor/graph_setup.py``), and a replay that disagrees turns that kind of graph
+  off.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -36,8 +36,10 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: the first torch whose XPU graphs are on by default (Level Zero graphs; earlier: opt-in)
-XPU_GRAPHS_DEFAULT_FROM = (2, 14)
+#: whether XPU graphs are on without ``--enable-xpu-graph``: not on any torch until a run on
+#: Intel hardware (the start-up check included) shows their replays right; torch 2.14's
+#: Level Zero graphs rest on an open upstream change (vllm#51600), not on a run
+XPU_GRAPHS_BY_DEFAULT = False
 #: ``FERRY_SKIP_GRAPH_CHECK=1`` skips the start-up replay-vs-eager comparison
 SKIP_CHECK_ENV = "FERRY_SKIP_GRAPH_CHECK"
 
@@ -79,18 +81,13 @@ def graphs_capture_collectives(device_type: str) -> bool:
     return device_type == "cuda"
 
 
-def _torch_version() -> tuple[int, int]:
-    m = re.match(r"(\d+)\.(\d+)", torch.__version__)
-    return (int(m[1]), int(m[2])) if m else (0, 0)
-
-
 def graphs_enabled(device_type: str, *, disable: bool = False,
                    enable_xpu: bool = False) -> tuple[bool, str]:
     """Whether to capture decode and piecewise graphs on ``device_type``, and why not.
 
     Args:
         disable: ``--disable-cuda-graph`` (every device).
-        enable_xpu: ``--enable-xpu-graph`` (XPU graphs before torch 2.14).
+        enable_xpu: ``--enable-xpu-graph`` (XPU graphs are opt-in, ``XPU_GRAPHS_BY_DEFAULT``).
     Returns:
         ``(on, reason)``; ``reason`` is empty when on, else a sentence for the log.
     """
@@ -98,10 +95,9 @@ def graphs_enabled(device_type: str, *, disable: bool = False,
         return False, "--disable-cuda-graph"
     if graph_class(device_type) is None:
         return False, f"this torch has no graph class for {device_type}"
-    if device_type == "xpu" and not enable_xpu and _torch_version() < XPU_GRAPHS_DEFAULT_FROM:
-        return False, (f"XPU graphs are opt-in before torch "
-                       f"{'.'.join(map(str, XPU_GRAPHS_DEFAULT_FROM))} (SYCL graphs, not "
-                       f"stable: vllm#38193); --enable-xpu-graph turns them on")
+    if device_type == "xpu" and not enable_xpu and not XPU_GRAPHS_BY_DEFAULT:
+        return False, ("XPU graphs are opt-in until they are shown right on Intel hardware "
+                       "(SYCL graphs not stable: vllm#38193); --enable-xpu-graph turns them on")
     return True, ""
 
 
@@ -135,6 +131,24 @@ def capture_or_eager(device_type: str, what: str, build: Callable[[], T]) -> T |
         logger.warning("%s: graph capture failed on %s (%s: %s); these steps run eagerly",
                        what, device_type, type(e).__name__, str(e).splitlines()[0] if str(e)
                        else "no message")
+        _recover(device_type)
+        return None
+
+
+def replay_or_none(device_type: str, what: str, replay: Callable[[], T]) -> T | None:
+    """``replay()`` (a graph replay's output), or None when it raises: one warning with the
+    reason, the device is synchronised and its cache emptied, and the caller runs the step
+    eagerly (and drops the graphs, so that the warning is not repeated every step).
+
+    Under tensor parallelism a rank must not drop its graphs alone (its peers would
+    all-reduce padded batches against its eager ones): the caller re-raises there instead.
+    """
+    try:
+        return replay()
+    except Exception as e:  # noqa: BLE001 - any replay failure means: run eagerly
+        logger.warning("%s: a replay raised on %s (%s: %s); these steps run eagerly from now "
+                       "on", what, device_type, type(e).__name__,
+                       str(e).splitlines()[0] if str(e) else "no message")
         _recover(device_type)
         return None
 

@@ -9,11 +9,12 @@ None when it is off, its capture raised, or its replay disagreed with the eager 
 2. agree: under tensor parallelism every rank keeps a runner only when every rank has one
    (graph replays pad a batch to its bucket, so one eager rank would all-reduce tensors of
    another shape than its peers);
-3. check: a small batch (3 requests of 7, 40 and 100 tokens, deterministic ids) is
-   prefilled eagerly and through the piecewise graphs, then decoded one step eagerly and by
-   a decode-graph replay; ``engine.device.replay_matches_eager`` compares the logits, and a
-   kind of graph whose replay disagrees is dropped with the measured difference in the log
-   (the ranks agree again). The check borrows ``req_to_token`` rows and KV pages from the
+3. check: a batch of 7 requests of 7 to 1000 tokens (``CHECK_LENS``, 2180 in all, so that
+   the decode replay reads a long KV and the split-KV and padding paths run; deterministic
+   ids) is prefilled eagerly and through the piecewise graphs, then decoded one step eagerly
+   and by a decode-graph replay; ``engine.device.replay_matches_eager`` compares the logits,
+   and a kind of graph whose replay disagrees, or raises, is dropped with the measured
+   difference or the error in the log (the ranks agree again). The check borrows ``req_to_token`` rows and KV pages from the
    pools and hands them back in their order, so allocation is as without it.
    ``FERRY_SKIP_GRAPH_CHECK=1`` skips it.
 
@@ -34,8 +35,10 @@ from engine.forward_batch import ForwardMode
 
 logger = logging.getLogger(__name__)
 
-#: prompt lengths of the start-up check's requests (capped by the pool and the context)
-CHECK_LENS = (7, 40, 100)
+#: prompt lengths of the start-up check's requests (capped by the pool, the context and the
+#: piecewise graphs' largest step, 2304 tokens by default): 7 requests, 2180 tokens in flight
+#: (3 requests of 147 tokens checked little of a long decode's split KV)
+CHECK_LENS = (7, 40, 100, 200, 333, 500, 1000)
 
 
 def build_graphs(runner):
@@ -144,19 +147,24 @@ def check_graphs(runner, gr, pw) -> tuple[bool, bool]:
                                extend_lens=[1] * len(reqs), sample=[True] * len(reqs),
                                out_cache_loc=[ss[L] for ss, L in zip(slots, lens)])
         pw_ok = gr_ok = True
-        if pw is not None:
-            replayed = pw.run(prefill)
-            pw_ok = _verdict(runner, "piecewise graphs", replayed, _eager(runner, prefill))
+        d = runner.device_type
+        if pw is not None:  # a replay that raises: warned once, that kind runs eagerly
+            replayed = dev.replay_or_none(d, "piecewise graphs", lambda: pw.run(prefill))
+            eager = _eager(runner, prefill)  # also what the decode step reads from the pool
+            pw_ok = replayed is not None and _verdict(runner, "piecewise graphs", replayed,
+                                                      eager)
         else:
             _eager(runner, prefill)  # the decode step reads this prefix from the pool
         if gr is not None:
-            replayed = gr.replay(decode).clone()
+            replayed = dev.replay_or_none(d, "decode graphs", lambda: gr.replay(decode).clone())
             eager = _eager(runner, decode)
-            gr_ok = _verdict(runner, "decode graphs", replayed, eager)
-            if getattr(gr, "base_graphs", None):  # LoRA: the kind with the kernels too
-                replayed = gr.replay(decode, with_lora=True).clone()
-                gr_ok = _verdict(runner, "decode graphs with LoRA", replayed, eager) and gr_ok
-        dev.synchronize(runner.device_type)
+            gr_ok = replayed is not None and _verdict(runner, "decode graphs", replayed, eager)
+            if gr_ok and getattr(gr, "base_graphs", None):  # LoRA: the kernels' kind too
+                replayed = dev.replay_or_none(d, "decode graphs with LoRA",
+                                              lambda: gr.replay(decode, with_lora=True).clone())
+                gr_ok = replayed is not None and _verdict(runner, "decode graphs with LoRA",
+                                                          replayed, eager)
+        dev.synchronize(d)
     finally:  # hand the rows and pages back so that allocation continues as without the check
         for req, pg in zip(reversed(reqs), reversed(pages)):
             kv.free_pages(pg)

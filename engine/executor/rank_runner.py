@@ -23,6 +23,7 @@ from engine import device as dev
 from engine import distributed as tpd
 from engine.args import ServerArgs, lora_enabled, prefill_budget
 from engine.attention import create_attention_backend, resolve_attention_backend
+from engine.executor.graph_replay import replay_graphs
 from engine.executor.schedule_batch import ScheduleBatch
 from engine.executor.tp_messages import IdsMsg, TPMessage, step_msg
 from engine.forward_batch import ForwardBatch, ForwardMode, resolve_placeholders
@@ -344,12 +345,9 @@ class RankRunner:
             pool = self.req_to_token_pool
             writes, pool.pending_writes = pool.pending_writes, []
             self.tp_channel.send(step_msg(batch, future_ids is not None, writes))
-        if (batch.mode == ForwardMode.DECODE and self.graph_runner is not None
-                and self.graph_runner.can_run(batch.batch_size)):
-            return self.graph_runner.replay(batch, future_ids)
-        if (batch.mode == ForwardMode.EXTEND and self.piecewise_runner is not None
-                and self.piecewise_runner.can_run(batch.num_tokens)):
-            return self.piecewise_runner.run(batch, future_ids)
+        logits = replay_graphs(self, batch, future_ids)  # None: no graph fits, or it raised
+        if logits is not None:
+            return logits
         input_ids, fb = self.build_forward_batch(batch, future_ids)
         self.attn_backend.init_forward(fb)
         return self.model(input_ids, fb.positions, fb)

@@ -117,15 +117,12 @@ def adapter_rank(path: str) -> int:
         return 0
 
 
-def read_adapter(name: str, path: str, max_rank: int) -> LoRAAdapter:
-    """Read and check a peft LoRA adapter directory.
+def read_adapter_config(path: str) -> dict:
+    """The checked ``adapter_config.json`` of an adapter directory (no tensors are read).
 
-    Returns:
-        the adapter with every module's ``(A, scale * B)`` in float32 on the CPU.
     Raises:
-        LoRAError: no such directory, a missing or malformed file, an unsupported feature
-            (naming the config field or the tensor), or a module rank above ``max_rank``
-            (``--max-lora-rank``).
+        LoRAError: no such directory, no or malformed ``adapter_config.json``, or a config
+            asking for what ferry does not run (naming the field).
     """
     if not os.path.isdir(path):
         raise LoRAError(f"LoRA adapter path {path!r} is not a directory")
@@ -140,6 +137,40 @@ def read_adapter(name: str, path: str, max_rank: int) -> LoRAAdapter:
     if not isinstance(cfg, dict):
         raise LoRAError(f"{cfg_path}: not a JSON object")
     _config_errors(cfg)
+    return cfg
+
+
+def check_adapter_dir(path: str, max_rank: int | None) -> None:
+    """What can be checked of an adapter directory without reading its tensors: the config
+    (:func:`read_adapter_config`), a weights file, and the declared rank (``r``,
+    ``rank_pattern``) against ``max_rank`` (``--max-lora-rank``; None: not given). For
+    ``ferry serve``'s start-up checks; :func:`read_adapter` checks the tensors too.
+
+    Raises:
+        LoRAError: as :func:`read_adapter_config`; no ``adapter_model.safetensors`` or
+            ``adapter_model.bin``; a declared rank above ``max_rank``.
+    """
+    read_adapter_config(path)
+    if not any(os.path.isfile(os.path.join(path, f))
+               for f in ("adapter_model.safetensors", "adapter_model.bin")):
+        raise LoRAError(f"{path}: no adapter_model.safetensors or adapter_model.bin")
+    rank = adapter_rank(path)
+    if max_rank is not None and rank > max_rank:
+        raise LoRAError(f"{path}: rank {rank} (adapter_config.json), above --max-lora-rank "
+                        f"{max_rank}", "r")
+
+
+def read_adapter(name: str, path: str, max_rank: int) -> LoRAAdapter:
+    """Read and check a peft LoRA adapter directory.
+
+    Returns:
+        the adapter with every module's ``(A, scale * B)`` in float32 on the CPU.
+    Raises:
+        LoRAError: no such directory, a missing or malformed file, an unsupported feature
+            (naming the config field or the tensor), or a module rank above ``max_rank``
+            (``--max-lora-rank``).
+    """
+    cfg = read_adapter_config(path)
     alpha, rslora = float(cfg["lora_alpha"]), bool(cfg.get("use_rslora"))
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in _read_tensors(path).items():

@@ -140,3 +140,80 @@ def test_check_decision(cpu_runner, gr_err, pw_err):
     assert r.kv_pool.free_page_list() == pages and r.req_to_token_pool._free == rows
     assert check_graphs(r, None, pw) == (True, pw_err < 1e-3)
     assert check_graphs(r, gr, None) == (gr_err < 1e-3, True)
+
+
+class _RaisingStandIn(_EagerStandIn):
+    """A decode/piecewise runner whose every replay raises (a graph runtime error)."""
+
+    def can_run(self, n):
+        return True
+
+    def _step(self, batch, *a, **k):
+        self.calls += 1
+        raise RuntimeError("fake replay failure\nsecond line")
+
+    replay = run = _step
+
+
+@pytest.mark.parametrize("raising", ["decode", "piecewise"])
+def test_check_replay_that_raises_drops_that_kind(cpu_runner, raising, caplog):
+    """A replay that raises in the start-up check: that kind is dropped with one warning and
+    the check carries on (the exception used to stop the engine)."""
+    from engine.executor.graph_setup import check_graphs
+
+    r = cpu_runner
+    pages, rows = r.kv_pool.free_page_list(), list(r.req_to_token_pool._free)
+    gr = _RaisingStandIn(r) if raising == "decode" else _EagerStandIn(r)
+    pw = _RaisingStandIn(r) if raising == "piecewise" else _EagerStandIn(r)
+    with caplog.at_level(logging.WARNING):
+        assert check_graphs(r, gr, pw) == (raising != "decode", raising != "piecewise")
+    what = f"{raising} graphs"
+    warnings = [m for m in caplog.messages if "a replay raised" in m]
+    assert warnings == [f"{what}: a replay raised on cpu (RuntimeError: fake replay failure); "
+                        "these steps run eagerly from now on"]
+    assert r.kv_pool.free_page_list() == pages and r.req_to_token_pool._free == rows
+
+
+def test_serving_replay_that_raises_runs_eagerly(monkeypatch, caplog):
+    """A replay that raises while serving: that step and the later ones run eagerly, with
+    one warning per kind of graph, and generate what an engine without graphs generates."""
+    from engine import LLM
+
+    with LLM(**KW) as llm:
+        want = _generate(llm)
+    _pretend_cpu_graphs(monkeypatch, contextlib.nullcontext)
+    monkeypatch.setenv("FERRY_SKIP_GRAPH_CHECK", "1")  # keep the "captured" graphs
+    with LLM(**KW) as llm:
+        r = llm.runner
+        assert r.graph_runner is not None and r.piecewise_runner is not None
+        gr, pw = _RaisingStandIn(r), _RaisingStandIn(r)
+        r.graph_runner, r.piecewise_runner = gr, pw
+        with caplog.at_level(logging.WARNING):
+            assert _generate(llm) == want
+            assert _generate(llm) == want
+        assert r.graph_runner is None and r.piecewise_runner is None
+        assert gr.calls == 1 and pw.calls == 1
+    warnings = [m for m in caplog.messages if "a replay raised" in m]
+    assert sorted(warnings) == [
+        f"{what}: a replay raised on cpu (RuntimeError: fake replay failure); these steps "
+        "run eagerly from now on" for what in ("decode graphs", "piecewise graphs")]
+
+
+def test_check_batch_has_thousands_of_tokens_in_flight():
+    """With room for it, the start-up check runs 7 requests and 2180 tokens (was 3 requests
+    and 147 tokens: a decode replay over a short KV checks little of the split-KV path);
+    smaller pools and steps shrink it."""
+    import types
+
+    from engine.executor.graph_setup import _check_lens
+
+    def runner(free_tokens, rows=256, ctx=8192):
+        kv = types.SimpleNamespace(free_tokens=lambda: free_tokens, page_size=1)
+        pool = types.SimpleNamespace(available=lambda: rows)
+        return types.SimpleNamespace(kv_pool=kv, req_to_token_pool=pool, max_context_len=ctx)
+
+    lens = _check_lens(runner(1 << 20), max_bs=256, max_tokens=2304)
+    assert len(lens) >= 7 and sum(lens) >= 2000 and max(lens) >= 1000
+    small = _check_lens(runner(1 << 20), max_bs=4, max_tokens=512)
+    assert len(small) == 4 and sum(small) <= 512
+    assert _check_lens(runner(700), max_bs=256, max_tokens=2304) != []

@@ -70,9 +70,12 @@ def fake_xpu(monkeypatch):
 # ---- memory figures ----------------------------------------------------------------------
 
 def test_free_memory_counts_what_torch_reserved(fake_xpu):
+    """A stuck driver figure: free is what torch has not reserved, less the allowance for
+    memory outside torch (Level Zero context, kernels, oneCCL) that nothing reports."""
     fake_xpu(driver_free=23 * GiB, reserved=10 * GiB)  # the driver's figure did not drop
     m = dev.memory_info("xpu")
-    assert (m.free, m.total, m.allocated) == (14 * GiB, 24 * GiB, 9 * GiB)
+    assert dev.XPU_UNTRACKED_RESERVE == GiB
+    assert (m.free, m.total, m.allocated) == (13 * GiB, 24 * GiB, 9 * GiB)
 
 
 def test_free_memory_takes_the_driver_figure_when_lower(fake_xpu):
@@ -83,7 +86,13 @@ def test_free_memory_takes_the_driver_figure_when_lower(fake_xpu):
 def test_free_memory_without_mem_get_info(fake_xpu):
     fake_xpu(mem_get_info_raises=True, reserved=3 * GiB)  # older integrated GPUs
     m = dev.memory_info("xpu")
-    assert (m.free, m.total) == (21 * GiB, 24 * GiB)
+    assert (m.free, m.total) == (20 * GiB, 24 * GiB)
+
+
+def test_a_working_driver_figure_needs_no_allowance(fake_xpu):
+    """A driver figure below total - reserved sees torch's memory, hence the rest too."""
+    fake_xpu(driver_free=12 * GiB, reserved=10 * GiB)  # 2 GiB outside torch, counted
+    assert dev.memory_info("xpu").free == 12 * GiB
 
 
 def test_kv_budget_leaves_out_the_weights(fake_xpu):
@@ -91,7 +100,7 @@ def test_kv_budget_leaves_out_the_weights(fake_xpu):
     would have counted the 10 GiB of weights as free."""
     fake_xpu(driver_free=24 * GiB, reserved=10 * GiB)
     m = dev.memory_info("xpu")
-    assert m.total * 0.85 - (m.total - m.free) == pytest.approx(24 * GiB * 0.85 - 10 * GiB)
+    assert m.total * 0.85 - (m.total - m.free) == pytest.approx(24 * GiB * 0.85 - 11 * GiB)
 
 
 # ---- device facts ------------------------------------------------------------------------
@@ -151,15 +160,17 @@ def test_host_to_device_on_the_cpu_is_the_tensor():
 
 # ---- graphs: when, and the fallback ------------------------------------------------------
 
-def test_xpu_graphs_are_opt_in_before_torch_2_14(fake_xpu, monkeypatch):
+@pytest.mark.parametrize("version", ["2.13.0+xpu", "2.14.0+xpu", "2.15.0+xpu"])
+def test_xpu_graphs_are_opt_in_on_every_torch(version, fake_xpu, monkeypatch):
+    """Opt-in at torch 2.14 too: its Level Zero graphs rest on an open upstream change
+    (vllm#51600), not on a run on Intel hardware (they were on by default from 2.14)."""
     fake = fake_xpu()
-    monkeypatch.setattr(dgraphs, "_torch_version", lambda: (2, 13))
+    monkeypatch.setattr(torch, "__version__", version)
     on, why = dev.graphs_enabled("xpu")
     assert not on and "--enable-xpu-graph" in why
+    assert dgraphs.XPU_GRAPHS_BY_DEFAULT is False
     assert dev.graphs_enabled("xpu", enable_xpu=True) == (True, "")
     assert dev.graphs_enabled("xpu", enable_xpu=True, disable=True)[0] is False
-    monkeypatch.setattr(dgraphs, "_torch_version", lambda: (2, 14))
-    assert dev.graphs_enabled("xpu") == (True, "")
     assert dev.graph_class("xpu") is fake.XPUGraph
 
 

@@ -168,6 +168,42 @@ def test_xpu_image_keeps_triton_xpu_and_torch_xpu():
     assert "setvars.sh" not in runs
 
 
+def _home_mounts() -> set[str]:
+    """Container paths under /home/ferry that compose.yaml or docs/deployment.md mount a
+    volume at (``name:/home/ferry/...`` in a volumes list or a ``-v`` flag)."""
+    texts = COMPOSE.read_text() + (ROOT / "docs" / "deployment.md").read_text()
+    return {m.rstrip("/") for m in re.findall(r"[\w.-]+:(/home/ferry/[\w./-]+)", texts)}
+
+
+@pytest.mark.parametrize("dockerfile", [CUDA, XPU], ids=["cuda", "xpu"])
+def test_volume_mount_points_exist_and_belong_to_the_user(dockerfile):
+    """A named volume mounted where the image has no directory comes up root-owned, and the
+    non-root user cannot write it: the Triton cache volume (/home/ferry/.triton) left the
+    XPU image unable to compile a kernel. Every /home/ferry mount point of compose.yaml and
+    the docs is created and chowned to the user before USER, and TRITON_CACHE_DIR is in it."""
+    mounts = _home_mounts()
+    assert "/home/ferry/.triton" in mounts
+    ins = instructions(dockerfile)
+    last_user = max(i for i, (w, _) in enumerate(ins) if w == "USER")
+    before = " && ".join(a for w, a in ins[:last_user] if w == "RUN")
+    cmds = [c.strip() for c in re.split(r"&&|;", before)]
+    made = {p.rstrip("/") for c in cmds if c.startswith("mkdir") for p in shlex.split(c)[1:]
+            if not p.startswith("-")}
+    owned = {p.rstrip("/") for c in cmds if c.startswith("chown")
+             for p in shlex.split(c)[1:] if p.startswith("/")}
+    recursive = {p.rstrip("/") for c in cmds if c.startswith("chown -R")
+                 for p in shlex.split(c)[2:] if p.startswith("/")}
+    for m in sorted(mounts):
+        assert any(d == m or d.startswith(m + "/") for d in made), f"{m} is not created"
+        assert m in owned, f"{m} is not chowned to the user"
+        if any(d.startswith(m + "/") for d in made):
+            assert m in recursive, f"{m}'s subdirectories are not chowned (chown -R)"
+    assert "chown ferry:ferry" in before or "chown -R ferry:ferry" in before
+    envs = " ".join(args_of(dockerfile, "ENV"))
+    cache = re.search(r"TRITON_CACHE_DIR=(\S+)", envs)
+    assert cache and cache[1].startswith("/home/ferry/.triton"), envs
+
+
 # ---- RUN lines and their inline programs -------------------------------------------------
 
 @pytest.mark.parametrize("dockerfile", [CUDA, XPU], ids=["cuda", "xpu"])

@@ -1,0 +1,150 @@
+"""``ferry serve``'s start-up checks of what the flags name, before any process starts.
+
+``engine.scheduler.build.check_environment`` checks the machine (device, attention backend,
+model path, tensor-parallel shape); :func:`check_start_up` then checks, in seconds and
+without loading a weight, what would otherwise fail only inside the engine process after the
+model loaded (20-60 s, a traceback, exit 1):
+
+- LoRA flags: ``--max-loras-per-batch`` given without ``--lora-paths``/``--enable-lora``
+  (``--max-loaded-loras`` and ``--max-lora-rank`` are refused by ``ServerArgs`` already);
+  every ``--lora-paths`` directory: its ``adapter_config.json``, a weights file and the
+  declared rank against ``--max-lora-rank`` (``engine.lora.adapter.check_adapter_dir``);
+- the model: its config (``AutoConfig``) and the model class built on the ``meta`` device
+  (no memory), which refuses what the constructors refuse: an unsupported architecture, an
+  MoE model with ``--quantization fp8|awq|gptq`` or an FP8 checkpoint, a GGUF file of an MoE
+  model, a ``--load-format`` that does not match the files, an unsupported quantization
+  scheme or activation;
+- on XPU: a single tensor over the per-allocation limit of Intel's client GPUs
+  (:data:`XPU_MAX_SINGLE_ALLOCATION`) unless ``UR_L0_ENABLE_RELAXED_ALLOCATION_LIMITS=1``.
+
+Each failure is a ``ValueError`` whose message is one line naming the flag or file;
+``ferry serve`` prints it as ``ferry serve: error: ...`` and exits with 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from engine import device as dev
+from engine.args import ServerArgs, lora_enabled, lora_path_items
+
+logger = logging.getLogger(__name__)
+
+#: the largest single device allocation of Intel's client GPUs (Arc, integrated) unless
+#: Level Zero's relaxed limits are asked for (unified-runtime#1245); the Data Center GPU Max
+#: allows more, and the relaxing variable costs it nothing
+XPU_MAX_SINGLE_ALLOCATION = 4 << 30
+#: the environment variable that lifts it (Level Zero then builds kernels for > 4 GiB buffers)
+XPU_RELAX_ENV = "UR_L0_ENABLE_RELAXED_ALLOCATION_LIMITS"
+#: LoRA flags with a default that only an explicit value can contradict
+_LORA_ONLY_FLAGS = ("max_loras_per_batch",)
+
+
+def one_line(message: str) -> str:
+    """``message`` with its line breaks and runs of spaces folded into single spaces."""
+    return " ".join(message.split())
+
+
+def check_start_up(args: ServerArgs, given: frozenset[str] | set[str] = frozenset()) -> None:
+    """Every start-up check of this module (module docstring), cheapest first.
+
+    Args:
+        args: the parsed flags.
+        given: the ``ServerArgs`` field names given on the command line (a flag left at its
+            default cannot be told from one given with the default value otherwise).
+    Raises:
+        ValueError: one line naming the flag, the file or the tensor.
+    """
+    check_lora_flags(args, given)
+    check_adapters(args)
+    device_type = dev.resolve_device(args.device)
+    model = build_meta_model(args, device_type)
+    if model is not None and device_type == "xpu":
+        check_xpu_allocations(model, args.tp_size)
+
+
+def check_lora_flags(args: ServerArgs, given: frozenset[str] | set[str]) -> None:
+    """A LoRA-only flag given on a server without adapters.
+
+    Raises:
+        ValueError: naming the flag.
+    """
+    if lora_enabled(args):
+        return
+    for f in _LORA_ONLY_FLAGS:
+        if f in given:
+            raise ValueError(f"--{f.replace('_', '-')} needs --lora-paths or --enable-lora "
+                             "(without adapters it would be ignored)")
+
+
+def check_adapters(args: ServerArgs) -> None:
+    """Each ``--lora-paths`` directory, without reading its tensors.
+
+    Raises:
+        ValueError: ``--lora-paths NAME=PATH: <what is wrong>``.
+    """
+    from engine.lora.adapter import check_adapter_dir
+
+    for name, path in lora_path_items(args.lora_paths or []):
+        try:
+            check_adapter_dir(os.path.expanduser(path), args.max_lora_rank)
+        except ValueError as e:
+            raise ValueError(f"--lora-paths {name}={path}: {one_line(str(e))}") from None
+
+
+def build_meta_model(args: ServerArgs, device_type: str):
+    """The model of ``args`` built on the ``meta`` device (shapes and dtypes, no memory),
+    which runs the constructors' checks of the config and the quantization.
+
+    Returns:
+        the model, or None when the build failed for a reason that is not a refusal (logged;
+        the engine's own load then reports it).
+    Raises:
+        ValueError: the config or the flags refused (unsupported architecture, MoE with a
+            quantization, a format mismatch...), as one line.
+    """
+    from engine.loader.loader import load_model
+
+    if args.dtype == "auto":  # the run dtype's width; the engine resolves (and logs) it
+        dtype = torch.float32 if device_type == "cpu" else torch.bfloat16
+    else:
+        dtype = dev.resolve_dtype(args.dtype, device_type)
+    try:
+        model, _ = load_model(args.model_path, args.load_format, dtype=dtype, device="meta",
+                              seed=args.seed, progress=False, quantization=args.quantization,
+                              gguf_dequantize=args.gguf_dequantize)
+    except (ValueError, OSError) as e:
+        raise ValueError(one_line(str(e)) or type(e).__name__) from None
+    except Exception as e:  # noqa: BLE001 - not a refusal: the engine's load has the last word
+        logger.warning("start-up check: building the model's shapes failed (%s: %s); the "
+                       "engine loads it anyway", type(e).__name__, one_line(str(e))[:200])
+        return None
+    return model
+
+
+def check_xpu_allocations(model: torch.nn.Module, tp_size: int = 1) -> None:
+    """On XPU: no tensor of ``model`` (built on ``meta``) may exceed
+    :data:`XPU_MAX_SINGLE_ALLOCATION` unless ``UR_L0_ENABLE_RELAXED_ALLOCATION_LIMITS=1``.
+
+    Under tensor parallelism a rank holds at least 1/``tp_size`` of a tensor, so only
+    ``bytes / tp_size`` over the limit is refused (a sure failure, never a false one).
+
+    Raises:
+        ValueError: naming the tensor, its size and how to relax the limit.
+    """
+    if os.environ.get(XPU_RELAX_ENV, "") == "1":
+        return
+    name, nbytes = max(((n, t.numel() * t.element_size())
+                        for n, t in [*model.named_parameters(), *model.named_buffers()]),
+                       key=lambda nt: nt[1], default=("", 0))
+    if nbytes // max(1, tp_size) <= XPU_MAX_SINGLE_ALLOCATION:
+        return
+    per_rank = f" ({nbytes / tp_size / 2**30:.1f} GiB per rank)" if tp_size > 1 else ""
+    raise ValueError(
+        f"{name} is {nbytes / 2**30:.1f} GiB{per_rank}, above the "
+        f"{XPU_MAX_SINGLE_ALLOCATION >> 30} GiB that an Intel Arc GPU allocates at once: "
+        f"set {XPU_RELAX_ENV}=1 to relax the limit (docs/deployment.md, \"Intel GPUs\"), or "
+        "shrink the tensor (--tp-size, --ep-size, --quantization)")

@@ -1,0 +1,217 @@
+"""``ferry serve``'s start-up checks (issue 41, item 4): every error a flag or a checkpoint's
+config can cause is one line ``ferry serve: error: ...`` and exit code 2, before any process
+starts (``engine/executor/preflight.py`` after ``check_environment``). Through ``serve()``
+with ``launch_server`` stubbed to fail the test if it is reached.
+
+Before the checks, the LoRA, MoE + quantization and architecture cases were found only in
+the engine process after the model loaded (a traceback, exit 1), and ``--max-loras-per-batch``
+without adapters was accepted and ignored. The draft path, GGUF path, tensor-parallel shape
+and ``--max-lora-rank``/``--max-loaded-loras`` cases were refused early already; they are
+here so that the survey stays covered.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import engine
+
+TINY_LLAMA = os.path.join(os.path.dirname(engine.__file__), "configs", "llama-tiny.json")
+BASE = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": 2, "vocab_size": 128, "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "hidden_act": "silu"}
+QWEN3_MOE = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                 intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                 num_experts_per_tok=2, norm_topk_prob=True, head_dim=32)
+MIXTRAL = dict(architectures=["MixtralForCausalLM"], model_type="mixtral",
+               intermediate_size=32, num_local_experts=8, num_experts_per_tok=2)
+FP8_CKPT = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+LORA_CONFIG = {"peft_type": "LORA", "r": 8, "lora_alpha": 16,
+               "target_modules": ["q_proj", "v_proj"]}
+
+
+def _config(root, name: str, **fields) -> str:
+    d = root / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**BASE, **fields}))
+    return str(d)
+
+
+def _adapter(root, name: str, weights: bool = True, **cfg) -> str:
+    d = root / name
+    d.mkdir()
+    (d / "adapter_config.json").write_text(json.dumps({**LORA_CONFIG, **cfg}))
+    if weights:
+        (d / "adapter_model.safetensors").write_bytes(b"")  # not read by the checks
+    return str(d)
+
+
+@pytest.fixture
+def serve_stubbed(monkeypatch):
+    """``serve(argv)`` with the launch replaced by a recorder; returns (serve, launched)."""
+    import server.launch
+    from server.cli import serve
+
+    launched: list = []
+    monkeypatch.setattr(server.launch, "launch_server", lambda args: launched.append(args) or 0)
+    return serve, launched
+
+
+def _refused(serve_stubbed, capsys, argv: list[str]) -> str:
+    """Run ``ferry serve --device cpu ARGV``; assert the usage error; return its line."""
+    serve, launched = serve_stubbed
+    with pytest.raises(SystemExit) as ei:
+        serve(["--device", "cpu", *argv])
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert ei.value.code == 2, err
+    assert "Traceback" not in err
+    assert len(lines) == 2 and lines[0].startswith("ferry serve: error: "), err
+    assert lines[1].startswith("usage: ferry serve [options]")
+    assert launched == [], "a process was launched"
+    return lines[0].removeprefix("ferry serve: error: ")
+
+
+# ---- LoRA flags and adapters ----------------------------------------------------------------
+
+def test_a_missing_adapter_path_is_refused(serve_stubbed, capsys, tmp_path):
+    missing = str(tmp_path / "nope")
+    line = _refused(serve_stubbed, capsys, ["--lora-paths", f"a1={missing}"])
+    assert line == f"--lora-paths a1={missing}: LoRA adapter path '{missing}' is not a directory"
+
+
+@pytest.mark.parametrize("make,extra,message", [
+    (lambda r: str((r / "empty").mkdir() or r / "empty"), [],
+     "no adapter_config.json (not a peft adapter)"),
+    (lambda r: _adapter(r, "noweights", weights=False), [],
+     "no adapter_model.safetensors or adapter_model.bin"),
+    (lambda r: _adapter(r, "r32", r=32), ["--max-lora-rank", "16"],
+     "rank 32 (adapter_config.json), above --max-lora-rank 16"),
+    (lambda r: _adapter(r, "dora", use_dora=True), [],
+     "adapter_config.json: use_dora: DoRA adapters are not supported"),
+    (lambda r: _adapter(r, "head", target_modules=["lm_head"]), [],
+     "adapters on the embeddings or the LM head are not supported"),
+])
+def test_an_adapter_that_cannot_be_served_is_refused(make, extra, message, serve_stubbed,
+                                                     capsys, tmp_path):
+    path = make(tmp_path)
+    line = _refused(serve_stubbed, capsys, ["--lora-paths", f"a1={path}", *extra])
+    assert line.startswith(f"--lora-paths a1={path}: ") and message in line, line
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--max-loras-per-batch", "4"], "--max-loras-per-batch"),
+    (["--max-loras-per-batch", "8"], "--max-loras-per-batch"),   # its default, given
+    (["--max-lora-rank", "8"], "--max-lora-rank"),
+    (["--max-loaded-loras", "2"], "--max-loaded-loras"),
+])
+def test_lora_flags_without_adapters_are_refused(argv, flag, serve_stubbed, capsys):
+    line = _refused(serve_stubbed, capsys, argv)
+    assert line.startswith(f"{flag} needs --lora-paths or --enable-lora"), line
+
+
+def test_servable_adapters_and_lora_flags_launch(serve_stubbed, tmp_path):
+    serve, launched = serve_stubbed
+    a1, a2 = _adapter(tmp_path, "a1"), _adapter(tmp_path, "a2", r=16)
+    assert serve(["--device", "cpu", "--model-path", TINY_LLAMA, "--load-format", "dummy",
+                  "--lora-paths", f"one={a1}", a2, "--max-lora-rank", "16",
+                  "--max-loras-per-batch", "2"]) == 0
+    assert serve(["--device", "cpu", "--model-path", TINY_LLAMA, "--load-format", "dummy",
+                  "--enable-lora", "--max-loras-per-batch", "4"]) == 0
+    assert len(launched) == 2
+
+
+# ---- the checkpoint's config ----------------------------------------------------------------
+
+@pytest.mark.parametrize("fields,quant,message", [
+    (QWEN3_MOE, "fp8", "--quantization fp8 is not supported for Qwen3MoeForCausalLM, a "
+                       "mixture-of-experts model"),
+    (QWEN3_MOE, "awq", "--quantization awq is not supported for Qwen3MoeForCausalLM"),
+    ({**MIXTRAL, "quantization_config": FP8_CKPT}, None,
+     "an FP8 checkpoint (quant_method 'fp8') is not supported for MixtralForCausalLM"),
+])
+def test_moe_with_a_quantization_is_refused(fields, quant, message, serve_stubbed, capsys,
+                                            tmp_path):
+    path = _config(tmp_path, "moe", **fields)
+    line = _refused(serve_stubbed, capsys, ["--model-path", path, "--load-format", "dummy",
+                                            *(["--quantization", quant] if quant else [])])
+    assert line.startswith(message), line
+
+
+def test_an_unsupported_architecture_is_refused(serve_stubbed, capsys, tmp_path):
+    path = _config(tmp_path, "gpt2", architectures=["GPT2LMHeadModel"], model_type="gpt2",
+                   bos_token_id=0, eos_token_id=0)  # in the vocabulary: no config warning
+    line = _refused(serve_stubbed, capsys, ["--model-path", path, "--load-format", "dummy"])
+    assert line.startswith("unsupported model architecture GPT2LMHeadModel; ferry supports "
+                           "LlamaForCausalLM"), line
+
+
+def test_a_model_type_transformers_does_not_know_is_one_line(serve_stubbed, capsys, tmp_path):
+    path = _config(tmp_path, "odd", architectures=["OddForCausalLM"], model_type="no-such-type")
+    line = _refused(serve_stubbed, capsys, ["--model-path", path, "--load-format", "dummy"])
+    assert "no-such-type" in line
+
+
+def test_an_moe_model_without_quantization_launches(serve_stubbed, tmp_path):
+    serve, launched = serve_stubbed
+    path = _config(tmp_path, "moe", **QWEN3_MOE)
+    assert serve(["--device", "cpu", "--model-path", path, "--load-format", "dummy"]) == 0
+    assert len(launched) == 1
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model-path", TINY_LLAMA, "--load-format", "dummy", "--tp-size", "3"], "3"),
+    (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/no/draft"],
+     "--speculative-draft-model-path /no/draft: no such file or directory"),
+    (["--model-path", "/no/such/model.gguf"], "model path '/no/such/model.gguf' does not exist"),
+])
+def test_shape_draft_and_gguf_paths_stay_refused(argv, message, serve_stubbed, capsys):
+    line = _refused(serve_stubbed, capsys, argv)
+    assert message in line, line
+
+
+# ---- XPU: one tensor over the per-allocation limit --------------------------------------------
+
+def test_xpu_tensor_over_the_allocation_limit_is_refused(monkeypatch, tmp_path):
+    """An embedding (and LM head) of 3M x 1024 bf16 (5.7 GiB) on XPU: refused with the variable that relaxes
+    the limit; with it set, or split over 2 ranks, it passes."""
+    from engine import device as dev
+    from engine.args import ServerArgs
+    from engine.executor import preflight
+
+    path = _config(tmp_path, "bighead", architectures=["LlamaForCausalLM"], model_type="llama",
+                   intermediate_size=128, hidden_size=1024, num_attention_heads=8,
+                   num_key_value_heads=8, vocab_size=3_000_000)
+    monkeypatch.setattr(dev, "resolve_device", lambda name="auto": "xpu")
+    monkeypatch.delenv(preflight.XPU_RELAX_ENV, raising=False)
+    args = ServerArgs(model_path=path, load_format="dummy")
+    with pytest.raises(ValueError) as ei:
+        preflight.check_start_up(args)
+    msg = str(ei.value)
+    assert "\n" not in msg
+    assert msg.startswith("model.embed_tokens.weight is 5.7 GiB, above the 4 GiB that an Intel "
+                          "Arc GPU "
+                          "allocates at once: set UR_L0_ENABLE_RELAXED_ALLOCATION_LIMITS=1"), msg
+    preflight.check_start_up(args.replace(tp_size=2))  # 2.9 GiB per rank
+    monkeypatch.setenv(preflight.XPU_RELAX_ENV, "1")
+    preflight.check_start_up(args)
+
+
+def test_the_allocation_limit_is_an_xpu_check_only(monkeypatch, tmp_path):
+    from engine.args import ServerArgs
+    from engine.executor import preflight
+
+    model = torch.nn.Linear(1, 1, device="meta")
+    with torch.device("meta"):
+        model.big = torch.nn.Parameter(torch.empty(5 << 30, dtype=torch.uint8),
+                                       requires_grad=False)
+    monkeypatch.delenv(preflight.XPU_RELAX_ENV, raising=False)
+    with pytest.raises(ValueError, match=r"^big is 5\.0 GiB"):
+        preflight.check_xpu_allocations(model)
+    monkeypatch.setattr(preflight, "build_meta_model", lambda args, device_type: model)
+    preflight.check_start_up(ServerArgs(device="cpu"))  # the CPU has no such limit
