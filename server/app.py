@@ -117,7 +117,7 @@ async def refresh_engine_gauges(tm: TokenizerManager, timeout_s: float = 1.0) ->
     last ones stay if the engine does not answer within ``timeout_s`` (a long step)."""
     try:
         async with asyncio.timeout(timeout_s):
-            await tm.server_info()
+            await tm.router.server_info()
     except (TimeoutError, APIError):
         pass
 
@@ -236,7 +236,7 @@ class ServerRoutes:
         return await self.health(request)
 
     async def get_load(self, request: Request) -> Response:
-        return JSONResponse(native.load_of(await self.tm.server_info()))
+        return JSONResponse(native.load_of(await self.tm.router.server_info()))
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": ferry_version()})
@@ -247,7 +247,7 @@ class ServerRoutes:
     # ---- the engine's state -------------------------------------------------------------
     async def server_info(self, request: Request) -> Response:
         tm, args = self.tm, self.args
-        info = msgspec.structs.asdict(await tm.server_info())
+        info = msgspec.structs.asdict(await tm.router.server_info())
         info.pop("rid", None)  # the IPC message's id, nothing a client can use
         ready = tm.engine_ready
         info.update(native.model_info(args, self.model_name), **native.router_facts(args, ready))
@@ -270,7 +270,7 @@ class ServerRoutes:
         return JSONResponse(info)
 
     async def flush_cache(self, request: Request) -> Response:
-        out = await self.tm.flush_cache()
+        out = await self.tm.router.flush_cache()
         if not out.success:
             raise http_error(400, out.message)
         return JSONResponse({"message": out.message})

@@ -437,19 +437,6 @@ class TokenizerManager:
                 st.queue.put_nowait(err)
                 self._record_finish(rid, st, "abort")
 
-    # ---- control requests (router) ------------------------------------------------------
-    async def server_info(self) -> io.ServerInfoOut:
-        """The engines' KV pool and queue figures (``ReplicaRouter.server_info``).
-
-        Raises: APIError 503 if the engine is dead or does not answer within 5 s."""
-        return await self.router.server_info()
-
-    async def flush_cache(self) -> io.FlushCacheOut:
-        """Empty the engines' prefix caches (``ReplicaRouter.flush_cache``).
-
-        Raises: APIError 503 if the engine is dead or does not answer within 5 s."""
-        return await self.router.flush_cache()
-
     async def change_lora(self, name: str, path: str | None = None) -> io.LoRAOut:
         """Load adapter ``name`` from ``path`` (unload it when ``path`` is None) in every
         live engine (``ReplicaRouter.change_lora``); ``lora_adapters`` follows.
