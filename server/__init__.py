@@ -4,13 +4,16 @@
   of the engine and detokenizer processes, uvicorn.
 - ``app``: the Starlette app, its route table and middleware, wiring the families below.
 - ``openapi/``: ``/openapi.json`` and ``/docs``.
-- ``responses/``: ``/v1/responses``, run through the chat machinery of ``openai/``.
+- ``responses/``: ``/v1/responses``: its request model, its conversion to a chat request,
+  its ``response`` object and events, the stored responses.
 - ``openai/``: ``/v1/chat/completions``, ``/v1/completions``, tokenize/detokenize.
+- ``pipeline/``: the one chat pipeline of every family, ``prepare -> ChatJob -> answer``
+  (each family brings its request model, renderer and writer).
 - ``tools/``: tool calling and structured output (the request side, the parsers).
 - ``tokenizer_manager``, ``chat_template``, ``metrics``: the engine client (chat template,
   tokenize, ZMQ), the tools fallback for templates that ignore tools, and its Prometheus
   metrics.
-- ``http/``: errors, request ids, CORS, uvicorn's limits.
+- ``http/``: errors, request ids, CORS, uvicorn's limits, the JSON body, SSE and disconnects.
 
 Imports only go down that list (``.importlinter``'s ``server-layers`` contract checks it).
 """

@@ -14,6 +14,12 @@ answers 204 (CORS preflights included, ``server/http/cors.py``); every response 
 ``X-Request-Id`` (``server/http/request_id.py``). Every handler is wrapped so an unexpected
 exception still answers an OpenAI-shaped error (and logs the traceback); unknown routes
 (404, a trailing slash included: no redirects) and wrong methods (405) are shaped too.
+
+By responsibility: ``endpoint`` (the wrapper of every handler), ``AuthMiddleware`` and
+``middleware_of`` (the middleware stack), ``ServerRoutes`` (the handlers of the server's own
+routes, and the hand-off to the endpoint families), ``SERVER_ROUTES``/``route_table`` (the
+route table), ``http_exception``/``server_error`` (the error handlers), ``build_app``
+(their assembly). The process's start and stop (the lifespan) are ``server/launch.py``'s.
 """
 
 from __future__ import annotations
@@ -111,7 +117,7 @@ async def refresh_engine_gauges(tm: TokenizerManager, timeout_s: float = 1.0) ->
     last ones stay if the engine does not answer within ``timeout_s`` (a long step)."""
     try:
         async with asyncio.timeout(timeout_s):
-            await tm.server_info()
+            await tm.router.server_info()
     except (TimeoutError, APIError):
         pass
 
@@ -136,72 +142,79 @@ def model_name_of(args) -> str:
     return name or path
 
 
-def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starlette:
-    """Build the Starlette app.
+class ServerRoutes:
+    """The handlers of the routes ``app`` serves itself (models, health, server info,
+    metrics, the prefix cache, LoRA adapters, SGLang's and vLLM's small routes), and the
+    generation and tokenizer endpoints handed to their family.
 
     Args:
-        tm: the started ``TokenizerManager`` (engine ready).
+        tm: the started ``TokenizerManager``.
         args: ``ServerArgs``.
-        children: ``{"engine": Process, "detokenizer": Process}``; their pids are shown in
-            ``/server_info``.
+        serving: the ``OpenAIServing`` of the generation endpoints.
+        children: ``{"engine": Process, "detokenizer": Process}`` (``engine-1``... per
+            replica with ``--dp-size``); their pids are shown in ``/server_info``.
     """
-    model_name = model_name_of(args)
-    serving = OpenAIServing(tm, args, model_name)
-    responses = ResponsesServing(serving)  # its store lives here, for every replica
-    created = int(time.time())
-    children = children or {}
-    # --dp-size: per replica {"engine": Process, "detokenizer": Process}
-    replica_children = [{k.split("-")[0]: p for k, p in children.items()
-                         if (k.partition("-")[2] or "0") == str(i)}
-                        for i in range(len(tm.replicas))]
 
-    def model_card() -> dict:
-        ready = tm.engine_ready
-        return {"id": model_name, "object": "model", "created": created, "owned_by": "ferry",
-                "root": args.model_path or model_name,
+    def __init__(self, tm: TokenizerManager, args, serving: OpenAIServing,
+                 children: dict | None = None, responses: ResponsesServing | None = None):
+        self.tm, self.args, self.serving = tm, args, serving
+        self.responses = responses  # its store's size goes into /metrics
+        self.model_name = serving.model_name
+        self.created = int(time.time())
+        self.children = children or {}
+        # --dp-size: per replica {"engine": Process, "detokenizer": Process}
+        self.replica_children = [{k.split("-")[0]: p for k, p in self.children.items()
+                                  if (k.partition("-")[2] or "0") == str(i)}
+                                 for i in range(len(tm.replicas))]
+
+    def model_card(self) -> dict:
+        ready = self.tm.engine_ready
+        return {"id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "ferry", "root": self.args.model_path or self.model_name,
                 "max_model_len": ready.max_context_len if ready else None}
 
-    @endpoint
-    async def completions(request: Request) -> Response:
-        return await serving.completions(request)
+    # ---- the endpoint families -----------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        return await self.serving.completions(request)
 
-    @endpoint
-    async def chat(request: Request) -> Response:
-        return await serving.chat(request)
+    async def chat(self, request: Request) -> Response:
+        return await self.serving.chat(request)
 
-    @endpoint
-    async def tokenize(request: Request) -> Response:
-        return await tokens.tokenize(serving, request)
+    async def tokenize(self, request: Request) -> Response:
+        return await tokens.tokenize(self.serving, request)
 
-    @endpoint
-    async def detokenize(request: Request) -> Response:
-        return await tokens.detokenize(serving, request)
+    async def detokenize(self, request: Request) -> Response:
+        return await tokens.detokenize(self.serving, request)
 
-    @endpoint
-    async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [model_card()]
-                             + lora.adapter_cards(tm, model_name, created)})
+    async def invocations(self, request: Request) -> Response:
+        return await invoke(self.serving, request)
 
-    @endpoint
-    async def model(request: Request) -> Response:
+    # ---- models and adapters ------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self.model_card()]
+                             + lora.adapter_cards(self.tm, self.model_name, self.created)})
+
+    async def model(self, request: Request) -> Response:
         mid = request.path_params["model_id"]
-        if mid in (model_name, args.model_path):
-            return JSONResponse(model_card())
-        for card in lora.adapter_cards(tm, model_name, created):
+        if mid in (self.model_name, self.args.model_path):
+            return JSONResponse(self.model_card())
+        for card in lora.adapter_cards(self.tm, self.model_name, self.created):
             if card["id"] == mid:
                 return JSONResponse(card)
         raise APIError(f"The model '{mid}' does not exist", 404, "model", "model_not_found")
 
-    @endpoint
-    async def load_lora_adapter(request: Request) -> Response:
-        return await lora.change_adapter(serving, request, "load")
+    async def load_lora_adapter(self, request: Request) -> Response:
+        return await lora.change_adapter(self.serving, request, "load")
 
-    @endpoint
-    async def unload_lora_adapter(request: Request) -> Response:
-        return await lora.change_adapter(serving, request, "unload")
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        return await lora.change_adapter(self.serving, request, "unload")
 
-    @endpoint
-    async def health(request: Request) -> Response:
+    async def model_info(self, request: Request) -> Response:
+        return JSONResponse(native.model_info(self.args, self.model_name))
+
+    # ---- health and load ----------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        tm = self.tm
         if tm.dead is not None:
             raise http_error(503, f"unhealthy: {tm.dead}")
         if tm.shutting_down:
@@ -211,99 +224,114 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
         # --dp-size: 200 while one replica lives ("degraded" once one died)
         degraded = any(not r.alive for r in tm.replicas)
         return JSONResponse({"status": "degraded" if degraded else "ok",
-                             "replicas": replica_status(tm.replicas, replica_children)})
+                             "replicas": replica_status(tm.replicas, self.replica_children)})
 
-    @endpoint
-    async def health_generate(request: Request) -> Response:
-        await health(request)  # 503 when the engine is dead or the server stops
-        await native.generate_one_token(tm, HEALTH_GENERATE_TIMEOUT_S)
+    async def health_generate(self, request: Request) -> Response:
+        # /health's answer, as a response (not raised): a dead engine's or a stopping
+        # server's 503 comes from the generation itself (its admission check)
+        await endpoint(self.health)(request)
+        await native.generate_one_token(self.tm, HEALTH_GENERATE_TIMEOUT_S)
         return JSONResponse({"status": "ok"})
 
-    @endpoint
-    async def model_info(request: Request) -> Response:
-        return JSONResponse(native.model_info(args, model_name))
+    async def ping(self, request: Request) -> Response:
+        return await self.health(request)
 
-    @endpoint
-    async def get_load(request: Request) -> Response:
-        return JSONResponse(native.load_of(await tm.server_info()))
+    async def get_load(self, request: Request) -> Response:
+        return JSONResponse(native.load_of(await self.tm.router.server_info()))
 
-    # vLLM's small routes (server/openai/vllm_routes.py)
-    @endpoint
-    async def invocations(request: Request) -> Response:
-        return await invoke(serving, request)
-
-    @endpoint
-    async def ping(request: Request) -> Response:
-        return await health(request)
-
-    @endpoint
-    async def version(request: Request) -> Response:
+    async def version(self, request: Request) -> Response:
         return JSONResponse({"version": ferry_version()})
 
-    @endpoint
-    async def load(request: Request) -> Response:
-        return JSONResponse(server_load(serving))
+    async def load(self, request: Request) -> Response:
+        return JSONResponse(server_load(self.serving))
 
-    @endpoint
-    async def server_info(request: Request) -> Response:
-        info = msgspec.structs.asdict(await tm.server_info())
+    # ---- the engine's state -------------------------------------------------------------
+    async def server_info(self, request: Request) -> Response:
+        tm, args = self.tm, self.args
+        info = msgspec.structs.asdict(await tm.router.server_info())
         info.pop("rid", None)  # the IPC message's id, nothing a client can use
         ready = tm.engine_ready
-        info.update(native.model_info(args, model_name), **native.router_facts(args, ready))
+        info.update(native.model_info(args, self.model_name), **native.router_facts(args, ready))
         info.update({
-            "model": model_name, "device": ready.device, "dtype": ready.dtype,
+            "model": self.model_name, "device": ready.device, "dtype": ready.dtype,
             "kv_cache_dtype": ready.kv_cache_dtype, "quantization": args.quantization,
             "radix_cache": not args.disable_radix_cache, "schedule_policy": args.schedule_policy,
             "max_context_len": ready.max_context_len, "max_total_tokens":
             ready.max_total_tokens, "max_running_requests": ready.max_running_requests,
             "server_pid": os.getpid(),
-            "engine_pid": getattr(children.get("engine"), "pid", None),
-            "detokenizer_pid": getattr(children.get("detokenizer"), "pid", None),
+            "engine_pid": getattr(self.children.get("engine"), "pid", None),
+            "detokenizer_pid": getattr(self.children.get("detokenizer"), "pid", None),
             "num_inflight": tm.num_inflight, "shutting_down": tm.shutting_down,
         })
         if len(tm.replicas) > 1:  # the figures above are the replicas' sums
             info.update(dp_size=len(tm.replicas), load_balance_method=args.load_balance_method,
-                        replicas=replica_status(tm.replicas, replica_children),
+                        replicas=replica_status(tm.replicas, self.replica_children),
                         max_total_tokens=sum(r.ready["engine"].max_total_tokens
                                              for r in tm.replicas))
         return JSONResponse(info)
 
-    @endpoint
-    async def flush_cache(request: Request) -> Response:
-        out = await tm.flush_cache()
+    async def flush_cache(self, request: Request) -> Response:
+        out = await self.tm.router.flush_cache()
         if not out.success:
             raise http_error(400, out.message)
         return JSONResponse({"message": out.message})
 
-    @endpoint
-    async def metrics(request: Request) -> Response:
+    async def metrics(self, request: Request) -> Response:
+        tm = self.tm
         if tm.metrics is None:
             raise http_error(503, "metrics are not ready")
         await refresh_engine_gauges(tm)
-        tm.metrics.on_response_store(*responses.store.stats())
+        if self.responses is not None:
+            tm.metrics.on_response_store(*self.responses.store.stats())
         body, content_type = tm.metrics.render()
         if len(tm.replicas) > 1:
-            body += replica_metrics(tm.replicas, model_name)
+            body += replica_metrics(tm.replicas, self.model_name)
         return Response(body, media_type=content_type)
 
-    async def http_exception(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        msg = exc.detail
-        if exc.status_code == 404:
-            msg = f"Unknown route: {request.method} {request.url.path}"
-        elif exc.status_code == 405:
-            msg = f"Method {request.method} is not allowed on {request.url.path}"
-        headers = dict(exc.headers or {})
-        if "Allow" in headers:  # OPTIONS is answered on every route (server/http/cors.py)
-            headers["Allow"] += ", OPTIONS"
-        return APIError(msg, exc.status_code, None, None, headers=headers).response()
+    def facts(self) -> ServerFacts:
+        """What ``/openapi.json`` states about this server."""
+        args, ready = self.args, self.tm.engine_ready
+        return ServerFacts(max_n=args.max_n, api_key=bool(args.api_key),
+                           models=tuple(m for m in (self.model_name, args.model_path) if m),
+                           vocab_size=ready.vocab_size if ready else None)
 
-    async def server_error(request: Request, exc: Exception) -> Response:
-        return http_error(500, "internal server error").response()
 
-    routes = [
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat, methods=["POST"]),
+#: ``(path, ServerRoutes handler, methods)`` of every route ``ServerRoutes`` answers
+SERVER_ROUTES = (
+    ("/v1/completions", "completions", ["POST"]),
+    ("/v1/chat/completions", "chat", ["POST"]),
+    ("/v1/tokenize", "tokenize", ["POST"]),
+    ("/v1/detokenize", "detokenize", ["POST"]),
+    ("/tokenize", "tokenize", ["POST"]),
+    ("/detokenize", "detokenize", ["POST"]),
+    ("/v1/models", "models", ["GET"]),
+    ("/v1/models/{model_id:path}", "model", ["GET"]),
+    ("/health", "health", ["GET"]),
+    ("/server_info", "server_info", ["GET"]),
+    # what SGLang's routers and their health checks ask (server/openai/native.py)
+    ("/get_server_info", "server_info", ["GET"]),
+    ("/model_info", "model_info", ["GET"]),
+    ("/get_model_info", "model_info", ["GET"]),
+    ("/health_generate", "health_generate", ["GET"]),
+    ("/get_load", "get_load", ["GET"]),
+    # vLLM's: SageMaker's entry point and health check, the version, the server load
+    ("/invocations", "invocations", ["POST"]),
+    ("/ping", "ping", ["GET", "POST"]),
+    ("/version", "version", ["GET"]),
+    ("/load", "load", ["GET"]),
+    ("/metrics", "metrics", ["GET"]),
+    ("/flush_cache", "flush_cache", ["POST"]),
+    # LoRA adapters at run time: SGLang's paths and vLLM's
+    ("/load_lora_adapter", "load_lora_adapter", ["POST"]),
+    ("/unload_lora_adapter", "unload_lora_adapter", ["POST"]),
+    ("/v1/load_lora_adapter", "load_lora_adapter", ["POST"]),
+    ("/v1/unload_lora_adapter", "unload_lora_adapter", ["POST"]),
+)
+
+
+def responses_routes(responses: ResponsesServing) -> list[Route]:
+    """``/v1/responses`` and its stored responses' routes."""
+    return [
         Route("/v1/responses", endpoint(responses.create), methods=["POST"]),
         Route("/v1/responses/{response_id}", endpoint(responses.retrieve), methods=["GET"]),
         Route("/v1/responses/{response_id}", endpoint(responses.delete), methods=["DELETE"]),
@@ -311,45 +339,69 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
               methods=["GET"]),
         Route("/v1/responses/{response_id}/cancel", endpoint(responses.cancel),
               methods=["POST"]),
-        Route("/v1/tokenize", tokenize, methods=["POST"]),
-        Route("/v1/detokenize", detokenize, methods=["POST"]),
-        Route("/tokenize", tokenize, methods=["POST"]),
-        Route("/detokenize", detokenize, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/models/{model_id:path}", model, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/server_info", server_info, methods=["GET"]),
-        # what SGLang's routers and their health checks ask (server/openai/native.py)
-        Route("/get_server_info", server_info, methods=["GET"]),
-        Route("/model_info", model_info, methods=["GET"]),
-        Route("/get_model_info", model_info, methods=["GET"]),
-        Route("/health_generate", health_generate, methods=["GET"]),
-        Route("/get_load", get_load, methods=["GET"]),
-        # vLLM's: SageMaker's entry point and health check, the version, the server load
-        Route("/invocations", invocations, methods=["POST"]),
-        Route("/ping", ping, methods=["GET", "POST"]),
-        Route("/version", version, methods=["GET"]),
-        Route("/load", load, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/flush_cache", flush_cache, methods=["POST"]),
-        # LoRA adapters at run time: SGLang's paths and vLLM's
-        Route("/load_lora_adapter", load_lora_adapter, methods=["POST"]),
-        Route("/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
-        Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
-        Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
-        *openapi_routes(model_name, lambda: ServerFacts(
-            max_n=args.max_n, api_key=bool(args.api_key),
-            models=tuple(m for m in (model_name, args.model_path) if m),
-            vocab_size=tm.engine_ready.vocab_size if tm.engine_ready else None),
-            wrap=endpoint),
     ]
+
+
+def route_table(server: ServerRoutes, responses: ResponsesServing) -> list[Route]:
+    """Every route of the app, each handler wrapped by ``endpoint`` (one wrapper per
+    handler, shared by its paths)."""
+    wrapped: dict[str, Callable] = {}
+    for _, name, _ in SERVER_ROUTES:
+        wrapped.setdefault(name, endpoint(getattr(server, name)))
+    routes = [Route(path, wrapped[name], methods=methods)
+              for path, name, methods in SERVER_ROUTES]
+    routes[2:2] = responses_routes(responses)  # after chat completions, as listed before
+    return [*routes, *openapi_routes(server.model_name, server.facts, wrap=endpoint)]
+
+
+# ---- error handlers and middleware ---------------------------------------------------------
+async def http_exception(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404 (an unknown route) and 405 (a wrong method), OpenAI-shaped."""
+    assert isinstance(exc, HTTPException)
+    msg = exc.detail
+    if exc.status_code == 404:
+        msg = f"Unknown route: {request.method} {request.url.path}"
+    elif exc.status_code == 405:
+        msg = f"Method {request.method} is not allowed on {request.url.path}"
+    headers = dict(exc.headers or {})
+    if "Allow" in headers:  # OPTIONS is answered on every route (server/http/cors.py)
+        headers["Allow"] += ", OPTIONS"
+    return APIError(msg, exc.status_code, None, None, headers=headers).response()
+
+
+async def server_error(request: Request, exc: Exception) -> Response:
+    """What escapes every handler: a shaped 500."""
+    return http_error(500, "internal server error").response()
+
+
+#: the app's exception handlers
+EXCEPTION_HANDLERS = {HTTPException: http_exception, 500: server_error}
+
+
+def middleware_of(args) -> list[Middleware]:
+    """The middleware, outermost first: request ids, CORS (``--allowed-origins``), the
+    answer to ``OPTIONS``, the API key (``--api-key``)."""
     cors = cors_options(args)
-    middleware = [Middleware(RequestIdMiddleware),
-                  *([Middleware(FerryCORSMiddleware, **cors)] if cors else []),
-                  Middleware(OptionsMiddleware),
-                  Middleware(AuthMiddleware, api_key=args.api_key)]
-    app = Starlette(routes=routes, middleware=middleware,
-                    exception_handlers={HTTPException: http_exception, 500: server_error})
+    return [Middleware(RequestIdMiddleware),
+            *([Middleware(FerryCORSMiddleware, **cors)] if cors else []),
+            Middleware(OptionsMiddleware),
+            Middleware(AuthMiddleware, api_key=args.api_key)]
+
+
+def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starlette:
+    """Build the Starlette app.
+
+    Args:
+        tm: the started ``TokenizerManager`` (engine ready).
+        args: ``ServerArgs``.
+        children: ``{"engine": Process, "detokenizer": Process}``; their pids are shown in
+            ``/server_info``.
+    """
+    serving = OpenAIServing(tm, args, model_name_of(args))
+    responses = ResponsesServing(serving)  # its store lives here, for every replica
+    server = ServerRoutes(tm, args, serving, children, responses)
+    app = Starlette(routes=route_table(server, responses), middleware=middleware_of(args),
+                    exception_handlers=EXCEPTION_HANDLERS)
     # no 307 to the path without its trailing slash (its Location would be built from the
     # client's Host header): "/v1/completions/" is an unknown route, a shaped 404
     app.router.redirect_slashes = False

@@ -1,5 +1,5 @@
 """Chat templates: ``ChatTokenizer`` (tokenize, decode, render a conversation; the
-tokenizer side of ``TokenizerManager``) and the tools fallback for templates that ignore
+``chat`` member of ``TokenizerManager``) and the tools fallback for templates that ignore
 ``tools``.
 
 transformers passes a request's ``tools`` to the chat template, and the template decides how
@@ -125,12 +125,18 @@ def with_tools_rendered(messages: list[dict], tools: list[dict] | None) -> list[
 
 
 class ChatTokenizer:
-    """The tokenizer side of :class:`server.tokenizer_manager.TokenizerManager`: tokenize,
-    decode and render chat templates (with the tools fallback). Expects ``self.args``
-    (``ServerArgs``), ``self.tokenizer`` and ``self.tools_fallback`` on the instance."""
+    """The tokenizer side of :class:`server.tokenizer_manager.TokenizerManager` (its
+    ``chat`` member): tokenize, decode and render chat templates (with the tools fallback).
 
-    tokenizer: Any = None
-    tools_fallback: bool = False
+    Args:
+        args: the ``ServerArgs`` (its ``tool_call_parser``).
+    """
+
+    def __init__(self, args):
+        self.args = args
+        self.tokenizer: Any = None  # None until set_tokenizer (token-id prompts only)
+        #: the chat template ignores ``tools``: render them into the messages instead
+        self.tools_fallback = False
 
     def set_tokenizer(self, tokenizer) -> None:
         """Use ``tokenizer`` (None: token-id prompts only) and probe its chat template: one

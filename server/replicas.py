@@ -3,8 +3,9 @@
 Each replica is an engine process (with its tensor-parallel ranks) and its own detokenizer,
 on IPC paths of its own; the ``TokenizerManager`` keeps one PUSH and one PULL socket per
 replica and remembers which replica each rid went to (its outputs come back on that
-replica's socket; its abort goes there). Its mixin ``ReplicaRouting`` also sends the control
-requests (server info, flush cache, LoRA load/unload) to one replica or to every live one.
+replica's socket; its abort goes there). Its member ``ReplicaRouter`` does that bookkeeping
+and sends the control requests (server info, flush cache, LoRA load/unload) to one replica
+or to every live one.
 
 ``Dispatcher`` picks the replica of a generation request from its token ids
 (``--load-balance-method``):
@@ -29,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -181,63 +183,85 @@ def summed_stats(replicas: list[Replica]) -> io.StatsOut:
                        kv_usage=used / total if total else 0.0)
 
 
-class ReplicaRouting:
-    """The replica side of ``TokenizerManager`` (its mixin): which replica an engine
-    request goes to, its load, a replica's death, control requests to one replica or to
-    every replica (server info, flush cache, LoRA load/unload).
+class ReplicaRouter:
+    """The replica side of ``TokenizerManager`` (one of its members): which replica an engine
+    request goes to and its load, a replica's death, and the control requests to one
+    replica or to every replica (server info, flush cache, LoRA load/unload).
 
-    Expects ``replicas``, ``dispatcher``, ``owner`` (rid -> replica index), ``states``,
-    ``metrics``, ``push``, ``dead``, ``info_waiters`` (control rid -> its future),
-    ``lora_adapters``, ``_record_finish`` and ``on_child_died``.
+    Args:
+        replicas: the engine replicas (replica 0 first).
+        dispatcher: picks the replica of a generation request.
+        dead: why the whole engine side is gone (None while it runs), asked before each
+            control request.
     """
 
-    def _on_engine_stats(self, msg, replica: int) -> None:
+    def __init__(self, replicas: list[Replica], dispatcher: Dispatcher,
+                 dead: Callable[[], str | None] = lambda: None):
+        self.replicas = replicas
+        self.dispatcher = dispatcher
+        self.owner: dict[str, int] = {}  # rid -> its replica
+        self.info_waiters: dict[str, asyncio.Future] = {}  # control rid -> its answer
+        self._dead = dead
+
+    def gauge_stats(self, msg, replica: int):
+        """The figures the server's gauges show after replica ``replica`` reported ``msg``
+        (a ``StatsOut`` or ``ServerInfoOut``): ``msg`` itself, or with several replicas
+        the live ones' sum."""
         if len(self.replicas) > 1:
             self.replicas[replica].info = msg
             msg = summed_stats(self.replicas)
-        if self.metrics is not None:
-            self.metrics.on_engine_stats(msg)
+        return msg
 
-    def _release(self, rid: str) -> None:
+    def release(self, rid: str) -> None:
         """The engine request ``rid`` no longer counts toward its replica's load."""
         i = self.owner.pop(rid, None)
         if i is not None:
             self.replicas[i].inflight -= 1
 
-    def _push_for(self, rid: str, ids: list[int]):
+    def push_for(self, rid: str, ids: list[int]):
         """The socket of the replica the dispatcher picks for ``ids`` (now ``rid``'s)."""
         if len(self.replicas) == 1:
-            return self.push
+            return self.replicas[0].push
         i = self.dispatcher.choose(ids, [r.inflight if r.alive else None
                                          for r in self.replicas])
         self.owner[rid] = i
         self.replicas[i].inflight += 1
         return self.replicas[i].push
 
-    def _abort_socket(self, rid: str):
-        """Where the abort of ``rid`` goes: its replica's socket, None if that one is dead."""
+    def abort_socket(self, rid: str):
+        """Where the abort of ``rid`` goes: its replica's socket, None if that one is dead
+        (``rid`` is released)."""
         r = self.replicas[self.owner.get(rid, 0)]
-        self._release(rid)
+        self.release(rid)
         return r.push if r.alive else None
 
-    def on_replica_died(self, index: int, name: str, exitcode: int | None) -> None:
-        """Take replica ``index`` out of dispatch and fail its waiting requests with a 503;
-        the last one to die is ``on_child_died``."""
+    def take_down(self, index: int, name: str, exitcode: int | None) -> list[str] | None:
+        """Take replica ``index`` out of dispatch (its ``name`` process exited).
+
+        Returns:
+            the rids it ran, or None when no replica is left alive."""
         r = self.replicas[index]
         r.dead = f"the {name} process of replica {index} exited with code {exitcode}"
         self.dispatcher.forget(index)
         if not any(x.alive for x in self.replicas):
-            self.on_child_died(name, exitcode)
-            return
-        err = unavailable(f"engine replica {index} died ({r.dead}); retry the request")
-        for rid in [rid for rid, i in self.owner.items() if i == index]:
-            st = self.states.pop(rid, None)
-            self._release(rid)
-            if st is not None:
-                st.queue.put_nowait(err)
-                self._record_finish(rid, st, "abort")
+            return None
+        return [rid for rid, i in self.owner.items() if i == index]
 
     # ---- control requests ---------------------------------------------------------------
+    def resolve(self, msg) -> None:
+        """Hand a control answer (``ServerInfoOut``, ``FlushCacheOut``, ``LoRAOut``) to the
+        request waiting on its rid, if any."""
+        fut = self.info_waiters.pop(msg.rid, None)
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+
+    def fail_waiters(self, err: Exception) -> None:
+        """Fail every waiting control request with ``err``."""
+        for fut in self.info_waiters.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self.info_waiters.clear()
+
     async def server_info(self) -> io.ServerInfoOut:
         """Ask the engine for its KV pool and queue figures.
 
@@ -245,8 +269,8 @@ class ReplicaRouting:
             APIError: 503 if the engine is dead or does not answer within 5 s.
         """
         if len(self.replicas) == 1:
-            return await self._ask_engine(io.GetServerInfoReq, "info")
-        outs = await self._ask_replicas(io.GetServerInfoReq, "info")
+            return await self.ask(io.GetServerInfoReq, "info")
+        outs = await self.ask_all(io.GetServerInfoReq, "info")
         return summed_info([o for o in outs if o is not None])
 
     async def flush_cache(self) -> io.FlushCacheOut:
@@ -256,52 +280,59 @@ class ReplicaRouting:
             APIError: 503 if the engine is dead or does not answer within 5 s.
         """
         if len(self.replicas) == 1:
-            return await self._ask_engine(io.FlushCacheReq, "flush")
-        outs = [o for o in await self._ask_replicas(io.FlushCacheReq, "flush") if o]
+            return await self.ask(io.FlushCacheReq, "flush")
+        outs = [o for o in await self.ask_all(io.FlushCacheReq, "flush") if o]
         return io.FlushCacheOut(rid="flush", success=all(o.success for o in outs),
                                 message="; ".join(sorted({o.message for o in outs})))
 
-    async def change_lora(self, name: str, path: str | None = None) -> io.LoRAOut:
+    async def change_lora(self, name: str, path: str | None,
+                          adapters: dict[str, str]) -> tuple[io.LoRAOut, dict[str, str]]:
         """Load adapter ``name`` from ``path`` (or unload it when ``path`` is None) in every
         live replica's engine; a load that fails in one replica is undone in the others.
 
+        Args:
+            adapters: the loaded adapters (name -> path) before the change.
         Returns:
-            the engines' answer (the first failure, if any).
+            the engines' answer (the first failure, if any) and the loaded adapters after.
         Raises:
             APIError: 503 if an engine is dead or does not answer in time.
         """
         make = (partial(io.UnloadLoRAReq, lora_name=name) if path is None
                 else partial(io.LoadLoRAReq, lora_name=name, lora_path=path))
         live = [r for r in self.replicas if r.alive]
-        outs = await asyncio.gather(*(self._ask_engine(make, "lora", r, LORA_TIMEOUT_S)
+        outs = await asyncio.gather(*(self.ask(make, "lora", r, LORA_TIMEOUT_S)
                                       for r in live), return_exceptions=True)
         failed = [o for o in outs if isinstance(o, BaseException) or not o.success]
         if path is not None and failed:  # keep the replicas alike
             done = [r for r, o in zip(live, outs)
                     if not isinstance(o, BaseException) and o.success]
-            await asyncio.gather(*(self._ask_engine(partial(io.UnloadLoRAReq, lora_name=name),
-                                                    "lora", r, LORA_TIMEOUT_S) for r in done),
+            await asyncio.gather(*(self.ask(partial(io.UnloadLoRAReq, lora_name=name),
+                                            "lora", r, LORA_TIMEOUT_S) for r in done),
                                  return_exceptions=True)
         for o in failed:
             if isinstance(o, BaseException):
                 raise o
         good = [o for o in outs if o.success]
         if good:
-            self.lora_adapters = dict(good[0].adapters)
+            adapters = dict(good[0].adapters)
         if failed and path is not None and good:  # undone above (none loaded it: unchanged,
-            self.lora_adapters.pop(name, None)  # e.g. a name already loaded stays)
-        return failed[0] if failed else outs[0]
+            adapters.pop(name, None)  # e.g. a name already loaded stays)
+        return (failed[0] if failed else outs[0]), adapters
 
-    async def _ask_engine(self, msg_type, prefix: str, replica: Replica | None = None,
-                          timeout: float = SERVER_INFO_TIMEOUT_S):
-        """Send a control request and wait for the engine's answer with the same rid
-        (``msg_type(rid=...)`` builds the request)."""
-        if self.dead is not None:
-            raise unavailable(f"the engine is not running ({self.dead})")
+    async def ask(self, msg_type, prefix: str, replica: Replica | None = None,
+                  timeout: float = SERVER_INFO_TIMEOUT_S):
+        """Send a control request to ``replica`` (default: replica 0) and wait for the
+        engine's answer with the same rid (``msg_type(rid=...)`` builds the request).
+
+        Raises:
+            APIError: 503 if the engine is dead or does not answer within ``timeout``."""
+        dead = self._dead()
+        if dead is not None:
+            raise unavailable(f"the engine is not running ({dead})")
         rid = f"{prefix}-{uuid.uuid4().hex}"
         fut = asyncio.get_running_loop().create_future()
         self.info_waiters[rid] = fut
-        (self.push if replica is None else replica.push).send(msg_type(rid=rid))
+        (self.replicas[0] if replica is None else replica).push.send(msg_type(rid=rid))
         try:
             return await asyncio.wait_for(fut, timeout)
         except TimeoutError:
@@ -309,21 +340,20 @@ class ReplicaRouting:
         finally:
             self.info_waiters.pop(rid, None)
 
-    async def _ask_replicas(self, msg_type, prefix: str) -> list:
-        """``_ask_engine`` of every live replica at once; None for those that did not answer
+    async def ask_all(self, msg_type, prefix: str) -> list:
+        """``ask`` of every live replica at once; None for those that did not answer
         (each answer also lands in its ``Replica.figures``).
 
         Raises:
             APIError: 503 if none answered.
         """
         live = [r for r in self.replicas if r.alive]
-        outs = await asyncio.gather(*(self._ask_engine(msg_type, prefix, r) for r in live),
+        outs = await asyncio.gather(*(self.ask(msg_type, prefix, r) for r in live),
                                     return_exceptions=True)
         outs = [None if isinstance(o, BaseException) else o for o in outs]
         if not any(outs):
             raise unavailable("no engine replica answered in time")
         return outs
-
 
 
 def replica_status(replicas: list[Replica], children: list[dict]) -> list[dict]:

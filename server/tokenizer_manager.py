@@ -7,8 +7,12 @@ receives everything the detokenizer and the engine push to the server's PULL soc
 dispatches it. Requests that fan out (``n`` > 1, several prompts) share one queue.
 With ``--dp-size N`` there is one PUSH and one PULL socket (and listener) per engine replica
 (``server/replicas.py``): each engine request goes to the replica its ``Dispatcher`` picks,
-and its outputs and abort stay with that replica. The control requests to the engines
-(``server_info``, ``flush_cache``, ``change_lora``) come from ``ReplicaRouting`` there too.
+and its outputs and abort stay with that replica.
+
+It is composed of two members: ``chat`` (``server/chat_template.py``'s ``ChatTokenizer``:
+the tokenizer, the chat template and its tools fallback) and ``router``
+(``server/replicas.py``'s ``ReplicaRouter``: which replica each rid runs on, and the control
+requests to the engines, ``server_info``, ``flush_cache``, ``change_lora``).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from engine.validation import RequestError, validate_request
 from server.chat_template import ChatTokenizer
 from server.http.errors import APIError, bad_request, unavailable
 from server.metrics import Metrics, format_request_log
-from server.replicas import Dispatcher, Replica, ReplicaRouting
+from server.replicas import Dispatcher, Replica, ReplicaRouter
 
 logger = logging.getLogger("ferry.server")
 
@@ -79,18 +83,18 @@ class _ReqState:
     lora_param: str | None = None  # the field that named its adapter (lora_path)
 
 
-class TokenizerManager(ChatTokenizer, ReplicaRouting):
+class TokenizerManager:
     """Tokenize, send to the engine, and route outputs back per rid.
 
     Args:
         server_args: the ``ServerArgs``.
         ipc: the ``IpcPaths``; binds the PULL socket at ``ipc.server`` (so bind before the
             children start) and connects a PUSH socket to ``ipc.engine``.
+        replica_ipcs: the other replicas' ``IpcPaths`` (``--dp-size``).
+    Members:
+        chat: the ``ChatTokenizer`` (tokenize, decode, chat template).
+        router: the ``ReplicaRouter`` (replica of each rid, control requests).
     """
-
-    #: the chat template ignores ``tools``: render them into the messages instead
-    #: (server/chat_template.py); set by ``set_tokenizer``
-    tools_fallback: bool = False
 
     def __init__(self, server_args, ipc: IpcPaths, replica_ipcs: list[IpcPaths] = ()):
         self.args = server_args
@@ -99,24 +103,23 @@ class TokenizerManager(ChatTokenizer, ReplicaRouting):
         self.pull = AsyncPullSocket(self.actx, ipc.server, SERVER_IN, bind=True)
         self.push = PushSocket(self.ctx, ipc.engine)
         # replica 0 is ``ipc``; ``replica_ipcs`` the others (--dp-size)
-        self.replicas = [Replica(0, self.push, self.pull)] + [
+        replicas = [Replica(0, self.push, self.pull)] + [
             Replica(i, PushSocket(self.ctx, p.engine),
                     AsyncPullSocket(self.actx, p.server, SERVER_IN, bind=True))
             for i, p in enumerate(replica_ipcs, 1)]
-        self.dispatcher = Dispatcher(len(self.replicas), server_args.load_balance_method,
-                                     server_args.dp_balance_abs_threshold,
-                                     server_args.dp_balance_rel_threshold)
-        self.owner: dict[str, int] = {}  # rid -> its replica
+        self.router = ReplicaRouter(replicas, Dispatcher(
+            len(replicas), server_args.load_balance_method,
+            server_args.dp_balance_abs_threshold, server_args.dp_balance_rel_threshold),
+            dead=lambda: self.dead)
+        self.chat = ChatTokenizer(server_args)
         self.states: dict[str, _ReqState] = {}
         # rid -> time.monotonic() of its abort: reserved until the engine sends its end
         self.retired: dict[str, float] = {}
-        self.ready: dict[str, io.ReadyOut] = self.replicas[0].ready
-        self.info_waiters: dict[str, asyncio.Future] = {}
+        self.ready: dict[str, io.ReadyOut] = replicas[0].ready
         # LoRA: whether the engines serve adapters, and the loaded ones (name -> path), from
         # the engine's ReadyOut, then from each load/unload answer
         self.lora_enabled = False
         self.lora_adapters: dict[str, str] = {}
-        self.tokenizer = None
         self.dead: str | None = None          # why the engine side is gone
         self.shutting_down = False
         self.metrics: Metrics | None = None
@@ -142,6 +145,15 @@ class TokenizerManager(ChatTokenizer, ReplicaRouting):
             r.push.close()
         self.actx.term()
         self.ctx.term()
+
+    def set_tokenizer(self, tokenizer) -> None:
+        """Use ``tokenizer`` (None: token-id prompts only): ``ChatTokenizer.set_tokenizer``."""
+        self.chat.set_tokenizer(tokenizer)
+
+    @property
+    def replicas(self) -> list[Replica]:
+        """The engine replicas (``router.replicas``; one without ``--dp-size``)."""
+        return self.router.replicas
 
     @property
     def engine_ready(self) -> io.ReadyOut | None:
@@ -188,19 +200,15 @@ class TokenizerManager(ChatTokenizer, ReplicaRouting):
         elif isinstance(msg, io.ErrorOut):
             st = self.states.pop(msg.rid, None)
             if st is not None:
-                self._release(msg.rid)
+                self.router.release(msg.rid)
                 param = (st.lora_param if msg.code == "model_not_found" and st.lora_param
                          else msg.param)  # an adapter unloaded since the route's check
                 st.queue.put_nowait(APIError(msg.message, msg.status, param, msg.code))
                 self._record_finish(msg.rid, st, "abort")
         elif isinstance(msg, (io.FlushCacheOut, io.LoRAOut)):
-            fut = self.info_waiters.pop(msg.rid, None)
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
+            self.router.resolve(msg)
         elif isinstance(msg, io.ServerInfoOut):
-            fut = self.info_waiters.pop(msg.rid, None)
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
+            self.router.resolve(msg)
             self.replicas[replica].figures = msg
             self._on_engine_stats(msg, replica)
         elif isinstance(msg, io.StatsOut):
@@ -243,8 +251,13 @@ class TokenizerManager(ChatTokenizer, ReplicaRouting):
                                           b.completion_tokens[i], lp, plp, st.cached_tokens))
             if fin is not None:
                 del self.states[rid]
-                self._release(rid)
+                self.router.release(rid)
                 self._record_finish(rid, st, str(fin.get("type", "stop")))
+
+    def _on_engine_stats(self, msg, replica: int) -> None:
+        msg = self.router.gauge_stats(msg, replica)
+        if self.metrics is not None:
+            self.metrics.on_engine_stats(msg)
 
     def _record_finish(self, rid: str, st: _ReqState, reason: str) -> None:
         now = time.monotonic()
@@ -357,7 +370,7 @@ class TokenizerManager(ChatTokenizer, ReplicaRouting):
                                              lora_param=lora_param[idx] if lora_param else None)
                 rids.append(rid)
             for rid, (_, ids, sp), name in zip(unique, reqs, loras):
-                self._push_for(rid, ids).send(io.TokenizedGenerateReq(rid=rid, input_ids=ids,
+                self.router.push_for(rid, ids).send(io.TokenizedGenerateReq(rid=rid, input_ids=ids,
                                                        sampling_params=sp, stream=stream,
                                                        arrival_time=now, lora_name=name))
             remaining = len(reqs)
@@ -378,7 +391,7 @@ class TokenizerManager(ChatTokenizer, ReplicaRouting):
             if st is None:
                 continue
             self.retired[rid] = time.monotonic()  # until the engine's end for it arrives
-            sock = self._abort_socket(rid)
+            sock = self.router.abort_socket(rid)
             if self.dead is None and sock is not None:
                 try:
                     sock.send(io.AbortReq(rid=rid))
@@ -399,14 +412,35 @@ class TokenizerManager(ChatTokenizer, ReplicaRouting):
         for rid, st in list(self.states.items()):
             st.queue.put_nowait(err)
             del self.states[rid]
-            self._release(rid)
+            self.router.release(rid)
             self._record_finish(rid, st, "abort")
-        for fut in self.info_waiters.values():
-            if not fut.done():
-                fut.set_exception(err)
-        self.info_waiters.clear()
+        self.router.fail_waiters(err)
 
     def on_child_died(self, name: str, exitcode: int | None) -> None:
         """Mark the engine side dead and fail every waiting request with a 503."""
         self.dead = f"the {name} process exited with code {exitcode}"
         self.fail_all(unavailable(f"the engine is not running ({self.dead})"))
+
+    def on_replica_died(self, index: int, name: str, exitcode: int | None) -> None:
+        """Take replica ``index`` out of dispatch and fail its waiting requests with a 503;
+        the last one to die is ``on_child_died``."""
+        owned = self.router.take_down(index, name, exitcode)
+        if owned is None:
+            self.on_child_died(name, exitcode)
+            return
+        err = unavailable(f"engine replica {index} died ({self.replicas[index].dead}); retry "
+                          "the request")
+        for rid in owned:
+            st = self.states.pop(rid, None)
+            self.router.release(rid)
+            if st is not None:
+                st.queue.put_nowait(err)
+                self._record_finish(rid, st, "abort")
+
+    async def change_lora(self, name: str, path: str | None = None) -> io.LoRAOut:
+        """Load adapter ``name`` from ``path`` (unload it when ``path`` is None) in every
+        live engine (``ReplicaRouter.change_lora``); ``lora_adapters`` follows.
+
+        Raises: APIError 503 if an engine is dead or does not answer in time."""
+        out, self.lora_adapters = await self.router.change_lora(name, path, self.lora_adapters)
+        return out

@@ -7,7 +7,7 @@ A client can hold a connection in three places; each has a bound:
    no timeout here (it arms its keep-alive timer only after a response, and any received byte
    cancels it), so ``GuardedH11Protocol`` closes a connection on which no request has started
    within ``--header-timeout`` seconds.
-2. Inside the request body: ``server.openai.serving.read_json`` answers 408 and closes after
+2. Inside the request body: ``server.http.body.read_json`` answers 408 and closes after
    ``--body-read-timeout`` seconds.
 3. Idle between requests: uvicorn's ``timeout_keep_alive`` (KEEP_ALIVE_TIMEOUT_S).
 

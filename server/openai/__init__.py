@@ -1,8 +1,9 @@
 """``/v1/chat/completions`` and ``/v1/completions`` (plus tokenize/detokenize), as in SGLang's
 ``entrypoints/openai/``.
 
-``protocol`` and ``protocol_base`` (the pydantic request models), ``chat_messages`` (the
-messages handed to the chat template), ``serving`` (``OpenAIServing``: the handlers),
+``protocol`` and ``protocol_base`` (the pydantic request models), ``serving``
+(``OpenAIServing``: the handlers over the chat pipeline of ``server/pipeline/``, and
+``ChunkWriter``, their answers),
 ``formats`` (the JSON bodies and SSE chunks), ``tool_format`` (their ``tool_calls``),
 ``logprobs`` (the ``logprobs`` of a choice).
 """

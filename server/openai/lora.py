@@ -17,9 +17,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from server.http.body import read_json
 from server.http.errors import APIError, bad_request
 from server.openai.extensions import ROUTER_NO_MODEL
-from server.openai.serving import read_json
 
 _FIELDS = {"load": ("lora_name", "lora_path"), "unload": ("lora_name",)}
 

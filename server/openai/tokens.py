@@ -1,40 +1,22 @@
-"""The chat prompt of a request, and the tokenizer endpoints (``/v1/tokenize``,
-``/v1/detokenize``, also at vLLM's ``/tokenize`` and ``/detokenize``).
+"""The tokenizer endpoints (``/v1/tokenize``, ``/v1/detokenize``, also at vLLM's
+``/tokenize`` and ``/detokenize``).
 
-``chat_prompt`` is the one function that turns a chat request into prompt token ids: chat
-completions, ``/v1/responses`` and ``/v1/tokenize`` with ``messages`` all call it, so
-``/v1/tokenize`` counts exactly the tokens the chat request would run (its
-``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs`` and
-``tools``).
+``/v1/tokenize`` with ``messages`` renders them with ``chat_prompt``
+(``server/pipeline/prompt.py``), the function chat completions and ``/v1/responses`` run,
+so it counts exactly the tokens the chat request would run (its ``add_generation_prompt``,
+``continue_final_message``, ``chat_template_kwargs`` and ``tools``).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from server.http.errors import bad_request
-from server.openai.chat_messages import messages_for_template
 from server.openai.protocol import DetokenizeRequest, TokenizeRequest
+from server.pipeline.prompt import chat_prompt
 from server.tokenizer_manager import TokenizerManager
-from server.tools.plan import ToolPlan, plan_tools
-
-
-async def chat_prompt(tm: TokenizerManager, req: Any, tools: ToolPlan) -> list[int]:
-    """The prompt token ids of a chat request (a ``ChatCompletionRequest`` or a
-    ``TokenizeRequest`` with ``messages``): its messages through the model's chat template
-    with its ``add_generation_prompt``, ``continue_final_message``, ``add_special_tokens``,
-    ``chat_template_kwargs`` and the tools of ``tools``.
-
-    Raises:
-        APIError: 400 naming the message or field the template rejects.
-    """
-    return await tm.apply_chat_template(
-        messages_for_template(req.messages), req.add_generation_prompt,
-        bool(req.add_special_tokens), continue_final_message=req.continue_final_message,
-        template_kwargs=dict(req.chat_template_kwargs or {}, **tools.template_kwargs))
+from server.tools.plan import plan_tools
 
 
 async def tokenize(serving, request: Request) -> Response:
@@ -47,17 +29,17 @@ async def tokenize(serving, request: Request) -> Response:
             rejects the messages.
     """
     tm: TokenizerManager = serving.tm
-    req: TokenizeRequest = await serving._parse(TokenizeRequest, request)
+    req: TokenizeRequest = await serving.parse(TokenizeRequest, request)
     serving.check_model(req.model)
     if req.messages is not None:
-        tools = plan_tools(req, getattr(tm.tokenizer, "chat_template", None))
+        tools = plan_tools(req, getattr(tm.chat.tokenizer, "chat_template", None))
         ids = await chat_prompt(tm, req, tools)
     else:
         add = True if req.add_special_tokens is None else req.add_special_tokens
-        ids = await tm.tokenize(req.prompt, add_special_tokens=add) if req.prompt else []
+        ids = await tm.chat.tokenize(req.prompt, add_special_tokens=add) if req.prompt else []
     body = {"tokens": ids, "count": len(ids), "max_model_len": tm.max_context_len}
     if req.return_token_strs:
-        tok = tm.need_tokenizer("return_token_strs")
+        tok = tm.chat.need_tokenizer("return_token_strs")
         body["token_strs"] = tok.convert_ids_to_tokens(ids)
     return JSONResponse(body)
 
@@ -70,12 +52,12 @@ async def detokenize(serving, request: Request) -> Response:
             vocabulary (``tokens``).
     """
     tm: TokenizerManager = serving.tm
-    req: DetokenizeRequest = await serving._parse(DetokenizeRequest, request)
+    req: DetokenizeRequest = await serving.parse(DetokenizeRequest, request)
     serving.check_model(req.model)
-    tm.need_tokenizer("tokens")
+    tm.chat.need_tokenizer("tokens")
     vocab = tm.vocab_size
     for i, t in enumerate(req.tokens):
         if t < 0 or (vocab and t >= vocab):
             raise bad_request(f"tokens[{i}]: token id {t} is outside the vocabulary "
                               f"[0, {vocab})", "tokens")
-    return JSONResponse({"prompt": await tm.decode(req.tokens)})
+    return JSONResponse({"prompt": await tm.chat.decode(req.tokens)})

@@ -20,8 +20,9 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from server.http.body import read_json
 from server.http.errors import bad_request
-from server.openai.serving import OpenAIServing, read_json
+from server.openai.serving import OpenAIServing
 
 #: the body key that picks each endpoint, in vLLM's order of trial
 INVOCATION_SHAPES = (("messages", "/v1/chat/completions"), ("prompt", "/v1/completions"))

@@ -307,7 +307,7 @@ class ServerInfo(_Out):
 
 # ---- request fields the routes read beyond the request models' own ------------------------
 # (``model_extra``: server/tools/structured.py, server/tools/plan.py,
-# server/openai/chat_messages.py and the accepted no-ops of server/openai/protocol.py);
+# server/pipeline/prompt.py and the accepted no-ops of server/openai/protocol.py);
 # ``server/openapi/spec.py`` adds their schemas to the request models' ones.
 
 class _Doc(BaseModel):
@@ -429,7 +429,7 @@ class ToolCallIn(_Doc):
 
 
 class ChatMessageDoc(_Doc):
-    """A chat message as ``messages_for_template`` (server/openai/chat_messages.py) takes it."""
+    """A chat message as ``messages_for_template`` (server/pipeline/prompt.py) takes it."""
 
     # content may be null or absent on an assistant message only
     model_config = ConfigDict(json_schema_extra={"anyOf": [

@@ -17,6 +17,7 @@ event: ``response.completed`` (status ``completed``), ``response.incomplete`` (s
 aborted the request, or an error after the first event, which an ``error`` event precedes),
 as OpenAI does. A non-stream request builds the same object from the same chunks, so the
 stream's final ``response`` equals the non-stream body (ids and timestamps aside).
+``ResponseWriter`` is the chat pipeline's writer of both (``server/pipeline/answer.py``).
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ import copy
 import json
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from server.http.errors import APIError
 from server.openai.formats import ChatFormat
+from server.pipeline.answer import Writer
 from server.tokenizer_manager import ReqOutput
 
 TERMINAL = {"completed": "response.completed", "incomplete": "response.incomplete",
@@ -229,3 +232,45 @@ class ResponseBuilder:
         self.completed_at = int(time.time()) if self.status == "completed" else None
         events.append(self._event(TERMINAL[self.status], response=self.response()))
         return events
+
+
+class ResponseWriter(Writer):
+    """The answer of a ``/v1/responses`` request (the pipeline's writer): the ``response``
+    object, or its typed events (an error after the first event ends it ``failed``).
+
+    Args:
+        build: the request's ``ResponseBuilder``.
+        on_done: called once the response has finished (to store it), if given; not for a
+            stream the client left early.
+    """
+
+    failure_log = "responses stream failed"
+
+    def __init__(self, build: ResponseBuilder, on_done: Callable[[], None] | None = None):
+        super().__init__(build.fmt)
+        self.build = build
+        self.on_done = on_done
+
+    def _done(self) -> None:
+        if self.on_done is not None:
+            self.on_done()
+
+    def collect(self, out: ReqOutput) -> None:
+        self.build.feed(out)
+
+    def body(self) -> dict:
+        self._done()
+        return self.build.response()
+
+    def start(self) -> list[str]:
+        return [sse_event(e) for e in self.build.start()]
+
+    def events(self, out: ReqOutput) -> list[str]:
+        return [sse_event(e) for e in self.build.feed(out)]
+
+    def error(self, err: APIError) -> list[str]:
+        return [sse_event(e) for e in self.build.fail(err)]
+
+    def close(self) -> list[str]:
+        self._done()
+        return []

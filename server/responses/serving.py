@@ -4,10 +4,11 @@ A request is validated (``ResponsesRequest``; every field is implemented, an acc
 no-op or a 400 naming it), turned into a ``/v1/chat/completions`` body (``to_chat``:
 ``instructions`` + ``input`` -> ``messages``, ``max_output_tokens`` -> ``max_completion_tokens``,
 ``text.format`` -> ``response_format``, flat function ``tools``/``tool_choice`` -> the chat
-shapes), both in ``server/responses/request.py``, and then runs exactly as a chat request: the same template, the same sampling, the
+shapes), both in ``server/responses/request.py``, and then runs the chat pipeline
+(``server/pipeline/``) exactly as a chat request: the same template, the same sampling, the
 same structured-output and tool-calling code (``server/tools/structured.py``,
-``server/tools/plan.py``). The answer is written by ``server/responses/events.py`` from the
-chat format's chunks: a ``response`` object, or typed SSE events.
+``server/tools/plan.py``). The answer is written by ``server/responses/events.py``'s
+``ResponseWriter`` from the chat format's chunks: a ``response`` object, or typed SSE events.
 
 State (``server/responses/store.py``): ``store`` (default true, as OpenAI) keeps the response
 in the HTTP process's bounded in-memory store; ``previous_response_id`` continues a stored
@@ -30,22 +31,18 @@ import time
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from server.http.body import read_json
 from server.http.errors import APIError, bad_request, not_supported
 from server.http.request_id import request_id_of
 from server.openai import extensions
 from server.openai.formats import LogprobOptions
 from server.openai.lora_choice import fields_of
 from server.openai.protocol import ChatCompletionRequest, parse_request
-from server.openai.serving import (
-    ClientGone,
-    OpenAIServing,
-    _SSEResponse,
-    read_json,
-    run_until_disconnect,
-)
-from server.openai.tokens import chat_prompt
+from server.openai.serving import OpenAIServing
 from server.openai.tool_format import chat_format
-from server.responses.events import ResponseBuilder, sse_event
+from server.pipeline.answer import answer, generate, log_request
+from server.pipeline.job import ChatJob, prepare
+from server.responses.events import ResponseBuilder, ResponseWriter
 from server.responses.input import stored_items
 from server.responses.request import (
     NOOP_INCLUDES,
@@ -54,7 +51,6 @@ from server.responses.request import (
     to_chat,
 )
 from server.responses.store import ResponseStore, StoredResponse, new_response_id
-from server.tools.plan import prepare_chat
 
 logger = logging.getLogger("ferry.server")
 
@@ -171,7 +167,7 @@ class ResponsesServing:
             APIError: 400 naming the field, 404 for an unknown model, 503 when the server
                 cannot take it, the engine's error for a rejected request.
         """
-        s, tm, args = self.serving, self.serving.tm, self.serving.args
+        s, args = self.serving, self.serving.args
         t0 = time.monotonic()
         resp_id = new_response_id()  # server-made, never the client's (store.py)
         rid = request_id_of(request, "resp", resp_id)  # X-Request-Id, else the response's id
@@ -179,86 +175,54 @@ class ResponsesServing:
                                                       args.body_read_timeout))
         rid = extensions.adopt_body_id(request, req.model_extra, rid)
         lora = s.request_loras(req)[0]  # model, SGLang's lora_path
-        prior: list[dict] = []
-        if req.previous_response_id is not None:
-            prev = self.store.get(req.previous_response_id, "previous_response_id")
-            if prev.running:
-                raise bad_request(f"response '{req.previous_response_id}' is still in "
-                                  "progress; continue it once it has ended",
-                                  "previous_response_id")
-            prior = prev.conversation
+        prior = self._prior(req)
         conv = to_chat(req, prior)
-        try:
-            chat: ChatCompletionRequest = parse_request(ChatCompletionRequest, conv.body,
-                                                        max_n=1)
-            sp = s._params(chat, req.max_output_tokens)
-            tools, sp = await prepare_chat(chat, sp, getattr(tm.tokenizer, "chat_template",
-                                                             None), tm.tool_call_parser)
-            ids = await chat_prompt(tm, chat, tools)
-            tm.check_prompt(ids, sp.max_tokens, "input", min_tokens=sp.min_tokens,
-                            max_tokens_param="max_output_tokens"
-                            if req.max_output_tokens is not None else None)
-        except APIError as err:
-            raise conv.rename(err) from None
-        lp = LogprobOptions(skip_special_tokens=sp.skip_special_tokens,
-                            spaces_between_special_tokens=sp.spaces_between_special_tokens)
+        job = await self._prepare(req, conv, rid, lora, t0)
+        lp = LogprobOptions(skip_special_tokens=job.params.skip_special_tokens,
+                            spaces_between_special_tokens=job.params.spaces_between_special_tokens)
         shown = lora or s.model_name  # the adapter, as on /v1/chat/completions
-        fmt = chat_format(tools, rid, shown, 1, len(ids), False, False, s.strings, lp, n=1)
+        fmt = chat_format(job.tools, rid, shown, 1, job.prompt_tokens, False, False, s.strings,
+                          lp, n=1)
         keep = req.store is not False and self.store.enabled
         if req.background and not keep:
             raise not_supported("background", "background responses with the response store "
                                 "off (--responses-store-size or -bytes 0)")
         build = ResponseBuilder(resp_id, shown, fmt, dict(echo_fields(req), store=keep))
         st = StoredResponse({}, stored_items(req.input), prior) if keep else None
-        s._log_request(fmt, conv.body["messages"], sp)
-        rids: list[str] = []  # the engine rid generate registers (unique; see request_id)
-        gen = tm.generate([(rid, ids, sp)], req.stream, arrival=t0, registered=rids,
-                          lora=lora, lora_param=fields_of(req, 1))
+        log_request(args.log_requests, fmt, conv.body["messages"], job.params)
         if req.background:
-            return self._background(build, gen, st, prior)
-        if not req.stream:
-            async def collect() -> None:
-                async for o in gen:
-                    build.feed(o)
+            return self._background(build, generate(s.tm, job, False, []), st, prior)
+        on_done = None if st is None else (lambda: self._keep(st, build, prior))
+        return await answer(request, s.tm, job, ResponseWriter(build, on_done), req.stream,
+                            log=args.log_requests)
 
-            try:
-                await run_until_disconnect(request, collect())
-            except ClientGone:
-                return Response(status_code=499)
-            s._log_output(fmt)
-            if st is not None:
-                self._keep(st, build, prior)
-            return JSONResponse(build.response())
+    def _prior(self, req) -> list[dict]:
+        """The conversation ``previous_response_id`` continues ([] without one).
 
-        async def first():
-            return await anext(gen)
+        Raises: APIError 404 naming an unknown id, 400 for one still in progress."""
+        if req.previous_response_id is None:
+            return []
+        prev = self.store.get(req.previous_response_id, "previous_response_id")
+        if prev.running:
+            raise bad_request(f"response '{req.previous_response_id}' is still in "
+                              "progress; continue it once it has ended",
+                              "previous_response_id")
+        return prev.conversation
 
+    async def _prepare(self, req, conv, rid: str, lora: str | None, t0: float) -> ChatJob:
+        """The chat pipeline's job of the request's chat form ``conv``; its errors name the
+        Responses fields (``conv.rename``: ``messages`` -> ``input`` etc.).
+
+        Raises: APIError 400 naming the field, 404 for an unknown model."""
         try:
-            head = await run_until_disconnect(request, first())
-        except ClientGone:
-            return Response(status_code=499)
-
-        async def events():
-            for e in build.start():
-                yield sse_event(e)
-            try:
-                item = head
-                while item is not None:
-                    for e in build.feed(item):
-                        yield sse_event(e)
-                    item = await anext(gen, None)
-            except APIError as err:
-                for e in build.fail(err):
-                    yield sse_event(e)
-            except Exception:  # noqa: BLE001 - logged; the client gets a failed response
-                logger.exception("responses stream failed")
-                for e in build.fail(APIError("internal error while streaming", 500)):
-                    yield sse_event(e)
-            s._log_output(fmt)
-            if st is not None:  # a stream the client left early is not stored
-                self._keep(st, build, prior)
-
-        return _SSEResponse(events(), on_close=lambda: tm.abort(rids))
+            chat = parse_request(ChatCompletionRequest, conv.body, max_n=1)
+            return await prepare(self.serving.tm, chat, base=rid,
+                                 max_tokens=req.max_output_tokens, prompt_param="input",
+                                 max_tokens_param="max_output_tokens"
+                                 if req.max_output_tokens is not None else None,
+                                 lora=lora, lora_fields=fields_of(req, 1), arrival=t0)
+        except APIError as err:
+            raise conv.rename(err) from None
 
     def _background(self, build: ResponseBuilder, gen, st: StoredResponse,
                     prior: list[dict]) -> Response:

@@ -288,7 +288,7 @@ def test_prompt_logprobs_beyond_the_limit_are_a_400(url, path, extra, param):
     """Issue 34 kind 3: n x prompt_logprobs (x echo) on a long prompt built answers of tens
     of MB on the event loop; past MAX_PROMPT_LOGPROBS entries it is a 400 naming the field
     and the limit, before any engine work. Just under it is served."""
-    from server.openai.serving import MAX_PROMPT_LOGPROBS
+    from server.pipeline.job import MAX_PROMPT_LOGPROBS
 
     words = " ".join(["ferry"] * 1600)  # some 1600+ tokens: x 16 x 21 is past 2**18
     body = {"model": MODEL, "max_tokens": 1, "n": 16, **extra}

@@ -12,7 +12,8 @@ import asyncio
 from engine import io_struct as io
 from engine.args import ServerArgs
 from server.app import build_app
-from server.replicas import Dispatcher, Replica
+from server.chat_template import ChatTokenizer
+from server.replicas import Dispatcher, Replica, ReplicaRouter
 from server.tokenizer_manager import TokenizerManager
 
 VOCAB = 49152
@@ -63,12 +64,12 @@ def fake_tm(args: ServerArgs) -> TokenizerManager:
     """A ``TokenizerManager`` without sockets or tokenizer, its engine a ``FakeEngine``."""
     tm = TokenizerManager.__new__(TokenizerManager)
     tm.args = args
-    tm.states, tm.ready, tm.info_waiters, tm.retired = {}, {}, {}, {}
-    tm.tokenizer, tm.dead, tm.shutting_down = None, None, False
+    tm.states, tm.ready, tm.retired = {}, {}, {}
+    tm.chat, tm.dead, tm.shutting_down = ChatTokenizer(args), None, False
     tm.metrics, tm.last_stats, tm._listener = None, None, None
     tm.push = FakeEngine(tm)
-    tm.replicas, tm.owner = [Replica(0, tm.push, ready=tm.ready)], {}
-    tm.dispatcher = Dispatcher(1)
+    tm.router = ReplicaRouter([Replica(0, tm.push, ready=tm.ready)], Dispatcher(1),
+                              dead=lambda: tm.dead)
     tm._dispatch(io.ReadyOut(rid="engine", max_total_tokens=4096, max_context_len=2048,
                              max_running_requests=4, vocab_size=VOCAB, device="cpu",
                              dtype="float32", model="fake"))

@@ -15,6 +15,7 @@ from engine.sampling.params import SamplingParams
 from engine.scheduler.request import Req
 from engine.scheduler.scheduler import Scheduler
 from engine.tokenizer.detokenizer import DetokenizerManager
+from server.http.body import check_json_content_type
 from server.http.errors import APIError
 from server.openai.extensions import ALIASES, EXTENSION_FIELDS, ROUTE_FIELDS, check_extension
 from server.openai.formats import ChatFormat, CompletionFormat, LogprobOptions
@@ -25,7 +26,7 @@ from server.openai.protocol import (
     CompletionRequest,
     parse_request,
 )
-from server.openai.serving import check_json_content_type, choice_seed
+from server.pipeline.job import choice_seed
 from server.tokenizer_manager import ReqOutput
 
 # ---- 1. no field silently dropped ---------------------------------------------------------
@@ -120,7 +121,7 @@ def test_the_issues_examples():
 
 
 def test_message_fields():
-    from server.openai.chat_messages import messages_for_template
+    from server.pipeline.prompt import messages_for_template
 
     req = parse_request(ChatCompletionRequest, {"messages": [
         {"role": "user", "content": "hi", "name": "bob"},
@@ -457,7 +458,7 @@ def _validate_chat(body: dict) -> None:
     """Everything the server checks of a chat body before it tokenizes."""
     import asyncio
 
-    from server.openai.chat_messages import messages_for_template
+    from server.pipeline.prompt import messages_for_template
     from server.tools.plan import prepare_chat
 
     req = parse_request(ChatCompletionRequest, body)
@@ -539,7 +540,7 @@ def test_fields_of_the_wrong_type_or_role_are_400s(patch, param):
 def test_json_object_schema_and_function_call_are_implemented():
     import asyncio
 
-    from server.openai.chat_messages import messages_for_template
+    from server.pipeline.prompt import messages_for_template
     from server.tools.plan import prepare_chat
 
     req = parse_request(ChatCompletionRequest, {

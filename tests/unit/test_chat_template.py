@@ -112,7 +112,7 @@ async def _chat(app, **body):
 
 async def test_a_template_that_ignores_tools_gets_them_in_the_prompt(tok):
     app, engine, tm = _app_with(tok)
-    assert tm.tools_fallback and tm.tool_call_parser == "hermes"
+    assert tm.chat.tools_fallback and tm.chat.tool_call_parser == "hermes"
     engine.text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
                    '</tool_call>')
     r = await _chat(app, tools=TOOLS, max_tokens=40)
@@ -128,7 +128,7 @@ async def test_a_template_that_ignores_tools_gets_them_in_the_prompt(tok):
 
 async def test_a_template_that_shows_tools_is_left_alone(tok):
     app, engine, tm = _app_with(tok, SHOWS_TOOLS)
-    assert not tm.tools_fallback and tm.tool_call_parser == "auto"
+    assert not tm.chat.tools_fallback and tm.chat.tool_call_parser == "auto"
     await _chat(app, tools=TOOLS, max_tokens=4)
     prompt = tok.decode(engine.sent[-1].input_ids)
     assert "<tools>" not in prompt and "get_weather" in prompt
@@ -136,4 +136,4 @@ async def test_a_template_that_shows_tools_is_left_alone(tok):
 
 async def test_an_explicit_parser_is_kept_under_the_fallback(tok):
     _, _, tm = _app_with(tok, tool_call_parser="llama3")
-    assert tm.tools_fallback and tm.tool_call_parser == "llama3"
+    assert tm.chat.tools_fallback and tm.chat.tool_call_parser == "llama3"

@@ -103,7 +103,7 @@ def _two_replica_tm(method: str = "prefix_affinity"):
     second = FakeEngine(tm)
     tm.replicas.append(Replica(1, second))
     tm.replicas[1].ready["engine"] = tm.ready["engine"]
-    tm.dispatcher = Dispatcher(2, method, block=4)
+    tm.router.dispatcher = Dispatcher(2, method, block=4)
     for e in (tm.push, second):
         e.hold = True
     assert isinstance(tm.ready["engine"], io.ReadyOut)
@@ -128,7 +128,7 @@ def test_requests_spread_die_with_their_replica_and_abort_there():
         b = asyncio.ensure_future(run("b", ids(8, 200)))
         await asyncio.sleep(0)
         assert engines[0].rids == ["a"] and engines[1].rids == ["b"]  # least loaded
-        assert [r.inflight for r in tm.replicas] == [1, 1] and tm.owner == {"a": 0, "b": 1}
+        assert [r.inflight for r in tm.replicas] == [1, 1] and tm.router.owner == {"a": 0, "b": 1}
         # the same prefix as "a" follows it though replica 0 is busier
         c = asyncio.ensure_future(run("c", ids(8, 100) + [1]))
         await asyncio.sleep(0)
@@ -148,7 +148,7 @@ def test_requests_spread_die_with_their_replica_and_abort_there():
         await asyncio.sleep(0)
         engines[0].release()
         await d
-        assert engines[0].rids == ["a", "c", "d"] and tm.owner == {}
+        assert engines[0].rids == ["a", "c", "d"] and tm.router.owner == {}
         assert [r.inflight for r in tm.replicas] == [0, 0]
         tm.on_replica_died(0, "detokenizer", 1)  # the last one: the server's engine is gone
         assert tm.dead is not None

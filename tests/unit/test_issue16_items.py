@@ -50,7 +50,7 @@ def test_metrics_keep_the_last_values_when_the_engine_is_busy():
     eng.tm._dispatch(io.StatsOut(num_running=4, num_waiting=1, kv_usage=0.5))
     r = TestClient(app).get("/metrics")
     assert r.status_code == 200 and gauge(r.text, "num_requests_running") == 4
-    assert eng.tm.info_waiters == {}
+    assert eng.tm.router.info_waiters == {}
 
 
 # ---- logit_bias ---------------------------------------------------------------------------

@@ -16,9 +16,9 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from engine.sampling.params import SamplingParams
-from server.openai.chat_messages import MESSAGE_NOOPS, TEMPLATE_FIELDS, TOOL_FIELDS
 from server.openai.protocol import ACCEPTED_NOOPS, ENGINE_DERIVED, SAMPLING_FIELDS
 from server.openapi.spec import build_openapi
+from server.pipeline.prompt import MESSAGE_NOOPS, TEMPLATE_FIELDS, TOOL_FIELDS
 from server.tools.structured import STRUCTURED_FIELDS, STRUCTURED_NOOPS, TOOL_REQUEST_FIELDS
 
 

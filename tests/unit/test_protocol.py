@@ -13,8 +13,8 @@ import pytest
 
 from engine.sampling.params import SamplingParams
 from server.app import model_name_of
+from server.http.body import BODY_READ_TIMEOUT_S, read_json
 from server.http.errors import APIError
-from server.openai.chat_messages import messages_for_template
 from server.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -22,7 +22,7 @@ from server.openai.protocol import (
     TokenizeRequest,
     parse_request,
 )
-from server.openai.serving import BODY_READ_TIMEOUT_S, read_json
+from server.pipeline.prompt import messages_for_template
 
 
 def comp(**kw):

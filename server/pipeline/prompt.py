@@ -1,10 +1,21 @@
-"""Chat messages as the model's chat template wants them (``apply_chat_template``)."""
+"""The prompt of a chat request: its messages as the model's chat template wants them
+(``messages_for_template``), rendered and tokenized (``chat_prompt``).
+
+``chat_prompt`` is the one function that turns a chat request into prompt token ids: chat
+completions, ``/v1/responses`` (through ``server/pipeline/job.py``'s ``prepare``) and
+``/v1/tokenize`` with ``messages`` all call it, so ``/v1/tokenize`` counts exactly the tokens
+the chat request would run (its ``add_generation_prompt``, ``continue_final_message``,
+``chat_template_kwargs`` and ``tools``).
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 from server.http.errors import bad_request, not_supported
-from server.openai.protocol import ChatMessage
+from server.tokenizer_manager import TokenizerManager
 from server.tools.messages import assistant_function_call, assistant_tool_calls
+from server.tools.plan import ToolPlan
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
               "assistant": "assistant"}
@@ -19,7 +30,7 @@ TOOL_FIELDS = {"tool_calls": "assistant", "function_call": "assistant", "tool_ca
 PART_KEYS = frozenset({"type", "text"})
 
 
-def messages_for_template(messages: list[ChatMessage]) -> list[dict]:
+def messages_for_template(messages: list[Any]) -> list[dict]:
     """Plain ``{"role", "content"}`` dicts for ``apply_chat_template``.
 
     Content may be a string or a list of ``{"type": "text", "text": ...}`` parts (joined
@@ -88,3 +99,18 @@ def messages_for_template(messages: list[ChatMessage]) -> list[dict]:
             msg["tool_calls"] = tool_calls
         out.append(msg)
     return out
+
+
+async def chat_prompt(tm: TokenizerManager, req: Any, tools: ToolPlan) -> list[int]:
+    """The prompt token ids of a chat request (a ``ChatCompletionRequest`` or a
+    ``TokenizeRequest`` with ``messages``): its messages through the model's chat template
+    with its ``add_generation_prompt``, ``continue_final_message``, ``add_special_tokens``,
+    ``chat_template_kwargs`` and the tools of ``tools``.
+
+    Raises:
+        APIError: 400 naming the message or field the template rejects.
+    """
+    return await tm.chat.apply_chat_template(
+        messages_for_template(req.messages), req.add_generation_prompt,
+        bool(req.add_special_tokens), continue_final_message=req.continue_final_message,
+        template_kwargs=dict(req.chat_template_kwargs or {}, **tools.template_kwargs))
