@@ -153,6 +153,7 @@ class ServerRoutes:
         serving: the ``OpenAIServing`` of the generation endpoints.
         children: ``{"engine": Process, "detokenizer": Process}`` (``engine-1``... per
             replica with ``--dp-size``); their pids are shown in ``/server_info``.
+        responses: the ``ResponsesServing`` whose store's size ``/metrics`` shows, if any.
     """
 
     def __init__(self, tm: TokenizerManager, args, serving: OpenAIServing,
