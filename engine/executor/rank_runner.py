@@ -23,9 +23,10 @@ from engine import device as dev
 from engine import distributed as tpd
 from engine.args import ServerArgs, lora_enabled, prefill_budget
 from engine.attention import create_attention_backend, resolve_attention_backend
+from engine.executor.forward_batch_builder import StepPools, build_forward_batch
 from engine.executor.schedule_batch import ScheduleBatch
 from engine.executor.tp_messages import IdsMsg, TPMessage, step_msg
-from engine.forward_batch import ForwardBatch, ForwardMode, resolve_placeholders
+from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.kv.pool import KVPool, ReqToTokenPool
 from engine.layers import select_ops, small_ops_kind
 from engine.layers.linear import pack_cpu_weights
@@ -38,23 +39,6 @@ logger = logging.getLogger(__name__)
 _CPU_DEFAULT_TOKENS = 32768
 # bytes kept free on an accelerator for activations, graphs and the sampler
 _ACTIVATION_RESERVE = 2 << 30
-
-
-def _to_device(arrays: list[list[int]], dtype: torch.dtype, device: torch.device
-               ) -> list[torch.Tensor]:
-    """Host int lists -> device tensors (views of one buffer), with one non-blocking copy.
-
-    Each array starts at a 16-byte boundary of the buffer, so a view is aligned as a fresh
-    allocation is (Triton specialises kernels on 16-byte alignment)."""
-    per = 16 // torch.empty((), dtype=dtype).element_size()
-    flat: list[int] = []
-    spans = []
-    for a in arrays:
-        spans.append((len(flat), len(a)))
-        flat.extend(a)
-        flat.extend([0] * (-len(flat) % per))
-    buf = dev.host_to_device(torch.tensor(flat, dtype=dtype), device)
-    return [buf[o:o + n] for o, n in spans]
 
 
 class RankRunner:
@@ -132,6 +116,8 @@ class RankRunner:
                                                 self.device)
         # rank 0 forwards its req_to_token writes (cached prefixes) with the next step
         self.req_to_token_pool.record_writes = self.tp.size > 1 and self.tp.rank == 0
+        #: what :func:`build_forward_batch` writes the step into
+        self.pools = StepPools(self.req_to_token_pool, self.kv_pool, self.device)
         self.attn_backend = create_attention_backend(
             self.attention_backend_name, self.num_heads, self.num_kv_heads, self.head_dim,
             device_type=self.device_type, device=self.device,
@@ -260,63 +246,9 @@ class RankRunner:
     # ---- forward ------------------------------------------------------------------------
     def build_forward_batch(self, batch: ScheduleBatch, future_ids: torch.Tensor | None = None
                             ) -> tuple[torch.Tensor, ForwardBatch]:
-        """Host lists -> device tensors, and write the new slots into ``req_to_token``.
-
-        A negative input id ``-(k + 1)`` is a placeholder for row k of ``future_ids`` (the
-        in-flight step's sampled ids, on the device) and is resolved there.
-        """
-        ids: list[int] = []
-        pos: list[int] = []
-        rows_t: list[int] = []
-        starts: list[int] = []
-        seq_lens: list[int] = []
-        last: list[int] = []
-        off = 0
-        for req, p, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
-            ids.extend(req.tokens(p, n))
-            pos.extend(range(p, p + n))
-            rows_t.extend([req.req_pool_idx] * n)
-            starts.append(off)
-            seq_lens.append(p + n)
-            off += n
-            last.append(off - 1)
-        extend = batch.mode == ForwardMode.EXTEND
-        if extend and any(batch.all_rows):
-            last = []
-            for s0, n, all_ in zip(starts, batch.extend_lens, batch.all_rows):
-                last.extend(range(s0, s0 + n) if all_ else [s0 + n - 1])
-        # the step's host arrays in two tensors, each one non-blocking copy from pinned memory
-        # (a blocking .to(device) waits for the in-flight step: no overlap)
-        input_ids, positions, loc, rows, req_rows, *logits_idx = _to_device(
-            [ids, pos, batch.out_cache_loc, rows_t, [r.req_pool_idx for r in batch.reqs]]
-            + ([last] if extend else []), torch.int64, self.device)
-        lora = self.lora is not None and bool(batch.lora_slots)
-        lora_segs = [starts, list(batch.extend_lens), batch.lora_slots] \
-            if lora and self.lora.batch.use_triton else []
-        seq_lens_d, *ext = _to_device(
-            [seq_lens] + ([batch.extend_lens, batch.prefix_lens, starts] if extend else [])
-            + lora_segs, torch.int32, self.device)
-        if self.lora is not None:  # the LoRA segments: one per request
-            self.lora.set_batch(starts, list(batch.extend_lens),
-                                batch.lora_slots or [-1] * len(starts),
-                                ext[-3:] if lora_segs else None)
-            ext = ext[:-3] if lora_segs else ext
-        input_ids = resolve_placeholders(input_ids, future_ids)
-        r2t = self.req_to_token_pool.req_to_token
-        r2t[rows, positions] = loc.to(torch.int32)
-        fb = ForwardBatch(
-            mode=batch.mode, batch_size=batch.batch_size, positions=positions,
-            req_pool_indices=req_rows, seq_lens=seq_lens_d,
-            out_cache_loc=loc, req_to_token=r2t, k_buffers=self.kv_pool.k_buffers,
-            v_buffers=self.kv_pool.v_buffers, attn_backend=self.attn_backend,
-            max_seq_len=max(seq_lens), seq_lens_cpu=seq_lens,
-            extend_seq_lens_cpu=list(batch.extend_lens))
-        if extend:
-            fb.extend_seq_lens, fb.extend_prefix_lens, fb.extend_start_loc = ext
-            fb.max_extend_len = max(batch.extend_lens)
-            fb.num_decodes = batch.num_decodes
-            fb.logits_indices = logits_idx[0]
-        return input_ids, fb
+        """The step over this runner's pools, backend and adapters: see
+        :func:`engine.executor.forward_batch_builder.build_forward_batch`."""
+        return build_forward_batch(self.pools, self.attn_backend, batch, self.lora, future_ids)
 
     @torch.inference_mode()
     def forward(self, batch: ScheduleBatch, future_ids: torch.Tensor | None = None) -> torch.Tensor:
