@@ -61,14 +61,49 @@ class RankRunner:
 
     def _build(self, args: ServerArgs) -> None:
         """Load the weights, size the KV pool, build the attention backend and graphs."""
-        from engine.loader.loader import load_model
-
         self.args = args
         self.dtype = dev.resolve_dtype(args.dtype, self.device_type)
         self.kv_dtype = dev.resolve_kv_dtype(args.kv_cache_dtype, self.dtype)
         # checked before the weights load: a bad --attention-backend fails in seconds
         self.attention_backend_name = resolve_attention_backend(args.attention_backend,
                                                                 self.device_type)
+        self._load_weights(args)
+        # LoRA adapters: device slots in every projection, before the KV pool takes the rest
+        self.lora = LoRAManager.for_args(args, self.model, self.dtype, self.device,
+                                         dev.is_accelerator(self.device_type)) \
+            if lora_enabled(args) else None
+        self.model_config = mc = self.model.model_config
+        self.vocab_size = mc.vocab_size
+        self.num_layers, self.head_dim = mc.num_layers, mc.head_dim
+        # this rank's heads (the model's with tp_size 1)
+        self.num_heads = self.model.q_size // mc.head_dim
+        self.num_kv_heads = self.model.kv_size // mc.head_dim
+        model_ctx = mc.context_length
+        self.model_max_context = min(model_ctx, args.context_length or model_ctx)
+        self._build_pools(args)
+        self.attn_backend = create_attention_backend(
+            self.attention_backend_name, self.num_heads, self.num_kv_heads, self.head_dim,
+            device_type=self.device_type, device=self.device,
+            num_sms=dev.multiprocessor_count(self.device_type), waves=args.decode_attention_waves,
+            fused_ops=not args.disable_fused_ops)
+        self.supports_overlap = dev.is_accelerator(self.device_type)
+        self._build_graphs(args)
+        logger.info("KV cache: %d tokens (%d layers x %d kv heads x %d dim, %s), page size %d; "
+                    "attention backend %s", self.max_total_tokens, self.num_layers,
+                    self.num_kv_heads, self.head_dim, str(self.kv_dtype).replace("torch.", ""),
+                    args.page_size, self.attention_backend_name)
+        self.rank_memory = tpd.gather_objects(self.memory_report())
+        if self.tp.size > 1 and self.tp.rank == 0:
+            logger.info("tensor parallel: %d ranks over %s; per rank: %s", self.tp.size,
+                        self.tp.backend, "; ".join(
+                            f"rank {m['rank']} weights {m['weight_bytes'] / 2**30:.2f} GiB, "
+                            f"KV {m['kv_bytes'] / 2**30:.2f} GiB" for m in self.rank_memory))
+
+    def _load_weights(self, args: ServerArgs) -> None:
+        """Seed, load the model (``self.model``, ``self.config``, ``self.load_time``) and
+        pick its kernels (on the CPU, prepack its linear weights first)."""
+        from engine.loader.loader import load_model
+
         torch.manual_seed(args.seed)
         t0 = time.perf_counter()
         with expert_parallel(args.ep_size):   # MoE layers partition their experts (--ep-size)
@@ -93,19 +128,10 @@ class RankRunner:
                        "FERRY_CPU_KERNELS=0 or --disable-fused-ops: the torch references)",
                 "reference": "the torch references (FERRY_CPU_KERNELS=0, "
                              "--disable-fused-ops, or no C++ compiler)"}.get(ops_kind, ops_kind))
-        # LoRA adapters: device slots in every projection, before the KV pool takes the rest
-        self.lora = LoRAManager.for_args(args, self.model, self.dtype, self.device,
-                                         dev.is_accelerator(self.device_type)) \
-            if lora_enabled(args) else None
-        self.model_config = mc = self.model.model_config
-        self.vocab_size = mc.vocab_size
-        self.num_layers, self.head_dim = mc.num_layers, mc.head_dim
-        # this rank's heads (the model's with tp_size 1)
-        self.num_heads = self.model.q_size // mc.head_dim
-        self.num_kv_heads = self.model.kv_size // mc.head_dim
-        model_ctx = mc.context_length
-        self.model_max_context = min(model_ctx, args.context_length or model_ctx)
 
+    def _build_pools(self, args: ServerArgs) -> None:
+        """The KV pool (sized by :meth:`_kv_capacity`, the smallest over the ranks), the
+        ``req_to_token`` rows, and the context they leave a request."""
         self.max_total_tokens = tpd.min_over_ranks(self._kv_capacity())
         self.kv_pool = KVPool(self.max_total_tokens, args.page_size, self.num_layers,
                               self.num_kv_heads, self.head_dim, self.kv_dtype, self.device)
@@ -118,12 +144,10 @@ class RankRunner:
         self.req_to_token_pool.record_writes = self.tp.size > 1 and self.tp.rank == 0
         #: what :func:`build_forward_batch` writes the step into
         self.pools = StepPools(self.req_to_token_pool, self.kv_pool, self.device)
-        self.attn_backend = create_attention_backend(
-            self.attention_backend_name, self.num_heads, self.num_kv_heads, self.head_dim,
-            device_type=self.device_type, device=self.device,
-            num_sms=dev.multiprocessor_count(self.device_type), waves=args.decode_attention_waves,
-            fused_ops=not args.disable_fused_ops)
-        self.supports_overlap = dev.is_accelerator(self.device_type)
+
+    def _build_graphs(self, args: ServerArgs) -> None:
+        """Capture the decode and piecewise graphs where the device has them (see
+        ``engine/executor/graph_setup.py``); else every step runs eagerly."""
         self.graph_runner = None
         self.piecewise_runner = None
         self._graph_pool = None
@@ -146,16 +170,6 @@ class RankRunner:
             from engine.executor.graph_setup import build_graphs
 
             self.graph_runner, self.piecewise_runner = build_graphs(self)
-        logger.info("KV cache: %d tokens (%d layers x %d kv heads x %d dim, %s), page size %d; "
-                    "attention backend %s", self.max_total_tokens, self.num_layers,
-                    self.num_kv_heads, self.head_dim, str(self.kv_dtype).replace("torch.", ""),
-                    args.page_size, self.attention_backend_name)
-        self.rank_memory = tpd.gather_objects(self.memory_report())
-        if self.tp.size > 1 and self.tp.rank == 0:
-            logger.info("tensor parallel: %d ranks over %s; per rank: %s", self.tp.size,
-                        self.tp.backend, "; ".join(
-                            f"rank {m['rank']} weights {m['weight_bytes'] / 2**30:.2f} GiB, "
-                            f"KV {m['kv_bytes'] / 2**30:.2f} GiB" for m in self.rank_memory))
 
     # ---- tensor parallelism -------------------------------------------------------------
     def _init_tp(self, args: ServerArgs, tp_rank: int) -> ServerArgs:
