@@ -13,6 +13,8 @@ Shapes (T = tokens in the step, B = requests):
   extend_prefix_lens[B] int32   tokens already cached per request (EXTEND only)
   extend_start_loc  [B] int32   offset of each request's first new token in T (EXTEND only)
   logits_indices    [B] int64   rows of the hidden states whose logits are sampled
+  lora_segments     LoRASegments: each request's rows and adapter slot (a model with
+                    adapters), else None
 
 A mixed EXTEND step (chunked prefill with the running decodes) ends with ``num_decodes``
 one-token requests (the last ``num_decodes`` tokens of T); attention runs the first
@@ -61,6 +63,27 @@ class AttentionMetadata:
 
 
 @dataclass
+class LoRASegments:
+    """One step's adapter segments, one per request: request i's rows ``[starts[i],
+    starts[i] + lens[i])`` of T use adapter slot ``slots[i]`` (-1: the base model).
+
+    Filled by ``engine.executor.forward_batch_builder.build_forward_batch`` for a model with
+    adapters, which hands them to the model's ``LoRAManager`` (its shared ``LoRABatch`` is
+    what the layers read).
+
+    Attributes:
+        starts, lens, slots: [B] host ints (offsets and lengths in tokens).
+        tensors: the three as [B] int32 device tensors ``(start, len, slot)`` when the LoRA
+            kernels read them there (Triton path, a step with an adapter row), else None.
+    """
+
+    starts: list[int]
+    lens: list[int]
+    slots: list[int]
+    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass
 class ForwardBatch:
     mode: ForwardMode
     batch_size: int
@@ -84,6 +107,8 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int] = field(default_factory=list)
     # the backend's per-step state (decode rows, KV split counts), set by its init_forward
     attn_meta: AttentionMetadata | None = None
+    # the step's LoRA segments (a model with adapters; None without, and in graph replays)
+    lora_segments: LoRASegments | None = None
 
     @property
     def is_decode(self) -> bool:

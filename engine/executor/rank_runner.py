@@ -23,10 +23,11 @@ from engine import device as dev
 from engine import distributed as tpd
 from engine.args import ServerArgs, lora_enabled, prefill_budget
 from engine.attention import create_attention_backend, resolve_attention_backend
+from engine.executor.forward_batch_builder import StepPools, build_forward_batch
 from engine.executor.graph_replay import replay_graphs
 from engine.executor.schedule_batch import ScheduleBatch
 from engine.executor.tp_messages import IdsMsg, TPMessage, step_msg
-from engine.forward_batch import ForwardBatch, ForwardMode, resolve_placeholders
+from engine.forward_batch import ForwardBatch
 from engine.kv.pool import KVPool, ReqToTokenPool
 from engine.layers import select_ops, small_ops_kind
 from engine.layers.linear import pack_cpu_weights
@@ -39,23 +40,6 @@ logger = logging.getLogger(__name__)
 _CPU_DEFAULT_TOKENS = 32768
 # bytes kept free on an accelerator for activations, graphs and the sampler
 _ACTIVATION_RESERVE = 2 << 30
-
-
-def _to_device(arrays: list[list[int]], dtype: torch.dtype, device: torch.device
-               ) -> list[torch.Tensor]:
-    """Host int lists -> device tensors (views of one buffer), with one non-blocking copy.
-
-    Each array starts at a 16-byte boundary of the buffer, so a view is aligned as a fresh
-    allocation is (Triton specialises kernels on 16-byte alignment)."""
-    per = 16 // torch.empty((), dtype=dtype).element_size()
-    flat: list[int] = []
-    spans = []
-    for a in arrays:
-        spans.append((len(flat), len(a)))
-        flat.extend(a)
-        flat.extend([0] * (-len(flat) % per))
-    buf = dev.host_to_device(torch.tensor(flat, dtype=dtype), device)
-    return [buf[o:o + n] for o, n in spans]
 
 
 class RankRunner:
@@ -78,14 +62,49 @@ class RankRunner:
 
     def _build(self, args: ServerArgs) -> None:
         """Load the weights, size the KV pool, build the attention backend and graphs."""
-        from engine.loader.loader import load_model
-
         self.args = args
         self.dtype = dev.resolve_dtype(args.dtype, self.device_type)
         self.kv_dtype = dev.resolve_kv_dtype(args.kv_cache_dtype, self.dtype)
         # checked before the weights load: a bad --attention-backend fails in seconds
         self.attention_backend_name = resolve_attention_backend(args.attention_backend,
                                                                 self.device_type)
+        self._load_weights(args)
+        # LoRA adapters: device slots in every projection, before the KV pool takes the rest
+        self.lora = LoRAManager.for_args(args, self.model, self.dtype, self.device,
+                                         dev.is_accelerator(self.device_type)) \
+            if lora_enabled(args) else None
+        self.model_config = mc = self.model.model_config
+        self.vocab_size = mc.vocab_size
+        self.num_layers, self.head_dim = mc.num_layers, mc.head_dim
+        # this rank's heads (the model's with tp_size 1)
+        self.num_heads = self.model.q_size // mc.head_dim
+        self.num_kv_heads = self.model.kv_size // mc.head_dim
+        model_ctx = mc.context_length
+        self.model_max_context = min(model_ctx, args.context_length or model_ctx)
+        self._build_pools(args)
+        self.attn_backend = create_attention_backend(
+            self.attention_backend_name, self.num_heads, self.num_kv_heads, self.head_dim,
+            device_type=self.device_type, device=self.device,
+            num_sms=dev.multiprocessor_count(self.device_type), waves=args.decode_attention_waves,
+            fused_ops=not args.disable_fused_ops)
+        self.supports_overlap = dev.is_accelerator(self.device_type)
+        self._build_graphs(args)
+        logger.info("KV cache: %d tokens (%d layers x %d kv heads x %d dim, %s), page size %d; "
+                    "attention backend %s", self.max_total_tokens, self.num_layers,
+                    self.num_kv_heads, self.head_dim, str(self.kv_dtype).replace("torch.", ""),
+                    args.page_size, self.attention_backend_name)
+        self.rank_memory = tpd.gather_objects(self.memory_report())
+        if self.tp.size > 1 and self.tp.rank == 0:
+            logger.info("tensor parallel: %d ranks over %s; per rank: %s", self.tp.size,
+                        self.tp.backend, "; ".join(
+                            f"rank {m['rank']} weights {m['weight_bytes'] / 2**30:.2f} GiB, "
+                            f"KV {m['kv_bytes'] / 2**30:.2f} GiB" for m in self.rank_memory))
+
+    def _load_weights(self, args: ServerArgs) -> None:
+        """Seed, load the model (``self.model``, ``self.config``, ``self.load_time``) and
+        pick its kernels (on the CPU, prepack its linear weights first)."""
+        from engine.loader.loader import load_model
+
         torch.manual_seed(args.seed)
         t0 = time.perf_counter()
         with expert_parallel(args.ep_size):   # MoE layers partition their experts (--ep-size)
@@ -110,19 +129,10 @@ class RankRunner:
                        "FERRY_CPU_KERNELS=0 or --disable-fused-ops: the torch references)",
                 "reference": "the torch references (FERRY_CPU_KERNELS=0, "
                              "--disable-fused-ops, or no C++ compiler)"}.get(ops_kind, ops_kind))
-        # LoRA adapters: device slots in every projection, before the KV pool takes the rest
-        self.lora = LoRAManager.for_args(args, self.model, self.dtype, self.device,
-                                         dev.is_accelerator(self.device_type)) \
-            if lora_enabled(args) else None
-        self.model_config = mc = self.model.model_config
-        self.vocab_size = mc.vocab_size
-        self.num_layers, self.head_dim = mc.num_layers, mc.head_dim
-        # this rank's heads (the model's with tp_size 1)
-        self.num_heads = self.model.q_size // mc.head_dim
-        self.num_kv_heads = self.model.kv_size // mc.head_dim
-        model_ctx = mc.context_length
-        self.model_max_context = min(model_ctx, args.context_length or model_ctx)
 
+    def _build_pools(self, args: ServerArgs) -> None:
+        """The KV pool (sized by :meth:`_kv_capacity`, the smallest over the ranks), the
+        ``req_to_token`` rows, and the context they leave a request."""
         self.max_total_tokens = tpd.min_over_ranks(self._kv_capacity())
         self.kv_pool = KVPool(self.max_total_tokens, args.page_size, self.num_layers,
                               self.num_kv_heads, self.head_dim, self.kv_dtype, self.device)
@@ -133,12 +143,12 @@ class RankRunner:
                                                 self.device)
         # rank 0 forwards its req_to_token writes (cached prefixes) with the next step
         self.req_to_token_pool.record_writes = self.tp.size > 1 and self.tp.rank == 0
-        self.attn_backend = create_attention_backend(
-            self.attention_backend_name, self.num_heads, self.num_kv_heads, self.head_dim,
-            device_type=self.device_type, device=self.device,
-            num_sms=dev.multiprocessor_count(self.device_type), waves=args.decode_attention_waves,
-            fused_ops=not args.disable_fused_ops)
-        self.supports_overlap = dev.is_accelerator(self.device_type)
+        #: what :func:`build_forward_batch` writes the step into
+        self.pools = StepPools(self.req_to_token_pool, self.kv_pool, self.device)
+
+    def _build_graphs(self, args: ServerArgs) -> None:
+        """Capture the decode and piecewise graphs where the device has them (see
+        ``engine/executor/graph_setup.py``); else every step runs eagerly."""
         self.graph_runner = None
         self.piecewise_runner = None
         self._graph_pool = None
@@ -161,16 +171,6 @@ class RankRunner:
             from engine.executor.graph_setup import build_graphs
 
             self.graph_runner, self.piecewise_runner = build_graphs(self)
-        logger.info("KV cache: %d tokens (%d layers x %d kv heads x %d dim, %s), page size %d; "
-                    "attention backend %s", self.max_total_tokens, self.num_layers,
-                    self.num_kv_heads, self.head_dim, str(self.kv_dtype).replace("torch.", ""),
-                    args.page_size, self.attention_backend_name)
-        self.rank_memory = tpd.gather_objects(self.memory_report())
-        if self.tp.size > 1 and self.tp.rank == 0:
-            logger.info("tensor parallel: %d ranks over %s; per rank: %s", self.tp.size,
-                        self.tp.backend, "; ".join(
-                            f"rank {m['rank']} weights {m['weight_bytes'] / 2**30:.2f} GiB, "
-                            f"KV {m['kv_bytes'] / 2**30:.2f} GiB" for m in self.rank_memory))
 
     # ---- tensor parallelism -------------------------------------------------------------
     def _init_tp(self, args: ServerArgs, tp_rank: int) -> ServerArgs:
@@ -274,63 +274,9 @@ class RankRunner:
     # ---- forward ------------------------------------------------------------------------
     def build_forward_batch(self, batch: ScheduleBatch, future_ids: torch.Tensor | None = None
                             ) -> tuple[torch.Tensor, ForwardBatch]:
-        """Host lists -> device tensors, and write the new slots into ``req_to_token``.
-
-        A negative input id ``-(k + 1)`` is a placeholder for row k of ``future_ids`` (the
-        in-flight step's sampled ids, on the device) and is resolved there.
-        """
-        ids: list[int] = []
-        pos: list[int] = []
-        rows_t: list[int] = []
-        starts: list[int] = []
-        seq_lens: list[int] = []
-        last: list[int] = []
-        off = 0
-        for req, p, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
-            ids.extend(req.tokens(p, n))
-            pos.extend(range(p, p + n))
-            rows_t.extend([req.req_pool_idx] * n)
-            starts.append(off)
-            seq_lens.append(p + n)
-            off += n
-            last.append(off - 1)
-        extend = batch.mode == ForwardMode.EXTEND
-        if extend and any(batch.all_rows):
-            last = []
-            for s0, n, all_ in zip(starts, batch.extend_lens, batch.all_rows):
-                last.extend(range(s0, s0 + n) if all_ else [s0 + n - 1])
-        # the step's host arrays in two tensors, each one non-blocking copy from pinned memory
-        # (a blocking .to(device) waits for the in-flight step: no overlap)
-        input_ids, positions, loc, rows, req_rows, *logits_idx = _to_device(
-            [ids, pos, batch.out_cache_loc, rows_t, [r.req_pool_idx for r in batch.reqs]]
-            + ([last] if extend else []), torch.int64, self.device)
-        lora = self.lora is not None and bool(batch.lora_slots)
-        lora_segs = [starts, list(batch.extend_lens), batch.lora_slots] \
-            if lora and self.lora.batch.use_triton else []
-        seq_lens_d, *ext = _to_device(
-            [seq_lens] + ([batch.extend_lens, batch.prefix_lens, starts] if extend else [])
-            + lora_segs, torch.int32, self.device)
-        if self.lora is not None:  # the LoRA segments: one per request
-            self.lora.set_batch(starts, list(batch.extend_lens),
-                                batch.lora_slots or [-1] * len(starts),
-                                ext[-3:] if lora_segs else None)
-            ext = ext[:-3] if lora_segs else ext
-        input_ids = resolve_placeholders(input_ids, future_ids)
-        r2t = self.req_to_token_pool.req_to_token
-        r2t[rows, positions] = loc.to(torch.int32)
-        fb = ForwardBatch(
-            mode=batch.mode, batch_size=batch.batch_size, positions=positions,
-            req_pool_indices=req_rows, seq_lens=seq_lens_d,
-            out_cache_loc=loc, req_to_token=r2t, k_buffers=self.kv_pool.k_buffers,
-            v_buffers=self.kv_pool.v_buffers, attn_backend=self.attn_backend,
-            max_seq_len=max(seq_lens), seq_lens_cpu=seq_lens,
-            extend_seq_lens_cpu=list(batch.extend_lens))
-        if extend:
-            fb.extend_seq_lens, fb.extend_prefix_lens, fb.extend_start_loc = ext
-            fb.max_extend_len = max(batch.extend_lens)
-            fb.num_decodes = batch.num_decodes
-            fb.logits_indices = logits_idx[0]
-        return input_ids, fb
+        """The step over this runner's pools, backend and adapters: see
+        :func:`engine.executor.forward_batch_builder.build_forward_batch`."""
+        return build_forward_batch(self.pools, self.attn_backend, batch, self.lora, future_ids)
 
     @torch.inference_mode()
     def forward(self, batch: ScheduleBatch, future_ids: torch.Tensor | None = None) -> torch.Tensor:

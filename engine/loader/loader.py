@@ -342,8 +342,6 @@ def load_model(model_path: str | None = None, load_format: str = "auto",
             checkpoint tensor of the wrong shape, a checkpoint missing weights, or a
             quantization scheme ferry cannot load.
     """
-    from tqdm.auto import tqdm
-
     source = resolve_model_path(model_path)
     fmt = _resolve_format(load_format, source)
     if config is None:
@@ -358,46 +356,16 @@ def load_model(model_path: str | None = None, load_format: str = "auto",
     t0 = time.perf_counter()
     with torch.device(dev), quantization_scope(quant):
         model = cls(config, run_dtype)
-    if keep_blocks:
-        quant.types = gguf_tensor_types(source.gguf_file, config, model.hf_weight_names())
-        kept, dropped = plan_layers(model, quant, run_dtype)
-        logger.info("GGUF: %d linear layers keep their Q4_0/Q4_1/Q8_0 blocks, %d are "
-                    "dequantized to %s (--gguf-dequantize: all)", kept, dropped,
-                    str(run_dtype).removeprefix("torch."))
-    elif quant is not None:
-        apply_ignore(model, quant, run_dtype)
-        if isinstance(quant, Int4Config):
-            logger.info("%s", quant.describe())
-        else:
-            logger.info("FP8 linear layers (%s): %s weights, per-output-channel scales, "
-                        "activations quantized per token", quant.source,
-                        "e4m3 checkpoint" if quant.checkpoint_fp8 else "quantized at load time")
+    if quant is not None:
+        _plan_quantized_layers(model, quant, keep_blocks, source, config, run_dtype)
     model.eval()
     if dev.type == "meta":
         return model, config
     if fmt == "dummy":
         init_dummy_weights(model, seed, progress)
     else:
-        if fmt == "safetensors":
-            from engine.distributed import get_tp
-
-            total = _count_safetensors(source.weight_files)
-            it = iter_safetensors(source.weight_files, lazy=get_tp().size > 1)
-        else:
-            total, it = iter_gguf(source.gguf_file, config, model.hf_weight_names(),
-                                  keep_blocks=keep_blocks)
-        head_blocks: list = []
-        if keep_blocks:
-            it = capture_head_blocks(it, model, head_blocks)
-        bar = tqdm(it, total=total, desc=f"loading {fmt}", disable=not progress or None)
-        with torch.no_grad():
-            loaded = model.load_weights(bar)
-        missing = sorted(model.expected_weights() - loaded)
-        if missing:
-            raise ValueError(f"the checkpoint lacks {len(missing)} weights: "
-                             f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
-        if head_blocks:
-            model.lm_head_quant = quantized_head(head_blocks[0], quant, run_dtype, dev)
+        _load_checkpoint(model, source, fmt, config, quant if keep_blocks else None, run_dtype,
+                         dev, progress)
     if quant is not None:
         process_weights_after_loading(model, dev.type)
     devmod.synchronize(dev.type)
@@ -406,6 +374,63 @@ def load_model(model_path: str | None = None, load_format: str = "auto",
                 str(run_dtype).removeprefix("torch."), dev, time.perf_counter() - t0,
                 nbytes / 1e9)
     return model, config
+
+
+def _plan_quantized_layers(model, quant, keep_blocks: bool, source: ModelSource, config,
+                           run_dtype: torch.dtype) -> None:
+    """Settle each linear layer of a quantized model before its weights load: with GGUF
+    blocks kept, which layers keep them (from the file's tensor types); else the scheme's
+    ignored layers go back to ``run_dtype``."""
+    if keep_blocks:
+        quant.types = gguf_tensor_types(source.gguf_file, config, model.hf_weight_names())
+        kept, dropped = plan_layers(model, quant, run_dtype)
+        logger.info("GGUF: %d linear layers keep their Q4_0/Q4_1/Q8_0 blocks, %d are "
+                    "dequantized to %s (--gguf-dequantize: all)", kept, dropped,
+                    str(run_dtype).removeprefix("torch."))
+        return
+    apply_ignore(model, quant, run_dtype)
+    if isinstance(quant, Int4Config):
+        logger.info("%s", quant.describe())
+    else:
+        logger.info("FP8 linear layers (%s): %s weights, per-output-channel scales, "
+                    "activations quantized per token", quant.source,
+                    "e4m3 checkpoint" if quant.checkpoint_fp8 else "quantized at load time")
+
+
+def _load_checkpoint(model, source: ModelSource, fmt: str, config, gguf_blocks,
+                     run_dtype: torch.dtype, dev: torch.device, progress: bool) -> None:
+    """Stream the safetensors or GGUF tensors of ``source`` into ``model``.
+
+    ``gguf_blocks``: the ``GgufConfig`` when a GGUF file's blocks are kept (the LM head's
+    blocks are then captured as they pass and quantized on their own), else None.
+
+    Raises:
+        ValueError: the checkpoint lacks weights the model expects (or as the model's
+            ``load_weights``).
+    """
+    from tqdm.auto import tqdm
+
+    keep_blocks = gguf_blocks is not None
+    if fmt == "safetensors":
+        from engine.distributed import get_tp
+
+        total = _count_safetensors(source.weight_files)
+        it = iter_safetensors(source.weight_files, lazy=get_tp().size > 1)
+    else:
+        total, it = iter_gguf(source.gguf_file, config, model.hf_weight_names(),
+                              keep_blocks=keep_blocks)
+    head_blocks: list = []
+    if keep_blocks:
+        it = capture_head_blocks(it, model, head_blocks)
+    bar = tqdm(it, total=total, desc=f"loading {fmt}", disable=not progress or None)
+    with torch.no_grad():
+        loaded = model.load_weights(bar)
+    missing = sorted(model.expected_weights() - loaded)
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} weights: "
+                         f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+    if head_blocks:
+        model.lm_head_quant = quantized_head(head_blocks[0], gguf_blocks, run_dtype, dev)
 
 
 def load_model_from_args(server_args):

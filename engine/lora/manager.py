@@ -9,7 +9,8 @@
   (``engine.layers.lora.LoRASlots``). :meth:`slots_for` gives a step's requests their slots,
   copying an adapter in when it is not resident; the least recently used slot that the step
   does not use is overwritten (its adapter stays in host memory).
-- Segments: :meth:`set_batch` fills the model's shared ``LoRABatch``.
+- Segments: :meth:`set_batch` fills the model's shared ``LoRABatch`` (the step's builder,
+  ``engine.executor.forward_batch_builder``, calls it with the step's ``LoRASegments``).
 
 Tensor parallelism: each rank has a manager over its own shards. Rank 0 decides the slots
 (:meth:`slots_for` returns the copies it made as ``(slot, id, name, path)``) and the workers

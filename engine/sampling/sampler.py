@@ -153,77 +153,87 @@ class SamplingBatchInfo:
         Ids outside [0, V) in any list are ignored rather than indexing out of bounds.
         """
         dev = torch.device(device)
-        B, V = len(params), vocab_size
+        B = len(params)
         for name, lst in (("output_ids", output_ids), ("prompt_ids", prompt_ids), ("steps", steps)):
             if lst is not None and len(lst) != B:
                 raise ValueError(f"{name} has {len(lst)} rows, expected {B}")
         if steps is None:
             steps = [len(o) for o in output_ids] if output_ids is not None else [0] * B
-        eos = list(eos_ids)
+        info = cls(batch_size=B, vocab_size=vocab_size, device=dev, is_all_greedy=False,
+                   needs_processing=False)
+        info._add_processing(params, steps, output_ids, prompt_ids, list(eos_ids))
+        info._add_sampling(params, steps)
+        return info
 
-        # logits processing ------------------------------------------------------------
+    def _add_processing(self, params: list[SamplingParams], steps: list[int],
+                        output_ids: list[list[int]] | None, prompt_ids: list[list[int]] | None,
+                        eos: list[int]) -> None:
+        """The logits processing's tensors (logit_bias, the min_tokens ban, the penalties)
+        and ``needs_processing``; arguments as :meth:`from_params`."""
+        dev, V = self.device, self.vocab_size
         bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
         ban_rows = [i for i, p in enumerate(params) if steps[i] < p.min_tokens]
         rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
         pf_rows = [i for i, p in enumerate(params)
                    if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0]
-        info = cls(batch_size=B, vocab_size=V, device=dev, is_all_greedy=False,
-                   needs_processing=bool(bias_rows or ban_rows or rep_rows or pf_rows))
+        self.needs_processing = bool(bias_rows or ban_rows or rep_rows or pf_rows)
         if bias_rows:
             ids = [list(params[i].logit_bias.keys()) for i in bias_rows]
             vals = torch.tensor([v for i in bias_rows for v in params[i].logit_bias.values()],
                                 dtype=torch.float32)
             keep = torch.tensor([0 <= t < V for row in ids for t in row], dtype=torch.bool)
-            info.bias_index = _to_device(_flat_index(bias_rows, ids, V), torch.int64, dev)
-            info.bias_values = _to_device(vals[keep], torch.float32, dev)
+            self.bias_index = _to_device(_flat_index(bias_rows, ids, V), torch.int64, dev)
+            self.bias_values = _to_device(vals[keep], torch.float32, dev)
         if ban_rows:
             ids = [list(params[i].stop_token_ids) + eos for i in ban_rows]
-            info.ban_index = _to_device(_flat_index(ban_rows, ids, V), torch.int64, dev)
+            self.ban_index = _to_device(_flat_index(ban_rows, ids, V), torch.int64, dev)
         if rep_rows:
             ids = [(list(prompt_ids[i]) if prompt_ids is not None else [])
                    + (list(output_ids[i]) if output_ids is not None else []) for i in rep_rows]
-            info.rep_index = _to_device(_flat_index(rep_rows, ids, V), torch.int64, dev)
-            info.rep_penalties = _to_device([[p.repetition_penalty] for p in params],
+            self.rep_index = _to_device(_flat_index(rep_rows, ids, V), torch.int64, dev)
+            self.rep_penalties = _to_device([[p.repetition_penalty] for p in params],
                                             torch.float32, dev)
         if pf_rows:
             ids = [list(output_ids[i]) if output_ids is not None else [] for i in pf_rows]
-            info.out_index = _to_device(_flat_index(pf_rows, ids, V), torch.int64, dev)
-            info.presence = _to_device([[p.presence_penalty] for p in params], torch.float32, dev)
-            info.frequency = _to_device([[p.frequency_penalty] for p in params],
+            self.out_index = _to_device(_flat_index(pf_rows, ids, V), torch.int64, dev)
+            self.presence = _to_device([[p.presence_penalty] for p in params], torch.float32, dev)
+            self.frequency = _to_device([[p.frequency_penalty] for p in params],
                                         torch.float32, dev)
 
-        # sampling ---------------------------------------------------------------------
+    def _add_sampling(self, params: list[SamplingParams], steps: list[int]) -> None:
+        """``is_all_greedy`` and, unless it holds, the sampled rows' tensors (temperature,
+        cuts, seeds); arguments as :meth:`from_params`."""
+        dev, V, B = self.device, self.vocab_size, self.batch_size
         greedy = [p.temperature < SAMPLING_EPS or p.top_k == 1 for p in params]
-        info.is_all_greedy = all(greedy)
-        if info.is_all_greedy:
-            return info
+        self.is_all_greedy = all(greedy)
+        if self.is_all_greedy:
+            return
         if any(greedy):
-            info.greedy_mask = _to_device(greedy, torch.bool, dev)
-        info.temperatures = _to_device(
+            self.greedy_mask = _to_device(greedy, torch.bool, dev)
+        self.temperatures = _to_device(
             [[1.0 if g else p.temperature] for p, g in zip(params, greedy)], torch.float32, dev)
         ks = [p.top_k if (not g and 0 < p.top_k < V) else 0 for p, g in zip(params, greedy)]
         if any(ks):
-            info.max_top_k = max(ks)
-            info.top_ks = _to_device([k if k else V for k in ks], torch.int64, dev)
+            self.max_top_k = max(ks)
+            self.top_ks = _to_device([k if k else V for k in ks], torch.int64, dev)
         if any(p.top_p < 1.0 and not g for p, g in zip(params, greedy)):
-            info.top_ps = _to_device([[1.0 if g else p.top_p] for p, g in zip(params, greedy)],
+            self.top_ps = _to_device([[1.0 if g else p.top_p] for p, g in zip(params, greedy)],
                                      torch.float32, dev)
         if any(p.min_p > 0.0 and not g for p, g in zip(params, greedy)):
-            info.log_min_ps = _to_device(
+            self.log_min_ps = _to_device(
                 [[math.log(p.min_p) if p.min_p > 0.0 and not g else _NEG_INF]
                  for p, g in zip(params, greedy)], torch.float32, dev)
         seeded = [i for i, (p, g) in enumerate(zip(params, greedy)) if p.seed is not None and not g]
         if seeded:
             keys = [seed_keys(params[i].seed, steps[i]) for i in seeded]
-            info.num_seeded = len(seeded)
-            info.seeded_rows = _to_device(seeded, torch.int64, dev)
-            info.seed_k1 = _to_device([[k[0]] for k in keys], torch.int64, dev)
-            info.seed_k2 = _to_device([[k[1]] for k in keys], torch.int64, dev)
+            self.num_seeded = len(seeded)
+            self.seeded_rows = _to_device(seeded, torch.int64, dev)
+            self.seed_k1 = _to_device([[k[0]] for k in keys], torch.int64, dev)
+            self.seed_k2 = _to_device([[k[1]] for k in keys], torch.int64, dev)
             if len(seeded) < B:
                 seeded_set = set(seeded)
-                info.unseeded_rows = _to_device([i for i in range(B) if i not in seeded_set],
+                self.unseeded_rows = _to_device([i for i in range(B) if i not in seeded_set],
                                                 torch.int64, dev)
-        return info
 
 
 # ---- logits processing --------------------------------------------------------------------

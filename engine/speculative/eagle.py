@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from engine.args import ServerArgs, num_draft_tokens, prefill_budget
+from engine.executor.forward_batch_builder import StepPools, build_forward_batch
 from engine.speculative.draft import DraftSeq, ModelProposer, draft_pool_tokens
 
 logger = logging.getLogger(__name__)
@@ -286,9 +287,6 @@ class EagleProposer(ModelProposer):
             graphs keep them too, ``GraphRunner``; piecewise graphs do not and are off).
     """
 
-    #: what ``RankRunner.build_forward_batch`` reads besides the pools: no LoRA in the head
-    lora = None
-
     def __init__(self, args: ServerArgs, target):
         from engine.attention import create_attention_backend
         from engine.kv.pool import KVPool, ReqToTokenPool
@@ -323,6 +321,7 @@ class EagleProposer(ModelProposer):
                               mc.num_kv_heads, mc.head_dim, target.kv_dtype, target.device)
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests,
                                                 target.max_context_len, target.device)
+        self.pools = StepPools(self.req_to_token_pool, self.kv_pool, self.device)
         self.attn_backend = create_attention_backend(
             target.attention_backend_name, mc.num_heads, mc.num_kv_heads, mc.head_dim,
             device_type=target.device_type, device=target.device,
@@ -426,10 +425,8 @@ class EagleProposer(ModelProposer):
                                                             out, ks)
 
     def forward(self, batch, seqs, hidden):
-        from engine.executor.rank_runner import RankRunner
-
-        # the runner's host -> device step (this object has the fields it reads)
-        input_ids, fb = RankRunner.build_forward_batch(self, batch)
+        # the head's own pools and backend; no LoRA in the head
+        input_ids, fb = build_forward_batch(self.pools, self.attn_backend, batch)
         self.attn_backend.init_forward(fb)
         base = [s.base for s, n in zip(seqs, batch.extend_lens) for _ in range(n)]
         positions = fb.positions + torch.tensor(base, dtype=torch.int64).to(self.device)

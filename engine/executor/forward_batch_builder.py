@@ -1,0 +1,149 @@
+"""``build_forward_batch``: one step's host-side ``ScheduleBatch`` -> device ``ForwardBatch``.
+
+Shared by every forward that runs over a pool of its own: the target's runner
+(``RankRunner.build_forward_batch``, the eager and piecewise paths) and the EAGLE head
+(``engine/speculative/eagle.py``), each with its own :class:`StepPools` and attention
+backend. The host arrays go to the device in two copies (one int64 buffer, one int32
+buffer, :func:`_to_device`); the new tokens' slots are written into ``req_to_token``.
+
+LoRA: with a ``LoRAManager`` the builder fills ``ForwardBatch.lora_segments`` (one segment
+per request, with its adapter slot) and points the model's shared ``LoRABatch`` at them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from engine import device as dev
+from engine.executor.schedule_batch import ScheduleBatch
+from engine.forward_batch import ForwardBatch, ForwardMode, LoRASegments, resolve_placeholders
+from engine.kv.pool import KVPool, ReqToTokenPool
+
+if TYPE_CHECKING:
+    from engine.lora.manager import LoRAManager
+
+
+@dataclass(frozen=True)
+class StepPools:
+    """What a forward's KV lives in: its ``req_to_token`` rows, its K/V buffers, and the
+    device the step's tensors go to."""
+
+    req_to_token_pool: ReqToTokenPool
+    kv_pool: KVPool
+    device: torch.device
+
+
+def _to_device(arrays: list[list[int]], dtype: torch.dtype, device: torch.device
+              ) -> list[torch.Tensor]:
+    """Host int lists -> device tensors (views of one buffer), with one non-blocking copy.
+
+    Each array starts at a 16-byte boundary of the buffer, so a view is aligned as a fresh
+    allocation is (Triton specialises kernels on 16-byte alignment)."""
+    per = 16 // torch.empty((), dtype=dtype).element_size()
+    flat: list[int] = []
+    spans = []
+    for a in arrays:
+        spans.append((len(flat), len(a)))
+        flat.extend(a)
+        flat.extend([0] * (-len(flat) % per))
+    buf = dev.host_to_device(torch.tensor(flat, dtype=dtype), device)
+    return [buf[o:o + n] for o, n in spans]
+
+
+class _HostStep(NamedTuple):
+    """The step's host lists: per token (T) and per request (B)."""
+
+    ids: list[int]          # [T] input ids (negative: placeholders)
+    positions: list[int]    # [T]
+    token_rows: list[int]   # [T] req_to_token row of each token
+    starts: list[int]       # [B] offset of each request's first new token
+    seq_lens: list[int]     # [B] KV length after the step
+    logits_rows: list[int]  # rows whose logits are sampled (every row of an all_rows request)
+
+
+def _host_step(batch: ScheduleBatch) -> _HostStep:
+    ids: list[int] = []
+    pos: list[int] = []
+    rows_t: list[int] = []
+    starts: list[int] = []
+    seq_lens: list[int] = []
+    last: list[int] = []
+    off = 0
+    for req, p, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+        ids.extend(req.tokens(p, n))
+        pos.extend(range(p, p + n))
+        rows_t.extend([req.req_pool_idx] * n)
+        starts.append(off)
+        seq_lens.append(p + n)
+        off += n
+        last.append(off - 1)
+    if batch.mode == ForwardMode.EXTEND and any(batch.all_rows):
+        last = []
+        for s0, n, all_ in zip(starts, batch.extend_lens, batch.all_rows):
+            last.extend(range(s0, s0 + n) if all_ else [s0 + n - 1])
+    return _HostStep(ids, pos, rows_t, starts, seq_lens, last)
+
+
+def build_forward_batch(pools: StepPools, attn_backend, batch: ScheduleBatch,
+                        lora: LoRAManager | None = None,
+                        future_ids: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, ForwardBatch]:
+    """Host lists -> device tensors, and write the new slots into ``req_to_token``.
+
+    Args:
+        pools: the forward's pools and device.
+        attn_backend: the forward's ``engine.attention.AttentionBackend`` (stored in the
+            batch; its ``init_forward`` is the caller's to run).
+        batch: the step (EXTEND or DECODE).
+        lora: the model's ``LoRAManager``, or None for a model without adapters; with one,
+            its shared ``LoRABatch`` describes this step's segments afterwards.
+        future_ids: the in-flight step's sampled ids [B'] int64 on the device, or None. A
+            negative input id ``-(k + 1)`` is a placeholder for row k and is resolved there.
+    Returns:
+        ``(input_ids [T] int64, ForwardBatch)``, on ``pools.device``.
+    """
+    extend = batch.mode == ForwardMode.EXTEND
+    h = _host_step(batch)
+    # the step's host arrays in two tensors, each one non-blocking copy from pinned memory
+    # (a blocking .to(device) waits for the in-flight step: no overlap)
+    input_ids, positions, loc, rows, req_rows, *logits_idx = _to_device(
+        [h.ids, h.positions, batch.out_cache_loc, h.token_rows,
+         [r.req_pool_idx for r in batch.reqs]] + ([h.logits_rows] if extend else []),
+        torch.int64, pools.device)
+    i32 = {"seq_lens": h.seq_lens}
+    if extend:
+        i32.update(extend_seq_lens=list(batch.extend_lens),
+                   extend_prefix_lens=list(batch.prefix_lens), extend_start_loc=h.starts)
+    segs = None
+    if lora is not None:  # the LoRA segments: one per request
+        segs = LoRASegments(h.starts, list(batch.extend_lens),
+                            batch.lora_slots or [-1] * len(h.starts))
+        if batch.lora_slots and lora.batch.use_triton:  # the kernels read them on the device
+            i32.update(lora_seg_start=segs.starts, lora_seg_len=segs.lens,
+                       lora_seg_slot=segs.slots)
+    d32 = dict(zip(i32, _to_device(list(i32.values()), torch.int32, pools.device)))
+    if segs is not None:
+        if "lora_seg_start" in d32:
+            segs.tensors = (d32["lora_seg_start"], d32["lora_seg_len"], d32["lora_seg_slot"])
+        lora.set_batch(segs.starts, segs.lens, segs.slots, segs.tensors)
+    input_ids = resolve_placeholders(input_ids, future_ids)
+    r2t = pools.req_to_token_pool.req_to_token
+    r2t[rows, positions] = loc.to(torch.int32)
+    fb = ForwardBatch(
+        mode=batch.mode, batch_size=batch.batch_size, positions=positions,
+        req_pool_indices=req_rows, seq_lens=d32["seq_lens"],
+        out_cache_loc=loc, req_to_token=r2t, k_buffers=pools.kv_pool.k_buffers,
+        v_buffers=pools.kv_pool.v_buffers, attn_backend=attn_backend,
+        max_seq_len=max(h.seq_lens), seq_lens_cpu=h.seq_lens,
+        extend_seq_lens_cpu=list(batch.extend_lens), lora_segments=segs)
+    if extend:
+        fb.extend_seq_lens = d32["extend_seq_lens"]
+        fb.extend_prefix_lens = d32["extend_prefix_lens"]
+        fb.extend_start_loc = d32["extend_start_loc"]
+        fb.max_extend_len = max(batch.extend_lens)
+        fb.num_decodes = batch.num_decodes
+        fb.logits_indices = logits_idx[0]
+    return input_ids, fb
