@@ -211,6 +211,12 @@ class ServerRoutes:
         mid = request.path_params["model_id"]
         if mid in (self.model_name, self.args.model_path):
             return JSONResponse(self.model_card())
+        for base in (self.model_name, self.args.model_path):  # SGLang's "base:adapter"
+            if base and mid.startswith(base + ":"):
+                name = mid[len(base) + 1:]
+                for card in lora.adapter_cards(self.tm, self.model_name, self.created):
+                    if card["id"] == name:  # as the generation routes accept it
+                        return JSONResponse(dict(card, id=mid))
         for card in lora.adapter_cards(self.tm, self.model_name, self.created):
             if card["id"] == mid:
                 return JSONResponse(card)
@@ -250,7 +256,7 @@ class ServerRoutes:
         return await self.health(request)
 
     async def get_load(self, request: Request) -> Response:
-        return JSONResponse(native.load_of(await self.tm.router.server_info()))
+        return JSONResponse(native.load_of(await self.tm.router.server_infos()))
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": ferry_version()})
