@@ -4,6 +4,9 @@
   of the engine and detokenizer processes, uvicorn.
 - ``app``: the Starlette app, its route table and middleware, wiring the families below.
 - ``openapi/``: ``/openapi.json`` and ``/docs``.
+- ``anthropic/``: Anthropic's ``/v1/messages`` and ``/v1/messages/count_tokens``: its request
+  model and content blocks, their conversion to a chat request, its ``message`` object and
+  events, its error shape.
 - ``responses/``: ``/v1/responses``: its request model, its conversion to a chat request,
   its ``response`` object and events, the stored responses.
 - ``openai/``: ``/v1/chat/completions``, ``/v1/completions``, tokenize/detokenize.

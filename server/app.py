@@ -9,6 +9,8 @@ SGLang's routes its routers ask (``GET /get_server_info``, ``/model_info``,
 vLLM's small routes (``POST /invocations``, ``GET``/``POST /ping``, ``GET /version``,
 ``GET /load``: ``server/openai/vllm_routes.py``), the stored responses of the Responses API
 (``GET``/``DELETE /v1/responses/{id}``, ``.../input_items``, ``POST .../cancel``),
+Anthropic's ``POST /v1/messages`` and ``/v1/messages/count_tokens``
+(``server/anthropic/``, with Anthropic-shaped errors, its 401, 404 and 405 included),
 ``GET /openapi.json`` and ``GET /docs`` (``server/openapi/spec.py``). ``OPTIONS`` on a route
 answers 204 (CORS preflights included, ``server/http/cors.py``); every response carries
 ``X-Request-Id`` (``server/http/request_id.py``). Every handler is wrapped so an unexpected
@@ -40,6 +42,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from server.anthropic.errors import error_response, is_messages_path, messages_endpoint
+from server.anthropic.serving import MessagesServing
 from server.http.cors import FerryCORSMiddleware, OptionsMiddleware, cors_options
 from server.http.errors import APIError, http_error
 from server.http.request_id import STATE_KEY as REQUEST_ID_KEY
@@ -83,9 +87,12 @@ def endpoint(fn: Callable[[Request], Awaitable[Response]]):
 
 
 class AuthMiddleware:
-    """Pure ASGI middleware: ``Authorization: Bearer <api_key>`` on everything but OPEN_PATHS.
+    """Pure ASGI middleware: ``Authorization: Bearer <api_key>`` or Anthropic's
+    ``x-api-key: <api_key>`` on everything but OPEN_PATHS (the Messages routes answer a
+    refusal in Anthropic's shape).
 
-    Compares with ``secrets.compare_digest``.
+    Compares with ``secrets.compare_digest``; a request with both headers passes if
+    either holds the key.
     """
 
     def __init__(self, app, api_key: str | None):
@@ -93,20 +100,25 @@ class AuthMiddleware:
         self.key = api_key.encode() if api_key else None
 
     def _authorized(self, scope) -> bool:
+        ok = False
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
-                return scheme.lower() == b"bearer" and secrets.compare_digest(
+                ok |= scheme.lower() == b"bearer" and secrets.compare_digest(
                     token.strip(), self.key)
-        return False
+            elif name == b"x-api-key":
+                ok |= secrets.compare_digest(value.strip(), self.key)
+        return ok
 
     async def __call__(self, scope, receive, send) -> None:
         if (self.key is not None and scope["type"] == "http"
                 and scope.get("path") not in OPEN_PATHS and not self._authorized(scope)):
-            err = APIError("Invalid or missing API key; send 'Authorization: Bearer <key>'",
-                           401, None, "invalid_api_key",
+            err = APIError("Invalid or missing API key; send 'Authorization: Bearer <key>' "
+                           "or 'x-api-key: <key>'", 401, None, "invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
-            await err.response()(scope, receive, send)
+            shaped = error_response(err) if is_messages_path(scope.get("path")) \
+                else err.response()
+            await shaped(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
@@ -199,6 +211,12 @@ class ServerRoutes:
         mid = request.path_params["model_id"]
         if mid in (self.model_name, self.args.model_path):
             return JSONResponse(self.model_card())
+        for base in (self.model_name, self.args.model_path):  # SGLang's "base:adapter"
+            if base and mid.startswith(base + ":"):
+                name = mid[len(base) + 1:]
+                for card in lora.adapter_cards(self.tm, self.model_name, self.created):
+                    if card["id"] == name:  # as the generation routes accept it
+                        return JSONResponse(dict(card, id=mid))
         for card in lora.adapter_cards(self.tm, self.model_name, self.created):
             if card["id"] == mid:
                 return JSONResponse(card)
@@ -238,7 +256,7 @@ class ServerRoutes:
         return await self.health(request)
 
     async def get_load(self, request: Request) -> Response:
-        return JSONResponse(native.load_of(await self.tm.router.server_info()))
+        return JSONResponse(native.load_of(await self.tm.router.server_infos()))
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": ferry_version()})
@@ -343,15 +361,26 @@ def responses_routes(responses: ResponsesServing) -> list[Route]:
     ]
 
 
-def route_table(server: ServerRoutes, responses: ResponsesServing) -> list[Route]:
+def messages_routes(messages: MessagesServing) -> list[Route]:
+    """Anthropic's ``/v1/messages`` and ``/v1/messages/count_tokens`` (Anthropic-shaped
+    errors: ``messages_endpoint``)."""
+    return [Route("/v1/messages", messages_endpoint(messages.create), methods=["POST"]),
+            Route("/v1/messages/count_tokens", messages_endpoint(messages.count_tokens),
+                  methods=["POST"])]
+
+
+def route_table(server: ServerRoutes, responses: ResponsesServing,
+                messages: MessagesServing | None = None) -> list[Route]:
     """Every route of the app, each handler wrapped by ``endpoint`` (one wrapper per
-    handler, shared by its paths)."""
+    handler, shared by its paths; the Messages routes by ``messages_endpoint``)."""
     wrapped: dict[str, Callable] = {}
     for _, name, _ in SERVER_ROUTES:
         wrapped.setdefault(name, endpoint(getattr(server, name)))
     routes = [Route(path, wrapped[name], methods=methods)
               for path, name, methods in SERVER_ROUTES]
-    routes[2:2] = responses_routes(responses)  # after chat completions, as listed before
+    # after chat completions, as listed before
+    routes[2:2] = responses_routes(responses) + messages_routes(
+        messages or MessagesServing(server.serving))
     return [*routes, *openapi_routes(server.model_name, server.facts, wrap=endpoint)]
 
 
@@ -367,7 +396,8 @@ async def http_exception(request: Request, exc: Exception) -> Response:
     headers = dict(exc.headers or {})
     if "Allow" in headers:  # OPTIONS is answered on every route (server/http/cors.py)
         headers["Allow"] += ", OPTIONS"
-    return APIError(msg, exc.status_code, None, None, headers=headers).response()
+    err = APIError(msg, exc.status_code, None, None, headers=headers)
+    return error_response(err) if is_messages_path(request.url.path) else err.response()
 
 
 async def server_error(request: Request, exc: Exception) -> Response:
@@ -401,7 +431,8 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
     serving = OpenAIServing(tm, args, model_name_of(args))
     responses = ResponsesServing(serving)  # its store lives here, for every replica
     server = ServerRoutes(tm, args, serving, children, responses)
-    app = Starlette(routes=route_table(server, responses), middleware=middleware_of(args),
+    app = Starlette(routes=route_table(server, responses, MessagesServing(serving)),
+                    middleware=middleware_of(args),
                     exception_handlers=EXCEPTION_HANDLERS)
     # no 307 to the path without its trailing slash (its Location would be built from the
     # client's Host header): "/v1/completions/" is an unknown route, a shaped 404

@@ -273,6 +273,19 @@ class ReplicaRouter:
         outs = await self.ask_all(io.GetServerInfoReq, "info")
         return summed_info([o for o in outs if o is not None])
 
+    async def server_infos(self) -> list[tuple[int, io.ServerInfoOut]]:
+        """``(replica index, its ServerInfoOut)`` of every replica that answered (one
+        replica: its own answer), replica order.
+
+        Raises:
+            APIError: 503 if none answered (or the one replica did not).
+        """
+        if len(self.replicas) == 1:
+            return [(self.replicas[0].index, await self.ask(io.GetServerInfoReq, "info"))]
+        live = [r for r in self.replicas if r.alive]
+        outs = await self.ask_all(io.GetServerInfoReq, "info")
+        return [(r.index, o) for r, o in zip(live, outs, strict=True) if o is not None]
+
     async def flush_cache(self) -> io.FlushCacheOut:
         """Ask the engine to empty its prefix cache (it refuses while requests run).
 

@@ -112,9 +112,6 @@ EXTENSION_FIELDS: dict[str, Extension] = {
     "documents": Extension((None,), _V, "RAG documents for the chat template"),
     "chat_template": Extension((None,), _V, "per-request chat templates (the server's is "
                                             "fixed)"),
-    "truncate_prompt_tokens": Extension((None,), _V, "prompt truncation (a prompt beyond the "
-                                                     "context is a 400)"),
-    "truncation_side": Extension((None,), _V, "prompt truncation"),
     "allowed_token_ids": Extension((None,), _V, "allowed-token lists (logit_bias bans or "
                                                 "forces tokens)"),
     "bad_words": Extension(([],), _V, "banned words (logit_bias bans tokens)"),
@@ -143,6 +140,11 @@ IMPLEMENTED = {
     "return_token_ids": (_SV, "`prompt_token_ids` (chat: the body's top level; completions: "
                               "each choice) and each choice's `token_ids` (EOS or stop token "
                               "included), streamed with their chunks (vLLM's placement)"),
+    "truncate_prompt_tokens": (_V, "keep at most this many prompt tokens (`-1`: the "
+                                   "context length; `0` is a 400), cut on `truncation_side`"),
+    "truncation_side": (_V, "`left` (the default: keep the prompt's last tokens) or `right` "
+                            "(keep its first ones); the kept ids are what `return_token_ids` "
+                            "shows"),
     "stop_regex": (_S, "a pattern or a list (at most 16, 256 characters each; not with "
                        "`min_tokens`): the text ends before the first match, `matched_stop` "
                        "names the pattern; a stream holds back a tail that could still grow "

@@ -47,11 +47,13 @@ def router_facts(args, ready: io.ReadyOut | None) -> dict:
             else args.max_running_requests}
 
 
-def load_of(info: io.ServerInfoOut) -> list[dict]:
-    """``GET /get_load``, in SGLang's shape: one entry per data-parallel rank (one here):
-    requests running plus waiting, those waiting, and the KV tokens requests hold."""
-    return [{"dp_rank": 0, "num_reqs": info.num_running + info.num_waiting,
-             "num_waiting_reqs": info.num_waiting, "num_tokens": info.kv_used_tokens}]
+def load_of(infos: list[tuple[int, io.ServerInfoOut]]) -> list[dict]:
+    """``GET /get_load``, in SGLang's shape: one entry per data-parallel rank (each
+    ``--dp-size`` replica that answered, ``(index, ServerInfoOut)``): requests running plus
+    waiting, those waiting, and the KV tokens requests hold."""
+    return [{"dp_rank": rank, "num_reqs": info.num_running + info.num_waiting,
+             "num_waiting_reqs": info.num_waiting, "num_tokens": info.kv_used_tokens}
+            for rank, info in infos]
 
 
 async def generate_one_token(tm: TokenizerManager, timeout_s: float) -> None:

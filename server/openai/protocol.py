@@ -22,7 +22,7 @@ import copy
 import logging
 import re
 import typing
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from pydantic import (
@@ -116,6 +116,11 @@ class _SamplingFields(_Base):
     # vLLM: the prompt's and each choice's token ids in the response (prompt_token_ids,
     # choices[i].token_ids; streamed with their chunks)
     return_token_ids: bool = False
+    # vLLM: keep at most this many prompt tokens (-1: the context length), cut on
+    # ``truncation_side`` (left: keep the last ones, vLLM's default); the kept ids are what
+    # return_token_ids shows (server/pipeline/job.py's truncate_prompt)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32_MAX)
+    truncation_side: Literal["left", "right"] | None = None
     # vLLM: the k most likely tokens at every prompt position (first entry null); -1 ("the
     # whole vocabulary") is refused like any k beyond MAX_LOGPROBS
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)

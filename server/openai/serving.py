@@ -39,6 +39,7 @@ from server.pipeline.job import (
     fan_out,
     prepare,
     sampling_params,
+    truncate_prompt,
 )
 from server.tokenizer_manager import ReqOutput, TokenizerManager
 from server.tools import structured
@@ -175,13 +176,15 @@ class OpenAIServing:
                                                   is not False)
             else:
                 ids = list(p)
+            whole = len(ids)
+            ids = truncate_prompt(ids, req, self.tm.max_context_len)  # vLLM's, if asked
             self.tm.check_prompt(ids, sp.max_tokens, "prompt", max_tokens_param=mt_param,
                                  min_tokens=sp.min_tokens)
             ids_list.append(ids)
             if req.echo:  # the prompt verbatim: as sent, token ids decoded with their
                 # special tokens (skip_special_tokens applies to the output only)
-                texts.append(p if isinstance(p, str) else await self.tm.chat.decode(
-                    ids, skip_special_tokens=False))
+                texts.append(p if isinstance(p, str) and len(ids) == whole else
+                             await self.tm.chat.decode(ids, skip_special_tokens=False))
         return ids_list, texts
 
     async def chat(self, request: Request) -> Response:

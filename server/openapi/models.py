@@ -446,3 +446,46 @@ class ChatMessageDoc(_Doc):
     reasoning_content: str | None = None
     refusal: Any = Field(None, description="accepted, no effect")
     annotations: Any = Field(None, description="accepted, no effect")
+
+
+# ---- Anthropic's Messages API (server/anthropic/) -----------------------------------------
+
+class AnthropicErrorDetail(_Out):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(_Out):
+    """Every error of the Messages routes: ``{"type": "error", "error": {"type", "message"}}``
+    (Anthropic's shape; ferry's 503 is Anthropic's 529 ``overloaded_error``)."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class AnthropicUsage(_Out):
+    input_tokens: int = Field(ge=0, description="prompt tokens not read from the prefix cache")
+    output_tokens: int = Field(ge=0)
+    cache_read_input_tokens: int = Field(ge=0, description="prompt tokens the prefix cache "
+                                                           "held")
+    cache_creation_input_tokens: int = Field(ge=0)
+
+
+class AnthropicMessage(_Out):
+    """The ``message`` object of ``POST /v1/messages`` (content: ``text``, ``tool_use``
+    and, with a reasoning parser, ``thinking`` blocks)."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    content: list[dict[str, Any]]
+    model: str
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
+    stop_sequence: str | None
+    usage: AnthropicUsage
+
+
+class AnthropicTokenCount(_Out):
+    """``POST /v1/messages/count_tokens``."""
+
+    input_tokens: int = Field(ge=0)

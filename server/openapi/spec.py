@@ -26,6 +26,8 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from server.anthropic.errors import KNOWN_VERSIONS
+from server.anthropic.request import MessagesRequest
 from server.http.request_id import HEADER as REQUEST_ID
 from server.http.request_id import MAX_REQUEST_ID_LEN
 from server.openai import extensions
@@ -62,6 +64,7 @@ class Operation:
     errors: tuple[int, ...] = (400, 401)
     auth: bool = True
     generic: bool = False  # a route missing from OPERATIONS (a POST takes a JSON object)
+    anthropic: bool = False  # Anthropic's error body and status codes, anthropic-version
 
 
 OPERATIONS: dict[tuple[str, str], Operation] = {
@@ -82,6 +85,13 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         errors=(400, 401, 404)),
     ("/v1/responses/{response_id}/cancel", "post"): Operation(
         "Cancel a background response", media="application/json", errors=(400, 401, 404)),
+    # Anthropic's Messages API (server/anthropic/): its errors, 503 answered as 529
+    ("/v1/messages", "post"): Operation(
+        "Create a message (Anthropic's Messages API)", MessagesRequest, om.AnthropicMessage,
+        errors=(400, 401, 404, 408, 413, 415, 529), anthropic=True),
+    ("/v1/messages/count_tokens", "post"): Operation(
+        "Count the prompt tokens of a message request", MessagesRequest,
+        om.AnthropicTokenCount, errors=(400, 401, 404, 408, 413, 415), anthropic=True),
     ("/v1/tokenize", "post"): Operation("Tokenize a prompt or messages", TokenizeRequest,
                                         om.TokenizeResponse, errors=BODY_ERRORS),
     ("/v1/detokenize", "post"): Operation("Detokenize token ids", DetokenizeRequest,
@@ -185,7 +195,7 @@ def _component_schemas(facts: ServerFacts) -> dict:
     """Every model's JSON schema, by name (refs point into ``#/components/schemas``)."""
     models = {op.request for op in OPERATIONS.values()} | {
         op.response for op in OPERATIONS.values()} | {op.stream for op in OPERATIONS.values()}
-    models |= {om.ErrorResponse, *(m for ms in OVERLAYS.values() for m in ms)}
+    models |= {om.ErrorResponse, om.AnthropicErrorResponse, *(m for ms in OVERLAYS.values() for m in ms)}
     models.discard(None)
     ordered = sorted(models, key=lambda m: m.__name__)
     _, defs = models_json_schema([(m, "validation") for m in ordered],
@@ -216,9 +226,13 @@ _ID_HEADER = {REQUEST_ID: {
     "required": True, "schema": {"type": "string"}}}
 
 
-def _error(status: int) -> dict:
-    return {"description": HTTPStatus(status).phrase, "headers": _ID_HEADER,
-            "content": {"application/json": {"schema": _ref(om.ErrorResponse)}}}
+def _error(status: int, anthropic: bool = False) -> dict:
+    schema = _ref(om.AnthropicErrorResponse if anthropic else om.ErrorResponse)
+    if anthropic and status == 400:  # a malformed X-Request-Id is refused before the route
+        schema = {"anyOf": [schema, _ref(om.ErrorResponse)]}
+    phrase = "Overloaded" if status == 529 else HTTPStatus(status).phrase
+    return {"description": phrase, "headers": _ID_HEADER,
+            "content": {"application/json": {"schema": schema}}}
 
 
 def _sse(model: type[BaseModel]) -> dict:
@@ -249,7 +263,13 @@ def _operation(path: str, method: str, op: Operation, params: list[dict],
                                     "application/json" else {"type": "string"}}}
     if op.stream is not None:
         ok["content"]["text/event-stream"] = _sse(op.stream)
-    out["responses"] = {"200": ok, **{str(s): _error(s) for s in op.errors
+    if op.anthropic:  # its events (server/anthropic/events.py); the version header
+        if path == "/v1/messages":
+            ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+        out["parameters"].append({"name": "anthropic-version", "in": "header",
+                                  "required": True,
+                                  "schema": {"type": "string", "enum": sorted(KNOWN_VERSIONS)}})
+    out["responses"] = {"200": ok, **{str(s): _error(s, op.anthropic) for s in op.errors
                                       if s != 401 or op.auth}}
     if security:
         out["security"] = [{"bearerAuth": []}] if op.auth else []

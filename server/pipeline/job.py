@@ -158,6 +158,24 @@ def check_prompt_logprobs(prompt_lens: list[int], n: int, per_token: int,
             params[0], "too_many_prompt_logprobs")
 
 
+def truncate_prompt(ids: list[int], req: Any, max_context: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``/``truncation_side`` of ``req`` applied to a prompt's
+    token ids: at most ``k`` kept (``-1``: ``max_context``), the last ones (``left``, the
+    default) or the first (``right``); ``ids`` as they are without the field.
+
+    Raises: APIError 400 naming ``truncate_prompt_tokens`` for 0 (vLLM: -1 or at least 1)."""
+    k = getattr(req, "truncate_prompt_tokens", None)
+    if k is None:
+        return ids
+    if k == 0:
+        raise bad_request("truncate_prompt_tokens must be -1 (the context length) or at "
+                          "least 1", "truncate_prompt_tokens")
+    k = max_context if k == -1 else k
+    if len(ids) <= k:
+        return ids
+    return ids[:k] if req.truncation_side == "right" else ids[len(ids) - k:]
+
+
 async def prepare(tm: TokenizerManager, req: Any, *, base: str, max_tokens: int | None,
                   prompt_param: str, max_tokens_param: str | None,
                   lora: str | None = None, lora_fields: list[str | None] | None = None,
@@ -188,7 +206,7 @@ async def prepare(tm: TokenizerManager, req: Any, *, base: str, max_tokens: int 
     tools, sp = await prepare_chat(req, sp, getattr(tm.chat.tokenizer, "chat_template", None),
                                    tm.chat.tool_call_parser)  # constraint, tools
     check_fan_out(tm, 1, req.n)
-    ids = await chat_prompt(tm, req, tools)
+    ids = truncate_prompt(await chat_prompt(tm, req, tools), req, tm.max_context_len)
     tm.check_prompt(ids, sp.max_tokens, prompt_param, max_tokens_param=max_tokens_param,
                     min_tokens=sp.min_tokens)
     if req.prompt_logprobs is not None:

@@ -53,7 +53,7 @@ def messages_for_template(messages: list[Any]) -> list[dict]:
             if m.role == "function":
                 raise not_supported(f"{where}.role", f"role '{m.role}'")
             raise bad_request(f"unknown role '{m.role}' (expected one of "
-                              f"{sorted(CHAT_ROLES)})", f"{where}.role")
+                              f"{sorted([*CHAT_ROLES, 'tool'])})", f"{where}.role")
         extra = m.model_extra or {}
         for key in extra:
             if key not in MESSAGE_NOOPS and key not in TOOL_FIELDS and key != "reasoning_content":

@@ -199,10 +199,15 @@ class ResponsesServing:
     def _prior(self, req) -> list[dict]:
         """The conversation ``previous_response_id`` continues ([] without one).
 
-        Raises: APIError 404 naming an unknown id, 400 for one still in progress."""
+        Raises: APIError 400 naming an unknown id (code ``previous_response_not_found``) or
+        one still in progress."""
         if req.previous_response_id is None:
             return []
-        prev = self.store.get(req.previous_response_id, "previous_response_id")
+        try:
+            prev = self.store.get(req.previous_response_id, "previous_response_id")
+        except APIError as err:  # OpenAI answers an unknown one with a 400
+            raise APIError(err.message, 400, err.param, "previous_response_not_found") \
+                from None
         if prev.running:
             raise bad_request(f"response '{req.previous_response_id}' is still in "
                               "progress; continue it once it has ended",

@@ -46,7 +46,8 @@ MAX_TOKENS = 4
 MAX_PROMPTS = 4
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_headers_conformance, response_schema_conformance]
-GENERATION_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations"}
+GENERATION_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations",
+                    "/v1/messages"}
 
 
 def cheap(case) -> None:

@@ -37,7 +37,7 @@ HANDLED = {"model", "n", "stream", "stream_options", "prompt", "echo", "logprobs
            "suffix", "messages", "max_completion_tokens", "top_logprobs", "max_tokens",
            "return_tokens_as_token_ids", "prompt_logprobs", "add_special_tokens",
            "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "user",
-           "return_token_ids"}
+           "return_token_ids", "truncate_prompt_tokens", "truncation_side"}
 SAMPLING = {"min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
             "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids",
             "ignore_eos", "logit_bias", "skip_special_tokens", "spaces_between_special_tokens",

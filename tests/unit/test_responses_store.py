@@ -73,9 +73,10 @@ async def test_store_false_keeps_nothing(tok):
     assert r.store is False
     with pytest.raises(openai.NotFoundError):
         await client.responses.retrieve(r.id)
-    with pytest.raises(openai.NotFoundError) as exc:
+    with pytest.raises(openai.BadRequestError) as exc:  # OpenAI's 400, not a 404
         await client.responses.create(model=M, input="more", previous_response_id=r.id)
     assert exc.value.body["param"] == "previous_response_id"
+    assert exc.value.body["code"] == "previous_response_not_found"
 
 
 async def test_previous_response_id_sends_the_whole_conversation(tok):

@@ -1,0 +1,277 @@
+"""Anthropic's ``system``, ``messages``, ``tools`` and ``tool_choice`` as their
+``/v1/chat/completions`` equivalents.
+
+- ``system``: a string or ``text`` blocks -> one ``system`` message first.
+- ``messages``: roles ``user`` and ``assistant``; content a string or blocks:
+  ``text`` -> text parts; an assistant's ``tool_use`` -> its ``tool_calls`` (``input`` as
+  JSON arguments); a user's ``tool_result`` -> a ``tool`` message with its
+  ``tool_call_id`` (content a string or ``text`` blocks; ``is_error: true`` prefixes the
+  text with ``"Error: "``, the chat templates having no error flag), placed before the
+  user's text as Anthropic orders them; an assistant's ``thinking`` -> its
+  ``reasoning_content`` (for templates that show it); ``redacted_thinking`` is accepted and
+  dropped (ferry cannot read it). ``image`` (until images land), ``document`` and the
+  server tools' blocks are a 400 naming the block. ``cache_control`` and ``citations`` on a
+  block are accepted no-ops (the radix cache caches every prompt prefix by itself).
+- ``tools``: ``{name, description, input_schema}`` (``type: "custom"``; ``cache_control``,
+  ``strict``... no-ops) -> chat's function tools; a server tool (``web_search_...``,
+  ``bash_...``) is a 400 naming it.
+- ``tool_choice``: ``auto``, ``any`` (chat's ``required``), ``tool`` with a ``name`` (a
+  named function), ``none``; ``disable_parallel_tool_use`` -> ``parallel_tool_calls:
+  false``.
+
+``Origins`` remembers which Anthropic field each chat message came from, so an error the
+chat side raises names the Anthropic field (``Origins.rename``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from server.http.errors import APIError, bad_request, not_supported
+
+#: keys each input block may carry (others are a 400 naming them)
+BLOCK_KEYS = {
+    "text": {"type", "text", "cache_control", "citations"},
+    "tool_use": {"type", "id", "name", "input", "cache_control", "caller"},
+    "tool_result": {"type", "tool_use_id", "content", "is_error", "cache_control"},
+    "thinking": {"type", "thinking", "signature", "cache_control"},
+    "redacted_thinking": {"type", "data", "cache_control"},
+}
+#: blocks ferry cannot read yet: a 400 naming the block
+UNSUPPORTED_BLOCKS = {"image": "image blocks (images are not supported yet)",
+                      "document": "document blocks",
+                      "search_result": "search_result blocks",
+                      "container_upload": "container_upload blocks"}
+#: keys of a custom tool
+TOOL_KEYS = frozenset({"type", "name", "description", "input_schema", "cache_control",
+                       "strict", "input_examples", "defer_loading", "eager_input_streaming",
+                       "allowed_callers"})
+TOOL_CHOICE_KEYS = {"auto": {"type", "disable_parallel_tool_use"},
+                    "any": {"type", "disable_parallel_tool_use"},
+                    "tool": {"type", "name", "disable_parallel_tool_use"},
+                    "none": {"type"}}
+
+
+def _keys(obj: dict, allowed, where: str) -> None:
+    for key in obj:
+        if key not in allowed:
+            raise bad_request(f"{where}.{key}: Extra inputs are not permitted", f"{where}.{key}")
+
+
+def _block(obj: Any, where: str) -> str:
+    """The ``type`` of the block ``obj``, its keys checked. Raises: APIError 400."""
+    kind = obj.get("type") if isinstance(obj, dict) else None
+    if not isinstance(kind, str):
+        raise bad_request(f"{where}: a content block must be an object with a 'type'",
+                          f"{where}.type")
+    if kind in UNSUPPORTED_BLOCKS:
+        raise not_supported(f"{where}.type", UNSUPPORTED_BLOCKS[kind])
+    if kind not in BLOCK_KEYS:
+        raise bad_request(f"{where}.type: unknown or unsupported content block type {kind!r}",
+                          f"{where}.type")
+    _keys(obj, BLOCK_KEYS[kind], where)
+    return kind
+
+
+def _string(obj: dict, key: str, where: str) -> str:
+    v = obj.get(key)
+    if not isinstance(v, str):
+        raise bad_request(f"{where}.{key}: Field required (a string)", f"{where}.{key}")
+    return v
+
+
+def text_of(content: Any, where: str) -> str:
+    """A string, or ``text`` blocks joined with newlines (``system``, a tool result)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where}: expected a string or a list of text blocks", where)
+    texts = []
+    for j, b in enumerate(content):
+        p = f"{where}[{j}]"
+        if _block(b, p) != "text":
+            raise bad_request(f"{p}.type: expected a 'text' block", f"{p}.type")
+        texts.append(_string(b, "text", p))
+    return "\n".join(texts)
+
+
+@dataclass
+class Origins:
+    """Per chat message, the Anthropic field it came from (``system``, ``messages[2]``,
+    ``messages[2].content[0]``)."""
+
+    where: list[str] = field(default_factory=list)
+
+    def param(self, p: str | None) -> str | None:
+        """A chat ``param`` in the Messages request's terms."""
+        if not p:
+            return p
+        m = re.match(r"messages\[(\d+)\]", p)
+        if m:
+            i = int(m.group(1))
+            return (self.where[i] if i < len(self.where) else "messages") + p[m.end():]
+        m = re.match(r"tools\[(\d+)\]\.function\.parameters", p)
+        if m:
+            return f"tools[{m.group(1)}].input_schema" + p[m.end():]
+        m = re.match(r"tools\[(\d+)\]\.function", p)
+        if m:
+            return f"tools[{m.group(1)}]" + p[m.end():]
+        for old, new in (("max_completion_tokens", "max_tokens"), ("stop", "stop_sequences"),
+                         ("response_format", "output_config.format"),
+                         ("chat_template_kwargs", "thinking")):
+            if p == old or p.startswith((old + ".", old + "[")):
+                return new + p[len(old):]
+        return p
+
+    def rename(self, err: APIError) -> APIError:
+        """``err`` naming the Messages field instead of the chat one."""
+        new = self.param(err.param)
+        if new == err.param:
+            return err
+        msg = err.message.replace(err.param, new).replace("max_completion_tokens",
+                                                           "max_tokens")
+        return APIError(msg, err.status, new, err.code, err.headers)
+
+
+def _tool_result(b: dict, where: str, errors_seen: set[str]) -> dict:
+    call_id = _string(b, "tool_use_id", where)
+    content = b.get("content", "")
+    text = text_of(content, f"{where}.content") if content is not None else ""
+    is_error = b.get("is_error", False)
+    if not isinstance(is_error, bool):
+        raise bad_request(f"{where}.is_error: expected a boolean", f"{where}.is_error")
+    if is_error:
+        text = "Error: " + text
+    errors_seen.add(call_id)
+    return {"role": "tool", "tool_call_id": call_id, "content": text}
+
+
+def _tool_use(b: dict, where: str) -> dict:
+    args = b.get("input")
+    if not isinstance(args, dict):
+        raise bad_request(f"{where}.input: expected an object", f"{where}.input")
+    return {"id": _string(b, "id", where), "type": "function",
+            "function": {"name": _string(b, "name", where),
+                         "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+def _user(content: list, where: str, out: list[dict], origins: Origins) -> None:
+    parts: list[dict] = []
+    seen: set[str] = set()
+    for j, b in enumerate(content):
+        p = f"{where}.content[{j}]"
+        kind = _block(b, p)
+        if kind == "text":
+            parts.append({"type": "text", "text": _string(b, "text", p)})
+        elif kind == "tool_result":
+            out.append(_tool_result(b, p, seen))
+            origins.where.append(p)
+        else:
+            raise bad_request(f"{p}.type: a user message cannot carry {kind!r} blocks",
+                              f"{p}.type")
+    if parts or not seen:
+        out.append({"role": "user", "content": parts})
+        origins.where.append(where)
+
+
+def _assistant(content: list, where: str) -> dict:
+    texts, calls, thinking = [], [], []
+    for j, b in enumerate(content):
+        p = f"{where}.content[{j}]"
+        kind = _block(b, p)
+        if kind == "text":
+            texts.append(_string(b, "text", p))
+        elif kind == "tool_use":
+            calls.append(_tool_use(b, p))
+        elif kind == "thinking":
+            thinking.append(_string(b, "thinking", p))
+        elif kind != "redacted_thinking":
+            raise bad_request(f"{p}.type: an assistant message cannot carry {kind!r} "
+                              "blocks", f"{p}.type")
+    msg: dict = {"role": "assistant", "content": "".join(texts)}
+    if calls:
+        msg["tool_calls"] = calls
+    if thinking:
+        msg["reasoning_content"] = "\n".join(thinking)
+    return msg
+
+
+def chat_messages(system: Any, messages: list[Any]) -> tuple[list[dict], Origins]:
+    """Chat messages of ``system`` and ``messages``, and where each came from.
+
+    Raises: APIError 400 naming the field (an unknown role, a malformed or unsupported
+    block, a block on the wrong role)."""
+    out: list[dict] = []
+    origins = Origins()
+    if system is not None:
+        out.append({"role": "system", "content": text_of(system, "system")})
+        origins.where.append("system")
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f"{where}: expected an object with 'role' and 'content'", where)
+        _keys(m, {"role", "content"}, where)
+        role, content = m.get("role"), m.get("content")
+        if role not in ("user", "assistant"):
+            raise bad_request(f"{where}.role: unknown role {role!r} (expected 'user' or "
+                              "'assistant')", f"{where}.role")
+        if isinstance(content, str):
+            content = [{"type": "text", "text": content}]
+        if not isinstance(content, list):
+            raise bad_request(f"{where}.content: expected a string or a list of content "
+                              "blocks", f"{where}.content")
+        if role == "user":
+            _user(content, where, out, origins)
+        else:
+            out.append(_assistant(content, where))
+            origins.where.append(where)
+    return out, origins
+
+
+def chat_tools(tools: Any) -> list[dict]:
+    """Chat function tools of Anthropic's custom tools.
+
+    Raises: APIError 400 naming the tool (a server tool, a missing ``input_schema``...)."""
+    if not isinstance(tools, list):
+        raise bad_request("tools: expected a list of tools", "tools")
+    out = []
+    for i, t in enumerate(tools):
+        p = f"tools[{i}]"
+        if not isinstance(t, dict):
+            raise bad_request(f"{p}: expected an object", p)
+        kind = t.get("type")
+        if kind not in (None, "custom"):
+            raise not_supported(f"{p}.type", f"server tool {kind!r} (only custom tools, "
+                                "which the client runs)")
+        _keys(t, TOOL_KEYS, p)
+        schema = t.get("input_schema")
+        if not isinstance(schema, dict):
+            raise bad_request(f"{p}.input_schema: Field required (a JSON schema object)",
+                              f"{p}.input_schema")
+        fn: dict = {"name": _string(t, "name", p), "parameters": schema}
+        if t.get("description") is not None:
+            fn["description"] = t["description"]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def chat_tool_choice(choice: Any) -> tuple[str | dict, bool | None]:
+    """Chat's ``tool_choice`` and ``parallel_tool_calls`` (None: the default) of Anthropic's
+    ``tool_choice``. Raises: APIError 400 naming the field."""
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind not in TOOL_CHOICE_KEYS:
+        raise bad_request("tool_choice.type: expected 'auto', 'any', 'tool' or 'none'",
+                          "tool_choice.type")
+    _keys(choice, TOOL_CHOICE_KEYS[kind], "tool_choice")
+    single = choice.get("disable_parallel_tool_use")
+    if single is not None and not isinstance(single, bool):
+        raise bad_request("tool_choice.disable_parallel_tool_use: expected a boolean",
+                          "tool_choice.disable_parallel_tool_use")
+    parallel = None if single is None else not single
+    if kind == "tool":
+        return {"type": "function", "function": {"name": _string(choice, "name",
+                                                                 "tool_choice")}}, parallel
+    return {"auto": "auto", "any": "required", "none": "none"}[kind], parallel
