@@ -1,4 +1,4 @@
-"""Issue 47 item 4's small gaps, over a fake engine: ``/get_load`` per data-parallel replica,
+"""Small API gaps clients hit, over a fake engine: ``/get_load`` per data-parallel replica,
 ``GET /v1/models/{base}:{adapter}``, vLLM's ``truncate_prompt_tokens``/``truncation_side``,
 and the unknown-role error listing every role."""
 
