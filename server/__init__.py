@@ -7,6 +7,7 @@
 - ``responses/``: ``/v1/responses``, run through the chat machinery of ``openai/``.
 - ``openai/``: ``/v1/chat/completions``, ``/v1/completions``, tokenize/detokenize.
 - ``tools/``: tool calling and structured output (the request side, the parsers).
+- ``parsers/``: the parsers of model output (reasoning, tool calls), registries by name.
 - ``tokenizer_manager``, ``chat_template``, ``metrics``: the engine client (chat template,
   tokenize, ZMQ), the tools fallback for templates that ignore tools, and its Prometheus
   metrics.
