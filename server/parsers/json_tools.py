@@ -118,6 +118,29 @@ _PY_TAIL = re.compile(r"\[\s*(?:[A-Za-z_][\w.]*\s*)?$")
 _PY_CONSTANTS = {"true": True, "false": False, "null": None}
 
 
+def _closing(text: str, i: int) -> int:
+    """Where the bracket opened at ``text[i]`` closes (brackets in string literals
+    skipped), or -1."""
+    depth, quote, k = 0, "", i
+    while k < len(text):
+        ch = text[k]
+        if quote:
+            if ch == "\\":
+                k += 1
+            elif ch == quote:
+                quote = ""
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+            if depth == 0:
+                return k
+        k += 1
+    return -1
+
+
 def _py_value(node: ast.AST):
     """A literal argument (JSON's true/false/null spellings allowed); ValueError else."""
     if isinstance(node, ast.Name) and node.id in _PY_CONSTANTS:
@@ -164,14 +187,12 @@ class PythonicParser(ToolParser):
     def parse(self, text, tools=None):
         for m in _PY_START.finditer(text):
             i = m.start()
-            j = text.find("]", i)
-            while j >= 0:  # the shortest ``[...]`` from i that is a list of calls
-                calls = python_calls(text[i:j + 1])
-                if calls:
-                    head = text[:i].rstrip().removesuffix("<|python_start|>")
-                    tail = text[j + 1:].lstrip().removeprefix("<|python_end|>")
-                    return call_content([head, tail]), calls
-                j = text.find("]", j + 1)
+            j = _closing(text, i)
+            calls = python_calls(text[i:j + 1]) if j >= 0 else None
+            if calls:
+                head = text[:i].rstrip().removesuffix("<|python_start|>")
+                tail = text[j + 1:].lstrip().removeprefix("<|python_end|>")
+                return call_content([head, tail]), calls
         return text, []
 
     def safe_content_end(self, text):
