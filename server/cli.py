@@ -39,8 +39,8 @@ examples:
 SERVER_ONLY_FIELDS = frozenset({
     "host", "port", "api_key", "max_request_bytes", "max_n", "shutdown_timeout",
     "header_timeout", "body_read_timeout", "startup_timeout", "tool_call_parser",
-    "allowed_origins", "allowed_headers", "allowed_methods", "log_requests",
-    "served_model_name"})
+    "reasoning_parser", "allowed_origins", "allowed_headers", "allowed_methods",
+    "log_requests", "served_model_name"})
 
 
 class _EngineFlags:
