@@ -14,8 +14,10 @@ come (a call once its name is complete, its arguments as they grow):
 - ``glm45`` (GLM-4.5/4.6; SGLang's ``glm``): ``<tool_call>NAME\\n<arg_key>k</arg_key>\\n
   <arg_value>v</arg_value>...</tool_call>``.
 - ``gpt-oss`` (vLLM's ``openai``): harmony messages (``server/parsers/harmony.py``) to
-  ``functions.NAME``; the ``final`` and preamble bodies are the content, ``analysis`` is
-  dropped (the reasoning parser's).
+  ``functions.NAME``; beside calls, the ``final`` and preamble bodies are the content and
+  ``analysis`` is dropped (the reasoning parser's). An output without calls is all content
+  as written, as with every family: run the ``gpt-oss`` reasoning parser first, whose
+  content is the final text with the tool-call messages left as written.
 
 Arguments are the model's JSON as written (``deepseek*``, ``kimi_k2``, ``gpt-oss``), not
 checked, or a JSON object built from the XML parameters, values typed by the tool's schema
@@ -27,7 +29,14 @@ its arguments as far as they got (one cut before its name is complete is left ou
 from __future__ import annotations
 
 from server.parsers import harmony
-from server.parsers.base import ParsedCall, ScanToolParser, call_content, first_of, tail_hold
+from server.parsers.base import (
+    ParsedCall,
+    ScanToolParser,
+    ToolParser,
+    call_content,
+    first_of,
+    tail_hold,
+)
 from server.parsers.schema_values import json_item, param_schema, typed_value
 
 
@@ -224,6 +233,8 @@ class GptOssParser(ScanToolParser):
         segments.append(cur)
         return segments, calls
 
-    def parse(self, text, tools=None):
-        segments, calls = self.scan(text, True, tools)
-        return call_content(segments), calls
+    def partial(self, text, tools=None):
+        segments, calls = self.scan(text, False, tools)
+        if not calls:  # may stay without calls: then all of it is content, as written
+            return ToolParser.partial(self, text, tools)
+        return call_content(segments) or "", calls

@@ -160,3 +160,31 @@ def test_registry_names_match_the_flag():
 ])
 def test_auto_detects_the_family(template, name):
     assert detect_reasoning_parser(template) == name
+
+
+def test_gpt_oss_reasoning_then_tool_parser_streamed_as_at_once():
+    """The chat pipeline's order: the reasoning parser's content goes to the tool parser."""
+    from server.parsers.base import ArgsDelta, CallStart, ContentDelta, ParsedCall
+    from server.parsers.tool_registry import get_tool_parser
+
+    text = ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
+            "<|channel|>commentary<|message|>Checking.<|end|>" + OSS_TOOL)
+    reasoning, content = get_reasoning_parser("gpt-oss").parse(text)
+    assert reasoning == "Need the weather."
+    tools = get_tool_parser("gpt-oss")
+    assert tools.parse(content) == ("Checking.", [ParsedCall("get_weather",
+                                                             '{"city":"Paris"}')])
+    for size in (1, 3, 11):
+        rs, ts = get_reasoning_parser("gpt-oss").stream(), tools.stream()
+        r, events = "", []
+        for i in range(0, len(text), size):
+            dr, dc = rs.feed(text[i:i + size])
+            r += dr
+            events += ts.feed(dc)
+        dr, dc = rs.finish()
+        events += ts.feed(dc) + ts.finish()
+        assert r + dr == reasoning
+        assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == "Checking."
+        assert [e.name for e in events if isinstance(e, CallStart)] == ["get_weather"]
+        assert "".join(e.text for e in events if isinstance(e, ArgsDelta)) == \
+            '{"city":"Paris"}'

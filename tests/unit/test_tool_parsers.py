@@ -125,6 +125,8 @@ CASES = [
      [("get_weather", PARIS), ("noop", {})]),
     ("kimi_k2", K_BEGIN + _kimi("get_weather", 0, '{"city": "Pa')[:-len(K_CALL_END)], None,
      [("get_weather", None)]),
+    ("kimi_k2", K_BEGIN + "\n" + K_CALL + "\nfunctions.get_weather:0" + K_ARGS
+     + '\n{"city": "Paris"}\n' + K_CALL_END + "\n" + K_END, None, [("get_weather", PARIS)]),
     # glm45
     ("glm45", "Checking.\n" + _glm("get_weather", city="北京", days="2") + "\n"
      + _glm("noop"), "Checking.", [("get_weather", {"city": "北京", "days": 2}),
@@ -139,7 +141,9 @@ CASES = [
      + _oss("noop", "{}"), None, [("get_weather", PARIS), ("noop", {})]),
     ("gpt-oss", "<|channel|>commentary<|message|>Let me look.<|end|>"
      + _oss("get_weather", '{"city":"Paris"}'), "Let me look.", [("get_weather", PARIS)]),
-    ("gpt-oss", "<|channel|>final<|message|>It is sunny.<|return|>", "It is sunny.", []),
+    ("gpt-oss", "<|channel|>final<|message|>It is sunny.<|return|>",
+     "<|channel|>final<|message|>It is sunny.<|return|>", []),
+    ("gpt-oss", "It is sunny." + _oss("noop", "{}"), "It is sunny.", [("noop", {})]),
 ]
 
 
@@ -291,3 +295,45 @@ def test_old_names_stay_importable():
     content, calls = parse_tool_calls("qwen25", '<tool_call>{"name": "f", "arguments": {}}'
                                                 '</tool_call>')
     assert calls == [ParsedCall("f", "{}")] and content is None
+
+
+# ---- the chat writer of today (server/openai/tool_format.py) with the new names -----------
+
+def _outputs(pieces: list[str]):
+    from server.tokenizer_manager import ReqOutput
+
+    return [ReqOutput(0, p, [k], {"type": "stop", "matched": None, "message": None}
+                      if k == len(pieces) - 1 else None, 3, k + 1)
+            for k, p in enumerate(pieces)]
+
+
+def _assemble(chunks) -> tuple[str, list[tuple[str, str]]]:
+    content, calls = "", {}
+    for c in chunks:
+        for ch in c["choices"]:
+            d = ch["delta"]
+            content += d.get("content") or ""
+            for tc in d.get("tool_calls") or []:
+                e = calls.setdefault(tc["index"], ["", ""])
+                e[0] += tc.get("function", {}).get("name") or ""
+                e[1] += tc.get("function", {}).get("arguments") or ""
+    return content, [tuple(calls[i]) for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("parser,text,content,calls", CASES)
+def test_todays_chat_stream_equals_its_full_body(parser, text, content, calls):
+    """``--tool-call-parser`` takes every name now: the chat writer (which parses at the
+    end, holding content back from ``START_MARKERS``) streams what its body says."""
+    from server.openai.tool_format import chat_format
+    from server.tools.plan import ToolPlan
+
+    plan = ToolPlan(tools=TOOLS, choice="auto", parser=parser)
+    pieces = [text[i:i + 7] for i in range(0, len(text), 7)] or [""]
+    full = chat_format(plan, "c", "m", 1, 3, False).full([_outputs(pieces)])["choices"][0]
+    f = chat_format(plan, "c", "m", 1, 3, False)
+    got_content, got_calls = _assemble(
+        f.start() + [c for o in _outputs(pieces) for c in f.chunks(o)])
+    msg = full["message"]
+    assert got_content == (msg["content"] or "")
+    assert got_calls == [(tc["function"]["name"], tc["function"]["arguments"])
+                         for tc in msg.get("tool_calls") or []]
