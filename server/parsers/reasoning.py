@@ -216,6 +216,32 @@ def get_reasoning_parser(name: str, chat_template_kwargs: dict | None = None,
     return ThinkParser(name, start, end, opened=opened, enabled=enabled)
 
 
+def resolve_reasoning_parser(arg: str | None, chat_template: str | None) -> str | None:
+    """The family ``--reasoning-parser arg`` means for a model: None (off) stays None,
+    ``auto`` is ``detect_reasoning_parser``'s pick (None: off), an alias its family.
+
+    Raises:
+        KeyError: an unknown name.
+    """
+    if arg is None:
+        return None
+    if arg == "auto":
+        return detect_reasoning_parser(chat_template)
+    name = REASONING_PARSER_ALIASES.get(arg, arg)
+    if name not in _FAMILIES:
+        raise KeyError(arg)
+    return name
+
+
+def count_reasoning_tokens(parser: ReasoningParser, token_texts: list[str]) -> int:
+    """How many of an output's tokens (their texts, in order) were reasoning, as
+    ``ReasoningStream.reasoning_tokens`` counts them."""
+    stream = parser.stream()
+    for t in token_texts:
+        stream.feed(t)
+    return stream.reasoning_tokens
+
+
 def detect_reasoning_parser(chat_template: str | None) -> str | None:
     """The family a chat template's reasoning format calls for (``--reasoning-parser
     auto``), or None when it shows none or could be several."""

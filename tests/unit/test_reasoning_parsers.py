@@ -12,9 +12,11 @@ import pytest
 from engine.args import REASONING_PARSERS, ServerArgs
 from server.parsers.reasoning import (
     REASONING_PARSER_ALIASES,
+    count_reasoning_tokens,
     detect_reasoning_parser,
     get_reasoning_parser,
     reasoning_parser_names,
+    resolve_reasoning_parser,
 )
 
 OSS_TOOL = ("<|start|>assistant<|channel|>commentary to=functions.get_weather "
@@ -112,6 +114,8 @@ def test_reasoning_tokens_count_the_tokens_inside_the_block():
                 "assistant", "<|channel|>", "final", "<|message|>", "Done"):
         oss.feed(tok)
     assert oss.reasoning_tokens == 3  # <|message|>, Think, <|end|>
+    assert count_reasoning_tokens(get_reasoning_parser("deepseek-r1"),
+                                  ["Ok", "</think>", "Yes"]) == 2
     big = get_reasoning_parser("qwen3").stream()
     big.feed("<think>a b c", tokens=4)
     assert big.reasoning_tokens == 4
@@ -160,6 +164,15 @@ def test_registry_names_match_the_flag():
 ])
 def test_auto_detects_the_family(template, name):
     assert detect_reasoning_parser(template) == name
+    assert resolve_reasoning_parser("auto", template) == name
+
+
+def test_resolve_the_flag():
+    assert resolve_reasoning_parser(None, "<think>") is None
+    assert resolve_reasoning_parser("openai_gptoss", None) == "gpt-oss"
+    assert resolve_reasoning_parser("qwen3", None) == "qwen3"
+    with pytest.raises(KeyError):
+        resolve_reasoning_parser("bogus", None)
 
 
 def test_gpt_oss_reasoning_then_tool_parser_streamed_as_at_once():
