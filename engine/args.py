@@ -224,7 +224,8 @@ class ServerArgs:
                                        "chat template)", TOOL_CALL_PARSERS)
     reasoning_parser: str | None = _f(None, "how the reasoning is told from the answer in the "
                                             "output: the model family's format, or auto (from "
-                                            "the chat template); default: not separated",
+                                            "the chat template); default: not separated. Not "
+                                            "applied to responses yet (issue 43)",
                                       REASONING_PARSERS)
     allowed_origins: str = _f("http://localhost:*,http://127.0.0.1:*", "CORS: comma-separated "
                               "origins allowed to call the API from a browser ('*' for any; a "
