@@ -181,6 +181,8 @@ class ScanToolParser(ToolParser):
 
     def partial(self, text, tools=None):
         segments, calls = self.scan(text, False, tools)
+        if not calls:  # may stay without calls: then all of it is content, as written
+            return super().partial(text, tools)
         return call_content(segments) or "", calls
 
 

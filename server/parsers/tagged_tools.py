@@ -32,8 +32,6 @@ from server.parsers import harmony
 from server.parsers.base import (
     ParsedCall,
     ScanToolParser,
-    ToolParser,
-    call_content,
     first_of,
     tail_hold,
 )
@@ -233,8 +231,3 @@ class GptOssParser(ScanToolParser):
         segments.append(cur)
         return segments, calls
 
-    def partial(self, text, tools=None):
-        segments, calls = self.scan(text, False, tools)
-        if not calls:  # may stay without calls: then all of it is content, as written
-            return ToolParser.partial(self, text, tools)
-        return call_content(segments) or "", calls

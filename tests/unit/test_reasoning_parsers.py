@@ -201,3 +201,18 @@ def test_gpt_oss_reasoning_then_tool_parser_streamed_as_at_once():
         assert [e.name for e in events if isinstance(e, CallStart)] == ["get_weather"]
         assert "".join(e.text for e in events if isinstance(e, ArgsDelta)) == \
             '{"city":"Paris"}'
+
+
+def test_stream_equals_parse_on_random_outputs():
+    import random
+
+    fragments = ["<think>", "</think>", "◁think▷", "◁/think▷", "<|start|>assistant",
+                 "<|channel|>", "analysis", "final", "commentary to=functions.f",
+                 "<|message|>", "<|end|>", "<|call|>", "<|return|>", "\n", " ", "x", "<"]
+    rng = random.Random(43)
+    for _ in range(60):
+        text = "".join(rng.choice(fragments) for _ in range(rng.randint(1, 10)))
+        for name in reasoning_parser_names():
+            for kwargs in (None, {"enable_thinking": False}, {"thinking": True}):
+                want = get_reasoning_parser(name, kwargs).parse(text)
+                assert _run(name, kwargs, list(text), want) == want, (name, kwargs, text)

@@ -337,3 +337,29 @@ def test_todays_chat_stream_equals_its_full_body(parser, text, content, calls):
     assert got_content == (msg["content"] or "")
     assert got_calls == [(tc["function"]["name"], tc["function"]["arguments"])
                          for tc in msg.get("tool_calls") or []]
+
+
+#: pieces of every family's markers and some text, for outputs made at random
+FRAGMENTS = ["<tool_call>", "</tool_call>", "<function=f>", "<parameter=a>", "</parameter>",
+             "</function>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "\n", " ",
+             "x", '{"a": 1}', "{", "}", "[", "]", DS_BEGIN, DS_CALL, DS_SEP, DS_CALL_END, DS_END,
+             "function", "```json", "```", K_BEGIN, K_CALL, "functions.f:0", K_ARGS, K_CALL_END,
+             K_END, "<|start|>assistant", "<|channel|>", "analysis", "final",
+             "commentary to=functions.f", "<|constrain|>json", "<|message|>", "<|end|>",
+             "<|call|>", "[TOOL_CALLS]", "[ARGS]", "<|python_tag|>",
+             '{"name": "f", "arguments": {}}', "f(a=1)", "<|python_start|>", "<"]
+
+
+def test_stream_equals_parse_on_random_outputs():
+    import random
+
+    rng = random.Random(43)
+    for _ in range(40):
+        text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 10)))
+        cuts = sorted(rng.sample(range(len(text) + 1), min(3, len(text) + 1)))
+        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        for name, parser in TOOL_PARSERS.items():
+            c, cs = parser.parse(text, TOOLS)
+            want = (c, [(x.name, x.arguments) for x in cs])
+            assert _run(name, pieces) == want, (name, text, pieces)
+            assert _run(name, list(text)) == want, (name, text)
