@@ -166,7 +166,9 @@ class ToolParser:
 
 class ScanToolParser(ToolParser):
     """A family whose calls stream as they come: ``scan`` reads the text into the stretches
-    of content and the calls, holding back (unless ``final``) what is not yet certain."""
+    of content and the calls, holding back (unless ``final``) what is not yet certain. Until
+    a call is seen, only the content before the first marker streams (an output that ends
+    without calls is all content, markers and all)."""
 
     def scan(self, text: str, final: bool, tools: list[dict] | None
              ) -> tuple[list[str], list[ParsedCall]]:
