@@ -24,6 +24,17 @@ SPECULATIVE_MODEL_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE")
 DEFAULT_NUM_DRAFT_TOKENS = 4
 #: --max-lora-rank without --lora-paths to take it from
 DEFAULT_MAX_LORA_RANK = 16
+#: --tool-call-parser's choices: auto, SGLang's names, then vLLM's (and SGLang's other)
+#: names as aliases (server/parsers/tool_registry.py holds the parsers; a test keeps the two
+#: lists equal)
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3", "mistral", "pythonic", "qwen3_coder",
+                     "deepseekv3", "deepseekv31", "kimi_k2", "glm45", "gpt-oss", "qwen25",
+                     "qwen", "llama3_json", "llama4_pythonic", "deepseek_v3", "deepseek_v31",
+                     "glm", "openai", "qwen3_xml")
+#: --reasoning-parser's choices, likewise (server/parsers/reasoning.py)
+REASONING_PARSERS = ("auto", "deepseek-r1", "deepseek-v3", "qwen3", "qwen3-thinking", "glm45",
+                     "kimi", "kimi_k2", "gpt-oss", "deepseek_r1", "deepseek_v3",
+                     "openai_gptoss")
 
 
 def _f(default: Any, help: str, choices: tuple | None = None, **kw) -> Any:
@@ -212,7 +223,12 @@ class ServerArgs:
     log_level: str = _f("info", "log level", ("debug", "info", "warning", "error"))
     tool_call_parser: str = _f("auto", "how tool calls are found in the output of tool_choice "
                                        "'auto': the model family's format, or auto (from the "
-                                       "chat template)", ("auto", "hermes", "llama3", "mistral"))
+                                       "chat template)", TOOL_CALL_PARSERS)
+    reasoning_parser: str | None = _f(None, "how the reasoning is told from the answer in the "
+                                            "output: the model family's format, or auto (from "
+                                            "the chat template); default: not separated. Not "
+                                            "applied to responses yet (issue 43)",
+                                      REASONING_PARSERS)
     allowed_origins: str = _f("http://localhost:*,http://127.0.0.1:*", "CORS: comma-separated "
                               "origins allowed to call the API from a browser ('*' for any; a "
                               "port may be '*'); other origins get no CORS headers")

@@ -13,6 +13,7 @@
 - ``pipeline/``: the one chat pipeline of every family, ``prepare -> ChatJob -> answer``
   (each family brings its request model, renderer and writer).
 - ``tools/``: tool calling and structured output (the request side, the parsers).
+- ``parsers/``: the parsers of model output (reasoning, tool calls), registries by name.
 - ``tokenizer_manager``, ``chat_template``, ``metrics``: the engine client (chat template,
   tokenize, ZMQ), the tools fallback for templates that ignore tools, and its Prometheus
   metrics.

@@ -39,8 +39,8 @@ examples:
 SERVER_ONLY_FIELDS = frozenset({
     "host", "port", "api_key", "max_request_bytes", "max_n", "shutdown_timeout",
     "header_timeout", "body_read_timeout", "startup_timeout", "tool_call_parser",
-    "allowed_origins", "allowed_headers", "allowed_methods", "log_requests",
-    "served_model_name"})
+    "reasoning_parser", "allowed_origins", "allowed_headers", "allowed_methods",
+    "log_requests", "served_model_name"})
 
 
 class _EngineFlags:
@@ -87,6 +87,7 @@ Start ferry's OpenAI-compatible server. Routes (docs/usage.md#endpoints):
   POST /v1/chat/completions, /v1/completions, /v1/responses
   GET  /v1/responses/{response_id}, /v1/responses/{response_id}/input_items
   DELETE /v1/responses/{response_id}; POST /v1/responses/{response_id}/cancel
+  POST /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API)
   POST /v1/tokenize, /v1/detokenize (also /tokenize, /detokenize)
   GET  /v1/models, /v1/models/{model_id}
   GET  /health, /server_info, /metrics
