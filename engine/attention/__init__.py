@@ -15,6 +15,7 @@ for tests; :func:`create_attention_backend` refuses ``triton`` on the CPU unless
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -22,6 +23,7 @@ from engine import device as dev
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.attention.torch_native import TorchNativeAttnBackend
 from engine.attention.triton import TritonAttnBackend, TritonMetadata
+from engine.layer_spec import LayerSpec
 
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
     "torch_native": TorchNativeAttnBackend,
@@ -56,7 +58,8 @@ def create_attention_backend(name: str | None, num_heads: int, num_kv_heads: int
                              head_dim: int, *, device_type: str = "cpu",
                              device: str | torch.device | None = None, num_sms: int = 1,
                              waves: int | None = None,
-                             fused_ops: bool = True) -> AttentionBackend:
+                             fused_ops: bool = True,
+                             layer_specs: Sequence[LayerSpec] | None = None) -> AttentionBackend:
     """Build a backend by name (see :func:`resolve_attention_backend` for None).
 
     Args:
@@ -68,14 +71,18 @@ def create_attention_backend(name: str | None, num_heads: int, num_kv_heads: int
             ``waves`` None is the kernel's default for the device type.
         fused_ops: False (``--disable-fused-ops``) keeps ``torch_native`` on the torch
             references on the CPU instead of ferry's C++ decode kernel.
+        layer_specs: the model's layers, this rank's (``CausalLM.layer_specs`` through
+            ``LayerSpec.per_rank``), which the backend checks it can run; None: unchecked.
     Raises:
         ValueError: as :func:`resolve_attention_backend`; or Hq not a multiple of Hkv.
+        NotImplementedError: a layer the backend does not run (a window, soft-capping,
+            sinks, latent or linear attention), named in one line.
         ImportError: ``triton`` without an importable Triton.
     """
     cls = ATTENTION_BACKENDS[resolve_attention_backend(name, device_type)]
     extra = {"fused_ops": fused_ops} if cls is TorchNativeAttnBackend else {}
     return cls(num_heads, num_kv_heads, head_dim, device=device or device_type,
-               num_sms=num_sms, waves=waves, **extra)
+               num_sms=num_sms, waves=waves, layer_specs=layer_specs, **extra)
 
 
 __all__ = [

@@ -14,11 +14,19 @@ Steps (``ForwardBatch.mode``):
     ``batch_size - num_decodes`` requests go to :meth:`forward_extend`, the tail to
     :meth:`forward_decode` (the extend kernel would spend a BLOCK_M-row tile per query head
     on each one-token query; the decode kernel reads their KV once per KV head).
+
+Per layer: the backend is built with the model's layer descriptions
+(``layer_specs``, :class:`engine.layer_spec.LayerSpec`, one per layer, this rank's) and
+refuses at construction any layer it cannot run (:meth:`AttentionBackend.check_layer_specs`:
+today every backend runs full attention only); each call of :meth:`AttentionBackend.forward`
+also gets its layer's spec, where a backend that runs windows, soft-capping or sinks picks
+the kernel.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -26,6 +34,7 @@ import torch
 # the step and its per-step attention state live below the backends (the layers, models and
 # executor read them too); AttentionMetadata is re-exported here for the backends
 from engine.forward_batch import AttentionMetadata, ForwardBatch
+from engine.layer_spec import AttentionKind, LayerSpec, unsupported_feature
 
 __all__ = ["AttentionBackend", "AttentionMetadata"]
 
@@ -42,24 +51,61 @@ class AttentionBackend(ABC):
             size their launch to it.
         waves: programs wanted per compute unit (the decode split-KV heuristic); None for
             the backend's default.
+        layer_specs: the model's layers (:meth:`engine.models.base.CausalLM.layer_specs`,
+            this rank's), kept as ``self.layer_specs``; None: not checked (tests of the
+            kernels alone).
+    Raises:
+        ValueError: Hq not a multiple of Hkv.
+        NotImplementedError: a layer the backend does not run (:meth:`check_layer_specs`).
     """
 
     #: whether the decode graph runner may capture this backend's decode step (no host
     #: syncs, metadata in static buffers)
     supports_graphs: ClassVar[bool] = False
+    #: the attention kinds this backend runs, and the per-layer features beyond plain
+    #: causal attention (a window, score soft-capping, sinks) its kernels take
+    supported_attention: ClassVar[frozenset[AttentionKind]] = frozenset(
+        {AttentionKind.FULL, AttentionKind.SLIDING})
+    # the Triton kernels, the torch references and the C++ CPU decode run every variant
+    # (kernels/attention_variants.py); a layer's window and soft-cap come from its spec, its
+    # sinks need a learned tensor that no ``Attention`` layer holds yet (gpt-oss adds it)
+    supports_sliding_window: ClassVar[bool] = True
+    supports_logit_softcap: ClassVar[bool] = True
+    supports_sinks: ClassVar[bool] = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  device: str | torch.device = "cpu", num_sms: int = 1,
-                 waves: int | None = None):
+                 waves: int | None = None, layer_specs: Sequence[LayerSpec] | None = None):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
                              f"{num_kv_heads}")
+        self.layer_specs = tuple(layer_specs or ())
+        self.check_layer_specs(self.layer_specs)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.device = torch.device(device)
         self.num_sms = num_sms
         self.waves = waves or 1
+
+    @classmethod
+    def check_layer_specs(cls, specs: Sequence[LayerSpec]) -> None:
+        """Refuse a model whose layers this backend cannot run.
+
+        Raises:
+            NotImplementedError: one line naming the first such layer, what it needs and
+                the backend.
+        """
+        for i, spec in enumerate(specs):
+            what = unsupported_feature(spec, cls.supported_attention,
+                                       sliding_window=cls.supports_sliding_window,
+                                       logit_softcap=cls.supports_logit_softcap,
+                                       sinks=cls.supports_sinks)
+            if what is not None:
+                runs = ", ".join(sorted(k.value for k in cls.supported_attention))
+                raise NotImplementedError(
+                    f"layer {i} needs {what}, which the {cls.__name__} attention backend "
+                    f"does not run yet (it runs: {runs} attention)")
 
     # ---- metadata -----------------------------------------------------------------------
     @abstractmethod
@@ -123,7 +169,8 @@ class AttentionBackend(ABC):
     # ---- one layer ----------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 sm_scale: float, fb: ForwardBatch, out: torch.Tensor | None = None, *,
-                sliding_window: int | None = None, logit_softcap: float | None = None,
+                spec: LayerSpec | None = None, sliding_window: int | None = None,
+                logit_softcap: float | None = None,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Store the new K/V of layer ``layer_id``, then attend.
 
@@ -133,15 +180,22 @@ class AttentionBackend(ABC):
                 ** -0.5``).
             fb: the step (``init_forward`` done).
             out: optional [T, Hq, D] view to write into (e.g. a graph runner's static buffer).
+            spec: the layer's description (the ``Attention`` layer's ``spec``; None: full
+                attention). Every spec the backend was built with is one it runs (checked
+                at construction); its window and soft-cap apply unless given below.
             sliding_window: W >= 1: a query at position p sees keys ``p - W + 1 .. p``
-                (HF's sliding window); None: all earlier keys.
-            logit_softcap: cap > 0: scores ``cap * tanh(s / cap)`` after the scale (Gemma 2).
+                (HF's sliding window); None: the spec's, else all earlier keys.
+            logit_softcap: cap > 0: scores ``cap * tanh(s / cap)`` after the scale (Gemma 2);
+                None: the spec's, else none.
             sinks: ``[Hq]`` float32 per-head logits in the softmax denominator only (gpt-oss).
         Returns:
             [T, Hq, D] in q's dtype (``out`` when given).
         Raises:
             ValueError: a variant out of range (``kernels.reference.check_variants``).
         """
+        if spec is not None:
+            sliding_window = spec.sliding_window if sliding_window is None else sliding_window
+            logit_softcap = spec.logit_softcap if logit_softcap is None else logit_softcap
         variants = {"sliding_window": sliding_window, "logit_softcap": logit_softcap,
                     "sinks": sinks}
         kb, vb = fb.k_buffers[layer_id], fb.v_buffers[layer_id]

@@ -45,7 +45,7 @@ class TritonAttnBackend(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  device: str | torch.device = "cpu", num_sms: int = 132,
-                 waves: int | None = None, max_kv_splits: int = 16):
+                 waves: int | None = None, max_kv_splits: int = 16, layer_specs=None):
         from kernels.decode_attention import (
             choose_num_kv_splits,
             decode_attention_fwd,
@@ -53,7 +53,8 @@ class TritonAttnBackend(AttentionBackend):
         )
 
         super().__init__(num_heads, num_kv_heads, head_dim, device=device, num_sms=num_sms,
-                         waves=waves or default_waves(torch.device(device).type))
+                         waves=waves or default_waves(torch.device(device).type),
+                         layer_specs=layer_specs)
         from kernels.extend_attention import extend_attention_fwd
         from kernels.kv_store import store_kv
 

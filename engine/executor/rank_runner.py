@@ -28,7 +28,7 @@ from engine.executor.graph_replay import replay_graphs
 from engine.executor.schedule_batch import ScheduleBatch
 from engine.executor.tp_messages import IdsMsg, TPMessage, step_msg
 from engine.forward_batch import ForwardBatch
-from engine.kv.pool import KVPool, ReqToTokenPool
+from engine.kv.pool import ReqToTokenPool, build_kv_pool, kv_bytes_per_token
 from engine.layers import select_ops, small_ops_kind
 from engine.layers.linear import pack_cpu_weights
 from engine.layers.moe_ep import expert_parallel
@@ -81,12 +81,14 @@ class RankRunner:
         self.num_kv_heads = self.model.kv_size // mc.head_dim
         model_ctx = mc.context_length
         self.model_max_context = min(model_ctx, args.context_length or model_ctx)
+        # each layer's attention and cache (this rank's heads): the pool and backend read it
+        self.layer_specs = [s.per_rank(self.tp.size) for s in self.model.layer_specs()]
         self._build_pools(args)
         self.attn_backend = create_attention_backend(
             self.attention_backend_name, self.num_heads, self.num_kv_heads, self.head_dim,
             device_type=self.device_type, device=self.device,
             num_sms=dev.multiprocessor_count(self.device_type), waves=args.decode_attention_waves,
-            fused_ops=not args.disable_fused_ops)
+            fused_ops=not args.disable_fused_ops, layer_specs=self.layer_specs)
         self.supports_overlap = dev.is_accelerator(self.device_type)
         self._build_graphs(args)
         logger.info("KV cache: %d tokens (%d layers x %d kv heads x %d dim, %s), page size %d; "
@@ -134,8 +136,8 @@ class RankRunner:
         """The KV pool (sized by :meth:`_kv_capacity`, the smallest over the ranks), the
         ``req_to_token`` rows, and the context they leave a request."""
         self.max_total_tokens = tpd.min_over_ranks(self._kv_capacity())
-        self.kv_pool = KVPool(self.max_total_tokens, args.page_size, self.num_layers,
-                              self.num_kv_heads, self.head_dim, self.kv_dtype, self.device)
+        self.kv_pool = build_kv_pool(self.layer_specs, self.max_total_tokens, args.page_size,
+                                     self.kv_dtype, self.device)
         self.max_total_tokens = self.kv_pool.capacity_tokens
         # a request can never outgrow the pool, so the usable context is the smaller of the two
         self.max_context_len = min(self.model_max_context, self.max_total_tokens)
@@ -256,8 +258,7 @@ class RankRunner:
     # ---- sizing -------------------------------------------------------------------------
     def _kv_capacity(self) -> int:
         """KV pool size in tokens: --max-total-tokens, else from free memory after the weights."""
-        per_token = KVPool.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
-                                           self.kv_dtype)
+        per_token = kv_bytes_per_token(self.layer_specs, self.kv_dtype)
         if self.args.max_total_tokens:
             return int(self.args.max_total_tokens)
         if not dev.is_accelerator(self.device_type):

@@ -9,13 +9,21 @@ and a free list of pages of ``page_size`` consecutive slots. Page 0 (slots 0..pa
 is reserved as the padding sink: padded tokens write there and nothing reads it.
 
 Kernels read K/V only through ``req_to_token``, so prefix sharing needs no kernel change.
+
+Which layers get K/V buffers comes from the model's per-layer description
+(:class:`engine.layer_spec.LayerSpec`): :func:`build_kv_pool` groups the layers by cache kind
+and builds the paged pool for the ``PAGED_KV`` ones; :func:`kv_bytes_per_token` sizes it.
+A cache kind without a store yet (a latent K/V, a recurrent state) is refused by name.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from engine import device as dev
+from engine.layer_spec import CacheKind, LayerSpec, cache_groups
 
 
 class ReqToTokenPool:
@@ -134,3 +142,56 @@ class KVPool:
         if ps == 1:
             return pages[start:end]
         return [pages[p // ps] * ps + p % ps for p in range(start, end)]
+
+
+def _paged_shape(specs: Sequence[LayerSpec]) -> tuple[int, int, int]:
+    """``(layers, kv_heads, head_dim)`` of the paged pool of ``specs`` (this rank's).
+
+    Raises:
+        NotImplementedError: a cache kind without a store yet, layers without a paged K/V
+            cache among paged ones, K/V shapes that differ between layers, or a V head size
+            other than the K head size.
+    """
+    groups = cache_groups(specs)
+    other = [k for k in groups if k != CacheKind.PAGED_KV]
+    if other:
+        kind = other[0]
+        raise NotImplementedError(
+            f"layers {groups[kind]} keep a {kind.value} cache, which ferry's KV pool does not "
+            f"build yet (it builds {CacheKind.PAGED_KV.value} caches only)")
+    shapes = {(s.num_kv_heads, s.head_dim, s.v_head_dim) for s in specs}
+    if len(shapes) > 1:
+        raise NotImplementedError(f"per-layer K/V shapes differ ({sorted(shapes)} as (kv heads, "
+                                  "head_dim, v_head_dim)): the paged pool has one shape")
+    (heads, d, dv), = shapes or {(1, 1, 1)}
+    if dv != d:
+        raise NotImplementedError(f"v_head_dim {dv} differs from head_dim {d}: the paged pool "
+                                  "keeps K and V at one head size")
+    return len(specs), heads, d
+
+
+def kv_bytes_per_token(specs: Sequence[LayerSpec], dtype: torch.dtype) -> int:
+    """Bytes one token takes in the paged pool of the layers ``specs`` (this rank's).
+
+    Raises:
+        NotImplementedError: as :func:`build_kv_pool`.
+    """
+    layers, heads, d = _paged_shape(specs)
+    return KVPool.bytes_per_token(layers, heads, d, dtype)
+
+
+def build_kv_pool(specs: Sequence[LayerSpec], num_tokens: int, page_size: int,
+                  dtype: torch.dtype, device: str | torch.device) -> KVPool:
+    """The paged K/V pool of a model's ``PAGED_KV`` layers (one buffer pair per layer,
+    indexed by layer id).
+
+    Args:
+        specs: the model's layers, this rank's (``LayerSpec.per_rank``).
+        num_tokens, page_size, dtype, device: as :class:`KVPool`.
+    Raises:
+        NotImplementedError: a layer whose cache kind has no store yet (``LATENT_KV``,
+            ``RECURRENT_STATE``, ``NONE``), named with its layers; K/V shapes that differ
+            between layers.
+    """
+    layers, heads, d = _paged_shape(specs)
+    return KVPool(num_tokens, page_size, layers, heads, d, dtype, device)

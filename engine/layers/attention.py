@@ -4,14 +4,26 @@ The model gives q/k/v of the new tokens; the step's backend (``forward_batch.att
 one of :mod:`engine.attention`) stores k/v into the paged KV cache at
 ``forward_batch.out_cache_loc`` and runs extend or decode attention through
 ``req_to_token``.
+
+Each layer holds its :class:`engine.layer_spec.LayerSpec` (``spec``, with this rank's K/V
+heads) and passes it to the backend with every call, so a backend can pick a kernel per
+layer (a window, soft-capping, sinks). The kinds the layer itself runs are
+:data:`SUPPORTED_ATTENTION` (full attention over the paged K/V); any other is refused when
+the layer is built.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from engine.forward_batch import ForwardBatch
+from engine.layer_spec import AttentionKind, CacheKind, LayerSpec, unsupported_feature
+
+#: attention kinds this layer runs (q/k/v in, one output row per query token)
+SUPPORTED_ATTENTION = frozenset({AttentionKind.FULL})
 
 
 class Attention(nn.Module):
@@ -20,17 +32,37 @@ class Attention(nn.Module):
     Args:
         num_heads, num_kv_heads, head_dim: per-rank shape (Hq, Hkv, D).
         layer_id: index of the layer's K/V buffers in the pool.
-        scaling: softmax scale (default ``D ** -0.5``).
+        scaling: softmax scale (default: the spec's, else ``D ** -0.5``).
+        spec: the layer's description (default: full attention over the paged K/V, D and
+            Hkv as given); kept as ``self.spec`` with this rank's ``num_kv_heads``.
+    Raises:
+        NotImplementedError: a spec of a kind or feature the layer does not run yet, or a
+            cache other than the paged K/V (one line naming the layer and the kind).
+        ValueError: a spec whose ``head_dim`` is not ``head_dim``.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_id: int,
-                 scaling: float | None = None):
+                 scaling: float | None = None, spec: LayerSpec | None = None):
         super().__init__()
+        if spec is None:
+            spec = LayerSpec(head_dim=head_dim, v_head_dim=head_dim, num_kv_heads=num_kv_heads)
+        what = unsupported_feature(spec, SUPPORTED_ATTENTION)
+        if what is None and spec.cache != CacheKind.PAGED_KV:
+            what = f"a {spec.cache.value} cache"
+        if what is not None:
+            raise NotImplementedError(f"layer {layer_id}: {what} is not implemented yet "
+                                      "(ferry's attention layer runs full attention over the "
+                                      "paged KV cache)")
+        if spec.head_dim != head_dim:
+            raise ValueError(f"layer {layer_id}: the spec's head_dim {spec.head_dim} is not the "
+                             f"layer's {head_dim}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.layer_id = layer_id
-        self.scaling = scaling if scaling is not None else head_dim ** -0.5
+        self.spec = spec if spec.num_kv_heads == num_kv_heads \
+            else replace(spec, num_kv_heads=num_kv_heads)
+        self.scaling = scaling if scaling is not None else spec.softmax_scale
 
     @property
     def q_size(self) -> int:
@@ -51,5 +83,6 @@ class Attention(nn.Module):
                                     v.view(t, self.num_kv_heads, self.head_dim),
                                     self.layer_id, self.scaling, fb,
                                     None if out is None
-                                    else out.view(t, self.num_heads, self.head_dim))
+                                    else out.view(t, self.num_heads, self.head_dim),
+                                    spec=self.spec)
         return o.view(t, self.num_heads * self.head_dim)

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import all_reduce, check_tp_shape, get_tp
+from engine.layer_spec import kv_heads_per_rank
 from engine.layers.quantization import current_linear_method
 
 
@@ -282,7 +283,7 @@ class QKVLinear(ColumnParallelLinear):
         check_tp_shape(num_heads, num_kv_heads, tp_size)
         self.head_dim = head_dim
         self.num_heads = num_heads // tp_size
-        self.num_kv_heads = max(num_kv_heads // tp_size, 1)
+        self.num_kv_heads = kv_heads_per_rank(num_kv_heads, tp_size)
         self.kv_replicas = max(tp_size // num_kv_heads, 1)
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
         super().__init__(hidden_size, out, bias, dtype, tp_size, tp_rank)

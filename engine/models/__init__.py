@@ -1,28 +1,23 @@
 """Model registry: HF ``config.architectures[0]`` (or ``model_type``) -> ferry model class.
 
 Every registered class implements the model contract :class:`engine.models.base.CausalLM`
-and reads its shape from :class:`engine.models.config.ModelConfig`. Adding an architecture
-is one file (a ``CausalLM`` subclass in this folder) plus one line in ``MODEL_REGISTRY``
-(and one in ``MODEL_TYPES``, in ``config.py``, if GGUF files of it carry no
-``architectures``).
+and reads its shape from :class:`engine.models.config.ModelConfig`; most are small family
+modules on the shared decoder (``blocks.py``, ``decoder.py``, ``moe.py``). Adding an
+architecture is one file (a ``CausalLM`` subclass in this folder) plus one line in
+``MODEL_REGISTRY`` (and one in ``MODEL_TYPES``, in ``config.py``, if GGUF files of it carry
+no ``architectures``); ``docs/models.md`` is generated from the registry
+(:mod:`engine.models.docs`).
 """
 
 from __future__ import annotations
 
 from engine.models.base import CausalLM
 from engine.models.config import MODEL_TYPES, ModelConfig
-from engine.models.llama import (
-    LlamaForCausalLM,
-    MistralForCausalLM,
-    Qwen2ForCausalLM,
-    Qwen3ForCausalLM,
-)
-from engine.models.moe import (
-    MixtralForCausalLM,
-    OlmoeForCausalLM,
-    Qwen2MoeForCausalLM,
-    Qwen3MoeForCausalLM,
-)
+from engine.models.llama import LlamaForCausalLM, MistralForCausalLM
+from engine.models.mixtral import MixtralForCausalLM
+from engine.models.olmoe import OlmoeForCausalLM
+from engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from engine.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -17,18 +17,26 @@ Three callers use a model, and each needs only what is written here:
   of a GGUF file, and :meth:`CausalLM.hf_weight_shapes` to draw dummy weights.
 
 A model also exposes ``model_config`` (:class:`engine.models.config.ModelConfig`), which the
-runner reads for the KV pool's shape and the vocabulary.
+runner reads for the context and the vocabulary, and :meth:`CausalLM.layer_specs`, one
+:class:`engine.layer_spec.LayerSpec` per layer (its attention kind, window, soft-cap, sinks,
+scale, head sizes, cache kind, rotary), which the runner hands to the KV pool
+(:func:`engine.kv.pool.build_kv_pool`: one store per cache kind) and to the attention
+backend (which refuses a layer it cannot run), and each ``Attention`` layer holds. The
+class attributes :attr:`CausalLM.family`, :attr:`CausalLM.attention_kinds` and
+:attr:`CausalLM.cache_kinds` say the same per class, for ``docs/models.md``
+(:mod:`engine.models.docs`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
 
+from engine.layer_spec import AttentionKind, CacheKind, LayerSpec, RotarySpec
 from engine.layers.logits import compute_logits
 
 if TYPE_CHECKING:
@@ -44,6 +52,12 @@ class CausalLM(nn.Module, ABC):
     """
 
     model_config: ModelConfig
+    #: the family's name in ``docs/models.md`` (several architectures may share one)
+    family: ClassVar[str] = ""
+    #: every attention kind and cache kind the class's layers may have (what
+    #: :meth:`layer_specs` returns for any config is within these)
+    attention_kinds: ClassVar[tuple[AttentionKind, ...]] = (AttentionKind.FULL,)
+    cache_kinds: ClassVar[tuple[CacheKind, ...]] = (CacheKind.PAGED_KV,)
     #: hidden states kept by :meth:`forward` for a speculative draft head (None: none; see
     #: :meth:`set_capture_hidden`), and the last forward's, ``[T, width]`` (every new token)
     capture_hidden: str | None = None
@@ -79,6 +93,17 @@ class CausalLM(nn.Module, ABC):
             NotImplementedError: a model without the hook; ValueError: a bad mode.
         """
         raise NotImplementedError(f"{type(self).__name__} does not expose hidden states")
+
+    # ---- the layers ----------------------------------------------------------------------
+    def layer_specs(self) -> list[LayerSpec]:
+        """One :class:`LayerSpec` per decoder layer, in order (whole-model head counts).
+
+        The default: every layer full attention over the paged K/V cache, shaped by
+        ``model_config`` (:func:`full_attention_specs`). A family with windowed, latent or
+        linear layers overrides it (reading only ``self.model_config`` and ``self.config``:
+        the decoder builds its layers from it).
+        """
+        return full_attention_specs(self.model_config)
 
     # ---- the piecewise split -------------------------------------------------------------
     @abstractmethod
@@ -160,3 +185,15 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def hf_weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """The full (unsplit by tensor parallelism) shape of each HF checkpoint tensor."""
+
+
+def full_attention_specs(config: ModelConfig) -> list[LayerSpec]:
+    """``config.num_layers`` specs of full attention over the paged K/V cache, with the
+    config's head sizes, K/V heads and rotary (its ``rope_type`` and ``rope_theta``, the
+    whole head rotated), the softmax scale ``head_dim ** -0.5``."""
+    rotary = RotarySpec(kind=config.rope_parameters.get("rope_type", "default"),
+                        base=config.rope_theta)
+    spec = LayerSpec(attention=AttentionKind.FULL, cache=CacheKind.PAGED_KV,
+                     head_dim=config.head_dim, v_head_dim=config.head_dim,
+                     num_kv_heads=config.num_kv_heads, rotary=rotary)
+    return [spec] * config.num_layers

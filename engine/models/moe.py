@@ -1,23 +1,14 @@
-"""Mixture-of-experts decoders on the Llama layers: Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE.
+"""The mixture-of-experts decoder: ``MoeForCausalLM``, the base of the MoE families
+(:mod:`engine.models.qwen_moe`: Qwen3-MoE and Qwen2-MoE, :mod:`engine.models.mixtral`,
+:mod:`engine.models.olmoe`).
 
-Attention, norms, rotary and the dense MLP are :mod:`engine.models.llama`'s; a layer's MLP
-is either the dense SwiGLU MLP or :class:`engine.layers.moe.SparseMoeBlock` (router,
-stacked experts, optional shared expert), chosen per layer by
-:meth:`engine.models.config.ModelConfig.is_moe_layer` (``decoder_sparse_step``,
-``mlp_only_layers``). The families differ in (checked against transformers 5.24's
-``modeling_{qwen3_moe,qwen2_moe,mixtral,olmoe}.py``):
-
-  - Qwen3-MoE: per-head q/k RMSNorm (as Qwen3), ``norm_topk_prob`` from the config.
-  - Qwen2-MoE: q/k/v bias (``qkv_bias``), none on o; a shared expert
-    (``mlp.shared_expert.{gate,up,down}_proj``, width ``shared_expert_intermediate_size``)
-    scaled by ``sigmoid(mlp.shared_expert_gate(x))`` and added to the routed experts;
-    ``norm_topk_prob`` from the config (False by default).
-  - Mixtral: the block is ``block_sparse_moe`` (router ``gate``, experts ``w1`` gate,
-    ``w3`` up, ``w2`` down); top-k weights always renormalised; every layer is MoE.
-  - OLMoE: one RMSNorm over the whole q and the whole k projection (sizes
-    ``num_heads * head_dim`` and ``num_kv_heads * head_dim``; under tensor parallelism the
-    mean square is all-reduced), no q/k/v bias (``attention_bias``), ``norm_topk_prob`` from
-    the config; ``clip_qkv`` is refused.
+Attention, norms, rotary and the dense MLP are :mod:`engine.models.blocks`'; a layer's MLP
+is either the dense :class:`engine.models.blocks.GatedMLP` or
+:class:`engine.layers.moe.SparseMoeBlock` (router, stacked experts, optional shared expert),
+chosen per layer by :meth:`engine.models.config.ModelConfig.is_moe_layer`
+(``decoder_sparse_step``, ``mlp_only_layers``). A family sets the switches below
+(``hf_moe_block``, ``expert_parts``, ``has_shared_expert``, ``_renormalize``) and its
+attention options (``_options``).
 
 Checkpoints hold one tensor per expert (``...mlp.experts.{e}.gate_proj.weight``); ferry
 stacks them into ``...mlp.experts.w13_weight`` / ``w2_weight`` at load time.
@@ -40,14 +31,16 @@ from torch import nn
 
 from engine.layers.moe import EXPERT_SHARDS, SparseMoeBlock
 from engine.layers.quantization import current_linear_method
+from engine.models.blocks import GatedMLP
 from engine.models.config import ModelConfig
-from engine.models.llama import LlamaForCausalLM, LlamaMLP, _load
+from engine.models.decoder import DecoderForCausalLM
+from engine.models.weights import load_tensor
 
 _EXPERT_NAME = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
 _STACKED = (".experts.w13_weight", ".experts.w2_weight")
 
 
-class MoeForCausalLM(LlamaForCausalLM):
+class MoeForCausalLM(DecoderForCausalLM):
     """Base of the MoE families (see the module docstring); subclasses set the switches."""
 
     #: HF name of the layer's MoE block ("mlp"; Mixtral: "block_sparse_moe")
@@ -82,10 +75,10 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def _mlp(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> nn.Module:
         if not config.is_moe_layer(layer_id):
-            return LlamaMLP(config, dtype)
+            return GatedMLP(config, dtype)
         shared = None
         if self.has_shared_expert and config.shared_expert_intermediate_size:
-            shared = LlamaMLP(config, dtype, config.shared_expert_intermediate_size,
+            shared = GatedMLP(config, dtype, config.shared_expert_intermediate_size,
                               reduce_results=False)
         return SparseMoeBlock(config.hidden_size, config.num_experts,
                               config.num_experts_per_tok, config.moe_intermediate_size,
@@ -110,7 +103,7 @@ class MoeForCausalLM(LlamaForCausalLM):
     # ---- weights -------------------------------------------------------------------------
 
     def expected_weights(self) -> set[str]:
-        """The dense keys (:meth:`LlamaForCausalLM.expected_weights`) with each stacked
+        """The dense keys (:meth:`DecoderForCausalLM.expected_weights`) with each stacked
         expert parameter replaced by its per-expert checkpoint names."""
         keys = {k for k in super().expected_weights() if not k.endswith(_STACKED)}
         mc = self.model_config
@@ -142,7 +135,7 @@ class MoeForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Per-expert tensors go into the stacked expert parameters (before the dense
         q/k/v and gate/up fusion rules, which would take ``experts.{e}.gate_proj``); the
-        rest through :meth:`LlamaForCausalLM.load_weights`."""
+        rest through :meth:`DecoderForCausalLM.load_weights`."""
         params = dict(self.named_parameters())
         experts: set[str] = set()
 
@@ -156,65 +149,10 @@ class MoeForCausalLM(LlamaForCausalLM):
                     stacked = "w2_weight" if shard == "down" else "w13_weight"
                     p = params.get(f"model.layers.{layer}.mlp.experts.{stacked}")
                     if p is not None:
-                        _load(hf_name, p.weight_loader, p, tensor, int(expert), shard)
+                        load_tensor(hf_name, p.weight_loader, p, tensor, int(expert), shard)
                         experts.add(name)
                         continue
                 yield name, tensor
 
         return super().load_weights(dense()) | experts
 
-
-class Qwen3MoeForCausalLM(MoeForCausalLM):
-    """Qwen3-MoE: Qwen3 attention (per-head q/k norms), MoE layers with optional dense ones."""
-
-    @staticmethod
-    def _options(config: ModelConfig) -> dict:
-        bias = config.attention_bias
-        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": True}
-
-
-class Qwen2MoeForCausalLM(MoeForCausalLM):
-    """Qwen2-MoE (Qwen1.5-MoE): q/k/v bias, a gated shared expert beside the routed ones."""
-
-    has_shared_expert = True
-
-    def _options(self, config: ModelConfig) -> dict:
-        text = getattr(self.config, "text_config", None) or self.config
-        return {"qkv_bias": bool(getattr(text, "qkv_bias", True)), "o_bias": False,
-                "qk_norm": False}
-
-
-class MixtralForCausalLM(MoeForCausalLM):
-    """Mixtral: Mistral attention, ``block_sparse_moe`` experts ``w1``/``w3``/``w2``, the
-    top-k routing weights always renormalised."""
-
-    hf_moe_block = "block_sparse_moe"
-    expert_parts = ("w1", "w3", "w2")
-
-    def _renormalize(self, config: ModelConfig) -> bool:
-        return True
-
-
-class OlmoeForCausalLM(MoeForCausalLM):
-    """OLMoE: RMSNorm over the whole q and k projections, no bias by default."""
-
-    def __init__(self, config, dtype: torch.dtype = torch.float32):
-        text = getattr(config, "text_config", None) or config
-        clip = getattr(text, "clip_qkv", None)
-        if clip is not None:
-            raise ValueError(f"OlmoeForCausalLM with clip_qkv={clip} is not supported (ferry "
-                             "does not clamp q/k/v); only clip_qkv null")
-        super().__init__(config, dtype)
-
-    @staticmethod
-    def _options(config: ModelConfig) -> dict:
-        bias = config.attention_bias
-        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": "full"}
-
-    def _hf_weight_shape(self, name: str, inter: int | None = None) -> tuple[int, ...]:
-        mc = self.model_config
-        if name.endswith(".self_attn.q_norm.weight"):
-            return (mc.num_heads * mc.head_dim,)
-        if name.endswith(".self_attn.k_norm.weight"):
-            return (mc.num_kv_heads * mc.head_dim,)
-        return super()._hf_weight_shape(name, inter)

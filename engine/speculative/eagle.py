@@ -62,19 +62,21 @@ class EagleHead(nn.Module):
         from engine.layers.linear import QKVLinear, ReplicatedLinear, VocabEmbedding
         from engine.layers.norm import RMSNorm
         from engine.layers.rotary import RotaryEmbedding
+        from engine.models.base import full_attention_specs
+        from engine.models.blocks import AttentionOptions, DecoderLayer
         from engine.models.config import ModelConfig
-        from engine.models.llama import LlamaDecoderLayer
 
         self.mc = mc = ModelConfig.from_hf(config)
         self.eagle3 = eagle3
         self.__dict__["target"] = target  # not a submodule: its weights are not the head's
         h = mc.hidden_size
         self.hidden_size = h
-        opts = {"qkv_bias": mc.attention_bias, "o_bias": mc.attention_bias, "qk_norm": False}
+        opts = AttentionOptions(qkv_bias=mc.attention_bias, o_bias=mc.attention_bias)
+        specs = full_attention_specs(mc)
         if eagle3:
             th = getattr(config, "target_hidden_size", None) or h
             self.fc = ReplicatedLinear(3 * th, h, bool(getattr(config, "bias", False)), dtype)
-            self.midlayer = LlamaDecoderLayer(mc, 0, dtype, opts)
+            self.midlayer = DecoderLayer(mc, specs[0], 0, dtype, opts)
             attn = self.midlayer.self_attn
             attn.qkv_proj = QKVLinear(2 * h, mc.head_dim, mc.num_heads, mc.num_kv_heads,
                                       False, dtype)
@@ -85,7 +87,7 @@ class EagleHead(nn.Module):
             self.register_buffer("d2t", torch.zeros(self.draft_vocab, dtype=torch.int64))
         else:
             self.fc = ReplicatedLinear(2 * h, h, True, dtype)
-            self.layers = nn.ModuleList(LlamaDecoderLayer(mc, i, dtype, opts)
+            self.layers = nn.ModuleList(DecoderLayer(mc, specs[i], i, dtype, opts)
                                         for i in range(mc.num_layers))
             self.layers[0].input_layernorm = nn.Identity()
             self.lm_head = None
@@ -153,7 +155,7 @@ class EagleHead(nn.Module):
             ValueError: a tensor of the wrong shape, an unknown tensor, or a missing one.
         """
         from engine.layers.linear import VocabEmbedding, default_weight_loader
-        from engine.models.llama import STACKED_PARAMS
+        from engine.models.weights import STACKED_PARAMS
 
         params = dict(self.named_parameters())
         loaded: set[str] = set()
@@ -248,7 +250,7 @@ def load_eagle_head(path: str, eagle3: bool, target, dtype: torch.dtype,
 
 def _random_weights(head: EagleHead, seed: int):
     """Checkpoint-named random tensors for ``head`` (norms 1, the rest N(0, 0.02))."""
-    from engine.models.llama import STACKED_PARAMS
+    from engine.models.weights import STACKED_PARAMS
 
     g = torch.Generator().manual_seed(seed)
     parts = {f: [(p, sid) for ff, p, sid in STACKED_PARAMS if ff == f]

@@ -26,7 +26,7 @@ from engine.loader.loader import (
     resolve_model_path,
 )
 from engine.models import get_model_class, supported_architectures
-from engine.models.llama import STACKED_PARAMS
+from engine.models.weights import STACKED_PARAMS
 from engine.tokenizer.tokenizer import load_tokenizer
 
 

@@ -1,0 +1,100 @@
+"""The per-layer contract (engine/layer_spec.py) and its readers: the attention layer, the
+attention backends and the KV pool build what they run and refuse the rest by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import ATTENTION_BACKENDS, create_attention_backend
+from engine.kv.pool import build_kv_pool, kv_bytes_per_token
+from engine.layer_spec import (
+    AttentionKind,
+    CacheKind,
+    LayerSpec,
+    cache_groups,
+    kv_heads_per_rank,
+)
+from engine.layers.attention import Attention
+
+FULL = LayerSpec(head_dim=16, v_head_dim=16, num_kv_heads=2)
+
+
+def test_spec_checks_itself():
+    with pytest.raises(ValueError, match="window"):
+        LayerSpec(head_dim=16, v_head_dim=16, num_kv_heads=2, sliding_window=128)
+    with pytest.raises(ValueError, match="window"):
+        LayerSpec(attention=AttentionKind.SLIDING, head_dim=16, v_head_dim=16, num_kv_heads=2)
+    with pytest.raises(ValueError, match="head_dim"):
+        LayerSpec()
+    assert LayerSpec(attention=AttentionKind.NONE, cache=CacheKind.NONE).head_dim == 0
+    assert FULL.softmax_scale == 16 ** -0.5
+    with pytest.raises(AttributeError):
+        FULL.head_dim = 8  # frozen
+
+
+def test_per_rank_heads_and_groups():
+    assert FULL.per_rank(1) is FULL
+    assert FULL.per_rank(2).num_kv_heads == 1 and FULL.per_rank(4).num_kv_heads == 1
+    assert kv_heads_per_rank(8, 4) == 2 and kv_heads_per_rank(2, 8) == 1
+    latent = LayerSpec(attention=AttentionKind.LATENT, cache=CacheKind.LATENT_KV,
+                       head_dim=192, v_head_dim=128, num_kv_heads=1)
+    assert cache_groups([FULL, latent, FULL]) == {CacheKind.PAGED_KV: [0, 2],
+                                                  CacheKind.LATENT_KV: [1]}
+
+
+def test_attention_layer_holds_its_spec_and_refuses_other_kinds():
+    a = Attention(4, 1, 16, 3, spec=FULL)
+    assert a.spec.num_kv_heads == 1 and a.spec.head_dim == 16   # this rank's heads
+    assert a.scaling == 16 ** -0.5
+    assert Attention(4, 2, 16, 0).spec == FULL                  # the default: full, paged
+    assert Attention(4, 2, 16, 0, spec=LayerSpec(head_dim=16, v_head_dim=16, num_kv_heads=2,
+                                                 scale=0.5)).scaling == 0.5
+    sliding = LayerSpec(attention=AttentionKind.SLIDING, sliding_window=4096, head_dim=16,
+                        v_head_dim=16, num_kv_heads=2)
+    with pytest.raises(NotImplementedError, match=r"layer 5: sliding-window .*4096"):
+        Attention(4, 2, 16, 5, spec=sliding)
+    with pytest.raises(NotImplementedError, match="soft-capping"):
+        Attention(4, 2, 16, 0, spec=LayerSpec(head_dim=16, v_head_dim=16, num_kv_heads=2,
+                                              logit_softcap=50.0))
+    with pytest.raises(NotImplementedError, match="recurrent_state"):
+        Attention(4, 2, 16, 0, spec=LayerSpec(head_dim=16, v_head_dim=16, num_kv_heads=2,
+                                              cache=CacheKind.RECURRENT_STATE))
+
+
+@pytest.mark.parametrize("name", sorted(ATTENTION_BACKENDS))
+def test_backends_refuse_layers_they_cannot_run(name):
+    cls = ATTENTION_BACKENDS[name]
+    cls.check_layer_specs([FULL, FULL])
+    # a window and a soft-cap come from the spec and every kernel path runs them
+    windowed = LayerSpec(attention=AttentionKind.SLIDING, sliding_window=8, logit_softcap=30.0,
+                         head_dim=16, v_head_dim=16, num_kv_heads=2)
+    cls.check_layer_specs([FULL, windowed])
+    sinks = LayerSpec(head_dim=16, v_head_dim=16, num_kv_heads=2, sinks=True)
+    with pytest.raises(NotImplementedError, match=r"layer 1 needs attention sinks"):
+        cls.check_layer_specs([FULL, sinks])
+    linear = LayerSpec(attention=AttentionKind.LINEAR, cache=CacheKind.RECURRENT_STATE,
+                       head_dim=16, v_head_dim=16, num_kv_heads=2)
+    with pytest.raises(NotImplementedError, match=r"layer 0 needs linear attention"):
+        cls.check_layer_specs([linear])
+
+
+def test_create_backend_checks_the_specs():
+    b = create_attention_backend("torch_native", 4, 2, 16, layer_specs=[FULL] * 3)
+    assert b.layer_specs == (FULL,) * 3
+    latent = LayerSpec(attention=AttentionKind.LATENT, cache=CacheKind.LATENT_KV,
+                       head_dim=16, v_head_dim=16, num_kv_heads=2)
+    with pytest.raises(NotImplementedError, match="latent attention"):
+        create_attention_backend("torch_native", 4, 2, 16, layer_specs=[FULL, latent])
+
+
+def test_kv_pool_from_specs():
+    pool = build_kv_pool([FULL] * 3, 64, 4, torch.float32, "cpu")
+    assert pool.num_layers == 3 and tuple(pool.k_buffers[0].shape) == (68, 2, 16)
+    assert kv_bytes_per_token([FULL] * 3, torch.float16) == 2 * 3 * 2 * 16 * 2
+    latent = LayerSpec(attention=AttentionKind.LATENT, cache=CacheKind.LATENT_KV,
+                       head_dim=16, v_head_dim=16, num_kv_heads=1)
+    with pytest.raises(NotImplementedError, match=r"layers \[1\] keep a latent_kv cache"):
+        build_kv_pool([FULL, latent], 64, 4, torch.float32, "cpu")
+    with pytest.raises(NotImplementedError, match="differ"):
+        kv_bytes_per_token([FULL, FULL.per_rank(2)], torch.float32)
