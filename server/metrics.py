@@ -59,7 +59,7 @@ Names (vLLM v1, docs/design/metrics.md and docs/usage/metrics.md of vllm-project
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import (
     CollectorRegistry,
@@ -177,21 +177,7 @@ class Metrics:
                                           "Number of prefill tokens per request.", tok_b)
         self.request_generation_tokens = hist("request_generation_tokens",
                                               "Number of generation tokens per request.", tok_b)
-        self.ttft = hist("time_to_first_token_seconds",
-                         "Time to first token (TTFT) in seconds, from arrival at the server.",
-                         TTFT_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds",
-                        "Inter-token latency (ITL) in seconds, one sample per output token "
-                        "after the first.", ITL_BUCKETS)
-        self.tpot = hist("request_time_per_output_token_seconds",
-                         "Mean time per output token (TPOT) of each request in seconds: "
-                         "(e2e - ttft) / (completion_tokens - 1).", ITL_BUCKETS)
-        self.e2e = hist("e2e_request_latency_seconds",
-                        "End-to-end request latency in seconds.", E2E_BUCKETS)
-        self.queue = hist("request_queue_time_seconds",
-                          "Seconds from the scheduler's receipt of a request to its first "
-                          "admission into a batch (grammar compilation and the waiting "
-                          "queue).", QUEUE_BUCKETS)
+        self._latency_histograms(hist)
 
         m = model_name
         for g in (self.num_requests_running, self.num_requests_waiting,
@@ -214,6 +200,24 @@ class Metrics:
             ProcessCollector(registry=reg)
             PlatformCollector(registry=reg)
             GCCollector(registry=reg)
+
+    def _latency_histograms(self, hist: Callable[..., Histogram]) -> None:
+        """TTFT, ITL, TPOT, end-to-end and queue-time histograms (seconds)."""
+        self.ttft = hist("time_to_first_token_seconds",
+                         "Time to first token (TTFT) in seconds, from arrival at the server.",
+                         TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds",
+                        "Inter-token latency (ITL) in seconds, one sample per output token "
+                        "after the first.", ITL_BUCKETS)
+        self.tpot = hist("request_time_per_output_token_seconds",
+                         "Mean time per output token (TPOT) of each request in seconds: "
+                         "(e2e - ttft) / (completion_tokens - 1).", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds",
+                        "End-to-end request latency in seconds.", E2E_BUCKETS)
+        self.queue = hist("request_queue_time_seconds",
+                          "Seconds from the scheduler's receipt of a request to its first "
+                          "admission into a batch (grammar compilation and the waiting "
+                          "queue).", QUEUE_BUCKETS)
 
     def on_request_finished(self, *, finish_reason: str, prompt_tokens: int,
                             completion_tokens: int, ttft_s: float | None, e2e_s: float,

@@ -15,18 +15,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("engine", "server", "kernels")
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
 
-#: the two rules below have offenders today, all being split now (issue 40: the Scheduler's
-#: mixins, Scheduler._build_extend, RankRunner._build, SamplingBatchInfo.from_params,
-#: load_model, build_app, ResponsesServing.create, decode_attention_fwd); their xfails go
-#: when those splits land
-UNTIL_SPLITS = "until issue 40's splits land"
 
 
 def _modules() -> list[tuple[str, str, ast.Module]]:
@@ -107,14 +100,12 @@ def test_no_module_over_600_lines():
     assert offenders == [], _report(offenders, f"no module over {MAX_MODULE_LINES} lines")
 
 
-@pytest.mark.xfail(strict=False, reason=UNTIL_SPLITS)
 def test_no_function_over_80_lines():
     offenders = long_functions()
     assert offenders == [], _report(
         offenders, f"no function over {MAX_FUNCTION_LINES} lines (Triton kernels excepted)")
 
 
-@pytest.mark.xfail(strict=False, reason=UNTIL_SPLITS)
 def test_no_class_built_on_a_mixin():
     offenders = mixin_classes()
     assert offenders == [], _report(offenders, "no class built on a mixin (compose objects)")
