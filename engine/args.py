@@ -125,11 +125,12 @@ class ServerArgs:
                                   "gptq (4-bit weights in groups of 128, round to nearest: "
                                   "for dummy-weight benchmarks). FP8, AWQ and GPTQ "
                                   "checkpoints are detected from their config. gguf: keep a "
-                                  "GGUF file's Q4_0/Q4_1/Q8_0 linear weights in their blocks "
-                                  "on any device (the CPU does by default)",
+                                  "GGUF file's Q4_0/Q4_1/Q8_0/Q4_K linear weights in their "
+                                  "blocks on any device (the CPU does by default; other GGUF "
+                                  "types, Q5_K, Q6_K, F16 ..., load dequantized)",
                                   ("fp8", "gguf", "awq", "gptq"))
     gguf_dequantize: bool = _f(False, "load a GGUF file's weights dequantized to --dtype "
-                                      "instead of keeping its Q4_0/Q4_1/Q8_0 blocks (the "
+                                      "instead of keeping its Q4_0/Q4_1/Q8_0/Q4_K blocks (the "
                                       "CPU's default)")
     disable_overlap_schedule: bool = _f(False, "do not overlap host scheduling with device work")
     disable_fused_ops: bool = _f(False, "run the torch references of RMSNorm, SiLU-and-mul and "
@@ -174,8 +175,9 @@ class ServerArgs:
     max_loras_per_batch: int = _f(8, "LoRA: most distinct adapters in one step (the device "
                                      "slots of every layer)", ge=1, le=64)
     max_loaded_loras: int | None = _f(
-        None, "LoRA: most adapters loaded at once (host memory; beyond --max-loras-per-batch "
-              "the least recently used leave the device; default: no limit)", ge=1)
+        None, "LoRA: most adapters loaded at once (host memory, counting an unloaded one "
+              "until the requests on it end; beyond --max-loras-per-batch the least recently "
+              "used leave the device; default: no limit)", ge=1)
     max_lora_rank: int | None = _f(
         None, "LoRA: largest adapter rank (the slots' size; default: the largest of "
               f"--lora-paths, else {DEFAULT_MAX_LORA_RANK})", ge=1, le=512)
