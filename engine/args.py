@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
@@ -384,13 +385,36 @@ def lora_enabled(args: ServerArgs) -> bool:
     return bool(args.lora_paths) or args.enable_lora
 
 
+#: a LoRA adapter's name: 1..MAX_ADAPTER_NAME_LEN of these characters (no ':', which
+#: separates SGLang's "base:name"; nothing a URL path, a log line or a metric label would
+#: need to escape)
+MAX_ADAPTER_NAME_LEN = 256
+ADAPTER_NAME_CHARS = "ASCII letters, digits, '.', '_' and '-'"
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def adapter_name_error(name: str) -> str | None:
+    """What is wrong with a LoRA adapter name (``--lora-paths``, ``/load_lora_adapter``'s
+    ``lora_name``), or None: empty, longer than ``MAX_ADAPTER_NAME_LEN`` characters, or a
+    character outside ``ADAPTER_NAME_CHARS``."""
+    if not name:
+        return "a LoRA adapter name must not be empty"
+    shown = name if len(name) <= 64 else name[:64] + "..."
+    if len(name) > MAX_ADAPTER_NAME_LEN:
+        return (f"the LoRA adapter name {shown!r} has {len(name)} characters, more than "
+                f"{MAX_ADAPTER_NAME_LEN}")
+    if not _ADAPTER_NAME.fullmatch(name):
+        return f"the LoRA adapter name {shown!r} may only hold {ADAPTER_NAME_CHARS}"
+    return None
+
+
 def lora_path_items(paths) -> list[tuple[str, str]]:
     """``--lora-paths`` as ``(name, path)``: ``name=path``, or a path named after its last
     directory (SGLang's forms).
 
     Raises:
-        ValueError: naming --lora-paths, for an empty name or path, a name with ':' or a
-            name given twice.
+        ValueError: naming --lora-paths, for an empty name or path, a name with ':', a
+            name ``adapter_name_error`` refuses or a name given twice.
     """
     out: list[tuple[str, str]] = []
     for item in paths or ():
@@ -401,6 +425,8 @@ def lora_path_items(paths) -> list[tuple[str, str]]:
         if not name or not path or ":" in name:
             raise ValueError(f"--lora-paths {item!r}: expected name=path or a directory, with "
                              "a name without ':'")
+        if (bad := adapter_name_error(name)) is not None:
+            raise ValueError(f"--lora-paths {item[:300]!r}: {bad} (give name=path)")
         if name in dict(out):
             raise ValueError(f"--lora-paths: the adapter name {name!r} is given twice")
         out.append((name, path))
