@@ -385,26 +385,20 @@ def lora_enabled(args: ServerArgs) -> bool:
     return bool(args.lora_paths) or args.enable_lora
 
 
-#: a LoRA adapter's name: 1..MAX_ADAPTER_NAME_LEN of these characters (no ':', which
-#: separates SGLang's "base:name"; nothing a URL path, a log line or a metric label would
-#: need to escape)
-MAX_ADAPTER_NAME_LEN = 256
-ADAPTER_NAME_CHARS = "ASCII letters, digits, '.', '_' and '-'"
-_ADAPTER_NAME = re.compile(r"[A-Za-z0-9._-]+")
+#: a LoRA adapter's name: 1..256 of these (no ':', SGLang's "base:name" separator; nothing
+#: a URL path, a log line or a metric label would escape)
+MAX_ADAPTER_NAME_LEN, ADAPTER_NAME_CHARS = 256, "ASCII letters, digits, '.', '_' and '-'"
 
 
 def adapter_name_error(name: str) -> str | None:
-    """What is wrong with a LoRA adapter name (``--lora-paths``, ``/load_lora_adapter``'s
-    ``lora_name``), or None: empty, longer than ``MAX_ADAPTER_NAME_LEN`` characters, or a
-    character outside ``ADAPTER_NAME_CHARS``."""
-    if not name:
-        return "a LoRA adapter name must not be empty"
+    """What is wrong with a LoRA adapter name (``--lora-paths``, ``lora_name``), or None:
+    empty, over ``MAX_ADAPTER_NAME_LEN`` characters, or one outside ``ADAPTER_NAME_CHARS``."""
     shown = name if len(name) <= 64 else name[:64] + "..."
     if len(name) > MAX_ADAPTER_NAME_LEN:
         return (f"the LoRA adapter name {shown!r} has {len(name)} characters, more than "
                 f"{MAX_ADAPTER_NAME_LEN}")
-    if not _ADAPTER_NAME.fullmatch(name):
-        return f"the LoRA adapter name {shown!r} may only hold {ADAPTER_NAME_CHARS}"
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+        return f"the LoRA adapter name {shown!r} must be 1 or more {ADAPTER_NAME_CHARS}"
     return None
 
 
