@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
@@ -138,11 +139,12 @@ class ServerArgs:
                                   "gptq (4-bit weights in groups of 128, round to nearest: "
                                   "for dummy-weight benchmarks). FP8, AWQ and GPTQ "
                                   "checkpoints are detected from their config. gguf: keep a "
-                                  "GGUF file's Q4_0/Q4_1/Q8_0 linear weights in their blocks "
-                                  "on any device (the CPU does by default)",
+                                  "GGUF file's Q4_0/Q4_1/Q8_0/Q4_K linear weights in their "
+                                  "blocks on any device (the CPU does by default; other GGUF "
+                                  "types, Q5_K, Q6_K, F16 ..., load dequantized)",
                                   ("fp8", "gguf", "awq", "gptq"))
     gguf_dequantize: bool = _f(False, "load a GGUF file's weights dequantized to --dtype "
-                                      "instead of keeping its Q4_0/Q4_1/Q8_0 blocks (the "
+                                      "instead of keeping its Q4_0/Q4_1/Q8_0/Q4_K blocks (the "
                                       "CPU's default)")
     disable_overlap_schedule: bool = _f(False, "do not overlap host scheduling with device work")
     disable_fused_ops: bool = _f(False, "run the torch references of RMSNorm, SiLU-and-mul and "
@@ -187,8 +189,9 @@ class ServerArgs:
     max_loras_per_batch: int = _f(8, "LoRA: most distinct adapters in one step (the device "
                                      "slots of every layer)", ge=1, le=64)
     max_loaded_loras: int | None = _f(
-        None, "LoRA: most adapters loaded at once (host memory; beyond --max-loras-per-batch "
-              "the least recently used leave the device; default: no limit)", ge=1)
+        None, "LoRA: most adapters loaded at once (host memory, counting an unloaded one "
+              "until the requests on it end; beyond --max-loras-per-batch the least recently "
+              "used leave the device; default: no limit)", ge=1)
     max_lora_rank: int | None = _f(
         None, "LoRA: largest adapter rank (the slots' size; default: the largest of "
               f"--lora-paths, else {DEFAULT_MAX_LORA_RANK})", ge=1, le=512)
@@ -400,13 +403,30 @@ def lora_enabled(args: ServerArgs) -> bool:
     return bool(args.lora_paths) or args.enable_lora
 
 
+#: a LoRA adapter's name: 1..256 of these (no ':', SGLang's "base:name" separator; nothing
+#: a URL path, a log line or a metric label would escape)
+MAX_ADAPTER_NAME_LEN, ADAPTER_NAME_CHARS = 256, "ASCII letters, digits, '.', '_' and '-'"
+
+
+def adapter_name_error(name: str) -> str | None:
+    """What is wrong with a LoRA adapter name (``--lora-paths``, ``lora_name``), or None:
+    empty, over ``MAX_ADAPTER_NAME_LEN`` characters, or one outside ``ADAPTER_NAME_CHARS``."""
+    shown = name if len(name) <= 64 else name[:64] + "..."
+    if len(name) > MAX_ADAPTER_NAME_LEN:
+        return (f"the LoRA adapter name {shown!r} has {len(name)} characters, more than "
+                f"{MAX_ADAPTER_NAME_LEN}")
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+        return f"the LoRA adapter name {shown!r} must be 1 or more {ADAPTER_NAME_CHARS}"
+    return None
+
+
 def lora_path_items(paths) -> list[tuple[str, str]]:
     """``--lora-paths`` as ``(name, path)``: ``name=path``, or a path named after its last
     directory (SGLang's forms).
 
     Raises:
-        ValueError: naming --lora-paths, for an empty name or path, a name with ':' or a
-            name given twice.
+        ValueError: naming --lora-paths, for an empty name or path, a name with ':', a
+            name ``adapter_name_error`` refuses or a name given twice.
     """
     out: list[tuple[str, str]] = []
     for item in paths or ():
@@ -417,6 +437,8 @@ def lora_path_items(paths) -> list[tuple[str, str]]:
         if not name or not path or ":" in name:
             raise ValueError(f"--lora-paths {item!r}: expected name=path or a directory, with "
                              "a name without ':'")
+        if (bad := adapter_name_error(name)) is not None:
+            raise ValueError(f"--lora-paths {item[:300]!r}: {bad} (give name=path)")
         if name in dict(out):
             raise ValueError(f"--lora-paths: the adapter name {name!r} is given twice")
         out.append((name, path))

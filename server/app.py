@@ -54,7 +54,7 @@ from server.openai.vllm_routes import invocations as invoke
 from server.openai.vllm_routes import load_of as server_load
 from server.openai.vllm_routes import version as ferry_version
 from server.openapi.spec import ServerFacts, openapi_routes
-from server.replicas import replica_metrics, replica_status
+from server.replicas import replica_metrics, replica_pids, replica_status
 from server.responses.serving import ResponsesServing
 from server.tokenizer_manager import TokenizerManager
 
@@ -286,7 +286,8 @@ class ServerRoutes:
             info.update(dp_size=len(tm.replicas), load_balance_method=args.load_balance_method,
                         replicas=replica_status(tm.replicas, self.replica_children),
                         max_total_tokens=sum(r.ready["engine"].max_total_tokens
-                                             for r in tm.replicas))
+                                             for r in tm.replicas),
+                        **replica_pids(self.replica_children))
         return JSONResponse(info)
 
     async def flush_cache(self, request: Request) -> Response:

@@ -380,9 +380,18 @@ def replica_status(replicas: list[Replica], children: list[dict]) -> list[dict]:
         # the answer to the server-info request, not a later StatsOut: a step's stats can
         # land between that answer and this list (they carry no KV token figures)
         if isinstance(r.figures, io.ServerInfoOut) and r.alive:
-            d.update({f: getattr(r.figures, f) for f in _INFO_SUMS}, stats=r.figures.stats)
+            d.update({f: getattr(r.figures, f) for f in _INFO_SUMS}, stats=r.figures.stats,
+                     tensor_parallel=r.figures.tensor_parallel)
         out.append(d)
     return out
+
+
+def replica_pids(children: list[dict]) -> dict[str, list[int | None]]:
+    """``/server_info``'s top-level ``engine_pid`` and ``detokenizer_pid`` under
+    ``--dp-size``: one entry per replica, in replica order (``children``: per replica
+    ``{"engine": Process, "detokenizer": Process}``; None where a process is unknown)."""
+    return {f"{kind}_pid": [getattr(own.get(kind), "pid", None) for own in children]
+            for kind in ("engine", "detokenizer")}
 
 
 def replica_metrics(replicas: list[Replica], model: str) -> bytes:

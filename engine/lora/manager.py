@@ -1,7 +1,8 @@
 """``LoRAManager``: the adapters a model serves, their device slots, and each step's rows.
 
 - Registry: ``name -> id`` of every loaded adapter (host memory, at most
-  ``--max-loaded-loras``); an id never changes meaning, so a request that started on an
+  ``--max-loaded-loras`` adapters, counting unloaded ones that running requests still
+  hold); an id never changes meaning, so a request that started on an
   adapter finishes on it after an unload or a reload under the same name (``acquire`` /
   ``release`` count the requests that hold it; an unloaded adapter leaves when the last one
   ends).
@@ -25,7 +26,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from engine.args import DEFAULT_MAX_LORA_RANK, lora_path_items
+from engine.args import DEFAULT_MAX_LORA_RANK, adapter_name_error, lora_path_items
 from engine.layers.linear import LinearBase, MergedColumnLinear, QKVLinear, RowParallelLinear
 from engine.layers.lora import LoRABatch, LoRASlots
 from engine.lora.adapter import (
@@ -168,19 +169,23 @@ class LoRAManager:
             LoRAError: the name is taken (400), the adapter is malformed or does not fit the
                 model (400), or ``--max-loaded-loras`` adapters are loaded already (400).
         """
-        if not name or ":" in name:
-            raise LoRAError(f"LoRA adapter name {name!r} must be non-empty without ':'",
-                            "lora_name")
+        if (bad := adapter_name_error(name)) is not None:
+            raise LoRAError(bad, "lora_name")
         self._check_name(name)
         return self.register(read_adapter(name, path, self.max_rank))
 
     def _check_name(self, name: str) -> None:
         if name in self.names:
             raise LoRAError(f"a LoRA adapter named {name!r} is already loaded", "lora_name")
-        live = len(self.names)
-        if self.max_loaded is not None and live >= self.max_loaded:
-            raise LoRAError(f"{live} LoRA adapters are loaded, the most --max-loaded-loras "
-                            f"allows; unload one first", "lora_name")
+        # an unloaded adapter that running requests still use stays in memory until the
+        # last of them ends: it counts against the limit until then
+        held = len(self.adapters)
+        if self.max_loaded is not None and held >= self.max_loaded:
+            gone = held - len(self.names)
+            why = (f" ({gone} of them unloaded but still used by running requests; they "
+                   f"leave when those end)" if gone else "; unload one first")
+            raise LoRAError(f"{held} LoRA adapters are in memory, the most --max-loaded-loras "
+                            f"allows{why}", "lora_name")
 
     def register(self, adapter: LoRAAdapter) -> int:
         """Register an adapter already in host memory (:meth:`load` reads one from disk;

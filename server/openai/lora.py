@@ -6,7 +6,8 @@ Bodies (both projects' form): ``{"lora_name": "sql", "lora_path": "/adapters/sql
 ``{"lora_name": "sql"}`` to unload. The answer is ``{"success": true, "message": ...,
 "loaded_adapters": {name: path}}``; a bad body, path, format or rank is a 400 naming the
 field (a name that names the base model too: its served name, ``--model-path`` or
-sglang-router's ``unknown``), an unknown name a 404, a server started without ``--enable-lora`` / ``--lora-paths``
+sglang-router's ``unknown``; a name over 256 characters or with characters outside
+``engine.args.ADAPTER_NAME_CHARS``), an unknown name a 404, a server started without ``--enable-lora`` / ``--lora-paths``
 a 400. Requests already running on an unloaded adapter finish on it.
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from engine.args import adapter_name_error
 from server.http.body import read_json
 from server.http.errors import APIError, bad_request
 from server.openai.extensions import ROUTER_NO_MODEL
@@ -71,6 +73,8 @@ async def change_adapter(serving, request: Request, kind: str) -> Response:
         raise bad_request("this server serves no LoRA adapters: start it with --enable-lora "
                           "(or --lora-paths)", "lora_name")
     name = fields["lora_name"]
+    if kind == "load" and (bad := adapter_name_error(name)) is not None:
+        raise bad_request(bad, "lora_name")
     if kind == "load" and name in base_names(serving.args, serving.model_name):
         # model (and the response's model) would name the base model, lora_path the adapter
         raise bad_request(f"the adapter name '{name}' names the base model (model: "

@@ -125,7 +125,7 @@ class TokenizeRequest(_Base):
         """Raises: APIError 400 (``param`` "prompt") unless exactly one input is given; 400
         naming a chat field sent with ``prompt``, or any field ferry does not know."""
         for name in self.model_extra or {}:
-            if name != "tools":
+            if name not in ("tools", "lora_path"):  # read from the extra fields
                 raise unrecognized(name)
         if (self.prompt is None) == (self.messages is None):
             raise bad_request("send exactly one of 'prompt' (a string) or 'messages'",

@@ -26,11 +26,14 @@ async def tokenize(serving, request: Request) -> Response:
         serving: the ``OpenAIServing`` (its body parsing, model check and engine client).
     Raises:
         APIError: 400 for a bad body (an unknown field included) or a chat template that
-            rejects the messages.
+            rejects the messages; 404 naming ``model`` or ``lora_path`` for an adapter that
+            is not loaded (``lora_choice.adapters_of_request``: one name, or a list of one).
     """
     tm: TokenizerManager = serving.tm
     req: TokenizeRequest = await serving.parse(TokenizeRequest, request)
-    serving.check_model(req.model)
+    # the adapter (``model`` or SGLang's ``lora_path``) is checked as the generation routes
+    # check it; a LoRA adapter has no tokenizer of its own, so the tokens are the base's
+    serving.request_loras(req)
     if req.messages is not None:
         tools = plan_tools(req, getattr(tm.chat.tokenizer, "chat_template", None))
         ids = await chat_prompt(tm, req, tools)

@@ -64,6 +64,10 @@ def test_openai_routes_and_the_figures(server):
     reps = info["replicas"]
     assert [x["index"] for x in reps] == [0, 1] and all(x["alive"] for x in reps)
     assert len({x["engine_pid"] for x in reps}) == 2
+    # issue 41 item 5a: the top-level pids are every replica's, not replica 0's
+    assert info["engine_pid"] == [x["engine_pid"] for x in reps]
+    assert info["detokenizer_pid"] == [x["detokenizer_pid"] for x in reps]
+    assert all(x["kv_total_tokens"] > 0 and "tensor_parallel" in x for x in reps)
     for key in ("kv_total_tokens", "num_running", "num_waiting"):
         assert info[key] == sum(x[key] for x in reps)
     metrics = httpx.get(server.url + "/metrics", timeout=10).text

@@ -11,6 +11,7 @@ adapter 404 naming ``model``, bad path 400 naming ``lora_path``, unknown body fi
 from __future__ import annotations
 
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -52,7 +53,7 @@ def test_lora_serving(setup, make_server):
     srv = make_server(["--model-path", str(root / "base"), "--device", "cpu", "--dtype",
                        "float32", "--served-model-name", "tiny", "--max-total-tokens", "2048",
                        "--lora-paths", f"a1={root / 'a1'}", "--max-lora-rank", "16",
-                       "--max-loras-per-batch", "2"])
+                       "--max-loras-per-batch", "2", "--max-loaded-loras", "3"])
     srv.start()
     models = httpx.get(srv.url + "/v1/models").json()["data"]
     assert [(m["id"], m.get("parent")) for m in models] == [("tiny", None), ("a1", "tiny")]
@@ -123,7 +124,61 @@ def test_lora_serving(setup, make_server):
     assert r.status_code == 200 and set(r.json()["loaded_adapters"]) == {"a1"}
     assert _complete(srv, "tiny:a2", PROMPTS[1]).status_code == 404
     assert [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]] == ["tiny", "a1"]
+    _check_tokenize_names_and_the_loaded_limit(srv, root)
     srv.stop()
+
+
+def _load(srv, name, path):
+    return httpx.post(srv.url + "/load_lora_adapter", timeout=srv.http_timeout,
+                      json={"lora_name": name, "lora_path": str(path)})
+
+
+def _check_tokenize_names_and_the_loaded_limit(srv, root):
+    """Issue 41 item 5: /v1/tokenize takes ``lora_path`` (and ``model``) as the generation
+    routes do, tokens unchanged; adapter names are bounded (length, characters); an
+    unloaded adapter that a running request still uses counts against --max-loaded-loras
+    (3 here; a1 is the only adapter loaded when this starts)."""
+    import threading
+
+    def tok(**kw):
+        return httpx.post(srv.url + "/v1/tokenize", json={"prompt": "hello", **kw})
+
+    base = tok().json()["tokens"]
+    for kw in ({"lora_path": "a1"}, {"lora_path": ["a1"]}, {"model": "tiny:a1"},
+               {"model": "a1", "lora_path": "a1"}):
+        r = tok(**kw)
+        assert r.status_code == 200 and r.json()["tokens"] == base, (kw, r.text)
+    r = tok(lora_path="nope")
+    assert r.status_code == 404 and r.json()["error"]["param"] == "lora_path", r.text
+    assert tok(model="a1", lora_path="a2").status_code == 404  # a2 is unloaded by now
+
+    for bad in ("x" * 257, "has space", "a/b", "caf\u00e9", "x:y"):
+        r = _load(srv, bad, root / "a2")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", (bad, r.text)
+    assert "257 characters" in _load(srv, "x" * 257, root / "a2").json()["error"]["message"]
+
+    # a1 held by running requests, then unloaded: still in memory, so a1 + b1 + b2 = 3
+    out = {}
+    long = threading.Thread(target=lambda: out.setdefault("r", httpx.post(
+        srv.url + "/v1/completions", timeout=srv.http_timeout, json={
+            "model": "a1", "prompt": PROMPTS[0], "max_tokens": 300, "n": 16,
+            "temperature": 1.0, "ignore_eos": True})))
+    long.start()
+    deadline = time.monotonic() + 60
+    while httpx.get(srv.url + "/server_info").json()["num_running"] == 0:
+        assert time.monotonic() < deadline and long.is_alive()
+        time.sleep(0.02)
+    assert httpx.post(srv.url + "/unload_lora_adapter", json={"lora_name": "a1"}).status_code == 200
+    assert _load(srv, "b1", root / "a1").status_code == 200
+    assert _load(srv, "b2", root / "a2").status_code == 200
+    r = _load(srv, "b3", root / "a2")
+    running = httpx.get(srv.url + "/server_info").json()["num_running"]
+    assert running > 0, "the requests on a1 ended too soon for this check"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", r.text
+    assert "still used by running requests" in r.json()["error"]["message"]
+    long.join()
+    assert out["r"].status_code == 200  # finished on a1 after its unload
+    assert _load(srv, "b3", root / "a2").status_code == 200  # a1 left with its requests
 
 
 def test_lora_under_data_parallel(setup, make_server):

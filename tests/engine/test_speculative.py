@@ -112,6 +112,8 @@ def test_rejection_sampling_emits_the_target_distribution(params, with_q):
     rate = float(target[draft]) if q is None else float(torch.minimum(target, q[0]).sum())
     assert abs(acc.float().mean() - rate) < 0.01
 
+    if q is None:
+        return  # point-mass drafts: the residual is implicit (the decode step's draw)
     # without the correction (a rejected position drawn from p itself) the test fails
     orig = acceptance.residual_logits
     try:
@@ -135,6 +137,29 @@ def test_seeded_acceptance_is_reproducible_and_batch_independent():
                       _info([other, sp, sp, sp], steps=[0, 5, 6, 7]),
                       torch.tensor([3, 1, 2, -1]))
     assert torch.equal(c[0][1:], a[0]) and torch.equal(c[1][1:], a[1])
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.9, seed=5),
+                                    SamplingParams(temperature=1.2, top_p=0.9, seed=6),
+                                    SamplingParams(temperature=0.7, top_k=4)])
+def test_point_mass_verify_emits_the_decode_steps_token(params):
+    """Issue 41 item 3: at every position a verify row's token (the draft when accepted,
+    else the emitted one) is the token ``sample`` draws for that position in a decode step,
+    whatever the draft; so a seeded request's output does not depend on whether (or with
+    which drafts) a step speculated."""
+    from engine.sampling.sampler import sample
+
+    n = 400
+    logits = torch.randn(n, V) * 2
+    steps = list(range(n))
+    for draft_of in (lambda t: t, lambda t: (t + 1) % V, lambda t: 3):
+        torch.manual_seed(0)  # the unseeded row draws the same global noise both times
+        want = sample(logits, _info([params] * n, steps=steps)).next_token_ids
+        drafts = torch.tensor([draft_of(int(t)) for t in want])
+        torch.manual_seed(0)
+        acc, emit = verify_drafts(logits, _info([params] * n, steps=steps), drafts)
+        assert torch.equal(torch.where(acc, drafts, emit), want)
+        assert torch.equal(acc, drafts == want)
 
 
 def test_acceptance_applies_min_tokens_penalties_and_bias():
@@ -319,6 +344,59 @@ def test_large_batches_decode_normally():
         assert len(sched.running) <= 2 or runner.verify_tokens == 0
     for r in reqs:
         assert r.output_ids == fake_expected(r.origin_input_ids, 8)
+
+
+class SampledFakeRunner(FakeRunner):
+    """``FakeRunner`` with a peaked distribution (the successor at logit 6 over 40 tokens:
+    p about 0.91 at temperature 1, so NGRAM drafts are taken and rejected) and a decode
+    step that keys seeded noise by the step, as the real runner does."""
+
+    def forward(self, batch, future_ids=None):
+        return super().forward(batch, future_ids) * 6.0
+
+    def sample(self, logits, reqs, eos_ids):
+        from engine.sampling.sampler import sample
+
+        out = sample(logits, SamplingBatchInfo.from_params(
+            [r.sampling_params for r in reqs], FV, "cpu",
+            steps=[len(r.output_ids) for r in reqs]))
+
+        class R:
+            ids_dev = out.next_token_ids
+
+            def host(self):
+                return out.next_token_ids.tolist(), None
+        return R()
+
+
+def _seeded_outputs(spec_args: dict, n_others: int) -> tuple[list[int], dict]:
+    runner = SampledFakeRunner(max_total_tokens=4000, max_running=32)
+    sched = Scheduler(ServerArgs(chunked_prefill_size=256, **spec_args), runner, eos_ids=[])
+    mine = Req("mine", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(
+        max_tokens=40, temperature=1.0, seed=1234, ignore_eos=True))
+    sched.add_request(mine)
+    for i in range(n_others):
+        sched.add_request(Req(f"o{i}", [i % FV, 5, i % FV, 5], SamplingParams(
+            max_tokens=4 + 2 * i, temperature=1.0, seed=i, ignore_eos=True)))
+    while sched.has_work():
+        sched.step()
+    return mine.output_ids, dict(sched.stats)
+
+
+def test_seeded_output_is_independent_of_speculation_and_load():
+    """Issue 41 item 3: a seeded sampled request's tokens alone with NGRAM, beside a dozen
+    others (past --speculative-max-batch-size, so those steps decode), and without
+    speculation, are the same."""
+    ngram = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4,
+             "speculative_max_batch_size": 8}
+    alone, st = _seeded_outputs(ngram, 0)
+    assert st["spec_verify_steps"] > 0 and 0 < st["spec_accepted_tokens"] \
+        < st["spec_proposed_tokens"]
+    busy, st_busy = _seeded_outputs(ngram, 12)
+    assert st_busy["spec_verify_steps"] > 0  # speculates again once the others thin out
+    plain, _ = _seeded_outputs({}, 0)
+    assert alone == busy == plain
+    assert len(set(alone)) > 3  # sampled, not the fake model's greedy cycle
 
 
 # ---- the real model (SmolLM2-135M, fp32, CPU) ---------------------------------------------

@@ -312,3 +312,18 @@ def test_speculative_chain_length_of_a_draft_model():
     assert num_draft_tokens(a.replace(speculative_num_steps=3,
                                       speculative_num_draft_tokens=4)) == 3
     assert num_draft_tokens(a.replace(speculative_num_draft_tokens=5)) == 5
+
+
+def test_serve_help_names_every_gguf_block_type_kept():
+    """Issue 41 item 5g: ``ferry serve --help`` names every GGUF type whose blocks ferry keeps
+    (``--quantization gguf``, ``--gguf-dequantize``); it omitted Q4_K."""
+    from engine.layers.quantization.gguf import BLOCK_TYPES
+    from server.cli import serve_parser
+
+    parser = serve_parser()
+    text = " ".join(parser.format_help().split())
+    for flag in ("--quantization", "--gguf-dequantize"):
+        (helped,) = [a.help for a in parser._actions if flag in a.option_strings]
+        assert " ".join(helped.split()) in text
+        for name, *_ in BLOCK_TYPES.values():
+            assert name in helped, (flag, name)

@@ -310,3 +310,56 @@ def test_adapter_names_that_do_not_name_the_base_model_pass():
     check_adapter_names(ServerArgs(served_model_name="tiny", lora_paths=["a1=/a", "/b/a2"]),
                         "tiny")
     check_adapter_names(ServerArgs(enable_lora=True), "SmolLM2-135M-Instruct")
+
+
+@pytest.mark.parametrize("item,says", [
+    ("x" * 257 + "=/adapters/x", "257 characters, more than 256"),
+    ("has space=/adapters/x", "must be 1 or more ASCII letters, digits"),
+    ("/adapters/caf\u00e9", "must be 1 or more"),  # named after its directory
+    ("a/b=/adapters/x", "must be 1 or more"),
+])
+def test_start_up_refuses_an_adapter_name_too_long_or_with_odd_characters(item, says, capsys,
+                                                                         monkeypatch):
+    """Issue 41 item 5d: adapter names are 1..256 of [A-Za-z0-9._-]; ``--lora-paths`` with
+    another is a usage error (exit 2) naming --lora-paths."""
+    import server.launch
+    from server.cli import serve
+
+    monkeypatch.setattr(server.launch, "launch_server", lambda args: 0)  # never start one
+    with pytest.raises(SystemExit) as ei:
+        serve(["--device", "cpu", "--lora-paths", item])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert "--lora-paths" in err and says in err and "Traceback" not in err
+    from engine.args import adapter_name_error
+
+    assert adapter_name_error("a" * 256) is None and adapter_name_error("v1.2_sql-x") is None
+
+
+@pytest.mark.parametrize("name", ["x" * 257, "has space", "a/b", "caf\u00e9", "x:y", "a\nb"])
+async def test_a_load_with_a_long_or_odd_name_is_a_400_naming_lora_name(app, name):
+    """Issue 41 item 5d: refused by the route, before the engine hears of it."""
+    r = await _post(app, "/load_lora_adapter", {"lora_name": name, "lora_path": "/adapters/x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", r.text
+    assert len(r.json()["error"]["message"]) < 300
+    assert not any(isinstance(m, io.LoadLoRAReq) for m in app[1].sent)
+
+
+async def test_tokenize_takes_lora_path_like_the_generation_routes(app, tok):
+    """Issue 41 item 5c: /v1/tokenize accepts ``lora_path`` (it was a 400 unknown field),
+    checks it as the generation routes do (an unknown adapter is a 404 naming it), and
+    gives the base model's tokens (an adapter has no tokenizer of its own)."""
+    base = (await _post(app, "/v1/tokenize", {"prompt": "hello world"})).json()["tokens"]
+    for extra in ({"lora_path": "a1"}, {"lora_path": ["a2"]}, {"model": "tiny:a1"},
+                  {"model": "a1", "lora_path": "a1"},
+                  {"messages": MESSAGES, "lora_path": "a1", "prompt": None}):
+        r = await _post(app, "/v1/tokenize", {"prompt": "hello world", **extra})
+        assert r.status_code == 200, (extra, r.text)
+        if "messages" not in extra:
+            assert r.json()["tokens"] == base
+    for extra, status, param in (({"lora_path": "nope"}, 404, "lora_path"),
+                                 ({"model": "nope"}, 404, "model"),
+                                 ({"lora_path": 5}, 400, "lora_path"),
+                                 ({"model": "a1", "lora_path": "a2"}, 400, "lora_path")):
+        r = await _post(app, "/v1/tokenize", {"prompt": "hello world", **extra})
+        assert (r.status_code, r.json()["error"]["param"]) == (status, param), (extra, r.text)

@@ -17,7 +17,7 @@ from test_api_conformance import stream_stops
 
 from engine.llm import final_text
 from engine.sampling.params import SamplingParams
-from engine.sampling.stops import compile_patterns
+from engine.sampling.stops import SEARCH_TIMEOUT_S, compile_patterns
 from server.http.errors import APIError
 from server.openai.protocol import ChatCompletionRequest, parse_request
 
@@ -36,10 +36,20 @@ def _run(tok, text: str, patterns: list[str]):
     return matched, deltas, tok.decode(ids), tok.decode(ids[:-1])
 
 
+def _settled_matches(p: str, text: str):
+    """Python ``re``'s matches of ``p`` in ``text`` that are settled (docs/usage.md): ending
+    inside the text, or still matching at their start with a letter, a space or a newline
+    after the text."""
+    for m in re.finditer(p, text):
+        if m.end() < len(text) or all(re.compile(p).match(text + c, m.start())
+                                      for c in ("a", " ", "\n")):
+            yield m
+
+
 def _reference(text: str, patterns: list[str]):
-    """The earliest match over the patterns in ``text`` by Python's ``re``: (start,
-    pattern) or None."""
-    hits = [(m.start(), p) for p in patterns if (m := re.search(p, text))]
+    """The earliest settled match over the patterns in ``text`` by Python's ``re``:
+    (start, pattern) or None."""
+    hits = [(m.start(), p) for p in patterns for m in list(_settled_matches(p, text))[:1]]
     return min(hits, key=lambda h: h[0]) if hits else None
 
 
@@ -74,7 +84,7 @@ def test_fuzz_against_python_re(tok):
             assert ref is None and out == gen, (text, patterns)
             continue
         assert ref is not None and out == gen[:ref[0]], (text, patterns, out)
-        assert re.search(matched, gen).start() == ref[0]
+        assert next(_settled_matches(matched, gen)).start() == ref[0]
         # the engine stopped on the first token whose text completes a match
         assert _reference(before, patterns) is None, (text, patterns)
 
@@ -141,3 +151,55 @@ def test_a_pattern_whose_search_times_out_is_dropped_for_the_request():
     assert first_match(compiled, text, 0, partial=True) == (len(text) - 1, None)
     assert [p for p, _ in compiled] == ["KA"]  # dropped; the other pattern still runs
     assert first_match(compiled, text + "A", 0, partial=False) == (59, "KA")
+
+
+@pytest.mark.parametrize("pattern", [r"END$", r"END\Z", r"\bEND\b", r"(?m)END$",
+                                     r"END(?= )"])
+def test_a_match_reaching_the_end_of_the_text_waits_until_it_is_settled(pattern):
+    """Issue 41 item 5e: the end of the text generated so far is not the end of the output,
+    so ``$``, ``\\Z``, ``\\b`` and lookaheads there do not stop it (they did, so whether
+    "END" stopped an output depended on where its tokens split): such a match is held
+    back (the stream waits before it), then settles or goes away. ``$`` matches before a
+    final newline too, so "END\\n" does not settle ``END$`` either."""
+    from engine.sampling.stops import first_match
+
+    text = "say END"
+    assert first_match(compile_patterns([pattern]), text, 0, partial=True) == (4, None)
+    assert first_match(compile_patterns([pattern]), text, 0, partial=False) == (len(text), None)
+    for more, stops in (("\n", pattern in (r"(?m)END$", r"\bEND\b")), ("ING", False),
+                        (" now", pattern not in (r"END$", r"END\Z", r"(?m)END$"))):
+        got = first_match(compile_patterns([pattern]), text + more, 0, partial=False)
+        assert got == ((4, pattern) if stops else (len(text + more), None)), (more, got)
+
+
+def test_end_anchors_through_the_engine_and_the_detokenizer(tok):
+    """``END$`` never stops an output (the text streams whole), ``(?m)END$`` stops at the
+    newline after END, ``\\bEND\\b`` only where END is a word: the engine and the
+    detokenizer agree."""
+    text = "we say END and ENDING then END\nlast"
+    matched, deltas, _, _ = _run(tok, text, [r"END$"])
+    assert matched is None and "".join(deltas) == text
+    matched, deltas, _, _ = _run(tok, text, [r"(?m)END$"])
+    assert matched == r"(?m)END$" and "".join(deltas) == "we say END and ENDING then "
+    matched, deltas, _, _ = _run(tok, "we say ENDING now", [r"\bEND\b"])
+    assert matched is None and "".join(deltas) == "we say ENDING now"
+
+
+def test_catastrophic_patterns_cost_a_request_little_time():
+    """Issue 41 item 5f: 16 catastrophic patterns cost a request one SEARCH_TIMEOUT_S each
+    before their first timeouts (0.8 s and more per process; about 3 s on a busy server,
+    the engine and the detokenizer both searching); the request's timeout budget bounds
+    them together, and its well-behaved pattern still stops it."""
+    import time
+
+    from engine.sampling.stops import REQUEST_TIMEOUT_BUDGET_S, SPENT_TIMEOUT_S, first_match
+
+    bad = [f"(K|K)+Z{c}" for c in "ABCDEFGHIJKLMNOP"]  # 2^n paths over a run of K
+    compiled = compile_patterns(bad + ["KA"])
+    text = "K" * 60 + "A"
+    t0 = time.perf_counter()
+    assert first_match(compiled, text, 0, partial=True) == (59, "KA")
+    spent = time.perf_counter() - t0
+    assert [p for p, _ in compiled] == ["KA"]
+    bound = REQUEST_TIMEOUT_BUDGET_S + SEARCH_TIMEOUT_S + len(bad) * SPENT_TIMEOUT_S
+    assert bound < 0.2 and spent < 0.6, spent  # 16 x SEARCH_TIMEOUT_S = 0.8 s before
