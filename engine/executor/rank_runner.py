@@ -78,7 +78,7 @@ class RankRunner:
 
     def _build(self, args: ServerArgs) -> None:
         """Load the weights, size the KV pool, build the attention backend and graphs."""
-        from engine.loader.loader import load_model
+        from engine.loader.loader import load_model, pooling_for_args
 
         self.args = args
         self.dtype = dev.resolve_dtype(args.dtype, self.device_type)
@@ -88,11 +88,13 @@ class RankRunner:
                                                                 self.device_type)
         torch.manual_seed(args.seed)
         t0 = time.perf_counter()
+        # pooling (embeddings, scores; engine/layers/pooler.py): None for a generation model
+        self.pooling = pooling_for_args(args)
         with expert_parallel(args.ep_size):   # MoE layers partition their experts (--ep-size)
             self.model, self.config = load_model(
                 model_path=args.model_path, load_format=args.load_format, dtype=self.dtype,
                 device=self.device, seed=args.seed, quantization=args.quantization,
-                gguf_dequantize=args.gguf_dequantize)
+                gguf_dequantize=args.gguf_dequantize, pooling=self.pooling)
         self.load_time = time.perf_counter() - t0
         if self.device_type == "cpu":
             if how := dev.tune_cpu_malloc():
@@ -157,6 +159,9 @@ class RankRunner:
             with contextlib.suppress(NotImplementedError, ValueError):
                 self.model.set_capture_hidden(
                     "aux" if args.speculative_algorithm == "EAGLE3" else "last")
+        if self.pooling is not None:  # pooling: prefill only, reading the eager hidden_out
+            graphs = False
+            self.model.set_capture_hidden("last")
         if graphs:
             from engine.executor.graph_setup import build_graphs
 
