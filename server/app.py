@@ -9,7 +9,10 @@ SGLang's routes its routers ask (``GET /get_server_info``, ``/model_info``,
 vLLM's small routes (``POST /invocations``, ``GET``/``POST /ping``, ``GET /version``,
 ``GET /load``: ``server/openai/vllm_routes.py``), the stored responses of the Responses API
 (``GET``/``DELETE /v1/responses/{id}``, ``.../input_items``, ``POST .../cancel``),
-``GET /openapi.json`` and ``GET /docs`` (``server/openapi/spec.py``). ``OPTIONS`` on a route
+``GET /openapi.json`` and ``GET /docs`` (``server/openapi/spec.py``), and the pooling
+routes of an embedding or scoring model (``POST /v1/embeddings``, ``/v1/rerank``, ``/rerank``,
+``/v1/score``: ``server/pooling/serving.py``; a pooling server refuses the generation routes
+and a generation server these, with a 400 naming the route). ``OPTIONS`` on a route
 answers 204 (CORS preflights included, ``server/http/cors.py``); every response carries
 ``X-Request-Id`` (``server/http/request_id.py``). Every handler is wrapped so an unexpected
 exception still answers an OpenAI-shaped error (and logs the traceback); unknown routes
@@ -50,6 +53,7 @@ from server.openai.vllm_routes import invocations as invoke
 from server.openai.vllm_routes import load_of as server_load
 from server.openai.vllm_routes import version as ferry_version
 from server.openapi.spec import ServerFacts, openapi_routes
+from server.pooling.serving import GENERATION_PATHS, PoolingServing, route_guard
 from server.replicas import replica_metrics, replica_status
 from server.responses.serving import ResponsesServing
 from server.tokenizer_manager import TokenizerManager
@@ -211,7 +215,11 @@ class ServerRoutes:
         return await lora.change_adapter(self.serving, request, "unload")
 
     async def model_info(self, request: Request) -> Response:
-        return JSONResponse(native.model_info(self.args, self.model_name))
+        info = native.model_info(self.args, self.model_name)
+        ready = self.tm.engine_ready
+        if ready is not None and ready.pooling:  # an embedding or scoring model
+            info["is_generation"] = False
+        return JSONResponse(info)
 
     # ---- health and load ----------------------------------------------------------------
     async def health(self, request: Request) -> Response:
@@ -330,10 +338,11 @@ SERVER_ROUTES = (
 )
 
 
-def responses_routes(responses: ResponsesServing) -> list[Route]:
+def responses_routes(responses: ResponsesServing, tm: TokenizerManager) -> list[Route]:
     """``/v1/responses`` and its stored responses' routes."""
+    create = route_guard(tm, "/v1/responses", responses.create)
     return [
-        Route("/v1/responses", endpoint(responses.create), methods=["POST"]),
+        Route("/v1/responses", endpoint(create), methods=["POST"]),
         Route("/v1/responses/{response_id}", endpoint(responses.retrieve), methods=["GET"]),
         Route("/v1/responses/{response_id}", endpoint(responses.delete), methods=["DELETE"]),
         Route("/v1/responses/{response_id}/input_items", endpoint(responses.input_items),
@@ -343,16 +352,32 @@ def responses_routes(responses: ResponsesServing) -> list[Route]:
     ]
 
 
-def route_table(server: ServerRoutes, responses: ResponsesServing) -> list[Route]:
+def pooling_routes(pooling: PoolingServing) -> list[Route]:
+    """``/v1/embeddings``, ``/v1/rerank`` (also ``/rerank``) and ``/v1/score``."""
+    rerank = endpoint(pooling.rerank)
+    return [Route("/v1/embeddings", endpoint(pooling.embeddings), methods=["POST"]),
+            Route("/v1/rerank", rerank, methods=["POST"]),
+            Route("/rerank", rerank, methods=["POST"]),
+            Route("/v1/score", endpoint(pooling.score), methods=["POST"])]
+
+
+def route_table(server: ServerRoutes, responses: ResponsesServing,
+                pooling: PoolingServing) -> list[Route]:
     """Every route of the app, each handler wrapped by ``endpoint`` (one wrapper per
-    handler, shared by its paths)."""
+    handler, shared by its paths; the generation routes' own, which refuse a pooling
+    model naming the route)."""
     wrapped: dict[str, Callable] = {}
-    for _, name, _ in SERVER_ROUTES:
-        wrapped.setdefault(name, endpoint(getattr(server, name)))
-    routes = [Route(path, wrapped[name], methods=methods)
+
+    def handler_of(path: str, name: str) -> Callable:
+        if path in GENERATION_PATHS:
+            return endpoint(route_guard(server.tm, path, getattr(server, name)))
+        return wrapped.setdefault(name, endpoint(getattr(server, name)))
+
+    routes = [Route(path, handler_of(path, name), methods=methods)
               for path, name, methods in SERVER_ROUTES]
-    routes[2:2] = responses_routes(responses)  # after chat completions, as listed before
-    return [*routes, *openapi_routes(server.model_name, server.facts, wrap=endpoint)]
+    routes[2:2] = responses_routes(responses, server.tm)  # after chat completions
+    return [*routes, *pooling_routes(pooling),
+            *openapi_routes(server.model_name, server.facts, wrap=endpoint)]
 
 
 # ---- error handlers and middleware ---------------------------------------------------------
@@ -401,7 +426,8 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
     serving = OpenAIServing(tm, args, model_name_of(args))
     responses = ResponsesServing(serving)  # its store lives here, for every replica
     server = ServerRoutes(tm, args, serving, children, responses)
-    app = Starlette(routes=route_table(server, responses), middleware=middleware_of(args),
+    app = Starlette(routes=route_table(server, responses, PoolingServing(serving)),
+                    middleware=middleware_of(args),
                     exception_handlers=EXCEPTION_HANDLERS)
     # no 307 to the path without its trailing slash (its Location would be built from the
     # client's Host header): "/v1/completions/" is an unknown route, a shaped 404

@@ -96,7 +96,8 @@ class EngineLoop:
             kv_cache_dtype=str(r.kv_dtype).replace("torch.", ""),
             model=self.args.model_path or "SmolLM2-135M-Instruct", tp_size=r.tp.size,
             lora_enabled=r.lora is not None, lora_adapters=self.lora_adapters(),
-            pooling=r.pooling.describe() if r.pooling is not None else {}))
+            pooling={} if r.pooling is None else dict(r.pooling.describe(),
+                                                      hidden_size=r.model_config.hidden_size)))
         last_stats = 0.0
         while True:
             msgs = self.pull.recv_nowait()
