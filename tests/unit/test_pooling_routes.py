@@ -137,3 +137,10 @@ async def test_each_server_refuses_the_other_kind_naming_the_route(pooling, path
     err = r.json()["error"]
     assert path in err["message"] and err["code"] == "route_not_supported"
     assert not engine.sent
+
+
+async def test_health_generate_runs_a_pooling_request_on_a_pooling_server():
+    c, engine = _client(EMBED)
+    r = await c.get("/health_generate")
+    assert r.status_code == 200, r.text
+    assert engine.sent[-1].pooling
