@@ -404,14 +404,12 @@ def load_model(model_path: str | None = None, load_format: str = "auto",
         head_blocks: list = []
         if keep_blocks:
             it = capture_head_blocks(it, model, head_blocks)
-        if pooling is not None:
-            it = route_weights(model, it)
+        it = route_weights(model, it) if pooling is not None else it  # a pooling checkpoint
         bar = tqdm(it, total=total, desc=f"loading {fmt}", disable=not progress or None)
         with torch.no_grad():
             loaded = model.load_weights(bar)
         missing = sorted(model.expected_weights() - loaded)
-        if pooling is not None:
-            missing = settle_missing(model, missing)
+        missing = settle_missing(model, missing) if pooling is not None else missing
         if missing:
             raise ValueError(f"the checkpoint lacks {len(missing)} weights: "
                              f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")

@@ -36,9 +36,13 @@ def score_prompt_ids(tokenizer, task: str, query: str, document: str,
     Raises:
         ValueError: another task (an embedder scores nothing).
     """
-    if task == "yes_no":
-        return list(tokenizer(yes_no_prompt(query, document, instruction),
-                              add_special_tokens=False)["input_ids"])
+    if task == "yes_no":  # the card's way: prefix, pair and suffix tokenized apart
+        def enc(text: str) -> list[int]:
+            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+        body = (f"<Instruct>: {instruction or DEFAULT_INSTRUCTION}\n<Query>: {query}\n"
+                f"<Document>: {document}")
+        return enc(YES_NO_PREFIX) + enc(body) + enc(YES_NO_SUFFIX)
     if task == "classify":
         return list(tokenizer(query, document)["input_ids"])
     raise ValueError(f"a {task!r} model does not score pairs")
