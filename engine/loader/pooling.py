@@ -28,6 +28,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from engine.layers.pooler import Pooler, PoolingSpec
+from engine.models import MODEL_REGISTRY
 
 logger = logging.getLogger(__name__)
 
@@ -44,13 +45,14 @@ def pooling_architecture(config) -> str | None:
 
 def as_causal(config):
     """``config`` with a pooling architecture renamed to its family's ``*ForCausalLM`` (the
-    class ferry builds), in place; other configs are returned as they are."""
+    class ferry builds), in place, when ferry serves that family; other configs are returned
+    as they are (an unsupported one is then refused under its own name)."""
     arch = pooling_architecture(config)
     if arch is not None:
-        for suffix in _SUFFIXES:
-            if arch.endswith(suffix):
-                config.architectures = [arch[: -len(suffix)] + "ForCausalLM"]
-                break
+        suffix = next(s for s in _SUFFIXES if arch.endswith(s))
+        causal = arch[: -len(suffix)] + "ForCausalLM"
+        if causal in MODEL_REGISTRY:
+            config.architectures = [causal]
     return config
 
 
