@@ -88,6 +88,14 @@ class PoolingServing:
         raise bad_request(f"POST {route} is not available: this server serves {what}; the "
                           f"route needs {need}", "model", "route_not_supported")
 
+    def check_body(self, req) -> None:
+        """The body's ``model`` (404 for an unknown one; 400 for a LoRA adapter: pooling runs
+        on the base model) and ``user`` (OpenAI's bound)."""
+        if self.serving.check_model(req.model) is not None:
+            raise bad_request("LoRA adapters are not served on the pooling routes: name the "
+                              "base model", "model")
+        check_fields({"user": req.user})
+
     async def run(self, base: str, prompts: list[list[int]], param: str) -> list[list[float]]:
         """Send one pooling request per prompt and return their answers in order.
 
@@ -121,8 +129,7 @@ class PoolingServing:
         spec = self.need(EMBED_TASKS, "/v1/embeddings")
         base = request_id_of(request, "embd")
         req: EmbeddingRequest = await self.serving.parse(EmbeddingRequest, request)
-        self.serving.check_model(req.model)
-        check_fields({"user": req.user})
+        self.check_body(req)
         if req.dimensions is not None:
             self._check_dimensions(spec, req.dimensions)
         prompts = []
@@ -179,8 +186,7 @@ class PoolingServing:
         spec = self.need(SCORE_TASKS, request.url.path)
         base = request_id_of(request, "rerank")
         req: RerankRequest = await self.serving.parse(RerankRequest, request)
-        self.serving.check_model(req.model)
-        check_fields({"user": req.user})
+        self.check_body(req)
         docs = req.texts()
         scores, n_tokens = await self._scores(base, spec, [(req.query, d) for d in docs],
                                               req.instruction, "documents")
@@ -203,8 +209,7 @@ class PoolingServing:
         spec = self.need(SCORE_TASKS, "/v1/score")
         base = request_id_of(request, "score")
         req: ScoreRequest = await self.serving.parse(ScoreRequest, request)
-        self.serving.check_model(req.model)
-        check_fields({"user": req.user})
+        self.check_body(req)
         try:
             pairs = req.pairs()
         except ValueError as e:

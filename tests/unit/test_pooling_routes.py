@@ -144,3 +144,12 @@ async def test_health_generate_runs_a_pooling_request_on_a_pooling_server():
     r = await c.get("/health_generate")
     assert r.status_code == 200, r.text
     assert engine.sent[-1].pooling
+
+
+async def test_model_names_the_base_model():
+    c, engine = _client(EMBED)
+    r = await c.post("/v1/embeddings", json={"input": "x", "model": "nope"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    engine.tm.lora_adapters = {"sql": "/adapters/sql"}
+    r = await c.post("/v1/embeddings", json={"input": "x", "model": "sql"})
+    assert r.status_code == 400 and "LoRA" in r.json()["error"]["message"]
