@@ -54,7 +54,9 @@ def test_last_token_embeddings_match_hf_batched_alone_and_token_ids(embedder):
     path, hf = embedder
     llm = LLM(str(path), **ARGS)
     assert llm.runner.pooling.task == "embed" and llm.runner.pooling.pooling == "last"
+    steps = llm.scheduler.stats["steps"]
     batched = llm.embed(TEXTS)
+    assert llm.scheduler.stats["steps"] == steps + 1  # one prefill step, no decode step
     for text, vec in zip(TEXTS, batched):
         ref = _hf_pool(hf, llm.tokenizer, text, "last", True)
         assert len(vec) == 64 and _cos(vec, ref) >= 0.9999
