@@ -61,12 +61,12 @@ class Scheduler:
         self.req_pool = runner.req_to_token_pool
         self.kv_pool = runner.kv_pool
         self.page_size = self.kv_pool.page_size
-        # KV pages, req_to_token rows and the radix prefix cache (engine/kv/manager.py)
         # a pooling engine (embeddings, scores) answers at the end of each prefill; the radix
         # cache stays on when the answer reads the last token only (a shared prefix, such as
         # a reranker's template and query, is computed once), off for mean and CLS pooling
         # (a cached prefix would hide the rows they read)
         self.pooling = getattr(runner, "pooling", None)
+        # KV pages, req_to_token rows and the radix prefix cache (engine/kv/manager.py)
         self.kv = KVCacheManager(self.kv_pool, self.req_pool,
                                  disable_cache=getattr(args, "disable_radix_cache", False) or (
                                      self.pooling is not None and self.pooling.needs_every_row))
