@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 
 from engine.sampling.params import SamplingParams
 from engine.tokenizer.score_prompts import score_prompt_ids
-from server.http.errors import APIError, bad_request
+from server.http.errors import APIError, bad_request, unavailable
 from server.http.request_id import request_id_of
 from server.openai.field_limits import check_fields
 from server.pipeline.job import check_fan_out
@@ -101,8 +101,8 @@ class PoolingServing:
 
         Raises:
             APIError: 400 for a prompt outside the vocabulary or the context (naming
-                ``param``), too many prompts for the server, 503 (queue full, engine gone),
-                500 when the engine failed a request.
+                ``param``), too many prompts for the server, 503 (queue full, engine gone,
+                shutting down), 500 when the engine failed a request.
         """
         check_fan_out(self.tm, len(prompts), 1)
         for i, ids in enumerate(prompts):
@@ -111,8 +111,10 @@ class PoolingServing:
         answers: list[list[float] | None] = [None] * len(prompts)
         async for out in self.tm.generate(reqs, stream=False, arrival=time.monotonic(),
                                           pooling=True):
-            if out.pooled is None:
+            if out.pooled is None:  # aborted: the server stopping, or the engine failed it
                 message = (out.finish_reason or {}).get("message") or "aborted"
+                if self.tm.shutting_down or self.tm.dead is not None:
+                    raise unavailable(f"the request was not finished: {message}")
                 raise APIError(f"the engine did not finish the request: {message}", 500)
             answers[out.index] = out.pooled
         return answers
