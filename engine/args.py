@@ -57,6 +57,19 @@ class ServerArgs:
     served_model_name: str | None = _f(None, "model name reported by /v1/models")
     load_format: str = _f("auto", "how to load weights", ("auto", "safetensors", "gguf", "dummy"))
     seed: int = _f(0, "seed for dummy weights and for unseeded sampling")
+    # pooling models (engine/layers/pooler.py): prefill only, a vector or a score per prompt
+    is_embedding: bool = _f(False, "serve the model for pooling, not generation: "
+                                   "/v1/embeddings for an embedder, /v1/rerank and /v1/score "
+                                   "for a *ForSequenceClassification cross-encoder (detected "
+                                   "without the flag from a *Model or "
+                                   "*ForSequenceClassification architecture, or a "
+                                   "sentence-transformers modules.json)")
+    yes_no_reranker: bool = _f(False, "serve a causal LM as a Qwen3-Reranker-style reranker: "
+                                      "score = P(yes) over {no, yes} at the last token of the "
+                                      "model's yes/no prompt (/v1/rerank, /v1/score)")
+    enable_matryoshka: bool = _f(False, "the embedder allows /v1/embeddings' dimensions "
+                                        "(Matryoshka truncation; also read from config.json's "
+                                        "is_matryoshka or matryoshka_dimensions)")
     context_length: int | None = _f(None, "override the model's max context length (tokens)",
                                     ge=1)
     # device

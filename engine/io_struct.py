@@ -30,6 +30,9 @@ class TokenizedGenerateReq(_Msg):
     stream: bool = False
     arrival_time: float = 0.0  # time.time() when the HTTP request arrived (0: unknown)
     lora_name: str | None = None  # the LoRA adapter it runs on (None: the base model)
+    # a pooling request (an embedding or a score, to a pooling engine): prefill only,
+    # answered with ``PooledOut`` instead of tokens
+    pooling: bool = False
 
 
 class AbortReq(_Msg):
@@ -119,6 +122,18 @@ class BatchStrOut(_Msg):
     queue_time_s: list[float] = []  # as in BatchTokenIdOut
 
 
+class PooledOut(_Msg):
+    """Answers of pooling requests, engine -> server (no detokenizer). One entry per rid:
+    ``outputs[i]`` float32 values as floats (an embedding ``[hidden]``, or ``[score]``),
+    ``prompt_tokens[i]`` its prompt's length, ``cached_tokens[i]`` the prompt tokens found in
+    the prefix cache (-1: the cache is off)."""
+
+    rids: list[str]
+    outputs: list[list[float]]
+    prompt_tokens: list[int]
+    cached_tokens: list[int] = []
+
+
 class ReadyOut(_Msg):
     """Sent once by each child after start-up, before the server listens."""
 
@@ -136,6 +151,9 @@ class ReadyOut(_Msg):
     # ones (name -> path)
     lora_enabled: bool = False
     lora_adapters: dict[str, str] = {}
+    # a pooling engine's ``PoolingSpec.describe()`` ({"task", "pooling", "normalize",
+    # "matryoshka", "matryoshka_dims", "num_labels"}); {} for a generation engine
+    pooling: dict = {}
 
 
 class ErrorOut(_Msg):
@@ -204,5 +222,5 @@ EngineReq = (TokenizedGenerateReq | AbortReq | GetServerInfoReq | FlushCacheReq 
              | UnloadLoRAReq)
 DetokReq = BatchTokenIdOut
 ServerBound = (BatchStrOut | ReadyOut | ErrorOut | ServerInfoOut | StatsOut | FlushCacheOut
-               | LoRAOut)
+               | LoRAOut | PooledOut)
 AnyMsg = EngineReq | BatchTokenIdOut | ServerBound

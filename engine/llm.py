@@ -14,7 +14,8 @@ from engine.args import ServerArgs
 from engine.sampling.params import SamplingParams
 from engine.sampling.stops import compile_patterns, first_match
 from engine.scheduler.request import Req
-from engine.validation import RequestError, validate_request
+from engine.tokenizer.score_prompts import score_prompt_ids
+from engine.validation import RequestError, pooling_mismatch, validate_request
 
 
 @dataclass
@@ -134,6 +135,8 @@ class LLM:
                 leaves no room for one token in the context (``context_length_exceeded``),
                 out-of-range sampling settings, or a text prompt without a tokenizer.
         """
+        if error := pooling_mismatch(self.runner.pooling, False):
+            raise RequestError(error, "prompt")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         sps = sampling_params if isinstance(sampling_params, list) else (
@@ -181,3 +184,85 @@ class LLM:
                 r.prompt_logprobs,
                 r.cached_tokens if self.scheduler.kv.enabled else None))
         return results
+
+    # ---- pooling models (embeddings, scores) ---------------------------------------------
+    def embed(self, prompts) -> list[list[float]]:
+        """The embedding of each prompt (a string or a list of token ids), in input order.
+
+        Returns:
+            per prompt, float32 values as floats (``[hidden]``; L2-normalised when the model
+            says so: see ``engine/layers/pooler.py``).
+        Raises:
+            ValueError: (``RequestError``) a generation or scoring model, an empty prompt,
+                a token id outside the vocabulary, a prompt beyond the context.
+        """
+        if self._task() != "embed":
+            raise RequestError("this engine serves no embedding model (serve one, or pass "
+                               "is_embedding=True)", "input")
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._pool([self._ids_of(p) for p in prompts])
+
+    def score(self, text_1: str | list[str], text_2: str | list[str],
+              instruction: str | None = None) -> list[float]:
+        """Relevance scores of pairs (vLLM's ``/v1/score``): one ``text_1`` against each
+        ``text_2``, or the two lists pairwise.
+
+        A cross-encoder's score is ``sigmoid(logit)`` of its one label; a yes/no reranker's
+        P(yes) over its prompt (``engine/tokenizer/score_prompts.py``, with ``instruction``).
+
+        Raises:
+            ValueError: (``RequestError``) not a scoring model, lists of unequal lengths,
+                no tokenizer, a pair beyond the context.
+        """
+        task = self._task()
+        if task not in ("classify", "yes_no"):
+            raise RequestError("this engine serves no scoring model (a "
+                               "*ForSequenceClassification cross-encoder, or a causal LM with "
+                               "yes_no_reranker=True)", "text_1")
+        if self.tokenizer is None:
+            raise RequestError("scoring text needs the model's tokenizer", "text_1")
+        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+        seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        if len(firsts) != len(seconds):
+            raise RequestError(f"text_1 has {len(firsts)} entries and text_2 {len(seconds)}: "
+                               "give one text_1, or as many as text_2", "text_1")
+        ids = [score_prompt_ids(self.tokenizer, task, a, b, instruction)
+               for a, b in zip(firsts, seconds)]
+        return [a[0] for a in self._pool(ids)]
+
+    def _task(self) -> str | None:
+        """The pooling task (``embed``, ``classify``, ``yes_no``; None: generation)."""
+        return None if self.runner.pooling is None else self.runner.pooling.task
+
+    def _ids_of(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this engine has no tokenizer; send token ids", "input")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def _pool(self, prompts: list[list[int]]) -> list[list[float]]:
+        """Run pooling requests (prefill only) and return their answers in order."""
+        reqs = []
+        for ids in prompts:  # check all before the scheduler sees any
+            validate_request(ids, _POOL_PARAMS, self.vocab_size, self.runner.max_context_len)
+            req = Req(f"offline-{next(self._ids)}", ids, _POOL_PARAMS, False, 1)
+            req.pooling = True
+            reqs.append(req)
+        for req in reqs:
+            self.scheduler.add_request(req)
+        answers: dict[str, list[float]] = {}
+        while len(answers) < len(reqs):
+            for o in self.scheduler.step():
+                if o.finished_reason is not None:
+                    if o.pooled is None:
+                        raise RuntimeError(f"pooling request failed: {o.finished_reason}")
+                    answers[o.req.rid] = o.pooled
+        return [answers[r.rid] for r in reqs]
+
+
+#: a pooling request's sampling settings: its one "token" is the answer
+_POOL_PARAMS = SamplingParams(max_tokens=1)

@@ -135,3 +135,19 @@ def validate_request(input_ids: Sequence[int], sampling_params: SamplingParams,
         raise RequestError(context_length_message(ctx, n, sp.min_tokens, "as min_tokens"),
                            "min_tokens", CONTEXT_LENGTH_EXCEEDED)
     return room if max_tokens is None else max_tokens
+
+
+def pooling_mismatch(engine_pooling, pooling: bool) -> str | None:
+    """The error for a request the engine's kind does not serve, else None.
+
+    Args:
+        engine_pooling: the engine's ``PoolingSpec`` (None: a generation engine).
+        pooling: the request is a pooling one (an embedding or a score).
+    """
+    if engine_pooling is not None and not pooling:
+        return ("this engine serves a pooling model (embeddings or scores): it does not "
+                "generate text")
+    if engine_pooling is None and pooling:
+        return ("this engine serves a generation model: it has no embeddings or scores "
+                "(serve an embedding model, or pass --is-embedding)")
+    return None

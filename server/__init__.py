@@ -9,6 +9,8 @@
   events, its error shape.
 - ``responses/``: ``/v1/responses``: its request model, its conversion to a chat request,
   its ``response`` object and events, the stored responses.
+- ``pooling/``: ``/v1/embeddings``, ``/v1/rerank`` (``/rerank``) and ``/v1/score`` of a
+  pooling model (embedder, cross-encoder, yes/no reranker).
 - ``openai/``: ``/v1/chat/completions``, ``/v1/completions``, tokenize/detokenize.
 - ``pipeline/``: the one chat pipeline of every family, ``prepare -> ChatJob -> answer``
   (each family brings its request model, renderer and writer).

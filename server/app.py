@@ -11,7 +11,10 @@ vLLM's small routes (``POST /invocations``, ``GET``/``POST /ping``, ``GET /versi
 (``GET``/``DELETE /v1/responses/{id}``, ``.../input_items``, ``POST .../cancel``),
 Anthropic's ``POST /v1/messages`` and ``/v1/messages/count_tokens``
 (``server/anthropic/``, with Anthropic-shaped errors, its 401, 404 and 405 included),
-``GET /openapi.json`` and ``GET /docs`` (``server/openapi/spec.py``). ``OPTIONS`` on a route
+``GET /openapi.json`` and ``GET /docs`` (``server/openapi/spec.py``), and the pooling
+routes of an embedding or scoring model (``POST /v1/embeddings``, ``/v1/rerank``, ``/rerank``,
+``/v1/score``: ``server/pooling/serving.py``; a pooling server refuses the generation routes
+and a generation server these, with a 400 naming the route). ``OPTIONS`` on a route
 answers 204 (CORS preflights included, ``server/http/cors.py``); every response carries
 ``X-Request-Id`` (``server/http/request_id.py``). Every handler is wrapped so an unexpected
 exception still answers an OpenAI-shaped error (and logs the traceback); unknown routes
@@ -54,6 +57,7 @@ from server.openai.vllm_routes import invocations as invoke
 from server.openai.vllm_routes import load_of as server_load
 from server.openai.vllm_routes import version as ferry_version
 from server.openapi.spec import ServerFacts, openapi_routes
+from server.pooling.serving import GENERATION_PATHS, PoolingServing, route_guard
 from server.replicas import replica_metrics, replica_pids, replica_status
 from server.responses.serving import ResponsesServing
 from server.tokenizer_manager import TokenizerManager
@@ -229,7 +233,11 @@ class ServerRoutes:
         return await lora.change_adapter(self.serving, request, "unload")
 
     async def model_info(self, request: Request) -> Response:
-        return JSONResponse(native.model_info(self.args, self.model_name))
+        info = native.model_info(self.args, self.model_name)
+        ready = self.tm.engine_ready
+        if ready is not None and ready.pooling:  # an embedding or scoring model
+            info["is_generation"] = False
+        return JSONResponse(info)
 
     # ---- health and load ----------------------------------------------------------------
     async def health(self, request: Request) -> Response:
@@ -349,10 +357,11 @@ SERVER_ROUTES = (
 )
 
 
-def responses_routes(responses: ResponsesServing) -> list[Route]:
+def responses_routes(responses: ResponsesServing, tm: TokenizerManager) -> list[Route]:
     """``/v1/responses`` and its stored responses' routes."""
+    create = route_guard(tm, "/v1/responses", responses.create)
     return [
-        Route("/v1/responses", endpoint(responses.create), methods=["POST"]),
+        Route("/v1/responses", endpoint(create), methods=["POST"]),
         Route("/v1/responses/{response_id}", endpoint(responses.retrieve), methods=["GET"]),
         Route("/v1/responses/{response_id}", endpoint(responses.delete), methods=["DELETE"]),
         Route("/v1/responses/{response_id}/input_items", endpoint(responses.input_items),
@@ -362,27 +371,44 @@ def responses_routes(responses: ResponsesServing) -> list[Route]:
     ]
 
 
-def messages_routes(messages: MessagesServing) -> list[Route]:
+def messages_routes(messages: MessagesServing, tm: TokenizerManager) -> list[Route]:
     """Anthropic's ``/v1/messages`` and ``/v1/messages/count_tokens`` (Anthropic-shaped
     errors: ``messages_endpoint``)."""
-    return [Route("/v1/messages", messages_endpoint(messages.create), methods=["POST"]),
+    create = route_guard(tm, "/v1/messages", messages.create)
+    return [Route("/v1/messages", messages_endpoint(create), methods=["POST"]),
             Route("/v1/messages/count_tokens", messages_endpoint(messages.count_tokens),
                   methods=["POST"])]
 
 
+def pooling_routes(pooling: PoolingServing) -> list[Route]:
+    """``/v1/embeddings``, ``/v1/rerank`` (also ``/rerank``) and ``/v1/score``."""
+    rerank = endpoint(pooling.rerank)
+    return [Route("/v1/embeddings", endpoint(pooling.embeddings), methods=["POST"]),
+            Route("/v1/rerank", rerank, methods=["POST"]),
+            Route("/rerank", rerank, methods=["POST"]),
+            Route("/v1/score", endpoint(pooling.score), methods=["POST"])]
+
+
 def route_table(server: ServerRoutes, responses: ResponsesServing,
+                pooling: PoolingServing | None = None,
                 messages: MessagesServing | None = None) -> list[Route]:
     """Every route of the app, each handler wrapped by ``endpoint`` (one wrapper per
-    handler, shared by its paths; the Messages routes by ``messages_endpoint``)."""
+    handler, shared by its paths; the generation routes' own, which refuse a pooling
+    model naming the route; the Messages routes by ``messages_endpoint``)."""
     wrapped: dict[str, Callable] = {}
-    for _, name, _ in SERVER_ROUTES:
-        wrapped.setdefault(name, endpoint(getattr(server, name)))
-    routes = [Route(path, wrapped[name], methods=methods)
+
+    def handler_of(path: str, name: str) -> Callable:
+        if path in GENERATION_PATHS:
+            return endpoint(route_guard(server.tm, path, getattr(server, name)))
+        return wrapped.setdefault(name, endpoint(getattr(server, name)))
+
+    routes = [Route(path, handler_of(path, name), methods=methods)
               for path, name, methods in SERVER_ROUTES]
     # after chat completions, as listed before
-    routes[2:2] = responses_routes(responses) + messages_routes(
-        messages or MessagesServing(server.serving))
-    return [*routes, *openapi_routes(server.model_name, server.facts, wrap=endpoint)]
+    routes[2:2] = responses_routes(responses, server.tm) + messages_routes(
+        messages or MessagesServing(server.serving), server.tm)
+    return [*routes, *pooling_routes(pooling or PoolingServing(server.serving)),
+            *openapi_routes(server.model_name, server.facts, wrap=endpoint)]
 
 
 # ---- error handlers and middleware ---------------------------------------------------------
@@ -432,7 +458,8 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
     serving = OpenAIServing(tm, args, model_name_of(args))
     responses = ResponsesServing(serving)  # its store lives here, for every replica
     server = ServerRoutes(tm, args, serving, children, responses)
-    app = Starlette(routes=route_table(server, responses, MessagesServing(serving)),
+    app = Starlette(routes=route_table(server, responses, PoolingServing(serving),
+                                       MessagesServing(serving)),
                     middleware=middleware_of(args),
                     exception_handlers=EXCEPTION_HANDLERS)
     # no 307 to the path without its trailing slash (its Location would be built from the

@@ -88,6 +88,7 @@ Start ferry's OpenAI-compatible server. Routes (docs/usage.md#endpoints):
   GET  /v1/responses/{response_id}, /v1/responses/{response_id}/input_items
   DELETE /v1/responses/{response_id}; POST /v1/responses/{response_id}/cancel
   POST /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API)
+  POST /v1/embeddings, /v1/rerank, /rerank, /v1/score (embedding and scoring models)
   POST /v1/tokenize, /v1/detokenize (also /tokenize, /detokenize)
   GET  /v1/models, /v1/models/{model_id}
   GET  /health, /server_info, /metrics

@@ -105,8 +105,22 @@ def passive_openmp_env() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+class _StderrHandler(logging.StreamHandler):
+    """A handler that writes to whatever ``sys.stderr`` is at each record (not the stream
+    that was current when logging was set up: one replaced and closed since, as pytest's
+    capture does, would make every later record a "Logging error")."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ assigns it
+        pass
+
+
 def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr, force=True,
+    logging.basicConfig(level=level.upper(), handlers=[_StderrHandler()], force=True,
                         format="%(asctime)s %(levelname)s [server] %(message)s")
     # one start-up line is ours; uvicorn's chatter only at debug
     quiet = logging.DEBUG if level == "debug" else logging.WARNING

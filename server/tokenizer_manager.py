@@ -66,6 +66,7 @@ class ReqOutput:
     logprobs: list | None = None
     prompt_logprobs: list | None = None
     cached_tokens: int = -1
+    pooled: list[float] | None = None  # a pooling request's answer (PooledOut)
 
 
 @dataclass
@@ -197,6 +198,8 @@ class TokenizerManager:
     def _dispatch(self, msg, replica: int = 0) -> None:
         if isinstance(msg, io.BatchStrOut):
             self._on_outputs(msg)
+        elif isinstance(msg, io.PooledOut):
+            self._on_pooled(msg)
         elif isinstance(msg, io.ErrorOut):
             st = self.states.pop(msg.rid, None)
             if st is not None:
@@ -253,6 +256,25 @@ class TokenizerManager:
                 del self.states[rid]
                 self.router.release(rid)
                 self._record_finish(rid, st, str(fin.get("type", "stop")))
+
+    def _on_pooled(self, b: io.PooledOut) -> None:
+        """Pooling answers: each ends its request (finish ``stop``, no tokens)."""
+        now = time.monotonic()
+        for i, rid in enumerate(b.rids):
+            st = self.states.pop(rid, None)
+            if st is None:  # aborted or failed already
+                self.retired.pop(rid, None)
+                continue
+            st.t_first = st.t_last = now
+            st.prompt_tokens = b.prompt_tokens[i]
+            if i < len(b.cached_tokens):
+                st.cached_tokens = b.cached_tokens[i]
+            fin = {"type": "stop", "matched": None, "message": None}
+            st.queue.put_nowait(ReqOutput(st.index, "", [], fin, st.prompt_tokens, 0,
+                                          cached_tokens=st.cached_tokens,
+                                          pooled=b.outputs[i]))
+            self.router.release(rid)
+            self._record_finish(rid, st, "stop")
 
     def _on_engine_stats(self, msg, replica: int) -> None:
         msg = self.router.gauge_stats(msg, replica)
@@ -333,7 +355,8 @@ class TokenizerManager:
                        arrival: float | None = None,
                        registered: list[str] | None = None,
                        lora: str | list[str | None] | None = None,
-                       lora_param: list[str | None] | None = None) -> AsyncIterator[ReqOutput]:
+                       lora_param: list[str | None] | None = None,
+                       pooling: bool = False) -> AsyncIterator[ReqOutput]:
         """Send engine requests and yield their outputs as they come.
 
         Args:
@@ -348,6 +371,8 @@ class TokenizerManager:
             lora_param: per entry of ``reqs``, the body field that named its adapter
                 (``lora_choice.lora_fields``; None: ``model``): the engine's 404 for an
                 adapter unloaded meanwhile names it.
+            pooling: pooling requests (embeddings, scores; ``server/pooling/``): each
+                output carries its answer in ``pooled``.
         Yields:
             ``ReqOutput`` until every request has finished.
         Raises:
@@ -372,7 +397,8 @@ class TokenizerManager:
             for rid, (_, ids, sp), name in zip(unique, reqs, loras):
                 self.router.push_for(rid, ids).send(io.TokenizedGenerateReq(rid=rid, input_ids=ids,
                                                        sampling_params=sp, stream=stream,
-                                                       arrival_time=now, lora_name=name))
+                                                       arrival_time=now, lora_name=name,
+                                                       pooling=pooling))
             remaining = len(reqs)
             while remaining:
                 item = await queue.get()

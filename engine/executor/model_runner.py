@@ -15,6 +15,7 @@ import atexit
 
 from engine import distributed as tpd
 from engine.args import ServerArgs
+from engine.executor.pooling import pool_step
 from engine.executor.rank_runner import RankRunner
 from engine.executor.tp_messages import StopMsg
 from engine.executor.tp_worker import (
@@ -38,6 +39,10 @@ class ModelRunner(RankRunner):
         self.tp_workers: list = []
         self._tp_watch = None
         super().__init__(args, tp_rank)
+
+    def pool(self, batch, logits) -> list[tuple[object, list]]:
+        """A pooling engine's step answers (:func:`engine.executor.pooling.pool_step`)."""
+        return pool_step(self.model, batch, logits)
 
     # ---- the workers' processes ---------------------------------------------------------
     def _start_workers(self, args: ServerArgs, ranks: list[int]) -> None:

@@ -104,9 +104,10 @@ def build_meta_model(args: ServerArgs, device_type: str):
         the engine's own load then reports it).
     Raises:
         ValueError: the config or the flags refused (unsupported architecture, MoE with a
-            quantization, a format mismatch...), as one line.
+            quantization, a format mismatch, ``--yes-no-reranker`` on a cross-encoder...),
+            as one line.
     """
-    from engine.loader.loader import load_model
+    from engine.loader.loader import load_model, pooling_for_args
 
     if args.dtype == "auto":  # the run dtype's width; the engine resolves (and logs) it
         dtype = torch.float32 if device_type == "cpu" else torch.bfloat16
@@ -115,7 +116,8 @@ def build_meta_model(args: ServerArgs, device_type: str):
     try:
         model, _ = load_model(args.model_path, args.load_format, dtype=dtype, device="meta",
                               seed=args.seed, progress=False, quantization=args.quantization,
-                              gguf_dequantize=args.gguf_dequantize)
+                              gguf_dequantize=args.gguf_dequantize,
+                              pooling=pooling_for_args(args))  # pooling flags refused here
     except (ValueError, OSError) as e:
         raise ValueError(one_line(str(e)) or type(e).__name__) from None
     except Exception as e:  # noqa: BLE001 - not a refusal: the engine's load has the last word

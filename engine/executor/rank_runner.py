@@ -105,15 +105,17 @@ class RankRunner:
     def _load_weights(self, args: ServerArgs) -> None:
         """Seed, load the model (``self.model``, ``self.config``, ``self.load_time``) and
         pick its kernels (on the CPU, prepack its linear weights first)."""
-        from engine.loader.loader import load_model
+        from engine.loader.loader import load_model, pooling_for_args
 
         torch.manual_seed(args.seed)
         t0 = time.perf_counter()
+        # pooling (embeddings, scores; engine/layers/pooler.py): None for a generation model
+        self.pooling = pooling_for_args(args)
         with expert_parallel(args.ep_size):   # MoE layers partition their experts (--ep-size)
             self.model, self.config = load_model(
                 model_path=args.model_path, load_format=args.load_format, dtype=self.dtype,
                 device=self.device, seed=args.seed, quantization=args.quantization,
-                gguf_dequantize=args.gguf_dequantize)
+                gguf_dequantize=args.gguf_dequantize, pooling=self.pooling)
         self.load_time = time.perf_counter() - t0
         if self.device_type == "cpu":
             if how := dev.tune_cpu_malloc():
@@ -169,6 +171,9 @@ class RankRunner:
             with contextlib.suppress(NotImplementedError, ValueError):
                 self.model.set_capture_hidden(
                     "aux" if args.speculative_algorithm == "EAGLE3" else "last")
+        if self.pooling is not None:  # pooling: prefill only, reading the eager hidden_out
+            graphs = False
+            self.model.set_capture_hidden("last")
         if graphs:
             from engine.executor.graph_setup import build_graphs
 

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from engine.executor.schedule_batch import ScheduleBatch
     from engine.kv.pool import KVPool, ReqToTokenPool
+    from engine.layers.pooler import PoolingSpec
     from engine.lora.manager import LoRAManager
 
 
@@ -53,6 +54,9 @@ class StepRunner(Protocol):
     #: rows a speculative verify step may have before the linear layers leave their small-M
     #: kernel (many times slower per row past it), or None where there is no such cliff
     max_verify_rows: int | None
+    #: a pooling engine's ``PoolingSpec`` (prefill only, answered by ``pool``), or None for
+    #: a generation engine (the scheduler's fakes may leave it out)
+    pooling: PoolingSpec | None
 
     def forward(self, batch: ScheduleBatch, future_ids: torch.Tensor | None = None
                 ) -> torch.Tensor:
@@ -63,6 +67,11 @@ class StepRunner(Protocol):
 
     def sample(self, logits: torch.Tensor, reqs: list, eos_ids: list[int]) -> SampledIds:
         """Sample one token per row of ``logits`` (row i for ``reqs[i]``)."""
+        ...
+
+    def pool(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[tuple[object, list]]:
+        """A pooling engine's step: ``(req, answer)`` of each request whose prompt ended in
+        ``batch`` (``engine/executor/pooling.py``)."""
         ...
 
     def memory_report(self) -> dict:

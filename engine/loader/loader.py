@@ -50,6 +50,7 @@ from pathlib import Path
 import torch
 
 from engine import device as devmod
+from engine.layers.pooler import PoolingSpec
 from engine.layers.quantization import (
     apply_ignore,
     get_quant_config,
@@ -65,6 +66,14 @@ from engine.loader.gguf import (
     iter_gguf,
     keeps_gguf_blocks,
     quantized_head,
+)
+from engine.loader.pooling import (
+    as_causal,
+    attach_pooler,
+    init_dummy_head,
+    resolve_pooling,
+    route_weights,
+    settle_missing,
 )
 from engine.loader.weights import (  # noqa: F401 - re-exported
     DUMMY_STD,
@@ -316,7 +325,8 @@ def _resolve_device(device: str | torch.device) -> torch.device:
 def load_model(model_path: str | None = None, load_format: str = "auto",
                dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
                seed: int = 0, config=None, progress: bool = True,
-               quantization: str | None = None, gguf_dequantize: bool = False):
+               quantization: str | None = None, gguf_dequantize: bool = False,
+               pooling: PoolingSpec | None = None):
     """Build the ferry model on ``device`` in the run dtype and load its weights.
 
     Args:
@@ -335,6 +345,8 @@ def load_model(model_path: str | None = None, load_format: str = "auto",
             Q4_0/Q4_1/Q8_0 linear weights in their blocks on any device (:func:`keeps_gguf_blocks`).
         gguf_dequantize: load a GGUF file's weights dequantized to ``dtype`` (the path
             before blocks were kept; the CPU's default keeps them).
+        pooling: serve it as a pooling model (``engine.loader.pooling.resolve_pooling``):
+            the model gets a ``pooler`` and the checkpoint's names are routed to it.
     Returns:
         ``(model, config)``; the model is in eval mode with ``requires_grad=False`` weights.
     Raises:
@@ -346,7 +358,7 @@ def load_model(model_path: str | None = None, load_format: str = "auto",
     fmt = _resolve_format(load_format, source)
     if config is None:
         config = load_config(source)
-    cls = get_model_class(config)
+    cls = get_model_class(as_causal(config))  # a pooling checkpoint: its family's causal LM
     dev = _resolve_device(device)
     run_dtype = dtype if isinstance(dtype, torch.dtype) else devmod.resolve_dtype(dtype, dev.type)
 
@@ -356,6 +368,8 @@ def load_model(model_path: str | None = None, load_format: str = "auto",
     t0 = time.perf_counter()
     with torch.device(dev), quantization_scope(quant):
         model = cls(config, run_dtype)
+        if pooling is not None:  # an embedder or a scorer (engine/loader/pooling.py)
+            attach_pooler(model, pooling, run_dtype)
     if quant is not None:
         _plan_quantized_layers(model, quant, keep_blocks, source, config, run_dtype)
     model.eval()
@@ -363,9 +377,10 @@ def load_model(model_path: str | None = None, load_format: str = "auto",
         return model, config
     if fmt == "dummy":
         init_dummy_weights(model, seed, progress)
+        init_dummy_head(model, seed)
     else:
         _load_checkpoint(model, source, fmt, config, quant if keep_blocks else None, run_dtype,
-                         dev, progress)
+                         dev, progress, pooling is not None)
     if quant is not None:
         process_weights_after_loading(model, dev.type)
     devmod.synchronize(dev.type)
@@ -398,11 +413,14 @@ def _plan_quantized_layers(model, quant, keep_blocks: bool, source: ModelSource,
 
 
 def _load_checkpoint(model, source: ModelSource, fmt: str, config, gguf_blocks,
-                     run_dtype: torch.dtype, dev: torch.device, progress: bool) -> None:
+                     run_dtype: torch.dtype, dev: torch.device, progress: bool,
+                     pooling: bool = False) -> None:
     """Stream the safetensors or GGUF tensors of ``source`` into ``model``.
 
     ``gguf_blocks``: the ``GgufConfig`` when a GGUF file's blocks are kept (the LM head's
     blocks are then captured as they pass and quantized on their own), else None.
+    ``pooling``: a pooling checkpoint (its names are routed to the model and its pooler,
+    and the weights a pooler never reads may be missing: ``engine/loader/pooling.py``).
 
     Raises:
         ValueError: the checkpoint lacks weights the model expects (or as the model's
@@ -422,15 +440,32 @@ def _load_checkpoint(model, source: ModelSource, fmt: str, config, gguf_blocks,
     head_blocks: list = []
     if keep_blocks:
         it = capture_head_blocks(it, model, head_blocks)
+    it = route_weights(model, it) if pooling else it
     bar = tqdm(it, total=total, desc=f"loading {fmt}", disable=not progress or None)
     with torch.no_grad():
         loaded = model.load_weights(bar)
     missing = sorted(model.expected_weights() - loaded)
+    missing = settle_missing(model, missing) if pooling else missing
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} weights: "
                          f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
     if head_blocks:
         model.lm_head_quant = quantized_head(head_blocks[0], gguf_blocks, run_dtype, dev)
+
+
+def pooling_for_args(args) -> PoolingSpec | None:
+    """The ``PoolingSpec`` of ``ServerArgs`` (``--is-embedding``, ``--yes-no-reranker``,
+    ``--enable-matryoshka`` and the checkpoint; see :func:`engine.loader.pooling.
+    resolve_pooling`), or None for a generation model.
+
+    Raises:
+        ValueError: what ``resolve_pooling`` refuses, or a path with nothing loadable.
+    """
+    source = resolve_model_path(args.model_path)
+    root = source.root if os.path.isdir(source.root) else None
+    return resolve_pooling(load_config(source), root, args.tokenizer_path or root,
+                           is_embedding=args.is_embedding, yes_no_reranker=args.yes_no_reranker,
+                           enable_matryoshka=args.enable_matryoshka)
 
 
 def load_model_from_args(server_args):

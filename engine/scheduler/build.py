@@ -122,6 +122,12 @@ def build_engine(args: ServerArgs) -> Engine:
     scheduler = Scheduler(args, runner, tokenizer, eos_token_ids(runner.config, tokenizer))
     logger.info("prefix cache: %s", "off (--disable-radix-cache)" if args.disable_radix_cache
                 else f"on, page size {args.page_size}, schedule policy {args.schedule_policy}")
+    if runner.pooling is not None:
+        p = runner.pooling
+        logger.info("pooling model: %s%s; every request is one prefill (no decode, no "
+                    "sampling), run eagerly (no graphs); prefix cache %s", p.task,
+                    f", {p.pooling} pooling{', normalised' if p.normalize else ''}"
+                    if p.task == "embed" else "", "on" if scheduler.kv.enabled else "off")
     if scheduler.spec is not None:
         logger.info("speculative decoding: %s, %d draft tokens, in decode steps of up to %d "
                     "requests (verify steps run eagerly and are not overlapped)",

@@ -22,7 +22,7 @@ from engine.sampling.params import SamplingParams
 from engine.scheduler.output import STATS_TTFT_ZERO, StepOutput
 from engine.scheduler.request import Req
 from engine.scheduler.scheduler import Scheduler
-from engine.validation import RequestError, validate_request
+from engine.validation import RequestError, pooling_mismatch, validate_request
 
 logger = logging.getLogger("ferry.engine")
 
@@ -95,7 +95,9 @@ class EngineLoop:
             device=r.device_type, dtype=str(r.dtype).replace("torch.", ""),
             kv_cache_dtype=str(r.kv_dtype).replace("torch.", ""),
             model=self.args.model_path or "SmolLM2-135M-Instruct", tp_size=r.tp.size,
-            lora_enabled=r.lora is not None, lora_adapters=self.lora_adapters()))
+            lora_enabled=r.lora is not None, lora_adapters=self.lora_adapters(),
+            pooling={} if r.pooling is None else dict(r.pooling.describe(),
+                                                      hidden_size=r.model_config.hidden_size)))
         last_stats = 0.0
         while True:
             msgs = self.pull.recv_nowait()
@@ -114,6 +116,10 @@ class EngineLoop:
                     self.to_server.send(io.ErrorOut(rid=rid, message=message, status=400,
                                                     param=param, code=code))
                 outs = [o for o in outs if o.req.rid not in rejected]
+            pooled = [o for o in outs if o.pooled is not None]
+            if pooled:  # pooling answers go straight to the server (no text to detokenize)
+                self.to_server.send(self.pooled_out(pooled))
+                outs = [o for o in outs if o.pooled is None]
             if outs:
                 self.to_detok.send(self.batch_out(outs))
             now = time.monotonic()
@@ -132,8 +138,10 @@ class EngineLoop:
             if isinstance(lora_id, io.ErrorOut):
                 self.to_server.send(lora_id)
                 return
-            self.sched.add_request(Req(m.rid, list(m.input_ids), m.sampling_params, m.stream,
-                                       max_new, m.arrival_time or None, lora_id))
+            req = Req(m.rid, list(m.input_ids), m.sampling_params, m.stream, max_new,
+                      m.arrival_time or None, lora_id)
+            req.pooling = m.pooling
+            self.sched.add_request(req)
         elif isinstance(m, io.AbortReq):
             self.sched.abort_request(m.rid)
         elif isinstance(m, io.GetServerInfoReq):
@@ -196,6 +204,8 @@ class EngineLoop:
 
         if m.rid in self.sched.reqs:
             return err(f"duplicate request id {m.rid}")
+        if error := pooling_mismatch(self.runner.pooling, m.pooling):
+            return err(error)
         try:
             return validate_request(m.input_ids, m.sampling_params, self.vocab_size,
                                     self.runner.max_context_len)
@@ -236,6 +246,14 @@ class EngineLoop:
             else:
                 b.prompt_logprobs.append(None)
         return b
+
+    def pooled_out(self, outs: list[StepOutput]) -> io.PooledOut:
+        """The answers of pooling requests that ended in this step."""
+        cache = self.sched.kv.enabled
+        return io.PooledOut(
+            rids=[o.req.rid for o in outs], outputs=[o.pooled for o in outs],
+            prompt_tokens=[len(o.req.origin_input_ids) for o in outs],
+            cached_tokens=[o.req.cached_tokens or 0 if cache else -1 for o in outs])
 
     def flush_out(self, rid: str) -> io.FlushCacheOut:
         """Empty the prefix cache if no request is queued or running."""

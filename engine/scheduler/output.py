@@ -19,12 +19,14 @@ from engine.scheduler.request import FinishReason, Req
 class StepOutput:
     """What one step produced for one request: new tokens (possibly none) and its finish."""
 
-    __slots__ = ("req", "new_token_ids", "finished_reason")
+    __slots__ = ("req", "new_token_ids", "finished_reason", "pooled")
 
-    def __init__(self, req: Req, new_token_ids: list[int], finished_reason: FinishReason | None):
+    def __init__(self, req: Req, new_token_ids: list[int], finished_reason: FinishReason | None,
+                 pooled: list[float] | None = None):
         self.req = req
         self.new_token_ids = new_token_ids
         self.finished_reason = finished_reason
+        self.pooled = pooled  # a pooling request's answer (an embedding or a score)
 
 
 #: TTFT parts summed over requests (``Scheduler.stats``, reported by /server_info): seconds
@@ -60,6 +62,10 @@ class OutputProcessor:
         """The outputs collected since the last call (and forget them)."""
         out, self.outputs = self.outputs, []
         return out
+
+    def pooled(self, req: Req, answer: list[float]) -> None:
+        """Report ``req``, a pooling request that ended with ``answer``."""
+        self.outputs.append(StepOutput(req, [], req.finished_reason, answer))
 
     def aborted(self, req: Req) -> None:
         """Report ``req``, ended by an abort, with no new tokens."""

@@ -38,7 +38,7 @@ class Req:
                  "max_new_tokens",
                  "stop_window", "cached_pages", "last_node", "cached_tokens", "prompt_counted",
                  "logprobs", "sent_logprobs", "prompt_logprobs", "prompt_logprobs_sent",
-                 "grammar", "lora_id", "stop_regex_state")
+                 "grammar", "lora_id", "stop_regex_state", "pooling", "pool_state")
 
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams,
                  stream: bool = False, max_new_tokens: int | None = None,
@@ -46,6 +46,10 @@ class Req:
         self.rid = rid
         # the LoRA adapter (engine.lora.manager.LoRAManager id; None: the base model)
         self.lora_id = lora_id
+        # a pooling request (embedding, score): prefill only, answered with ``pool_state``
+        # folded by the pooler (engine/layers/pooler.py), never sampled
+        self.pooling = False
+        self.pool_state = None
         self.origin_input_ids = input_ids
         self.sampling_params = sampling_params
         self.stream = stream

@@ -61,9 +61,15 @@ class Scheduler:
         self.req_pool = runner.req_to_token_pool
         self.kv_pool = runner.kv_pool
         self.page_size = self.kv_pool.page_size
+        # a pooling engine (embeddings, scores) answers at the end of each prefill; the radix
+        # cache stays on when the answer reads the last token only (a shared prefix, such as
+        # a reranker's template and query, is computed once), off for mean and CLS pooling
+        # (a cached prefix would hide the rows they read)
+        self.pooling = getattr(runner, "pooling", None)
         # KV pages, req_to_token rows and the radix prefix cache (engine/kv/manager.py)
         self.kv = KVCacheManager(self.kv_pool, self.req_pool,
-                                 disable_cache=getattr(args, "disable_radix_cache", False))
+                                 disable_cache=getattr(args, "disable_radix_cache", False) or (
+                                     self.pooling is not None and self.pooling.needs_every_row))
         # assert the KV page accounting after every step (tests; costs O(pool) per step)
         self.check_kv = False
         self.chunk_size = prefill_budget(args, runner.device_type)
@@ -341,6 +347,8 @@ class Scheduler:
         future = self.inflight.result.ids_dev if self.inflight is not None else None
         try:
             logits = self.runner.forward(batch, future)
+            if self.pooling is not None:  # no sampling, no decode: the prompt is the request
+                return self._pool(batch, logits)
             if self.spec is not None:  # an EAGLE head keeps the hidden states of the step
                 self.spec.proposer.observe(batch)
             if needs_ids:
@@ -370,6 +378,17 @@ class Scheduler:
             if id(req) not in running:
                 self.running.append(req)
         return _InFlight(result, slots) if slots else None
+
+    def _pool(self, batch: ScheduleBatch, logits) -> None:
+        """A pooling engine's step: fold the step's hidden states into its requests; those
+        whose prompt ended get their answer and finish (their KV freed at once, or given to
+        the radix cache when it is on)."""
+        answers = self.runner.pool(batch, logits)
+        self.stats["steps"] += 1
+        self._count_prompt_tokens(batch)
+        for req, answer in answers:
+            self._finish(req, FinishReason("stop"))
+            self.out.pooled(req, answer)
 
     def _count_prompt_tokens(self, batch: ScheduleBatch) -> None:
         """Add the prompt tokens ``batch`` computed for the first time to the stats."""

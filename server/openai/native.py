@@ -57,14 +57,17 @@ def load_of(infos: list[tuple[int, io.ServerInfoOut]]) -> list[dict]:
 
 
 async def generate_one_token(tm: TokenizerManager, timeout_s: float) -> None:
-    """Run a one-token greedy request through the engine (``/health_generate``).
+    """Run a one-token greedy request through the engine (``/health_generate``); on a
+    pooling engine (embeddings, scores), a one-token pooling request.
 
     Raises:
         APIError: 503 when it does not finish within ``timeout_s`` (a busy server queues it
             behind the others), or the engine's error.
     """
     rid = f"health-{uuid.uuid4().hex}"
-    gen = tm.generate([(rid, [0], SamplingParams(max_tokens=1, temperature=0.0))], False)
+    ready = tm.engine_ready  # a pooling engine runs the prompt's prefill (no token)
+    gen = tm.generate([(rid, [0], SamplingParams(max_tokens=1, temperature=0.0))], False,
+                      pooling=bool(ready is not None and ready.pooling))
     try:
         async with asyncio.timeout(timeout_s):
             async for _ in gen:

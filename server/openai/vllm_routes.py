@@ -75,6 +75,7 @@ async def invocations(serving: OpenAIServing, request: Request) -> Response:
                 return await serving.chat(replay)
             return await serving.completions(replay)
     what = " or ".join(f"'{k}' ({p})" for k, p in INVOCATION_SHAPES)
-    extra = "; 'input' bodies go to embeddings in vLLM, which ferry does not serve (the " \
-        "Responses API is POST /v1/responses)" if "input" in body else ""
+    extra = "; 'input' bodies go to embeddings in vLLM: ferry answers them at POST " \
+        "/v1/embeddings of an embedding server (the Responses API is POST /v1/responses)" \
+        if "input" in body else ""
     raise bad_request(f"/invocations routes a body by its shape: it needs {what}{extra}")

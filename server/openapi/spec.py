@@ -38,6 +38,7 @@ from server.openai.protocol import (
     TokenizeRequest,
 )
 from server.openapi import models as om
+from server.pooling import protocol as pooling
 
 #: errors of a generation request: bad body or X-Request-Id, key, model, slow body, size,
 #: media type, queue full / engine gone
@@ -135,6 +136,20 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("/flush_cache", "post"): Operation("Empty the prefix cache (400 while requests run)",
                                         response=om.FlushCacheResponse,
                                         errors=(400, 401, 503)),
+    # pooling models (server/pooling/): a generation server answers them 400, as a pooling
+    # server answers the generation routes
+    ("/v1/embeddings", "post"): Operation(
+        "Create embeddings (an embedding model)", pooling.EmbeddingRequest,
+        pooling.EmbeddingResponse, errors=GENERATE_ERRORS),
+    ("/v1/rerank", "post"): Operation(
+        "Rerank documents against a query (a scoring model), best first",
+        pooling.RerankRequest, pooling.RerankResponse, errors=GENERATE_ERRORS),
+    ("/rerank", "post"): Operation("/v1/rerank (Jina's and Cohere's path)",
+                                   pooling.RerankRequest, pooling.RerankResponse,
+                                   errors=GENERATE_ERRORS),
+    ("/v1/score", "post"): Operation(
+        "Score text pairs (a scoring model; vLLM's shape)", pooling.ScoreRequest,
+        pooling.ScoreResponse, errors=GENERATE_ERRORS),
     ("/openapi.json", "get"): Operation("This document", media="application/json",
                                         errors=(400,), auth=False),
     ("/docs", "get"): Operation("Swagger UI of this document", media="text/html",

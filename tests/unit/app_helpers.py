@@ -30,11 +30,17 @@ class FakeEngine:
         self.num_running = 0
         self.mute_info = False
         self.text = "ok"  # what every generation request answers
+        # what every pooling request answers (its prompt ids -> its vector or [score])
+        self.pooled = lambda ids: [float(len(ids))]
 
     def send(self, msg) -> None:
         self.sent.append(msg)
         loop = asyncio.get_running_loop()
-        if isinstance(msg, io.TokenizedGenerateReq):
+        if isinstance(msg, io.TokenizedGenerateReq) and msg.pooling:
+            loop.call_soon(self.tm._dispatch, io.PooledOut(
+                rids=[msg.rid], outputs=[self.pooled(msg.input_ids)],
+                prompt_tokens=[len(msg.input_ids)], cached_tokens=[0]))
+        elif isinstance(msg, io.TokenizedGenerateReq):
             out = io.BatchStrOut(rids=[msg.rid], texts=[self.text], new_token_ids=[[7]],
                                  finished_reasons=[{"type": "length", "matched": None}],
                                  prompt_tokens=[len(msg.input_ids)], completion_tokens=[1])

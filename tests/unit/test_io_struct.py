@@ -26,6 +26,8 @@ ENGINE_MSGS = [
                             lora_name="sql"),
     io.LoadLoRAReq(rid="lora-1", lora_name="sql", lora_path="/adapters/sql"),
     io.UnloadLoRAReq(rid="lora-2", lora_name="sql"),
+    io.TokenizedGenerateReq(rid="e1", input_ids=[5, 6], sampling_params=SamplingParams(
+        max_tokens=1), pooling=True),
 ]
 DETOK_MSGS = [
     io.BatchTokenIdOut(rids=["a", "b"], new_token_ids=[[1], []],
@@ -52,6 +54,12 @@ SERVER_MSGS = [
                      num_running=4, num_waiting=5, stats={"pid": 7}),
     io.StatsOut(num_running=1, num_waiting=2, kv_usage=0.25, prompt_tokens=3,
                 generation_tokens=4),
+    # float32 values (an embedding, a score) come back bit-exact
+    io.PooledOut(rids=["e1", "s1"], outputs=[[0.1, -2.5e-8, 3.4028234663852886e38], [0.75]],
+                 prompt_tokens=[2, 9], cached_tokens=[0, -1]),
+    io.ReadyOut(rid="engine", pooling={"task": "embed", "pooling": "last", "normalize": True,
+                                       "matryoshka": False, "matryoshka_dims": [],
+                                       "num_labels": 1}),
 ]
 
 

@@ -37,6 +37,7 @@ class FakeRunner:
     lora = None  # no adapters (a test may set its own)
     tp_size = 1
     max_verify_rows = None
+    pooling = None  # a generation engine (no pool() steps)
 
     def __init__(self, max_total_tokens, page_size=1, max_running=8, max_context=4096,
                  overlap=False):
@@ -72,6 +73,9 @@ class FakeRunner:
     def sample(self, logits, reqs, eos_ids):
         assert len(reqs) == logits.shape[0]
         return FakeResult(torch.argmax(logits, -1))
+
+    def pool(self, batch, logits):
+        raise AssertionError("a generation engine never pools")
 
     def memory_report(self):
         return {"weight_bytes": 0, "kv_bytes": self.kv_pool.num_slots * 4}

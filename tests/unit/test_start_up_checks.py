@@ -215,3 +215,37 @@ def test_the_allocation_limit_is_an_xpu_check_only(monkeypatch, tmp_path):
         preflight.check_xpu_allocations(model)
     monkeypatch.setattr(preflight, "build_meta_model", lambda args, device_type: model)
     preflight.check_start_up(ServerArgs(device="cpu"))  # the CPU has no such limit
+
+
+# ---- pooling models -------------------------------------------------------------------------
+
+QWEN3 = dict(model_type="qwen3", intermediate_size=96, head_dim=16,
+             id2label={"0": "LABEL_0"})  # one label (transformers' default is two)
+
+
+@pytest.mark.parametrize("arch,extra", [
+    ("Qwen3ForSequenceClassification", {}),   # a cross-encoder, detected
+    ("Qwen3Model", {}),                       # a bare stack: an embedder, detected
+    ("Qwen3ForCausalLM", {"--is-embedding": None}),
+])
+def test_pooling_checkpoints_launch(arch, extra, serve_stubbed, tmp_path):
+    serve, launched = serve_stubbed
+    path = _config(tmp_path, "pool", architectures=[arch], **QWEN3)
+    assert serve(["--device", "cpu", "--model-path", path, "--load-format", "dummy",
+                  *extra]) == 0
+    assert len(launched) == 1
+
+
+@pytest.mark.parametrize("arch,fields,argv,message", [
+    ("Qwen3ForSequenceClassification", {}, ["--yes-no-reranker"],
+     "--yes-no-reranker reads the LM head of a causal LM"),
+    ("Qwen3ForSequenceClassification", {"id2label": {"0": "a", "1": "b", "2": "c"}}, [],
+     "Qwen3ForSequenceClassification with 3 labels"),
+    ("GPT2Model", {"model_type": "gpt2"}, [], "unsupported model architecture GPT2Model"),
+])
+def test_pooling_checkpoints_refused(arch, fields, argv, message, serve_stubbed, capsys,
+                                     tmp_path):
+    path = _config(tmp_path, "pool", **{**QWEN3, "architectures": [arch], **fields})
+    line = _refused(serve_stubbed, capsys, ["--model-path", path, "--load-format", "dummy",
+                                            *argv])
+    assert line.startswith(message), line
