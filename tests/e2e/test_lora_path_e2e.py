@@ -7,7 +7,7 @@ as a string on /v1/completions and /v1/chat/completions picks the adapter (whose
 differ from the base model's here); a list on a /v1/completions list of prompts runs each
 prompt on its own adapter (``null``: the base) in one request; a ``model`` naming another
 adapter is a 400 and an unknown name a 404, both naming ``lora_path``. The field's rules
-over a fake engine: tests/unit/test_lora_path.py.
+over a fake engine: tests/unit/server/openai/test_lora_path.py.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import openai
 import pytest
 from app_helpers import make_app
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 MSGS = [{"role": "user", "content": "Hi there"}]
 
 

@@ -87,7 +87,7 @@ def test_peer_fields_are_implemented_noops_or_refused_by_name(model, name):
     if name in _fields(model) or name in ACCEPTED_NOOPS or name in ALIASES:
         return  # implemented (ALIASES: sampling_seed, rid, request_id)
     if name in ROUTE_FIELDS:
-        return  # lora_path: checked by the route (tests/unit/test_lora_path.py)
+        return  # lora_path: checked by the route (tests/unit/server/openai/test_lora_path.py)
     if name in EXTENSION_FIELDS and check_extension(name, value) is None:
         return  # a value ferry's output already is (test_extension_fields.py)
     if name in STRUCTURED:  # issue 13's: handled by their module once it lands
