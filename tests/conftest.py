@@ -16,6 +16,15 @@ _ENGINE_TESTS = str(Path(__file__).resolve().parent / "engine")  # lora_helpers,
 
 
 @pytest.fixture(scope="session")
+def embedded_tokenizer():
+    """The HF tokenizer of the embedded SmolLM2 GGUF (``load_tokenizer(None)``), loaded once
+    for the dozen modules that read it (tokenize, decode, apply the chat template)."""
+    from engine.tokenizer.tokenizer import load_tokenizer
+
+    return load_tokenizer(None)
+
+
+@pytest.fixture(scope="session")
 def hf_embedded_model():
     """HF transformers' model of the embedded SmolLM2 GGUF (dequantized by transformers), fp32,
     on the CPU, in eval mode: the reference of tests/engine/test_generate.py,

@@ -222,8 +222,7 @@ def lora_checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def ref_tokenizer():
-    """The reference HF tokenizer of the embedded model (loaded in the test process)."""
-    from engine.tokenizer.tokenizer import load_tokenizer
-
-    return load_tokenizer(None)
+def ref_tokenizer(embedded_tokenizer):
+    """The reference HF tokenizer of the embedded model (loaded in the test process, once per
+    session: tests/conftest.py)."""
+    return embedded_tokenizer

@@ -215,10 +215,8 @@ def test_choice_seeds_do_not_collide():
 # ---- 4. stop strings after min_tokens -----------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tok():
-    from engine.tokenizer.tokenizer import load_tokenizer
-
-    return load_tokenizer(None)
+def tok(embedded_tokenizer):
+    return embedded_tokenizer  # the embedded SmolLM2 GGUF's HF tokenizer (tests/conftest.py)
 
 
 def _run_stop(tok, text: str, stop: str, min_tokens: int):

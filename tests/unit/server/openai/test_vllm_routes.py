@@ -22,10 +22,8 @@ MSGS = [{"role": "user", "content": "Hi there"}]
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from engine.tokenizer.tokenizer import load_tokenizer
-
-    return load_tokenizer(None)
+def tok(embedded_tokenizer):
+    return embedded_tokenizer  # the embedded SmolLM2 GGUF's HF tokenizer (tests/conftest.py)
 
 
 def _app(tok, **kw):

@@ -22,10 +22,8 @@ M = "SmolLM2-135M-Instruct"  # the served name of a server without --model-path
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from engine.tokenizer.tokenizer import load_tokenizer
-
-    return load_tokenizer(None)  # the embedded SmolLM2's HF tokenizer
+def tok(embedded_tokenizer):
+    return embedded_tokenizer  # the embedded SmolLM2 GGUF's HF tokenizer (tests/conftest.py)
 
 
 def _app(tok, **kw):
