@@ -25,6 +25,20 @@ def embedded_tokenizer():
 
 
 @pytest.fixture(scope="session")
+def hf_embedded_tokenizer():
+    """HF transformers' own conversion of the embedded GGUF's tokenizer
+    (``AutoTokenizer.from_pretrained(gguf_file=)``, the slow path ferry's cache avoids): the
+    reference of tests/unit/engine/loader/test_loader.py and the tokenizer saved beside the
+    embedded model in tests/engine/test_lora.py."""
+    from transformers import AutoTokenizer
+
+    from engine.loader.loader import resolve_model_path
+
+    src = resolve_model_path(None)
+    return AutoTokenizer.from_pretrained(src.root, gguf_file=src.gguf_file)
+
+
+@pytest.fixture(scope="session")
 def hf_embedded_model():
     """HF transformers' model of the embedded SmolLM2 GGUF (dequantized by transformers), fp32,
     on the CPU, in eval mode: the reference of tests/engine/test_generate.py,

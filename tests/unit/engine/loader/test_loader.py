@@ -278,13 +278,14 @@ def test_tokenizer_for_config_only_dirs(tmp_path):
 
 
 @pytest.mark.slow
-def test_gguf_config_and_tokenizer_cache(default_gguf_path):
-    """Cached GGUF conversions equal transformers' direct conversion of the file."""
-    from transformers import AutoConfig, AutoTokenizer
+def test_gguf_config_and_tokenizer_cache(default_gguf_path, hf_embedded_tokenizer):
+    """Cached GGUF conversions equal transformers' direct conversion of the file (the
+    tokenizer's: the session's, tests/conftest.py)."""
+    from transformers import AutoConfig
 
     root, fname = os.path.split(default_gguf_path)
     ref_cfg = AutoConfig.from_pretrained(root, gguf_file=fname)
-    ref_tok = AutoTokenizer.from_pretrained(root, gguf_file=fname)
+    ref_tok = hf_embedded_tokenizer
     drop = {"transformers_version", "_name_or_path"}
 
     def cfg_dict(c):
