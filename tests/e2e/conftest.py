@@ -120,13 +120,31 @@ class FerryServer:
         self._log.close()
 
 
+#: the servers of ``server_pool`` by argument list
+_POOL: dict[tuple[str, ...], FerryServer] = {}
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """Stop the pool's servers once the run leaves tests/e2e for good (the engine, kernel and
+    unit tests after it need none of them: their memory goes back before those start)."""
+    here = Path(__file__).parent
+    if not _POOL or (nextitem is not None and here in Path(nextitem.path).parents):
+        return
+    items = item.session.items
+    rest = items[items.index(nextitem):] if nextitem is not None else []
+    if not any(here in Path(i.path).parents for i in rest):
+        for srv in _POOL.values():
+            srv.stop()
+
+
 @pytest.fixture(scope="session")
 def server_pool(tmp_path_factory):
-    """Servers kept for the whole session, one per distinct argument list: ``pool(args)``
-    starts the server of ``args`` on its first call and hands the same one out afterwards.
-    For modules that only send requests and leave the server as they found it (the stats
-    they check are deltas, or cannot move under their flags); all stop at the session's end."""
-    running: dict[tuple[str, ...], FerryServer] = {}
+    """Servers kept for the e2e part of the session, one per distinct argument list:
+    ``pool(args)`` starts the server of ``args`` on its first call and hands the same one out
+    afterwards. For modules that only send requests and leave the server as they found it
+    (the stats they check are deltas, or cannot move under their flags); all stop when the
+    run leaves tests/e2e (``pytest_runtest_teardown``) or at the session's end."""
+    running = _POOL
 
     def pool(args) -> FerryServer:
         key = tuple(args)
@@ -140,6 +158,7 @@ def server_pool(tmp_path_factory):
     finally:
         for srv in running.values():
             srv.stop()
+        running.clear()
 
 
 @pytest.fixture(scope="module")
