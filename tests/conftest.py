@@ -1,5 +1,16 @@
-"""Set-up shared by every test folder."""
+"""Session fixtures that several test folders share: expensive builds made once per run.
 
+Each one was built again by every module that needed it (the HF model of the embedded GGUF
+took ~20-40 s per build on the 2-core CI machine); the fixtures hand out the same object, so
+a test must not change it (they only read: forward passes, ``state_dict``, ``config``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
 import transformers.utils.logging as _hf_logging
 
 # transformers binds its log handler to the sys.stderr of its first log call; under a test's
@@ -7,3 +18,65 @@ import transformers.utils.logging as _hf_logging
 # run then prints "--- Logging error ---" (which tests that check a command's stderr see).
 # Configure it now, on the session's stderr.
 _hf_logging.get_logger("transformers")
+
+_ENGINE_TESTS = str(Path(__file__).resolve().parent / "engine")  # lora_helpers, moe_helpers
+
+
+@pytest.fixture(scope="session")
+def embedded_tokenizer():
+    """The HF tokenizer of the embedded SmolLM2 GGUF (``load_tokenizer(None)``), loaded once
+    for the dozen modules that read it (tokenize, decode, apply the chat template)."""
+    from engine.tokenizer.tokenizer import load_tokenizer
+
+    return load_tokenizer(None)
+
+
+@pytest.fixture(scope="session")
+def hf_embedded_tokenizer():
+    """HF transformers' own conversion of the embedded GGUF's tokenizer
+    (``AutoTokenizer.from_pretrained(gguf_file=)``, the slow path ferry's cache avoids): the
+    reference of tests/unit/engine/loader/test_loader.py and the tokenizer saved beside the
+    embedded model in tests/engine/test_lora.py."""
+    from transformers import AutoTokenizer
+
+    from engine.loader.loader import resolve_model_path
+
+    src = resolve_model_path(None)
+    return AutoTokenizer.from_pretrained(src.root, gguf_file=src.gguf_file)
+
+
+@pytest.fixture(scope="session")
+def hf_embedded_model():
+    """HF transformers' model of the embedded SmolLM2 GGUF (dequantized by transformers), fp32,
+    on the CPU, in eval mode: the reference of tests/engine/test_generate.py,
+    tests/engine/test_lora.py and tests/unit/engine/loader/test_loader.py."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.loader.loader import resolve_model_path
+
+    src = resolve_model_path(None)
+    model = AutoModelForCausalLM.from_pretrained(src.root, gguf_file=src.gguf_file,
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_checkpoint(tmp_path_factory):
+    """``make(case) -> (path, hf_model)``: the tiny seeded HF MoE model of ``case``
+    (tests/engine/moe_helpers.py ``CASES``) saved under ``path``, written once per session
+    for tests/engine/test_moe_models.py and tests/e2e/test_moe_serve.py; a test reads the
+    folder and runs the model, never writes either."""
+    if _ENGINE_TESTS not in sys.path:
+        sys.path.insert(0, _ENGINE_TESTS)
+    made: dict[str, tuple] = {}
+
+    def make(case: str):
+        if case not in made:
+            from moe_helpers import save_tiny
+
+            path = tmp_path_factory.mktemp(case)
+            made[case] = (path, save_tiny(case, path))
+        return made[case]
+
+    return make

@@ -8,7 +8,7 @@ builds them once (from the step's host lists: no device sync) and every layer re
 ``F.scaled_dot_product_attention`` (decode: the KV heads' query groups passed as query
 positions; extend: one call per request, ``is_causal`` without a prefix), 2-3x faster than
 the einsum/matmul references on the CPU. Both paths are checked against float64 attention in
-``tests/unit/test_reference_attention.py``.
+``tests/unit/kernels/test_reference_attention.py``.
 
 On the CPU, when ferry's C++ kernels build (:mod:`kernels.cpu_ops`; ``fused_ops=True``,
 i.e. no ``--disable-fused-ops``) and the KV cache has the model's dtype (float32 or

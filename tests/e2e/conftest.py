@@ -85,7 +85,7 @@ class FerryServer:
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"/health not 200 after {START_TIMEOUT_S} s:\n{self.log()}")
-            time.sleep(0.5)
+            time.sleep(0.1)
 
     pid_alive = staticmethod(_pid_alive)
     http_timeout = HTTP_TIMEOUT_S
@@ -120,12 +120,60 @@ class FerryServer:
         self._log.close()
 
 
+#: the servers of ``server_pool`` by argument list
+_POOL: dict[tuple[str, ...], FerryServer] = {}
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """Stop the pool's servers once the run leaves tests/e2e for good (the engine, kernel and
+    unit tests after it need none of them: their memory goes back before those start)."""
+    here = Path(__file__).parent
+    if not _POOL or (nextitem is not None and here in Path(nextitem.path).parents):
+        return
+    items = item.session.items
+    rest = items[items.index(nextitem):] if nextitem is not None else []
+    if not any(here in Path(i.path).parents for i in rest):
+        for srv in _POOL.values():
+            srv.stop()
+
+
+@pytest.fixture(scope="session")
+def server_pool(tmp_path_factory):
+    """Servers kept for the e2e part of the session, one per distinct argument list:
+    ``pool(args)`` starts the server of ``args`` on its first call and hands the same one out
+    afterwards. For modules that only send requests and leave the server as they found it
+    (the stats they check are deltas, or cannot move under their flags); all stop when the
+    run leaves tests/e2e (``pytest_runtest_teardown``) or at the session's end."""
+    running = _POOL
+
+    def pool(args) -> FerryServer:
+        key = tuple(args)
+        if key not in running:
+            srv = FerryServer(tmp_path_factory.mktemp("ferry-pool"), list(key))
+            running[key] = srv.start()
+        return running[key]
+
+    try:
+        yield pool
+    finally:
+        for srv in running.values():
+            srv.stop()
+        running.clear()
+
+
 @pytest.fixture(scope="module")
-def server(request, tmp_path_factory):
-    """A running ``FerryServer`` per test module, started with the module's ``SERVER_ARGS``
-    (and ``SERVER_ENV``)."""
-    srv = FerryServer(tmp_path_factory.mktemp("ferry"),
-                      list(getattr(request.module, "SERVER_ARGS", [])),
+def server(request, tmp_path_factory, server_pool):
+    """The module's running ``FerryServer``, started with its ``SERVER_ARGS`` (and
+    ``SERVER_ENV``). A module that sets ``SERVER_SHARED = True`` (only requests, no state it
+    depends on, no env) gets the session's server of the same args (``server_pool``): modules
+    with equal ``SERVER_ARGS`` share one start-up. Any other module gets a server of its own,
+    stopped at the module's end (a test that kills, limits or counts on a fresh server)."""
+    args = list(getattr(request.module, "SERVER_ARGS", []))
+    if getattr(request.module, "SERVER_SHARED", False):
+        assert getattr(request.module, "SERVER_ENV", None) is None, "a shared server has no env"
+        yield server_pool(args)
+        return
+    srv = FerryServer(tmp_path_factory.mktemp("ferry"), args,
                       getattr(request.module, "SERVER_ENV", None))
     srv.start()
     try:
@@ -151,18 +199,16 @@ def make_server(tmp_path):
 
 
 @pytest.fixture(scope="session")
-def shared_server(tmp_path_factory):
+def shared_server(server_pool):
     """One server for the whole session (``SHARED_SERVER_ARGS``), for modules that only send
-    requests and leave the server as they found it; saves a start-up per module."""
-    srv = FerryServer(tmp_path_factory.mktemp("ferry-shared"), list(SHARED_SERVER_ARGS))
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
+    requests and leave the server as they found it; saves a start-up per module. A module
+    whose ``SERVER_ARGS`` equal these and that sets ``SERVER_SHARED`` gets it as ``server``."""
+    return server_pool(SHARED_SERVER_ARGS)
 
 
-SHARED_SERVER_ARGS = ("--max-total-tokens", "16384")
+#: the session's shared server; --max-request-bytes for the 413 tests of test_openai_api.py
+#: (the largest body the other modules send is ~30 kB)
+SHARED_SERVER_ARGS = ("--max-total-tokens", "16384", "--max-request-bytes", "262144")
 
 
 @pytest.fixture(scope="module")
@@ -181,8 +227,21 @@ def client(url):
 
 
 @pytest.fixture(scope="session")
-def ref_tokenizer():
-    """The reference HF tokenizer of the embedded model (loaded in the test process)."""
-    from engine.tokenizer.tokenizer import load_tokenizer
+def lora_checkpoints(tmp_path_factory):
+    """``(root, models)``: the tiny seeded Llama under ``root/base`` and its peft adapters
+    ``root/a1``, ``root/a2`` (tests/engine/lora_helpers.py), written once per session for
+    test_lora_api.py and test_lora_path_e2e.py; ``models`` are the transformers + peft models
+    of the references (``lora_helpers.references``)."""
+    if str(ROOT / "tests" / "engine") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests" / "engine"))
+    from lora_helpers import save_base_and_two_adapters
 
-    return load_tokenizer(None)
+    root = tmp_path_factory.mktemp("lora")
+    return root, save_base_and_two_adapters(root)
+
+
+@pytest.fixture(scope="session")
+def ref_tokenizer(embedded_tokenizer):
+    """The reference HF tokenizer of the embedded model (loaded in the test process, once per
+    session: tests/conftest.py)."""
+    return embedded_tokenizer

@@ -27,11 +27,12 @@ N = 5
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    from lora_helpers import base_and_two_adapters
+def setup(lora_checkpoints):
+    """The session's tiny Llama and adapters (conftest.py) and their references here."""
+    from lora_helpers import references
 
-    root = tmp_path_factory.mktemp("lora_api")
-    return root, base_and_two_adapters(root, PROMPTS, N)
+    root, models = lora_checkpoints
+    return root, references(models, PROMPTS, N)
 
 
 def _complete(srv, model, prompt):

@@ -7,7 +7,7 @@ as a string on /v1/completions and /v1/chat/completions picks the adapter (whose
 differ from the base model's here); a list on a /v1/completions list of prompts runs each
 prompt on its own adapter (``null``: the base) in one request; a ``model`` naming another
 adapter is a 400 and an unknown name a 404, both naming ``lora_path``. The field's rules
-over a fake engine: tests/unit/test_lora_path.py.
+over a fake engine: tests/unit/server/openai/test_lora_path.py.
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ N = 5
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    from lora_helpers import base_and_two_adapters
+def setup(lora_checkpoints):
+    """The session's tiny Llama and adapters (conftest.py) and their references here."""
+    from lora_helpers import references
 
-    root = tmp_path_factory.mktemp("lora_path")
-    refs = base_and_two_adapters(root, PROMPTS, N)
+    root, models = lora_checkpoints
+    refs = references(models, PROMPTS, N)
     for i in range(len(PROMPTS)):  # the adapters change the answer, so a wrong pick shows
         assert refs["a1"][i][0] != refs["base"][i][0] != refs["a2"][i][0]
     return root, refs

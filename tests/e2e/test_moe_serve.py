@@ -8,22 +8,14 @@ its greedy tokens are compared with the offline engine's in ``tests/engine/test_
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import httpx
 import pytest
 
 pytestmark = pytest.mark.slow
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 
-
-def test_chat_completion_on_a_tiny_moe_checkpoint(tmp_path, make_server):
-    from moe_helpers import save_tiny
-
-    ckpt = tmp_path / "qwen2-moe"
-    save_tiny("qwen2_moe_step2", ckpt)
+def test_chat_completion_on_a_tiny_moe_checkpoint(tiny_moe_checkpoint, make_server):
+    ckpt, _ = tiny_moe_checkpoint("qwen2_moe_step2")  # the session's (tests/conftest.py)
     srv = make_server(["--model-path", str(ckpt), "--device", "cpu", "--dtype", "float32",
                        "--served-model-name", "tiny-moe", "--max-total-tokens", "2048"])
     srv.start()

@@ -18,7 +18,9 @@ import pytest
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
+#: the session's shared server (conftest.SHARED_SERVER_ARGS): these tests only send requests
 SERVER_ARGS = ["--max-total-tokens", "16384", "--max-request-bytes", "262144"]
+SERVER_SHARED = True
 HTTP_TIMEOUT_S = 120.0
 
 

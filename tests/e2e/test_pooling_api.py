@@ -2,7 +2,7 @@
 an embedder (a ``Qwen3Model`` with a sentence-transformers last-token pooling config) and a
 ``Qwen3ForSequenceClassification`` cross-encoder, each against HF transformers on the same
 weights. Two start-ups in all; the other checks run in-process
-(``tests/engine/test_pooling_models.py``, ``tests/unit/test_pooling_routes.py``)."""
+(``tests/engine/test_pooling_models.py``, ``tests/unit/server/pooling/test_pooling_routes.py``)."""
 
 from __future__ import annotations
 

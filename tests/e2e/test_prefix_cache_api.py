@@ -115,8 +115,10 @@ def test_bench_serving_prefix_workloads(shared_server, capsys):
     assert "Prefix cache hit rate (server)" in out and "Median TTFT turn 3 (ms)" in out
 
 
-#: the module's own server (the ``server`` fixture): the cache turned off
-SERVER_ARGS = ["--disable-radix-cache", "--max-total-tokens", "4096"]
+#: the ``server`` fixture: the cache turned off; the session's server of these args, shared
+#: with test_stream_differential.py (no cache: the counters checked here cannot move)
+SERVER_ARGS = ["--max-total-tokens", "8192", "--disable-radix-cache"]
+SERVER_SHARED = True
 
 
 def test_disabled_cache_reports_no_hits(server):

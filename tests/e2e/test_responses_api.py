@@ -412,7 +412,7 @@ IMPLEMENTED = {"model": MODEL, "input": "hi", "instructions": "Be brief.",
                "stream_options": {"include_obfuscation": False},
                "text": {"format": {"type": "json_object"}},
                "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}
-#: the stored-response fields (tests/unit/test_responses_store.py)
+#: the stored-response fields (tests/unit/server/responses/test_responses_store.py)
 STATE = {"previous_response_id": "resp_1", "background": True}
 NOOPS = {"metadata": {"k": "v"}, "user": "u", "safety_identifier": "s",
          "prompt_cache_key": "k", "prompt_cache_retention": "24h", "service_tier": "auto",

@@ -97,7 +97,7 @@ def test_smoke_script_passes_against_local_cpu_server(tmp_path):
                 break
             if time.monotonic() > deadline:
                 pytest.fail(f"/health not 200 after {START_TIMEOUT_S} s:\n{server_log()}")
-            time.sleep(1.0)
+            time.sleep(0.2)
 
         smoke_env = dict(os.environ, FERRY_API_KEY=API_KEY, SMOKE_TIMEOUT="120")
         try:

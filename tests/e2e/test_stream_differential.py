@@ -21,7 +21,9 @@ from api_helpers import HTTP_TIMEOUT_S, MODEL
 
 pytestmark = pytest.mark.slow
 
+#: the session's server of these args (shared with test_prefix_cache_api.py's cache-off test)
 SERVER_ARGS = ["--max-total-tokens", "8192", "--disable-radix-cache"]
+SERVER_SHARED = True
 SEED, COUNT = 34, 10
 LP_TOL = 1e-4
 

@@ -79,16 +79,20 @@ def greedy_reference(model, prompt: list[int], n: int) -> tuple[list[int], list[
     return toks, lps
 
 
-def base_and_two_adapters(root, prompts: list[list[int]], n: int):
+def save_base_and_two_adapters(root) -> dict:
     """The tiny Llama saved under ``root/base`` with two seeded peft adapters: ``a1`` (rank
-    8, every projection) and ``a2`` (rank 16, q/v/down, rsLoRA); returns ``{"base" | "a1" |
-    "a2": [greedy_reference(model, prompt, n) for each prompt]}`` from transformers + peft."""
+    8, every projection) and ``a2`` (rank 16, q/v/down, rsLoRA); returns the models
+    ``{"base" | "a1" | "a2": model}`` (transformers + peft, eval) for the references."""
     hf = save_llama(root / "base")
     a1 = save_adapter(root / "base", root / "a1", seed=1, r=8, targets=ALL_MODULES)
     a2 = save_adapter(root / "base", root / "a2", seed=2, r=16,
                       targets=["q_proj", "v_proj", "down_proj"], rslora=True)
-    return {k: [greedy_reference(m, p, n) for p in prompts]
-            for k, m in (("base", hf), ("a1", a1), ("a2", a2))}
+    return {"base": hf, "a1": a1, "a2": a2}
+
+
+def references(models: dict, prompts: list[list[int]], n: int) -> dict:
+    """``{name: [greedy_reference(model, prompt, n) for each prompt]}`` of each model."""
+    return {k: [greedy_reference(m, p, n) for p in prompts] for k, m in models.items()}
 
 
 def check_choice(choice: dict, ref: tuple[list[int], list[float]], what: str) -> None:

@@ -107,7 +107,7 @@ def test_fp8_tp2_matches_tp1(tmp_path):
     scales (quantized before the split). Each rank quantizes its own slice of a
     row-parallel layer's input per token (its own amax, no extra collective), so the
     log-probs differ from TP=1 by that rounding (measured 9.4e-3 here; in fp32 without
-    FP8 they agree to 1e-4, test_tensor_parallel.py); tests/unit/test_fp8.py checks that
+    FP8 they agree to 1e-4, test_tensor_parallel.py); tests/unit/engine/layers/quantization/test_fp8.py checks that
     the shards' sum is exact when the activations are not quantized."""
     (tmp_path / "config.json").write_text(json.dumps(BASE))
     ref_toks, ref_lps = _tp_run(str(tmp_path), 1)

@@ -24,22 +24,15 @@ NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def llm():
-    from engine import LLM
-
-    return LLM(model_path=None, device="cpu", max_total_tokens=8192, chunked_prefill_size=512)
+def llm(embedded_llm):
+    """The session's LLM on the embedded model (tests/engine/conftest.py; 512-token chunks)."""
+    return embedded_llm
 
 
 @pytest.fixture(scope="module")
-def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    from engine.loader.loader import resolve_model_path
-
-    src = resolve_model_path(None)
-    model = AutoModelForCausalLM.from_pretrained(src.root, gguf_file=src.gguf_file,
-                                                 dtype=torch.float32)
-    return model.eval()
+def hf_model(hf_embedded_model):
+    """HF's fp32 model of the same GGUF, built once per session (tests/conftest.py)."""
+    return hf_embedded_model
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,9 @@ FREE = ["The capital of France is", "def fibonacci(n):"]
 
 
 @pytest.fixture(scope="module")
-def llm():
-    from engine import LLM
-
-    return LLM(model_path=None, device="cpu", max_total_tokens=8192)
+def llm(embedded_llm):
+    """The session's LLM on the embedded model (tests/engine/conftest.py)."""
+    return embedded_llm
 
 
 def _chat(llm, text: str) -> str:

@@ -231,24 +231,21 @@ def test_gpu_triton_and_decode_graphs_match_peft(ckpt):
 
 
 @pytest.mark.slow
-def test_embedded_model_with_an_adapter_matches_peft(tmp_path):
+def test_embedded_model_with_an_adapter_matches_peft(tmp_path, hf_embedded_model,
+                                                     hf_embedded_tokenizer):
     """The embedded SmolLM2 (its GGUF dequantized by transformers, saved as safetensors) with
     a peft adapter on q/v/o/down: ferry's greedy tokens and log-probs are peft's, for the
     adapter and the base in one batch."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from engine import LLM
-    from engine.loader.loader import resolve_model_path
 
-    src = resolve_model_path(None)
-    gguf = AutoModelForCausalLM.from_pretrained(src.root, gguf_file=src.gguf_file,
-                                                dtype=torch.float32)
+    gguf = hf_embedded_model  # the session's (tests/conftest.py): read, never changed
     hf = LlamaForCausalLM(gguf.config).eval()
     hf.load_state_dict(gguf.state_dict())
-    del gguf
     base = tmp_path / "smollm2"
     hf.save_pretrained(base)
-    AutoTokenizer.from_pretrained(src.root, gguf_file=src.gguf_file).save_pretrained(base)
+    hf_embedded_tokenizer.save_pretrained(base)  # the session's HF conversion (tests/conftest.py)
     peft_model = save_adapter(base, tmp_path / "ad", seed=5, r=8,
                               targets=["q_proj", "v_proj", "o_proj", "down_proj"], scale=0.2)
     prompts = [[1, 504, 3458, 282, 4649, 314], [1, 9690, 198, 2683, 1090, 30]]

@@ -20,7 +20,7 @@ import json
 
 import pytest
 import torch
-from moe_helpers import CASES, config_of, save_tiny
+from moe_helpers import CASES, config_of
 
 from engine.layers.moe import FusedMoE
 from engine.llm import LLM
@@ -57,10 +57,9 @@ SP = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logpr
 
 
 @pytest.fixture(scope="module", params=CASES)
-def served(request, tmp_path_factory):
+def served(request, tiny_moe_checkpoint):
     """(case, HF model, ferry LLM, HF reference per prompt, checkpoint dir)."""
-    path = tmp_path_factory.mktemp(request.param)
-    hf = save_tiny(request.param, path)
+    path, hf = tiny_moe_checkpoint(request.param)  # the session's (tests/conftest.py)
     ref = [_hf_generate(hf, p) for p in _prompts()]
     llm = LLM(str(path), dtype="float32", device="cpu", cpu_threads=1,
               max_total_tokens=4096)
@@ -140,9 +139,9 @@ def _assert_tp_matches(path: str, ep: int = 1, **kw) -> None:
     assert worst < 1e-4, f"largest log-prob difference TP=2 (EP={ep}) vs TP=1: {worst:.2e}"
 
 
-def test_tp2_matches_tp1_qwen2_moe_checkpoint(tmp_path):
-    save_tiny("qwen2_moe_step2", tmp_path)
-    _assert_tp_matches(str(tmp_path))
+def test_tp2_matches_tp1_qwen2_moe_checkpoint(tiny_moe_checkpoint):
+    path, _ = tiny_moe_checkpoint("qwen2_moe_step2")
+    _assert_tp_matches(str(path))
 
 
 def test_tp2_matches_tp1_olmoe_dummy(tmp_path):
@@ -157,11 +156,11 @@ def test_tp2_matches_tp1_olmoe_dummy(tmp_path):
 # ---- expert parallelism (--ep-size 2 with --tp-size 2, gloo) --------------------------------
 
 
-def test_ep2_matches_tp1_qwen2_moe_checkpoint(tmp_path):
+def test_ep2_matches_tp1_qwen2_moe_checkpoint(tiny_moe_checkpoint):
     """Experts 0-3 on rank 0, 4-7 on rank 1 (lazy slices of the other rank's experts never
     read); the shared expert and attention stay tensor-parallel."""
-    save_tiny("qwen2_moe_step2", tmp_path)
-    _assert_tp_matches(str(tmp_path), ep=2)
+    path, _ = tiny_moe_checkpoint("qwen2_moe_step2")
+    _assert_tp_matches(str(path), ep=2)
 
 
 def test_ep2_matches_tp1_mixtral_dummy(tmp_path):

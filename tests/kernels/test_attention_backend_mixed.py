@@ -5,7 +5,7 @@ one-token tail with the decode kernel. The reference is ``extend_attention_ref``
 whole batch (every request an extend), so a wrong split point, slice or workspace shows up
 as a mismatch. Both the Triton backend (interpreter on the CPU) and the torch_native backend
 are checked; the torch_native kernels are checked against SDPA in
-tests/unit/test_reference_attention.py.
+tests/unit/kernels/test_reference_attention.py.
 """
 
 from __future__ import annotations

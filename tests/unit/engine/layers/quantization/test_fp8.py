@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -482,8 +483,7 @@ def test_triton_quantizer_in_the_interpreter():
     """)
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(
-                             os.path.dirname(os.path.abspath(__file__)))))
+                         text=True, timeout=300, cwd=Path(__file__).resolve().parents[5])
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
 
 

@@ -23,10 +23,8 @@ from server.openai.protocol import ChatCompletionRequest, parse_request
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from engine.tokenizer.tokenizer import load_tokenizer
-
-    return load_tokenizer(None)
+def tok(embedded_tokenizer):
+    return embedded_tokenizer  # the embedded SmolLM2 GGUF's HF tokenizer (tests/conftest.py)
 
 
 def _run(tok, text: str, patterns: list[str]):

@@ -69,7 +69,7 @@ def test_flag():
     a = ServerArgs.from_cli_args(p.parse_args(["--attention-backend", "torch_native"]))
     assert a.attention_backend == "torch_native"
     # the flag takes any name (a new backend needs no change in args.py); the registry
-    # refuses an unknown one before anything starts (ferry serve: tests/unit/test_args.py)
+    # refuses an unknown one before anything starts (ferry serve: tests/unit/engine/test_args.py)
     flash = ServerArgs.from_cli_args(p.parse_args(["--attention-backend", "flash"]))
     with pytest.raises(ValueError, match="unknown attention backend 'flash'.*torch_native"):
         resolve_attention_backend(flash.attention_backend, "cpu")

@@ -32,10 +32,8 @@ SHOWS_TOOLS = ("{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t.funct
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from engine.tokenizer.tokenizer import load_tokenizer
-
-    return load_tokenizer(None)  # the embedded SmolLM2 GGUF's HF tokenizer
+def tok(embedded_tokenizer):
+    return embedded_tokenizer  # the embedded SmolLM2 GGUF's HF tokenizer (tests/conftest.py)
 
 
 def test_the_embedded_template_ignores_tools_and_others_do_not(tok):

@@ -12,7 +12,7 @@ from test_model_config import _tiny
 from engine.models import MODEL_REGISTRY
 from engine.models.docs import DOC_PATH, models_table
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 def test_models_doc_is_generated_from_the_registry():

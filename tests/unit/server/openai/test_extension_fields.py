@@ -24,7 +24,7 @@ from server.openai.extensions import (
 from server.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from server.responses.request import parse_responses_request
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 MESSAGES = [{"role": "user", "content": "hi"}]
 #: what sglang-router 0.3.2 forwarded to a worker for a plain request (captured: a fake
 #: worker logged the bodies; client bodies were {"messages"}, {"prompt"}, {"input"})
@@ -102,7 +102,7 @@ def test_the_routers_chat_body_is_served(body):
 def test_the_routers_completion_and_responses_bodies_are_served():
     parse_request(CompletionRequest, SGLANG_ROUTER_COMPLETION)
     req = parse_responses_request(SGLANG_ROUTER_RESPONSES)
-    assert req.store is True  # the response is stored (tests/unit/test_responses_store.py)
+    assert req.store is True  # the response is stored (tests/unit/server/responses/test_responses_store.py)
 
 
 def test_unknown_fields_are_still_refused_by_name():
@@ -127,10 +127,8 @@ def test_sampling_seed_is_seed():
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from engine.tokenizer.tokenizer import load_tokenizer
-
-    return load_tokenizer(None)  # the embedded SmolLM2 GGUF's HF tokenizer
+def tok(embedded_tokenizer):
+    return embedded_tokenizer  # the embedded SmolLM2 GGUF's HF tokenizer (tests/conftest.py)
 
 
 @pytest.fixture

@@ -278,13 +278,14 @@ def test_tokenizer_for_config_only_dirs(tmp_path):
 
 
 @pytest.mark.slow
-def test_gguf_config_and_tokenizer_cache(default_gguf_path):
-    """Cached GGUF conversions equal transformers' direct conversion of the file."""
-    from transformers import AutoConfig, AutoTokenizer
+def test_gguf_config_and_tokenizer_cache(default_gguf_path, hf_embedded_tokenizer):
+    """Cached GGUF conversions equal transformers' direct conversion of the file (the
+    tokenizer's: the session's, tests/conftest.py)."""
+    from transformers import AutoConfig
 
     root, fname = os.path.split(default_gguf_path)
     ref_cfg = AutoConfig.from_pretrained(root, gguf_file=fname)
-    ref_tok = AutoTokenizer.from_pretrained(root, gguf_file=fname)
+    ref_tok = hf_embedded_tokenizer
     drop = {"transformers_version", "_name_or_path"}
 
     def cfg_dict(c):
@@ -315,13 +316,11 @@ def test_gguf_config_and_tokenizer_cache(default_gguf_path):
 
 
 @pytest.fixture(scope="module")
-def gguf_pair(default_gguf_path):
+def gguf_pair(default_gguf_path, hf_embedded_model):
     """(hf_model, ferry_model, ferry_blocks_model, config), fp32 on the CPU, loaded once:
-    ferry's weights dequantized (--gguf-dequantize) and kept in their GGUF blocks."""
-    from transformers import AutoModelForCausalLM
-
-    root, fname = os.path.split(default_gguf_path)
-    hf = AutoModelForCausalLM.from_pretrained(root, gguf_file=fname, dtype=torch.float32).eval()
+    ferry's weights dequantized (--gguf-dequantize) and kept in their GGUF blocks; HF's model
+    of the file is the session's (tests/conftest.py)."""
+    hf = hf_embedded_model
     # HF's config of the file (ferry's GGUF config conversion is tested above, uncached)
     ours, config = load_model(None, dtype="float32", device="cpu", progress=False,
                               config=copy.deepcopy(hf.config), gguf_dequantize=True)

@@ -29,10 +29,8 @@ RESP_ID = re.compile(r"resp_[0-9a-f]{48}")  # OpenAI's shape: resp_ and 48 hex d
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from engine.tokenizer.tokenizer import load_tokenizer
-
-    return load_tokenizer(None)  # the embedded SmolLM2's HF tokenizer
+def tok(embedded_tokenizer):
+    return embedded_tokenizer  # the embedded SmolLM2 GGUF's HF tokenizer (tests/conftest.py)
 
 
 def _app(tok, **kw):

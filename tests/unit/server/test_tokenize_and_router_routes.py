@@ -20,10 +20,8 @@ TOOLS = [{"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from engine.tokenizer.tokenizer import load_tokenizer
-
-    return load_tokenizer(None)  # the embedded SmolLM2 GGUF's HF tokenizer
+def tok(embedded_tokenizer):
+    return embedded_tokenizer  # the embedded SmolLM2 GGUF's HF tokenizer (tests/conftest.py)
 
 
 @pytest.fixture

@@ -88,7 +88,7 @@ def test_peer_fields_are_implemented_noops_or_refused_by_name(model, name):
     if name in _fields(model) or name in ACCEPTED_NOOPS or name in ALIASES:
         return  # implemented (ALIASES: sampling_seed, rid, request_id)
     if name in ROUTE_FIELDS:
-        return  # lora_path: checked by the route (tests/unit/test_lora_path.py)
+        return  # lora_path: checked by the route (tests/unit/server/openai/test_lora_path.py)
     if name in EXTENSION_FIELDS and check_extension(name, value) is None:
         return  # a value ferry's output already is (test_extension_fields.py)
     if name in STRUCTURED:  # issue 13's: handled by their module once it lands
@@ -216,10 +216,8 @@ def test_choice_seeds_do_not_collide():
 # ---- 4. stop strings after min_tokens -----------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tok():
-    from engine.tokenizer.tokenizer import load_tokenizer
-
-    return load_tokenizer(None)
+def tok(embedded_tokenizer):
+    return embedded_tokenizer  # the embedded SmolLM2 GGUF's HF tokenizer (tests/conftest.py)
 
 
 def _run_stop(tok, text: str, stop: str, min_tokens: int):

@@ -105,7 +105,7 @@ def test_sampling_params_mapping():
 
 
 @pytest.mark.parametrize("field,value", [
-    # tools, tool_choice and response_format: tests/unit/test_structured.py
+    # tools, tool_choice and response_format: tests/unit/server/tools/test_structured.py
     ("functions", [{"name": "f"}]),
     ("modalities", ["text", "audio"]), ("audio", {"voice": "x"}),
 ])

@@ -8,7 +8,7 @@ import torch
 
 from engine import device as dev
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[4]
 PATTERN = re.compile(r"torch\.(cuda|xpu)\b")
 
 

@@ -1,0 +1,45 @@
+"""``ferry``'s command line: the bench/parity subcommands' ``--help`` lists their own flags
+(with help) and the engine's, not the HTTP server's; ``serve --help`` keeps the server's
+flags; a malformed ``--allowed-origins`` is refused with exit code 2 naming it."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from server.cli import main
+
+
+@pytest.mark.parametrize("cmd,own", [
+    ("bench-latency", {"--batch-size": "requests in the static batch",
+                       "--no-warmup": "time the first run"}),
+    ("bench-offline", {"--num-prompts": "requests to run", "--bench-seed": "seed"}),
+    ("parity", {"--devices": "two devices", "--prompt-len": "tokens per random prompt"}),
+])
+def test_subcommand_help_lists_its_own_flags_not_the_servers(capsys, cmd, own):
+    with pytest.raises(SystemExit) as ei:
+        main([cmd, "--help"])
+    assert ei.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: ferry {cmd}")
+    for flag, words in own.items():
+        assert re.search(rf"{flag}\b.*\n?.*{words}", out), (flag, out)
+    assert "--model-path" in out and "--device" in out  # the engine's flags stay
+    for flag in ("--port", "--host", "--api-key", "--allowed-origins", "--max-request-bytes",
+                 "--header-timeout", "--log-requests"):
+        assert flag not in out, flag
+
+
+def test_serve_help_keeps_the_server_flags(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert "--port" in out and "--allowed-origins" in out and "--api-key" in out
+
+
+def test_serve_refuses_a_malformed_origin(capsys):
+    with pytest.raises(SystemExit) as ei:
+        main(["serve", "--allowed-origins", "localhost:3000"])
+    assert ei.value.code == 2
+    assert "--allowed-origins: 'localhost:3000' is not an origin" in capsys.readouterr().err
