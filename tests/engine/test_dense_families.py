@@ -181,3 +181,43 @@ def test_tp2_matches_tp1_olmo3_dummy(tmp_path):
     cfg["num_key_value_heads"] = 1
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     _assert_tp_matches(str(tmp_path), load_format="dummy")
+
+
+# ---- the forward cut at the attention calls (the piecewise graphs' pieces) ------------------
+
+
+@pytest.mark.parametrize("case", ["olmo3", "smollm3", "granite", "exaone4"])
+def test_pieces_match_the_forward(case, tmp_path):
+    """Post-norm layers, NoPE layers, windows and multipliers through the pieces (called
+    directly over the padded buffers, no graphs): a prefill of two prompts longer than the
+    window, then one mixed with their decodes; logits equal to the plain forward's."""
+    from engine.args import ServerArgs
+    from engine.executor.model_runner import ModelRunner
+    from engine.executor.piecewise_runner import PiecewiseRunner
+    from engine.scheduler.request import Req
+    from engine.scheduler.scheduler import Scheduler
+
+    cfg = config_of(case).to_dict()
+    cfg.pop("attn_implementation", None)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    args = ServerArgs(model_path=str(tmp_path), load_format="dummy", device="cpu",
+                      dtype="float32", max_total_tokens=2048, chunked_prefill_size=64)
+    runner = ModelRunner(args)
+    sched = Scheduler(args, runner)
+    pw = PiecewiseRunner(runner, max_tokens=96, use_graphs=False)
+    sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
+
+    def step():
+        batch = sched.get_next_batch()
+        ref = runner.forward(batch)
+        torch.testing.assert_close(pw.run(batch), ref, rtol=1e-4, atol=1e-4)
+        return batch
+
+    for rid, n in (("a", 20), ("b", 17)):
+        sched.add_request(Req(rid, torch.randint(3, 256, (n,), generator=g).tolist(), sp))
+    batch = step()
+    sched.inflight = sched._launch(batch)   # as Scheduler.step: a and b now decode
+    sched._drain()
+    sched.add_request(Req("c", torch.randint(3, 256, (33,), generator=g).tolist(), sp))
+    assert step().num_decodes == 2
