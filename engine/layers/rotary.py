@@ -108,3 +108,13 @@ class RotaryEmbedding(nn.Module):
         """positions [T] int64 -> (cos, sin), each [T, D/2] fp32."""
         cs = self.cos_sin_cache.index_select(0, positions)
         return cs.chunk(2, dim=-1)
+
+
+class NoRotary(nn.Module):
+    """The rotary of a layer without position embedding (NoPE: SmolLM3's and EXAONE 4's
+    global layers): :meth:`rotate` returns q and k as they are."""
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq*D], k [T, Hkv*D], positions [T] -> the same ``(q, k)``, not rotated."""
+        return q, k

@@ -50,6 +50,7 @@ from pathlib import Path
 import torch
 
 from engine import device as devmod
+from engine.layer_spec import AttentionKind
 from engine.layers.pooler import PoolingSpec
 from engine.layers.quantization import (
     apply_ignore,
@@ -289,14 +290,26 @@ def load_config(source: ModelSource | str | None):
 
 
 def _cap_sliding_window(config) -> None:
+    """Cap the context at the config's ``sliding_window`` for a family whose layers ferry
+    describes as full attention (Mistral, Qwen2); a family with SLIDING layers in its
+    specs (OLMo 3, EXAONE 4) runs its window and keeps its context."""
     window = getattr(config, "sliding_window", None)
     enabled = getattr(config, "use_sliding_window", True)
     max_pos = getattr(config, "max_position_embeddings", None)
-    if window and enabled and max_pos and window < max_pos:
+    if window and enabled and max_pos and window < max_pos and not _runs_windows(config):
         logger.warning("the model uses sliding-window attention (window %d), which ferry does "
                        "not implement; capping the context at %d tokens (exact within it)",
                        window, window)
         config.max_position_embeddings = int(window)
+
+
+def _runs_windows(config) -> bool:
+    """Whether the model class of ``config`` has sliding-window layers (False when the
+    architecture is unknown: the registry refuses it later)."""
+    try:
+        return AttentionKind.SLIDING in get_model_class(config).attention_kinds
+    except ValueError:
+        return False
 
 
 def _resolve_format(load_format: str, source: ModelSource) -> str:

@@ -13,11 +13,15 @@ from __future__ import annotations
 
 from engine.models.base import CausalLM
 from engine.models.config import MODEL_TYPES, ModelConfig
+from engine.models.exaone4 import Exaone4ForCausalLM
+from engine.models.granite import GraniteForCausalLM
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
+from engine.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM
 from engine.models.olmoe import OlmoeForCausalLM
 from engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from engine.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from engine.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -28,6 +32,11 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Olmo3ForCausalLM": Olmo3ForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
+    "Exaone4ForCausalLM": Exaone4ForCausalLM,
 }
 
 
@@ -66,6 +75,11 @@ __all__ = [
     "Qwen2MoeForCausalLM",
     "MixtralForCausalLM",
     "OlmoeForCausalLM",
+    "Olmo2ForCausalLM",
+    "Olmo3ForCausalLM",
+    "SmolLM3ForCausalLM",
+    "GraniteForCausalLM",
+    "Exaone4ForCausalLM",
     "get_model_class",
     "supported_architectures",
 ]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -197,3 +198,42 @@ def full_attention_specs(config: ModelConfig) -> list[LayerSpec]:
                      head_dim=config.head_dim, v_head_dim=config.head_dim,
                      num_kv_heads=config.num_kv_heads, rotary=rotary)
     return [spec] * config.num_layers
+
+
+#: HF ``layer_types`` names -> attention kinds
+LAYER_TYPES = {"full_attention": AttentionKind.FULL, "sliding_attention": AttentionKind.SLIDING}
+
+
+def layer_type_specs(config: ModelConfig, layer_types, sliding_window: int | None,
+                     rotary: list[bool] | None = None,
+                     scale: float | None = None) -> list[LayerSpec]:
+    """Specs from an HF config's ``layer_types`` (``"full_attention"`` or
+    ``"sliding_attention"`` per layer; None: all full): the config's head sizes, K/V heads
+    and rotary as :func:`full_attention_specs`, the window ``sliding_window`` (tokens) on the
+    sliding layers, no rotary on layer ``i`` when ``rotary[i]`` is False (NoPE), the softmax
+    ``scale`` (None: ``head_dim ** -0.5``).
+
+    Raises:
+        ValueError: an unknown layer type, a sliding layer without a window, or a list whose
+            length is not ``config.num_layers``.
+    """
+    n = config.num_layers
+    types = list(layer_types) if layer_types is not None else ["full_attention"] * n
+    rotary = [True] * n if rotary is None else list(rotary)
+    if len(types) != n or len(rotary) != n:
+        raise ValueError(f"layer_types ({len(types)}) and rotary layers ({len(rotary)}) must "
+                         f"list the {n} layers")
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"unknown layer types {unknown}; ferry runs {sorted(LAYER_TYPES)}")
+    if "sliding_attention" in types and not sliding_window:
+        raise ValueError("sliding_attention layers need the config's sliding_window")
+    base = full_attention_specs(config)[0]
+    specs = []
+    for kind, rope in zip(types, rotary):
+        attention = LAYER_TYPES[kind]
+        specs.append(replace(base, attention=attention, scale=scale,
+                             sliding_window=sliding_window
+                             if attention == AttentionKind.SLIDING else None,
+                             rotary=base.rotary if rope else None))
+    return specs

@@ -8,9 +8,14 @@ composes these:
   over the whole projection), RoPE, the :class:`engine.layers.attention.Attention` layer
   (which holds the layer's :class:`engine.layer_spec.LayerSpec`) and ``o_proj``.
 - :class:`DecoderLayer`: pre-norm attention and MLP, each with its residual add fused into
-  the next norm (``norm``: the norm class, RMSNorm by default).
+  the next norm (``norm``: the norm class, RMSNorm by default); its variants
+  :class:`ScaledResidualDecoderLayer` (Granite's ``residual_multiplier``) and
+  :class:`PostNormDecoderLayer` (OLMo 2's norms on the attention and MLP outputs).
+- :class:`DecoderOptions`: which layer class, the embedding multiplier; chosen once when the
+  model is built (the forward of a family that keeps the defaults is unchanged).
 - :class:`DecoderModel`: the embedding, the layers, the final norm and the rotary table; its
   forward and its pieces (the forward cut at the attention calls, for the piecewise graphs).
+  A layer whose spec has ``rotary=None`` (NoPE) gets :class:`engine.layers.rotary.NoRotary`.
 
 Module and parameter names are HF's with fused projections (``self_attn.qkv_proj``,
 ``mlp.gate_up_proj``), so the families load HF checkpoints by name
@@ -36,7 +41,7 @@ from engine.layers.linear import (
     VocabEmbedding,
 )
 from engine.layers.norm import RMSNorm, ShardedRMSNorm
-from engine.layers.rotary import RotaryEmbedding
+from engine.layers.rotary import NoRotary, RotaryEmbedding
 from engine.models.config import ModelConfig
 
 #: ``norm(size, eps, dtype)``: the norm module of a decoder (RMSNorm, or a family's variant)
@@ -59,6 +64,33 @@ class AttentionOptions:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool | str = False
+
+
+@dataclass(frozen=True)
+class DecoderOptions:
+    """A family's decoder-layer switches (the defaults: Llama's pre-norm layers).
+
+    Attributes:
+        norm_placement: ``"pre"`` (norm the input of attention and MLP:
+            :class:`DecoderLayer`) or ``"post"`` (norm their outputs before the residual
+            add, no input norm: OLMo 2, EXAONE 4; :class:`PostNormDecoderLayer`).
+        residual_multiplier: attention and MLP outputs are scaled by it before the residual
+            add (Granite; 1.0: not scaled). Pre-norm layers only.
+        embedding_multiplier: the embeddings are scaled by it (Granite; 1.0: not scaled).
+
+    Raises:
+        ValueError: an unknown placement, or a residual multiplier with post-norm layers.
+    """
+
+    norm_placement: str = "pre"
+    residual_multiplier: float = 1.0
+    embedding_multiplier: float = 1.0
+
+    def __post_init__(self):
+        if self.norm_placement not in ("pre", "post"):
+            raise ValueError(f"norm_placement {self.norm_placement!r}: 'pre' or 'post'")
+        if self.norm_placement == "post" and self.residual_multiplier != 1.0:
+            raise ValueError("residual_multiplier is implemented for pre-norm layers only")
 
 
 class GatedMLP(nn.Module):
@@ -197,6 +229,79 @@ class DecoderLayer(nn.Module):
         return self.post_attn(self.self_attn.attn(q, k, v, fb), residual)
 
 
+class ScaledResidualDecoderLayer(DecoderLayer):
+    """Pre-norm layer whose attention and MLP outputs are scaled by ``residual_multiplier``
+    before their residual adds (Granite: ``h += m * attn(norm(h))``, ``h += m * mlp(norm(h))``).
+
+    Args:
+        residual_multiplier: ``m``; the rest as :class:`DecoderLayer`.
+    """
+
+    def __init__(self, config: ModelConfig, spec: LayerSpec, layer_id: int, dtype: torch.dtype,
+                 options: AttentionOptions, make_mlp: MlpFactory | None = None,
+                 norm: NormFactory = RMSNorm, residual_multiplier: float = 1.0):
+        super().__init__(config, spec, layer_id, dtype, options, make_mlp, norm)
+        self.residual_multiplier = residual_multiplier
+
+    def post_attn(self, attn_out: torch.Tensor, residual: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """o projection scaled, norm with the residual add, the MLP scaled (the next norm
+        adds it)."""
+        m = self.residual_multiplier
+        hidden, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out) * m,
+                                                         residual)
+        return self.mlp(hidden) * m, residual
+
+
+class PostNormDecoderLayer(DecoderLayer):
+    """Post-norm layer (OLMo 2, OLMo 3, EXAONE 4): ``h += post_attention_layernorm(attn(h))``,
+    ``h += post_feedforward_layernorm(mlp(h))``; no input norm.
+
+    The ``(hidden, residual)`` pair it passes on sums to the residual stream (``hidden``: the
+    normed MLP output, ``residual``: the stream before its add), so the next layer, and the
+    model's final norm with its fused add, read it as after a pre-norm layer.
+
+    Args:
+        as :class:`DecoderLayer`.
+    """
+
+    def __init__(self, config: ModelConfig, spec: LayerSpec, layer_id: int, dtype: torch.dtype,
+                 options: AttentionOptions, make_mlp: MlpFactory | None = None,
+                 norm: NormFactory = RMSNorm):
+        super().__init__(config, spec, layer_id, dtype, options, make_mlp, norm)
+        del self.input_layernorm
+        self.post_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def pre_attn(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                 rope: RotaryEmbedding, positions: torch.Tensor):
+        """The residual stream (``hidden + residual``) and its q/k/v projection.
+
+        Returns ``(q, k, v, stream)``; q/k are rotated.
+        """
+        stream = hidden if residual is None else hidden + residual
+        q, k, v = self.self_attn.project_qkv(stream, rope, positions)
+        return q, k, v, stream
+
+    def post_attn(self, attn_out: torch.Tensor, residual: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """o projection, its norm and residual add, the MLP and its norm (added by the
+        next layer)."""
+        stream = residual + self.post_attention_layernorm(self.self_attn.o_proj(attn_out))
+        return self.post_feedforward_layernorm(self.mlp(stream)), stream
+
+
+def _make_layer(config: ModelConfig, spec: LayerSpec, layer_id: int, dtype: torch.dtype,
+                options: AttentionOptions, make_mlp: MlpFactory | None, norm: NormFactory,
+                decoder: DecoderOptions) -> DecoderLayer:
+    """The layer class ``decoder`` asks for (:class:`DecoderLayer` by default)."""
+    if decoder.norm_placement == "post":
+        return PostNormDecoderLayer(config, spec, layer_id, dtype, options, make_mlp, norm)
+    if decoder.residual_multiplier != 1.0:
+        return ScaledResidualDecoderLayer(config, spec, layer_id, dtype, options, make_mlp,
+                                          norm, decoder.residual_multiplier)
+    return DecoderLayer(config, spec, layer_id, dtype, options, make_mlp, norm)
+
+
 class DecoderModel(nn.Module):
     """Embedding, decoder layers (one per spec), final norm, rotary table.
 
@@ -208,18 +313,28 @@ class DecoderModel(nn.Module):
         make_mlp: ``make_mlp(config, layer_id, dtype)``, the MLP of each layer (default
             :class:`GatedMLP`: MoE families give their block).
         norm: the norm class of the layers and the final norm.
+        decoder: the layer placement and multipliers (:class:`DecoderOptions`; default
+            Llama's pre-norm layers).
     """
 
     def __init__(self, config: ModelConfig, specs: Sequence[LayerSpec], dtype: torch.dtype,
                  options: AttentionOptions, make_mlp: MlpFactory | None = None,
-                 norm: NormFactory = RMSNorm):
+                 norm: NormFactory = RMSNorm, decoder: DecoderOptions | None = None):
         super().__init__()
+        decoder = decoder or DecoderOptions()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, spec, i, dtype, options, make_mlp, norm)
+        self.embedding_multiplier = decoder.embedding_multiplier
+        self.layers = nn.ModuleList(_make_layer(config, spec, i, dtype, options, make_mlp, norm,
+                                                decoder)
                                     for i, spec in enumerate(specs))
         self.norm = norm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                           config.rope_theta, config.rope_parameters)
+        if any(spec.rotary is None for spec in specs):
+            self.no_rotary = NoRotary()
+        #: each layer's rotary (the shared table; NoRotary for a spec without one)
+        self.layer_ropes = tuple(self.rotary_emb if spec.rotary is not None else self.no_rotary
+                                 for spec in specs)
         #: layers whose input (hidden + residual, unnormed) the forward keeps in
         #: ``aux_hidden`` (EAGLE-3's low/mid/high states); empty: none kept
         self.aux_layers: tuple[int, ...] = ()
@@ -228,25 +343,34 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 fb: ForwardBatch) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final normed hidden states [T, hidden]."""
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         residual = None
         aux = {}
+        ropes = self.layer_ropes
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers:
                 aux[i] = hidden if residual is None else hidden + residual
-            hidden, residual = layer(hidden, residual, self.rotary_emb, positions, fb)
+            hidden, residual = layer(hidden, residual, ropes[i], positions, fb)
         if self.aux_layers:  # in the listed order (a layer may be listed twice)
             self.aux_hidden = [aux[i] for i in self.aux_layers]
         hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] int64 -> the embeddings [T, hidden] (scaled by the embedding
+        multiplier when there is one)."""
+        hidden = self.embed_tokens(input_ids)
+        if self.embedding_multiplier != 1.0:
+            hidden = hidden * self.embedding_multiplier
         return hidden
 
     def piece(self, i: int, positions: torch.Tensor, input_ids: torch.Tensor | None = None,
               attn_out: torch.Tensor | None = None, residual: torch.Tensor | None = None):
         """Piece ``i`` of the forward (see :meth:`engine.models.base.CausalLM.piece`)."""
         if i == 0:
-            hidden, residual = self.embed_tokens(input_ids), None
+            hidden, residual = self.embed(input_ids), None
         else:
             hidden, residual = self.layers[i - 1].post_attn(attn_out, residual)
         if i == len(self.layers):
             return self.norm(hidden, residual)[0]
-        return self.layers[i].pre_attn(hidden, residual, self.rotary_emb, positions)
+        return self.layers[i].pre_attn(hidden, residual, self.layer_ropes[i], positions)

@@ -5,9 +5,10 @@ It implements the model contract (:class:`engine.models.base.CausalLM`): the for
 hidden states a draft head reads, the piecewise split, the LM head (the embedding table with
 ``tie_word_embeddings``), and the weights by HF name (fused ``qkv_proj``/``gate_up_proj``
 filled from their checkpoint parts, :mod:`engine.models.weights`). A family sets its
-switches by overriding :meth:`DecoderForCausalLM._options` (q/k/v/o bias, q/k norm) and
-:meth:`DecoderForCausalLM._mlp` (the MLP of a layer), and, once its layers differ from plain
-full attention, :meth:`engine.models.base.CausalLM.layer_specs`. Every shape comes from
+switches by overriding :meth:`DecoderForCausalLM._options` (q/k/v/o bias, q/k norm),
+:meth:`DecoderForCausalLM._mlp` (the MLP of a layer) and :meth:`DecoderForCausalLM._decoder`
+(norm placement, multipliers), and, once its layers differ from plain full attention
+(a window, a scale, no rotary), :meth:`engine.models.base.CausalLM.layer_specs`. Every shape comes from
 :class:`engine.models.config.ModelConfig`.
 """
 
@@ -23,7 +24,7 @@ from engine.forward_batch import ForwardBatch
 from engine.layers.attention import Attention
 from engine.layers.linear import VocabEmbedding, default_weight_loader
 from engine.models.base import CausalLM
-from engine.models.blocks import AttentionOptions, DecoderModel, GatedMLP
+from engine.models.blocks import AttentionOptions, DecoderModel, DecoderOptions, GatedMLP
 from engine.models.config import ModelConfig
 from engine.models.weights import (
     IGNORED_SUFFIXES,
@@ -59,7 +60,8 @@ class DecoderForCausalLM(CausalLM):
         self.config = config
         self.model_config = mc = ModelConfig.from_hf(config)
         self.dtype = dtype
-        self.model = DecoderModel(mc, self.layer_specs(), dtype, self._options(mc), self._mlp)
+        self.model = DecoderModel(mc, self.layer_specs(), dtype, self._options(mc), self._mlp,
+                                  decoder=self._decoder(mc))
         self.tie_word_embeddings = mc.tie_word_embeddings
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
@@ -72,6 +74,10 @@ class DecoderForCausalLM(CausalLM):
         """The attention switches (default: q/k/v/o bias = ``attention_bias``, no q/k norm)."""
         bias = config.attention_bias
         return AttentionOptions(qkv_bias=bias, o_bias=bias)
+
+    def _decoder(self, config: ModelConfig) -> DecoderOptions:
+        """The decoder-layer switches (default: pre-norm layers, no multipliers)."""
+        return DecoderOptions()
 
     def _mlp(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> nn.Module:
         """The MLP of decoder layer ``layer_id`` (a hook: MoE models return their block)."""
@@ -171,6 +177,8 @@ class DecoderForCausalLM(CausalLM):
         if name.startswith(("model.embed_tokens.", "lm_head.")):
             return (mc.vocab_size, h)
         if kind in ("q_norm", "k_norm"):
+            if self._options(mc).qk_norm == "full":  # one norm over the whole projection
+                return (mc.num_heads * d,) if kind == "q_norm" else (mc.num_kv_heads * d,)
             return (d,)
         if kind.endswith("norm"):
             return (h,)

@@ -28,7 +28,8 @@ One row per model class. **HF architectures** is `config.architectures[0]` of a 
 the kinds the class's layers may have (`engine/layer_spec.py`: each layer's `LayerSpec`);
 `full` attention over a `paged_kv` cache is the paged KV pool of `engine/kv/pool.py`.
 Mistral-style `sliding_window` configs run as full attention with the context capped at the
-window (the loader's `_cap_sliding_window`).
+window (the loader's `_cap_sliding_window`); the families with `sliding` layers run their
+window and keep their context.
 
 | Family | HF architectures | model_type | Attention | Cache | Module |
 |---|---|---|---|---|---|

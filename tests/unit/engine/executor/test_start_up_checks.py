@@ -147,8 +147,8 @@ def test_an_unsupported_architecture_is_refused(serve_stubbed, capsys, tmp_path)
     path = _config(tmp_path, "gpt2", architectures=["GPT2LMHeadModel"], model_type="gpt2",
                    bos_token_id=0, eos_token_id=0)  # in the vocabulary: no config warning
     line = _refused(serve_stubbed, capsys, ["--model-path", path, "--load-format", "dummy"])
-    assert line.startswith("unsupported model architecture GPT2LMHeadModel; ferry supports "
-                           "LlamaForCausalLM"), line
+    assert line.startswith("unsupported model architecture GPT2LMHeadModel; ferry supports "), line
+    assert "LlamaForCausalLM, MistralForCausalLM" in line, line   # the list, sorted
 
 
 def test_a_model_type_transformers_does_not_know_is_one_line(serve_stubbed, capsys, tmp_path):
@@ -160,6 +160,32 @@ def test_a_model_type_transformers_does_not_know_is_one_line(serve_stubbed, caps
 def test_an_moe_model_without_quantization_launches(serve_stubbed, tmp_path):
     serve, launched = serve_stubbed
     path = _config(tmp_path, "moe", **QWEN3_MOE)
+    assert serve(["--device", "cpu", "--model-path", path, "--load-format", "dummy"]) == 0
+    assert len(launched) == 1
+
+
+@pytest.mark.parametrize("name,family,layers,sliding,nope", [
+    ("olmo-2-7b", "Olmo2ForCausalLM", 32, 0, 0),
+    ("smollm3-3b", "SmolLM3ForCausalLM", 36, 0, 9),
+    ("granite-3.1-8b", "GraniteForCausalLM", 40, 0, 0),
+    ("exaone-4.0-32b", "Exaone4ForCausalLM", 64, 48, 16),
+])
+def test_real_shapes_of_the_dense_families_build_on_meta(name, family, layers, sliding, nope,
+                                                          serve_stubbed):
+    """engine/configs/ of issue 42's families: the preflight's meta build, and the launch."""
+    from engine.args import ServerArgs
+    from engine.executor.preflight import build_meta_model
+
+    path = os.path.join(os.path.dirname(engine.__file__), "configs", f"{name}.json")
+    model = build_meta_model(ServerArgs(model_path=path, load_format="dummy"), "cpu")
+    assert type(model).__name__ == family
+    specs = model.layer_specs()
+    assert len(specs) == layers
+    assert sum(s.attention == "sliding" for s in specs) == sliding
+    assert sum(s.rotary is None for s in specs) == nope
+    if sliding:   # the window runs: the context is the config's, not capped at the window
+        assert model.model_config.context_length == 131072
+    serve, launched = serve_stubbed
     assert serve(["--device", "cpu", "--model-path", path, "--load-format", "dummy"]) == 0
     assert len(launched) == 1
 

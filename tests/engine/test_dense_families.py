@@ -1,0 +1,223 @@
+"""The dense families of issue 42 served by ferry vs HF transformers: OLMo 2 (post-norms,
+q/k norm over the whole projections), OLMo 3 (plus sliding-window layers), SmolLM3 (NoPE
+layers; with and without a window on them), Granite 3.x (embedding, residual, attention and
+logit multipliers) and EXAONE 4 (post-norms, per-head q/k norm, sliding layers with RoPE and
+NoPE global layers).
+
+Each case is a tiny random HF checkpoint (:mod:`dense_helpers`; windows of 8 tokens,
+shorter than the prompts) loaded by the offline ``LLM`` (float32, CPU). ferry's greedy
+tokens must equal HF ``generate``'s and the chosen tokens' log-probabilities agree within
+1e-3 over 12 steps: in a batch of different lengths, alone (prefix cache missed), with the
+prefix cache hit (whole and partial), and with prompts prefilled in chunks of 16 tokens.
+TP=2 vs TP=1 (gloo) runs on the Granite checkpoint and on dummy OLMo 3 weights (the q/k
+norm over the split projections, windowed layers).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from dense_helpers import CASES, WINDOW, config_of, save_tiny
+
+from engine.layer_spec import AttentionKind
+from engine.layers.rotary import NoRotary
+from engine.llm import LLM
+from engine.models.blocks import PostNormDecoderLayer, ScaledResidualDecoderLayer
+from engine.sampling.params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 12
+LOGPROB_TOL = 1e-3
+SP = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
+
+#: what each case's layers must be (so that a parity pass is not one of plain layers):
+#: (layer class, sliding layers, NoPE layers)
+SHAPE = {
+    "olmo2": (PostNormDecoderLayer, [], []),
+    "olmo3": (PostNormDecoderLayer, [0, 1, 2], []),
+    "smollm3": (None, [], [1, 3]),
+    "smollm3_window": (None, [1, 3], [1, 3]),
+    "granite": (ScaledResidualDecoderLayer, [], []),
+    "exaone4": (PostNormDecoderLayer, [0, 1, 2], [3]),
+}
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 13, 40)]
+
+
+def _hf_generate(hf, prompt: list[int]) -> tuple[list[int], list[float]]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                          do_sample=False, eos_token_id=None, pad_token_id=0,
+                          output_logits=True, return_dict_in_generate=True)
+    toks = out.sequences[0, len(prompt):].tolist()
+    lps = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, toks)]
+    return toks, lps
+
+
+def _assert_matches(out, ref, what: str) -> None:
+    toks, lps = ref
+    assert out.token_ids == toks, f"{what}: ferry {out.token_ids} != HF {toks}"
+    worst = max(abs(entry[0] - b) for entry, b in zip(out.logprobs, lps))
+    assert worst < LOGPROB_TOL, f"{what}: log-prob differs from HF by {worst:.2e}"
+
+
+@pytest.fixture(scope="module", params=CASES)
+def checkpoint(request, tmp_path_factory):
+    """(case, HF model, checkpoint dir, HF reference per prompt), built once per case."""
+    path = tmp_path_factory.mktemp(request.param)
+    hf = save_tiny(request.param, path)
+    return request.param, hf, path, [_hf_generate(hf, p) for p in _prompts()]
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint):
+    """The checkpoint and the ferry LLM serving it."""
+    case, hf, path, ref = checkpoint
+    llm = LLM(str(path), dtype="float32", device="cpu", cpu_threads=1, max_total_tokens=4096)
+    yield case, hf, llm, ref
+    llm.shutdown()
+
+
+def test_layers_are_the_family_s(served):
+    case, hf, llm, _ = served
+    model = llm.runner.model
+    assert type(model).__name__ == type(hf).__name__
+    cls, sliding, nope = SHAPE[case]
+    specs = model.layer_specs()
+    assert [i for i, s in enumerate(specs) if s.attention == AttentionKind.SLIDING] == sliding
+    assert all(specs[i].sliding_window == WINDOW for i in sliding)
+    assert [i for i, s in enumerate(specs) if s.rotary is None] == nope
+    assert [i for i, r in enumerate(model.model.layer_ropes) if isinstance(r, NoRotary)] == nope
+    if cls is not None:
+        assert all(type(layer) is cls for layer in model.model.layers)
+
+
+def test_batch_and_alone_match_hf(served):
+    case, _, llm, ref = served
+    prompts = _prompts()
+    batch = llm.generate(prompts, SP)
+    for i, (out, r) in enumerate(zip(batch, ref)):
+        _assert_matches(out, r, f"{case} prompt {i} in a batch")
+    for i, p in enumerate(prompts):
+        assert llm.scheduler.flush_cache()
+        alone = llm.generate([p], SP)[0]
+        assert alone.num_cached_tokens == 0          # a prefix-cache miss
+        _assert_matches(alone, ref[i], f"{case} prompt {i} alone")
+        assert alone.token_ids == batch[i].token_ids
+
+
+def test_prefix_cache_hit_matches_hf(served):
+    """The long prompt again (a hit), and one sharing its first 32 tokens (a partial hit)."""
+    case, hf, llm, ref = served
+    long = _prompts()[2]
+    assert llm.scheduler.flush_cache()
+    assert llm.generate([long], SP)[0].num_cached_tokens == 0
+    again = llm.generate([long], SP)[0]
+    assert again.num_cached_tokens is not None and again.num_cached_tokens >= 32
+    _assert_matches(again, ref[2], f"{case} cached prompt")
+    shared = long[:32] + [9, 8, 7, 6, 5]
+    out = llm.generate([shared], SP)[0]
+    assert out.num_cached_tokens >= 24
+    _assert_matches(out, _hf_generate(hf, shared), f"{case} shared prefix")
+
+
+def test_chunked_prefill_matches_hf(checkpoint):
+    """Prompts of 40 and 45 tokens prefilled 16 tokens a step (boundaries inside the
+    windows), in a batch."""
+    case, hf, path, ref = checkpoint
+    longer = [(5 * i + 11) % 250 + 3 for i in range(45)]
+    with LLM(str(path), dtype="float32", device="cpu", cpu_threads=1, max_total_tokens=4096,
+             chunked_prefill_size=16) as llm:
+        outs = llm.generate([_prompts()[2], longer], SP)
+    _assert_matches(outs[0], ref[2], f"{case} chunked prompt")
+    _assert_matches(outs[1], _hf_generate(hf, longer), f"{case} chunked 45-token prompt")
+
+
+# ---- tensor parallelism (gloo, 2 ranks on the CPU) ------------------------------------------
+
+PROMPT_A = [(7 * i + 3) % 250 + 3 for i in range(300)]  # > the CPU prefill chunk (256)
+PROMPT_B = PROMPT_A[:200] + [5, 6, 7, 8, 9, 10]        # shares a 200-token prefix
+PROMPT_C = [11, 12, 13]
+
+
+def _run_tp(path: str, tp: int, **kw):
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+    with LLM(path, tp_size=tp, cpu_threads=1, dtype="float32", device="cpu", seed=3,
+             **kw) as llm:
+        first = llm.generate([PROMPT_A, PROMPT_C], sp)
+        second = llm.generate([PROMPT_B], sp)
+    assert second[0].num_cached_tokens >= 192
+    outs = first + second
+    lps = [lp for o in outs for tok_lp, top in o.logprobs
+           for lp in [tok_lp, *(v for _, v in top)]]
+    return [o.token_ids for o in outs], lps
+
+
+def _assert_tp_matches(path: str, **kw) -> None:
+    ref_toks, ref_lps = _run_tp(path, 1, **kw)
+    toks, lps = _run_tp(path, 2, **kw)
+    assert toks == ref_toks
+    assert len(lps) == len(ref_lps) > 0
+    worst = max(abs(a - b) for a, b in zip(lps, ref_lps))
+    assert worst < 1e-4, f"largest log-prob difference TP=2 vs TP=1: {worst:.2e}"
+
+
+def test_tp2_matches_tp1_granite_checkpoint(tmp_path):
+    save_tiny("granite", tmp_path)
+    _assert_tp_matches(str(tmp_path))
+
+
+def test_tp2_matches_tp1_olmo3_dummy(tmp_path):
+    """Dummy weights; one K/V head, replicated on both ranks (k_norm's columns too)."""
+    cfg = config_of("olmo3").to_dict()
+    cfg.pop("attn_implementation", None)
+    cfg["num_key_value_heads"] = 1
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    _assert_tp_matches(str(tmp_path), load_format="dummy")
+
+
+# ---- the forward cut at the attention calls (the piecewise graphs' pieces) ------------------
+
+
+@pytest.mark.parametrize("case", ["olmo3", "smollm3", "granite", "exaone4"])
+def test_pieces_match_the_forward(case, tmp_path):
+    """Post-norm layers, NoPE layers, windows and multipliers through the pieces (called
+    directly over the padded buffers, no graphs): a prefill of two prompts longer than the
+    window, then one mixed with their decodes; logits equal to the plain forward's."""
+    from engine.args import ServerArgs
+    from engine.executor.model_runner import ModelRunner
+    from engine.executor.piecewise_runner import PiecewiseRunner
+    from engine.scheduler.request import Req
+    from engine.scheduler.scheduler import Scheduler
+
+    cfg = config_of(case).to_dict()
+    cfg.pop("attn_implementation", None)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    args = ServerArgs(model_path=str(tmp_path), load_format="dummy", device="cpu",
+                      dtype="float32", max_total_tokens=2048, chunked_prefill_size=64)
+    runner = ModelRunner(args)
+    sched = Scheduler(args, runner)
+    pw = PiecewiseRunner(runner, max_tokens=96, use_graphs=False)
+    sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
+
+    def step():
+        batch = sched.get_next_batch()
+        ref = runner.forward(batch)
+        torch.testing.assert_close(pw.run(batch), ref, rtol=1e-4, atol=1e-4)
+        return batch
+
+    for rid, n in (("a", 20), ("b", 17)):
+        sched.add_request(Req(rid, torch.randint(3, 256, (n,), generator=g).tolist(), sp))
+    batch = step()
+    sched.inflight = sched._launch(batch)   # as Scheduler.step: a and b now decode
+    sched._drain()
+    sched.add_request(Req("c", torch.randint(3, 256, (33,), generator=g).tolist(), sp))
+    assert step().num_decodes == 2
