@@ -5,6 +5,12 @@ chunks as outputs arrive (``start``, ``chunks``, ``usage_chunk``). Choice ``i`` 
 request ``i`` of the fan-out (``prompt * n + sample``). A finished choice carries SGLang's
 ``matched_stop``: the stop string or stop token id (EOS included) that ended it, else null.
 
+With a reasoning parser (``ChatFormat``'s ``reasoning``, a ``ReasoningPlan`` of
+``server/pipeline/reasoning.py``) each chat choice's text splits into ``reasoning_content`` and
+``content`` as it arrives (``_Choice.answer`` is the content part, what tool calls are
+parsed from); the usage adds ``completion_tokens_details.reasoning_tokens``. ``strip``: the
+special tokens taken out of the text sent (kept by the engine for a parser that reads them).
+
 Logprobs in a stream travel with their text: a token's logprobs wait while the detokenizer
 holds its text back (an incomplete UTF-8 character, a possible stop string), so a chunk may
 carry text whose tokens come in a later chunk, until the finish, when every token's

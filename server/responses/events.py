@@ -2,11 +2,16 @@
 
 ``ResponseBuilder`` reads the chat format's chunks (``ChatFormat`` / ``ToolChatFormat`` of
 ``server/openai/formats.py`` and ``server/openai/tool_format.py``, so text, tool calls and
-their parsing are the chat endpoint's) and turns them into Responses output items: a
-``message`` with one ``output_text`` part for the text, a ``function_call`` item per tool
-call. A stream emits, in order, with a ``sequence_number`` from 0:
+their parsing are the chat endpoint's) and turns them into Responses output items: with
+``--reasoning-parser``, a ``reasoning`` item (``summary: []``, one ``reasoning_text`` content
+part) for the chat delta's ``reasoning_content``; a ``message`` with one ``output_text`` part
+for the text, a ``function_call`` item per tool call. A stream emits, in order, with a
+``sequence_number`` from 0:
 
-``response.created``, ``response.in_progress``; per message ``response.output_item.added``,
+``response.created``, ``response.in_progress``; per reasoning item
+``response.output_item.added``, ``response.content_part.added``,
+``response.reasoning_text.delta``..., ``response.reasoning_text.done``,
+``response.content_part.done``, ``response.output_item.done``; per message ``response.output_item.added``,
 ``response.content_part.added``, ``response.output_text.delta``..., ``response.output_text.done``,
 ``response.content_part.done``, ``response.output_item.done``; per call
 ``response.output_item.added``, ``response.function_call_arguments.delta``...,

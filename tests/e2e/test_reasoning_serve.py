@@ -14,7 +14,6 @@ import json
 
 import httpx
 import pytest
-
 from conftest import FerryServer
 from scripted_model import CALL, save_scripted
 
