@@ -197,7 +197,9 @@ async def prepare(tm: TokenizerManager, req: Any, *, base: str, max_tokens: int 
 
     In order: the sampling settings, the tools/structured-output plan (which may constrain
     the sampling), the fan-out bound, the chat template, the context, the prompt
-    log-probability bound.
+    log-probability bound, the reasoning split (``server/pipeline/reasoning.py``: the
+    constraint then waits for the reasoning's end; special tokens kept for the parsers that
+    read them).
 
     Args:
         tm: the engine client (its chat tokenizer, limits and admission bound).

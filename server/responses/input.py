@@ -150,7 +150,8 @@ def chat_messages(instructions: str | None, inp: str | list[dict],
         if not isinstance(kind, str) or kind not in ITEM_KEYS:
             if isinstance(kind, str):
                 raise not_supported(f"{where}.type", f"input item type {kind!r} (only "
-                                    "'message', 'function_call' and 'function_call_output')")
+                                    "'message', 'function_call', 'function_call_output' "
+                                    "and 'reasoning')")
             raise bad_request(f"{where}.type must be a string", f"{where}.type")
         for key in item:
             if key not in ITEM_KEYS[kind]:

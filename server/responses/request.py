@@ -4,7 +4,9 @@
 (``RESPONSES_NOOPS``) or a 400 naming it (``STATEFUL``: features ferry has not got).
 ``to_chat`` turns it into a ``/v1/chat/completions`` body (``instructions`` + ``input`` ->
 ``messages``, ``max_output_tokens`` -> ``max_completion_tokens``, ``text.format`` ->
-``response_format``, flat function ``tools``/``tool_choice`` -> the chat shapes; the item
+``response_format``, flat function ``tools``/``tool_choice`` -> the chat shapes,
+``reasoning.effort`` -> ``chat_template_kwargs.reasoning_effort`` (``reasoning`` is in
+``RESPONSES_NOOPS`` for the rest of it); the item
 conversions are ``server/responses/input.py``); ``echo_fields`` are the settings the
 ``response`` object repeats. The handler is ``server/responses/serving.py``.
 """

@@ -175,7 +175,7 @@ def test_special_tokens_are_stripped_from_what_is_sent():
     assert special_token_texts(tok) == ("<|im_end|>", "</s>", "<s>")
 
 
-def _response_items(stream: bool) -> tuple[dict, list[dict]]:
+def _response_items() -> tuple[dict, list[dict]]:
     build = ResponseBuilder("resp_1", "m", chat_fmt(plan()), {})
     events = build.start()
     for o in outputs(PIECES):
@@ -184,7 +184,7 @@ def _response_items(stream: bool) -> tuple[dict, list[dict]]:
 
 
 def test_responses_reasoning_item_then_message():
-    resp, events = _response_items(True)
+    resp, events = _response_items()
     rs, msg = resp["output"]
     assert rs["type"] == "reasoning" and rs["summary"] == []
     assert rs["content"] == [{"type": "reasoning_text", "text": "Let me think."}]
