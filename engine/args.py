@@ -242,8 +242,10 @@ class ServerArgs:
                                        "chat template)", TOOL_CALL_PARSERS)
     reasoning_parser: str | None = _f(None, "how the reasoning is told from the answer in the "
                                             "output: the model family's format, or auto (from "
-                                            "the chat template); default: not separated. Not "
-                                            "applied to responses yet (issue 43)",
+                                            "the chat template); default: not separated. "
+                                            "Chat's reasoning_content, Responses' reasoning "
+                                            "items, Messages' thinking blocks; structured "
+                                            "output then constrains the answer only",
                                       REASONING_PARSERS)
     allowed_origins: str = _f("http://localhost:*,http://127.0.0.1:*", "CORS: comma-separated "
                               "origins allowed to call the API from a browser ('*' for any; a "

@@ -136,18 +136,36 @@ class GrammarBackend:
 
 
 class GrammarState:
-    """One request's matcher over a compiled grammar."""
+    """One request's matcher over a compiled grammar.
 
-    __slots__ = ("matcher", "failed")
+    Args:
+        compiled: xgrammar's compiled grammar.
+        wait_for: a token id (the end-of-thinking tag, ``SamplingParams.think_end_id``):
+            until it is accepted the output is free (no mask, every token accepted, never
+            terminated), the grammar applies to the tokens after it. None: from the start.
+    """
 
-    def __init__(self, compiled):
+    __slots__ = ("matcher", "failed", "wait_for")
+
+    def __init__(self, compiled, wait_for: int | None = None):
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(compiled)
         self.failed = False
+        self.wait_for = wait_for
+
+    @property
+    def active(self) -> bool:
+        """Whether the grammar constrains the next token (its wait is over)."""
+        return self.wait_for is None
 
     def accept(self, token_id: int) -> bool:
-        """Advance by one sampled token; False (and ``failed`` set) if the grammar rejects it."""
+        """Advance by one sampled token; False (and ``failed`` set) if the grammar rejects it.
+        While waiting for ``wait_for`` every token is accepted (that one ends the wait)."""
+        if self.wait_for is not None:
+            if token_id == self.wait_for:
+                self.wait_for = None
+            return True
         ok = self.matcher.accept_token(token_id)
         if not ok:
             self.failed = True
@@ -155,9 +173,14 @@ class GrammarState:
 
     @property
     def terminated(self) -> bool:
-        return self.matcher.is_terminated()
+        return self.active and self.matcher.is_terminated()
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write row ``row`` of ``bitmask`` (int32 ``[B, ceil(V / 32)]``): the allowed next
+        tokens; all of them while the grammar waits (``active`` false)."""
+        if not self.active:
+            bitmask[row].fill_(-1)  # every bit set: a free row
+            return
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
 

@@ -51,6 +51,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # constrain only after the reasoning (SGLang's think_end_id): with a constraint, no mask
+    # applies until this token id (the model's end-of-thinking tag) has been generated;
+    # None: the constraint applies from the first output token
+    think_end_id: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -113,6 +117,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             for tid in self.stop_token_ids:
                 if not (0 <= tid < vocab_size):
                     bad(f"stop token id {tid} is outside the vocabulary", "stop_token_ids")
+        if self.think_end_id is not None and vocab_size is not None \
+                and not (0 <= self.think_end_id < vocab_size):
+            bad("think_end_id is outside the vocabulary", "think_end_id")
         given = [n for n in ("json_schema", "regex", "ebnf") if getattr(self, n) is not None]
         if len(given) > 1:
             bad(f"set at most one constraint, got {' and '.join(given)}", given[1])

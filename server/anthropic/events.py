@@ -5,7 +5,7 @@
 parsing are the chat endpoint's) and turns them into Anthropic content blocks: ``text``,
 ``tool_use`` (one per call; ``input`` the parsed arguments, ``{}`` when they do not parse,
 e.g. cut by ``max_tokens``) and ``thinking`` (from a chat delta's ``reasoning_content``:
-what a reasoning parser will produce; today the output is text). A stream emits, in order:
+what ``--reasoning-parser`` produces; without one the output is text). A stream emits, in order:
 
 ``message_start`` (the message with empty ``content`` and the usage so far), ``ping``; per
 block ``content_block_start``, ``content_block_delta``... (``text_delta``,

@@ -12,8 +12,8 @@ as on chat) and anything else, a 400 naming it. ``to_chat`` turns it into a
   ``output_config.effort`` is a no-op;
 - ``thinking`` -> the chat template's switch ``chat_template_kwargs.enable_thinking``
   (``enabled``/``adaptive``: true, ``disabled``: false; absent: the template's default).
-  Until ferry has a reasoning parser (``--reasoning-parser``), what the model thinks comes
-  back as ``text`` like the rest of its output; ``thinking_switch`` is the seam.
+  With ``--reasoning-parser`` what the model thinks comes back as ``thinking`` blocks (the
+  parser reads the same switch and the rendered prompt); without one, as ``text``.
 
 No-ops (``MESSAGES_NOOPS``): ``metadata`` (its ``user_id`` bounded to
 ``MAX_USER_ID_LEN`` characters), ``service_tier``, ``cache_control`` (prompt caching is
@@ -112,8 +112,8 @@ def _check_metadata(metadata: Any) -> None:
 
 
 def thinking_switch(thinking: dict, max_tokens: int) -> bool:
-    """The chat template's ``enable_thinking`` of a ``thinking`` setting: the seam where a
-    reasoning parser will also decide how the output splits into thinking and text.
+    """The chat template's ``enable_thinking`` of a ``thinking`` setting (which the
+    reasoning parser also reads: off, the output is all text).
 
     Raises: APIError 400 naming the field (an unknown type, a budget below 1024 or not
     below ``max_tokens``, as Anthropic checks it)."""

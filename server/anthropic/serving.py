@@ -82,7 +82,7 @@ class MessagesServing:
                             spaces_between_special_tokens=job.params.spaces_between_special_tokens)
         shown = lora or s.model_name  # the adapter, as on /v1/chat/completions
         fmt = chat_format(job.tools, rid, shown, 1, job.prompt_tokens, False, False, s.strings,
-                          lp, n=1)
+                          lp, n=1, **job.format_options)
         build = MessageBuilder(mid, shown, fmt, req.stop_sequences or [])
         log_request(args.log_requests, fmt, body["messages"], job.params)
         return await answer(request, s.tm, job, MessagesWriter(build), req.stream,

@@ -7,8 +7,10 @@ body they forward, at their defaults: a chat request arrives with ``separate_rea
 vllm-router's ``include_reasoning: true``), a completion with ``return_hidden_states: false``,
 a Responses request with ``priority: 0``. Clients written for SGLang or vLLM send them too.
 
-``EXTENSION_FIELDS`` is the one table of them: a field at a value it lists is an accepted
-no-op (its default; both booleans where ferry's output is what either asks for), any other
+``EXTENSION_FIELDS`` is the one table of them: a field at a value it lists is accepted (a
+no-op at its default; both booleans where ferry's output is what either asks for, or where
+ferry implements both: the reasoning fields with ``--reasoning-parser``,
+``server/pipeline/reasoning.py``), any other
 value is a 400 naming the field (code ``unsupported_parameter``) that says what ferry lacks.
 ``null`` is "absent" everywhere (``server/openai/protocol_base.py``). The table holds for
 ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/responses``; docs/usage.md's table
@@ -51,8 +53,15 @@ class Extension:
     note: str = ""
 
 
-_NO_REASONING = ("ferry has no reasoning parser: the output is never split into "
-                 "reasoning_content, which is what either value gives without one")
+_REASONING = {
+    "separate_reasoning": "implemented with --reasoning-parser: false leaves the reasoning "
+                          "in the content as written; without a parser a no-op",
+    "stream_reasoning": "implemented with --reasoning-parser: false sends the streamed "
+                        "reasoning_content in one piece once the reasoning ends; without a "
+                        "parser a no-op",
+    "include_reasoning": "implemented with --reasoning-parser: false drops the reasoning "
+                         "(reasoning_tokens still counts it); without a parser a no-op",
+}
 _PD = "prefill-decode disaggregation"
 _DP = "choosing a data-parallel rank (one engine per server)"
 _MM = "image, audio and video input"
@@ -61,9 +70,9 @@ _S, _V, _SV = "SGLang", "vLLM", "SGLang, vLLM"
 #: field -> the values accepted as no-ops and why others are refused (module docstring)
 EXTENSION_FIELDS: dict[str, Extension] = {
     # sent by sglang-router 0.3.2 and vllm-router 0.1.17 on every chat / completion body
-    "separate_reasoning": Extension((True, False), _S, "", _NO_REASONING),
-    "stream_reasoning": Extension((True, False), _S, "", _NO_REASONING),
-    "include_reasoning": Extension((True, False), _V, "", _NO_REASONING),
+    "separate_reasoning": Extension((True, False), _S, "", _REASONING["separate_reasoning"]),
+    "stream_reasoning": Extension((True, False), _S, "", _REASONING["stream_reasoning"]),
+    "include_reasoning": Extension((True, False), _V, "", _REASONING["include_reasoning"]),
     "return_hidden_states": Extension((False,), _S, "returning hidden states"),
     "no_stop_trim": Extension((False,), _S, "keeping the stop string (the text always ends "
                                             "before it)"),
@@ -289,6 +298,8 @@ def markdown_table() -> str:
         if ext.lacks:
             rows.append(f"| `{name}` | {ext.origin} | no-op at {values}; any other value is "
                         f"a 400: {ext.lacks} |")
+        elif ext.note.startswith("implemented"):
+            rows.append(f"| `{name}` | {ext.origin} | {ext.note} (accepted: {values}) |")
         else:
             rows.append(f"| `{name}` | {ext.origin} | no-op at {values}: {ext.note} |")
     return "\n".join(rows)

@@ -5,6 +5,12 @@ chunks as outputs arrive (``start``, ``chunks``, ``usage_chunk``). Choice ``i`` 
 request ``i`` of the fan-out (``prompt * n + sample``). A finished choice carries SGLang's
 ``matched_stop``: the stop string or stop token id (EOS included) that ended it, else null.
 
+With a reasoning parser (``ChatFormat``'s ``reasoning``, a ``ReasoningPlan`` of
+``server/pipeline/reasoning.py``) each chat choice's text splits into ``reasoning_content`` and
+``content`` as it arrives (``_Choice.answer`` is the content part, what tool calls are
+parsed from); the usage adds ``completion_tokens_details.reasoning_tokens``. ``strip``: the
+special tokens taken out of the text sent (kept by the engine for a parser that reads them).
+
 Logprobs in a stream travel with their text: a token's logprobs wait while the detokenizer
 holds its text back (an incomplete UTF-8 character, a possible stop string), so a chunk may
 carry text whose tokens come in a later chunk, until the finish, when every token's
@@ -28,6 +34,8 @@ from server.openai.logprobs import (
     merge_completion_logprobs,
     token_text_bytes,
 )
+from server.parsers.reasoning import CONTENT
+from server.pipeline.reasoning import ReasoningPlan, strip_specials
 from server.tokenizer_manager import ReqOutput
 
 
@@ -62,8 +70,9 @@ class LogprobOptions:
 class _Choice:
     """One choice's accumulated state: token ids and logprob entries pair up by position."""
 
-    __slots__ = ("byte_pos", "cached_tokens", "completion_tokens", "entries", "ids",
-                 "matched", "offset", "paired", "pieces", "prompt_entries", "prompt_sent",
+    __slots__ = ("answer", "byte_pos", "cached_tokens", "completion_tokens", "d_content",
+                 "d_reasoning", "entries", "held", "ids", "matched", "offset", "paired",
+                 "pieces", "prompt_entries", "prompt_sent", "reasoner", "reasoning",
                  "share_len", "started", "text", "text_bytes")
 
     def __init__(self):
@@ -84,6 +93,11 @@ class _Choice:
         # hold the start of a character the text has not released yet)
         self.share_len = None
         self.matched: str | int | None = None  # SGLang's matched_stop
+        # chat with a reasoning parser: the split of ``text`` (``reasoner``: its stream);
+        # without one ``answer`` is ``text``. ``d_*``: what the last output added to each;
+        # ``held``: reasoning a stream holds back (``stream_reasoning: false``)
+        self.reasoner = None
+        self.reasoning = self.answer = self.d_reasoning = self.d_content = self.held = ""
 
     def absorb(self, out: ReqOutput) -> tuple[int, int]:
         """Add one output; returns the ``[start, end)`` of newly paired (token, entry).
@@ -105,6 +119,7 @@ class _Choice:
             self.prompt_entries = out.prompt_logprobs
         self.text += out.text
         self.text_bytes += len(out.text.encode("utf-8"))
+        self._split(out)
         self.completion_tokens = out.completion_tokens
         self.cached_tokens = max(out.cached_tokens, 0)
         limit = min(len(self.ids), len(self.entries))
@@ -123,6 +138,19 @@ class _Choice:
                 limit = n
         start, self.paired = self.paired, limit
         return start, self.paired
+
+    def _split(self, out: ReqOutput) -> None:
+        """Feed the output's text to the reasoning split (all of it at the finish)."""
+        if self.reasoner is None:
+            self.d_reasoning, self.d_content = "", out.text
+        else:
+            r, c = self.reasoner.feed(out.text, len(out.token_ids))
+            if out.finish_reason is not None:
+                r2, c2 = self.reasoner.finish()
+                r, c = r + r2, c + c2
+            self.d_reasoning, self.d_content = r, c
+        self.reasoning += self.d_reasoning
+        self.answer += self.d_content
 
 
 class BaseFormat:
@@ -343,9 +371,14 @@ class ChatFormat(BaseFormat):
     object_chunk = "chat.completion.chunk"
     prompt_fields_top_level = True
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, reasoning: ReasoningPlan | None = None,
+                 strip: tuple[str, ...] = (), **kwargs):
         super().__init__(*args, **kwargs)
+        self.reasoning = reasoning   # the reasoning split (server/pipeline/reasoning.py)
+        self.strip = strip           # special tokens taken out of the text sent
         for ch in self.choices:
+            if reasoning is not None:
+                ch.reasoner = reasoning.stream()
             if ch.pieces is not None:
                 ch.share_len = (lambda i, ch=ch: len(token_text_bytes(
                     self.strings, ch.ids[i], ch.pieces.pieces[i])))
@@ -369,10 +402,48 @@ class ChatFormat(BaseFormat):
                                          ch.entries[start:end], self.lp.k, self.lp.as_ids,
                                          shares)}
 
+    def clean(self, text: str) -> str:
+        """``text`` without the special tokens the engine kept for a parser."""
+        return strip_specials(text, self.strip) if self.strip else text
+
+    def usage(self) -> dict:
+        """``BaseFormat.usage``, with a reasoning parser plus
+        ``completion_tokens_details.reasoning_tokens``."""
+        u = super().usage()
+        if self.reasoning is not None:
+            u["completion_tokens_details"] = {"reasoning_tokens": sum(
+                self.reasoning.reasoning_tokens(c.ids, c.reasoner) for c in self.choices)}
+        return u
+
     def _choice(self, index, ch, finish_reason):
-        return {"index": index, "message": {"role": "assistant", "content": ch.text},
+        message = {"role": "assistant", "content": self.clean(ch.answer)}
+        if self.reasoning is not None:
+            message["reasoning_content"] = (self.clean(ch.reasoning) or None) \
+                if self.reasoning.include else None
+        return {"index": index, "message": message,
                 "logprobs": self._logprobs(ch, 0, ch.paired, True),
                 "finish_reason": finish_reason, "matched_stop": ch.matched}
+
+    def _text_delta(self, ch: _Choice, fin: str | None) -> dict:
+        """The delta of the text the last output added: ``content`` and, with a reasoning
+        parser, ``reasoning_content`` (held back to its end with ``stream_reasoning:
+        false``, left out with ``include_reasoning: false``)."""
+        plan, r, c = self.reasoning, ch.d_reasoning, self.clean(ch.d_content)
+        if plan is None:
+            return {"content": c}
+        if not plan.include:
+            r = ""
+        elif not plan.stream_reasoning:
+            ch.held += r
+            r = ""
+            if ch.held and (fin is not None or ch.reasoner.phase == CONTENT):
+                r, ch.held = ch.held, ""
+        delta = {}
+        if r and (r := self.clean(r)):
+            delta["reasoning_content"] = r
+        if c:
+            delta["content"] = c
+        return delta
 
     def _delta(self, index: int, delta: dict, logprobs: dict | None,
                finish_reason: str | None) -> dict:
@@ -392,8 +463,10 @@ class ChatFormat(BaseFormat):
         fin = finish_reason_of(out)
         ids = self._new_ids(out)
         res = []
-        if out.text or start < end or ids:
-            res.append(self._delta(out.index, {"content": out.text},
+        delta = self._text_delta(ch, fin)
+        text = out.text if self.reasoning is None else delta
+        if text or start < end or ids:
+            res.append(self._delta(out.index, delta,
                                    self._logprobs(ch, start, end, fin is not None), None))
             if ids is not None:
                 res[-1]["choices"][0]["token_ids"] = ids

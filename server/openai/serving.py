@@ -203,10 +203,12 @@ class OpenAIServing:
         lp = LogprobOptions(k=req.logprobs_k, as_ids=req.return_tokens_as_token_ids,
                             prompt_k=req.prompt_logprobs, prompt_ids=[ids] * req.n,
                             token_ids=req.return_token_ids,
-                            skip_special_tokens=req.skip_special_tokens,
+                            # the engine's: a parser that reads special tokens keeps them
+                            skip_special_tokens=job.params.skip_special_tokens,
                             spaces_between_special_tokens=req.spaces_between_special_tokens)
         fmt = chat_format(job.tools, base, lora or self.model_name, len(job.subs), len(ids),
-                          req.include_usage, req.continuous_usage, self.strings, lp, n=req.n)
+                          req.include_usage, req.continuous_usage, self.strings, lp, n=req.n,
+                          **job.format_options)
         self._log_request(fmt, [m.model_dump(exclude_none=True) for m in req.messages],
                           job.params)
         return await pipeline.answer(request, self.tm, job, ChunkWriter(fmt, len(job.subs)),

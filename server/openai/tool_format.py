@@ -114,9 +114,9 @@ class ToolChatFormat(ChatFormat):
 
     def _choice(self, index, ch, finish_reason):
         body = super()._choice(index, ch, finish_reason)
-        content, calls = self.calls(ch.text)
+        content, calls = self.calls(ch.answer)  # the answer: the reasoning holds no calls
         if calls:
-            body["message"]["content"] = content
+            body["message"]["content"] = None if content is None else self.clean(content)
             body["message"]["tool_calls"] = self._tool_calls(calls)
             if finish_reason == "stop":
                 body["finish_reason"] = "tool_calls"
@@ -159,8 +159,9 @@ class ToolChatFormat(ChatFormat):
         for c in super().chunks(out):
             choice = c["choices"][0]
             delta, fin = choice["delta"], choice["finish_reason"]
-            if "content" in delta:
-                if self.plan.choice == "named":  # the output is the arguments: stream them
+            reasoning = delta.pop("reasoning_content", None)
+            if "content" in delta or reasoning:
+                if self.plan.choice == "named" and "content" in delta:  # the arguments
                     if self.named_id[i] is None:
                         self.named_id[i] = _call_id()
                         res.append(self._like(c, {"tool_calls": [{
@@ -168,12 +169,14 @@ class ToolChatFormat(ChatFormat):
                             "function": {"name": self.plan.name, "arguments": ""}}]}))
                     choice["delta"] = {"tool_calls": [{
                         "index": 0, "function": {"arguments": delta["content"]}}]}
-                else:  # content that cannot belong to a call; the rest waits for the end
-                    text = self.choices[i].text
+                elif "content" in delta:  # content that cannot belong to a call; the rest
+                    text = self.choices[i].answer  # waits for the end
                     safe = max(self._held_from(text), self.sent[i])
-                    choice["delta"] = {"content": text[self.sent[i]:safe]} \
-                        if safe > self.sent[i] else {}
+                    piece = self.clean(text[self.sent[i]:safe])
+                    choice["delta"] = {"content": piece} if piece else {}
                     self.sent[i] = safe
+                if reasoning:  # the reasoning goes out as it came, before the content
+                    choice["delta"] = {"reasoning_content": reasoning, **choice["delta"]}
                 if choice["delta"] or choice.get("logprobs") or choice.get("token_ids"):
                     res.append(c)
             if fin is not None:
@@ -189,11 +192,11 @@ class ToolChatFormat(ChatFormat):
         if self.plan.choice == "named":
             self._calls_found = True
             return []
-        text = self.choices[i].text
+        text = self.choices[i].answer
         content, calls = self.calls(text)
         res = []
         # what was streamed is a prefix of the content (``_held_from``): send the rest
-        rest = (content or "")[self.sent[i]:]
+        rest = self.clean((content or "")[self.sent[i]:])
         if rest:
             res.append(self._like(chunk, {"content": rest}))
         self.sent[i] = len(text)

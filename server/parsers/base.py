@@ -134,6 +134,9 @@ class ToolParser:
 
     name = ""
     markers: tuple[str, ...] = ()
+    #: its markers are special tokens: the engine must not skip special tokens in the output
+    #: (``skip_special_tokens`` off; the writer strips the others from the content)
+    needs_special_tokens = False
 
     def parse(self, text: str, tools: list[dict] | None = None
               ) -> tuple[str | None, list[ParsedCall]]:

@@ -85,6 +85,7 @@ class Llama3Parser(ToolParser):
 
 class MistralParser(ToolParser):
     name = "mistral"
+    needs_special_tokens = True
     markers = ("[TOOL_CALLS]",)
 
     def parse(self, text, tools=None):

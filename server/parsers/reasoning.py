@@ -40,9 +40,13 @@ UNDECIDED, REASONING, CONTENT = "undecided", "reasoning", "content"
 
 
 class ReasoningParser:
-    """One family's reasoning format (see the module docstring); stateless."""
+    """One family's reasoning format (see the module docstring); stateless.
+
+    ``needs_special_tokens``: its tags are special tokens, so the engine must keep special
+    tokens in the output text (``skip_special_tokens`` off for the request)."""
 
     name = ""
+    needs_special_tokens = False
 
     def scan(self, text: str, final: bool) -> tuple[str, str, str]:
         """``(reasoning, content, phase)`` of ``text``: unless ``final``, prefixes of what any
@@ -98,6 +102,7 @@ class HarmonyReasoningParser(ReasoningParser):
     """gpt-oss: harmony's channels (``server/parsers/harmony.py``)."""
 
     name = "gpt-oss"
+    needs_special_tokens = True
 
     def scan(self, text, final):
         reasoning, content, phase = [], [], UNDECIDED

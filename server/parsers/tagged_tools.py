@@ -92,6 +92,7 @@ class SectionParser(ScanToolParser):
 
 class DeepSeekV3Parser(SectionParser):
     name = "deepseekv3"
+    needs_special_tokens = True
     section_begin, section_end = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
     call_begin, header_end = "<｜tool▁call▁begin｜>", "```json"
     args_end = "```<｜tool▁call▁end｜>"
@@ -102,6 +103,7 @@ class DeepSeekV3Parser(SectionParser):
 
 class DeepSeekV31Parser(SectionParser):
     name = "deepseekv31"
+    needs_special_tokens = True
     section_begin, section_end = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
     call_begin, header_end = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>"
     args_end = "<｜tool▁call▁end｜>"
@@ -109,6 +111,7 @@ class DeepSeekV31Parser(SectionParser):
 
 class KimiK2Parser(SectionParser):
     name = "kimi_k2"
+    needs_special_tokens = True
     section_begin = "<|tool_calls_section_begin|>"
     section_end = "<|tool_calls_section_end|>"
     call_begin, header_end = "<|tool_call_begin|>", "<|tool_call_argument_begin|>"
@@ -216,6 +219,7 @@ class Glm45Parser(XmlCallParser):
 
 class GptOssParser(ScanToolParser):
     name = "gpt-oss"
+    needs_special_tokens = True
     markers = harmony.OPENERS
 
     def scan(self, text, final, tools):

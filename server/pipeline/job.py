@@ -21,7 +21,9 @@ import msgspec
 from engine.sampling.params import SamplingParams
 from engine.validation import RequestError, verify_sampling
 from server.http.errors import bad_request
+from server.parsers.tool_registry import get_tool_parser
 from server.pipeline.prompt import chat_prompt
+from server.pipeline.reasoning import ReasoningPlan, plan_reasoning, special_token_texts
 from server.tokenizer_manager import TokenizerManager
 from server.tools.plan import ToolPlan, prepare_chat
 
@@ -49,6 +51,10 @@ class ChatJob:
             of ``subs``.
         lora_fields: per entry of ``subs``, the body field that named its adapter.
         arrival: ``time.monotonic()`` when the HTTP request arrived (TTFT, E2E).
+        reasoning: how the output splits into reasoning and content (None: it does not;
+            ``server/pipeline/reasoning.py``).
+        strip: special tokens the writer takes out of the text it sends (the engine keeps
+            them for a parser that reads them).
     """
 
     id: str
@@ -60,6 +66,13 @@ class ChatJob:
     lora: str | list[str | None] | None = None
     lora_fields: list[str | None] | None = None
     arrival: float = field(default_factory=time.monotonic)
+    reasoning: ReasoningPlan | None = None
+    strip: tuple[str, ...] = ()
+
+    @property
+    def format_options(self) -> dict:
+        """The chat format's keywords of this job (``reasoning``, ``strip``)."""
+        return {"reasoning": self.reasoning, "strip": self.strip}
 
     @property
     def prompt_tokens(self) -> int:
@@ -184,7 +197,9 @@ async def prepare(tm: TokenizerManager, req: Any, *, base: str, max_tokens: int 
 
     In order: the sampling settings, the tools/structured-output plan (which may constrain
     the sampling), the fan-out bound, the chat template, the context, the prompt
-    log-probability bound.
+    log-probability bound, the reasoning split (``server/pipeline/reasoning.py``: the
+    constraint then waits for the reasoning's end; special tokens kept for the parsers that
+    read them).
 
     Args:
         tm: the engine client (its chat tokenizer, limits and admission bound).
@@ -211,5 +226,28 @@ async def prepare(tm: TokenizerManager, req: Any, *, base: str, max_tokens: int 
                     min_tokens=sp.min_tokens)
     if req.prompt_logprobs is not None:
         check_prompt_logprobs([len(ids)], req.n, req.prompt_logprobs + 1, ["prompt_logprobs"])
+    reasoning, sp, strip = await _reasoning_settings(tm, req, ids, tools, sp)
     return ChatJob(base, [ids], sp, req.n, fan_out(base, [ids], req.n, sp), tools, lora,
-                   lora_fields, time.monotonic() if arrival is None else arrival)
+                   lora_fields, time.monotonic() if arrival is None else arrival,
+                   reasoning, strip)
+
+
+async def _reasoning_settings(tm: TokenizerManager, req: Any, ids: list[int], tools: ToolPlan,
+                              sp: SamplingParams
+                              ) -> tuple[ReasoningPlan | None, SamplingParams, tuple[str, ...]]:
+    """The reasoning plan of a chat request, its ``SamplingParams`` with the constraint set
+    to wait for the reasoning's end and special tokens kept for parsers that read them, and
+    the special tokens the writer strips (``server/pipeline/reasoning.py``)."""
+    reasoning, think_end, special = await plan_reasoning(tm, req, ids)
+    if tools.parser is not None:
+        try:
+            special = special or get_tool_parser(tools.parser).needs_special_tokens
+        except KeyError:
+            pass
+    if think_end is not None and (sp.json_schema or sp.regex or sp.ebnf) is not None:
+        sp = msgspec.structs.replace(sp, think_end_id=think_end)
+    strip: tuple[str, ...] = ()
+    if special and sp.skip_special_tokens:
+        sp = msgspec.structs.replace(sp, skip_special_tokens=False)
+        strip = special_token_texts(tm.chat.tokenizer)
+    return reasoning, sp, strip

@@ -2,11 +2,16 @@
 
 ``ResponseBuilder`` reads the chat format's chunks (``ChatFormat`` / ``ToolChatFormat`` of
 ``server/openai/formats.py`` and ``server/openai/tool_format.py``, so text, tool calls and
-their parsing are the chat endpoint's) and turns them into Responses output items: a
-``message`` with one ``output_text`` part for the text, a ``function_call`` item per tool
-call. A stream emits, in order, with a ``sequence_number`` from 0:
+their parsing are the chat endpoint's) and turns them into Responses output items: with
+``--reasoning-parser``, a ``reasoning`` item (``summary: []``, one ``reasoning_text`` content
+part) for the chat delta's ``reasoning_content``; a ``message`` with one ``output_text`` part
+for the text, a ``function_call`` item per tool call. A stream emits, in order, with a
+``sequence_number`` from 0:
 
-``response.created``, ``response.in_progress``; per message ``response.output_item.added``,
+``response.created``, ``response.in_progress``; per reasoning item
+``response.output_item.added``, ``response.content_part.added``,
+``response.reasoning_text.delta``..., ``response.reasoning_text.done``,
+``response.content_part.done``, ``response.output_item.done``; per message ``response.output_item.added``,
 ``response.content_part.added``, ``response.output_text.delta``..., ``response.output_text.done``,
 ``response.content_part.done``, ``response.output_item.done``; per call
 ``response.output_item.added``, ``response.function_call_arguments.delta``...,
@@ -53,7 +58,8 @@ def responses_usage(chat_usage: dict) -> dict:
                 "cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"],
                 "cache_write_tokens": 0},
             "output_tokens": chat_usage["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": chat_usage.get(
+                "completion_tokens_details", {}).get("reasoning_tokens", 0)},
             "total_tokens": chat_usage["total_tokens"]}
 
 
@@ -77,6 +83,7 @@ class ResponseBuilder:
         self.seq = 0
         self.items: list[dict] = []
         self.msg: int | None = None           # output index of the open message
+        self.rs: int | None = None            # output index of the open reasoning item
         self.calls: dict[int, int] = {}       # open calls: chat tool-call index -> output index
         self.status = "in_progress"
         self.incomplete: dict | None = None
@@ -89,10 +96,9 @@ class ResponseBuilder:
         return {"id": self.id, "object": "response", "created_at": self.created_at,
                 "status": self.status, "background": False, "error": self.error,
                 "incomplete_details": self.incomplete, "previous_response_id": None,
-                "store": False, **self.echo, "max_tool_calls": None,
-                "model": self.model, "output": copy.deepcopy(self.items),
-                "reasoning": {"effort": None, "summary": None},
-                "truncation": "disabled", "usage": self.usage,
+                "store": False, "reasoning": {"effort": None, "summary": None}, **self.echo,
+                "max_tool_calls": None, "model": self.model,
+                "output": copy.deepcopy(self.items), "truncation": "disabled", "usage": self.usage,
                 "completed_at": self.completed_at}
 
     def _event(self, kind: str, **fields: Any) -> dict:
@@ -115,6 +121,8 @@ class ResponseBuilder:
         for chunk in self.fmt.chunks(out):
             choice = chunk["choices"][0]
             delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                events += self._reasoning(delta["reasoning_content"])
             if delta.get("content"):
                 events += self._text(delta["content"])
             for tc in delta.get("tool_calls") or []:
@@ -155,8 +163,43 @@ class ResponseBuilder:
                                   part=copy.deepcopy(part)))
         return events
 
+    def _reasoning(self, text: str) -> list[dict]:
+        """A reasoning delta: ``response.reasoning_text.delta`` of the open reasoning item
+        (opened with its ``reasoning_text`` part first)."""
+        events = self._close_message("completed") if self.msg is not None else []
+        events += self._close_calls("completed") if self.calls else []
+        if self.rs is None:
+            index = self.rs = len(self.items)
+            self.items.append({"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning",
+                               "summary": [], "content": [], "status": "in_progress"})
+            events.append(self._item_event("response.output_item.added", index))
+            part = {"type": "reasoning_text", "text": ""}
+            self.items[index]["content"].append(part)
+            events.append(self._event("response.content_part.added",
+                                      item_id=self.items[index]["id"], output_index=index,
+                                      content_index=0, part=copy.deepcopy(part)))
+        item = self.items[self.rs]
+        item["content"][0]["text"] += text
+        events.append(self._event("response.reasoning_text.delta", item_id=item["id"],
+                                  output_index=self.rs, content_index=0, delta=text))
+        return events
+
+    def _close_reasoning(self, status: str) -> list[dict]:
+        if self.rs is None:
+            return []
+        index, self.rs = self.rs, None
+        item = self.items[index]
+        part = item["content"][0]
+        item["status"] = status
+        return [self._event("response.reasoning_text.done", item_id=item["id"],
+                            output_index=index, content_index=0, text=part["text"]),
+                self._event("response.content_part.done", item_id=item["id"],
+                            output_index=index, content_index=0, part=copy.deepcopy(part)),
+                self._item_event("response.output_item.done", index)]
+
     def _text(self, text: str) -> list[dict]:
-        events = self._close_calls("completed") if self.calls else []
+        events = self._close_reasoning("completed")
+        events += self._close_calls("completed") if self.calls else []
         if self.msg is None:
             events += self._open_message()
         item = self.items[self.msg]
@@ -183,6 +226,7 @@ class ResponseBuilder:
         fn = tc.get("function") or {}
         events: list[dict] = []
         if "id" in tc:  # a new call: its header (id, name), then argument fragments
+            events += self._close_reasoning("completed")
             if self.msg is not None:
                 events += self._close_message("completed")
             index = len(self.items)
@@ -213,7 +257,8 @@ class ResponseBuilder:
         return events
 
     def _close_all(self, status: str) -> list[dict]:
-        events = self._close_message(status) if self.msg is not None else []
+        events = self._close_reasoning(status)
+        events += self._close_message(status) if self.msg is not None else []
         return events + self._close_calls(status)
 
     def _finish(self, reason: str, out: ReqOutput) -> list[dict]:
@@ -226,7 +271,9 @@ class ResponseBuilder:
         else:
             self.status = "completed"
         item_status = "completed" if self.status == "completed" else "incomplete"
-        events = [] if self.items else self._open_message()  # an empty answer: empty text
+        # an empty answer (or reasoning alone, finished): an empty text
+        events = [] if any(i["type"] != "reasoning" for i in self.items) \
+            or (self.items and self.status != "completed") else self._open_message()
         events += self._close_all(item_status)
         self.usage = responses_usage(self.fmt.usage())
         self.completed_at = int(time.time()) if self.status == "completed" else None

@@ -30,7 +30,10 @@ from server.http.errors import APIError, bad_request, not_supported
 
 ITEM_KEYS = {"message": {"type", "role", "content", "id", "status", "phase"},
              "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
-             "function_call_output": {"type", "call_id", "output", "id", "status"}}
+             "function_call_output": {"type", "call_id", "output", "id", "status"},
+             # an earlier turn's reasoning: accepted and left out of the prompt (thinking
+             # templates drop the reasoning of earlier turns)
+             "reasoning": {"type", "id", "summary", "content", "encrypted_content", "status"}}
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text")
 TOOL_KEYS = {"type", "name", "description", "parameters", "strict"}
@@ -147,11 +150,14 @@ def chat_messages(instructions: str | None, inp: str | list[dict],
         if not isinstance(kind, str) or kind not in ITEM_KEYS:
             if isinstance(kind, str):
                 raise not_supported(f"{where}.type", f"input item type {kind!r} (only "
-                                    "'message', 'function_call' and 'function_call_output')")
+                                    "'message', 'function_call', 'function_call_output' "
+                                    "and 'reasoning')")
             raise bad_request(f"{where}.type must be a string", f"{where}.type")
         for key in item:
             if key not in ITEM_KEYS[kind]:
                 raise bad_request(f"unrecognized input item field '{key}'", f"{where}.{key}")
+        if kind == "reasoning":
+            continue
         if kind == "message":
             role = item.get("role")
             if role not in ROLES:
@@ -193,7 +199,8 @@ def chat_messages(instructions: str | None, inp: str | list[dict],
 
 
 #: id prefixes of the items a response stores, by item type (OpenAI's)
-ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                  "reasoning": "rs"}
 
 
 def stored_items(inp: str | list[dict]) -> list[dict]:

@@ -4,7 +4,9 @@
 (``RESPONSES_NOOPS``) or a 400 naming it (``STATEFUL``: features ferry has not got).
 ``to_chat`` turns it into a ``/v1/chat/completions`` body (``instructions`` + ``input`` ->
 ``messages``, ``max_output_tokens`` -> ``max_completion_tokens``, ``text.format`` ->
-``response_format``, flat function ``tools``/``tool_choice`` -> the chat shapes; the item
+``response_format``, flat function ``tools``/``tool_choice`` -> the chat shapes,
+``reasoning.effort`` -> ``chat_template_kwargs.reasoning_effort`` (``reasoning`` is in
+``RESPONSES_NOOPS`` for the rest of it); the item
 conversions are ``server/responses/input.py``); ``echo_fields`` are the settings the
 ``response`` object repeats. The handler is ``server/responses/serving.py``.
 """
@@ -158,7 +160,21 @@ def to_chat(req: ResponsesRequest, prior: list[dict] = ()) -> ChatConversion:
     for name, value in (req.model_extra or {}).items():
         if name in SAMPLING_PASSTHROUGH:
             body[name] = value
+    effort = reasoning_effort(req)
+    if effort is not None:  # for the templates that take it (gpt-oss's); others ignore it
+        body["chat_template_kwargs"] = {"reasoning_effort": effort}
     return ChatConversion(body, origins)
+
+
+def reasoning_effort(req: ResponsesRequest) -> str | None:
+    """``reasoning.effort`` of a Responses request (a string), or None.
+
+    Raises: APIError 400 naming ``reasoning.effort`` when it is not a string."""
+    reasoning = (req.model_extra or {}).get("reasoning")
+    effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
+    if effort is not None and not isinstance(effort, str):
+        raise bad_request("reasoning.effort must be a string", "reasoning.effort")
+    return effort
 
 
 def parse_responses_request(body: Any) -> ResponsesRequest:
@@ -188,4 +204,5 @@ def echo_fields(req: ResponsesRequest) -> dict:
             "metadata": (req.model_extra or {}).get("metadata") or {},
             "user": (req.model_extra or {}).get("user"),
             "previous_response_id": req.previous_response_id,
-            "background": bool(req.background)}
+            "background": bool(req.background),
+            "reasoning": {"effort": reasoning_effort(req), "summary": None}}

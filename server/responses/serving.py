@@ -182,7 +182,7 @@ class ResponsesServing:
                             spaces_between_special_tokens=job.params.spaces_between_special_tokens)
         shown = lora or s.model_name  # the adapter, as on /v1/chat/completions
         fmt = chat_format(job.tools, rid, shown, 1, job.prompt_tokens, False, False, s.strings,
-                          lp, n=1)
+                          lp, n=1, **job.format_options)
         keep = req.store is not False and self.store.enabled
         if req.background and not keep:
             raise not_supported("background", "background responses with the response store "

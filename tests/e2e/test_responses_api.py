@@ -280,7 +280,8 @@ def test_noops_change_nothing(url):
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role", None),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
      "input[0].content[0].type", "unsupported_parameter"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type",
+    # (a reasoning item of an earlier turn is accepted: tests/unit/test_reasoning_writers.py)
+    ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0].type",
      "unsupported_parameter"),
     ({"input": [{"role": "user", "content": "x", "colour": 1}]}, "input[0].colour", None),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id", None),
@@ -411,12 +412,13 @@ IMPLEMENTED = {"model": MODEL, "input": "hi", "instructions": "Be brief.",
                "max_output_tokens": 5, "temperature": 0.5, "top_p": 0.9, "stream": True,
                "stream_options": {"include_obfuscation": False},
                "text": {"format": {"type": "json_object"}},
-               "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}
+               "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False,
+               "reasoning": {"effort": "low"}}
 #: the stored-response fields (tests/unit/server/responses/test_responses_store.py)
 STATE = {"previous_response_id": "resp_1", "background": True}
 NOOPS = {"metadata": {"k": "v"}, "user": "u", "safety_identifier": "s",
          "prompt_cache_key": "k", "prompt_cache_retention": "24h", "service_tier": "auto",
-         "reasoning": {"effort": "low"}, "store": True, "truncation": "disabled",
+         "store": True, "truncation": "disabled",
          "include": ["reasoning.encrypted_content"], "top_logprobs": 0}
 REFUSED = {"truncation": "auto", "top_logprobs": 2,
            "include": ["message.output_text.logprobs"], "max_tool_calls": 3,
@@ -438,6 +440,7 @@ def test_every_client_field_is_decided():
     assert (chat_body["max_completion_tokens"], chat_body["temperature"],
             chat_body["top_p"], chat_body["parallel_tool_calls"]) == (5, 0.5, 0.9, False)
     assert chat_body["response_format"] == {"type": "json_object"}
+    assert chat_body["chat_template_kwargs"] == {"reasoning_effort": "low"}
     assert chat_body["tool_choice"] == "required"
     assert chat_body["tools"][0] == {"type": "function", "function": {
         "name": "get_weather", "description": "Weather now", "parameters": WEATHER,
