@@ -237,10 +237,11 @@ class BaseFormat:
             if self.lp.token_ids:
                 choices[-1]["token_ids"] = list(ch.ids)
         body = self._envelope(self.object_full, choices)
-        prompt = {}  # per choice (completions), or choice 0's at the top (chat)
-        if self.lp.prompt_k is not None:
-            prompt["prompt_logprobs"] = [self.prompt_logprobs(i, c)
-                                         for i, c in enumerate(self.choices)]
+        # per choice (completions), or choice 0's at the top (chat); prompt_logprobs is there
+        # as null when not asked for, as vLLM's bodies carry it
+        prompt: dict[str, list] = {"prompt_logprobs": [
+            self.prompt_logprobs(i, c) if self.lp.prompt_k is not None else None
+            for i, c in enumerate(self.choices)]}
         if self.lp.token_ids:
             prompt["prompt_token_ids"] = [list(self.lp.prompt_ids[i])
                                           for i in range(len(self.choices))]

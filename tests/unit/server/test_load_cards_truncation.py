@@ -1,6 +1,6 @@
 """Small API gaps clients hit, over a fake engine: ``/get_load`` per data-parallel replica,
 ``GET /v1/models/{base}:{adapter}``, vLLM's ``truncate_prompt_tokens``/``truncation_side``,
-and the unknown-role error listing every role."""
+the unknown-role error listing every role, and vLLM's null ``prompt_logprobs``."""
 
 from __future__ import annotations
 
@@ -87,3 +87,21 @@ async def test_unknown_role_lists_every_role(tok):
     assert r.status_code == 400
     for role in ("system", "developer", "user", "assistant", "tool"):
         assert f"'{role}'" in r.json()["error"]["message"]
+
+
+async def test_prompt_logprobs_is_null_where_vllm_puts_it(tok):
+    """vLLM's bodies carry ``prompt_logprobs`` even when it was not asked for: null on every
+    completions choice and at the top of a chat completion; asked for, it is the list."""
+    app, engine = make_app()
+    engine.tm.set_tokenizer(tok)
+    r = await _call(app, "POST", "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 1,
+                                                     "n": 2})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert len(choices) == 2 and all("prompt_logprobs" in c and c["prompt_logprobs"] is None
+                                     for c in choices)
+    r = await _call(app, "POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    body = r.json()
+    assert r.status_code == 200 and "prompt_logprobs" in body and body["prompt_logprobs"] is None
+    assert "prompt_logprobs" not in body["choices"][0]
