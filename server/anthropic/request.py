@@ -97,6 +97,21 @@ class MessagesRequest(_Base):
             output_format(self.output_config)
 
 
+class CountTokensRequest(_Base):
+    """``POST /v1/messages/count_tokens``'s body as ``/openapi.json`` states it:
+    ``/v1/messages``' without ``max_tokens``, ``stream``, ``stop_sequences``, the sampling
+    fields, ``metadata`` and ``service_tier`` (``parse_messages_request(count_only=True)``
+    validates it)."""
+
+    model: str
+    messages: list[Any] = Field(min_length=1, max_length=MAX_MESSAGES)
+    system: str | list[Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: dict | None = None
+    thinking: dict | None = None
+    output_config: dict | None = None
+
+
 def _check_metadata(metadata: Any) -> None:
     if not isinstance(metadata, dict):
         raise bad_request("metadata: expected an object", "metadata")

@@ -27,7 +27,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from server.anthropic.errors import KNOWN_VERSIONS
-from server.anthropic.request import MessagesRequest
+from server.anthropic.request import CountTokensRequest, MessagesRequest
 from server.http.request_id import HEADER as REQUEST_ID
 from server.http.request_id import MAX_REQUEST_ID_LEN
 from server.openai import extensions
@@ -91,7 +91,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "Create a message (Anthropic's Messages API)", MessagesRequest, om.AnthropicMessage,
         errors=(400, 401, 404, 408, 413, 415, 529), anthropic=True),
     ("/v1/messages/count_tokens", "post"): Operation(
-        "Count the prompt tokens of a message request", MessagesRequest,
+        "Count the prompt tokens of a message request", CountTokensRequest,
         om.AnthropicTokenCount, errors=(400, 401, 404, 408, 413, 415), anthropic=True),
     ("/v1/tokenize", "post"): Operation("Tokenize a prompt or messages", TokenizeRequest,
                                         om.TokenizeResponse, errors=BODY_ERRORS),

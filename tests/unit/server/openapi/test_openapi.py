@@ -79,6 +79,17 @@ def test_generation_routes_document_bodies_and_errors(doc, path):
     assert any(p["name"] == "X-Request-Id" and p["in"] == "header" for p in op["parameters"])
 
 
+def test_count_tokens_documents_its_own_body(doc):
+    """/v1/messages/count_tokens refuses max_tokens, stream and the sampling fields: its
+    documented body must not require or offer them (it reused /v1/messages' body)."""
+    ref = doc["paths"]["/v1/messages/count_tokens"]["post"]["requestBody"]["content"][
+        "application/json"]["schema"]["$ref"]
+    schema = doc["components"]["schemas"][ref.rsplit("/", 1)[1]]
+    assert set(schema["required"]) == {"model", "messages"}
+    assert not {"max_tokens", "stream", "temperature", "stop_sequences"} & set(
+        schema["properties"])
+
+
 def test_request_schemas_hold_every_field_the_server_reads(doc):
     schemas = doc["components"]["schemas"]
     comp, chat = schemas["CompletionRequest"], schemas["ChatCompletionRequest"]
