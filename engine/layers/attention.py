@@ -22,8 +22,9 @@ from torch import nn
 from engine.forward_batch import ForwardBatch
 from engine.layer_spec import AttentionKind, CacheKind, LayerSpec, unsupported_feature
 
-#: attention kinds this layer runs (q/k/v in, one output row per query token)
-SUPPORTED_ATTENTION = frozenset({AttentionKind.FULL})
+#: attention kinds this layer runs (q/k/v in, one output row per query token); a sliding
+#: layer's window reaches the backend's kernels through the spec
+SUPPORTED_ATTENTION = frozenset({AttentionKind.FULL, AttentionKind.SLIDING})
 
 
 class Attention(nn.Module):
@@ -46,13 +47,13 @@ class Attention(nn.Module):
         super().__init__()
         if spec is None:
             spec = LayerSpec(head_dim=head_dim, v_head_dim=head_dim, num_kv_heads=num_kv_heads)
-        what = unsupported_feature(spec, SUPPORTED_ATTENTION)
+        what = unsupported_feature(spec, SUPPORTED_ATTENTION, sliding_window=True)
         if what is None and spec.cache != CacheKind.PAGED_KV:
             what = f"a {spec.cache.value} cache"
         if what is not None:
             raise NotImplementedError(f"layer {layer_id}: {what} is not implemented yet "
-                                      "(ferry's attention layer runs full attention over the "
-                                      "paged KV cache)")
+                                      "(ferry's attention layer runs full and sliding-window "
+                                      "attention over the paged KV cache)")
         if spec.head_dim != head_dim:
             raise ValueError(f"layer {layer_id}: the spec's head_dim {spec.head_dim} is not the "
                              f"layer's {head_dim}")

@@ -27,10 +27,11 @@ packed ``qweight``/``qzeros``/``scales`` into 4-bit layers; ``quantization="awq"
 (or such a config with dummy weights) quantizes float tensors to 4 bits as they load
 (``engine.layers.quantization.int4``).
 
-Sliding window: ferry has no sliding-window attention. When a config sets ``sliding_window``
-(and, for Qwen, ``use_sliding_window``) below ``max_position_embeddings``, :func:`load_config`
-caps ``max_position_embeddings`` at the window, so full attention is exact for every
-admissible sequence, and logs a warning.
+Sliding window: the families whose layers describe their windows (a class whose
+``attention_kinds`` include ``SLIDING``: Mistral, Ministral, Phi-3) run them. For the others,
+when a config sets ``sliding_window`` (and, for Qwen, ``use_sliding_window``) below
+``max_position_embeddings``, :func:`load_config` caps ``max_position_embeddings`` at the
+window, so full attention is exact for every admissible sequence, and logs a warning.
 
 The cache directory is ``$FERRY_CACHE_DIR`` or ``~/.cache/ferry``.
 """
@@ -254,7 +255,8 @@ def config_dir(name: str) -> str:
 def load_config(source: ModelSource | str | None):
     """The HF ``PretrainedConfig`` of a source (``AutoConfig``; ``gguf_file=`` for GGUF).
 
-    Caps ``max_position_embeddings`` at a smaller ``sliding_window`` (module docstring).
+    Caps ``max_position_embeddings`` at a smaller ``sliding_window`` for a family that does
+    not run windows (module docstring).
     """
     from transformers import AutoConfig
 
@@ -283,11 +285,22 @@ def _cap_sliding_window(config) -> None:
     window = getattr(config, "sliding_window", None)
     enabled = getattr(config, "use_sliding_window", True)
     max_pos = getattr(config, "max_position_embeddings", None)
-    if window and enabled and max_pos and window < max_pos:
+    if window and enabled and max_pos and window < max_pos and not _runs_windows(config):
         logger.warning("the model uses sliding-window attention (window %d), which ferry does "
                        "not implement; capping the context at %d tokens (exact within it)",
                        window, window)
         config.max_position_embeddings = int(window)
+
+
+def _runs_windows(config) -> bool:
+    """Whether the config's model class describes windowed layers (and so runs them)."""
+    from engine.layer_spec import AttentionKind
+    from engine.models import get_model_class
+
+    try:
+        return AttentionKind.SLIDING in get_model_class(config).attention_kinds
+    except ValueError:
+        return False
 
 
 def _resolve_format(load_format: str, source: ModelSource) -> str:

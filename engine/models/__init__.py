@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from engine.models.base import CausalLM
 from engine.models.config import MODEL_TYPES, ModelConfig
-from engine.models.llama import LlamaForCausalLM, MistralForCausalLM
+from engine.models.glm4 import Glm4ForCausalLM
+from engine.models.llama import LlamaForCausalLM, MinistralForCausalLM, MistralForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.olmoe import OlmoeForCausalLM
+from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from engine.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
@@ -28,6 +30,9 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    "MinistralForCausalLM": MinistralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Glm4ForCausalLM": Glm4ForCausalLM,
 }
 
 
@@ -66,6 +71,9 @@ __all__ = [
     "Qwen2MoeForCausalLM",
     "MixtralForCausalLM",
     "OlmoeForCausalLM",
+    "MinistralForCausalLM",
+    "Phi3ForCausalLM",
+    "Glm4ForCausalLM",
     "get_model_class",
     "supported_architectures",
 ]

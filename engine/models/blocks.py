@@ -54,11 +54,13 @@ class AttentionOptions:
         o_bias: bias on ``o_proj``.
         qk_norm: False (none), True (an RMSNorm per head of q and of k, before RoPE: Qwen3)
             or ``"full"`` (one RMSNorm over the whole q and the whole k projection: OLMoE).
+        rope_interleaved: rotate pairs ``(0, 1), (2, 3)...`` instead of halves (GLM).
     """
 
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool | str = False
+    rope_interleaved: bool = False
 
 
 class GatedMLP(nn.Module):
@@ -208,18 +210,22 @@ class DecoderModel(nn.Module):
         make_mlp: ``make_mlp(config, layer_id, dtype)``, the MLP of each layer (default
             :class:`GatedMLP`: MoE families give their block).
         norm: the norm class of the layers and the final norm.
+        layer: the decoder layer class (:class:`DecoderLayer` or a family's subclass, built
+            with the arguments above).
     """
 
     def __init__(self, config: ModelConfig, specs: Sequence[LayerSpec], dtype: torch.dtype,
                  options: AttentionOptions, make_mlp: MlpFactory | None = None,
-                 norm: NormFactory = RMSNorm):
+                 norm: NormFactory = RMSNorm, layer: type[DecoderLayer] | None = None):
         super().__init__()
+        layer = layer or DecoderLayer
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, spec, i, dtype, options, make_mlp, norm)
+        self.layers = nn.ModuleList(layer(config, spec, i, dtype, options, make_mlp, norm)
                                     for i, spec in enumerate(specs))
         self.norm = norm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                          config.rope_theta, config.rope_parameters)
+                                          config.rope_theta, config.rope_parameters,
+                                          interleaved=options.rope_interleaved)
         #: layers whose input (hidden + residual, unnormed) the forward keeps in
         #: ``aux_hidden`` (EAGLE-3's low/mid/high states); empty: none kept
         self.aux_layers: tuple[int, ...] = ()

@@ -23,7 +23,7 @@ from engine.forward_batch import ForwardBatch
 from engine.layers.attention import Attention
 from engine.layers.linear import VocabEmbedding, default_weight_loader
 from engine.models.base import CausalLM
-from engine.models.blocks import AttentionOptions, DecoderModel, GatedMLP
+from engine.models.blocks import AttentionOptions, DecoderLayer, DecoderModel, GatedMLP
 from engine.models.config import ModelConfig
 from engine.models.weights import (
     IGNORED_SUFFIXES,
@@ -53,13 +53,16 @@ class DecoderForCausalLM(CausalLM):
 
     #: (ferry fused param, HF checkpoint part, shard id), for the loader and quantization
     stacked_params = STACKED_PARAMS
+    #: the decoder layer class (a family with another layer order gives its subclass)
+    decoder_layer: type[DecoderLayer] = DecoderLayer
 
     def __init__(self, config, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.config = config
         self.model_config = mc = ModelConfig.from_hf(config)
         self.dtype = dtype
-        self.model = DecoderModel(mc, self.layer_specs(), dtype, self._options(mc), self._mlp)
+        self.model = DecoderModel(mc, self.layer_specs(), dtype, self._options(mc), self._mlp,
+                                  layer=self.decoder_layer)
         self.tie_word_embeddings = mc.tie_word_embeddings
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
