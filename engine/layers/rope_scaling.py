@@ -96,7 +96,7 @@ def yarn_inv_freq(dim: int, base: float, params: dict, max_position: int | None
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     pos_freqs = base ** _exponents(dim)
     extrapolate = 1 - ramp
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
@@ -114,7 +114,7 @@ def longrope_inv_freq(dim: int, base: float, params: dict, short: bool) -> torch
     if len(ext) != dim // 2:
         raise ValueError(f"longrope {'short' if short else 'long'}_factor has {len(ext)} "
                          f"entries; the rotary dimension {dim} needs {dim // 2}")
-    return 1.0 / (torch.tensor(ext, dtype=torch.float32) * base ** _exponents(dim))
+    return 1.0 / (torch.tensor(ext, dtype=torch.float32, device="cpu") * base ** _exponents(dim))
 
 
 def longrope_attention_factor(params: dict, max_position: int) -> float:

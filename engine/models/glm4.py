@@ -21,8 +21,8 @@ import torch
 from engine.models.blocks import AttentionOptions, DecoderLayer
 from engine.models.config import ModelConfig
 from engine.models.decoder import DecoderForCausalLM
-from engine.models.phi3 import fused_parts
-from engine.models.weights import split_fused
+from engine.models.phi3 import fused_parts, fused_shape
+from engine.models.weights import fused_names, split_fused
 
 
 class Glm4DecoderLayer(DecoderLayer):
@@ -66,3 +66,10 @@ class Glm4ForCausalLM(DecoderForCausalLM):
         """
         parts = fused_parts(self.model_config, qkv=False)
         return super().load_weights(split_fused(weights, parts))
+
+    def hf_weight_names(self) -> list[str]:
+        """The checkpoint's names: fused ``gate_up_proj``."""
+        return fused_names(super().hf_weight_names(), fused_parts(self.model_config, qkv=False))
+
+    def _hf_weight_shape(self, name: str, inter: int | None = None) -> tuple[int, ...]:
+        return fused_shape(self, name, fused_parts(self.model_config, qkv=False), inter)

@@ -27,7 +27,7 @@ from engine.models.base import windowed_specs
 from engine.models.blocks import AttentionOptions
 from engine.models.config import ModelConfig
 from engine.models.decoder import DecoderForCausalLM
-from engine.models.weights import split_fused
+from engine.models.weights import fused_names, split_fused
 
 
 def fused_parts(mc: ModelConfig, qkv: bool = True) -> dict[str, list[tuple[str, int]]]:
@@ -64,3 +64,21 @@ class Phi3ForCausalLM(DecoderForCausalLM):
                 shape.
         """
         return super().load_weights(split_fused(weights, fused_parts(self.model_config)))
+
+    def hf_weight_names(self) -> list[str]:
+        """The checkpoint's names: fused ``qkv_proj``/``gate_up_proj`` (what the Hub's
+        safetensors and llama.cpp's ``attn_qkv``/``ffn_up`` hold)."""
+        return fused_names(super().hf_weight_names(), fused_parts(self.model_config))
+
+    def _hf_weight_shape(self, name: str, inter: int | None = None) -> tuple[int, ...]:
+        return fused_shape(self, name, fused_parts(self.model_config), inter)
+
+
+def fused_shape(model: DecoderForCausalLM, name: str, parts: dict, inter: int | None
+                ) -> tuple[int, ...]:
+    """The full shape of checkpoint tensor ``name`` of ``model``, fused ones included."""
+    kind, leaf = name.split(".")[-2:]
+    if kind not in parts:
+        return DecoderForCausalLM._hf_weight_shape(model, name, inter)
+    rows = sum(r for _, r in parts[kind])
+    return (rows, model.model_config.hidden_size) if leaf == "weight" else (rows,)

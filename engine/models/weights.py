@@ -107,7 +107,33 @@ def split_fused(weights: Iterable[tuple[str, object]], parts: dict[str, list[tup
                              f"expected {total} (the fused {', '.join(p for p, _ in parts[fused])})")
         start = 0
         for part, rows in parts[fused]:
-            piece = (tensor.narrow(0, start, rows) if isinstance(tensor, torch.Tensor)
-                     else RowRange(tensor, start, rows))
+            piece = _rows(tensor, start, rows)
             yield name.replace(f".{fused}.", f".{part}."), piece
             start += rows
+
+
+def _rows(tensor, start: int, rows: int):
+    """Rows ``[start, start + rows)`` of a checkpoint tensor: a view of a ``torch.Tensor``,
+    the same block rows of a GGUF block tensor (``GgufBlocks``: a row's blocks are its own),
+    a :class:`RowRange` of a lazy slice."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor.narrow(0, start, rows)
+    if hasattr(tensor, "ggml_type"):
+        return type(tensor)(tensor.data[start:start + rows], tensor.ggml_type,
+                            (rows, *tensor.shape[1:]))
+    return RowRange(tensor, start, rows)
+
+
+def fused_names(names: Iterable[str], parts: dict[str, list[tuple[str, int]]]) -> list[str]:
+    """HF names of unfused parts -> the fused checkpoint's names (the first part's name
+    becomes the fused one, the other parts' are dropped): what a checkpoint with
+    ``parts``' fused projections holds."""
+    first = {ps[0][0]: f for f, ps in parts.items()}
+    later = {p for ps in parts.values() for p, _ in ps[1:]}
+    out = []
+    for name in names:
+        kind = name.split(".")[-2] if name.count(".") else ""
+        if kind in later:
+            continue
+        out.append(name.replace(f".{kind}.", f".{first[kind]}.") if kind in first else name)
+    return out

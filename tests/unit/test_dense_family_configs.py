@@ -54,3 +54,41 @@ def test_lora_is_refused_at_start_up(name, monkeypatch):
     model = _meta(name)
     with pytest.raises(ValueError, match=f"{type(model).__name__}: LoRA adapters on its fused"):
         preflight.check_lora_model(model)
+
+
+def _hf_config(case: str):
+    """Phi-3.5-mini-shaped rope (longrope, partial) and GLM-4's, on tiny shapes."""
+    import transformers as T
+
+    common = {"vocab_size": 128, "hidden_size": 64, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 96,
+              "max_position_embeddings": 1024, "pad_token_id": 0, "bos_token_id": 1,
+              "eos_token_id": 2}
+    if case == "phi3":
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0,
+                "original_max_position_embeddings": 256,
+                "short_factor": [1.0] * 6, "long_factor": [2.0] * 6}
+        return T.Phi3Config(**common, partial_rotary_factor=0.75, rope_parameters=rope)
+    return T.Glm4Config(**common, head_dim=16)
+
+
+@pytest.mark.parametrize("case", ["phi3", "glm4"])
+def test_meta_build_and_checkpoint_names_are_the_fused_ones(case):
+    """Built on ``meta`` (the start-up check: the rope tables stay on the CPU), the model's
+    checkpoint names and shapes are HF's (fused ``qkv_proj``/``gate_up_proj``), which
+    llama.cpp's name table maps to ``attn_qkv``/``ffn_up`` for GGUF files."""
+    import torch
+    from gguf import MODEL_ARCH, get_tensor_name_map
+    from transformers import AutoModelForCausalLM
+
+    from engine.models import get_model_class
+
+    cfg = _hf_config(case)
+    with torch.device("meta"):
+        ours = get_model_class(cfg)(cfg)
+        hf = AutoModelForCausalLM.from_config(cfg)
+    assert ours.hf_weight_shapes() == {n: tuple(p.shape) for n, p in hf.named_parameters()}
+    table = get_tensor_name_map(MODEL_ARCH.PHI3 if case == "phi3" else MODEL_ARCH.GLM4, 2)
+    assert table.get_name("model.layers.1.mlp.gate_up_proj") == "blk.1.ffn_up"
+    if case == "phi3":
+        assert table.get_name("model.layers.1.self_attn.qkv_proj") == "blk.1.attn_qkv"
