@@ -13,7 +13,8 @@ model loaded (20-60 s, a traceback, exit 1):
   (no memory), which refuses what the constructors refuse: an unsupported architecture, an
   MoE model with ``--quantization fp8|awq|gptq`` or an FP8 checkpoint, a GGUF file of an MoE
   model, a ``--load-format`` that does not match the files, an unsupported quantization
-  scheme or activation;
+  scheme or activation; with LoRA, a family that refuses it (Phi-3, GLM-4: fused
+  checkpoint projections);
 - on XPU: a single tensor over the per-allocation limit of Intel's client GPUs
   (:data:`XPU_MAX_SINGLE_ALLOCATION`) unless ``UR_L0_ENABLE_RELAXED_ALLOCATION_LIMITS=1``.
 
@@ -62,6 +63,8 @@ def check_start_up(args: ServerArgs, given: frozenset[str] | set[str] = frozense
     check_adapters(args)
     device_type = dev.resolve_device(args.device)
     model = build_meta_model(args, device_type)
+    if model is not None and lora_enabled(args):
+        check_lora_model(model)
     if model is not None and device_type == "xpu":
         check_xpu_allocations(model, args.tp_size)
 
@@ -78,6 +81,18 @@ def check_lora_flags(args: ServerArgs, given: frozenset[str] | set[str]) -> None
         if f in given:
             raise ValueError(f"--{f.replace('_', '-')} needs --lora-paths or --enable-lora "
                              "(without adapters it would be ignored)")
+
+
+def check_lora_model(model: torch.nn.Module) -> None:
+    """A family whose LoRA ferry refuses (its class's ``lora_refusal``: Phi-3's and GLM-4's
+    fused checkpoint projections).
+
+    Raises:
+        ValueError: one line naming the architecture and the flags.
+    """
+    why = getattr(type(model), "lora_refusal", None)
+    if why:
+        raise ValueError(f"{type(model).__name__}: {why} (--lora-paths/--enable-lora)")
 
 
 def check_adapters(args: ServerArgs) -> None:

@@ -22,7 +22,8 @@ from torch import nn
 from engine.forward_batch import ForwardBatch
 from engine.layer_spec import AttentionKind, CacheKind, LayerSpec, unsupported_feature
 
-#: attention kinds this layer runs (q/k/v in, one output row per query token)
+#: attention kinds this layer runs (q/k/v in, one output row per query token); a sliding
+#: layer's window reaches the backend's kernels through the spec
 SUPPORTED_ATTENTION = frozenset({AttentionKind.FULL, AttentionKind.SLIDING})
 
 

@@ -4,7 +4,10 @@ The head dimension is split in two halves ``x = [x1 | x2]`` rotated pairwise by
 ``theta_i * pos``: ``[x1 cos - x2 sin | x2 cos + x1 sin]`` (the layout HF Llama/Qwen use).
 Frequencies: ``inv_freq_i = base^(-2i/D)``; rope types ``default``, ``linear`` (positions
 divided by ``factor``) and ``llama3`` (Llama 3.1 frequency-dependent scaling, from Meta's
-reference ``apply_scaling``). The cos/sin table is built once in fp32 on the CPU (the same on
+reference ``apply_scaling``); ``dynamic``, ``yarn`` and ``longrope`` as transformers computes
+them (:mod:`engine.layers.rope_scaling`, with their attention factor on cos/sin). Variants:
+``partial_rotary_factor`` (only the first ``int(D * factor)`` dims of each head rotate) and
+the interleaved layout (GLM: pairs ``(0, 1), (2, 3)...`` rotate instead of halves). The cos/sin table is built once in fp32 on the CPU (the same on
 every device) and indexed by position each step; the rotation runs in fp32, in
 :func:`kernels.reference.rotary_ref` (eager) or :func:`kernels.rotary.rotary_inplace`
 (Triton), whichever :func:`engine.layers.select_ops` set as ``impl``.
@@ -17,9 +20,10 @@ import math
 import torch
 from torch import nn
 
+from engine.layers import rope_scaling
 from kernels.reference import rotary_ref
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 
 
 def rope_config(config) -> tuple[float, dict]:
@@ -36,6 +40,11 @@ def rope_config(config) -> tuple[float, dict]:
     if theta is None:
         theta = 10000.0
     params["rope_type"] = params.get("rope_type", params.get("type", "default")) or "default"
+    if params["rope_type"] in ("su", "yarn") and "short_factor" in params:
+        params["rope_type"] = "longrope"          # Phi-3's legacy names (as transformers reads)
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    if partial is not None:
+        params["partial_rotary_factor"] = float(partial)
     return float(theta), params
 
 
@@ -56,8 +65,13 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
 def compute_inv_freq(head_dim: int, base: float, params: dict) -> torch.Tensor:
     """Inverse frequencies ``[head_dim // 2]`` fp32 on the CPU.
 
+    ``head_dim`` is the rotated dimension (``rotary_dim`` under a partial rotary). Types
+    whose frequencies depend on the context (``dynamic``, ``longrope``) give those of a
+    sequence within ``max_position_embeddings`` (``longrope``: the short factors); the
+    table (:func:`engine.layers.rope_scaling.cos_sin_table`) handles the rest.
+
     Raises:
-        ValueError: a rope type other than default, linear or llama3.
+        ValueError: an unsupported rope type (the message lists the supported ones).
     """
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")
                                .float() / head_dim))
@@ -68,6 +82,12 @@ def compute_inv_freq(head_dim: int, base: float, params: dict) -> torch.Tensor:
         return inv_freq / float(params["factor"])
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, params)
+    if rope_type == "dynamic":
+        return rope_scaling.dynamic_ntk_inv_freq(head_dim, base, params, None, None)
+    if rope_type == "yarn":
+        return rope_scaling.yarn_inv_freq(head_dim, base, params, None)[0]
+    if rope_type == "longrope":
+        return rope_scaling.longrope_inv_freq(head_dim, base, params, short=True)
     raise ValueError(f"unsupported rope type {rope_type!r}; ferry supports "
                      f"{', '.join(SUPPORTED_ROPE_TYPES)}")
 
@@ -76,20 +96,31 @@ class RotaryEmbedding(nn.Module):
     """cos/sin table for positions ``0 .. max_position-1``.
 
     Args:
-        head_dim: rotated dimension D (even).
+        head_dim: the head dimension D (its first ``rotary_dim = int(D *
+            partial_rotary_factor)`` dims rotate, an even number).
         max_position: table length in tokens; positions must be below it.
         base: rope theta.
-        params: rope parameters (``rope_type`` and its fields), see :func:`rope_config`.
+        params: rope parameters (``rope_type``, its fields, ``partial_rotary_factor``), see
+            :func:`rope_config`.
+        interleaved: rotate pairs ``(0, 1), (2, 3)...`` of the rotated dims (GLM's layout)
+            instead of the two halves.
+    Raises:
+        ValueError: an unsupported rope type, an odd rotary dimension.
     """
 
-    def __init__(self, head_dim: int, max_position: int, base: float, params: dict | None = None):
+    def __init__(self, head_dim: int, max_position: int, base: float, params: dict | None = None,
+                 interleaved: bool = False):
         super().__init__()
+        params = params or {"rope_type": "default"}
         self.head_dim = head_dim
+        self.rotary_dim = rd = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        if rd % 2 or rd < 2:
+            raise ValueError(f"rotary dimension {rd} (head_dim {head_dim} x partial_rotary_"
+                             f"factor) must be even and positive")
+        self.interleaved = interleaved
         self.max_position = max_position
-        inv_freq = compute_inv_freq(head_dim, base, params or {"rope_type": "default"})
-        t = torch.arange(max_position, dtype=torch.float32, device="cpu")
-        freqs = torch.outer(t, inv_freq)                         # [P, D/2]
-        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)    # [P, D] fp32
+        inv_freq = compute_inv_freq(rd, base, params)
+        cache = rope_scaling.cos_sin_table(rd, max_position, base, params, inv_freq)  # [P, rd]
         self.register_buffer("cos_sin_cache", cache.to(torch.get_default_device()),
                              persistent=False)
         self.impl = rotary_ref
@@ -101,11 +132,36 @@ class RotaryEmbedding(nn.Module):
         Returns the rotated ``(q, k)`` in their dtypes; use them, not the inputs: the eager
         ``impl`` (:func:`kernels.reference.rotary_ref`) returns new tensors, the fused one
         (:func:`kernels.rotary.rotary_inplace`, one launch for q and k) rotates in place.
+        A partial or interleaved rotary rotates a gathered copy of the rotated dims and
+        returns new tensors.
         """
-        return self.impl(q, k, positions, self.cos_sin_cache, self.head_dim)
+        if self.rotary_dim == self.head_dim and not self.interleaved:
+            return self.impl(q, k, positions, self.cos_sin_cache, self.head_dim)
+        qr, q_pass = self._gather(q)
+        kr, k_pass = self._gather(k)
+        qr, kr = self.impl(qr, kr, positions, self.cos_sin_cache, self.rotary_dim)
+        return self._scatter(qr, q_pass, q.shape), self._scatter(kr, k_pass, k.shape)
+
+    def _gather(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H*D] -> (its rotated dims as a contiguous [T, H*rd], in the halves layout;
+        the pass-through dims [T, H, D - rd])."""
+        t, rd = x.shape[0], self.rotary_dim
+        xh = x.reshape(t, -1, self.head_dim)
+        rot = xh[..., :rd]
+        if self.interleaved:  # (x0, x1, x2, x3...) -> (x0, x2... | x1, x3...)
+            rot = rot.unflatten(-1, (rd // 2, 2)).transpose(-1, -2)
+        return rot.reshape(t, -1).contiguous(), xh[..., rd:]
+
+    def _scatter(self, rot: torch.Tensor, rest: torch.Tensor, shape) -> torch.Tensor:
+        """The inverse of :meth:`_gather`: a new tensor of ``shape``."""
+        t, rd = rot.shape[0], self.rotary_dim
+        rot = rot.reshape(t, -1, rd)
+        if self.interleaved:
+            rot = rot.unflatten(-1, (2, rd // 2)).transpose(-1, -2).flatten(-2)
+        return torch.cat([rot, rest], dim=-1).reshape(shape)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] int64 -> (cos, sin), each [T, D/2] fp32."""
+        """positions [T] int64 -> (cos, sin), each [T, rotary_dim/2] fp32."""
         cs = self.cos_sin_cache.index_select(0, positions)
         return cs.chunk(2, dim=-1)
 

@@ -27,10 +27,11 @@ packed ``qweight``/``qzeros``/``scales`` into 4-bit layers; ``quantization="awq"
 (or such a config with dummy weights) quantizes float tensors to 4 bits as they load
 (``engine.layers.quantization.int4``).
 
-Sliding window: ferry has no sliding-window attention. When a config sets ``sliding_window``
-(and, for Qwen, ``use_sliding_window``) below ``max_position_embeddings``, :func:`load_config`
-caps ``max_position_embeddings`` at the window, so full attention is exact for every
-admissible sequence, and logs a warning.
+Sliding window: the families whose layers describe their windows (a class whose
+``attention_kinds`` include ``SLIDING``: Mistral, Ministral, Phi-3) run them. For the others,
+when a config sets ``sliding_window`` (and, for Qwen, ``use_sliding_window``) below
+``max_position_embeddings``, :func:`load_config` caps ``max_position_embeddings`` at the
+window, so full attention is exact for every admissible sequence, and logs a warning.
 
 The cache directory is ``$FERRY_CACHE_DIR`` or ``~/.cache/ferry``.
 """
@@ -264,7 +265,8 @@ def config_dir(name: str) -> str:
 def load_config(source: ModelSource | str | None):
     """The HF ``PretrainedConfig`` of a source (``AutoConfig``; ``gguf_file=`` for GGUF).
 
-    Caps ``max_position_embeddings`` at a smaller ``sliding_window`` (module docstring).
+    Caps ``max_position_embeddings`` at a smaller ``sliding_window`` for a family that does
+    not run windows (module docstring).
     """
     from transformers import AutoConfig
 

@@ -112,6 +112,9 @@ class LoRAManager:
         self.max_rank = max_rank
         self.max_loaded = max_loaded
         self.device = device
+        refusal = getattr(type(model), "lora_refusal", None)
+        if refusal:  # (ferry serve refuses it before start-up: engine/executor/preflight.py)
+            raise ValueError(f"{type(model).__name__}: {refusal}")
         self.batch = LoRABatch(use_triton, num_slots, dtype)
         self.targets = _layer_targets(model)
         if not self.targets:

@@ -14,11 +14,13 @@ from __future__ import annotations
 from engine.models.base import CausalLM
 from engine.models.config import MODEL_TYPES, ModelConfig
 from engine.models.exaone4 import Exaone4ForCausalLM
+from engine.models.glm4 import Glm4ForCausalLM
 from engine.models.granite import GraniteForCausalLM
-from engine.models.llama import LlamaForCausalLM, MistralForCausalLM
+from engine.models.llama import LlamaForCausalLM, MinistralForCausalLM, MistralForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM
 from engine.models.olmoe import OlmoeForCausalLM
+from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from engine.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from engine.models.smollm3 import SmolLM3ForCausalLM
@@ -37,6 +39,9 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
+    "MinistralForCausalLM": MinistralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Glm4ForCausalLM": Glm4ForCausalLM,
 }
 
 
@@ -80,6 +85,9 @@ __all__ = [
     "SmolLM3ForCausalLM",
     "GraniteForCausalLM",
     "Exaone4ForCausalLM",
+    "MinistralForCausalLM",
+    "Phi3ForCausalLM",
+    "Glm4ForCausalLM",
     "get_model_class",
     "supported_architectures",
 ]

@@ -30,7 +30,7 @@ class attributes :attr:`CausalLM.family`, :attr:`CausalLM.attention_kinds` and
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, ClassVar
 
@@ -193,7 +193,8 @@ def full_attention_specs(config: ModelConfig) -> list[LayerSpec]:
     config's head sizes, K/V heads and rotary (its ``rope_type`` and ``rope_theta``, the
     whole head rotated), the softmax scale ``head_dim ** -0.5``."""
     rotary = RotarySpec(kind=config.rope_parameters.get("rope_type", "default"),
-                        base=config.rope_theta)
+                        base=config.rope_theta,
+                        partial_factor=config.rope_parameters.get("partial_rotary_factor", 1.0))
     spec = LayerSpec(attention=AttentionKind.FULL, cache=CacheKind.PAGED_KV,
                      head_dim=config.head_dim, v_head_dim=config.head_dim,
                      num_kv_heads=config.num_kv_heads, rotary=rotary)
@@ -237,3 +238,17 @@ def layer_type_specs(config: ModelConfig, layer_types, sliding_window: int | Non
                              if attention == AttentionKind.SLIDING else None,
                              rotary=base.rotary if rope else None))
     return specs
+
+
+def windowed_specs(config: ModelConfig, windowed: Sequence[bool]) -> list[LayerSpec]:
+    """:func:`full_attention_specs`, with layer ``i`` sliding-window attention (window
+    ``config.sliding_window``) where ``windowed[i]``.
+
+    Raises:
+        ValueError: a windowed layer while the config has no ``sliding_window``.
+    """
+    specs = full_attention_specs(config)
+    if any(windowed) and not config.sliding_window:
+        raise ValueError(f"{config.architecture}: windowed layers without a sliding_window")
+    return [replace(s, attention=AttentionKind.SLIDING, sliding_window=config.sliding_window)
+            if w else s for s, w in zip(specs, windowed, strict=True)]

@@ -59,11 +59,13 @@ class AttentionOptions:
         o_bias: bias on ``o_proj``.
         qk_norm: False (none), True (an RMSNorm per head of q and of k, before RoPE: Qwen3)
             or ``"full"`` (one RMSNorm over the whole q and the whole k projection: OLMoE).
+        rope_interleaved: rotate pairs ``(0, 1), (2, 3)...`` instead of halves (GLM).
     """
 
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool | str = False
+    rope_interleaved: bool = False
 
 
 @dataclass(frozen=True)
@@ -315,21 +317,26 @@ class DecoderModel(nn.Module):
         norm: the norm class of the layers and the final norm.
         decoder: the layer placement and multipliers (:class:`DecoderOptions`; default
             Llama's pre-norm layers).
+        layer: a family's decoder layer class (a :class:`DecoderLayer` subclass, built with
+            the arguments above; GLM-4's), instead of the one ``decoder`` picks.
     """
 
     def __init__(self, config: ModelConfig, specs: Sequence[LayerSpec], dtype: torch.dtype,
                  options: AttentionOptions, make_mlp: MlpFactory | None = None,
-                 norm: NormFactory = RMSNorm, decoder: DecoderOptions | None = None):
+                 norm: NormFactory = RMSNorm, decoder: DecoderOptions | None = None,
+                 layer: type[DecoderLayer] | None = None):
         super().__init__()
         decoder = decoder or DecoderOptions()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.embedding_multiplier = decoder.embedding_multiplier
-        self.layers = nn.ModuleList(_make_layer(config, spec, i, dtype, options, make_mlp, norm,
-                                                decoder)
-                                    for i, spec in enumerate(specs))
+        self.layers = nn.ModuleList(
+            layer(config, spec, i, dtype, options, make_mlp, norm) if layer is not None
+            else _make_layer(config, spec, i, dtype, options, make_mlp, norm, decoder)
+            for i, spec in enumerate(specs))
         self.norm = norm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                          config.rope_theta, config.rope_parameters)
+                                          config.rope_theta, config.rope_parameters,
+                                          interleaved=options.rope_interleaved)
         if any(spec.rotary is None for spec in specs):
             self.no_rotary = NoRotary()
         #: each layer's rotary (the shared table; NoRotary for a spec without one)

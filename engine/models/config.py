@@ -29,6 +29,9 @@ MODEL_TYPES: dict[str, str] = {
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
+    "ministral": "MinistralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "glm4": "Glm4ForCausalLM",
 }
 
 
@@ -67,6 +70,11 @@ class ModelConfig:
         decoder_sparse_step, mlp_only_layers: layer ``i`` is an MoE layer when
             ``num_experts > 0``, ``i not in mlp_only_layers`` and
             ``(i + 1) % decoder_sparse_step == 0`` (:meth:`is_moe_layer`), as in transformers.
+        sliding_window: the config's ``sliding_window`` (tokens a windowed layer's query sees,
+            itself included), None when unset; which layers are windowed is the family's
+            call (:meth:`engine.models.base.CausalLM.layer_specs`).
+        layer_types: the config's ``layer_types`` (``sliding_attention``/``full_attention``
+            per layer), empty when unset.
     """
 
     architecture: str
@@ -93,6 +101,8 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether decoder layer ``layer_id`` has a mixture-of-experts MLP."""
@@ -156,6 +166,8 @@ class ModelConfig:
             hidden_act=getattr(text, "hidden_act", None) or "silu",
             attention_bias=bool(getattr(text, "attention_bias", False)),
             mlp_bias=bool(getattr(text, "mlp_bias", False)),
+            sliding_window=getattr(text, "sliding_window", None) or None,
+            layer_types=tuple(getattr(text, "layer_types", None) or ()),
             **_moe_fields(text),
         )
 

@@ -24,7 +24,13 @@ from engine.forward_batch import ForwardBatch
 from engine.layers.attention import Attention
 from engine.layers.linear import VocabEmbedding, default_weight_loader
 from engine.models.base import CausalLM
-from engine.models.blocks import AttentionOptions, DecoderModel, DecoderOptions, GatedMLP
+from engine.models.blocks import (
+    AttentionOptions,
+    DecoderLayer,
+    DecoderModel,
+    DecoderOptions,
+    GatedMLP,
+)
 from engine.models.config import ModelConfig
 from engine.models.weights import (
     IGNORED_SUFFIXES,
@@ -54,6 +60,9 @@ class DecoderForCausalLM(CausalLM):
 
     #: (ferry fused param, HF checkpoint part, shard id), for the loader and quantization
     stacked_params = STACKED_PARAMS
+    #: a family's own decoder layer class (GLM-4's extra post-norms); None: the one
+    #: ``_decoder``'s options pick (pre-norm, post-norm or scaled-residual)
+    decoder_layer: type[DecoderLayer] | None = None
 
     def __init__(self, config, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -61,7 +70,7 @@ class DecoderForCausalLM(CausalLM):
         self.model_config = mc = ModelConfig.from_hf(config)
         self.dtype = dtype
         self.model = DecoderModel(mc, self.layer_specs(), dtype, self._options(mc), self._mlp,
-                                  decoder=self._decoder(mc))
+                                  decoder=self._decoder(mc), layer=self.decoder_layer)
         self.tie_word_embeddings = mc.tie_word_embeddings
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens

@@ -12,6 +12,8 @@ their static ``input_scale`` (and KV ``k_scale``/``v_scale``) tensors are skippe
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import torch
 
 #: (ferry fused param, HF checkpoint part, shard id)
@@ -53,3 +55,85 @@ def check_fp8(name: str, param: torch.Tensor, tensor) -> None:
                          f"{str(param.dtype).removeprefix('torch.')}: FP8 linear weights need "
                          "the checkpoint's quantization_config (their scales), and FP8 "
                          "embeddings, norms and LM heads are not supported")
+
+
+class RowRange:
+    """Rows ``[start, start + rows)`` of a lazy checkpoint tensor (a safetensors slice, see
+    ``engine.loader.weights.LazyTensor``), read only where a weight loader narrows it: a
+    fused tensor's part as the loaders see it (``shape``, ``dtype``, ``dim``, ``narrow``,
+    ``materialize``)."""
+
+    def __init__(self, tensor, start: int, rows: int):
+        self._tensor, self._start = tensor, start
+        self.shape = (rows, *tuple(tensor.shape)[1:])
+        self.dtype = tensor.dtype
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if dim == 0:
+            return self._tensor.narrow(0, self._start + start, length)
+        return self.materialize().narrow(dim, start, length)
+
+    def materialize(self) -> torch.Tensor:
+        t = self._tensor
+        whole = t.materialize() if hasattr(t, "materialize") else t
+        return whole.narrow(0, self._start, self.shape[0])
+
+
+def split_fused(weights: Iterable[tuple[str, object]], parts: dict[str, list[tuple[str, int]]]
+                ) -> Iterator[tuple[str, object]]:
+    """Checkpoint tensors with fused projections (Phi-3's ``qkv_proj``, Phi-3's and GLM-4's
+    ``gate_up_proj``) as their parts under the unfused HF names, so that the loaders shard
+    each part as they shard an unfused checkpoint's (tensor parallelism splits q, k, v and
+    gate, up each over the ranks).
+
+    Args:
+        weights: ``(hf_name, tensor)`` pairs.
+        parts: fused module name -> ``[(part module name, rows), ...]`` in row order
+            (``{"qkv_proj": [("q_proj", Hq*D), ("k_proj", Hkv*D), ("v_proj", Hkv*D)]}``).
+    Raises:
+        ValueError: a fused tensor whose rows are not the parts' sum (names the tensor).
+    """
+    for name, tensor in weights:
+        fused = next((f for f in parts if f".{f}." in name), None)
+        if fused is None:
+            yield name, tensor
+            continue
+        total = sum(rows for _, rows in parts[fused])
+        if tuple(tensor.shape)[0] != total:
+            raise ValueError(f"{name}: checkpoint tensor has {tuple(tensor.shape)[0]} rows, "
+                             f"expected {total} (the fused {', '.join(p for p, _ in parts[fused])})")
+        start = 0
+        for part, rows in parts[fused]:
+            piece = _rows(tensor, start, rows)
+            yield name.replace(f".{fused}.", f".{part}."), piece
+            start += rows
+
+
+def _rows(tensor, start: int, rows: int):
+    """Rows ``[start, start + rows)`` of a checkpoint tensor: a view of a ``torch.Tensor``,
+    the same block rows of a GGUF block tensor (``GgufBlocks``: a row's blocks are its own),
+    a :class:`RowRange` of a lazy slice."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor.narrow(0, start, rows)
+    if hasattr(tensor, "ggml_type"):
+        return type(tensor)(tensor.data[start:start + rows], tensor.ggml_type,
+                            (rows, *tensor.shape[1:]))
+    return RowRange(tensor, start, rows)
+
+
+def fused_names(names: Iterable[str], parts: dict[str, list[tuple[str, int]]]) -> list[str]:
+    """HF names of unfused parts -> the fused checkpoint's names (the first part's name
+    becomes the fused one, the other parts' are dropped): what a checkpoint with
+    ``parts``' fused projections holds."""
+    first = {ps[0][0]: f for f, ps in parts.items()}
+    later = {p for ps in parts.values() for p, _ in ps[1:]}
+    out = []
+    for name in names:
+        kind = name.split(".")[-2] if name.count(".") else ""
+        if kind in later:
+            continue
+        out.append(name.replace(f".{kind}.", f".{first[kind]}.") if kind in first else name)
+    return out

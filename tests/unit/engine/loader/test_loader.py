@@ -188,9 +188,14 @@ def test_shipped_config_and_shapes(name, expect):
 
 
 def test_sliding_window_caps_context(tmp_path):
-    d = _write_config(tmp_path / "m", architectures=["MistralForCausalLM"], model_type="mistral",
+    """Families without windowed layers (Mixtral, Qwen2) have their context capped at the
+    window; Mistral runs its window (issue 42) and keeps its context."""
+    d = _write_config(tmp_path / "x", architectures=["MixtralForCausalLM"], model_type="mixtral",
                       sliding_window=64, max_position_embeddings=256)
     assert load_config(d).max_position_embeddings == 64
+    d = _write_config(tmp_path / "m", architectures=["MistralForCausalLM"], model_type="mistral",
+                      sliding_window=64, max_position_embeddings=256)
+    assert load_config(d).max_position_embeddings == 256
     d = _write_config(tmp_path / "q", architectures=["Qwen2ForCausalLM"], model_type="qwen2",
                       sliding_window=64, use_sliding_window=False, max_position_embeddings=256)
     assert load_config(d).max_position_embeddings == 256
