@@ -27,10 +27,11 @@ packed ``qweight``/``qzeros``/``scales`` into 4-bit layers; ``quantization="awq"
 (or such a config with dummy weights) quantizes float tensors to 4 bits as they load
 (``engine.layers.quantization.int4``).
 
-Sliding window: ferry has no sliding-window attention. When a config sets ``sliding_window``
-(and, for Qwen, ``use_sliding_window``) below ``max_position_embeddings``, :func:`load_config`
-caps ``max_position_embeddings`` at the window, so full attention is exact for every
-admissible sequence, and logs a warning.
+Sliding window: a family whose layer specs carry their windows (Gemma 2/3: the class's
+``attention_kinds`` include ``SLIDING``) runs them. For the others (Mistral, Qwen2), when a
+config sets ``sliding_window`` (and, for Qwen, ``use_sliding_window``) below
+``max_position_embeddings``, :func:`load_config` caps ``max_position_embeddings`` at the
+window, so full attention is exact for every admissible sequence, and logs a warning.
 
 The cache directory is ``$FERRY_CACHE_DIR`` or ``~/.cache/ferry``.
 """
@@ -279,7 +280,19 @@ def load_config(source: ModelSource | str | None):
     return config
 
 
+def _runs_windows(config) -> bool:
+    """Whether the config's model class runs sliding-window layers itself (Gemma)."""
+    from engine.layer_spec import AttentionKind
+
+    try:
+        return AttentionKind.SLIDING in get_model_class(config).attention_kinds
+    except ValueError:  # an unsupported architecture: refused later, with its message
+        return False
+
+
 def _cap_sliding_window(config) -> None:
+    if _runs_windows(config):
+        return
     window = getattr(config, "sliding_window", None)
     enabled = getattr(config, "use_sliding_window", True)
     max_pos = getattr(config, "max_position_embeddings", None)

@@ -27,13 +27,14 @@ from torch import nn
 
 from engine.forward_batch import ForwardBatch
 from engine.layer_spec import LayerSpec
-from engine.layers.activation import SiluAndMul
+from engine.layers.activation import gated_activation
 from engine.layers.attention import Attention
 from engine.layers.linear import (
     MergedColumnLinear,
     QKVLinear,
     RowParallelLinear,
     VocabEmbedding,
+    embedding_scale,
 )
 from engine.layers.norm import RMSNorm, ShardedRMSNorm
 from engine.layers.rotary import RotaryEmbedding
@@ -43,6 +44,8 @@ from engine.models.config import ModelConfig
 NormFactory = Callable[[int, float, torch.dtype], nn.Module]
 #: ``make_mlp(config, layer_id, dtype)``: the MLP of one decoder layer
 MlpFactory = Callable[[ModelConfig, int, torch.dtype], nn.Module]
+#: ``rope_for(layer_id) -> (base, rope parameters)``: a layer's rotary (per layer type)
+RopeFactory = Callable[[int], tuple[float, dict]]
 
 
 @dataclass(frozen=True)
@@ -54,34 +57,36 @@ class AttentionOptions:
         o_bias: bias on ``o_proj``.
         qk_norm: False (none), True (an RMSNorm per head of q and of k, before RoPE: Qwen3)
             or ``"full"`` (one RMSNorm over the whole q and the whole k projection: OLMoE).
+        qk_norm_cls: the per-head q/k norm class (``norm(size, eps, dtype)``; None:
+            RMSNorm; Gemma 3: its ``(1 + w)`` norm).
     """
 
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool | str = False
+    qk_norm_cls: NormFactory | None = None
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP ``down(silu(gate(x)) * up(x))`` of width ``intermediate_size`` (default:
-    the config's); with ``reduce_results=False`` the output is this rank's partial sum (see
+    """Gated MLP ``down(act(gate(x)) * up(x))`` of width ``intermediate_size`` (default:
+    the config's); ``act`` is the config's ``hidden_act`` (SiLU: SwiGLU; Gemma's
+    ``gelu_pytorch_tanh``: GeGLU, :mod:`engine.layers.activation`); with
+    ``reduce_results=False`` the output is this rank's partial sum (see
     ``RowParallelLinear``).
 
     Raises:
-        ValueError: a ``hidden_act`` other than silu.
+        ValueError: a ``hidden_act`` without a gated activation in ferry.
     """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype,
                  intermediate_size: int | None = None, reduce_results: bool = True):
         super().__init__()
-        act = config.hidden_act
-        if act not in ("silu", "swish"):
-            raise ValueError(f"unsupported hidden_act {act!r}; ferry supports silu")
+        self.act_fn = gated_activation(config.hidden_act)
         bias = config.mlp_bias
         inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnLinear(config.hidden_size, [inter, inter], bias, dtype)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, dtype,
                                            reduce_results=reduce_results)
-        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
@@ -120,8 +125,9 @@ class AttentionBlock(nn.Module):
             self.k_norm = ShardedRMSNorm(spec.num_kv_heads * d, eps, dtype,
                                          replicas=self.qkv_proj.kv_replicas)
         elif options.qk_norm:
-            self.q_norm = RMSNorm(d, eps, dtype)
-            self.k_norm = RMSNorm(d, eps, dtype)
+            head_norm = options.qk_norm_cls or RMSNorm
+            self.q_norm = head_norm(d, eps, dtype)
+            self.k_norm = head_norm(d, eps, dtype)
         else:
             self.q_norm = self.k_norm = None
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, layer_id, spec=spec)
@@ -197,6 +203,36 @@ class DecoderLayer(nn.Module):
         return self.post_attn(self.self_attn.attn(q, k, v, fb), residual)
 
 
+class SandwichDecoderLayer(DecoderLayer):
+    """Decoder layer with "sandwich" norms (Gemma 2/3): each sub-block's output is normed
+    before its residual add, ``h += post_attn_norm(attn(input_norm(h)))``,
+    ``h += post_ff_norm(mlp(pre_ff_norm(h)))``.
+
+    The parameters are HF's: ``input_layernorm``, ``post_attention_layernorm`` (here the
+    norm of the attention output), ``pre_feedforward_layernorm`` and
+    ``post_feedforward_layernorm``. The residual adds stay fused into the following norm:
+    :meth:`post_attn` returns the MLP's normed output and the stream before its add, which
+    the next layer's ``input_layernorm`` (or the final norm) adds.
+
+    Args: as :class:`DecoderLayer`.
+    """
+
+    def __init__(self, config: ModelConfig, spec: LayerSpec, layer_id: int, dtype: torch.dtype,
+                 options: AttentionOptions, make_mlp: MlpFactory | None = None,
+                 norm: NormFactory = RMSNorm):
+        super().__init__(config, spec, layer_id, dtype, options, make_mlp, norm)
+        self.pre_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def post_attn(self, attn_out: torch.Tensor, residual: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """o projection and its norm, the residual add fused into the pre-MLP norm, the MLP
+        and its norm; returns ``(normed MLP output, residual stream)``, both [T, hidden]."""
+        attn = self.post_attention_layernorm(self.self_attn.o_proj(attn_out))
+        hidden, residual = self.pre_feedforward_layernorm(attn, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+
+
 class DecoderModel(nn.Module):
     """Embedding, decoder layers (one per spec), final norm, rotary table.
 
@@ -208,33 +244,67 @@ class DecoderModel(nn.Module):
         make_mlp: ``make_mlp(config, layer_id, dtype)``, the MLP of each layer (default
             :class:`GatedMLP`: MoE families give their block).
         norm: the norm class of the layers and the final norm.
+        layer_cls: the decoder layer class (:class:`DecoderLayer`, or
+            :class:`SandwichDecoderLayer`).
+        scale_embeddings: multiply the embeddings by ``sqrt(hidden_size)`` rounded to the
+            run dtype (Gemma; :func:`engine.layers.linear.embedding_scale`).
+        rope_for: ``rope_for(layer_id) -> (base, rope parameters)``, each layer's rotary
+            (Gemma 3's local and global bases); default: the config's for every layer.
     """
 
     def __init__(self, config: ModelConfig, specs: Sequence[LayerSpec], dtype: torch.dtype,
                  options: AttentionOptions, make_mlp: MlpFactory | None = None,
-                 norm: NormFactory = RMSNorm):
+                 norm: NormFactory = RMSNorm, layer_cls: type[DecoderLayer] = DecoderLayer,
+                 scale_embeddings: bool = False, rope_for: RopeFactory | None = None):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, spec, i, dtype, options, make_mlp, norm)
+        self.embed_scale = embedding_scale(config.hidden_size, dtype) \
+            if scale_embeddings else None
+        self.layers = nn.ModuleList(layer_cls(config, spec, i, dtype, options, make_mlp, norm)
                                     for i, spec in enumerate(specs))
         self.norm = norm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                          config.rope_theta, config.rope_parameters)
+        self.layer_ropes = self._layer_ropes(config, len(specs), rope_for)
+        #: layer 0's table (the only one without ``rope_for``)
+        self.rotary_emb = self.layer_ropes[0]
         #: layers whose input (hidden + residual, unnormed) the forward keeps in
         #: ``aux_hidden`` (EAGLE-3's low/mid/high states); empty: none kept
         self.aux_layers: tuple[int, ...] = ()
         self.aux_hidden: list[torch.Tensor] = []
 
+    def _layer_ropes(self, config: ModelConfig, n: int, rope_for: RopeFactory | None
+                     ) -> list[RotaryEmbedding]:
+        """Each layer's rotary table: the config's for all by default; with ``rope_for``,
+        one table per distinct (base, parameters), kept in ``rotary_embs``."""
+        if rope_for is None:
+            return [RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                    config.rope_theta, config.rope_parameters)] * n
+        tables: dict[str, RotaryEmbedding] = {}
+        ropes = []
+        for i in range(n):
+            base, params = rope_for(i)
+            key = repr((float(base), sorted(params.items())))
+            if key not in tables:
+                tables[key] = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                              base, params)
+            ropes.append(tables[key])
+        self.rotary_embs = nn.ModuleList(tables.values())
+        return ropes
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] int64 -> embeddings [T, hidden] (scaled when the family says so)."""
+        hidden = self.embed_tokens(input_ids)
+        return hidden if self.embed_scale is None else hidden * self.embed_scale
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 fb: ForwardBatch) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final normed hidden states [T, hidden]."""
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         residual = None
         aux = {}
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers:
                 aux[i] = hidden if residual is None else hidden + residual
-            hidden, residual = layer(hidden, residual, self.rotary_emb, positions, fb)
+            hidden, residual = layer(hidden, residual, self.layer_ropes[i], positions, fb)
         if self.aux_layers:  # in the listed order (a layer may be listed twice)
             self.aux_hidden = [aux[i] for i in self.aux_layers]
         hidden, _ = self.norm(hidden, residual)
@@ -244,9 +314,9 @@ class DecoderModel(nn.Module):
               attn_out: torch.Tensor | None = None, residual: torch.Tensor | None = None):
         """Piece ``i`` of the forward (see :meth:`engine.models.base.CausalLM.piece`)."""
         if i == 0:
-            hidden, residual = self.embed_tokens(input_ids), None
+            hidden, residual = self.embed(input_ids), None
         else:
             hidden, residual = self.layers[i - 1].post_attn(attn_out, residual)
         if i == len(self.layers):
             return self.norm(hidden, residual)[0]
-        return self.layers[i].pre_attn(hidden, residual, self.rotary_emb, positions)
+        return self.layers[i].pre_attn(hidden, residual, self.layer_ropes[i], positions)

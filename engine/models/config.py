@@ -24,6 +24,9 @@ MODEL_TYPES: dict[str, str] = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 
@@ -47,7 +50,8 @@ class ModelConfig:
         tie_word_embeddings: the LM head is the embedding table.
         rope_theta: RoPE base.
         rope_parameters: ``rope_type`` and its fields (``engine.layers.rotary.rope_config``).
-        hidden_act: MLP activation name.
+        hidden_act: MLP activation name (Gemma's ``hidden_activation``, else
+            ``hidden_act``).
         attention_bias, mlp_bias: projection biases (``attention_bias``, ``mlp_bias``).
         num_experts: routed experts per MoE layer (``num_experts``, Mixtral's
             ``num_local_experts``); 0 for a dense model.
@@ -148,7 +152,8 @@ class ModelConfig:
             tie_word_embeddings=bool(tie),
             rope_theta=theta,
             rope_parameters=rope_params,
-            hidden_act=getattr(text, "hidden_act", None) or "silu",
+            hidden_act=(getattr(text, "hidden_activation", None)
+                        or getattr(text, "hidden_act", None) or "silu"),
             attention_bias=bool(getattr(text, "attention_bias", False)),
             mlp_bias=bool(getattr(text, "mlp_bias", False)),
             **_moe_fields(text),
