@@ -140,3 +140,28 @@ def test_tp2_matches_tp1_gemma3(tmp_path):
     assert toks == ref_toks
     worst = max(abs(a - b) for a, b in zip(lps, ref_lps))
     assert worst < 1e-4, f"largest log-prob difference TP=2 vs TP=1: {worst:.2e}"
+
+
+# ---- speculative decoding (the target's greedy tokens whatever the drafts) ----------------
+
+
+@pytest.mark.parametrize("algo", ["NGRAM", "EAGLE", "EAGLE3"])
+def test_speculative_decoding_keeps_hf_tokens_gemma2(algo, tmp_path):
+    """NGRAM drafts, and random EAGLE / EAGLE-3 heads reading the Gemma 2 target's hidden
+    states (the decoder's capture hook: final normed states, or the inputs of layers 2, 2
+    and 1): every verified token must still be HF's."""
+    from test_speculative_models import save_head
+
+    hf = save_tiny("gemma2", tmp_path / "target")
+    kw = {"speculative_num_draft_tokens": 3}
+    if algo != "NGRAM":
+        save_head(tmp_path / "head", algo == "EAGLE3", seed=5)
+        kw = {"speculative_draft_model_path": str(tmp_path / "head"),
+              "speculative_num_steps": 3}
+    prompts = _prompts()
+    with LLM(str(tmp_path / "target"), dtype="float32", device="cpu", cpu_threads=1,
+             max_total_tokens=4096, speculative_algorithm=algo, **kw) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0,
+                                                    ignore_eos=True))
+    for p, out in zip(prompts, outs):
+        assert out.token_ids == _hf_generate(hf, p)[0], f"{algo}: {p}"
