@@ -27,8 +27,10 @@ One row per model class. **HF architectures** is `config.architectures[0]` of a 
 (GGUF files, which have none, are matched by **model_type**). **Attention** and **Cache** are
 the kinds the class's layers may have (`engine/layer_spec.py`: each layer's `LayerSpec`);
 `full` attention over a `paged_kv` cache is the paged KV pool of `engine/kv/pool.py`.
-Mistral-style `sliding_window` configs run as full attention with the context capped at the
-window (the loader's `_cap_sliding_window`).
+`sliding` layers (Gemma 2/3) attend over their window in the attention kernels, their K/V
+in the same paged pool. Mistral-style `sliding_window` configs of a class without `sliding`
+run as full attention with the context capped at the window (the loader's
+`_cap_sliding_window`).
 
 | Family | HF architectures | model_type | Attention | Cache | Module |
 |---|---|---|---|---|---|
