@@ -165,3 +165,33 @@ def test_speculative_decoding_keeps_hf_tokens_gemma2(algo, tmp_path):
                                                     ignore_eos=True))
     for p, out in zip(prompts, outs):
         assert out.token_ids == _hf_generate(hf, p)[0], f"{algo}: {p}"
+
+
+# ---- LoRA (the projections have Llama's names) ----------------------------------------------
+
+
+def test_lora_on_every_projection_matches_peft_gemma2(tmp_path):
+    """A seeded peft adapter on all seven projections of the Gemma 2 checkpoint: ferry's
+    greedy tokens with it equal transformers + peft's (and differ from the base's)."""
+    from lora_helpers import ALL_MODULES, greedy_reference
+    from peft import LoraConfig, get_peft_model
+
+    base = save_tiny("gemma2", tmp_path / "base")
+    pm = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=ALL_MODULES,
+                                         init_lora_weights=False, lora_dropout=0.0)).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    pm.save_pretrained(tmp_path / "a1")
+    prompts = _prompts()[1:]
+    refs = [greedy_reference(pm, p, NEW_TOKENS) for p in prompts]
+    with pm.disable_adapter():
+        assert [greedy_reference(pm, p, NEW_TOKENS)[0] for p in prompts] != \
+            [r[0] for r in refs]
+    with LLM(str(tmp_path / "base"), dtype="float32", device="cpu", cpu_threads=1,
+             max_total_tokens=4096, lora_paths=[f"a1={tmp_path / 'a1'}"]) as llm:
+        outs = llm.generate(prompts, SP, lora="a1")
+    for i, (out, ref) in enumerate(zip(outs, refs)):
+        _assert_matches(out, ref, f"gemma2 + LoRA prompt {i}")
