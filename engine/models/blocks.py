@@ -9,8 +9,10 @@ composes these:
   (which holds the layer's :class:`engine.layer_spec.LayerSpec`) and ``o_proj``.
 - :class:`DecoderLayer`: pre-norm attention and MLP, each with its residual add fused into
   the next norm (``norm``: the norm class, RMSNorm by default).
-- :class:`DecoderModel`: the embedding, the layers, the final norm and the rotary table; its
-  forward and its pieces (the forward cut at the attention calls, for the piecewise graphs).
+- :class:`SandwichDecoderLayer`: Gemma's layer, a norm before and after each sub-block.
+- :class:`DecoderModel`: the embedding (optionally scaled), the layers, the final norm and
+  the rotary tables (one, or one per layer type); its forward and its pieces (the forward
+  cut at the attention calls, for the piecewise graphs).
 
 Module and parameter names are HF's with fused projections (``self_attn.qkv_proj``,
 ``mlp.gate_up_proj``), so the families load HF checkpoints by name

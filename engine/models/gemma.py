@@ -24,6 +24,16 @@ What differs from Llama (all from :mod:`engine.layers` and :mod:`engine.models.b
 ``Gemma3ForConditionalGeneration`` checkpoints: the language model's weights
 (``model.language_model.*``, or ``language_model.model.*`` in older files) load into the
 text model; the vision tower and projector are skipped (logged once).
+
+The projections have Llama's names (fused as ``qkv_proj``/``gate_up_proj``), so FP8
+(``--quantization fp8``), LoRA and tensor parallelism work as for Llama; EAGLE heads read
+the decoder's hidden-state hook. GGUF files load through transformers' GGUF config (model
+types ``gemma2``, ``gemma3``): its mapping (transformers 5.24) reads neither the
+soft-caps nor ``query_pre_attn_scalar`` nor Gemma 3's rope scaling from the file, so the
+config classes' defaults apply: right for Gemma 2 2B/9B and Gemma 3 1B, not for Gemma 2
+27B (scalar 144) nor Gemma 3 4B-27B (linear rope scaling; 27B's scalar 168). Gemma 4 (``gemma4_text``) is not supported: plain
+``w`` norms, scale 1 with a weightless v norm, K/V shared across layers, per-layer input
+embeddings, an MoE block and global layers of another head size.
 """
 
 from __future__ import annotations
