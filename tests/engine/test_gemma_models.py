@@ -195,3 +195,41 @@ def test_lora_on_every_projection_matches_peft_gemma2(tmp_path):
         outs = llm.generate(prompts, SP, lora="a1")
     for i, (out, ref) in enumerate(zip(outs, refs)):
         _assert_matches(out, ref, f"gemma2 + LoRA prompt {i}")
+
+
+# ---- the piecewise split (pieces called directly on the CPU; graphs on GPUs) ----------------
+
+
+@pytest.mark.parametrize("case", ["gemma2", "gemma3"])
+def test_piecewise_pieces_match_the_forward(case, tmp_path):
+    """The forward cut at its attention calls (sandwich norms across the cut, a rope per
+    layer type, the final soft-cap in ``compute_logits``) gives the plain forward's logits
+    for a prefill and for a mixed prefill + decode step."""
+    from test_piecewise import _compare
+
+    from engine.args import ServerArgs
+    from engine.executor.model_runner import ModelRunner
+    from engine.executor.piecewise_runner import PiecewiseRunner
+    from engine.forward_batch import ForwardMode
+    from engine.scheduler.request import Req
+    from engine.scheduler.scheduler import Scheduler
+
+    save_tiny(case, tmp_path)
+    args = ServerArgs(model_path=str(tmp_path), device="cpu", dtype="float32",
+                      max_total_tokens=4096, chunked_prefill_size=64, max_running_requests=8)
+    runner = ModelRunner(args)
+    sched = Scheduler(args, runner)
+    pw = PiecewiseRunner(runner, max_tokens=96, use_graphs=False)
+    sp = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    a, b, c = _prompts()
+    sched.add_request(Req("a", a + b, sp))
+    sched.add_request(Req("b", c, sp))
+    batch = sched.get_next_batch()
+    assert batch.mode == ForwardMode.EXTEND
+    _compare(runner, pw, batch)
+    sched.inflight = sched._launch(batch)
+    sched._drain()
+    sched.add_request(Req("c", c[:30], sp))
+    batch = sched.get_next_batch()
+    assert batch.num_decodes == 2
+    _compare(runner, pw, batch)
