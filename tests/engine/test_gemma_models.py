@@ -233,3 +233,64 @@ def test_piecewise_pieces_match_the_forward(case, tmp_path):
     batch = sched.get_next_batch()
     assert batch.num_decodes == 2
     _compare(runner, pw, batch)
+
+
+# ---- GGUF (transformers' gemma2/gemma3 mapping; llama.cpp stores the norms as 1 + w) -------
+
+
+def _write_gguf(hf, arch: str, path: str) -> None:
+    """``hf``'s tensors as an F32 GGUF file of llama.cpp's layout (its tensor names, norm
+    weights stored as ``1 + w``) with the config keys transformers reads."""
+    import numpy as np
+    from gguf import MODEL_ARCH_NAMES, GGUFWriter, get_tensor_name_map
+
+    cfg = hf.config
+    w = GGUFWriter(path, arch)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_sliding_window(cfg.sliding_window)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(cfg.vocab_size)
+    arch_enum = next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch)
+    table = get_tensor_name_map(arch_enum, cfg.num_hidden_layers)
+    for name, t in hf.state_dict().items():
+        base, _, suffix = name.rpartition(".")
+        gname = table.get_name(base)
+        if gname is not None:       # (a tied lm_head has none)
+            a = t.float().numpy() + (1.0 if name.endswith("norm.weight") else 0.0)
+            w.add_tensor(f"{gname}.{suffix}", a.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("case", ["gemma2", "gemma3"])
+def test_gguf_weights_load_like_the_safetensors(case, tmp_path):
+    """Every weight equal (names mapped, norms back to ``w``). The config is transformers'
+    from the GGUF keys: what they lack (soft-caps, ``query_pre_attn_scalar``, Gemma 3's
+    layer pattern and rope scaling) takes the config class's defaults, so only Gemma 2's
+    alternating layers are compared."""
+    pytest.importorskip("gguf")
+    from engine.loader.loader import load_model
+
+    hf = save_tiny(case, tmp_path)
+    _write_gguf(hf, case, str(tmp_path / "tiny.gguf"))
+    ref, _ = load_model(str(tmp_path), "safetensors", dtype=torch.float32, device="cpu",
+                        progress=False)
+    got, _ = load_model(str(tmp_path / "tiny.gguf"), "auto", dtype=torch.float32,
+                        device="cpu", progress=False)
+    assert type(got) is type(ref)
+    if case == "gemma2":
+        assert [s.sliding_window for s in got.layer_specs()] == [8, None] * 2
+    want, have = ref.state_dict(), got.state_dict()
+    assert want.keys() == have.keys()
+    for k in want:
+        torch.testing.assert_close(have[k], want[k], rtol=0, atol=1e-6, msg=k)
