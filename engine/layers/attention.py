@@ -8,8 +8,8 @@ one of :mod:`engine.attention`) stores k/v into the paged KV cache at
 Each layer holds its :class:`engine.layer_spec.LayerSpec` (``spec``, with this rank's K/V
 heads) and passes it to the backend with every call, so a backend can pick a kernel per
 layer (a window, soft-capping, sinks). The kinds the layer itself runs are
-:data:`SUPPORTED_ATTENTION` (full and sliding-window attention over the paged K/V: the
-backends apply a spec's window); any other is refused when the layer is built.
+:data:`SUPPORTED_ATTENTION` (full and sliding-window attention over the paged K/V, with or
+without logit soft-capping); any other is refused when the layer is built.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from engine.forward_batch import ForwardBatch
 from engine.layer_spec import AttentionKind, CacheKind, LayerSpec, unsupported_feature
 
 #: attention kinds this layer runs (q/k/v in, one output row per query token); a sliding
-#: layer's window reaches the backend's kernels through the spec
+#: window and logit soft-capping go to the backend with the spec (which checks them itself)
 SUPPORTED_ATTENTION = frozenset({AttentionKind.FULL, AttentionKind.SLIDING})
 
 
@@ -47,7 +47,8 @@ class Attention(nn.Module):
         super().__init__()
         if spec is None:
             spec = LayerSpec(head_dim=head_dim, v_head_dim=head_dim, num_kv_heads=num_kv_heads)
-        what = unsupported_feature(spec, SUPPORTED_ATTENTION, sliding_window=True)
+        what = unsupported_feature(spec, SUPPORTED_ATTENTION, sliding_window=True,
+                                   logit_softcap=True)
         if what is None and spec.cache != CacheKind.PAGED_KV:
             what = f"a {spec.cache.value} cache"
         if what is not None:

@@ -306,6 +306,13 @@ class QKVLinear(ColumnParallelLinear):
         dst.copy_(src)
 
 
+def embedding_scale(hidden_size: int, dtype: torch.dtype) -> float:
+    """Gemma's embedding multiplier ``sqrt(hidden_size)`` rounded to ``dtype``, as HF
+    computes it (a ``dtype`` tensor times the embeddings: in bf16, sqrt(3072) = 55.43 is
+    55.5), returned as a Python float so the product rounds once, like HF's."""
+    return float(torch.tensor(hidden_size ** 0.5, dtype=dtype, device="cpu"))
+
+
 class VocabEmbedding(nn.Module):
     """Token embedding, split over the ranks by vocabulary rows; also serves as the LM head.
 

@@ -33,3 +33,10 @@ def compute_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor,
         if vocab_size is not None and logits.shape[-1] != vocab_size:
             logits = logits[:, :vocab_size]
     return logits.float()
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """Soft-capping ``cap * tanh(x / cap)`` (Gemma 2's ``final_logit_softcapping`` on the
+    logits): x any shape and float dtype -> a new tensor of the same shape and dtype, in
+    ``(-cap, cap)``."""
+    return torch.tanh(x / cap) * cap

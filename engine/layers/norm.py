@@ -79,3 +79,31 @@ class ShardedRMSNorm(RMSNorm):
                              f"{tuple(loaded.shape)}, expected {(self.full_size,)}")
         n = param.shape[0]
         param.data.copy_(loaded.narrow(0, (self.tp_rank // self.replicas) * n, n))
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: ``y = x / sqrt(mean(x^2) + eps) * (1 + weight)``, all in fp32, then
+    cast to x's dtype (HF ``Gemma2RMSNorm``/``Gemma3RMSNorm``: the checkpoint's weight is
+    zero-centred, and the scale is applied before the cast, unlike :class:`RMSNorm`).
+
+    Args:
+        hidden_size: normalised width H.
+        eps: added to the mean square.
+        dtype: parameter dtype (the weight starts at zero: the identity scale).
+    """
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x [..., H] -> normed [..., H] in x's dtype; with ``residual`` (same shape and
+        dtype) ``(norm(x + residual), x + residual)``. Out-of-place."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = (y * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, residual)

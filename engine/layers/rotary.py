@@ -62,6 +62,13 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     return torch.where(mid, smoothed, scaled)
 
 
+def linear_scaled_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    """Linear ("position interpolation") scaling: positions divided by ``params["factor"]``,
+    i.e. every inverse frequency [D/2] fp32 divided by it (HF ``linear``; Gemma 3's global
+    layers use factor 8 on 27B)."""
+    return inv_freq / float(params["factor"])
+
+
 def compute_inv_freq(head_dim: int, base: float, params: dict) -> torch.Tensor:
     """Inverse frequencies ``[head_dim // 2]`` fp32 on the CPU.
 
@@ -79,7 +86,7 @@ def compute_inv_freq(head_dim: int, base: float, params: dict) -> torch.Tensor:
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":
-        return inv_freq / float(params["factor"])
+        return linear_scaled_inv_freq(inv_freq, params)
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, params)
     if rope_type == "dynamic":

@@ -28,8 +28,9 @@ packed ``qweight``/``qzeros``/``scales`` into 4-bit layers; ``quantization="awq"
 (``engine.layers.quantization.int4``).
 
 Sliding window: the families whose layers describe their windows (a class whose
-``attention_kinds`` include ``SLIDING``: Mistral, Ministral, Phi-3) run them. For the others,
-when a config sets ``sliding_window`` (and, for Qwen, ``use_sliding_window``) below
+``attention_kinds`` include ``SLIDING``: Gemma 2/3, Mistral, Ministral, Phi-3, OLMo 3,
+EXAONE 4) run them. For the others, when a config sets ``sliding_window`` (and, for Qwen,
+``use_sliding_window``) below
 ``max_position_embeddings``, :func:`load_config` caps ``max_position_embeddings`` at the
 window, so full attention is exact for every admissible sequence, and logs a warning.
 
@@ -289,6 +290,16 @@ def load_config(source: ModelSource | str | None):
         config = AutoConfig.from_pretrained(source.config_file or source.root)
     _cap_sliding_window(config)
     return config
+
+
+def _runs_windows(config) -> bool:
+    """Whether the config's model class runs sliding-window layers itself (Gemma)."""
+    from engine.layer_spec import AttentionKind
+
+    try:
+        return AttentionKind.SLIDING in get_model_class(config).attention_kinds
+    except ValueError:  # an unsupported architecture: refused later, with its message
+        return False
 
 
 def _cap_sliding_window(config) -> None:

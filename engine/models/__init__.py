@@ -14,6 +14,11 @@ from __future__ import annotations
 from engine.models.base import CausalLM
 from engine.models.config import MODEL_TYPES, ModelConfig
 from engine.models.exaone4 import Exaone4ForCausalLM
+from engine.models.gemma import (
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3ForConditionalGeneration,
+)
 from engine.models.glm4 import Glm4ForCausalLM
 from engine.models.granite import GraniteForCausalLM
 from engine.models.llama import LlamaForCausalLM, MinistralForCausalLM, MistralForCausalLM
@@ -42,6 +47,9 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "MinistralForCausalLM": MinistralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
 }
 
 
@@ -88,6 +96,9 @@ __all__ = [
     "MinistralForCausalLM",
     "Phi3ForCausalLM",
     "Glm4ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
     "get_model_class",
     "supported_architectures",
 ]

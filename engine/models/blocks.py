@@ -16,6 +16,10 @@ composes these:
 - :class:`DecoderModel`: the embedding, the layers, the final norm and the rotary table; its
   forward and its pieces (the forward cut at the attention calls, for the piecewise graphs).
   A layer whose spec has ``rotary=None`` (NoPE) gets :class:`engine.layers.rotary.NoRotary`.
+- :class:`SandwichDecoderLayer`: Gemma's layer, a norm before and after each sub-block.
+- :class:`DecoderModel`: the embedding (optionally scaled), the layers, the final norm and
+  the rotary tables (one, or one per layer type); its forward and its pieces (the forward
+  cut at the attention calls, for the piecewise graphs).
 
 Module and parameter names are HF's with fused projections (``self_attn.qkv_proj``,
 ``mlp.gate_up_proj``), so the families load HF checkpoints by name
@@ -32,13 +36,14 @@ from torch import nn
 
 from engine.forward_batch import ForwardBatch
 from engine.layer_spec import LayerSpec
-from engine.layers.activation import SiluAndMul
+from engine.layers.activation import gated_activation
 from engine.layers.attention import Attention
 from engine.layers.linear import (
     MergedColumnLinear,
     QKVLinear,
     RowParallelLinear,
     VocabEmbedding,
+    embedding_scale,
 )
 from engine.layers.norm import RMSNorm, ShardedRMSNorm
 from engine.layers.rotary import NoRotary, RotaryEmbedding
@@ -48,6 +53,8 @@ from engine.models.config import ModelConfig
 NormFactory = Callable[[int, float, torch.dtype], nn.Module]
 #: ``make_mlp(config, layer_id, dtype)``: the MLP of one decoder layer
 MlpFactory = Callable[[ModelConfig, int, torch.dtype], nn.Module]
+#: ``rope_for(layer_id) -> (base, rope parameters)``: a layer's rotary (per layer type)
+RopeFactory = Callable[[int], tuple[float, dict]]
 
 
 @dataclass(frozen=True)
@@ -60,12 +67,15 @@ class AttentionOptions:
         qk_norm: False (none), True (an RMSNorm per head of q and of k, before RoPE: Qwen3)
             or ``"full"`` (one RMSNorm over the whole q and the whole k projection: OLMoE).
         rope_interleaved: rotate pairs ``(0, 1), (2, 3)...`` instead of halves (GLM).
+        qk_norm_cls: the per-head q/k norm class (``norm(size, eps, dtype)``; None:
+            RMSNorm; Gemma 3: its ``(1 + w)`` norm).
     """
 
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool | str = False
     rope_interleaved: bool = False
+    qk_norm_cls: NormFactory | None = None
 
 
 @dataclass(frozen=True)
@@ -96,26 +106,25 @@ class DecoderOptions:
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP ``down(silu(gate(x)) * up(x))`` of width ``intermediate_size`` (default:
-    the config's); with ``reduce_results=False`` the output is this rank's partial sum (see
+    """Gated MLP ``down(act(gate(x)) * up(x))`` of width ``intermediate_size`` (default:
+    the config's); ``act`` is the config's ``hidden_act`` (SiLU: SwiGLU; Gemma's
+    ``gelu_pytorch_tanh``: GeGLU, :mod:`engine.layers.activation`); with
+    ``reduce_results=False`` the output is this rank's partial sum (see
     ``RowParallelLinear``).
 
     Raises:
-        ValueError: a ``hidden_act`` other than silu.
+        ValueError: a ``hidden_act`` without a gated activation in ferry.
     """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype,
                  intermediate_size: int | None = None, reduce_results: bool = True):
         super().__init__()
-        act = config.hidden_act
-        if act not in ("silu", "swish"):
-            raise ValueError(f"unsupported hidden_act {act!r}; ferry supports silu")
+        self.act_fn = gated_activation(config.hidden_act)
         bias = config.mlp_bias
         inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnLinear(config.hidden_size, [inter, inter], bias, dtype)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, dtype,
                                            reduce_results=reduce_results)
-        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
@@ -154,8 +163,9 @@ class AttentionBlock(nn.Module):
             self.k_norm = ShardedRMSNorm(spec.num_kv_heads * d, eps, dtype,
                                          replicas=self.qkv_proj.kv_replicas)
         elif options.qk_norm:
-            self.q_norm = RMSNorm(d, eps, dtype)
-            self.k_norm = RMSNorm(d, eps, dtype)
+            head_norm = options.qk_norm_cls or RMSNorm
+            self.q_norm = head_norm(d, eps, dtype)
+            self.k_norm = head_norm(d, eps, dtype)
         else:
             self.q_norm = self.k_norm = None
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, layer_id, spec=spec)
@@ -304,48 +314,116 @@ def _make_layer(config: ModelConfig, spec: LayerSpec, layer_id: int, dtype: torc
     return DecoderLayer(config, spec, layer_id, dtype, options, make_mlp, norm)
 
 
+class SandwichDecoderLayer(DecoderLayer):
+    """Decoder layer with "sandwich" norms (Gemma 2/3): each sub-block's output is normed
+    before its residual add, ``h += post_attn_norm(attn(input_norm(h)))``,
+    ``h += post_ff_norm(mlp(pre_ff_norm(h)))``.
+
+    The parameters are HF's: ``input_layernorm``, ``post_attention_layernorm`` (here the
+    norm of the attention output), ``pre_feedforward_layernorm`` and
+    ``post_feedforward_layernorm``. The residual adds stay fused into the following norm:
+    :meth:`post_attn` returns the MLP's normed output and the stream before its add, which
+    the next layer's ``input_layernorm`` (or the final norm) adds.
+
+    Args: as :class:`DecoderLayer`.
+    """
+
+    def __init__(self, config: ModelConfig, spec: LayerSpec, layer_id: int, dtype: torch.dtype,
+                 options: AttentionOptions, make_mlp: MlpFactory | None = None,
+                 norm: NormFactory = RMSNorm):
+        super().__init__(config, spec, layer_id, dtype, options, make_mlp, norm)
+        self.pre_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def post_attn(self, attn_out: torch.Tensor, residual: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """o projection and its norm, the residual add fused into the pre-MLP norm, the MLP
+        and its norm; returns ``(normed MLP output, residual stream)``, both [T, hidden]."""
+        attn = self.post_attention_layernorm(self.self_attn.o_proj(attn_out))
+        hidden, residual = self.pre_feedforward_layernorm(attn, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+
+
 class DecoderModel(nn.Module):
-    """Embedding, decoder layers (one per spec), final norm, rotary table.
+    """Embedding, decoder layers (one per spec), final norm, rotary tables.
 
     Args:
         config: the model's shape.
         specs: one :class:`LayerSpec` per layer (``CausalLM.layer_specs``).
-        dtype: parameter dtype (the RoPE table stays fp32).
+        dtype: parameter dtype (the RoPE tables stay fp32).
         options: the family's attention switches.
         make_mlp: ``make_mlp(config, layer_id, dtype)``, the MLP of each layer (default
             :class:`GatedMLP`: MoE families give their block).
         norm: the norm class of the layers and the final norm.
         decoder: the layer placement and multipliers (:class:`DecoderOptions`; default
             Llama's pre-norm layers).
-        layer: a family's decoder layer class (a :class:`DecoderLayer` subclass, built with
-            the arguments above; GLM-4's), instead of the one ``decoder`` picks.
+        layer: a family's decoder layer class (a :class:`DecoderLayer` subclass built with
+            the arguments above: GLM-4's, Gemma's :class:`SandwichDecoderLayer`), instead of
+            the one ``decoder`` picks.
+        scale_embeddings: multiply the embeddings by ``sqrt(hidden_size)`` rounded to the
+            run dtype (Gemma; :func:`engine.layers.linear.embedding_scale`).
+        rope_for: ``rope_for(layer_id) -> (base, rope parameters)``, each layer's rotary
+            (Gemma 3's local and global bases); default: the config's for every layer. A
+            layer whose spec has ``rotary=None`` (NoPE) gets
+            :class:`engine.layers.rotary.NoRotary`.
     """
 
     def __init__(self, config: ModelConfig, specs: Sequence[LayerSpec], dtype: torch.dtype,
                  options: AttentionOptions, make_mlp: MlpFactory | None = None,
                  norm: NormFactory = RMSNorm, decoder: DecoderOptions | None = None,
-                 layer: type[DecoderLayer] | None = None):
+                 layer: type[DecoderLayer] | None = None, scale_embeddings: bool = False,
+                 rope_for: RopeFactory | None = None):
         super().__init__()
         decoder = decoder or DecoderOptions()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.embedding_multiplier = decoder.embedding_multiplier
+        self.embed_scale = embedding_scale(config.hidden_size, dtype) \
+            if scale_embeddings else None
         self.layers = nn.ModuleList(
             layer(config, spec, i, dtype, options, make_mlp, norm) if layer is not None
             else _make_layer(config, spec, i, dtype, options, make_mlp, norm, decoder)
             for i, spec in enumerate(specs))
         self.norm = norm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                          config.rope_theta, config.rope_parameters,
-                                          interleaved=options.rope_interleaved)
+        ropes = self._layer_ropes(config, len(specs), rope_for, options.rope_interleaved)
+        #: layer 0's table (the only one without ``rope_for``)
+        self.rotary_emb = ropes[0]
         if any(spec.rotary is None for spec in specs):
             self.no_rotary = NoRotary()
-        #: each layer's rotary (the shared table; NoRotary for a spec without one)
-        self.layer_ropes = tuple(self.rotary_emb if spec.rotary is not None else self.no_rotary
-                                 for spec in specs)
+        #: each layer's rotary (NoRotary for a spec without one)
+        self.layer_ropes = tuple(r if spec.rotary is not None else self.no_rotary
+                                 for r, spec in zip(ropes, specs))
         #: layers whose input (hidden + residual, unnormed) the forward keeps in
         #: ``aux_hidden`` (EAGLE-3's low/mid/high states); empty: none kept
         self.aux_layers: tuple[int, ...] = ()
         self.aux_hidden: list[torch.Tensor] = []
+
+    def _layer_ropes(self, config: ModelConfig, n: int, rope_for: RopeFactory | None,
+                     interleaved: bool) -> list[RotaryEmbedding]:
+        """Each layer's rotary table: the config's for all by default; with ``rope_for``,
+        one table per distinct (base, parameters), kept in ``rotary_embs``."""
+        if rope_for is None:
+            return [RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                    config.rope_theta, config.rope_parameters,
+                                    interleaved=interleaved)] * n
+        tables: dict[str, RotaryEmbedding] = {}
+        ropes = []
+        for i in range(n):
+            base, params = rope_for(i)
+            key = repr((float(base), sorted(params.items())))
+            if key not in tables:
+                tables[key] = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                              base, params, interleaved=interleaved)
+            ropes.append(tables[key])
+        self.rotary_embs = nn.ModuleList(tables.values())
+        return ropes
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] int64 -> embeddings [T, hidden] (scaled when the family says so:
+        Granite's multiplier, Gemma's ``sqrt(hidden_size)``)."""
+        hidden = self.embed_tokens(input_ids)
+        if self.embedding_multiplier != 1.0:
+            hidden = hidden * self.embedding_multiplier
+        return hidden if self.embed_scale is None else hidden * self.embed_scale
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 fb: ForwardBatch) -> torch.Tensor:
@@ -361,14 +439,6 @@ class DecoderModel(nn.Module):
         if self.aux_layers:  # in the listed order (a layer may be listed twice)
             self.aux_hidden = [aux[i] for i in self.aux_layers]
         hidden, _ = self.norm(hidden, residual)
-        return hidden
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] int64 -> the embeddings [T, hidden] (scaled by the embedding
-        multiplier when there is one)."""
-        hidden = self.embed_tokens(input_ids)
-        if self.embedding_multiplier != 1.0:
-            hidden = hidden * self.embedding_multiplier
         return hidden
 
     def piece(self, i: int, positions: torch.Tensor, input_ids: torch.Tensor | None = None,

@@ -32,6 +32,9 @@ MODEL_TYPES: dict[str, str] = {
     "ministral": "MinistralForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "glm4": "Glm4ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 
@@ -55,7 +58,8 @@ class ModelConfig:
         tie_word_embeddings: the LM head is the embedding table.
         rope_theta: RoPE base.
         rope_parameters: ``rope_type`` and its fields (``engine.layers.rotary.rope_config``).
-        hidden_act: MLP activation name.
+        hidden_act: MLP activation name (Gemma's ``hidden_activation``, else
+            ``hidden_act``).
         attention_bias, mlp_bias: projection biases (``attention_bias``, ``mlp_bias``).
         num_experts: routed experts per MoE layer (``num_experts``, Mixtral's
             ``num_local_experts``); 0 for a dense model.
@@ -163,7 +167,8 @@ class ModelConfig:
             tie_word_embeddings=bool(tie),
             rope_theta=theta,
             rope_parameters=rope_params,
-            hidden_act=getattr(text, "hidden_act", None) or "silu",
+            hidden_act=(getattr(text, "hidden_activation", None)
+                        or getattr(text, "hidden_act", None) or "silu"),
             attention_bias=bool(getattr(text, "attention_bias", False)),
             mlp_bias=bool(getattr(text, "mlp_bias", False)),
             sliding_window=getattr(text, "sliding_window", None) or None,

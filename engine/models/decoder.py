@@ -54,7 +54,7 @@ class DecoderForCausalLM(CausalLM):
             current default device (build it under ``with torch.device(dev):``); the RoPE table
             stays fp32.
     Raises:
-        ValueError: a ``hidden_act`` other than silu; NotImplementedError: a layer spec of a
+        ValueError: a ``hidden_act`` without a gated activation; NotImplementedError: a layer spec of a
             kind ferry does not run yet.
     """
 
@@ -69,8 +69,7 @@ class DecoderForCausalLM(CausalLM):
         self.config = config
         self.model_config = mc = ModelConfig.from_hf(config)
         self.dtype = dtype
-        self.model = DecoderModel(mc, self.layer_specs(), dtype, self._options(mc), self._mlp,
-                                  decoder=self._decoder(mc), layer=self.decoder_layer)
+        self.model = self._build_model(mc, dtype)
         self.tie_word_embeddings = mc.tie_word_embeddings
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
@@ -78,6 +77,11 @@ class DecoderForCausalLM(CausalLM):
             self.lm_head = VocabEmbedding(mc.vocab_size, mc.hidden_size, dtype)
 
     # ---- the family's switches ----------------------------------------------------------
+
+    def _build_model(self, mc: ModelConfig, dtype: torch.dtype) -> DecoderModel:
+        """The decoder (a hook: a family with other layers, norms or ropes builds its own)."""
+        return DecoderModel(mc, self.layer_specs(), dtype, self._options(mc), self._mlp,
+                            decoder=self._decoder(mc), layer=self.decoder_layer)
 
     def _options(self, config: ModelConfig) -> AttentionOptions:
         """The attention switches (default: q/k/v/o bias = ``attention_bias``, no q/k norm)."""

@@ -52,11 +52,14 @@ def test_attention_layer_holds_its_spec_and_refuses_other_kinds():
                                                  scale=0.5)).scaling == 0.5
     sliding = LayerSpec(attention=AttentionKind.SLIDING, sliding_window=4096, head_dim=16,
                         v_head_dim=16, num_kv_heads=2)
-    # a window reaches the backend through the spec (OLMo 3, EXAONE 4)
+    # a window and a soft-cap travel with the spec to the backend (which checks them)
     assert Attention(4, 2, 16, 5, spec=sliding).spec.sliding_window == 4096
-    with pytest.raises(NotImplementedError, match="soft-capping"):
-        Attention(4, 2, 16, 0, spec=LayerSpec(head_dim=16, v_head_dim=16, num_kv_heads=2,
-                                              logit_softcap=50.0))
+    capped = Attention(4, 2, 16, 0, spec=LayerSpec(head_dim=16, v_head_dim=16, num_kv_heads=2,
+                                                   logit_softcap=50.0))
+    assert capped.spec.logit_softcap == 50.0
+    with pytest.raises(NotImplementedError, match=r"layer 5: latent attention"):
+        Attention(4, 2, 16, 5, spec=LayerSpec(attention=AttentionKind.LATENT, head_dim=16,
+                                              v_head_dim=16, num_kv_heads=2))
     with pytest.raises(NotImplementedError, match="recurrent_state"):
         Attention(4, 2, 16, 0, spec=LayerSpec(head_dim=16, v_head_dim=16, num_kv_heads=2,
                                               cache=CacheKind.RECURRENT_STATE))
