@@ -98,7 +98,7 @@ class _CheckReq:
 
 def _eager(runner, batch: ScheduleBatch) -> torch.Tensor:
     input_ids, fb = runner.build_forward_batch(batch)
-    runner.attn_backend.init_forward(fb)
+    runner.attn_backend.init_step(fb)
     return runner.model(input_ids, fb.positions, fb)
 
 
