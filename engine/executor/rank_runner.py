@@ -144,9 +144,11 @@ class RankRunner:
         """The KV pool (sized by :meth:`_kv_capacity`, the smallest over the ranks), the
         ``req_to_token`` rows, and the context they leave a request."""
         self.max_total_tokens = tpd.min_over_ranks(self._kv_capacity())
+        # at least what one request needs: its window and a chunk, beside the window a
+        # cached prefix it matched keeps locked in the tree
         split = split_tokens(self.layer_specs, self.max_total_tokens, self._swa_ratio(args),
-                             self.kv_dtype, max_window(self.layer_specs)
-                             + prefill_budget(args, self.device_type) + 2 * args.page_size)
+                             self.kv_dtype, 2 * max_window(self.layer_specs)
+                             + prefill_budget(args, self.device_type) + 4 * args.page_size)
         self.kv_pool, self.swa_pool = build_pools(self.layer_specs, split, args.page_size,
                                                   self.kv_dtype, self.device)
         self.max_total_tokens = self.kv_pool.capacity_tokens

@@ -16,11 +16,14 @@ only shared between requests of the same adapter. ``check`` proves that free +
 request-owned + tree pages equal the pool, with no page counted twice.
 
 Windowed layers (``engine/kv/windowed.py``, a model whose sliding-window layers keep their
-K/V in a pool of their own): ``req.swa_pages`` runs parallel to ``req.pages`` (0: freed),
-with the same ownership split at ``cached_pages``; ``grow`` frees a request's own windowed
-pages once they lie wholly behind its window and gives new full pages their windowed
-twins; ``match`` cuts a cached prefix back to where the tree still holds the windowed keys
-the next token reads; ``check`` proves the windowed pool's count the same way.
+K/V in a pool of their own): ``req.swa_pages`` runs parallel to ``req.pages`` (0: freed).
+Its held entries before ``req.swa_lo`` are the tree's (what ``match`` gave it), those from
+``swa_lo`` on its own; ``grow`` frees its own once they lie wholly behind its window (and
+moves ``swa_lo`` past them) and gives new full pages their windowed twins. The tree takes a
+request's windowed pages only at ``release`` (by then only its last window is held), not
+while a chunked prefill runs, so a long prompt never pins its windowed pages in the tree.
+``match`` cuts a cached prefix back to where the tree still holds the windowed keys the
+next token reads; ``check`` proves the windowed pool's count the same way.
 """
 
 from __future__ import annotations
@@ -71,9 +74,7 @@ class KVCacheManager:
         full = tail + self.available_tokens()
         if self.swa_pool is None:
             return full
-        behind = max(0, req.kv_len - self.swa_pool.window + 1) // self.page_size
-        lo = max(req.swa_lo, req.cached_pages)
-        own = sum(1 for p in req.swa_pages[lo:behind] if p) * self.page_size
+        own = sum(1 for p in req.swa_pages[req.swa_lo:self._behind(req)] if p) * self.page_size
         return min(full, tail + self.swa_available_tokens() + own)
 
     def decode_room(self) -> int:
@@ -178,11 +179,18 @@ class KVCacheManager:
         req.swa_pages.extend(twins)
         return slots
 
+    def _behind(self, req) -> int:
+        """Leading pages of ``req`` that neither its next token's window nor a later match of
+        its whole pages needs: those wholly before ``kv_len - W + 1 - page_size`` (a match
+        ends at the last whole page, up to a page before ``kv_len``, and reads the window
+        before that end)."""
+        ps = self.page_size
+        return max(0, req.kv_len - self.swa_pool.window + 1 - ps) // ps
+
     def _free_behind_window(self, req) -> None:
-        """Give back ``req``'s own windowed pages wholly behind the first key its next token
-        reads (position ``kv_len - W + 1``)."""
-        cut = max(0, req.kv_len - self.swa_pool.window + 1) // self.page_size
-        lo = max(req.swa_lo, req.cached_pages)
+        """Give back ``req``'s own windowed pages behind its window (:meth:`_behind`)."""
+        cut = self._behind(req)
+        lo = req.swa_lo
         if cut > lo:
             sw = req.swa_pages
             self.swa_pool.free_pages([p for p in sw[lo:cut] if p])
@@ -197,9 +205,10 @@ class KVCacheManager:
         assert req.cached_pages <= keep <= len(req.pages), "shrink below the cached prefix"
         self.pool.free_pages(req.pages[keep:])
         del req.pages[keep:]
-        if self.swa_pool is not None:
+        if self.swa_pool is not None:  # held entries from ``keep`` on are its own
             self.swa_pool.free_pages([p for p in req.swa_pages[keep:] if p])
             del req.swa_pages[keep:]
+            req.swa_lo = min(req.swa_lo, keep)
         req.kv_len = new_len
 
     # ---- release ------------------------------------------------------------------------
@@ -224,10 +233,9 @@ class KVCacheManager:
         if m <= req.cached_pages:
             return
         ids = req.tokens(0, m * ps)
-        sw = self._swa_to_insert(req, m)
-        n_old, node = self.tree.insert(ids, req.pages[:m], _ns(req), sw)
-        if sw is not None:
-            self._take_tree_swa(req, node, sw, m)
+        # the full pages only: the request keeps its windowed pages (see the module doc)
+        n_old, node = self.tree.insert(ids, req.pages[:m], _ns(req),
+                                       None if self.swa_pool is None else [0] * m)
         if n_old > req.cached_pages:
             # pages [cached, n_old) duplicate the tree's: switch to the tree's copies
             tree_pages, _ = self.tree.match_prefix(ids, _ns(req))
@@ -248,20 +256,8 @@ class KVCacheManager:
         (0 over the tree's part), or None without a windowed pool."""
         if self.swa_pool is None:
             return None
-        keep = req.cached_pages
-        return [0] * keep + req.swa_pages[keep:m]
-
-    def _take_tree_swa(self, req, node, sw: list[int], m: int) -> None:
-        """After inserting ``req``'s first ``m`` pages: free its windowed pages the tree did
-        not take (it held its own) and read the tree's from now on."""
-        self.swa_pool.free_pages([p for p in sw if p])
-        lo = req.cached_pages
-        tree = self.tree.path_swa(node)
-        if tree[lo:m] != req.swa_pages[lo:m]:
-            req.swa_pages[lo:m] = tree[lo:m]
-            self.swa_req_pool.write(req.req_pool_idx, lo * self.page_size,
-                                    self.swa_pool.slots_for(req.swa_pages, lo * self.page_size,
-                                                            m * self.page_size))
+        lo = min(req.swa_lo, m)
+        return [0] * lo + req.swa_pages[lo:m]
 
     def release(self, req, cache: bool = True) -> None:
         """Free a finished, aborted or preempted request's KV. With ``cache`` its computed
@@ -270,21 +266,22 @@ class KVCacheManager:
         if req.pages:
             ps = self.page_size
             keep = req.cached_pages  # pages [0, keep) are the tree's
+            swa_keep = req.swa_lo  # windowed entries [0, swa_keep) are the tree's or freed
             if cache and self.enabled:
                 m = self._real_len(req) // ps
-                if m > keep:
-                    sw = self._swa_to_insert(req, m)
+                sw = self._swa_to_insert(req, m)
+                if m > keep or (sw is not None and m > swa_keep):
                     n_old, _ = self.tree.insert(req.tokens(0, m * ps), req.pages[:m],
                                                 _ns(req), sw)
                     self.pool.free_pages(req.pages[keep:n_old])  # duplicates of tree pages
+                    keep = max(keep, m)
                     if sw is not None:  # the windowed pages the tree did not take
                         self.swa_pool.free_pages([p for p in sw if p])
-                        req.swa_pages[keep:m] = [0] * (m - keep)
-                    keep = m
+                        swa_keep = max(swa_keep, m)
             self.pool.free_pages(req.pages[keep:])
             req.pages = []
             if self.swa_pool is not None:
-                self.swa_pool.free_pages([p for p in req.swa_pages[keep:] if p])
+                self.swa_pool.free_pages([p for p in req.swa_pages[swa_keep:] if p])
                 req.swa_pages, req.swa_lo = [], 0
         if req.last_node is not None:
             self.tree.unlock(req.last_node)
@@ -327,7 +324,7 @@ class KVCacheManager:
         """The windowed pool's invariant: free + request-owned + tree == pool."""
         free = self.swa_pool.free_page_list()
         tree = self.tree.tree_swa_pages()
-        owned = [p for r in reqs for p in r.swa_pages[r.cached_pages:] if p]
+        owned = [p for r in reqs for p in r.swa_pages[r.swa_lo:] if p]
         every = free + tree + owned
         assert len(set(every)) == len(every), "windowed KV page counted twice"
         assert len(every) == self.swa_pool.num_pages, (
