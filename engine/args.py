@@ -93,6 +93,13 @@ class ServerArgs:
     max_prefill_tokens: int = _f(16384, "most prompt tokens of one step over all its requests "
                                         "(caps --chunked-prefill-size)", ge=1)
     page_size: int = _f(1, "KV cache page size in tokens", ge=1)
+    swa_full_tokens_ratio: float = _f(
+        0.0, "a model with sliding-window layers: > 0 puts their K/V in a pool of their own "
+             "with this many slots per full-attention slot (the memory splits by bytes per "
+             "token; a request keeps about a window of them: ~2.8x the sequences of a "
+             "Gemma-3-27B at 8k-32k with 0.25), at the cost of prefix reuse once a cached "
+             "request decoded past its window; 0 (default): one pool for every layer",
+        ge=0)
     disable_radix_cache: bool = _f(False, "do not reuse the KV of cached prompt prefixes "
                                           "(the radix prefix cache)")
     schedule_policy: str = _f("lpm", "waiting-queue order: lpm (longest cached prefix first; "

@@ -109,6 +109,9 @@ class ForwardBatch:
     attn_meta: AttentionMetadata | None = None
     # the step's LoRA segments (a model with adapters; None without, and in graph replays)
     lora_segments: LoRASegments | None = None
+    # the windowed layers' view of the step (engine/kv/windowed.py): the same step with the
+    # windowed pool's req_to_token and out_cache_loc, its own attn_meta; None: no such pool
+    swa: ForwardBatch | None = None
 
     @property
     def is_decode(self) -> bool:

@@ -139,6 +139,7 @@ class ReadyOut(_Msg):
 
     rid: str  # the child's name: "engine" or "detokenizer"
     max_total_tokens: int = 0
+    swa_total_tokens: int = 0  # the windowed layers' pool (engine/kv/windowed.py); 0: none
     max_context_len: int = 0
     max_running_requests: int = 0
     vocab_size: int = 0

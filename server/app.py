@@ -285,6 +285,7 @@ class ServerRoutes:
             "radix_cache": not args.disable_radix_cache, "schedule_policy": args.schedule_policy,
             "max_context_len": ready.max_context_len, "max_total_tokens":
             ready.max_total_tokens, "max_running_requests": ready.max_running_requests,
+            "swa_total_tokens": ready.swa_total_tokens,
             "server_pid": os.getpid(),
             "engine_pid": getattr(self.children.get("engine"), "pid", None),
             "detokenizer_pid": getattr(self.children.get("detokenizer"), "pid", None),

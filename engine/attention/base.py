@@ -112,6 +112,13 @@ class AttentionBackend(ABC):
     def init_forward(self, fb: ForwardBatch) -> None:
         """Build the step's metadata into ``fb.attn_meta`` (once per step, before forward)."""
 
+    def init_step(self, fb: ForwardBatch) -> None:
+        """:meth:`init_forward` of the step and of its windowed view ``fb.swa`` (a model
+        whose windowed layers keep a pool of their own), if any."""
+        self.init_forward(fb)
+        if fb.swa is not None:
+            self.init_forward(fb.swa)
+
     def init_capture(self, max_bs: int) -> None:
         """Allocate the static metadata buffers of decode graphs of up to ``max_bs`` requests.
 
@@ -198,6 +205,8 @@ class AttentionBackend(ABC):
             logit_softcap = spec.logit_softcap if logit_softcap is None else logit_softcap
         variants = {"sliding_window": sliding_window, "logit_softcap": logit_softcap,
                     "sinks": sinks}
+        if fb.swa is not None and spec is not None and spec.attention == AttentionKind.SLIDING:
+            fb = fb.swa  # the windowed pool's slots and table (engine/kv/windowed.py)
         kb, vb = fb.k_buffers[layer_id], fb.v_buffers[layer_id]
         self.store_kv(kb, vb, fb.out_cache_loc, k, v)
         o = torch.empty_like(q) if out is None else out

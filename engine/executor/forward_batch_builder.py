@@ -12,7 +12,7 @@ per request, with its adapter slot) and points the model's shared ``LoRABatch`` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -21,6 +21,7 @@ from engine import device as dev
 from engine.executor.schedule_batch import ScheduleBatch
 from engine.forward_batch import ForwardBatch, ForwardMode, LoRASegments, resolve_placeholders
 from engine.kv.pool import KVPool, ReqToTokenPool
+from engine.kv.windowed import WindowedKVPool
 
 if TYPE_CHECKING:
     from engine.lora.manager import LoRAManager
@@ -34,6 +35,9 @@ class StepPools:
     req_to_token_pool: ReqToTokenPool
     kv_pool: KVPool
     device: torch.device
+    #: the windowed layers' pool and table (engine/kv/windowed.py), or None
+    swa_pool: WindowedKVPool | None = None
+    swa_req_pool: ReqToTokenPool | None = None
 
 
 def _to_device(arrays: list[list[int]], dtype: torch.dtype, device: torch.device
@@ -109,10 +113,13 @@ def build_forward_batch(pools: StepPools, attn_backend, batch: ScheduleBatch,
     h = _host_step(batch)
     # the step's host arrays in two tensors, each one non-blocking copy from pinned memory
     # (a blocking .to(device) waits for the in-flight step: no overlap)
-    input_ids, positions, loc, rows, req_rows, *logits_idx = _to_device(
+    swa = pools.swa_pool
+    input_ids, positions, loc, rows, req_rows, *rest = _to_device(
         [h.ids, h.positions, batch.out_cache_loc, h.token_rows,
-         [r.req_pool_idx for r in batch.reqs]] + ([h.logits_rows] if extend else []),
+         [r.req_pool_idx for r in batch.reqs]] + ([h.logits_rows] if extend else [])
+        + ([swa.translate(batch.out_cache_loc)] if swa is not None else []),
         torch.int64, pools.device)
+    logits_idx = rest[:1] if extend else []
     i32 = {"seq_lens": h.seq_lens}
     if extend:
         i32.update(extend_seq_lens=list(batch.extend_lens),
@@ -146,4 +153,9 @@ def build_forward_batch(pools: StepPools, attn_backend, batch: ScheduleBatch,
         fb.max_extend_len = max(batch.extend_lens)
         fb.num_decodes = batch.num_decodes
         fb.logits_indices = logits_idx[0]
+    if swa is not None:  # the windowed layers' slots: their own table and locations
+        swa_loc = rest[-1]
+        swa_r2t = pools.swa_req_pool.req_to_token
+        swa_r2t[rows, positions] = swa_loc.to(torch.int32)
+        fb.swa = replace(fb, req_to_token=swa_r2t, out_cache_loc=swa_loc)
     return input_ids, fb

@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from dataclasses import replace
 
 import torch
 
@@ -66,6 +67,7 @@ class GraphRunner:
         self.req_pool_indices = torch.zeros(n, dtype=torch.int64, device=d)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=d)
         self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=d)
+        self.swa_loc = torch.zeros(n, dtype=torch.int64, device=d)  # the windowed pool's
         # LoRA: one segment per row; replay writes each row's adapter slot (-1: base)
         self.lora_seg_start = torch.arange(n, dtype=torch.int32, device=d)
         self.lora_seg_len = torch.ones(n, dtype=torch.int32, device=d)
@@ -82,12 +84,16 @@ class GraphRunner:
 
     def _fb(self, bs: int) -> ForwardBatch:
         r = self.runner
-        return ForwardBatch(
+        fb = ForwardBatch(
             mode=ForwardMode.DECODE, batch_size=bs, positions=self.positions[:bs],
             req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs],
             out_cache_loc=self.out_cache_loc[:bs], req_to_token=r.req_to_token_pool.req_to_token,
             k_buffers=r.kv_pool.k_buffers, v_buffers=r.kv_pool.v_buffers,
             attn_backend=r.attn_backend)
+        if getattr(r, "swa_pool", None) is not None:  # the windowed layers' view
+            fb.swa = replace(fb, out_cache_loc=self.swa_loc[:bs],
+                             req_to_token=r.swa_req_pool.req_to_token)
+        return fb
 
     def _run(self, bs: int) -> torch.Tensor:
         fb = self._fb(bs)
@@ -97,6 +103,8 @@ class GraphRunner:
             self.runner.lora.batch.set_static(self.lora_seg_start[:bs], self.lora_seg_len[:bs],
                                               self.lora_seg_slot[:bs], 1)
         self.runner.attn_backend.init_forward_graph(fb)
+        if fb.swa is not None:
+            self.runner.attn_backend.init_forward_graph(fb.swa)
         return self.runner.model(self.input_ids[:bs], fb.positions, fb)
 
     @torch.inference_mode()
@@ -152,6 +160,12 @@ class GraphRunner:
         self.out_cache_loc[:gbs].copy_(host[4])
         self.lora_seg_slot[:gbs].copy_(host[5])
         r.req_to_token_pool.req_to_token[host[2, :bs], host[1, :bs]] = host[4, :bs].to(torch.int32)
+        if getattr(r, "swa_pool", None) is not None:
+            loc = dev.host_to_device(torch.tensor(
+                r.swa_pool.translate(batch.out_cache_loc) + [0] * pad, dtype=torch.int64),
+                r.device)
+            self.swa_loc[:gbs].copy_(loc)
+            r.swa_req_pool.req_to_token[host[2, :bs], host[1, :bs]] = loc[:bs].to(torch.int32)
         base = bool(self.base_graphs) and not with_lora \
             and not any(s >= 0 for s in batch.lora_slots)
         graphs, outputs, hidden = (self.base_graphs, self.base_outputs, self.base_hidden) \

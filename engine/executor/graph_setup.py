@@ -98,7 +98,7 @@ class _CheckReq:
 
 def _eager(runner, batch: ScheduleBatch) -> torch.Tensor:
     input_ids, fb = runner.build_forward_batch(batch)
-    runner.attn_backend.init_forward(fb)
+    runner.attn_backend.init_step(fb)
     return runner.model(input_ids, fb.positions, fb)
 
 
@@ -130,14 +130,20 @@ def check_graphs(runner, gr, pw) -> tuple[bool, bool]:
         return True, True
     g = torch.Generator().manual_seed(0)
     rows_pool, kv = runner.req_to_token_pool, runner.kv_pool
-    reqs, pages, slots = [], [], []
+    swa = getattr(runner, "swa_pool", None)  # the windowed layers' pool: twins of the pages
+    reqs, pages, slots, twins = [], [], [], []
     for L in lens:
         ids = torch.randint(0, runner.vocab_size, (L + 1,), generator=g).tolist()
         reqs.append(_CheckReq(rows_pool.alloc(), ids))
         pages.append([])
         slots.append(kv.grow(pages[-1], 0, L + 1) or [])
+        if swa is not None:
+            twins.append(swa.alloc_pages(len(pages[-1])) or [])
+            for f, w in zip(pages[-1], twins[-1]):
+                swa.page_map[f] = w
     try:
-        if any(len(ss) != L + 1 for ss, L in zip(slots, lens)):
+        if any(len(ss) != L + 1 for ss, L in zip(slots, lens)) or \
+                any(len(t) != len(pg) for t, pg in zip(twins, pages)):
             logger.info("graph replay check skipped: the KV pool is too small for it")
             return True, True
         prefill = ScheduleBatch(mode=ForwardMode.EXTEND, reqs=reqs, prefix_lens=[0] * len(reqs),
@@ -169,6 +175,8 @@ def check_graphs(runner, gr, pw) -> tuple[bool, bool]:
         for req, pg in zip(reversed(reqs), reversed(pages)):
             kv.free_pages(pg)
             rows_pool.free(req.req_pool_idx)
+        for t in reversed(twins):
+            swa.free_pages(t)
     return gr_ok, pw_ok
 
 

@@ -154,7 +154,7 @@ class PiecewiseRunner:
         if tb > t:
             self.input_ids[t:tb].zero_()
             self.positions[t:tb].zero_()
-        r.attn_backend.init_forward(fb)
+        r.attn_backend.init_step(fb)
         graphs = self.graphs.get(tb)
         for i in range(self.num_layers + 1):
             if graphs is not None:

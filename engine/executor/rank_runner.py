@@ -28,7 +28,8 @@ from engine.executor.graph_replay import replay_graphs
 from engine.executor.schedule_batch import ScheduleBatch
 from engine.executor.tp_messages import IdsMsg, TPMessage, step_msg
 from engine.forward_batch import ForwardBatch
-from engine.kv.pool import ReqToTokenPool, build_kv_pool, kv_bytes_per_token
+from engine.kv.pool import ReqToTokenPool, kv_bytes_per_token
+from engine.kv.windowed import build_pools, max_window, split_tokens
 from engine.layers import select_ops, small_ops_kind
 from engine.layers.linear import pack_cpu_weights
 from engine.layers.moe_ep import expert_parallel
@@ -95,6 +96,13 @@ class RankRunner:
                     "attention backend %s", self.max_total_tokens, self.num_layers,
                     self.num_kv_heads, self.head_dim, str(self.kv_dtype).replace("torch.", ""),
                     args.page_size, self.attention_backend_name)
+        if self.swa_pool is not None:
+            logger.info("windowed KV pool: %d tokens for %d sliding-window layers (window %d); "
+                        "the %d tokens above hold the other %d layers "
+                        "(--swa-full-tokens-ratio %g)", self.swa_total_tokens,
+                        self.swa_pool.num_layers, self.swa_pool.window, self.max_total_tokens,
+                        self.num_layers - self.swa_pool.num_layers,
+                        args.swa_full_tokens_ratio)
         self.rank_memory = tpd.gather_objects(self.memory_report())
         if self.tp.size > 1 and self.tp.rank == 0:
             logger.info("tensor parallel: %d ranks over %s; per rank: %s", self.tp.size,
@@ -138,17 +146,39 @@ class RankRunner:
         """The KV pool (sized by :meth:`_kv_capacity`, the smallest over the ranks), the
         ``req_to_token`` rows, and the context they leave a request."""
         self.max_total_tokens = tpd.min_over_ranks(self._kv_capacity())
-        self.kv_pool = build_kv_pool(self.layer_specs, self.max_total_tokens, args.page_size,
-                                     self.kv_dtype, self.device)
+        # at least what one request needs: its window and a chunk, beside the window a
+        # cached prefix it matched keeps locked in the tree
+        split = split_tokens(self.layer_specs, self.max_total_tokens, self._swa_ratio(args),
+                             self.kv_dtype, 2 * max_window(self.layer_specs)
+                             + prefill_budget(args, self.device_type) + 4 * args.page_size)
+        self.kv_pool, self.swa_pool = build_pools(self.layer_specs, split, args.page_size,
+                                                  self.kv_dtype, self.device)
         self.max_total_tokens = self.kv_pool.capacity_tokens
+        #: the windowed layers' slots (0: no windowed pool) and their req_to_token table
+        self.swa_total_tokens = self.swa_pool.capacity_tokens if self.swa_pool else 0
         # a request can never outgrow the pool, so the usable context is the smaller of the two
         self.max_context_len = min(self.model_max_context, self.max_total_tokens)
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests, self.max_context_len,
                                                 self.device)
         # rank 0 forwards its req_to_token writes (cached prefixes) with the next step
         self.req_to_token_pool.record_writes = self.tp.size > 1 and self.tp.rank == 0
+        self.swa_req_pool = ReqToTokenPool(args.max_running_requests, self.max_context_len,
+                                           self.device) if self.swa_pool else None
         #: what :func:`build_forward_batch` writes the step into
-        self.pools = StepPools(self.req_to_token_pool, self.kv_pool, self.device)
+        self.pools = StepPools(self.req_to_token_pool, self.kv_pool, self.device,
+                               self.swa_pool, self.swa_req_pool)
+
+    def _swa_ratio(self, args: ServerArgs) -> float:
+        """``--swa-full-tokens-ratio``, or 0 (one pool) where the windowed pool is not
+        wired yet: tensor parallelism and speculative decoding."""
+        ratio = args.swa_full_tokens_ratio
+        if ratio and (self.tp.size > 1 or args.speculative_algorithm):
+            if self.tp.rank == 0 and max_window(self.layer_specs):
+                logger.info("windowed KV pool off: not wired yet with %s",
+                            "tensor parallelism" if self.tp.size > 1
+                            else "speculative decoding")
+            return 0.0
+        return ratio
 
     def _build_graphs(self, args: ServerArgs) -> None:
         """Capture the decode and piecewise graphs where the device has them (see
@@ -301,7 +331,7 @@ class RankRunner:
         if logits is not None:
             return logits
         input_ids, fb = self.build_forward_batch(batch, future_ids)
-        self.attn_backend.init_forward(fb)
+        self.attn_backend.init_step(fb)
         return self.model(input_ids, fb.positions, fb)
 
     def _prepare_lora(self, batch: ScheduleBatch) -> None:

@@ -14,12 +14,23 @@ tree and are locked through ``req.last_node``; the rest belong to the request. T
 keyed by ``req.lora_id`` (the request's LoRA adapter, None for the base model): a prefix is
 only shared between requests of the same adapter. ``check`` proves that free +
 request-owned + tree pages equal the pool, with no page counted twice.
+
+Windowed layers (``engine/kv/windowed.py``, a model whose sliding-window layers keep their
+K/V in a pool of their own): ``req.swa_pages`` runs parallel to ``req.pages`` (0: freed).
+Its held entries before ``req.swa_lo`` are the tree's (what ``match`` gave it), those from
+``swa_lo`` on its own; ``grow`` frees its own once they lie wholly behind its window (and
+moves ``swa_lo`` past them) and gives new full pages their windowed twins. The tree takes a
+request's windowed pages only at ``release`` (by then only its last window is held), not
+while a chunked prefill runs, so a long prompt never pins its windowed pages in the tree.
+``match`` cuts a cached prefix back to where the tree still holds the windowed keys the
+next token reads; ``check`` proves the windowed pool's count the same way.
 """
 
 from __future__ import annotations
 
 from engine.kv.pool import KVPool, ReqToTokenPool
 from engine.kv.radix_cache import RadixCache
+from engine.kv.windowed import WindowedKVPool, usable_prefix_pages
 
 
 def _ns(req):
@@ -28,13 +39,18 @@ def _ns(req):
 
 
 class KVCacheManager:
-    """Args: pool, req_pool: the two KV levels; disable_cache: no prefix reuse."""
+    """Args: pool, req_pool: the two KV levels; disable_cache: no prefix reuse; swa_pool,
+    swa_req_pool: the windowed layers' pool and ``req_to_token`` table, or None."""
 
-    def __init__(self, pool: KVPool, req_pool: ReqToTokenPool, disable_cache: bool = False):
+    def __init__(self, pool: KVPool, req_pool: ReqToTokenPool, disable_cache: bool = False,
+                 swa_pool: WindowedKVPool | None = None,
+                 swa_req_pool: ReqToTokenPool | None = None):
         self.pool = pool
         self.req_pool = req_pool
         self.page_size = pool.page_size
-        self.tree = RadixCache(pool, disable=disable_cache)
+        self.swa_pool = swa_pool
+        self.swa_req_pool = swa_req_pool
+        self.tree = RadixCache(pool, disable=disable_cache, swa_pool=swa_pool)
 
     @property
     def enabled(self) -> bool:
@@ -43,6 +59,27 @@ class KVCacheManager:
     def available_tokens(self) -> int:
         """Tokens that can still be allocated: free pages plus evictable tree pages."""
         return self.pool.free_tokens() + self.tree.evictable_tokens()
+
+    def swa_available_tokens(self) -> int:
+        """Windowed slots that can still be allocated (free plus evictable tree pages); a
+        large number without a windowed pool."""
+        if self.swa_pool is None:
+            return 1 << 62
+        return self.swa_pool.free_tokens() + self.tree.evictable_swa * self.page_size
+
+    def room(self, req) -> int:
+        """Tokens ``req`` may grow by now: the free slots of its last page plus what both
+        pools can still allocate (its own windowed pages behind the window count as free)."""
+        tail = len(req.pages) * self.page_size - req.kv_len
+        full = tail + self.available_tokens()
+        if self.swa_pool is None:
+            return full
+        own = sum(1 for p in req.swa_pages[req.swa_lo:self._behind(req)] if p) * self.page_size
+        return min(full, tail + self.swa_available_tokens() + own)
+
+    def decode_room(self) -> int:
+        """Tokens the running requests' next steps may take (the smaller pool's)."""
+        return min(self.available_tokens(), self.swa_available_tokens())
 
     def used_tokens(self) -> int:
         """Tokens in use by requests (their own pages and the tree pages they lock)."""
@@ -53,8 +90,16 @@ class KVCacheManager:
         """Tokens of ``req`` that the tree holds now (no lock taken; for queue ordering)."""
         if not self.enabled or req.prompt_logprobs is not None:
             return 0
-        pages, _ = self.tree.match_prefix(req.tokens(0, req.seq_len - 1), _ns(req))
+        pages, node = self.tree.match_prefix(req.tokens(0, req.seq_len - 1), _ns(req))
+        if self.swa_pool is not None and pages:
+            return self._usable(node, len(pages)) * self.page_size
         return len(pages) * self.page_size
+
+    def _usable(self, node, n: int) -> int:
+        """Pages of a match of ``n`` pages ending at ``node`` that the windowed layers can
+        continue from (:func:`engine.kv.windowed.usable_prefix_pages`)."""
+        return usable_prefix_pages(self.tree.path_swa(node)[:n], self.page_size,
+                                   self.swa_pool.window)
 
     def match(self, req) -> int:
         """Give a request that holds no KV its longest cached prefix, locked; returns the
@@ -64,7 +109,15 @@ class KVCacheManager:
         assert not req.pages and req.kv_len == 0
         if not self.enabled or req.prompt_logprobs is not None:
             return 0
-        pages, node = self.tree.match_prefix(req.tokens(0, req.seq_len - 1), _ns(req))
+        ids = req.tokens(0, req.seq_len - 1)
+        pages, node = self.tree.match_prefix(ids, _ns(req))
+        if pages and self.swa_pool is not None:
+            n = self._usable(node, len(pages))
+            if n < len(pages):  # cut back to where the windowed keys are still held
+                pages, node = self.tree.match_prefix(ids[:n * self.page_size], _ns(req)) \
+                    if n else ([], None)
+            req.swa_pages = self.tree.path_swa(node) if pages else []
+            req.swa_lo = len(pages)
         if not pages:
             return 0
         self.tree.lock(node)
@@ -79,12 +132,17 @@ class KVCacheManager:
         if req.last_node is not None:
             self.tree.unlock(req.last_node)
         req.pages, req.cached_pages, req.last_node, req.kv_len = [], 0, None, 0
+        if self.swa_pool is not None:
+            req.swa_pages, req.swa_lo = [], 0
 
     def write_prefix(self, req) -> None:
         """Point ``req_to_token`` at the cached prefix of a newly admitted request."""
         if req.kv_len:
             self.req_pool.write(req.req_pool_idx, 0,
                                 self.pool.slots_for(req.pages, 0, req.kv_len))
+            if self.swa_pool is not None:
+                self.swa_req_pool.write(req.req_pool_idx, 0,
+                                        self.swa_pool.slots_for(req.swa_pages, 0, req.kv_len))
 
     # ---- growth -------------------------------------------------------------------------
     def make_room(self, pages: int) -> None:
@@ -100,7 +158,44 @@ class KVCacheManager:
         short = self.pool.pages_needed(req.kv_len, len(req.pages), n) - self.pool.num_free_pages
         if short > 0:
             self.tree.evict(short)
-        return self.pool.grow(req.pages, req.kv_len, n)
+        if self.swa_pool is None:
+            return self.pool.grow(req.pages, req.kv_len, n)
+        held = len(req.pages)
+        self._free_behind_window(req)
+        slots = self.pool.grow(req.pages, req.kv_len, n)
+        if slots is None:
+            return None
+        new = req.pages[held:]
+        short = len(new) - self.swa_pool.num_free_pages
+        if short > 0:
+            self.tree.evict(0, short)
+        twins = self.swa_pool.alloc_pages(len(new))
+        if twins is None:  # the windowed pool is short: give the full pages back
+            self.pool.free_pages(new)
+            del req.pages[held:]
+            return None
+        for f, w in zip(new, twins):
+            self.swa_pool.page_map[f] = w
+        req.swa_pages.extend(twins)
+        return slots
+
+    def _behind(self, req) -> int:
+        """Leading pages of ``req`` that neither its next token's window nor a later match of
+        its whole pages needs: those wholly before ``kv_len - W + 1 - page_size`` (a match
+        ends at the last whole page, up to a page before ``kv_len``, and reads the window
+        before that end)."""
+        ps = self.page_size
+        return max(0, req.kv_len - self.swa_pool.window + 1 - ps) // ps
+
+    def _free_behind_window(self, req) -> None:
+        """Give back ``req``'s own windowed pages behind its window (:meth:`_behind`)."""
+        cut = self._behind(req)
+        lo = req.swa_lo
+        if cut > lo:
+            sw = req.swa_pages
+            self.swa_pool.free_pages([p for p in sw[lo:cut] if p])
+            sw[lo:cut] = [0] * (cut - lo)
+            req.swa_lo = cut
 
     def shrink(self, req, new_len: int) -> None:
         """Keep the KV of ``req``'s first ``new_len`` positions only (speculative decoding:
@@ -110,6 +205,10 @@ class KVCacheManager:
         assert req.cached_pages <= keep <= len(req.pages), "shrink below the cached prefix"
         self.pool.free_pages(req.pages[keep:])
         del req.pages[keep:]
+        if self.swa_pool is not None:  # held entries from ``keep`` on are its own
+            self.swa_pool.free_pages([p for p in req.swa_pages[keep:] if p])
+            del req.swa_pages[keep:]
+            req.swa_lo = min(req.swa_lo, keep)
         req.kv_len = new_len
 
     # ---- release ------------------------------------------------------------------------
@@ -134,7 +233,9 @@ class KVCacheManager:
         if m <= req.cached_pages:
             return
         ids = req.tokens(0, m * ps)
-        n_old, node = self.tree.insert(ids, req.pages[:m], _ns(req))
+        # the full pages only: the request keeps its windowed pages (see the module doc)
+        n_old, node = self.tree.insert(ids, req.pages[:m], _ns(req),
+                                       None if self.swa_pool is None else [0] * m)
         if n_old > req.cached_pages:
             # pages [cached, n_old) duplicate the tree's: switch to the tree's copies
             tree_pages, _ = self.tree.match_prefix(ids, _ns(req))
@@ -150,6 +251,14 @@ class KVCacheManager:
         req.last_node = node
         req.cached_pages = m
 
+    def _swa_to_insert(self, req, m: int) -> list[int] | None:
+        """``req``'s own windowed pages of its first ``m`` pages for ``RadixCache.insert``
+        (0 over the tree's part), or None without a windowed pool."""
+        if self.swa_pool is None:
+            return None
+        lo = min(req.swa_lo, m)
+        return [0] * lo + req.swa_pages[lo:m]
+
     def release(self, req, cache: bool = True) -> None:
         """Free a finished, aborted or preempted request's KV. With ``cache`` its computed
         whole pages go into the tree (the next turn of a conversation, or the request itself
@@ -157,15 +266,23 @@ class KVCacheManager:
         if req.pages:
             ps = self.page_size
             keep = req.cached_pages  # pages [0, keep) are the tree's
+            swa_keep = req.swa_lo  # windowed entries [0, swa_keep) are the tree's or freed
             if cache and self.enabled:
                 m = self._real_len(req) // ps
-                if m > keep:
+                sw = self._swa_to_insert(req, m)
+                if m > keep or (sw is not None and m > swa_keep):
                     n_old, _ = self.tree.insert(req.tokens(0, m * ps), req.pages[:m],
-                                                _ns(req))
+                                                _ns(req), sw)
                     self.pool.free_pages(req.pages[keep:n_old])  # duplicates of tree pages
-                    keep = m
+                    keep = max(keep, m)
+                    if sw is not None:  # the windowed pages the tree did not take
+                        self.swa_pool.free_pages([p for p in sw if p])
+                        swa_keep = max(swa_keep, m)
             self.pool.free_pages(req.pages[keep:])
             req.pages = []
+            if self.swa_pool is not None:
+                self.swa_pool.free_pages([p for p in req.swa_pages[swa_keep:] if p])
+                req.swa_pages, req.swa_lo = [], 0
         if req.last_node is not None:
             self.tree.unlock(req.last_node)
             req.last_node = None
@@ -200,3 +317,21 @@ class KVCacheManager:
         for r in reqs:
             if r.cached_pages:
                 assert r.last_node is not None
+        if self.swa_pool is not None:
+            self._check_swa(reqs)
+
+    def _check_swa(self, reqs) -> None:
+        """The windowed pool's invariant: free + request-owned + tree == pool."""
+        free = self.swa_pool.free_page_list()
+        tree = self.tree.tree_swa_pages()
+        owned = [p for r in reqs for p in r.swa_pages[r.swa_lo:] if p]
+        every = free + tree + owned
+        assert len(set(every)) == len(every), "windowed KV page counted twice"
+        assert len(every) == self.swa_pool.num_pages, (
+            f"windowed KV pages lost: free {len(free)} + tree {len(tree)} + requests "
+            f"{len(owned)} != pool {self.swa_pool.num_pages}")
+        assert len(tree) == self.tree.evictable_swa + self.tree.protected_swa, \
+            "radix cache windowed counters drifted"
+        for r in reqs:
+            if r.pages:
+                assert len(r.swa_pages) == len(r.pages), "windowed pages out of step"

@@ -19,6 +19,11 @@ Namespaces: a LoRA adapter's KV differs from the base model's for the same token
 adapter id has a tree of its own (``namespace``, SGLang keys its tree the same way); a prefix
 cached under one is never matched under another or under the base model (namespace None).
 
+Windowed layers (``engine/kv/windowed.py``): with a windowed pool each node also keeps
+``swa``, its windowed pages parallel to ``pages`` (0 where the positions fell behind a
+request's window and their windowed page went back). Those pages follow the node's states
+(counted in ``evictable_swa`` / ``protected_swa``) and are freed with it.
+
 ``RadixCache(disable=True)`` keeps the same interface and caches nothing (``--disable-radix-
 cache``): matches are empty and inserts free what they are given, so the scheduler has no
 branches for it.
@@ -36,14 +41,16 @@ from engine.kv.pool import KVPool
 class TreeNode:
     """One edge of the tree: ``key`` token ids (a whole number of pages) and their ``pages``."""
 
-    __slots__ = ("children", "parent", "key", "pages", "lock_ref", "last_access", "id")
+    __slots__ = ("children", "parent", "key", "pages", "swa", "lock_ref", "last_access", "id")
     _ids = itertools.count()
 
-    def __init__(self, parent: TreeNode | None = None, key: tuple = (), pages: list | None = None):
+    def __init__(self, parent: TreeNode | None = None, key: tuple = (), pages: list | None = None,
+                 swa: list | None = None):
         self.children: dict[tuple, TreeNode] = {}
         self.parent = parent
         self.key = key
         self.pages: list[int] = pages or []
+        self.swa: list[int] | None = swa  # windowed pages parallel to ``pages`` (0: freed)
         self.lock_ref = 0
         self.last_access = time.monotonic()
         self.id = next(TreeNode._ids)
@@ -58,10 +65,13 @@ class RadixCache:
     Args:
         pool: the KV pool whose pages the tree owns (it frees evicted pages into it).
         disable: cache nothing (same interface).
+        swa_pool: the windowed pool (``engine/kv/windowed.py``) whose pages the nodes keep
+            beside their full pages, or None.
     """
 
-    def __init__(self, pool: KVPool, disable: bool = False):
+    def __init__(self, pool: KVPool, disable: bool = False, swa_pool: KVPool | None = None):
         self.pool = pool
+        self.swa_pool = swa_pool
         self.page_size = pool.page_size
         self.disable = disable
         self.reset()
@@ -74,6 +84,8 @@ class RadixCache:
         self.roots: dict[object, TreeNode] = {None: self.root}
         self.evictable_pages = 0
         self.protected_pages = 0
+        self.evictable_swa = 0  # held windowed pages of unlocked / locked nodes
+        self.protected_swa = 0
 
     # ---- sizes --------------------------------------------------------------------------
     @property
@@ -102,7 +114,10 @@ class RadixCache:
     def _split(self, node: TreeNode, n: int) -> TreeNode:
         """Cut ``node`` after ``n`` tokens (a page multiple); returns the new upper part."""
         ps = self.page_size
-        upper = TreeNode(node.parent, node.key[:n], node.pages[: n // ps])
+        upper = TreeNode(node.parent, node.key[:n], node.pages[: n // ps],
+                         None if node.swa is None else node.swa[: n // ps])
+        if node.swa is not None:
+            node.swa = node.swa[n // ps:]
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
         node.parent.children[self._child_key(node.key)] = upper
@@ -150,6 +165,10 @@ class RadixCache:
             if node.lock_ref == 0:
                 self.evictable_pages -= len(node.pages)
                 self.protected_pages += len(node.pages)
+                if node.swa is not None:
+                    held = _held(node.swa)
+                    self.evictable_swa -= held
+                    self.protected_swa += held
             node.lock_ref += 1
             node = node.parent
 
@@ -160,11 +179,15 @@ class RadixCache:
             if node.lock_ref == 0:
                 self.evictable_pages += len(node.pages)
                 self.protected_pages -= len(node.pages)
+                if node.swa is not None:
+                    held = _held(node.swa)
+                    self.evictable_swa += held
+                    self.protected_swa -= held
             node = node.parent
 
     # ---- insert -------------------------------------------------------------------------
-    def insert(self, token_ids: list[int], pages: list[int], namespace=None
-               ) -> tuple[int, TreeNode]:
+    def insert(self, token_ids: list[int], pages: list[int], namespace=None,
+               swa: list[int] | None = None) -> tuple[int, TreeNode]:
         """Put the KV of ``token_ids`` (``len(pages) * page_size`` tokens) into
         ``namespace``'s tree.
 
@@ -173,6 +196,11 @@ class RadixCache:
         in the tree (the caller's pages ``[cached, n)`` are duplicates to free, where
         ``cached`` is how many of them it got from the tree), and the node that ends the
         key. With ``disable``, nothing is taken: ``(len(pages), root)``.
+
+        ``swa`` (with a windowed pool): the caller's windowed pages parallel to ``pages``.
+        The new node takes those of its pages; an existing node takes the caller's where it
+        holds none (0), and the caller's entry becomes 0 (taken; the caller frees the
+        non-zero entries of ``swa[cached:n]`` that are left).
         """
         if self.disable:
             return len(pages), self.root
@@ -186,32 +214,64 @@ class RadixCache:
         while pos < len(key):
             child = node.children.get(key[pos:pos + ps])
             if child is None:
-                new = TreeNode(node, key[pos:], list(pages[pos // ps:]))
+                new = TreeNode(node, key[pos:], list(pages[pos // ps:]),
+                               None if swa is None else list(swa[pos // ps:len(pages)]))
                 node.children[key[pos:pos + ps]] = new
                 self.evictable_pages += len(new.pages)
+                if swa is not None:
+                    self.evictable_swa += _held(new.swa)
+                    swa[pos // ps:] = [0] * (len(swa) - pos // ps)
                 return pos // ps, new
             n = self._match_len(child.key, key, pos)
             if n < len(child.key):
                 child = self._split(child, n)
+            if swa is not None:
+                self._fill_swa(child, swa, pos // ps)
             child.last_access = now
             pos += n
             node = child
         return len(pages), node
 
+    def _fill_swa(self, node: TreeNode, swa: list[int], first: int) -> None:
+        """Give ``node`` the caller's windowed pages ``swa[first:]`` where it holds none."""
+        for k, p in enumerate(node.swa):
+            q = swa[first + k]
+            if not p and q:
+                node.swa[k] = q
+                swa[first + k] = 0
+                if node.lock_ref:
+                    self.protected_swa += 1
+                else:
+                    self.evictable_swa += 1
+
+    def path_swa(self, node: TreeNode) -> list[int]:
+        """The windowed pages from the root to ``node``, in position order (0: not held)."""
+        parts = []
+        while node.parent is not None:
+            parts.append(node.swa or [0] * len(node.pages))
+            node = node.parent
+        return [p for part in reversed(parts) for p in part]
+
     # ---- evict / flush ------------------------------------------------------------------
-    def evict(self, num_pages: int) -> int:
-        """Free at least ``num_pages`` pages of unlocked leaves, least recently used first
-        (fewer when not enough are evictable). Returns the pages freed."""
-        if num_pages <= 0 or self.evictable_pages == 0:
+    def evict(self, num_pages: int, swa_pages: int = 0) -> int:
+        """Free at least ``num_pages`` pages (and ``swa_pages`` windowed pages) of unlocked
+        leaves, least recently used first (fewer when not enough are evictable). Returns
+        the pages freed."""
+        if (num_pages <= 0 and swa_pages <= 0) or self.evictable_pages == 0:
             return 0
         heap = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(heap)
-        freed = 0
-        while freed < num_pages and heap:
+        freed = swa_freed = 0
+        while (freed < num_pages or swa_freed < swa_pages) and heap:
             leaf = heapq.heappop(heap)
             self.pool.free_pages(leaf.pages)
             freed += len(leaf.pages)
             self.evictable_pages -= len(leaf.pages)
+            if leaf.swa is not None:
+                held = [p for p in leaf.swa if p]
+                self.swa_pool.free_pages(held)
+                swa_freed += len(held)
+                self.evictable_swa -= len(held)
             parent = leaf.parent
             del parent.children[self._child_key(leaf.key)]
             if parent.parent is not None and not parent.children and parent.lock_ref == 0:
@@ -237,3 +297,12 @@ class RadixCache:
     def tree_pages(self) -> list[int]:
         """Every page the tree owns (for the accounting check)."""
         return [p for n in self._nodes() for p in n.pages]
+
+    def tree_swa_pages(self) -> list[int]:
+        """Every windowed page the tree holds (for the accounting check)."""
+        return [p for n in self._nodes() for p in (n.swa or ()) if p]
+
+
+def _held(swa: list[int]) -> int:
+    """Windowed pages held in a node's list (its non-zero entries)."""
+    return len(swa) - swa.count(0)

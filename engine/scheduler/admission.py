@@ -158,8 +158,12 @@ class ExtendAdder:
         # it must fit with everything it and the others will still need; alone it is always
         # admitted (no request outgrows the pool)
         own = req.seq_len - req.kv_len + self.ratio * future_tokens(req)
-        if (self.running or self.reqs) and \
-                self.kv.available_tokens() - self.reserve < own + self.future:
+        # the windowed pool: the first chunk and a window (the request frees behind it)
+        swa = min(req.seq_len - req.kv_len, self.budget) + self.kv.page_size + \
+            (self.kv.swa_pool.window if self.kv.swa_pool is not None else 0)
+        if (self.running or self.reqs) and (
+                self.kv.available_tokens() - self.reserve < own + self.future
+                or self.kv.swa_available_tokens() - self.reserve < swa):
             self.kv.unmatch(req)
             return self._stop()
         self.future += self.ratio * future_tokens(req)
@@ -173,9 +177,7 @@ class ExtendAdder:
         n = min(req.seq_len - req.kv_len, self.budget)
         if req.wants_prompt_logprobs:
             n = min(n, PROMPT_LOGPROBS_CHUNK)
-        room = len(req.pages) * self.kv.pool.page_size - req.kv_len \
-            + self.kv.available_tokens() - self.reserve
-        return min(n, room)
+        return min(n, self.kv.room(req) - self.reserve)
 
     # ---- commit -------------------------------------------------------------------------
     def _add(self, req: Req, n: int, waiting: bool) -> None:

@@ -91,6 +91,7 @@ class EngineLoop:
         r = self.runner
         self.to_server.send(io.ReadyOut(
             rid="engine", max_total_tokens=r.max_total_tokens, max_context_len=r.max_context_len,
+            swa_total_tokens=getattr(r, "swa_total_tokens", 0),
             max_running_requests=self.args.max_running_requests, vocab_size=self.vocab_size,
             device=r.device_type, dtype=str(r.dtype).replace("torch.", ""),
             kv_cache_dtype=str(r.kv_dtype).replace("torch.", ""),

@@ -38,7 +38,8 @@ class Req:
                  "max_new_tokens",
                  "stop_window", "cached_pages", "last_node", "cached_tokens", "prompt_counted",
                  "logprobs", "sent_logprobs", "prompt_logprobs", "prompt_logprobs_sent",
-                 "grammar", "lora_id", "stop_regex_state", "pooling", "pool_state")
+                 "grammar", "lora_id", "stop_regex_state", "pooling", "pool_state",
+                 "swa_pages", "swa_lo")
 
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams,
                  stream: bool = False, max_new_tokens: int | None = None,
@@ -62,6 +63,10 @@ class Req:
         # its first admission (reported in usage), None before it
         self.cached_pages = 0
         self.last_node = None
+        # windowed layers (engine/kv/windowed.py): the windowed pages parallel to ``pages``
+        # (0: freed behind the window), and the first of its own not yet freed
+        self.swa_pages: list[int] = []
+        self.swa_lo = 0
         self.cached_tokens: int | None = None
         # prompt positions already counted in the prompt_tokens stat (a preempted request
         # recomputes its prompt without counting it again)

@@ -69,7 +69,9 @@ class Scheduler:
         # KV pages, req_to_token rows and the radix prefix cache (engine/kv/manager.py)
         self.kv = KVCacheManager(self.kv_pool, self.req_pool,
                                  disable_cache=getattr(args, "disable_radix_cache", False) or (
-                                     self.pooling is not None and self.pooling.needs_every_row))
+                                     self.pooling is not None and self.pooling.needs_every_row),
+                                 swa_pool=getattr(runner, "swa_pool", None),
+                                 swa_req_pool=getattr(runner, "swa_req_pool", None))
         # assert the KV page accounting after every step (tests; costs O(pool) per step)
         self.check_kv = False
         self.chunk_size = prefill_budget(args, runner.device_type)
@@ -179,11 +181,11 @@ class Scheduler:
         """Free KV until every running request can take one more token: preempt the newest
         running requests first, then the partly prefilled one, the oldest running request
         last, so it always progresses (it fits alone: no request outgrows the pool)."""
-        if self.kv.available_tokens() < self._decode_reserve():
+        if self.kv.decode_room() < self._decode_reserve():
             # a preempted request is recomputed from its ids: they must be real ones, and
             # the in-flight step may finish (and free) some requests
             self._drain()
-        while self.kv.available_tokens() < self._decode_reserve():
+        while self.kv.decode_room() < self._decode_reserve():
             if len(self.running) > 1 or (self.running and self.chunked is None):
                 self._preempt(self.running.pop())
             elif self.chunked is not None:

@@ -296,6 +296,9 @@ class ServerInfo(_Out):
                                      "or the checkpoint's own scheme)")
     max_context_len: int
     max_total_tokens: int
+    swa_total_tokens: int = Field(0, description="slots of the windowed KV pool of the "
+                                  "sliding-window layers (--swa-full-tokens-ratio; 0: none, "
+                                  "max_total_tokens holds every layer)")
     max_running_requests: int
     num_running: int
     num_waiting: int
