@@ -206,9 +206,10 @@ def shared_server(server_pool):
     return server_pool(SHARED_SERVER_ARGS)
 
 
-#: the session's shared server; --max-request-bytes for the 413 tests of test_openai_api.py
-#: (the largest body the other modules send is ~30 kB)
-SHARED_SERVER_ARGS = ("--max-total-tokens", "16384", "--max-request-bytes", "262144")
+#: the session's shared server; --max-request-bytes (1 MiB) for the 413 tests of
+#: test_openai_api.py, above the largest body another module sends (test_logprobs_api.py's
+#: 131,073-token detokenize, ~393 kB)
+SHARED_SERVER_ARGS = ("--max-total-tokens", "16384", "--max-request-bytes", "1048576")
 
 
 @pytest.fixture(scope="module")

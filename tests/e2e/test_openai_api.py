@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
 #: the session's shared server (conftest.SHARED_SERVER_ARGS): these tests only send requests
-SERVER_ARGS = ["--max-total-tokens", "16384", "--max-request-bytes", "262144"]
+SERVER_ARGS = ["--max-total-tokens", "16384", "--max-request-bytes", "1048576"]
 SERVER_SHARED = True
 HTTP_TIMEOUT_S = 120.0
 
@@ -426,12 +426,12 @@ def test_404_405_413(server):
                           headers={"Host": "evil.example"})
         assert "location" not in r.headers
         assert_error(r, 404)
-    big = {"prompt": "x" * 300_000}
+    big = {"prompt": "x" * 1_100_000}
     assert_error(post(server, "/v1/completions", big), 413)
 
     def chunks():  # no Content-Length: the streamed size is what counts
         for _ in range(40):
-            yield b" " * 10_000
+            yield b" " * 30_000
 
     r = httpx.post(server.url + "/v1/completions", content=chunks(), timeout=30,
                    headers={"Content-Type": "application/json"})
