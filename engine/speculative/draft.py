@@ -37,7 +37,7 @@ class DraftSeq:
     ``c`` was computed from), and, for EAGLE, the target's hidden states not yet fed in."""
 
     __slots__ = ("req", "req_pool_idx", "pages", "cached_pages", "last_node", "kv_len",
-                 "ids", "base", "hidden", "hidden_start", "hidden_rows")
+                 "ids", "base", "hidden", "hidden_start", "hidden_rows", "swa_pages", "swa_lo")
 
     def __init__(self, req, base: int = 0):
         self.req = req
@@ -46,6 +46,10 @@ class DraftSeq:
         self.cached_pages = 0
         self.last_node = None
         self.kv_len = 0
+        # the windowed pool's pages (engine/kv/windowed.py): a draft has none, but
+        # KVCacheManager reads them from every sequence it manages
+        self.swa_pages: list[int] = []
+        self.swa_lo = 0
         self.ids: list[int] = []
         self.base = base
         # EAGLE: target hidden states of positions [hidden_start, hidden_start + hidden_rows)
