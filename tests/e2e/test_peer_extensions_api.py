@@ -45,8 +45,10 @@ def test_a_stored_conversation_continues(client, ref_tokenizer):
     assert r2.usage.input_tokens_details.cached_tokens > 0
     assert client.responses.retrieve(r2.id).output_text == r2.output_text
     client.responses.delete(r1.id)
-    with pytest.raises(openai.NotFoundError):
+    # a deleted (unknown) previous_response_id is OpenAI's 400 previous_response_not_found
+    with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(model=MODEL, input="x", previous_response_id=r1.id)
+    assert err.value.code == "previous_response_not_found"
 
 
 def test_stop_regex_cuts_where_python_re_matches(client):
