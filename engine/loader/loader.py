@@ -292,16 +292,6 @@ def load_config(source: ModelSource | str | None):
     return config
 
 
-def _runs_windows(config) -> bool:
-    """Whether the config's model class runs sliding-window layers itself (Gemma)."""
-    from engine.layer_spec import AttentionKind
-
-    try:
-        return AttentionKind.SLIDING in get_model_class(config).attention_kinds
-    except ValueError:  # an unsupported architecture: refused later, with its message
-        return False
-
-
 def _cap_sliding_window(config) -> None:
     """Cap the context at the config's ``sliding_window`` for a family whose layers ferry
     describes as full attention (Mistral, Qwen2); a family with SLIDING layers in its
