@@ -208,18 +208,21 @@ class DecoderModel(nn.Module):
         make_mlp: ``make_mlp(config, layer_id, dtype)``, the MLP of each layer (default
             :class:`GatedMLP`: MoE families give their block).
         norm: the norm class of the layers and the final norm.
+        rotary: the rotary table (default: a :class:`RotaryEmbedding` from the config's
+            rope parameters; a family with its own rope type gives its table).
     """
 
     def __init__(self, config: ModelConfig, specs: Sequence[LayerSpec], dtype: torch.dtype,
                  options: AttentionOptions, make_mlp: MlpFactory | None = None,
-                 norm: NormFactory = RMSNorm):
+                 norm: NormFactory = RMSNorm, rotary: RotaryEmbedding | None = None):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(DecoderLayer(config, spec, i, dtype, options, make_mlp, norm)
                                     for i, spec in enumerate(specs))
         self.norm = norm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                          config.rope_theta, config.rope_parameters)
+        self.rotary_emb = rotary if rotary is not None else RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta,
+            config.rope_parameters)
         #: layers whose input (hidden + residual, unnormed) the forward keeps in
         #: ``aux_hidden`` (EAGLE-3's low/mid/high states); empty: none kept
         self.aux_layers: tuple[int, ...] = ()

@@ -59,7 +59,8 @@ class DecoderForCausalLM(CausalLM):
         self.config = config
         self.model_config = mc = ModelConfig.from_hf(config)
         self.dtype = dtype
-        self.model = DecoderModel(mc, self.layer_specs(), dtype, self._options(mc), self._mlp)
+        self.model = DecoderModel(mc, self.layer_specs(), dtype, self._options(mc), self._mlp,
+                                  rotary=self._rotary(mc))
         self.tie_word_embeddings = mc.tie_word_embeddings
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
@@ -76,6 +77,11 @@ class DecoderForCausalLM(CausalLM):
     def _mlp(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> nn.Module:
         """The MLP of decoder layer ``layer_id`` (a hook: MoE models return their block)."""
         return GatedMLP(config, dtype)
+
+    def _rotary(self, config: ModelConfig) -> nn.Module | None:
+        """The rotary table (a hook: None builds the default from the config's rope
+        parameters; a family with its own rope type returns its table)."""
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 forward_batch: ForwardBatch) -> torch.Tensor:
