@@ -26,6 +26,7 @@ from torch import nn
 from engine.distributed import get_tp
 from engine.forward_batch import ForwardBatch
 from engine.layer_spec import AttentionKind, CacheKind, LayerSpec, unsupported_feature
+from engine.layers.linear import full_tensor
 
 #: attention kinds this layer runs (q/k/v in, one output row per query token)
 SUPPORTED_ATTENTION = frozenset({AttentionKind.FULL, AttentionKind.SLIDING})
@@ -87,8 +88,8 @@ class Attention(nn.Module):
         want = self.num_heads * g.size
         if tuple(loaded.shape) != (want,):
             raise ValueError(f"sinks of shape {tuple(loaded.shape)}, expected ({want},)")
-        part = loaded[g.rank * self.num_heads:(g.rank + 1) * self.num_heads]
-        param.data.copy_(torch.as_tensor(part[:]).float())
+        part = loaded.narrow(0, g.rank * self.num_heads, self.num_heads)
+        param.data.copy_(full_tensor(part).float())
 
     @property
     def q_size(self) -> int:

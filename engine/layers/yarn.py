@@ -56,8 +56,10 @@ def yarn_inv_freq(head_dim: int, base: float, params: dict,
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    pos_freqs = base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    ramp = torch.arange(head_dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((ramp - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
+                        / head_dim)
     extra = 1.0 - ramp                         # the share of the unscaled frequency
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
     return inv_freq, float(attn)

@@ -62,6 +62,7 @@ class GptOssForCausalLM(MoeForCausalLM):
     SwiGLU, MXFP4 or float experts (see the module docstring)."""
 
     family = "gpt-oss"
+    attention_kinds = (AttentionKind.FULL, AttentionKind.SLIDING)
 
     def __init__(self, config, dtype: torch.dtype = torch.float32):
         self.mxfp4 = is_mxfp4(config)
@@ -110,6 +111,15 @@ class GptOssForCausalLM(MoeForCausalLM):
         return SparseMoeBlock(config.hidden_size, config.num_experts,
                               config.num_experts_per_tok, config.moe_intermediate_size,
                               True, dtype, router_bias=True, options=options)
+
+    def memory_note(self) -> str:
+        """The experts' share of the weights for the load log line, e.g. ``experts 10.2 GB,
+        MXFP4 (4.25 bits a weight)``."""
+        moes = [m for m in self.modules() if isinstance(m, FusedMoE)]
+        nbytes = sum(m.expert_bytes() for m in moes)
+        fmt = "MXFP4 (4.25 bits a weight)" if self.mxfp4 else str(self.dtype).removeprefix(
+            "torch.")
+        return f"experts {nbytes / 1e9:.3f} GB, {fmt}"
 
     # ---- names ---------------------------------------------------------------------------
 

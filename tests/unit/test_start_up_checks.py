@@ -148,7 +148,7 @@ def test_an_unsupported_architecture_is_refused(serve_stubbed, capsys, tmp_path)
                    bos_token_id=0, eos_token_id=0)  # in the vocabulary: no config warning
     line = _refused(serve_stubbed, capsys, ["--model-path", path, "--load-format", "dummy"])
     assert line.startswith("unsupported model architecture GPT2LMHeadModel; ferry supports "
-                           "LlamaForCausalLM"), line
+                           "GptOssForCausalLM, LlamaForCausalLM"), line
 
 
 def test_a_model_type_transformers_does_not_know_is_one_line(serve_stubbed, capsys, tmp_path):
