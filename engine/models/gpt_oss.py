@@ -16,8 +16,10 @@ against transformers 5.24's ``modeling_gpt_oss.py`` and ``integrations/mxfp4.py`
   ``quantization_config.quant_method: mxfp4``), kept in 4 bits
   (:class:`engine.layers.moe.ExpertOptions` ``mxfp4``): the Triton path dequantizes in
   registers (:mod:`kernels.moe.fused_moe_mxfp4`), the CPU path dequantizes the experts a
-  call uses, per call (:func:`kernels.moe.reference.fused_moe_torch`). The gate/up columns
-  are de-interleaved into ferry's ``w13`` (gate rows, then up rows) as they load.
+  call uses, per call (:func:`kernels.moe.reference.fused_moe_torch`). With
+  ``quantization_config.dequantize: true`` the experts are float and MXFP4 tensors are
+  dequantized once, at load. The gate/up columns are de-interleaved into ferry's ``w13``
+  (gate rows, then up rows) as they load.
 
 Tensor parallelism splits heads (the sinks with them) and each expert's intermediate
 dimension (MXFP4: ``I / tp_size`` a multiple of 32); the down bias is added on rank 0.
@@ -39,7 +41,7 @@ from engine.models.blocks import AttentionOptions
 from engine.models.config import ModelConfig
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.moe import MoeForCausalLM
-from kernels.moe.mxfp4 import dummy_mxfp4
+from kernels.moe.mxfp4 import dequantize_mxfp4, dummy_mxfp4
 
 #: HF name piece -> ferry's (names in the checkpoint: ``mlp.router``, ``self_attn.sinks``,
 #: ``mlp.experts.gate_up_proj[_blocks|_scales|_bias]``, ``down_proj...``)
@@ -175,6 +177,7 @@ class GptOssForCausalLM(MoeForCausalLM):
         renamed; the rest through :meth:`DecoderForCausalLM.load_weights`."""
         modules = dict(self.named_modules())
         experts: set[str] = set()
+        pending: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4 halves for float experts
 
         def dense():
             for hf_name, tensor in weights:
@@ -184,6 +187,21 @@ class GptOssForCausalLM(MoeForCausalLM):
                     yield name, tensor
                     continue
                 moe = modules[m.group(1).rstrip(".")]
+                if not moe.options.mxfp4 and hf_name.endswith(("_blocks", "_scales")):
+                    # float experts from an MXFP4 checkpoint (quantization_config dequantize):
+                    # dequantized here, once both halves are read
+                    base, _, half = hf_name.rpartition("_")
+                    got = pending.setdefault(base, {})
+                    got[half] = full_tensor(tensor)
+                    if len(got) < 2 or got["blocks"].is_floating_point():
+                        if len(got) == 2:
+                            raise ValueError(f"{base}: float MXFP4 blocks (dummy weights) "
+                                             "for float experts")
+                        continue
+                    w = dequantize_mxfp4(got.pop("blocks"), got.pop("scales"), self.dtype)
+                    load_gptoss_expert(moe, base, w.transpose(1, 2))
+                    experts.add(_FERRY_EXPERT.sub(r"\1\2_weight", name))
+                    continue
                 load_gptoss_expert(moe, hf_name, tensor)
                 experts.add(name)
 

@@ -55,10 +55,16 @@ def _assert_matches(out, ref, what: str) -> None:
     assert worst < LOGPROB_TOL, f"{what}: log-prob differs from HF by {worst:.2e}"
 
 
-@pytest.fixture(scope="module", params=["float", "mxfp4"])
+@pytest.fixture(scope="module", params=["float", "mxfp4", "mxfp4_dequantize"])
 def served(request, tmp_path_factory):
+    """float experts; MXFP4 experts kept in 4 bits; MXFP4 tensors with
+    ``quantization_config.dequantize: true`` (float experts, dequantized at load)."""
     path = tmp_path_factory.mktemp(f"gptoss_{request.param}")
-    hf = save_tiny_gptoss(path, mxfp4=request.param == "mxfp4")
+    hf = save_tiny_gptoss(path, mxfp4=request.param != "float")
+    if request.param == "mxfp4_dequantize":
+        cfg = json.loads((path / "config.json").read_text())
+        cfg["quantization_config"]["dequantize"] = True
+        (path / "config.json").write_text(json.dumps(cfg))
     ref = [_hf_generate(hf, p) for p in _prompts()]
     llm = LLM(str(path), dtype="float32", device="cpu", cpu_threads=1, max_total_tokens=4096,
               chunked_prefill_size=16)
