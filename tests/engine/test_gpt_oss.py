@@ -6,7 +6,7 @@ that the clamp bites; YaRN with factor 4): one with float experts as HF saves th
 MXFP4 experts (``*_blocks``/``*_scales``, quantized here; the HF reference holds the
 dequantized values). Greedy tokens equal HF ``generate``'s and log-probs within 1e-3 over 12
 steps, in a batch of different lengths, alone (prefix-cache miss), with the cache hit, and
-across a chunked-prefill boundary; TP=2 vs TP=1 (gloo) on the MXFP4 checkpoint; the dummy
+across a chunked-prefill boundary; TP=2 and EP=2 vs TP=1 (gloo) on the MXFP4 checkpoint; the dummy
 loader on the shipped configs' shape (small) and a harmony-style chat template through the
 transformers tokenizer.
 """
@@ -113,14 +113,16 @@ def _run_tp(path: str, tp: int, **kw):
     return [o.token_ids for o in outs], lps
 
 
-def test_tp2_matches_tp1_mxfp4(tmp_path):
+def test_tp2_and_ep2_match_tp1_mxfp4(tmp_path):
     """4 heads, 2 KV heads and I = 64 (two MXFP4 groups) split over 2 ranks: sinks by
-    head, the down blocks by group, the down bias on rank 0."""
+    head, the down blocks by group, the down bias on rank 0; then expert parallelism
+    (``--ep-size 2``: 4 of the 8 experts whole on each rank, its own down biases)."""
     save_tiny_gptoss(tmp_path, mxfp4=True)
     ref_toks, ref_lps = _run_tp(str(tmp_path), 1)
-    toks, lps = _run_tp(str(tmp_path), 2)
-    assert toks == ref_toks
-    assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 1e-4
+    for ep in (1, 2):
+        toks, lps = _run_tp(str(tmp_path), 2, ep_size=ep)
+        assert toks == ref_toks, f"ep {ep}"
+        assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 1e-4, f"ep {ep}"
 
 
 def test_dummy_mxfp4_weights_are_sane(tmp_path):
