@@ -20,6 +20,7 @@ from engine.models.gemma import (
     Gemma3ForConditionalGeneration,
 )
 from engine.models.glm4 import Glm4ForCausalLM
+from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.granite import GraniteForCausalLM
 from engine.models.llama import LlamaForCausalLM, MinistralForCausalLM, MistralForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
@@ -50,6 +51,7 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 
@@ -99,6 +101,7 @@ __all__ = [
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration",
+    "GptOssForCausalLM",
     "get_model_class",
     "supported_architectures",
 ]

@@ -44,6 +44,8 @@ def test_per_rank_heads_and_groups():
 
 
 def test_attention_layer_holds_its_spec_and_refuses_other_kinds():
+    """Full and sliding layers, with soft-capping and sinks (a learned [Hq] float32 tensor),
+    run; latent and recurrent ones are refused by name."""
     a = Attention(4, 1, 16, 3, spec=FULL)
     assert a.spec.num_kv_heads == 1 and a.spec.head_dim == 16   # this rank's heads
     assert a.scaling == 16 ** -0.5
@@ -56,10 +58,18 @@ def test_attention_layer_holds_its_spec_and_refuses_other_kinds():
     assert Attention(4, 2, 16, 5, spec=sliding).spec.sliding_window == 4096
     capped = Attention(4, 2, 16, 0, spec=LayerSpec(head_dim=16, v_head_dim=16, num_kv_heads=2,
                                                    logit_softcap=50.0))
-    assert capped.spec.logit_softcap == 50.0
+    assert capped.spec.logit_softcap == 50.0 and capped.sinks is None
+    with_sinks = Attention(2, 1, 16, 0, spec=LayerSpec(head_dim=16, v_head_dim=16,
+                                                       num_kv_heads=2, sinks=True))
+    assert with_sinks.sinks.shape == (2,) and with_sinks.sinks.dtype == torch.float32
+    with_sinks.sinks.weight_loader(with_sinks.sinks, torch.tensor([0.5, -1.0]))
+    assert with_sinks.sinks.tolist() == [0.5, -1.0]
+    with pytest.raises(ValueError, match=r"sinks of shape \(3,\)"):
+        with_sinks.sinks.weight_loader(with_sinks.sinks, torch.zeros(3))
+    latent = LayerSpec(attention=AttentionKind.LATENT, cache=CacheKind.LATENT_KV,
+                       head_dim=16, v_head_dim=16, num_kv_heads=1)
     with pytest.raises(NotImplementedError, match=r"layer 5: latent attention"):
-        Attention(4, 2, 16, 5, spec=LayerSpec(attention=AttentionKind.LATENT, head_dim=16,
-                                              v_head_dim=16, num_kv_heads=2))
+        Attention(4, 1, 16, 5, spec=latent)
     with pytest.raises(NotImplementedError, match="recurrent_state"):
         Attention(4, 2, 16, 0, spec=LayerSpec(head_dim=16, v_head_dim=16, num_kv_heads=2,
                                               cache=CacheKind.RECURRENT_STATE))
@@ -73,9 +83,9 @@ def test_backends_refuse_layers_they_cannot_run(name):
     windowed = LayerSpec(attention=AttentionKind.SLIDING, sliding_window=8, logit_softcap=30.0,
                          head_dim=16, v_head_dim=16, num_kv_heads=2)
     cls.check_layer_specs([FULL, windowed])
+    # sinks: the Attention layer's learned tensor, passed to every kernel path
     sinks = LayerSpec(head_dim=16, v_head_dim=16, num_kv_heads=2, sinks=True)
-    with pytest.raises(NotImplementedError, match=r"layer 1 needs attention sinks"):
-        cls.check_layer_specs([FULL, sinks])
+    cls.check_layer_specs([FULL, sinks, windowed])
     linear = LayerSpec(attention=AttentionKind.LINEAR, cache=CacheKind.RECURRENT_STATE,
                        head_dim=16, v_head_dim=16, num_kv_heads=2)
     with pytest.raises(NotImplementedError, match=r"layer 0 needs linear attention"):
