@@ -75,13 +75,15 @@ class MLAttention(nn.Module):
         interleaved: the checkpoint's rope dimensions are interleaved pairs.
         bias: bias on ``q_a_proj``/``q_proj``, ``kv_a_proj_with_mqa`` and ``o_proj``
             (``attention_bias``).
+        spec: the layer's description (default: a ``LATENT`` spec of these sizes), kept as
+            ``self.spec``.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None,
                  kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
                  v_head_dim: int, layer_id: int, rotary: nn.Module, eps: float,
                  dtype: torch.dtype, scaling: float, interleaved: bool = True,
-                 bias: bool = False):
+                 bias: bool = False, spec: LayerSpec | None = None):
         super().__init__()
         self.num_heads, self.layer_id = num_heads, layer_id
         self.kv_lora_rank, self.nope, self.rope, self.v_dim = (
@@ -101,8 +103,9 @@ class MLAttention(nn.Module):
         self.kv_b_proj = ReplicatedLinear(kv_lora_rank,
                                           num_heads * (qk_nope_head_dim + v_head_dim),
                                           False, dtype)
+        self.kv_b_proj.packable = False   # read as W_UK / W_UV views by the absorbed form
         self.o_proj = ReplicatedLinear(num_heads * v_head_dim, hidden_size, bias, dtype)
-        self.spec = LayerSpec(attention=AttentionKind.LATENT, cache=CacheKind.LATENT_KV,
+        self.spec = spec or LayerSpec(attention=AttentionKind.LATENT, cache=CacheKind.LATENT_KV,
                               head_dim=qk, v_head_dim=v_head_dim, num_kv_heads=1,
                               scale=scaling, rotary=RotarySpec(), kv_lora_rank=kv_lora_rank,
                               qk_rope_head_dim=qk_rope_head_dim)

@@ -3,8 +3,10 @@
 The head dimension is split in two halves ``x = [x1 | x2]`` rotated pairwise by
 ``theta_i * pos``: ``[x1 cos - x2 sin | x2 cos + x1 sin]`` (the layout HF Llama/Qwen use).
 Frequencies: ``inv_freq_i = base^(-2i/D)``; rope types ``default``, ``linear`` (positions
-divided by ``factor``) and ``llama3`` (Llama 3.1 frequency-dependent scaling, from Meta's
-reference ``apply_scaling``). The cos/sin table is built once in fp32 on the CPU (the same on
+divided by ``factor``), ``llama3`` (Llama 3.1 frequency-dependent scaling, from Meta's
+reference ``apply_scaling``) and ``yarn`` (YaRN's ramp between interpolated and original
+frequencies, its magnitude on cos/sin: :func:`yarn_attention_factor`, DeepSeek's
+``mscale``/``mscale_all_dim`` ratio included). The cos/sin table is built once in fp32 on the CPU (the same on
 every device) and indexed by position each step; the rotation runs in fp32, in
 :func:`kernels.reference.rotary_ref` (eager) or :func:`kernels.rotary.rotary_inplace`
 (Triton), whichever :func:`engine.layers.select_ops` set as ``impl``.
@@ -19,7 +21,7 @@ from torch import nn
 
 from kernels.reference import rotary_ref
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_config(config) -> tuple[float, dict]:
@@ -53,11 +55,53 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     return torch.where(mid, smoothed, scaled)
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inv_freq(head_dim: int, base: float, params: dict) -> torch.Tensor:
+    """YaRN's frequencies (Peng et al. 2023; transformers' ``_compute_yarn_parameters``):
+    original ones below ``beta_fast`` rotations over the pre-training context, ``factor``
+    times slower ones above ``beta_slow``, a linear ramp between."""
+    factor = float(params["factor"])
+    old_ctx = float(params["original_max_position_embeddings"])
+    fast, slow = float(params.get("beta_fast") or 32), float(params.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:
+        return head_dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = (torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)
+    ramp = ramp.clamp(0, 1)
+    pos = base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim)
+    keep = 1 - ramp                               # the share of the original frequency
+    return (1.0 / (factor * pos)) * (1 - keep) + (1.0 / pos) * keep
+
+
+def yarn_attention_factor(params: dict) -> float:
+    """The magnitude YaRN puts on cos/sin (1.0 for other rope types): ``attention_factor``,
+    else ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` when both are given
+    (DeepSeek), else ``mscale(factor)``, with ``mscale(s, m) = 0.1 m ln s + 1``."""
+    if params.get("rope_type") != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = float(params["factor"])
+    m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+    if m and m_all:
+        return _yarn_mscale(factor, float(m)) / _yarn_mscale(factor, float(m_all))
+    return _yarn_mscale(factor)
+
+
 def compute_inv_freq(head_dim: int, base: float, params: dict) -> torch.Tensor:
     """Inverse frequencies ``[head_dim // 2]`` fp32 on the CPU.
 
     Raises:
-        ValueError: a rope type other than default, linear or llama3.
+        ValueError: a rope type other than default, linear, llama3 or yarn.
     """
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")
                                .float() / head_dim))
@@ -68,6 +112,8 @@ def compute_inv_freq(head_dim: int, base: float, params: dict) -> torch.Tensor:
         return inv_freq / float(params["factor"])
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, params)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, base, params)
     raise ValueError(f"unsupported rope type {rope_type!r}; ferry supports "
                      f"{', '.join(SUPPORTED_ROPE_TYPES)}")
 
@@ -90,6 +136,9 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(max_position, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, inv_freq)                         # [P, D/2]
         cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)    # [P, D] fp32
+        factor = yarn_attention_factor(params or {})
+        if factor != 1.0:
+            cache = cache * factor
         self.register_buffer("cos_sin_cache", cache.to(torch.get_default_device()),
                              persistent=False)
         self.impl = rotary_ref

@@ -60,8 +60,7 @@ class DecoderForCausalLM(CausalLM):
         self.config = config
         self.model_config = mc = ModelConfig.from_hf(config)
         self.dtype = dtype
-        self.model = DecoderModel(mc, self.layer_specs(), dtype, self._options(mc), self._mlp,
-                                  decoder=self._decoder(mc))
+        self.model = self._build_model(mc, dtype)
         self.tie_word_embeddings = mc.tie_word_embeddings
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
@@ -69,6 +68,12 @@ class DecoderForCausalLM(CausalLM):
             self.lm_head = VocabEmbedding(mc.vocab_size, mc.hidden_size, dtype)
 
     # ---- the family's switches ----------------------------------------------------------
+
+    def _build_model(self, config: ModelConfig, dtype: torch.dtype) -> nn.Module:
+        """The decoder stack (default :class:`DecoderModel` of the family's switches; a
+        family with its own attention layers, DeepSeek's MLA, builds its own)."""
+        return DecoderModel(config, self.layer_specs(), dtype, self._options(config),
+                            self._mlp, decoder=self._decoder(config))
 
     def _options(self, config: ModelConfig) -> AttentionOptions:
         """The attention switches (default: q/k/v/o bias = ``attention_bias``, no q/k norm)."""

@@ -103,3 +103,24 @@ def test_mscale_on_the_softmax_scale():
     yarn = {"rope_type": "yarn", "factor": 40.0, "mscale_all_dim": 0.707}
     m = 0.1 * 0.707 * torch.log(torch.tensor(40.0)).item() + 1
     assert mla_softmax_scale(192, yarn) == pytest.approx(192 ** -0.5 * m * m)
+
+
+def test_yarn_table_matches_hf():
+    """DeepSeek-V2-Lite's YaRN (factor 40, mscale = mscale_all_dim): HF's frequencies and
+    cos/sin magnitude."""
+    from transformers import DeepseekV2Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    yarn = {"rope_type": "yarn", "factor": 40.0, "beta_fast": 32, "beta_slow": 1,
+            "mscale": 0.707, "mscale_all_dim": 0.707, "original_max_position_embeddings": 64,
+            "rope_theta": 10000.0}
+    for extra in ({}, {"mscale": 1.0}):
+        params = {**yarn, **extra}
+        cfg = DeepseekV2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=4,
+                               qk_rope_head_dim=P, max_position_embeddings=2560,
+                               rope_parameters=params)
+        inv, factor = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+        rot = RotaryEmbedding(P, 128, 10000.0, params)
+        t = torch.arange(128).float()[:, None] * inv[None]
+        ref = torch.cat([t.cos(), t.sin()], dim=-1) * factor
+        torch.testing.assert_close(rot.cos_sin_cache, ref)
