@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from engine.models.base import CausalLM
 from engine.models.config import MODEL_TYPES, ModelConfig
+from engine.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from engine.models.exaone4 import Exaone4ForCausalLM
 from engine.models.granite import GraniteForCausalLM
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM
@@ -37,6 +38,8 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 
@@ -80,6 +83,8 @@ __all__ = [
     "SmolLM3ForCausalLM",
     "GraniteForCausalLM",
     "Exaone4ForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
     "get_model_class",
     "supported_architectures",
 ]
