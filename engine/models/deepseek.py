@@ -95,7 +95,8 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
 
     Raises:
         NotImplementedError: tensor parallelism (``--tp-size`` > 1).
-        ValueError: as :class:`MoeForCausalLM` (quantized weights, no experts).
+        ValueError: ``moe_layer_freq`` other than 1; as :class:`MoeForCausalLM` (quantized
+            weights, no experts).
     """
 
     family = "DeepSeek-V2/V3"
@@ -107,6 +108,11 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
         if get_tp().size > 1:
             raise NotImplementedError(f"{type(self).__name__} (multi-head latent attention) "
                                       "does not run with --tp-size > 1 yet")
+        text = getattr(config, "text_config", None) or config
+        freq = getattr(text, "moe_layer_freq", 1) or 1
+        if freq != 1:
+            raise ValueError(f"{type(self).__name__} with moe_layer_freq={freq} is not "
+                             "supported (every layer after first_k_dense_replace is MoE)")
         super().__init__(config, dtype)
 
     def _text(self):
