@@ -187,6 +187,13 @@ class FusedMoE(nn.Module):
         # the Triton impl brings its one-launch router (kernels.moe.routing.fused_topk)
         route = getattr(self.impl, "router", select_experts)
         topk_weights, topk_ids = route(router_logits, self.top_k, self.renormalize)
+        return self.run_routed(x, topk_weights, topk_ids)
+
+    def run_routed(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H] with its chosen experts (``topk_ids`` [T, K] int32, global ids) and
+        their fp32 weights [T, K] -> [T, H]: this rank's partial sum (a family with its own
+        routing, DeepSeek's grouped top-k, calls this)."""
         if self.ep_size > 1:
             topk_weights, topk_ids = localize_topk(topk_weights, topk_ids, self.first_expert,
                                                    self.num_local_experts)

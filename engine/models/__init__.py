@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from engine.models.base import CausalLM
 from engine.models.config import MODEL_TYPES, ModelConfig
+from engine.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from engine.models.exaone4 import Exaone4ForCausalLM
 from engine.models.gemma import (
     Gemma2ForCausalLM,
@@ -52,6 +53,8 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 
@@ -102,6 +105,8 @@ __all__ = [
     "Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration",
     "GptOssForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
     "get_model_class",
     "supported_architectures",
 ]

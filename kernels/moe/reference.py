@@ -59,6 +59,62 @@ def select_experts(router_logits: torch.Tensor, top_k: int,
     return weights, ids.to(torch.int32)
 
 
+def select_experts_grouped(router_logits: torch.Tensor, top_k: int, *, scoring: str,
+                           n_group: int = 1, topk_group: int = 1, group_score: str = "max",
+                           correction_bias: torch.Tensor | None = None,
+                           renormalize: bool = False, routed_scaling_factor: float = 1.0,
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's routing: scores, a top-``topk_group`` of ``n_group`` expert groups, the
+    top-k experts inside them, weights from the unbiased scores.
+
+    DeepSeek-V2 (HF ``DeepseekV2TopkRouter``): ``scoring="softmax"``, groups ranked by
+    their best expert (``group_score="max"``; ``n_group=1``: plain greedy top-k), no
+    renormalisation. DeepSeek-V3 (``DeepseekV3TopkRouter``, "noaux_tc"):
+    ``scoring="sigmoid"``, the choice made on ``score + correction_bias``, groups ranked by
+    the sum of their two best (``group_score="top2"``), ``renormalize`` (``norm_topk_prob``:
+    divided by the top-k sum + 1e-20). Both end with ``* routed_scaling_factor``.
+
+    Args:
+        router_logits: ``[M, E]`` (upcast to fp32).
+        top_k: experts per token, ``1 <= top_k <= E``.
+        scoring: ``"softmax"`` or ``"sigmoid"``.
+        n_group, topk_group: E splits into ``n_group`` equal groups; a token chooses among
+            the experts of its best ``topk_group`` groups.
+        group_score: ``"max"`` or ``"top2"`` (a group's rank).
+        correction_bias: ``[E]`` added to the scores for the choice only, or None.
+        renormalize, routed_scaling_factor: as above.
+    Returns:
+        ``(topk_weights [M, top_k] float32, topk_ids [M, top_k] int32)``.
+    Raises:
+        ValueError: an unknown ``scoring``/``group_score``, E not divisible by ``n_group``,
+            ``top_k`` outside ``[1, E]`` or ``topk_group`` outside ``[1, n_group]``.
+    """
+    m, e = router_logits.shape
+    if scoring not in ("softmax", "sigmoid") or group_score not in ("max", "top2"):
+        raise ValueError(f"scoring {scoring!r} / group_score {group_score!r}: softmax or "
+                         "sigmoid / max or top2")
+    if e % n_group or not 1 <= topk_group <= n_group or not 1 <= top_k <= e:
+        raise ValueError(f"{e} experts in {n_group} groups, topk_group {topk_group}, "
+                         f"top_k {top_k}: inconsistent")
+    logits = router_logits.float()
+    scores = logits.softmax(dim=-1) if scoring == "softmax" else logits.sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if n_group > 1:
+        grouped = choice.view(m, n_group, e // n_group)
+        rank = grouped.max(dim=-1).values if group_score == "max" \
+            else grouped.topk(2, dim=-1).values.sum(dim=-1)
+        keep = torch.zeros_like(rank).scatter_(1, rank.topk(topk_group, dim=-1).indices, 1.0)
+        keep = keep.bool().unsqueeze(-1).expand(m, n_group, e // n_group).reshape(m, e)
+        # V2 zeroes the other groups' (non-negative) softmax scores, V3 masks them to -inf
+        choice = choice.masked_fill(~keep, 0.0 if correction_bias is None and
+                                    scoring == "softmax" else float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids.to(torch.int32)
+
+
 def check_moe_shapes(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> tuple[int, ...]:
     """Validate the operands of a fused-MoE call; returns ``(M, H, E, I, top_k)``.

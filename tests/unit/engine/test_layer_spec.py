@@ -97,8 +97,10 @@ def test_create_backend_checks_the_specs():
     assert b.layer_specs == (FULL,) * 3
     latent = LayerSpec(attention=AttentionKind.LATENT, cache=CacheKind.LATENT_KV,
                        head_dim=16, v_head_dim=16, num_kv_heads=2)
+    # MLA layers attend over the latent pool themselves on the torch path; Triton refuses
+    create_attention_backend("torch_native", 4, 2, 16, layer_specs=[FULL, latent])
     with pytest.raises(NotImplementedError, match="latent attention"):
-        create_attention_backend("torch_native", 4, 2, 16, layer_specs=[FULL, latent])
+        ATTENTION_BACKENDS["triton"].check_layer_specs([FULL, latent])
 
 
 def test_kv_pool_from_specs():
@@ -109,5 +111,26 @@ def test_kv_pool_from_specs():
                        head_dim=16, v_head_dim=16, num_kv_heads=1)
     with pytest.raises(NotImplementedError, match=r"layers \[1\] keep a latent_kv cache"):
         build_kv_pool([FULL, latent], 64, 4, torch.float32, "cpu")
+    with pytest.raises(NotImplementedError, match="latent pool has one width"):
+        build_kv_pool([latent], 64, 4, torch.float32, "cpu")   # no kv_lora_rank
+
+
+def test_latent_kv_pool_from_specs():
+    """DeepSeek's MLA: one [slots, 1, kv_lora_rank + qk_rope_head_dim] tensor per layer,
+    the paged pool's pages and padding sink, no V buffers."""
+    from engine.kv.pool import LatentKVPool
+    latent = LayerSpec(attention=AttentionKind.LATENT, cache=CacheKind.LATENT_KV,
+                       head_dim=24, v_head_dim=16, num_kv_heads=1, kv_lora_rank=32,
+                       qk_rope_head_dim=8)
+    assert latent.latent_dim == 40 and latent.per_rank(2) is latent
+    pool = build_kv_pool([latent] * 3, 64, 4, torch.float32, "cpu")
+    assert isinstance(pool, LatentKVPool) and pool.num_layers == 3
+    assert tuple(pool.k_buffers[2].shape) == (68, 1, 40) and pool.v_buffers == [None] * 3
+    assert pool.capacity_tokens == 64 and pool.nbytes == 3 * 68 * 40 * 4
+    assert kv_bytes_per_token([latent] * 3, torch.bfloat16) == 3 * 40 * 2
+    pages = pool.alloc_pages(2)
+    assert pool.slots_for(pages, 0, 5)[:4] == [pages[0] * 4 + i for i in range(4)]
+    pool.free_pages(pages)
+    assert pool.free_tokens() == 64
     with pytest.raises(NotImplementedError, match="differ"):
         kv_bytes_per_token([FULL, FULL.per_rank(2)], torch.float32)

@@ -104,6 +104,12 @@ def _tiny(arch: str):
     if arch == "GptOssForCausalLM":     # sliding layers 0 and 2, stacked experts
         return transformers.GptOssConfig(num_local_experts=4, num_experts_per_tok=2,
                                          head_dim=16, sliding_window=8, **kw)
+    if arch.startswith("Deepseek"):     # MLA (head_dim: the rope part), layer 0 dense
+        cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+        return cls(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                   first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None,
+                   qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_group=1,
+                   topk_group=1, **kw)
     if arch.startswith("Qwen3"):
         return Qwen3Config(head_dim=32, **kw)
     return LlamaConfig(**kw)
