@@ -78,6 +78,10 @@ class LayerSpec:
         sinks: the layer has learned per-head attention sinks (gpt-oss).
         scale: the softmax scale; None for ``head_dim ** -0.5``.
         rotary: the layer's rotary embedding; None for a layer without one.
+        kv_lora_rank: width of the compressed K/V latent (``LATENT`` layers; else 0).
+        qk_rope_head_dim: width of the rotary key part shared by the heads (``LATENT``
+            layers; else 0). A ``LATENT_KV`` cache keeps ``kv_lora_rank + qk_rope_head_dim``
+            values per token (:attr:`latent_dim`).
 
     Raises:
         ValueError: an inconsistent description (a window on a non-sliding layer, a
@@ -94,6 +98,8 @@ class LayerSpec:
     sinks: bool = False
     scale: float | None = None
     rotary: RotarySpec | None = None
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
 
     def __post_init__(self):
         if (self.attention == AttentionKind.SLIDING) != (self.sliding_window is not None):
@@ -110,6 +116,11 @@ class LayerSpec:
                              f"{self.num_kv_heads})")
 
     @property
+    def latent_dim(self) -> int:
+        """Values a ``LATENT_KV`` layer keeps per token: ``kv_lora_rank + qk_rope_head_dim``."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
     def softmax_scale(self) -> float:
         """``scale``, else ``head_dim ** -0.5``."""
         return self.scale if self.scale is not None else self.head_dim ** -0.5
@@ -117,8 +128,8 @@ class LayerSpec:
     def per_rank(self, tp_size: int) -> LayerSpec:
         """This spec for one of ``tp_size`` tensor-parallel ranks (its K/V heads; see
         :func:`kv_heads_per_rank`)."""
-        if tp_size == 1 or self.num_kv_heads == 0:
-            return self
+        if tp_size == 1 or self.num_kv_heads == 0 or self.cache == CacheKind.LATENT_KV:
+            return self   # a latent cache is one shared head on every rank
         return replace(self, num_kv_heads=kv_heads_per_rank(self.num_kv_heads, tp_size))
 
     def describe(self) -> str:

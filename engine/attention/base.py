@@ -68,10 +68,10 @@ class AttentionBackend(ABC):
         {AttentionKind.FULL, AttentionKind.SLIDING})
     # the Triton kernels, the torch references and the C++ CPU decode run every variant
     # (kernels/attention_variants.py); a layer's window and soft-cap come from its spec, its
-    # sinks need a learned tensor that no ``Attention`` layer holds yet (gpt-oss adds it)
+    # sinks from the ``Attention`` layer's learned ``sinks`` tensor (gpt-oss)
     supports_sliding_window: ClassVar[bool] = True
     supports_logit_softcap: ClassVar[bool] = True
-    supports_sinks: ClassVar[bool] = False
+    supports_sinks: ClassVar[bool] = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  device: str | torch.device = "cpu", num_sms: int = 1,

@@ -19,11 +19,13 @@ bfloat16), decode attention reads the paged cache directly
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.forward_batch import ForwardBatch
+from engine.layer_spec import AttentionKind
 from kernels import cpu_ops, reference
 
 
@@ -39,7 +41,11 @@ class TorchNativeMetadata(AttentionMetadata):
 
 class TorchNativeAttnBackend(AttentionBackend):
     """Extend and decode attention with the planned reference kernels (and, on the CPU,
-    the C++ paged decode kernel where it builds)."""
+    the C++ paged decode kernel where it builds). ``LATENT`` layers (MLA) are accepted:
+    they attend over the latent pool themselves (``engine/layers/mla.py``'s torch path)."""
+
+    supported_attention: ClassVar[frozenset[AttentionKind]] = frozenset(
+        {AttentionKind.FULL, AttentionKind.SLIDING, AttentionKind.LATENT})
 
     def __init__(self, *args, fused_ops: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
@@ -51,7 +57,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         """The C++ decode kernel reads float32/bfloat16 caches (an fp8 one is gathered and
         upcast by the planned path)."""
         buf = next((b for b in fb.k_buffers if b is not None), None)
-        return self.cpu_kernels and buf is not None \
+        return self.cpu_kernels and buf is not None and fb.v_buffers[0] is not None \
             and buf.dtype in (torch.float32, torch.bfloat16)
 
     def init_forward(self, fb: ForwardBatch) -> None:

@@ -15,6 +15,9 @@ model loaded (20-60 s, a traceback, exit 1):
   model, a ``--load-format`` that does not match the files, an unsupported quantization
   scheme or activation; with LoRA, a family that refuses it (Phi-3, GLM-4: fused
   checkpoint projections);
+- a model with latent-attention layers (DeepSeek-V2/V3's MLA): the flags it does not run
+  with yet (:func:`check_latent_attention`: FP8 KV cache, LoRA, speculative decoding, TP,
+  device graphs);
 - on XPU: a single tensor over the per-allocation limit of Intel's client GPUs
   (:data:`XPU_MAX_SINGLE_ALLOCATION`) unless ``UR_L0_ENABLE_RELAXED_ALLOCATION_LIMITS=1``.
 
@@ -63,6 +66,8 @@ def check_start_up(args: ServerArgs, given: frozenset[str] | set[str] = frozense
     check_adapters(args)
     device_type = dev.resolve_device(args.device)
     model = build_meta_model(args, device_type)
+    if model is not None:
+        check_latent_attention(args, model, device_type)
     if model is not None and lora_enabled(args):
         check_lora_model(model)
     if model is not None and device_type == "xpu":
@@ -140,6 +145,34 @@ def build_meta_model(args: ServerArgs, device_type: str):
                        "engine loads it anyway", type(e).__name__, one_line(str(e))[:200])
         return None
     return model
+
+
+def check_latent_attention(args: ServerArgs, model: torch.nn.Module, device_type: str) -> None:
+    """Refuse the flags that multi-head latent attention (DeepSeek-V2/V3's MLA layers) does
+    not run with yet: an FP8 KV cache, LoRA, speculative decoding, ``--tp-size`` > 1, and
+    device graphs (the MLA torch path reads the step's lengths on the host).
+
+    Raises:
+        ValueError: one line naming the architecture and the flag.
+    """
+    from engine.layer_spec import AttentionKind
+
+    specs = getattr(model, "layer_specs", lambda: [])()
+    if not any(s.attention == AttentionKind.LATENT for s in specs):
+        return
+    arch = type(model).__name__
+    graphs = dev.is_accelerator(device_type) and not (args.disable_cuda_graph
+                                                     and args.disable_piecewise_graph)
+    refused = [(args.kv_cache_dtype != "auto", f"--kv-cache-dtype {args.kv_cache_dtype}"),
+               (lora_enabled(args), "LoRA (--lora-paths/--enable-lora)"),
+               (bool(args.speculative_algorithm),
+                f"--speculative-algorithm {args.speculative_algorithm}"),
+               (args.tp_size > 1, f"--tp-size {args.tp_size}"),
+               (graphs, "device graphs (pass --disable-cuda-graph --disable-piecewise-graph)")]
+    for bad, flag in refused:
+        if bad:
+            raise ValueError(f"{arch} (multi-head latent attention) does not support {flag} "
+                             "yet")
 
 
 def check_xpu_allocations(model: torch.nn.Module, tp_size: int = 1) -> None:

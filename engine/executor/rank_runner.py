@@ -248,8 +248,7 @@ class RankRunner:
         return {"rank": self.tp.rank,
                 "weight_bytes": sum(p.numel() * p.element_size()
                                     for p in self.model.parameters()),
-                "kv_bytes": sum(b.numel() * b.element_size()
-                                for b in self.kv_pool.k_buffers + self.kv_pool.v_buffers)}
+                "kv_bytes": self.kv_pool.nbytes}
 
     @property
     def tp_size(self) -> int:

@@ -12,8 +12,12 @@ Kernels read K/V only through ``req_to_token``, so prefix sharing needs no kerne
 
 Which layers get K/V buffers comes from the model's per-layer description
 (:class:`engine.layer_spec.LayerSpec`): :func:`build_kv_pool` groups the layers by cache kind
-and builds the paged pool for the ``PAGED_KV`` ones; :func:`kv_bytes_per_token` sizes it.
-A cache kind without a store yet (a latent K/V, a recurrent state) is refused by name.
+and builds the paged pool for the ``PAGED_KV`` ones, or the latent pool
+(:class:`LatentKVPool`: one ``[num_slots, 1, kv_lora_rank + qk_rope_head_dim]`` tensor per
+layer, DeepSeek's MLA) for the ``LATENT_KV`` ones; :func:`kv_bytes_per_token` sizes it. Both
+share the slots, pages, ``req_to_token`` and radix cache (only the per-layer tensors differ).
+A cache kind without a store yet (a recurrent state), or two kinds in one model, is refused
+by name.
 """
 
 from __future__ import annotations
@@ -79,10 +83,21 @@ class KVPool:
         self.num_slots = (self.num_pages + 1) * page_size
         self.num_layers = num_layers
         self.dtype = dtype
-        shape = (self.num_slots, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._free_pages = list(range(self.num_pages, 0, -1))  # page 0 is the padding sink
+        self._make_buffers(num_kv_heads, head_dim, device)
+
+    def _make_buffers(self, num_kv_heads: int, head_dim: int, device) -> None:
+        shape = (self.num_slots, num_kv_heads, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=self.dtype, device=device)
+                          for _ in range(self.num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=self.dtype, device=device)
+                          for _ in range(self.num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the per-layer cache tensors."""
+        return sum(b.numel() * b.element_size()
+                   for b in self.k_buffers + self.v_buffers if b is not None)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -144,6 +159,72 @@ class KVPool:
         return [pages[p // ps] * ps + p % ps for p in range(start, end)]
 
 
+class LatentKVPool(KVPool):
+    """The latent cache of multi-head latent attention (DeepSeek-V2/V3) plus the page
+    allocator of :class:`KVPool` (same slots, pages and padding sink).
+
+    ``k_buffers[layer]`` is ``[num_slots, 1, latent_dim]`` (the normed compressed K/V of
+    ``kv_lora_rank`` values, then the roped key part of ``qk_rope_head_dim``; one head shared
+    by every query head); ``v_buffers[layer]`` is None (the values are read from the latent).
+
+    Args:
+        num_tokens, page_size, num_layers, dtype, device: as :class:`KVPool`.
+        latent_dim: values per token per layer (``kv_lora_rank + qk_rope_head_dim``).
+    Memory: ``num_layers * (num_tokens + page_size) * latent_dim * itemsize`` bytes.
+    """
+
+    def __init__(self, num_tokens: int, page_size: int, num_layers: int, latent_dim: int,
+                 dtype: torch.dtype, device: str | torch.device):
+        super().__init__(num_tokens, page_size, num_layers, 1, latent_dim, dtype, device)
+        self.latent_dim = latent_dim
+
+    def _make_buffers(self, num_kv_heads: int, head_dim: int, device) -> None:
+        shape = (self.num_slots, 1, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=self.dtype, device=device)
+                          for _ in range(self.num_layers)]
+        self.v_buffers = [None] * self.num_layers
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, latent_dim: int, dtype: torch.dtype) -> int:
+        return num_layers * latent_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def _latent_dim(specs: Sequence[LayerSpec]) -> int:
+    """The one ``latent_dim`` of the ``LATENT_KV`` layers ``specs``.
+
+    Raises:
+        NotImplementedError: latent widths that differ between layers, or a zero width.
+    """
+    dims = {s.latent_dim for s in specs}
+    if len(dims) > 1 or 0 in dims:
+        raise NotImplementedError(f"latent_kv layers of widths {sorted(dims)} (kv_lora_rank + "
+                                  "qk_rope_head_dim): the latent pool has one width >= 1")
+    return dims.pop()
+
+
+def _cache_kind(specs: Sequence[LayerSpec]) -> CacheKind:
+    """The one cache kind of ``specs`` the pools build.
+
+    Raises:
+        NotImplementedError: a kind without a store yet, or two kinds in one model.
+    """
+    groups = cache_groups(specs)
+    built = (CacheKind.PAGED_KV, CacheKind.LATENT_KV)
+    other = [k for k in groups if k not in built]
+    if other:
+        kind = other[0]
+        raise NotImplementedError(
+            f"layers {groups[kind]} keep a {kind.value} cache, which ferry's KV pool does not "
+            f"build yet (it builds {CacheKind.PAGED_KV.value} and {CacheKind.LATENT_KV.value} "
+            "caches)")
+    if len(groups) > 1:
+        kind = list(groups)[1]
+        raise NotImplementedError(
+            f"layers {groups[kind]} keep a {kind.value} cache beside {list(groups)[0].value} "
+            "layers: ferry's pool builds one cache kind per model")
+    return next(iter(groups), CacheKind.PAGED_KV)
+
+
 def _paged_shape(specs: Sequence[LayerSpec]) -> tuple[int, int, int]:
     """``(layers, kv_heads, head_dim)`` of the paged pool of ``specs`` (this rank's).
 
@@ -152,13 +233,6 @@ def _paged_shape(specs: Sequence[LayerSpec]) -> tuple[int, int, int]:
             cache among paged ones, K/V shapes that differ between layers, or a V head size
             other than the K head size.
     """
-    groups = cache_groups(specs)
-    other = [k for k in groups if k != CacheKind.PAGED_KV]
-    if other:
-        kind = other[0]
-        raise NotImplementedError(
-            f"layers {groups[kind]} keep a {kind.value} cache, which ferry's KV pool does not "
-            f"build yet (it builds {CacheKind.PAGED_KV.value} caches only)")
     shapes = {(s.num_kv_heads, s.head_dim, s.v_head_dim) for s in specs}
     if len(shapes) > 1:
         raise NotImplementedError(f"per-layer K/V shapes differ ({sorted(shapes)} as (kv heads, "
@@ -171,11 +245,14 @@ def _paged_shape(specs: Sequence[LayerSpec]) -> tuple[int, int, int]:
 
 
 def kv_bytes_per_token(specs: Sequence[LayerSpec], dtype: torch.dtype) -> int:
-    """Bytes one token takes in the paged pool of the layers ``specs`` (this rank's).
+    """Bytes one token takes in the paged or latent pool of the layers ``specs`` (this
+    rank's).
 
     Raises:
         NotImplementedError: as :func:`build_kv_pool`.
     """
+    if _cache_kind(specs) == CacheKind.LATENT_KV:
+        return LatentKVPool.bytes_per_token(len(specs), _latent_dim(specs), dtype)
     layers, heads, d = _paged_shape(specs)
     return KVPool.bytes_per_token(layers, heads, d, dtype)
 
@@ -183,15 +260,18 @@ def kv_bytes_per_token(specs: Sequence[LayerSpec], dtype: torch.dtype) -> int:
 def build_kv_pool(specs: Sequence[LayerSpec], num_tokens: int, page_size: int,
                   dtype: torch.dtype, device: str | torch.device) -> KVPool:
     """The paged K/V pool of a model's ``PAGED_KV`` layers (one buffer pair per layer,
-    indexed by layer id).
+    indexed by layer id), or the :class:`LatentKVPool` of its ``LATENT_KV`` layers.
 
     Args:
         specs: the model's layers, this rank's (``LayerSpec.per_rank``).
         num_tokens, page_size, dtype, device: as :class:`KVPool`.
     Raises:
-        NotImplementedError: a layer whose cache kind has no store yet (``LATENT_KV``,
-            ``RECURRENT_STATE``, ``NONE``), named with its layers; K/V shapes that differ
-            between layers.
+        NotImplementedError: a layer whose cache kind has no store yet
+            (``RECURRENT_STATE``, ``NONE``) or two cache kinds in one model, named with
+            their layers; K/V shapes (latent widths) that differ between layers.
     """
+    if _cache_kind(specs) == CacheKind.LATENT_KV:
+        return LatentKVPool(num_tokens, page_size, len(specs), _latent_dim(specs), dtype,
+                            device)
     layers, heads, d = _paged_shape(specs)
     return KVPool(num_tokens, page_size, layers, heads, d, dtype, device)

@@ -8,8 +8,12 @@ one of :mod:`engine.attention`) stores k/v into the paged KV cache at
 Each layer holds its :class:`engine.layer_spec.LayerSpec` (``spec``, with this rank's K/V
 heads) and passes it to the backend with every call, so a backend can pick a kernel per
 layer (a window, soft-capping, sinks). The kinds the layer itself runs are
-:data:`SUPPORTED_ATTENTION` (full and sliding-window attention over the paged K/V, with or
-without logit soft-capping); any other is refused when the layer is built.
+:data:`SUPPORTED_ATTENTION` (full and sliding-window attention over the paged K/V, with
+soft-capping and sinks); any other is refused when the layer is built.
+
+A spec with ``sinks`` gives the layer a learned parameter ``sinks`` (``[Hq_local]`` float32,
+this rank's query heads; HF's ``self_attn.sinks``, split by heads under tensor parallelism
+through its ``weight_loader``), passed to the backend with every call.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from engine.distributed import get_tp
 from engine.forward_batch import ForwardBatch
 from engine.layer_spec import AttentionKind, CacheKind, LayerSpec, unsupported_feature
+from engine.layers.linear import full_tensor
 
 #: attention kinds this layer runs (q/k/v in, one output row per query token); a sliding
 #: window and logit soft-capping go to the backend with the spec (which checks them itself)
@@ -48,7 +54,7 @@ class Attention(nn.Module):
         if spec is None:
             spec = LayerSpec(head_dim=head_dim, v_head_dim=head_dim, num_kv_heads=num_kv_heads)
         what = unsupported_feature(spec, SUPPORTED_ATTENTION, sliding_window=True,
-                                   logit_softcap=True)
+                                   logit_softcap=True, sinks=True)
         if what is None and spec.cache != CacheKind.PAGED_KV:
             what = f"a {spec.cache.value} cache"
         if what is not None:
@@ -65,6 +71,26 @@ class Attention(nn.Module):
         self.spec = spec if spec.num_kv_heads == num_kv_heads \
             else replace(spec, num_kv_heads=num_kv_heads)
         self.scaling = scaling if scaling is not None else spec.softmax_scale
+        if spec.sinks:
+            self.sinks = nn.Parameter(torch.empty(num_heads, dtype=torch.float32),
+                                      requires_grad=False)
+            self.sinks.weight_loader = self._load_sinks
+        else:
+            self.sinks = None
+
+    def _load_sinks(self, param: nn.Parameter, loaded) -> None:
+        """Load HF's ``self_attn.sinks`` (``[Hq]``, the whole model's heads): this rank's
+        ``num_heads`` of them, as float32.
+
+        Raises:
+            ValueError: a tensor that is not ``[num_heads * tp_size]``.
+        """
+        g = get_tp()
+        want = self.num_heads * g.size
+        if tuple(loaded.shape) != (want,):
+            raise ValueError(f"sinks of shape {tuple(loaded.shape)}, expected ({want},)")
+        part = loaded.narrow(0, g.rank * self.num_heads, self.num_heads)
+        param.data.copy_(full_tensor(part).float())
 
     @property
     def q_size(self) -> int:
@@ -86,5 +112,5 @@ class Attention(nn.Module):
                                     self.layer_id, self.scaling, fb,
                                     None if out is None
                                     else out.view(t, self.num_heads, self.head_dim),
-                                    spec=self.spec)
+                                    spec=self.spec, sinks=self.sinks)
         return o.view(t, self.num_heads * self.head_dim)

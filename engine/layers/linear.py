@@ -93,7 +93,7 @@ def pack_cpu_weights(model: nn.Module) -> int:
         return 0
     n = 0
     for mod in model.modules():
-        if isinstance(mod, LinearBase) and mod.quant_method is None \
+        if isinstance(mod, LinearBase) and mod.quant_method is None and mod.packable \
                 and mod.weight.dtype in (torch.float32, torch.bfloat16):
             mod.weight = pack_linear_weight(mod.weight)
             n += 1
@@ -123,6 +123,9 @@ class LinearBase(nn.Module):
 
     #: whether the weight loader narrows the output rows to this rank's (column-parallel)
     shards_output = False
+    #: whether :func:`pack_cpu_weights` may replace ``weight`` by oneDNN's opaque copy
+    #: (False for a layer whose weight is also read as a tensor: MLA's ``kv_b_proj``)
+    packable = True
     #: LoRA adapter slots (``engine.layers.lora.LoRASlots``) or None; set by
     #: ``engine.lora.LoRAManager`` when the server serves adapters
     lora = None

@@ -45,6 +45,7 @@ graphs).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -57,6 +58,32 @@ from kernels.moe.reference import fused_moe_torch, select_experts
 #: HF checkpoint part -> :meth:`FusedMoE.weight_loader` shard id
 EXPERT_SHARDS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down",
                  "w1": "gate", "w3": "up", "w2": "down"}
+
+
+@dataclass(frozen=True)
+class ExpertOptions:
+    """gpt-oss's expert switches (the defaults: plain SwiGLU experts without bias).
+
+    Attributes:
+        bias: ``w13_bias [E, 2I_local]`` and ``w2_bias [E, H]`` (the down bias is added on
+            one rank per expert under tensor parallelism).
+        activation: ``"silu"`` or ``"swiglu_oai"`` (the clamped SwiGLU,
+            :func:`kernels.moe.reference.swiglu_oai`).
+        swiglu_alpha, swiglu_limit: its constants.
+        mxfp4: the weights stay MXFP4 (:mod:`kernels.moe.mxfp4`): ``w13_weight`` /
+            ``w2_weight`` hold the uint8 blocks ``[E, 2I_local, H/32, 16]`` /
+            ``[E, H, I_local/32, 16]`` and ``w13_scales`` / ``w2_scales`` their e8m0 scales.
+    """
+
+    bias: bool = False
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    mxfp4: bool = False
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
 
 
 class FusedMoE(nn.Module):
@@ -74,16 +101,18 @@ class FusedMoE(nn.Module):
         ep_size: 1 (tensor parallelism over I) or ``tp_size`` (this rank holds
             ``E / ep_size`` whole experts, from expert ``tp_rank * E / ep_size``); default
             :func:`engine.layers.moe_ep.current_ep_size`.
+        options: the gpt-oss options (:class:`ExpertOptions`; default: none of them).
 
     Raises:
-        ValueError: I not divisible by ``tp_size`` (without expert parallelism), ``top_k``
-            outside ``[1, E]``, or an ``ep_size`` that is neither 1 nor ``tp_size`` or does
-            not divide E.
+        ValueError: I not divisible by ``tp_size`` (without expert parallelism; with MXFP4
+            weights ``I / tp_size`` must be a multiple of 32), ``top_k`` outside ``[1, E]``,
+            or an ``ep_size`` that is neither 1 nor ``tp_size`` or does not divide E.
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool, dtype: torch.dtype, tp_size: int | None = None,
-                 tp_rank: int | None = None, ep_size: int | None = None):
+                 tp_rank: int | None = None, ep_size: int | None = None,
+                 options: ExpertOptions | None = None):
         super().__init__()
         g = get_tp()
         self.tp_size = g.size if tp_size is None else tp_size
@@ -107,13 +136,50 @@ class FusedMoE(nn.Module):
         self.intermediate_size = intermediate_size
         i_local = intermediate_size // self.i_split
         e_local = self.num_local_experts
-        self.w13_weight = nn.Parameter(
-            torch.empty(e_local, 2 * i_local, hidden_size, dtype=dtype), requires_grad=False)
-        self.w2_weight = nn.Parameter(
-            torch.empty(e_local, hidden_size, i_local, dtype=dtype), requires_grad=False)
-        self.w13_weight.weight_loader = self.weight_loader
-        self.w2_weight.weight_loader = self.weight_loader
+        self.options = opts = options or ExpertOptions()
+        if opts.mxfp4:
+            if i_local % 32 or hidden_size % 32:
+                raise ValueError(f"MXFP4 experts need hidden size {hidden_size} and the "
+                                 f"per-rank intermediate size {i_local} multiples of 32")
+            u8 = torch.uint8
+            self.w13_weight = _param(torch.empty(e_local, 2 * i_local, hidden_size // 32, 16,
+                                                 dtype=u8))
+            self.w13_scales = _param(torch.empty(e_local, 2 * i_local, hidden_size // 32,
+                                                 dtype=u8))
+            self.w2_weight = _param(torch.empty(e_local, hidden_size, i_local // 32, 16,
+                                                dtype=u8))
+            self.w2_scales = _param(torch.empty(e_local, hidden_size, i_local // 32, dtype=u8))
+        else:
+            self.w13_weight = _param(torch.empty(e_local, 2 * i_local, hidden_size,
+                                                 dtype=dtype))
+            self.w2_weight = _param(torch.empty(e_local, hidden_size, i_local, dtype=dtype))
+            self.w13_weight.weight_loader = self.weight_loader
+            self.w2_weight.weight_loader = self.weight_loader
+        if opts.bias:
+            self.w13_bias = _param(torch.empty(e_local, 2 * i_local, dtype=dtype))
+            self.w2_bias = _param(torch.empty(e_local, hidden_size, dtype=dtype))
         self.impl = fused_moe_torch
+
+    def _extras(self) -> dict:
+        """The keyword arguments of the options for ``impl`` (none by default)."""
+        o = self.options
+        extras = {}
+        if o.bias:
+            # the down bias once per pair: on the rank that holds the expert (EP), on rank 0
+            # of the ranks that split it (TP: the outputs are partial sums)
+            extras["w13_bias"] = self.w13_bias
+            extras["w2_bias"] = self.w2_bias if self.ep_size > 1 or self.tp_rank == 0 else None
+        if o.activation != "silu":
+            extras.update(activation=o.activation, swiglu_alpha=o.swiglu_alpha,
+                          swiglu_limit=o.swiglu_limit)
+        if o.mxfp4:
+            extras.update(w13_scales=self.w13_scales, w2_scales=self.w2_scales)
+        return extras
+
+    def expert_bytes(self) -> int:
+        """Bytes of this rank's expert weights (MXFP4: 4.25 bits a weight), biases included."""
+        return sum(p.numel() * p.element_size() for n, p in self.named_parameters()
+                   if n.startswith(("w13_", "w2_")))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x [T, H], router_logits [T, E] fp32 (all experts) -> [T, H] in x's dtype: this
@@ -121,10 +187,18 @@ class FusedMoE(nn.Module):
         # the Triton impl brings its one-launch router (kernels.moe.routing.fused_topk)
         route = getattr(self.impl, "router", select_experts)
         topk_weights, topk_ids = route(router_logits, self.top_k, self.renormalize)
+        return self.run_routed(x, topk_weights, topk_ids)
+
+    def run_routed(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H] with its chosen experts (``topk_ids`` [T, K] int32, global ids) and
+        their fp32 weights [T, K] -> [T, H]: this rank's partial sum (a family with its own
+        routing, DeepSeek's grouped top-k, calls this)."""
         if self.ep_size > 1:
             topk_weights, topk_ids = localize_topk(topk_weights, topk_ids, self.first_expert,
                                                    self.num_local_experts)
-        return self.impl(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        return self.impl(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                         **self._extras())
 
     def weight_loader(self, param: nn.Parameter, loaded, expert_id: int, shard_id: str) -> None:
         """Load one Hub per-expert tensor: ``gate`` ([I, H]) and ``up`` ([I, H]) into the
@@ -171,6 +245,8 @@ class SparseMoeBlock(nn.Module):
             (an MLP whose down projection has ``reduce_results=False``), or None.
         shared_expert_gate: scale the shared expert by ``sigmoid(x @ w^T)`` (a replicated
             linear H -> 1, Qwen2-MoE's ``shared_expert_gate``).
+        router_bias: a bias on the router (gpt-oss).
+        options: the experts' :class:`ExpertOptions`.
 
     Parameter names follow transformers: ``gate`` (the router), ``experts.w13_weight`` /
     ``experts.w2_weight``, ``shared_expert.*``, ``shared_expert_gate``.
@@ -178,11 +254,12 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
                  renormalize: bool, dtype: torch.dtype, shared_expert: nn.Module | None = None,
-                 shared_expert_gate: bool = False):
+                 shared_expert_gate: bool = False, router_bias: bool = False,
+                 options: ExpertOptions | None = None):
         super().__init__()
-        self.gate = ReplicatedLinear(hidden_size, num_experts, False, dtype)
+        self.gate = ReplicatedLinear(hidden_size, num_experts, router_bias, dtype)
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size,
-                                renormalize, dtype)
+                                renormalize, dtype, options=options)
         self.tp_size = self.experts.tp_size
         self.shared_expert = shared_expert
         self.shared_expert_gate = (ReplicatedLinear(hidden_size, 1, False, dtype)
@@ -202,13 +279,19 @@ class SparseMoeBlock(nn.Module):
 def triton_fused_moe():
     """:func:`kernels.moe.fused_moe.fused_moe` (imported here: it needs Triton) as a ``FusedMoE``
     ``impl``: the same arguments as :func:`kernels.moe.reference.fused_moe_torch`, plus the
-    device's name for the tuned launch-config table (looked up once per device type), and
-    its ``router``: :func:`kernels.moe.routing.fused_topk`, the routing in one launch."""
+    device's name for the tuned launch-config table (looked up once per device type; with
+    gpt-oss's options, :func:`kernels.moe.fused_moe_mxfp4.fused_moe_oai`), and its
+    ``router``: :func:`kernels.moe.routing.fused_topk`, the routing in one launch."""
     from kernels.moe.fused_moe import fused_moe
     from kernels.moe.routing import fused_topk
 
     def run(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-            topk_ids: torch.Tensor) -> torch.Tensor:
+            topk_ids: torch.Tensor, **extras) -> torch.Tensor:
+        if extras:  # gpt-oss's biases, clamped SwiGLU, MXFP4 weights
+            from kernels.moe.fused_moe_mxfp4 import fused_moe_oai
+
+            return fused_moe_oai(x, w13, w2, topk_weights, topk_ids, **extras,
+                                 device_name=_device_name(x.device.type))
         return fused_moe(x, w13, w2, topk_weights, topk_ids,
                          device_name=_device_name(x.device.type))
 

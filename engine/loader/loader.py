@@ -401,9 +401,10 @@ def load_model(model_path: str | None = None, load_format: str = "auto",
         process_weights_after_loading(model, dev.type)
     devmod.synchronize(dev.type)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    logger.info("loaded %s (%s, %s) on %s in %.2f s: %.3f GB of weights", cls.__name__, fmt,
+    note = getattr(model, "memory_note", None)   # a family's breakdown (gpt-oss: experts)
+    logger.info("loaded %s (%s, %s) on %s in %.2f s: %.3f GB of weights%s", cls.__name__, fmt,
                 str(run_dtype).removeprefix("torch."), dev, time.perf_counter() - t0,
-                nbytes / 1e9)
+                nbytes / 1e9, f" ({note()})" if note is not None else "")
     return model, config
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from engine.models.base import CausalLM
 from engine.models.config import MODEL_TYPES, ModelConfig
+from engine.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from engine.models.exaone4 import Exaone4ForCausalLM
 from engine.models.gemma import (
     Gemma2ForCausalLM,
@@ -20,6 +21,7 @@ from engine.models.gemma import (
     Gemma3ForConditionalGeneration,
 )
 from engine.models.glm4 import Glm4ForCausalLM
+from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.granite import GraniteForCausalLM
 from engine.models.llama import LlamaForCausalLM, MinistralForCausalLM, MistralForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
@@ -50,6 +52,9 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
+    "GptOssForCausalLM": GptOssForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 
@@ -99,6 +104,9 @@ __all__ = [
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration",
+    "GptOssForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
     "get_model_class",
     "supported_architectures",
 ]

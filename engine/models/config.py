@@ -35,6 +35,9 @@ MODEL_TYPES: dict[str, str] = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 
@@ -189,9 +192,13 @@ def _moe_fields(text) -> dict:
                                      or text.intermediate_size),
         "norm_topk_prob": bool(getattr(text, "norm_topk_prob", False)),
         "shared_expert_intermediate_size": int(
-            getattr(text, "shared_expert_intermediate_size", None) or 0),
+            getattr(text, "shared_expert_intermediate_size", None) or 0)
+        or int(getattr(text, "n_shared_experts", None) or 0)   # DeepSeek: n experts' width
+        * int(getattr(text, "moe_intermediate_size", None) or 0),
         "decoder_sparse_step": int(getattr(text, "decoder_sparse_step", None) or 1),
-        "mlp_only_layers": tuple(int(i) for i in getattr(text, "mlp_only_layers", None) or ()),
+        "mlp_only_layers": tuple(int(i) for i in getattr(text, "mlp_only_layers", None) or ())
+        # DeepSeek: the first ``first_k_dense_replace`` layers are dense
+        + tuple(range(int(getattr(text, "first_k_dense_replace", None) or 0))),
     }
 
 

@@ -59,6 +59,62 @@ def select_experts(router_logits: torch.Tensor, top_k: int,
     return weights, ids.to(torch.int32)
 
 
+def select_experts_grouped(router_logits: torch.Tensor, top_k: int, *, scoring: str,
+                           n_group: int = 1, topk_group: int = 1, group_score: str = "max",
+                           correction_bias: torch.Tensor | None = None,
+                           renormalize: bool = False, routed_scaling_factor: float = 1.0,
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's routing: scores, a top-``topk_group`` of ``n_group`` expert groups, the
+    top-k experts inside them, weights from the unbiased scores.
+
+    DeepSeek-V2 (HF ``DeepseekV2TopkRouter``): ``scoring="softmax"``, groups ranked by
+    their best expert (``group_score="max"``; ``n_group=1``: plain greedy top-k), no
+    renormalisation. DeepSeek-V3 (``DeepseekV3TopkRouter``, "noaux_tc"):
+    ``scoring="sigmoid"``, the choice made on ``score + correction_bias``, groups ranked by
+    the sum of their two best (``group_score="top2"``), ``renormalize`` (``norm_topk_prob``:
+    divided by the top-k sum + 1e-20). Both end with ``* routed_scaling_factor``.
+
+    Args:
+        router_logits: ``[M, E]`` (upcast to fp32).
+        top_k: experts per token, ``1 <= top_k <= E``.
+        scoring: ``"softmax"`` or ``"sigmoid"``.
+        n_group, topk_group: E splits into ``n_group`` equal groups; a token chooses among
+            the experts of its best ``topk_group`` groups.
+        group_score: ``"max"`` or ``"top2"`` (a group's rank).
+        correction_bias: ``[E]`` added to the scores for the choice only, or None.
+        renormalize, routed_scaling_factor: as above.
+    Returns:
+        ``(topk_weights [M, top_k] float32, topk_ids [M, top_k] int32)``.
+    Raises:
+        ValueError: an unknown ``scoring``/``group_score``, E not divisible by ``n_group``,
+            ``top_k`` outside ``[1, E]`` or ``topk_group`` outside ``[1, n_group]``.
+    """
+    m, e = router_logits.shape
+    if scoring not in ("softmax", "sigmoid") or group_score not in ("max", "top2"):
+        raise ValueError(f"scoring {scoring!r} / group_score {group_score!r}: softmax or "
+                         "sigmoid / max or top2")
+    if e % n_group or not 1 <= topk_group <= n_group or not 1 <= top_k <= e:
+        raise ValueError(f"{e} experts in {n_group} groups, topk_group {topk_group}, "
+                         f"top_k {top_k}: inconsistent")
+    logits = router_logits.float()
+    scores = logits.softmax(dim=-1) if scoring == "softmax" else logits.sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if n_group > 1:
+        grouped = choice.view(m, n_group, e // n_group)
+        rank = grouped.max(dim=-1).values if group_score == "max" \
+            else grouped.topk(2, dim=-1).values.sum(dim=-1)
+        keep = torch.zeros_like(rank).scatter_(1, rank.topk(topk_group, dim=-1).indices, 1.0)
+        keep = keep.bool().unsqueeze(-1).expand(m, n_group, e // n_group).reshape(m, e)
+        # V2 zeroes the other groups' (non-negative) softmax scores, V3 masks them to -inf
+        choice = choice.masked_fill(~keep, 0.0 if correction_bias is None and
+                                    scoring == "softmax" else float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids.to(torch.int32)
+
+
 def check_moe_shapes(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> tuple[int, ...]:
     """Validate the operands of a fused-MoE call; returns ``(M, H, E, I, top_k)``.
@@ -96,32 +152,81 @@ def check_moe_shapes(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.T
     return m, h, e, inter, topk_ids.shape[1]
 
 
+def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU on ``[n, 2I]`` (gate columns first, then up), in fp32:
+    ``g = gate.clamp(max=limit)``, ``u = up.clamp(-limit, limit)``,
+    ``(u + 1) * g * sigmoid(alpha * g)`` -> ``[n, I]`` fp32 (transformers'
+    ``GptOssExperts._apply_gate``)."""
+    inter = gate_up.shape[-1] // 2
+    gate = gate_up[..., :inter].float().clamp(max=limit)
+    up = gate_up[..., inter:].float().clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def _activate(gate_up: torch.Tensor, activation: str, alpha: float, limit: float
+              ) -> torch.Tensor:
+    if activation == "swiglu_oai":
+        return swiglu_oai(gate_up, alpha, limit)
+    if activation != "silu":
+        raise ValueError(f"fused_moe: unknown activation {activation!r} (silu, swiglu_oai)")
+    inter = gate_up.shape[-1] // 2
+    return F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()
+
+
 def fused_moe_torch(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                    topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                    topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                    w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                    activation: str = "silu", swiglu_alpha: float = 1.702,
+                    swiglu_limit: float = 7.0, w13_scales: torch.Tensor | None = None,
+                    w2_scales: torch.Tensor | None = None) -> torch.Tensor:
     """The MoE layer's experts in torch (ferry's CPU path; runs on any device).
 
     The routed ``(token, k)`` pairs are sorted by expert; each expert that has pairs runs
-    one gate/up matmul on its gathered tokens (``index_select``), SwiGLU, one down matmul,
-    and its weighted rows are added into an fp32 ``[M, H]`` accumulator (``index_add_``).
-    The loop over the experts present and ``tolist`` of the counts sync with the host, so
-    this is not for graph capture (the Triton op is).
+    one gate/up matmul on its gathered tokens (``index_select``), the activation, one down
+    matmul, and its weighted rows are added into an fp32 ``[M, H]`` accumulator
+    (``index_add_``). The loop over the experts present and ``tolist`` of the counts sync
+    with the host, so this is not for graph capture (the Triton op is).
 
     Args:
         hidden_states: ``[M, H]`` fp16/bf16/fp32.
         w13: ``[E, 2I, H]``, gate rows first, then up rows; w2: ``[E, H, I]``; the
-            activations' dtype.
+            activations' dtype. With ``w13_scales``/``w2_scales`` (MXFP4,
+            :mod:`kernels.moe.mxfp4`) they are the uint8 blocks ``[E, 2I, H/32, 16]`` and
+            ``[E, H, I/32, 16]``, each expert that has pairs dequantized for this call.
         topk_weights: ``[M, top_k]`` float (used in fp32).
         topk_ids: ``[M, top_k]`` int32/int64; ids outside ``[0, E)`` are skipped.
+        w13_bias, w2_bias: optional ``[E, 2I]`` / ``[E, H]`` biases (gpt-oss), added to the
+            expert's outputs before the activation / before the routed weight.
+        activation: ``"silu"`` (SwiGLU, the default) or ``"swiglu_oai"``
+            (:func:`swiglu_oai` with ``swiglu_alpha``, ``swiglu_limit``).
+        w13_scales, w2_scales: MXFP4 scales ``[E, 2I, H/32]`` / ``[E, H, I/32]`` uint8.
 
     Returns:
         New ``[M, H]`` tensor in the activations' dtype.
 
     Raises:
-        ValueError: see :func:`check_moe_shapes`.
+        ValueError: see :func:`check_moe_shapes` (:func:`kernels.moe.mxfp4.check_mxfp4` for
+            MXFP4 weights), or an unknown activation.
     """
-    m, h, num_experts, inter, top_k = check_moe_shapes(hidden_states, w13, w2, topk_weights,
-                                                       topk_ids)
     dtype = hidden_states.dtype
+    if w13_scales is not None:
+        from kernels.moe.mxfp4 import dequantize_mxfp4
+
+        def expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return (dequantize_mxfp4(w13[e], w13_scales[e], dtype),
+                    dequantize_mxfp4(w2[e], w2_scales[e], dtype))
+
+        n_e, two_i, h = w13.shape[0], w13.shape[1], hidden_states.shape[1]
+        check_moe_shapes(hidden_states, torch.empty((n_e, two_i, h), dtype=dtype, device="meta"),
+                         torch.empty((n_e, h, two_i // 2), dtype=dtype, device="meta"),
+                         topk_weights, topk_ids)
+    else:
+        check_moe_shapes(hidden_states, w13, w2, topk_weights, topk_ids)
+
+        def expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return w13[e], w2[e]
+    m, h = hidden_states.shape
+    num_experts, top_k = w13.shape[0], topk_ids.shape[1]
     out = torch.zeros((m, h), dtype=torch.float32, device=hidden_states.device)
     flat_ids = topk_ids.reshape(-1).long()
     flat_w = topk_weights.reshape(-1).float()
@@ -137,10 +242,11 @@ def fused_moe_torch(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Te
         start += n
         tokens = torch.div(sel, top_k, rounding_mode="floor")
         x = hidden_states.index_select(0, tokens)
-        gate_up = F.linear(x, w13[e])                       # [n, 2I], activation dtype
-        act = (F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(dtype)
-        down = F.linear(act, w2[e]).float() * flat_w[sel, None]
-        out.index_add_(0, tokens, down)
+        w13_e, w2_e = expert(e)
+        gate_up = F.linear(x, w13_e, None if w13_bias is None else w13_bias[e])  # [n, 2I]
+        act = _activate(gate_up, activation, swiglu_alpha, swiglu_limit).to(dtype)
+        down = F.linear(act, w2_e, None if w2_bias is None else w2_bias[e])
+        out.index_add_(0, tokens, down.float() * flat_w[sel, None])
     return out.to(dtype)
 
 
@@ -200,4 +306,4 @@ def _check_align_args(block_m: int, num_experts: int) -> None:
 
 
 __all__ = ["align_capacity", "check_moe_shapes", "fused_moe_torch",
-           "moe_align_block_size_torch", "select_experts"]
+           "moe_align_block_size_torch", "select_experts", "swiglu_oai"]

@@ -145,6 +145,10 @@ def get_quant_config(hf_config, quantization: str | None = None,
         method = getattr(qc.get("quant_method"), "value", qc.get("quant_method"))
         if method == "gguf" or load_format == "gguf":
             qc = None  # transformers' marker of a GGUF file: ferry dequantizes GGUF itself
+        elif method == "mxfp4":
+            # gpt-oss's MXFP4 experts: the family keeps them (engine.models.gpt_oss reads
+            # the config); its linear layers are float
+            qc = None
     if qc:
         if method == "fp8":
             cfg = _parse_fp8(qc)

@@ -44,6 +44,8 @@ def test_per_rank_heads_and_groups():
 
 
 def test_attention_layer_holds_its_spec_and_refuses_other_kinds():
+    """Full and sliding layers, with soft-capping and sinks (a learned [Hq] float32 tensor),
+    run; latent and recurrent ones are refused by name."""
     a = Attention(4, 1, 16, 3, spec=FULL)
     assert a.spec.num_kv_heads == 1 and a.spec.head_dim == 16   # this rank's heads
     assert a.scaling == 16 ** -0.5
@@ -56,10 +58,18 @@ def test_attention_layer_holds_its_spec_and_refuses_other_kinds():
     assert Attention(4, 2, 16, 5, spec=sliding).spec.sliding_window == 4096
     capped = Attention(4, 2, 16, 0, spec=LayerSpec(head_dim=16, v_head_dim=16, num_kv_heads=2,
                                                    logit_softcap=50.0))
-    assert capped.spec.logit_softcap == 50.0
+    assert capped.spec.logit_softcap == 50.0 and capped.sinks is None
+    with_sinks = Attention(2, 1, 16, 0, spec=LayerSpec(head_dim=16, v_head_dim=16,
+                                                       num_kv_heads=2, sinks=True))
+    assert with_sinks.sinks.shape == (2,) and with_sinks.sinks.dtype == torch.float32
+    with_sinks.sinks.weight_loader(with_sinks.sinks, torch.tensor([0.5, -1.0]))
+    assert with_sinks.sinks.tolist() == [0.5, -1.0]
+    with pytest.raises(ValueError, match=r"sinks of shape \(3,\)"):
+        with_sinks.sinks.weight_loader(with_sinks.sinks, torch.zeros(3))
+    latent = LayerSpec(attention=AttentionKind.LATENT, cache=CacheKind.LATENT_KV,
+                       head_dim=16, v_head_dim=16, num_kv_heads=1)
     with pytest.raises(NotImplementedError, match=r"layer 5: latent attention"):
-        Attention(4, 2, 16, 5, spec=LayerSpec(attention=AttentionKind.LATENT, head_dim=16,
-                                              v_head_dim=16, num_kv_heads=2))
+        Attention(4, 1, 16, 5, spec=latent)
     with pytest.raises(NotImplementedError, match="recurrent_state"):
         Attention(4, 2, 16, 0, spec=LayerSpec(head_dim=16, v_head_dim=16, num_kv_heads=2,
                                               cache=CacheKind.RECURRENT_STATE))
@@ -73,9 +83,9 @@ def test_backends_refuse_layers_they_cannot_run(name):
     windowed = LayerSpec(attention=AttentionKind.SLIDING, sliding_window=8, logit_softcap=30.0,
                          head_dim=16, v_head_dim=16, num_kv_heads=2)
     cls.check_layer_specs([FULL, windowed])
+    # sinks: the Attention layer's learned tensor, passed to every kernel path
     sinks = LayerSpec(head_dim=16, v_head_dim=16, num_kv_heads=2, sinks=True)
-    with pytest.raises(NotImplementedError, match=r"layer 1 needs attention sinks"):
-        cls.check_layer_specs([FULL, sinks])
+    cls.check_layer_specs([FULL, sinks, windowed])
     linear = LayerSpec(attention=AttentionKind.LINEAR, cache=CacheKind.RECURRENT_STATE,
                        head_dim=16, v_head_dim=16, num_kv_heads=2)
     with pytest.raises(NotImplementedError, match=r"layer 0 needs linear attention"):
@@ -87,8 +97,10 @@ def test_create_backend_checks_the_specs():
     assert b.layer_specs == (FULL,) * 3
     latent = LayerSpec(attention=AttentionKind.LATENT, cache=CacheKind.LATENT_KV,
                        head_dim=16, v_head_dim=16, num_kv_heads=2)
+    # MLA layers attend over the latent pool themselves on the torch path; Triton refuses
+    create_attention_backend("torch_native", 4, 2, 16, layer_specs=[FULL, latent])
     with pytest.raises(NotImplementedError, match="latent attention"):
-        create_attention_backend("torch_native", 4, 2, 16, layer_specs=[FULL, latent])
+        ATTENTION_BACKENDS["triton"].check_layer_specs([FULL, latent])
 
 
 def test_kv_pool_from_specs():
@@ -99,5 +111,26 @@ def test_kv_pool_from_specs():
                        head_dim=16, v_head_dim=16, num_kv_heads=1)
     with pytest.raises(NotImplementedError, match=r"layers \[1\] keep a latent_kv cache"):
         build_kv_pool([FULL, latent], 64, 4, torch.float32, "cpu")
+    with pytest.raises(NotImplementedError, match="latent pool has one width"):
+        build_kv_pool([latent], 64, 4, torch.float32, "cpu")   # no kv_lora_rank
+
+
+def test_latent_kv_pool_from_specs():
+    """DeepSeek's MLA: one [slots, 1, kv_lora_rank + qk_rope_head_dim] tensor per layer,
+    the paged pool's pages and padding sink, no V buffers."""
+    from engine.kv.pool import LatentKVPool
+    latent = LayerSpec(attention=AttentionKind.LATENT, cache=CacheKind.LATENT_KV,
+                       head_dim=24, v_head_dim=16, num_kv_heads=1, kv_lora_rank=32,
+                       qk_rope_head_dim=8)
+    assert latent.latent_dim == 40 and latent.per_rank(2) is latent
+    pool = build_kv_pool([latent] * 3, 64, 4, torch.float32, "cpu")
+    assert isinstance(pool, LatentKVPool) and pool.num_layers == 3
+    assert tuple(pool.k_buffers[2].shape) == (68, 1, 40) and pool.v_buffers == [None] * 3
+    assert pool.capacity_tokens == 64 and pool.nbytes == 3 * 68 * 40 * 4
+    assert kv_bytes_per_token([latent] * 3, torch.bfloat16) == 3 * 40 * 2
+    pages = pool.alloc_pages(2)
+    assert pool.slots_for(pages, 0, 5)[:4] == [pages[0] * 4 + i for i in range(4)]
+    pool.free_pages(pages)
+    assert pool.free_tokens() == 64
     with pytest.raises(NotImplementedError, match="differ"):
         kv_bytes_per_token([FULL, FULL.per_rank(2)], torch.float32)

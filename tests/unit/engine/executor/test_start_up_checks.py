@@ -192,6 +192,38 @@ def test_real_shapes_of_the_dense_families_build_on_meta(name, family, layers, s
     assert len(launched) == 1
 
 
+@pytest.mark.parametrize("name,family,q_lora,routing", [
+    ("deepseek-v2-lite", "DeepseekV2ForCausalLM", None, "softmax"),
+    ("moonlight-16b-a3b", "DeepseekV3ForCausalLM", None, "sigmoid"),
+])
+def test_real_shapes_of_the_deepseek_families_build_on_meta(name, family, q_lora, routing,
+                                                             serve_stubbed, capsys):
+    """engine/configs/ of issue 46's families: MLA layers over the latent pool (512 + 64
+    values a token), a dense first layer; the launch, and the flags MLA refuses."""
+    from engine.args import ServerArgs
+    from engine.executor.preflight import build_meta_model
+    from engine.kv.pool import kv_bytes_per_token
+
+    path = os.path.join(os.path.dirname(engine.__file__), "configs", f"{name}.json")
+    model = build_meta_model(ServerArgs(model_path=path, load_format="dummy"), "cpu")
+    assert type(model).__name__ == family
+    specs = model.layer_specs()
+    assert len(specs) == 27 and all(s.attention == "latent" for s in specs)
+    assert kv_bytes_per_token(specs, torch.bfloat16) == 27 * 576 * 2
+    layers = model.model.layers
+    assert layers[0].self_attn.q_lora_rank is q_lora
+    assert layers[1].mlp.gate.routing.scoring == routing and not hasattr(layers[0].mlp, "gate")
+    serve, launched = serve_stubbed
+    base = ["--device", "cpu", "--model-path", path, "--load-format", "dummy"]
+    assert serve(base) == 0
+    assert len(launched) == 1
+    launched.clear()
+    for flags, what in [(["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3"),
+                        (["--enable-lora"], "LoRA"), (["--tp-size", "2"], "--tp-size 2")]:
+        line = _refused(serve_stubbed, capsys, base + flags)
+        assert f"{family} (multi-head latent attention) does not support {what}" in line, line
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--model-path", TINY_LLAMA, "--load-format", "dummy", "--tp-size", "3"], "3"),
     (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/no/draft"],

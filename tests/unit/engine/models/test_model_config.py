@@ -101,6 +101,15 @@ def _tiny(arch: str):
         return transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **kw)
     if arch == "OlmoeForCausalLM":
         return transformers.OlmoeConfig(num_experts=4, num_experts_per_tok=2, **kw)
+    if arch == "GptOssForCausalLM":     # sliding layers 0 and 2, stacked experts
+        return transformers.GptOssConfig(num_local_experts=4, num_experts_per_tok=2,
+                                         head_dim=16, sliding_window=8, **kw)
+    if arch.startswith("Deepseek"):     # MLA (head_dim: the rope part), layer 0 dense
+        cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+        return cls(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                   first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None,
+                   qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_group=1,
+                   topk_group=1, **kw)
     if arch.startswith("Qwen3"):
         return Qwen3Config(head_dim=32, **kw)
     return LlamaConfig(**kw)
@@ -125,12 +134,13 @@ def test_every_registered_model_keeps_the_contract(arch):
     assert {"model.layers.0.self_attn.q_proj.weight",
             "model.layers.0.self_attn.qkv_proj.weight"} & set(names)
     # layer 2's MLP: dense (gate/up apart or fused: Phi-3, GLM-4), or the experts of an
-    # all-MoE model
+    # all-MoE model (gpt-oss: stacked experts)
     assert {"model.layers.2.mlp.gate_proj.weight", "model.layers.2.mlp.gate_up_proj.weight",
             "model.layers.2.mlp.experts.3.gate_proj.weight",
-            "model.layers.2.block_sparse_moe.experts.3.w1.weight"} & set(names)
+            "model.layers.2.block_sparse_moe.experts.3.w1.weight",
+            "model.layers.2.mlp.experts.gate_up_proj"} & set(names)
     # a fused checkpoint tensor (Phi-3's qkv_proj, Phi-3's and GLM-4's gate_up_proj) is
-    # expected once per part it loads: 3 and 2 parts
+    # expected once per part it loads: 3 and 2 parts (gpt-oss's stacked experts: once)
     extra = sum(2 if n.endswith("qkv_proj.weight") else 1 if n.endswith("gate_up_proj.weight")
                 else 0 for n in names)
     assert len(model.expected_weights()) == len(names) + extra

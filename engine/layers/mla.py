@@ -1,0 +1,171 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3) over the latent KV cache.
+
+Projections (HF ``DeepseekV2Attention`` / ``DeepseekV3Attention`` names, so checkpoints load
+by name):
+
+- queries: ``q_proj`` (``q_lora_rank`` None), or the low-rank ``q_a_proj`` ->
+  ``q_a_layernorm`` -> ``q_b_proj``; each head is ``[q_nope (N) | q_rope (P)]``;
+- the latent: ``kv_a_proj_with_mqa`` -> ``[c (R) | k_rope (P)]``, ``kv_a_layernorm`` on
+  ``c``; ``kv_b_proj`` (``[H * (N + V), R]``) holds ``W_UK`` (the heads' N rows) and
+  ``W_UV`` (their V rows);
+- ``o_proj`` over the heads' values.
+
+Rotary applies to the rope parts only. DeepSeek's checkpoints lay those out in interleaved
+pairs ``(x0, x1), (x2, x3), ...`` (V2 always, V3 with ``rope_interleave``): the layer
+de-interleaves them (evens then odds) and rotates in ferry's rotate-half layout, which
+rotates every pair by the same angle as HF; queries and keys get the same permutation, so
+the scores are HF's.
+
+The cache keeps ``[kv_a_layernorm(c) | rotated k_rope]`` per token
+(:class:`engine.kv.pool.LatentKVPool`, ``fb.k_buffers[layer_id]``). Attention runs in the
+absorbed form for extend and decode alike: ``q_latent = q_nope @ W_UK`` per head, scores
+``q_latent . c + q_rope . k_rope``, the weighted sum of the ``c`` rows mapped through
+``W_UV`` (:func:`kernels.mla_reference.mla_attention_ref`, the torch path; it reads the
+step's host lengths, so it is not captured in device graphs).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from engine.forward_batch import ForwardBatch
+from engine.layer_spec import AttentionKind, CacheKind, LayerSpec, RotarySpec
+from engine.layers.linear import ReplicatedLinear
+from engine.layers.norm import RMSNorm
+from kernels.mla_reference import mla_attention_ref
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """DeepSeek's YaRN magnitude ``0.1 * mscale * ln(factor) + 1`` (1.0 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def mla_softmax_scale(qk_head_dim: int, rope_params: dict | None) -> float:
+    """``qk_head_dim ** -0.5``, times ``yarn_mscale(factor, mscale_all_dim) ** 2`` for a
+    scaled rope with ``mscale_all_dim`` (HF's ``yarn_apply_mscale``)."""
+    scale = qk_head_dim ** -0.5
+    params = rope_params or {}
+    if params.get("rope_type", "default") != "default" and params.get("mscale_all_dim"):
+        m = yarn_mscale(float(params["factor"]), float(params["mscale_all_dim"]))
+        scale *= m * m
+    return scale
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """``[..., P]`` pairs ``(x0, x1), (x2, x3), ...`` -> ``[x0, x2, ... | x1, x3, ...]``."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+
+class MLAttention(nn.Module):
+    """One layer's MLA: hidden states in, the attention output (after ``o_proj``) out.
+
+    Args:
+        hidden_size: model width.
+        num_heads: query heads H.
+        q_lora_rank: rank of the low-rank query path, or None for ``q_proj``.
+        kv_lora_rank: R; qk_nope_head_dim: N; qk_rope_head_dim: P; v_head_dim: V.
+        layer_id: index of the layer's latent buffer in the pool.
+        rotary: the rope of the P rotated dimensions (``rotate(q, k, positions)``).
+        eps: the RMSNorms' epsilon.
+        dtype: the weights' dtype.
+        scaling: the softmax scale (:func:`mla_softmax_scale`).
+        interleaved: the checkpoint's rope dimensions are interleaved pairs.
+        bias: bias on ``q_a_proj``/``q_proj``, ``kv_a_proj_with_mqa`` and ``o_proj``
+            (``attention_bias``).
+        spec: the layer's description (default: a ``LATENT`` spec of these sizes), kept as
+            ``self.spec``.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None,
+                 kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
+                 v_head_dim: int, layer_id: int, rotary: nn.Module, eps: float,
+                 dtype: torch.dtype, scaling: float, interleaved: bool = True,
+                 bias: bool = False, spec: LayerSpec | None = None):
+        super().__init__()
+        self.num_heads, self.layer_id = num_heads, layer_id
+        self.kv_lora_rank, self.nope, self.rope, self.v_dim = (
+            kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
+        self.scaling, self.interleaved, self.rotary = scaling, interleaved, rotary
+        qk = qk_nope_head_dim + qk_rope_head_dim
+        self.q_lora_rank = q_lora_rank
+        if q_lora_rank is None:
+            self.q_proj = ReplicatedLinear(hidden_size, num_heads * qk, bias, dtype)
+        else:
+            self.q_a_proj = ReplicatedLinear(hidden_size, q_lora_rank, bias, dtype)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, eps, dtype)
+            self.q_b_proj = ReplicatedLinear(q_lora_rank, num_heads * qk, False, dtype)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden_size, kv_lora_rank + qk_rope_head_dim,
+                                                   bias, dtype)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps, dtype)
+        self.kv_b_proj = ReplicatedLinear(kv_lora_rank,
+                                          num_heads * (qk_nope_head_dim + v_head_dim),
+                                          False, dtype)
+        self.kv_b_proj.packable = False   # read as W_UK / W_UV views by the absorbed form
+        self.o_proj = ReplicatedLinear(num_heads * v_head_dim, hidden_size, bias, dtype)
+        self.spec = spec or LayerSpec(attention=AttentionKind.LATENT, cache=CacheKind.LATENT_KV,
+                              head_dim=qk, v_head_dim=v_head_dim, num_kv_heads=1,
+                              scale=scaling, rotary=RotarySpec(), kv_lora_rank=kv_lora_rank,
+                              qk_rope_head_dim=qk_rope_head_dim)
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, H, N + P]."""
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(x.shape[0], self.num_heads, self.nope + self.rope)
+
+    def latent(self, positions: torch.Tensor, x: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(q_nope [T, H, N], q_rope [T, H, P], latent [T, R + P])`` of the new tokens
+        (the rope parts rotated, ``c`` normed): the latent row is what the cache keeps."""
+        t = x.shape[0]
+        q = self._queries(x)
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        c = self.kv_a_layernorm(c.contiguous())
+        if self.interleaved:
+            q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
+        q_pe, k_pe = self.rotary.rotate(q_pe.reshape(t, -1).contiguous(), k_pe.contiguous(),
+                                        positions)
+        return q_nope, q_pe.view(t, self.num_heads, self.rope), torch.cat([c, k_pe], dim=-1)
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(W_UK [H, N, R], W_UV [H, V, R])`` views of ``kv_b_proj``'s weight."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim,
+                                       self.kv_lora_rank)
+        return w[:, :self.nope], w[:, self.nope:]
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                fb: ForwardBatch) -> torch.Tensor:
+        """positions [T] int64, x [T, hidden] -> [T, hidden]; stores the new tokens' latent
+        rows at ``fb.out_cache_loc`` of ``fb.k_buffers[layer_id]`` first."""
+        q_nope, q_pe, lat = self.latent(positions, x)
+        buf = fb.k_buffers[self.layer_id]
+        buf[fb.out_cache_loc, 0] = lat.to(buf.dtype)
+        w_uk, w_uv = self.absorbed_weights()
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+        q_abs = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1)
+        rows, seq_lens, ext_lens = step_requests(fb)
+        o_lat = mla_attention_ref(q_abs, buf, fb.req_to_token, rows, seq_lens, ext_lens,
+                                  self.scaling, self.kv_lora_rank)
+        o = torch.einsum("thr,hvr->thv", o_lat, w_uv).reshape(x.shape[0], -1)
+        return self.o_proj(o)
+
+
+def step_requests(fb: ForwardBatch) -> tuple[list[int], list[int], list[int]]:
+    """``(rows, seq_lens, ext_lens)`` of the step's requests as host ints (a decode request
+    extends by one token)."""
+    rows = fb.req_pool_indices.tolist()
+    seq = fb.seq_lens_cpu if len(fb.seq_lens_cpu) == fb.batch_size else fb.seq_lens.tolist()
+    if fb.is_decode:
+        return rows, list(seq), [1] * fb.batch_size
+    ext = list(fb.extend_seq_lens_cpu) if fb.extend_seq_lens_cpu \
+        else fb.extend_seq_lens.tolist()
+    return rows, list(seq), ext + [1] * (fb.batch_size - len(ext))
+
+
+__all__ = ["MLAttention", "deinterleave", "mla_softmax_scale", "step_requests", "yarn_mscale"]
