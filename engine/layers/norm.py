@@ -79,3 +79,23 @@ class ShardedRMSNorm(RMSNorm):
                              f"{tuple(loaded.shape)}, expected {(self.full_size,)}")
         n = param.shape[0]
         param.data.copy_(loaded.narrow(0, (self.tp_rank // self.replicas) * n, n))
+
+
+class GatedRMSNorm(nn.Module):
+    """Qwen3-Next's gated RMSNorm (HF ``Qwen3NextRMSNormGated``): per head,
+    ``weight * rmsnorm(x) * silu(gate)``; the statistics and the gate in fp32, the normed
+    value cast back to x's dtype before ``weight``.
+
+    ``forward(x [..., D], gate [..., D]) -> [..., D]`` in x's dtype.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+        return (self.weight * normed * torch.nn.functional.silu(gate.float())).to(dtype)
