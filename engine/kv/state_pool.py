@@ -16,21 +16,12 @@ abort and preemption (a preempted request recomputes its prefix from zero).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from engine.layer_spec import CacheKind, LayerSpec, RecurrentStateSpec, cache_groups
 
-@dataclass(frozen=True)
-class StateShape:
-    """One linear layer's per-request state: conv ``[conv_dim, conv_width - 1]`` and
-    recurrent ``[num_v_heads, k_head_dim, v_head_dim]`` (one tensor-parallel rank's)."""
-
-    conv_dim: int
-    conv_width: int
-    num_v_heads: int
-    k_head_dim: int
-    v_head_dim: int
+StateShape = RecurrentStateSpec  # one linear layer's per-request state shapes
 
 
 class RecurrentStatePool:
@@ -38,7 +29,7 @@ class RecurrentStatePool:
 
     Args:
         num_slots: requests that may hold a slot at once (>= 1).
-        shapes: one :class:`StateShape` per ``RECURRENT_STATE`` layer, in layer order.
+        shapes: one :class:`engine.layer_spec.RecurrentStateSpec` per ``RECURRENT_STATE`` layer, in layer order.
         conv_dtype: dtype of the conv states (the model's); recurrent states are float32.
         device: where the tensors live.
     Raises: ValueError when ``num_slots`` < 1.
@@ -90,3 +81,23 @@ class RecurrentStatePool:
                                   else torch.float32)
         return (f"recurrent state: {self.num_slots} slots x {len(self.shapes)} layers, "
                 f"{per / 2**20:.2f} MiB/slot, {self.num_slots * per / 2**30:.3f} GiB")
+
+
+def build_state_pool(specs: Sequence[LayerSpec], num_slots: int, conv_dtype: torch.dtype,
+                     device: str | torch.device,
+                     ) -> tuple[RecurrentStatePool | None, dict[int, int]]:
+    """The recurrent-state pool of a model's ``RECURRENT_STATE`` layers (this rank's specs).
+
+    Returns: ``(pool, index)``: ``index`` maps a layer id to its position in the pool's
+    per-layer lists; ``(None, {})`` when no layer keeps a recurrent state.
+    Raises: ValueError for a ``RECURRENT_STATE`` layer without its ``state`` shape.
+    """
+    layers = cache_groups(specs).get(CacheKind.RECURRENT_STATE, [])
+    if not layers:
+        return None, {}
+    missing = [i for i in layers if specs[i].state is None]
+    if missing:
+        raise ValueError(f"layers {missing} keep a recurrent state without its shape "
+                         "(LayerSpec.state)")
+    pool = RecurrentStatePool(num_slots, [specs[i].state for i in layers], conv_dtype, device)
+    return pool, {layer: n for n, layer in enumerate(layers)}

@@ -37,3 +37,21 @@ def test_sizes_and_memory_line():
     assert line.startswith("recurrent state: 4 slots x 3 layers")
     with pytest.raises(ValueError, match="at least one slot"):
         RecurrentStatePool(0, SHAPES, torch.float32, "cpu")
+
+
+def test_build_from_specs():
+    from engine.kv.state_pool import build_state_pool
+    from engine.layer_spec import AttentionKind, CacheKind, LayerSpec
+
+    full = LayerSpec(head_dim=16, v_head_dim=16, num_kv_heads=2)
+    linear = LayerSpec(attention=AttentionKind.LINEAR, cache=CacheKind.RECURRENT_STATE,
+                       head_dim=3, v_head_dim=5, num_kv_heads=2, state=SHAPES[0])
+    assert build_state_pool([full, full], 4, torch.float32, "cpu") == (None, {})
+    pool, index = build_state_pool([linear, linear, full, linear], 4, torch.float32, "cpu")
+    assert index == {0: 0, 1: 1, 3: 2} and len(pool.conv_states) == 3 and pool.num_slots == 4
+    with pytest.raises(ValueError, match="without its shape"):
+        build_state_pool([LayerSpec(attention=AttentionKind.LINEAR, head_dim=3, v_head_dim=5,
+                                    num_kv_heads=2, cache=CacheKind.RECURRENT_STATE)],
+                         4, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="belongs to recurrent_state"):
+        LayerSpec(head_dim=16, v_head_dim=16, num_kv_heads=2, state=SHAPES[0])
