@@ -99,3 +99,29 @@ class GatedRMSNorm(nn.Module):
         xf = x.float()
         normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
         return (self.weight * normed * torch.nn.functional.silu(gate.float())).to(dtype)
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm whose weight is stored as an offset from one (HF ``Qwen3NextRMSNorm``):
+    ``y = rmsnorm(x) * (1 + weight)``, all in fp32 and cast to x's dtype at the end (the
+    cast comes after the scale, unlike :class:`RMSNorm`).
+
+    ``forward(x [..., D]) -> [..., D]``; with ``residual`` (same shape) returns
+    ``(norm(x + residual), x + residual)`` like :class:`RMSNorm`.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
