@@ -1,7 +1,9 @@
 """Qwen3-Next's Gated DeltaNet layer (a linear-attention token mixer with a recurrent state).
 
 Matches HF ``Qwen3NextGatedDeltaNet``: ``in_proj_qkvz`` and ``in_proj_ba`` project the hidden
-states (grouped per key head: q, k, v, z and b, a of its value heads), a depthwise causal
+states (grouped per key head: q, k, v, z and b, a of its value heads; with
+``split_projections``, Qwen3.5's ``Qwen3_5GatedDeltaNet``: ``in_proj_qkv``, ``in_proj_z``,
+``in_proj_b`` and ``in_proj_a``, each flat), a depthwise causal
 conv1d (width W, SiLU) runs over the concatenated q|k|v, the gated delta rule mixes the
 tokens (q and k L2-normed; ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta =
 sigmoid(b)``), a gated RMSNorm per value head (gate z) and ``out_proj`` give the output.
@@ -80,16 +82,26 @@ class _Conv(nn.Module):
 class GatedDeltaNet(nn.Module):
     """``forward(x [T, hidden], state: LinearStateBatch) -> [T, hidden]`` in x's dtype."""
 
-    def __init__(self, dims: GatedDeltaNetDims, dtype: torch.dtype):
+    def __init__(self, dims: GatedDeltaNetDims, dtype: torch.dtype,
+                 split_projections: bool = False):
         super().__init__()
         if dims.num_v_heads % dims.num_k_heads:
             raise ValueError(f"Gated DeltaNet: {dims.num_v_heads} value heads are not a "
                              f"multiple of {dims.num_k_heads} key heads")
         self.dims = d = dims
         key_dim, value_dim = d.num_k_heads * d.k_head_dim, d.num_v_heads * d.v_head_dim
-        self.in_proj_qkvz = ReplicatedLinear(d.hidden_size, 2 * key_dim + 2 * value_dim, False,
-                                             dtype, 1, 0)
-        self.in_proj_ba = ReplicatedLinear(d.hidden_size, 2 * d.num_v_heads, False, dtype, 1, 0)
+        self.split_projections = split_projections
+        if split_projections:   # Qwen3.5: q|k|v, z, b and a each from their own projection
+            self.in_proj_qkv = ReplicatedLinear(d.hidden_size, 2 * key_dim + value_dim, False,
+                                                dtype, 1, 0)
+            self.in_proj_z = ReplicatedLinear(d.hidden_size, value_dim, False, dtype, 1, 0)
+            self.in_proj_b = ReplicatedLinear(d.hidden_size, d.num_v_heads, False, dtype, 1, 0)
+            self.in_proj_a = ReplicatedLinear(d.hidden_size, d.num_v_heads, False, dtype, 1, 0)
+        else:                   # Qwen3-Next: grouped per key head in two projections
+            self.in_proj_qkvz = ReplicatedLinear(d.hidden_size, 2 * key_dim + 2 * value_dim,
+                                                 False, dtype, 1, 0)
+            self.in_proj_ba = ReplicatedLinear(d.hidden_size, 2 * d.num_v_heads, False, dtype,
+                                               1, 0)
         self.conv1d = _Conv(d.conv_dim, d.conv_width, dtype)
         self.dt_bias = nn.Parameter(torch.ones(d.num_v_heads, dtype=dtype), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(d.num_v_heads, dtype=dtype), requires_grad=False)
@@ -99,6 +111,9 @@ class GatedDeltaNet(nn.Module):
     def _split(self, x: torch.Tensor):
         """HF's per-key-head grouping -> q|k|v [T, C], z [T, Hv, V], b and a [T, Hv]."""
         d, t = self.dims, x.shape[0]
+        if self.split_projections:
+            return (self.in_proj_qkv(x), self.in_proj_z(x).view(t, d.num_v_heads, d.v_head_dim),
+                    self.in_proj_b(x), self.in_proj_a(x))
         per = d.num_v_heads // d.num_k_heads
         qkvz = self.in_proj_qkvz(x).view(t, d.num_k_heads, -1)
         ba = self.in_proj_ba(x).view(t, d.num_k_heads, 2 * per)

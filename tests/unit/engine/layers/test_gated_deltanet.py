@@ -88,3 +88,28 @@ def test_chunks_and_decode_carry_the_state(layers):
     again = pool.alloc()
     (o,) = _run(ours, pool, [again], [a[:4]])
     torch.testing.assert_close(o, _hf(ref, a[:4]), atol=1e-5, rtol=1e-4)
+
+
+def test_qwen3_5_split_projections_match_hf():
+    q35 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    torch.manual_seed(2)
+    cfg = Qwen3_5TextConfig(hidden_size=HIDDEN, linear_num_key_heads=2,
+                            linear_num_value_heads=4, linear_key_head_dim=8,
+                            linear_value_head_dim=6, linear_conv_kernel_dim=4,
+                            num_hidden_layers=1, layer_types=["linear_attention"],
+                            rms_norm_eps=1e-6)
+    ref = q35.Qwen3_5GatedDeltaNet(cfg, 0).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    dims = GatedDeltaNetDims(HIDDEN, 2, 4, 8, 6, 4, 1e-6)
+    ours = GatedDeltaNet(dims, torch.float32, split_projections=True)
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    pool = _pool(dims)
+    x = torch.randn(11, HIDDEN)
+    slot = pool.alloc()
+    got = _run(ours, pool, [slot], [x[:8]]) + _run(ours, pool, [slot], [x[8:9]], decode=True)
+    got += _run(ours, pool, [slot], [x[9:]])
+    torch.testing.assert_close(torch.cat(got), _hf(ref, x), atol=1e-5, rtol=1e-4)
