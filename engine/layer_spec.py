@@ -63,6 +63,23 @@ class RotarySpec:
 
 
 @dataclass(frozen=True)
+class RecurrentStateSpec:
+    """The per-request state of a linear-attention (Gated DeltaNet) layer, one rank's.
+
+    Attributes:
+        conv_dim: channels of the short causal conv (q|k|v: ``2*Hk*K + Hv*V``).
+        conv_width: the conv's taps W (the state keeps the last W - 1 inputs).
+        num_v_heads, k_head_dim, v_head_dim: the recurrent state is [Hv, K, V] (float32).
+    """
+
+    conv_dim: int
+    conv_width: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+
+
+@dataclass(frozen=True)
 class LayerSpec:
     """One decoder layer's attention and cache.
 
@@ -82,6 +99,8 @@ class LayerSpec:
         qk_rope_head_dim: width of the rotary key part shared by the heads (``LATENT``
             layers; else 0). A ``LATENT_KV`` cache keeps ``kv_lora_rank + qk_rope_head_dim``
             values per token (:attr:`latent_dim`).
+        state: the per-request state of a ``RECURRENT_STATE`` layer (its pool needs it),
+            else None.
 
     Raises:
         ValueError: an inconsistent description (a window on a non-sliding layer, a
@@ -100,8 +119,12 @@ class LayerSpec:
     rotary: RotarySpec | None = None
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
+    state: RecurrentStateSpec | None = None
 
     def __post_init__(self):
+        if self.state is not None and self.cache != CacheKind.RECURRENT_STATE:
+            raise ValueError(f"a {self.cache.value} cache with state={self.state}: the state "
+                             "shape belongs to recurrent_state layers")
         if (self.attention == AttentionKind.SLIDING) != (self.sliding_window is not None):
             raise ValueError(f"a {self.attention.value} layer with sliding_window="
                              f"{self.sliding_window}: the window belongs to SLIDING layers")
@@ -174,5 +197,5 @@ def unsupported_feature(spec: LayerSpec, attention: frozenset[AttentionKind] | s
     return None
 
 
-__all__ = ["AttentionKind", "CacheKind", "LayerSpec", "RotarySpec", "cache_groups",
-           "kv_heads_per_rank", "unsupported_feature"]
+__all__ = ["AttentionKind", "CacheKind", "LayerSpec", "RecurrentStateSpec", "RotarySpec",
+           "cache_groups", "kv_heads_per_rank", "unsupported_feature"]

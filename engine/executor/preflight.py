@@ -18,6 +18,8 @@ model loaded (20-60 s, a traceback, exit 1):
 - a model with latent-attention layers (DeepSeek-V2/V3's MLA): the flags it does not run
   with yet (:func:`check_latent_attention`: FP8 KV cache, LoRA, speculative decoding, TP,
   device graphs);
+- a model with linear-attention (``RECURRENT_STATE``) layers: TP > 1, speculative
+  decoding, LoRA and device graphs are refused (:func:`check_recurrent_state_flags`);
 - on XPU: a single tensor over the per-allocation limit of Intel's client GPUs
   (:data:`XPU_MAX_SINGLE_ALLOCATION`) unless ``UR_L0_ENABLE_RELAXED_ALLOCATION_LIMITS=1``.
 
@@ -68,6 +70,7 @@ def check_start_up(args: ServerArgs, given: frozenset[str] | set[str] = frozense
     model = build_meta_model(args, device_type)
     if model is not None:
         check_latent_attention(args, model, device_type)
+        check_recurrent_state_flags(model, args, device_type)
     if model is not None and lora_enabled(args):
         check_lora_model(model)
     if model is not None and device_type == "xpu":
@@ -113,6 +116,32 @@ def check_adapters(args: ServerArgs) -> None:
             check_adapter_dir(os.path.expanduser(path), args.max_lora_rank)
         except ValueError as e:
             raise ValueError(f"--lora-paths {name}={path}: {one_line(str(e))}") from None
+
+
+def check_recurrent_state_flags(model, args: ServerArgs, device_type: str) -> None:
+    """Refuse what a model with linear-attention (``RECURRENT_STATE``) layers cannot run yet:
+    tensor parallelism, speculative decoding, LoRA, and device graphs (its layers sync with
+    the host every step) unless ``--disable-cuda-graph``.
+
+    Raises:
+        ValueError: one line naming the model class and the flag.
+    """
+    from engine.layer_spec import CacheKind
+
+    specs = model.layer_specs() if hasattr(model, "layer_specs") else ()
+    if not any(s.cache == CacheKind.RECURRENT_STATE for s in specs):
+        return
+    family = type(model).__name__
+    refused = [(args.tp_size > 1, f"--tp-size {args.tp_size}"),
+               (bool(args.speculative_algorithm),
+                f"--speculative-algorithm {args.speculative_algorithm}"),
+               (lora_enabled(args), "LoRA (--lora-paths/--enable-lora)"),
+               (device_type != "cpu" and not args.disable_cuda_graph,
+                "device graphs (add --disable-cuda-graph)")]
+    for bad, flag in refused:
+        if bad:
+            raise ValueError(f"{family} has linear-attention (recurrent-state) layers, which "
+                             f"do not run with {flag} yet")
 
 
 def build_meta_model(args: ServerArgs, device_type: str):

@@ -81,10 +81,31 @@ class ShardedRMSNorm(RMSNorm):
         param.data.copy_(loaded.narrow(0, (self.tp_rank // self.replicas) * n, n))
 
 
+class GatedRMSNorm(nn.Module):
+    """Qwen3-Next's gated RMSNorm (HF ``Qwen3NextRMSNormGated``): per head,
+    ``weight * rmsnorm(x) * silu(gate)``; the statistics and the gate in fp32, the normed
+    value cast back to x's dtype before ``weight``.
+
+    ``forward(x [..., D], gate [..., D]) -> [..., D]`` in x's dtype.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+        return (self.weight * normed * torch.nn.functional.silu(gate.float())).to(dtype)
+
+
 class GemmaRMSNorm(nn.Module):
     """Gemma's RMSNorm: ``y = x / sqrt(mean(x^2) + eps) * (1 + weight)``, all in fp32, then
-    cast to x's dtype (HF ``Gemma2RMSNorm``/``Gemma3RMSNorm``: the checkpoint's weight is
-    zero-centred, and the scale is applied before the cast, unlike :class:`RMSNorm`).
+    cast to x's dtype (HF ``Gemma2RMSNorm``/``Gemma3RMSNorm``, and Qwen3-Next's
+    ``Qwen3NextRMSNorm``: the checkpoint's weight is zero-centred, and the scale is applied
+    before the cast, unlike :class:`RMSNorm`).
 
     Args:
         hidden_size: normalised width H.
@@ -107,3 +128,7 @@ class GemmaRMSNorm(nn.Module):
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         out = (y * (1.0 + self.weight.float())).to(x.dtype)
         return out if residual is None else (out, residual)
+
+
+# Qwen3-Next's name for the same (1 + w) norm.
+ZeroCenteredRMSNorm = GemmaRMSNorm

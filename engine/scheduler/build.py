@@ -120,8 +120,13 @@ def build_engine(args: ServerArgs) -> Engine:
     runner = ModelRunner(args)
     tokenizer = load_engine_tokenizer(args)
     scheduler = Scheduler(args, runner, tokenizer, eos_token_ids(runner.config, tokenizer))
-    logger.info("prefix cache: %s", "off (--disable-radix-cache)" if args.disable_radix_cache
-                else f"on, page size {args.page_size}, schedule policy {args.schedule_policy}")
+    if scheduler.recurrent_state and not args.disable_radix_cache:
+        logger.info("prefix cache: off (the model's linear-attention layers keep recurrent "
+                    "states, and prefix reuse has no state snapshots yet)")
+    else:
+        logger.info("prefix cache: %s", "off (--disable-radix-cache)"
+                    if args.disable_radix_cache else
+                    f"on, page size {args.page_size}, schedule policy {args.schedule_policy}")
     if runner.pooling is not None:
         p = runner.pooling
         logger.info("pooling model: %s%s; every request is one prefill (no decode, no "

@@ -19,6 +19,7 @@ from engine.executor.schedule_batch import ScheduleBatch
 from engine.executor.step_runner import StepRunner
 from engine.forward_batch import ForwardMode
 from engine.kv.manager import KVCacheManager
+from engine.layer_spec import CacheKind
 from engine.lora.gate import LoRAGate
 from engine.scheduler.admission import Admit, ExtendAdder
 from engine.scheduler.grammar_queue import COMPILE_BUDGET_S, GrammarQueue
@@ -66,10 +67,15 @@ class Scheduler:
         # a reranker's template and query, is computed once), off for mean and CLS pooling
         # (a cached prefix would hide the rows they read)
         self.pooling = getattr(runner, "pooling", None)
+        # a model with recurrent-state (linear-attention) layers reuses no prefix until the
+        # radix tree keeps state snapshots: a cached prefix's KV alone would skip its states
+        self.recurrent_state = any(s.cache == CacheKind.RECURRENT_STATE
+                                   for s in getattr(runner, "layer_specs", ()))
         # KV pages, req_to_token rows and the radix prefix cache (engine/kv/manager.py)
         self.kv = KVCacheManager(self.kv_pool, self.req_pool,
                                  disable_cache=getattr(args, "disable_radix_cache", False) or (
-                                     self.pooling is not None and self.pooling.needs_every_row),
+                                     self.pooling is not None and self.pooling.needs_every_row)
+                                 or self.recurrent_state,
                                  swa_pool=getattr(runner, "swa_pool", None),
                                  swa_req_pool=getattr(runner, "swa_req_pool", None))
         # assert the KV page accounting after every step (tests; costs O(pool) per step)

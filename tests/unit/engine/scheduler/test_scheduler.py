@@ -460,3 +460,26 @@ def test_lora_gate_caps_adapters_and_holds_back_behind_a_starved_one():
     assert gate.starved == set() and gate.active == {1, 2}
     assert not gate.admits(3) and gate.admits(1)  # no third slot
     assert LoRAGate.for_step(2, running, waiting, served=False, now=now).starved == set()
+
+
+def test_recurrent_state_models_reuse_no_prefix():
+    """A model with linear-attention (RECURRENT_STATE) layers runs with the prefix cache off:
+    a shared prefix is recomputed (no state snapshots yet), and the answers are unchanged."""
+    from engine.layer_spec import AttentionKind, CacheKind, LayerSpec, RecurrentStateSpec
+
+    linear = LayerSpec(attention=AttentionKind.LINEAR, cache=CacheKind.RECURRENT_STATE,
+                       head_dim=8, v_head_dim=8, num_kv_heads=1,
+                       state=RecurrentStateSpec(24, 4, 1, 8, 8))
+    runner = FakeRunner(max_total_tokens=1024)
+    runner.layer_specs = [linear, LayerSpec(head_dim=1, v_head_dim=1, num_kv_heads=1)]
+    sched = Scheduler(ServerArgs(chunked_prefill_size=64), runner)
+    assert sched.recurrent_state and not sched.kv.enabled
+    first = make_reqs([20], max_tokens=4)[0]
+    run_all(sched, [first])
+    again = make_reqs([20], max_tokens=4)[0]
+    run_all(sched, [again])
+    assert again.output_ids == first.output_ids == expected(first.origin_input_ids, 4)
+    # the second request's whole prompt was computed: no cached prefix
+    assert [t for m, _, t in runner.batches if m == ForwardMode.EXTEND] == [20, 20]
+    plain = Scheduler(ServerArgs(), FakeRunner(max_total_tokens=1024))
+    assert not plain.recurrent_state and plain.kv.enabled

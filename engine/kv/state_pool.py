@@ -1,0 +1,103 @@
+"""The recurrent-state pool: fixed-size per-request states of linear-attention layers.
+
+A layer whose :class:`engine.layer_spec.LayerSpec` has cache kind ``RECURRENT_STATE`` (a
+Gated DeltaNet layer) keeps, per running request, one short-conv state and one recurrent
+state, whatever the request's length. The pool holds them as one slot per request across all
+such layers, sized at start-up (``--max-running-requests`` bounds the slots):
+
+  conv_states[layer]      : [num_slots + 1, C, W - 1]     the last W - 1 conv inputs (dtype)
+  recurrent_states[layer] : [num_slots + 1, Hv, K, V]     float32
+
+Slot 0 is never handed out (a padded row of a batch points at it). A slot is zeroed when
+allocated, so a fresh request starts from the zero state; the owner frees it on finish,
+abort and preemption (a preempted request recomputes its prefix from zero).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.layer_spec import CacheKind, LayerSpec, RecurrentStateSpec, cache_groups
+
+StateShape = RecurrentStateSpec  # one linear layer's per-request state shapes
+
+
+class RecurrentStatePool:
+    """Per-request slots of (conv state, recurrent state) for each linear layer.
+
+    Args:
+        num_slots: requests that may hold a slot at once (>= 1).
+        shapes: one :class:`engine.layer_spec.RecurrentStateSpec` per ``RECURRENT_STATE`` layer, in layer order.
+        conv_dtype: dtype of the conv states (the model's); recurrent states are float32.
+        device: where the tensors live.
+    Raises: ValueError when ``num_slots`` < 1.
+    """
+
+    def __init__(self, num_slots: int, shapes: Sequence[StateShape], conv_dtype: torch.dtype,
+                 device: str | torch.device):
+        if num_slots < 1:
+            raise ValueError(f"a recurrent-state pool needs at least one slot, not {num_slots}")
+        self.num_slots = num_slots
+        self.shapes = tuple(shapes)
+        self.conv_states = [
+            torch.zeros(num_slots + 1, s.conv_dim, s.conv_width - 1, dtype=conv_dtype,
+                        device=device) for s in self.shapes]
+        self.recurrent_states = [
+            torch.zeros(num_slots + 1, s.num_v_heads, s.k_head_dim, s.v_head_dim,
+                        dtype=torch.float32, device=device) for s in self.shapes]
+        self._free = list(range(num_slots, 0, -1))
+
+    @staticmethod
+    def bytes_per_slot(shapes: Sequence[StateShape], conv_dtype: torch.dtype) -> int:
+        """Bytes one request's states take over all the linear layers."""
+        conv = sum(s.conv_dim * (s.conv_width - 1) for s in shapes) * conv_dtype.itemsize
+        rec = sum(s.num_v_heads * s.k_head_dim * s.v_head_dim for s in shapes) * 4
+        return conv + rec
+
+    def available(self) -> int:
+        """Slots free now."""
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        """A zeroed slot (>= 1), or None when all are held."""
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        for t in (*self.conv_states, *self.recurrent_states):
+            t[slot].zero_()
+        return slot
+
+    def free(self, slot: int) -> None:
+        """Give ``slot`` back. Raises ValueError for slot 0, an unknown or a free slot."""
+        if not 1 <= slot <= self.num_slots or slot in self._free:
+            raise ValueError(f"state slot {slot} is not held")
+        self._free.append(slot)
+
+    def memory_line(self) -> str:
+        """The start-up log's line: slots and their size."""
+        per = self.bytes_per_slot(self.shapes, self.conv_states[0].dtype if self.shapes
+                                  else torch.float32)
+        return (f"recurrent state: {self.num_slots} slots x {len(self.shapes)} layers, "
+                f"{per / 2**20:.2f} MiB/slot, {self.num_slots * per / 2**30:.3f} GiB")
+
+
+def build_state_pool(specs: Sequence[LayerSpec], num_slots: int, conv_dtype: torch.dtype,
+                     device: str | torch.device,
+                     ) -> tuple[RecurrentStatePool | None, dict[int, int]]:
+    """The recurrent-state pool of a model's ``RECURRENT_STATE`` layers (this rank's specs).
+
+    Returns: ``(pool, index)``: ``index`` maps a layer id to its position in the pool's
+    per-layer lists; ``(None, {})`` when no layer keeps a recurrent state.
+    Raises: ValueError for a ``RECURRENT_STATE`` layer without its ``state`` shape.
+    """
+    layers = cache_groups(specs).get(CacheKind.RECURRENT_STATE, [])
+    if not layers:
+        return None, {}
+    missing = [i for i in layers if specs[i].state is None]
+    if missing:
+        raise ValueError(f"layers {missing} keep a recurrent state without its shape "
+                         "(LayerSpec.state)")
+    pool = RecurrentStatePool(num_slots, [specs[i].state for i in layers], conv_dtype, device)
+    return pool, {layer: n for n, layer in enumerate(layers)}

@@ -1,0 +1,150 @@
+"""Qwen3-Next's Gated DeltaNet layer (a linear-attention token mixer with a recurrent state).
+
+Matches HF ``Qwen3NextGatedDeltaNet``: ``in_proj_qkvz`` and ``in_proj_ba`` project the hidden
+states (grouped per key head: q, k, v, z and b, a of its value heads; with
+``split_projections``, Qwen3.5's ``Qwen3_5GatedDeltaNet``: ``in_proj_qkv``, ``in_proj_z``,
+``in_proj_b`` and ``in_proj_a``, each flat), a depthwise causal
+conv1d (width W, SiLU) runs over the concatenated q|k|v, the gated delta rule mixes the
+tokens (q and k L2-normed; ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta =
+sigmoid(b)``), a gated RMSNorm per value head (gate z) and ``out_proj`` give the output.
+
+Per request the layer keeps a conv state [C, W - 1] and a recurrent state [Hv, K, V] in
+the recurrent-state pool (``engine.kv.state_pool``); :class:`LinearStateBatch` tells the
+layer which slot each request of the step owns. Prefill (or a prefill chunk) continues from
+the slot's state and writes the final state back; decode advances one token per request.
+The torch references of ``kernels.linear_attention`` run here (the CPU path); tensor
+parallelism is not supported (one rank holds every head).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.linear import ReplicatedLinear
+from engine.layers.norm import GatedRMSNorm
+from kernels.linear_attention import (
+    causal_conv1d_ref,
+    causal_conv1d_update_ref,
+    chunk_gated_delta_rule_ref,
+    recurrent_gated_delta_rule_ref,
+)
+
+
+@dataclass
+class LinearStateBatch:
+    """One step's view of the recurrent-state pool for a linear layer.
+
+    Attributes:
+        conv_states: the layer's pool tensor [slots + 1, C, W - 1] (updated in place).
+        recurrent_states: the layer's pool tensor [slots + 1, Hv, K, V] float32 (in place).
+        slots: [B] int64, each request's slot (requests in batch order).
+        cu_seqlens: B + 1 cumulative token counts of the step's requests.
+        decode: every request has exactly one new token (the recurrent kernels run).
+    """
+
+    conv_states: torch.Tensor
+    recurrent_states: torch.Tensor
+    slots: torch.Tensor
+    cu_seqlens: list[int]
+    decode: bool
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetDims:
+    """Head counts and sizes of a Gated DeltaNet layer (HF's ``linear_*`` config fields)."""
+
+    hidden_size: int
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_width: int
+    eps: float
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
+
+
+class _Conv(nn.Module):
+    """Holds the checkpoint's ``conv1d.weight`` [C, 1, W] (no bias in Qwen3-Next)."""
+
+    def __init__(self, channels: int, width: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, width, dtype=dtype),
+                                   requires_grad=False)
+
+
+class GatedDeltaNet(nn.Module):
+    """``forward(x [T, hidden], state: LinearStateBatch) -> [T, hidden]`` in x's dtype."""
+
+    def __init__(self, dims: GatedDeltaNetDims, dtype: torch.dtype,
+                 split_projections: bool = False):
+        super().__init__()
+        if dims.num_v_heads % dims.num_k_heads:
+            raise ValueError(f"Gated DeltaNet: {dims.num_v_heads} value heads are not a "
+                             f"multiple of {dims.num_k_heads} key heads")
+        self.dims = d = dims
+        key_dim, value_dim = d.num_k_heads * d.k_head_dim, d.num_v_heads * d.v_head_dim
+        self.split_projections = split_projections
+        if split_projections:   # Qwen3.5: q|k|v, z, b and a each from their own projection
+            self.in_proj_qkv = ReplicatedLinear(d.hidden_size, 2 * key_dim + value_dim, False,
+                                                dtype, 1, 0)
+            self.in_proj_z = ReplicatedLinear(d.hidden_size, value_dim, False, dtype, 1, 0)
+            self.in_proj_b = ReplicatedLinear(d.hidden_size, d.num_v_heads, False, dtype, 1, 0)
+            self.in_proj_a = ReplicatedLinear(d.hidden_size, d.num_v_heads, False, dtype, 1, 0)
+        else:                   # Qwen3-Next: grouped per key head in two projections
+            self.in_proj_qkvz = ReplicatedLinear(d.hidden_size, 2 * key_dim + 2 * value_dim,
+                                                 False, dtype, 1, 0)
+            self.in_proj_ba = ReplicatedLinear(d.hidden_size, 2 * d.num_v_heads, False, dtype,
+                                               1, 0)
+        self.conv1d = _Conv(d.conv_dim, d.conv_width, dtype)
+        self.dt_bias = nn.Parameter(torch.ones(d.num_v_heads, dtype=dtype), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(d.num_v_heads, dtype=dtype), requires_grad=False)
+        self.norm = GatedRMSNorm(d.v_head_dim, d.eps, dtype)
+        self.out_proj = ReplicatedLinear(value_dim, d.hidden_size, False, dtype, 1, 0)
+
+    def _split(self, x: torch.Tensor):
+        """HF's per-key-head grouping -> q|k|v [T, C], z [T, Hv, V], b and a [T, Hv]."""
+        d, t = self.dims, x.shape[0]
+        if self.split_projections:
+            return (self.in_proj_qkv(x), self.in_proj_z(x).view(t, d.num_v_heads, d.v_head_dim),
+                    self.in_proj_b(x), self.in_proj_a(x))
+        per = d.num_v_heads // d.num_k_heads
+        qkvz = self.in_proj_qkvz(x).view(t, d.num_k_heads, -1)
+        ba = self.in_proj_ba(x).view(t, d.num_k_heads, 2 * per)
+        q, k, v, z = torch.split(
+            qkvz, [d.k_head_dim, d.k_head_dim, per * d.v_head_dim, per * d.v_head_dim], dim=2)
+        b, a = torch.split(ba, [per, per], dim=2)
+        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        return (mixed, z.reshape(t, d.num_v_heads, d.v_head_dim),
+                b.reshape(t, d.num_v_heads), a.reshape(t, d.num_v_heads))
+
+    def forward(self, x: torch.Tensor, state: LinearStateBatch) -> torch.Tensor:
+        d, t = self.dims, x.shape[0]
+        mixed, z, b, a = self._split(x)
+        weight = self.conv1d.weight.squeeze(1)
+        conv_state = state.conv_states[state.slots]
+        if state.decode:
+            mixed = causal_conv1d_update_ref(mixed, conv_state, weight, None, "silu")
+        else:
+            mixed, conv_state = causal_conv1d_ref(mixed, weight, None, conv_state=conv_state,
+                                                  cu_seqlens=state.cu_seqlens)
+        state.conv_states[state.slots] = conv_state.to(state.conv_states.dtype)
+        key_dim = d.num_k_heads * d.k_head_dim
+        q, k, v = torch.split(mixed, [key_dim, key_dim, d.num_v_heads * d.v_head_dim], dim=-1)
+        q = q.reshape(t, d.num_k_heads, d.k_head_dim)
+        k = k.reshape(t, d.num_k_heads, d.k_head_dim)
+        v = v.reshape(t, d.num_v_heads, d.v_head_dim)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        rule = recurrent_gated_delta_rule_ref if state.decode else chunk_gated_delta_rule_ref
+        out, final = rule(q, k, v, g, beta, initial_state=state.recurrent_states[state.slots],
+                          cu_seqlens=state.cu_seqlens)
+        state.recurrent_states[state.slots] = final
+        out = self.norm(out, z)
+        return self.out_proj(out.reshape(t, -1))

@@ -1,0 +1,56 @@
+"""engine/executor/preflight.py: a model with linear-attention (RECURRENT_STATE) layers is
+refused, in one line naming the class and the flag, with TP > 1, speculative decoding, LoRA
+and device graphs; a model without them, and the CPU path, pass."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from engine.args import ServerArgs
+from engine.executor.preflight import check_recurrent_state_flags
+from engine.layer_spec import AttentionKind, CacheKind, LayerSpec, RecurrentStateSpec
+
+FULL = LayerSpec(head_dim=16, v_head_dim=16, num_kv_heads=2)
+LINEAR = LayerSpec(attention=AttentionKind.LINEAR, cache=CacheKind.RECURRENT_STATE,
+                   head_dim=8, v_head_dim=8, num_kv_heads=2,
+                   state=RecurrentStateSpec(48, 4, 4, 8, 8))
+
+
+class HybridLM:
+    def __init__(self, specs):
+        self._specs = specs
+
+    def layer_specs(self):
+        return self._specs
+
+
+def _args(**kw):
+    return ServerArgs(model_path="/m", **kw)
+
+
+def test_hybrid_on_cpu_and_plain_models_pass():
+    check_recurrent_state_flags(HybridLM([LINEAR, FULL]), _args(), "cpu")
+    check_recurrent_state_flags(HybridLM([FULL]), _args(tp_size=2), "cuda")
+    check_recurrent_state_flags(HybridLM([LINEAR]), _args(disable_cuda_graph=True), "cuda")
+
+
+@pytest.mark.parametrize("kw,device,flag", [
+    ({"tp_size": 2}, "cpu", "--tp-size 2"),
+    ({"enable_lora": True}, "cpu", "LoRA"),
+    ({}, "cuda", "device graphs (add --disable-cuda-graph)"),
+])
+def test_hybrid_refusals_name_the_flag(kw, device, flag):
+    with pytest.raises(ValueError) as e:
+        check_recurrent_state_flags(HybridLM([LINEAR, FULL]), _args(**kw), device)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("HybridLM has linear-attention") and flag in msg
+
+
+def test_speculative_is_refused():
+    # the fields the check reads (a real ServerArgs with NGRAM needs its own flags too)
+    args = SimpleNamespace(tp_size=1, speculative_algorithm="NGRAM", lora_paths=None,
+                           enable_lora=False, disable_cuda_graph=False)
+    with pytest.raises(ValueError, match="--speculative-algorithm NGRAM"):
+        check_recurrent_state_flags(HybridLM([LINEAR]), args, "cpu")

@@ -1,0 +1,57 @@
+"""The recurrent-state pool (engine/kv/state_pool.py): slots, zeroing, freeing, sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kv.state_pool import RecurrentStatePool, StateShape
+
+SHAPES = [StateShape(conv_dim=12, conv_width=4, num_v_heads=2, k_head_dim=3, v_head_dim=5)] * 3
+
+
+def test_alloc_free_and_zeroing():
+    pool = RecurrentStatePool(2, SHAPES, torch.float32, "cpu")
+    assert pool.conv_states[0].shape == (3, 12, 3)
+    assert pool.recurrent_states[2].shape == (3, 2, 3, 5)
+    a, b = pool.alloc(), pool.alloc()
+    assert {a, b} == {1, 2} and pool.alloc() is None and pool.available() == 0
+    pool.conv_states[1][a].fill_(1.0)
+    pool.recurrent_states[0][a].fill_(2.0)
+    pool.free(a)
+    assert pool.available() == 1
+    again = pool.alloc()
+    assert again == a
+    assert not pool.conv_states[1][a].any() and not pool.recurrent_states[0][a].any()
+    with pytest.raises(ValueError, match="not held"):
+        pool.free(0)
+    pool.free(b)
+    with pytest.raises(ValueError, match="not held"):
+        pool.free(b)
+
+
+def test_sizes_and_memory_line():
+    per = RecurrentStatePool.bytes_per_slot(SHAPES, torch.bfloat16)
+    assert per == 3 * (12 * 3 * 2 + 2 * 3 * 5 * 4)
+    line = RecurrentStatePool(4, SHAPES, torch.bfloat16, "cpu").memory_line()
+    assert line.startswith("recurrent state: 4 slots x 3 layers")
+    with pytest.raises(ValueError, match="at least one slot"):
+        RecurrentStatePool(0, SHAPES, torch.float32, "cpu")
+
+
+def test_build_from_specs():
+    from engine.kv.state_pool import build_state_pool
+    from engine.layer_spec import AttentionKind, CacheKind, LayerSpec
+
+    full = LayerSpec(head_dim=16, v_head_dim=16, num_kv_heads=2)
+    linear = LayerSpec(attention=AttentionKind.LINEAR, cache=CacheKind.RECURRENT_STATE,
+                       head_dim=3, v_head_dim=5, num_kv_heads=2, state=SHAPES[0])
+    assert build_state_pool([full, full], 4, torch.float32, "cpu") == (None, {})
+    pool, index = build_state_pool([linear, linear, full, linear], 4, torch.float32, "cpu")
+    assert index == {0: 0, 1: 1, 3: 2} and len(pool.conv_states) == 3 and pool.num_slots == 4
+    with pytest.raises(ValueError, match="without its shape"):
+        build_state_pool([LayerSpec(attention=AttentionKind.LINEAR, head_dim=3, v_head_dim=5,
+                                    num_kv_heads=2, cache=CacheKind.RECURRENT_STATE)],
+                         4, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="belongs to recurrent_state"):
+        LayerSpec(head_dim=16, v_head_dim=16, num_kv_heads=2, state=SHAPES[0])
