@@ -271,6 +271,17 @@ device='meta', quantization=q, progress=False)[0]); print('weight bytes bf16', b
                run fp8-quant-parity 300 python3 -m bench.quant_parity --model-path $L8B \
                  --load-format dummy --device cuda --steps 32 --result-json "$OUT/fp8-parity.json"
              fi;;
+    gemma) # Gemma-3-27B (issue 42): bs1/bs64 decode with the fused (1 + w) RMSNorm, then the
+           # windowed KV pool's capacity: 32 prompts of 8k tokens, one pool vs
+           # --swa-full-tokens-ratio 0.25 (the "at most N running" of each line)
+           G27=engine/configs/gemma-3-27b.json
+           run gemma-latency 300 python3 -m bench.bench_latency --model-path $G27 \
+             --load-format dummy --batch-size 1 64 --input-len 512 --output-len 64 \
+             --result-jsonl "$OUT/gemma-latency.jsonl"
+           for r in 0 0.25; do run gemma-swa-$r 300 python3 -m bench.bench_offline \
+             --model-path $G27 --load-format dummy --swa-full-tokens-ratio $r --num-prompts 32 \
+             --min-input-len 8192 --max-input-len 8192 --min-output-len 64 --max-output-len 64 \
+             --result-jsonl "$OUT/gemma-swa.jsonl"; done;;
     *) echo "unknown stage $stage";;
   esac
 done

@@ -75,6 +75,23 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out if residual is None else (out, residual)
 
 
+def gemma_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None):
+    """Gemma's RMSNorm (HF ``Gemma2RMSNorm``/``Gemma3RMSNorm``, Qwen3-Next's
+    ``Qwen3NextRMSNorm``): the checkpoint's weight is zero-centred and the scale is applied
+    in fp32 before the one cast, ``(x * rsqrt(mean(x^2) + eps) * (1 + w)).to(dtype)``.
+
+    Args and returns as :func:`rms_norm_ref` (the sum ``x + residual`` rounded to x's dtype).
+    """
+    if residual is not None:
+        x = x + residual
+        residual = x
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = (y * (1.0 + weight.float())).to(x.dtype)
+    return out if residual is None else (out, residual)
+
+
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU's gate (Shazeer, "GLU Variants Improve Transformer", 2020); out-of-place.
 
