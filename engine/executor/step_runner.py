@@ -11,11 +11,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import torch
 
     from engine.executor.schedule_batch import ScheduleBatch
-    from collections.abc import Sequence
-
     from engine.kv.pool import KVPool, ReqToTokenPool
     from engine.layer_spec import LayerSpec
     from engine.layers.pooler import PoolingSpec
