@@ -228,9 +228,7 @@ def w4k_config(m: int, n: int, k: int, group: int, device_type: str = "cuda") ->
     Raises:
         ValueError: a group size that is not a multiple of 32.
     """
-    for top, row in W4K_TABLE:
-        if top is None or m <= top:
-            break
+    row = next(r for top, r in W4K_TABLE if top is None or m <= top)
     block_m, block_n, max_split, warps, stages = row
     gemv = block_m is None
     if gemv:
