@@ -23,6 +23,8 @@ no autotuning):
   a weight costs a shift, a lop3 and one FMA per row; the group's scale and min are loaded
   once per tile (``BLOCK_K`` divides ``G``) and applied once per tile and column:
   ``sum_k x (s q + m) = 16 s (sum_k x (1 + q/16) - sum_k x) + m sum_k x``.
+- above ``DEQUANT_MIN_M`` rows (prefill; a config given explicitly runs the kernel at any
+  M): :func:`w4k_dequant` writes ``W^T`` in x's dtype, then the vendor GEMM;
 - otherwise :func:`_w4k_tc_kernel`: ``y^T = W x^T`` tile by tile with the dequantized
   weights as the MMA's *first* operand (``[BLOCK_N, BLOCK_K]`` in registers, the form
   Hopper's wgmma takes from registers) and the activations' transpose as the second, so the
@@ -58,6 +60,12 @@ KMAJOR = "q4k"
 GEMV_MAX_M = int(os.environ.get("FERRY_W4K_GEMV_MAX_M", 4))
 #: programs a launch aims for before it splits K (two waves of an H200's 132 SMs)
 TARGET_PROGRAMS = 264
+#: above this many rows :func:`w4k_linear` dequantizes (:func:`w4k_dequant`) and runs the
+#: vendor GEMM (``$FERRY_W4K_DEQUANT_MIN_M``; the tensor-core kernel's prefill tiles
+#: against cuBLAS are measured by the ``w4`` stage, ``new_tc_us`` in its JSON)
+DEQUANT_MIN_M = int(os.environ.get("FERRY_W4K_DEQUANT_MIN_M", 256))
+#: :func:`w4k_dequant`'s program: weights of K, columns, warps
+DEQUANT_BLOCK = (64, 128, 4)
 
 
 def kmajor_enabled() -> bool:
@@ -201,6 +209,44 @@ def _w4k_gemv_kernel(x_ptr, qk_ptr, s_ptr, m_ptr, y_ptr, part_ptr, lock_ptr, M, 
                stride_ym, pid_m, pid_n, pid_k, SPLIT_K)
 
 
+@triton.jit
+def _w4k_dequant_kernel(qk_ptr, s_ptr, m_ptr, wt_ptr, N, K, G, BLOCK_K: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    """``W^T [K, N]`` in the output's dtype from ``q4k``: loads and stores both contiguous
+    along N; ``BLOCK_K`` divides ``G``."""
+    k0 = tl.program_id(0) * BLOCK_K
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    KW: tl.constexpr = BLOCK_K // 8
+    kw = k0 // 8 + tl.arange(0, KW)
+    mask = (kw < K // 8)[:, None] & mask_n[None, :]
+    w = tl.load(qk_ptr + kw[:, None].to(tl.int64) * N + offs_n[None, :], mask=mask, other=0)
+    q = tl.reshape((w[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF,
+                   (BLOCK_K, BLOCK_N))
+    g = k0 // G
+    s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    mn = tl.load(m_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    out = q.to(tl.float32) * s[None, :] + mn[None, :]
+    kk = k0 + tl.arange(0, BLOCK_K)
+    tl.store(wt_ptr + kk[:, None].to(tl.int64) * N + offs_n[None, :],
+             out.to(wt_ptr.dtype.element_ty), mask=(kk < K)[:, None] & mask_n[None, :])
+
+
+def w4k_dequant(qk: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                dtype: torch.dtype, block: tuple[int, int, int] = DEQUANT_BLOCK
+                ) -> torch.Tensor:
+    """``W^T [K, N]`` in ``dtype`` (``s * q + min`` in fp32, rounded once) from ``q4k``;
+    ``block``: weights of K (a divisor of the group, at most), columns and warps per program."""
+    k, n = qk.shape[0] * 8, qk.shape[1]
+    group = k // scales.shape[0]
+    block_k = min(block[0], group)
+    wt = torch.empty(k, n, dtype=dtype, device=qk.device)
+    grid = (triton.cdiv(k, block_k), triton.cdiv(n, block[1]))
+    _w4k_dequant_kernel[grid](qk, scales, mins, wt, n, k, group, BLOCK_K=block_k,
+                              BLOCK_N=block[1], num_warps=block[2])
+    return wt
+
+
 #: by the largest M of a bucket: (BLOCK_M, BLOCK_N, most K parts, warps, stages); the
 #: GEMV bucket's BLOCK_M is M's next power of two
 W4K_TABLE = ((GEMV_MAX_M, (None, 128, 8, 4, 2)),
@@ -251,7 +297,8 @@ def w4k_linear(x: torch.Tensor, qk: torch.Tensor, scales: torch.Tensor, mins: to
         x: [M, K] fp16/bf16/fp32 (fp32: IEEE products), M >= 1.
         qk: int32 ``[K/8, N]``; scales, mins: ``[K/G, N]`` fp16/bf16/fp32, G a multiple of 32.
         config: :func:`w4k_config`'s keys instead of the table (benchmarks, tests); its
-            ``BLOCK_K`` must divide G.
+            ``BLOCK_K`` must divide G. Without one, above ``DEQUANT_MIN_M`` rows the weight
+            is dequantized (:func:`w4k_dequant`) and multiplied by the vendor GEMM.
     Raises:
         ValueError: a ``BLOCK_K`` that does not divide the group, or a split-K launch with
             more than 65536 output blocks.
@@ -259,6 +306,8 @@ def w4k_linear(x: torch.Tensor, qk: torch.Tensor, scales: torch.Tensor, mins: to
     m, k = x.shape
     n = qk.shape[1]
     group = k // scales.shape[0]
+    if config is None and m > DEQUANT_MIN_M:
+        return torch.matmul(x, w4k_dequant(qk, scales, mins, x.dtype))
     cfg = dict(config or w4k_config(m, n, k, group, x.device.type))
     if group % cfg["BLOCK_K"]:
         raise ValueError(f"BLOCK_K {cfg['BLOCK_K']} does not divide the group size {group}")

@@ -19,9 +19,11 @@ from kernels.quant.reference import dequant, pack_q4
 
 triton = pytest.importorskip("triton")
 from kernels.quant.w4_tc import (  # noqa: E402
+    DEQUANT_MIN_M,
     from_kmajor,
     to_kmajor,
     w4k_config,
+    w4k_dequant,
     w4k_linear,
 )
 
@@ -68,14 +70,27 @@ def test_kmajor_layout_by_hand():
                                          (97, 31, 256, 128), (300, 19, 160, 32)])
 def test_w4k_matches_reference(xdtype, m, n, k, group):
     """Every bucket of the table: GEMV (M <= 4), tensor-core tiles of 16..128 rows with K
-    split (the last part partly past K at K = 640, 608), prefill tiles (M = 300); N and K
-    not multiples of the tiles, fp16 and fp32 scales."""
+    split (the last part partly past K at K = 640, 608), prefill (M = 300: dequantize + GEMM
+    by default, the 128-row tiles explicitly); N and K not multiples of the tiles, fp16 and
+    fp32 scales."""
     sdtype = torch.float32 if (m + n) % 2 else torch.float16
     qw, s, mins = _weights(n, k, group, sdtype, seed=m + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(xdtype)
     cfg = w4k_config(m, n, k, group)
     assert cfg["GEMV"] == (m <= 4) and group % cfg["BLOCK_K"] == 0
     _check(x, qw, s, mins)
+    if m > DEQUANT_MIN_M:   # the default dequantizes; the tensor-core kernel explicitly
+        _check(x, qw, s, mins, config=cfg)
+
+
+@pytest.mark.parametrize("group,sdtype", [(32, torch.float16), (128, torch.float32)])
+def test_w4k_dequant_matches_reference(group, sdtype):
+    """``w4k_dequant`` gives W^T [K, N] (N not a multiple of its 128 columns)."""
+    qw, s, mins = _weights(45, 384, group, sdtype, seed=group)
+    qk, st, mt = (t.to(DEVICE) for t in to_kmajor(qw, s, mins))
+    wt = w4k_dequant(qk, st, mt, torch.float32)
+    assert wt.shape == (384, 45)
+    assert torch.allclose(wt.cpu(), dequant("q4", qw, s, mins).t(), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("split", [1, 3])
@@ -217,3 +232,12 @@ def test_w4k_gpu_graph_replay():
             g.replay()
         devlib.synchronize(DEVICE)
         assert torch.equal(y, eager)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="--smoke is the CPU interpreter mode")
+def test_bench_w4_smoke():
+    """``bench.kernels.bench_w4 --smoke``: the old and new calls agree with the product."""
+    from bench.kernels.bench_w4 import main
+
+    rows = main(["--smoke", "--batch-sizes", "1,20"])["rows"]
+    assert all(r["old"] < 2e-3 and r["new"] < 2e-3 for r in rows)
