@@ -181,12 +181,13 @@ def main(argv=None) -> dict:
     dev = devlib.resolve_device("auto")
     if not devlib.is_accelerator(dev):
         raise SystemExit("bench_w4 needs a GPU (or --smoke)")
-    try:
-        import gemlite
-        print("gemlite", getattr(gemlite, "__version__", "?"))
-    except Exception as e:  # noqa: BLE001
-        print(f"gemlite does not import: {type(e).__name__}: {e}")
-        args.no_gemlite = True
+    if not args.no_gemlite:
+        try:
+            import gemlite
+            print("gemlite", getattr(gemlite, "__version__", "?"), gemlite.__file__)
+        except Exception as e:  # noqa: BLE001 - an optional baseline
+            print(f"gemlite does not import: {type(e).__name__}: {e}")
+            args.no_gemlite = True
     g = torch.Generator().manual_seed(0)
     rows = []
     print(f"{devlib.device_name(dev)}; us per call (4-bit weight GB/s); ratios to bf16")
