@@ -21,8 +21,9 @@ no autotuning):
 - ``M <= GEMV_MAX_M``: :func:`_w4k_gemv_kernel`: each nibble becomes the fp32 ``1 + q / 16``
   by a shift and an and-or (no conversion instruction, as :mod:`kernels.quant.wq_gemv`);
   a weight costs a shift, a lop3 and one FMA per row; the group's scale and min are loaded
-  once per tile (``BLOCK_K`` divides ``G``) and applied once per tile and column:
-  ``sum_k x (s q + m) = 16 s (sum_k x (1 + q/16) - sum_k x) + m sum_k x``.
+  once per tile (``BLOCK_K`` divides ``G``) and applied once per word and column (two FMAs:
+  ``sum x (s q + m) = t (16 s) + (sum x) (m - 16 s)`` with ``t = sum x (1 + q/16)``), and
+  the word rows, spread over warps, are reduced once at the end, not per tile.
 - above ``DEQUANT_MIN_M`` rows (prefill; a config given explicitly runs the kernel at any
   M): :func:`w4k_dequant` writes ``W^T`` in x's dtype, then the vendor GEMM;
 - otherwise :func:`_w4k_tc_kernel`: ``y^T = W x^T`` tile by tile with the dequantized
@@ -183,13 +184,18 @@ def _w4k_gemv_kernel(x_ptr, qk_ptr, s_ptr, m_ptr, y_ptr, part_ptr, lock_ptr, M, 
     wi = tl.arange(0, KW)
     ng = K // G
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # per (row, word row, column) partial sums, reduced over the word rows once at the end
+    # (the word rows of a tile are spread over warps: a reduction per tile would cross them)
+    acc3 = tl.zeros((BLOCK_M, KW, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
     for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
         kw = k0 // 8 + wi
         mask_kw = kw < K // 8
         w = tl.load(qk_ptr + kw[:, None].to(tl.int64) * N + offs_n[None, :],
                     mask=mask_kw[:, None] & mask_n[None, :], other=0)       # [KW, BN]
+        g = tl.minimum(k0 // G, ng - 1)
+        s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        mn = tl.load(m_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         xmask = mask_m[:, None] & mask_kw[None, :]
         t = tl.zeros((BLOCK_M, KW, BLOCK_N), dtype=tl.float32)
         xs = tl.zeros((BLOCK_M, KW), dtype=tl.float32)
@@ -199,12 +205,11 @@ def _w4k_gemv_kernel(x_ptr, qk_ptr, s_ptr, m_ptr, y_ptr, part_ptr, lock_ptr, M, 
                          other=0.0).to(tl.float32)                          # [BM, KW]
             t += xv[:, :, None] * qf[None, :, :]
             xs += xv
-        g = tl.minimum(k0 // G, ng - 1)
-        s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        mn = tl.load(m_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        xsum = tl.sum(xs, axis=1)
-        acc += (16.0 * (tl.sum(t, axis=1) - xsum[:, None]) * s[None, :]
-                + xsum[:, None] * mn[None, :])
+        # sum x (s q + m) = 16 s (t - sum x) + m sum x = t (16 s) + (sum x) (m - 16 s):
+        # two FMAs per word and column, 1/4 of an instruction per weight and row
+        s16 = 16.0 * s
+        acc3 += t * s16[None, None, :] + xs[:, :, None] * (mn - s16)[None, None, :]
+    acc = tl.sum(acc3, axis=1)
     _store_out(acc, y_ptr, part_ptr, lock_ptr, offs_m, offs_n, mask_m, mask_n, M, N,
                stride_ym, pid_m, pid_n, pid_k, SPLIT_K)
 
@@ -277,8 +282,9 @@ def w4k_config(m: int, n: int, k: int, group: int, device_type: str = "cuda") ->
     row = next(r for top, r in W4K_TABLE if top is None or m <= top)
     block_m, block_n, max_split, warps, stages = row
     gemv = block_m is None
-    if gemv:
+    if gemv:   # 3 and 4 rows: 8 warps (two [rows, K/8, N] fp32 tiles in registers)
         block_m = triton.next_power_of_2(m)
+        warps = warps if block_m <= 2 else 8
     block_k = _block_k(group, m)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split = 1

@@ -123,6 +123,7 @@ def test_w4k_config_table_on_the_llama3_8b_shapes():
     128 x 128 tiles of 64 weights of K; XPU never splits."""
     one = w4k_config(1, 4096, 4096, 128)
     assert (one["GEMV"], one["BLOCK_M"], one["SPLIT_K"]) == (True, 1, 8)
+    assert w4k_config(3, 4096, 4096, 128)["num_warps"] == 8
     mid = w4k_config(64, 4096, 4096, 128)
     assert (mid["BLOCK_M"], mid["BLOCK_N"], mid["SPLIT_K"]) == (64, 64, 4)
     assert w4k_config(64, 28672, 4096, 128)["SPLIT_K"] == 1
