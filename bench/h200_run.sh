@@ -187,16 +187,16 @@ for stage in "$@"; do
         # GEMMs (old, new, bf16 cuBLAS) at M 1..512 on the four projections; then gemlite
         # (.whl/gemlite-*.whl; skipped when it does not import) on two shapes
         W4LAT=(--model-path $L8B --load-format dummy --batch-size 1 64 --input-len 512 --output-len 64)
-        run w4-latency-bf16 115 python3 -m bench.bench_latency "${W4LAT[@]}" \
+        run w4-latency-bf16 110 python3 -m bench.bench_latency "${W4LAT[@]}" \
           --result-jsonl "$OUT/w4-latency-bf16.jsonl"
-        FERRY_WQ_LAYOUT=rows run w4-latency-awq-rows 120 python3 -m bench.bench_latency \
+        FERRY_WQ_LAYOUT=rows run w4-latency-awq-rows 115 python3 -m bench.bench_latency \
           "${W4LAT[@]}" --quantization awq --result-jsonl "$OUT/w4-latency-awq-rows.jsonl"
-        FERRY_WQ_LAYOUT=kmajor run w4-latency-awq-kmajor 120 python3 -m bench.bench_latency \
+        FERRY_WQ_LAYOUT=kmajor run w4-latency-awq-kmajor 115 python3 -m bench.bench_latency \
           "${W4LAT[@]}" --quantization awq --result-jsonl "$OUT/w4-latency-awq-kmajor.jsonl"
-        run w4-gemm 130 python3 -m bench.kernels.bench_w4 --no-gemlite \
+        run w4-gemm 150 python3 -m bench.kernels.bench_w4 --no-gemlite \
           --result-json "$OUT/w4-gemm.json"
-        run w4-gemlite 95 python3 -m bench.kernels.bench_w4 --shapes o,gate_up \
-          --batch-sizes 1,16,64,256,512 --result-json "$OUT/w4-gemlite.json";;
+        run w4-gemlite 90 python3 -m bench.kernels.bench_w4 --shapes o,gate_up \
+          --batch-sizes 1,16,64,512 --result-json "$OUT/w4-gemlite.json";;
     w4-sweep) # the K-major kernel's tiles at M 1,16,64,128,512 on o and gate_up (W4K_TABLE)
         run w4-sweep 580 python3 -m bench.kernels.bench_w4 --no-gemlite --shapes o,gate_up \
           --batch-sizes 1,16,64,128,512 --configs 1,16,64,128,512 --result-json "$OUT/w4-sweep.json";;
