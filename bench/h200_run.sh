@@ -197,6 +197,9 @@ for stage in "$@"; do
           --result-json "$OUT/w4-gemm.json"
         run w4-gemlite 90 python3 -m bench.kernels.bench_w4 --shapes o,gate_up \
           --batch-sizes 1,16,64,512 --result-json "$OUT/w4-gemlite.json";;
+    w4-tests) # the K-major kernels compiled for the GPU (every test of the file, bf16 included)
+        run w4-tests 300 python3 -m pytest -q -x tests/kernels/test_w4_tc.py \
+          tests/kernels/test_wq_kernels.py -p no:cacheprovider;;
     w4-sweep) # the K-major kernel's tiles at M 1,16,64,128,512 on o and gate_up (W4K_TABLE)
         run w4-sweep 580 python3 -m bench.kernels.bench_w4 --no-gemlite --shapes o,gate_up \
           --batch-sizes 1,16,64,128,512 --configs 1,16,64,128,512 --result-json "$OUT/w4-sweep.json";;
