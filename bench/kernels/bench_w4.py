@@ -123,8 +123,11 @@ def _configs(m: int):
     splits = (1, 2, 4, 8) if m <= 64 else (1, 2) if m <= 256 else (1,)
     for bm, bn, split, warps, stages in itertools.product(bms, (64, 128), splits, (4, 8),
                                                           (3, 4)):
-        yield dict(SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128 if bm < 128 else 64,
+        cfg = dict(SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128 if bm < 128 else 64,
                    num_warps=warps, num_stages=stages)
+        yield cfg
+        if stages == 3:   # the words loaded once per K (gemlite's way) instead of reshaped
+            yield dict(cfg, DUP_LOAD=True)
 
 
 def _row(name, m, n, k, t_bf, t_old, t_new, t_gl, err_new) -> dict:

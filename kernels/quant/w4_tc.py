@@ -110,9 +110,12 @@ def from_kmajor(qk: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
 def _w4k_tc_kernel(x_ptr, qk_ptr, s_ptr, m_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, G,
                    k_per_split, stride_xm, stride_ym, IEEE: tl.constexpr,
                    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+                   BLOCK_K: tl.constexpr, DUP_LOAD: tl.constexpr = False):
     """``y [M, N] = x W^T`` as ``acc^T [BLOCK_N, BLOCK_M] += W_tile @ x_tile^T`` (module
-    docstring); ``BLOCK_K`` divides ``G`` (every tile in one group)."""
+    docstring); ``BLOCK_K`` divides ``G`` (every tile in one group). ``DUP_LOAD``: load the
+    words as a ``[BLOCK_N, BLOCK_K]`` tile in which each word is read by its 8 K (gemlite's
+    way, no reshape) instead of ``[BLOCK_N, BLOCK_K/8]`` unpacked by a reshape; which one
+    Triton compiles better is for the ``w4-sweep`` stage to say."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -129,12 +132,18 @@ def _w4k_tc_kernel(x_ptr, qk_ptr, s_ptr, m_ptr, y_ptr, part_ptr, lock_ptr, M, N,
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k_start = pid_k * k_per_split
     for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
-        kw = k0 // 8 + wi
-        mask_kw = kw < K // 8                  # only the last K part runs past K
-        w = tl.load(qk_ptr + kw[None, :].to(tl.int64) * N + offs_n[:, None],
-                    mask=mask_n[:, None] & mask_kw[None, :], other=0)       # [BN, KW]
-        q = tl.reshape((w[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K))
         xk = k0 + kk
+        if DUP_LOAD:
+            w = tl.load(qk_ptr + (xk // 8)[None, :].to(tl.int64) * N + offs_n[:, None],
+                        mask=mask_n[:, None] & (xk < K)[None, :], other=0)  # [BN, BK]
+            q = (w >> ((kk % 8) * 4)[None, :]) & 0xF
+        else:
+            kw = k0 // 8 + wi
+            mask_kw = kw < K // 8              # only the last K part runs past K
+            w = tl.load(qk_ptr + kw[None, :].to(tl.int64) * N + offs_n[:, None],
+                        mask=mask_n[:, None] & mask_kw[None, :], other=0)   # [BN, KW]
+            q = tl.reshape((w[:, :, None] >> shifts[None, None, :]) & 0xF,
+                           (BLOCK_N, BLOCK_K))
         x = tl.load(x_rows + xk[None, :], mask=mask_m[:, None] & (xk < K)[None, :],
                     other=0.0)                                               # [BM, BK]
         g = tl.minimum(k0 // G, ng - 1)
@@ -329,6 +338,7 @@ def w4k_linear(x: torch.Tensor, qk: torch.Tensor, scales: torch.Tensor, mins: to
     args = (x, qk, scales, mins, y, part, locks, m, n, k, group, k_per_split, x.stride(0),
             y.stride(0))
     if gemv:
+        cfg.pop("DUP_LOAD", None)
         _w4k_gemv_kernel[grid](*args, SPLIT_K=split, **cfg)
     else:
         _w4k_tc_kernel[grid](*args, IEEE=x.dtype == torch.float32, SPLIT_K=split, **cfg)

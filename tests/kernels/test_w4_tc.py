@@ -94,15 +94,18 @@ def test_w4k_dequant_matches_reference(group, sdtype):
 
 
 @pytest.mark.parametrize("split", [1, 3])
-@pytest.mark.parametrize("gemv", [False, True])
-def test_w4k_explicit_split_k_twice(split, gemv):
-    """Explicit configs, twice: the same result (partials summed in K order) and the
-    split-K counters back at 0."""
+@pytest.mark.parametrize("kernel", ["gemv", "tc", "tc-dup"])
+def test_w4k_explicit_split_k_twice(split, kernel):
+    """Explicit configs (the GEMV, the tensor-core kernel with either way of loading the
+    words), twice: the same result (partials summed in K order) and the split-K counters
+    back at 0."""
     from kernels.split_k import split_k_locks
 
     qw, s, mins = _weights(40, 384, 128, torch.float16, seed=split)
     x = torch.randn(18, 384, generator=torch.Generator().manual_seed(9))
-    cfg = dict(GEMV=gemv, SPLIT_K=split, BLOCK_M=32, BLOCK_N=16, BLOCK_K=64)
+    cfg = dict(GEMV=kernel == "gemv", SPLIT_K=split, BLOCK_M=32, BLOCK_N=16, BLOCK_K=64)
+    if kernel == "tc-dup":
+        cfg["DUP_LOAD"] = True
     y1 = _check(x, qw, s, mins, config=cfg)
     y2 = _check(x, qw, s, mins, config=cfg)
     assert torch.equal(y1, y2)
