@@ -181,6 +181,28 @@ for stage in "$@"; do
              run awq-latency 200 python3 -m bench.bench_latency --model-path $L8B --load-format dummy \
                --quantization awq --batch-size 1 64 --input-len 512 --output-len 64 \
                --result-jsonl "$OUT/awq-latency.jsonl";;
+    w4) # 4-bit at batch (issue 49) in one call (<= 580 s): the 8B shape end to end, bf16 vs
+        # AWQ quantized at load in the row layout (today's path) and in the K-major layout
+        # (kernels/quant/w4_tc.py), bs1/bs64 decode and bs1 prefill of 512 tokens; then the
+        # GEMMs (old, new, bf16 cuBLAS) at M 1..512 on the four projections; then gemlite
+        # (.whl/gemlite-*.whl; skipped when it does not import) on two shapes
+        W4LAT=(--model-path $L8B --load-format dummy --batch-size 1 64 --input-len 512 --output-len 64)
+        run w4-latency-bf16 110 python3 -m bench.bench_latency "${W4LAT[@]}" \
+          --result-jsonl "$OUT/w4-latency-bf16.jsonl"
+        FERRY_WQ_LAYOUT=rows run w4-latency-awq-rows 115 python3 -m bench.bench_latency \
+          "${W4LAT[@]}" --quantization awq --result-jsonl "$OUT/w4-latency-awq-rows.jsonl"
+        FERRY_WQ_LAYOUT=kmajor run w4-latency-awq-kmajor 115 python3 -m bench.bench_latency \
+          "${W4LAT[@]}" --quantization awq --result-jsonl "$OUT/w4-latency-awq-kmajor.jsonl"
+        run w4-gemm 150 python3 -m bench.kernels.bench_w4 --no-gemlite \
+          --result-json "$OUT/w4-gemm.json"
+        run w4-gemlite 90 python3 -m bench.kernels.bench_w4 --shapes o,gate_up \
+          --batch-sizes 1,16,64,512 --result-json "$OUT/w4-gemlite.json";;
+    w4-tests) # the K-major kernels compiled for the GPU (every test of the file, bf16 included)
+        run w4-tests 300 python3 -m pytest -q -x tests/kernels/test_w4_tc.py \
+          tests/kernels/test_wq_kernels.py -p no:cacheprovider;;
+    w4-sweep) # the K-major kernel's tiles at M 1,16,64,128,512 on o and gate_up (W4K_TABLE)
+        run w4-sweep 580 python3 -m bench.kernels.bench_w4 --no-gemlite --shapes o,gate_up \
+          --batch-sizes 1,16,64,128,512 --configs 1,16,64,128,512 --result-json "$OUT/w4-sweep.json";;
     awq-sweep) run awq-sweep 300 python3 -m bench.kernels.sweep_gemm_wq --result-json "$OUT/wq-sweep.json";;
     spec-eagle3) # EAGLE-3 (issue 26): a random head of the published Llama-3.1-8B EAGLE-3 shape,
              # chain of 3: the round's draft and verify phases against a plain step; the GPU tests
