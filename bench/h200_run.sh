@@ -55,6 +55,12 @@ for stage in "$@"; do
                --num-prompts 8 --prompt-len 512 --steps 64
              run fp8kv-parity-tiny 45 python3 -m bench.parity --model-path engine/configs/llama-tiny.json \
                --load-format dummy --devices cuda,cuda --kv-cache-dtypes auto,fp8_e4m3 --steps 64;;
+    fp8kv-profile) # where the bs64 x 2k step goes with each KV dtype (eager steps; decode
+             # attention is _decode_stage1_kernel)
+             for kv in auto fp8_e4m3; do
+               run fp8kv-profile-$kv 200 python3 -m bench.profile_decode --model-path $L8B \
+                 --load-format dummy --disable-cuda-graph --kv-cache-dtype $kv --batch-size 64 \
+                 --input-len 2048; done;;
     fp8kv-tests) run fp8kv-tests 300 python3 -m pytest -q -x tests/kernels/test_triton_fp8_kv.py \
                tests/kernels/test_triton_kv_store.py tests/kernels/test_attention_backend_mixed.py \
                tests/kernels/test_triton_decode_attention.py tests/kernels/test_triton_extend_attention.py \
