@@ -40,6 +40,31 @@ for stage in "$@"; do
     latency-fp8) run latency-fp8 300 python3 -m bench.bench_latency --model-path $L8B \
               --load-format dummy --kv-cache-dtype fp8_e4m3 --batch-size 1 64 --input-len 512 \
               --output-len 64 --result-jsonl "$OUT/latency-fp8.jsonl";;
+    fp8kv) # FP8 KV cache (issue 49 item 2), one call: decode attention alone (bf16 vs e4m3
+             # KV, bs 1/64, 2k/8k context, FP8 launch configurations), the 8B step with bf16 and
+             # FP8 KV at bs 1/64 x input 512/2048, greedy agreement FP8 vs bf16 KV
+             run fp8kv-kernels 150 python3 -m bench.kernels.bench_fp8_kv --batch-sizes 1,64 \
+               --contexts 2048,8192 --fp8-configs default,64x4x3,128x4x2,128x4x3,128x8x2,32x4x2 \
+               --result-json "$OUT/fp8kv-kernels.json"
+             for kv in auto fp8_e4m3; do
+               run fp8kv-latency-$kv 160 python3 -m bench.bench_latency --model-path $L8B \
+                 --load-format dummy --kv-cache-dtype $kv --batch-size 1 64 --input-len 512 2048 \
+                 --output-len 64 --result-jsonl "$OUT/fp8kv-latency.jsonl"; done
+             run fp8kv-parity-8b 100 python3 -m bench.parity --model-path $L8B --load-format dummy \
+               --dtype bfloat16 --devices cuda,cuda --kv-cache-dtypes auto,fp8_e4m3 \
+               --num-prompts 8 --prompt-len 512 --steps 64
+             run fp8kv-parity-tiny 45 python3 -m bench.parity --model-path engine/configs/llama-tiny.json \
+               --load-format dummy --devices cuda,cuda --kv-cache-dtypes auto,fp8_e4m3 --steps 64;;
+    fp8kv-profile) # where the bs64 x 2k step goes with each KV dtype (eager steps; decode
+             # attention is _decode_stage1_kernel)
+             for kv in auto fp8_e4m3; do
+               run fp8kv-profile-$kv 200 python3 -m bench.profile_decode --model-path $L8B \
+                 --load-format dummy --disable-cuda-graph --kv-cache-dtype $kv --batch-size 64 \
+                 --input-len 2048; done;;
+    fp8kv-tests) run fp8kv-tests 300 python3 -m pytest -q -x tests/kernels/test_triton_fp8_kv.py \
+               tests/kernels/test_triton_kv_store.py tests/kernels/test_attention_backend_mixed.py \
+               tests/kernels/test_triton_decode_attention.py tests/kernels/test_triton_extend_attention.py \
+               tests/engine/test_kv_cache_dtype.py -p no:cacheprovider;;
     offline-fp8) run offline-fp8 400 python3 -m bench.bench_offline --model-path $L8B \
               --load-format dummy --kv-cache-dtype fp8_e4m3 --result-jsonl "$OUT/offline-fp8.jsonl";;
     latency-nofused) run latency-nofused 300 python3 -m bench.bench_latency --model-path $L8B \

@@ -40,7 +40,7 @@ SCRIPT = textwrap.dedent('''
             elif name in ptr_types:
                 sig[name] = "*" + ptr_types[name]
                 attrs[(i,)] = [["tt.divisibility", 16]]
-            elif name in ("qk_scale", "eps", "cap_log2"):
+            elif name in ("qk_scale", "eps", "cap_log2", "q_scale", "v_scale", "k_inv", "v_inv"):
                 sig[name] = "fp32"
             else:
                 sig[name] = "i32"
@@ -57,24 +57,24 @@ SCRIPT = textwrap.dedent('''
     def sinks(var):
         return {} if "sinks_ptr" in var else {"sinks_ptr": "fp32"}
 
-    def decode(dtype, group, d, arch, var=OFF):
+    def decode(dtype, group, d, arch, var=OFF, kv=None):
         t = TY[dtype]
-        ptrs = dict(q_ptr=t, k_buf=t, v_buf=t, req_to_token="i32", req_pool_indices="i64",
+        ptrs = dict(q_ptr=t, k_buf=kv or t, v_buf=kv or t, req_to_token="i32", req_pool_indices="i64",
                     seq_lens="i32", num_kv_splits="i32", part_o="fp32", part_lse="fp32",
                     o_ptr=t, **sinks(var))
-        meta, opts = da._stage1_meta(group, d, dtype, "cuda")
+        meta, opts = da._stage1_meta(group, d, dtype, "cuda", kv_fp8=kv is not None)
         compile_one(da._decode_stage1_kernel, ptrs, {**meta, **var}, opts, arch)
         meta, opts = da._stage2_meta(d, 16)
         var2 = {k: var[k] for k in ("HAS_SINKS", "sinks_ptr") if k in var}
         compile_one(da._decode_stage2_kernel, dict(part_o="fp32", part_lse="fp32", o_ptr=t,
                     num_kv_splits="i32", **sinks(var)), {**meta, **var2}, opts, arch)
 
-    def extend(dtype, group, d, arch, var=OFF):
+    def extend(dtype, group, d, arch, var=OFF, kv=None):
         t = TY[dtype]
-        ptrs = dict(q_ptr=t, k_ptr=t, v_ptr=t, o_ptr=t, k_buf=t, v_buf=t, req_to_token="i32",
+        ptrs = dict(q_ptr=t, k_ptr=t, v_ptr=t, o_ptr=t, k_buf=kv or t, v_buf=kv or t, req_to_token="i32",
                     req_pool_indices="i64", seq_lens="i32", extend_seq_lens="i32",
                     extend_start_loc="i32", **sinks(var))
-        meta, opts = ea._extend_meta(group, d, dtype, "cuda")
+        meta, opts = ea._extend_meta(group, d, dtype, "cuda", kv_fp8=kv is not None)
         compile_one(ea._extend_kernel, ptrs, {**meta, **var}, opts, arch)
 
     for arch in (90, 80):
@@ -87,9 +87,17 @@ SCRIPT = textwrap.dedent('''
     decode(torch.float16, 3, 80, 90)        # padded head_dim
     extend(torch.float32, 8, 64, 90)
     extend(torch.float16, 3, 96, 90)
-    compile_one(ks._store_kv_kernel, dict(k_buf="bf16", v_buf="bf16", loc_ptr="i64",
-                k_ptr="fp32", v_ptr="fp32"),
-                dict(NUM_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128), {"num_warps": 4}, 90)
+    # FP8 KV caches (sm_89+: Triton has no e4m3 below): the KV_FP8 paths, plain and variants
+    decode(torch.bfloat16, 4, 128, 90, kv="fp8e4nv")
+    decode(torch.bfloat16, 4, 128, 90, ON, kv="fp8e4nv")
+    decode(torch.float16, 1, 64, 90, kv="fp8e5")
+    extend(torch.bfloat16, 4, 128, 90, kv="fp8e4nv")
+    extend(torch.bfloat16, 4, 128, 90, ON, kv="fp8e5")
+    for pool in ("bf16", "fp8e4nv"):
+        compile_one(ks._store_kv_kernel, dict(k_buf=pool, v_buf=pool, loc_ptr="i64",
+                    k_ptr="fp32", v_ptr="fp32"),
+                    dict(NUM_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128,
+                         KV_FP8=pool != "bf16"), {"num_warps": 4}, 90)
     compile_one(fo._rms_norm_kernel, dict(x_ptr="bf16", res_ptr="bf16", w_ptr="bf16",
                 out_ptr="bf16", res_out_ptr="bf16"),
                 dict(HIDDEN=4096, BLOCK=4096, HAS_RESIDUAL=True), {"num_warps": 8}, 90)
