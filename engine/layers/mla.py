@@ -20,7 +20,7 @@ The cache keeps ``[kv_a_layernorm(c) | rotated k_rope]`` per token
 (:class:`engine.kv.pool.LatentKVPool`, ``fb.k_buffers[layer_id]``). Attention runs in the
 absorbed form for extend and decode alike: ``q_latent = q_nope @ W_UK`` per head, scores
 ``q_latent . c + q_rope . k_rope``, the weighted sum of the ``c`` rows mapped through
-``W_UV`` (:func:`kernels.mla_reference.mla_attention_ref`, the torch path; it reads the
+``W_UV`` (:func:`kernels.mla.reference.mla_attention_ref`, the torch path; it reads the
 step's host lengths, so it is not captured in device graphs).
 """
 
@@ -35,7 +35,7 @@ from engine.forward_batch import ForwardBatch
 from engine.layer_spec import AttentionKind, CacheKind, LayerSpec, RotarySpec
 from engine.layers.linear import ReplicatedLinear
 from engine.layers.norm import RMSNorm
-from kernels.mla_reference import mla_attention_ref
+from kernels.mla.reference import mla_attention_ref
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
