@@ -271,6 +271,18 @@ device='meta', quantization=q, progress=False)[0]); print('weight bytes bf16', b
                run fp8-quant-parity 300 python3 -m bench.quant_parity --model-path $L8B \
                  --load-format dummy --device cuda --steps 32 --result-json "$OUT/fp8-parity.json"
              fi;;
+    # issue 46: the Triton MLA kernels' GPU tests (bf16, DeepSeek-V3's head shape), the MLA
+    # decode kernel at bs 1/64 x 4k context (V3 heads; graph replay, device events), then
+    # DeepSeek-V2-Lite end to end (dummy weights, decode graphs over the MLA kernels)
+    deepseek) run deepseek-gputests 300 python3 -m pytest -q -x -m gpu tests/kernels/test_triton_mla.py \
+              tests/kernels/test_mla_backend.py -p no:cacheprovider
+              run deepseek-mla-kernel 240 python3 -m bench.kernels.bench_mla --batch-sizes 1,64 \
+              --contexts 4096,32768
+              run deepseek-mla-kernel-v2lite 240 python3 -m bench.kernels.bench_mla --num-heads 16 \
+              --batch-sizes 1,64 --contexts 4096
+              run deepseek-latency 600 python3 -m bench.bench_latency --load-format dummy \
+              --model-path engine/configs/deepseek-v2-lite.json --batch-size 1 64 --input-len 512 \
+              --output-len 64 --result-jsonl "$OUT/deepseek-latency.jsonl";;
     *) echo "unknown stage $stage";;
   esac
 done
