@@ -271,18 +271,22 @@ device='meta', quantization=q, progress=False)[0]); print('weight bytes bf16', b
                run fp8-quant-parity 300 python3 -m bench.quant_parity --model-path $L8B \
                  --load-format dummy --device cuda --steps 32 --result-json "$OUT/fp8-parity.json"
              fi;;
-    # issue 46: the Triton MLA kernels' GPU tests (bf16, DeepSeek-V3's head shape), the MLA
-    # decode kernel at bs 1/64 x 4k context (V3 heads; graph replay, device events), then
-    # DeepSeek-V2-Lite end to end (dummy weights, decode graphs over the MLA kernels)
-    deepseek) run deepseek-gputests 300 python3 -m pytest -q -x -m gpu tests/kernels/test_triton_mla.py \
-              tests/kernels/test_mla_backend.py -p no:cacheprovider
-              run deepseek-mla-kernel 240 python3 -m bench.kernels.bench_mla --batch-sizes 1,64 \
-              --contexts 4096,32768
-              run deepseek-mla-kernel-v2lite 240 python3 -m bench.kernels.bench_mla --num-heads 16 \
-              --batch-sizes 1,64 --contexts 4096
-              run deepseek-latency 600 python3 -m bench.bench_latency --load-format dummy \
+    # issue 46, each stage within one 10-minute device call. deepseek: the MLA decode kernel
+    # alone (DeepSeek-V3's heads, bs 1/64 x 4k; graph replays, device events, medians), then
+    # DeepSeek-V2-Lite end to end (dummy weights, decode graphs over the Triton MLA kernels).
+    # deepseek-tests: the MLA kernels' GPU tests (bf16, V3's head shape, a captured decode
+    # step). deepseek-kernels: the kernel at 32k and with V2-Lite's 16 heads.
+    deepseek) run deepseek-mla-kernel 120 python3 -m bench.kernels.bench_mla --batch-sizes 1,64 \
+              --contexts 4096
+              run deepseek-latency 450 python3 -m bench.bench_latency --load-format dummy \
               --model-path engine/configs/deepseek-v2-lite.json --batch-size 1 64 --input-len 512 \
               --output-len 64 --result-jsonl "$OUT/deepseek-latency.jsonl";;
+    deepseek-tests) run deepseek-gputests 400 python3 -m pytest -q -x -m gpu \
+              tests/kernels/test_triton_mla.py tests/kernels/test_mla_backend.py -p no:cacheprovider;;
+    deepseek-kernels) run deepseek-mla-kernel-32k 200 python3 -m bench.kernels.bench_mla \
+              --batch-sizes 1,64 --contexts 32768 --layers 4
+              run deepseek-mla-kernel-v2lite 150 python3 -m bench.kernels.bench_mla --num-heads 16 \
+              --batch-sizes 1,64 --contexts 4096,32768 --layers 4;;
     *) echo "unknown stage $stage";;
   esac
 done
