@@ -17,8 +17,8 @@ rotates every pair by the same angle as HF; queries and keys get the same permut
 the scores are HF's.
 
 The cache keeps ``[kv_a_layernorm(c) | rotated k_rope]`` per token
-(:class:`engine.kv.pool.LatentKVPool`, ``fb.k_buffers[layer_id]``). Attention runs in the
-absorbed form for extend and decode alike: ``q_latent = q_nope @ W_UK`` per head, scores
+(:class:`engine.kv.pool.LatentKVPool`, ``fb.k_buffers[layer_id]``). On the CPU attention
+runs in the absorbed form for extend and decode alike: ``q_latent = q_nope @ W_UK`` per head, scores
 ``q_latent . c + q_rope . k_rope``, the weighted sum of the ``c`` rows mapped through
 ``W_UV`` (:func:`kernels.mla.reference.mla_attention_ref`, the torch path of the CPU; it
 reads the step's host lengths, so it is not captured in device graphs).
