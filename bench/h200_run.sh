@@ -329,6 +329,22 @@ device='meta', quantization=q, progress=False)[0]); print('weight bytes bf16', b
              --model-path $G27 --load-format dummy --swa-full-tokens-ratio $r --num-prompts 32 \
              --min-input-len 8192 --max-input-len 8192 --min-output-len 64 --max-output-len 64 \
              --result-jsonl "$OUT/gemma-swa.jsonl"; done;;
+    # issue 46, each stage within one 10-minute device call. deepseek: the MLA decode kernel
+    # alone (DeepSeek-V3's heads, bs 1/64 x 4k; graph replays, device events, medians), then
+    # DeepSeek-V2-Lite end to end (dummy weights, decode graphs over the Triton MLA kernels).
+    # deepseek-tests: the MLA kernels' GPU tests (bf16, V3's head shape, a captured decode
+    # step). deepseek-kernels: the kernel at 32k and with V2-Lite's 16 heads.
+    deepseek) run deepseek-mla-kernel 120 python3 -m bench.kernels.bench_mla --batch-sizes 1,64 \
+              --contexts 4096
+              run deepseek-latency 450 python3 -m bench.bench_latency --load-format dummy \
+              --model-path engine/configs/deepseek-v2-lite.json --batch-size 1 64 --input-len 512 \
+              --output-len 64 --result-jsonl "$OUT/deepseek-latency.jsonl";;
+    deepseek-tests) run deepseek-gputests 400 python3 -m pytest -q -x -m gpu \
+              tests/kernels/test_triton_mla.py tests/kernels/test_mla_backend.py -p no:cacheprovider;;
+    deepseek-kernels) run deepseek-mla-kernel-32k 200 python3 -m bench.kernels.bench_mla \
+              --batch-sizes 1,64 --contexts 32768 --layers 4
+              run deepseek-mla-kernel-v2lite 150 python3 -m bench.kernels.bench_mla --num-heads 16 \
+              --batch-sizes 1,64 --contexts 4096,32768 --layers 4;;
     *) echo "unknown stage $stage";;
   esac
 done

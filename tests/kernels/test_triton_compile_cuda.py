@@ -29,6 +29,7 @@ SCRIPT = textwrap.dedent('''
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from kernels import decode_attention as da, extend_attention as ea, fused_ops as fo, kv_store as ks
+    from kernels.mla import decode as mlad, prefill as mlap
 
     TY = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -77,7 +78,22 @@ SCRIPT = textwrap.dedent('''
         meta, opts = ea._extend_meta(group, d, dtype, "cuda", kv_fp8=kv is not None)
         compile_one(ea._extend_kernel, ptrs, {**meta, **var}, opts, arch)
 
+    def mla(dtype, arch):
+        # DeepSeek-V3's shape: R 512, rope 64, nope 128, v 128
+        t = TY[dtype]
+        meta, opts = mlad._mla_meta(512, 64, dtype, "cuda")
+        compile_one(mlad._mla_decode_stage1_kernel, dict(
+            q_lat=t, q_pe=t, latent=t, req_to_token="i32", req_pool_indices="i64",
+            seq_lens="i32", num_kv_splits="i32", part_o="fp32", part_lse="fp32", o_ptr=t),
+            meta, opts, arch)
+        meta, opts = mlap._prefill_meta(128, 64, 128, dtype, "cuda", None, None, None)
+        compile_one(mlap._mla_prefill_kernel, dict(
+            q_nope_ptr=t, q_pe_ptr=t, k_nope_ptr=t, k_pe_ptr=t, v_ptr=t, o_ptr=t,
+            seq_lens="i32", ext_lens="i32", q_start_loc="i32", kv_start_loc="i32"),
+            meta, opts, arch)
+
     for arch in (90, 80):
+        mla(torch.bfloat16, arch)
         decode(torch.bfloat16, 4, 128, arch)
         extend(torch.bfloat16, 4, 128, arch)
     decode(torch.float32, 1, 64, 90)        # elementwise (MHA) path, ieee fp32 dots
