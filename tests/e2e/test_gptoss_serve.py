@@ -132,3 +132,25 @@ def test_reasoning_effort_and_tool_history_reach_the_template(srv):
     tok = AutoTokenizer.from_pretrained(str(srv[2]))
     assert with_history == prompt_len(tools=TOOLS) + len(
         tok.encode(rendered, add_special_tokens=False))
+
+
+def test_responses_reasoning_item_then_call_with_effort(srv):
+    """``/v1/responses``: the analysis channel as a reasoning item, the commentary call as
+    a ``function_call`` item; ``reasoning.effort`` reaches the template (one character
+    more for ``high`` than ``low``)."""
+    server = srv[0]
+
+    def respond(effort: str) -> dict:
+        r = httpx.post(server.url + "/v1/responses", timeout=server.http_timeout, json={
+            "model": "oss", "input": "hi", "max_output_tokens": 16, "temperature": 0,
+            "reasoning": {"effort": effort},
+            "tools": [{"type": "function", "name": "get",
+                       "parameters": TOOLS[0]["function"]["parameters"]}]})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    body = respond("high")
+    assert [i["type"] for i in body["output"]] == ["reasoning", "function_call"]
+    assert body["output"][0]["content"] == [{"type": "reasoning_text", "text": "ponder"}]
+    assert (body["output"][1]["name"], body["output"][1]["arguments"]) == ("get", '{"q": 1}')
+    assert body["usage"]["input_tokens"] == respond("low")["usage"]["input_tokens"] + 1
