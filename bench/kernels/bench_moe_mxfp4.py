@@ -58,7 +58,7 @@ def bench_shape(name: str, shape: tuple[int, int, int, int], ms: list[int], dtyp
     per_expert = {"mxfp4": (w13[0].numel() + s13[0].numel() + w2[0].numel() + s2[0].numel()),
                   "bf16": (d13[0].numel() + d2[0].numel()) * d13.element_size()}
     kw = dict(w13_bias=b13, w2_bias=b2, activation="swiglu_oai", swiglu_alpha=1.702,
-              swiglu_limit=7.0)
+              swiglu_limit=7.0, device_name=devlib.device_name(device))
     out = []
     for m in ms:
         x = torch.randn(m, h, generator=g).to(device, dtype)

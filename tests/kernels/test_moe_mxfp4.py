@@ -125,7 +125,10 @@ def test_triton_mxfp4_moe_bf16_at_gpt_oss_shapes(model, num_experts, m):
     the engine picks; against the torch reference in fp32 on the dequantized weights."""
     x, w13, s13, w2, s2, weights, ids, kw = _oai_case(m, num_experts, 4, 2880, 2880,
                                                        torch.bfloat16, DEVICE, seed=m)
-    out = fused_moe_oai(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2, **kw)
+    from engine.device import device_name
+
+    out = fused_moe_oai(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2, **kw,
+                        device_name=device_name(DEVICE))
     f32 = {k: v.float() if torch.is_tensor(v) else v for k, v in kw.items()}
     ref = fused_moe_torch(x.float(), dequantize_mxfp4(w13, s13, F32),
                           dequantize_mxfp4(w2, s2, F32), weights, ids, **f32)
