@@ -345,6 +345,27 @@ device='meta', quantization=q, progress=False)[0]); print('weight bytes bf16', b
               --batch-sizes 1,64 --contexts 32768 --layers 4
               run deepseek-mla-kernel-v2lite 150 python3 -m bench.kernels.bench_mla --num-heads 16 \
               --batch-sizes 1,64 --contexts 4096,32768 --layers 4;;
+    gptoss|gptoss-kernel|gptoss-latency)
+             # gpt-oss (issue 44). gptoss-kernel: the MXFP4 fused MoE's GPU tests at the shipped
+             # expert shape, and the kernel against the same MoE with bf16 experts (M = 1..256);
+             # gptoss-latency: bs1/bs64 decode of both sizes on dummy MXFP4 weights (roofline:
+             # docs/benchmarks.md, "gpt-oss"). gptoss runs both (~8-10 min: run the parts in
+             # separate calls when a call is limited to 10 minutes)
+             wantg() { [ $stage = gptoss ] || [ $stage = gptoss-$1 ]; }
+             if wantg kernel; then
+               run gptoss-gputests 240 python3 -m pytest -q -x -m gpu tests/kernels/test_moe_mxfp4.py \
+                 -p no:cacheprovider
+               run gptoss-moe-kernel 240 python3 -m bench.kernels.bench_moe_mxfp4 \
+                 --batch-sizes 1,16,64,256 --result-json "$OUT/gptoss-moe-kernel.json"
+             fi
+             if wantg latency; then
+               run gptoss-latency-20b 240 python3 -m bench.bench_latency \
+                 --model-path engine/configs/gpt-oss-20b.json --load-format dummy --batch-size 1 64 \
+                 --input-len 512 --output-len 64 --result-jsonl "$OUT/gptoss-latency.jsonl"
+               run gptoss-latency-120b 330 python3 -m bench.bench_latency \
+                 --model-path engine/configs/gpt-oss-120b.json --load-format dummy --batch-size 1 64 \
+                 --input-len 512 --output-len 64 --result-jsonl "$OUT/gptoss-latency.jsonl"
+             fi;;
     *) echo "unknown stage $stage";;
   esac
 done
