@@ -1,7 +1,7 @@
 """Block-wise FP8 GEMM in Triton (one path for CUDA and XPU): e4m3 weights ``[N, K]`` with
 fp32 scales per ``[bn, bk]`` block (``bk`` = the kernel's ``BLOCK_K``, so each step of the K
 loop reads one column of scales), and the per-token, per-group activation quantizer. The
-numerics are :mod:`kernels.fp8.block_reference`'s.
+numerics are the block-wise section of :mod:`kernels.fp8.reference`.
 
 - :func:`quantize_act_groups_triton`: one program per (token, group of ``bk`` columns):
   ``xq [M, K]`` e4m3 and ``sx [M, Kb]`` fp32.
@@ -44,7 +44,7 @@ def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_s, K,
 
 def quantize_act_groups_triton(x: torch.Tensor, group: int
                                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of :func:`kernels.fp8.block_reference.quantize_act_groups`.
+    """Triton version of :func:`kernels.fp8.reference.quantize_act_groups`.
 
     Args:
         x: [M, K] float (unit column stride), M >= 1.

@@ -1,5 +1,5 @@
 """Block-wise FP8 kernels (``kernels.fp8.block_triton``) against the torch reference
-(``kernels.fp8.block_reference``), and the reference against a float64 computation written
+(``kernels.fp8.reference``), and the reference against a float64 computation written
 here from the published scheme (DeepSeek-V3: ``W = Wq * scale_inv`` per 128 x 128 block,
 activations per token per 128 columns).
 
@@ -17,15 +17,15 @@ pytest.importorskip("triton")
 
 from kernel_test_utils import DEVICE, ON_GPU, gpu_only
 
-from kernels.fp8.block_reference import (
+from kernels.fp8.block_triton import (
+    fp8_block_linear,
+    quantize_act_groups_triton,
+)
+from kernels.fp8.reference import (
     dequantize_weight_blocks,
     fp8_block_linear_reference,
     quantize_act_groups,
     quantize_weight_blocks,
-)
-from kernels.fp8.block_triton import (
-    fp8_block_linear,
-    quantize_act_groups_triton,
 )
 from kernels.split_k import split_k_locks
 
