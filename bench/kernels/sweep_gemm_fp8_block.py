@@ -51,6 +51,12 @@ def _name(c: dict) -> str:
             f"s{c['num_stages']}")
 
 
+def _time_block(dev: str, x: torch.Tensor, wqs: list, ss: list, quant_x: bool,
+                cfg: dict | None = None) -> float:
+    return time_per_call(dev, [partial(fp8_block_linear, x, a, b, BLOCK[1], BLOCK[0],
+                                       quant_x=quant_x, config=cfg) for a, b in zip(wqs, ss)])
+
+
 def _bench_shape(dev: str, name: str, n: int, k: int, batch_sizes: list[int], sweep: bool,
                  g: torch.Generator) -> list[dict]:
     copies = max(2, -(-L2_DEFEAT_BYTES // (n * k)))
@@ -65,11 +71,7 @@ def _bench_shape(dev: str, name: str, n: int, k: int, batch_sizes: list[int], sw
         x = torch.randn((m, k), generator=g).to(torch.bfloat16).to(dev)
         layer_wo = m <= WEIGHT_ONLY_MAX_M
 
-        def run(quant_x: bool, cfg: dict | None = None):
-            return time_per_call(dev, [partial(fp8_block_linear, x, a, b, BLOCK[1], BLOCK[0],
-                                               quant_x=quant_x, config=cfg)
-                                       for a, b in zip(wqs, ss)])
-
+        run = partial(_time_block, dev, x, wqs, ss)
         ref = x.float() @ wdeq.t()
         out = fp8_block_linear(x, wq, s, BLOCK[1], BLOCK[0], quant_x=not layer_wo).float()
         row = {"shape": name, "n": n, "k": k, "m": m,
@@ -91,7 +93,6 @@ def _bench_shape(dev: str, name: str, n: int, k: int, batch_sizes: list[int], sw
                                         if c == row["default"]), None)
         rows.append(row)
         _print_row(row)
-        del x
     del wqs, ss, wbs, wdeq
     devlib.empty_cache(dev)
     return rows
