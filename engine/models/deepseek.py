@@ -103,6 +103,9 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
     attention_kinds = (AttentionKind.LATENT,)
     cache_kinds = (CacheKind.LATENT_KV,)
     expert_parts = ("gate_proj", "up_proj", "down_proj")
+    #: block-FP8 checkpoints (DeepSeek-V3's own) are refused: MLA's weight absorption reads
+    #: ``kv_b_proj``'s weight as a float tensor
+    fp8_block_experts = False
 
     def __init__(self, config, dtype: torch.dtype = torch.float32):
         if get_tp().size > 1:

@@ -242,11 +242,14 @@ def apply_ignore(model: nn.Module, config: Fp8Config | Int4Config, dtype: torch.
 
 
 def process_weights_after_loading(model: nn.Module, device_type: str) -> int:
-    """Call every quantized layer's ``process_weights_after_loading`` (scale checks, the
-    matmul path for ``device_type``). Returns the number of quantized layers."""
+    """Call every quantized layer's (and block-FP8 experts') ``process_weights_after_loading``
+    (scale checks, the matmul path for ``device_type``). Returns the number of quantized
+    layers."""
     n = 0
     for name, module in model.named_modules():
-        method = getattr(module, "quant_method", None)
+        # a quantized linear layer's quant method, or block-FP8 experts' state
+        # (engine.layers.moe_fp8)
+        method = getattr(module, "quant_method", None) or getattr(module, "fp8_experts", None)
         if method is not None:
             method.process_weights_after_loading(module, device_type, name)
             n += 1
