@@ -16,8 +16,8 @@ stacks them into ``...mlp.experts.w13_weight`` / ``w2_weight`` at load time.
 .weight``, Mixtral's under ``mlp.`` too), so a checkpoint missing one is reported by name,
 and ``hf_weight_shapes`` covers them for ``--load-format dummy``.
 
-Block-wise FP8 checkpoints (``weight_block_size``; Qwen3-MoE-FP8) keep their experts in
-e4m3 with their block scales (:mod:`engine.layers.moe_fp8`; the per-expert
+Block-wise FP8 checkpoints (``weight_block_size``; Qwen3-MoE-FP8, DeepSeek-V3) keep their
+experts in e4m3 with their block scales (:mod:`engine.layers.moe_fp8`; the per-expert
 ``weight_scale_inv`` tensors are stacked like the weights) and their attention and dense
 layers as block-FP8 linear layers; the routers stay in the run dtype. Not supported (refused
 at start-up with the reason): per-channel FP8, AWQ and GPTQ (``--quantization fp8|awq|gptq``

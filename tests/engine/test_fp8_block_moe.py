@@ -126,8 +126,8 @@ def test_greedy_tokens_and_logprobs_match_hf(checkpoint):
 
 def test_dummy_block_fp8_moe_and_refusals(tmp_path):
     """``--load-format dummy`` with the block-FP8 config draws e4m3 experts with folded
-    scales; a TP split that cuts the experts' blocks and a DeepSeek block-FP8 checkpoint
-    are refused in one line."""
+    scales; a TP split that cuts the experts' blocks, and per-channel FP8 experts
+    (``--quantization fp8`` on a float MoE checkpoint), are refused in one line."""
     import transformers as T
 
     from engine.layers.moe import ExpertOptions, FusedMoE
@@ -144,9 +144,93 @@ def test_dummy_block_fp8_moe_and_refusals(tmp_path):
     with pytest.raises(ValueError, match="--tp-size 2 gives each rank 96 .* whole 128x128"):
         FusedMoE(8, 2, 256, 192, True, torch.float32, tp_size=2, tp_rank=0, ep_size=1,
                  options=ExpertOptions(fp8_block=(128, 128)))
-    ds = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-          "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
-    (tmp_path / "ds").mkdir()
-    (tmp_path / "ds" / "config.json").write_text(json.dumps({**CONFIG, **ds}))
-    with pytest.raises(ValueError, match="block-wise FP8 expert weights are future work"):
-        load_model(str(tmp_path / "ds"), load_format="dummy", device="meta")
+    del cfg["quantization_config"]
+    (tmp_path / "f").mkdir()
+    (tmp_path / "f" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="FP8 and 4-bit expert weights are future work"):
+        load_model(str(tmp_path / "f"), load_format="dummy", device="meta", quantization="fp8")
+
+
+# ---- DeepSeek-V3 ---------------------------------------------------------------------------
+
+DS_BLOCK = (32, 32)
+
+
+def _is_quantized(name: str) -> bool:
+    return ".layers." in name and ".mlp.gate." not in name and \
+        name.endswith(("_proj.weight", "kv_a_proj_with_mqa.weight"))
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    """A tiny DeepSeek-V3 (``deepseek_helpers``: MLA with low-rank q, grouped sigmoid
+    routing, shared experts, a dense first layer) with every linear weight of its layers in
+    32 x 32 block FP8 (DeepSeek-V3's checkpoint layout), and HF on the dequantized twin."""
+    import transformers as T
+    from deepseek_helpers import save_tiny
+
+    root = tmp_path_factory.mktemp("dsv3_fp8")
+    save_tiny("v3", root / "float")
+    sd = load_file(str(root / "float" / "model.safetensors"))
+    quant, deq = {}, {}
+    for name, t in sd.items():
+        if _is_quantized(name):
+            codes, scale = quantize_blocks(t, *DS_BLOCK)
+            quant[name], quant[name + "_scale_inv"] = codes, scale
+            deq[name] = dequantize(codes, scale, *DS_BLOCK)
+        else:
+            quant[name] = deq[name] = t
+    save_file(deq, str(root / "float" / "model.safetensors"))
+    save_file({k: v.contiguous() for k, v in quant.items()}, str(root / "model.safetensors"))
+    cfg = json.loads((root / "float" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                  "activation_scheme": "dynamic",
+                                  "weight_block_size": list(DS_BLOCK)}
+    (root / "config.json").write_text(json.dumps(cfg))
+    save_char_tokenizer(root)
+    hf = T.AutoModelForCausalLM.from_pretrained(root / "float", dtype=torch.float32).eval()
+    return root, hf, deq
+
+
+class _NotKvB(QuantizedPrefill):
+    """HF's linear inputs quantized in the prefill, but ``kv_b_proj``'s (a float layer in
+    ferry: MLA's absorbed form reads its weight)."""
+
+    def __enter__(self):
+        for name, mod in self.hf.model.layers.named_modules():
+            if isinstance(mod, torch.nn.Linear) and not name.endswith("kv_b_proj"):
+                self.handles.append(mod.register_forward_pre_hook(self._hook))
+        return self
+
+
+def test_deepseek_v3_block_fp8_matches_hf(deepseek):
+    """The layers keep e4m3 weights (MLA's projections but ``kv_b_proj``, dequantized after
+    loading; the dense MLP, the shared and routed experts); 12 greedy steps match HF on the
+    dequantized twin within 1e-3, the short prompts weight-only, the 40-token prompt with
+    the linear inputs of its prefill quantized (:class:`_NotKvB`)."""
+    from engine.llm import LLM
+    from engine.sampling.params import SamplingParams
+
+    root, hf, deq = deepseek
+    model, _ = load_model(str(root), device="cpu", dtype="float32", progress=False)
+    attn = model.model.layers[1].self_attn
+    assert attn.q_b_proj.weight.dtype == torch.float8_e4m3fn
+    assert attn.kv_a_proj_with_mqa.weight.dtype == torch.float8_e4m3fn
+    assert attn.kv_b_proj.quant_method is None
+    assert torch.equal(attn.kv_b_proj.weight, deq["model.layers.1.self_attn.kv_b_proj.weight"])
+    assert model.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.float8_e4m3fn
+    moe = model.model.layers[1].mlp
+    assert moe.experts.w13_weight.dtype == torch.float8_e4m3fn
+    assert moe.shared_experts.down_proj.weight.dtype == torch.float8_e4m3fn
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 13, 40)]
+    refs = [_hf_generate(hf, p) for p in prompts[:2]]
+    with _NotKvB(hf, DS_BLOCK[1]):
+        refs.append(_hf_generate(hf, prompts[2]))
+    sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
+    with LLM(str(root), dtype="float32", device="cpu", cpu_threads=1,
+             max_total_tokens=2048) as llm:
+        outs = [llm.generate([p], sp)[0] for p in prompts]
+    for i, (out, ref) in enumerate(zip(outs, refs)):
+        _assert_matches(out, ref, f"DeepSeek-V3 block FP8, prompt {i}")
+    assert len({t for o in outs for t in o.token_ids}) > 8

@@ -16,6 +16,10 @@ row-parallel split must give each rank whole blocks of K, a column-parallel spli
 blocks of rows per part: others are refused when the layer is built. Float weights (dummy
 weights, ``--load-format dummy`` with such a config) are quantized per block as they load.
 
+A layer marked ``fp8_dequantize_after_load`` (DeepSeek's ``kv_b_proj``, whose weight MLA's
+absorbed form reads as a float tensor) loads like the others and becomes a float layer with the
+dequantized weight after loading.
+
 Paths: the CPU keeps the dequantized fp32 weight and runs the reference
 (:func:`kernels.fp8.reference.fp8_block_linear_reference`); CUDA sm89+ and XPU run the
 Triton kernel :func:`kernels.fp8.block_triton.fp8_block_linear` (the e4m3 ``tl.dot`` where
@@ -112,6 +116,7 @@ class Fp8BlockLinearMethod:
         layer.weight = weight
         layer.weight_scale_inv = scale
         layer.fp8_scale_row_div = 1
+        layer.fp8_run_dtype = dtype
         layer.fp8_weight_upcast = None
         layer.fp8_block_kernel = None
         layer.fp8_block_upcast = False
@@ -172,6 +177,13 @@ class Fp8BlockLinearMethod:
             raise ValueError(f"{name or type(layer).__name__}: the checkpoint's "
                              "weight_scale_inv has negative, NaN or infinite values")
         bn, bk = self.block
+        if getattr(layer, "fp8_dequantize_after_load", False):
+            # a layer whose weight is also read as a float tensor (MLA's kv_b_proj): the
+            # dequantized weight in the run dtype, a float layer from now on
+            w = dequantize_weight_blocks(layer.weight, s, bk, 1)
+            layer.drop_quantization(layer.fp8_run_dtype)
+            layer.weight.data.copy_(w)
+            return
         folded = s[::bn].contiguous()
         if torch.equal(expand_scale_rows(folded, s.shape[0], bn), s):
             layer.weight_scale_inv.data = folded
