@@ -3,8 +3,8 @@ fp32 scales per ``[bn, bk]`` block (``bk`` = the kernel's ``BLOCK_K``, so each s
 loop reads one column of scales), and the per-token, per-group activation quantizer. The
 numerics are the block-wise section of :mod:`kernels.fp8.reference`.
 
-- :func:`quantize_act_groups_triton`: one program per (token, group of ``bk`` columns):
-  ``xq [M, K]`` e4m3 and ``sx [M, Kb]`` fp32.
+- :func:`quantize_act_groups_triton`: one program per token (its row as a tile of groups of
+  ``bk`` columns): ``xq [M, K]`` e4m3 and ``sx [M, Kb]`` fp32.
 - :func:`fp8_block_linear`: W8A8 (``xq`` codes, ``tl.dot`` of two e4m3 tiles on FP8 tensor
   cores, or of their exact fp16 upcasts where Triton has no FP8 dot, ``UPCAST``), the fp32
   partial of each K step multiplied by ``sx[:, j] * S[:, j]`` before it is accumulated; or
@@ -29,22 +29,25 @@ from kernels.split_k import split_k_launch, split_k_trusted
 
 
 @triton.jit
-def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_s, K,
-                         FMAX: tl.constexpr, EPS: tl.constexpr, GROUP: tl.constexpr):
+def _quant_groups_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_s, K, NUM_GROUPS,
+                         FMAX: tl.constexpr, EPS: tl.constexpr, GROUP: tl.constexpr,
+                         BLOCK_G: tl.constexpr):
+    # one program per token: its row as a [groups, GROUP] tile, one amax per group
     row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
-    offs = g * GROUP + tl.arange(0, GROUP)
+    g = tl.arange(0, BLOCK_G)
+    offs = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = offs < K
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), 0), EPS) / FMAX
-    q = tl.minimum(tl.maximum(x / scale, -FMAX), FMAX)
+    scale = tl.maximum(tl.max(tl.abs(x), 1), EPS) / FMAX
+    q = tl.minimum(tl.maximum(x / scale[:, None], -FMAX), FMAX)
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * stride_s + g, scale)
+    tl.store(s_ptr + row * stride_s + g, scale, mask=g < NUM_GROUPS)
 
 
 def quantize_act_groups_triton(x: torch.Tensor, group: int
                                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of :func:`kernels.fp8.reference.quantize_act_groups`.
+    """Triton version of :func:`kernels.fp8.reference.quantize_act_groups`: one program per
+    token, which reads its row once.
 
     Args:
         x: [M, K] float (unit column stride), M >= 1.
@@ -58,8 +61,12 @@ def quantize_act_groups_triton(x: torch.Tensor, group: int
     kb = triton.cdiv(k, group)
     q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
     s = torch.empty(m, kb, dtype=torch.float32, device=x.device)
-    _quant_groups_kernel[(m, kb)](x, q, s, x.stride(0), q.stride(0), s.stride(0), k,
-                                  FMAX=FP8_MAX, EPS=SCALE_EPS, GROUP=group, num_warps=1)
+    block_g = triton.next_power_of_2(kb)
+    elems = block_g * group
+    warps = 4 if elems <= 2048 else (8 if elems <= 8192 else 16)
+    _quant_groups_kernel[(m,)](x, q, s, x.stride(0), q.stride(0), s.stride(0), k, kb,
+                               FMAX=FP8_MAX, EPS=SCALE_EPS, GROUP=group, BLOCK_G=block_g,
+                               num_warps=warps)
     return q, s
 
 
