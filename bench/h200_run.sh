@@ -271,20 +271,22 @@ device='meta', quantization=q, progress=False)[0]); print('weight bytes bf16', b
                run fp8-quant-parity 300 python3 -m bench.quant_parity --model-path $L8B \
                  --load-format dummy --device cuda --steps 32 --result-json "$OUT/fp8-parity.json"
              fi;;
-    fp8block) # block-wise FP8 (issue 46, weight_block_size [128, 128]): the kernel and engine
-             # GPU tests, the GEMM vs bf16 at DeepSeek-V3 / Qwen3-8B shapes (default configs),
-             # and a dummy Qwen3-8B-FP8 (weights drawn as block FP8 at load) vs bf16 (~9 min)
-             run fp8block-tests 200 python3 -m pytest -q -x -m gpu tests/kernels/test_triton_fp8_block.py \
-               tests/kernels/test_fused_moe_fp8_block.py tests/engine/test_fp8_block.py -p no:cacheprovider
+    fp8block-tests) # block-wise FP8 (issue 46): the kernel and engine GPU tests (~5 min)
+             run fp8block-tests 300 python3 -m pytest -q -x -m gpu tests/kernels/test_triton_fp8_block.py \
+               tests/kernels/test_fused_moe_fp8_block.py tests/engine/test_fp8_block.py \
+               tests/engine/test_fp8_block_moe.py -p no:cacheprovider;;
+    fp8block) # block-wise FP8 (weight_block_size [128, 128]): the GEMM vs bf16 at DeepSeek-V3 /
+             # Qwen3-8B shapes (default configs), and a dummy Qwen3-8B-FP8 (weights drawn as
+             # block FP8 at load) vs the bf16 model (~7 min)
              run fp8block-gemm 150 python3 -m bench.kernels.sweep_gemm_fp8_block --no-sweep \
                --result-json "$OUT/fp8block-gemm.json"
              Q3=engine/configs/qwen3-8b-fp8.json; Q3BF16=/tmp/qwen3-8b-bf16/config.json
              mkdir -p /tmp/qwen3-8b-bf16 && python3 -c "import json; c = json.load(open('$Q3')); \
 c.pop('quantization_config'); json.dump(c, open('$Q3BF16', 'w'))"
-             run fp8block-latency 110 python3 -m bench.bench_latency --model-path $Q3 \
+             run fp8block-latency 120 python3 -m bench.bench_latency --model-path $Q3 \
                --load-format dummy --batch-size 1 64 --input-len 512 --output-len 32 \
                --result-jsonl "$OUT/fp8block-latency.jsonl"
-             run fp8block-latency-bf16 110 python3 -m bench.bench_latency --model-path $Q3BF16 \
+             run fp8block-latency-bf16 120 python3 -m bench.bench_latency --model-path $Q3BF16 \
                --load-format dummy --batch-size 1 64 --input-len 512 --output-len 32 \
                --result-jsonl "$OUT/fp8block-latency-bf16.jsonl";;
     fp8block-moe) # block-FP8 experts: dummy Qwen3-30B-A3B with a [128, 128] block-FP8 config
