@@ -366,6 +366,39 @@ device='meta', quantization=q, progress=False)[0]); print('weight bytes bf16', b
                  --model-path engine/configs/gpt-oss-120b.json --load-format dummy --batch-size 1 64 \
                  --input-len 512 --output-len 64 --result-jsonl "$OUT/gptoss-latency.jsonl"
              fi;;
+    fp8block-tests) # block-wise FP8 (issue 46): the kernel and engine GPU tests (~5 min)
+             run fp8block-tests 300 python3 -m pytest -q -x -m gpu tests/kernels/test_triton_fp8_block.py \
+               tests/kernels/test_fused_moe_fp8_block.py tests/engine/test_fp8_block.py \
+               tests/engine/test_fp8_block_moe.py -p no:cacheprovider;;
+    fp8block) # block-wise FP8 (weight_block_size [128, 128]): the GEMM vs bf16 at DeepSeek-V3 /
+             # Qwen3-8B shapes (default configs), and a dummy Qwen3-8B-FP8 (weights drawn as
+             # block FP8 at load) vs the bf16 model (~7 min)
+             run fp8block-gemm 150 python3 -m bench.kernels.sweep_gemm_fp8_block --no-sweep \
+               --result-json "$OUT/fp8block-gemm.json"
+             Q3=engine/configs/qwen3-8b-fp8.json; Q3BF16=/tmp/qwen3-8b-bf16/config.json
+             mkdir -p /tmp/qwen3-8b-bf16 && python3 -c "import json; c = json.load(open('$Q3')); \
+c.pop('quantization_config'); json.dump(c, open('$Q3BF16', 'w'))"
+             run fp8block-latency 120 python3 -m bench.bench_latency --model-path $Q3 \
+               --load-format dummy --batch-size 1 64 --input-len 512 --output-len 32 \
+               --result-jsonl "$OUT/fp8block-latency.jsonl"
+             run fp8block-latency-bf16 120 python3 -m bench.bench_latency --model-path $Q3BF16 \
+               --load-format dummy --batch-size 1 64 --input-len 512 --output-len 32 \
+               --result-jsonl "$OUT/fp8block-latency-bf16.jsonl";;
+    fp8block-moe) # block-FP8 experts: dummy Qwen3-30B-A3B with a [128, 128] block-FP8 config
+             # (experts e4m3, weight-only fused MoE) vs the bf16 model (~6 min)
+             Q3M=engine/configs/qwen3-30b-a3b.json; Q3MF=/tmp/qwen3-30b-a3b-fp8/config.json
+             mkdir -p /tmp/qwen3-30b-a3b-fp8 && python3 -c "import json; c = json.load(open('$Q3M')); \
+c['quantization_config'] = {'quant_method': 'fp8', 'fmt': 'e4m3', 'activation_scheme': 'dynamic', \
+'weight_block_size': [128, 128]}; json.dump(c, open('$Q3MF', 'w'))"
+             run fp8block-moe-latency 170 python3 -m bench.bench_latency --model-path $Q3MF \
+               --load-format dummy --batch-size 1 64 --input-len 512 --output-len 32 \
+               --result-jsonl "$OUT/fp8block-moe-latency.jsonl"
+             run fp8block-moe-latency-bf16 170 python3 -m bench.bench_latency --model-path $Q3M \
+               --load-format dummy --batch-size 1 64 --input-len 512 --output-len 32 \
+               --result-jsonl "$OUT/fp8block-moe-latency-bf16.jsonl";;
+    fp8block-sweep) # the block-FP8 GEMM's launch-config grid per shape and M (~8 min)
+             run fp8block-sweep 520 python3 -m bench.kernels.sweep_gemm_fp8_block \
+               --result-json "$OUT/fp8block-sweep.json";;
     *) echo "unknown stage $stage";;
   esac
 done

@@ -53,6 +53,8 @@ from torch import nn
 from engine.distributed import all_reduce, get_tp
 from engine.layers.linear import ReplicatedLinear, full_tensor
 from engine.layers.moe_ep import check_ep, current_ep_size, localize_topk
+from engine.layers.moe_fp8 import Fp8BlockExperts
+from engine.layers.quantization import quantization_scope
 from kernels.moe.reference import fused_moe_torch, select_experts
 
 #: HF checkpoint part -> :meth:`FusedMoE.weight_loader` shard id
@@ -73,6 +75,9 @@ class ExpertOptions:
         mxfp4: the weights stay MXFP4 (:mod:`kernels.moe.mxfp4`): ``w13_weight`` /
             ``w2_weight`` hold the uint8 blocks ``[E, 2I_local, H/32, 16]`` /
             ``[E, H, I_local/32, 16]`` and ``w13_scales`` / ``w2_scales`` their e8m0 scales.
+        fp8_block: ``(bn, bk)``: block-wise FP8 experts (:mod:`engine.layers.moe_fp8`: e4m3
+            weights and ``w13_weight_scale_inv`` / ``w2_weight_scale_inv``); with
+            ``fp8_checkpoint`` False float expert tensors are quantized as they load.
     """
 
     bias: bool = False
@@ -80,6 +85,8 @@ class ExpertOptions:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     mxfp4: bool = False
+    fp8_block: tuple[int, int] | None = None
+    fp8_checkpoint: bool = True
 
 
 def _param(t: torch.Tensor) -> nn.Parameter:
@@ -87,6 +94,9 @@ def _param(t: torch.Tensor) -> nn.Parameter:
 
 
 class FusedMoE(nn.Module):
+    #: the block-FP8 expert state (:class:`engine.layers.moe_fp8.Fp8BlockExperts`) or None
+    fp8_experts = None
+
     """The routed experts of one layer, stacked (see the module docstring for the layout).
 
     Args:
@@ -149,6 +159,8 @@ class FusedMoE(nn.Module):
             self.w2_weight = _param(torch.empty(e_local, hidden_size, i_local // 32, 16,
                                                 dtype=u8))
             self.w2_scales = _param(torch.empty(e_local, hidden_size, i_local // 32, dtype=u8))
+        elif opts.fp8_block:
+            self.fp8_experts = Fp8BlockExperts(self, opts.fp8_block, opts.fp8_checkpoint, dtype)
         else:
             self.w13_weight = _param(torch.empty(e_local, 2 * i_local, hidden_size,
                                                  dtype=dtype))
@@ -197,6 +209,10 @@ class FusedMoE(nn.Module):
         if self.ep_size > 1:
             topk_weights, topk_ids = localize_topk(topk_weights, topk_ids, self.first_expert,
                                                    self.num_local_experts)
+        if self.fp8_experts is not None:
+            return self.fp8_experts.run(self, x, topk_weights, topk_ids,
+                                        _device_name(x.device.type)
+                                        if x.device.type != "cpu" else None)
         return self.impl(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                          **self._extras())
 
@@ -257,13 +273,16 @@ class SparseMoeBlock(nn.Module):
                  shared_expert_gate: bool = False, router_bias: bool = False,
                  options: ExpertOptions | None = None):
         super().__init__()
-        self.gate = ReplicatedLinear(hidden_size, num_experts, router_bias, dtype)
+        with quantization_scope(None):   # the router stays in the run dtype
+            self.gate = ReplicatedLinear(hidden_size, num_experts, router_bias, dtype)
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size,
                                 renormalize, dtype, options=options)
         self.tp_size = self.experts.tp_size
         self.shared_expert = shared_expert
-        self.shared_expert_gate = (ReplicatedLinear(hidden_size, 1, False, dtype)
-                                   if shared_expert is not None and shared_expert_gate else None)
+        with quantization_scope(None):
+            self.shared_expert_gate = (ReplicatedLinear(hidden_size, 1, False, dtype)
+                                       if shared_expert is not None and shared_expert_gate
+                                       else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H] (summed over the ranks)."""

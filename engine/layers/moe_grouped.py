@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.moe import FusedMoE
+from engine.layers.moe import ExpertOptions, FusedMoE
 from kernels.moe.reference import select_experts_grouped
 
 
@@ -77,15 +77,16 @@ class GroupedMoeBlock(nn.Module):
         routing: the router's switches.
         shared_experts: a module x [T, H] -> [T, H] (DeepSeek's ``n_shared_experts``
             experts as one MLP), or None.
+        options: the experts' :class:`engine.layers.moe.ExpertOptions` (block-FP8 experts).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
                  dtype: torch.dtype, routing: GroupedRouting,
-                 shared_experts: nn.Module | None = None):
+                 shared_experts: nn.Module | None = None, options: ExpertOptions | None = None):
         super().__init__()
         self.gate = GroupedRouter(hidden_size, num_experts, top_k, routing)
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size,
-                                routing.renormalize, dtype)
+                                routing.renormalize, dtype, options=options)
         self.shared_experts = shared_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -424,9 +424,12 @@ def _plan_quantized_layers(model, quant, keep_blocks: bool, source: ModelSource,
     if isinstance(quant, Int4Config):
         logger.info("%s", quant.describe())
     else:
-        logger.info("FP8 linear layers (%s): %s weights, per-output-channel scales, "
-                    "activations quantized per token", quant.source,
-                    "e4m3 checkpoint" if quant.checkpoint_fp8 else "quantized at load time")
+        block = quant.weight_block_size
+        logger.info("FP8 linear layers (%s): %s weights, %s scales, activations quantized "
+                    "per token%s", quant.source,
+                    "e4m3 checkpoint" if quant.checkpoint_fp8 else "quantized at load time",
+                    f"{block[0]}x{block[1]} block" if block else "per-output-channel",
+                    f" per group of {block[1]}" if block else "")
 
 
 def _load_checkpoint(model, source: ModelSource, fmt: str, config, gguf_blocks,

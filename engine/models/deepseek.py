@@ -12,10 +12,14 @@ sigmoid scores, ``e_score_correction_bias`` for the choice, groups ranked by the
 ``n_shared_experts`` shared experts (one MLP). Rope: the ``qk_rope_head_dim`` parts only,
 interleaved in the checkpoint (V2 always, V3 with ``rope_interleave``).
 
+Block-wise FP8 checkpoints (V3's own format) load as :class:`engine.models.moe.MoeForCausalLM`
+says, with ``kv_b_proj`` dequantized to the run dtype after loading (MLA's absorbed form reads
+its weight as a float tensor).
+
 Not supported yet (refused at construction, one line naming the family): tensor parallelism,
-quantized weights (FP8/4-bit, from :class:`engine.models.moe.MoeForCausalLM`), EAGLE (hidden
-states for a draft head); piecewise graphs (``supports_piecewise`` False: prefill runs
-eagerly); the preflight refuses an FP8 KV cache, LoRA, speculative decoding and TP. Decode
+other quantized weights (per-channel FP8/4-bit, from :class:`engine.models.moe.MoeForCausalLM`),
+EAGLE (hidden states for a draft head); piecewise graphs (``supports_piecewise`` False: prefill
+runs eagerly); the preflight refuses an FP8 KV cache, LoRA, speculative decoding and TP. Decode
 graphs capture the Triton MLA kernels (``engine/attention/triton_mla.py``).
 """
 
@@ -117,6 +121,11 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
             raise ValueError(f"{type(self).__name__} with moe_layer_freq={freq} is not "
                              "supported (every layer after first_k_dense_replace is MoE)")
         super().__init__(config, dtype)
+        if self._fp8_block:
+            # block-FP8 (V3's checkpoints): MLA's absorbed form reads kv_b_proj's weight as a
+            # float tensor, so that one layer is dequantized after loading
+            for layer in self.model.layers:
+                layer.self_attn.kv_b_proj.fp8_dequantize_after_load = True
 
     def _text(self):
         return getattr(self.config, "text_config", None) or self.config
@@ -139,7 +148,8 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
                   if config.shared_expert_intermediate_size else None)
         return GroupedMoeBlock(config.hidden_size, config.num_experts,
                                config.num_experts_per_tok, config.moe_intermediate_size, dtype,
-                               self._routing(config), shared_experts=shared)
+                               self._routing(config), shared_experts=shared,
+                               options=self._expert_options())
 
     def _build_model(self, config: ModelConfig, dtype: torch.dtype) -> nn.Module:
         return DeepseekModel(config, self._text(), dtype, self._mlp, self._interleaved(),

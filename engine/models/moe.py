@@ -16,9 +16,14 @@ stacks them into ``...mlp.experts.w13_weight`` / ``w2_weight`` at load time.
 .weight``, Mixtral's under ``mlp.`` too), so a checkpoint missing one is reported by name,
 and ``hf_weight_shapes`` covers them for ``--load-format dummy``.
 
-Not supported (refused at start-up with the reason): FP8, AWQ and GPTQ (``--quantization
-fp8|awq|gptq`` or such a checkpoint: quantized experts are future work) and GGUF files of MoE
-models (the loader's check).
+Block-wise FP8 checkpoints (``weight_block_size``; Qwen3-MoE-FP8, DeepSeek-V3) keep their
+experts in e4m3 with their block scales (:mod:`engine.layers.moe_fp8`; the per-expert
+``weight_scale_inv`` tensors are stacked like the weights) and their attention and dense
+layers as block-FP8 linear layers; the routers stay in the run dtype. Not supported (refused
+at start-up with the reason): per-channel FP8, AWQ and GPTQ (``--quantization fp8|awq|gptq``
+on a float checkpoint or such a checkpoint: those quantized experts are future work), block
+FP8 for a family that sets ``fp8_block_experts`` False, and GGUF files of MoE models (the
+loader's check).
 """
 
 from __future__ import annotations
@@ -29,15 +34,17 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from engine.layers.moe import EXPERT_SHARDS, SparseMoeBlock
+from engine.layers.moe import EXPERT_SHARDS, ExpertOptions, SparseMoeBlock
 from engine.layers.quantization import current_linear_method
 from engine.models.blocks import GatedMLP
 from engine.models.config import ModelConfig
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.weights import load_tensor
 
-_EXPERT_NAME = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
-_STACKED = (".experts.w13_weight", ".experts.w2_weight")
+_EXPERT_NAME = re.compile(
+    r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight(_scale_inv)?")
+_STACKED = (".experts.w13_weight", ".experts.w2_weight", ".experts.w13_weight_scale_inv",
+            ".experts.w2_weight_scale_inv")
 
 
 class MoeForCausalLM(DecoderForCausalLM):
@@ -49,17 +56,21 @@ class MoeForCausalLM(DecoderForCausalLM):
     expert_parts = ("gate_proj", "up_proj", "down_proj")
     #: a Qwen2-MoE shared expert with its sigmoid gate
     has_shared_expert = False
+    #: whether block-wise FP8 checkpoints load (their experts in e4m3, engine.layers.moe_fp8)
+    fp8_block_experts = True
 
     def __init__(self, config, dtype: torch.dtype = torch.float32):
         mc = ModelConfig.from_hf(config)
         arch = mc.architecture or type(self).__name__
         method = current_linear_method()
-        if method is not None:
+        self._fp8_block = getattr(getattr(method, "config", None), "weight_block_size", None)
+        if method is not None and not (self._fp8_block and self.fp8_block_experts):
             src = method.config.source
             what = (src if src.startswith(("--", "quant_method"))
                     else f"an FP8 checkpoint (quant_method {src!r})")
+            kind = "block-wise FP8" if self._fp8_block else "FP8 and 4-bit"
             raise ValueError(f"{what} is not supported for {arch}, a mixture-of-experts model "
-                             "(FP8 and 4-bit expert weights are future work); serve it "
+                             f"({kind} expert weights are future work here); serve it "
                              "unquantized (bfloat16/float16/float32)")
         if mc.num_experts <= 0 or mc.num_experts_per_tok <= 0:
             raise ValueError(f"{arch}: the config gives no experts (num_experts / "
@@ -83,7 +94,16 @@ class MoeForCausalLM(DecoderForCausalLM):
         return SparseMoeBlock(config.hidden_size, config.num_experts,
                               config.num_experts_per_tok, config.moe_intermediate_size,
                               self._renormalize(config), dtype, shared_expert=shared,
-                              shared_expert_gate=shared is not None)
+                              shared_expert_gate=shared is not None,
+                              options=self._expert_options())
+
+    def _expert_options(self) -> ExpertOptions | None:
+        """The experts' block-FP8 options under a block-FP8 scheme (while the model is
+        built, inside the loader's quantization scope), else None."""
+        if not self._fp8_block:
+            return None
+        return ExpertOptions(fp8_block=self._fp8_block,
+                             fp8_checkpoint=current_linear_method().config.checkpoint_fp8)
 
     # ---- names ---------------------------------------------------------------------------
 
@@ -107,10 +127,15 @@ class MoeForCausalLM(DecoderForCausalLM):
         expert parameter replaced by its per-expert checkpoint names."""
         keys = {k for k in super().expected_weights() if not k.endswith(_STACKED)}
         mc = self.model_config
+        # a block-FP8 checkpoint's per-expert scales (not when they are derived at load)
+        leaves = ("weight", "weight_scale_inv") if any(
+            n.endswith(_STACKED[2]) and not getattr(p, "derived", False)
+            for n, p in self.named_parameters()) else ("weight",)
         for layer in range(mc.num_layers):
             if mc.is_moe_layer(layer):
-                keys.update(f"model.layers.{layer}.mlp.experts.{e}.{part}.weight"
-                            for e in range(mc.num_experts) for part in self.expert_parts)
+                keys.update(f"model.layers.{layer}.mlp.experts.{e}.{part}.{leaf}"
+                            for e in range(mc.num_experts) for part in self.expert_parts
+                            for leaf in leaves)
         return keys
 
     def hf_weight_names(self) -> list[str]:
@@ -144,9 +169,9 @@ class MoeForCausalLM(DecoderForCausalLM):
                 name = self._to_ferry(hf_name)
                 m = _EXPERT_NAME.fullmatch(name)
                 if m and m.group(3) in self.expert_parts:
-                    layer, expert, part = m.groups()
+                    layer, expert, part, scale = m.groups()
                     shard = EXPERT_SHARDS[part]
-                    stacked = "w2_weight" if shard == "down" else "w13_weight"
+                    stacked = ("w2_weight" if shard == "down" else "w13_weight") + (scale or "")
                     p = params.get(f"model.layers.{layer}.mlp.experts.{stacked}")
                     if p is not None:
                         load_tensor(hf_name, p.weight_loader, p, tensor, int(expert), shard)

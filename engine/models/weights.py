@@ -4,8 +4,9 @@ ferry fuses the q/k/v projections (``self_attn.qkv_proj``) and the gate/up proje
 (``mlp.gate_up_proj``); :data:`STACKED_PARAMS` maps each fused parameter to its checkpoint
 parts and shard ids (the loader, the quantization methods, LoRA and EAGLE read it).
 
-FP8 checkpoints add ``<module>.weight_scale`` tensors, loaded like the weights onto the
-fused ``...qkv_proj.weight_scale`` / ``...gate_up_proj.weight_scale`` (same shard ids);
+FP8 checkpoints add ``<module>.weight_scale`` tensors (block-wise FP8:
+``<module>.weight_scale_inv``), loaded like the weights onto the fused
+``...qkv_proj.weight_scale`` / ``...gate_up_proj.weight_scale`` (same shard ids);
 their static ``input_scale`` (and KV ``k_scale``/``v_scale``) tensors are skipped
 (:data:`STATIC_SCALE_SUFFIXES`).
 """

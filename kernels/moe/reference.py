@@ -307,3 +307,16 @@ def _check_align_args(block_m: int, num_experts: int) -> None:
 
 __all__ = ["align_capacity", "check_moe_shapes", "fused_moe_torch",
            "moe_align_block_size_torch", "select_experts", "swiglu_oai"]
+
+
+def dequantize_fp8_block_experts(wq: torch.Tensor, scales: torch.Tensor, block_k: int,
+                                 row_div: int, dtype: torch.dtype = torch.float32
+                                 ) -> torch.Tensor:
+    """Block-FP8 expert weights ``wq [E, N, K]`` e4m3 with ``scales [E, R, ceil(K/block_k)]``
+    fp32 (``row_div`` weight rows per scale row) -> ``[E, N, K]`` in ``dtype``: each
+    expert's :func:`kernels.fp8.reference.dequantize_weight_blocks` (what
+    :mod:`kernels.moe.fused_moe_fp8` multiplies by)."""
+    from kernels.fp8.reference import dequantize_weight_blocks
+
+    return torch.stack([dequantize_weight_blocks(wq[e], scales[e], block_k, row_div).to(dtype)
+                        for e in range(wq.shape[0])])

@@ -12,7 +12,9 @@ the checkpoint's ``config.json`` ``quantization_config`` or from ``--quantizatio
   num_bits: 8, strategy: channel|tensor}``; ``input_activations`` may be dynamic, static or
   absent; ``ignore`` lists modules kept in the run dtype (``lm_head``, ``re:`` regexes);
 - ``quant_method: "fp8"`` with ``activation_scheme: dynamic|static`` (``weight_scale`` per
-  tensor or per channel); ``weight_block_size`` (block-wise FP8) is refused;
+  tensor or per channel), or with ``weight_block_size: [bn, bk]`` (block-wise FP8:
+  ``weight_scale_inv`` per block, :mod:`engine.layers.quantization.fp8_block`; with
+  ``--load-format dummy`` the dummy float weights are quantized per block);
 - ``--quantization fp8`` on a float checkpoint (safetensors, GGUF, dummy): every linear
   weight is quantized per output channel while it loads.
 
@@ -38,6 +40,7 @@ import torch
 from torch import nn
 
 from engine.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod
+from engine.layers.quantization.fp8_block import Fp8BlockLinearMethod
 from engine.layers.quantization.int4 import Int4Config
 from engine.layers.quantization.int4_config import (
     _refuse,
@@ -51,10 +54,10 @@ logger = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = ("fp8", "gguf", "awq", "gptq")
 
-_ACTIVE: contextvars.ContextVar[Fp8LinearMethod | None] = contextvars.ContextVar(
+_ACTIVE: contextvars.ContextVar[Fp8LinearMethod | Fp8BlockLinearMethod | None] = contextvars.ContextVar(
     "ferry_quant_method", default=None)
 
-__all__ = ["Fp8Config", "Fp8LinearMethod", "Int4Config", "QUANTIZATION_METHODS",
+__all__ = ["Fp8BlockLinearMethod", "Fp8Config", "Fp8LinearMethod", "Int4Config", "QUANTIZATION_METHODS",
            "apply_ignore", "current_linear_method", "get_quant_config", "process_weights_after_loading",
            "quantization_scope"]
 
@@ -67,10 +70,18 @@ def _as_dict(qc) -> dict:
     return dict(vars(qc))
 
 
+def _block_size(qc: dict) -> tuple[int, int] | None:
+    block = qc.get("weight_block_size")
+    if block is None:
+        return None
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and b > 0 for b in block)):
+        raise _refuse(f"FP8 weight_block_size {block!r} (expected [rows, columns], two "
+                      "positive integers)")
+    return int(block[0]), int(block[1])
+
+
 def _parse_fp8(qc: dict) -> Fp8Config:
-    if qc.get("weight_block_size"):
-        raise _refuse(f"block-wise FP8 (weight_block_size {qc['weight_block_size']}) is not "
-                      "supported; ferry loads per-tensor or per-channel FP8 weight scales")
     scheme = qc.get("activation_scheme", "dynamic")
     if scheme not in ("dynamic", "static"):
         raise _refuse(f"FP8 activation_scheme {scheme!r} (expected dynamic or static)")
@@ -78,7 +89,7 @@ def _parse_fp8(qc: dict) -> Fp8Config:
     if fmt != "e4m3":
         raise _refuse(f"FP8 fmt {fmt!r}: only e4m3 weights are supported")
     ignore = qc.get("ignored_layers") or qc.get("modules_to_not_convert") or []
-    return Fp8Config(True, "fp8", scheme, list(ignore))
+    return Fp8Config(True, "fp8", scheme, list(ignore), _block_size(qc))
 
 
 def _parse_compressed_tensors(qc: dict) -> Fp8Config | Int4Config:
@@ -130,7 +141,7 @@ def get_quant_config(hf_config, quantization: str | None = None,
             ``quant_method: gguf``.
     Raises:
         ValueError: an unknown ``--quantization`` value, or a checkpoint scheme ferry cannot
-            load (block-wise FP8, 8-bit integer or act-order GPTQ weights, another
+            load (a malformed FP8 weight_block_size, 8-bit integer or act-order GPTQ weights, another
             quant_method), naming it; ``--quantization awq|gptq`` on a checkpoint quantized
             another way.
     """
@@ -193,7 +204,7 @@ def quantization_scope(config: Fp8Config | Int4Config | None):
         _ACTIVE.reset(token)
 
 
-def current_linear_method() -> Fp8LinearMethod | None:
+def current_linear_method() -> Fp8LinearMethod | Fp8BlockLinearMethod | None:
     """The quant method of the enclosing :func:`quantization_scope`, or None."""
     return _ACTIVE.get()
 
@@ -231,11 +242,14 @@ def apply_ignore(model: nn.Module, config: Fp8Config | Int4Config, dtype: torch.
 
 
 def process_weights_after_loading(model: nn.Module, device_type: str) -> int:
-    """Call every quantized layer's ``process_weights_after_loading`` (scale checks, the
-    matmul path for ``device_type``). Returns the number of quantized layers."""
+    """Call every quantized layer's (and block-FP8 experts') ``process_weights_after_loading``
+    (scale checks, the matmul path for ``device_type``). Returns the number of quantized
+    layers."""
     n = 0
     for name, module in model.named_modules():
-        method = getattr(module, "quant_method", None)
+        # a quantized linear layer's quant method, or block-FP8 experts' state
+        # (engine.layers.moe_fp8)
+        method = getattr(module, "quant_method", None) or getattr(module, "fp8_experts", None)
         if method is not None:
             method.process_weights_after_loading(module, device_type, name)
             n += 1

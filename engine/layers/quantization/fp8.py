@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from engine.layers.quantization.fp8_block import Fp8BlockLinearMethod
 from kernels.fp8.constants import FP8_DTYPE, MEDIUM_M_MAX, WEIGHT_ONLY_MAX_M
 from kernels.fp8.reference import fp8_matmul_dequant, fp8_matmul_weight_only, quantize_rows
 
@@ -129,12 +130,15 @@ class Fp8Config:
             weight-only); informational: activations are always quantized per token at run
             time.
         ignore: HF module names (or ``re:`` regexes) kept in the run dtype.
+        weight_block_size: ``(bn, bk)`` for block-wise FP8 (one weight scale per block,
+            :mod:`engine.layers.quantization.fp8_block`), None for per-channel scales.
     """
 
     checkpoint_fp8: bool
     source: str
     activation_scheme: str = "dynamic"
     ignore: list[str] = field(default_factory=list)
+    weight_block_size: tuple[int, int] | None = None
 
     def is_ignored(self, hf_module: str) -> bool:
         """Whether HF module ``hf_module`` (e.g. ``model.layers.0.mlp.down_proj``) stays
@@ -147,7 +151,9 @@ class Fp8Config:
                 return True
         return False
 
-    def linear_method(self) -> Fp8LinearMethod:
+    def linear_method(self) -> Fp8LinearMethod | Fp8BlockLinearMethod:
+        if self.weight_block_size is not None:
+            return Fp8BlockLinearMethod(self)
         return Fp8LinearMethod(self)
 
 

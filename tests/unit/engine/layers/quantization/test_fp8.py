@@ -277,11 +277,15 @@ def test_quant_config_detection_and_refusals():
     plain = get_quant_config(_cfg({"quant_method": "fp8", "activation_scheme": "static",
                                    "ignored_layers": ["re:.*down_proj"]}))
     assert plain.checkpoint_fp8 and plain.is_ignored("model.layers.3.mlp.down_proj")
+    block = get_quant_config(_cfg({"quant_method": "fp8", "activation_scheme": "dynamic",
+                                   "weight_block_size": [128, 128]}))
+    assert block.checkpoint_fp8 and block.weight_block_size == (128, 128)
     # dummy weights of an FP8 config are float: quantized while they load
     assert not get_quant_config(_cfg(CT_CHANNEL), None, "dummy").checkpoint_fp8
     refusals = [
         ({"quant_method": "fp8", "activation_scheme": "dynamic",
-          "weight_block_size": [128, 128]}, "block-wise FP8 \\(weight_block_size"),
+          "weight_block_size": [128]}, "weight_block_size \\[128\\]"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 0]}, "two positive integers"),
         (_ct({"strategy": "block", "block_structure": [128, 128]}), "block-wise FP8"),
         (_ct({"type": "int", "num_bits": 4, "strategy": "group"}), "int 4-bit weights"),
         (_ct({"strategy": "group"}), "weight strategy 'group'"),
