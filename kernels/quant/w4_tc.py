@@ -65,7 +65,7 @@ TARGET_PROGRAMS = 264
 #: above this many rows :func:`w4k_linear` dequantizes (:func:`w4k_dequant`) and runs the
 #: vendor GEMM (``$FERRY_W4K_DEQUANT_MIN_M``). 64: on the H200 (2026-12-03, c4aa618) the
 #: tensor-core kernel took 3.6-5.7x bf16 at M = 128 and 5.8-9.7x at 256, where the dequantize
-#: (its cost is the M = 512 time less bf16's: 12-95 us) plus cuBLAS comes to ~1.8-2.4x; at
+#: (its cost is the M = 512 time less bf16's: 12-95 us) plus cuBLAS comes to ~1.7-2.4x; at
 #: M = 64 the kernel (1.5-2.1x) wins but for qkv (35.3 us against ~33)
 DEQUANT_MIN_M = int(os.environ.get("FERRY_W4K_DEQUANT_MIN_M", 64))
 #: :func:`w4k_dequant`'s program: weights of K, columns, warps
