@@ -28,15 +28,17 @@ no autotuning):
 - above ``DEQUANT_MIN_M`` rows (64; a config given explicitly runs the kernel at any M):
   :func:`w4k_dequant` writes ``W^T`` in x's dtype, then the vendor GEMM;
 - otherwise :func:`_w4k_tc_kernel`: ``y^T = W x^T`` tile by tile with the dequantized
-  weights as the MMA's *first* operand (``[BLOCK_N, BLOCK_K]`` in registers, the form
-  Hopper's wgmma takes from registers) and the activations' transpose as the second, so the
-  rows M are the MMA's narrow dimension (16..128) and no tensor-core work is padding at
-  M = 17..64. The codes become 16-bit floats without a conversion instruction (the bits
-  ``0x6400 | q`` are the fp16 ``1024 + q``, ``0x4300 | q`` the bf16 ``128 + q``); the offset
-  times ``sum x`` comes off after the dot and the group's scale and min apply once per tile
-  in fp32: ``acc += (d - c sum x) s + m sum x``. fp32 activations (tests, the interpreter)
-  multiply the codes in IEEE fp32. K is split over more programs when the tiles alone make
-  few (:mod:`kernels.split_k`; not on XPU).
+  weights as the MMA's *first* operand (``[BLOCK_N, BLOCK_K]``, the form Hopper's wgmma
+  takes from registers) and the activations' transpose as the second, so the rows M are the
+  MMA's narrow dimension (16..128) and no tensor-core work is padding at M = 17..64. The
+  codes become 16-bit floats without a conversion instruction (the bits ``0x6400 | q`` are
+  the fp16 ``1024 + q``, ``0x4300 | q`` the bf16 ``128 + q``), unpacked by ``tl.join`` so a
+  word's 8 K stay contiguous in a thread (128-bit stores into the MMA's staging); the
+  offset comes off exactly and the group's scale and min apply in x's dtype (``(f - c) s +
+  m``, packed HADD2/HFMA2: the dequantize path's precision), so the dot accumulates W x^T
+  directly in fp32. fp32 activations (tests, the interpreter) dequantize and multiply in
+  IEEE fp32. K is split over more programs when the tiles alone make few
+  (:mod:`kernels.split_k`; not on XPU).
 
 Accumulation is fp32 everywhere. The tests run both kernels in the interpreter against
 :func:`kernels.quant.reference.wq_matmul_ref` (``tests/kernels/test_w4_tc.py``). The table's
@@ -110,6 +112,35 @@ def from_kmajor(qk: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
 
 
 @triton.jit
+def _w4k_codes(q, MODE: tl.constexpr):
+    """Codes ``q`` (int32, 0..15) as floats without a conversion instruction: ``MODE`` 0 fp32
+    ``q``; 1 the fp16 ``1024 + q`` (bits ``0x6400 | q``); 2 the bf16 ``128 + q``
+    (``0x4300 | q``)."""
+    if MODE == 0:
+        return q.to(tl.float32)
+    elif MODE == 1:
+        return (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    else:
+        return (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _w4k_unpack(w, MODE: tl.constexpr):
+    """Words ``[BN, KW]`` -> codes ``[BN, 8 KW]`` (:func:`_w4k_codes`) by ``tl.join``s, so a
+    word's 8 consecutive K stay in one thread, contiguous: the tile then reaches the MMA's
+    shared-memory staging as 128-bit stores (a reshape of ``[BN, KW, 8]`` gave one 16-bit
+    store a weight on sm_90)."""
+    # a join appends the last (fastest) dimension: join nibbles i, i + 4 first, then i, i + 2,
+    # then i, i + 1, so that [BN, KW, 2, 2, 2] flattens to K = 8r + i
+    q0 = tl.join(tl.join(_w4k_codes(w & 0xF, MODE), _w4k_codes((w >> 16) & 0xF, MODE)),
+                 tl.join(_w4k_codes((w >> 8) & 0xF, MODE), _w4k_codes((w >> 24) & 0xF, MODE)))
+    q1 = tl.join(tl.join(_w4k_codes((w >> 4) & 0xF, MODE), _w4k_codes((w >> 20) & 0xF, MODE)),
+                 tl.join(_w4k_codes((w >> 12) & 0xF, MODE), _w4k_codes((w >> 28) & 0xF, MODE)))
+    t = tl.join(q0, q1)
+    return tl.reshape(t, (w.shape[0], w.shape[1] * 8))
+
+
+@triton.jit
 def _w4k_tc_kernel(x_ptr, qk_ptr, s_ptr, m_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, G,
                    k_per_split, stride_xm, stride_ym, IEEE: tl.constexpr,
                    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -117,8 +148,12 @@ def _w4k_tc_kernel(x_ptr, qk_ptr, s_ptr, m_ptr, y_ptr, part_ptr, lock_ptr, M, N,
     """``y [M, N] = x W^T`` as ``acc^T [BLOCK_N, BLOCK_M] += W_tile @ x_tile^T`` (module
     docstring); ``BLOCK_K`` divides ``G`` (every tile in one group). ``DUP_LOAD``: load the
     words as a ``[BLOCK_N, BLOCK_K]`` tile in which each word is read by its 8 K (gemlite's
-    way, no reshape) instead of ``[BLOCK_N, BLOCK_K/8]`` unpacked by a reshape; which one
-    Triton compiles better is for the ``w4-sweep`` stage to say."""
+    way) instead of ``[BLOCK_N, BLOCK_K/8]`` unpacked by joins (:func:`_w4k_unpack`).
+    The tile is dequantized in x's dtype before the dot (``(f - c) s + m``, packed 16-bit
+    ops), so the dot accumulates the product itself: on sm_90 ~6.8 SASS instructions a weight
+    at 16 rows and ~7.4 at 64 (the first version, codes into the dot and the scale, min and
+    per-tile sum of x after it, with the codes staged one 16-bit store at a time: 8.7 and
+    13.1)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -129,42 +164,38 @@ def _w4k_tc_kernel(x_ptr, qk_ptr, s_ptr, m_ptr, y_ptr, part_ptr, lock_ptr, M, N,
     KW: tl.constexpr = BLOCK_K // 8
     wi = tl.arange(0, KW)
     kk = tl.arange(0, BLOCK_K)
-    shifts = tl.arange(0, 8) * 4
     ng = K // G
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    MODE: tl.constexpr = 0 if IEEE else (1 if x_ptr.dtype.element_ty == tl.float16 else 2)
     k_start = pid_k * k_per_split
     for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
         xk = k0 + kk
         if DUP_LOAD:
             w = tl.load(qk_ptr + (xk // 8)[None, :].to(tl.int64) * N + offs_n[:, None],
                         mask=mask_n[:, None] & (xk < K)[None, :], other=0)  # [BN, BK]
-            q = (w >> ((kk % 8) * 4)[None, :]) & 0xF
+            f = _w4k_codes((w >> ((kk % 8) * 4)[None, :]) & 0xF, MODE)
         else:
             kw = k0 // 8 + wi
             mask_kw = kw < K // 8              # only the last K part runs past K
             w = tl.load(qk_ptr + kw[None, :].to(tl.int64) * N + offs_n[:, None],
                         mask=mask_n[:, None] & mask_kw[None, :], other=0)   # [BN, KW]
-            q = tl.reshape((w[:, :, None] >> shifts[None, None, :]) & 0xF,
-                           (BLOCK_N, BLOCK_K))
+            f = _w4k_unpack(w, MODE)
         x = tl.load(x_rows + xk[None, :], mask=mask_m[:, None] & (xk < K)[None, :],
                     other=0.0)                                               # [BM, BK]
         g = tl.minimum(k0 // G, ng - 1)
-        s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        mn = tl.load(m_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        xsum = tl.sum(x.to(tl.float32), axis=1)
+        s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0)
+        mn = tl.load(m_ptr + g * N + offs_n, mask=mask_n, other=0.0)
         if IEEE:
-            d = tl.dot(q.to(tl.float32), tl.trans(x), input_precision="ieee")
-            bias = 0.0
-        elif x.dtype == tl.float16:
-            f = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)     # 1024 + q
-            d = tl.dot(f, tl.trans(x))
-            bias = 1024.0
+            wt = f * s.to(tl.float32)[:, None] + mn.to(tl.float32)[:, None]
+            acc = tl.dot(wt, tl.trans(x), acc, input_precision="ieee")
         else:
-            f = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)    # 128 + q
-            d = tl.dot(f, tl.trans(x))
-            bias = 128.0
-        acc += (d - bias * xsum[None, :]) * s[:, None] + xsum[None, :] * mn[:, None]
+            # W in x's dtype: the offset off exactly, then one FMA per weight pair (packed
+            # HADD2/HFMA2), the scale and min rounded to x's dtype (the dequantize path's
+            # precision); no per-tile sum of x, no epilogue per tile
+            xt: tl.constexpr = x_ptr.dtype.element_ty
+            wt = (f - (1024.0 if MODE == 1 else 128.0)) * s.to(xt)[:, None] + mn.to(xt)[:, None]
+            acc = tl.dot(wt, tl.trans(x), acc)
     _store_out(tl.trans(acc), y_ptr, part_ptr, lock_ptr, offs_m, offs_n, mask_m, mask_n, M, N,
                stride_ym, pid_m, pid_n, pid_k, SPLIT_K)
 

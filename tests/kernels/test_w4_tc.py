@@ -293,15 +293,45 @@ lower("bf16", 1, 64, 90, True)
 lower("bf16", 4, 8, 90, True)
 lower("fp16", 2, 1, 80, False)
 lower("fp32", 1, 4, 90, False)
+
+def lower_tc(xt, m, arch):
+    kern = w4_tc._w4k_tc_kernel
+    ptrs = dict(x_ptr=xt, qk_ptr="i32", s_ptr="fp32", m_ptr="fp32", y_ptr=xt, part_ptr="fp32",
+                lock_ptr="i32")
+    cfg = w4_tc.w4k_config(m, 4096, 4096, 128)
+    consts = dict(IEEE=xt == "fp32", SPLIT_K=cfg["SPLIT_K"], BLOCK_M=cfg["BLOCK_M"],
+                  BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], DUP_LOAD=False)
+    sig, attrs = {}, {}
+    for i, name in enumerate(kern.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in ptrs:
+            sig[name] = "*" + ptrs[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "i32"
+            if name in ("N", "K", "G", "k_per_split", "stride_xm", "stride_ym"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    out = triton.compile(ASTSource(kern, sig, consts, attrs), target=GPUTarget("cuda", arch, 32),
+                         options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+    # the unpacked codes reach the MMA's staging as vectors (the reshape-unpacked first
+    # version stored them one 16-bit element at a time: 64 st.shared.b16 a tile)
+    assert "st.shared.b16" not in out.asm["ptx"] and "st.shared.u16" not in out.asm["ptx"], (xt, m)
+
+lower_tc("bf16", 16, 90)
+lower_tc("bf16", 64, 90)
+lower_tc("fp16", 32, 80)
 print("COMPILED OK")
 '''
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the GPU tests compile the kernels for real")
-def test_w4k_gemv_compiles_for_nvidia_without_shared_memory():
+def test_w4k_kernels_compile_for_nvidia_targets():
     """The interpreter accepts programs the compiler rejects: lower the GEMV the table picks
-    (1, 2 and 4 rows; bf16 x read as int32 pairs, fp16, fp32) for sm_90/sm_80 in a
-    subprocess, and check it keeps its tile in registers (no shared-memory conversions in the loop)."""
+    (1, 2 and 4 rows; bf16 x read as int32 pairs, fp16, fp32) and the tensor-core kernel (16,
+    32, 64 rows) for sm_90/sm_80 in a subprocess; the GEMV keeps its tile in registers (no
+    shared-memory conversions in its loop), the tensor-core kernel stages its codes as
+    vectors."""
     import os
     import subprocess
     import sys
