@@ -225,6 +225,15 @@ for stage in "$@"; do
     w4-tests) # the K-major kernels compiled for the GPU (every test of the file, bf16 included)
         run w4-tests 300 python3 -m pytest -q -x tests/kernels/test_w4_tc.py \
           tests/kernels/test_wq_kernels.py -p no:cacheprovider;;
+    w4-check) # 4-bit, the K-major path's second round (issue 49 item 1; < 3 min): the GEMMs
+        # (old rows, new K-major, bf16) at the GEMV's 1 and 4 rows and the tensor-core 16/64,
+        # then bs1/bs64 decode with the K-major layout (bf16 and the row layout: the w4
+        # stage's figures of 2026-12-03); the JSON is written after every shape
+        run w4-check-gemm 120 python3 -m bench.kernels.bench_w4 --no-gemlite \
+          --batch-sizes 1,4,16,64 --result-json "$OUT/w4-check-gemm.json"
+        FERRY_WQ_LAYOUT=kmajor run w4-check-latency 115 python3 -m bench.bench_latency \
+          --model-path $L8B --load-format dummy --batch-size 1 64 --input-len 512 \
+          --output-len 64 --quantization awq --result-jsonl "$OUT/w4-check-latency.jsonl";;
     w4-sweep) # the K-major kernel's tiles at M 1,16,64,128,512 on o and gate_up (W4K_TABLE)
         run w4-sweep 580 python3 -m bench.kernels.bench_w4 --no-gemlite --shapes o,gate_up \
           --batch-sizes 1,16,64,128,512 --configs 1,16,64,128,512 --result-json "$OUT/w4-sweep.json";;

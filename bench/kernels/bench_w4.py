@@ -113,11 +113,10 @@ def _timed(dev: str, fns: list) -> float | None:
 
 def _configs(m: int):
     """The new kernel's tiles swept at ``m`` rows (GEMV up to 4 rows, tensor cores above)."""
-    if m <= 4:
-        for bn, split, warps, stages in itertools.product((64, 128, 256), (4, 8), (4, 8),
-                                                          (2, 3)):
+    if m <= 4:   # the GEMV keeps every word row in each thread when BLOCK_N = 128 warps
+        for warps, bk, split in itertools.product((1, 2, 4), (32, 64, 128), (8, 16, 32, 64)):
             yield dict(GEMV=True, SPLIT_K=split, BLOCK_M=1 << (m - 1).bit_length(),
-                       BLOCK_N=bn, BLOCK_K=128, num_warps=warps, num_stages=stages)
+                       BLOCK_N=128 * warps, BLOCK_K=bk, num_warps=warps, num_stages=1)
         return
     bms = (16, 32) if m <= 32 else (32, 64) if m <= 64 else (64, 128)
     splits = (1, 2, 4, 8) if m <= 64 else (1, 2) if m <= 256 else (1,)

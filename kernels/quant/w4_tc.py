@@ -18,24 +18,27 @@ weights stays the layer's (``wq_perm``), K already being sorted by group.
 Kernels (:func:`w4k_linear` picks one by M; :func:`w4k_config` is a small table by M bucket,
 no autotuning):
 
-- ``M <= GEMV_MAX_M``: :func:`_w4k_gemv_kernel`: each nibble becomes the fp32 ``1 + q / 16``
-  by a shift and an and-or (no conversion instruction, as :mod:`kernels.quant.wq_gemv`);
-  a weight costs a shift, a lop3 and one FMA per row; the group's scale and min are loaded
-  once per tile (``BLOCK_K`` divides ``G``) and applied once per word and column (two FMAs:
-  ``sum x (s q + m) = t (16 s) + (sum x) (m - 16 s)`` with ``t = sum x (1 + q/16)``), and
-  the word rows, spread over warps, are reduced once at the end, not per tile.
-- above ``DEQUANT_MIN_M`` rows (prefill; a config given explicitly runs the kernel at any
-  M): :func:`w4k_dequant` writes ``W^T`` in x's dtype, then the vendor GEMM;
+- ``M <= GEMV_MAX_M``: :func:`_w4k_gemv_kernel`, plain 2-D tiles whose every word row
+  sits in each thread (``BLOCK_N = 128 num_warps``): one shift serves two nibbles, each
+  becomes an fp32 (``1 + q/16`` or ``16 + q/16``) by one LOP3 into the exponent bits (no
+  conversion instruction), one FMA per row; the sums over K, the x sums and the group's
+  scale and min (once per tile and column) stay in the thread. About 3.6 SASS instructions
+  a weight at one row on sm_90 (the row layout's GEMV: 7.1; the first version of this one,
+  whose 3-D accumulator Triton laid out unlike its loads: 15.6, docs/benchmarks.md).
+- above ``DEQUANT_MIN_M`` rows (64; a config given explicitly runs the kernel at any M):
+  :func:`w4k_dequant` writes ``W^T`` in x's dtype, then the vendor GEMM;
 - otherwise :func:`_w4k_tc_kernel`: ``y^T = W x^T`` tile by tile with the dequantized
-  weights as the MMA's *first* operand (``[BLOCK_N, BLOCK_K]`` in registers, the form
-  Hopper's wgmma takes from registers) and the activations' transpose as the second, so the
-  rows M are the MMA's narrow dimension (16..128) and no tensor-core work is padding at
-  M = 17..64. The codes become 16-bit floats without a conversion instruction (the bits
-  ``0x6400 | q`` are the fp16 ``1024 + q``, ``0x4300 | q`` the bf16 ``128 + q``); the offset
-  times ``sum x`` comes off after the dot and the group's scale and min apply once per tile
-  in fp32: ``acc += (d - c sum x) s + m sum x``. fp32 activations (tests, the interpreter)
-  multiply the codes in IEEE fp32. K is split over more programs when the tiles alone make
-  few (:mod:`kernels.split_k`; not on XPU).
+  weights as the MMA's *first* operand (``[BLOCK_N, BLOCK_K]``, the form Hopper's wgmma
+  takes from registers) and the activations' transpose as the second, so the rows M are the
+  MMA's narrow dimension (16..128) and no tensor-core work is padding at M = 17..64. The
+  codes become 16-bit floats without a conversion instruction (the bits ``0x6400 | q`` are
+  the fp16 ``1024 + q``, ``0x4300 | q`` the bf16 ``128 + q``), unpacked by ``tl.join`` so a
+  word's 8 K stay contiguous in a thread (128-bit stores into the MMA's staging); the
+  offset comes off exactly and the group's scale and min apply in x's dtype (``(f - c) s +
+  m``, packed HADD2/HFMA2: the dequantize path's precision), so the dot accumulates W x^T
+  directly in fp32. fp32 activations (tests, the interpreter) dequantize and multiply in
+  IEEE fp32. K is split over more programs when the tiles alone make few
+  (:mod:`kernels.split_k`; not on XPU).
 
 Accumulation is fp32 everywhere. The tests run both kernels in the interpreter against
 :func:`kernels.quant.reference.wq_matmul_ref` (``tests/kernels/test_w4_tc.py``). The table's
@@ -62,9 +65,11 @@ GEMV_MAX_M = int(os.environ.get("FERRY_W4K_GEMV_MAX_M", 4))
 #: programs a launch aims for before it splits K (two waves of an H200's 132 SMs)
 TARGET_PROGRAMS = 264
 #: above this many rows :func:`w4k_linear` dequantizes (:func:`w4k_dequant`) and runs the
-#: vendor GEMM (``$FERRY_W4K_DEQUANT_MIN_M``; the tensor-core kernel's prefill tiles
-#: against cuBLAS are measured by the ``w4`` stage, ``new_tc_us`` in its JSON)
-DEQUANT_MIN_M = int(os.environ.get("FERRY_W4K_DEQUANT_MIN_M", 256))
+#: vendor GEMM (``$FERRY_W4K_DEQUANT_MIN_M``). 64: on the H200 (2026-12-03, c4aa618) the
+#: tensor-core kernel took 3.6-5.7x bf16 at M = 128 and 5.8-9.7x at 256, where the dequantize
+#: (its cost is the M = 512 time less bf16's: 12-95 us) plus cuBLAS comes to ~1.7-2.4x; at
+#: M = 64 the kernel (1.5-2.1x) wins but for qkv (35.3 us against ~33)
+DEQUANT_MIN_M = int(os.environ.get("FERRY_W4K_DEQUANT_MIN_M", 64))
 #: :func:`w4k_dequant`'s program: weights of K, columns, warps
 DEQUANT_BLOCK = (64, 128, 4)
 
@@ -107,6 +112,35 @@ def from_kmajor(qk: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
 
 
 @triton.jit
+def _w4k_codes(q, MODE: tl.constexpr):
+    """Codes ``q`` (int32, 0..15) as floats without a conversion instruction: ``MODE`` 0 fp32
+    ``q``; 1 the fp16 ``1024 + q`` (bits ``0x6400 | q``); 2 the bf16 ``128 + q``
+    (``0x4300 | q``)."""
+    if MODE == 0:
+        return q.to(tl.float32)
+    elif MODE == 1:
+        return (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    else:
+        return (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _w4k_unpack(w, MODE: tl.constexpr):
+    """Words ``[BN, KW]`` -> codes ``[BN, 8 KW]`` (:func:`_w4k_codes`) by ``tl.join``s, so a
+    word's 8 consecutive K stay in one thread, contiguous: the tile then reaches the MMA's
+    shared-memory staging as 128-bit stores (a reshape of ``[BN, KW, 8]`` gave one 16-bit
+    store a weight on sm_90)."""
+    # a join appends the last (fastest) dimension: join nibbles i, i + 4 first, then i, i + 2,
+    # then i, i + 1, so that [BN, KW, 2, 2, 2] flattens to K = 8r + i
+    q0 = tl.join(tl.join(_w4k_codes(w & 0xF, MODE), _w4k_codes((w >> 16) & 0xF, MODE)),
+                 tl.join(_w4k_codes((w >> 8) & 0xF, MODE), _w4k_codes((w >> 24) & 0xF, MODE)))
+    q1 = tl.join(tl.join(_w4k_codes((w >> 4) & 0xF, MODE), _w4k_codes((w >> 20) & 0xF, MODE)),
+                 tl.join(_w4k_codes((w >> 12) & 0xF, MODE), _w4k_codes((w >> 28) & 0xF, MODE)))
+    t = tl.join(q0, q1)
+    return tl.reshape(t, (w.shape[0], w.shape[1] * 8))
+
+
+@triton.jit
 def _w4k_tc_kernel(x_ptr, qk_ptr, s_ptr, m_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, G,
                    k_per_split, stride_xm, stride_ym, IEEE: tl.constexpr,
                    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -114,8 +148,12 @@ def _w4k_tc_kernel(x_ptr, qk_ptr, s_ptr, m_ptr, y_ptr, part_ptr, lock_ptr, M, N,
     """``y [M, N] = x W^T`` as ``acc^T [BLOCK_N, BLOCK_M] += W_tile @ x_tile^T`` (module
     docstring); ``BLOCK_K`` divides ``G`` (every tile in one group). ``DUP_LOAD``: load the
     words as a ``[BLOCK_N, BLOCK_K]`` tile in which each word is read by its 8 K (gemlite's
-    way, no reshape) instead of ``[BLOCK_N, BLOCK_K/8]`` unpacked by a reshape; which one
-    Triton compiles better is for the ``w4-sweep`` stage to say."""
+    way) instead of ``[BLOCK_N, BLOCK_K/8]`` unpacked by joins (:func:`_w4k_unpack`).
+    The tile is dequantized in x's dtype before the dot (``(f - c) s + m``, packed 16-bit
+    ops), so the dot accumulates the product itself: on sm_90 ~6.8 SASS instructions a weight
+    at 16 rows and ~7.4 at 64 (the first version, codes into the dot and the scale, min and
+    per-tile sum of x after it, with the codes staged one 16-bit store at a time: 8.7 and
+    13.1)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -126,62 +164,75 @@ def _w4k_tc_kernel(x_ptr, qk_ptr, s_ptr, m_ptr, y_ptr, part_ptr, lock_ptr, M, N,
     KW: tl.constexpr = BLOCK_K // 8
     wi = tl.arange(0, KW)
     kk = tl.arange(0, BLOCK_K)
-    shifts = tl.arange(0, 8) * 4
     ng = K // G
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    MODE: tl.constexpr = 0 if IEEE else (1 if x_ptr.dtype.element_ty == tl.float16 else 2)
     k_start = pid_k * k_per_split
     for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
         xk = k0 + kk
         if DUP_LOAD:
             w = tl.load(qk_ptr + (xk // 8)[None, :].to(tl.int64) * N + offs_n[:, None],
                         mask=mask_n[:, None] & (xk < K)[None, :], other=0)  # [BN, BK]
-            q = (w >> ((kk % 8) * 4)[None, :]) & 0xF
+            f = _w4k_codes((w >> ((kk % 8) * 4)[None, :]) & 0xF, MODE)
         else:
             kw = k0 // 8 + wi
             mask_kw = kw < K // 8              # only the last K part runs past K
             w = tl.load(qk_ptr + kw[None, :].to(tl.int64) * N + offs_n[:, None],
                         mask=mask_n[:, None] & mask_kw[None, :], other=0)   # [BN, KW]
-            q = tl.reshape((w[:, :, None] >> shifts[None, None, :]) & 0xF,
-                           (BLOCK_N, BLOCK_K))
+            f = _w4k_unpack(w, MODE)
         x = tl.load(x_rows + xk[None, :], mask=mask_m[:, None] & (xk < K)[None, :],
                     other=0.0)                                               # [BM, BK]
         g = tl.minimum(k0 // G, ng - 1)
-        s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        mn = tl.load(m_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        xsum = tl.sum(x.to(tl.float32), axis=1)
+        s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0)
+        mn = tl.load(m_ptr + g * N + offs_n, mask=mask_n, other=0.0)
         if IEEE:
-            d = tl.dot(q.to(tl.float32), tl.trans(x), input_precision="ieee")
-            bias = 0.0
-        elif x.dtype == tl.float16:
-            f = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)     # 1024 + q
-            d = tl.dot(f, tl.trans(x))
-            bias = 1024.0
+            wt = f * s.to(tl.float32)[:, None] + mn.to(tl.float32)[:, None]
+            acc = tl.dot(wt, tl.trans(x), acc, input_precision="ieee")
         else:
-            f = (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)    # 128 + q
-            d = tl.dot(f, tl.trans(x))
-            bias = 128.0
-        acc += (d - bias * xsum[None, :]) * s[:, None] + xsum[None, :] * mn[:, None]
+            # W in x's dtype: the offset off exactly, then one FMA per weight pair (packed
+            # HADD2/HFMA2), the scale and min rounded to x's dtype (the dequantize path's
+            # precision); no per-tile sum of x, no epilogue per tile
+            xt: tl.constexpr = x_ptr.dtype.element_ty
+            wt = (f - (1024.0 if MODE == 1 else 128.0)) * s.to(xt)[:, None] + mn.to(xt)[:, None]
+            acc = tl.dot(wt, tl.trans(x), acc)
     _store_out(tl.trans(acc), y_ptr, part_ptr, lock_ptr, offs_m, offs_n, mask_m, mask_n, M, N,
                stride_ym, pid_m, pid_n, pid_k, SPLIT_K)
 
 
 @triton.jit
-def _w4k_nibble_f32(w, i: tl.constexpr):
-    """Nibble ``i`` of the int32 words ``w`` as the fp32 ``1 + q / 16``."""
-    if 4 * i <= 19:
-        v = (w << (19 - 4 * i)) & 0x780000
+def _w4k_pair(w, s: tl.constexpr, ZH, ZL):
+    """Nibbles ``2p`` and ``2p + 1`` of the int32 words ``w`` after one shift (``s = 15 - 8p``:
+    left by ``s``, right by ``-s``), which puts them at bits 15-18 and 19-22: the upper one
+    becomes the fp32 ``1 + q/16`` (exponent 0), the lower one ``16 + q/16`` (exponent 4), each
+    by one LOP3 ``(v | Z) & mask``. ``ZH`` = ``0x3F800000`` and ``ZL`` = ``0x41800000`` are
+    runtime arguments so that ptxas keeps them in two registers: as immediates, one of the
+    LOP3's two constants was re-materialized by a move before every LOP3 (0.8 moves a weight
+    in the sm_90 SASS). Returns ``(lower, upper)``."""
+    if s >= 0:
+        v = w << s
     else:
-        v = (w >> (4 * i - 19)) & 0x780000
-    return (v | 0x3F800000).to(tl.float32, bitcast=True)
+        v = w >> (-s)
+    hi = ((v | ZH) & 0x3FF80000).to(tl.float32, bitcast=True)
+    lo = ((v | ZL) & 0x41878000).to(tl.float32, bitcast=True)
+    return lo, hi
 
 
 @triton.jit
-def _w4k_gemv_kernel(x_ptr, qk_ptr, s_ptr, m_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, G,
-                     k_per_split, stride_xm, stride_ym, SPLIT_K: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A few rows (decode), no ``tl.dot``: words ``[BLOCK_K/8, BLOCK_N]`` (coalesced along
-    N), nibble ``i`` of word ``r`` against x column ``8r + i``; ``BLOCK_K`` divides ``G``."""
+def _w4k_gemv_kernel(x_ptr, qk_ptr, s_ptr, m_ptr, y_ptr, part_ptr, lock_ptr, M, N, K,
+                     k_per_split, stride_xm, stride_ym, ZH, ZL, GROUP: tl.constexpr,
+                     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, X_BF16: tl.constexpr):
+    """A few rows (decode), no ``tl.dot``: a ``[BLOCK_K/8, BLOCK_N]`` tile of words, read with
+    128-bit loads along N. With ``BLOCK_N = 128 num_warps`` each thread holds 4 columns of
+    *every* word row of the tile, so the sums over K stay in the thread (no shuffles, no
+    shared memory) and a group's scale and min, loaded as ``[BLOCK_N]``, land in the
+    columns' own layout. Per pair of nibbles a shift, two LOP3s (:func:`_w4k_pair`) and two
+    FMAs against the x values ``8r + 2p`` (``16 + q/16``) and ``8r + 2p + 1`` (``1 + q/16``),
+    so per tile ``t = 16 X_lo + X_hi + (sum x q)/16`` and ``y += 16 s (t - X_hi - 16 X_lo) + m
+    (X_lo + X_hi)``. ``X_BF16``: x read as int32 pairs (one load for both x values of a pair,
+    their fp32 by a shift and an and). ``BLOCK_K`` divides ``GROUP``; K a multiple of
+    ``BLOCK_K``; rows past M read row M - 1 (their output is masked)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -191,34 +242,46 @@ def _w4k_gemv_kernel(x_ptr, qk_ptr, s_ptr, m_ptr, y_ptr, part_ptr, lock_ptr, M, 
     mask_n = offs_n < N
     KW: tl.constexpr = BLOCK_K // 8
     wi = tl.arange(0, KW)
-    ng = K // G
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-    # per (row, word row, column) partial sums, reduced over the word rows once at the end
-    # (the word rows of a tile are spread over warps: a reduction per tile would cross them)
-    acc3 = tl.zeros((BLOCK_M, KW, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
-    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
-        kw = k0 // 8 + wi
-        mask_kw = kw < K // 8
-        w = tl.load(qk_ptr + kw[:, None].to(tl.int64) * N + offs_n[None, :],
-                    mask=mask_kw[:, None] & mask_n[None, :], other=0)       # [KW, BN]
-        g = tl.minimum(k0 // G, ng - 1)
-        s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        mn = tl.load(m_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        xmask = mask_m[:, None] & mask_kw[None, :]
-        t = tl.zeros((BLOCK_M, KW, BLOCK_N), dtype=tl.float32)
-        xs = tl.zeros((BLOCK_M, KW), dtype=tl.float32)
-        for i in tl.static_range(8):
-            qf = _w4k_nibble_f32(w, i)
-            xv = tl.load(x_rows + (k0 + 8 * wi + i)[None, :], mask=xmask,
-                         other=0.0).to(tl.float32)                          # [BM, KW]
-            t += xv[:, :, None] * qf[None, :, :]
-            xs += xv
-        # sum x (s q + m) = 16 s (t - sum x) + m sum x = t (16 s) + (sum x) (m - 16 s):
-        # two FMAs per word and column, 1/4 of an instruction per weight and row
-        s16 = 16.0 * s
-        acc3 += t * s16[None, None, :] + xs[:, :, None] * (mn - s16)[None, None, :]
-    acc = tl.sum(acc3, axis=1)
+    k_end = tl.minimum(k_start + k_per_split, K)
+    w_ptrs = qk_ptr + (k_start // 8 + wi)[:, None].to(tl.int64) * N + offs_n[None, :]
+    x_off = k_start + 8 * wi                   # each word row's first x column
+    rows = tl.arange(0, BLOCK_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        w = tl.load(w_ptrs, mask=mask_n[None, :])     # masked columns: garbage, not stored
+        g = k0 // GROUP
+        s16 = 16.0 * tl.load(s_ptr + g * N + offs_n, mask=mask_n).to(tl.float32)
+        mn = tl.load(m_ptr + g * N + offs_n, mask=mask_n).to(tl.float32)
+        for r in tl.static_range(BLOCK_M):
+            row = tl.minimum(pid_m * BLOCK_M + r, M - 1).to(tl.int64)
+            t = tl.zeros((KW, BLOCK_N), dtype=tl.float32)
+            x_lo = tl.zeros((KW,), dtype=tl.float32)
+            x_hi = tl.zeros((KW,), dtype=tl.float32)
+            for p in tl.static_range(4):
+                lo, hi = _w4k_pair(w, 15 - 8 * p, ZH, ZL)
+                if X_BF16:
+                    xp = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + row * (stride_xm // 2)
+                                 + x_off // 2 + p)
+                    xl = (xp << 16).to(tl.float32, bitcast=True)
+                    xh = (xp & -65536).to(tl.float32, bitcast=True)
+                else:
+                    xr = x_ptr + row * stride_xm + x_off + 2 * p
+                    xl = tl.load(xr).to(tl.float32)
+                    xh = tl.load(xr + 1).to(tl.float32)
+                t += xl[:, None] * lo
+                t += xh[:, None] * hi
+                x_lo += xl
+                x_hi += xh
+            a_lo = tl.sum(x_lo, axis=0)
+            a_hi = tl.sum(x_hi, axis=0)
+            part = s16 * (tl.sum(t, axis=0) - a_hi - 16.0 * a_lo) + mn * (a_lo + a_hi)
+            if BLOCK_M == 1:
+                acc += part[None, :]
+            else:
+                acc += tl.where(rows[:, None] == r, part[None, :], 0.0)
+        w_ptrs += KW * N
+        x_off += BLOCK_K
     _store_out(acc, y_ptr, part_ptr, lock_ptr, offs_m, offs_n, mask_m, mask_n, M, N,
                stride_ym, pid_m, pid_n, pid_k, SPLIT_K)
 
@@ -261,20 +324,25 @@ def w4k_dequant(qk: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
     return wt
 
 
-#: by the largest M of a bucket: (BLOCK_M, BLOCK_N, most K parts, warps, stages); the
-#: GEMV bucket's BLOCK_M is M's next power of two
-W4K_TABLE = ((GEMV_MAX_M, (None, 128, 8, 4, 2)),
-             (16, (16, 64, 8, 4, 4)),
-             (32, (32, 64, 8, 4, 4)),
-             (64, (64, 64, 4, 4, 3)),
-             (128, (64, 128, 2, 8, 3)),
-             (None, (128, 128, 1, 8, 3)))
+#: by the largest M of a bucket: (BLOCK_M, BLOCK_N, most K parts, warps, stages, programs
+#: aimed at); the GEMV bucket's BLOCK_M is M's next power of two. The GEMV: 256 columns on 2
+#: warps (the kernel's layout wants ``BLOCK_N = 128 num_warps``), up to ~1024 programs of
+#: 1-7 tiles (at ~80 registers about 12 fit an SM: one wave on 132 SMs). 16 and 32 rows: ~512
+#: programs (the old row path's 512 beat the first table's 320 at M = 16 for o and down,
+#: 2026-12-03), at most one wave of the 40 KB tiles.
+W4K_TABLE = ((GEMV_MAX_M, (None, 256, 64, 2, 1, 1024)),
+             (16, (16, 64, 8, 4, 4, 512)),
+             (32, (32, 64, 8, 4, 4, 512)),
+             (64, (64, 64, 4, 4, 3, 288)),
+             (128, (64, 128, 2, 8, 3, 288)),
+             (None, (128, 128, 1, 8, 3, 288)))
 
 
 def _block_k(group: int, m: int) -> int:
-    """The largest of 128, 64, 32 that divides the group (64 at most above 128 rows: the
-    prefill tile's shared memory)."""
-    for bk in (128, 64, 32):
+    """The GEMV (``m <= GEMV_MAX_M``): 64 weights of K, or 32 for groups of 32; the
+    tensor-core kernel: the largest of 128, 64, 32 that divides the group (64 at most above
+    128 rows: the prefill tile's shared memory)."""
+    for bk in ((64, 32) if m <= GEMV_MAX_M else (128, 64, 32)):
         if group % bk == 0 and (m <= 128 or bk <= 64):
             return bk
     raise ValueError(f"group size {group} is not a multiple of 32")
@@ -282,26 +350,31 @@ def _block_k(group: int, m: int) -> int:
 
 def w4k_config(m: int, n: int, k: int, group: int, device_type: str = "cuda") -> dict:
     """Launch parameters of :func:`w4k_linear` at ``m`` rows: the bucket's row of
-    :data:`W4K_TABLE`; K split into up to the bucket's parts so that about
-    ``TARGET_PROGRAMS`` run (never on XPU). ``GEMV`` True below ``GEMV_MAX_M + 1`` rows.
+    :data:`W4K_TABLE`; K split into up to the bucket's parts, ``programs // tiles`` of them
+    (never on XPU); the GEMV's parts are then evened out (``ceil(k_tiles / tiles per
+    part)``, none empty). ``GEMV`` True below ``GEMV_MAX_M + 1`` rows.
 
     Raises:
         ValueError: a group size that is not a multiple of 32.
     """
     row = next(r for top, r in W4K_TABLE if top is None or m <= top)
-    block_m, block_n, max_split, warps, stages = row
+    block_m, block_n, max_split, warps, stages, programs = row
     gemv = block_m is None
-    if gemv:   # 3 and 4 rows: 8 warps (two [rows, K/8, N] fp32 tiles in registers)
+    if gemv:
         block_m = triton.next_power_of_2(m)
-        warps = warps if block_m <= 2 else 8
     block_k = _block_k(group, m)
+    k_tiles = triton.cdiv(k, block_k)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split = 1
     if split_k_trusted(device_type):
-        split = max(1, min(max_split, triton.cdiv(TARGET_PROGRAMS, tiles),
-                           triton.cdiv(k, block_k)))
+        split = max(1, min(max_split, programs // tiles, k_tiles))
+        if gemv:
+            split = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))
+    # the GEMV has no tl.dot: its warps are 32-lane sub-groups on XPU too (kernels/launch.py)
+    opts = (dict(num_warps=warps, num_stages=stages) if gemv
+            else dot_kernel_options(warps, stages, device_type))
     return dict(GEMV=gemv, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                **dot_kernel_options(warps, stages, device_type))
+                **opts)
 
 
 def w4k_linear(x: torch.Tensor, qk: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
@@ -335,11 +408,16 @@ def w4k_linear(x: torch.Tensor, qk: torch.Tensor, scales: torch.Tensor, mins: to
     n_blocks, k_per_split, part, locks = split_k_launch(y, k, split, cfg["BLOCK_N"],
                                                         cfg["BLOCK_K"], m_blocks)
     grid = (m_blocks, n_blocks, split)
-    args = (x, qk, scales, mins, y, part, locks, m, n, k, group, k_per_split, x.stride(0),
-            y.stride(0))
+    head = (x, qk, scales, mins, y, part, locks, m, n, k)
+    tail = (k_per_split, x.stride(0), y.stride(0))
     if gemv:
         cfg.pop("DUP_LOAD", None)
-        _w4k_gemv_kernel[grid](*args, SPLIT_K=split, **cfg)
+        # bf16 x read as int32 pairs: needs 4-byte aligned rows
+        pairs = (x.dtype == torch.bfloat16 and x.stride(0) % 2 == 0
+                 and x.data_ptr() % 4 == 0)
+        _w4k_gemv_kernel[grid](*head, *tail, 0x3F800000, 0x41800000, GROUP=group,
+                               SPLIT_K=split, X_BF16=pairs, **cfg)
     else:
-        _w4k_tc_kernel[grid](*args, IEEE=x.dtype == torch.float32, SPLIT_K=split, **cfg)
+        _w4k_tc_kernel[grid](*head, group, *tail, IEEE=x.dtype == torch.float32,
+                             SPLIT_K=split, **cfg)
     return y
