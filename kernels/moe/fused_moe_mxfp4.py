@@ -52,15 +52,46 @@ def _mxfp4_tile(byte, scale_byte, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     The fp16 -> fp32 conversion is exact, and the scale ``2^(s - 127)`` times the 2^14 is
     one fp32 power of two built from its exponent field, ``(s + 14) << 23`` (exact for the
     scale bytes 0..240, factors up to 2^113; larger bytes give inf)."""
-    b = byte.to(tl.int32)
-    lo = ((b << 12) & 0x8000) | ((b << 9) & 0x0E00)
-    hi = ((b << 8) & 0x8000) | ((b << 5) & 0x0E00)
+    # both nibbles at once, one fp16 pattern per 16-bit half of a 32-bit word: the
+    # magnitudes (byte bits 0-2, 4-6) to bits 9-11 and 25-27 by b * (2^9 + 2^21), the
+    # signs (bits 3, 7) to bits 15 and 31 by b * (2^12 + 2^24); the shifted copies of
+    # a byte do not overlap, so each product is the two shifts at once
+    b = byte.to(tl.uint32)
+    word = ((b * 0x200200) & 0x0E000E00) | ((b * 0x1001000) & 0x80008000)
+    lo = word & 0xFFFF
+    hi = word >> 16
     scale = (tl.minimum(scale_byte.to(tl.int32) + 14, 255) << 23).to(tl.float32, bitcast=True)
     scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (BLOCK_K // 32, 16, BLOCK_N)),
                        (BLOCK_K // 2, BLOCK_N))
     w_lo = lo.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * scale
     w_hi = hi.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * scale
     return w_lo, w_hi
+
+
+@triton.jit
+def _mxfp4_step(acc, a_ptrs, b_ptrs, s_ptrs, row_ok, k_left, MASK_K: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                DOT_PREC: tl.constexpr):
+    """One K step of the MXFP4 GEMM: ``acc [BLOCK_M, BLOCK_N]`` fp32 plus the activation
+    tile ``[BLOCK_M, BLOCK_K]`` times the weights of the byte tile ``[BLOCK_K/2, BLOCK_N]``
+    and scale tile ``[BLOCK_K/32, BLOCK_N]`` at the pointers; with ``MASK_K`` only the
+    first ``k_left`` (a multiple of 32) elements of K count."""
+    if MASK_K:
+        offs_k = tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k < k_left)[None, :], other=0.0)
+        byte = tl.load(b_ptrs, mask=(tl.arange(0, BLOCK_K // 2) < k_left // 2)[:, None],
+                       other=0)
+        sc = tl.load(s_ptrs, mask=(tl.arange(0, BLOCK_K // 32) < k_left // 32)[:, None],
+                     other=0)
+    else:
+        a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+        byte = tl.load(b_ptrs)
+        sc = tl.load(s_ptrs)
+    # a contiguous (vectorised) activation tile, split into its even/odd columns
+    a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
+    w_lo, w_hi = _mxfp4_tile(byte, sc, BLOCK_K, BLOCK_N)
+    acc = tl.dot(a_even, w_lo.to(a_even.dtype), acc=acc, input_precision=DOT_PREC)
+    return tl.dot(a_odd, w_hi.to(a_odd.dtype), acc=acc, input_precision=DOT_PREC)
 
 
 @triton.jit
@@ -101,24 +132,18 @@ def _moe_gemm_oai_kernel(a_ptr, b_ptr, s_ptr, bias_ptr, c_ptr, w_ptr, sorted_ptr
         a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :]
         b_ptrs = b_ptr + expert * stride_be + offs_n_ld[None, :] * stride_bn + offs_kb[:, None]
         s_ptrs = s_ptr + expert * stride_se + offs_n_ld[None, :] * stride_sn + offs_g[:, None]
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                byte = tl.load(b_ptrs)
-                sc = tl.load(s_ptrs)
-            else:
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k < K - k0)[None, :],
-                            other=0.0)
-                byte = tl.load(b_ptrs, mask=(offs_kb < (K - k0) // 2)[:, None], other=0)
-                sc = tl.load(s_ptrs, mask=(offs_g < (K - k0) // 32)[:, None], other=0)
-            # a contiguous (vectorised) activation tile, split into its even/odd columns
-            a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
-            w_lo, w_hi = _mxfp4_tile(byte, sc, BLOCK_K, BLOCK_N)
-            acc = tl.dot(a_even, w_lo.to(a_even.dtype), acc=acc, input_precision=DOT_PREC)
-            acc = tl.dot(a_odd, w_hi.to(a_odd.dtype), acc=acc, input_precision=DOT_PREC)
+        # full K steps without masks; a partial last step (K = 2880 is 11.25 steps of
+        # 256) runs once after the loop with them
+        k_full = K // BLOCK_K * BLOCK_K
+        for _k0 in range(0, k_full, BLOCK_K):
+            acc = _mxfp4_step(acc, a_ptrs, b_ptrs, s_ptrs, row_ok, BLOCK_K, False, BLOCK_M,
+                              BLOCK_K, BLOCK_N, DOT_PREC)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K // 2
             s_ptrs += BLOCK_K // 32
+        if not EVEN_K:
+            acc = _mxfp4_step(acc, a_ptrs, b_ptrs, s_ptrs, row_ok, K - k_full, True,
+                              BLOCK_M, BLOCK_K, BLOCK_N, DOT_PREC)
     else:
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :]
