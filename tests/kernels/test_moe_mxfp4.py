@@ -63,13 +63,16 @@ def _routing(m: int, num_experts: int, top_k: int, seed: int):
     return w, ids.to(torch.int32)
 
 
-@pytest.mark.parametrize("m,num_experts,top_k,hidden,inter,dtype,mx", [
-    (1, 4, 2, 64, 32, F32, True),
-    (7, 8, 2, 64, 64, F16, True),
-    (40, 8, 4, 96, 64, F32, True),
-    (40, 8, 4, 96, 64, F16, False),         # the bf16/float fallback with bias and clamp
+@pytest.mark.parametrize("m,num_experts,top_k,hidden,inter,dtype,mx,block_k", [
+    (1, 4, 2, 64, 32, F32, True, 32),
+    (7, 8, 2, 64, 64, F16, True, 32),
+    (40, 8, 4, 96, 64, F32, True, 32),
+    (3, 4, 2, 160, 96, F16, True, 64),      # K = 160 / 96: a partial last K step each GEMM
+    (5, 4, 2, 96, 32, F32, True, 128),      # K below one BLOCK_SIZE_K
+    (40, 8, 4, 96, 64, F16, False, 32),     # the bf16/float fallback with bias and clamp
 ])
-def test_triton_oai_moe_matches_reference(m, num_experts, top_k, hidden, inter, dtype, mx):
+def test_triton_oai_moe_matches_reference(m, num_experts, top_k, hidden, inter, dtype, mx,
+                                          block_k):
     g = torch.Generator().manual_seed(m)
     x = (torch.randn(m, hidden, generator=g)).to(dtype)
     b13 = (0.1 * torch.randn(num_experts, 2 * inter, generator=g)).to(dtype)
@@ -92,9 +95,33 @@ def test_triton_oai_moe_matches_reference(m, num_experts, top_k, hidden, inter, 
     kw = {k: v.to(DEVICE) if torch.is_tensor(v) else v for k, v in kw.items()}
     out = fused_moe_oai(x.to(DEVICE), w13.to(DEVICE), w2.to(DEVICE), weights.to(DEVICE),
                         ids.to(DEVICE), **kw,
-                        config=dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32,
+                        config=dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=block_k,
                                     GROUP_SIZE_M=1, num_warps=4, num_stages=2))
     assert rel_err(out, ref) < (2e-5 if dtype == F32 else 3e-3)
+
+
+def test_mxfp4_gemm_decodes_every_byte_and_scale_exactly():
+    """One grouped GEMM with the identity as activations returns the dequantized weights
+    themselves: every byte value 0..255 (both nibbles), scale bytes from 0 (2^-127, a
+    subnormal product) to 240, K = 96 with BLOCK_SIZE_K 64 (a partial last K step)."""
+    from kernels.moe.fused_moe import moe_align_block_size
+    from kernels.moe.fused_moe_mxfp4 import invoke_moe_gemm_oai
+
+    n, k = 16, 96
+    blocks = torch.arange(n * k // 2, dtype=torch.int32).remainder(256).to(torch.uint8)
+    blocks = blocks.reshape(1, n, k // 32, 16)
+    scales = torch.tensor([0, 1, 100, 127, 140, 240], dtype=torch.uint8).repeat(8)[:n * 3]
+    scales = scales.reshape(1, n, k // 32)
+    dense = dequantize_mxfp4(blocks, scales, F32)[0]                     # [n, k]
+    eye = torch.eye(k, dtype=F32, device=DEVICE)
+    cfg = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=16, BLOCK_SIZE_K=64, GROUP_SIZE_M=1,
+               num_warps=4, num_stages=2)
+    sorted_ids, expert_ids, num_post = moe_align_block_size(
+        torch.zeros(k, 1, dtype=torch.int32, device=DEVICE), 16, 1)
+    out = torch.full((k, n), float("nan"), dtype=F32, device=DEVICE)
+    invoke_moe_gemm_oai(eye, blocks.flatten(2).to(DEVICE), scales.to(DEVICE), None, out, None,
+                        sorted_ids, expert_ids, num_post, 1, cfg)
+    assert torch.equal(out.cpu(), dense.t())
 
 
 def _oai_case(m: int, num_experts: int, top_k: int, hidden: int, inter: int, dtype,
@@ -178,3 +205,20 @@ def test_swiglu_oai_matches_transformers():
     hf = ex._apply_gate(gu)
     ours = swiglu_oai(torch.cat([gu[:, ::2], gu[:, 1::2]], -1), ex.alpha, ex.limit)
     assert torch.allclose(ours, hf)
+
+
+def test_mxfp4_block_k_widens_looked_up_configs_within_the_tile_bound():
+    """A looked-up configuration's K step doubles (MXFP4 moves a quarter of bf16's bytes a
+    step) while the dequantized tile stays within MXFP4_MAX_TILE; an explicit one is kept
+    (at least one 32-element scale group)."""
+    from kernels.moe.fused_moe_mxfp4 import mxfp4_block_k
+
+    def cfg(bn, bk):
+        return dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk)
+
+    assert mxfp4_block_k(cfg(64, 128), True) == 256           # decode: 16 x 64 tiles
+    assert mxfp4_block_k(cfg(128, 64), True) == 128           # prefill tiles
+    assert mxfp4_block_k(cfg(128, 128), True) == 128          # 128 x 256 would spill
+    assert mxfp4_block_k(cfg(32, 256), True) == 256
+    assert mxfp4_block_k(cfg(64, 128), False) == 128
+    assert mxfp4_block_k(cfg(32, 16), False) == 32

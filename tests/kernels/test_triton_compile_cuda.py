@@ -30,6 +30,7 @@ SCRIPT = textwrap.dedent('''
     from triton.compiler import ASTSource
     from kernels import decode_attention as da, extend_attention as ea, fused_ops as fo, kv_store as ks
     from kernels.mla import decode as mlad, prefill as mlap
+    from kernels.moe import fused_moe_mxfp4 as mx
 
     TY = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -45,7 +46,7 @@ SCRIPT = textwrap.dedent('''
                 sig[name] = "fp32"
             else:
                 sig[name] = "i32"
-                if name.startswith("stride") and name != "stride_r2t":
+                if name.startswith("stride") and name not in ("stride_r2t", "stride_sn"):
                     attrs[(i,)] = [["tt.divisibility", 16]]
         src = ASTSource(kernel, sig, constexprs, attrs)
         triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
@@ -119,6 +120,14 @@ SCRIPT = textwrap.dedent('''
                 dict(HIDDEN=4096, BLOCK=4096, HAS_RESIDUAL=True), {"num_warps": 8}, 90)
     compile_one(fo._silu_and_mul_kernel, dict(x_ptr="bf16", out_ptr="bf16"),
                 dict(INTER=14336, BLOCK=1024), {"num_warps": 4}, 90)
+    # gpt-oss's MXFP4 MoE GEMM: the decode tile (a partial last K step) and a prefill tile
+    for bm, bn, bk, warps, stages in ((16, 64, 256, 4, 4), (128, 128, 128, 8, 3)):
+        compile_one(mx._moe_gemm_oai_kernel, dict(
+            a_ptr="bf16", b_ptr="u8", s_ptr="u8", bias_ptr="bf16", c_ptr="bf16", w_ptr="fp32",
+            sorted_ptr="i32", expert_ids_ptr="i32", num_post_ptr="i32"),
+            dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, MUL_ROUTED_WEIGHT=True, MXFP4=True,
+                 HAS_BIAS=True, EVEN_K=False, DOT_PREC=None),
+            {"num_warps": warps, "num_stages": stages}, 90)
     print("COMPILED OK")
 ''')
 
