@@ -1,10 +1,24 @@
 """Linear-attention ops: the gated delta rule (Qwen3-Next's Gated DeltaNet) and its short conv.
 
 ``reference`` holds the pure-torch versions (the CPU path and the semantics): the chunked
-gated delta rule for prefill, the per-token recurrence for decode, and the depthwise causal
-conv1d with its per-request state (prefill and one-step update), all over packed varlen
-batches with per-request initial states.
+gated delta rule for prefill, the per-token recurrence for decode (one batched step when
+every request has one token), and the depthwise causal conv1d with its per-request state
+(prefill and one-step update), all over packed varlen batches with per-request initial
+states. ``fla_ops`` wraps flash-linear-attention's Triton kernels (``fla-core``) behind the
+same signatures.
+
+ferry's interface is :func:`chunk_gated_delta_rule` and :func:`recurrent_gated_delta_rule`:
+on a CUDA or XPU tensor they run FLA's kernels when ``fla-core`` imports, else (the CPU, or
+a GPU without ``fla-core``) the torch reference; :func:`gated_delta_rule_backend` says which.
+The conv1d runs the torch reference everywhere (a few ms per prefill; FLA's conv is future
+work).
 """
+
+from __future__ import annotations
+
+import functools
+
+import torch
 
 from kernels.linear_attention.reference import (
     causal_conv1d_ref,
@@ -13,9 +27,52 @@ from kernels.linear_attention.reference import (
     recurrent_gated_delta_rule_ref,
 )
 
+causal_conv1d = causal_conv1d_ref
+causal_conv1d_update = causal_conv1d_update_ref
+
+
+@functools.cache
+def _fla_ok() -> bool:
+    from kernels.linear_attention.fla_ops import fla_available
+
+    return fla_available()
+
+
+def gated_delta_rule_backend(device: torch.device | str) -> str:
+    """``"fla"`` (fla-core's Triton kernels) on a CUDA/XPU device where fla-core imports,
+    else ``"torch"`` (the reference)."""
+    kind = torch.device(device).type
+    return "fla" if kind in ("cuda", "xpu") and _fla_ok() else "torch"
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, **kwargs):
+    """The chunked gated delta rule (prefill); arguments and results as
+    :func:`reference.chunk_gated_delta_rule_ref`, run by :func:`gated_delta_rule_backend`."""
+    if gated_delta_rule_backend(q.device) == "fla":
+        from kernels.linear_attention.fla_ops import chunk_gated_delta_rule_fla
+
+        return chunk_gated_delta_rule_fla(q, k, v, g, beta, **kwargs)
+    return chunk_gated_delta_rule_ref(q, k, v, g, beta, **kwargs)
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, **kwargs):
+    """The token-by-token gated delta rule (decode); as
+    :func:`reference.recurrent_gated_delta_rule_ref`, run by :func:`gated_delta_rule_backend`."""
+    if gated_delta_rule_backend(q.device) == "fla":
+        from kernels.linear_attention.fla_ops import recurrent_gated_delta_rule_fla
+
+        return recurrent_gated_delta_rule_fla(q, k, v, g, beta, **kwargs)
+    return recurrent_gated_delta_rule_ref(q, k, v, g, beta, **kwargs)
+
+
 __all__ = [
+    "causal_conv1d",
     "causal_conv1d_ref",
+    "causal_conv1d_update",
     "causal_conv1d_update_ref",
+    "chunk_gated_delta_rule",
     "chunk_gated_delta_rule_ref",
+    "gated_delta_rule_backend",
+    "recurrent_gated_delta_rule",
     "recurrent_gated_delta_rule_ref",
 ]
