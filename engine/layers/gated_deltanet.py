@@ -15,7 +15,8 @@ the slot's state and writes the final state back; decode advances one token per 
 The ops come from ``kernels.linear_attention`` (fla-core's Triton kernels on CUDA/XPU where
 it imports, the torch references otherwise). A mixed step (prefill chunks followed by
 ``num_decodes`` one-token decodes) runs its prefill part through the chunked rule and its
-decode tail through one batched recurrent step. Tensor parallelism is not supported (one
+decode tail through one batched recurrent step that updates each request's slot in place.
+Tensor parallelism is not supported (one
 rank holds every head).
 """
 
@@ -34,7 +35,7 @@ from kernels.linear_attention import (
     causal_conv1d_update,
     chunk_gated_delta_rule,
     gated_delta_rule_backend,
-    recurrent_gated_delta_rule,
+    recurrent_gated_delta_rule_update,
 )
 
 
@@ -178,12 +179,12 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(t, d.num_k_heads, d.k_head_dim)
         k = k.reshape(t, d.num_k_heads, d.k_head_dim)
         v = v.reshape(t, d.num_v_heads, d.v_head_dim)
-        initial = state.recurrent_states[slots]
-        if decode:
-            out, final = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=initial)
-        else:
-            out, final = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial,
-                                                cu_seqlens=cu[1])
+        if decode:  # each request's slot updated in place (no gather/scatter on GPUs)
+            return recurrent_gated_delta_rule_update(q, k, v, g, beta, state.recurrent_states,
+                                                     slots)
+        out, final = chunk_gated_delta_rule(q, k, v, g, beta,
+                                            initial_state=state.recurrent_states[slots],
+                                            cu_seqlens=cu[1])
         state.recurrent_states[slots] = final
         return out
 

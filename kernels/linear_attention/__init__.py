@@ -10,6 +10,9 @@ same signatures.
 ferry's interface is :func:`chunk_gated_delta_rule` and :func:`recurrent_gated_delta_rule`:
 on a CUDA or XPU tensor they run FLA's kernels when ``fla-core`` imports, else (the CPU, or
 a GPU without ``fla-core``) the torch reference; :func:`gated_delta_rule_backend` says which.
+The decode step over the state pool, :func:`recurrent_gated_delta_rule_update`, runs ferry's
+own Triton kernel on CUDA/XPU (``decode_triton``: it updates each request's slot in place,
+which FLA's kernels, taking dense states, cannot), the torch reference on the CPU.
 The conv1d runs the torch reference everywhere (a few ms per prefill; FLA's conv is future
 work).
 """
@@ -25,6 +28,7 @@ from kernels.linear_attention.reference import (
     causal_conv1d_update_ref,
     chunk_gated_delta_rule_ref,
     recurrent_gated_delta_rule_ref,
+    recurrent_gated_delta_rule_update_ref,
 )
 
 causal_conv1d = causal_conv1d_ref
@@ -65,6 +69,19 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, **kwargs):
     return recurrent_gated_delta_rule_ref(q, k, v, g, beta, **kwargs)
 
 
+def recurrent_gated_delta_rule_update(q, k, v, g, beta, states, slots, use_qk_l2norm=True):
+    """One decode step of B requests over the state pool, in place; as
+    :func:`reference.recurrent_gated_delta_rule_update_ref` (Triton on CUDA/XPU)."""
+    if q.device.type in ("cuda", "xpu"):
+        from kernels.linear_attention.decode_triton import (
+            recurrent_gated_delta_rule_update_triton,
+        )
+
+        return recurrent_gated_delta_rule_update_triton(q, k, v, g, beta, states, slots,
+                                                        use_qk_l2norm)
+    return recurrent_gated_delta_rule_update_ref(q, k, v, g, beta, states, slots, use_qk_l2norm)
+
+
 __all__ = [
     "causal_conv1d",
     "causal_conv1d_ref",
@@ -75,4 +92,6 @@ __all__ = [
     "gated_delta_rule_backend",
     "recurrent_gated_delta_rule",
     "recurrent_gated_delta_rule_ref",
+    "recurrent_gated_delta_rule_update",
+    "recurrent_gated_delta_rule_update_ref",
 ]

@@ -126,6 +126,22 @@ def _decode_step(q, k, v, g, beta, initial_state, use_qk_l2norm):
     return out.to(q.dtype), state
 
 
+def recurrent_gated_delta_rule_update_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    states: torch.Tensor, slots: torch.Tensor, use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """One decode step of B requests over a state pool, in place: request b reads and writes
+    ``states[slots[b]]`` ([Hv, K, V] float32).
+
+    Args: ``q``, ``k`` [B, Hk, K]; ``v`` [B, Hv, V]; ``g``, ``beta`` [B, Hv]; ``states``
+    [S, Hv, K, V] float32; ``slots`` [B] int64 (distinct).
+    Returns: ``o`` [B, Hv, V] in q's dtype.
+    """
+    out, final = _decode_step(q, k, v, g, beta, states[slots], use_qk_l2norm)
+    states[slots] = final
+    return out
+
+
 def _run(one, q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm):
     total, hv, dv = v.shape
     bounds = _bounds(cu_seqlens, total)
