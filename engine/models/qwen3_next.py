@@ -21,12 +21,19 @@ MLPs: Qwen3-Next's MoE (softmax top-k, ``norm_topk_prob``, a shared expert scale
 renormalised, a gated shared expert in every layer). Qwen3.5's multimodal rotary (mrope) is
 the plain rotary for text (its three position rows are equal).
 
+``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration`` checkpoints (the
+multimodal releases) load their language model (``model.language_model.*``) into the same
+text model; the vision tower (``model.visual.*``) is skipped (logged once).
+
 Not here (refused at start-up, ``engine/executor/preflight.py``): tensor parallelism,
 speculative decoding (the checkpoints' MTP layers are skipped at load), LoRA, device graphs
 and piecewise graphs; prefix reuse is off (no state snapshots yet).
 """
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -43,6 +50,8 @@ from engine.models.blocks import GatedMLP, MlpFactory
 from engine.models.config import ModelConfig
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.moe import MoeForCausalLM
+
+logger = logging.getLogger(__name__)
 
 _KINDS = {"linear_attention": AttentionKind.LINEAR, "full_attention": AttentionKind.FULL}
 
@@ -286,5 +295,37 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         return _weight_shape(self, name) or super()._hf_weight_shape(name, inter)
 
 
+def _text_weights(model, weights: Iterable[tuple[str, torch.Tensor]]):
+    """A multimodal checkpoint's tensors renamed to the text model's (``model.language_model.``
+    -> ``model.``), its vision tower's skipped (one log line with their count)."""
+    skipped = 0
+    for name, tensor in weights:
+        if name.startswith(("model.visual.", "visual.")):
+            skipped += 1
+            continue
+        if name.startswith("model.language_model."):
+            name = "model." + name[len("model.language_model."):]
+        yield name, tensor
+    if skipped:
+        logger.info("%s: skipped %d vision-tower tensors (ferry serves the text model only; "
+                    "image inputs are not supported yet)", type(model).__name__, skipped)
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    """A multimodal Qwen3.5 checkpoint served as its language model (vision tower skipped)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(_text_weights(self, weights))
+
+
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
+    """A multimodal Qwen3.5-MoE checkpoint served as its language model (vision tower
+    skipped)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(_text_weights(self, weights))
+
+
 __all__ = ["GatedAttention", "HybridDecoderLayer", "HybridModel", "Qwen3NextForCausalLM",
-           "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "hybrid_layer_specs"]
+           "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+           "Qwen3_5MoeForConditionalGeneration", "hybrid_layer_specs"]
