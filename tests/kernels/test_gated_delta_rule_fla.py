@@ -58,7 +58,8 @@ def test_chunk_varlen_matches_reference(dtype):
                                                 cu_seqlens=torch.tensor(cu, device="cuda"))
     ref, ref_state = chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=state,
                                                 cu_seqlens=cu)
-    tol = 2e-3 if dtype == torch.float32 else 3e-2
+    # FLA's fp32 dots may run in TF32 (10-bit mantissa): a bug is off by O(1), not 1e-2
+    tol = 1e-2 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(got_state, ref_state, atol=tol, rtol=tol)
     # ferry's interface runs the same kernels on a CUDA tensor (host ints accepted)
