@@ -228,3 +228,24 @@ def test_start_up_line_and_bench_latency(next_checkpoint, caplog, capsys):
                    "--output-len", "4"])
     out = capsys.readouterr().out
     assert "bs=1 in=8 out=4" in out and "bs=2 in=8 out=4" in out
+
+
+def test_abort_during_chunked_prefill_frees_its_slot(next_checkpoint):
+    """The 70-token prompt in chunks of 16 is aborted while its prefill is half done (its
+    slot holds a partial state); the request beside it is unaffected and every slot is
+    free afterwards."""
+    case, path, ref, _ = next_checkpoint
+    prompts = _prompts()
+    with _llm(path, chunked_prefill_size=16) as llm:
+        sched = llm.scheduler
+        short, long = _req("short", prompts[1]), _req("long", prompts[2])
+        sched.add_request(short)
+        sched.add_request(long)
+        for _ in range(3):
+            sched.step()
+        assert sched.chunked is long and 0 < long.kv_len < len(prompts[2])
+        sched.abort_request(long.rid)
+        _run(llm, [short, long])
+        assert long.finished_reason.type == "abort"
+        _slots_all_free(llm)
+    _assert_matches(short.output_ids, short.logprobs, ref[1], f"{case} beside a chunked abort")
