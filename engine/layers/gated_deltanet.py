@@ -145,12 +145,11 @@ class GatedDeltaNet(nn.Module):
         cut = state.cu_seqlens[n_ext]          # the decode tail's first token
         parts = []
         if n_ext:
-            cu = state.cu_seqlens[:n_ext + 1]
-            cu_dev = state.cu_seqlens_dev   # the GPU kernels read it there: no host copy
-            rule_cu = cu_dev[:n_ext + 1] if cu_dev is not None and \
-                gated_delta_rule_backend(x.device) == "fla" else cu
+            cu_dev = state.cu_seqlens_dev   # FLA's kernels read it there: no host copy
+            cu = cu_dev[:n_ext + 1] if cu_dev is not None and \
+                gated_delta_rule_backend(x.device) == "fla" else state.cu_seqlens[:n_ext + 1]
             parts.append(self._mix(mixed[:cut], g[:cut], beta[:cut], state, state.slots[:n_ext],
-                                   (cu, rule_cu)))
+                                   cu))
         if n_dec:
             parts.append(self._mix(mixed[cut:], g[cut:], beta[cut:], state, state.slots[n_ext:],
                                    None))
@@ -159,11 +158,11 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.reshape(t, -1))
 
     def _mix(self, mixed, g, beta, state: LinearStateBatch, slots: torch.Tensor,
-             cu: tuple | None) -> torch.Tensor:
+             cu) -> torch.Tensor:
         """Conv and gated delta rule of one part of the step from the ``slots``' states,
-        which are written back: prefills (``cu``: the part's cumulative token counts as host
-        ints and as the rule reads them) or one-token decodes (``cu`` None); returns
-        [T', Hv, V]."""
+        which are written back: prefills (``cu``: the part's cumulative token counts, host
+        ints or, for FLA's kernels, a device tensor) or one-token decodes (``cu`` None);
+        returns [T', Hv, V]."""
         d, t = self.dims, mixed.shape[0]
         decode = cu is None
         weight = self.conv1d.weight.squeeze(1)
@@ -172,7 +171,7 @@ class GatedDeltaNet(nn.Module):
             mixed = causal_conv1d_update(mixed, conv_state, weight, None, "silu")
         else:
             mixed, conv_state = causal_conv1d(mixed, weight, None, conv_state=conv_state,
-                                              cu_seqlens=cu[0])
+                                              cu_seqlens=cu)
         state.conv_states[slots] = conv_state.to(state.conv_states.dtype)
         key_dim = d.num_k_heads * d.k_head_dim
         q, k, v = torch.split(mixed, [key_dim, key_dim, d.num_v_heads * d.v_head_dim], dim=-1)
@@ -184,7 +183,7 @@ class GatedDeltaNet(nn.Module):
                                                      slots)
         out, final = chunk_gated_delta_rule(q, k, v, g, beta,
                                             initial_state=state.recurrent_states[slots],
-                                            cu_seqlens=cu[1])
+                                            cu_seqlens=cu)
         state.recurrent_states[slots] = final
         return out
 

@@ -13,8 +13,8 @@ a GPU without ``fla-core``) the torch reference; :func:`gated_delta_rule_backend
 The decode step over the state pool, :func:`recurrent_gated_delta_rule_update`, runs ferry's
 own Triton kernel on CUDA/XPU (``decode_triton``: it updates each request's slot in place,
 which FLA's kernels, taking dense states, cannot), the torch reference on the CPU.
-The conv1d runs the torch reference everywhere (a few ms per prefill; FLA's conv is future
-work).
+:func:`causal_conv1d` (prefill) likewise runs FLA's varlen conv where the rule runs FLA's;
+the one-token conv update is the torch reference everywhere (one batched op).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from kernels.linear_attention.reference import (
     recurrent_gated_delta_rule_update_ref,
 )
 
-causal_conv1d = causal_conv1d_ref
 causal_conv1d_update = causal_conv1d_update_ref
 
 
@@ -47,6 +46,17 @@ def gated_delta_rule_backend(device: torch.device | str) -> str:
     else ``"torch"`` (the reference)."""
     kind = torch.device(device).type
     return "fla" if kind in ("cuda", "xpu") and _fla_ok() else "torch"
+
+
+def causal_conv1d(x, weight, bias=None, **kwargs):
+    """The depthwise causal conv1d of a packed varlen batch (prefill); as
+    :func:`reference.causal_conv1d_ref`, on FLA's kernel where :func:`gated_delta_rule_backend`
+    picks FLA."""
+    if gated_delta_rule_backend(x.device) == "fla":
+        from kernels.linear_attention.fla_ops import causal_conv1d_fla
+
+        return causal_conv1d_fla(x, weight, bias, **kwargs)
+    return causal_conv1d_ref(x, weight, bias, **kwargs)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, **kwargs):

@@ -37,6 +37,33 @@ def _fla():
     return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
 
+def causal_conv1d_fla(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+    conv_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FLA's varlen causal conv1d; as :func:`reference.causal_conv1d_ref` (FLA keeps W
+    columns of state where ferry keeps the last W - 1: a zero column goes in front of the
+    initial states, and the last W - 1 columns of FLA's final states come back).
+
+    Raises: ImportError without ``fla-core``.
+    """
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d  # noqa: PLC0415 (lazy: GPU only)
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise ImportError("the GPU causal conv1d needs fla-core (pip install fla-core)") from exc
+    cu = _cu(cu_seqlens, x.shape[0], x.device)
+    channels, width = weight.shape
+    n = cu.numel() - 1
+    prior = (conv_state.to(x.dtype) if conv_state is not None
+             else x.new_zeros(n, channels, width - 1))
+    init = torch.cat([prior.new_zeros(n, channels, 1), prior], dim=-1)
+    out, final = causal_conv1d(x[None], weight, bias, initial_state=init,
+                               output_final_state=True, activation=activation, cu_seqlens=cu)
+    return out[0], final[..., 1:].to(weight.dtype)
+
+
 def _cu(cu_seqlens, total: int, device) -> torch.Tensor:
     if cu_seqlens is None:
         return torch.tensor([0, total], dtype=torch.long, device=device)

@@ -2,7 +2,8 @@
 against ferry's torch reference on the GPU at Qwen3-Next's (and Qwen3.5's) head shapes: 16
 key heads and 32 value heads of 128 (grouped value heads); varlen prefill with per-request
 initial states (requests shorter and longer than FLA's 64-token chunk), decode steps of many
-requests at once, and ferry's dispatch picking FLA on the GPU."""
+requests at once, FLA's varlen causal conv1d with per-request states (Qwen3-Next's 8192
+channels, 4 taps), and ferry's dispatch picking FLA on the GPU."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from kernels.linear_attention import (
     recurrent_gated_delta_rule,
 )
 from kernels.linear_attention.reference import (
+    causal_conv1d_ref,
     chunk_gated_delta_rule_ref,
     recurrent_gated_delta_rule_ref,
 )
@@ -25,6 +27,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from kernels.linear_attention.fla_ops import (  # noqa: E402
+    causal_conv1d_fla,
     chunk_gated_delta_rule_fla,
     recurrent_gated_delta_rule_fla,
 )
@@ -76,3 +79,21 @@ def test_decode_matches_reference(batch):
     torch.testing.assert_close(got_state, ref_state, atol=2e-3, rtol=2e-3)
     got2, _ = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state)
     torch.testing.assert_close(got2, got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_conv1d_varlen_with_states_matches_reference(dtype):
+    """FLA keeps W state columns, ferry W - 1: the wrapper's conversion, with a request of
+    one token (shorter than the state) among longer ones."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    c, w = 2 * HK * DK + HV * DV, 4
+    cu = [0, 70, 71, 200, 202]
+    x = torch.randn(cu[-1], c, generator=gen, device="cuda").to(dtype)
+    weight = (torch.randn(c, w, generator=gen, device="cuda") * 0.5).to(dtype)
+    state = torch.randn(len(cu) - 1, c, w - 1, generator=gen, device="cuda").to(dtype)
+    got, got_state = causal_conv1d_fla(x, weight, None, conv_state=state,
+                                       cu_seqlens=torch.tensor(cu, device="cuda"))
+    ref, ref_state = causal_conv1d_ref(x, weight, None, conv_state=state, cu_seqlens=cu)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(got_state.float(), ref_state.float(), atol=0, rtol=0)
