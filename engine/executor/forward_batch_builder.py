@@ -143,7 +143,7 @@ def build_forward_batch(pools: StepPools, attn_backend, batch: ScheduleBatch,
         + state_arrays + ([swa.translate(batch.out_cache_loc)] if swa is not None else []),
         torch.int64, pools.device)
     logits_idx = rest[:1] if extend else []
-    state_dev = rest[len(logits_idx):len(logits_idx) + 2]
+    state_dev = rest[len(logits_idx):len(logits_idx) + len(state_arrays)]
     i32 = {"seq_lens": h.seq_lens}
     if extend:
         i32.update(extend_seq_lens=list(batch.extend_lens),
