@@ -15,8 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.device import resolve_device
+
 pytestmark = pytest.mark.gpu
-if not torch.cuda.is_available():
+if resolve_device("auto") != "cuda":
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("transformers.models.qwen3_next")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.device import resolve_device
 from kernels.linear_attention import (
     chunk_gated_delta_rule,
     gated_delta_rule_backend,
@@ -22,9 +23,9 @@ from kernels.linear_attention.reference import (
 )
 
 pytestmark = pytest.mark.gpu
-pytest.importorskip("fla")
-if not torch.cuda.is_available():
+if resolve_device("auto") != "cuda":
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("fla")
 
 from kernels.linear_attention.fla_ops import (  # noqa: E402
     causal_conv1d_fla,
