@@ -58,17 +58,34 @@ def _alloc(runner, req: Req, n: int) -> list[int]:
     return slots
 
 
+def _rows(runner, r: Req) -> Req:
+    """Give ``r`` a ``req_to_token`` row and, for a model with linear-attention layers, a
+    zeroed recurrent-state slot (``runner.state_pool``)."""
+    r.req_pool_idx = runner.req_to_token_pool.alloc()
+    pool = getattr(runner, "state_pool", None)
+    if pool is not None:
+        r.state_slot = pool.alloc()
+    return r
+
+
+def release_rows(runner, r: Req) -> None:
+    """Free what :func:`_rows` and the KV allocations gave ``r``."""
+    runner.kv_pool.free_pages(r.pages)
+    runner.req_to_token_pool.free(r.req_pool_idx)
+    if r.state_slot is not None:
+        runner.state_pool.free(r.state_slot)
+
+
 def prefill_random(runner, bs: int, input_len: int, g: torch.Generator, tag: str) -> list[Req]:
     """``bs`` requests of ``input_len`` random prompt tokens (from ``g``), given request rows
-    and KV slots and prefilled in one EXTEND, each with its greedy first token appended: the
-    starting point of the decode-step benchmarks (``bench_spec_steps``, ``bench_lora``). The
-    caller frees ``r.pages`` and ``r.req_pool_idx`` of each."""
+    (and state slots) and KV slots and prefilled in one EXTEND, each with its greedy first
+    token appended: the starting point of the decode-step benchmarks (``bench_spec_steps``,
+    ``bench_lora``). The caller frees each with :func:`release_rows`."""
     reqs = []
     for i in range(bs):
         ids = torch.randint(0, runner.vocab_size, (input_len,), generator=g).tolist()
-        r = Req(f"{tag}-{i}", ids, SamplingParams(max_tokens=1 << 20, temperature=0))
-        r.req_pool_idx = runner.req_to_token_pool.alloc()
-        reqs.append(r)
+        reqs.append(_rows(runner, Req(f"{tag}-{i}", ids,
+                                      SamplingParams(max_tokens=1 << 20, temperature=0))))
     locs = []
     for r in reqs:
         locs += _alloc(runner, r, input_len)
@@ -89,9 +106,8 @@ def run_once(runner, bs: int, input_len: int, output_len: int, seed: int = 0,
     reqs = []
     for i in range(bs):
         ids = torch.randint(0, vocab, (input_len,), generator=g).tolist()
-        r = Req(f"bench-{i}", ids, SamplingParams(max_tokens=output_len, temperature=0))
-        r.req_pool_idx = runner.req_to_token_pool.alloc()
-        reqs.append(r)
+        reqs.append(_rows(runner, Req(f"bench-{i}", ids,
+                                      SamplingParams(max_tokens=output_len, temperature=0))))
     try:
         locs = []
         for r in reqs:
@@ -110,8 +126,7 @@ def run_once(runner, bs: int, input_len: int, output_len: int, seed: int = 0,
             _decode_steps(runner, reqs, output_len - 1, steps)
     finally:
         for r in reqs:
-            runner.kv_pool.free_pages(r.pages)
-            runner.req_to_token_pool.free(r.req_pool_idx)
+            release_rows(runner, r)
     return {"prefill_s": prefill, "decode_steps_s": steps}
 
 

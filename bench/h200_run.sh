@@ -132,6 +132,25 @@ for stage in "$@"; do
                  --dataset-name multi-turn --max-duration 240 --output-json "$OUT/mt-$mode.json"
                stop_server mt-$mode
              done;;
+    # issue 45, Qwen3-Next / Qwen3.5 (hybrid Gated DeltaNet): needs fla-core in .whl
+    # (../shared/tools/device-wheels.sh fla-core==0.6.0 einops==0.8.2); graphs are off for
+    # these models. qwen3next-tests: FLA (prefill) and ferry's Triton decode step vs the torch
+    # reference at Qwen3-Next's head shapes, a tiny model on CUDA vs HF; qwen3next: bs1/bs64
+    # decode of Qwen3.5-35B-A3B's shape (the 80B-A3B, ~160 GB in bf16, does not fit one H200
+    # and these models run without TP);
+    # qwen3next-24l: Qwen3-Next-80B-A3B's layer shapes cut to 24 of its 48 layers (~80 GB)
+    qwen3next-tests) python3 -c "from kernels.linear_attention import gated_delta_rule_backend as b; print('gated delta rule on cuda:', b('cuda'))"
+              run qwen3next-tests 300 python3 -m pytest -q -x -s \
+              tests/kernels/test_gated_delta_rule_fla.py tests/kernels/test_gdn_decode_triton.py \
+              tests/engine/test_qwen3_next_gpu.py -p no:cacheprovider;;
+    qwen3next) run qwen3next 540 python3 -m bench.bench_latency \
+              --model-path engine/configs/qwen3.5-35b-a3b.json --load-format dummy \
+              --disable-cuda-graph --batch-size 1 64 --input-len 512 --output-len 64 \
+              --result-jsonl "$OUT/qwen3next-latency.jsonl";;
+    qwen3next-24l) run qwen3next-24l 540 python3 -m bench.bench_latency \
+              --model-path engine/configs/qwen3-next-80b-a3b-24layers.json --load-format dummy \
+              --disable-cuda-graph --batch-size 1 64 --input-len 512 --output-len 64 \
+              --result-jsonl "$OUT/qwen3next-latency.jsonl";;
     # tensor parallelism (nvidia-h200-x2): TP=1 and TP=2 one after the other in one stage
     tp-tests) run tp-tests 300 python3 -m pytest -q -x tests/engine/test_tensor_parallel_gpu.py \
               tests/engine/test_tensor_parallel.py -p no:cacheprovider;;

@@ -15,6 +15,8 @@ Shapes (T = tokens in the step, B = requests):
   logits_indices    [B] int64   rows of the hidden states whose logits are sampled
   lora_segments     LoRASegments: each request's rows and adapter slot (a model with
                     adapters), else None
+  state             RecurrentStateView: the linear-attention layers' pool tensors and each
+                    request's state slot (a model with ``RECURRENT_STATE`` layers), else None
 
 A mixed EXTEND step (chunked prefill with the running decodes) ends with ``num_decodes``
 one-token requests (the last ``num_decodes`` tokens of T); attention runs the first
@@ -84,6 +86,26 @@ class LoRASegments:
 
 
 @dataclass
+class RecurrentStateView:
+    """One step's view of the recurrent-state pool (``engine/kv/state_pool.py``), for the
+    linear-attention layers; filled by the step's builder.
+
+    Attributes:
+        conv_states: per linear layer (pool order), ``[slots + 1, C, W - 1]`` (in place).
+        recurrent_states: per linear layer, ``[slots + 1, Hv, K, V]`` float32 (in place).
+        slots: ``[B]`` int64 on the device, each request's slot, in batch order (0: padding).
+        cu_seqlens: ``B + 1`` host ints, the cumulative new-token counts of the requests.
+        cu_seqlens_dev: the same as an int64 device tensor ``[B + 1]`` (the GPU kernels').
+    """
+
+    conv_states: list[torch.Tensor]
+    recurrent_states: list[torch.Tensor]
+    slots: torch.Tensor
+    cu_seqlens: list[int]
+    cu_seqlens_dev: torch.Tensor | None = None
+
+
+@dataclass
 class ForwardBatch:
     mode: ForwardMode
     batch_size: int
@@ -112,6 +134,8 @@ class ForwardBatch:
     # the windowed layers' view of the step (engine/kv/windowed.py): the same step with the
     # windowed pool's req_to_token and out_cache_loc, its own attn_meta; None: no such pool
     swa: ForwardBatch | None = None
+    # the linear-attention layers' state slots (engine/kv/state_pool.py); None: no such layers
+    state: RecurrentStateView | None = None
 
     @property
     def is_decode(self) -> bool:

@@ -8,6 +8,10 @@ buffer, :func:`_to_device`); the new tokens' slots are written into ``req_to_tok
 
 LoRA: with a ``LoRAManager`` the builder fills ``ForwardBatch.lora_segments`` (one segment
 per request, with its adapter slot) and points the model's shared ``LoRABatch`` at them.
+
+Linear-attention layers: with a recurrent-state pool the builder fills ``ForwardBatch.state``
+(each request's ``state_slot`` and the step's cumulative token counts, uploaded with the
+other int64 arrays), which the layers index their pool tensors with.
 """
 
 from __future__ import annotations
@@ -19,8 +23,15 @@ import torch
 
 from engine import device as dev
 from engine.executor.schedule_batch import ScheduleBatch
-from engine.forward_batch import ForwardBatch, ForwardMode, LoRASegments, resolve_placeholders
+from engine.forward_batch import (
+    ForwardBatch,
+    ForwardMode,
+    LoRASegments,
+    RecurrentStateView,
+    resolve_placeholders,
+)
 from engine.kv.pool import KVPool, ReqToTokenPool
+from engine.kv.state_pool import RecurrentStatePool
 from engine.kv.windowed import WindowedKVPool
 
 if TYPE_CHECKING:
@@ -38,6 +49,8 @@ class StepPools:
     #: the windowed layers' pool and table (engine/kv/windowed.py), or None
     swa_pool: WindowedKVPool | None = None
     swa_req_pool: ReqToTokenPool | None = None
+    #: the linear-attention layers' recurrent-state slots, or None
+    state_pool: RecurrentStatePool | None = None
 
 
 def _to_device(arrays: list[list[int]], dtype: torch.dtype, device: torch.device
@@ -91,6 +104,15 @@ def _host_step(batch: ScheduleBatch) -> _HostStep:
     return _HostStep(ids, pos, rows_t, starts, seq_lens, last)
 
 
+def _state_arrays(batch: ScheduleBatch) -> list[list[int]]:
+    """Each request's recurrent-state slot (0, the padding slot, for a request without one)
+    and the step's cumulative new-token counts ``[0, n0, n0 + n1, ...]``."""
+    cu = [0]
+    for n in batch.extend_lens:
+        cu.append(cu[-1] + n)
+    return [[getattr(r, "state_slot", None) or 0 for r in batch.reqs], cu]
+
+
 def build_forward_batch(pools: StepPools, attn_backend, batch: ScheduleBatch,
                         lora: LoRAManager | None = None,
                         future_ids: torch.Tensor | None = None
@@ -114,12 +136,14 @@ def build_forward_batch(pools: StepPools, attn_backend, batch: ScheduleBatch,
     # the step's host arrays in two tensors, each one non-blocking copy from pinned memory
     # (a blocking .to(device) waits for the in-flight step: no overlap)
     swa = pools.swa_pool
+    state_arrays = _state_arrays(batch) if pools.state_pool is not None else []
     input_ids, positions, loc, rows, req_rows, *rest = _to_device(
         [h.ids, h.positions, batch.out_cache_loc, h.token_rows,
          [r.req_pool_idx for r in batch.reqs]] + ([h.logits_rows] if extend else [])
-        + ([swa.translate(batch.out_cache_loc)] if swa is not None else []),
+        + state_arrays + ([swa.translate(batch.out_cache_loc)] if swa is not None else []),
         torch.int64, pools.device)
     logits_idx = rest[:1] if extend else []
+    state_dev = rest[len(logits_idx):len(logits_idx) + len(state_arrays)]
     i32 = {"seq_lens": h.seq_lens}
     if extend:
         i32.update(extend_seq_lens=list(batch.extend_lens),
@@ -153,6 +177,10 @@ def build_forward_batch(pools: StepPools, attn_backend, batch: ScheduleBatch,
         fb.max_extend_len = max(batch.extend_lens)
         fb.num_decodes = batch.num_decodes
         fb.logits_indices = logits_idx[0]
+    if state_dev:
+        sp = pools.state_pool
+        fb.state = RecurrentStateView(sp.conv_states, sp.recurrent_states, state_dev[0],
+                                      state_arrays[1], state_dev[1])
     if swa is not None:  # the windowed layers' slots: their own table and locations
         swa_loc = rest[-1]
         swa_r2t = pools.swa_req_pool.req_to_token

@@ -29,7 +29,9 @@ from engine.executor.schedule_batch import ScheduleBatch
 from engine.executor.tp_messages import IdsMsg, TPMessage, step_msg
 from engine.forward_batch import ForwardBatch
 from engine.kv.pool import ReqToTokenPool, kv_bytes_per_token
+from engine.kv.state_pool import build_state_pool
 from engine.kv.windowed import build_pools, max_window, split_tokens
+from engine.layer_spec import CacheKind
 from engine.layers import select_ops, small_ops_kind
 from engine.layers.linear import pack_cpu_weights
 from engine.layers.moe_ep import expert_parallel
@@ -84,18 +86,27 @@ class RankRunner:
         self.model_max_context = min(model_ctx, args.context_length or model_ctx)
         # each layer's attention and cache (this rank's heads): the pool and backend read it
         self.layer_specs = [s.per_rank(self.tp.size) for s in self.model.layer_specs()]
+        # the layers with a K/V cache (a linear-attention layer keeps a recurrent state in
+        # the state pool instead; the attention layers index their K/V among these)
+        self.kv_layer_specs = [s for s in self.layer_specs
+                               if s.cache != CacheKind.RECURRENT_STATE]
+        self._build_state_pool(args)
         self._build_pools(args)
         self.attn_backend = create_attention_backend(
             self.attention_backend_name, self.num_heads, self.num_kv_heads, self.head_dim,
             device_type=self.device_type, device=self.device,
             num_sms=dev.multiprocessor_count(self.device_type), waves=args.decode_attention_waves,
-            fused_ops=not args.disable_fused_ops, layer_specs=self.layer_specs)
+            fused_ops=not args.disable_fused_ops, layer_specs=self.kv_layer_specs)
         self.supports_overlap = dev.is_accelerator(self.device_type)
         self._build_graphs(args)
         logger.info("KV cache: %d tokens (%d layers x %d kv heads x %d dim, %s), page size %d; "
-                    "attention backend %s", self.max_total_tokens, self.num_layers,
+                    "attention backend %s", self.max_total_tokens, len(self.kv_layer_specs),
                     self.num_kv_heads, self.head_dim, str(self.kv_dtype).replace("torch.", ""),
                     args.page_size, self.attention_backend_name)
+        if self.state_pool is not None:
+            logger.info("%s (--max-running-requests); %d KV tokens for the %d attention "
+                        "layers", self.state_pool.memory_line(), self.max_total_tokens,
+                        len(self.kv_layer_specs))
         if self.swa_pool is not None:
             logger.info("windowed KV pool: %d tokens for %d sliding-window layers (window %d); "
                         "the %d tokens above hold the other %d layers "
@@ -142,20 +153,28 @@ class RankRunner:
                 "reference": "the torch references (FERRY_CPU_KERNELS=0, "
                              "--disable-fused-ops, or no C++ compiler)"}.get(ops_kind, ops_kind))
 
+    def _build_state_pool(self, args: ServerArgs) -> None:
+        """The linear-attention layers' recurrent-state pool (``self.state_pool``, None
+        without such layers): one slot per running request (``--max-running-requests``),
+        allocated before the KV pool is sized from what memory is left."""
+        self.state_pool, self.state_index = build_state_pool(
+            self.layer_specs, args.max_running_requests, self.dtype, self.device)
+
     def _build_pools(self, args: ServerArgs) -> None:
         """The KV pool (sized by :meth:`_kv_capacity`, the smallest over the ranks), the
         ``req_to_token`` rows, and the context they leave a request."""
         self.max_total_tokens = tpd.min_over_ranks(self._kv_capacity())
         # at least what one request needs: its window and a chunk, beside the window a
         # cached prefix it matched keeps locked in the tree
+        specs = self.kv_layer_specs
         ratio = self._swa_ratio(args)
-        split = split_tokens(self.layer_specs, self.max_total_tokens, ratio,
-                             self.kv_dtype, 2 * max_window(self.layer_specs)
+        split = split_tokens(specs, self.max_total_tokens, ratio,
+                             self.kv_dtype, 2 * max_window(specs)
                              + prefill_budget(args, self.device_type) + 4 * args.page_size)
-        if ratio and max_window(self.layer_specs) and not split.swa_tokens:
+        if ratio and max_window(specs) and not split.swa_tokens:
             logger.info("windowed KV pool off: %d tokens are too few to split (the windowed "
                         "layers need a window and a chunk)", self.max_total_tokens)
-        self.kv_pool, self.swa_pool = build_pools(self.layer_specs, split, args.page_size,
+        self.kv_pool, self.swa_pool = build_pools(specs, split, args.page_size,
                                                   self.kv_dtype, self.device)
         self.max_total_tokens = self.kv_pool.capacity_tokens
         #: the windowed layers' slots (0: no windowed pool) and their req_to_token table
@@ -170,7 +189,7 @@ class RankRunner:
                                            self.device) if self.swa_pool else None
         #: what :func:`build_forward_batch` writes the step into
         self.pools = StepPools(self.req_to_token_pool, self.kv_pool, self.device,
-                               self.swa_pool, self.swa_req_pool)
+                               self.swa_pool, self.swa_req_pool, self.state_pool)
 
     def _swa_ratio(self, args: ServerArgs) -> float:
         """``--swa-full-tokens-ratio``, or 0 (one pool) where the windowed pool is not
@@ -205,6 +224,11 @@ class RankRunner:
             with contextlib.suppress(NotImplementedError, ValueError):
                 self.model.set_capture_hidden(
                     "aux" if args.speculative_algorithm == "EAGLE3" else "last")
+        if graphs and self.state_pool is not None:  # (the server's preflight refuses them)
+            graphs = False
+            if self.tp.rank == 0:
+                logger.info("graphs off, every step runs eagerly: linear-attention layers "
+                            "are not captured yet")
         if self.pooling is not None:  # pooling: prefill only, reading the eager hidden_out
             graphs = False
             self.model.set_capture_hidden("last")
@@ -252,7 +276,8 @@ class RankRunner:
         return {"rank": self.tp.rank,
                 "weight_bytes": sum(p.numel() * p.element_size()
                                     for p in self.model.parameters()),
-                "kv_bytes": self.kv_pool.nbytes}
+                "kv_bytes": self.kv_pool.nbytes,
+                "state_bytes": self.state_pool.nbytes if self.state_pool is not None else 0}
 
     @property
     def tp_size(self) -> int:
@@ -296,7 +321,7 @@ class RankRunner:
     # ---- sizing -------------------------------------------------------------------------
     def _kv_capacity(self) -> int:
         """KV pool size in tokens: --max-total-tokens, else from free memory after the weights."""
-        per_token = kv_bytes_per_token(self.layer_specs, self.kv_dtype)
+        per_token = kv_bytes_per_token(self.kv_layer_specs, self.kv_dtype)
         if self.args.max_total_tokens:
             return int(self.args.max_total_tokens)
         if not dev.is_accelerator(self.device_type):

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
     from engine.executor.schedule_batch import ScheduleBatch
     from engine.kv.pool import KVPool, ReqToTokenPool
+    from engine.kv.state_pool import RecurrentStatePool
     from engine.layer_spec import LayerSpec
     from engine.layers.pooler import PoolingSpec
     from engine.lora.manager import LoRAManager
@@ -66,6 +67,9 @@ class StepRunner(Protocol):
     #: or None with one pool
     swa_pool: KVPool | None
     swa_req_pool: ReqToTokenPool | None
+    #: the linear-attention layers' recurrent-state pool (``engine/kv/state_pool.py``: a slot
+    #: per running request), or None for a model without such layers
+    state_pool: RecurrentStatePool | None
 
     def forward(self, batch: ScheduleBatch, future_ids: torch.Tensor | None = None
                 ) -> torch.Tensor:

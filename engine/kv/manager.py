@@ -24,12 +24,19 @@ request's windowed pages only at ``release`` (by then only its last window is he
 while a chunked prefill runs, so a long prompt never pins its windowed pages in the tree.
 ``match`` cuts a cached prefix back to where the tree still holds the windowed keys the
 next token reads; ``check`` proves the windowed pool's count the same way.
+
+Linear-attention layers (a model with ``RECURRENT_STATE`` layers, ``engine/kv/state_pool.py``):
+``req.state_slot`` is the request's slot of conv and recurrent states, taken (zeroed) with its
+``req_to_token`` row at admission (``take_state``) and given back by ``release`` (finish,
+abort, preemption: a preempted request restarts from the zero state); ``check`` proves free +
+held slots equal the pool.
 """
 
 from __future__ import annotations
 
 from engine.kv.pool import KVPool, ReqToTokenPool
 from engine.kv.radix_cache import RadixCache
+from engine.kv.state_pool import RecurrentStatePool
 from engine.kv.windowed import WindowedKVPool, usable_prefix_pages
 
 
@@ -40,12 +47,15 @@ def _ns(req):
 
 class KVCacheManager:
     """Args: pool, req_pool: the two KV levels; disable_cache: no prefix reuse; swa_pool,
-    swa_req_pool: the windowed layers' pool and ``req_to_token`` table, or None."""
+    swa_req_pool: the windowed layers' pool and ``req_to_token`` table, or None;
+    state_pool: the linear-attention layers' recurrent-state slots, or None."""
 
     def __init__(self, pool: KVPool, req_pool: ReqToTokenPool, disable_cache: bool = False,
                  swa_pool: WindowedKVPool | None = None,
-                 swa_req_pool: ReqToTokenPool | None = None):
+                 swa_req_pool: ReqToTokenPool | None = None,
+                 state_pool: RecurrentStatePool | None = None):
         self.pool = pool
+        self.state_pool = state_pool
         self.req_pool = req_pool
         self.page_size = pool.page_size
         self.swa_pool = swa_pool
@@ -134,6 +144,22 @@ class KVCacheManager:
         req.pages, req.cached_pages, req.last_node, req.kv_len = [], 0, None, 0
         if self.swa_pool is not None:
             req.swa_pages, req.swa_lo = [], 0
+
+    def state_available(self) -> bool:
+        """Whether a newly admitted request can take a state slot (always, without a
+        recurrent-state pool)."""
+        return self.state_pool is None or self.state_pool.available() > 0
+
+    def take_state(self, req) -> None:
+        """Give an admitted request a zeroed state slot (``req.state_slot``) if the model
+        keeps recurrent states and it holds none. Raises RuntimeError when none is free
+        (admission checks :meth:`state_available` first)."""
+        if self.state_pool is None or getattr(req, "state_slot", None) is not None:
+            return
+        slot = self.state_pool.alloc()
+        if slot is None:
+            raise RuntimeError("no recurrent-state slot is free (admission should have waited)")
+        req.state_slot = slot
 
     def write_prefix(self, req) -> None:
         """Point ``req_to_token`` at the cached prefix of a newly admitted request."""
@@ -290,6 +316,9 @@ class KVCacheManager:
         if req.req_pool_idx is not None:
             self.req_pool.free(req.req_pool_idx)
             req.req_pool_idx = None
+        if getattr(req, "state_slot", None) is not None:
+            self.state_pool.free(req.state_slot)
+            req.state_slot = None
         req.kv_len = 0
 
     def flush(self) -> bool:
@@ -319,6 +348,12 @@ class KVCacheManager:
                 assert r.last_node is not None
         if self.swa_pool is not None:
             self._check_swa(reqs)
+        if self.state_pool is not None:
+            held = [r.state_slot for r in reqs if getattr(r, "state_slot", None) is not None]
+            assert len(set(held)) == len(held), "recurrent-state slot held twice"
+            assert len(held) + self.state_pool.available() == self.state_pool.num_slots, (
+                f"recurrent-state slots lost: free {self.state_pool.available()} + held "
+                f"{len(held)} != pool {self.state_pool.num_slots}")
 
     def _check_swa(self, reqs) -> None:
         """The windowed pool's invariant: free + request-owned + tree == pool."""

@@ -56,6 +56,12 @@ class RecurrentStatePool:
         rec = sum(s.num_v_heads * s.k_head_dim * s.v_head_dim for s in shapes) * 4
         return conv + rec
 
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of every slot's states (the padding slot included)."""
+        return sum(t.numel() * t.element_size()
+                   for t in (*self.conv_states, *self.recurrent_states))
+
     def available(self) -> int:
         """Slots free now."""
         return len(self._free)

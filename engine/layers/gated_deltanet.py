@@ -12,8 +12,12 @@ Per request the layer keeps a conv state [C, W - 1] and a recurrent state [Hv, K
 the recurrent-state pool (``engine.kv.state_pool``); :class:`LinearStateBatch` tells the
 layer which slot each request of the step owns. Prefill (or a prefill chunk) continues from
 the slot's state and writes the final state back; decode advances one token per request.
-The torch references of ``kernels.linear_attention`` run here (the CPU path); tensor
-parallelism is not supported (one rank holds every head).
+The ops come from ``kernels.linear_attention`` (fla-core's Triton kernels on CUDA/XPU where
+it imports, the torch references otherwise). A mixed step (prefill chunks followed by
+``num_decodes`` one-token decodes) runs its prefill part through the chunked rule and its
+decode tail through one batched recurrent step that updates each request's slot in place.
+Tensor parallelism is not supported (one
+rank holds every head).
 """
 
 from __future__ import annotations
@@ -27,10 +31,11 @@ from torch import nn
 from engine.layers.linear import ReplicatedLinear
 from engine.layers.norm import GatedRMSNorm
 from kernels.linear_attention import (
-    causal_conv1d_ref,
-    causal_conv1d_update_ref,
-    chunk_gated_delta_rule_ref,
-    recurrent_gated_delta_rule_ref,
+    causal_conv1d,
+    causal_conv1d_update,
+    chunk_gated_delta_rule,
+    gated_delta_rule_backend,
+    recurrent_gated_delta_rule_update,
 )
 
 
@@ -42,8 +47,11 @@ class LinearStateBatch:
         conv_states: the layer's pool tensor [slots + 1, C, W - 1] (updated in place).
         recurrent_states: the layer's pool tensor [slots + 1, Hv, K, V] float32 (in place).
         slots: [B] int64, each request's slot (requests in batch order).
-        cu_seqlens: B + 1 cumulative token counts of the step's requests.
+        cu_seqlens: B + 1 cumulative token counts of the step's requests (host ints).
         decode: every request has exactly one new token (the recurrent kernels run).
+        num_decodes: with ``decode`` False, the last ``num_decodes`` requests are one-token
+            decodes (a mixed step): they run the recurrent step, the others the chunked rule.
+        cu_seqlens_dev: ``cu_seqlens`` as an int64 device tensor (for the GPU kernels), or None.
     """
 
     conv_states: torch.Tensor
@@ -51,6 +59,8 @@ class LinearStateBatch:
     slots: torch.Tensor
     cu_seqlens: list[int]
     decode: bool
+    num_decodes: int = 0
+    cu_seqlens_dev: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -125,26 +135,55 @@ class GatedDeltaNet(nn.Module):
                 b.reshape(t, d.num_v_heads), a.reshape(t, d.num_v_heads))
 
     def forward(self, x: torch.Tensor, state: LinearStateBatch) -> torch.Tensor:
-        d, t = self.dims, x.shape[0]
+        t = x.shape[0]
         mixed, z, b, a = self._split(x)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        n = len(state.cu_seqlens) - 1
+        n_dec = n if state.decode else state.num_decodes
+        n_ext = n - n_dec
+        cut = state.cu_seqlens[n_ext]          # the decode tail's first token
+        parts = []
+        if n_ext:
+            cu_dev = state.cu_seqlens_dev   # FLA's kernels read it there: no host copy
+            cu = cu_dev[:n_ext + 1] if cu_dev is not None and \
+                gated_delta_rule_backend(x.device) == "fla" else state.cu_seqlens[:n_ext + 1]
+            parts.append(self._mix(mixed[:cut], g[:cut], beta[:cut], state, state.slots[:n_ext],
+                                   cu))
+        if n_dec:
+            parts.append(self._mix(mixed[cut:], g[cut:], beta[cut:], state, state.slots[n_ext:],
+                                   None))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        out = self.norm(out, z)
+        return self.out_proj(out.reshape(t, -1))
+
+    def _mix(self, mixed, g, beta, state: LinearStateBatch, slots: torch.Tensor,
+             cu) -> torch.Tensor:
+        """Conv and gated delta rule of one part of the step from the ``slots``' states,
+        which are written back: prefills (``cu``: the part's cumulative token counts, host
+        ints or, for FLA's kernels, a device tensor) or one-token decodes (``cu`` None);
+        returns [T', Hv, V]."""
+        d, t = self.dims, mixed.shape[0]
+        decode = cu is None
         weight = self.conv1d.weight.squeeze(1)
-        conv_state = state.conv_states[state.slots]
-        if state.decode:
-            mixed = causal_conv1d_update_ref(mixed, conv_state, weight, None, "silu")
+        conv_state = state.conv_states[slots]
+        if decode:
+            mixed = causal_conv1d_update(mixed, conv_state, weight, None, "silu")
         else:
-            mixed, conv_state = causal_conv1d_ref(mixed, weight, None, conv_state=conv_state,
-                                                  cu_seqlens=state.cu_seqlens)
-        state.conv_states[state.slots] = conv_state.to(state.conv_states.dtype)
+            mixed, conv_state = causal_conv1d(mixed, weight, None, conv_state=conv_state,
+                                              cu_seqlens=cu)
+        state.conv_states[slots] = conv_state.to(state.conv_states.dtype)
         key_dim = d.num_k_heads * d.k_head_dim
         q, k, v = torch.split(mixed, [key_dim, key_dim, d.num_v_heads * d.v_head_dim], dim=-1)
         q = q.reshape(t, d.num_k_heads, d.k_head_dim)
         k = k.reshape(t, d.num_k_heads, d.k_head_dim)
         v = v.reshape(t, d.num_v_heads, d.v_head_dim)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        rule = recurrent_gated_delta_rule_ref if state.decode else chunk_gated_delta_rule_ref
-        out, final = rule(q, k, v, g, beta, initial_state=state.recurrent_states[state.slots],
-                          cu_seqlens=state.cu_seqlens)
-        state.recurrent_states[state.slots] = final
-        out = self.norm(out, z)
-        return self.out_proj(out.reshape(t, -1))
+        if decode:  # each request's slot updated in place (no gather/scatter on GPUs)
+            return recurrent_gated_delta_rule_update(q, k, v, g, beta, state.recurrent_states,
+                                                     slots)
+        out, final = chunk_gated_delta_rule(q, k, v, g, beta,
+                                            initial_state=state.recurrent_states[slots],
+                                            cu_seqlens=cu)
+        state.recurrent_states[slots] = final
+        return out
+

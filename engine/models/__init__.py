@@ -29,6 +29,13 @@ from engine.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM
 from engine.models.olmoe import OlmoeForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from engine.models.qwen3_next import (
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeForConditionalGeneration,
+    Qwen3NextForCausalLM,
+)
 from engine.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from engine.models.smollm3 import SmolLM3ForCausalLM
 
@@ -55,6 +62,11 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
 }
 
 
@@ -107,6 +119,11 @@ __all__ = [
     "GptOssForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
     "get_model_class",
     "supported_architectures",
 ]

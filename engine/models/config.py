@@ -141,7 +141,8 @@ class ModelConfig:
 
         Raises:
             AttributeError: a required field (``hidden_size``, ``num_attention_heads``,
-                ``num_hidden_layers``, ``intermediate_size``, ``vocab_size``) is missing.
+                ``num_hidden_layers``, ``intermediate_size`` (or ``moe_intermediate_size``),
+                ``vocab_size``) is missing.
         """
         from engine.layers.rotary import rope_config
 
@@ -162,7 +163,9 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
             head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-            intermediate_size=text.intermediate_size,
+            # an MoE-only config (Qwen3.5-MoE) names only its experts' width
+            intermediate_size=(text.intermediate_size if hasattr(text, "intermediate_size")
+                               else text.moe_intermediate_size),
             vocab_size=text.vocab_size,
             max_position_embeddings=(getattr(text, "max_position_embeddings", None)
                                      or DEFAULT_MAX_POSITION),

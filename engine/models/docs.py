@@ -30,7 +30,10 @@ the kinds the class's layers may have (`engine/layer_spec.py`: each layer's `Lay
 `sliding` layers attend to the last `sliding_window` keys over the same pool (every key kept);
 a family without `sliding` layers whose config sets a smaller `sliding_window` (Mixtral, Qwen2
 with `use_sliding_window`) runs as full attention with the context capped at the window (the
-loader's `_cap_sliding_window`).
+loader's `_cap_sliding_window`). `linear` layers (Gated DeltaNet) keep a `recurrent_state`: one
+fixed-size slot of conv and recurrent state per running request (`engine/kv/state_pool.py`,
+`--max-running-requests` slots); such models run without prefix reuse, TP, speculative
+decoding, LoRA and graphs for now.
 
 | Family | HF architectures | model_type | Attention | Cache | Module |
 |---|---|---|---|---|---|

@@ -12,8 +12,9 @@ each with an :class:`Admit`:
 A waiting request passes these gates, in this order (the order matters: a deferred request
 never locks a prefix, and a request that stops admission has its prefix unlocked again):
 
-1. capacity: the step's requests stay under ``--max-running-requests`` and a
-   ``req_to_token`` row is free, else STOP;
+1. capacity: the step's requests stay under ``--max-running-requests``, a
+   ``req_to_token`` row is free and (a model with linear-attention layers) a recurrent-state
+   slot, else STOP (the request waits for one to be given back);
 2. LoRA (``engine/lora/gate.py``): its adapter has a slot and no starved adapter waits
    ahead of it, else DEFER;
 3. the twin wait (``PrefixPolicy``): a request being prefilled shares enough of its prompt
@@ -137,7 +138,7 @@ class ExtendAdder:
     # ---- the gates, in order (None: passed) ---------------------------------------------
     def _capacity(self, req: Req) -> Admit | None:
         if len(self.running) + len(self.reqs) >= self.max_running \
-                or self.req_pool.available() == 0:
+                or self.req_pool.available() == 0 or not self.kv.state_available():
             return self._stop()
         return None
 
@@ -184,6 +185,7 @@ class ExtendAdder:
         if req.req_pool_idx is None:
             req.req_pool_idx = self.req_pool.alloc()
             self.kv.write_prefix(req)
+        self.kv.take_state(req)
         self.lora.take(req.lora_id)
         if waiting:
             self.prefix.count_lookup(req)

@@ -39,7 +39,7 @@ class Req:
                  "stop_window", "cached_pages", "last_node", "cached_tokens", "prompt_counted",
                  "logprobs", "sent_logprobs", "prompt_logprobs", "prompt_logprobs_sent",
                  "grammar", "lora_id", "stop_regex_state", "pooling", "pool_state",
-                 "swa_pages", "swa_lo")
+                 "swa_pages", "swa_lo", "state_slot")
 
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams,
                  stream: bool = False, max_new_tokens: int | None = None,
@@ -56,6 +56,8 @@ class Req:
         self.stream = stream
         self.output_ids: list[int] = []
         self.req_pool_idx: int | None = None
+        # the slot of its linear-attention layers' states (engine/kv/state_pool.py), or None
+        self.state_slot: int | None = None
         self.pages: list[int] = []
         self.kv_len = 0
         # prefix cache: the first ``cached_pages`` of ``pages`` belong to the radix tree,

@@ -77,7 +77,8 @@ class Scheduler:
                                      self.pooling is not None and self.pooling.needs_every_row)
                                  or self.recurrent_state,
                                  swa_pool=runner.swa_pool,
-                                 swa_req_pool=runner.swa_req_pool)
+                                 swa_req_pool=runner.swa_req_pool,
+                                 state_pool=runner.state_pool)
         # assert the KV page accounting after every step (tests; costs O(pool) per step)
         self.check_kv = False
         self.chunk_size = prefill_budget(args, runner.device_type)

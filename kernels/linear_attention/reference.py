@@ -111,6 +111,37 @@ def _recurrent_one(q, k, v, g, beta, state):
     return out, state
 
 
+def _decode_step(q, k, v, g, beta, initial_state, use_qk_l2norm):
+    """One token for each of B requests at once (no per-request loop): q/k [B, Hk, K],
+    v [B, Hv, V], g/beta [B, Hv], initial_state [B, Hv, K, V] (None: zeros)."""
+    b, hv, dv = v.shape
+    qh, kh, vh, gh, bh = (x.transpose(0, 1) for x in _prepare(q, k, v, g, beta, use_qk_l2norm))
+    state = (initial_state.float() if initial_state is not None
+             else torch.zeros(b, hv, kh.shape[-1], dv, dtype=torch.float32, device=v.device))
+    state = state * gh.exp()[..., None, None]
+    k_t = kh.unsqueeze(-1)                                            # [B, H, K, 1]
+    delta = (vh - (state * k_t).sum(-2)) * bh.unsqueeze(-1)
+    state = state + k_t * delta.unsqueeze(-2)
+    out = (state * qh.unsqueeze(-1)).sum(-2)                          # [B, H, V]
+    return out.to(q.dtype), state
+
+
+def recurrent_gated_delta_rule_update_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    states: torch.Tensor, slots: torch.Tensor, use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """One decode step of B requests over a state pool, in place: request b reads and writes
+    ``states[slots[b]]`` ([Hv, K, V] float32).
+
+    Args: ``q``, ``k`` [B, Hk, K]; ``v`` [B, Hv, V]; ``g``, ``beta`` [B, Hv]; ``states``
+    [S, Hv, K, V] float32; ``slots`` [B] int64 (distinct).
+    Returns: ``o`` [B, Hv, V] in q's dtype.
+    """
+    out, final = _decode_step(q, k, v, g, beta, states[slots], use_qk_l2norm)
+    states[slots] = final
+    return out
+
+
 def _run(one, q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm):
     total, hv, dv = v.shape
     bounds = _bounds(cu_seqlens, total)
@@ -159,7 +190,7 @@ def recurrent_gated_delta_rule_ref(
     Args/Returns/Raises: as :func:`chunk_gated_delta_rule_ref`.
     """
     if cu_seqlens is None and initial_state is not None and initial_state.shape[0] == v.shape[0]:
-        cu_seqlens = range(v.shape[0] + 1)
+        return _decode_step(q, k, v, g, beta, initial_state, use_qk_l2norm)
     return _run(_recurrent_one, q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm)
 
 

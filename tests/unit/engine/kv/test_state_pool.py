@@ -55,3 +55,41 @@ def test_build_from_specs():
                          4, torch.float32, "cpu")
     with pytest.raises(ValueError, match="belongs to recurrent_state"):
         LayerSpec(head_dim=16, v_head_dim=16, num_kv_heads=2, state=SHAPES[0])
+
+
+def test_kv_manager_takes_and_gives_back_state_slots():
+    """KVCacheManager: an admitted request takes a zeroed slot with its row, ``release``
+    (finish, abort, preemption) gives it back, ``check`` proves the count and catches a leak."""
+    from types import SimpleNamespace
+
+    from engine.kv.manager import KVCacheManager
+    from engine.kv.pool import KVPool, ReqToTokenPool
+
+    pool = RecurrentStatePool(2, SHAPES, torch.float32, "cpu")
+    kv = KVCacheManager(KVPool(64, 4, 1, 1, 8, torch.float32, "cpu"), ReqToTokenPool(2, 32, "cpu"),
+                        disable_cache=True, state_pool=pool)
+
+    def req():
+        return SimpleNamespace(pages=[], kv_len=0, cached_pages=0, last_node=None,
+                               req_pool_idx=None, state_slot=None, lora_id=None,
+                               prompt_logprobs=None)
+
+    a, b, c = req(), req(), req()
+    for r in (a, b):
+        assert kv.state_available()
+        kv.take_state(r)
+    assert {a.state_slot, b.state_slot} == {1, 2} and not kv.state_available()
+    kv.take_state(a)                              # already holds one: unchanged
+    assert pool.available() == 0
+    with pytest.raises(RuntimeError, match="no recurrent-state slot"):
+        kv.take_state(c)
+    kv.check([a, b, c])
+    pool.recurrent_states[0][a.state_slot].fill_(3.0)
+    kv.release(a)
+    assert a.state_slot is None and kv.state_available()
+    kv.check([a, b, c])
+    kv.take_state(c)                              # the recycled slot, zeroed
+    assert not pool.recurrent_states[0][c.state_slot].any()
+    c.state_slot = None                           # a slot lost by its owner
+    with pytest.raises(AssertionError, match="recurrent-state slots lost"):
+        kv.check([a, b, c])

@@ -110,6 +110,24 @@ def _tiny(arch: str):
                    first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None,
                    qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_group=1,
                    topk_group=1, **kw)
+    if arch in ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"):
+        text = _tiny(arch.replace("ForConditionalGeneration", "ForCausalLM")).to_dict()
+        cls = (transformers.Qwen3_5Config if arch.startswith("Qwen3_5For")
+               else transformers.Qwen3_5MoeConfig)
+        return cls(architectures=[arch], text_config=text,
+                   vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 64,
+                                  "num_heads": 2, "out_hidden_size": 64})
+    if arch in ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"):
+        # hybrid: the contract's checks count attention layers, so all three are full here
+        # (the linear layers: tests/engine/test_qwen3_next.py)
+        cls = {"Qwen3NextForCausalLM": transformers.Qwen3NextConfig,
+               "Qwen3_5ForCausalLM": transformers.Qwen3_5TextConfig,
+               "Qwen3_5MoeForCausalLM": transformers.Qwen3_5MoeTextConfig}[arch]
+        extra = {} if arch == "Qwen3_5ForCausalLM" else {
+            **moe, "shared_expert_intermediate_size": 48}
+        return cls(head_dim=32, layer_types=["full_attention"] * 3, linear_num_key_heads=2,
+                   linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                   **extra, **kw)
     if arch.startswith("Qwen3"):
         return Qwen3Config(head_dim=32, **kw)
     return LlamaConfig(**kw)

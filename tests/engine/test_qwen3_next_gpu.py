@@ -1,0 +1,77 @@
+"""Qwen3-Next on the GPU (marker gpu): the tiny random checkpoint of ``qwen3_next_helpers``
+served by ``LLM`` on CUDA in float32, whose linear layers run fla-core's chunked kernel for
+prefills (the torch reference where fla-core is missing) and ferry's Triton decode step,
+against HF on the CPU (its torch path). Triton's fp32 dots may run in TF32 on the GPU, so
+the check allows a greedy token to differ only where HF's two best logits nearly tie.
+
+- prefill: the prompt log-probs of prompt + HF's continuation (chunked prefill, chunks of 64,
+  the 150-token prompt crossing FLA's chunks and ferry's prefill chunks) within 2e-2;
+- decode: greedy tokens equal HF's up to a near-tie, their log-probs within 2e-2 before it;
+- every state slot given back.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.device import resolve_device
+
+pytestmark = pytest.mark.gpu
+if resolve_device("auto") != "cuda":
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("transformers.models.qwen3_next")
+
+NEW_TOKENS = 12
+TOL = 2e-2
+NEAR_TIE = 0.05
+
+
+def _hf(hf, prompt):
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                          max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0,
+                          output_logits=True, return_dict_in_generate=True)
+        toks = out.sequences[0, len(prompt):].tolist()
+        steps = [torch.log_softmax(lg[0].float(), -1) for lg in out.logits]
+        full = torch.tensor([prompt + toks])
+        prompt_lps = torch.log_softmax(hf(full).logits[0].float(), -1)
+    seq = prompt + toks
+    teacher = [prompt_lps[j - 1, seq[j]].item() for j in range(1, len(seq))]
+    return toks, steps, seq, teacher
+
+
+def test_tiny_qwen3_next_on_the_gpu_matches_hf(tmp_path):
+    from qwen3_next_helpers import save_tiny
+
+    from engine.llm import LLM
+    from engine.sampling.params import SamplingParams
+    from kernels.linear_attention import gated_delta_rule_backend
+
+    hf = save_tiny("qwen3_next", tmp_path)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (5, 13, 70, 150)]
+    refs = [_hf(hf, p) for p in prompts]
+    print("gated delta rule prefill backend:", gated_delta_rule_backend("cuda"))
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
+    echo = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+    with LLM(str(tmp_path), dtype="float32", device="cuda", max_total_tokens=4096,
+             chunked_prefill_size=64, disable_cuda_graph=True) as llm:
+        outs = llm.generate(prompts, greedy)
+        echoed = llm.generate([r[2] for r in refs], echo)
+        pool = llm.runner.state_pool
+        assert pool.available() == pool.num_slots
+    for i, (o, e, (toks, steps, _seq, teacher)) in enumerate(zip(outs, echoed, refs)):
+        got = [entry[0] for entry in e.prompt_logprobs[1:]]
+        worst = max(abs(a - b) for a, b in zip(got, teacher))
+        assert worst < TOL, f"prompt {i}: prefill log-probs differ from HF by {worst:.2e}"
+        for j, (a, b) in enumerate(zip(o.token_ids, toks)):
+            if a != b:
+                top2 = steps[j].topk(2).values
+                gap = (top2[0] - top2[1]).item()
+                assert gap < NEAR_TIE, (f"prompt {i} step {j}: ferry {a} != HF {b} with HF's "
+                                        f"top-2 gap {gap:.3f}")
+                break
+            lp = o.logprobs[j][0]
+            assert abs(lp - steps[j][b].item()) < TOL, f"prompt {i} step {j}: log-prob {lp}"
