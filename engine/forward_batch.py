@@ -15,6 +15,10 @@ Shapes (T = tokens in the step, B = requests):
   logits_indices    [B] int64   rows of the hidden states whose logits are sampled
   lora_segments     LoRASegments: each request's rows and adapter slot (a model with
                     adapters), else None
+  mrope_positions   [3, T] int64 multimodal-RoPE positions (a step with an image request:
+                    ``engine/mm_inputs.py``), else None
+  mm_segments       per image request of an EXTEND step ``(MMInputs, prefix, new tokens,
+                    row of its first new token)``, else None
 
 A mixed EXTEND step (chunked prefill with the running decodes) ends with ``num_decodes``
 one-token requests (the last ``num_decodes`` tokens of T); attention runs the first
@@ -112,6 +116,11 @@ class ForwardBatch:
     # the windowed layers' view of the step (engine/kv/windowed.py): the same step with the
     # windowed pool's req_to_token and out_cache_loc, its own attn_meta; None: no such pool
     swa: ForwardBatch | None = None
+    # image requests (engine/mm_inputs.py): the step's M-RoPE positions [3, T] int64 and,
+    # per image request of an EXTEND step, (MMInputs, prefix, extend length, first row);
+    # None: no request of the step has images (graph replays never do)
+    mrope_positions: torch.Tensor | None = None
+    mm_segments: list[tuple[Any, int, int, int]] | None = None
 
     @property
     def is_decode(self) -> bool:
