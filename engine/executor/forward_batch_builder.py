@@ -105,7 +105,7 @@ def _mm_step(batch: ScheduleBatch, starts: list[int], extend: bool, device: torc
             continue
         n_prompt = mm.positions.shape[1]
         head = mm.positions[:, p:min(p + n, n_prompt)]
-        tail = torch.arange(max(p, n_prompt), p + n) + mm.delta
+        tail = torch.arange(min(max(p, n_prompt), p + n), p + n) + mm.delta
         parts.append(torch.cat([head, tail.expand(3, tail.numel())], dim=1))
         if extend and p < n_prompt and any(it.end > p and it.offset < p + n
                                            for it in mm.items):

@@ -98,3 +98,34 @@ class ImageProcessor:
                                   content_hash=content_hash(raw, grid), offset=offset,
                                   length=length))
         return ids, data
+
+
+def load_image_processor(model_path: str | None) -> ImageProcessor | None:
+    """The image processing of the model at ``model_path`` (an HF directory whose
+    architecture ferry runs with image input and whose ``preprocessor_config.json``
+    transformers' ``AutoImageProcessor`` reads: the PIL processors, no torchvision), or None
+    for a text-only model (its image parts are then a 400)."""
+    import json
+    import logging
+    import os
+
+    if not model_path or not os.path.isfile(os.path.join(model_path, "config.json")):
+        return None
+    with open(os.path.join(model_path, "config.json")) as f:
+        cfg = json.load(f)
+    from engine.models import MODEL_REGISTRY
+
+    arch = (cfg.get("architectures") or [""])[0]
+    if not getattr(MODEL_REGISTRY.get(arch), "accepts_images", False):
+        return None
+    log = logging.getLogger("ferry.server")
+    try:
+        from transformers import AutoImageProcessor
+
+        proc = AutoImageProcessor.from_pretrained(model_path)
+    except Exception as exc:  # noqa: BLE001 - no preprocessor_config.json, no pillow...
+        log.warning("%s reads images, but its image processor did not load (%s): image "
+                    "parts will be refused", arch, exc)
+        return None
+    log.info("image input on: %s (%s)", arch, type(proc).__name__)
+    return ImageProcessor(proc, int(cfg["image_token_id"]))
