@@ -99,6 +99,11 @@ class TokenizerManager:
         router: the ``ReplicaRouter`` (replica of each rid, control requests).
     """
 
+    #: the model's image processing (``server/media/process.py``; None: text only; set at
+    #: start-up) and where images may come from (``server/media/fetch.py``)
+    images: ImageProcessor | None = None
+    media_limits: MediaLimits = MediaLimits()
+
     def __init__(self, server_args, ipc: IpcPaths, replica_ipcs: list[IpcPaths] = ()):
         self.args = server_args
         self.ctx = zmq.Context()
@@ -115,9 +120,6 @@ class TokenizerManager:
             server_args.dp_balance_abs_threshold, server_args.dp_balance_rel_threshold),
             dead=lambda: self.dead)
         self.chat = ChatTokenizer(server_args)
-        #: the model's image processing (``server/media/process.py``; None: text only) and
-        #: where images may come from (``server/media/fetch.py``)
-        self.images: ImageProcessor | None = None
         self.media_limits = MediaLimits.from_args(server_args)
         self.states: dict[str, _ReqState] = {}
         # rid -> time.monotonic() of its abort: reserved until the engine sends its end
