@@ -61,6 +61,38 @@ def _image_part(part: dict, where: str) -> str:
     return spec["url"]
 
 
+def _content_parts(content: list, role: str, where: str, images: list | None
+                   ) -> str | list[dict]:
+    """A message's list of content parts as template content: the texts joined with
+    newlines, or (with an image) the ``text``/``image`` parts; images noted in ``images``
+    (see :func:`messages_for_template`). Raises: APIError 400 naming the part."""
+    texts = []
+    parts: list[dict] = []
+    for j, part in enumerate(content):
+        ptype = part.get("type")
+        if ptype == "image_url" and role == "user":
+            url = _image_part(part, f"{where}.content[{j}]")
+            if images is not None:
+                images.append((f"{where}.content[{j}].image_url", url))
+            parts.append({"type": "image"})
+            continue
+        if ptype != "text":
+            raise bad_request(f"content part type {ptype!r} is not supported (only "
+                              "'text', and 'image_url' in user messages)",
+                              f"{where}.content[{j}].type")
+        for key in part:
+            if key not in PART_KEYS:
+                raise bad_request(f"unrecognized content part field '{key}'",
+                                  f"{where}.content[{j}].{key}")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise bad_request("a text part needs a string 'text'",
+                              f"{where}.content[{j}].text")
+        texts.append(text)
+        parts.append({"type": "text", "text": text})
+    return parts if len(parts) > len(texts) else "\n".join(texts)
+
+
 def messages_for_template(messages: list[Any], images: list | None = None) -> list[dict]:
     """Plain ``{"role", "content"}`` dicts for ``apply_chat_template``.
 
@@ -109,31 +141,7 @@ def messages_for_template(messages: list[Any], images: list | None = None) -> li
                 raise bad_request("content is required", f"{where}.content")
             content = ""
         elif isinstance(content, list):
-            texts = []
-            parts: list[dict] = []
-            for j, part in enumerate(content):
-                ptype = part.get("type")
-                if ptype == "image_url" and role == "user":
-                    url = _image_part(part, f"{where}.content[{j}]")
-                    if images is not None:
-                        images.append((f"{where}.content[{j}].image_url", url))
-                    parts.append({"type": "image"})
-                    continue
-                if ptype != "text":
-                    raise bad_request(f"content part type {ptype!r} is not supported (only "
-                                      "'text', and 'image_url' in user messages)",
-                                      f"{where}.content[{j}].type")
-                for key in part:
-                    if key not in PART_KEYS:
-                        raise bad_request(f"unrecognized content part field '{key}'",
-                                          f"{where}.content[{j}].{key}")
-                text = part.get("text")
-                if not isinstance(text, str):
-                    raise bad_request("a text part needs a string 'text'",
-                                      f"{where}.content[{j}].text")
-                texts.append(text)
-                parts.append({"type": "text", "text": text})
-            content = parts if len(parts) > len(texts) else "\n".join(texts)
+            content = _content_parts(content, role, where, images)
         msg = {"role": role, "content": content}
         for key in TEMPLATE_FIELDS:
             value = m.name if key == "name" else extra.get(key)
