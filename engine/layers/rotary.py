@@ -206,7 +206,8 @@ class MRotaryEmbedding(RotaryEmbedding):
         if len(section) != 3 or sum(section) != head_dim // 2 or self.rotary_dim != head_dim:
             raise ValueError(f"mrope_section {section} must be three sizes summing to "
                              f"head_dim / 2 = {head_dim // 2} (the whole head rotated)")
-        axis = torch.repeat_interleave(torch.arange(3), torch.tensor(section))   # [D/2]
+        axis = torch.repeat_interleave(torch.arange(3, device="cpu"),
+                                       torch.tensor(section, device="cpu"))      # [D/2]
         mask = torch.nn.functional.one_hot(axis, 3).T.to(torch.float32)         # [3, D/2]
         self.register_buffer("axis_mask", mask.repeat(1, 2).unsqueeze(1)
                              .to(torch.get_default_device()), persistent=False)  # [3, 1, D]

@@ -112,6 +112,13 @@ def _tiny(arch: str):
                    topk_group=1, **kw)
     if arch.startswith("Qwen3"):
         return Qwen3Config(head_dim=32, **kw)
+    if arch == "Qwen2_5_VLForConditionalGeneration":  # M-RoPE over head 16, a 2-block tower
+        text = {k: v for k, v in kw.items() if k != "architectures"}
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+        return transformers.Qwen2_5_VLConfig(
+            architectures=[arch], text_config=dict(text, rope_parameters=rope),
+            vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                               out_hidden_size=64), image_token_id=120)
     return LlamaConfig(**kw)
 
 
