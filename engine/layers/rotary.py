@@ -189,7 +189,9 @@ class MRotaryEmbedding(RotaryEmbedding):
     """Multimodal RoPE (Qwen2-VL, Qwen2.5-VL): each token has three positions (temporal,
     height, width) and frequency ``i`` of the ``D/2`` rotates by the position of the axis
     whose section holds it (``mrope_section``, e.g. ``[16, 24, 24]``: the first 16
-    frequencies the temporal position, the next 24 the height, the last 24 the width).
+    frequencies the temporal position, the next 24 the height, the last 24 the width; with
+    ``mrope_interleaved`` (Qwen3-VL) frequencies ``1, 4, 7...`` (``section[1]`` of them) the
+    height, ``2, 5, 8...`` (``section[2]``) the width, the rest the temporal one).
     A token whose three positions are equal (all text) rotates as plain RoPE at that
     position, so ``rotate`` with ``[T]`` positions is :class:`RotaryEmbedding`'s.
 
@@ -206,8 +208,13 @@ class MRotaryEmbedding(RotaryEmbedding):
         if len(section) != 3 or sum(section) != head_dim // 2 or self.rotary_dim != head_dim:
             raise ValueError(f"mrope_section {section} must be three sizes summing to "
                              f"head_dim / 2 = {head_dim // 2} (the whole head rotated)")
-        axis = torch.repeat_interleave(torch.arange(3, device="cpu"),
-                                       torch.tensor(section, device="cpu"))      # [D/2]
+        if params.get("mrope_interleaved"):  # Qwen3-VL: t h w t h w ... t t t
+            axis = torch.zeros(head_dim // 2, dtype=torch.int64, device="cpu")
+            axis[1:section[1] * 3:3] = 1
+            axis[2:section[2] * 3:3] = 2
+        else:
+            axis = torch.repeat_interleave(torch.arange(3, device="cpu"),
+                                           torch.tensor(section, device="cpu"))  # [D/2]
         mask = torch.nn.functional.one_hot(axis, 3).T.to(torch.float32)         # [3, D/2]
         self.register_buffer("axis_mask", mask.repeat(1, 2).unsqueeze(1)
                              .to(torch.get_default_device()), persistent=False)  # [3, 1, D]

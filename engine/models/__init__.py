@@ -30,6 +30,7 @@ from engine.models.olmoe import OlmoeForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from engine.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+from engine.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from engine.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from engine.models.smollm3 import SmolLM3ForCausalLM
 
@@ -57,6 +58,7 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
+    "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
 }
 
 
@@ -110,6 +112,7 @@ __all__ = [
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
     "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
     "get_model_class",
     "supported_architectures",
 ]

@@ -40,14 +40,18 @@ class MRopeDecoderModel(DecoderModel):
     """:class:`DecoderModel` with one :class:`MRotaryEmbedding` for every layer and the
     image embeddings written over the image tokens' before the first layer."""
 
-    def __init__(self, config: ModelConfig, *args, **kwargs):
+    def __init__(self, config: ModelConfig, *args, mrope_interleaved: bool = False, **kwargs):
         super().__init__(config, *args, **kwargs)
+        params = dict(config.rope_parameters, mrope_interleaved=mrope_interleaved)
         rope = MRotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                config.rope_theta, config.rope_parameters)
+                                config.rope_theta, params)
         self.rotary_emb = rope
         self.layer_ropes = (rope,) * len(self.layers)
         #: ``inject(hidden, fb) -> hidden``: the image embeddings of the step (the model's)
         self.inject = None
+        #: ``after_layer(i, hidden) -> hidden`` after decoder layer ``i`` of a step with
+        #: images (Qwen3-VL's DeepStack features), or None
+        self.after_layer = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 fb: ForwardBatch) -> torch.Tensor:
@@ -64,6 +68,8 @@ class MRopeDecoderModel(DecoderModel):
             if i in self.aux_layers:
                 aux[i] = hidden if residual is None else hidden + residual
             hidden, residual = layer(hidden, residual, self.layer_ropes[i], positions, fb)
+            if fb.mm_segments and self.after_layer is not None:
+                hidden = self.after_layer(i, hidden)
         if self.aux_layers:
             self.aux_hidden = [aux[i] for i in self.aux_layers]
         hidden, _ = self.norm(hidden, residual)
@@ -81,6 +87,11 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     family = "Qwen2.5-VL"
     #: the model reads images (``engine.validation.images_for``)
     accepts_images = True
+    #: the vision tower class (``tower(vision_config, dtype)``; its output per image token:
+    #: the embedding, then any DeepStack levels, each ``hidden_size`` wide)
+    vision_tower: type[torch.nn.Module] = Qwen25VisionTower
+    #: M-RoPE's frequency layout: sections in a row (Qwen2.5-VL) or interleaved (Qwen3-VL)
+    mrope_interleaved = False
 
     def __init__(self, config, dtype: torch.dtype = torch.float32):
         if get_tp().size > 1:
@@ -88,12 +99,16 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
                                       "supported yet for this family (--tp-size 1)")
         super().__init__(config, dtype)
         self.image_token_id = int(config.image_token_id)
-        self.visual = Qwen25VisionTower(config.vision_config, dtype)
+        self.visual = self.vision_tower(config.vision_config, dtype)
         self.model.inject = self.inject_images
+        self.model.after_layer = self.add_deepstack
+        #: the step's DeepStack rows: ``(first row, end row, [rows, levels * hidden])``
+        self._deep: list[tuple[int, int, torch.Tensor]] = []
 
     def _build_model(self, mc: ModelConfig, dtype: torch.dtype) -> DecoderModel:
         return MRopeDecoderModel(mc, self.layer_specs(), dtype, self._options(mc), self._mlp,
-                                 decoder=self._decoder(mc), layer=self.decoder_layer)
+                                 decoder=self._decoder(mc), layer=self.decoder_layer,
+                                 mrope_interleaved=self.mrope_interleaved)
 
     def inject_images(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """Write the vision embeddings of the step's image tokens over their rows.
@@ -105,6 +120,8 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         Returns:
             ``hidden``.
         """
+        width = hidden.shape[-1]
+        self._deep = []
         for mm, p, n, row in fb.mm_segments:
             for i, item in enumerate(mm.items):
                 lo, hi = max(p, item.offset), min(p + n, item.end)
@@ -113,9 +130,21 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
                 emb = mm.embeds.get(i)
                 if emb is None:  # the whole image, once (kept until its last token)
                     emb = mm.embeds[i] = self.visual(item.pixel_values, item.grid_thw)
-                hidden[row + lo - p: row + hi - p] = emb[lo - item.offset: hi - item.offset] \
-                    .to(hidden.dtype)
+                part = emb[lo - item.offset: hi - item.offset].to(hidden.dtype)
+                r0, r1 = row + lo - p, row + hi - p
+                hidden[r0:r1] = part[:, :width]
+                if part.shape[-1] > width:
+                    self._deep.append((r0, r1, part[:, width:]))
             mm.drop_done(p + n)
+        return hidden
+
+    def add_deepstack(self, i: int, hidden: torch.Tensor) -> torch.Tensor:
+        """After decoder layer ``i``: the image rows of the step get DeepStack level ``i``
+        added (Qwen3-VL; nothing for a tower without levels). hidden [T, hidden]."""
+        width = hidden.shape[-1]
+        for r0, r1, deep in self._deep:
+            if (i + 1) * width <= deep.shape[-1]:
+                hidden[r0:r1] += deep[:, i * width:(i + 1) * width]
         return hidden
 
     # ---- weights -------------------------------------------------------------------------

@@ -139,18 +139,20 @@ class PatchMerger(nn.Module):
 
 class PatchEmbed(nn.Module):
     """The Conv3d patch embedding (stride = kernel) as a linear map of the flattened patch;
-    the weight keeps the checkpoint's shape ``[dim, C, tp, p, p]``."""
+    the weight keeps the checkpoint's shape ``[dim, C, tp, p, p]`` (``bias``: Qwen3-VL's)."""
 
-    def __init__(self, vc, dtype: torch.dtype):
+    def __init__(self, vc, dtype: torch.dtype, bias: bool = False):
         super().__init__()
         tp, p = vc.temporal_patch_size, vc.patch_size
         self.proj = nn.Module()
         self.proj.weight = nn.Parameter(torch.empty(vc.hidden_size, vc.in_channels, tp, p, p,
                                                     dtype=dtype), requires_grad=False)
+        self.proj.bias = nn.Parameter(torch.empty(vc.hidden_size, dtype=dtype),
+                                      requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.proj.weight
-        return F.linear(x.to(w.dtype), w.reshape(w.shape[0], -1))
+        return F.linear(x.to(w.dtype), w.reshape(w.shape[0], -1), self.proj.bias)
 
 
 class Qwen25VisionTower(nn.Module):

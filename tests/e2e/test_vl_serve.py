@@ -7,7 +7,7 @@ server for the module.
 
 The checkpoint, tokenizer and image processor come from ``tests/engine/vl_helpers.py``; the
 offline engine's parity (two images, batching with text, chunked prefill, cache sharing) is
-``tests/engine/test_qwen2_5_vl.py``.
+``tests/engine/test_qwen_vl.py``.
 """
 
 from __future__ import annotations

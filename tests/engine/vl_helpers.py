@@ -39,6 +39,28 @@ def config():
                             tie_word_embeddings=False)
 
 
+def config3():
+    """Qwen3-VL: a 3-layer Qwen3 language model (q/k norms, interleaved M-RoPE [2, 3, 3]),
+    a 3-block tower (patch 16, a 4x4 learned position table, DeepStack after blocks 0
+    and 1)."""
+    from transformers import Qwen3VLConfig
+
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=1024,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+                bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2,
+                  out_hidden_size=64, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, num_position_embeddings=16,
+                  deepstack_visual_indexes=[0, 1])
+    return Qwen3VLConfig(text_config=text, vision_config=vision,
+                         image_token_id=IMAGE_TOKEN_ID, video_token_id=259,
+                         vision_start_token_id=256, vision_end_token_id=258,
+                         tie_word_embeddings=False)
+
+
 def save_tokenizer(path):
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -59,19 +81,25 @@ def save_tokenizer(path):
     fast.save_pretrained(path)
 
 
-def image_processor():
+def image_processor(patch: int = 14):
+    """The PIL image processor: 4 to 16 tokens per image (units of ``2 * patch`` pixels)."""
     from transformers import Qwen2VLImageProcessorPil
 
-    return Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16)
+    unit = 2 * patch
+    return Qwen2VLImageProcessorPil(patch_size=patch, min_pixels=unit * unit * 4,
+                                    max_pixels=unit * unit * 16)
 
 
-def save_tiny(path, seed: int = 5, std: float = 0.2):
+def save_tiny(path, seed: int = 5, std: float = 0.2, arch: str = "qwen2_5_vl"):
     """Build, randomise (norms 1 + 0.1 N(0, 1), the rest ``std`` N(0, 1)) and save the
-    checkpoint, tokenizer and image processor to ``path``; returns the HF model (eval)."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    checkpoint (``arch``: ``qwen2_5_vl`` or ``qwen3_vl``), tokenizer and image processor to
+    ``path``; returns the HF model (eval)."""
+    import transformers as T
 
     torch.manual_seed(seed)
-    hf = Qwen2_5_VLForConditionalGeneration(config()).to(torch.float32).eval()
+    cls, cfg = (T.Qwen3VLForConditionalGeneration, config3()) if arch == "qwen3_vl" else \
+        (T.Qwen2_5_VLForConditionalGeneration, config())
+    hf = cls(cfg).to(torch.float32).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in hf.named_parameters():
@@ -79,7 +107,7 @@ def save_tiny(path, seed: int = 5, std: float = 0.2):
             p.copy_(1.0 + 0.1 * noise if "norm" in name or "ln_q" in name else std * noise)
     hf.save_pretrained(path)
     save_tokenizer(path)
-    image_processor().save_pretrained(path)
+    image_processor(16 if arch == "qwen3_vl" else 14).save_pretrained(path)
     return hf
 
 

@@ -250,6 +250,26 @@ def test_real_shape_of_qwen2_5_vl_builds_on_meta(serve_stubbed, capsys):
         in line, line
 
 
+def test_real_shape_of_qwen3_vl_builds_on_meta(serve_stubbed):
+    """engine/configs/qwen3-vl-8b-instruct.json: a Qwen3 language model (q/k norms) with
+    interleaved M-RoPE, a 27-block tower with three DeepStack levels; the launch."""
+    from engine.args import ServerArgs
+    from engine.executor.preflight import build_meta_model
+
+    path = os.path.join(os.path.dirname(engine.__file__), "configs",
+                        "qwen3-vl-8b-instruct.json")
+    model = build_meta_model(ServerArgs(model_path=path, load_format="dummy"), "cpu")
+    assert type(model).__name__ == "Qwen3VLForConditionalGeneration"
+    assert len(model.layer_specs()) == 36 and len(model.visual.blocks) == 27
+    assert len(model.visual.deepstack_merger_list) == 3
+    shapes = model.hf_weight_shapes()
+    assert shapes["visual.pos_embed.weight"] == (2304, 1152)
+    assert shapes["model.layers.0.self_attn.q_norm.weight"] == (128,)
+    serve, launched = serve_stubbed
+    assert serve(["--device", "cpu", "--model-path", path, "--load-format", "dummy"]) == 0
+    assert len(launched) == 1
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--model-path", TINY_LLAMA, "--load-format", "dummy", "--tp-size", "3"], "3"),
     (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/no/draft"],

@@ -110,6 +110,14 @@ def _tiny(arch: str):
                    first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None,
                    qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_group=1,
                    topk_group=1, **kw)
+    if arch == "Qwen3VLForConditionalGeneration":  # interleaved M-RoPE over head 32
+        text = {k: v for k, v in kw.items() if k != "architectures"}
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}
+        return transformers.Qwen3VLConfig(
+            architectures=[arch], text_config=dict(text, head_dim=32, rope_parameters=rope),
+            vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                               out_hidden_size=64, num_position_embeddings=16,
+                               deepstack_visual_indexes=[0]), image_token_id=120)
     if arch.startswith("Qwen3"):
         return Qwen3Config(head_dim=32, **kw)
     if arch == "Qwen2_5_VLForConditionalGeneration":  # M-RoPE over head 16, a 2-block tower

@@ -1,8 +1,10 @@
-"""Qwen2.5-VL served by ferry vs HF transformers, with images.
+"""Qwen2.5-VL and Qwen3-VL served by ferry vs HF transformers, with images.
 
-A tiny random checkpoint (``vl_helpers``: a 3-block vision tower with windows and one
-full-attention block, a 2-layer Qwen2 language model with M-RoPE) is loaded by the offline
-``LLM`` (float32, CPU). The prompts are rendered by the checkpoint's chat template and their
+A tiny random checkpoint of each (``vl_helpers``: Qwen2.5-VL's 3-block vision tower with
+windows and one full-attention block before a 2-layer Qwen2 language model with M-RoPE;
+Qwen3-VL's tower with a learned position table and two DeepStack levels before a 3-layer
+Qwen3 language model with interleaved M-RoPE) is loaded by the offline ``LLM`` (float32,
+CPU). The prompts are rendered by the checkpoint's chat template and their
 images processed by ``server.media.process.ImageProcessor`` (the server's path); HF
 ``generate`` gets the same ids and the processor's ``pixel_values`` / ``image_grid_thw``.
 Greedy tokens must be equal and the chosen tokens' log-probabilities within 1e-3 over 12
@@ -42,18 +44,19 @@ def _render(tok, parts: list) -> list[int]:
 class Case:
     """One prompt: its expanded ids, the engine's image data, the HF reference."""
 
-    def __init__(self, hf, tok, parts: list, pics: list):
+    def __init__(self, hf, tok, parts: list, pics: list, patch: int):
         ids = _render(tok, parts)
-        self.ids, self.images = ImageProcessor(image_processor(), IMAGE_TOKEN_ID).process(
+        self.ids, self.images = ImageProcessor(image_processor(patch), IMAGE_TOKEN_ID).process(
             ids, pics)
-        self.ref = _hf_generate(hf, self.ids, pics)
+        self.ref = _hf_generate(hf, self.ids, pics, patch)
 
 
-def _hf_generate(hf, prompt: list[int], pics: list) -> tuple[list[int], list[float]]:
+def _hf_generate(hf, prompt: list[int], pics: list, patch: int
+                 ) -> tuple[list[int], list[float]]:
     ids = torch.tensor([prompt])
     kw = {}
     if pics:
-        out = image_processor()(images=pics, return_tensors="pt")
+        out = image_processor(patch)(images=pics, return_tensors="pt")
         kw = dict(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"],
                   mm_token_type_ids=(ids == IMAGE_TOKEN_ID).int())
     with torch.no_grad():
@@ -72,22 +75,28 @@ def _assert_matches(out, ref, what: str) -> None:
     assert worst < LOGPROB_TOL, f"{what}: log-prob differs from HF by {worst:.2e}"
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
+#: per architecture: its patch size and the grids of the "two" case's images
+ARCHS = {"qwen2_5_vl": (14, [[1, 6, 6], [1, 8, 2]]), "qwen3_vl": (16, [[1, 6, 6], [1, 8, 4]])}
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def ckpt(request, tmp_path_factory):
     from transformers import AutoTokenizer
 
-    path = tmp_path_factory.mktemp("qwen2_5_vl")
-    hf = save_tiny(path)
+    arch = request.param
+    patch = ARCHS[arch][0]
+    path = tmp_path_factory.mktemp(arch)
+    hf = save_tiny(path, arch=arch)
     tok = AutoTokenizer.from_pretrained(path)
     pics = images()
     cases = {
-        "red": Case(hf, tok, ["What is this? ", None, " Say."], [pics["red"]]),
-        "blue": Case(hf, tok, ["What is this? ", None, " Say."], [pics["blue"]]),
+        "red": Case(hf, tok, ["What is this? ", None, " Say."], [pics["red"]], patch),
+        "blue": Case(hf, tok, ["What is this? ", None, " Say."], [pics["blue"]], patch),
         "two": Case(hf, tok, ["Compare ", None, " with ", None, " now."],
-                    [pics["gradient"], pics["tall"]]),
-        "text": Case(hf, tok, ["Just some text, no image at all."], []),
+                    [pics["gradient"], pics["tall"]], patch),
+        "text": Case(hf, tok, ["Just some text, no image at all."], [], patch),
     }
-    return hf, str(path), cases
+    return hf, str(path), cases, arch
 
 
 @pytest.fixture(scope="module")
@@ -102,12 +111,13 @@ def _run(llm, cases: list):
 
 
 def test_images_change_the_answer(ckpt):
-    _, _, cases = ckpt
+    hf, _, cases, arch = ckpt
     assert cases["red"].ref[0] != cases["blue"].ref[0]  # the image matters in the checkpoint
-    assert [d.grid_thw for d in cases["two"].images] == [[1, 6, 6], [1, 8, 2]]
+    assert [d.grid_thw for d in cases["two"].images] == ARCHS[arch][1]
 
 
 def test_one_image_matches_hf(ckpt, llm):
+    assert type(llm.runner.model).__name__ == type(ckpt[0]).__name__
     llm.scheduler.flush_cache()
     for name in ("red", "two"):  # one image; two (one of windows with padding, one tall)
         out = _run(llm, [ckpt[2][name]])[0]
@@ -143,7 +153,7 @@ def test_different_images_share_no_kv(ckpt, llm):
 
 
 def test_chunked_prefill_cuts_images(ckpt):
-    """Chunks of 5 tokens cut every image (9 and 4 tokens) across steps."""
+    """Chunks of 5 tokens cut every image (9 and 4 or 8 tokens) across steps."""
     engine = LLM(ckpt[1], dtype="float32", device="cpu", cpu_threads=1, max_total_tokens=2048,
                  chunked_prefill_size=5, disable_radix_cache=True)
     try:
