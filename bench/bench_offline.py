@@ -59,8 +59,10 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     for r in reqs:
         sched.add_request(r)
+    peak = 0  # the most requests decoding at once: what the KV pools let run together
     while sched.has_work():
         sched.step()
+        peak = max(peak, len(sched.running))
     dev.synchronize(llm.runner.device_type)
     dt = time.perf_counter() - t0
     n_in = sum(len(r.origin_input_ids) for r in reqs)
@@ -68,11 +70,14 @@ def main(argv: list[str] | None = None) -> None:
     res = {"num_prompts": len(reqs), "duration_s": dt, "requests_per_s": len(reqs) / dt,
            "input_tok_s": n_in / dt, "output_tok_s": n_out / dt, "total_tok_s": (n_in + n_out) / dt,
            "input_tokens": n_in, "output_tokens": n_out, "device": llm.runner.device_type,
-           "preemptions": sched.stats["preemptions"]}
+           "preemptions": sched.stats["preemptions"], "peak_running": peak,
+           "kv_tokens": llm.runner.max_total_tokens,
+           "swa_kv_tokens": getattr(llm.runner, "swa_total_tokens", 0)}
     emit_result(res, f"{len(reqs)} requests in {dt:.2f} s: {res['requests_per_s']:.2f} req/s, "
                 f"input {res['input_tok_s']:.0f} tok/s, output {res['output_tok_s']:.0f} tok/s, "
                 f"total {res['total_tok_s']:.0f} tok/s ({n_in} in, {n_out} out, "
-                f"{sched.stats['preemptions']} preemptions)", ns.result_jsonl)
+                f"{sched.stats['preemptions']} preemptions); at most {peak} running; KV pool "
+                f"{res['kv_tokens']} tokens, windowed pool {res['swa_kv_tokens']}", ns.result_jsonl)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,8 @@ import triton.language as tl
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
                      stride_x, stride_r, stride_o, stride_ro,
-                     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     ZERO_CENTRED: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
@@ -46,9 +47,12 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
         tl.store(res_out_ptr + row * stride_ro + offs, s, mask=mask)
         xf = s.to(tl.float32)
     var = tl.sum(xf * xf, 0) / HIDDEN
-    y = (xf * tl.rsqrt(var + eps)).to(dtype)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    out = w.to(tl.float32) * y.to(tl.float32)
+    if ZERO_CENTRED:  # Gemma: (1 + w) applied in fp32, one rounding at the store
+        out = xf * tl.rsqrt(var + eps) * (1.0 + w.to(tl.float32))
+    else:
+        y = (xf * tl.rsqrt(var + eps)).to(dtype)
+        out = w.to(tl.float32) * y.to(tl.float32)
     tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -74,9 +78,10 @@ def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None):
+             residual: torch.Tensor | None = None, zero_centred: bool = False):
     """Fused RMSNorm (+ residual add) in Triton; semantics of
-    :func:`kernels.reference.rms_norm_ref`; out-of-place.
+    :func:`kernels.reference.rms_norm_ref` (or, with ``zero_centred``, of
+    :func:`kernels.reference.gemma_rms_norm_ref`); out-of-place.
 
     Args:
         x: ``[..., H]`` activations (fp16/bf16/fp32), last axis unit stride.
@@ -114,9 +119,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             x2, r2, weight, out2, ro2, eps,
             x2.stride(0), r2.stride(0), out2.stride(0), ro2.stride(0),
             HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
-            num_warps=num_warps,
+            ZERO_CENTRED=zero_centred, num_warps=num_warps,
         )
     return out if residual is None else (out, res_out)
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None = None):
+    """Gemma's RMSNorm (zero-centred weight, ``(1 + w)`` applied in fp32 before the one cast;
+    :func:`kernels.reference.gemma_rms_norm_ref`) by :func:`rms_norm`'s kernel; arguments,
+    returns and errors as :func:`rms_norm`."""
+    return rms_norm(x, weight, eps, residual, zero_centred=True)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -148,9 +148,13 @@ class RankRunner:
         self.max_total_tokens = tpd.min_over_ranks(self._kv_capacity())
         # at least what one request needs: its window and a chunk, beside the window a
         # cached prefix it matched keeps locked in the tree
-        split = split_tokens(self.layer_specs, self.max_total_tokens, self._swa_ratio(args),
+        ratio = self._swa_ratio(args)
+        split = split_tokens(self.layer_specs, self.max_total_tokens, ratio,
                              self.kv_dtype, 2 * max_window(self.layer_specs)
                              + prefill_budget(args, self.device_type) + 4 * args.page_size)
+        if ratio and max_window(self.layer_specs) and not split.swa_tokens:
+            logger.info("windowed KV pool off: %d tokens are too few to split (the windowed "
+                        "layers need a window and a chunk)", self.max_total_tokens)
         self.kv_pool, self.swa_pool = build_pools(self.layer_specs, split, args.page_size,
                                                   self.kv_dtype, self.device)
         self.max_total_tokens = self.kv_pool.capacity_tokens

@@ -11,10 +11,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import torch
 
     from engine.executor.schedule_batch import ScheduleBatch
     from engine.kv.pool import KVPool, ReqToTokenPool
+    from engine.layer_spec import LayerSpec
     from engine.layers.pooler import PoolingSpec
     from engine.lora.manager import LoRAManager
 
@@ -55,8 +58,14 @@ class StepRunner(Protocol):
     #: kernel (many times slower per row past it), or None where there is no such cliff
     max_verify_rows: int | None
     #: a pooling engine's ``PoolingSpec`` (prefill only, answered by ``pool``), or None for
-    #: a generation engine (the scheduler's fakes may leave it out)
+    #: a generation engine
     pooling: PoolingSpec | None
+    #: this rank's layers (attention and cache kind of each; ``engine/layer_spec.py``)
+    layer_specs: Sequence[LayerSpec]
+    #: the windowed layers' KV pool and its ``req_to_token`` rows (``engine/kv/windowed.py``),
+    #: or None with one pool
+    swa_pool: KVPool | None
+    swa_req_pool: ReqToTokenPool | None
 
     def forward(self, batch: ScheduleBatch, future_ids: torch.Tensor | None = None
                 ) -> torch.Tensor:

@@ -74,7 +74,10 @@ def split_tokens(specs: Sequence[LayerSpec], total_tokens: int, ratio: float,
         ratio: windowed slots per full slot (> 0).
         min_swa_tokens: the least windowed slots (one request's window plus a chunk).
     Returns:
-        the capacities; ``PoolSplit(total_tokens, 0)`` for a model without windowed layers.
+        the capacities; ``PoolSplit(total_tokens, 0)`` (one pool) for a model without
+        windowed layers, and where the split would leave the full-attention layers no more
+        tokens than the undivided pool has (a small budget that the windowed layers' least
+        size eats: the windowed pool would only shrink the context).
     """
     swa = windowed_layers(specs)
     if not swa or ratio <= 0:
@@ -87,6 +90,8 @@ def split_tokens(specs: Sequence[LayerSpec], total_tokens: int, ratio: float,
     n_swa = max(ratio * n_full, min(min_swa_tokens, budget // b_swa))
     if b_full:
         n_full = (budget - n_swa * b_swa) / b_full
+        if n_full <= total_tokens:
+            return PoolSplit(total_tokens, 0)
     return PoolSplit(int(n_full), int(n_swa))
 
 

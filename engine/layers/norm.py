@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.reference import rms_norm_ref
+from kernels.reference import gemma_rms_norm_ref, rms_norm_ref
 
 
 class RMSNorm(nn.Module):
@@ -117,17 +117,14 @@ class GemmaRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+        self.impl = gemma_rms_norm_ref
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """x [..., H] -> normed [..., H] in x's dtype; with ``residual`` (same shape and
-        dtype) ``(norm(x + residual), x + residual)``. Out-of-place."""
-        if residual is not None:
-            x = x + residual
-            residual = x
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = (y * (1.0 + self.weight.float())).to(x.dtype)
-        return out if residual is None else (out, residual)
+        dtype) ``(norm(x + residual), x + residual)``. Out-of-place; ``impl`` is
+        :func:`kernels.reference.gemma_rms_norm_ref` or the fused Triton kernel
+        (:func:`engine.layers.select_ops`)."""
+        return self.impl(x, self.weight, self.eps, residual)
 
 
 # Qwen3-Next's name for the same (1 + w) norm.

@@ -66,18 +66,18 @@ class Scheduler:
         # cache stays on when the answer reads the last token only (a shared prefix, such as
         # a reranker's template and query, is computed once), off for mean and CLS pooling
         # (a cached prefix would hide the rows they read)
-        self.pooling = getattr(runner, "pooling", None)
+        self.pooling = runner.pooling
         # a model with recurrent-state (linear-attention) layers reuses no prefix until the
         # radix tree keeps state snapshots: a cached prefix's KV alone would skip its states
         self.recurrent_state = any(s.cache == CacheKind.RECURRENT_STATE
-                                   for s in getattr(runner, "layer_specs", ()))
+                                   for s in runner.layer_specs)
         # KV pages, req_to_token rows and the radix prefix cache (engine/kv/manager.py)
         self.kv = KVCacheManager(self.kv_pool, self.req_pool,
                                  disable_cache=getattr(args, "disable_radix_cache", False) or (
                                      self.pooling is not None and self.pooling.needs_every_row)
                                  or self.recurrent_state,
-                                 swa_pool=getattr(runner, "swa_pool", None),
-                                 swa_req_pool=getattr(runner, "swa_req_pool", None))
+                                 swa_pool=runner.swa_pool,
+                                 swa_req_pool=runner.swa_req_pool)
         # assert the KV page accounting after every step (tests; costs O(pool) per step)
         self.check_kv = False
         self.chunk_size = prefill_budget(args, runner.device_type)

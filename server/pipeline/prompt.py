@@ -164,7 +164,9 @@ async def chat_prompt_images(tm: TokenizerManager, req: Any, tools: ToolPlan
     """The prompt token ids of a chat request (a ``ChatCompletionRequest`` or a
     ``TokenizeRequest`` with ``messages``): its messages through the model's chat template
     with its ``add_generation_prompt``, ``continue_final_message``, ``add_special_tokens``,
-    ``chat_template_kwargs`` and the tools of ``tools``.
+    ``chat_template_kwargs``, the tools of ``tools`` and OpenAI's ``reasoning_effort``
+    (the template variable of that name, for the templates that read it: gpt-oss's;
+    ``chat_template_kwargs.reasoning_effort`` wins).
 
     Images (``image_url`` parts): read and checked (``server/media/fetch.py``), processed
     by the model's image processor and their tokens expanded (``server/media/process.py``).
@@ -172,11 +174,19 @@ async def chat_prompt_images(tm: TokenizerManager, req: Any, tools: ToolPlan
     Returns:
         ``(prompt ids, images)``: the images as ``engine.io_struct.ImageData``, [] for none.
     Raises:
-        APIError: 400 naming the message or field the template rejects, or the image part
-            at fault (``messages[1].content[0].image_url``): more images than
+        APIError: 400 naming the message or field the template rejects, a
+            ``reasoning_effort`` that is not a string, or the image part at fault
+            (``messages[1].content[0].image_url``): more images than
             ``--limit-mm-per-prompt``, a model without image input, an image that cannot be
             read, decoded or processed.
     """
+    kwargs = dict(req.chat_template_kwargs or {}, **tools.template_kwargs)
+    effort = (getattr(req, "model_extra", None) or {}).get("reasoning_effort")
+    if effort is not None:
+        if not isinstance(effort, str):
+            raise bad_request("reasoning_effort must be a string (e.g. 'low', 'medium', "
+                              "'high')", "reasoning_effort")
+        kwargs.setdefault("reasoning_effort", effort)
     refs: list = []
     messages = messages_for_template(req.messages, refs)
     if refs:
@@ -184,7 +194,7 @@ async def chat_prompt_images(tm: TokenizerManager, req: Any, tools: ToolPlan
     ids = await tm.chat.apply_chat_template(
         messages, req.add_generation_prompt,
         bool(req.add_special_tokens), continue_final_message=req.continue_final_message,
-        template_kwargs=dict(req.chat_template_kwargs or {}, **tools.template_kwargs))
+        template_kwargs=kwargs)
     if not refs:
         return ids, []
     pics = [await load_image(url, where, tm.media_limits) for where, url in refs]

@@ -9,8 +9,8 @@ pytest.importorskip("triton")
 
 from kernel_test_utils import DEVICE, GPU_MARKS, assert_close, randn
 
-from kernels.fused_ops import rms_norm, silu_and_mul
-from kernels.reference import rms_norm_ref, silu_and_mul_ref
+from kernels.fused_ops import gemma_rms_norm, rms_norm, silu_and_mul
+from kernels.reference import gemma_rms_norm_ref, rms_norm_ref, silu_and_mul_ref
 
 F16, F32, BF16 = torch.float16, torch.float32, torch.bfloat16
 
@@ -43,6 +43,41 @@ def test_rms_norm_matches_reference(shape, dtype, with_residual):
         assert_close(want, _hf_llama_rms_norm(x + res, w, eps), dtype, "reference vs HF")
     assert got.dtype == dtype and got.shape == x.shape
     assert_close(got, want, dtype, "rms_norm")
+
+
+def _hf_gemma3_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Independent check: HF Gemma3RMSNorm on the same weight."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    hf = Gemma3RMSNorm(x.shape[-1], eps=eps).to(weight.dtype)
+    with torch.no_grad():
+        hf.weight.copy_(weight)
+        return hf(x)
+
+
+@pytest.mark.parametrize("shape,dtype,with_residual", [
+    ((7, 576), F32, False),
+    ((3, 5, 128), F16, True),        # a per-head q/k norm shape
+    ((4, 80), F16, False),
+    pytest.param((33, 5376), BF16, True, marks=GPU_MARKS),   # Gemma-3-27B hidden size
+])
+def test_gemma_rms_norm_matches_reference_and_hf(shape, dtype, with_residual):
+    eps = 1e-6
+    x = randn(shape, dtype, 1, scale=3.0)
+    w = randn(shape[-1:], dtype, 2)                  # zero-centred: 1 + w scales
+    res = randn(shape, dtype, 3) if with_residual else None
+    got = gemma_rms_norm(x, w, eps, residual=res)
+    want = gemma_rms_norm_ref(x, w, eps, residual=res)
+    if with_residual:
+        (got, got_res), (want, want_res) = got, want
+        assert_close(got_res, want_res, dtype, "residual sum")
+    summed = x + res if with_residual else x
+    if x.device.type == "cpu":
+        assert torch.equal(want, _hf_gemma3_rms_norm(summed, w, eps))  # same ops as HF
+    assert got.dtype == dtype and got.shape == x.shape
+    assert_close(got, want, dtype, "gemma_rms_norm")
+    # not Llama's norm: the (1 + w) scale is what the kernel applied
+    assert (got.float() - rms_norm_ref(summed, w, eps).float()).abs().max() > 0.1
 
 
 def test_rms_norm_strided_rows_and_errors():

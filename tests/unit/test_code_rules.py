@@ -4,7 +4,9 @@ engine/, server/ and kernels/, read from the source with ``ast``:
 - no module over 600 lines;
 - no function or method over 80 lines (``def`` line to last line, nested functions counted in
   their parent too); Triton kernels (decorated ``@triton.jit`` / ``@jit``) are exempt;
-- no class built on a mixin (a base class whose name ends in ``Mixin``): compose objects.
+- no class built on a mixin (a base class whose name ends in ``Mixin``): compose objects;
+- the scheduler and the speculative worker read their runner through the ``StepRunner``
+  protocol (engine/executor/step_runner.py), never by ``getattr(runner, ...)``.
 
 Each failure lists every offender (path, name, size) and prints them too, so a run with
 ``-s`` or ``-rx`` shows what is left to split.
@@ -109,6 +111,25 @@ def test_no_function_over_80_lines():
 def test_no_class_built_on_a_mixin():
     offenders = mixin_classes()
     assert offenders == [], _report(offenders, "no class built on a mixin (compose objects)")
+
+
+def runner_getattrs() -> list[str]:
+    """``getattr(runner, ...)`` / ``getattr(self.runner, ...)`` in the scheduler's rooms."""
+    out = []
+    for path, _, tree in _modules():
+        if not (path.startswith("engine/scheduler/") or path == "engine/speculative/worker.py"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                    and node.func.id == "getattr" and node.args \
+                    and "runner" in ast.unparse(node.args[0]):
+                out.append(f"{path}:{node.lineno} {ast.unparse(node)}")
+    return out
+
+
+def test_the_scheduler_reads_its_runner_through_the_protocol():
+    offenders = runner_getattrs()
+    assert offenders == [], _report(offenders, "StepRunner attributes, not getattr(runner, ...)")
 
 
 def test_the_rules_see_what_they_check():

@@ -86,6 +86,9 @@ def test_split_tokens_by_bytes_per_token():
     assert split_tokens(specs, 6000, 0.0, torch.float32) == PoolSplit(6000, 0)
     assert split_tokens(_specs(6, every=1), 6000, 0.2, torch.float32) == PoolSplit(6000, 0)
     assert split_tokens(specs, 6000, 0.001, torch.float32, 4000).swa_tokens == 4000
+    # a budget the windowed layers' least size eats (a benchmark sized for one batch):
+    # 600 x 6 units; S = min(4000, 720) = 720 -> F = 3600 - 3600 = 0 <= 600: one pool
+    assert split_tokens(specs, 600, 0.2, torch.float32, 4000) == PoolSplit(600, 0)
 
 
 def test_grow_frees_pages_behind_the_window():

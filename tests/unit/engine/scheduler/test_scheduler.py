@@ -38,6 +38,8 @@ class FakeRunner:
     tp_size = 1
     max_verify_rows = None
     pooling = None  # a generation engine (no pool() steps)
+    layer_specs = ()  # no per-layer kinds: one paged pool
+    swa_pool = swa_req_pool = None
 
     def __init__(self, max_total_tokens, page_size=1, max_running=8, max_context=4096,
                  overlap=False):
