@@ -346,6 +346,17 @@ device='meta', quantization=q, progress=False)[0]); print('weight bytes bf16', b
                run fp8-quant-parity 300 python3 -m bench.quant_parity --model-path $L8B \
                  --load-format dummy --device cuda --steps 32 --result-json "$OUT/fp8-parity.json"
              fi;;
+    vision) # image input (issue 48): Qwen2.5-VL-7B's shape on dummy weights (bf16): one
+             # 1024x1024 image (1369 tokens) + 100 text tokens: encoder alone and TTFT, vs
+             # text only; then the VL GPU parity tests (tiny checkpoints, fp32, graphs on)
+             run vision 300 python3 -m bench.bench_vision \
+               --model-path engine/configs/qwen2.5-vl-7b-instruct.json --load-format dummy \
+               --image-size 1024 --text-len 100 --repeats 5 --result-jsonl "$OUT/vision.jsonl"
+             run vision-qwen3 300 python3 -m bench.bench_vision \
+               --model-path engine/configs/qwen3-vl-8b-instruct.json --load-format dummy \
+               --image-size 1024 --text-len 100 --repeats 5 --result-jsonl "$OUT/vision.jsonl"
+             run vision-gputests 300 python3 -m pytest -q -x -s -m gpu \
+               tests/engine/test_qwen_vl_gpu.py -p no:cacheprovider;;
     gemma) # Gemma-3-27B (issue 42): bs1/bs64 decode with the fused (1 + w) RMSNorm, then the
            # windowed KV pool's capacity: 32 prompts of 8k tokens, one pool vs
            # --swa-full-tokens-ratio 0.25 (the "at most N running" of each line)

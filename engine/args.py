@@ -263,6 +263,20 @@ class ServerArgs:
                               "('*' for any)")
     allowed_methods: str = _f("GET,POST,OPTIONS", "CORS: comma-separated methods a browser may "
                               "use")
+    # image input (server/media/): where images may come from and how big they may be
+    allowed_local_media_path: str | None = _f(
+        None, "directory under which file:// image URLs may be read (default: none may)")
+    allowed_media_domains: tuple[str, ...] | None = _f(
+        None, "host names whose http(s) image URLs the server may fetch (default: none; "
+              "'*' for any)")
+    limit_mm_per_prompt: str = _f("image=4", "most images per prompt, as image=N (or JSON "
+                                             "{\"image\": N})")
+    max_image_bytes: int = _f(20 << 20, "most bytes of one image (encoded, as sent or "
+                                        "fetched)", ge=1)
+    max_image_pixels: int = _f(40_000_000, "most pixels (width x height) of one decoded "
+                                           "image", ge=1)
+    media_fetch_timeout: float = _f(10.0, "seconds an http(s) image may take to download",
+                                    gt=0)
     log_requests: bool = _f(False, "log each request's prompt and parameters at arrival, its "
                                    "output text and a summary line (tokens, timings) at the "
                                    "end, at INFO (default: the summary only, at DEBUG)")
@@ -317,6 +331,30 @@ class ServerArgs:
             raise ValueError(error)
         if error := _lora_error(self):
             raise ValueError(error)
+        try:
+            image_limit(self.limit_mm_per_prompt)
+        except ValueError as exc:
+            raise ValueError(f"--limit-mm-per-prompt {exc}") from None
+
+
+def image_limit(spec: str) -> int:
+    """The images per prompt that ``--limit-mm-per-prompt`` allows (``image=N`` or JSON
+    ``{"image": N}``; other modalities are refused).
+
+    Raises:
+        ValueError: a malformed value, another modality, a negative count."""
+    import json
+
+    spec = spec.strip()
+    try:
+        pairs = json.loads(spec) if spec.startswith("{") else dict(
+            (k.strip(), int(v)) for k, v in (p.split("=", 1) for p in spec.split(",") if p))
+    except (ValueError, TypeError):
+        raise ValueError(f"must be image=N or {{\"image\": N}}, got {spec!r}") from None
+    if not isinstance(pairs, dict) or set(pairs) - {"image"} or \
+            not all(isinstance(v, int) and v >= 0 for v in pairs.values()):
+        raise ValueError(f"takes image=N (N >= 0; only images are read), got {spec!r}")
+    return int(pairs.get("image", 0))
 
 
 def prefill_budget(args: ServerArgs, device_type: str) -> int:

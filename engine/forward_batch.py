@@ -17,6 +17,10 @@ Shapes (T = tokens in the step, B = requests):
                     adapters), else None
   state             RecurrentStateView: the linear-attention layers' pool tensors and each
                     request's state slot (a model with ``RECURRENT_STATE`` layers), else None
+  mrope_positions   [3, T] int64 multimodal-RoPE positions (a step with an image request:
+                    ``engine/mm_inputs.py``), else None
+  mm_segments       per image request of an EXTEND step ``(MMInputs, prefix, new tokens,
+                    row of its first new token)``, else None
 
 A mixed EXTEND step (chunked prefill with the running decodes) ends with ``num_decodes``
 one-token requests (the last ``num_decodes`` tokens of T); attention runs the first
@@ -136,6 +140,11 @@ class ForwardBatch:
     swa: ForwardBatch | None = None
     # the linear-attention layers' state slots (engine/kv/state_pool.py); None: no such layers
     state: RecurrentStateView | None = None
+    # image requests (engine/mm_inputs.py): the step's M-RoPE positions [3, T] int64 and,
+    # per image request of an EXTEND step, (MMInputs, prefix, extend length, first row);
+    # None: no request of the step has images (graph replays never do)
+    mrope_positions: torch.Tensor | None = None
+    mm_segments: list[tuple[Any, int, int, int]] | None = None
 
     @property
     def is_decode(self) -> bool:

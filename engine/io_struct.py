@@ -21,8 +21,29 @@ class _Msg(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
 
 # ---- toward the engine -------------------------------------------------------------------
 
+class ImageData(msgspec.Struct, kw_only=True):
+    """One image of a request, processed by the server (``server/media/``): what the model
+    worker needs to compute its embeddings (``engine/mm_inputs.py`` checks and unpacks it).
+
+    ``pixel_values``: the image processor's patches, float32 little-endian bytes of shape
+    ``pixel_shape`` ``[patches, C * temporal_patch * patch * patch]``; ``grid_thw``: the
+    patch grid (t, h, w); ``merge``: the spatial merge factor; ``content_hash``: a 64-bit
+    hash of the pixels and grid (the prefix cache keys the image's tokens by it);
+    ``offset``/``length``: the span of prompt tokens its embeddings fill.
+    """
+
+    pixel_values: bytes
+    pixel_shape: list[int]
+    grid_thw: list[int]
+    merge: int
+    content_hash: int
+    offset: int
+    length: int
+
+
 class TokenizedGenerateReq(_Msg):
-    """A tokenized request. ``input_ids``: prompt token ids, int, length >= 1."""
+    """A tokenized request. ``input_ids``: prompt token ids, int, length >= 1; ``images``:
+    its images (prompt order; their tokens are image-pad ids in ``input_ids``)."""
 
     rid: str
     input_ids: list[int]
@@ -33,6 +54,7 @@ class TokenizedGenerateReq(_Msg):
     # a pooling request (an embedding or a score, to a pooling engine): prefill only,
     # answered with ``PooledOut`` instead of tokens
     pooling: bool = False
+    images: list[ImageData] = []
 
 
 class AbortReq(_Msg):

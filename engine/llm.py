@@ -15,7 +15,7 @@ from engine.sampling.params import SamplingParams
 from engine.sampling.stops import compile_patterns, first_match
 from engine.scheduler.request import Req
 from engine.tokenizer.score_prompts import score_prompt_ids
-from engine.validation import RequestError, pooling_mismatch, validate_request
+from engine.validation import RequestError, images_for, pooling_mismatch, validate_request
 
 
 @dataclass
@@ -115,8 +115,8 @@ class LLM:
         self.runner.lora.unload(name)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False, lora: str | list[str | None] | None = None
-                 ) -> list[RequestOutput]:
+                 use_tqdm: bool = False, lora: str | list[str | None] | None = None,
+                 images: list | None = None) -> list[RequestOutput]:
         """Generate for each prompt (a string or a list of token ids), in input order.
 
         Args:
@@ -127,6 +127,9 @@ class LLM:
             use_tqdm: show a progress bar.
             lora: the LoRA adapter (a name of ``lora_paths`` or :meth:`load_lora`) for all
                 prompts, or one per prompt (None: the base model).
+            images: per prompt, its images (a list of ``engine.io_struct.ImageData``, as
+                ``server.media.process.process_images`` makes them, whose spans are the
+                prompt's image tokens; None or [] for a text prompt), or None for none.
         Raises:
             ValueError: (``engine.validation.RequestError``, with ``param`` and ``code``)
                 before anything runs, for an unknown LoRA adapter, a ``lora`` of another
@@ -142,12 +145,13 @@ class LLM:
         sps = sampling_params if isinstance(sampling_params, list) else (
             [sampling_params or SamplingParams()] * len(prompts))
         loras = lora if isinstance(lora, list) else [lora] * len(prompts)
-        for what, given in (("sampling_params", sps), ("lora", loras)):
+        imgs = images if images is not None else [None] * len(prompts)
+        for what, given in (("sampling_params", sps), ("lora", loras), ("images", imgs)):
             if len(given) != len(prompts):  # zip would drop prompts or ignore entries
                 raise RequestError(f"{what} has {len(given)} entries for {len(prompts)} "
                                    "prompts: give one per prompt (or a single value)", what)
         reqs = []
-        for p, sp, name in zip(prompts, sps, loras):  # check all before the scheduler sees any
+        for p, sp, name, im in zip(prompts, sps, loras, imgs):  # all checked before running
             if isinstance(p, str) and self.tokenizer is None:
                 raise RequestError("this engine has no tokenizer; send token ids as the "
                                    "prompt", "prompt")
@@ -155,8 +159,11 @@ class LLM:
             # a max_tokens beyond the room the prompt leaves is cut to it (finish "length")
             max_new = validate_request(ids, sp, self.vocab_size, self.runner.max_context_len,
                                        clamp_max_tokens=True)
-            reqs.append(Req(f"offline-{next(self._ids)}", ids, sp, False, max_new,
-                            lora_id=self._lora_id(name)))
+            req = Req(f"offline-{next(self._ids)}", ids, sp, False, max_new,
+                      lora_id=self._lora_id(name))
+            if im:
+                req.set_images(images_for(self.runner.model, im, len(ids)))
+            reqs.append(req)
         for req in reqs:
             self.scheduler.add_request(req)
         bar = None

@@ -151,3 +151,28 @@ def pooling_mismatch(engine_pooling, pooling: bool) -> str | None:
         return ("this engine serves a generation model: it has no embeddings or scores "
                 "(serve an embedding model, or pass --is-embedding)")
     return None
+
+
+def images_for(model, images, n_tokens: int):
+    """A request's images checked and unpacked (``engine.mm_inputs.build_mm_inputs``) for
+    ``model``, whose ``accepts_images`` says whether it reads them.
+
+    Args:
+        model: the served model (a ``CausalLM``).
+        images: the request's ``engine.io_struct.ImageData`` (or objects with its fields).
+        n_tokens: the prompt's length.
+    Returns:
+        an ``engine.mm_inputs.MMInputs``.
+    Raises:
+        RequestError: a model without image input (param ``messages``), or image data that
+            does not fit the prompt (param ``images``).
+    """
+    from engine.mm_inputs import build_mm_inputs
+
+    if not getattr(model, "accepts_images", False):
+        raise RequestError(f"this model ({type(model).__name__}) does not read images; send "
+                           "text only", "messages")
+    try:
+        return build_mm_inputs(images, n_tokens)
+    except ValueError as exc:
+        raise RequestError(str(exc.args[0]), "images") from None

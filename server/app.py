@@ -234,6 +234,7 @@ class ServerRoutes:
 
     async def model_info(self, request: Request) -> Response:
         info = native.model_info(self.args, self.model_name)
+        info["has_image_understanding"] = self.tm.images is not None
         ready = self.tm.engine_ready
         if ready is not None and ready.pooling:  # an embedding or scoring model
             info["is_generation"] = False
@@ -279,6 +280,7 @@ class ServerRoutes:
         info.pop("rid", None)  # the IPC message's id, nothing a client can use
         ready = tm.engine_ready
         info.update(native.model_info(args, self.model_name), **native.router_facts(args, ready))
+        info["has_image_understanding"] = tm.images is not None
         info.update({
             "model": self.model_name, "device": ready.device, "dtype": ready.dtype,
             "kv_cache_dtype": ready.kv_cache_dtype, "quantization": args.quantization,

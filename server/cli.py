@@ -40,7 +40,8 @@ SERVER_ONLY_FIELDS = frozenset({
     "host", "port", "api_key", "max_request_bytes", "max_n", "shutdown_timeout",
     "header_timeout", "body_read_timeout", "startup_timeout", "tool_call_parser",
     "reasoning_parser", "allowed_origins", "allowed_headers", "allowed_methods",
-    "log_requests", "served_model_name"})
+    "log_requests", "served_model_name", "allowed_local_media_path", "allowed_media_domains",
+    "limit_mm_per_prompt", "max_image_bytes", "max_image_pixels", "media_fetch_timeout"})
 
 
 class _EngineFlags:

@@ -42,6 +42,7 @@ import uvicorn
 from engine.ipc import IpcPaths
 from server.app import build_app, model_name_of
 from server.http.limits import raise_fd_limit, uvicorn_limits
+from server.media.process import load_image_processor
 from server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("ferry.server")
@@ -330,6 +331,7 @@ class Launcher:
             tok = asyncio.ensure_future(asyncio.to_thread(_load_tokenizer, args))
             await self._wait_ready()
             self.tm.set_tokenizer(await tok)  # probes the chat template (tools)
+            self.tm.images = await asyncio.to_thread(load_image_processor, args.model_path)
             ready = self.tm.engine_ready
             host = f"[{args.host}]" if ":" in args.host else args.host
             logger.info("ferry ready: model=%s device=%s dtype=%s tp_size=%d dp_size=%d "

@@ -35,6 +35,8 @@ from engine.sampling.params import SamplingParams
 from engine.validation import RequestError, validate_request
 from server.chat_template import ChatTokenizer
 from server.http.errors import APIError, bad_request, unavailable
+from server.media.fetch import MediaLimits
+from server.media.process import ImageProcessor
 from server.metrics import Metrics, format_request_log
 from server.replicas import Dispatcher, Replica, ReplicaRouter
 
@@ -97,6 +99,11 @@ class TokenizerManager:
         router: the ``ReplicaRouter`` (replica of each rid, control requests).
     """
 
+    #: the model's image processing (``server/media/process.py``; None: text only; set at
+    #: start-up) and where images may come from (``server/media/fetch.py``)
+    images: ImageProcessor | None = None
+    media_limits: MediaLimits = MediaLimits()
+
     def __init__(self, server_args, ipc: IpcPaths, replica_ipcs: list[IpcPaths] = ()):
         self.args = server_args
         self.ctx = zmq.Context()
@@ -113,6 +120,7 @@ class TokenizerManager:
             server_args.dp_balance_abs_threshold, server_args.dp_balance_rel_threshold),
             dead=lambda: self.dead)
         self.chat = ChatTokenizer(server_args)
+        self.media_limits = MediaLimits.from_args(server_args)
         self.states: dict[str, _ReqState] = {}
         # rid -> time.monotonic() of its abort: reserved until the engine sends its end
         self.retired: dict[str, float] = {}
@@ -358,7 +366,8 @@ class TokenizerManager:
                        registered: list[str] | None = None,
                        lora: str | list[str | None] | None = None,
                        lora_param: list[str | None] | None = None,
-                       pooling: bool = False) -> AsyncIterator[ReqOutput]:
+                       pooling: bool = False, images: list | None = None
+                       ) -> AsyncIterator[ReqOutput]:
         """Send engine requests and yield their outputs as they come.
 
         Args:
@@ -375,6 +384,8 @@ class TokenizerManager:
                 adapter unloaded meanwhile names it.
             pooling: pooling requests (embeddings, scores; ``server/pooling/``): each
                 output carries its answer in ``pooled``.
+            images: the prompt's images (``engine.io_struct.ImageData``), sent with every
+                entry of ``reqs`` (a chat job's requests share its one prompt).
         Yields:
             ``ReqOutput`` until every request has finished.
         Raises:
@@ -400,7 +411,8 @@ class TokenizerManager:
                 self.router.push_for(rid, ids).send(io.TokenizedGenerateReq(rid=rid, input_ids=ids,
                                                        sampling_params=sp, stream=stream,
                                                        arrival_time=now, lora_name=name,
-                                                       pooling=pooling))
+                                                       pooling=pooling,
+                                                       images=images or []))
             remaining = len(reqs)
             while remaining:
                 item = await queue.get()

@@ -113,6 +113,29 @@ def _state_arrays(batch: ScheduleBatch) -> list[list[int]]:
     return [[getattr(r, "state_slot", None) or 0 for r in batch.reqs], cu]
 
 
+def _mm_step(batch: ScheduleBatch, starts: list[int], extend: bool, device: torch.device
+             ) -> tuple[torch.Tensor, list[tuple] | None]:
+    """A step with image requests: its M-RoPE positions [3, T] int64 on ``device`` (a text
+    request's tokens, and generated ones, ``p + delta`` on all three axes; delta 0 without
+    images) and the image requests' segments of an EXTEND step (``ForwardBatch``)."""
+    parts = []
+    segs = []
+    for req, p, n, s0 in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, starts):
+        mm = getattr(req, "mm", None)
+        if mm is None:
+            parts.append(torch.arange(p, p + n).expand(3, n))
+            continue
+        n_prompt = mm.positions.shape[1]
+        head = mm.positions[:, p:min(p + n, n_prompt)]
+        tail = torch.arange(min(max(p, n_prompt), p + n), p + n) + mm.delta
+        parts.append(torch.cat([head, tail.expand(3, tail.numel())], dim=1))
+        if extend and p < n_prompt and any(it.end > p and it.offset < p + n
+                                           for it in mm.items):
+            segs.append((mm, p, n, s0))
+    pos = dev.host_to_device(torch.cat(parts, dim=1).contiguous(), device)
+    return pos, segs or None
+
+
 def build_forward_batch(pools: StepPools, attn_backend, batch: ScheduleBatch,
                         lora: LoRAManager | None = None,
                         future_ids: torch.Tensor | None = None
@@ -181,6 +204,8 @@ def build_forward_batch(pools: StepPools, attn_backend, batch: ScheduleBatch,
         sp = pools.state_pool
         fb.state = RecurrentStateView(sp.conv_states, sp.recurrent_states, state_dev[0],
                                       state_arrays[1], state_dev[1])
+    if any(getattr(r, "mm", None) is not None for r in batch.reqs):
+        fb.mrope_positions, fb.mm_segments = _mm_step(batch, h.starts, extend, pools.device)
     if swa is not None:  # the windowed layers' slots: their own table and locations
         swa_loc = rest[-1]
         swa_r2t = pools.swa_req_pool.req_to_token

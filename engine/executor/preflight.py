@@ -70,6 +70,7 @@ def check_start_up(args: ServerArgs, given: frozenset[str] | set[str] = frozense
     if model is not None:
         check_latent_attention(args, model, device_type)
         check_recurrent_state_flags(model, args, device_type)
+        check_image_model(model, args)
     if model is not None and lora_enabled(args):
         check_lora_model(model)
     if model is not None and device_type == "xpu":
@@ -141,6 +142,24 @@ def check_recurrent_state_flags(model, args: ServerArgs, device_type: str) -> No
         if bad:
             raise ValueError(f"{family} has linear-attention (recurrent-state) layers, which "
                              f"do not run with {flag} yet")
+
+
+def check_image_model(model, args: ServerArgs) -> None:
+    """Refuse what a model with a vision tower (``accepts_images``) cannot run yet: tensor
+    parallelism (the workers get no images) and speculative decoding (the draft has no
+    M-RoPE positions).
+
+    Raises:
+        ValueError: one line naming the model class and the flag.
+    """
+    if not getattr(model, "accepts_images", False):
+        return
+    for bad, flag in [(args.tp_size > 1, f"--tp-size {args.tp_size}"),
+                      (bool(args.speculative_algorithm),
+                       f"--speculative-algorithm {args.speculative_algorithm}")]:
+        if bad:
+            raise ValueError(f"{type(model).__name__} (image input) does not support {flag} "
+                             "yet")
 
 
 def build_meta_model(args: ServerArgs, device_type: str):

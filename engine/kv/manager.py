@@ -100,7 +100,7 @@ class KVCacheManager:
         """Tokens of ``req`` that the tree holds now (no lock taken; for queue ordering)."""
         if not self.enabled or req.prompt_logprobs is not None:
             return 0
-        pages, node = self.tree.match_prefix(req.tokens(0, req.seq_len - 1), _ns(req))
+        pages, node = self.tree.match_prefix(req.key_tokens(0, req.seq_len - 1), _ns(req))
         if self.swa_pool is not None and pages:
             return self._usable(node, len(pages)) * self.page_size
         return len(pages) * self.page_size
@@ -119,7 +119,7 @@ class KVCacheManager:
         assert not req.pages and req.kv_len == 0
         if not self.enabled or req.prompt_logprobs is not None:
             return 0
-        ids = req.tokens(0, req.seq_len - 1)
+        ids = req.key_tokens(0, req.seq_len - 1)
         pages, node = self.tree.match_prefix(ids, _ns(req))
         if pages and self.swa_pool is not None:
             n = self._usable(node, len(pages))
@@ -258,7 +258,7 @@ class KVCacheManager:
         m = self._real_len(req) // ps
         if m <= req.cached_pages:
             return
-        ids = req.tokens(0, m * ps)
+        ids = req.key_tokens(0, m * ps)
         # the full pages only: the request keeps its windowed pages (see the module doc)
         n_old, node = self.tree.insert(ids, req.pages[:m], _ns(req),
                                        None if self.swa_pool is None else [0] * m)
@@ -297,7 +297,7 @@ class KVCacheManager:
                 m = self._real_len(req) // ps
                 sw = self._swa_to_insert(req, m)
                 if m > keep or (sw is not None and m > swa_keep):
-                    n_old, _ = self.tree.insert(req.tokens(0, m * ps), req.pages[:m],
+                    n_old, _ = self.tree.insert(req.key_tokens(0, m * ps), req.pages[:m],
                                                 _ns(req), sw)
                     self.pool.free_pages(req.pages[keep:n_old])  # duplicates of tree pages
                     keep = max(keep, m)

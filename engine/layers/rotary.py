@@ -40,6 +40,8 @@ def rope_config(config) -> tuple[float, dict]:
     if theta is None:
         theta = 10000.0
     params["rope_type"] = params.get("rope_type", params.get("type", "default")) or "default"
+    if params["rope_type"] == "mrope":  # Qwen2-VL's legacy name: default frequencies
+        params["rope_type"] = "default"
     if params["rope_type"] in ("su", "yarn") and "short_factor" in params:
         params["rope_type"] = "longrope"          # Phi-3's legacy names (as transformers reads)
     partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
@@ -181,3 +183,51 @@ class NoRotary(nn.Module):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq*D], k [T, Hkv*D], positions [T] -> the same ``(q, k)``, not rotated."""
         return q, k
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal RoPE (Qwen2-VL, Qwen2.5-VL): each token has three positions (temporal,
+    height, width) and frequency ``i`` of the ``D/2`` rotates by the position of the axis
+    whose section holds it (``mrope_section``, e.g. ``[16, 24, 24]``: the first 16
+    frequencies the temporal position, the next 24 the height, the last 24 the width; with
+    ``mrope_interleaved`` (Qwen3-VL) frequencies ``1, 4, 7...`` (``section[1]`` of them) the
+    height, ``2, 5, 8...`` (``section[2]``) the width, the rest the temporal one).
+    A token whose three positions are equal (all text) rotates as plain RoPE at that
+    position, so ``rotate`` with ``[T]`` positions is :class:`RotaryEmbedding`'s.
+
+    Args:
+        head_dim, max_position, base, params: as :class:`RotaryEmbedding` (the whole head
+            rotates); ``params["mrope_section"]``: three section sizes summing to ``D/2``.
+    Raises:
+        ValueError: sections that do not sum to ``D/2``, or a partial rotary.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, base: float, params: dict):
+        super().__init__(head_dim, max_position, base, params)
+        section = [int(x) for x in params.get("mrope_section") or ()]
+        if len(section) != 3 or sum(section) != head_dim // 2 or self.rotary_dim != head_dim:
+            raise ValueError(f"mrope_section {section} must be three sizes summing to "
+                             f"head_dim / 2 = {head_dim // 2} (the whole head rotated)")
+        if params.get("mrope_interleaved"):  # Qwen3-VL: t h w t h w ... t t t
+            axis = torch.zeros(head_dim // 2, dtype=torch.int64, device="cpu")
+            axis[1:section[1] * 3:3] = 1
+            axis[2:section[2] * 3:3] = 2
+        else:
+            axis = torch.repeat_interleave(torch.arange(3, device="cpu"),
+                                           torch.tensor(section, device="cpu"))  # [D/2]
+        mask = torch.nn.functional.one_hot(axis, 3).T.to(torch.float32)         # [3, D/2]
+        self.register_buffer("axis_mask", mask.repeat(1, 2).unsqueeze(1)
+                             .to(torch.get_default_device()), persistent=False)  # [3, 1, D]
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [T, Hq*D] and k [T, Hkv*D] by positions [T] (plain RoPE) or [3, T]
+        int64 (temporal, height, width); returns the rotated ``(q, k)`` (see
+        :meth:`RotaryEmbedding.rotate`)."""
+        if positions.dim() == 1:
+            return super().rotate(q, k, positions)
+        t = positions.shape[1]
+        table = self.cos_sin_cache[positions]                 # [3, T, D] fp32
+        cos_sin = (table * self.axis_mask).sum(dim=0)         # each column from its axis
+        rows = torch.arange(t, device=positions.device)
+        return self.impl(q, k, rows, cos_sin, self.head_dim)

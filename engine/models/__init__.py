@@ -29,6 +29,7 @@ from engine.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM
 from engine.models.olmoe import OlmoeForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from engine.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from engine.models.qwen3_next import (
     Qwen3_5ForCausalLM,
     Qwen3_5ForConditionalGeneration,
@@ -36,6 +37,7 @@ from engine.models.qwen3_next import (
     Qwen3_5MoeForConditionalGeneration,
     Qwen3NextForCausalLM,
 )
+from engine.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from engine.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from engine.models.smollm3 import SmolLM3ForCausalLM
 
@@ -67,6 +69,8 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
+    "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
 }
 
 
@@ -124,6 +128,8 @@ __all__ = [
     "Qwen3_5MoeForCausalLM",
     "Qwen3_5ForConditionalGeneration",
     "Qwen3_5MoeForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
     "get_model_class",
     "supported_architectures",
 ]

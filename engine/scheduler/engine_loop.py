@@ -22,7 +22,7 @@ from engine.sampling.params import SamplingParams
 from engine.scheduler.output import STATS_TTFT_ZERO, StepOutput
 from engine.scheduler.request import Req
 from engine.scheduler.scheduler import Scheduler
-from engine.validation import RequestError, pooling_mismatch, validate_request
+from engine.validation import RequestError, images_for, pooling_mismatch, validate_request
 
 logger = logging.getLogger("ferry.engine")
 
@@ -143,6 +143,13 @@ class EngineLoop:
             req = Req(m.rid, list(m.input_ids), m.sampling_params, m.stream, max_new,
                       m.arrival_time or None, lora_id)
             req.pooling = m.pooling
+            if m.images:
+                try:
+                    req.set_images(images_for(self.runner.model, m.images, len(m.input_ids)))
+                except RequestError as exc:
+                    self.to_server.send(io.ErrorOut(rid=m.rid, message=exc.message,
+                                                    status=400, param=exc.param))
+                    return
             self.sched.add_request(req)
         elif isinstance(m, io.AbortReq):
             self.sched.abort_request(m.rid)

@@ -67,9 +67,9 @@ class PrefixPolicy:
     def wait_for_twin(self, req: Req, twins: list[Req]) -> bool:
         """Whether ``req`` should wait: one of ``twins`` (being prefilled) shares at least
         ``IN_BATCH_PREFIX`` more of its prompt than the cache holds now."""
-        want = req.tokens(0, req.seq_len - 1)
+        want = req.key_tokens(0, req.seq_len - 1)
         cached = self.kv.prefix_len(req)
-        return any(_common_prefix(want, t.tokens(0, t.seq_len)) - cached >= IN_BATCH_PREFIX
+        return any(_common_prefix(want, t.key_tokens(0, t.seq_len)) - cached >= IN_BATCH_PREFIX
                    for t in twins)
 
     def head(self, req: Req) -> tuple | None:
@@ -79,7 +79,7 @@ class PrefixPolicy:
         if not self.kv.enabled or req.seq_len <= IN_BATCH_PREFIX \
                 or req.prompt_logprobs is not None:
             return None
-        return (req.lora_id, *req.tokens(0, IN_BATCH_PREFIX))
+        return (req.lora_id, *req.key_tokens(0, IN_BATCH_PREFIX))
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

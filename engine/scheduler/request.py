@@ -39,7 +39,7 @@ class Req:
                  "stop_window", "cached_pages", "last_node", "cached_tokens", "prompt_counted",
                  "logprobs", "sent_logprobs", "prompt_logprobs", "prompt_logprobs_sent",
                  "grammar", "lora_id", "stop_regex_state", "pooling", "pool_state",
-                 "swa_pages", "swa_lo", "state_slot")
+                 "swa_pages", "swa_lo", "state_slot", "mm", "key_prompt")
 
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams,
                  stream: bool = False, max_new_tokens: int | None = None,
@@ -99,6 +99,18 @@ class Req:
         # stop_regex: the output's incremental text and pattern matching, the detokenizer's
         # own (engine/sampling/stops.py); made at the first generated token
         self.stop_regex_state = None
+        # images (engine/mm_inputs.py MMInputs) and the prompt as the prefix cache keys it
+        # (image tokens replaced by their image's hash value); None: a text-only request
+        self.mm = None
+        self.key_prompt: list[int] | None = None
+
+    def set_images(self, mm) -> None:
+        """Attach the request's images (an ``engine.mm_inputs.MMInputs``): its prefix-cache
+        key then names each image by its content (``engine.mm_inputs.key_ids``)."""
+        from engine.mm_inputs import key_ids
+
+        self.mm = mm
+        self.key_prompt = key_ids(self.origin_input_ids, mm.items)
 
     @property
     def fill_ids(self) -> list[int]:
@@ -119,6 +131,19 @@ class Req:
         if start >= n:
             return self.output_ids[start - n: end - n]
         return self.origin_input_ids[start:] + self.output_ids[: end - n]
+
+    def key_tokens(self, start: int, count: int) -> list[int]:
+        """``tokens(start, count)`` as the prefix cache keys them: an image's tokens are its
+        content-hash value (``engine.mm_inputs.pad_value``), the rest their ids."""
+        if self.key_prompt is None:
+            return self.tokens(start, count)
+        n = len(self.key_prompt)
+        end = start + count
+        if end <= n:
+            return self.key_prompt[start:end]
+        if start >= n:
+            return self.output_ids[start - n: end - n]
+        return self.key_prompt[start:] + self.output_ids[: end - n]
 
     @property
     def seq_len(self) -> int:

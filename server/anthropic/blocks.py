@@ -9,8 +9,10 @@
   text with ``"Error: "``, the chat templates having no error flag), placed before the
   user's text as Anthropic orders them; an assistant's ``thinking`` -> its
   ``reasoning_content`` (for templates that show it); ``redacted_thinking`` is accepted and
-  dropped (ferry cannot read it). ``image`` (until images land), ``document`` and the
-  server tools' blocks are a 400 naming the block. ``cache_control`` and ``citations`` on a
+  dropped (ferry cannot read it). A user's ``image`` (``source``: ``base64`` with its
+  ``media_type``, or ``url``, which the server fetches only from ``--allowed-media-domains``)
+  -> an ``image_url`` part. ``document`` and the server tools' blocks are a 400 naming the
+  block. ``cache_control`` and ``citations`` on a
   block are accepted no-ops (the radix cache caches every prompt prefix by itself).
 - ``tools``: ``{name, description, input_schema}`` (``type: "custom"``; ``cache_control``,
   ``strict``... no-ops) -> chat's function tools; a server tool (``web_search_...``,
@@ -39,10 +41,12 @@ BLOCK_KEYS = {
     "tool_result": {"type", "tool_use_id", "content", "is_error", "cache_control"},
     "thinking": {"type", "thinking", "signature", "cache_control"},
     "redacted_thinking": {"type", "data", "cache_control"},
+    "image": {"type", "source", "cache_control"},
 }
+#: media types of a base64 image block
+IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 #: blocks ferry cannot read yet: a 400 naming the block
-UNSUPPORTED_BLOCKS = {"image": "image blocks (images are not supported yet)",
-                      "document": "document blocks",
+UNSUPPORTED_BLOCKS = {"document": "document blocks",
                       "search_result": "search_result blocks",
                       "container_upload": "container_upload blocks"}
 #: keys of a custom tool
@@ -158,6 +162,26 @@ def _tool_use(b: dict, where: str) -> dict:
                          "arguments": json.dumps(args, ensure_ascii=False)}}
 
 
+def _image(b: dict, where: str) -> dict:
+    """An ``image`` block as chat's ``image_url`` part (a data URL for ``base64``).
+    Raises: APIError 400 naming the field of a malformed source."""
+    src = b.get("source")
+    kind = src.get("type") if isinstance(src, dict) else None
+    if kind == "base64":
+        _keys(src, {"type", "media_type", "data"}, f"{where}.source")
+        if src.get("media_type") not in IMAGE_MEDIA_TYPES:
+            raise bad_request(f"{where}.source.media_type: expected one of "
+                              f"{', '.join(IMAGE_MEDIA_TYPES)}", f"{where}.source.media_type")
+        url = f"data:{src['media_type']};base64,{_string(src, 'data', f'{where}.source')}"
+    elif kind == "url":
+        _keys(src, {"type", "url"}, f"{where}.source")
+        url = _string(src, "url", f"{where}.source")
+    else:
+        raise bad_request(f"{where}.source: an image source must be of type 'base64' or "
+                          "'url'", f"{where}.source.type")
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
 def _user(content: list, where: str, out: list[dict], origins: Origins) -> None:
     parts: list[dict] = []
     seen: set[str] = set()
@@ -166,6 +190,8 @@ def _user(content: list, where: str, out: list[dict], origins: Origins) -> None:
         kind = _block(b, p)
         if kind == "text":
             parts.append({"type": "text", "text": _string(b, "text", p)})
+        elif kind == "image":
+            parts.append(_image(b, p))
         elif kind == "tool_result":
             out.append(_tool_result(b, p, seen))
             origins.where.append(p)

@@ -84,6 +84,7 @@ def generate(tm: TokenizerManager, job: ChatJob, stream: bool,
     """The engine's outputs for ``job`` (``TokenizerManager.generate``); ``rids`` receives
     the engine rids as they are registered (what an abort must name)."""
     return tm.generate(job.subs, stream, arrival=job.arrival, registered=rids, lora=job.lora,
+                       images=job.images,
                        lora_param=job.lora_fields)  # the 404 of an adapter unloaded meanwhile
 
 

@@ -22,7 +22,7 @@ from engine.sampling.params import SamplingParams
 from engine.validation import RequestError, verify_sampling
 from server.http.errors import bad_request
 from server.parsers.tool_registry import get_tool_parser
-from server.pipeline.prompt import chat_prompt
+from server.pipeline.prompt import chat_prompt_images
 from server.pipeline.reasoning import ReasoningPlan, plan_reasoning, special_token_texts
 from server.tokenizer_manager import TokenizerManager
 from server.tools.plan import ToolPlan, prepare_chat
@@ -55,6 +55,8 @@ class ChatJob:
             ``server/pipeline/reasoning.py``).
         strip: special tokens the writer takes out of the text it sends (the engine keeps
             them for a parser that reads them).
+        images: the prompt's images (``engine.io_struct.ImageData``; [] for none), sent
+            with each engine request.
     """
 
     id: str
@@ -68,6 +70,7 @@ class ChatJob:
     arrival: float = field(default_factory=time.monotonic)
     reasoning: ReasoningPlan | None = None
     strip: tuple[str, ...] = ()
+    images: list = field(default_factory=list)
 
     @property
     def format_options(self) -> dict:
@@ -221,7 +224,13 @@ async def prepare(tm: TokenizerManager, req: Any, *, base: str, max_tokens: int 
     tools, sp = await prepare_chat(req, sp, getattr(tm.chat.tokenizer, "chat_template", None),
                                    tm.chat.tool_call_parser)  # constraint, tools
     check_fan_out(tm, 1, req.n)
-    ids = truncate_prompt(await chat_prompt(tm, req, tools), req, tm.max_context_len)
+    ids, images = await chat_prompt_images(tm, req, tools)
+    if images:
+        if getattr(req, "truncate_prompt_tokens", None) is not None:
+            raise bad_request("truncate_prompt_tokens cannot cut a prompt with images",
+                              "truncate_prompt_tokens")
+    else:
+        ids = truncate_prompt(ids, req, tm.max_context_len)
     tm.check_prompt(ids, sp.max_tokens, prompt_param, max_tokens_param=max_tokens_param,
                     min_tokens=sp.min_tokens)
     if req.prompt_logprobs is not None:
@@ -229,7 +238,7 @@ async def prepare(tm: TokenizerManager, req: Any, *, base: str, max_tokens: int 
     reasoning, sp, strip = await _reasoning_settings(tm, req, ids, tools, sp)
     return ChatJob(base, [ids], sp, req.n, fan_out(base, [ids], req.n, sp), tools, lora,
                    lora_fields, time.monotonic() if arrival is None else arrival,
-                   reasoning, strip)
+                   reasoning, strip, images)
 
 
 async def _reasoning_settings(tm: TokenizerManager, req: Any, ids: list[int], tools: ToolPlan,

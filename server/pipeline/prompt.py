@@ -10,9 +10,12 @@ the chat request would run (its ``add_generation_prompt``, ``continue_final_mess
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from server.http.errors import bad_request, not_supported
+from server.media.fetch import load_image
+from server.media.process import ImageError
 from server.tokenizer_manager import TokenizerManager
 from server.tools.messages import assistant_function_call, assistant_tool_calls
 from server.tools.plan import ToolPlan
@@ -28,13 +31,77 @@ MESSAGE_NOOPS = frozenset({"refusal", "annotations"})
 TOOL_FIELDS = {"tool_calls": "assistant", "function_call": "assistant", "tool_call_id": "tool"}
 #: keys of a content part
 PART_KEYS = frozenset({"type", "text"})
+#: keys of an image part, and of its ``image_url`` object (``detail`` is accepted and
+#: ignored: the model's image processor sizes every image within its pixel bounds)
+IMAGE_PART_KEYS = frozenset({"type", "image_url"})
+IMAGE_URL_KEYS = frozenset({"url", "detail"})
+IMAGE_DETAILS = (None, "auto", "low", "high")
 
 
-def messages_for_template(messages: list[Any]) -> list[dict]:
+def _image_part(part: dict, where: str) -> str:
+    """The URL of an ``image_url`` part (``{"url", "detail"}`` object or a bare URL string).
+
+    Raises: APIError 400 naming the field of a malformed part."""
+    for key in part:
+        if key not in IMAGE_PART_KEYS:
+            raise bad_request(f"unrecognized content part field '{key}'", f"{where}.{key}")
+    spec = part.get("image_url")
+    if isinstance(spec, str):
+        return spec
+    if not isinstance(spec, dict) or not isinstance(spec.get("url"), str):
+        raise bad_request("an image_url part needs image_url.url, a string",
+                          f"{where}.image_url")
+    for key in spec:
+        if key not in IMAGE_URL_KEYS:
+            raise bad_request(f"unrecognized image_url field '{key}'",
+                              f"{where}.image_url.{key}")
+    if spec.get("detail") not in IMAGE_DETAILS:
+        raise bad_request("image_url.detail must be 'auto', 'low' or 'high'",
+                          f"{where}.image_url.detail")
+    return spec["url"]
+
+
+def _content_parts(content: list, role: str, where: str, images: list | None
+                   ) -> str | list[dict]:
+    """A message's list of content parts as template content: the texts joined with
+    newlines, or (with an image) the ``text``/``image`` parts; images noted in ``images``
+    (see :func:`messages_for_template`). Raises: APIError 400 naming the part."""
+    texts = []
+    parts: list[dict] = []
+    for j, part in enumerate(content):
+        ptype = part.get("type")
+        if ptype == "image_url" and role == "user":
+            url = _image_part(part, f"{where}.content[{j}]")
+            if images is not None:
+                images.append((f"{where}.content[{j}].image_url", url))
+            parts.append({"type": "image"})
+            continue
+        if ptype != "text":
+            raise bad_request(f"content part type {ptype!r} is not supported (only "
+                              "'text', and 'image_url' in user messages)",
+                              f"{where}.content[{j}].type")
+        for key in part:
+            if key not in PART_KEYS:
+                raise bad_request(f"unrecognized content part field '{key}'",
+                                  f"{where}.content[{j}].{key}")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise bad_request("a text part needs a string 'text'",
+                              f"{where}.content[{j}].text")
+        texts.append(text)
+        parts.append({"type": "text", "text": text})
+    return parts if len(parts) > len(texts) else "\n".join(texts)
+
+
+def messages_for_template(messages: list[Any], images: list | None = None) -> list[dict]:
     """Plain ``{"role", "content"}`` dicts for ``apply_chat_template``.
 
     Content may be a string or a list of ``{"type": "text", "text": ...}`` parts (joined
-    with newlines). ``developer`` maps to ``system``. ``name`` and ``reasoning_content`` go
+    with newlines) and ``{"type": "image_url", "image_url": {"url", "detail"}}`` parts: a
+    message with images keeps its parts as a list, ``{"type": "text", "text"}`` and
+    ``{"type": "image"}`` (what multimodal chat templates render), and each image's
+    ``(part name, url)`` is appended to ``images`` (e.g. ``("messages[1].content[0]
+    .image_url", "data:image/png;base64,...")``). ``developer`` maps to ``system``. ``name`` and ``reasoning_content`` go
     to the template; ``refusal`` and ``annotations`` are accepted no-ops. An assistant's
     ``tool_calls`` (or its deprecated ``function_call``: one call) and a tool message's
     ``tool_call_id`` go to the template too.
@@ -74,22 +141,7 @@ def messages_for_template(messages: list[Any]) -> list[dict]:
                 raise bad_request("content is required", f"{where}.content")
             content = ""
         elif isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                ptype = part.get("type")
-                if ptype != "text":
-                    raise bad_request(f"content part type {ptype!r} is not supported (only "
-                                      "'text')", f"{where}.content[{j}].type")
-                for key in part:
-                    if key not in PART_KEYS:
-                        raise bad_request(f"unrecognized content part field '{key}'",
-                                          f"{where}.content[{j}].{key}")
-                text = part.get("text")
-                if not isinstance(text, str):
-                    raise bad_request("a text part needs a string 'text'",
-                                      f"{where}.content[{j}].text")
-                texts.append(text)
-            content = "\n".join(texts)
+            content = _content_parts(content, role, where, images)
         msg = {"role": role, "content": content}
         for key in TEMPLATE_FIELDS:
             value = m.name if key == "name" else extra.get(key)
@@ -102,6 +154,13 @@ def messages_for_template(messages: list[Any]) -> list[dict]:
 
 
 async def chat_prompt(tm: TokenizerManager, req: Any, tools: ToolPlan) -> list[int]:
+    """The prompt token ids of a chat request (:func:`chat_prompt_images`' ids: an
+    image counts as its tokens)."""
+    return (await chat_prompt_images(tm, req, tools))[0]
+
+
+async def chat_prompt_images(tm: TokenizerManager, req: Any, tools: ToolPlan
+                             ) -> tuple[list[int], list]:
     """The prompt token ids of a chat request (a ``ChatCompletionRequest`` or a
     ``TokenizeRequest`` with ``messages``): its messages through the model's chat template
     with its ``add_generation_prompt``, ``continue_final_message``, ``add_special_tokens``,
@@ -109,9 +168,17 @@ async def chat_prompt(tm: TokenizerManager, req: Any, tools: ToolPlan) -> list[i
     (the template variable of that name, for the templates that read it: gpt-oss's;
     ``chat_template_kwargs.reasoning_effort`` wins).
 
+    Images (``image_url`` parts): read and checked (``server/media/fetch.py``), processed
+    by the model's image processor and their tokens expanded (``server/media/process.py``).
+
+    Returns:
+        ``(prompt ids, images)``: the images as ``engine.io_struct.ImageData``, [] for none.
     Raises:
-        APIError: 400 naming the message or field the template rejects, or a
-            ``reasoning_effort`` that is not a string.
+        APIError: 400 naming the message or field the template rejects, a
+            ``reasoning_effort`` that is not a string, or the image part at fault
+            (``messages[1].content[0].image_url``): more images than
+            ``--limit-mm-per-prompt``, a model without image input, an image that cannot be
+            read, decoded or processed.
     """
     kwargs = dict(req.chat_template_kwargs or {}, **tools.template_kwargs)
     effort = (getattr(req, "model_extra", None) or {}).get("reasoning_effort")
@@ -120,7 +187,31 @@ async def chat_prompt(tm: TokenizerManager, req: Any, tools: ToolPlan) -> list[i
             raise bad_request("reasoning_effort must be a string (e.g. 'low', 'medium', "
                               "'high')", "reasoning_effort")
         kwargs.setdefault("reasoning_effort", effort)
-    return await tm.chat.apply_chat_template(
-        messages_for_template(req.messages), req.add_generation_prompt,
+    refs: list = []
+    messages = messages_for_template(req.messages, refs)
+    if refs:
+        await _check_images(tm, refs)
+    ids = await tm.chat.apply_chat_template(
+        messages, req.add_generation_prompt,
         bool(req.add_special_tokens), continue_final_message=req.continue_final_message,
         template_kwargs=kwargs)
+    if not refs:
+        return ids, []
+    pics = [await load_image(url, where, tm.media_limits) for where, url in refs]
+    try:
+        return await asyncio.to_thread(tm.images.process, ids, pics)
+    except ImageError as exc:
+        where = refs[exc.index][0] if 0 <= exc.index < len(refs) else "messages"
+        raise bad_request(exc.message, where) from None
+
+
+async def _check_images(tm: TokenizerManager, refs: list) -> None:
+    """400 naming the part: images to a model without image input, or more than the
+    per-prompt limit."""
+    if tm.images is None:
+        raise bad_request("this model does not accept images (it is a text-only model); "
+                          "send text parts only", refs[0][0])
+    limit = tm.media_limits.max_images
+    if len(refs) > limit:
+        raise bad_request(f"this request has {len(refs)} images; at most {limit} per prompt "
+                          "are allowed (--limit-mm-per-prompt)", refs[limit][0])

@@ -97,10 +97,13 @@ def _text_of(content: Any, where: str) -> str | list[dict]:
     for j, part in enumerate(content):
         p = f"{where}[{j}]"
         ptype = part.get("type") if isinstance(part, dict) else None
+        if ptype == "input_image":
+            parts.append(_image_part(part, p))
+            continue
         if ptype not in TEXT_PARTS:
             if isinstance(ptype, str) and ptype.startswith(("input_", "output_", "refusal")):
                 raise not_supported(f"{p}.type", f"content part type {ptype!r} (only "
-                                    "'input_text' and 'output_text')")
+                                    "'input_text', 'output_text' and 'input_image')")
             raise bad_request(f"{p} must be an 'input_text' part", f"{p}.type")
         if not isinstance(part.get("text"), str):
             raise bad_request(f"{p}.text must be a string", f"{p}.text")
@@ -109,6 +112,23 @@ def _text_of(content: Any, where: str) -> str | list[dict]:
                 raise bad_request(f"unrecognized content part field '{key}'", f"{p}.{key}")
         parts.append({"type": "text", "text": part["text"]})
     return parts
+
+
+def _image_part(part: dict, where: str) -> dict:
+    """An ``input_image`` part (``image_url``: a data, file or http(s) URL; ``detail``
+    accepted) as chat's ``image_url`` part. Raises: APIError 400 for a ``file_id`` (no
+    Files API here) or another field."""
+    for key, v in part.items():
+        if key not in ("type", "image_url", "detail", "file_id") and v is not None:
+            raise bad_request(f"unrecognized content part field '{key}'", f"{where}.{key}")
+    if part.get("file_id") is not None:
+        raise not_supported(f"{where}.file_id", "images by file_id (send image_url)")
+    if not isinstance(part.get("image_url"), str):
+        raise bad_request(f"{where}.image_url must be a string (a URL)", f"{where}.image_url")
+    spec = {"url": part["image_url"]}
+    if part.get("detail") is not None:
+        spec["detail"] = part["detail"]
+    return {"type": "image_url", "image_url": spec}
 
 
 def _string(item: dict, key: str, where: str) -> str:

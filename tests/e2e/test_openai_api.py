@@ -363,7 +363,7 @@ def test_400_prompts_and_bodies(server):
     assert_error(post(server, "/v1/chat/completions", {"messages": []}), 400, "messages")
     assert_error(post(server, "/v1/chat/completions", {"messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
-        400, "messages[0].content[0].type")
+        400, "messages[0].content[0].image_url")  # a text-only model
     assert_error(post(server, "/v1/completions", {"prompt": "x", "suffix": "y"}), 400,
                  "suffix")
     # prompt + max_tokens beyond the context (8192 tokens): max_tokens is at fault when the

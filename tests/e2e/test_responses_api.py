@@ -279,7 +279,9 @@ def test_noops_change_nothing(url):
     ({"input": []}, "input", None),
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role", None),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
-     "input[0].content[0].type", "unsupported_parameter"),
+     "input[0].content[0].image_url", None),  # a text-only model
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
+     "input[0].content[0].file_id", "unsupported_parameter"),
     # (a reasoning item of an earlier turn is accepted: tests/unit/test_reasoning_writers.py)
     ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0].type",
      "unsupported_parameter"),

@@ -81,3 +81,22 @@ def test_bench_spec_steps_rows_and_pool(tiny_args, tmp_path):
     assert {k: len(v) for k, v in times.items()} == {(0, "decode"): 3, (2, "decode"): 3,
                                                      (2, "extend"): 3}
     assert runner.kv_pool.num_free_pages == free_pages
+
+
+def test_bench_vision_jsonl(tmp_path):
+    """ferry bench-vision on the tiny Qwen2.5-VL config (dummy weights): one 112-pixel image
+    (16 tokens) with 20 text tokens."""
+    from vl_helpers import config
+
+    from bench.bench_vision import main
+
+    cfg = config()
+    cfg.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    cfg.save_pretrained(tmp_path / "vl")
+    out = tmp_path / "vision.jsonl"
+    main(["--model-path", str(tmp_path / "vl"), "--load-format", "dummy", "--device", "cpu",
+          "--dtype", "float32", "--image-size", "112", "--text-len", "20", "--repeats", "1",
+          "--result-jsonl", str(out)])
+    row = json.loads(out.read_text())
+    assert (row["image_tokens"], row["text_tokens"]) == (16, 20)
+    assert row["ttft_s"] > 0 and row["encoder_s"] > 0 and row["ttft_text_s"] > 0

@@ -224,6 +224,52 @@ def test_real_shapes_of_the_deepseek_families_build_on_meta(name, family, q_lora
         assert f"{family} (multi-head latent attention) does not support {what}" in line, line
 
 
+def test_real_shape_of_qwen2_5_vl_builds_on_meta(serve_stubbed, capsys):
+    """engine/configs/qwen2.5-vl-7b-instruct.json (issue 48): the language model with
+    M-RoPE (the legacy ``mrope`` rope type), the 32-block vision tower; the launch, and the
+    flags image models refuse."""
+    from engine.args import ServerArgs
+    from engine.executor.preflight import build_meta_model
+
+    path = os.path.join(os.path.dirname(engine.__file__), "configs",
+                        "qwen2.5-vl-7b-instruct.json")
+    model = build_meta_model(ServerArgs(model_path=path, load_format="dummy"), "cpu")
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    assert len(model.layer_specs()) == 28 and len(model.visual.blocks) == 32
+    assert model.model.rotary_emb.axis_mask.shape == (3, 1, 128)
+    shapes = model.hf_weight_shapes()
+    assert shapes["visual.patch_embed.proj.weight"] == (1280, 3, 2, 14, 14)
+    assert shapes["visual.merger.mlp.2.weight"] == (3584, 5120)
+    serve, launched = serve_stubbed
+    base = ["--device", "cpu", "--model-path", path, "--load-format", "dummy"]
+    assert serve(base) == 0
+    assert len(launched) == 1
+    launched.clear()
+    line = _refused(serve_stubbed, capsys, base + ["--tp-size", "2"])
+    assert "Qwen2_5_VLForConditionalGeneration (image input) does not support --tp-size 2" \
+        in line, line
+
+
+def test_real_shape_of_qwen3_vl_builds_on_meta(serve_stubbed):
+    """engine/configs/qwen3-vl-8b-instruct.json: a Qwen3 language model (q/k norms) with
+    interleaved M-RoPE, a 27-block tower with three DeepStack levels; the launch."""
+    from engine.args import ServerArgs
+    from engine.executor.preflight import build_meta_model
+
+    path = os.path.join(os.path.dirname(engine.__file__), "configs",
+                        "qwen3-vl-8b-instruct.json")
+    model = build_meta_model(ServerArgs(model_path=path, load_format="dummy"), "cpu")
+    assert type(model).__name__ == "Qwen3VLForConditionalGeneration"
+    assert len(model.layer_specs()) == 36 and len(model.visual.blocks) == 27
+    assert len(model.visual.deepstack_merger_list) == 3
+    shapes = model.hf_weight_shapes()
+    assert shapes["visual.pos_embed.weight"] == (2304, 1152)
+    assert shapes["model.layers.0.self_attn.q_norm.weight"] == (128,)
+    serve, launched = serve_stubbed
+    assert serve(["--device", "cpu", "--model-path", path, "--load-format", "dummy"]) == 0
+    assert len(launched) == 1
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--model-path", TINY_LLAMA, "--load-format", "dummy", "--tp-size", "3"], "3"),
     (["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/no/draft"],

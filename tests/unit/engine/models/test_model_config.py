@@ -128,8 +128,23 @@ def _tiny(arch: str):
         return cls(head_dim=32, layer_types=["full_attention"] * 3, linear_num_key_heads=2,
                    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
                    **extra, **kw)
+    if arch == "Qwen3VLForConditionalGeneration":  # interleaved M-RoPE over head 32
+        text = {k: v for k, v in kw.items() if k != "architectures"}
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}
+        return transformers.Qwen3VLConfig(
+            architectures=[arch], text_config=dict(text, head_dim=32, rope_parameters=rope),
+            vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                               out_hidden_size=64, num_position_embeddings=16,
+                               deepstack_visual_indexes=[0]), image_token_id=120)
     if arch.startswith("Qwen3"):
         return Qwen3Config(head_dim=32, **kw)
+    if arch == "Qwen2_5_VLForConditionalGeneration":  # M-RoPE over head 16, a 2-block tower
+        text = {k: v for k, v in kw.items() if k != "architectures"}
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+        return transformers.Qwen2_5_VLConfig(
+            architectures=[arch], text_config=dict(text, rope_parameters=rope),
+            vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                               out_hidden_size=64), image_token_id=120)
     return LlamaConfig(**kw)
 
 

@@ -99,6 +99,8 @@ def test_thinking_disabled_and_output_format():
 
 @pytest.mark.parametrize("body, param", [
     (_body(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]),
+     "messages[0].content[0].source.type"),
+    (_body(messages=[{"role": "user", "content": [{"type": "document", "source": {}}]}]),
      "messages[0].content[0].type"),
     (_body(messages=[{"role": "system", "content": "x"}]), "messages[0].role"),
     (_body(messages=[{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}]),
@@ -231,7 +233,8 @@ async def test_sdk_errors_are_anthropic_shaped(tok):
                 "type": "base64", "media_type": "image/png", "data": "AA=="}}]}])
     assert exc.value.body["type"] == "error"
     assert exc.value.body["error"]["type"] == "invalid_request_error"
-    assert "messages[0].content[0].type" in exc.value.body["error"]["message"]
+    # a text-only model: the image block is named
+    assert "messages[0].content[0].image_url" in exc.value.body["error"]["message"]
     with pytest.raises(anthropic.NotFoundError) as exc:
         await client.messages.create(model="claude-nope", max_tokens=4,
                                      messages=[{"role": "user", "content": "hi"}])

@@ -173,7 +173,11 @@ def test_messages_rendering_input():
 
 
 @pytest.mark.parametrize("messages,param", [
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": 5}}]}],
+     "messages[0].content[0].image_url"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "data:,", "detail": "ultra"}}]}], "messages[0].content[0].image_url.detail"),
+    ([{"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
      "messages[0].content[0].type"),
     ([{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}],
      "messages[1].role"),

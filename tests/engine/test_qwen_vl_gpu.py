@@ -1,0 +1,47 @@
+"""Qwen2.5-VL and Qwen3-VL on an accelerator (marker gpu): the tiny checkpoints of
+``vl_helpers`` in fp32 with the Triton attention and rotary and the decode graphs on. A batch
+of an image request (run eagerly: ``engine/executor/graph_replay.py``) and a text-only one,
+then a text-only batch (through the graphs), must give HF ``generate``'s greedy tokens
+(HF on the CPU) with log-probabilities within 1e-3, and the same image again must hit the
+prefix cache."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.device import resolve_device
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+DEVICE = resolve_device("auto")
+if DEVICE == "cpu":
+    pytest.skip("needs a CUDA or XPU device", allow_module_level=True)
+pytest.importorskip("PIL")
+
+from test_qwen_vl import ARCHS, SP, Case, _assert_matches  # noqa: E402
+from vl_helpers import images, save_tiny  # noqa: E402
+
+from engine.llm import LLM  # noqa: E402
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_vl_on_the_device_matches_hf(arch, tmp_path):
+    from transformers import AutoTokenizer
+
+    hf = save_tiny(tmp_path, arch=arch)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    pics, patch = images(), ARCHS[arch][0]
+    two = Case(hf, tok, ["Compare ", None, " with ", None, " now."],
+               [pics["gradient"], pics["tall"]], patch)
+    text = Case(hf, tok, ["Just some text, no image at all."], [], patch)
+    llm = LLM(str(tmp_path), dtype="float32", device=DEVICE, max_total_tokens=4096)
+    try:
+        assert llm.runner.graph_runner is not None
+        outs = llm.generate([two.ids, text.ids], SP, images=[two.images, []])
+        _assert_matches(outs[0], two.ref, f"{arch} image on {DEVICE}")
+        _assert_matches(outs[1], text.ref, f"{arch} text beside it")
+        again = llm.generate([two.ids, text.ids], SP, images=[two.images, []])
+        assert again[0].num_cached_tokens > two.images[-1].offset
+        _assert_matches(again[0], two.ref, f"{arch} cache hit on {DEVICE}")
+        _assert_matches(llm.generate([text.ids], SP)[0], text.ref, f"{arch} text, graphs")
+    finally:
+        llm.shutdown()

@@ -1,0 +1,123 @@
+"""A tiny random Qwen2.5-VL checkpoint for the tests: a 2-layer Qwen2 language model
+(hidden 64, head 16, ``mrope_section`` [2, 3, 3]) and a 3-block vision tower (patch 14,
+merge 2, windows of 2x2 merged tokens, block 1 full attention), weights drawn with std 0.2
+(smaller ones leave the first tokens blind to the image), beside a character-level tokenizer
+with Qwen's vision tokens and a chat template that writes
+``<|vision_start|><|image_pad|><|vision_end|>`` per image part, and a PIL image processor
+(28-pixel units, 4 to 16 tokens per image)."""
+
+from __future__ import annotations
+
+import string
+
+import torch
+
+VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+VOCAB = 264
+IMAGE_TOKEN_ID = 257
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}"
+    "{{ m['content'] }}{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ p['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def config():
+    from transformers import Qwen2_5_VLConfig
+
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": [2, 3, 3]},
+                bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2,
+                  out_hidden_size=64, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision,
+                            image_token_id=IMAGE_TOKEN_ID, video_token_id=259,
+                            vision_start_token_id=256, vision_end_token_id=258,
+                            tie_word_embeddings=False)
+
+
+def config3():
+    """Qwen3-VL: a 3-layer Qwen3 language model (q/k norms, interleaved M-RoPE [2, 3, 3]),
+    a 3-block tower (patch 16, a 4x4 learned position table, DeepStack after blocks 0
+    and 1)."""
+    from transformers import Qwen3VLConfig
+
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=1024,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+                bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2,
+                  out_hidden_size=64, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, num_position_embeddings=16,
+                  deepstack_visual_indexes=[0, 1])
+    return Qwen3VLConfig(text_config=text, vision_config=vision,
+                         image_token_id=IMAGE_TOKEN_ID, video_token_id=259,
+                         vision_start_token_id=256, vision_end_token_id=258,
+                         tie_word_embeddings=False)
+
+
+def save_tokenizer(path):
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    for c in string.printable + "".join(chr(i) for i in range(0xA1, 0x180)):
+        if len(vocab) < 256 and c not in "\x0b\x0c":
+            vocab.setdefault(c, len(vocab))
+    for i, t in enumerate(VISION_TOKENS):
+        vocab[t] = 256 + i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in VISION_TOKENS])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+
+
+def image_processor(patch: int = 14):
+    """The PIL image processor: 4 to 16 tokens per image (units of ``2 * patch`` pixels)."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    unit = 2 * patch
+    return Qwen2VLImageProcessorPil(patch_size=patch, min_pixels=unit * unit * 4,
+                                    max_pixels=unit * unit * 16)
+
+
+def save_tiny(path, seed: int = 5, std: float = 0.2, arch: str = "qwen2_5_vl"):
+    """Build, randomise (norms 1 + 0.1 N(0, 1), the rest ``std`` N(0, 1)) and save the
+    checkpoint (``arch``: ``qwen2_5_vl`` or ``qwen3_vl``), tokenizer and image processor to
+    ``path``; returns the HF model (eval)."""
+    import transformers as T
+
+    torch.manual_seed(seed)
+    cls, cfg = (T.Qwen3VLForConditionalGeneration, config3()) if arch == "qwen3_vl" else \
+        (T.Qwen2_5_VLForConditionalGeneration, config())
+    hf = cls(cfg).to(torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name or "ln_q" in name else std * noise)
+    hf.save_pretrained(path)
+    save_tokenizer(path)
+    image_processor(16 if arch == "qwen3_vl" else 14).save_pretrained(path)
+    return hf
+
+
+def images():
+    """Generated images: solid colours, a gradient, different sizes and aspect ratios."""
+    from PIL import Image
+
+    red = Image.new("RGB", (56, 56), (220, 20, 20))
+    blue = Image.new("RGB", (84, 56), (10, 30, 230))
+    grad = Image.new("RGB", (84, 84))
+    grad.putdata([(3 * x, 3 * y, (x + y) % 256) for y in range(84) for x in range(84)])
+    tall = Image.new("RGB", (40, 100), (30, 200, 90))
+    return {"red": red, "blue": blue, "gradient": grad, "tall": tall}

@@ -1,0 +1,184 @@
+"""Image input on the server (``server/media/``, ``server/pipeline/prompt.py``): chat
+``image_url`` parts, Responses ``input_image`` and Anthropic ``image`` blocks reach the
+engine as ``ImageData`` with the prompt's image tokens expanded; every bad, oversized,
+undecodable, unallowed or surplus image, and any image to a text-only model, is a 400
+naming the part. Over a fake engine (``app_helpers``) with the tiny Qwen2.5-VL tokenizer and
+image processor of ``tests/engine/vl_helpers.py``."""
+
+from __future__ import annotations
+
+import base64
+import io
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("PIL")
+
+from PIL import Image  # noqa: E402
+from starlette.testclient import TestClient  # noqa: E402
+
+from engine import io_struct  # noqa: E402
+from server.anthropic.blocks import chat_messages  # noqa: E402
+from server.media.fetch import MediaLimits  # noqa: E402
+from server.media.process import ImageProcessor, expand_image_tokens  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "engine"))
+from app_helpers import make_app  # noqa: E402
+from vl_helpers import IMAGE_TOKEN_ID, image_processor, save_tokenizer  # noqa: E402
+
+
+def _png(size=(56, 56), colour=(200, 10, 10)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, colour).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("vl_tok")
+    save_tokenizer(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture
+def served(tokenizer, tmp_path):
+    (tmp_path / "ok.png").write_bytes(_png())
+    app, engine = make_app(allowed_local_media_path=str(tmp_path),
+                           allowed_media_domains=("img.example",),
+                           limit_mm_per_prompt="image=2", max_image_bytes=20000,
+                           max_image_pixels=200 * 200)
+    tm = engine.tm
+    tm.set_tokenizer(tokenizer)
+    tm.images = ImageProcessor(image_processor(), IMAGE_TOKEN_ID)
+    tm.media_limits = MediaLimits.from_args(tm.args)
+    return TestClient(app), engine, tmp_path
+
+
+def _chat(client, *parts, role="user"):
+    content = [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
+    return client.post("/v1/chat/completions", json={
+        "messages": [{"role": "system", "content": "be brief"},
+                     {"role": role, "content": content}], "max_tokens": 2})
+
+
+def _image(url: str, **kw) -> dict:
+    return {"type": "image_url", "image_url": {"url": url, **kw}}
+
+
+def _sent(engine) -> io_struct.TokenizedGenerateReq:
+    return [m for m in engine.sent if isinstance(m, io_struct.TokenizedGenerateReq)][-1]
+
+
+def test_chat_images_reach_the_engine(served):
+    client, engine, tmp = served
+    r = _chat(client, "look ", _image(_data_url(_png()), detail="low"), " and ",
+              _image(f"file://{tmp}/ok.png"))
+    assert r.status_code == 200, r.text
+    msg = _sent(engine)
+    assert len(msg.images) == 2
+    assert msg.images[0].content_hash == msg.images[1].content_hash  # the same pixels
+    for im in msg.images:
+        assert im.grid_thw == [1, 4, 4] and im.length == 4
+        assert msg.input_ids[im.offset:im.offset + im.length] == [IMAGE_TOKEN_ID] * 4
+    assert msg.input_ids.count(IMAGE_TOKEN_ID) == 8
+    assert r.json()["usage"]["prompt_tokens"] == len(msg.input_ids)
+
+
+def test_responses_input_image(served):
+    client, engine, _ = served
+    r = client.post("/v1/responses", json={"input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "what"},
+        {"type": "input_image", "image_url": _data_url(_png((84, 56))), "detail": "auto"}]}],
+        "max_output_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert [im.grid_thw for im in _sent(engine).images] == [[1, 4, 6]]
+
+
+def test_anthropic_image_blocks_become_image_parts():
+    data = base64.b64encode(_png()).decode()
+    msgs, _ = chat_messages(None, [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": data}},
+        {"type": "image", "source": {"type": "url", "url": "https://img.example/a.png"}},
+        {"type": "text", "text": "what?"}]}])
+    parts = msgs[0]["content"]
+    assert parts[0] == {"type": "image_url",
+                        "image_url": {"url": f"data:image/png;base64,{data}"}}
+    assert parts[1]["image_url"]["url"] == "https://img.example/a.png"
+
+
+@pytest.mark.parametrize("part, why", [
+    (_image("data:image/png;base64,AAAA"), "could not be decoded"),
+    (_image("data:image/png;base64,@@@"), "malformed"),
+    (_image("data:text/plain;base64,AAAA"), "data:image/"),
+    (_image(_data_url(_png((300, 300)))), "pixels"),
+    (_image("data:image/png;base64," + "A" * 40000), "larger than"),
+    (_image("file:///etc/passwd"), "outside"),
+    (_image("https://evil.example/x.png"), "not allowed"),
+    (_image("ftp://img.example/x.png"), "data:, file:// or http(s)"),
+    ({"type": "image_url", "image_url": {"url": "x", "detail": "max"}}, "detail"),
+])
+def test_bad_images_are_400s_naming_the_part(served, part, why):
+    client, _, _ = served
+    r = _chat(client, "look ", part)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"].startswith("messages[1].content[1].image_url"), err
+    assert why in err["message"], err["message"]
+
+
+def test_too_many_images(served):
+    client, _, _ = served
+    url = _data_url(_png())
+    r = _chat(client, _image(url), _image(url), _image(url))
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "messages[1].content[2].image_url"
+    assert "--limit-mm-per-prompt" in r.json()["error"]["message"]
+
+
+def test_text_only_model_refuses_images(served):
+    client, engine, _ = served
+    engine.tm.images = None
+    r = _chat(client, "look ", _image(_data_url(_png())))
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "messages[1].content[1].image_url"
+    assert "does not accept images" in r.json()["error"]["message"]
+
+
+def test_images_only_in_user_messages(served):
+    client, _, _ = served
+    r = _chat(client, _image(_data_url(_png())), role="assistant")
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "messages[1].content[0].type"
+
+
+def test_http_images_fetched_within_limits(served, monkeypatch):
+    import httpx
+
+    client, engine, _ = served
+    real = httpx.AsyncClient
+    big = b"\0" * 30000
+
+    def handler(request):
+        return httpx.Response(200, content=_png() if request.url.path == "/ok.png" else big)
+
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: real(
+        transport=httpx.MockTransport(handler), **kw))
+    r = _chat(client, "look ", _image("https://img.example/ok.png"))
+    assert r.status_code == 200, r.text
+    assert len(_sent(engine).images) == 1
+    r = _chat(client, "look ", _image("https://img.example/big.png"))
+    assert r.status_code == 400 and "larger than" in r.json()["error"]["message"]
+
+
+def test_expand_image_tokens():
+    ids, spans = expand_image_tokens([5, 9, 6, 9], 9, [3, 1])
+    assert ids == [5, 9, 9, 9, 6, 9] and spans == [(1, 3), (5, 1)]
