@@ -48,6 +48,10 @@ def _f(default: Any, help: str, choices: tuple | None = None, **kw) -> Any:
     return field(default=default, metadata=md)
 
 
+#: ``--max-request-bytes`` by default (a text model; see :func:`request_body_limit`)
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     # model
@@ -219,7 +223,10 @@ class ServerArgs:
     host: str = _f("127.0.0.1", "bind address")
     port: int = _f(30000, "HTTP port", ge=1, le=65535)
     api_key: str | None = _f(None, "require 'Authorization: Bearer KEY'")
-    max_request_bytes: int = _f(4 * 1024 * 1024, "largest accepted request body (bytes)", ge=1)
+    max_request_bytes: int = _f(DEFAULT_MAX_REQUEST_BYTES, "largest accepted request body "
+                                "(bytes); for a model that takes images the default grows to "
+                                "fit --limit-mm-per-prompt images of --max-image-bytes as "
+                                "base64", ge=1)
     max_n: int = _f(16, "largest 'n' accepted per request", ge=1)
     responses_store_size: int = _f(1024, "most Responses API responses kept in memory for "
                                          "previous_response_id and GET /v1/responses/{id} "
@@ -335,6 +342,17 @@ class ServerArgs:
             image_limit(self.limit_mm_per_prompt)
         except ValueError as exc:
             raise ValueError(f"--limit-mm-per-prompt {exc}") from None
+
+
+def request_body_limit(args: ServerArgs, takes_images: bool) -> int:
+    """The request-body limit the server applies, in bytes: ``--max-request-bytes``; for a
+    model that takes images and the flag at its default, at least what the allowed images
+    need as base64 data URLs (4/3 of ``--max-image-bytes`` each, ``--limit-mm-per-prompt``
+    of them) plus 1 MiB for the rest of the request (vLLM and SGLang set no limit)."""
+    if not takes_images or args.max_request_bytes != DEFAULT_MAX_REQUEST_BYTES:
+        return args.max_request_bytes
+    need = image_limit(args.limit_mm_per_prompt) * (args.max_image_bytes * 4 // 3 + 4) + (1 << 20)
+    return max(args.max_request_bytes, need)
 
 
 def image_limit(spec: str) -> int:

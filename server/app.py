@@ -45,6 +45,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from engine.args import request_body_limit
 from server.anthropic.errors import error_response, is_messages_path, messages_endpoint
 from server.anthropic.serving import MessagesServing
 from server.http.cors import FerryCORSMiddleware, OptionsMiddleware, cors_options
@@ -458,6 +459,8 @@ def build_app(tm: TokenizerManager, args, children: dict | None = None) -> Starl
         children: ``{"engine": Process, "detokenizer": Process}``; their pids are shown in
             ``/server_info``.
     """
+    # an image model takes bodies that hold its allowed images as base64
+    args = args.replace(max_request_bytes=request_body_limit(args, tm.images is not None))
     serving = OpenAIServing(tm, args, model_name_of(args))
     responses = ResponsesServing(serving)  # its store lives here, for every replica
     server = ServerRoutes(tm, args, serving, children, responses)

@@ -327,3 +327,16 @@ def test_serve_help_names_every_gguf_block_type_kept():
         assert " ".join(helped.split()) in text
         for name, *_ in BLOCK_TYPES.values():
             assert name in helped, (flag, name)
+
+
+def test_request_body_limit_grows_for_an_image_model_at_the_default():
+    from engine.args import DEFAULT_MAX_REQUEST_BYTES, request_body_limit
+
+    args = ServerArgs(limit_mm_per_prompt="image=2", max_image_bytes=3_000_000)
+    assert request_body_limit(args, takes_images=False) == DEFAULT_MAX_REQUEST_BYTES
+    # two images of 3,000,000 bytes as base64 (4,000,000 + 4 each) and 1 MiB of text
+    assert request_body_limit(args, takes_images=True) == 2 * 4_000_004 + 1_048_576
+    # an explicit limit is the user's
+    assert request_body_limit(args.replace(max_request_bytes=1000), takes_images=True) == 1000
+    small = ServerArgs(limit_mm_per_prompt="image=1", max_image_bytes=1000)
+    assert request_body_limit(small, takes_images=True) == DEFAULT_MAX_REQUEST_BYTES
