@@ -187,7 +187,8 @@ def _moe_fields(text) -> dict:
         return {}
     return {
         "num_experts": int(experts),
-        "num_experts_per_tok": int(text.num_experts_per_tok),
+        "num_experts_per_tok": int(getattr(text, "num_experts_per_tok", None)
+                                   or text.top_k_experts),          # Gemma 4's name
         "moe_intermediate_size": int(getattr(text, "moe_intermediate_size", None)
                                      or text.intermediate_size),
         "norm_topk_prob": bool(getattr(text, "norm_topk_prob", False)),

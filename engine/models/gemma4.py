@@ -26,8 +26,12 @@ What differs from Gemma 3 (HF ``modeling_gemma4.py``, transformers 5.24):
   gated into the stream after the MLP (:mod:`engine.models.gemma4_layers`);
 - every layer's output stream is scaled by its ``layer_scalar`` (a checkpoint buffer).
 
-Not run (refused at construction, one line): the MoE variant (``enable_moe_block``: a
-router and experts beside the dense MLP, 26B-A4B), bidirectional attention
+- the MoE variant (``enable_moe_block``, 26B-A4B): beside the dense MLP, a router (its own
+  norm and scales, :class:`engine.models.gemma4_layers.Gemma4Router`) and GeGLU experts
+  (:class:`engine.layers.moe.FusedMoE`, ``gelu_tanh``) on the stream, each branch with its
+  own norms, summed before the post-feedforward norm.
+
+Not run (refused at construction, one line): bidirectional attention
 (``use_bidirectional_attention: all``), and a model whose every layer shares K/V. Refused at
 start-up (:func:`engine.executor.preflight.check_gemma4_flags`): LoRA and EAGLE heads (the
 KV-sharing layers have no k/v projections, the decoder has no hidden-state hook).
@@ -128,9 +132,11 @@ class Gemma4Model(nn.Module):
             self.per_layer_model_projection = ReplicatedLinear(h, n * ple, False, dtype)
             self.per_layer_projection_norm = RMSNorm(ple, config.rms_norm_eps, dtype)
         wide = bool(getattr(text, "use_double_wide_mlp", False))
+        moe = (int(text.num_experts), int(text.top_k_experts), int(text.moe_intermediate_size)) \
+            if getattr(text, "enable_moe_block", False) else None
         self.layers = nn.ModuleList(
             Gemma4DecoderLayer(config, s, i, dtype, config.intermediate_size
-                               * (2 if wide and s.kv_source_layer is not None else 1), ple)
+                               * (2 if wide and s.kv_source_layer is not None else 1), ple, moe)
             for i, s in enumerate(specs))
         self.norm = RMSNorm(h, config.rms_norm_eps, dtype)
         tables: dict[tuple, RotaryEmbedding] = {}
@@ -187,7 +193,7 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
     """Gemma 4's text decoder (module docstring).
 
     Raises:
-        NotImplementedError: the MoE variant or bidirectional attention (one line).
+        NotImplementedError: bidirectional attention (one line).
         ValueError: every layer sharing K/V.
     """
 
@@ -200,9 +206,6 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
 
     def __init__(self, config, dtype: torch.dtype = torch.float32):
         text = text_config(config)
-        if getattr(text, "enable_moe_block", False):
-            raise NotImplementedError("Gemma4: the MoE variant (enable_moe_block, router and "
-                                      "experts beside the MLP) is not supported yet")
         if getattr(text, "use_bidirectional_attention", None) == "all":
             raise NotImplementedError("Gemma4: use_bidirectional_attention='all' is not "
                                       "supported (ferry's attention is causal)")
@@ -270,23 +273,53 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """:meth:`GemmaForCausalLM.load_weights` (multimodal prefixes, towers skipped),
         with ``k_proj`` also loaded as the ``v_proj`` of the global layers of an
-        ``attention_k_eq_v`` model (their checkpoint has none)."""
+        ``attention_k_eq_v`` model (their checkpoint has none), and the MoE variant's
+        stacked experts (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj``
+        [E, H, I]) into each layer's :class:`engine.layers.moe.FusedMoE`.
 
-        def with_v():
+        Raises:
+            ValueError: a tensor of the wrong shape.
+        """
+        experts: set[str] = set()
+
+        def split():
             for name, tensor in weights:
+                if name.endswith(_EXPERT_NAMES) and ".layers." in name:
+                    experts.add(self._load_experts(name, tensor))
+                    continue
                 yield name, tensor
-                if ".self_attn.k_proj." in name:
-                    layer = int(name.split(".layers.")[1].split(".")[0])
-                    if self._k_eq_v(layer):
-                        yield name.replace(".k_proj.", ".v_proj."), tensor
+                if ".self_attn.k_proj." in name and self._k_eq_v(_layer_of(name)):
+                    yield name.replace(".k_proj.", ".v_proj."), tensor
 
-        return super().load_weights(with_v())
+        return super().load_weights(split()) | experts
+
+    def _load_experts(self, name: str, tensor) -> str:
+        """One layer's stacked expert tensor (HF layout) -> its key in
+        :meth:`expected_weights`."""
+        i = _layer_of(name)
+        moe = self.model.layers[i].experts
+        gate_up = name.endswith(_EXPERT_NAMES[0])
+        for e in range(moe.num_experts):
+            t = tensor[e]
+            if gate_up:
+                half = t.shape[0] // 2
+                moe.weight_loader(moe.w13_weight, t.narrow(0, 0, half), e, "gate")
+                moe.weight_loader(moe.w13_weight, t.narrow(0, half, half), e, "up")
+            else:
+                moe.weight_loader(moe.w2_weight, t, e, "down")
+        return f"model.layers.{i}.experts.{'w13_weight' if gate_up else 'w2_weight'}"
 
     def hf_weight_names(self) -> list[str]:
-        """The checkpoint's names: those of the model's parameters, less the ``v_proj`` of
-        ``attention_k_eq_v`` global layers (loaded from ``k_proj``)."""
-        return [n for n in super().hf_weight_names()
-                if not (".self_attn.v_proj." in n and self._k_eq_v(_layer_of(n)))]
+        """The checkpoint's names: those of the model's parameters (the experts' under
+        HF's stacked names), less the ``v_proj`` of ``attention_k_eq_v`` global layers
+        (loaded from ``k_proj``)."""
+        names = []
+        for n in super().hf_weight_names():
+            if ".self_attn.v_proj." in n and self._k_eq_v(_layer_of(n)):
+                continue
+            names.append(n.replace(".experts.w13_weight", ".experts.gate_up_proj")
+                         .replace(".experts.w2_weight", ".experts.down_proj"))
+        return names
 
     def _hf_weight_shape(self, name: str, inter: int | None = None) -> tuple[int, ...]:
         """The full shape of checkpoint tensor ``name``: the per-layer head sizes, the wide
@@ -306,6 +339,10 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
         kind = name.split(".")[-2]
         if name.endswith(".layer_scalar"):
             return (1,)
+        if kind == "experts" or kind == "router" or ".router." in name:
+            return self._moe_shape(name)
+        if "layernorm" in kind:
+            return (h,)
         if kind == "per_layer_input_gate":
             return (p, h)
         if kind == "per_layer_projection":
@@ -321,6 +358,20 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
         wide = bool(getattr(text, "use_double_wide_mlp", False)) \
             and self.kv_sources[i] is not None
         return super()._hf_weight_shape(name, mc.intermediate_size * (2 if wide else 1))
+
+
+    def _moe_shape(self, name: str) -> tuple[int, ...]:
+        """The full shape of an MoE checkpoint tensor (experts, router)."""
+        text, h = text_config(self.config), self.model_config.hidden_size
+        e, i = int(text.num_experts), int(text.moe_intermediate_size)
+        shapes = {".experts.gate_up_proj": (e, 2 * i, h), ".experts.down_proj": (e, h, i),
+                  ".router.proj.weight": (e, h), ".router.scale": (h,),
+                  ".router.per_expert_scale": (e,)}
+        return next(v for k, v in shapes.items() if name.endswith(k))
+
+
+#: the MoE variant's stacked expert tensors (HF names)
+_EXPERT_NAMES = (".experts.gate_up_proj", ".experts.down_proj")
 
 
 def _layer_of(name: str) -> int:

@@ -7,7 +7,10 @@
   and reads its source layer's K/V from the pool (``Attention`` called with k = v = None).
 - :class:`Gemma4DecoderLayer`: Gemma's sandwich norms, then the per-layer input (PLE)
   block ``h += norm(proj(gelu(gate(h)) * ple_i))`` and the whole stream scaled by the
-  checkpoint's ``layer_scalar``.
+  checkpoint's ``layer_scalar``; in the MoE variant the experts run beside the dense MLP.
+- :class:`Gemma4Router`: the MoE variant's router (its own weightless norm and scale,
+  softmax, top-k renormalised, a learned per-expert scale); the experts are
+  :class:`engine.layers.moe.FusedMoE` with GeGLU (``gelu_tanh``) experts.
 
 The residual adds stay fused into the next norm, as in
 :class:`engine.models.blocks.SandwichDecoderLayer`: :meth:`Gemma4DecoderLayer.post_attn`
@@ -20,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.distributed import get_tp
+from engine.distributed import all_reduce, get_tp
 from engine.forward_batch import ForwardBatch
 from engine.layer_spec import LayerSpec, kv_heads_per_rank
 from engine.layers.attention import Attention
@@ -30,6 +33,7 @@ from engine.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
+from engine.layers.moe import ExpertOptions, FusedMoE
 from engine.layers.norm import RMSNorm, UnitRMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.blocks import GatedMLP
@@ -90,6 +94,33 @@ class Gemma4Attention(nn.Module):
         return q, k, v.reshape(t, self.kv_size)
 
 
+class Gemma4Router(nn.Module):
+    """Gemma 4's MoE router (HF ``Gemma4TextRouter``): for the stream x [T, H],
+    ``logits = proj(norm(x) * scale / sqrt(H))``, softmax in fp32, the top-k renormalised to
+    sum 1, then each weight times ``per_expert_scale`` of its expert.
+
+    Parameters (HF's names): ``proj.weight`` [E, H], ``scale`` [H], ``per_expert_scale`` [E].
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, eps: float,
+                 dtype: torch.dtype):
+        super().__init__()
+        self.top_k = top_k
+        self.root = hidden_size ** -0.5
+        self.norm = UnitRMSNorm(eps)
+        self.proj = ReplicatedLinear(hidden_size, num_experts, False, dtype)
+        self.scale = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.per_expert_scale = nn.Parameter(torch.ones(num_experts, dtype=dtype),
+                                             requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, K] fp32, expert ids [T, K] int32)."""
+        probs = torch.softmax(self.proj(self.norm(x) * self.scale * self.root).float(), -1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        return weights * self.per_expert_scale[ids].float(), ids.to(torch.int32)
+
+
 class Gemma4DecoderLayer(nn.Module):
     """A Gemma 4 decoder layer: sandwich norms around attention and the GeGLU MLP, the
     per-layer input block (when ``ple_size``), the stream times ``layer_scalar``.
@@ -99,10 +130,12 @@ class Gemma4DecoderLayer(nn.Module):
         intermediate_size: the MLP's width (twice the config's on KV-sharing layers of a
             ``use_double_wide_mlp`` model).
         ple_size: P, the per-layer input width (0: none).
+        moe: ``(num_experts, top_k, expert width)`` of the MoE variant, else None.
     """
 
     def __init__(self, config: ModelConfig, spec: LayerSpec, layer_id: int, dtype: torch.dtype,
-                 intermediate_size: int, ple_size: int = 0):
+                 intermediate_size: int, ple_size: int = 0,
+                 moe: tuple[int, int, int] | None = None):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = Gemma4Attention(config, spec, layer_id, dtype)
@@ -118,6 +151,15 @@ class Gemma4DecoderLayer(nn.Module):
             self.per_layer_input_gate = ReplicatedLinear(h, ple_size, False, dtype)
             self.per_layer_projection = ReplicatedLinear(ple_size, h, False, dtype)
             self.post_per_layer_input_norm = RMSNorm(h, eps, dtype)
+        self.has_moe = moe is not None
+        if moe is not None:
+            experts, top_k, width = moe
+            self.router = Gemma4Router(h, experts, top_k, eps, dtype)
+            self.experts = FusedMoE(experts, top_k, h, width, True, dtype,
+                                    options=ExpertOptions(activation="gelu_tanh"))
+            self.post_feedforward_layernorm_1 = RMSNorm(h, eps, dtype)
+            self.post_feedforward_layernorm_2 = RMSNorm(h, eps, dtype)
+            self.pre_feedforward_layernorm_2 = RMSNorm(h, eps, dtype)
 
     def pre_attn(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                  rope: RotaryEmbedding, positions: torch.Tensor):
@@ -138,13 +180,24 @@ class Gemma4DecoderLayer(nn.Module):
         scalar; returns ``(hidden, residual)`` [T, hidden] whose sum is the stream."""
         attn = self.post_attention_layernorm(self.self_attn.o_proj(attn_out))
         hidden, stream = self.pre_feedforward_layernorm(attn, residual)
-        out = self.post_feedforward_layernorm(self.mlp(hidden))
+        out = self.mlp(hidden)
+        if self.has_moe:
+            out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(
+                self._experts(stream))
+        out = self.post_feedforward_layernorm(out)
         if self.ple_size:
             stream = stream + out
             gate = F.gelu(self.per_layer_input_gate(stream), approximate="tanh")
             out = self.post_per_layer_input_norm(self.per_layer_projection(gate * ple))
         s = self.layer_scalar
         return out * s, stream * s
+
+    def _experts(self, stream: torch.Tensor) -> torch.Tensor:
+        """The MoE branch on the stream [T, H] (the MLP's input before its norm): routed on
+        the stream, the experts on its own pre-norm; [T, H] summed over the ranks."""
+        weights, ids = self.router(stream)
+        out = self.experts.run_routed(self.pre_feedforward_layernorm_2(stream), weights, ids)
+        return all_reduce(out) if self.experts.tp_size > 1 else out
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryEmbedding,
                 positions: torch.Tensor, fb: ForwardBatch, ple: torch.Tensor | None = None

@@ -58,11 +58,12 @@ GEMMA4 = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
               "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
               "full_attention": {"rope_type": "proportional", "rope_theta": 10000.0,
                                  "partial_rotary_factor": 0.25}}}
-GEMMA4_CASES = ("gemma4", "gemma4_mm")
+GEMMA4_CASES = ("gemma4", "gemma4_mm", "gemma4_moe")
 
 
 def gemma4_config(case: str):
-    """``gemma4``: the text model above; ``gemma4_mm``: a Gemma4ForConditionalGeneration
+    """``gemma4``: the text model above; ``gemma4_moe``: it with the MoE block;
+    ``gemma4_mm``: a Gemma4ForConditionalGeneration
     whose language model has separate K and V, two KV-sharing layers and plain-width MLPs (a
     one-layer vision tower, no audio). (Without per-layer inputs, HF's prefill of a
     KV-sharing model fails in ``_maybe_slice_kv_shared_inputs``, transformers 5.24.)"""
@@ -70,6 +71,10 @@ def gemma4_config(case: str):
 
     if case == "gemma4":
         return T.Gemma4TextConfig(**GEMMA4, attn_implementation="eager")
+    if case == "gemma4_moe":       # 4 GeGLU experts (top 2) beside every dense MLP
+        return T.Gemma4TextConfig(**GEMMA4, enable_moe_block=True, num_experts=4,
+                                  top_k_experts=2, moe_intermediate_size=32,
+                                  attn_implementation="eager")
     text = {**GEMMA4, "attention_k_eq_v": False, "num_kv_shared_layers": 2,
             "use_double_wide_mlp": False}
     vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
