@@ -83,6 +83,26 @@ def test_batch_and_alone_match_hf(served):
         _assert_matches(alone, ref[i], f"{case} prompt {i} alone")
 
 
+def test_gemma4_kv_sharing_holds_no_kv_memory(served):
+    """Gemma 4: the KV-sharing layers read their source layer's buffers (the same tensors)
+    and the pool holds memory for the other layers only, at each layer's own shape."""
+    case, hf, llm, ref = served
+    if not case.startswith("gemma4"):
+        pytest.skip("KV sharing is Gemma 4's")
+    specs = llm.runner.model.layer_specs()
+    pool = llm.runner.kv_pool
+    text = getattr(hf.config, "text_config", hf.config)
+    shared = [i for i, s in enumerate(specs) if s.kv_source_layer is not None]
+    assert len(shared) == text.num_kv_shared_layers
+    for i in shared:
+        src = specs[i].kv_source_layer
+        assert pool.k_buffers[i] is pool.k_buffers[src] and specs[src].kv_source_layer is None
+        assert specs[i].attention == specs[src].attention
+    owners = {id(b): b for b in pool.k_buffers + pool.v_buffers}
+    assert len(owners) == 2 * (len(specs) - len(shared))
+    assert {tuple(b.shape[1:]) for b in owners.values()} == {(2, 16), (1, 32)}
+
+
 def test_prefix_cache_hit_matches_hf(served):
     """The long prompt again (a hit past the window), and one that shares its first 32
     tokens (a partial hit); both must still give HF's tokens.

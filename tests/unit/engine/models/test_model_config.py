@@ -112,6 +112,12 @@ def _tiny(arch: str):
                    topk_group=1, **kw)
     if arch.startswith("Qwen3"):
         return Qwen3Config(head_dim=32, **kw)
+    if arch.startswith("Gemma4"):       # layer 2 global (head size 32), per-layer inputs
+        text = transformers.Gemma4TextConfig(head_dim=16, global_head_dim=32, sliding_window=8,
+                                             hidden_size_per_layer_input=8, **kw)
+        if arch == "Gemma4ForCausalLM":
+            return text
+        return transformers.Gemma4Config(text_config=text.to_dict(), architectures=[arch])
     return LlamaConfig(**kw)
 
 
