@@ -34,7 +34,7 @@ import torch
 # the step and its per-step attention state live below the backends (the layers, models and
 # executor read them too); AttentionMetadata is re-exported here for the backends
 from engine.forward_batch import AttentionMetadata, ForwardBatch
-from engine.layer_spec import AttentionKind, LayerSpec, unsupported_feature
+from engine.layer_spec import AttentionKind, CacheKind, LayerSpec, unsupported_feature
 
 __all__ = ["AttentionBackend", "AttentionMetadata"]
 
@@ -84,6 +84,10 @@ class AttentionBackend(ABC):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        #: the widest head of the paged layers (Gemma 4's global layers are wider than
+        #: ``head_dim``): per-head workspaces are sized by it
+        self.max_head_dim = max([head_dim] + [s.head_dim for s in self.layer_specs
+                                              if s.cache == CacheKind.PAGED_KV])
         self.device = torch.device(device)
         self.num_sms = num_sms
         self.waves = waves or 1

@@ -160,8 +160,8 @@ class ModelConfig:
             num_layers=text.num_hidden_layers,
             hidden_size=text.hidden_size,
             num_heads=heads,
-            num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+            num_kv_heads=_global_field(text, "num_key_value_heads") or heads,
+            head_dim=_global_field(text, "head_dim") or text.hidden_size // heads,
             intermediate_size=text.intermediate_size,
             vocab_size=text.vocab_size,
             max_position_embeddings=(getattr(text, "max_position_embeddings", None)
@@ -178,6 +178,17 @@ class ModelConfig:
             layer_types=tuple(getattr(text, "layer_types", None) or ()),
             **_moe_fields(text),
         )
+
+
+def _global_field(text, name: str):
+    """``text.<name>`` or None. transformers 5's heterogeneous configs (Gemma 4: head size and
+    K/V heads per layer, ``per_layer_config``) refuse a plain read of a per-layer field; the
+    global value (the sliding layers', which a family with other layers reads per layer) is
+    read without that check."""
+    read = getattr(text, "_getattr_without_heterogeneous_validation", None)
+    if read is not None:
+        return read(name, None)
+    return getattr(text, name, None)
 
 
 def _moe_fields(text) -> dict:

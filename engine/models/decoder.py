@@ -67,7 +67,7 @@ class DecoderForCausalLM(CausalLM):
     def __init__(self, config, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.config = config
-        self.model_config = mc = self._model_config(config)
+        self.model_config = mc = ModelConfig.from_hf(config)
         self.dtype = dtype
         self.model = self._build_model(mc, dtype)
         self.tie_word_embeddings = mc.tie_word_embeddings
@@ -77,10 +77,6 @@ class DecoderForCausalLM(CausalLM):
             self.lm_head = VocabEmbedding(mc.vocab_size, mc.hidden_size, dtype)
 
     # ---- the family's switches ----------------------------------------------------------
-
-    def _model_config(self, config) -> ModelConfig:
-        """The model's shape from its config (a hook: :meth:`ModelConfig.from_hf`)."""
-        return ModelConfig.from_hf(config)
 
     def _build_model(self, mc: ModelConfig, dtype: torch.dtype) -> DecoderModel:
         """The decoder (a hook: a family with other layers, norms or ropes builds its own)."""

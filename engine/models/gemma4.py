@@ -36,12 +36,14 @@ Not run (refused at construction, one line): bidirectional attention
 start-up (:func:`engine.executor.preflight.check_gemma4_flags`): LoRA and EAGLE heads (the
 KV-sharing layers have no k/v projections, the decoder has no hidden-state hook).
 Piecewise graphs are skipped (per-layer head sizes and the per-layer inputs do not fit
-their one-buffer pieces); decode graphs run.
+their one-buffer pieces); decode graphs run. The weighted norms are ferry's
+:class:`engine.layers.norm.RMSNorm` (its fused kernels): in bf16 the normed value is
+rounded before the weight is applied, one rounding more than HF's ``Gemma4RMSNorm`` (the
+same in fp32); the weightless v and router norms run as torch ops.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 
 import torch
@@ -55,8 +57,6 @@ from engine.layers.rotary import RotaryEmbedding
 from engine.models.config import ModelConfig
 from engine.models.gemma import SLIDING_TYPE, GemmaForCausalLM, text_config
 from engine.models.gemma4_layers import Gemma4DecoderLayer
-
-logger = logging.getLogger(__name__)
 
 #: checkpoint prefixes of the towers ferry does not run: vision, audio and their embedders
 _TOWER_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
@@ -212,23 +212,6 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
         self.kv_sources = kv_sources(text)
         super().__init__(config, dtype)
 
-    def _model_config(self, config) -> ModelConfig:
-        """:meth:`ModelConfig.from_hf` with the sliding layers' head size and K/V heads (HF
-        marks both per-layer attributes: the config refuses a global read unless asked)."""
-        text = text_config(config)
-        if not hasattr(text, "allow_global_per_layer_attribute_access"):
-            return ModelConfig.from_hf(config)
-        allowed = text.allow_global_per_layer_attribute_access
-        quiet = logging.getLogger("transformers.integrations.heterogeneity.configuration_utils")
-        level = quiet.level
-        text.allow_global_per_layer_attribute_access = True
-        quiet.setLevel(logging.ERROR)
-        try:
-            return ModelConfig.from_hf(config)
-        finally:
-            text.allow_global_per_layer_attribute_access = allowed
-            quiet.setLevel(level)
-
     def _build_model(self, mc: ModelConfig, dtype: torch.dtype) -> Gemma4Model:
         return Gemma4Model(mc, text_config(self.config), self.layer_specs(), dtype)
 
@@ -300,7 +283,7 @@ class Gemma4ForCausalLM(GemmaForCausalLM):
         moe = self.model.layers[i].experts
         gate_up = name.endswith(_EXPERT_NAMES[0])
         for e in range(moe.num_experts):
-            t = tensor[e]
+            t = tensor.narrow(0, e, 1)[0]   # a lazy (tensor-parallel) tensor reads one expert
             if gate_up:
                 half = t.shape[0] // 2
                 moe.weight_loader(moe.w13_weight, t.narrow(0, 0, half), e, "gate")
