@@ -282,6 +282,16 @@ device='meta', quantization=q, progress=False)[0]); print('weight bytes bf16', b
              --model-path $G27 --load-format dummy --swa-full-tokens-ratio $r --num-prompts 32 \
              --min-input-len 8192 --max-input-len 8192 --min-output-len 64 --max-output-len 64 \
              --result-jsonl "$OUT/gemma-swa.jsonl"; done;;
+    gemma4) # Gemma 4 E2B text (issue 42): the Triton kernels at its head sizes (256 sliding,
+            # 512 global), then bs1/bs64 decode on dummy weights (KV-sharing layers, per-layer
+            # inputs; piecewise graphs are skipped for this family, decode graphs run)
+            run gemma4-kernels 300 python3 -m pytest -q -x -m gpu -k gemma4 \
+              tests/kernels/test_triton_decode_attention.py \
+              tests/kernels/test_triton_extend_attention.py -p no:cacheprovider
+            run gemma4-latency 300 python3 -m bench.bench_latency \
+              --model-path engine/configs/gemma-4-e2b.json --load-format dummy \
+              --batch-size 1 64 --input-len 512 --output-len 64 \
+              --result-jsonl "$OUT/gemma4-latency.jsonl";;
     *) echo "unknown stage $stage";;
   esac
 done
