@@ -40,6 +40,31 @@ for stage in "$@"; do
     latency-fp8) run latency-fp8 300 python3 -m bench.bench_latency --model-path $L8B \
               --load-format dummy --kv-cache-dtype fp8_e4m3 --batch-size 1 64 --input-len 512 \
               --output-len 64 --result-jsonl "$OUT/latency-fp8.jsonl";;
+    fp8kv) # FP8 KV cache (issue 49 item 2), one call: decode attention alone (bf16 vs e4m3
+             # KV, bs 1/64, 2k/8k context, FP8 launch configurations), the 8B step with bf16 and
+             # FP8 KV at bs 1/64 x input 512/2048, greedy agreement FP8 vs bf16 KV
+             run fp8kv-kernels 150 python3 -m bench.kernels.bench_fp8_kv --batch-sizes 1,64 \
+               --contexts 2048,8192 --fp8-configs default,64x4x3,128x4x2,128x4x3,128x8x2,32x4x2 \
+               --result-json "$OUT/fp8kv-kernels.json"
+             for kv in auto fp8_e4m3; do
+               run fp8kv-latency-$kv 160 python3 -m bench.bench_latency --model-path $L8B \
+                 --load-format dummy --kv-cache-dtype $kv --batch-size 1 64 --input-len 512 2048 \
+                 --output-len 64 --result-jsonl "$OUT/fp8kv-latency.jsonl"; done
+             run fp8kv-parity-8b 100 python3 -m bench.parity --model-path $L8B --load-format dummy \
+               --dtype bfloat16 --devices cuda,cuda --kv-cache-dtypes auto,fp8_e4m3 \
+               --num-prompts 8 --prompt-len 512 --steps 64
+             run fp8kv-parity-tiny 45 python3 -m bench.parity --model-path engine/configs/llama-tiny.json \
+               --load-format dummy --devices cuda,cuda --kv-cache-dtypes auto,fp8_e4m3 --steps 64;;
+    fp8kv-profile) # where the bs64 x 2k step goes with each KV dtype (eager steps; decode
+             # attention is _decode_stage1_kernel)
+             for kv in auto fp8_e4m3; do
+               run fp8kv-profile-$kv 200 python3 -m bench.profile_decode --model-path $L8B \
+                 --load-format dummy --disable-cuda-graph --kv-cache-dtype $kv --batch-size 64 \
+                 --input-len 2048; done;;
+    fp8kv-tests) run fp8kv-tests 300 python3 -m pytest -q -x tests/kernels/test_triton_fp8_kv.py \
+               tests/kernels/test_triton_kv_store.py tests/kernels/test_attention_backend_mixed.py \
+               tests/kernels/test_triton_decode_attention.py tests/kernels/test_triton_extend_attention.py \
+               tests/engine/test_kv_cache_dtype.py -p no:cacheprovider;;
     offline-fp8) run offline-fp8 400 python3 -m bench.bench_offline --model-path $L8B \
               --load-format dummy --kv-cache-dtype fp8_e4m3 --result-jsonl "$OUT/offline-fp8.jsonl";;
     latency-nofused) run latency-nofused 300 python3 -m bench.bench_latency --model-path $L8B \
@@ -181,6 +206,28 @@ for stage in "$@"; do
              run awq-latency 200 python3 -m bench.bench_latency --model-path $L8B --load-format dummy \
                --quantization awq --batch-size 1 64 --input-len 512 --output-len 64 \
                --result-jsonl "$OUT/awq-latency.jsonl";;
+    w4) # 4-bit at batch (issue 49) in one call (<= 580 s): the 8B shape end to end, bf16 vs
+        # AWQ quantized at load in the row layout (today's path) and in the K-major layout
+        # (kernels/quant/w4_tc.py), bs1/bs64 decode and bs1 prefill of 512 tokens; then the
+        # GEMMs (old, new, bf16 cuBLAS) at M 1..512 on the four projections; then gemlite
+        # (.whl/gemlite-*.whl; skipped when it does not import) on two shapes
+        W4LAT=(--model-path $L8B --load-format dummy --batch-size 1 64 --input-len 512 --output-len 64)
+        run w4-latency-bf16 110 python3 -m bench.bench_latency "${W4LAT[@]}" \
+          --result-jsonl "$OUT/w4-latency-bf16.jsonl"
+        FERRY_WQ_LAYOUT=rows run w4-latency-awq-rows 115 python3 -m bench.bench_latency \
+          "${W4LAT[@]}" --quantization awq --result-jsonl "$OUT/w4-latency-awq-rows.jsonl"
+        FERRY_WQ_LAYOUT=kmajor run w4-latency-awq-kmajor 115 python3 -m bench.bench_latency \
+          "${W4LAT[@]}" --quantization awq --result-jsonl "$OUT/w4-latency-awq-kmajor.jsonl"
+        run w4-gemm 150 python3 -m bench.kernels.bench_w4 --no-gemlite \
+          --result-json "$OUT/w4-gemm.json"
+        run w4-gemlite 90 python3 -m bench.kernels.bench_w4 --shapes o,gate_up \
+          --batch-sizes 1,16,64,512 --result-json "$OUT/w4-gemlite.json";;
+    w4-tests) # the K-major kernels compiled for the GPU (every test of the file, bf16 included)
+        run w4-tests 300 python3 -m pytest -q -x tests/kernels/test_w4_tc.py \
+          tests/kernels/test_wq_kernels.py -p no:cacheprovider;;
+    w4-sweep) # the K-major kernel's tiles at M 1,16,64,128,512 on o and gate_up (W4K_TABLE)
+        run w4-sweep 580 python3 -m bench.kernels.bench_w4 --no-gemlite --shapes o,gate_up \
+          --batch-sizes 1,16,64,128,512 --configs 1,16,64,128,512 --result-json "$OUT/w4-sweep.json";;
     awq-sweep) run awq-sweep 300 python3 -m bench.kernels.sweep_gemm_wq --result-json "$OUT/wq-sweep.json";;
     spec-eagle3) # EAGLE-3 (issue 26): a random head of the published Llama-3.1-8B EAGLE-3 shape,
              # chain of 3: the round's draft and verify phases against a plain step; the GPU tests
@@ -282,6 +329,43 @@ device='meta', quantization=q, progress=False)[0]); print('weight bytes bf16', b
              --model-path $G27 --load-format dummy --swa-full-tokens-ratio $r --num-prompts 32 \
              --min-input-len 8192 --max-input-len 8192 --min-output-len 64 --max-output-len 64 \
              --result-jsonl "$OUT/gemma-swa.jsonl"; done;;
+    # issue 46, each stage within one 10-minute device call. deepseek: the MLA decode kernel
+    # alone (DeepSeek-V3's heads, bs 1/64 x 4k; graph replays, device events, medians), then
+    # DeepSeek-V2-Lite end to end (dummy weights, decode graphs over the Triton MLA kernels).
+    # deepseek-tests: the MLA kernels' GPU tests (bf16, V3's head shape, a captured decode
+    # step). deepseek-kernels: the kernel at 32k and with V2-Lite's 16 heads.
+    deepseek) run deepseek-mla-kernel 120 python3 -m bench.kernels.bench_mla --batch-sizes 1,64 \
+              --contexts 4096
+              run deepseek-latency 450 python3 -m bench.bench_latency --load-format dummy \
+              --model-path engine/configs/deepseek-v2-lite.json --batch-size 1 64 --input-len 512 \
+              --output-len 64 --result-jsonl "$OUT/deepseek-latency.jsonl";;
+    deepseek-tests) run deepseek-gputests 400 python3 -m pytest -q -x -m gpu \
+              tests/kernels/test_triton_mla.py tests/kernels/test_mla_backend.py -p no:cacheprovider;;
+    deepseek-kernels) run deepseek-mla-kernel-32k 200 python3 -m bench.kernels.bench_mla \
+              --batch-sizes 1,64 --contexts 32768 --layers 4
+              run deepseek-mla-kernel-v2lite 150 python3 -m bench.kernels.bench_mla --num-heads 16 \
+              --batch-sizes 1,64 --contexts 4096,32768 --layers 4;;
+    gptoss|gptoss-kernel|gptoss-latency)
+             # gpt-oss (issue 44). gptoss-kernel: the MXFP4 fused MoE's GPU tests at the shipped
+             # expert shape, and the kernel against the same MoE with bf16 experts (M = 1..256);
+             # gptoss-latency: bs1/bs64 decode of both sizes on dummy MXFP4 weights (roofline:
+             # docs/benchmarks.md, "gpt-oss"). gptoss runs both (~8-10 min: run the parts in
+             # separate calls when a call is limited to 10 minutes)
+             wantg() { [ $stage = gptoss ] || [ $stage = gptoss-$1 ]; }
+             if wantg kernel; then
+               run gptoss-gputests 240 python3 -m pytest -q -x -m gpu tests/kernels/test_moe_mxfp4.py \
+                 -p no:cacheprovider
+               run gptoss-moe-kernel 240 python3 -m bench.kernels.bench_moe_mxfp4 \
+                 --batch-sizes 1,16,64,256 --result-json "$OUT/gptoss-moe-kernel.json"
+             fi
+             if wantg latency; then
+               run gptoss-latency-20b 240 python3 -m bench.bench_latency \
+                 --model-path engine/configs/gpt-oss-20b.json --load-format dummy --batch-size 1 64 \
+                 --input-len 512 --output-len 64 --result-jsonl "$OUT/gptoss-latency.jsonl"
+               run gptoss-latency-120b 330 python3 -m bench.bench_latency \
+                 --model-path engine/configs/gpt-oss-120b.json --load-format dummy --batch-size 1 64 \
+                 --input-len 512 --output-len 64 --result-jsonl "$OUT/gptoss-latency.jsonl"
+             fi;;
     gemma4) # Gemma 4 E2B text (issue 42): the Triton kernels at its head sizes (256 sliding,
             # 512 global), then bs1/bs64 decode on dummy weights (KV-sharing layers, per-layer
             # inputs; piecewise graphs are skipped for this family, decode graphs run)

@@ -4,6 +4,8 @@ Reports, per prompt, how many greedy steps the two devices agree for, and the la
 relative logit error ``||a - b|| / ||b||`` over the steps where their inputs were still equal.
 Run it as ``ferry parity --model-path engine/configs/llama-tiny --load-format dummy
 --devices cpu,cuda`` (or ``cpu,xpu`` to check an Intel card). fp32 by default.
+``--devices cuda,cuda --kv-cache-dtypes auto,fp8_e4m3`` compares two KV cache dtypes on one
+device instead (the FP8 cache's greedy agreement with the model-dtype cache).
 """
 
 from __future__ import annotations
@@ -86,6 +88,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tp-sizes", default="1,1",
                    help="tensor-parallel size on each device, comma-separated (e.g. 1,2: "
                         "one CPU rank against two GPUs)")
+    p.add_argument("--kv-cache-dtypes", default=None,
+                   help="KV cache dtype of each run, comma-separated (e.g. auto,fp8_e4m3); "
+                        "default: --kv-cache-dtype for both")
     p.add_argument("--steps", type=int, default=32, help="greedy steps per prompt")
     p.add_argument("--num-prompts", type=int, default=4,
                    help="random prompts compared (default: 4)")
@@ -110,8 +115,11 @@ def main(argv: list[str] | None = None) -> None:
     tps = [int(t) for t in ns.tp_sizes.split(",")]
     if len(tps) != 2:
         p.error("--tp-sizes takes two sizes, e.g. 1,2")
-    for d, tp in zip(devices, tps):
-        runner = ModelRunner(base.replace(device=d, tp_size=tp))
+    kvs = (ns.kv_cache_dtypes or f"{base.kv_cache_dtype},{base.kv_cache_dtype}").split(",")
+    if len(kvs) != 2:
+        p.error("--kv-cache-dtypes takes two dtypes, e.g. auto,fp8_e4m3")
+    for d, tp, kvd in zip(devices, tps, kvs):
+        runner = ModelRunner(base.replace(device=d, tp_size=tp, kv_cache_dtype=kvd))
         vocab = runner.vocab_size
         if not traces:
             lens = [max(4, ns.prompt_len - 7 * i) for i in range(ns.num_prompts)]
@@ -120,12 +128,12 @@ def main(argv: list[str] | None = None) -> None:
         runner.shutdown()
         del runner
     rows = compare(traces[0], traces[1])
-    print(f"{devices[0]} (tp {tps[0]}) vs {devices[1]} (tp {tps[1]}), dtype {base.dtype}, "
-          f"{ns.steps} greedy steps")
+    print(f"{devices[0]} (tp {tps[0]}, kv {kvs[0]}) vs {devices[1]} (tp {tps[1]}, kv {kvs[1]}), "
+          f"dtype {base.dtype}, {ns.steps} greedy steps")
     for r in rows:
         print(f"  prompt {r['prompt']}: agreed {r['steps_agreed']}/{r['steps']} steps, "
               f"max rel logit err {r['max_rel_logit_err']:.2e}")
-    summary = {"devices": devices, "tp_sizes": tps, "dtype": base.dtype,
+    summary = {"devices": devices, "tp_sizes": tps, "kv_cache_dtypes": kvs, "dtype": base.dtype,
                "min_steps_agreed": min(r["steps_agreed"] for r in rows),
                "max_rel_logit_err": max(r["max_rel_logit_err"] for r in rows)}
     print(json.dumps(summary))

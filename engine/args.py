@@ -245,11 +245,13 @@ class ServerArgs:
                                 gt=0)
     log_level: str = _f("info", "log level", ("debug", "info", "warning", "error"))
     tool_call_parser: str = _f("auto", "how tool calls are found in the output of tool_choice "
-                                       "'auto': the model family's format, or auto (from the "
-                                       "chat template)", TOOL_CALL_PARSERS)
+                                       "'auto': the model family's format, or auto (gpt-oss: "
+                                       "gpt-oss; else from the chat template)",
+                              TOOL_CALL_PARSERS)
     reasoning_parser: str | None = _f(None, "how the reasoning is told from the answer in the "
                                             "output: the model family's format, or auto (from "
-                                            "the chat template); default: not separated. "
+                                            "the chat template); default: the family's "
+                                            "(gpt-oss: gpt-oss), else not separated. "
                                             "Chat's reasoning_content, Responses' reasoning "
                                             "items, Messages' thinking blocks; structured "
                                             "output then constrains the answer only",

@@ -147,6 +147,7 @@ class ReadyOut(_Msg):
     dtype: str = ""
     kv_cache_dtype: str = ""
     model: str = ""
+    architecture: str = ""  # the model's (``ModelConfig.architecture``): family defaults
     tp_size: int = 1
     # LoRA (--lora-paths / --enable-lora): whether adapters can be served, and the loaded
     # ones (name -> path)

@@ -27,6 +27,14 @@ Variants (:mod:`kernels.attention_variants`; ``tl.constexpr`` switches, off by d
 ~W keys are read; ``logit_softcap`` caps the scaled scores (:func:`scale_scores`); ``sinks``
 join the softmax denominator once, in stage 2 (stage 1 for one split: :func:`sink_normalise`).
 
+FP8 KV cache (``KV_FP8``, set when the pool has 1-byte elements; a constexpr, so the 16/32-bit
+build is unchanged): per-tensor ``k_scale``/``v_scale``; the query is pre-scaled by
+``sm_scale * k_scale`` and converted to fp16 once per program (:func:`fp8_kv_query`), the
+K/V tiles are converted e4m3/e5m2 -> fp16 in registers in their load layout
+(:func:`fp8_kv_tiles`), the dots run in fp16 and the output is scaled by ``v_scale`` once.
+No pass over the pool, no bf16 copy (docs/benchmarks.md, "FP8 KV cache that pays", has the
+PTX counts that led here).
+
 There is no host synchronisation anywhere (no ``.item()``/``.tolist()``): split counts
 come from :func:`choose_num_kv_splits`, computed with device tensor ops.
 
@@ -96,15 +104,37 @@ def sink_normalise(acc, m_i, l_i, sink_log2):
 
 
 @triton.jit
+def fp8_kv_query(q, q_scale):
+    """The query of an FP8 KV cache in the dtype of the dots: ``q * q_scale`` (``q_scale =
+    sm_scale * k_scale``: the keys' scale and the softmax scale folded into the one query
+    row instead of every key) in fp16, the type e4m3/e5m2 convert to in one instruction
+    (``cvt.rn.f16x2.e4m3x2`` on sm_89+); the scores' own scale is then ``qk_scale /
+    sm_scale``."""
+    return (q.to(tl.float32) * q_scale).to(tl.float16)
+
+
+@triton.jit
+def fp8_kv_tiles(k, v, mask_kv):
+    """FP8 K/V tiles ``[BLOCK_N, BLOCK_D]`` to fp16 in registers, in the layout they were
+    loaded in. ``tl.where`` on V anchors its conversion there: without it Triton converts V
+    after its shared-memory stage, in the ``p @ v`` operand layout, with one ``ld.shared.b8``
+    per element (8-bit operands have no transposing ``ldmatrix``; ptxas for sm_90: 64 byte
+    loads per thread per tile), where this stores the fp16 tile and reads it back with
+    ``ldmatrix.trans`` as the bf16 path does. K, the ``q @ k^T`` operand, is contiguous
+    along the reduction and keeps vector shared loads either way."""
+    return k.to(tl.float16), tl.where(mask_kv, v.to(tl.float16), 0.0)
+
+
+@triton.jit
 def _decode_stage1_kernel(
     q_ptr, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, num_kv_splits,
-    part_o, part_lse, o_ptr, qk_scale, max_splits, window, cap_log2, sinks_ptr,
+    part_o, part_lse, o_ptr, qk_scale, max_splits, window, cap_log2, sinks_ptr, q_scale, v_scale,
     stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_r2t,
     stride_pob, stride_poh, stride_pos, stride_peb, stride_peh, stride_ob, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_HEAD_BLOCKS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, SLIDING: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, KV_FP8: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -135,6 +165,8 @@ def _decode_stage1_kernel(
         b64 = b.to(tl.int64)
         q = tl.load(q_ptr + b64 * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :],
                     mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+        if KV_FP8:
+            q = fp8_kv_query(q, q_scale)
 
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -152,6 +184,8 @@ def _decode_stage1_kernel(
             # V is loaded with K, so a short split waits for memory once
             v = tl.load(v_base + slots[:, None] * stride_vbs + offs_d[None, :],
                         mask=mask_kv, other=0.0)
+            if KV_FP8:
+                k, v = fp8_kv_tiles(k, v, mask_kv)
             if USE_DOT:
                 qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC)
             else:
@@ -168,6 +202,8 @@ def _decode_stage1_kernel(
             else:
                 acc += tl.sum(p[:, :, None] * v[None, :, :].to(tl.float32), 1)
             m_i = m_new
+        if KV_FP8:
+            acc = acc * v_scale   # the values' per-tensor scale, once per program
 
         # An empty split (possible after rounding split_len up to BLOCK_N) has l_i == 0:
         # it contributes weight 0 (lse = -inf) and a zero partial output.
@@ -273,13 +309,34 @@ def _dot_precision(dtype: torch.dtype) -> str | None:
     return "ieee" if dtype == torch.float32 else None
 
 
+def fp8_kv_scales(k_buffer: torch.Tensor, qk_scale: float, sm_scale: float, k_scale: float,
+                  v_scale: float) -> tuple[float, float, bool]:
+    """``(qk_scale, q_scale, fp8)`` for a pool: an FP8 one (1-byte elements) gets the
+    query pre-scaled by ``q_scale = sm_scale * k_scale`` and the scores' scale divided by
+    ``sm_scale``; any other pool keeps ``qk_scale`` (and the kernels ignore ``q_scale``).
+
+    Raises:
+        ValueError: an FP8 pool with ``sm_scale``, ``k_scale`` or ``v_scale`` <= 0.
+    """
+    if k_buffer.element_size() != 1:
+        return qk_scale, 1.0, False
+    if sm_scale <= 0 or k_scale <= 0 or v_scale <= 0:
+        raise ValueError(f"an FP8 KV cache needs positive sm_scale, k_scale and v_scale, got "
+                         f"{sm_scale}, {k_scale}, {v_scale}")
+    return qk_scale / sm_scale, sm_scale * k_scale, True
+
+
 def _stage1_meta(group: int, head_dim: int, dtype: torch.dtype, device_type: str,
                  block_n: int | None = None, num_warps: int | None = None,
-                 num_stages: int | None = None) -> tuple[dict, dict]:
+                 num_stages: int | None = None, kv_fp8: bool = False) -> tuple[dict, dict]:
     """Constexprs and launch options of stage 1 (see the module docstring for the choices).
 
-    Returns ``(constexprs, options)``; the compile test uses it to build the same variants.
+    ``kv_fp8``: the pool holds FP8 (the ``KV_FP8`` path; its dots run in fp16, so the fp32
+    query's tile choices do not apply). Returns ``(constexprs, options)``; the compile test
+    uses it to build the same variants.
     """
+    if kv_fp8:
+        dtype = torch.float16
     use_dot = group > 1
     block_h = min(max(16, triton.next_power_of_2(group)), 64) if use_dot else 1
     fp32 = dtype == torch.float32
@@ -299,6 +356,7 @@ def _stage1_meta(group: int, head_dim: int, dtype: torch.dtype, device_type: str
         "GROUP": group, "HEAD_DIM": head_dim, "NUM_HEAD_BLOCKS": triton.cdiv(group, block_h),
         "BLOCK_H": block_h, "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
         "BLOCK_N": block_n, "USE_DOT": use_dot, "DOT_PREC": _dot_precision(dtype),
+        "KV_FP8": kv_fp8,   # False: the 16/32-bit build, code unchanged
     }
     return constexprs, options
 
@@ -363,7 +421,8 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
                          num_warps: int | None = None, num_stages: int | None = None,
                          num_sms: int | None = None, sliding_window: int | None = None,
                          logit_softcap: float | None = None,
-                         sinks: torch.Tensor | None = None) -> torch.Tensor:
+                         sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+                         v_scale: float = 1.0) -> torch.Tensor:
     """Paged decode attention (split-KV + LSE merge, grouped query heads), in Triton.
 
     Args:
@@ -390,40 +449,41 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         logit_softcap: cap: scores ``cap * tanh(s / cap)`` after the scale (Gemma 2).
         sinks: ``[Hq]`` float32 per-head logits in the softmax denominator only (gpt-oss);
             merged once, in stage 2 (or stage 1 for a single split).
+        k_scale, v_scale: an FP8 pool's per-tensor scales (keys ``k_buffer * k_scale``).
 
     Returns:
         ``o``.
 
     Raises:
         ValueError: inconsistent shapes, workspaces of the wrong shape/dtype, neither
-            ``num_kv_splits`` nor ``num_sms`` given, or a variant out of range.
+            ``num_kv_splits`` nor ``num_sms`` given, a variant out of range, or a non-positive
+            scale with an FP8 pool.
 
     No host synchronisation: safe inside CUDA/XPU graph capture when every tensor argument
     (including ``num_kv_splits`` and the workspaces) is a static buffer.
     """
     _check_decode_args(q, k_buffer, v_buffer, o, req_to_token, req_pool_indices, seq_lens,
                        max_kv_splits)
-    bs, hq, d = q.shape
-    hkv = k_buffer.shape[1]
+    (bs, hq, d), hkv = q.shape, k_buffer.shape[1]
     (qk_scale, window, cap_log2, sinks), switches = variant_launch_args(
         hq, sm_scale, sliding_window, logit_softcap, sinks)
+    qk_scale, q_scale, fp8 = fp8_kv_scales(k_buffer, qk_scale, sm_scale, k_scale, v_scale)
     if bs == 0:
         return o
     attn_logits, attn_lse = _decode_workspaces(q, max_kv_splits, attn_logits, attn_lse)
     if num_kv_splits is None:
         num_kv_splits = _auto_splits(seq_lens, hkv, max_kv_splits, num_sms)
     meta1, opts1 = _stage1_meta(hq // hkv, d, q.dtype, q.device.type, block_n, num_warps,
-                                num_stages)
+                                num_stages, kv_fp8=fp8)
     grid1 = (bs, hkv * meta1["NUM_HEAD_BLOCKS"], max_kv_splits)
     _decode_stage1_kernel[grid1](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, num_kv_splits,
         attn_logits, attn_lse, o, qk_scale, max_kv_splits, window, cap_log2, sinks,
-        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
+        q_scale, v_scale, q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
-        attn_lse.stride(0), attn_lse.stride(1), o.stride(0), o.stride(1), **meta1,
-        **switches, **opts1,
-    )
+        attn_lse.stride(0), attn_lse.stride(1), o.stride(0), o.stride(1), **meta1, **switches,
+        **opts1)
     meta2, opts2 = _stage2_meta(d, max_kv_splits)
     _decode_stage2_kernel[(bs, hq)](
         attn_logits, attn_lse, o, num_kv_splits, max_kv_splits, sinks,
@@ -434,4 +494,4 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     return o
 
 
-__all__ = ["DEFAULT_MIN_CHUNK", "choose_num_kv_splits", "decode_attention_fwd"]
+__all__ = ["DEFAULT_MIN_CHUNK", "choose_num_kv_splits", "decode_attention_fwd", "fp8_kv_scales"]

@@ -23,7 +23,10 @@ empty running state); ``logit_softcap`` caps the scaled scores and ``sinks`` joi
 final normalisation (``kernels.decode_attention.scale_scores`` / ``sink_normalise``).
 
 The new tokens' K/V are read from ``k_extend``/``v_extend`` even though the caller has
-already stored them in the pool, as the reference does. Non-power-of-two head dims (80,
+already stored them in the pool, as the reference does. An FP8 pool (``KV_FP8``) is read as
+decode reads it (``kernels.decode_attention.fp8_kv_tiles``, fp16 dots, the scales folded into
+q and the output), and the new tokens are rounded to its FP8 in registers
+(:func:`fp8_kv_as_stored`), as :func:`kernels.kv_store.store_kv` stored them. Non-power-of-two head dims (80,
 96, ...) are padded to the next power of two with a mask on the head axis.
 
 Launch configuration (documented, not keyed on the CUDA compute capability; see
@@ -44,7 +47,13 @@ import triton
 import triton.language as tl
 
 from kernels.attention_variants import variant_launch_args
-from kernels.decode_attention import scale_scores, sink_normalise
+from kernels.decode_attention import (
+    fp8_kv_query,
+    fp8_kv_scales,
+    fp8_kv_tiles,
+    scale_scores,
+    sink_normalise,
+)
 from kernels.launch import dot_kernel_options
 
 
@@ -70,15 +79,27 @@ def _online_softmax_step(qk, v, m_i, l_i, acc, DOT_PREC: tl.constexpr,
 
 
 @triton.jit
+def fp8_kv_as_stored(k, v, k_inv, v_inv, mask, KV_TYPE: tl.constexpr):
+    """New tokens' K/V rows as an FP8 pool holds them, in fp16 and unscaled like the tiles
+    of :func:`kernels.decode_attention.fp8_kv_tiles`: ``x * x_inv`` rounded to ``KV_TYPE``
+    the way :func:`kernels.kv_store.store_kv` rounds it (the same expression), so a prompt
+    attends to its own tokens exactly as a later chunk or decode step reads them back."""
+    k8 = (k.to(tl.float32) * k_inv).to(KV_TYPE)
+    v8 = (v.to(tl.float32) * v_inv).to(KV_TYPE)
+    return fp8_kv_tiles(k8, v8, mask)
+
+
+@triton.jit
 def _extend_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, k_buf, v_buf,
     req_to_token, req_pool_indices, seq_lens, extend_seq_lens, extend_start_loc,
-    qk_scale, window, cap_log2, sinks_ptr,
+    qk_scale, window, cap_log2, sinks_ptr, q_scale, k_inv, v_inv, v_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_r2t,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -101,6 +122,8 @@ def _extend_kernel(
         mask_d = offs_d < HEAD_DIM
         q = tl.load(q_ptr + (start + offs_m[:, None]) * stride_qt + h * stride_qh
                     + offs_d[None, :], mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+        if KV_FP8:
+            q = fp8_kv_query(q, q_scale)   # k_scale * sm_scale folded in; fp16 dots
         dot_dtype = q.dtype
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -123,6 +146,10 @@ def _extend_kernel(
             mask_kv = mask_n[:, None] & mask_d[None, :]
             k = tl.load(kb_base + slots[:, None] * stride_kbs + offs_d[None, :], mask=mask_kv,
                         other=0.0)
+            if KV_FP8:
+                v = tl.load(vb_base + slots[:, None] * stride_vbs + offs_d[None, :],
+                            mask=mask_kv, other=0.0)
+                k, v = fp8_kv_tiles(k, v, mask_kv)
             qk = scale_scores(tl.dot(q, tl.trans(k.to(dot_dtype)), input_precision=DOT_PREC),
                               qk_scale, cap_log2, SOFTCAP)
             if SLIDING:
@@ -130,8 +157,9 @@ def _extend_kernel(
                 qk = tl.where(visible, qk, float("-inf"))
             else:
                 qk = tl.where(mask_n[None, :], qk, float("-inf"))
-            v = tl.load(vb_base + slots[:, None] * stride_vbs + offs_d[None, :], mask=mask_kv,
-                        other=0.0)
+            if not KV_FP8:
+                v = tl.load(vb_base + slots[:, None] * stride_vbs + offs_d[None, :],
+                            mask=mask_kv, other=0.0)
             m_i, l_i, acc = _online_softmax_step(qk, v.to(dot_dtype), m_i, l_i, acc, DOT_PREC,
                                                  SLIDING)
 
@@ -147,12 +175,18 @@ def _extend_kernel(
             offs_n = n0 + tl.arange(0, BLOCK_N)
             k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :],
                         mask=mask_d[None, :], other=0.0)
+            if KV_FP8:
+                v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :],
+                            mask=mask_d[None, :], other=0.0)
+                k, v = fp8_kv_as_stored(k, v, k_inv, v_inv, mask_d[None, :],
+                                        kb_base.dtype.element_ty)
             qk = scale_scores(tl.dot(q, tl.trans(k.to(dot_dtype)), input_precision=DOT_PREC),
                               qk_scale, cap_log2, SOFTCAP)
             if SLIDING:
                 qk = tl.where(offs_n[None, :] > offs_m[:, None] - window, qk, float("-inf"))
-            v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :],
-                        mask=mask_d[None, :], other=0.0)
+            if not KV_FP8:
+                v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :],
+                            mask=mask_d[None, :], other=0.0)
             m_i, l_i, acc = _online_softmax_step(qk, v.to(dot_dtype), m_i, l_i, acc, DOT_PREC,
                                                  SLIDING)
 
@@ -164,17 +198,24 @@ def _extend_kernel(
             mask_kv = mask_n[:, None] & mask_d[None, :]
             k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :], mask=mask_kv,
                         other=0.0)
+            if KV_FP8:
+                v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :],
+                            mask=mask_kv, other=0.0)
+                k, v = fp8_kv_as_stored(k, v, k_inv, v_inv, mask_kv, kb_base.dtype.element_ty)
             qk = scale_scores(tl.dot(q, tl.trans(k.to(dot_dtype)), input_precision=DOT_PREC),
                               qk_scale, cap_log2, SOFTCAP)
             visible = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
             if SLIDING:
                 visible = visible & (offs_n[None, :] > offs_m[:, None] - window)
             qk = tl.where(visible, qk, float("-inf"))
-            v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], mask=mask_kv,
-                        other=0.0)
+            if not KV_FP8:
+                v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :],
+                            mask=mask_kv, other=0.0)
             m_i, l_i, acc = _online_softmax_step(qk, v.to(dot_dtype), m_i, l_i, acc, DOT_PREC,
                                                  SLIDING)
 
+        if KV_FP8:
+            acc = acc * v_scale   # the values' per-tensor scale, once per program
         if HAS_SINKS:
             sink = tl.load(sinks_ptr + h) * 1.4426950408889634
             out = sink_normalise(acc, m_i, l_i, sink)
@@ -190,11 +231,14 @@ def _extend_kernel(
 
 def _extend_meta(group: int, head_dim: int, dtype: torch.dtype, device_type: str,
                  block_m: int | None = None, block_n: int | None = None,
-                 num_warps: int | None = None) -> tuple[dict, dict]:
+                 num_warps: int | None = None, kv_fp8: bool = False) -> tuple[dict, dict]:
     """Constexprs and launch options (see the module docstring for the choices).
 
+    ``kv_fp8``: an FP8 pool (the ``KV_FP8`` path, fp16 dots whatever the query's dtype).
     Returns ``(constexprs, options)``; the compile test uses it to build the same variants.
     """
+    if kv_fp8:
+        dtype = torch.float16
     # fp32 dots run on FMA units (ieee) with operands in registers: 16 x 16 tiles do not
     # spill; 16-bit dots use tensor cores (wgmma on sm_90) with 64 x 64 tiles.
     default = 16 if dtype == torch.float32 else (32 if head_dim > 128 else 64)
@@ -212,6 +256,7 @@ def _extend_meta(group: int, head_dim: int, dtype: torch.dtype, device_type: str
         "BLOCK_M": block_m, "BLOCK_N": block_n,
         # fp32 must not silently drop to tf32; 16-bit inputs use the backend default.
         "DOT_PREC": "ieee" if dtype == torch.float32 else None,
+        "KV_FP8": kv_fp8,   # False: the 16/32-bit build, code unchanged
     }
     return constexprs, options
 
@@ -224,7 +269,8 @@ def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
                          *, block_m: int | None = None, block_n: int | None = None,
                          num_warps: int | None = None, sliding_window: int | None = None,
                          logit_softcap: float | None = None,
-                         sinks: torch.Tensor | None = None) -> torch.Tensor:
+                         sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+                         v_scale: float = 1.0) -> torch.Tensor:
     """Extend attention: new tokens over the pooled prefix plus causal self-attention.
 
     Args:
@@ -248,13 +294,19 @@ def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
             1 .. prefix + i``; the K/V tiles below a query block's window are skipped.
         logit_softcap: cap: scores ``cap * tanh(s / cap)`` after the scale (Gemma 2).
         sinks: ``[Hq]`` float32 per-head logits in the softmax denominator only (gpt-oss).
+        k_scale, v_scale: per-tensor scales of an FP8 pool (the prefix keys are ``k_buffer *
+            k_scale``); ignored for a 16/32-bit pool. With an FP8 pool the new tokens'
+            ``k_extend``/``v_extend`` (the unquantised rows, 16/32-bit) are rounded in
+            registers as :func:`kernels.kv_store.store_kv` stores them, so every key is
+            attended as stored; the dots run in fp16 with ``k_scale`` folded into q and the
+            output scaled by ``v_scale`` once.
 
     Returns:
         ``o_extend``.
 
     Raises:
-        ValueError: inconsistent shapes, a non-unit-stride last axis, bad block sizes, or a
-            variant out of range.
+        ValueError: inconsistent shapes, a non-unit-stride last axis, bad block sizes, a
+            variant out of range, or an FP8 pool with a non-positive scale.
     """
     t, hq, d = q_extend.shape
     hkv = k_buffer.shape[1]
@@ -271,15 +323,16 @@ def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
             raise ValueError("the last axis of every tensor argument must be unit stride")
     (qk_scale, window, cap_log2, sinks), switches = variant_launch_args(
         hq, sm_scale, sliding_window, logit_softcap, sinks)
+    qk_scale, q_scale, fp8 = fp8_kv_scales(k_buffer, qk_scale, sm_scale, k_scale, v_scale)
     if bs == 0 or t == 0 or max_extend_len <= 0:
         return o_extend
     meta, opts = _extend_meta(hq // hkv, d, q_extend.dtype, q_extend.device.type, block_m,
-                              block_n, num_warps)
+                              block_n, num_warps, kv_fp8=fp8)
     grid = (bs, hq, triton.cdiv(max_extend_len, meta["BLOCK_M"]))
     _extend_kernel[grid](
         q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
         req_to_token, req_pool_indices, seq_lens, extend_seq_lens, extend_start_loc,
-        qk_scale, window, cap_log2, sinks,
+        qk_scale, window, cap_log2, sinks, q_scale, 1.0 / k_scale, 1.0 / v_scale, v_scale,
         q_extend.stride(0), q_extend.stride(1), k_extend.stride(0), k_extend.stride(1),
         v_extend.stride(0), v_extend.stride(1), o_extend.stride(0), o_extend.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),

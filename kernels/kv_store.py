@@ -22,9 +22,9 @@ import triton.language as tl
 def _store_kv_kernel(
     k_buf, v_buf, loc_ptr, k_ptr, v_ptr,
     stride_kbs, stride_kbh, stride_vbs, stride_vbh,
-    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kt, stride_kh, stride_vt, stride_vh, k_inv, v_inv,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr = False,
 ):
     t = tl.program_id(0)
     slot = tl.load(loc_ptr + t).to(tl.int64)
@@ -35,10 +35,15 @@ def _store_kv_kernel(
 
     k = tl.load(k_ptr + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :],
                 mask=mask)
+    if KV_FP8:
+        # quantised in registers, as kernels.extend_attention.fp8_kv_as_stored rounds it
+        k = k.to(tl.float32) * k_inv
     tl.store(k_buf + slot * stride_kbs + offs_h[:, None] * stride_kbh + offs_d[None, :],
              k.to(k_buf.dtype.element_ty), mask=mask)
     v = tl.load(v_ptr + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :],
                 mask=mask)
+    if KV_FP8:
+        v = v.to(tl.float32) * v_inv
     tl.store(v_buf + slot * stride_vbs + offs_h[:, None] * stride_vbh + offs_d[None, :],
              v.to(v_buf.dtype.element_ty), mask=mask)
 
@@ -50,7 +55,8 @@ def _check_inner_contiguous(name: str, t: torch.Tensor) -> None:
 
 
 def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
-             k: torch.Tensor, v: torch.Tensor) -> None:
+             k: torch.Tensor, v: torch.Tensor, k_scale: float = 1.0,
+             v_scale: float = 1.0) -> None:
     """Write new K/V rows into pool slots: ``k_buffer[loc[i]] = k[i]`` (Triton).
 
     Args:
@@ -60,9 +66,13 @@ def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
             (duplicates race, as in the reference where the last write wins).
         k, v: ``[T, Hkv, D]`` new keys/values, any float dtype (cast to the pool dtype);
             may be strided views as long as the last axis has unit stride.
+        k_scale, v_scale: per-tensor scales of an FP8 pool (float8_e4m3fn/e5m2): it
+            stores ``k / k_scale`` rounded to FP8 (nearest even, saturating on CUDA/XPU),
+            K and V in the same program, quantised in registers; ignored for a wider pool.
 
     Raises:
-        ValueError: mismatched shapes or a non-unit-stride last axis.
+        ValueError: mismatched shapes, a non-unit-stride last axis, or an FP8 pool with a
+            non-positive scale.
 
     One program per token; no host synchronisation (graph capturable).
     """
@@ -73,6 +83,9 @@ def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
                          f"loc {tuple(loc.shape)}, pool {tuple(k_buffer.shape)}")
     for name, x in (("k", k), ("v", v), ("k_buffer", k_buffer), ("v_buffer", v_buffer)):
         _check_inner_contiguous(name, x)
+    fp8 = k_buffer.element_size() == 1
+    if fp8 and (k_scale <= 0 or v_scale <= 0):
+        raise ValueError(f"FP8 KV scales must be positive, got {k_scale}, {v_scale}")
     if t == 0:
         return
     hkv, d = k.shape[1], k.shape[2]
@@ -83,7 +96,7 @@ def store_kv(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
     _store_kv_kernel[(t,)](
         k_buffer, v_buffer, loc, k, v,
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        NUM_HEADS=hkv, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), 1.0 / k_scale, 1.0 / v_scale,
+        NUM_HEADS=hkv, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, KV_FP8=fp8,
         num_warps=num_warps,
     )

@@ -135,11 +135,16 @@ def rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 
 def store_kv_ref(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
-                 k: torch.Tensor, v: torch.Tensor) -> None:
+                 k: torch.Tensor, v: torch.Tensor, k_scale: float = 1.0,
+                 v_scale: float = 1.0) -> None:
     """Write new keys/values into pool slots: ``k_buffer[loc[i]] = k[i]``.
 
-    Args: loc [T] int64 slots; k, v [T, Hkv, D] (cast to the pool dtype).
+    Args: loc [T] int64 slots; k, v [T, Hkv, D] (cast to the pool dtype); k_scale, v_scale:
+    per-tensor scales of an FP8 pool (1-byte elements), which stores ``k / k_scale`` (fp32
+    product, then rounded); ignored for a wider pool.
     """
+    if k_buffer.element_size() == 1 and (k_scale != 1.0 or v_scale != 1.0):
+        k, v = k.float() * (1.0 / k_scale), v.float() * (1.0 / v_scale)
     k_buffer[loc] = k.to(k_buffer.dtype)
     v_buffer[loc] = v.to(v_buffer.dtype)
 

@@ -124,6 +124,20 @@ def with_tools_rendered(messages: list[dict], tools: list[dict] | None) -> list[
     return out
 
 
+#: architecture -> (reasoning parser, tool-call parser) used when the flags leave them to the
+#: server (no ``--reasoning-parser``, ``--tool-call-parser auto``): gpt-oss always speaks
+#: harmony, whatever its checkpoint's chat template says (vLLM and SGLang do the same)
+FAMILY_PARSERS = {"GptOssForCausalLM": ("gpt-oss", "gpt-oss")}
+
+
+def with_thinking(messages: list[dict]) -> list[dict]:
+    """``messages`` with each ``reasoning_content`` also given as ``thinking``, the name
+    gpt-oss's template reads (it renders the reasoning that led to a tool call back into
+    the analysis channel); a message's own ``thinking`` is kept. New dicts where changed."""
+    return [dict(m, thinking=m["reasoning_content"])
+            if m.get("reasoning_content") and "thinking" not in m else m for m in messages]
+
+
 class ChatTokenizer:
     """The tokenizer side of :class:`server.tokenizer_manager.TokenizerManager` (its
     ``chat`` member): tokenize, decode and render chat templates (with the tools fallback).
@@ -137,24 +151,54 @@ class ChatTokenizer:
         self.tokenizer: Any = None  # None until set_tokenizer (token-id prompts only)
         #: the chat template ignores ``tools``: render them into the messages instead
         self.tools_fallback = False
+        #: the served model's architecture (``FAMILY_PARSERS``' key); "" when unknown
+        self.architecture = ""
 
-    def set_tokenizer(self, tokenizer) -> None:
+    def set_tokenizer(self, tokenizer, architecture: str = "") -> None:
         """Use ``tokenizer`` (None: token-id prompts only) and probe its chat template: one
-        that ignores ``tools`` gets the tools fallback (logged once)."""
+        that ignores ``tools`` gets the tools fallback (logged once). ``architecture``: the
+        served model's, whose family may choose the parsers the flags leave open (logged)."""
         self.tokenizer = tokenizer
+        self.architecture = architecture
         self.tools_fallback = template_ignores_tools(tokenizer)
         if self.tools_fallback:
             logger.info("the chat template ignores tools: they are written into the system "
                         "message in the hermes format (<tool_call> JSON), parsed with "
                         "--tool-call-parser %s (docs/usage.md#the-tools-fallback)",
                         self.tool_call_parser)
+        family = FAMILY_PARSERS.get(architecture)
+        if family is None:
+            return
+        chosen = []
+        if getattr(self.args, "reasoning_parser", None) is None:
+            chosen.append(f"--reasoning-parser {family[0]}")
+        if self.args.tool_call_parser == "auto" and not self.tools_fallback:
+            chosen.append(f"--tool-call-parser {family[1]}")
+        if chosen:
+            logger.info("%s: defaulting to %s (the family's output format; pass the flag "
+                        "to choose another)", architecture, " and ".join(chosen))
 
     @property
     def tool_call_parser(self) -> str:
         """``--tool-call-parser``, with ``auto`` meaning ``hermes`` under the tools fallback
-        (the format it shows the model)."""
+        (the format it shows the model), else the family's (``FAMILY_PARSERS``), else
+        ``auto`` (read from the chat template)."""
         arg = self.args.tool_call_parser
-        return "hermes" if self.tools_fallback and arg == "auto" else arg
+        if arg != "auto":
+            return arg
+        if self.tools_fallback:
+            return "hermes"
+        family = FAMILY_PARSERS.get(self.architecture)
+        return family[1] if family else arg
+
+    @property
+    def reasoning_parser(self) -> str | None:
+        """``--reasoning-parser``; when not given, the family's (``FAMILY_PARSERS``), else
+        None (the output is not split)."""
+        arg = getattr(self.args, "reasoning_parser", None)
+        if arg is None and (family := FAMILY_PARSERS.get(self.architecture)):
+            return family[0]
+        return arg
 
     def need_tokenizer(self, param: str = "prompt"):
         """The tokenizer. Raises: APIError 400 naming ``param`` when the server has none."""
@@ -199,6 +243,9 @@ class ChatTokenizer:
         extra = dict(template_kwargs or {})
         if self.tools_fallback:  # the template would drop them: they go into the messages
             messages = with_tools_rendered(messages, extra.pop("tools", None))
+        template = getattr(tok, "chat_template", None)
+        if isinstance(template, str) and ".thinking" in template:
+            messages = with_thinking(messages)
 
         def render() -> str:
             return tok.apply_chat_template(messages, tokenize=False,

@@ -148,8 +148,10 @@ class TokenizerManager:
         self.ctx.term()
 
     def set_tokenizer(self, tokenizer) -> None:
-        """Use ``tokenizer`` (None: token-id prompts only): ``ChatTokenizer.set_tokenizer``."""
-        self.chat.set_tokenizer(tokenizer)
+        """Use ``tokenizer`` (None: token-id prompts only): ``ChatTokenizer.set_tokenizer``,
+        with the engine's model architecture once it is ready."""
+        ready = self.engine_ready
+        self.chat.set_tokenizer(tokenizer, ready.architecture if ready is not None else "")
 
     @property
     def replicas(self) -> list[Replica]:

@@ -1,7 +1,9 @@
 """Attention backends behind one interface (:class:`~engine.attention.base.AttentionBackend`).
 
   torch_native  the pure-torch reference kernels (``kernels/reference.py``); the CPU default
-  triton        the Triton kernels in ``kernels/``; the CUDA and XPU default
+  triton        the Triton kernels in ``kernels/``; the CUDA and XPU default (for a model of
+                latent-attention layers, DeepSeek's MLA: ``triton_mla.TritonMLABackend``,
+                the kernels of ``kernels/mla/``)
 
 ``--attention-backend`` picks one; without it, ``engine.device.default_attention_backend``
 picks by device. Adding a backend is one file (a subclass of ``AttentionBackend`` in this
@@ -23,7 +25,8 @@ from engine import device as dev
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.attention.torch_native import TorchNativeAttnBackend
 from engine.attention.triton import TritonAttnBackend, TritonMetadata
-from engine.layer_spec import LayerSpec
+from engine.attention.triton_mla import TritonMLABackend
+from engine.layer_spec import AttentionKind, LayerSpec
 
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
     "torch_native": TorchNativeAttnBackend,
@@ -80,6 +83,9 @@ def create_attention_backend(name: str | None, num_heads: int, num_kv_heads: int
         ImportError: ``triton`` without an importable Triton.
     """
     cls = ATTENTION_BACKENDS[resolve_attention_backend(name, device_type)]
+    if cls is TritonAttnBackend and any(s.attention == AttentionKind.LATENT
+                                        for s in layer_specs or ()):
+        cls = TritonMLABackend
     extra = {"fused_ops": fused_ops} if cls is TorchNativeAttnBackend else {}
     return cls(num_heads, num_kv_heads, head_dim, device=device or device_type,
                num_sms=num_sms, waves=waves, layer_specs=layer_specs, **extra)
@@ -91,6 +97,7 @@ __all__ = [
     "AttentionMetadata",
     "TorchNativeAttnBackend",
     "TritonAttnBackend",
+    "TritonMLABackend",
     "TritonMetadata",
     "create_attention_backend",
     "resolve_attention_backend",

@@ -72,6 +72,9 @@ class AttentionBackend(ABC):
     supports_sliding_window: ClassVar[bool] = True
     supports_logit_softcap: ClassVar[bool] = True
     supports_sinks: ClassVar[bool] = True
+    #: whether forward_extend rounds the new tokens' K/V to an FP8 pool's dtype itself (the
+    #: Triton kernel, in registers); otherwise :meth:`forward` casts them there and back
+    rounds_new_kv_to_pool: ClassVar[bool] = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  device: str | torch.device = "cpu", num_sms: int = 1,
@@ -228,7 +231,7 @@ class AttentionBackend(ABC):
                 loc = fb.out_cache_loc[:te]
                 k, v = kb[loc].to(q.dtype), vb[loc].to(q.dtype)
             ke, ve = k[:te], v[:te]
-            if kb.dtype != k.dtype:
+            if kb.dtype != k.dtype and not self.rounds_new_kv_to_pool:
                 # an fp8 cache: attend to the new tokens as stored, like to the prefix, so the
                 # result does not depend on where the chunks (and so the load) cut the prompt
                 ke, ve = ke.to(kb.dtype).to(k.dtype), ve.to(vb.dtype).to(v.dtype)

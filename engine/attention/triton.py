@@ -42,6 +42,7 @@ class TritonAttnBackend(AttentionBackend):
     """
 
     supports_graphs = True
+    rounds_new_kv_to_pool = True   # kernels/extend_attention.py, the KV_FP8 path
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  device: str | torch.device = "cpu", num_sms: int = 132,

@@ -58,6 +58,10 @@ def build_graphs(runner):
             and not runner.args.disable_piecewise_graph:
         logger.info("prefill and mixed steps run eagerly with an EAGLE head (the piecewise "
                     "graphs do not keep the hidden states it reads; decode graphs do)")
+    elif not getattr(runner.model, "supports_piecewise", True) \
+            and not runner.args.disable_piecewise_graph:
+        logger.info("prefill and mixed steps run eagerly: %s cannot be cut into piecewise "
+                    "graphs yet", type(runner.model).__name__)
     elif runner.lora is not None and not runner.args.disable_piecewise_graph:
         logger.info("prefill and mixed steps run eagerly with LoRA adapters (the piecewise "
                     "graphs do not take the adapter segments yet)")

@@ -16,8 +16,7 @@ model loaded (20-60 s, a traceback, exit 1):
   scheme or activation; with LoRA, a family that refuses it (Phi-3, GLM-4: fused
   checkpoint projections);
 - a model with latent-attention layers (DeepSeek-V2/V3's MLA): the flags it does not run
-  with yet (:func:`check_latent_attention`: FP8 KV cache, LoRA, speculative decoding, TP,
-  device graphs);
+  with yet (:func:`check_latent_attention`: FP8 KV cache, LoRA, speculative decoding, TP);
 - a model with linear-attention (``RECURRENT_STATE``) layers: TP > 1, speculative
   decoding, LoRA and device graphs are refused (:func:`check_recurrent_state_flags`);
 - on XPU: a single tensor over the per-allocation limit of Intel's client GPUs
@@ -191,8 +190,10 @@ def build_meta_model(args: ServerArgs, device_type: str):
 
 def check_latent_attention(args: ServerArgs, model: torch.nn.Module, device_type: str) -> None:
     """Refuse the flags that multi-head latent attention (DeepSeek-V2/V3's MLA layers) does
-    not run with yet: an FP8 KV cache, LoRA, speculative decoding, ``--tp-size`` > 1, and
-    device graphs (the MLA torch path reads the step's lengths on the host).
+    not run with yet: an FP8 KV cache, LoRA, speculative decoding, ``--tp-size`` > 1. Device
+    graphs are not refused: decode graphs capture the Triton MLA kernels (the torch-native
+    backend has no graphs: its decode runs eagerly), and the piecewise graphs, which cannot
+    cut an MLA model's forward yet, are skipped at start-up (``supports_piecewise``).
 
     Raises:
         ValueError: one line naming the architecture and the flag.
@@ -203,14 +204,11 @@ def check_latent_attention(args: ServerArgs, model: torch.nn.Module, device_type
     if not any(s.attention == AttentionKind.LATENT for s in specs):
         return
     arch = type(model).__name__
-    graphs = dev.is_accelerator(device_type) and not (args.disable_cuda_graph
-                                                     and args.disable_piecewise_graph)
     refused = [(args.kv_cache_dtype != "auto", f"--kv-cache-dtype {args.kv_cache_dtype}"),
                (lora_enabled(args), "LoRA (--lora-paths/--enable-lora)"),
                (bool(args.speculative_algorithm),
                 f"--speculative-algorithm {args.speculative_algorithm}"),
-               (args.tp_size > 1, f"--tp-size {args.tp_size}"),
-               (graphs, "device graphs (pass --disable-cuda-graph --disable-piecewise-graph)")]
+               (args.tp_size > 1, f"--tp-size {args.tp_size}")]
     for bad, flag in refused:
         if bad:
             raise ValueError(f"{arch} (multi-head latent attention) does not support {flag} "

@@ -17,11 +17,18 @@ rotates every pair by the same angle as HF; queries and keys get the same permut
 the scores are HF's.
 
 The cache keeps ``[kv_a_layernorm(c) | rotated k_rope]`` per token
-(:class:`engine.kv.pool.LatentKVPool`, ``fb.k_buffers[layer_id]``). Attention runs in the
-absorbed form for extend and decode alike: ``q_latent = q_nope @ W_UK`` per head, scores
+(:class:`engine.kv.pool.LatentKVPool`, ``fb.k_buffers[layer_id]``). On the CPU attention
+runs in the absorbed form for extend and decode alike: ``q_latent = q_nope @ W_UK`` per head, scores
 ``q_latent . c + q_rope . k_rope``, the weighted sum of the ``c`` rows mapped through
-``W_UV`` (:func:`kernels.mla_reference.mla_attention_ref`, the torch path; it reads the
-step's host lengths, so it is not captured in device graphs).
+``W_UV`` (:func:`kernels.mla.reference.mla_attention_ref`, the torch path of the CPU; it
+reads the step's host lengths, so it is not captured in device graphs).
+
+On a GPU the Triton MLA backend (``engine/attention/triton_mla.py``, ``runs_latent``) runs
+the kernels of ``kernels/mla/`` instead: the decode rows in the absorbed form (split-KV
+over the latent pool, each tile read once per 16 heads), the extending requests in the MHA
+form (their sequences' latent rows gathered and decompressed through ``kv_b_proj``, then
+flash attention with ``N + P`` query/key and ``V`` value heads); batched through the step's
+tensors, with no host sync and no loop over requests, so decode is captured in graphs.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from engine.forward_batch import ForwardBatch
 from engine.layer_spec import AttentionKind, CacheKind, LayerSpec, RotarySpec
 from engine.layers.linear import ReplicatedLinear
 from engine.layers.norm import RMSNorm
-from kernels.mla_reference import mla_attention_ref
+from kernels.mla.reference import mla_attention_ref
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -142,18 +149,55 @@ class MLAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 fb: ForwardBatch) -> torch.Tensor:
         """positions [T] int64, x [T, hidden] -> [T, hidden]; stores the new tokens' latent
-        rows at ``fb.out_cache_loc`` of ``fb.k_buffers[layer_id]`` first."""
+        rows at ``fb.out_cache_loc`` of ``fb.k_buffers[layer_id]`` first. The kernels of the
+        step's backend when it runs latent layers (``runs_latent``: the Triton MLA backend,
+        no host sync, decode capturable), else the torch path."""
         q_nope, q_pe, lat = self.latent(positions, x)
         buf = fb.k_buffers[self.layer_id]
         buf[fb.out_cache_loc, 0] = lat.to(buf.dtype)
+        if getattr(fb.attn_backend, "runs_latent", False):
+            o = self._attend_kernels(q_nope, q_pe, buf, fb)
+        else:
+            o = self._attend_reference(q_nope, q_pe, buf, fb)
+        return self.o_proj(o.reshape(x.shape[0], -1))
+
+    def _attend_reference(self, q_nope: torch.Tensor, q_pe: torch.Tensor, buf: torch.Tensor,
+                          fb: ForwardBatch) -> torch.Tensor:
+        """The torch path, absorbed for every row: ``[T, H, V]``."""
         w_uk, w_uv = self.absorbed_weights()
         q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
         q_abs = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1)
         rows, seq_lens, ext_lens = step_requests(fb)
         o_lat = mla_attention_ref(q_abs, buf, fb.req_to_token, rows, seq_lens, ext_lens,
                                   self.scaling, self.kv_lora_rank)
-        o = torch.einsum("thr,hvr->thv", o_lat, w_uv).reshape(x.shape[0], -1)
-        return self.o_proj(o)
+        return torch.einsum("thr,hvr->thv", o_lat, w_uv)
+
+    def _attend_kernels(self, q_nope: torch.Tensor, q_pe: torch.Tensor, buf: torch.Tensor,
+                        fb: ForwardBatch) -> torch.Tensor:
+        """The backend's kernels: the extending requests in the MHA form (their sequences'
+        latent rows decompressed through ``kv_b_proj``), the decode rows absorbed (``q_nope``
+        through ``W_UK`` into the latent space, the result out through ``W_UV``); ``[T, H,
+        V]``. Why each form where: ``kernels/mla/prefill.py``."""
+        be, t, h = fb.attn_backend, q_nope.shape[0], self.num_heads
+        o = q_nope.new_empty(t, h, self.v_dim)
+        te = 0 if fb.is_decode else t - fb.num_decodes
+        if te:
+            rows = buf.index_select(0, be.extend_slots(fb))[:, 0]          # [S, R + P]
+            kv = self.kv_b_proj(rows[:, :self.kv_lora_rank].to(q_nope.dtype))
+            k_nope, v = kv.view(-1, h, self.nope + self.v_dim).split([self.nope, self.v_dim],
+                                                                      dim=-1)
+            be.mla_extend(q_nope[:te], q_pe[:te].to(q_nope.dtype), k_nope,
+                          rows[:, self.kv_lora_rank:].to(q_nope.dtype), v, o[:te], fb,
+                          self.scaling)
+        if te < t:
+            w_uk, w_uv = self.absorbed_weights()
+            q_lat = torch.bmm(q_nope[te:].transpose(0, 1), w_uk).transpose(0, 1)  # [Bd, H, R]
+            # the tail of a mixed step gets its own copy (pointer alignment: TritonAttnBackend)
+            q_pe_d = q_pe[te:].to(q_lat.dtype).clone() if te else q_pe.to(q_lat.dtype)
+            o_lat = q_lat.new_empty(t - te, h, self.kv_lora_rank)
+            be.mla_decode(q_lat, q_pe_d, o_lat, buf, fb, self.scaling)
+            o[te:] = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        return o
 
 
 def step_requests(fb: ForwardBatch) -> tuple[list[int], list[int], list[int]]:

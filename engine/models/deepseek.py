@@ -14,8 +14,9 @@ interleaved in the checkpoint (V2 always, V3 with ``rope_interleave``).
 
 Not supported yet (refused at construction, one line naming the family): tensor parallelism,
 quantized weights (FP8/4-bit, from :class:`engine.models.moe.MoeForCausalLM`), EAGLE (hidden
-states for a draft head), piecewise graphs; the preflight refuses an FP8 KV cache, LoRA and
-decode graphs (the MLA torch path reads host lengths).
+states for a draft head); piecewise graphs (``supports_piecewise`` False: prefill runs
+eagerly); the preflight refuses an FP8 KV cache, LoRA, speculative decoding and TP. Decode
+graphs capture the Triton MLA kernels (``engine/attention/triton_mla.py``).
 """
 
 from __future__ import annotations
@@ -103,6 +104,8 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
     attention_kinds = (AttentionKind.LATENT,)
     cache_kinds = (CacheKind.LATENT_KV,)
     expert_parts = ("gate_proj", "up_proj", "down_proj")
+    #: the piecewise graphs cannot cut the forward at MLA layers yet (:meth:`piece`)
+    supports_piecewise = False
 
     def __init__(self, config, dtype: torch.dtype = torch.float32):
         if get_tp().size > 1:

@@ -95,7 +95,8 @@ class EngineLoop:
             max_running_requests=self.args.max_running_requests, vocab_size=self.vocab_size,
             device=r.device_type, dtype=str(r.dtype).replace("torch.", ""),
             kv_cache_dtype=str(r.kv_dtype).replace("torch.", ""),
-            model=self.args.model_path or "SmolLM2-135M-Instruct", tp_size=r.tp.size,
+            model=self.args.model_path or "SmolLM2-135M-Instruct",
+            architecture=r.model_config.architecture, tp_size=r.tp.size,
             lora_enabled=r.lora is not None, lora_adapters=self.lora_adapters(),
             pooling={} if r.pooling is None else dict(r.pooling.describe(),
                                                       hidden_size=r.model_config.hidden_size)))

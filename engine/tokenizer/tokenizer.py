@@ -106,9 +106,23 @@ def load_tokenizer(source_or_path: ModelSource | str | None = None,
     return default
 
 
+#: architecture -> the special tokens that also end a turn: gpt-oss's harmony ends the
+#: answer with ``<|return|>`` and a tool call with ``<|call|>`` (its generation config lists
+#: both; its config.json names only ``<|return|>``)
+TURN_END_TOKENS = {"GptOssForCausalLM": ("<|return|>", "<|call|>")}
+
+
 def eos_token_ids(config, tokenizer) -> list[int]:
-    """EOS ids from the model config, its generation config and the tokenizer."""
+    """EOS ids from the model config (``eos_token_id``, its text config's), the tokenizer,
+    and the family's turn-end tokens (``TURN_END_TOKENS``, when each is one token of the
+    tokenizer's vocabulary)."""
     ids: set[int] = set()
+    archs = getattr(config, "architectures", None) or []
+    for text in (t for a in archs for t in TURN_END_TOKENS.get(a, ())):
+        convert = getattr(tokenizer, "convert_tokens_to_ids", None)
+        tid = convert(text) if convert is not None else None
+        if isinstance(tid, int) and tid != getattr(tokenizer, "unk_token_id", None):
+            ids.add(tid)
     for src in (getattr(config, "eos_token_id", None),
                 getattr(getattr(config, "text_config", None), "eos_token_id", None),
                 getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None):

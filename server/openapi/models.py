@@ -403,7 +403,9 @@ class NoopFields(_Doc):
     store: Any = Field(None, description="no effect (nothing is stored)")
     service_tier: Any = Field(None, description="no effect")
     prediction: Any = Field(None, description="no effect")
-    reasoning_effort: Any = Field(None, description="no effect")
+    reasoning_effort: Any = Field(None, description="chat: the chat template's "
+                                  "reasoning_effort (gpt-oss's harmony reads it; other "
+                                  "templates ignore it); completions: no effect")
     verbosity: Any = Field(None, description="no effect")
     prompt_cache_key: Any = Field(None, json_schema_extra=json_schema_of(dict(
         _LIMITS["prompt_cache_key"], description=f"at most {MAX_ID_LEN} characters; no effect "

@@ -105,12 +105,22 @@ async def chat_prompt(tm: TokenizerManager, req: Any, tools: ToolPlan) -> list[i
     """The prompt token ids of a chat request (a ``ChatCompletionRequest`` or a
     ``TokenizeRequest`` with ``messages``): its messages through the model's chat template
     with its ``add_generation_prompt``, ``continue_final_message``, ``add_special_tokens``,
-    ``chat_template_kwargs`` and the tools of ``tools``.
+    ``chat_template_kwargs``, the tools of ``tools`` and OpenAI's ``reasoning_effort``
+    (the template variable of that name, for the templates that read it: gpt-oss's;
+    ``chat_template_kwargs.reasoning_effort`` wins).
 
     Raises:
-        APIError: 400 naming the message or field the template rejects.
+        APIError: 400 naming the message or field the template rejects, or a
+            ``reasoning_effort`` that is not a string.
     """
+    kwargs = dict(req.chat_template_kwargs or {}, **tools.template_kwargs)
+    effort = (getattr(req, "model_extra", None) or {}).get("reasoning_effort")
+    if effort is not None:
+        if not isinstance(effort, str):
+            raise bad_request("reasoning_effort must be a string (e.g. 'low', 'medium', "
+                              "'high')", "reasoning_effort")
+        kwargs.setdefault("reasoning_effort", effort)
     return await tm.chat.apply_chat_template(
         messages_for_template(req.messages), req.add_generation_prompt,
         bool(req.add_special_tokens), continue_final_message=req.continue_final_message,
-        template_kwargs=dict(req.chat_template_kwargs or {}, **tools.template_kwargs))
+        template_kwargs=kwargs)

@@ -81,7 +81,7 @@ _RESOLVED: dict[tuple, str | None] = {}
 def reasoning_family(chat: Any) -> str | None:
     """The family ``--reasoning-parser`` means for the served model (``auto``: read from
     its chat template), None when off; ``chat`` is the ``TokenizerManager``'s ``chat``."""
-    arg = getattr(chat.args, "reasoning_parser", None)
+    arg = chat.reasoning_parser
     if arg is None:
         return None
     template = getattr(chat.tokenizer, "chat_template", None)

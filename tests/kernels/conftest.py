@@ -22,6 +22,6 @@ if DEVICE == "cpu":
     # compiled for a GPU that is not here; re-define its kernels for the interpreter.
     for _name in ("kernels.kv_store", "kernels.decode_attention", "kernels.extend_attention",
                   "kernels.fused_ops", "kernels.rotary", "kernels.lora.lora_triton",
-                  "kernels.fp8.fp8_triton"):
+                  "kernels.fp8.fp8_triton", "kernels.mla.decode", "kernels.mla.prefill"):
         if _name in sys.modules:
             importlib.reload(sys.modules[_name])

@@ -19,3 +19,26 @@ def test_bench_smoke_runs_and_checks_errors(capsys):
     out = capsys.readouterr().out
     assert "## decode attention" in out and "## extend attention" in out
     assert "MISMATCH" not in out
+
+
+@pytest.mark.skipif(ON_GPU, reason="--smoke is the CPU interpreter mode")
+def test_bench_mla_smoke_runs_and_agrees(capsys):
+    from bench.kernels import bench_mla
+
+    assert bench_mla.main(["--smoke"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert len(rows) == 2 and all(float(r[-1]) < 1e-4 for r in rows)
+
+
+@pytest.mark.skipif(ON_GPU, reason="--dry-run on the CPU is the interpreter mode")
+def test_moe_mxfp4_bench_dry_run(tmp_path, capsys):
+    import json
+
+    from bench.kernels import bench_moe_mxfp4
+
+    out = tmp_path / "moe.json"
+    bench_moe_mxfp4.main(["--dry-run", "--result-json", str(out)])
+    records = json.loads(out.read_text())
+    assert [r["m"] for r in records] == [1, 3]
+    assert all(r["mxfp4"]["weight_bytes"] * 3.7 < r["bf16"]["weight_bytes"] for r in records)
+    assert "mxfp4" in capsys.readouterr().out

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_test_utils import DEVICE, rel_err
+from kernel_test_utils import DEVICE, gpu_only, rel_err
 
 from kernels.moe.fused_moe_mxfp4 import fused_moe_oai
 from kernels.moe.mxfp4 import E2M1_VALUES, dequantize_mxfp4, dummy_mxfp4, quantize_mxfp4
@@ -95,6 +95,77 @@ def test_triton_oai_moe_matches_reference(m, num_experts, top_k, hidden, inter, 
                         config=dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32,
                                     GROUP_SIZE_M=1, num_warps=4, num_stages=2))
     assert rel_err(out, ref) < (2e-5 if dtype == F32 else 3e-3)
+
+
+def _oai_case(m: int, num_experts: int, top_k: int, hidden: int, inter: int, dtype,
+              device: str, seed: int = 0):
+    """Random activations, biases, softmax top-k routing and MXFP4 experts (scales near
+    2^-6, as the dummy loader draws them) on ``device``; returns (x, w13, s13, w2, s2,
+    weights, ids, kw)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, hidden, generator=g).to(device, dtype)
+    w13, s13 = _random_mxfp4((num_experts, 2 * inter), hidden, seed=seed + 1)
+    w2, s2 = _random_mxfp4((num_experts, hidden), inter, seed=seed + 2)
+    weights, ids = torch.topk(torch.softmax(torch.randn(m, num_experts, generator=g), -1),
+                              top_k, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    kw = dict(w13_bias=(0.1 * torch.randn(num_experts, 2 * inter, generator=g)).to(device, dtype),
+              w2_bias=(0.1 * torch.randn(num_experts, hidden, generator=g)).to(device, dtype),
+              activation="swiglu_oai", swiglu_alpha=1.702, swiglu_limit=7.0)
+    return (x, w13.to(device), s13.to(device), w2.to(device), s2.to(device),
+            weights.to(device), ids.to(device, torch.int32), kw)
+
+
+@gpu_only
+@pytest.mark.parametrize("m", [1, 16, 256])
+@pytest.mark.parametrize("model,num_experts", [("gpt-oss-20b", 8), ("gpt-oss-120b", 8)])
+def test_triton_mxfp4_moe_bf16_at_gpt_oss_shapes(model, num_experts, m):
+    """bf16 activations, the shipped expert shape (hidden = intermediate = 2880: 90 scale
+    groups a row, not a power of two), top-4 of a few experts, the launch configuration
+    the engine picks; against the torch reference in fp32 on the dequantized weights."""
+    x, w13, s13, w2, s2, weights, ids, kw = _oai_case(m, num_experts, 4, 2880, 2880,
+                                                       torch.bfloat16, DEVICE, seed=m)
+    from engine.device import device_name
+
+    out = fused_moe_oai(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2, **kw,
+                        device_name=device_name(DEVICE))
+    f32 = {k: v.float() if torch.is_tensor(v) else v for k, v in kw.items()}
+    ref = fused_moe_torch(x.float(), dequantize_mxfp4(w13, s13, F32),
+                          dequantize_mxfp4(w2, s2, F32), weights, ids, **f32)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert rel_err(out, ref) < 1.6e-2, model
+    dense = fused_moe_oai(x, dequantize_mxfp4(w13, s13, torch.bfloat16),
+                          dequantize_mxfp4(w2, s2, torch.bfloat16), weights, ids, **kw)
+    assert rel_err(dense, ref) < 1.6e-2, f"{model}: the bf16-weight path"
+
+
+def test_oai_case_runs_in_the_interpreter():
+    """``_oai_case`` (the GPU test's inputs) at a small shape in fp32 through the Triton
+    kernel on this machine's device: the GPU test's own code path, checked here."""
+    x, w13, s13, w2, s2, weights, ids, kw = _oai_case(5, 4, 2, 64, 64, F32, DEVICE, seed=3)
+    out = fused_moe_oai(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2, **kw,
+                        config=dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32,
+                                    GROUP_SIZE_M=1, num_warps=4, num_stages=2))
+    ref = fused_moe_torch(x, dequantize_mxfp4(w13, s13, F32), dequantize_mxfp4(w2, s2, F32),
+                          weights, ids, **kw)
+    assert rel_err(out, ref) < 2e-5
+
+
+def test_dummy_experts_at_the_shipped_shape_keep_activations_finite():
+    """The dummy loader's MXFP4 experts (``dummy_mxfp4`` of uniform noise) at gpt-oss's
+    shipped expert shape (hidden = intermediate = 2880, 90 scale groups a row): scales
+    2^-7..2^-5, and one MoE layer on unit-variance activations (as after the RMSNorm) gives
+    finite outputs of order one, so 24-36 such layers stay finite in bf16 too."""
+    g = torch.Generator().manual_seed(0)
+    w13, s13 = dummy_mxfp4(torch.rand(2, 5760, 90, 16, generator=g) * 2 - 1)
+    w2, s2 = dummy_mxfp4(torch.rand(2, 2880, 90, 16, generator=g) * 2 - 1)
+    assert w13.dtype == s13.dtype == torch.uint8
+    assert 120 <= int(s13.min()) and int(s13.max()) <= 122
+    x = torch.randn(3, 2880, generator=g)
+    weights, ids = torch.full((3, 2), 0.5), torch.tensor([[0, 1]] * 3, dtype=torch.int32)
+    out = fused_moe_torch(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2,
+                          activation="swiglu_oai", swiglu_alpha=1.702, swiglu_limit=7.0)
+    assert torch.isfinite(out).all() and 0.05 < out.std().item() < 20
 
 
 def test_swiglu_oai_matches_transformers():

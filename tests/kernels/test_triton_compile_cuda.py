@@ -29,6 +29,7 @@ SCRIPT = textwrap.dedent('''
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from kernels import decode_attention as da, extend_attention as ea, fused_ops as fo, kv_store as ks
+    from kernels.mla import decode as mlad, prefill as mlap
 
     TY = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -40,7 +41,7 @@ SCRIPT = textwrap.dedent('''
             elif name in ptr_types:
                 sig[name] = "*" + ptr_types[name]
                 attrs[(i,)] = [["tt.divisibility", 16]]
-            elif name in ("qk_scale", "eps", "cap_log2"):
+            elif name in ("qk_scale", "eps", "cap_log2", "q_scale", "v_scale", "k_inv", "v_inv"):
                 sig[name] = "fp32"
             else:
                 sig[name] = "i32"
@@ -57,27 +58,42 @@ SCRIPT = textwrap.dedent('''
     def sinks(var):
         return {} if "sinks_ptr" in var else {"sinks_ptr": "fp32"}
 
-    def decode(dtype, group, d, arch, var=OFF):
+    def decode(dtype, group, d, arch, var=OFF, kv=None):
         t = TY[dtype]
-        ptrs = dict(q_ptr=t, k_buf=t, v_buf=t, req_to_token="i32", req_pool_indices="i64",
+        ptrs = dict(q_ptr=t, k_buf=kv or t, v_buf=kv or t, req_to_token="i32", req_pool_indices="i64",
                     seq_lens="i32", num_kv_splits="i32", part_o="fp32", part_lse="fp32",
                     o_ptr=t, **sinks(var))
-        meta, opts = da._stage1_meta(group, d, dtype, "cuda")
+        meta, opts = da._stage1_meta(group, d, dtype, "cuda", kv_fp8=kv is not None)
         compile_one(da._decode_stage1_kernel, ptrs, {**meta, **var}, opts, arch)
         meta, opts = da._stage2_meta(d, 16)
         var2 = {k: var[k] for k in ("HAS_SINKS", "sinks_ptr") if k in var}
         compile_one(da._decode_stage2_kernel, dict(part_o="fp32", part_lse="fp32", o_ptr=t,
                     num_kv_splits="i32", **sinks(var)), {**meta, **var2}, opts, arch)
 
-    def extend(dtype, group, d, arch, var=OFF):
+    def extend(dtype, group, d, arch, var=OFF, kv=None):
         t = TY[dtype]
-        ptrs = dict(q_ptr=t, k_ptr=t, v_ptr=t, o_ptr=t, k_buf=t, v_buf=t, req_to_token="i32",
+        ptrs = dict(q_ptr=t, k_ptr=t, v_ptr=t, o_ptr=t, k_buf=kv or t, v_buf=kv or t, req_to_token="i32",
                     req_pool_indices="i64", seq_lens="i32", extend_seq_lens="i32",
                     extend_start_loc="i32", **sinks(var))
-        meta, opts = ea._extend_meta(group, d, dtype, "cuda")
+        meta, opts = ea._extend_meta(group, d, dtype, "cuda", kv_fp8=kv is not None)
         compile_one(ea._extend_kernel, ptrs, {**meta, **var}, opts, arch)
 
+    def mla(dtype, arch):
+        # DeepSeek-V3's shape: R 512, rope 64, nope 128, v 128
+        t = TY[dtype]
+        meta, opts = mlad._mla_meta(512, 64, dtype, "cuda")
+        compile_one(mlad._mla_decode_stage1_kernel, dict(
+            q_lat=t, q_pe=t, latent=t, req_to_token="i32", req_pool_indices="i64",
+            seq_lens="i32", num_kv_splits="i32", part_o="fp32", part_lse="fp32", o_ptr=t),
+            meta, opts, arch)
+        meta, opts = mlap._prefill_meta(128, 64, 128, dtype, "cuda", None, None, None)
+        compile_one(mlap._mla_prefill_kernel, dict(
+            q_nope_ptr=t, q_pe_ptr=t, k_nope_ptr=t, k_pe_ptr=t, v_ptr=t, o_ptr=t,
+            seq_lens="i32", ext_lens="i32", q_start_loc="i32", kv_start_loc="i32"),
+            meta, opts, arch)
+
     for arch in (90, 80):
+        mla(torch.bfloat16, arch)
         decode(torch.bfloat16, 4, 128, arch)
         extend(torch.bfloat16, 4, 128, arch)
     decode(torch.float32, 1, 64, 90)        # elementwise (MHA) path, ieee fp32 dots
@@ -87,9 +103,17 @@ SCRIPT = textwrap.dedent('''
     decode(torch.float16, 3, 80, 90)        # padded head_dim
     extend(torch.float32, 8, 64, 90)
     extend(torch.float16, 3, 96, 90)
-    compile_one(ks._store_kv_kernel, dict(k_buf="bf16", v_buf="bf16", loc_ptr="i64",
-                k_ptr="fp32", v_ptr="fp32"),
-                dict(NUM_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128), {"num_warps": 4}, 90)
+    # FP8 KV caches (sm_89+: Triton has no e4m3 below): the KV_FP8 paths, plain and variants
+    decode(torch.bfloat16, 4, 128, 90, kv="fp8e4nv")
+    decode(torch.bfloat16, 4, 128, 90, ON, kv="fp8e4nv")
+    decode(torch.float16, 1, 64, 90, kv="fp8e5")
+    extend(torch.bfloat16, 4, 128, 90, kv="fp8e4nv")
+    extend(torch.bfloat16, 4, 128, 90, ON, kv="fp8e5")
+    for pool in ("bf16", "fp8e4nv"):
+        compile_one(ks._store_kv_kernel, dict(k_buf=pool, v_buf=pool, loc_ptr="i64",
+                    k_ptr="fp32", v_ptr="fp32"),
+                    dict(NUM_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128,
+                         KV_FP8=pool != "bf16"), {"num_warps": 4}, 90)
     compile_one(fo._rms_norm_kernel, dict(x_ptr="bf16", res_ptr="bf16", w_ptr="bf16",
                 out_ptr="bf16", res_out_ptr="bf16"),
                 dict(HIDDEN=4096, BLOCK=4096, HAS_RESIDUAL=True), {"num_warps": 8}, 90)

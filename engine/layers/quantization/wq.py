@@ -19,6 +19,9 @@ Paths (chosen per layer in :meth:`WeightOnlyMethod.process_weights_after_loading
   GEMV without ``tl.dot`` (:mod:`kernels.quant.wq_gemv`), up to 256 rows a GEMM that unpacks
   the tiles in registers (``tl.dot`` in the activations' dtype, fp32 accumulation; K split
   over more programs at decode sizes), above that a dequantizing kernel and the vendor GEMM.
+  With ``$FERRY_WQ_LAYOUT=kmajor`` q4 layers are re-laid at load into the K-major ``q4k``
+  layout and run :func:`kernels.quant.w4_tc.w4k_linear` at every M instead (a GEMV up to 4
+  rows, a tensor-core GEMM that dequantizes in registers above; issue 49).
 - ``torch``: the reference (dequantize, then matmul), where neither kernel is available.
 
 No host syncs on any path.
@@ -117,12 +120,28 @@ class WeightOnlyMethod:
 
                 split_k_locks(layer.weight.device)  # allocated now, before any graph capture
                 layer.wq_path = "triton"
+                self._to_kmajor(layer)
             except ImportError as e:
                 logger.warning("%s: low-bit weights through the torch reference (triton: %s)",
                                name, e)
                 layer.wq_path = "torch"
         else:
             layer.wq_path = "torch"
+
+    @staticmethod
+    def _to_kmajor(layer: nn.Module) -> None:
+        """With ``$FERRY_WQ_LAYOUT=kmajor``: re-lay a q4 layer's weight into
+        :mod:`kernels.quant.w4_tc`'s ``q4k`` (``weight`` int32 ``[K/8, N]``, ``weight_scale``
+        and ``weight_min`` ``[K/G, N]``), the layout of its tensor-core GEMM."""
+        from kernels.quant.w4_tc import KMAJOR, kmajor_enabled, to_kmajor
+
+        if layer.wq_format != "q4" or not kmajor_enabled():
+            return
+        qk, s, m = to_kmajor(layer.weight.data, layer.weight_scale.data, layer.weight_min.data)
+        layer.weight = nn.Parameter(qk, requires_grad=False)
+        layer.weight_scale = nn.Parameter(s, requires_grad=False)
+        layer.weight_min = nn.Parameter(m, requires_grad=False)
+        layer.wq_format = KMAJOR
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -143,6 +162,10 @@ class WeightOnlyMethod:
             else:
                 w = torch.ops.ferry_cpu.wq_dequant(*args, x2.dtype)
                 y = torch.nn.functional.linear(x2, w)
+        elif layer.wq_path == "triton" and layer.wq_format == "q4k":
+            from kernels.quant.w4_tc import w4k_linear
+
+            y = w4k_linear(x2, *args)
         elif layer.wq_path == "triton":
             from kernels.quant.wq_triton import wq_linear
 

@@ -48,3 +48,17 @@ def test_yarn_matches_transformers(truncate):
                               config.rope_parameters, config.max_position_embeddings)
     assert attn == pytest.approx(hf_attn)
     assert torch.equal(inv, hf_inv.float())
+
+
+def test_120b_fits_one_h200_with_room_for_kv():
+    """The memory line of docs/benchmarks.md: gpt-oss-120b's weights with the experts at
+    4.25 bits (blocks + e8m0 scales) and the rest in bf16 come to ~65 GB, leaving more than
+    40 GB of a 141 GB H200 for the KV cache (the issue's target)."""
+    from bench.roofline import weight_bytes
+
+    model, _ = load_model(config_dir("gpt-oss-120b"), "dummy", dtype=torch.bfloat16,
+                          device="meta", progress=False)
+    experts = sum(m.expert_bytes() for m in model.modules() if isinstance(m, FusedMoE))
+    total = weight_bytes(model)
+    assert 60.9e9 < experts < 61.1e9 and 65.1e9 < total < 65.4e9
+    assert 141e9 - total > 40e9

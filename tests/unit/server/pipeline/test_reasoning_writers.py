@@ -232,6 +232,7 @@ def test_anthropic_thinking_block_then_text():
 class _Chat:
     def __init__(self, arg, template="<|im_start|>{{ '<think>' }}"):
         self.args = types.SimpleNamespace(reasoning_parser=arg)
+        self.reasoning_parser = arg
         self.tokenizer = types.SimpleNamespace(
             chat_template=template,
             encode=lambda text, add_special_tokens=False: [END_ID] if text == "</think>"

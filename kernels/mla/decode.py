@@ -1,0 +1,250 @@
+"""Paged MLA decode attention in Triton, in the absorbed form, with split-KV and an LSE merge.
+
+Semantics: :func:`kernels.mla.reference.mla_attention_ref` for one new token per request.
+Each request's query is ``[q_latent (R) | q_rope (P)]`` per head (``q_nope`` already mapped
+through ``W_UK``); every key is the token's latent row ``[c (R) | k_rope (P)]`` of the
+:class:`~engine.kv.pool.LatentKVPool` (one row shared by all heads), read through
+``req_to_token``; the values are the same rows' first R columns. The output is ``[B, H, R]``
+in the latent space (the layer maps it through ``W_UV``).
+
+Why this is fast: all heads share one latent row, so a program takes a block of
+``BLOCK_H`` heads (16: the smallest ``tl.dot`` M) and loads each ``[BLOCK_N, R + P]`` tile
+once for all of them; the tile is both the keys (``q_lat @ c^T + q_pe @ k_pe^T``, two dots)
+and the values (``p @ c``, a third dot on the same registers), so the KV is read once per
+head block, not once per head (128 heads, 8 blocks for DeepSeek-V3: 16x less traffic than
+an MHA kernel over decompressed K/V, which would also have to decompress it).
+
+Stage 1, grid ``(B, cdiv(H, BLOCK_H), max_splits)``: request ``b``'s tokens are cut into
+``num_kv_splits[b]`` splits (multiples of ``BLOCK_N``); one program runs an online softmax
+over one split for its head block and writes the normalised partial ``[BLOCK_H, R]`` and
+its log-sum-exp to fp32 workspaces, or, for a request with one split, the output itself.
+Stage 2 is :mod:`kernels.decode_attention`'s merge (``HEAD_DIM = R``), which returns at
+once for a one-split request. Programs past a request's split count exit, so the grid is
+static and the launch can be captured in a device graph: no host synchronisation here.
+
+Launch configuration (documented, not tuned on a GPU yet; see :func:`_mla_meta`):
+``BLOCK_H = 16``, ``BLOCK_N = 32`` for 16-bit dtypes (a ``[32, 576]`` bf16 tile is 36 KiB,
+two pipeline stages 72 KiB of shared memory), 16 for fp32; ``num_warps = 4`` (8 for
+fp32), ``num_stages = 2``; XPU doubles the warps (:mod:`kernels.launch`). The fp32
+accumulator ``[16, 512]`` is 64 registers a thread with 4 warps.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.decode_attention import _decode_stage2_kernel, _stage2_meta, choose_num_kv_splits
+from kernels.launch import dot_kernel_options
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _mla_decode_stage1_kernel(
+    q_lat, q_pe, latent, req_to_token, req_pool_indices, seq_lens, num_kv_splits,
+    part_o, part_lse, o_ptr, qk_scale, max_splits, num_heads,
+    stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_ls, stride_r2t,
+    stride_pob, stride_poh, stride_pos, stride_peb, stride_peh, stride_ob, stride_oh,
+    RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    hblk = tl.program_id(1)
+    split = tl.program_id(2)
+    n_splits = tl.minimum(tl.maximum(tl.load(num_kv_splits + b), 1), max_splits)
+    if split < n_splits:
+        seq_len = tl.load(seq_lens + b)
+        row = tl.load(req_pool_indices + b).to(tl.int64)
+        split_len = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, seq_len)
+
+        offs_h = hblk * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < num_heads
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_r = offs_r < RANK
+        offs_p = tl.arange(0, BLOCK_P)
+        mask_p = offs_p < ROPE
+        b64 = b.to(tl.int64)
+        ql = tl.load(q_lat + b64 * stride_qlb + offs_h[:, None] * stride_qlh + offs_r[None, :],
+                     mask=mask_h[:, None] & mask_r[None, :], other=0.0)
+        qp = tl.load(q_pe + b64 * stride_qpb + offs_h[:, None] * stride_qph + offs_p[None, :],
+                     mask=mask_h[:, None] & mask_p[None, :], other=0.0)
+        dot_dtype = ql.dtype
+
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < hi
+            slots = tl.load(req_to_token + row * stride_r2t + offs_n, mask=mask_n,
+                            other=0).to(tl.int64)
+            base = latent + slots[:, None] * stride_ls
+            c = tl.load(base + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :],
+                        other=0.0).to(dot_dtype)
+            kp = tl.load(base + RANK + offs_p[None, :], mask=mask_n[:, None] & mask_p[None, :],
+                         other=0.0).to(dot_dtype)
+            qk = tl.dot(ql, tl.trans(c), input_precision=DOT_PREC)
+            qk += tl.dot(qp.to(dot_dtype), tl.trans(kp), input_precision=DOT_PREC)
+            qk = tl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), c, input_precision=DOT_PREC)
+            m_i = m_new
+
+        # an empty split (split_len rounded up to BLOCK_N) has l_i == 0: weight 0 in stage 2
+        nonempty = l_i > 0.0
+        l_safe = tl.where(nonempty, l_i, 1.0)
+        out = tl.where(nonempty[:, None], acc / l_safe[:, None], 0.0)
+        mask_o = mask_h[:, None] & mask_r[None, :]
+        if n_splits == 1:
+            tl.store(o_ptr + b64 * stride_ob + offs_h[:, None] * stride_oh + offs_r[None, :],
+                     out.to(o_ptr.dtype.element_ty), mask=mask_o)
+        else:
+            lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) * 0.6931471805599453,
+                           float("-inf"))
+            tl.store(part_o + b64 * stride_pob + offs_h[:, None] * stride_poh
+                     + split * stride_pos + offs_r[None, :], out, mask=mask_o)
+            tl.store(part_lse + b64 * stride_peb + offs_h * stride_peh + split, lse,
+                     mask=mask_h)
+
+
+def _mla_meta(rank: int, rope: int, dtype: torch.dtype, device_type: str,
+              block_n: int | None = None, num_warps: int | None = None,
+              num_stages: int | None = None) -> tuple[dict, dict]:
+    """Constexprs and launch options of stage 1 (module docstring)."""
+    fp32 = dtype == torch.float32
+    block_n = block_n or (16 if fp32 else 32)
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError("block_n must be a power of two >= 16")
+    opts = dot_kernel_options(8 if fp32 else 4, 2, device_type)
+    opts = {"num_warps": num_warps or opts["num_warps"],
+            "num_stages": num_stages or opts["num_stages"]}
+    return ({"RANK": rank, "ROPE": rope, "BLOCK_H": MLA_BLOCK_H,
+             "BLOCK_R": max(16, triton.next_power_of_2(rank)),
+             "BLOCK_P": max(16, triton.next_power_of_2(rope)), "BLOCK_N": block_n,
+             "DOT_PREC": "ieee" if fp32 else None}, opts)
+
+
+#: query heads per stage-1 program (the ``tl.dot`` M; every head of a block shares the tile)
+MLA_BLOCK_H = 16
+
+
+def mla_head_blocks(num_heads: int) -> int:
+    """Stage-1 programs per (request, split): ``cdiv(num_heads, MLA_BLOCK_H)``."""
+    return triton.cdiv(num_heads, MLA_BLOCK_H)
+
+
+def mla_split_cap(batch_size: int, num_heads: int, num_sms: int, waves: int,
+                  max_kv_splits: int) -> int:
+    """The split axis of a batch of ``batch_size``: at most the splits that give every
+    SM ``waves`` stage-1 programs (``cdiv(waves * num_sms, B * head_blocks)``), at most
+    ``max_kv_splits``, at least 1. A host int of the batch size alone, so the workspaces of
+    a graph of that size are static; it also bounds them (``B * H * splits * R`` fp32 values
+    stay near ``waves * num_sms * 16 * R`` whatever B is)."""
+    fill = -(-max(num_sms, 1) * max(waves, 1) // max(batch_size * mla_head_blocks(num_heads), 1))
+    return max(1, min(fill, max_kv_splits))
+
+
+def choose_mla_splits(seq_lens: torch.Tensor, num_heads: int, max_splits: int, num_sms: int,
+                      *, waves: int = 1, min_chunk: int = 64,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-request split counts (``[B]`` int32, on the device, no host sync): as
+    :func:`kernels.decode_attention.choose_num_kv_splits` with the head blocks in the place
+    of the KV heads, never more than ``max_splits`` (:func:`mla_split_cap`) and never a
+    split shorter than ``min_chunk`` tokens on average."""
+    return choose_num_kv_splits(seq_lens, mla_head_blocks(num_heads), max_splits, num_sms,
+                                min_chunk=min_chunk, waves=waves, out=out)
+
+
+def mla_decode_workspaces(batch_size: int, num_heads: int, max_splits: int, rank: int,
+                          device, flat: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``(partial outputs [B, H, S, R], lse [B, H, S])``: fresh, or views of the
+    front of ``flat`` (a 1-D fp32 buffer of at least ``B * H * S * (R + 1)`` values: a graph's
+    static workspace, shared by the batch sizes).
+
+    Raises:
+        ValueError: ``flat`` is too small.
+    """
+    n_o = batch_size * num_heads * max_splits * rank
+    n = n_o + batch_size * num_heads * max_splits
+    if flat is None:
+        flat = torch.empty(n, dtype=torch.float32, device=device)
+    if flat.numel() < n:
+        raise ValueError(f"MLA decode workspace of {flat.numel()} values < {n}")
+    return (flat[:n_o].view(batch_size, num_heads, max_splits, rank),
+            flat[n_o:n].view(batch_size, num_heads, max_splits))
+
+
+def mla_decode_fwd(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                   o: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                   seq_lens: torch.Tensor, sm_scale: float, num_kv_splits: torch.Tensor,
+                   max_splits: int, attn_logits: torch.Tensor | None = None,
+                   attn_lse: torch.Tensor | None = None, *, block_n: int | None = None,
+                   num_warps: int | None = None, num_stages: int | None = None
+                   ) -> torch.Tensor:
+    """Absorbed-form MLA decode over the latent pool (module docstring).
+
+    Args:
+        q_lat: ``[B, H, R]`` ``q_nope @ W_UK`` of each request's new token (fp16/bf16/fp32,
+            last axis unit stride).
+        q_pe: ``[B, H, P]`` its rotated rope part (last axis unit stride).
+        latent: ``[S, 1, R + P]`` (or ``[S, R + P]``) one layer's latent cache, the new
+            tokens stored; unit stride on the last axis.
+        o: ``[B, H, R]`` output (the latent-space values), written and returned.
+        req_to_token: ``[rows, max_context]`` int32 slot table; req_pool_indices ``[B]``
+            its rows; seq_lens ``[B]`` lengths with the new token (0: a zero output).
+        sm_scale: the softmax scale.
+        num_kv_splits: ``[B]`` int32 splits per request (:func:`choose_mla_splits`).
+        max_splits: the split axis (of the grid and the workspaces), >= 1.
+        attn_logits, attn_lse: fp32 workspaces ``[>=B, H, max_splits, R]`` and
+            ``[>=B, H, max_splits]`` (:func:`mla_decode_workspaces`), or None for fresh.
+        block_n, num_warps, num_stages: launch overrides (benchmarks).
+    Returns:
+        ``o``.
+    Raises:
+        ValueError: shapes that do not fit, a non-unit last stride, ``max_splits < 1``.
+    """
+    bs, h, r = q_lat.shape
+    p = q_pe.shape[-1]
+    lat = latent.reshape(latent.shape[0], -1) if latent.dim() == 3 else latent
+    if q_pe.shape[:2] != (bs, h) or o.shape != q_lat.shape or lat.shape[1] != r + p \
+            or req_pool_indices.shape[0] != bs or seq_lens.shape[0] != bs:
+        raise ValueError(f"mla_decode_fwd shape mismatch: q_lat {tuple(q_lat.shape)}, q_pe "
+                         f"{tuple(q_pe.shape)}, latent {tuple(latent.shape)}, o "
+                         f"{tuple(o.shape)}, B={bs}")
+    for x in (q_lat, q_pe, lat, o, req_to_token):
+        if x.stride(-1) != 1:
+            raise ValueError("the last axis of every tensor argument must be unit stride")
+    if max_splits < 1:
+        raise ValueError("max_splits must be >= 1")
+    if bs == 0:
+        return o
+    if attn_logits is None or attn_lse is None:
+        attn_logits, attn_lse = mla_decode_workspaces(bs, h, max_splits, r, q_lat.device)
+    meta, opts = _mla_meta(r, p, q_lat.dtype, q_lat.device.type, block_n, num_warps,
+                           num_stages)
+    _mla_decode_stage1_kernel[(bs, mla_head_blocks(h), max_splits)](
+        q_lat, q_pe, lat, req_to_token, req_pool_indices, seq_lens, num_kv_splits,
+        attn_logits, attn_lse, o, sm_scale * _LOG2E, max_splits, h,
+        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), lat.stride(0),
+        req_to_token.stride(0), attn_logits.stride(0), attn_logits.stride(1),
+        attn_logits.stride(2), attn_lse.stride(0), attn_lse.stride(1), o.stride(0),
+        o.stride(1), **meta, **opts)
+    meta2, opts2 = _stage2_meta(r, max_splits)
+    _decode_stage2_kernel[(bs, h)](
+        attn_logits, attn_lse, o, num_kv_splits, max_splits, attn_lse,
+        attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
+        attn_lse.stride(0), attn_lse.stride(1), o.stride(0), o.stride(1), **meta2,
+        HAS_SINKS=False, **opts2)
+    return o
+
+
+__all__ = ["MLA_BLOCK_H", "choose_mla_splits", "mla_decode_fwd", "mla_decode_workspaces",
+           "mla_head_blocks", "mla_split_cap"]

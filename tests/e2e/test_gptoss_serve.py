@@ -1,0 +1,156 @@
+"""``ferry serve`` on a tiny gpt-oss checkpoint in the harmony format, with no parser flags:
+the server picks ``--reasoning-parser gpt-oss`` and ``--tool-call-parser gpt-oss`` from the
+architecture (and says so), renders prompts with the checkpoint's harmony chat template
+(``reasoning_effort`` reaching it), stops on ``<|call|>`` and ``<|return|>``.
+
+The checkpoint's greedy answer is scripted (``tests/engine/harmony_helpers.py``): reasoning
+``ponder``, then a call ``get({"q": 1})`` in the commentary channel ending ``<|call|>``;
+with the call's header token banned (``logit_bias``), a final answer ``Sure`` ending
+``<|return|>``. One server start-up for the module.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import FerryServer
+
+pytestmark = pytest.mark.slow
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get", "description": "Look q up.",
+    "parameters": {"type": "object", "properties": {"q": {"type": "integer"}},
+                   "required": ["q"]}}}]
+MSG = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    from harmony_helpers import CALL_HEAD, save_scripted_gptoss
+
+    ckpt = tmp_path_factory.mktemp("scripted-gptoss")
+    ids = save_scripted_gptoss(ckpt)
+    server = FerryServer(tmp_path_factory.mktemp("ferry-gptoss"), [
+        "--model-path", str(ckpt), "--device", "cpu", "--dtype", "float32",
+        "--served-model-name", "oss", "--max-total-tokens", "2048"])
+    server.start()
+    try:
+        yield server, ids[CALL_HEAD], ckpt
+    finally:
+        server.stop()
+
+
+def _chat(srv, **body) -> dict:
+    server = srv[0]
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=server.http_timeout,
+                   json=dict({"model": "oss", "messages": MSG, "max_tokens": 16,
+                              "temperature": 0}, **body))
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_family_parsers_are_the_default_and_logged(srv):
+    log = srv[0].log()
+    assert "GptOssForCausalLM: defaulting to --reasoning-parser gpt-oss and " \
+           "--tool-call-parser gpt-oss" in log
+
+
+def test_tool_call_in_commentary_ends_the_turn(srv):
+    body = _chat(srv, tools=TOOLS)
+    choice = body["choices"][0]
+    m = choice["message"]
+    assert m["reasoning_content"] == "ponder"
+    assert m["content"] is None
+    assert [c["function"] for c in m["tool_calls"]] == [{"name": "get",
+                                                         "arguments": '{"q": 1}'}]
+    assert choice["finish_reason"] == "tool_calls"
+    # <|channel|> analysis <|message|> ponder <|end|>
+    assert body["usage"]["completion_tokens_details"]["reasoning_tokens"] >= 3
+    assert body["usage"]["completion_tokens"] == 9          # ... <|call|> included
+
+
+def test_stream_gives_the_same_message(srv):
+    server = srv[0]
+    reasoning, content, calls, finish = "", "", {}, None
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=server.http_timeout,
+                      json={"model": "oss", "messages": MSG, "tools": TOOLS, "max_tokens": 16,
+                            "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            d = choice["delta"]
+            reasoning += d.get("reasoning_content") or ""
+            content += d.get("content") or ""
+            for tc in d.get("tool_calls") or []:
+                call = calls.setdefault(tc["index"], ["", ""])
+                call[0] += tc.get("function", {}).get("name") or ""
+                call[1] += tc.get("function", {}).get("arguments") or ""
+            finish = choice["finish_reason"] or finish
+    assert (reasoning, content, calls, finish) == ("ponder", "", {0: ["get", '{"q": 1}']},
+                                                   "tool_calls")
+
+
+def test_final_channel_is_the_content_and_return_stops(srv):
+    body = _chat(srv, tools=TOOLS, logit_bias={str(srv[1]): -100})
+    choice = body["choices"][0]
+    assert choice["message"]["reasoning_content"] == "ponder"
+    assert choice["message"]["content"] == "Sure"
+    assert "tool_calls" not in choice["message"]
+    assert choice["finish_reason"] == "stop"
+
+
+def test_reasoning_effort_and_tool_history_reach_the_template(srv):
+    """The prompt (one token a character) says ``Reasoning: high`` for ``reasoning_effort:
+    high``, one character more than ``low`` (and as ``chat_template_kwargs`` says it); a
+    conversation with the call and its result rendered back is longer still."""
+    def prompt_len(**body) -> int:
+        return _chat(srv, max_tokens=1, **body)["usage"]["prompt_tokens"]
+
+    high = prompt_len(reasoning_effort="high")
+    assert high == prompt_len(reasoning_effort="low") + 1
+    assert high == prompt_len(chat_template_kwargs={"reasoning_effort": "high"})
+    history = MSG + [{"role": "assistant", "content": None, "reasoning_content": "ponder",
+                      "tool_calls": [{"id": "c1", "type": "function", "function": {
+                          "name": "get", "arguments": '{"q": 1}'}}]},
+                     {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    with_history = prompt_len(messages=history, tools=TOOLS)
+    # the analysis message, the call and the result, in harmony's framing
+    rendered = ('<|start|>assistant<|channel|>analysis<|message|>ponder<|end|>'
+                '<|start|>assistant to=functions.get<|channel|>commentary json<|message|>'
+                '{"q": 1}<|call|><|start|>functions.get to=assistant<|channel|>commentary'
+                '<|message|>"42"<|end|>')
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(srv[2]))
+    assert with_history == prompt_len(tools=TOOLS) + len(
+        tok.encode(rendered, add_special_tokens=False))
+
+
+def test_responses_reasoning_item_then_call_with_effort(srv):
+    """``/v1/responses``: the analysis channel as a reasoning item, the commentary call as
+    a ``function_call`` item; ``reasoning.effort`` reaches the template (one character
+    more for ``high`` than ``low``)."""
+    server = srv[0]
+
+    def respond(effort: str) -> dict:
+        r = httpx.post(server.url + "/v1/responses", timeout=server.http_timeout, json={
+            "model": "oss", "input": "hi", "max_output_tokens": 16, "temperature": 0,
+            "reasoning": {"effort": effort},
+            "tools": [{"type": "function", "name": "get",
+                       "parameters": TOOLS[0]["function"]["parameters"]}]})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    body = respond("high")
+    assert [i["type"] for i in body["output"]] == ["reasoning", "function_call"]
+    assert body["output"][0]["content"] == [{"type": "reasoning_text", "text": "ponder"}]
+    assert (body["output"][1]["name"], body["output"][1]["arguments"]) == ("get", '{"q": 1}')
+    assert body["usage"]["input_tokens"] == respond("low")["usage"]["input_tokens"] + 1

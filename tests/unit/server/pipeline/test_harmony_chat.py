@@ -1,0 +1,177 @@
+"""gpt-oss's harmony through the chat pipeline's pieces, without a model: the prompt
+(``chat_prompt`` with the harmony template of ``tests/engine/harmony_helpers.py``: system
+and developer messages, ``reasoning_effort``, tools as ``namespace functions``, the
+assistant's reasoning and call and the tool's result rendered back), the parsers the
+architecture chooses (``ChatTokenizer``'s family defaults), the turn-end tokens the engine
+stops on, and harmony token sequences through the chat writer (reasoning separated, a
+commentary call turned into ``tool_calls`` with JSON arguments; every split of the stream
+giving the non-stream answer)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from server.chat_template import ChatTokenizer
+from server.openai.protocol import ChatCompletionRequest
+from server.parsers.reasoning import get_reasoning_parser
+from server.pipeline.prompt import chat_prompt
+from server.pipeline.reasoning import ReasoningPlan
+from server.tokenizer_manager import ReqOutput
+from server.tools.plan import ToolPlan, plan_tools
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "engine"))
+from harmony_helpers import SPECIALS, harmony_tokenizer  # noqa: E402
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city.",
+    "parameters": {"type": "object", "required": ["city"], "properties": {
+        "city": {"type": "string", "description": "the city"},
+        "unit": {"type": "string", "enum": ["c", "f"]}}}}}]
+CALL = ["<|channel|>", "analysis", "<|message|>", "Need", " the weather", ".", "<|end|>",
+        "<|start|>", "assistant", "<|channel|>", "commentary", " to=functions.get_weather",
+        " ", "<|constrain|>", "json", "<|message|>", '{"city"', ': "Paris"}']
+FINAL = ["<|channel|>", "analysis", "<|message|>", "Easy", ".", "<|end|>", "<|start|>",
+         "assistant", "<|channel|>", "final", "<|message|>", "It is", " 4", "."]
+STRIP = tuple(sorted(SPECIALS, key=len, reverse=True))
+
+
+def _chat(arch="GptOssForCausalLM", reasoning=None, tools="auto") -> ChatTokenizer:
+    chat = ChatTokenizer(types.SimpleNamespace(tool_call_parser=tools,
+                                               reasoning_parser=reasoning))
+    chat.set_tokenizer(harmony_tokenizer(), arch)
+    return chat
+
+
+def _prompt(messages, **fields) -> str:
+    chat = _chat()
+    req = ChatCompletionRequest(model="m", messages=messages, **fields)
+    plan = plan_tools(req, chat.tokenizer.chat_template, chat.tool_call_parser)
+    tm = types.SimpleNamespace(chat=chat)
+    ids = asyncio.run(chat_prompt(tm, req, plan))
+    return chat.tokenizer.decode(ids)
+
+
+def test_architecture_picks_the_harmony_parsers_unless_flags_say_otherwise(caplog):
+    with caplog.at_level("INFO", logger="ferry.server"):
+        chat = _chat()
+    assert (chat.reasoning_parser, chat.tool_call_parser) == ("gpt-oss", "gpt-oss")
+    assert "defaulting to --reasoning-parser gpt-oss and --tool-call-parser gpt-oss" \
+        in caplog.text
+    chat = _chat(reasoning="qwen3", tools="hermes")
+    assert (chat.reasoning_parser, chat.tool_call_parser) == ("qwen3", "hermes")
+    chat = _chat(arch="LlamaForCausalLM")
+    assert (chat.reasoning_parser, chat.tool_call_parser) == (None, "auto")
+
+
+def test_prompt_renders_system_developer_effort_and_tools():
+    text = _prompt([{"role": "developer", "content": "Be brief."},
+                    {"role": "user", "content": "Weather in Paris?"}],
+                   tools=TOOLS, reasoning_effort="high",
+                   chat_template_kwargs={"current_date": "2026-12-03"})
+    assert text.startswith("<|start|>system<|message|>You are ChatGPT")
+    assert "Current date: 2026-12-03\n\nReasoning: high\n\n" in text
+    assert "Calls to these tools must go to the commentary channel: 'functions'.<|end|>" in text
+    assert ("<|start|>developer<|message|># Instructions\n\nBe brief.\n\n# Tools\n\n"
+            "## functions\n\nnamespace functions {\n\n// Weather of a city.\n"
+            "type get_weather = (_: {\n// the city\ncity: string,\nunit?: \"c\" | \"f\",\n"
+            "}) => any;\n\n} // namespace functions<|end|>") in text
+    assert text.endswith("<|start|>user<|message|>Weather in Paris?<|end|><|start|>assistant")
+    assert "Reasoning: medium" in _prompt([{"role": "user", "content": "hi"}])
+
+
+def test_prompt_renders_the_call_and_its_result_back():
+    text = _prompt([{"role": "user", "content": "Weather in Paris?"},
+                    {"role": "assistant", "content": None, "reasoning_content": "Need it.",
+                     "tool_calls": [{"id": "c1", "type": "function", "function": {
+                         "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "20 C"}], tools=TOOLS)
+    assert text.endswith(
+        "<|start|>user<|message|>Weather in Paris?<|end|>"
+        "<|start|>assistant<|channel|>analysis<|message|>Need it.<|end|>"
+        "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+        '{"city": "Paris"}<|call|>'
+        '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"20 C"'
+        "<|end|><|start|>assistant")
+    with pytest.raises(Exception, match="reasoning_effort must be a string"):
+        _prompt([{"role": "user", "content": "hi"}], reasoning_effort=3)
+
+
+def test_harmony_turn_end_tokens_stop_the_engine():
+    from engine.tokenizer.tokenizer import eos_token_ids
+
+    tok = harmony_tokenizer()
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIALS}
+    oss = types.SimpleNamespace(architectures=["GptOssForCausalLM"], eos_token_id=ids["<|return|>"])
+    assert eos_token_ids(oss, tok) == sorted([ids["<|return|>"], ids["<|call|>"]])
+    other = types.SimpleNamespace(architectures=["LlamaForCausalLM"], eos_token_id=5)
+    assert eos_token_ids(other, tok) == sorted({5, ids["<|return|>"]})
+
+
+def _outputs(pieces, finish="stop"):
+    return [ReqOutput(0, p, [i], {"type": finish} if i == len(pieces) - 1 else None, 5, i + 1)
+            for i, p in enumerate(pieces)]
+
+
+def _format(tools: bool):
+    from server.openai.tool_format import chat_format
+
+    plan = ToolPlan(tools=TOOLS, choice="auto", parser="gpt-oss") if tools else ToolPlan()
+    return chat_format(plan, "chatcmpl-1", "m", 1, 5, True, False,
+                       reasoning=ReasoningPlan(get_reasoning_parser("gpt-oss")), strip=STRIP)
+
+
+def _streamed(pieces, tools: bool) -> dict:
+    fmt = _format(tools)
+    msg = {"reasoning_content": "", "content": "", "calls": {}, "finish": None}
+    for out in _outputs(pieces):
+        for c in fmt.chunks(out):
+            ch = c["choices"][0]
+            d = ch["delta"]
+            msg["reasoning_content"] += d.get("reasoning_content") or ""
+            msg["content"] += d.get("content") or ""
+            for tc in d.get("tool_calls") or []:
+                call = msg["calls"].setdefault(tc["index"], ["", ""])
+                call[0] += tc.get("function", {}).get("name") or ""
+                call[1] += tc.get("function", {}).get("arguments") or ""
+            msg["finish"] = ch["finish_reason"] or msg["finish"]
+    return msg
+
+
+def _splits(pieces):
+    """The text cut after each character, and token by token."""
+    text = "".join(pieces)
+    yield pieces
+    for i in range(1, len(text)):
+        yield [text[:i], text[i:]]
+
+
+def test_commentary_call_becomes_tool_calls_stream_and_not():
+    body = _format(True).full([_outputs(CALL)])
+    choice = body["choices"][0]
+    assert choice["message"]["reasoning_content"] == "Need the weather."
+    assert choice["message"]["content"] is None
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [
+        {"name": "get_weather", "arguments": '{"city": "Paris"}'}]
+    assert choice["finish_reason"] == "tool_calls"
+    assert body["usage"]["completion_tokens_details"]["reasoning_tokens"] >= 4
+    for pieces in _splits(CALL):
+        msg = _streamed(pieces, True)
+        assert msg == {"reasoning_content": "Need the weather.", "content": "",
+                       "calls": {0: ["get_weather", '{"city": "Paris"}']},
+                       "finish": "tool_calls"}, pieces
+
+
+def test_final_channel_is_content_stream_and_not():
+    body = _format(False).full([_outputs(FINAL)])
+    m = body["choices"][0]["message"]
+    assert (m["reasoning_content"], m["content"]) == ("Easy.", "It is 4.")
+    assert body["choices"][0]["finish_reason"] == "stop"
+    for pieces in _splits(FINAL):
+        msg = _streamed(pieces, False)
+        assert (msg["reasoning_content"], msg["content"], msg["finish"]) == (
+            "Easy.", "It is 4.", "stop"), pieces
