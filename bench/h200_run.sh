@@ -438,6 +438,16 @@ c['quantization_config'] = {'quant_method': 'fp8', 'fmt': 'e4m3', 'activation_sc
     fp8block-sweep) # the block-FP8 GEMM's launch-config grid per shape and M (~8 min)
              run fp8block-sweep 520 python3 -m bench.kernels.sweep_gemm_fp8_block \
                --result-json "$OUT/fp8block-sweep.json";;
+    gemma4) # Gemma 4 E2B text (issue 42): the Triton kernels at its head sizes (256 sliding,
+            # 512 global), then bs1/bs64 decode on dummy weights (KV-sharing layers, per-layer
+            # inputs; piecewise graphs are skipped for this family, decode graphs run)
+            run gemma4-kernels 300 python3 -m pytest -q -x -m gpu -k gemma4 \
+              tests/kernels/test_triton_decode_attention.py \
+              tests/kernels/test_triton_extend_attention.py -p no:cacheprovider
+            run gemma4-latency 300 python3 -m bench.bench_latency \
+              --model-path engine/configs/gemma-4-e2b.json --load-format dummy \
+              --batch-size 1 64 --input-len 512 --output-len 64 \
+              --result-jsonl "$OUT/gemma4-latency.jsonl";;
     *) echo "unknown stage $stage";;
   esac
 done

@@ -101,6 +101,11 @@ class LayerSpec:
             values per token (:attr:`latent_dim`).
         state: the per-request state of a ``RECURRENT_STATE`` layer (its pool needs it),
             else None.
+        kv_source_layer: the index of an earlier layer of the same shape whose paged K/V
+            this layer reads instead of keeping its own (Gemma 4's KV sharing); the layer
+            computes no K/V, writes none, and the pool gives it no memory (its
+            ``k_buffers[i]`` is the source's, :func:`engine.kv.pool.build_kv_pool`).
+            None: the layer keeps its own K/V.
 
     Raises:
         ValueError: an inconsistent description (a window on a non-sliding layer, a
@@ -120,8 +125,13 @@ class LayerSpec:
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
     state: RecurrentStateSpec | None = None
+    kv_source_layer: int | None = None
 
     def __post_init__(self):
+        if self.kv_source_layer is not None and (self.kv_source_layer < 0
+                                                 or self.cache != CacheKind.PAGED_KV):
+            raise ValueError(f"kv_source_layer {self.kv_source_layer} on a {self.cache.value} "
+                             "layer: a layer reads another's paged K/V only")
         if self.state is not None and self.cache != CacheKind.RECURRENT_STATE:
             raise ValueError(f"a {self.cache.value} cache with state={self.state}: the state "
                              "shape belongs to recurrent_state layers")

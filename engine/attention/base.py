@@ -34,7 +34,7 @@ import torch
 # the step and its per-step attention state live below the backends (the layers, models and
 # executor read them too); AttentionMetadata is re-exported here for the backends
 from engine.forward_batch import AttentionMetadata, ForwardBatch
-from engine.layer_spec import AttentionKind, LayerSpec, unsupported_feature
+from engine.layer_spec import AttentionKind, CacheKind, LayerSpec, unsupported_feature
 
 __all__ = ["AttentionBackend", "AttentionMetadata"]
 
@@ -87,6 +87,10 @@ class AttentionBackend(ABC):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        #: the widest head of the paged layers (Gemma 4's global layers are wider than
+        #: ``head_dim``): per-head workspaces are sized by it
+        self.max_head_dim = max([head_dim] + [s.head_dim for s in self.layer_specs
+                                              if s.cache == CacheKind.PAGED_KV])
         self.device = torch.device(device)
         self.num_sms = num_sms
         self.waves = waves or 1
@@ -185,7 +189,10 @@ class AttentionBackend(ABC):
         """Store the new K/V of layer ``layer_id``, then attend.
 
         Args:
-            q: [T, Hq, D]; k, v: [T, Hkv, D] (the step's new tokens).
+            q: [T, Hq, D]; k, v: [T, Hkv, D] (the step's new tokens), or both None for a
+                layer that reads another layer's K/V (``LayerSpec.kv_source_layer``; its
+                ``fb.k_buffers[layer_id]`` is the source's, which stored this step's K/V
+                already): nothing is stored.
             sm_scale: softmax scale, usually ``D ** -0.5`` (Gemma: ``query_pre_attn_scalar
                 ** -0.5``).
             fb: the step (``init_forward`` done).
@@ -211,7 +218,8 @@ class AttentionBackend(ABC):
         if fb.swa is not None and spec is not None and spec.attention == AttentionKind.SLIDING:
             fb = fb.swa  # the windowed pool's slots and table (engine/kv/windowed.py)
         kb, vb = fb.k_buffers[layer_id], fb.v_buffers[layer_id]
-        self.store_kv(kb, vb, fb.out_cache_loc, k, v)
+        if k is not None:
+            self.store_kv(kb, vb, fb.out_cache_loc, k, v)
         o = torch.empty_like(q) if out is None else out
         if fb.is_decode:
             self.forward_decode(q, o, kb, vb, fb, sm_scale, **variants)
@@ -219,6 +227,9 @@ class AttentionBackend(ABC):
         nd = fb.num_decodes
         te = q.shape[0] - nd             # tokens of the requests that extend
         if fb.num_extends:
+            if k is None:  # a kv_source_layer reader: the source stored this step's K/V
+                loc = fb.out_cache_loc[:te]
+                k, v = kb[loc].to(q.dtype), vb[loc].to(q.dtype)
             ke, ve = k[:te], v[:te]
             if kb.dtype != k.dtype and not self.rounds_new_kv_to_pool:
                 # an fp8 cache: attend to the new tokens as stored, like to the prefix, so the

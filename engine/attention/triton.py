@@ -68,7 +68,7 @@ class TritonAttnBackend(AttentionBackend):
     # ---- metadata -----------------------------------------------------------------------
     def _workspaces(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (n, self.num_heads, self.max_kv_splits)
-        return (torch.empty(shape + (self.head_dim,), dtype=torch.float32, device=device),
+        return (torch.empty(shape + (self.max_head_dim,), dtype=torch.float32, device=device),
                 torch.empty(shape, dtype=torch.float32, device=device))
 
     def init_forward(self, fb: ForwardBatch) -> None:
@@ -132,7 +132,10 @@ class TritonAttnBackend(AttentionBackend):
         """:meth:`AttentionBackend.forward_decode`; ``variants`` (sliding_window,
         logit_softcap, sinks) go to ``decode_attention_fwd``."""
         m = self._meta(fb)
+        logits = m.attn_logits    # sized by the widest head: this layer's heads' part
+        if logits.shape[-1] != q.shape[-1]:
+            logits = logits[..., :q.shape[-1]]
         self._decode(q, k_buffer, v_buffer, o, fb.req_to_token, m.req_pool_indices,
                      m.seq_lens, sm_scale, num_kv_splits=m.num_kv_splits,
-                     max_kv_splits=self.max_kv_splits, attn_logits=m.attn_logits,
+                     max_kv_splits=self.max_kv_splits, attn_logits=logits,
                      attn_lse=m.attn_lse, **variants)

@@ -65,6 +65,10 @@ def build_graphs(runner):
     elif runner.lora is not None and not runner.args.disable_piecewise_graph:
         logger.info("prefill and mixed steps run eagerly with LoRA adapters (the piecewise "
                     "graphs do not take the adapter segments yet)")
+    elif not getattr(runner.model, "supports_piecewise_graphs", True) \
+            and not runner.args.disable_piecewise_graph:
+        logger.info("prefill and mixed steps run eagerly: %s's layers do not fit the piecewise "
+                    "graphs (per-layer head sizes or inputs)", type(runner.model).__name__)
     elif not runner.args.disable_piecewise_graph:
         pw = dev.capture_or_eager(d, "piecewise graphs",
                                   lambda: PiecewiseRunner(runner, runner.piecewise_max_tokens()))

@@ -73,6 +73,8 @@ def check_start_up(args: ServerArgs, given: frozenset[str] | set[str] = frozense
         check_image_model(model, args)
     if model is not None and lora_enabled(args):
         check_lora_model(model)
+    if model is not None and args.speculative_algorithm in ("EAGLE", "EAGLE3"):
+        check_eagle_model(model, args.speculative_algorithm)
     if model is not None and device_type == "xpu":
         check_xpu_allocations(model, args.tp_size)
 
@@ -101,6 +103,17 @@ def check_lora_model(model: torch.nn.Module) -> None:
     why = getattr(type(model), "lora_refusal", None)
     if why:
         raise ValueError(f"{type(model).__name__}: {why} (--lora-paths/--enable-lora)")
+
+
+def check_eagle_model(model: torch.nn.Module, algorithm: str) -> None:
+    """A family that cannot feed an EAGLE head (its class's ``eagle_refusal``: Gemma 4).
+
+    Raises:
+        ValueError: one line naming the architecture and the flag.
+    """
+    why = getattr(type(model), "eagle_refusal", None)
+    if why:
+        raise ValueError(f"{type(model).__name__}: {why} (--speculative-algorithm {algorithm})")
 
 
 def check_adapters(args: ServerArgs) -> None:

@@ -17,7 +17,11 @@ and builds the paged pool for the ``PAGED_KV`` ones, or the latent pool
 layer, DeepSeek's MLA) for the ``LATENT_KV`` ones; :func:`kv_bytes_per_token` sizes it. Both
 share the slots, pages, ``req_to_token`` and radix cache (only the per-layer tensors differ).
 A cache kind without a store yet (a recurrent state), or two kinds in one model, is refused
-by name.
+by name. Paged layers may differ in shape (Gemma 4's global layers: other head sizes and
+K/V heads; each layer's buffers have its own), and a layer whose spec names a
+``kv_source_layer`` (Gemma 4's KV sharing) gets no buffers: its entry in ``k_buffers`` /
+``v_buffers`` is its source's (:func:`share_kv_buffers`), and it is not counted in the
+bytes per token.
 """
 
 from __future__ import annotations
@@ -70,12 +74,16 @@ class KVPool:
         num_tokens: usable KV capacity in tokens (rounded down to whole pages); one more
             page is added for the padding sink.
         page_size: slots per page (>= 1).
+        layer_shapes: ``(num_kv_heads, head_dim)`` of each layer where they differ between
+            layers (then ``num_layers`` of them; the two arguments are ignored); None: every
+            layer ``(num_kv_heads, head_dim)``.
     Memory: ``2 * num_layers * (num_tokens + page_size) * num_kv_heads * head_dim * itemsize``
-    bytes.
+    bytes (summed over ``layer_shapes``).
     """
 
     def __init__(self, num_tokens: int, page_size: int, num_layers: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: str | torch.device):
+                 head_dim: int, dtype: torch.dtype, device: str | torch.device, *,
+                 layer_shapes: Sequence[tuple[int, int]] | None = None):
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
         self.page_size = page_size
@@ -84,20 +92,21 @@ class KVPool:
         self.num_layers = num_layers
         self.dtype = dtype
         self._free_pages = list(range(self.num_pages, 0, -1))  # page 0 is the padding sink
+        self.layer_shapes = list(layer_shapes) if layer_shapes is not None else None
         self._make_buffers(num_kv_heads, head_dim, device)
 
     def _make_buffers(self, num_kv_heads: int, head_dim: int, device) -> None:
-        shape = (self.num_slots, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=self.dtype, device=device)
-                          for _ in range(self.num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=self.dtype, device=device)
-                          for _ in range(self.num_layers)]
+        shapes = self.layer_shapes or [(num_kv_heads, head_dim)] * self.num_layers
+        self.k_buffers = [torch.zeros((self.num_slots, h, d), dtype=self.dtype, device=device)
+                          for h, d in shapes]
+        self.v_buffers = [torch.zeros((self.num_slots, h, d), dtype=self.dtype, device=device)
+                          for h, d in shapes]
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the per-layer cache tensors."""
-        return sum(b.numel() * b.element_size()
-                   for b in self.k_buffers + self.v_buffers if b is not None)
+        """Bytes of the per-layer cache tensors (a buffer that layers share counted once)."""
+        bufs = {id(b): b for b in self.k_buffers + self.v_buffers if b is not None}
+        return sum(b.numel() * b.element_size() for b in bufs.values())
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -225,23 +234,47 @@ def _cache_kind(specs: Sequence[LayerSpec]) -> CacheKind:
     return next(iter(groups), CacheKind.PAGED_KV)
 
 
-def _paged_shape(specs: Sequence[LayerSpec]) -> tuple[int, int, int]:
-    """``(layers, kv_heads, head_dim)`` of the paged pool of ``specs`` (this rank's).
+def _paged_shapes(specs: Sequence[LayerSpec]) -> list[tuple[int, int]]:
+    """``(kv_heads, head_dim)`` of each layer of ``specs`` (this rank's) that keeps K/V of its
+    own (a ``kv_source_layer`` reader keeps none).
 
     Raises:
-        NotImplementedError: a cache kind without a store yet, layers without a paged K/V
-            cache among paged ones, K/V shapes that differ between layers, or a V head size
-            other than the K head size.
+        NotImplementedError: a V head size other than the K head size.
     """
-    shapes = {(s.num_kv_heads, s.head_dim, s.v_head_dim) for s in specs}
-    if len(shapes) > 1:
-        raise NotImplementedError(f"per-layer K/V shapes differ ({sorted(shapes)} as (kv heads, "
-                                  "head_dim, v_head_dim)): the paged pool has one shape")
-    (heads, d, dv), = shapes or {(1, 1, 1)}
-    if dv != d:
-        raise NotImplementedError(f"v_head_dim {dv} differs from head_dim {d}: the paged pool "
-                                  "keeps K and V at one head size")
-    return len(specs), heads, d
+    owners = [s for s in specs if s.kv_source_layer is None]
+    for s in owners:
+        if s.v_head_dim != s.head_dim:
+            raise NotImplementedError(f"v_head_dim {s.v_head_dim} differs from head_dim "
+                                      f"{s.head_dim}: the paged pool keeps K and V at one "
+                                      "head size")
+    return [(s.num_kv_heads, s.head_dim) for s in owners]
+
+
+def share_kv_buffers(pool: KVPool, specs: Sequence[LayerSpec]) -> None:
+    """Turn ``pool.k_buffers`` / ``v_buffers`` (one entry per layer of ``specs`` that keeps its
+    own K/V, in order) into one entry per layer of ``specs``: a layer with a
+    ``kv_source_layer`` gets its source's tensors (the same objects, no memory).
+
+    Raises:
+        ValueError: a source that is not an earlier layer, or of another shape.
+    """
+    if all(s.kv_source_layer is None for s in specs):
+        return
+    own_k, own_v = iter(pool.k_buffers), iter(pool.v_buffers)
+    ks, vs = [], []
+    for i, s in enumerate(specs):
+        src = s.kv_source_layer
+        if src is None:
+            ks.append(next(own_k))
+            vs.append(next(own_v))
+            continue
+        if not 0 <= src < i or (specs[src].num_kv_heads, specs[src].head_dim) != (
+                s.num_kv_heads, s.head_dim):
+            raise ValueError(f"layer {i} reads the K/V of layer {src}: the source must be an "
+                             "earlier layer of the same K/V shape")
+        ks.append(ks[src])
+        vs.append(vs[src])
+    pool.k_buffers, pool.v_buffers = ks, vs
 
 
 def kv_bytes_per_token(specs: Sequence[LayerSpec], dtype: torch.dtype) -> int:
@@ -253,14 +286,14 @@ def kv_bytes_per_token(specs: Sequence[LayerSpec], dtype: torch.dtype) -> int:
     """
     if _cache_kind(specs) == CacheKind.LATENT_KV:
         return LatentKVPool.bytes_per_token(len(specs), _latent_dim(specs), dtype)
-    layers, heads, d = _paged_shape(specs)
-    return KVPool.bytes_per_token(layers, heads, d, dtype)
+    return sum(KVPool.bytes_per_token(1, h, d, dtype) for h, d in _paged_shapes(specs))
 
 
 def build_kv_pool(specs: Sequence[LayerSpec], num_tokens: int, page_size: int,
                   dtype: torch.dtype, device: str | torch.device) -> KVPool:
     """The paged K/V pool of a model's ``PAGED_KV`` layers (one buffer pair per layer,
-    indexed by layer id), or the :class:`LatentKVPool` of its ``LATENT_KV`` layers.
+    indexed by layer id; each at its layer's shape; a ``kv_source_layer`` reader's pair is
+    its source's), or the :class:`LatentKVPool` of its ``LATENT_KV`` layers.
 
     Args:
         specs: the model's layers, this rank's (``LayerSpec.per_rank``).
@@ -273,5 +306,9 @@ def build_kv_pool(specs: Sequence[LayerSpec], num_tokens: int, page_size: int,
     if _cache_kind(specs) == CacheKind.LATENT_KV:
         return LatentKVPool(num_tokens, page_size, len(specs), _latent_dim(specs), dtype,
                             device)
-    layers, heads, d = _paged_shape(specs)
-    return KVPool(num_tokens, page_size, layers, heads, d, dtype, device)
+    shapes = _paged_shapes(specs)
+    heads, d = shapes[0] if shapes else (1, 1)
+    pool = KVPool(num_tokens, page_size, len(shapes), heads, d, dtype, device,
+                  layer_shapes=shapes if len(set(shapes)) > 1 else None)
+    share_kv_buffers(pool, specs)
+    return pool

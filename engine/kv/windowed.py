@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv.pool import KVPool, build_kv_pool, kv_bytes_per_token
+from engine.kv.pool import KVPool, build_kv_pool, kv_bytes_per_token, share_kv_buffers
 from engine.layer_spec import AttentionKind, CacheKind, LayerSpec
 
 #: windowed slots per full-attention slot when ``--swa-full-tokens-ratio`` is not given:
@@ -101,15 +101,18 @@ class WindowedKVPool(KVPool):
 
     Args:
         num_full_pages: pages of the full pool (``page_map`` covers them and the sink).
+        layer_shapes: per-layer ``(kv heads, head_dim)`` where they differ (see
+            :class:`KVPool`).
         window: the widest window W of the windowed layers (tokens).
         the rest: as :class:`KVPool`.
     """
 
     def __init__(self, num_tokens: int, page_size: int, num_layers: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: str | torch.device, *,
-                 num_full_pages: int, window: int):
+                 num_full_pages: int, window: int,
+                 layer_shapes: Sequence[tuple[int, int]] | None = None):
         super().__init__(num_tokens, page_size, num_layers, num_kv_heads, head_dim, dtype,
-                         device)
+                         device, layer_shapes=layer_shapes)
         self.window = window
         self.page_map = [0] * (num_full_pages + 1)
 
@@ -168,13 +171,17 @@ def build_pools(specs: Sequence[LayerSpec], split: PoolSplit, page_size: int,
 
     if not split.swa_tokens:
         return build_kv_pool(specs, split.full_tokens, page_size, dtype, device), None
-    swa = windowed_layers(specs)
     kv_bytes_per_token(specs, dtype)  # the checks of the undivided pool
-    full_specs = [s for i, s in enumerate(specs) if i not in set(swa)]
+    # the layers with K/V of their own; a kv_source_layer reader gets its source's at the end
+    own = [s for s in specs if s.kv_source_layer is None]
+    swa = windowed_layers(own)
+    full_specs = [s for i, s in enumerate(own) if i not in set(swa)]
     full = build_kv_pool(full_specs, split.full_tokens, page_size, dtype, device)
-    s0 = specs[swa[0]]
-    win = WindowedKVPool(split.swa_tokens, page_size, len(swa), s0.num_kv_heads, s0.head_dim,
+    shapes = [(own[i].num_kv_heads, own[i].head_dim) for i in swa]
+    win = WindowedKVPool(split.swa_tokens, page_size, len(swa), *shapes[0],
                          dtype, device, num_full_pages=full.num_pages,
-                         window=max_window(specs))
-    combine_buffers(full, win, len(specs), swa)
+                         window=max_window(specs),
+                         layer_shapes=shapes if len(set(shapes)) > 1 else None)
+    combine_buffers(full, win, len(own), swa)
+    share_kv_buffers(full, specs)
     return full, win

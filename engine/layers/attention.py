@@ -104,11 +104,15 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 fb: ForwardBatch, out: torch.Tensor | None = None) -> torch.Tensor:
-        """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D] (into ``out`` [T, Hq*D] if given)."""
+        """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D] (into ``out`` [T, Hq*D] if given).
+
+        k and v are None in a layer that reads another layer's K/V (its spec's
+        ``kv_source_layer``): the backend stores nothing and reads the source's."""
         t = q.shape[0]
+        kv_shape = (t, self.num_kv_heads, self.head_dim)
         o = fb.attn_backend.forward(q.view(t, self.num_heads, self.head_dim),
-                                    k.view(t, self.num_kv_heads, self.head_dim),
-                                    v.view(t, self.num_kv_heads, self.head_dim),
+                                    None if k is None else k.view(kv_shape),
+                                    None if v is None else v.view(kv_shape),
                                     self.layer_id, self.scaling, fb,
                                     None if out is None
                                     else out.view(t, self.num_heads, self.head_dim),

@@ -69,7 +69,8 @@ class ExpertOptions:
     Attributes:
         bias: ``w13_bias [E, 2I_local]`` and ``w2_bias [E, H]`` (the down bias is added on
             one rank per expert under tensor parallelism).
-        activation: ``"silu"`` or ``"swiglu_oai"`` (the clamped SwiGLU,
+        activation: ``"silu"``, ``"gelu_tanh"`` (Gemma 4's GeGLU experts) or
+            ``"swiglu_oai"`` (the clamped SwiGLU,
             :func:`kernels.moe.reference.swiglu_oai`).
         swiglu_alpha, swiglu_limit: its constants.
         mxfp4: the weights stay MXFP4 (:mod:`kernels.moe.mxfp4`): ``w13_weight`` /

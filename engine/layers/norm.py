@@ -127,5 +127,21 @@ class GemmaRMSNorm(nn.Module):
         return self.impl(x, self.weight, self.eps, residual)
 
 
+class UnitRMSNorm(nn.Module):
+    """RMSNorm without a weight (HF ``Gemma4RMSNorm(with_scale=False)``: Gemma 4's v norm
+    and router norm): ``x / sqrt(mean(x^2) + eps)`` in fp32, cast to x's dtype.
+
+    ``forward(x [..., H]) -> [..., H]`` in x's dtype (a new tensor).
+    """
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
 # Qwen3-Next's name for the same (1 + w) norm.
 ZeroCenteredRMSNorm = GemmaRMSNorm

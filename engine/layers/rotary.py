@@ -5,7 +5,8 @@ The head dimension is split in two halves ``x = [x1 | x2]`` rotated pairwise by
 Frequencies: ``inv_freq_i = base^(-2i/D)``; rope types ``default``, ``linear`` (positions
 divided by ``factor``) and ``llama3`` (Llama 3.1 frequency-dependent scaling, from Meta's
 reference ``apply_scaling``); ``dynamic``, ``yarn`` and ``longrope`` as transformers computes
-them (:mod:`engine.layers.rope_scaling`, with their attention factor on cos/sin). Variants:
+them (:mod:`engine.layers.rope_scaling`, with their attention factor on cos/sin), and Gemma 4's
+``proportional`` (:func:`proportional_inv_freq`). Variants:
 ``partial_rotary_factor`` (only the first ``int(D * factor)`` dims of each head rotate) and
 the interleaved layout (GLM: pairs ``(0, 1), (2, 3)...`` rotate instead of halves). The cos/sin table is built once in fp32 on the CPU (the same on
 every device) and indexed by position each step; the rotation runs in fp32, in
@@ -23,7 +24,8 @@ from torch import nn
 from engine.layers import rope_scaling
 from kernels.reference import rotary_ref
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope",
+                        "proportional")
 
 
 def rope_config(config) -> tuple[float, dict]:
@@ -71,6 +73,19 @@ def linear_scaled_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor
     return inv_freq / float(params["factor"])
 
 
+def proportional_inv_freq(head_dim: int, base: float, params: dict) -> torch.Tensor:
+    """Gemma 4's ``proportional`` rope (its global layers): the whole head keeps the
+    rotate-half layout, but only the first ``int(partial_rotary_factor * head_dim / 2)``
+    frequency pairs turn, at ``base^(-2i / head_dim)`` (the full head size in the exponent),
+    divided by ``factor`` (default 1); the other pairs get frequency 0 (cos 1, sin 0: passed
+    through). Returns ``[head_dim // 2]`` fp32 on the CPU."""
+    angles = int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+    inv_freq = torch.zeros(head_dim // 2, dtype=torch.float32, device="cpu")
+    inv_freq[:angles] = 1.0 / (base ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64,
+                                                     device="cpu").float() / head_dim))
+    return inv_freq / float(params.get("factor", 1.0))
+
+
 def compute_inv_freq(head_dim: int, base: float, params: dict) -> torch.Tensor:
     """Inverse frequencies ``[head_dim // 2]`` fp32 on the CPU.
 
@@ -97,6 +112,8 @@ def compute_inv_freq(head_dim: int, base: float, params: dict) -> torch.Tensor:
         return rope_scaling.yarn_inv_freq(head_dim, base, params, None)[0]
     if rope_type == "longrope":
         return rope_scaling.longrope_inv_freq(head_dim, base, params, short=True)
+    if rope_type == "proportional":
+        return proportional_inv_freq(head_dim, base, params)
     raise ValueError(f"unsupported rope type {rope_type!r}; ferry supports "
                      f"{', '.join(SUPPORTED_ROPE_TYPES)}")
 
@@ -122,7 +139,11 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         params = params or {"rope_type": "default"}
         self.head_dim = head_dim
-        self.rotary_dim = rd = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        # ``proportional`` reads its factor as the share of frequencies that turn, over the
+        # whole head (:func:`proportional_inv_freq`)
+        partial = 1.0 if params.get("rope_type") == "proportional" \
+            else params.get("partial_rotary_factor", 1.0)
+        self.rotary_dim = rd = int(head_dim * partial)
         if rd % 2 or rd < 2:
             raise ValueError(f"rotary dimension {rd} (head_dim {head_dim} x partial_rotary_"
                              f"factor) must be even and positive")

@@ -20,6 +20,7 @@ from engine.models.gemma import (
     Gemma3ForCausalLM,
     Gemma3ForConditionalGeneration,
 )
+from engine.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 from engine.models.glm4 import Glm4ForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.granite import GraniteForCausalLM
@@ -61,6 +62,8 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,
     "GptOssForCausalLM": GptOssForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,

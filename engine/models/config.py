@@ -161,8 +161,8 @@ class ModelConfig:
             num_layers=text.num_hidden_layers,
             hidden_size=text.hidden_size,
             num_heads=heads,
-            num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+            num_kv_heads=_global_field(text, "num_key_value_heads") or heads,
+            head_dim=_global_field(text, "head_dim") or text.hidden_size // heads,
             # an MoE-only config (Qwen3.5-MoE) names only its experts' width
             intermediate_size=(text.intermediate_size if hasattr(text, "intermediate_size")
                                else text.moe_intermediate_size),
@@ -183,6 +183,17 @@ class ModelConfig:
         )
 
 
+def _global_field(text, name: str):
+    """``text.<name>`` or None. transformers 5's heterogeneous configs (Gemma 4: head size and
+    K/V heads per layer, ``per_layer_config``) refuse a plain read of a per-layer field; the
+    global value (the sliding layers', which a family with other layers reads per layer) is
+    read without that check."""
+    read = getattr(text, "_getattr_without_heterogeneous_validation", None)
+    if read is not None:
+        return read(name, None)
+    return getattr(text, name, None)
+
+
 def _moe_fields(text) -> dict:
     """The MoE fields of an HF config, under each family's own names (none: dense)."""
     experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
@@ -190,7 +201,8 @@ def _moe_fields(text) -> dict:
         return {}
     return {
         "num_experts": int(experts),
-        "num_experts_per_tok": int(text.num_experts_per_tok),
+        "num_experts_per_tok": int(getattr(text, "num_experts_per_tok", None)
+                                   or text.top_k_experts),          # Gemma 4's name
         "moe_intermediate_size": int(getattr(text, "moe_intermediate_size", None)
                                      or text.intermediate_size),
         "norm_topk_prob": bool(getattr(text, "norm_topk_prob", False)),

@@ -31,9 +31,10 @@ the decoder's hidden-state hook. GGUF files load through transformers' GGUF conf
 types ``gemma2``, ``gemma3``): its mapping (transformers 5.24) reads neither the
 soft-caps nor ``query_pre_attn_scalar`` nor Gemma 3's rope scaling from the file, so the
 config classes' defaults apply: right for Gemma 2 2B/9B and Gemma 3 1B, not for Gemma 2
-27B (scalar 144) nor Gemma 3 4B-27B (linear rope scaling; 27B's scalar 168). Gemma 4 (``gemma4_text``) is not supported: plain
-``w`` norms, scale 1 with a weightless v norm, K/V shared across layers, per-layer input
-embeddings, an MoE block and global layers of another head size.
+27B (scalar 144) nor Gemma 3 4B-27B (linear rope scaling; 27B's scalar 168). Gemma 4
+(``gemma4_text``: plain ``w`` norms, scale 1 with a weightless v norm, K/V shared across
+layers, per-layer input embeddings, an MoE block and global layers of another head size)
+is :mod:`engine.models.gemma4`, built on this class.
 """
 
 from __future__ import annotations
@@ -106,6 +107,8 @@ class GemmaForCausalLM(DecoderForCausalLM):
     attention_kinds = (AttentionKind.FULL, AttentionKind.SLIDING)
     #: per-head (1 + w) q/k norms (Gemma 3)
     qk_norm = False
+    #: checkpoint prefixes of the towers ferry does not run (skipped at load, one log line)
+    skipped_prefixes: tuple[str, ...] = _VISION_PREFIXES
 
     def __init__(self, config, dtype: torch.dtype = torch.float32):
         text = text_config(config)
@@ -162,7 +165,7 @@ class GemmaForCausalLM(DecoderForCausalLM):
 
         def text_only():
             for name, tensor in weights:
-                if name.startswith(_VISION_PREFIXES):
+                if name.startswith(self.skipped_prefixes):
                     skipped[0] += 1
                     continue
                 for old, new in _LM_PREFIXES:
@@ -173,8 +176,9 @@ class GemmaForCausalLM(DecoderForCausalLM):
 
         loaded = super().load_weights(text_only())
         if skipped[0]:
-            logger.info("%s: skipped %d vision-tower tensors (ferry serves the text model "
-                        "only; image inputs are not supported yet)", type(self).__name__,
+            logger.info("%s: skipped %d vision/audio-tower tensors (ferry serves the text "
+                        "model only; image and audio inputs are not supported yet)",
+                        type(self).__name__,
                         skipped[0])
         return loaded
 

@@ -37,7 +37,12 @@ from kernels.fused_ops import silu_and_mul
 from kernels.moe.fused_moe import moe_align_block_size, moe_sum
 from kernels.moe.moe_config import check_config, get_moe_config
 from kernels.moe.mxfp4 import check_mxfp4
-from kernels.moe.reference import check_moe_shapes, swiglu_oai
+from kernels.moe.reference import (
+    MOE_ACTIVATIONS,
+    check_moe_shapes,
+    gelu_tanh_and_mul,
+    swiglu_oai,
+)
 
 
 @triton.jit
@@ -264,8 +269,9 @@ def fused_moe_oai(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     else:
         check_moe_shapes(hidden_states, w13, w2, topk_weights, topk_ids)
         num_experts, two_i = w13.shape[0], w13.shape[1]
-    if activation not in ("silu", "swiglu_oai"):
-        raise ValueError(f"fused_moe: unknown activation {activation!r} (silu, swiglu_oai)")
+    if activation not in MOE_ACTIVATIONS:
+        raise ValueError(f"fused_moe: unknown activation {activation!r} "
+                         f"({', '.join(MOE_ACTIVATIONS)})")
     inter, top_k = two_i // 2, topk_ids.shape[1]
     out = torch.empty((m, h), dtype=dtype, device=dev)
     if m == 0:
@@ -286,8 +292,12 @@ def fused_moe_oai(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     gate_up = torch.empty((num_pairs, 2 * inter), dtype=dtype, device=dev)
     invoke_moe_gemm_oai(hidden_states, w13v, w13_scales, w13_bias, gate_up, None, sorted_ids,
                         expert_ids, num_post, top_k, config)
-    act = (swiglu_oai(gate_up, swiglu_alpha, swiglu_limit).to(dtype)
-           if activation == "swiglu_oai" else silu_and_mul(gate_up))
+    if activation == "swiglu_oai":
+        act = swiglu_oai(gate_up, swiglu_alpha, swiglu_limit).to(dtype)
+    elif activation == "gelu_tanh":
+        act = gelu_tanh_and_mul(gate_up).to(dtype)
+    else:
+        act = silu_and_mul(gate_up)
     down = torch.empty((num_pairs, h), dtype=dtype, device=dev)
     invoke_moe_gemm_oai(act, w2v, w2_scales, w2_bias, down, weights, sorted_ids, expert_ids,
                         num_post, 1, config)

@@ -163,12 +163,26 @@ def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tenso
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU on ``[n, 2I]`` (gate columns first, then up): ``gelu_tanh(gate) * up`` in fp32
+    -> ``[n, I]`` fp32 (Gemma 4's experts, transformers' ``Gemma4TextExperts``)."""
+    inter = gate_up.shape[-1] // 2
+    return F.gelu(gate_up[..., :inter].float(), approximate="tanh") * gate_up[..., inter:].float()
+
+
+#: the experts' activations (``activation=`` of the fused MoE ops)
+MOE_ACTIVATIONS = ("silu", "swiglu_oai", "gelu_tanh")
+
+
 def _activate(gate_up: torch.Tensor, activation: str, alpha: float, limit: float
               ) -> torch.Tensor:
     if activation == "swiglu_oai":
         return swiglu_oai(gate_up, alpha, limit)
+    if activation == "gelu_tanh":
+        return gelu_tanh_and_mul(gate_up)
     if activation != "silu":
-        raise ValueError(f"fused_moe: unknown activation {activation!r} (silu, swiglu_oai)")
+        raise ValueError(f"fused_moe: unknown activation {activation!r} "
+                         f"({', '.join(MOE_ACTIVATIONS)})")
     inter = gate_up.shape[-1] // 2
     return F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()
 
@@ -197,8 +211,9 @@ def fused_moe_torch(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Te
         topk_ids: ``[M, top_k]`` int32/int64; ids outside ``[0, E)`` are skipped.
         w13_bias, w2_bias: optional ``[E, 2I]`` / ``[E, H]`` biases (gpt-oss), added to the
             expert's outputs before the activation / before the routed weight.
-        activation: ``"silu"`` (SwiGLU, the default) or ``"swiglu_oai"``
-            (:func:`swiglu_oai` with ``swiglu_alpha``, ``swiglu_limit``).
+        activation: ``"silu"`` (SwiGLU, the default), ``"swiglu_oai"``
+            (:func:`swiglu_oai` with ``swiglu_alpha``, ``swiglu_limit``) or ``"gelu_tanh"``
+            (:func:`gelu_tanh_and_mul`).
         w13_scales, w2_scales: MXFP4 scales ``[E, 2I, H/32]`` / ``[E, H, I/32]`` uint8.
 
     Returns:

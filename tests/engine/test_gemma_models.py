@@ -1,5 +1,5 @@
-"""Gemma 2, Gemma 3 (text) and a multimodal Gemma 3's language model served by ferry vs HF
-transformers.
+"""Gemma 2, Gemma 3 (text), Gemma 4 (text, its MoE variant) and multimodal Gemma 3 and 4
+checkpoints' language models served by ferry vs HF transformers.
 
 Each case is a tiny random HF model (hidden 64, head_dim 16, sliding windows of 8 tokens:
 smaller than the 13- and 40-token prompts; Gemma 2 with attention and final soft-caps small
@@ -9,7 +9,10 @@ scaled global one) saved with ``save_pretrained`` and loaded by the offline ``LL
 tokens must equal HF ``generate``'s over 12 steps and the chosen tokens' log-probabilities
 agree within 1e-3: in a batch of different lengths, alone (a prefix-cache miss), with the
 prefix cache hit, and across chunked-prefill boundaries (``chunked_prefill_size=16``).
-Tensor parallelism TP=2 vs TP=1 (gloo) runs on the Gemma 3 checkpoint.
+Tensor parallelism TP=2 vs TP=1 (gloo) runs on the Gemma 3 and the Gemma 4 MoE checkpoints.
+Gemma 4's cases (text with per-layer inputs, K = V global layers and KV sharing; its MoE
+variant; a multimodal checkpoint's language model) also check that the KV-sharing layers
+read their source's pool buffers and hold none of their own.
 """
 
 from __future__ import annotations
@@ -83,6 +86,28 @@ def test_batch_and_alone_match_hf(served):
         _assert_matches(alone, ref[i], f"{case} prompt {i} alone")
 
 
+def test_gemma4_kv_sharing_holds_no_kv_memory(served):
+    """Gemma 4: the KV-sharing layers read their source layer's buffers (the same tensors)
+    and the pool holds memory for the other layers only, at each layer's own shape."""
+    case, hf, llm, ref = served
+    if not case.startswith("gemma4"):
+        pytest.skip("KV sharing is Gemma 4's")
+    specs = llm.runner.model.layer_specs()
+    pool = llm.runner.kv_pool
+    text = getattr(hf.config, "text_config", hf.config)
+    shared = [i for i, s in enumerate(specs) if s.kv_source_layer is not None]
+    assert len(shared) == text.num_kv_shared_layers
+    for i in shared:
+        src = specs[i].kv_source_layer
+        assert pool.k_buffers[i] is pool.k_buffers[src] and specs[src].kv_source_layer is None
+        assert specs[i].attention == specs[src].attention
+    owners = {id(b): b for b in pool.k_buffers + pool.v_buffers}
+    assert len(owners) == 2 * (len(specs) - len(shared))
+    for i, spec in enumerate(specs):     # each at its layer's shape; global layers 32 wide
+        assert tuple(pool.k_buffers[i].shape[1:]) == (spec.num_kv_heads, spec.head_dim)
+        assert spec.head_dim == (16 if spec.attention == "sliding" else 32)
+
+
 def test_prefix_cache_hit_matches_hf(served):
     """The long prompt again (a hit past the window), and one that shares its first 32
     tokens (a partial hit); both must still give HF's tokens.
@@ -149,6 +174,17 @@ def _run_tp(path: str, tp: int):
 
 def test_tp2_matches_tp1_gemma3(tmp_path):
     save_tiny("gemma3", tmp_path)
+    ref_toks, ref_lps = _run_tp(str(tmp_path), 1)
+    toks, lps = _run_tp(str(tmp_path), 2)
+    assert toks == ref_toks
+    worst = max(abs(a - b) for a, b in zip(lps, ref_lps))
+    assert worst < 1e-4, f"largest log-prob difference TP=2 vs TP=1: {worst:.2e}"
+
+
+def test_tp2_matches_tp1_gemma4_moe(tmp_path):
+    """Gemma 4 (the MoE checkpoint: KV-sharing layers projecting q only, one global K/V
+    head replicated on both ranks, per-layer inputs, experts split by width) at TP=2."""
+    save_tiny("gemma4_moe", tmp_path)
     ref_toks, ref_lps = _run_tp(str(tmp_path), 1)
     toks, lps = _run_tp(str(tmp_path), 2)
     assert toks == ref_toks

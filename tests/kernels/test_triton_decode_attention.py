@@ -37,6 +37,11 @@ CASES = [
     pytest.param(8, 8, 128, 16, BF16, [1000, 3000, 4097, 1, 255, 2048], id="g8-d128-bf16-big",
                  marks=GPU_MARKS),
     pytest.param(4, 8, 128, 1, BF16, [8192, 513], id="g4-d128-p1-bf16-long", marks=GPU_MARKS),
+    # Gemma 4's heads: 256 on its sliding layers, 512 on its global layers
+    pytest.param(8, 1, 256, 16, BF16, [1000, 31, 4097], id="g8-d256-bf16-gemma4",
+                 marks=GPU_MARKS),
+    pytest.param(8, 1, 512, 16, BF16, [1000, 31, 4097], id="g8-d512-bf16-gemma4-global",
+                 marks=GPU_MARKS),
 ]
 
 

@@ -38,6 +38,11 @@ CASES = [
     pytest.param(4, 8, 128, 16, BF16, [0, 1000, 3000, 17], [2048, 333, 1, 700],
                  id="g4-d128-bf16-big", marks=GPU_MARKS),
     pytest.param(3, 3, 64, 1, BF16, [513], [1025], id="g3-d64-bf16", marks=GPU_MARKS),
+    # Gemma 4's heads: 256 on its sliding layers, 512 on its global layers
+    pytest.param(8, 1, 256, 16, BF16, [0, 700], [1024, 33], id="g8-d256-bf16-gemma4",
+                 marks=GPU_MARKS),
+    pytest.param(8, 1, 512, 16, BF16, [0, 700], [1024, 33], id="g8-d512-bf16-gemma4-global",
+                 marks=GPU_MARKS),
 ]
 
 

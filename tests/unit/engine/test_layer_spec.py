@@ -132,5 +132,37 @@ def test_latent_kv_pool_from_specs():
     assert pool.slots_for(pages, 0, 5)[:4] == [pages[0] * 4 + i for i in range(4)]
     pool.free_pages(pages)
     assert pool.free_tokens() == 64
-    with pytest.raises(NotImplementedError, match="differ"):
-        kv_bytes_per_token([FULL, FULL.per_rank(2)], torch.float32)
+    # layers of other K/V shapes (Gemma 4's global layers) are summed, each at its own
+    assert kv_bytes_per_token([FULL, FULL.per_rank(2)], torch.float32) == 2 * (2 + 1) * 16 * 4
+
+
+def test_kv_pool_per_layer_shapes_and_kv_sharing():
+    """Gemma 4: a layer of another K/V shape gets buffers at its own shape; a layer that
+    reads another's K/V (``kv_source_layer``) gets its source's tensors and no memory, in
+    the undivided pool and with the windowed pool."""
+    from dataclasses import replace
+
+    from engine.kv.windowed import PoolSplit, build_pools
+
+    wide = replace(FULL, head_dim=32, v_head_dim=32, num_kv_heads=1)
+    specs = [FULL, wide, replace(FULL, kv_source_layer=0), replace(wide, kv_source_layer=1)]
+    pool = build_kv_pool(specs, 64, 4, torch.float32, "cpu")
+    assert pool.num_layers == 2 and len(pool.k_buffers) == 4
+    assert pool.k_buffers[2] is pool.k_buffers[0] and pool.v_buffers[3] is pool.v_buffers[1]
+    assert tuple(pool.k_buffers[1].shape) == (68, 1, 32)
+    assert pool.nbytes == 2 * 68 * (2 * 16 + 32) * 4
+    assert kv_bytes_per_token(specs, torch.float16) == 2 * (2 * 16 + 32) * 2
+    # sliding layers 0 and 2 (2 reads 0) in the windowed pool, full layers 1 and 3 (3 reads 1)
+    slide = replace(FULL, attention=AttentionKind.SLIDING, sliding_window=8)
+    specs = [slide, wide, replace(slide, kv_source_layer=0), replace(wide, kv_source_layer=1)]
+    full, win = build_pools(specs, PoolSplit(64, 32), 4, torch.float32, "cpu")
+    assert win.num_layers == 1 and full.k_buffers[0] is win.k_buffers[0]
+    assert full.k_buffers[2] is win.k_buffers[0] and full.v_buffers[3] is full.v_buffers[1]
+    assert tuple(full.k_buffers[3].shape) == (68, 1, 32)
+    with pytest.raises(ValueError, match="earlier layer"):
+        build_kv_pool([replace(FULL, kv_source_layer=1), FULL], 64, 4, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="same K/V shape"):
+        build_kv_pool([FULL, replace(wide, kv_source_layer=0)], 64, 4, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="paged K/V only"):
+        LayerSpec(attention=AttentionKind.LATENT, cache=CacheKind.LATENT_KV, head_dim=8,
+                  v_head_dim=8, num_kv_heads=1, kv_source_layer=0)

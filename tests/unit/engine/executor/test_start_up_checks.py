@@ -192,6 +192,39 @@ def test_real_shapes_of_the_dense_families_build_on_meta(name, family, layers, s
     assert len(launched) == 1
 
 
+def test_real_shape_of_gemma_4_builds_on_meta(serve_stubbed, capsys, tmp_path):
+    """engine/configs/gemma-4-e2b.json (issue 42's Gemma 4): 35 layers, 28 sliding, the last
+    20 reading earlier layers' K/V (no pool memory: 12 sliding layers of one 256-wide K/V
+    head and 3 global of one 512-wide), per-layer inputs; the launch, and the flags the
+    family refuses."""
+    from engine.args import ServerArgs
+    from engine.executor.preflight import build_meta_model
+    from engine.kv.pool import kv_bytes_per_token
+
+    path = os.path.join(os.path.dirname(engine.__file__), "configs", "gemma-4-e2b.json")
+    model = build_meta_model(ServerArgs(model_path=path, load_format="dummy"), "cpu")
+    assert type(model).__name__ == "Gemma4ForCausalLM"
+    specs = model.layer_specs()
+    assert len(specs) == 35 and sum(s.attention == "sliding" for s in specs) == 28
+    assert [s.kv_source_layer for s in specs[15:]] == [13 if (i + 1) % 5 else 14
+                                                       for i in range(15, 35)]
+    assert kv_bytes_per_token(specs, torch.bfloat16) == (12 * 256 + 3 * 512) * 2 * 2
+    assert model.model.embed_tokens_per_layer.weight.shape == (262144, 35 * 256)
+    assert model.model.layers[20].mlp.down_proj.weight.shape == (1536, 2 * 6144)
+    serve, launched = serve_stubbed
+    base = ["--device", "cpu", "--model-path", path, "--load-format", "dummy"]
+    assert serve(base) == 0
+    assert len(launched) == 1
+    launched.clear()
+    line = _refused(serve_stubbed, capsys, base + ["--enable-lora"])
+    assert "Gemma4ForCausalLM: LoRA adapters are not supported yet" in line, line
+    (tmp_path / "config.json").write_text("{}")
+    line = _refused(serve_stubbed, capsys, base + ["--speculative-algorithm", "EAGLE",
+                                                   "--speculative-draft-model-path",
+                                                   str(tmp_path)])
+    assert "Gemma4ForCausalLM: EAGLE heads are not supported yet" in line, line
+
+
 @pytest.mark.parametrize("name,family,q_lora,routing", [
     ("deepseek-v2-lite", "DeepseekV2ForCausalLM", None, "softmax"),
     ("moonlight-16b-a3b", "DeepseekV3ForCausalLM", None, "sigmoid"),

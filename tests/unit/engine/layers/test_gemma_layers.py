@@ -112,3 +112,40 @@ def test_gguf_model_types_map_to_the_gemma_classes():
                       (Gemma3TextConfig(), "Gemma3ForCausalLM")):
         cfg.architectures = None                       # as read from a GGUF file
         assert get_model_class(cfg).__name__ == name
+
+
+def test_gemma4_proportional_rope_and_unit_norm_match_hf():
+    """Gemma 4's global layers: ``proportional`` rope (a quarter of the frequency pairs
+    turn, over the whole head) as transformers computes and applies it; the weightless v
+    norm as HF's ``Gemma4RMSNorm(with_scale=False)``."""
+    import transformers as T
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm, apply_rotary_pos_emb
+
+    from engine.layers.norm import UnitRMSNorm
+    from engine.layers.rotary import RotaryEmbedding
+
+    params = {"rope_type": "proportional", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+    cfg = T.Gemma4TextConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+                             head_dim=16, global_head_dim=32, num_hidden_layers=2,
+                             layer_types=["sliding_attention", "full_attention"],
+                             rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                    "rope_theta": 100.0},
+                                              "full_attention": params})
+    inv, _ = ROPE_INIT_FUNCTIONS["proportional"](cfg, "cpu", layer_type="full_attention")
+    ours = compute_inv_freq(32, 10000.0, params)
+    assert int((ours != 0).sum()) == 4
+    torch.testing.assert_close(ours, inv, rtol=1e-6, atol=0)
+    rope = RotaryEmbedding(32, 64, 10000.0, params)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(5, 2 * 32, generator=g), torch.randn(5, 32, generator=g)
+    pos = torch.tensor([0, 3, 7, 20, 63])
+    freqs = pos[:, None].float() * inv[None]
+    emb = torch.cat([freqs, freqs], -1)
+    ref_q = apply_rotary_pos_emb(q.view(5, 2, 32), emb.cos(), emb.sin(), unsqueeze_dim=1)
+    rq, rk = rope.rotate(q, k, pos)
+    torch.testing.assert_close(rq, ref_q.reshape(5, 64), rtol=1e-5, atol=1e-5)
+    x = torch.randn(3, 4, 32, generator=g)
+    torch.testing.assert_close(UnitRMSNorm(1e-6)(x), Gemma4RMSNorm(32, 1e-6, with_scale=False)(x),
+                               rtol=1e-6, atol=1e-6)
+

@@ -145,6 +145,12 @@ def _tiny(arch: str):
             architectures=[arch], text_config=dict(text, rope_parameters=rope),
             vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
                                out_hidden_size=64), image_token_id=120)
+    if arch.startswith("Gemma4"):       # layer 2 global (head size 32), per-layer inputs
+        text = transformers.Gemma4TextConfig(head_dim=16, global_head_dim=32, sliding_window=8,
+                                             hidden_size_per_layer_input=8, **kw)
+        if arch == "Gemma4ForCausalLM":
+            return text
+        return transformers.Gemma4Config(text_config=text.to_dict(), architectures=[arch])
     return LlamaConfig(**kw)
 
 
