@@ -14,6 +14,10 @@ TRITON_XPU_VERSION ?= 3.7.2
 TORCH_XPU_INDEX ?= https://download.pytorch.org/whl/xpu
 ARGS ?=
 PYTEST_ARGS ?=
+# `make test` runs on this many pytest-xdist workers (tests/conftest.py sends each test
+# module, all of tests/e2e, and the modules of the costly session fixtures to one worker
+# each); PYTEST_WORKERS=0 runs in one process
+PYTEST_WORKERS ?= 2
 
 .PHONY: install serve test test-fast lint bench-latency clean
 
@@ -61,7 +65,7 @@ serve: install
 	$(VENV)/bin/ferry serve $(ARGS)
 
 test: install
-	$(PY) -m pytest -q -rs --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs --durations=15 -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
