@@ -7,6 +7,7 @@ a test must not change it (they only read: forward passes, ``state_dict``, ``con
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -24,16 +25,20 @@ _E2E_TESTS = "tests/e2e/"
 
 #: the session fixtures that cost most to build (tens of seconds each on the CI machine)
 _ONCE_FIXTURES = ("hf_embedded_model", "hf_embedded_tokenizer", "embedded_llm")
+#: an e2e module that asks for a server of the session's pool (tests/e2e/conftest.py): the
+#: pool's fixtures by name, or a test or fixture that takes the pool's ``url`` or ``client``
+_USES_POOL = re.compile(r"shared_server|SERVER_SHARED|server_pool|"
+                        r"def \w+\((?:[^)]*,\s*)?(?:url|client)\s*[,)]")
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """``make test`` runs ``pytest -n 2 --dist loadfile`` (pytest-xdist); this scheduler
-    sends whole work units to a worker, in collection order: each test module (its module
-    fixtures built once, its tests in order), all of tests/e2e as one unit (the shared
-    servers of ``server_pool`` start once; one test server runs at a time beside the other
-    worker), and the modules that use a fixture of ``_ONCE_FIXTURES`` as one unit (each is
-    built once). Other ``--dist`` modes are xdist's own."""
+    sends whole work units to a worker, in collection order (tests/e2e first, the longest):
+    each test module (its module fixtures built once, its tests in order), the e2e modules
+    that use the servers of ``server_pool`` as one unit (each of those servers starts once),
+    and the modules that use a fixture of ``_ONCE_FIXTURES`` as one unit (each is built
+    once). Other ``--dist`` modes are xdist's own."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
@@ -55,12 +60,12 @@ def pytest_xdist_make_scheduler(config, log):
 
 def _work_unit(root: Path, module: str) -> str:
     """The xdist work unit of the test module ``module`` (a path under ``root``)."""
-    if module.startswith(_E2E_TESTS):
-        return "e2e"
     try:
         text = (root / module).read_text()
     except OSError:
         return module
+    if module.startswith(_E2E_TESTS):
+        return "e2e-pool" if _USES_POOL.search(text) else module
     return "hf-embedded" if any(name in text for name in _ONCE_FIXTURES) else module
 
 
