@@ -33,8 +33,8 @@ _USES_POOL = re.compile(r"shared_server|SERVER_SHARED|server_pool|"
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """``make test`` runs ``pytest -n 2 --dist loadfile`` (pytest-xdist); this scheduler
-    sends whole work units to a worker, in collection order (tests/e2e first, the longest):
+    """``make test`` runs the tests outside tests/e2e with ``pytest -n 2 --dist loadfile``
+    (pytest-xdist); this scheduler sends whole work units to a worker, in collection order:
     each test module (its module fixtures built once, its tests in order), the e2e modules
     that use the servers of ``server_pool`` as one unit (each of those servers starts once),
     and the modules that use a fixture of ``_ONCE_FIXTURES`` as one unit (each is built
