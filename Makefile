@@ -68,7 +68,7 @@ serve: install
 
 test: install
 ifeq ($(strip $(PYTEST_ARGS)),)
-	@rc=0; \
+	rc=0; \
 	$(PY) -m pytest -q -rs --durations=15 -n $(PYTEST_WORKERS) --dist loadfile \
 	  --ignore=$(E2E_TESTS) || rc=$$?; \
 	$(PY) -m pytest -q -rs --durations=15 $(E2E_TESTS) || rc=$$?; \
