@@ -14,6 +14,12 @@ TRITON_XPU_VERSION ?= 3.7.2
 TORCH_XPU_INDEX ?= https://download.pytorch.org/whl/xpu
 ARGS ?=
 PYTEST_ARGS ?=
+# `make test` runs the unit, kernel and engine tests on this many pytest-xdist workers
+# (tests/conftest.py sends each module, and the modules of the costly session fixtures, to
+# one worker), then tests/e2e in one process: its servers' timings as on a machine of their
+# own. PYTEST_WORKERS=0: one process; with PYTEST_ARGS, one run of what they name
+PYTEST_WORKERS ?= 2
+E2E_TESTS ?= tests/e2e
 
 .PHONY: install serve test test-fast lint bench-latency clean
 
@@ -61,7 +67,15 @@ serve: install
 	$(VENV)/bin/ferry serve $(ARGS)
 
 test: install
-	$(PY) -m pytest -q -rs --durations=15 $(PYTEST_ARGS)
+ifeq ($(strip $(PYTEST_ARGS)),)
+	rc=0; \
+	$(PY) -m pytest -q -rs --durations=15 -n $(PYTEST_WORKERS) --dist loadfile \
+	  --ignore=$(E2E_TESTS) || rc=$$?; \
+	$(PY) -m pytest -q -rs --durations=15 $(E2E_TESTS) || rc=$$?; \
+	exit $$rc
+else
+	$(PY) -m pytest -q -rs --durations=15 -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+endif
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -7,6 +7,7 @@ a test must not change it (they only read: forward passes, ``state_dict``, ``con
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -20,6 +21,52 @@ import transformers.utils.logging as _hf_logging
 _hf_logging.get_logger("transformers")
 
 _ENGINE_TESTS = str(Path(__file__).resolve().parent / "engine")  # lora_helpers, moe_helpers
+_E2E_TESTS = "tests/e2e/"
+
+#: the session fixtures that cost most to build (tens of seconds each on the CI machine)
+_ONCE_FIXTURES = ("hf_embedded_model", "hf_embedded_tokenizer", "embedded_llm")
+#: an e2e module that asks for a server of the session's pool (tests/e2e/conftest.py): the
+#: pool's fixtures by name, or a test or fixture that takes the pool's ``url`` or ``client``
+_USES_POOL = re.compile(r"shared_server|SERVER_SHARED|server_pool|"
+                        r"def \w+\((?:[^)]*,\s*)?(?:url|client)\s*[,)]")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``make test`` runs the tests outside tests/e2e with ``pytest -n 2 --dist loadfile``
+    (pytest-xdist); this scheduler sends whole work units to a worker, in collection order:
+    each test module (its module fixtures built once, its tests in order), the e2e modules
+    that use the servers of ``server_pool`` as one unit (each of those servers starts once),
+    and the modules that use a fixture of ``_ONCE_FIXTURES`` as one unit (each is built
+    once). Other ``--dist`` modes are xdist's own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class _Units(LoadFileScheduling):
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            config.option.loadscopereorder = False  # collection order: the long units first
+            self._unit_of: dict[str, str] = {}
+
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            if module not in self._unit_of:
+                self._unit_of[module] = _work_unit(config.rootpath, module)
+            return self._unit_of[module]
+
+    return _Units(config, log)
+
+
+def _work_unit(root: Path, module: str) -> str:
+    """The xdist work unit of the test module ``module`` (a path under ``root``)."""
+    try:
+        text = (root / module).read_text()
+    except OSError:
+        return module
+    if module.startswith(_E2E_TESTS):
+        return "e2e-pool" if _USES_POOL.search(text) else module
+    return "hf-embedded" if any(name in text for name in _ONCE_FIXTURES) else module
 
 
 @pytest.fixture(scope="session")

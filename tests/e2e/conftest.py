@@ -135,6 +135,7 @@ def pytest_runtest_teardown(item, nextitem):
     if not any(here in Path(i.path).parents for i in rest):
         for srv in _POOL.values():
             srv.stop()
+        _POOL.clear()  # a later module of this worker (pytest-xdist) starts them anew
 
 
 @pytest.fixture(scope="session")
