@@ -26,7 +26,7 @@ import os
 import urllib.parse
 from dataclasses import dataclass
 
-from server.http.errors import bad_request
+from server.http.errors import APIError, bad_request
 
 
 @dataclass(frozen=True)
@@ -56,10 +56,14 @@ class MediaLimits:
 
 def _data_url(url: str, where: str, limits: MediaLimits) -> bytes:
     head, sep, payload = url.partition(",")
+    head = head.lower()  # RFC 2397: the scheme and the media type are case-insensitive
     if not sep or not head.startswith("data:image/") or not head.endswith(";base64"):
         raise bad_request("a data URL image must be data:image/<type>;base64,<data>", where)
+    # base64 as tools write it: wrapped lines (RFC 2045) and, at times, without its padding
+    payload = "".join(payload.split())
     if len(payload) > limits.max_bytes * 4 // 3 + 4:
         raise bad_request(f"the image is larger than {limits.max_bytes} bytes", where)
+    payload += "=" * (-len(payload) % 4)
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
@@ -73,8 +77,11 @@ def _local_file(url: str, where: str, limits: MediaLimits) -> bytes:
     parsed = urllib.parse.urlparse(url)
     if parsed.netloc not in ("", "localhost"):
         raise bad_request("a file:// image URL must name a local path", where)
+    raw = urllib.parse.unquote(parsed.path)
+    if "\x00" in raw:
+        raise bad_request("a file:// image path may not hold a NUL byte", where)
     root = os.path.realpath(limits.local_path)
-    path = os.path.realpath(urllib.parse.unquote(parsed.path))
+    path = os.path.realpath(raw)
     if os.path.commonpath([root, path]) != root:
         raise bad_request("the file:// image is outside --allowed-local-media-path", where)
     try:
@@ -95,7 +102,14 @@ def _host_allowed(host: str, domains: tuple[str, ...]) -> bool:
 async def _http(url: str, where: str, limits: MediaLimits) -> bytes:
     import httpx
 
-    host = urllib.parse.urlparse(url).hostname or ""
+    if any(ord(c) < 0x21 or ord(c) == 0x7F for c in url):
+        # urllib drops tabs and newlines before the host check; httpx refuses them
+        raise bad_request("an image URL may not hold spaces or control characters", where)
+    try:
+        parsed = urllib.parse.urlparse(url)
+        host, _ = parsed.hostname or "", parsed.port  # .port raises on a bad port
+    except ValueError:
+        raise bad_request("the image URL is malformed (host or port)", where) from None
     if not _host_allowed(host, limits.domains):
         raise bad_request(f"image URLs of host {host!r} are not allowed on this server "
                           "(--allowed-media-domains)", where)
@@ -114,9 +128,15 @@ async def _http(url: str, where: str, limits: MediaLimits) -> bytes:
     except (TimeoutError, httpx.TimeoutException):
         raise bad_request(f"fetching the image took longer than {limits.timeout:g} s",
                           where) from None
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, httpx.InvalidURL, OverflowError, ValueError, OSError) as exc:
         raise bad_request(f"the image could not be fetched ({type(exc).__name__})",
                           where) from None
+    except ExceptionGroup as group:  # anyio's connect wraps errors (a port out of range)
+        ours = [e for e in group.exceptions if isinstance(e, APIError)]
+        if ours:
+            raise ours[0] from None
+        raise bad_request(f"the image could not be fetched "
+                          f"({type(group.exceptions[0]).__name__})", where) from None
     return bytes(body)
 
 
@@ -131,6 +151,9 @@ def decode_image(data: bytes, where: str, limits: MediaLimits):
     if len(data) > limits.max_bytes:
         raise bad_request(f"the image is larger than {limits.max_bytes} bytes", where)
     try:
+        # ferry's pixel limit, not PIL's decompression-bomb guess, decides (checked below
+        # from the header, before any pixel is decoded)
+        Image.MAX_IMAGE_PIXELS = None
         img = Image.open(io.BytesIO(data))
         w, h = img.size
         if w * h > limits.max_pixels:

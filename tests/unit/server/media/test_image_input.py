@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import io
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,13 @@ def test_anthropic_image_blocks_become_image_parts():
     (_image("file:///etc/passwd"), "outside"),
     (_image("https://evil.example/x.png"), "not allowed"),
     (_image("ftp://img.example/x.png"), "data:, file:// or http(s)"),
+    # these were 500s: a NUL in a file path, ports httpx or the socket refuse, control
+    # characters that urllib drops before the host check
+    (_image("file:///tmp/ok.png%00.txt"), "NUL"),
+    (_image("http://img.example:99999/x.png"), "malformed"),
+    (_image("http://img.example:abc/x.png"), "malformed"),
+    (_image("http://img.example/x.png\n"), "control characters"),
+    (_image("http://img.\texample/x.png"), "control characters"),
     ({"type": "image_url", "image_url": {"url": "x", "detail": "max"}}, "detail"),
 ])
 def test_bad_images_are_400s_naming_the_part(served, part, why):
@@ -133,6 +141,35 @@ def test_bad_images_are_400s_naming_the_part(served, part, why):
     err = r.json()["error"]
     assert err["param"].startswith("messages[1].content[1].image_url"), err
     assert why in err["message"], err["message"]
+
+
+def test_data_urls_as_tools_write_them(served):
+    """Upper-case scheme and type (RFC 2397), base64 wrapped at 76 columns (RFC 2045) and
+    without its padding are accepted; the decoded image reaches the engine."""
+    client, engine, _ = served
+    b64 = base64.b64encode(_png((28, 28))).decode()
+    wrapped = "\n".join(b64[i:i + 76] for i in range(0, len(b64), 76))
+    for url in ("DATA:IMAGE/PNG;BASE64," + b64, "data:image/png;base64," + wrapped,
+                "data:image/png;base64," + b64.rstrip("=")):
+        r = _chat(client, "look ", _image(url))
+        assert r.status_code == 200, (url[:30], r.text)
+        assert len(_sent(engine).images) == 1
+
+
+def test_pixel_limit_decides_over_pils_bomb_guard(tokenizer):
+    """A header claiming more pixels than PIL's decompression-bomb default (~179M) is
+    refused by --max-image-pixels' message, and a limit above PIL's default is ferry's."""
+    from server.http.errors import APIError
+    from server.media.fetch import decode_image
+
+    buf = io.BytesIO()
+    Image.new("L", (2, 2)).save(buf, "PNG")
+    data = bytearray(buf.getvalue())
+    data[16:24] = (20000).to_bytes(4, "big") + (20000).to_bytes(4, "big")  # IHDR w, h
+    data[29:33] = zlib.crc32(bytes(data[12:29])).to_bytes(4, "big")          # its CRC
+    with pytest.raises(APIError) as err:
+        decode_image(bytes(data), "p", MediaLimits(max_pixels=40_000_000))
+    assert "20000x20000 pixels" in str(err.value)
 
 
 def test_too_many_images(served):
