@@ -57,6 +57,16 @@ def hf_references(hf, prompts: list[list[int]]) -> list[tuple[list[int], list[fl
     return [hf_greedy(hf, p) for p in prompts]
 
 
+def saved_case_with_references(request, tmp_path_factory, save_tiny,
+                               prompts: list[list[int]]):
+    """The body of a module fixture parametrized by case names: ``save_tiny(case, path)``
+    writes the tiny checkpoint of ``request.param`` under a fresh temporary folder and
+    returns its HF model. Returns ``(case, HF model, folder, HF reference per prompt)``."""
+    path = tmp_path_factory.mktemp(request.param)
+    hf = save_tiny(request.param, path)
+    return request.param, hf, path, hf_references(hf, prompts)
+
+
 def assert_tokens_match_hf(token_ids: list[int], logprobs: list, ref, what: str,
                            tol: float = LOGPROB_TOL) -> float:
     """``token_ids`` must equal the reference's tokens and each chosen log-prob
