@@ -9,6 +9,7 @@ modules): ``from parity_helpers import SP, assert_matches_hf, hf_greedy, seeded_
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.llm import LLM
@@ -57,14 +58,30 @@ def hf_references(hf, prompts: list[list[int]]) -> list[tuple[list[int], list[fl
     return [hf_greedy(hf, p) for p in prompts]
 
 
-def saved_case_with_references(request, tmp_path_factory, save_tiny,
-                               prompts: list[list[int]]):
-    """The body of a module fixture parametrized by case names: ``save_tiny(case, path)``
-    writes the tiny checkpoint of ``request.param`` under a fresh temporary folder and
-    returns its HF model. Returns ``(case, HF model, folder, HF reference per prompt)``."""
-    path = tmp_path_factory.mktemp(request.param)
-    hf = save_tiny(request.param, path)
-    return request.param, hf, path, hf_references(hf, prompts)
+def case_fixtures(cases, save_tiny, prompts: list[list[int]]):
+    """The two module fixtures of a test module parametrized by case names; assign them to
+    the module's ``checkpoint`` and ``served``:
+
+    - ``checkpoint``: ``(case, HF model, checkpoint folder, HF reference per prompt)``, the
+      tiny checkpoint ``save_tiny(case, folder)`` writes (returning its HF model) under a
+      fresh temporary folder, built once per case;
+    - ``served``: ``(case, HF model, LLM, HF reference per prompt)``, the checkpoint served
+      by :func:`parity_llm` for the module's tests of that case (shut down after them).
+    """
+
+    @pytest.fixture(scope="module", params=cases, name="checkpoint")
+    def checkpoint(request, tmp_path_factory):
+        path = tmp_path_factory.mktemp(request.param)
+        hf = save_tiny(request.param, path)
+        return request.param, hf, path, hf_references(hf, prompts)
+
+    @pytest.fixture(scope="module", name="served")
+    def served(checkpoint):
+        case, hf, path, ref = checkpoint
+        with parity_llm(path) as llm:
+            yield case, hf, llm, ref
+
+    return checkpoint, served
 
 
 def assert_tokens_match_hf(token_ids: list[int], logprobs: list, ref, what: str,

@@ -27,8 +27,7 @@ from parity_helpers import (
     assert_batch_and_alone_match_hf,
     assert_chunked_prefill_matches_hf,
     assert_prefix_hits_match_hf,
-    hf_references,
-    parity_llm,
+    case_fixtures,
     seeded_prompts,
 )
 
@@ -52,20 +51,7 @@ SHAPE = {
 }
 
 
-@pytest.fixture(scope="module", params=CASES)
-def checkpoint(request, tmp_path_factory):
-    """(case, HF model, checkpoint dir, HF reference per prompt), built once per case."""
-    path = tmp_path_factory.mktemp(request.param)
-    hf = save_tiny(request.param, path)
-    return request.param, hf, path, hf_references(hf, seeded_prompts())
-
-
-@pytest.fixture(scope="module")
-def served(checkpoint):
-    """The checkpoint and the ferry LLM serving it."""
-    case, hf, path, ref = checkpoint
-    with parity_llm(path) as llm:
-        yield case, hf, llm, ref
+checkpoint, served = case_fixtures(CASES, save_tiny, seeded_prompts())
 
 
 def test_layers_are_the_family_s(served):

@@ -29,9 +29,9 @@ from parity_helpers import (
     assert_batch_and_alone_match_hf,
     assert_matches_hf,
     assert_prefix_hits_match_hf,
+    case_fixtures,
     hf_greedy,
     parity_llm,
-    saved_case_with_references,
     seeded_prompts,
 )
 
@@ -46,17 +46,7 @@ def _prompts() -> list[list[int]]:
     return seeded_prompts(high=250)
 
 
-@pytest.fixture(scope="module", params=CASES)
-def checkpoint(request, tmp_path_factory):
-    """(case, HF model, checkpoint dir, HF reference per prompt), built once per case."""
-    return saved_case_with_references(request, tmp_path_factory, save_tiny, _prompts())
-
-
-@pytest.fixture(scope="module")
-def served(checkpoint):
-    case, hf, path, ref = checkpoint
-    with parity_llm(path) as llm:
-        yield case, hf, llm, ref
+checkpoint, served = case_fixtures(CASES, save_tiny, _prompts())
 
 
 def test_batch_and_alone_match_hf(served):
