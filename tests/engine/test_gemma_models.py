@@ -124,24 +124,24 @@ def _run_tp(path: str, tp: int):
     return [o.token_ids for o in outs], lps
 
 
-def test_tp2_matches_tp1_gemma3(tmp_path):
-    save_tiny("gemma3", tmp_path)
-    ref_toks, ref_lps = _run_tp(str(tmp_path), 1)
-    toks, lps = _run_tp(str(tmp_path), 2)
+def _assert_tp_matches(path: str) -> None:
+    ref_toks, ref_lps = _run_tp(path, 1)
+    toks, lps = _run_tp(path, 2)
     assert toks == ref_toks
     worst = max(abs(a - b) for a, b in zip(lps, ref_lps))
     assert worst < 1e-4, f"largest log-prob difference TP=2 vs TP=1: {worst:.2e}"
+
+
+def test_tp2_matches_tp1_gemma3(tmp_path):
+    save_tiny("gemma3", tmp_path)
+    _assert_tp_matches(str(tmp_path))
 
 
 def test_tp2_matches_tp1_gemma4_moe(tmp_path):
     """Gemma 4 (the MoE checkpoint: KV-sharing layers projecting q only, one global K/V
     head replicated on both ranks, per-layer inputs, experts split by width) at TP=2."""
     save_tiny("gemma4_moe", tmp_path)
-    ref_toks, ref_lps = _run_tp(str(tmp_path), 1)
-    toks, lps = _run_tp(str(tmp_path), 2)
-    assert toks == ref_toks
-    worst = max(abs(a - b) for a, b in zip(lps, ref_lps))
-    assert worst < 1e-4, f"largest log-prob difference TP=2 vs TP=1: {worst:.2e}"
+    _assert_tp_matches(str(tmp_path))
 
 
 # ---- speculative decoding (the target's greedy tokens whatever the drafts) ----------------
