@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_moe_models import (
+from parity_helpers import (
     NEW_TOKENS,
     PROMPT_A,
     PROMPT_B,
     PROMPT_C,
     SP,
-    _assert_matches,
-    _hf_generate,
-    _prompts,
+    assert_batch_and_alone_match_hf,
+    assert_matches_hf,
+    assert_prefix_hits_match_hf,
+    hf_references,
+    parity_llm,
+    seeded_prompts,
 )
 from window_fused_helpers import DENSE_CASES, save_dense
 
@@ -38,16 +41,15 @@ def dense_checkpoints(tmp_path_factory):
     for case in DENSE_CASES:
         path = tmp_path_factory.mktemp(f"dense-{case}")
         hf = save_dense(case, path)
-        out[case] = (str(path), hf, [_hf_generate(hf, p) for p in _prompts()])
+        out[case] = (str(path), hf, hf_references(hf, seeded_prompts()))
     return out
 
 
 @pytest.fixture(scope="module", params=DENSE_CASES)
 def served(request, dense_checkpoints):
     path, hf, ref = dense_checkpoints[request.param]
-    llm = LLM(path, dtype="float32", device="cpu", cpu_threads=1, max_total_tokens=4096)
-    yield request.param, hf, llm, ref
-    llm.shutdown()
+    with parity_llm(path) as llm:
+        yield request.param, hf, llm, ref
 
 
 def test_layers_describe_the_windows(served):
@@ -63,30 +65,13 @@ def test_layers_describe_the_windows(served):
 def test_batch_and_alone_match_hf(served):
     case, hf, llm, ref = served
     assert type(llm.runner.model).__name__ == type(hf).__name__
-    prompts = _prompts()
-    batch = llm.generate(prompts, SP)
-    for i, (out, r) in enumerate(zip(batch, ref)):
-        _assert_matches(out, r, f"{case} prompt {i} in a batch")
-    for i, p in enumerate(prompts):
-        assert llm.scheduler.flush_cache()
-        alone = llm.generate([p], SP)[0]
-        assert alone.num_cached_tokens == 0          # a prefix-cache miss
-        _assert_matches(alone, ref[i], f"{case} prompt {i} alone")
+    assert_batch_and_alone_match_hf(llm, seeded_prompts(), ref, case)
 
 
 def test_prefix_cache_hit_matches_hf(served):
     """The long prompt again (a hit past the window), and one sharing its first 32 tokens."""
     case, hf, llm, ref = served
-    long = _prompts()[2]
-    assert llm.scheduler.flush_cache()
-    assert llm.generate([long], SP)[0].num_cached_tokens == 0
-    again = llm.generate([long], SP)[0]
-    assert again.num_cached_tokens >= 32
-    _assert_matches(again, ref[2], f"{case} cached prompt")
-    shared = long[:32] + [9, 8, 7, 6, 5]
-    out = llm.generate([shared], SP)[0]
-    assert out.num_cached_tokens >= 24
-    _assert_matches(out, _hf_generate(hf, shared), f"{case} shared prefix")
+    assert_prefix_hits_match_hf(llm, hf, seeded_prompts()[2], ref[2], case)
 
 
 @pytest.mark.parametrize("case", DENSE_CASES)
@@ -94,11 +79,10 @@ def test_chunked_prefill_across_the_window_matches_hf(case, dense_checkpoints):
     """16-token prefill chunks: the 40-token prompt's later chunks attend to keys of earlier
     chunks, partly outside the window."""
     path, _, ref = dense_checkpoints[case]
-    with LLM(path, dtype="float32", device="cpu", cpu_threads=1, max_total_tokens=4096,
-             chunked_prefill_size=16) as llm:
-        outs = llm.generate(_prompts(), SP)
+    with parity_llm(path, chunked_prefill_size=16) as llm:
+        outs = llm.generate(seeded_prompts(), SP)
     for i, (out, r) in enumerate(zip(outs, ref)):
-        _assert_matches(out, r, f"{case} prompt {i}, 16-token chunks")
+        assert_matches_hf(out, r, f"{case} prompt {i}, 16-token chunks")
     assert all(len(o.token_ids) == NEW_TOKENS for o in outs)
 
 

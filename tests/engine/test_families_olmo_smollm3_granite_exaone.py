@@ -20,6 +20,16 @@ import json
 import pytest
 import torch
 from dense_helpers import CASES, WINDOW, config_of, save_tiny
+from parity_helpers import (
+    PROMPT_A,
+    PROMPT_B,
+    PROMPT_C,
+    assert_batch_and_alone_match_hf,
+    assert_chunked_prefill_matches_hf,
+    assert_prefix_hits_match_hf,
+    case_fixtures,
+    seeded_prompts,
+)
 
 from engine.layer_spec import AttentionKind
 from engine.layers.rotary import NoRotary
@@ -28,10 +38,6 @@ from engine.models.blocks import PostNormDecoderLayer, ScaledResidualDecoderLaye
 from engine.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow
-
-NEW_TOKENS = 12
-LOGPROB_TOL = 1e-3
-SP = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
 
 #: what each case's layers must be (so that a parity pass is not one of plain layers):
 #: (layer class, sliding layers, NoPE layers)
@@ -45,44 +51,7 @@ SHAPE = {
 }
 
 
-def _prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 13, 40)]
-
-
-def _hf_generate(hf, prompt: list[int]) -> tuple[list[int], list[float]]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                          do_sample=False, eos_token_id=None, pad_token_id=0,
-                          output_logits=True, return_dict_in_generate=True)
-    toks = out.sequences[0, len(prompt):].tolist()
-    lps = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, toks)]
-    return toks, lps
-
-
-def _assert_matches(out, ref, what: str) -> None:
-    toks, lps = ref
-    assert out.token_ids == toks, f"{what}: ferry {out.token_ids} != HF {toks}"
-    worst = max(abs(entry[0] - b) for entry, b in zip(out.logprobs, lps))
-    assert worst < LOGPROB_TOL, f"{what}: log-prob differs from HF by {worst:.2e}"
-
-
-@pytest.fixture(scope="module", params=CASES)
-def checkpoint(request, tmp_path_factory):
-    """(case, HF model, checkpoint dir, HF reference per prompt), built once per case."""
-    path = tmp_path_factory.mktemp(request.param)
-    hf = save_tiny(request.param, path)
-    return request.param, hf, path, [_hf_generate(hf, p) for p in _prompts()]
-
-
-@pytest.fixture(scope="module")
-def served(checkpoint):
-    """The checkpoint and the ferry LLM serving it."""
-    case, hf, path, ref = checkpoint
-    llm = LLM(str(path), dtype="float32", device="cpu", cpu_threads=1, max_total_tokens=4096)
-    yield case, hf, llm, ref
-    llm.shutdown()
+checkpoint, served = case_fixtures(CASES, save_tiny, seeded_prompts())
 
 
 def test_layers_are_the_family_s(served):
@@ -101,50 +70,23 @@ def test_layers_are_the_family_s(served):
 
 def test_batch_and_alone_match_hf(served):
     case, _, llm, ref = served
-    prompts = _prompts()
-    batch = llm.generate(prompts, SP)
-    for i, (out, r) in enumerate(zip(batch, ref)):
-        _assert_matches(out, r, f"{case} prompt {i} in a batch")
-    for i, p in enumerate(prompts):
-        assert llm.scheduler.flush_cache()
-        alone = llm.generate([p], SP)[0]
-        assert alone.num_cached_tokens == 0          # a prefix-cache miss
-        _assert_matches(alone, ref[i], f"{case} prompt {i} alone")
-        assert alone.token_ids == batch[i].token_ids
+    assert_batch_and_alone_match_hf(llm, seeded_prompts(), ref, case)
 
 
 def test_prefix_cache_hit_matches_hf(served):
     """The long prompt again (a hit), and one sharing its first 32 tokens (a partial hit)."""
     case, hf, llm, ref = served
-    long = _prompts()[2]
-    assert llm.scheduler.flush_cache()
-    assert llm.generate([long], SP)[0].num_cached_tokens == 0
-    again = llm.generate([long], SP)[0]
-    assert again.num_cached_tokens is not None and again.num_cached_tokens >= 32
-    _assert_matches(again, ref[2], f"{case} cached prompt")
-    shared = long[:32] + [9, 8, 7, 6, 5]
-    out = llm.generate([shared], SP)[0]
-    assert out.num_cached_tokens >= 24
-    _assert_matches(out, _hf_generate(hf, shared), f"{case} shared prefix")
+    assert_prefix_hits_match_hf(llm, hf, seeded_prompts()[2], ref[2], case)
 
 
 def test_chunked_prefill_matches_hf(checkpoint):
     """Prompts of 40 and 45 tokens prefilled 16 tokens a step (boundaries inside the
     windows), in a batch."""
     case, hf, path, ref = checkpoint
-    longer = [(5 * i + 11) % 250 + 3 for i in range(45)]
-    with LLM(str(path), dtype="float32", device="cpu", cpu_threads=1, max_total_tokens=4096,
-             chunked_prefill_size=16) as llm:
-        outs = llm.generate([_prompts()[2], longer], SP)
-    _assert_matches(outs[0], ref[2], f"{case} chunked prompt")
-    _assert_matches(outs[1], _hf_generate(hf, longer), f"{case} chunked 45-token prompt")
+    assert_chunked_prefill_matches_hf(path, hf, seeded_prompts()[2], ref[2], case)
 
 
 # ---- tensor parallelism (gloo, 2 ranks on the CPU) ------------------------------------------
-
-PROMPT_A = [(7 * i + 3) % 250 + 3 for i in range(300)]  # > the CPU prefill chunk (256)
-PROMPT_B = PROMPT_A[:200] + [5, 6, 7, 8, 9, 10]        # shares a 200-token prefix
-PROMPT_C = [11, 12, 13]
 
 
 def _run_tp(path: str, tp: int, **kw):

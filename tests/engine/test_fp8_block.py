@@ -18,6 +18,15 @@ import json
 import pytest
 import torch
 from moe_helpers import save_char_tokenizer
+from parity_helpers import (
+    NEW_TOKENS,
+    SP,
+    assert_matches_hf,
+    hf_greedy,
+    hf_references,
+    parity_llm,
+    seeded_prompts,
+)
 from safetensors.torch import load_file, save_file
 
 from engine.device import is_accelerator, resolve_device
@@ -34,8 +43,6 @@ def gpu_only(fn):
     return pytest.mark.gpu(pytest.mark.skipif(not ON_GPU, reason="needs a GPU")(fn))
 
 
-NEW_TOKENS = 12
-LOGPROB_TOL = 1e-3
 COMMON = {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 384,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
           "num_hidden_layers": 2, "max_position_embeddings": 512, "bos_token_id": 1,
@@ -141,11 +148,6 @@ def test_loaded_weights_dequantize_to_the_reference(checkpoint):
             assert torch.equal(lin.fp8_weight_upcast, want)
 
 
-def _prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 13, 40)]
-
-
 def quantize_act_groups(x: torch.Tensor, bk: int) -> torch.Tensor:
     """The published activation scheme, group by group: each token's ``bk`` columns
     quantized to e4m3 with ``scale = amax / 448``; returns the dequantized activations."""
@@ -183,25 +185,6 @@ class QuantizedPrefill:
             h.remove()
 
 
-def _hf_generate(hf, prompt: list[int]) -> tuple[list[int], list[float]]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                          do_sample=False, eos_token_id=None, pad_token_id=0,
-                          output_logits=True, return_dict_in_generate=True)
-    toks = out.sequences[0, len(prompt):].tolist()
-    lps = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, toks)]
-    return toks, lps
-
-
-def _assert_matches(out, ref, what: str) -> float:
-    toks, lps = ref
-    assert out.token_ids == toks, f"{what}: ferry {out.token_ids} != HF {toks}"
-    worst = max(abs(e[0] - b) for e, b in zip(out.logprobs, lps))
-    assert worst < LOGPROB_TOL, f"{what}: log-prob differs from HF by {worst:.2e}"
-    return worst
-
-
 def test_greedy_tokens_and_logprobs_match_hf_on_the_dequantized_model(checkpoint):
     """ferry serving the block-FP8 checkpoint vs HF on its dequantized weights, 12 greedy
     steps, tokens equal and log-probs within 1e-3. Matmuls of at most 16 rows are
@@ -210,29 +193,24 @@ def test_greedy_tokens_and_logprobs_match_hf_on_the_dequantized_model(checkpoint
     three prefilled in one batch, match HF with its linear inputs quantized the same way
     in those forwards (:class:`QuantizedPrefill`); the W8A8 prefill is not the weight-only
     one (plain HF's tokens or log-probs differ)."""
-    from engine.llm import LLM
-    from engine.sampling.params import SamplingParams
-
     case, root, hf, _ = checkpoint
     bk = CASES[case][1]
-    prompts = _prompts()
-    plain = [_hf_generate(hf, p) for p in prompts]
+    prompts = seeded_prompts()
+    plain = hf_references(hf, prompts)
     with QuantizedPrefill(hf, bk):
-        w8a8_alone = _hf_generate(hf, prompts[2])
+        w8a8_alone = hf_greedy(hf, prompts[2])
     with QuantizedPrefill(hf, bk, rows=1):
-        w8a8_batch = [_hf_generate(hf, p) for p in prompts]
-    sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
-    with LLM(str(root), dtype="float32", device="cpu", cpu_threads=1,
-             max_total_tokens=2048) as llm:
+        w8a8_batch = hf_references(hf, prompts)
+    with parity_llm(root, max_total_tokens=2048) as llm:
         assert _lin(llm.runner.model, 0, "mlp.down_proj").weight.dtype == torch.float8_e4m3fn
-        alone = [llm.generate([p], sp)[0] for p in prompts]
+        alone = [llm.generate([p], SP)[0] for p in prompts]
         assert llm.scheduler.flush_cache()
-        batch = llm.generate(prompts, sp)
+        batch = llm.generate(prompts, SP)
     for i in range(2):
-        _assert_matches(alone[i], plain[i], f"{case} prompt {i} alone (weight-only)")
-    _assert_matches(alone[2], w8a8_alone, f"{case} 40-token prompt alone (W8A8 prefill)")
+        assert_matches_hf(alone[i], plain[i], f"{case} prompt {i} alone (weight-only)")
+    assert_matches_hf(alone[2], w8a8_alone, f"{case} 40-token prompt alone (W8A8 prefill)")
     for i, out in enumerate(batch):
-        _assert_matches(out, w8a8_batch[i], f"{case} prompt {i} in a batch (W8A8 prefill)")
+        assert_matches_hf(out, w8a8_batch[i], f"{case} prompt {i} in a batch (W8A8 prefill)")
     toks, lps = plain[2]
     assert alone[2].token_ids != toks or \
         max(abs(e[0] - b) for e, b in zip(alone[2].logprobs, lps)) > 1e-3
@@ -326,26 +304,23 @@ def test_checkpoint_on_the_gpu_matches_hf(checkpoint):
     prefill within 5e-3: Triton's quantizer may round a few codes the other way); then bf16
     runs through the same kernels."""
     from engine.llm import LLM
-    from engine.sampling.params import SamplingParams
 
     case, root, hf, _ = checkpoint
     bk = CASES[case][1]
-    prompts = _prompts()
-    plain = [_hf_generate(hf, p) for p in prompts[:2]]
+    prompts = seeded_prompts()
+    plain = hf_references(hf, prompts[:2])
     with QuantizedPrefill(hf, bk):
-        w8a8 = _hf_generate(hf, prompts[2])
-    sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
+        w8a8 = hf_greedy(hf, prompts[2])
     with LLM(str(root), dtype="float32") as llm:
         lin = _lin(llm.runner.model, 0, "mlp.gate_up_proj")
         assert lin.fp8_block_kernel is not None and lin.weight.device.type != "cpu"
-        alone = [llm.generate([p], sp)[0] for p in prompts]
+        alone = [llm.generate([p], SP)[0] for p in prompts]
     for i in range(2):
-        _assert_matches(alone[i], plain[i], f"{case} prompt {i} on the GPU (weight-only)")
-    toks, lps = w8a8
-    assert alone[2].token_ids == toks
-    assert max(abs(e[0] - b) for e, b in zip(alone[2].logprobs, lps)) < 5e-3
+        assert_matches_hf(alone[i], plain[i], f"{case} prompt {i} on the GPU (weight-only)")
+    assert_matches_hf(alone[2], w8a8, f"{case} 40-token prompt on the GPU (W8A8)",
+                      tol=5e-3)
     with LLM(str(root), dtype="bfloat16") as llm:
-        outs = llm.generate(prompts, sp)
+        outs = llm.generate(prompts, SP)
     assert all(len(o.token_ids) == NEW_TOKENS and all(abs(e[0]) < 1e3 for e in o.logprobs)
                for o in outs)
 

@@ -17,26 +17,21 @@ import json
 import pytest
 import torch
 from moe_helpers import save_char_tokenizer
-from safetensors.torch import load_file, save_file
-from test_fp8_block import (
+from parity_helpers import (
     NEW_TOKENS,
-    QuantizedPrefill,
-    _assert_matches,
-    _hf_generate,
-    dequantize,
-    quantize_blocks,
+    SP,
+    assert_matches_hf,
+    hf_greedy,
+    hf_references,
+    parity_llm,
+    seeded_prompts,
 )
+from safetensors.torch import load_file, save_file
+from test_fp8_block import QuantizedPrefill, dequantize, gpu_only, quantize_blocks
 
-from engine.device import is_accelerator, resolve_device
 from engine.loader.loader import load_model
 
 pytestmark = pytest.mark.slow
-ON_GPU = is_accelerator(resolve_device("auto"))
-
-
-def gpu_only(fn):
-    return pytest.mark.gpu(pytest.mark.skipif(not ON_GPU, reason="needs a GPU")(fn))
-
 
 BLOCK = (128, 128)
 CONFIG = {"vocab_size": 256, "hidden_size": 256, "num_attention_heads": 2,
@@ -63,15 +58,32 @@ def checkpoint(tmp_path_factory):
             noise = torch.randn(p.shape, generator=g)
             p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.06 * noise)
     hf.save_pretrained(root / "float")
+    hf, deq = _save_block_fp8(root, _qwen_is_quantized, BLOCK, boost=True)
+    return root, hf, deq
+
+
+def _qwen_is_quantized(name: str) -> bool:
+    return ".layers." in name and name.endswith(QUANTIZED) and ".mlp.gate." not in name
+
+
+def _save_block_fp8(root, is_quantized, block: tuple[int, int], boost: bool = False):
+    """Quantize the float checkpoint in ``root / "float"``: each tensor ``is_quantized``
+    names to e4m3 codes + ``weight_scale_inv`` per ``block`` (its top-left 64 x 64 scaled
+    by 4 first when ``boost``: blocks of different scales), saved in ``root`` with the
+    block-FP8 ``quantization_config`` and a tokenizer; the float checkpoint is overwritten
+    with the dequantized twin. Returns ``(HF model on the twin, {name: twin tensor})``."""
+    import transformers as T
+
     sd = load_file(str(root / "float" / "model.safetensors"))
     quant, deq = {}, {}
     for name, t in sd.items():
-        if ".layers." in name and name.endswith(QUANTIZED) and ".mlp.gate." not in name:
-            t = t.clone()
-            t[:64, :64] *= 4
-            codes, scale = quantize_blocks(t, *BLOCK)
+        if is_quantized(name):
+            if boost:
+                t = t.clone()
+                t[:64, :64] *= 4
+            codes, scale = quantize_blocks(t, *block)
             quant[name], quant[name + "_scale_inv"] = codes, scale
-            deq[name] = dequantize(codes, scale, *BLOCK)
+            deq[name] = dequantize(codes, scale, *block)
         else:
             quant[name] = deq[name] = t
     save_file(deq, str(root / "float" / "model.safetensors"))
@@ -79,11 +91,26 @@ def checkpoint(tmp_path_factory):
     cfg = json.loads((root / "float" / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
                                   "activation_scheme": "dynamic",
-                                  "weight_block_size": list(BLOCK)}
+                                  "weight_block_size": list(block)}
     (root / "config.json").write_text(json.dumps(cfg))
     save_char_tokenizer(root)
     hf = T.AutoModelForCausalLM.from_pretrained(root / "float", dtype=torch.float32).eval()
-    return root, hf, deq
+    return hf, deq
+
+
+def _assert_alone_match_hf(root, hf, quantized_prefill, what: str) -> None:
+    """The seeded prompts of 5, 13 and 40 tokens, each alone, 12 greedy steps: the short
+    ones against plain HF, the 40-token one against HF within ``quantized_prefill``; and
+    more than 8 distinct tokens in all (not one repeated token)."""
+    prompts = seeded_prompts()
+    refs = hf_references(hf, prompts[:2])
+    with quantized_prefill:
+        refs.append(hf_greedy(hf, prompts[2]))
+    with parity_llm(root, max_total_tokens=2048) as llm:
+        outs = [llm.generate([p], SP)[0] for p in prompts]
+    for i, (out, ref) in enumerate(zip(outs, refs)):
+        assert_matches_hf(out, ref, f"{what}, prompt {i}")
+    assert len({t for o in outs for t in o.token_ids}) > 8
 
 
 def test_experts_keep_e4m3_with_their_block_scales(checkpoint):
@@ -113,22 +140,8 @@ def test_greedy_tokens_and_logprobs_match_hf(checkpoint):
     """12 greedy steps, tokens equal and log-probs within 1e-3: the short prompts alone
     against plain HF, the 40-token prompt alone against HF with its attention inputs
     quantized in the prefill."""
-    from engine.llm import LLM
-    from engine.sampling.params import SamplingParams
-
     root, hf, _ = checkpoint
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 13, 40)]
-    refs = [_hf_generate(hf, p) for p in prompts[:2]]
-    with QuantizedPrefill(hf, BLOCK[1]):
-        refs.append(_hf_generate(hf, prompts[2]))
-    sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
-    with LLM(str(root), dtype="float32", device="cpu", cpu_threads=1,
-             max_total_tokens=2048) as llm:
-        outs = [llm.generate([p], sp)[0] for p in prompts]
-    for i, (out, ref) in enumerate(zip(outs, refs)):
-        _assert_matches(out, ref, f"qwen3-moe block FP8, prompt {i}")
-    assert len({t for o in outs for t in o.token_ids}) > 8
+    _assert_alone_match_hf(root, hf, QuantizedPrefill(hf, BLOCK[1]), "qwen3-moe block FP8")
 
 
 def test_dummy_block_fp8_moe_and_refusals(tmp_path):
@@ -173,29 +186,11 @@ def deepseek(tmp_path_factory):
     """A tiny DeepSeek-V3 (``deepseek_helpers``: MLA with low-rank q, grouped sigmoid
     routing, shared experts, a dense first layer) with every linear weight of its layers in
     32 x 32 block FP8 (DeepSeek-V3's checkpoint layout), and HF on the dequantized twin."""
-    import transformers as T
     from deepseek_helpers import save_tiny
 
     root = tmp_path_factory.mktemp("dsv3_fp8")
     save_tiny("v3", root / "float")
-    sd = load_file(str(root / "float" / "model.safetensors"))
-    quant, deq = {}, {}
-    for name, t in sd.items():
-        if _is_quantized(name):
-            codes, scale = quantize_blocks(t, *DS_BLOCK)
-            quant[name], quant[name + "_scale_inv"] = codes, scale
-            deq[name] = dequantize(codes, scale, *DS_BLOCK)
-        else:
-            quant[name] = deq[name] = t
-    save_file(deq, str(root / "float" / "model.safetensors"))
-    save_file({k: v.contiguous() for k, v in quant.items()}, str(root / "model.safetensors"))
-    cfg = json.loads((root / "float" / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
-                                  "activation_scheme": "dynamic",
-                                  "weight_block_size": list(DS_BLOCK)}
-    (root / "config.json").write_text(json.dumps(cfg))
-    save_char_tokenizer(root)
-    hf = T.AutoModelForCausalLM.from_pretrained(root / "float", dtype=torch.float32).eval()
+    hf, deq = _save_block_fp8(root, _is_quantized, DS_BLOCK)
     return root, hf, deq
 
 
@@ -215,9 +210,6 @@ def test_deepseek_v3_block_fp8_matches_hf(deepseek):
     loading; the dense MLP, the shared and routed experts); 12 greedy steps match HF on the
     dequantized twin within 1e-3, the short prompts weight-only, the 40-token prompt with
     the linear inputs of its prefill quantized (:class:`_NotKvB`)."""
-    from engine.llm import LLM
-    from engine.sampling.params import SamplingParams
-
     root, hf, deq = deepseek
     model, _ = load_model(str(root), device="cpu", dtype="float32", progress=False)
     attn = model.model.layers[1].self_attn
@@ -229,18 +221,7 @@ def test_deepseek_v3_block_fp8_matches_hf(deepseek):
     moe = model.model.layers[1].mlp
     assert moe.experts.w13_weight.dtype == torch.float8_e4m3fn
     assert moe.shared_experts.down_proj.weight.dtype == torch.float8_e4m3fn
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 13, 40)]
-    refs = [_hf_generate(hf, p) for p in prompts[:2]]
-    with _NotKvB(hf, DS_BLOCK[1]):
-        refs.append(_hf_generate(hf, prompts[2]))
-    sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
-    with LLM(str(root), dtype="float32", device="cpu", cpu_threads=1,
-             max_total_tokens=2048) as llm:
-        outs = [llm.generate([p], sp)[0] for p in prompts]
-    for i, (out, ref) in enumerate(zip(outs, refs)):
-        _assert_matches(out, ref, f"DeepSeek-V3 block FP8, prompt {i}")
-    assert len({t for o in outs for t in o.token_ids}) > 8
+    _assert_alone_match_hf(root, hf, _NotKvB(hf, DS_BLOCK[1]), "DeepSeek-V3 block FP8")
 
 
 @gpu_only
@@ -250,22 +231,18 @@ def test_qwen3_moe_block_fp8_on_the_gpu_matches_hf(checkpoint):
     with its attention inputs quantized (tokens equal, log-probs within 5e-3: Triton's
     quantizer may round a few codes the other way); bf16 runs."""
     from engine.llm import LLM
-    from engine.sampling.params import SamplingParams
 
     root, hf, _ = checkpoint
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 13, 40)]
-    refs = [_hf_generate(hf, p) for p in prompts[:2]]
+    prompts = seeded_prompts()
+    refs = hf_references(hf, prompts[:2])
     with QuantizedPrefill(hf, BLOCK[1]):
-        toks, lps = _hf_generate(hf, prompts[2])
-    sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
+        refs.append(hf_greedy(hf, prompts[2]))
     with LLM(str(root), dtype="float32") as llm:
         ex = llm.runner.model.model.layers[0].mlp.experts
         assert ex.fp8_experts.kernel is not None and ex.w13_weight.device.type != "cpu"
-        outs = [llm.generate([p], sp)[0] for p in prompts]
-    for i in range(2):
-        _assert_matches(outs[i], refs[i], f"qwen3-moe block FP8 on the GPU, prompt {i}")
-    assert outs[2].token_ids == toks
-    assert max(abs(e[0] - b) for e, b in zip(outs[2].logprobs, lps)) < 5e-3
+        outs = [llm.generate([p], SP)[0] for p in prompts]
+    for i in range(3):
+        assert_matches_hf(outs[i], refs[i], f"qwen3-moe block FP8 on the GPU, prompt {i}",
+                          tol=1e-3 if i < 2 else 5e-3)
     with LLM(str(root), dtype="bfloat16") as llm:
-        assert all(len(o.token_ids) == NEW_TOKENS for o in llm.generate(prompts, sp))
+        assert all(len(o.token_ids) == NEW_TOKENS for o in llm.generate(prompts, SP))

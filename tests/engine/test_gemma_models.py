@@ -20,54 +20,33 @@ from __future__ import annotations
 import pytest
 import torch
 from gemma_helpers import CASES, save_tiny
+from parity_helpers import (
+    NEW_TOKENS,
+    PROMPT_A,
+    PROMPT_B,
+    PROMPT_C,
+    SP,
+    assert_batch_and_alone_match_hf,
+    assert_matches_hf,
+    assert_prefix_hits_match_hf,
+    case_fixtures,
+    hf_greedy,
+    parity_llm,
+    seeded_prompts,
+)
 
 from engine.llm import LLM
 from engine.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
-NEW_TOKENS = 12
-LOGPROB_TOL = 1e-3
-SP = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
 
 
 def _prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(3, 250, (n,), generator=g).tolist() for n in (5, 13, 40)]
+    return seeded_prompts(high=250)
 
 
-def _hf_generate(hf, prompt: list[int]) -> tuple[list[int], list[float]]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                          do_sample=False, eos_token_id=None, pad_token_id=0,
-                          output_logits=True, return_dict_in_generate=True)
-    toks = out.sequences[0, len(prompt):].tolist()
-    lps = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, toks)]
-    return toks, lps
-
-
-def _assert_matches(out, ref, what: str) -> None:
-    toks, lps = ref
-    assert out.token_ids == toks, f"{what}: ferry {out.token_ids} != HF {toks}"
-    worst = max(abs(entry[0] - b) for entry, b in zip(out.logprobs, lps))
-    assert worst < LOGPROB_TOL, f"{what}: log-prob differs from HF by {worst:.2e}"
-
-
-@pytest.fixture(scope="module", params=CASES)
-def checkpoint(request, tmp_path_factory):
-    """(case, HF model, checkpoint dir, HF reference per prompt), built once per case."""
-    path = tmp_path_factory.mktemp(request.param)
-    hf = save_tiny(request.param, path)
-    return request.param, hf, str(path), [_hf_generate(hf, p) for p in _prompts()]
-
-
-@pytest.fixture(scope="module")
-def served(checkpoint):
-    case, hf, path, ref = checkpoint
-    llm = LLM(path, dtype="float32", device="cpu", cpu_threads=1, max_total_tokens=4096)
-    yield case, hf, llm, ref
-    llm.shutdown()
+checkpoint, served = case_fixtures(CASES, save_tiny, _prompts())
 
 
 def test_batch_and_alone_match_hf(served):
@@ -75,15 +54,7 @@ def test_batch_and_alone_match_hf(served):
     assert type(llm.runner.model).__name__ == type(hf).__name__
     windows = {s.sliding_window for s in llm.runner.model.layer_specs()}
     assert 8 in windows and None in windows        # local and global layers
-    prompts = _prompts()
-    batch = llm.generate(prompts, SP)
-    for i, (out, r) in enumerate(zip(batch, ref)):
-        _assert_matches(out, r, f"{case} prompt {i} in a batch")
-    for i, p in enumerate(prompts):
-        assert llm.scheduler.flush_cache()
-        alone = llm.generate([p], SP)[0]
-        assert alone.num_cached_tokens == 0          # a prefix-cache miss
-        _assert_matches(alone, ref[i], f"{case} prompt {i} alone")
+    assert_batch_and_alone_match_hf(llm, _prompts(), ref, case)
 
 
 def test_gemma4_kv_sharing_holds_no_kv_memory(served):
@@ -117,22 +88,8 @@ def test_prefix_cache_hit_matches_hf(served):
     tested in tests/engine/test_windowed_kv.py): this checks the hits of one shared pool."""
     case, hf, llm_windowed, ref = served
     path = llm_windowed.args.model_path
-    with LLM(path, dtype="float32", device="cpu", cpu_threads=1, max_total_tokens=4096,
-             swa_full_tokens_ratio=0) as llm:
-        _prefix_hits(case, hf, llm, ref)
-
-
-def _prefix_hits(case, hf, llm, ref):
-    long = _prompts()[2]
-    assert llm.scheduler.flush_cache()
-    assert llm.generate([long], SP)[0].num_cached_tokens == 0
-    again = llm.generate([long], SP)[0]
-    assert again.num_cached_tokens >= 32
-    _assert_matches(again, ref[2], f"{case} cached prompt")
-    shared = long[:32] + [9, 8, 7, 6, 5]
-    out = llm.generate([shared], SP)[0]
-    assert out.num_cached_tokens >= 24
-    _assert_matches(out, _hf_generate(hf, shared), f"{case} shared prefix")
+    with parity_llm(path, swa_full_tokens_ratio=0) as llm:
+        assert_prefix_hits_match_hf(llm, hf, _prompts()[2], ref[2], case)
 
 
 def test_chunked_prefill_matches_hf(checkpoint):
@@ -141,20 +98,15 @@ def test_chunked_prefill_matches_hf(checkpoint):
     case, _, path, ref = checkpoint
     if case == "gemma3_mm":
         pytest.skip("the same language model as gemma3")
-    with LLM(path, dtype="float32", device="cpu", cpu_threads=1, max_total_tokens=4096,
-             chunked_prefill_size=16) as llm:
+    with parity_llm(path, chunked_prefill_size=16) as llm:
         outs = llm.generate(_prompts(), SP)
         alone = llm.generate([_prompts()[2]], SP)[0]
     for i, (out, r) in enumerate(zip(outs, ref)):
-        _assert_matches(out, r, f"{case} prompt {i} chunked in a batch")
-    _assert_matches(alone, ref[2], f"{case} long prompt chunked")
+        assert_matches_hf(out, r, f"{case} prompt {i} chunked in a batch")
+    assert_matches_hf(alone, ref[2], f"{case} long prompt chunked")
 
 
 # ---- tensor parallelism (gloo, 2 ranks on the CPU) ------------------------------------------
-
-PROMPT_A = [(7 * i + 3) % 250 + 3 for i in range(300)]  # > the CPU prefill chunk (256)
-PROMPT_B = PROMPT_A[:200] + [5, 6, 7, 8, 9, 10]        # shares a 200-token prefix
-PROMPT_C = [11, 12, 13]
 
 
 def _run_tp(path: str, tp: int):
@@ -172,24 +124,24 @@ def _run_tp(path: str, tp: int):
     return [o.token_ids for o in outs], lps
 
 
-def test_tp2_matches_tp1_gemma3(tmp_path):
-    save_tiny("gemma3", tmp_path)
-    ref_toks, ref_lps = _run_tp(str(tmp_path), 1)
-    toks, lps = _run_tp(str(tmp_path), 2)
+def _assert_tp_matches(path: str) -> None:
+    ref_toks, ref_lps = _run_tp(path, 1)
+    toks, lps = _run_tp(path, 2)
     assert toks == ref_toks
     worst = max(abs(a - b) for a, b in zip(lps, ref_lps))
     assert worst < 1e-4, f"largest log-prob difference TP=2 vs TP=1: {worst:.2e}"
+
+
+def test_tp2_matches_tp1_gemma3(tmp_path):
+    save_tiny("gemma3", tmp_path)
+    _assert_tp_matches(str(tmp_path))
 
 
 def test_tp2_matches_tp1_gemma4_moe(tmp_path):
     """Gemma 4 (the MoE checkpoint: KV-sharing layers projecting q only, one global K/V
     head replicated on both ranks, per-layer inputs, experts split by width) at TP=2."""
     save_tiny("gemma4_moe", tmp_path)
-    ref_toks, ref_lps = _run_tp(str(tmp_path), 1)
-    toks, lps = _run_tp(str(tmp_path), 2)
-    assert toks == ref_toks
-    worst = max(abs(a - b) for a, b in zip(lps, ref_lps))
-    assert worst < 1e-4, f"largest log-prob difference TP=2 vs TP=1: {worst:.2e}"
+    _assert_tp_matches(str(tmp_path))
 
 
 # ---- speculative decoding (the target's greedy tokens whatever the drafts) ----------------
@@ -209,12 +161,11 @@ def test_speculative_decoding_keeps_hf_tokens_gemma2(algo, tmp_path):
         kw = {"speculative_draft_model_path": str(tmp_path / "head"),
               "speculative_num_steps": 3}
     prompts = _prompts()
-    with LLM(str(tmp_path / "target"), dtype="float32", device="cpu", cpu_threads=1,
-             max_total_tokens=4096, speculative_algorithm=algo, **kw) as llm:
+    with parity_llm(tmp_path / "target", speculative_algorithm=algo, **kw) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0,
                                                     ignore_eos=True))
     for p, out in zip(prompts, outs):
-        assert out.token_ids == _hf_generate(hf, p)[0], f"{algo}: {p}"
+        assert out.token_ids == hf_greedy(hf, p)[0], f"{algo}: {p}"
 
 
 # ---- LoRA (the projections have Llama's names) ----------------------------------------------
@@ -240,11 +191,10 @@ def test_lora_on_every_projection_matches_peft_gemma2(tmp_path):
     with pm.disable_adapter():
         assert [greedy_reference(pm, p, NEW_TOKENS)[0] for p in prompts] != \
             [r[0] for r in refs]
-    with LLM(str(tmp_path / "base"), dtype="float32", device="cpu", cpu_threads=1,
-             max_total_tokens=4096, lora_paths=[f"a1={tmp_path / 'a1'}"]) as llm:
+    with parity_llm(tmp_path / "base", lora_paths=[f"a1={tmp_path / 'a1'}"]) as llm:
         outs = llm.generate(prompts, SP, lora="a1")
     for i, (out, ref) in enumerate(zip(outs, refs)):
-        _assert_matches(out, ref, f"gemma2 + LoRA prompt {i}")
+        assert_matches_hf(out, ref, f"gemma2 + LoRA prompt {i}")
 
 
 # ---- the piecewise split (pieces called directly on the CPU; graphs on GPUs) ----------------

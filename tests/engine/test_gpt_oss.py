@@ -20,40 +20,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 from gptoss_helpers import gptoss_config, save_tiny_gptoss
+from parity_helpers import (
+    NEW_TOKENS,
+    SP,
+    assert_batch_and_alone_match_hf,
+    assert_prefix_hits_match_hf,
+    hf_references,
+    parity_llm,
+    seeded_prompts,
+)
 
 from engine.layers.moe import FusedMoE
 from engine.llm import LLM
 from engine.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow
-
-NEW_TOKENS = 12
-LOGPROB_TOL = 1e-3
-SP = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
-
-
-def _prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 13, 40)]
-
-
-def _hf_generate(hf, prompt: list[int]) -> tuple[list[int], list[float]]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                          do_sample=False, eos_token_id=None, pad_token_id=0,
-                          output_logits=True, return_dict_in_generate=True)
-    toks = out.sequences[0, len(prompt):].tolist()
-    lps = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, toks)]
-    return toks, lps
-
-
-def _assert_matches(out, ref, what: str) -> None:
-    toks, lps = ref
-    assert out.token_ids == toks, f"{what}: ferry {out.token_ids} != HF {toks}"
-    worst = max(abs(a[0] - b) for a, b in zip(out.logprobs, lps))
-    assert worst < LOGPROB_TOL, f"{what}: log-prob differs from HF by {worst:.2e}"
-
 
 @pytest.fixture(scope="module", params=["float", "mxfp4", "mxfp4_dequantize"])
 def served(request, tmp_path_factory):
@@ -65,11 +46,9 @@ def served(request, tmp_path_factory):
         cfg = json.loads((path / "config.json").read_text())
         cfg["quantization_config"]["dequantize"] = True
         (path / "config.json").write_text(json.dumps(cfg))
-    ref = [_hf_generate(hf, p) for p in _prompts()]
-    llm = LLM(str(path), dtype="float32", device="cpu", cpu_threads=1, max_total_tokens=4096,
-              chunked_prefill_size=16)
-    yield request.param, hf, llm, ref
-    llm.shutdown()
+    ref = hf_references(hf, seeded_prompts())
+    with parity_llm(path, chunked_prefill_size=16) as llm:
+        yield request.param, hf, llm, ref
 
 
 def test_batch_alone_and_chunked_match_hf(served):
@@ -78,29 +57,12 @@ def test_batch_alone_and_chunked_match_hf(served):
     experts = [m for m in llm.runner.model.modules() if isinstance(m, FusedMoE)]
     assert experts and all((m.w13_weight.dtype == torch.uint8) == (case == "mxfp4")
                            for m in experts)
-    prompts = _prompts()
-    batch = llm.generate(prompts, SP)
-    for i, (out, r) in enumerate(zip(batch, ref)):
-        _assert_matches(out, r, f"{case} prompt {i} in a batch")
-    for i, p in enumerate(prompts):
-        assert llm.scheduler.flush_cache()
-        alone = llm.generate([p], SP)[0]
-        assert alone.num_cached_tokens == 0
-        _assert_matches(alone, ref[i], f"{case} prompt {i} alone")
+    assert_batch_and_alone_match_hf(llm, seeded_prompts(), ref, case)
 
 
 def test_prefix_cache_hit_matches_hf(served):
     case, hf, llm, ref = served
-    long = _prompts()[2]
-    assert llm.scheduler.flush_cache()
-    assert llm.generate([long], SP)[0].num_cached_tokens == 0
-    again = llm.generate([long], SP)[0]
-    assert again.num_cached_tokens >= 32
-    _assert_matches(again, ref[2], f"{case} cached prompt")
-    shared = long[:32] + [9, 8, 7, 6, 5]
-    out = llm.generate([shared], SP)[0]
-    assert out.num_cached_tokens >= 24
-    _assert_matches(out, _hf_generate(hf, shared), f"{case} shared prefix")
+    assert_prefix_hits_match_hf(llm, hf, seeded_prompts()[2], ref[2], case)
 
 
 def _run_tp(path: str, tp: int, **kw):

@@ -19,8 +19,17 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from moe_helpers import CASES, config_of
+from parity_helpers import (
+    PROMPT_A,
+    PROMPT_B,
+    PROMPT_C,
+    assert_batch_and_alone_match_hf,
+    assert_prefix_hits_match_hf,
+    hf_references,
+    parity_llm,
+    seeded_prompts,
+)
 
 from engine.layers.moe import FusedMoE
 from engine.llm import LLM
@@ -28,88 +37,29 @@ from engine.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
-NEW_TOKENS = 12
-LOGPROB_TOL = 1e-3
-
-
-def _prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(7)
-    a, b, c = (torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 13, 40))
-    return [a, b, c]
-
-
-def _hf_generate(hf, prompt: list[int]) -> tuple[list[int], list[float]]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                          do_sample=False, eos_token_id=None, pad_token_id=0,
-                          output_logits=True, return_dict_in_generate=True)
-    toks = out.sequences[0, len(prompt):].tolist()
-    lps = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, toks)]
-    return toks, lps
-
-
-def _chosen_logprobs(out) -> list[float]:
-    return [entry[0] for entry in out.logprobs]
-
-
-SP = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
-
-
 @pytest.fixture(scope="module", params=CASES)
 def served(request, tiny_moe_checkpoint):
     """(case, HF model, ferry LLM, HF reference per prompt, checkpoint dir)."""
     path, hf = tiny_moe_checkpoint(request.param)  # the session's (tests/conftest.py)
-    ref = [_hf_generate(hf, p) for p in _prompts()]
-    llm = LLM(str(path), dtype="float32", device="cpu", cpu_threads=1,
-              max_total_tokens=4096)
-    yield request.param, hf, llm, ref, path
-    llm.shutdown()
-
-
-def _assert_matches(out, ref, what: str) -> None:
-    toks, lps = ref
-    assert out.token_ids == toks, f"{what}: ferry {out.token_ids} != HF {toks}"
-    worst = max(abs(a - b) for a, b in zip(_chosen_logprobs(out), lps))
-    assert worst < LOGPROB_TOL, f"{what}: log-prob differs from HF by {worst:.2e}"
+    ref = hf_references(hf, seeded_prompts())
+    with parity_llm(path) as llm:
+        yield request.param, hf, llm, ref, path
 
 
 def test_batch_and_alone_match_hf(served):
     case, hf, llm, ref, _ = served
     assert type(llm.runner.model).__name__ == type(hf).__name__
-    prompts = _prompts()
-    batch = llm.generate(prompts, SP)
-    for i, (out, r) in enumerate(zip(batch, ref)):
-        _assert_matches(out, r, f"{case} prompt {i} in a batch")
-    for i, p in enumerate(prompts):
-        assert llm.scheduler.flush_cache()
-        alone = llm.generate([p], SP)[0]
-        assert alone.num_cached_tokens == 0          # a prefix-cache miss
-        _assert_matches(alone, ref[i], f"{case} prompt {i} alone")
-        assert alone.token_ids == batch[i].token_ids
+    assert_batch_and_alone_match_hf(llm, seeded_prompts(), ref, case)
 
 
 def test_prefix_cache_hit_matches_hf(served):
     """The long prompt again (its KV cached: a hit), and a prompt that shares its first 32
     tokens (a partial hit); both must still give HF's tokens."""
     case, hf, llm, ref, _ = served
-    long = _prompts()[2]
-    assert llm.scheduler.flush_cache()
-    assert llm.generate([long], SP)[0].num_cached_tokens == 0     # a miss fills the cache
-    again = llm.generate([long], SP)[0]
-    assert again.num_cached_tokens is not None and again.num_cached_tokens >= 32
-    _assert_matches(again, ref[2], f"{case} cached prompt")
-    shared = long[:32] + [9, 8, 7, 6, 5]
-    out = llm.generate([shared], SP)[0]
-    assert out.num_cached_tokens >= 24
-    _assert_matches(out, _hf_generate(hf, shared), f"{case} shared prefix")
+    assert_prefix_hits_match_hf(llm, hf, seeded_prompts()[2], ref[2], case)
 
 
 # ---- tensor parallelism (gloo, 2 ranks on the CPU) ------------------------------------------
-
-PROMPT_A = [(7 * i + 3) % 250 + 3 for i in range(300)]  # > the CPU prefill chunk (256)
-PROMPT_B = PROMPT_A[:200] + [5, 6, 7, 8, 9, 10]        # shares a 200-token prefix
-PROMPT_C = [11, 12, 13]
 
 
 def _run_tp(path: str, tp: int, ep: int = 1, **kw):

@@ -16,7 +16,16 @@ again and the scheduler's accounting (pages and slots) held after every step.
 from __future__ import annotations
 
 import pytest
-import torch
+from parity_helpers import (
+    NEW_TOKENS,
+    SP,
+    assert_matches_hf,
+    assert_tokens_match_hf,
+    hf_greedy,
+    hf_references,
+    parity_llm,
+    seeded_prompts,
+)
 from qwen3_next_helpers import CASES, save_tiny
 
 from engine.llm import LLM
@@ -25,33 +34,10 @@ from engine.scheduler.request import Req
 
 pytestmark = pytest.mark.slow
 
-NEW_TOKENS = 12
-LOGPROB_TOL = 1e-3
-SP = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
-KW = {"dtype": "float32", "device": "cpu", "cpu_threads": 1, "max_total_tokens": 4096}
 
 
 def _prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(3, 250, (n,), generator=g).tolist() for n in (5, 13, 70, 24, 9)]
-
-
-def _hf_generate(hf, prompt: list[int], n: int = NEW_TOKENS) -> tuple[list[int], list[float]]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                          do_sample=False, eos_token_id=None, pad_token_id=0,
-                          output_logits=True, return_dict_in_generate=True)
-    toks = out.sequences[0, len(prompt):].tolist()
-    lps = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, toks)]
-    return toks, lps
-
-
-def _assert_matches(token_ids, logprobs, ref, what: str) -> None:
-    toks, lps = ref
-    assert token_ids == toks, f"{what}: ferry {token_ids} != HF {toks}"
-    worst = max(abs(entry[0] - b) for entry, b in zip(logprobs, lps))
-    assert worst < LOGPROB_TOL, f"{what}: log-prob differs from HF by {worst:.2e}"
+    return seeded_prompts(high=250, lengths=(5, 13, 70, 24, 9))
 
 
 def _slots_all_free(llm) -> None:
@@ -66,7 +52,7 @@ def checkpoint(request, tmp_path_factory):
     """(case, checkpoint dir, HF reference per prompt, HF model), built once per session."""
     path = tmp_path_factory.mktemp(request.param)
     hf = save_tiny(request.param, path)
-    return request.param, str(path), [_hf_generate(hf, p) for p in _prompts()], hf
+    return request.param, str(path), hf_references(hf, _prompts()), hf
 
 
 @pytest.fixture(scope="session")
@@ -78,7 +64,7 @@ def next_checkpoint(checkpoint):
 
 
 def _llm(path: str, **kw) -> LLM:
-    llm = LLM(path, **{**KW, **kw})
+    llm = parity_llm(path, **kw)
     llm.scheduler.check_kv = True   # pages and state slots accounted after every step
     return llm
 
@@ -93,10 +79,10 @@ def test_batch_and_alone_match_hf(checkpoint):
         assert not llm.scheduler.kv.enabled       # prefix reuse off: no state snapshots yet
         batch = llm.generate(prompts, SP)
         for i, (out, r) in enumerate(zip(batch, ref)):
-            _assert_matches(out.token_ids, out.logprobs, r, f"{case} prompt {i} in a batch")
+            assert_matches_hf(out, r, f"{case} prompt {i} in a batch")
         for i, p in enumerate(prompts):
             alone = llm.generate([p], SP)[0]
-            _assert_matches(alone.token_ids, alone.logprobs, ref[i], f"{case} prompt {i} alone")
+            assert_matches_hf(alone, ref[i], f"{case} prompt {i} alone")
         _slots_all_free(llm)
 
 
@@ -112,8 +98,8 @@ def test_chunked_prefill_matches_hf(checkpoint):
         alone = llm.generate([_prompts()[2]], SP)[0]
         _slots_all_free(llm)
     for i, (out, r) in enumerate(zip(outs, ref)):
-        _assert_matches(out.token_ids, out.logprobs, r, f"{case} prompt {i} chunked in a batch")
-    _assert_matches(alone.token_ids, alone.logprobs, ref[2], f"{case} long prompt chunked")
+        assert_matches_hf(out, r, f"{case} prompt {i} chunked in a batch")
+    assert_matches_hf(alone, ref[2], f"{case} long prompt chunked")
 
 
 def _req(rid: str, prompt: list[int]) -> Req:
@@ -143,7 +129,7 @@ def test_request_joins_while_others_decode(next_checkpoint):
         _run(llm, first + [late])
         _slots_all_free(llm)
     for r, ref_i in zip(first + [late], ref[:3]):
-        _assert_matches(r.output_ids, r.logprobs, ref_i, f"{case} {r.rid} (joined late: c)")
+        assert_tokens_match_hf(r.output_ids, r.logprobs, ref_i, f"{case} {r.rid} (joined late: c)")
 
 
 def test_abort_mid_decode_frees_its_slot(next_checkpoint):
@@ -168,8 +154,9 @@ def test_abort_mid_decode_frees_its_slot(next_checkpoint):
         # the freed slot is zeroed when the next request takes it: a fresh request is exact
         again = llm.generate([prompts[1]], SP)[0]
     for i in (0, 2):
-        _assert_matches(reqs[i].output_ids, reqs[i].logprobs, ref[i], f"{case} r{i} beside abort")
-    _assert_matches(again.token_ids, again.logprobs, ref[1], f"{case} after the abort")
+        assert_tokens_match_hf(reqs[i].output_ids, reqs[i].logprobs, ref[i],
+                               f"{case} r{i} beside abort")
+    assert_matches_hf(again, ref[1], f"{case} after the abort")
 
 
 def test_more_requests_than_slots_wait_and_finish(next_checkpoint):
@@ -190,7 +177,7 @@ def test_more_requests_than_slots_wait_and_finish(next_checkpoint):
         assert min(seen) == 0                      # every slot was held at some point
         _slots_all_free(llm)
     for i, (out, r) in enumerate(zip(outs, ref)):
-        _assert_matches(out.token_ids, out.logprobs, r, f"{case} prompt {i} of 5 on 2 slots")
+        assert_matches_hf(out, r, f"{case} prompt {i} of 5 on 2 slots")
 
 
 def test_preemption_restarts_from_a_zeroed_state(next_checkpoint):
@@ -206,8 +193,7 @@ def test_preemption_restarts_from_a_zeroed_state(next_checkpoint):
         assert llm.scheduler.stats["preemptions"] > 0
         _slots_all_free(llm)
     for i, (out, p) in enumerate(zip(outs, prompts)):
-        _assert_matches(out.token_ids, out.logprobs, _hf_generate(hf, p, n),
-                        f"{case} prompt {i} under preemption")
+        assert_matches_hf(out, hf_greedy(hf, p, n), f"{case} prompt {i} under preemption")
 
 
 def test_start_up_line_and_bench_latency(next_checkpoint, caplog, capsys):
@@ -248,4 +234,5 @@ def test_abort_during_chunked_prefill_frees_its_slot(next_checkpoint):
         _run(llm, [short, long])
         assert long.finished_reason.type == "abort"
         _slots_all_free(llm)
-    _assert_matches(short.output_ids, short.logprobs, ref[1], f"{case} beside a chunked abort")
+    assert_tokens_match_hf(short.output_ids, short.logprobs, ref[1],
+                           f"{case} beside a chunked abort")

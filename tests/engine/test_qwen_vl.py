@@ -20,17 +20,12 @@ import torch
 
 pytest.importorskip("PIL")
 
+from parity_helpers import SP, assert_matches_hf, hf_greedy, parity_llm  # noqa: E402
 from vl_helpers import IMAGE_TOKEN_ID, image_processor, images, save_tiny  # noqa: E402
 
-from engine.llm import LLM  # noqa: E402
-from engine.sampling.params import SamplingParams  # noqa: E402
 from server.media.process import ImageProcessor  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-NEW_TOKENS = 12
-LOGPROB_TOL = 1e-3
-SP = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
 
 
 def _render(tok, parts: list) -> list[int]:
@@ -53,26 +48,14 @@ class Case:
 
 def _hf_generate(hf, prompt: list[int], pics: list, patch: int
                  ) -> tuple[list[int], list[float]]:
-    ids = torch.tensor([prompt])
+    """:func:`hf_greedy` with the processor's ``pixel_values`` / ``image_grid_thw`` of
+    ``pics`` (none for a text-only prompt)."""
     kw = {}
     if pics:
         out = image_processor(patch)(images=pics, return_tensors="pt")
         kw = dict(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"],
-                  mm_token_type_ids=(ids == IMAGE_TOKEN_ID).int())
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                          do_sample=False, eos_token_id=None, pad_token_id=0,
-                          output_logits=True, return_dict_in_generate=True, **kw)
-    toks = out.sequences[0, len(prompt):].tolist()
-    lps = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, toks)]
-    return toks, lps
-
-
-def _assert_matches(out, ref, what: str) -> None:
-    toks, lps = ref
-    assert out.token_ids == toks, f"{what}: ferry {out.token_ids} != HF {toks}"
-    worst = max(abs(entry[0] - b) for entry, b in zip(out.logprobs, lps))
-    assert worst < LOGPROB_TOL, f"{what}: log-prob differs from HF by {worst:.2e}"
+                  mm_token_type_ids=(torch.tensor([prompt]) == IMAGE_TOKEN_ID).int())
+    return hf_greedy(hf, prompt, **kw)
 
 
 #: per architecture: its patch size and the grids of the "two" case's images
@@ -101,9 +84,8 @@ def ckpt(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(ckpt):
-    engine = LLM(ckpt[1], dtype="float32", device="cpu", cpu_threads=1, max_total_tokens=2048)
-    yield engine
-    engine.shutdown()
+    with parity_llm(ckpt[1], max_total_tokens=2048) as engine:
+        yield engine
 
 
 def _run(llm, cases: list):
@@ -121,14 +103,14 @@ def test_one_image_matches_hf(ckpt, llm):
     llm.scheduler.flush_cache()
     for name in ("red", "two"):  # one image; two (one of windows with padding, one tall)
         out = _run(llm, [ckpt[2][name]])[0]
-        _assert_matches(out, ckpt[2][name].ref, name)
+        assert_matches_hf(out, ckpt[2][name].ref, name)
 
 
 def test_batched_with_text_only(ckpt, llm):
     llm.scheduler.flush_cache()
     cases = [ckpt[2]["text"], ckpt[2]["two"], ckpt[2]["blue"]]
     for c, out in zip(cases, _run(llm, cases)):
-        _assert_matches(out, c.ref, "batched")
+        assert_matches_hf(out, c.ref, "batched")
 
 
 def test_same_image_hits_the_cache(ckpt, llm):
@@ -139,7 +121,7 @@ def test_same_image_hits_the_cache(ckpt, llm):
     last_image_end = case.images[-1].offset + case.images[-1].length
     assert again.num_cached_tokens >= last_image_end, again.num_cached_tokens
     assert again.token_ids == first.token_ids
-    _assert_matches(again, case.ref, "cache hit")
+    assert_matches_hf(again, case.ref, "cache hit")
 
 
 def test_different_images_share_no_kv(ckpt, llm):
@@ -149,19 +131,16 @@ def test_different_images_share_no_kv(ckpt, llm):
     _run(llm, [red])
     out = _run(llm, [blue])[0]
     assert out.num_cached_tokens <= blue.images[0].offset
-    _assert_matches(out, blue.ref, "after another image")
+    assert_matches_hf(out, blue.ref, "after another image")
 
 
 def test_chunked_prefill_cuts_images(ckpt):
     """Chunks of 5 tokens cut every image (9 and 4 or 8 tokens) across steps."""
-    engine = LLM(ckpt[1], dtype="float32", device="cpu", cpu_threads=1, max_total_tokens=2048,
-                 chunked_prefill_size=5, disable_radix_cache=True)
-    try:
+    with parity_llm(ckpt[1], max_total_tokens=2048, chunked_prefill_size=5,
+                    disable_radix_cache=True) as engine:
         cases = [ckpt[2]["two"], ckpt[2]["text"]]
         for c, out in zip(cases, _run(engine, cases)):
-            _assert_matches(out, c.ref, "chunked")
-    finally:
-        engine.shutdown()
+            assert_matches_hf(out, c.ref, "chunked")
 
 
 def test_images_to_a_text_model_are_refused(ckpt, llm):

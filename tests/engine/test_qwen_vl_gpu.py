@@ -17,7 +17,8 @@ if DEVICE == "cpu":
     pytest.skip("needs a CUDA or XPU device", allow_module_level=True)
 pytest.importorskip("PIL")
 
-from test_qwen_vl import ARCHS, SP, Case, _assert_matches  # noqa: E402
+from parity_helpers import SP, assert_matches_hf  # noqa: E402
+from test_qwen_vl import ARCHS, Case  # noqa: E402
 from vl_helpers import images, save_tiny  # noqa: E402
 
 from engine.llm import LLM  # noqa: E402
@@ -37,11 +38,11 @@ def test_vl_on_the_device_matches_hf(arch, tmp_path):
     try:
         assert llm.runner.graph_runner is not None
         outs = llm.generate([two.ids, text.ids], SP, images=[two.images, []])
-        _assert_matches(outs[0], two.ref, f"{arch} image on {DEVICE}")
-        _assert_matches(outs[1], text.ref, f"{arch} text beside it")
+        assert_matches_hf(outs[0], two.ref, f"{arch} image on {DEVICE}")
+        assert_matches_hf(outs[1], text.ref, f"{arch} text beside it")
         again = llm.generate([two.ids, text.ids], SP, images=[two.images, []])
         assert again[0].num_cached_tokens > two.images[-1].offset
-        _assert_matches(again[0], two.ref, f"{arch} cache hit on {DEVICE}")
-        _assert_matches(llm.generate([text.ids], SP)[0], text.ref, f"{arch} text, graphs")
+        assert_matches_hf(again[0], two.ref, f"{arch} cache hit on {DEVICE}")
+        assert_matches_hf(llm.generate([text.ids], SP)[0], text.ref, f"{arch} text, graphs")
     finally:
         llm.shutdown()

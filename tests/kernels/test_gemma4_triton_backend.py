@@ -23,19 +23,15 @@ pytestmark = [pytest.mark.slow,
 
 def test_gemma4_on_the_triton_backend_matches_hf(tmp_path):
     from gemma_helpers import save_tiny
-    from test_gemma_models import _hf_generate, _prompts
+    from parity_helpers import assert_matches_hf, hf_greedy, parity_llm, seeded_prompts
 
-    from engine.llm import LLM
     from engine.sampling.params import SamplingParams
 
     hf = save_tiny("gemma4", tmp_path)
-    prompts = _prompts()[:2]
+    prompts = seeded_prompts(high=250)[:2]          # test_gemma_models' first two prompts
     sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=1)
-    with LLM(str(tmp_path), dtype="float32", device="cpu", cpu_threads=1,
-             max_total_tokens=1024, attention_backend="triton") as llm:
+    with parity_llm(tmp_path, max_total_tokens=1024, attention_backend="triton") as llm:
         assert llm.runner.attn_backend.max_head_dim == 32
         outs = llm.generate(prompts, sp)
-    for p, out in zip(prompts, outs):
-        toks, lps = _hf_generate(hf, p)
-        assert out.token_ids == toks[:4]
-        assert max(abs(e[0] - b) for e, b in zip(out.logprobs, lps)) < 1e-3
+    for i, (p, out) in enumerate(zip(prompts, outs)):
+        assert_matches_hf(out, hf_greedy(hf, p, 4), f"gemma4, Triton backend, prompt {i}")
