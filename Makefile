@@ -3,6 +3,9 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# the install recipe's `import torch` checks: warnings off, as a fresh torch has no numpy yet
+# (its "UserWarning: Failed to initialize NumPy" would be printed on a first `make serve`)
+PY_CHECK := $(PY) -W ignore
 # torch build to install when the machine has no NVIDIA/Intel GPU. This workplace's pip
 # serves a CPU build of 2.13.0; elsewhere set TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_CPU_VERSION ?= 2.13.0
@@ -28,8 +31,8 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	@if $(PY) -c "import torch" 2>/dev/null; then \
-	  echo "torch already installed: $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	@if $(PY_CHECK) -c "import torch" 2>/dev/null; then \
+	  echo "torch already installed: $$($(PY_CHECK) -c 'import torch; print(torch.__version__)')"; \
 	elif ! command -v nvidia-smi >/dev/null 2>&1 \
 	    && grep -qsx 0x8086 /sys/class/drm/renderD*/device/vendor; then \
 	  echo "Intel GPU found: torch $(TORCH_XPU_VERSION)+xpu and triton-xpu $(TRITON_XPU_VERSION)"; \
@@ -44,7 +47,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	fi
 	@# an XPU torch: ferry and xgrammar without their dependency on plain `triton` (it would
 	@# overlay triton-xpu), then the guard of kernels/triton_check.py (as Dockerfile.xpu)
-	@if $(PY) -c "import sys, torch; sys.exit(0 if getattr(torch.version, 'xpu', None) else 1)"; then \
+	@if $(PY_CHECK) -c "import sys, torch; sys.exit(0 if getattr(torch.version, 'xpu', None) else 1)"; then \
 	  $(PY) -m pip install -q --no-deps -e . \
 	  && $(PY) -c "import re, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(d for d in p['dependencies'] + p['optional-dependencies']['dev'] if re.split(r'[ <>=!~;\[]', d, maxsplit=1)[0].lower() not in ('torch', 'triton', 'xgrammar')))" > $(VENV)/xpu-requirements.txt \
 	  && $(PY) -m pip list --format=freeze | grep -iE '^(torch|triton-xpu)==' > $(VENV)/xpu-keep.txt \

@@ -105,14 +105,21 @@ def text_of(content: Any, where: str) -> str:
 @dataclass
 class Origins:
     """Per chat message, the Anthropic field it came from (``system``, ``messages[2]``,
-    ``messages[2].content[0]``)."""
+    ``messages[2].content[0]``); per user message, the block each content part came from
+    (``parts[i][j]``: chat ``messages[i].content[j]``, the tool results taken out)."""
 
     where: list[str] = field(default_factory=list)
+    parts: dict[int, list[str]] = field(default_factory=dict)
 
     def param(self, p: str | None) -> str | None:
-        """A chat ``param`` in the Messages request's terms."""
+        """A chat ``param`` in the Messages request's terms (a chat image part's
+        ``.image_url`` is the ``image`` block's ``.source``)."""
         if not p:
             return p
+        m = re.match(r"messages\[(\d+)\]\.content\[(\d+)\]", p)
+        if m and int(m.group(2)) < len(self.parts.get(int(m.group(1)), ())):
+            rest = re.sub(r"^\.image_url(\.url)?(?=$|[.\[])", ".source", p[m.end():])
+            return self.parts[int(m.group(1))][int(m.group(2))] + rest
         m = re.match(r"messages\[(\d+)\]", p)
         if m:
             i = int(m.group(1))
@@ -123,6 +130,8 @@ class Origins:
         m = re.match(r"tools\[(\d+)\]\.function", p)
         if m:
             return f"tools[{m.group(1)}]" + p[m.end():]
+        if p == "continue_final_message":  # the prefill: the last message
+            return self.where[-1] if self.where else "messages"
         for old, new in (("max_completion_tokens", "max_tokens"), ("stop", "stop_sequences"),
                          ("response_format", "output_config.format"),
                          ("chat_template_kwargs", "thinking")):
@@ -184,14 +193,17 @@ def _image(b: dict, where: str) -> dict:
 
 def _user(content: list, where: str, out: list[dict], origins: Origins) -> None:
     parts: list[dict] = []
+    part_where: list[str] = []
     seen: set[str] = set()
     for j, b in enumerate(content):
         p = f"{where}.content[{j}]"
         kind = _block(b, p)
         if kind == "text":
             parts.append({"type": "text", "text": _string(b, "text", p)})
+            part_where.append(p)
         elif kind == "image":
             parts.append(_image(b, p))
+            part_where.append(p)
         elif kind == "tool_result":
             out.append(_tool_result(b, p, seen))
             origins.where.append(p)
@@ -199,6 +211,7 @@ def _user(content: list, where: str, out: list[dict], origins: Origins) -> None:
             raise bad_request(f"{p}.type: a user message cannot carry {kind!r} blocks",
                               f"{p}.type")
     if parts or not seen:
+        origins.parts[len(out)] = part_where
         out.append({"role": "user", "content": parts})
         origins.where.append(where)
 

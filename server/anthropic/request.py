@@ -10,6 +10,9 @@ as on chat) and anything else, a 400 naming it. ``to_chat`` turns it into a
   ``temperature``, ``top_p``, ``top_k`` as they are;
 - ``output_config.format`` (``{"type": "json_schema", "schema"}``) -> ``response_format``;
   ``output_config.effort`` is a no-op;
+- a last message from the ``assistant`` (a prefill) -> ``continue_final_message: true``
+  (and ``add_generation_prompt: false``): the model continues that text, and the answer's
+  content is the continuation only, as Anthropic's;
 - ``thinking`` -> the chat template's switch ``chat_template_kwargs.enable_thinking``
   (``enabled``/``adaptive``: true, ``disabled``: false; absent: the template's default).
   With ``--reasoning-parser`` what the model thinks comes back as ``thinking`` blocks (the
@@ -187,6 +190,9 @@ def to_chat(req: MessagesRequest, *, count_only: bool = False) -> tuple[dict, Or
     Raises: APIError 400 naming the Messages field (a malformed block, tool or choice)."""
     msgs, origins = chat_messages(req.system, req.messages)
     body: dict[str, Any] = {"messages": msgs}
+    if msgs[-1]["role"] == "assistant":  # a prefill: continue it
+        body["continue_final_message"] = True
+        body["add_generation_prompt"] = False
     if not count_only:
         body["max_completion_tokens"] = req.max_tokens
     if req.stop_sequences:

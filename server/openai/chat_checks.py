@@ -1,20 +1,36 @@
 """The checks of a chat request's own prompt fields, shared by ``/v1/chat/completions`` and
 ``/v1/tokenize`` with ``messages`` (``server.openai.protocol`` calls them after validation):
-``continue_final_message`` and its conventions, and the ``chat_template_kwargs`` a client may
-not set. Each takes a ``ChatCompletionRequest`` (or a ``TokenizeRequest`` with ``messages``)
+``continue_final_message`` and its conventions, the ``chat_template_kwargs`` a client may
+not set, and OpenAI's ``reasoning_effort`` values (``check_reasoning_effort``, also used for
+Responses' ``reasoning.effort``). Each takes a ``ChatCompletionRequest`` (or a ``TokenizeRequest`` with ``messages``)
 and raises a 400 ``APIError`` naming the field."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel
 
 from server.http.errors import bad_request
+
+#: OpenAI's ``reasoning_effort`` values (``openai.types.shared.ReasoningEffort``)
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 #: arguments of ``apply_chat_template`` that ``chat_template_kwargs`` may not set
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
     "chat_template", "tools", "documents", "return_dict", "return_assistant_tokens_mask",
     "tokenizer_kwargs", "padding", "truncation", "max_length", "return_tensors"})
+
+
+def check_reasoning_effort(value: Any, param: str = "reasoning_effort") -> str | None:
+    """``value`` (None: absent) if it is one of OpenAI's ``REASONING_EFFORTS``.
+
+    Raises: APIError 400 naming ``param`` for any other value."""
+    if value is None or (isinstance(value, str) and value in REASONING_EFFORTS):
+        return value
+    raise bad_request(f"{param} must be one of {', '.join(map(repr, REASONING_EFFORTS))} "
+                      f"(got {value!r})", param)
 
 
 def check_continuation_structure(req: BaseModel) -> None:
@@ -43,6 +59,7 @@ def check_continuation_structure(req: BaseModel) -> None:
 def check_chat_prompt(req: BaseModel) -> None:
     """The checks of a chat prompt's own fields (chat completions and ``/v1/tokenize`` with
     ``messages``). Raises: APIError 400 naming the field."""
+    check_reasoning_effort((req.model_extra or {}).get("reasoning_effort"))
     if req.continue_final_message:
         # SGLang's convention: a continuation has no generation prompt, so leaving out
         # add_generation_prompt (default true) means false; an explicit true is vLLM's 400

@@ -116,8 +116,9 @@ class TokenizeRequest(_Base):
     add_generation_prompt: bool = True
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
-    # the chat prompt's fields, as on /v1/chat/completions (messages only); ``tools`` is
-    # read from the extra fields, as chat's tool plan reads it (server/tools/plan.py)
+    # the chat prompt's fields, as on /v1/chat/completions (messages only); ``tools`` and
+    # ``reasoning_effort`` are read from the extra fields, as chat reads them
+    # (server/tools/plan.py, server/pipeline/prompt.py)
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -125,7 +126,8 @@ class TokenizeRequest(_Base):
         """Raises: APIError 400 (``param`` "prompt") unless exactly one input is given; 400
         naming a chat field sent with ``prompt``, or any field ferry does not know."""
         for name in self.model_extra or {}:
-            if name not in ("tools", "lora_path"):  # read from the extra fields
+            # read from the extra fields, as on chat
+            if name not in ("tools", "lora_path", "reasoning_effort"):
                 raise unrecognized(name)
         if (self.prompt is None) == (self.messages is None):
             raise bad_request("send exactly one of 'prompt' (a string) or 'messages'",
@@ -133,7 +135,8 @@ class TokenizeRequest(_Base):
         if self.prompt is not None:
             chat = {"tools": (self.model_extra or {}).get("tools"),
                     "chat_template_kwargs": self.chat_template_kwargs,
-                    "continue_final_message": self.continue_final_message}
+                    "continue_final_message": self.continue_final_message,
+                    "reasoning_effort": (self.model_extra or {}).get("reasoning_effort")}
             for name, value in chat.items():
                 if value:
                     raise bad_request(f"{name} needs 'messages' (a chat prompt)", name)

@@ -9,7 +9,9 @@ Stream and non-stream give the same calls, content and finish reason:
 
 - a forced call (``required``, a named function) cut by ``max_tokens`` is still a call, with
   its arguments as far as they got and ``finish_reason: "length"`` (OpenAI's shape); a
-  ``required`` call counts once its name is complete;
+  ``required`` call counts once its name is complete; a forced output with no call in it
+  (cut before a name or any argument) is no call and empty content, never the constrained
+  JSON itself (``[{"name": "``), so Responses and Messages answer no item or block for it;
 - with ``auto``, a call to a function that is not in ``tools`` is no call: the output is
   content (as an output whose calls do not parse);
 - the content beside calls is the parser's (``call_content`` in ``server/tools/parsers.py``),
@@ -85,8 +87,9 @@ class ToolChatFormat(ChatFormat):
         self._calls_found = False
 
     def calls(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        """``(content, calls)`` of a finished output; ``(text, [])`` if it holds none (see
-        the module docstring for cut and unknown calls)."""
+        """``(content, calls)`` of a finished output; ``(text, [])`` if it holds none, and
+        ``("", [])`` for a forced output without a call (see the module docstring for cut
+        and unknown calls)."""
         plan = self.plan
         if plan.choice == "auto":
             content, calls = parse_tool_calls(plan.parser, text)
@@ -94,16 +97,17 @@ class ToolChatFormat(ChatFormat):
             if any(c.name not in names for c in calls):
                 return text, []
             return content, calls
+        # forced: the output is the constrained JSON; without a call in it, no content either
         if plan.choice == "named":  # the output is the arguments, whole or cut
-            return (None, [ParsedCall(plan.name, text)]) if text else (text, [])
+            return (None, [ParsedCall(plan.name, text)]) if text else ("", [])
         try:
             val = json_text.loads(text)
         except json_text.JSONTextError:
             calls = partial_required_calls(text)
-            return (None, calls) if calls else (text, [])
+            return (None, calls) if calls else ("", [])
         if not isinstance(val, list) or not all(
                 isinstance(v, dict) and isinstance(v.get("name"), str) for v in val):
-            return text, []
+            return "", []
         return None, [ParsedCall(v["name"], json.dumps(v.get("parameters", {}),
                                                         ensure_ascii=False)) for v in val]
 
@@ -120,6 +124,8 @@ class ToolChatFormat(ChatFormat):
             body["message"]["tool_calls"] = self._tool_calls(calls)
             if finish_reason == "stop":
                 body["finish_reason"] = "tool_calls"
+        elif self.plan.choice != "auto":  # forced, no call: not the raw constrained JSON
+            body["message"]["content"] = content
         return body
 
     def _held_from(self, text: str) -> int:

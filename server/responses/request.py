@@ -5,8 +5,9 @@
 ``to_chat`` turns it into a ``/v1/chat/completions`` body (``instructions`` + ``input`` ->
 ``messages``, ``max_output_tokens`` -> ``max_completion_tokens``, ``text.format`` ->
 ``response_format``, flat function ``tools``/``tool_choice`` -> the chat shapes,
-``reasoning.effort`` -> ``chat_template_kwargs.reasoning_effort`` (``reasoning`` is in
-``RESPONSES_NOOPS`` for the rest of it); the item
+``reasoning.effort`` (one of OpenAI's values) -> ``chat_template_kwargs.reasoning_effort``
+(``reasoning`` is in ``RESPONSES_NOOPS`` for the rest of it: ``reasoning.summary`` is checked
+and echoed, a no-op); the item
 conversions are ``server/responses/input.py``); ``echo_fields`` are the settings the
 ``response`` object repeats. The handler is ``server/responses/serving.py``.
 """
@@ -19,6 +20,7 @@ from pydantic import Field, ValidationError
 
 from server.http.errors import APIError, bad_request, not_supported
 from server.openai import extensions, field_limits
+from server.openai.chat_checks import check_reasoning_effort
 from server.openai.protocol import (
     ENGINE_DERIVED,
     INT32_MAX,
@@ -40,6 +42,8 @@ RESPONSES_NOOPS = frozenset({"metadata", "user", "safety_identifier", "prompt_ca
 #: ferry's sampling extensions passed to the engine under their own names (as on chat)
 SAMPLING_PASSTHROUGH = frozenset(SAMPLING_FIELDS) - ENGINE_DERIVED - {"max_tokens", "temperature",
                                                                         "top_p"}
+#: ``reasoning.summary`` values (echoed as sent, a no-op)
+REASONING_SUMMARIES = ("auto", "concise", "detailed")
 #: ``include`` values with nothing to include: the items they name never appear here
 NOOP_INCLUDES = frozenset({"file_search_call.results", "web_search_call.results",
                            "web_search_call.action.sources", "message.input_image.image_url",
@@ -107,6 +111,7 @@ class ResponsesRequest(_Base):
                 continue
             raise APIError(f"unrecognized request field '{name}' (see docs/usage.md for the "
                            "fields /v1/responses accepts)", 400, name, "unrecognized_field")
+        reasoning_effort(self), reasoning_summary(self)  # OpenAI's values, else a 400
         if self.background and self.store is False:
             raise bad_request("background responses need store: true (they are read back "
                               "with GET /v1/responses/{id})", "background")
@@ -167,14 +172,28 @@ def to_chat(req: ResponsesRequest, prior: list[dict] = ()) -> ChatConversion:
 
 
 def reasoning_effort(req: ResponsesRequest) -> str | None:
-    """``reasoning.effort`` of a Responses request (a string), or None.
+    """``reasoning.effort`` of a Responses request (one of OpenAI's ``REASONING_EFFORTS``),
+    or None.
 
-    Raises: APIError 400 naming ``reasoning.effort`` when it is not a string."""
+    Raises: APIError 400 naming ``reasoning.effort`` for any other value."""
     reasoning = (req.model_extra or {}).get("reasoning")
     effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
-    if effort is not None and not isinstance(effort, str):
-        raise bad_request("reasoning.effort must be a string", "reasoning.effort")
-    return effort
+    return check_reasoning_effort(effort, "reasoning.effort")
+
+
+def reasoning_summary(req: ResponsesRequest) -> str | None:
+    """``reasoning.summary`` as sent (a documented no-op: the ``reasoning`` item carries the
+    reasoning text, no summary), or None.
+
+    Raises: APIError 400 naming ``reasoning.summary`` unless ``auto``, ``concise`` or
+    ``detailed``."""
+    reasoning = (req.model_extra or {}).get("reasoning")
+    summary = reasoning.get("summary") if isinstance(reasoning, dict) else None
+    if summary is not None and summary not in REASONING_SUMMARIES:
+        raise bad_request(f"reasoning.summary must be one of "
+                          f"{', '.join(map(repr, REASONING_SUMMARIES))} (got {summary!r})",
+                          "reasoning.summary")
+    return summary
 
 
 def parse_responses_request(body: Any) -> ResponsesRequest:
@@ -205,4 +224,4 @@ def echo_fields(req: ResponsesRequest) -> dict:
             "user": (req.model_extra or {}).get("user"),
             "previous_response_id": req.previous_response_id,
             "background": bool(req.background),
-            "reasoning": {"effort": reasoning_effort(req), "summary": None}}
+            "reasoning": {"effort": reasoning_effort(req), "summary": reasoning_summary(req)}}

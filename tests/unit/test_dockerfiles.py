@@ -307,6 +307,21 @@ def test_smoke_script_syntax_and_mode():
 
 # ---- make install on an Intel GPU host ---------------------------------------------------
 
+def test_make_install_checks_torch_without_warnings():
+    """A fresh clone's ``make serve``: the install recipe's ``import torch`` checks run
+    before numpy is installed, so they run with warnings off (no "UserWarning: Failed to
+    initialize NumPy" on the first run)."""
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("no make")
+    r = subprocess.run([make, "-n", "-B", "install"], cwd=ROOT, check=False,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    checks = re.findall(r"(\S+python)( -W ignore)? -c [\"']import [^\"']*torch", r.stdout)
+    assert len(checks) >= 3
+    assert all(quiet for _, quiet in checks), checks
+
+
 def test_make_install_has_the_xpu_path():
     """The Makefile's install recipe (as ``make -n`` prints it, so nothing runs) is valid
     bash and, on an Intel GPU host, installs torch's XPU build with its triton-xpu, ferry and

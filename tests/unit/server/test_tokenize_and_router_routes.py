@@ -59,10 +59,26 @@ async def _tokens(app, path: str = "/v1/tokenize", **fields) -> list[int]:
     {"messages": CONTINUE[:1], "chat_template_kwargs": {"enable_thinking": False}},
     {"messages": CONTINUE[:1], "tools": TOOLS},
     {"messages": CONTINUE[:1], "add_special_tokens": True},
-], ids=["continue", "continue-sglang", "plain", "no-generation-prompt", "template-kwargs", "tools", "special"])
+    {"messages": CONTINUE[:1], "reasoning_effort": "low",
+     "chat_template_kwargs": {"enable_thinking": False}},
+], ids=["continue", "continue-sglang", "plain", "no-generation-prompt", "template-kwargs", "tools",
+        "special", "reasoning-effort"])
 async def test_tokenize_counts_the_prompt_chat_runs(app, tok, fields):
     for path in ("/v1/tokenize", "/tokenize"):
         assert await _tokens(app, path, **fields) == await _chat_prompt_ids(app, **fields)
+
+
+async def test_reasoning_effort_is_one_of_openais_values(app, tok):
+    """Chat and /v1/tokenize take OpenAI's reasoning_effort values; another is a 400 naming
+    it, and with a plain prompt it is a chat field like the others."""
+    msgs = CONTINUE[:1]
+    for value in ("none", "minimal", "low", "medium", "high"):
+        assert await _tokens(app, messages=msgs, reasoning_effort=value)
+    for path in ("/v1/tokenize", "/v1/chat/completions"):
+        r = await _call(app, "POST", path, {"messages": msgs, "reasoning_effort": "extreme"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
+    r = await _call(app, "POST", "/v1/tokenize", {"prompt": "hi", "reasoning_effort": "low"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
 
 
 async def test_tokenize_continues_the_final_message(app, tok):

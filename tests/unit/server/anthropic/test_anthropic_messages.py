@@ -233,12 +233,63 @@ async def test_sdk_errors_are_anthropic_shaped(tok):
                 "type": "base64", "media_type": "image/png", "data": "AA=="}}]}])
     assert exc.value.body["type"] == "error"
     assert exc.value.body["error"]["type"] == "invalid_request_error"
-    # a text-only model: the image block is named
-    assert "messages[0].content[0].image_url" in exc.value.body["error"]["message"]
+    # a text-only model: the image block's source is named, in Anthropic's terms
+    assert "messages[0].content[0].source" in exc.value.body["error"]["message"]
+    assert "image_url" not in exc.value.body["error"]["message"]
     with pytest.raises(anthropic.NotFoundError) as exc:
         await client.messages.create(model="claude-nope", max_tokens=4,
                                      messages=[{"role": "user", "content": "hi"}])
     assert exc.value.body["error"]["type"] == "not_found_error"
+
+
+IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": "AA=="}}
+
+
+@pytest.mark.parametrize("messages, param", [
+    ([{"role": "user", "content": [{"type": "text", "text": "what is it?"}, IMAGE]}],
+     "messages[0].content[1].source"),
+    # the tool result is taken out of the user's chat parts: the block's own index is named
+    ([{"role": "user", "content": "weather?"},
+      {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1",
+                                         "name": "get_weather", "input": {"city": "Paris"}}]},
+      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                    "content": "sunny"}, IMAGE]}],
+     "messages[2].content[1].source")])
+def test_an_image_on_a_text_only_model_names_the_anthropic_block(tok, messages, param):
+    _, app, _ = _client(tok)
+    r = TestClient(app).post("/v1/messages", headers=V, json=_body(
+        messages=messages, tools=[TOOL]))
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["message"].startswith(param + ":"), err
+    assert "image_url" not in err["message"]
+
+
+def test_an_assistant_prefill_is_continued(tok):
+    req = parse_messages_request(_body(messages=[
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "The capital of France is"}]))
+    body, _ = to_chat(req)
+    assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
+    assert "continue_final_message" not in to_chat(parse_messages_request(_body()))[0]
+    _, app, engine = _client(tok)
+    engine.text = " Paris."
+    r = TestClient(app).post("/v1/messages", headers=V, json=_body(messages=[
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "The capital of France is"}]))
+    assert r.status_code == 200, r.text
+    assert r.json()["content"] == [{"type": "text", "text": " Paris."}]
+    # the prompt ends inside the assistant's text: no end of turn, no new assistant header
+    prompt = tok.decode(engine.sent[-1].input_ids)
+    assert prompt.rstrip().endswith("The capital of France is"), prompt[-80:]
+    assert prompt.count("<|im_start|>assistant") == 1
+    # a forced tool call cannot follow a prefill: the 400 names the prefilled message
+    r = TestClient(app).post("/v1/messages", headers=V, json=_body(
+        tools=[TOOL], tool_choice={"type": "any"}, messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "Let me"}]))
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages[1]")
 
 
 def test_x_api_key_and_version_header(tok):

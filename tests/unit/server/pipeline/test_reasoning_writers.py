@@ -15,6 +15,7 @@ import types
 import pytest
 
 from server.anthropic.events import MessageBuilder
+from server.http.errors import APIError
 from server.openai.formats import ChatFormat
 from server.openai.tool_format import chat_format
 from server.parsers.reasoning import get_reasoning_parser
@@ -209,6 +210,17 @@ def test_responses_reasoning_effort_goes_to_the_template():
                                    "reasoning": {"effort": "low"}})
     assert to_chat(req).body["chat_template_kwargs"] == {"reasoning_effort": "low"}
     assert echo_fields(req)["reasoning"] == {"effort": "low", "summary": None}
+    # reasoning.summary is echoed as sent (a documented no-op)
+    req = parse_responses_request({"model": "m", "input": "hi",
+                                   "reasoning": {"effort": "high", "summary": "auto"}})
+    assert echo_fields(req)["reasoning"] == {"effort": "high", "summary": "auto"}
+    # OpenAI's values only: another is a 400 naming the field
+    for reasoning, param in (({"effort": "extreme"}, "reasoning.effort"),
+                             ({"effort": 3}, "reasoning.effort"),
+                             ({"summary": "verbose"}, "reasoning.summary")):
+        with pytest.raises(APIError) as exc:
+            parse_responses_request({"model": "m", "input": "hi", "reasoning": reasoning})
+        assert exc.value.status == 400 and exc.value.param == param
     # an earlier turn's reasoning item is accepted (and left out of the prompt)
     req = parse_responses_request({"model": "m", "input": [
         {"type": "reasoning", "id": "rs_1", "summary": [],
