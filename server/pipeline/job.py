@@ -21,6 +21,7 @@ import msgspec
 from engine.sampling.params import SamplingParams
 from engine.validation import RequestError, verify_sampling
 from server.http.errors import bad_request
+from server.parsers.reasoning import HarmonyReasoningParser
 from server.parsers.tool_registry import get_tool_parser
 from server.pipeline.prompt import chat_prompt_images
 from server.pipeline.reasoning import ReasoningPlan, plan_reasoning, special_token_texts
@@ -248,11 +249,18 @@ async def _reasoning_settings(tm: TokenizerManager, req: Any, ids: list[int], to
     to wait for the reasoning's end and special tokens kept for parsers that read them, and
     the special tokens the writer strips (``server/pipeline/reasoning.py``)."""
     reasoning, think_end, special = await plan_reasoning(tm, req, ids)
+    tool_parser = None
     if tools.parser is not None:
         try:
-            special = special or get_tool_parser(tools.parser).needs_special_tokens
+            tool_parser = get_tool_parser(tools.parser)
         except KeyError:
             pass
+        else:
+            special = special or tool_parser.needs_special_tokens
+    if reasoning is not None and isinstance(reasoning.parser, HarmonyReasoningParser):
+        # the call messages stay as written only for the gpt-oss tool parser to read
+        reasoning.parser.keep_calls = tools.choice == "auto" and \
+            getattr(tool_parser, "name", None) == "gpt-oss"
     if think_end is not None and (sp.json_schema or sp.regex or sp.ebnf) is not None:
         sp = msgspec.structs.replace(sp, think_end_id=think_end)
     strip: tuple[str, ...] = ()

@@ -175,3 +175,53 @@ def test_final_channel_is_content_stream_and_not():
         msg = _streamed(pieces, False)
         assert (msg["reasoning_content"], msg["content"], msg["finish"]) == (
             "Easy.", "It is 4.", "stop"), pieces
+
+
+def _job_format(**fields):
+    """The chat writer a request's own plans give (``prepare``'s tools and reasoning
+    settings), and the job's sampling params."""
+    from server.openai.tool_format import chat_format
+    from server.pipeline.job import _reasoning_settings
+    from server.tools.plan import prepare_chat
+
+    chat = _chat()
+    tm = types.SimpleNamespace(chat=chat)
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                                **fields)
+    sp = req.sampling_params(32)
+    tools, sp = asyncio.run(prepare_chat(req, sp, chat.tokenizer.chat_template,
+                                         chat.tool_call_parser))
+    ids = asyncio.run(chat_prompt(tm, req, tools))
+    reasoning, sp, strip = asyncio.run(_reasoning_settings(tm, req, ids, tools, sp))
+    fmt = chat_format(tools, "chatcmpl-1", "m", 1, 5, True, False, reasoning=reasoning,
+                      strip=strip)
+    return fmt, sp
+
+
+@pytest.mark.parametrize("fields", [{}, {"tools": TOOLS, "tool_choice": "none"}])
+def test_a_call_without_tools_is_its_body_as_content_no_markup(fields):
+    fmt, _ = _job_format(**fields)
+    m = fmt.full([_outputs(CALL)])["choices"][0]
+    assert (m["message"]["reasoning_content"], m["message"]["content"]) == (
+        "Need the weather.", '{"city": "Paris"}')
+    assert m["message"].get("tool_calls") is None and m["finish_reason"] == "stop"
+    for pieces in _splits(CALL):
+        fmt, _ = _job_format(**fields)
+        msg = {"r": "", "c": "", "calls": False, "finish": None}
+        for out in _outputs(pieces):
+            for c in fmt.chunks(out):
+                ch = c["choices"][0]
+                msg["r"] += ch["delta"].get("reasoning_content") or ""
+                msg["c"] += ch["delta"].get("content") or ""
+                msg["calls"] |= bool(ch["delta"].get("tool_calls"))
+                msg["finish"] = ch["finish_reason"] or msg["finish"]
+        assert msg == {"r": "Need the weather.", "c": '{"city": "Paris"}', "calls": False,
+                       "finish": "stop"}, pieces
+
+
+def test_with_tools_the_call_still_parses():
+    fmt, _ = _job_format(tools=TOOLS)
+    m = fmt.full([_outputs(CALL)])["choices"][0]
+    assert m["message"]["content"] is None and m["finish_reason"] == "tool_calls"
+    assert m["message"]["tool_calls"][0]["function"] == {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}
