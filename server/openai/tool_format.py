@@ -27,7 +27,7 @@ import uuid
 
 from server.http import json_text
 from server.openai.formats import ChatFormat
-from server.tools.parsers import START_MARKERS, ParsedCall, parse_tool_calls
+from server.tools.parsers import START_MARKERS, ParsedCall, get_tool_parser, parse_tool_calls
 from server.tools.plan import ToolPlan
 
 #: the start of one item of ``tool_choice: "required"``'s array (``calls_schema``), as far as
@@ -95,7 +95,7 @@ class ToolChatFormat(ChatFormat):
             content, calls = parse_tool_calls(plan.parser, text)
             names = {t["function"]["name"] for t in plan.tools}
             if any(c.name not in names for c in calls):
-                return text, []
+                return get_tool_parser(plan.parser).as_content(text), []
             return content, calls
         # forced: the output is the constrained JSON; without a call in it, no content either
         if plan.choice == "named":  # the output is the arguments, whole or cut
@@ -126,6 +126,8 @@ class ToolChatFormat(ChatFormat):
                 body["finish_reason"] = "tool_calls"
         elif self.plan.choice != "auto":  # forced, no call: not the raw constrained JSON
             body["message"]["content"] = content
+        elif content != ch.answer:  # calls not taken, shown as content (gpt-oss: no markup)
+            body["message"]["content"] = self.clean(content or "")
         return body
 
     def _held_from(self, text: str) -> int:

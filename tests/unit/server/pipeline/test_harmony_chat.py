@@ -225,3 +225,20 @@ def test_with_tools_the_call_still_parses():
     assert m["message"]["content"] is None and m["finish_reason"] == "tool_calls"
     assert m["message"]["tool_calls"][0]["function"] == {
         "name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
+def test_a_call_to_an_unknown_function_is_content_without_markup():
+    unknown = [p.replace("get_weather", "nope") for p in CALL]
+    for pieces in _splits(unknown):
+        fmt, _ = _job_format(tools=TOOLS)
+        msg = {"c": "", "calls": False, "finish": None}
+        for out in _outputs(pieces):
+            for c in fmt.chunks(out):
+                ch = c["choices"][0]
+                msg["c"] += ch["delta"].get("content") or ""
+                msg["calls"] |= bool(ch["delta"].get("tool_calls"))
+                msg["finish"] = ch["finish_reason"] or msg["finish"]
+        assert msg == {"c": '{"city": "Paris"}', "calls": False, "finish": "stop"}, pieces
+    fmt, _ = _job_format(tools=TOOLS)
+    m = fmt.full([_outputs(unknown)])["choices"][0]
+    assert (m["message"]["content"], m["finish_reason"]) == ('{"city": "Paris"}', "stop")
