@@ -13,7 +13,8 @@ Stream and non-stream give the same calls, content and finish reason:
   (cut before a name or any argument) is no call and empty content, never the constrained
   JSON itself (``[{"name": "``), so Responses and Messages answer no item or block for it;
 - with ``auto``, a call to a function that is not in ``tools`` is no call: the output is
-  content (as an output whose calls do not parse);
+  content (as an output whose calls do not parse), and so is an output that a stop string
+  cut inside a call (arguments that are not whole JSON): ``finish_reason: "stop"``;
 - the content beside calls is the parser's (``call_content`` in ``server/tools/parsers.py``),
   which a stream sends as it comes;
 - ``matched_stop`` is only on the chunk with the ``finish_reason``.
@@ -69,6 +70,15 @@ def chat_format(plan: ToolPlan, *args, **kwargs) -> ChatFormat:
     return ChatFormat(*args, **kwargs)
 
 
+def _whole_json(call: ParsedCall) -> bool:
+    """Whether ``call``'s arguments are a whole JSON value (not cut short)."""
+    try:
+        json_text.loads(call.arguments)
+    except json_text.JSONTextError:
+        return False
+    return True
+
+
 def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -86,15 +96,17 @@ class ToolChatFormat(ChatFormat):
         self.named_id: list[str | None] = [None] * self.count
         self._calls_found = False
 
-    def calls(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+    def calls(self, text: str, matched: str | int | None = None
+              ) -> tuple[str | None, list[ParsedCall]]:
         """``(content, calls)`` of a finished output; ``(text, [])`` if it holds none, and
         ``("", [])`` for a forced output without a call (see the module docstring for cut
-        and unknown calls)."""
+        and unknown calls). ``matched``: the stop string or token id that ended it."""
         plan = self.plan
         if plan.choice == "auto":
             content, calls = parse_tool_calls(plan.parser, text)
             names = {t["function"]["name"] for t in plan.tools}
-            if any(c.name not in names for c in calls):
+            if any(c.name not in names for c in calls) or (
+                    isinstance(matched, str) and not all(map(_whole_json, calls))):
                 return get_tool_parser(plan.parser).as_content(text), []
             return content, calls
         # forced: the output is the constrained JSON; without a call in it, no content either
@@ -118,7 +130,7 @@ class ToolChatFormat(ChatFormat):
 
     def _choice(self, index, ch, finish_reason):
         body = super()._choice(index, ch, finish_reason)
-        content, calls = self.calls(ch.answer)  # the answer: the reasoning holds no calls
+        content, calls = self.calls(ch.answer, ch.matched)  # the reasoning holds no calls
         if calls:
             body["message"]["content"] = None if content is None else self.clean(content)
             body["message"]["tool_calls"] = self._tool_calls(calls)
@@ -201,7 +213,7 @@ class ToolChatFormat(ChatFormat):
             self._calls_found = True
             return []
         text = self.choices[i].answer
-        content, calls = self.calls(text)
+        content, calls = self.calls(text, self.choices[i].matched)
         res = []
         # what was streamed is a prefix of the content (``_held_from``): send the rest
         rest = self.clean((content or "")[self.sent[i]:])

@@ -242,3 +242,34 @@ def test_a_call_to_an_unknown_function_is_content_without_markup():
     fmt, _ = _job_format(tools=TOOLS)
     m = fmt.full([_outputs(unknown)])["choices"][0]
     assert (m["message"]["content"], m["finish_reason"]) == ('{"city": "Paris"}', "stop")
+
+
+def test_a_stop_string_inside_the_arguments_is_no_call_stop_finish():
+    cut = CALL[:-2] + ["{"]   # stop=['"city"'] matched right after the ``{``
+    outs = _outputs(cut)
+    outs[-1] = ReqOutput(0, cut[-1], [len(cut) - 1], {"type": "stop", "matched": '"city"'}, 5,
+                         len(cut))
+    fmt, _ = _job_format(tools=TOOLS)
+    m = fmt.full([outs])["choices"][0]
+    assert m["message"].get("tool_calls") is None
+    assert (m["message"]["content"], m["finish_reason"], m["matched_stop"]) == (
+        "{", "stop", '"city"')
+    fmt, _ = _job_format(tools=TOOLS)
+    msg = {"c": "", "calls": False, "finish": None}
+    for out in outs:
+        for c in fmt.chunks(out):
+            ch = c["choices"][0]
+            msg["c"] += ch["delta"].get("content") or ""
+            msg["calls"] |= bool(ch["delta"].get("tool_calls"))
+            msg["finish"] = ch["finish_reason"] or msg["finish"]
+    assert msg == {"c": "{", "calls": False, "finish": "stop"}
+    from server.anthropic.events import MessageBuilder
+
+    fmt, _ = _job_format(tools=TOOLS)
+    build = MessageBuilder("msg_1", "m", fmt, ['"city"'])
+    for out in outs:
+        build.feed(out)
+    body = build.message()
+    assert [b["type"] for b in body["content"]] == ["thinking", "text"]
+    assert (body["content"][1]["text"], body["stop_reason"], body["stop_sequence"]) == (
+        "{", "stop_sequence", '"city"')
