@@ -273,3 +273,20 @@ def test_a_stop_string_inside_the_arguments_is_no_call_stop_finish():
     assert [b["type"] for b in body["content"]] == ["thinking", "text"]
     assert (body["content"][1]["text"], body["stop_reason"], body["stop_sequence"]) == (
         "{", "stop_sequence", '"city"')
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}}}}, "response_format"),
+    ({"guided_regex": "a+"}, "guided_regex"),
+    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function",
+                                      "function": {"name": "get_weather"}}}, "tool_choice")])
+def test_a_constraint_with_harmony_is_one_clear_400(fields, param):
+    from server.http.errors import APIError
+
+    with pytest.raises(APIError) as err:
+        _job_format(**fields)
+    assert (err.value.status, err.value.param) == (400, param)
+    assert "with the gpt-oss reasoning parser is not supported yet" in err.value.message
