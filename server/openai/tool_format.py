@@ -13,7 +13,8 @@ Stream and non-stream give the same calls, content and finish reason:
   (cut before a name or any argument) is no call and empty content, never the constrained
   JSON itself (``[{"name": "``), so Responses and Messages answer no item or block for it;
 - with ``auto``, a call to a function that is not in ``tools`` is no call: the output is
-  content (as an output whose calls do not parse);
+  content (as an output whose calls do not parse), and so is an output that a stop string
+  cut inside a call (arguments that are not whole JSON): ``finish_reason: "stop"``;
 - the content beside calls is the parser's (``call_content`` in ``server/tools/parsers.py``),
   which a stream sends as it comes;
 - ``matched_stop`` is only on the chunk with the ``finish_reason``.
@@ -27,7 +28,7 @@ import uuid
 
 from server.http import json_text
 from server.openai.formats import ChatFormat
-from server.tools.parsers import START_MARKERS, ParsedCall, parse_tool_calls
+from server.tools.parsers import START_MARKERS, ParsedCall, get_tool_parser, parse_tool_calls
 from server.tools.plan import ToolPlan
 
 #: the start of one item of ``tool_choice: "required"``'s array (``calls_schema``), as far as
@@ -69,6 +70,15 @@ def chat_format(plan: ToolPlan, *args, **kwargs) -> ChatFormat:
     return ChatFormat(*args, **kwargs)
 
 
+def _whole_json(call: ParsedCall) -> bool:
+    """Whether ``call``'s arguments are a whole JSON value (not cut short)."""
+    try:
+        json_text.loads(call.arguments)
+    except json_text.JSONTextError:
+        return False
+    return True
+
+
 def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -86,16 +96,18 @@ class ToolChatFormat(ChatFormat):
         self.named_id: list[str | None] = [None] * self.count
         self._calls_found = False
 
-    def calls(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+    def calls(self, text: str, matched: str | int | None = None
+              ) -> tuple[str | None, list[ParsedCall]]:
         """``(content, calls)`` of a finished output; ``(text, [])`` if it holds none, and
         ``("", [])`` for a forced output without a call (see the module docstring for cut
-        and unknown calls)."""
+        and unknown calls). ``matched``: the stop string or token id that ended it."""
         plan = self.plan
         if plan.choice == "auto":
             content, calls = parse_tool_calls(plan.parser, text)
             names = {t["function"]["name"] for t in plan.tools}
-            if any(c.name not in names for c in calls):
-                return text, []
+            if any(c.name not in names for c in calls) or (
+                    isinstance(matched, str) and not all(map(_whole_json, calls))):
+                return get_tool_parser(plan.parser).as_content(text), []
             return content, calls
         # forced: the output is the constrained JSON; without a call in it, no content either
         if plan.choice == "named":  # the output is the arguments, whole or cut
@@ -118,7 +130,7 @@ class ToolChatFormat(ChatFormat):
 
     def _choice(self, index, ch, finish_reason):
         body = super()._choice(index, ch, finish_reason)
-        content, calls = self.calls(ch.answer)  # the answer: the reasoning holds no calls
+        content, calls = self.calls(ch.answer, ch.matched)  # the reasoning holds no calls
         if calls:
             body["message"]["content"] = None if content is None else self.clean(content)
             body["message"]["tool_calls"] = self._tool_calls(calls)
@@ -126,6 +138,8 @@ class ToolChatFormat(ChatFormat):
                 body["finish_reason"] = "tool_calls"
         elif self.plan.choice != "auto":  # forced, no call: not the raw constrained JSON
             body["message"]["content"] = content
+        elif content != ch.answer:  # calls not taken, shown as content (gpt-oss: no markup)
+            body["message"]["content"] = self.clean(content or "")
         return body
 
     def _held_from(self, text: str) -> int:
@@ -199,7 +213,7 @@ class ToolChatFormat(ChatFormat):
             self._calls_found = True
             return []
         text = self.choices[i].answer
-        content, calls = self.calls(text)
+        content, calls = self.calls(text, self.choices[i].matched)
         res = []
         # what was streamed is a prefix of the content (``_held_from``): send the rest
         rest = self.clean((content or "")[self.sent[i]:])

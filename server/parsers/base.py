@@ -156,6 +156,11 @@ class ToolParser:
         ``parse`` will say of any continuation of ``text``."""
         return text[:self.safe_content_end(text)].rstrip(), []
 
+    def as_content(self, text: str) -> str:
+        """``text`` (an output whose calls are not taken: unknown functions) as content:
+        itself, but for a family whose call markup must not reach the client."""
+        return text
+
     def safe_content_end(self, text: str) -> int:
         """How much of ``text`` cannot belong to a call: up to the first marker, or to a
         tail that could begin one."""

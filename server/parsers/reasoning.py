@@ -15,7 +15,10 @@ parsers of the same names (vLLM's names as aliases), registry keyed by name.
   ``<think>...</think>``, as ``qwen3`` without the switch.
 - ``gpt-oss`` (``openai_gptoss``): harmony's ``analysis`` channel is reasoning, the ``final``
   channel and preambles are content, and tool-call messages (``to=functions.X``) stay in
-  the content as written, for the ``gpt-oss`` tool parser.
+  the content as written, for the ``gpt-oss`` tool parser; with no tool parser reading
+  them (``keep_calls`` off: no tools, ``tool_choice: "none"``), a call message's body is
+  content as any other message's (vLLM's harmony does the same): no harmony markup ever
+  reaches the content.
 
 ``get_reasoning_parser(name, chat_template_kwargs, prompt)`` gives a ``ReasoningParser``:
 ``parse(text) -> (reasoning | None, content | None)`` and ``stream()`` -> a
@@ -99,10 +102,18 @@ class ThinkParser(ReasoningParser):
 
 
 class HarmonyReasoningParser(ReasoningParser):
-    """gpt-oss: harmony's channels (``server/parsers/harmony.py``)."""
+    """gpt-oss: harmony's channels (``server/parsers/harmony.py``).
+
+    Args:
+        keep_calls: tool-call messages stay in the content as written (markup and all), for
+            the ``gpt-oss`` tool parser; False: only their bodies, as other messages.
+    """
 
     name = "gpt-oss"
     needs_special_tokens = True
+
+    def __init__(self, keep_calls: bool = True):
+        self.keep_calls = keep_calls
 
     def scan(self, text, final):
         reasoning, content, phase = [], [], UNDECIDED
@@ -111,7 +122,7 @@ class HarmonyReasoningParser(ReasoningParser):
                 reasoning.append(piece.body)
                 phase = UNDECIDED if piece.closed else REASONING
                 continue
-            if piece.channel is None or piece.recipient:
+            if piece.channel is None or (piece.recipient and self.keep_calls):
                 content.append(piece.raw)   # outside text, or a tool call as written
             else:
                 content.append(piece.body)  # final channel, preambles

@@ -235,3 +235,9 @@ class GptOssParser(ScanToolParser):
         segments.append(cur)
         return segments, calls
 
+    def as_content(self, text):
+        """The bodies of the messages (calls' too) and the text outside them, no markup;
+        ``analysis`` left out (the reasoning parser's)."""
+        return "".join(p.raw if p.channel is None else p.body
+                       for p in harmony.split(text, True) if p.channel != "analysis")
+

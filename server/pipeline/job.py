@@ -21,11 +21,18 @@ import msgspec
 from engine.sampling.params import SamplingParams
 from engine.validation import RequestError, verify_sampling
 from server.http.errors import bad_request
+from server.parsers.reasoning import HarmonyReasoningParser
 from server.parsers.tool_registry import get_tool_parser
 from server.pipeline.prompt import chat_prompt_images
-from server.pipeline.reasoning import ReasoningPlan, plan_reasoning, special_token_texts
+from server.pipeline.reasoning import (
+    ReasoningPlan,
+    plan_reasoning,
+    reasoning_family,
+    special_token_texts,
+)
 from server.tokenizer_manager import TokenizerManager
 from server.tools.plan import ToolPlan, prepare_chat
+from server.tools.structured import constraints_of
 
 #: most prompt-token log-probabilities one response may carry: choices x prompt tokens x
 #: (k + 1) of ``prompt_logprobs``, plus the same of completions' ``echo`` with ``logprobs``
@@ -241,6 +248,29 @@ async def prepare(tm: TokenizerManager, req: Any, *, base: str, max_tokens: int 
                    reasoning, strip, images)
 
 
+def _no_harmony_constraint(tm: TokenizerManager, req: Any, tools: ToolPlan,
+                           sp: SamplingParams) -> None:
+    """400 for an output constraint with the ``gpt-oss`` reasoning parser: harmony's answer
+    comes after its analysis channel and a ``<|channel|>final<|message|>`` header, which
+    the engine's constraint (released by one end token, ``think_end_id``) would forbid
+    from the first token on.
+
+    Raises: APIError 400 naming ``tool_choice`` (a forced call) or the constraint's field.
+    """
+    if (sp.json_schema or sp.regex or sp.ebnf) is None or reasoning_family(tm.chat) != "gpt-oss":
+        return
+    if tools.choice in ("required", "named"):
+        field = "tool_choice"
+        what = f"tool_choice {tools.choice!r}"
+    else:
+        found = constraints_of(req)
+        field = found[0][0].split(".")[0] if found else "response_format"
+        what = field
+    raise bad_request(f"{what} with the gpt-oss reasoning parser is not supported yet: "
+                      "harmony's answer follows its reasoning, which an output constraint "
+                      "applied from the first token forbids", field)
+
+
 async def _reasoning_settings(tm: TokenizerManager, req: Any, ids: list[int], tools: ToolPlan,
                               sp: SamplingParams
                               ) -> tuple[ReasoningPlan | None, SamplingParams, tuple[str, ...]]:
@@ -248,11 +278,19 @@ async def _reasoning_settings(tm: TokenizerManager, req: Any, ids: list[int], to
     to wait for the reasoning's end and special tokens kept for parsers that read them, and
     the special tokens the writer strips (``server/pipeline/reasoning.py``)."""
     reasoning, think_end, special = await plan_reasoning(tm, req, ids)
+    _no_harmony_constraint(tm, req, tools, sp)
+    tool_parser = None
     if tools.parser is not None:
         try:
-            special = special or get_tool_parser(tools.parser).needs_special_tokens
+            tool_parser = get_tool_parser(tools.parser)
         except KeyError:
             pass
+        else:
+            special = special or tool_parser.needs_special_tokens
+    if reasoning is not None and isinstance(reasoning.parser, HarmonyReasoningParser):
+        # the call messages stay as written only for the gpt-oss tool parser to read
+        reasoning.parser.keep_calls = tools.choice == "auto" and \
+            getattr(tool_parser, "name", None) == "gpt-oss"
     if think_end is not None and (sp.json_schema or sp.regex or sp.ebnf) is not None:
         sp = msgspec.structs.replace(sp, think_end_id=think_end)
     strip: tuple[str, ...] = ()

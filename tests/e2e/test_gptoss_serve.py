@@ -154,3 +154,20 @@ def test_responses_reasoning_item_then_call_with_effort(srv):
     assert body["output"][0]["content"] == [{"type": "reasoning_text", "text": "ponder"}]
     assert (body["output"][1]["name"], body["output"][1]["arguments"]) == ("get", '{"q": 1}')
     assert body["usage"]["input_tokens"] == respond("low")["usage"]["input_tokens"] + 1
+
+
+def test_no_markup_stop_cut_calls_and_constraints_refused(srv):
+    """Without tools the commentary call is its body as content (no harmony markup); a stop
+    string inside the arguments is no call, ``finish_reason: "stop"``; an output
+    constraint is one 400 naming its field."""
+    for body in ({}, {"tools": TOOLS, "tool_choice": "none"}):
+        m = _chat(srv, **body)["choices"][0]
+        assert (m["message"]["content"], m["finish_reason"]) == ('{"q": 1}', "stop")
+    choice = _chat(srv, tools=TOOLS, stop=['"q"'])["choices"][0]
+    assert "tool_calls" not in choice["message"]
+    assert (choice["message"]["content"], choice["finish_reason"]) == ("{", "stop")
+    server = srv[0]
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=server.http_timeout,
+                   json={"model": "oss", "messages": MSG, "max_tokens": 8,
+                         "response_format": {"type": "json_object"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text

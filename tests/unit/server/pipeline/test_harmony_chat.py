@@ -175,3 +175,118 @@ def test_final_channel_is_content_stream_and_not():
         msg = _streamed(pieces, False)
         assert (msg["reasoning_content"], msg["content"], msg["finish"]) == (
             "Easy.", "It is 4.", "stop"), pieces
+
+
+def _job_format(**fields):
+    """The chat writer a request's own plans give (``prepare``'s tools and reasoning
+    settings), and the job's sampling params."""
+    from server.openai.tool_format import chat_format
+    from server.pipeline.job import _reasoning_settings
+    from server.tools.plan import prepare_chat
+
+    chat = _chat()
+    tm = types.SimpleNamespace(chat=chat)
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                                **fields)
+    sp = req.sampling_params(32)
+    tools, sp = asyncio.run(prepare_chat(req, sp, chat.tokenizer.chat_template,
+                                         chat.tool_call_parser))
+    ids = asyncio.run(chat_prompt(tm, req, tools))
+    reasoning, sp, strip = asyncio.run(_reasoning_settings(tm, req, ids, tools, sp))
+    fmt = chat_format(tools, "chatcmpl-1", "m", 1, 5, True, False, reasoning=reasoning,
+                      strip=strip)
+    return fmt, sp
+
+
+@pytest.mark.parametrize("fields", [{}, {"tools": TOOLS, "tool_choice": "none"}])
+def test_a_call_without_tools_is_its_body_as_content_no_markup(fields):
+    fmt, _ = _job_format(**fields)
+    m = fmt.full([_outputs(CALL)])["choices"][0]
+    assert (m["message"]["reasoning_content"], m["message"]["content"]) == (
+        "Need the weather.", '{"city": "Paris"}')
+    assert m["message"].get("tool_calls") is None and m["finish_reason"] == "stop"
+    for pieces in _splits(CALL):
+        fmt, _ = _job_format(**fields)
+        msg = {"r": "", "c": "", "calls": False, "finish": None}
+        for out in _outputs(pieces):
+            for c in fmt.chunks(out):
+                ch = c["choices"][0]
+                msg["r"] += ch["delta"].get("reasoning_content") or ""
+                msg["c"] += ch["delta"].get("content") or ""
+                msg["calls"] |= bool(ch["delta"].get("tool_calls"))
+                msg["finish"] = ch["finish_reason"] or msg["finish"]
+        assert msg == {"r": "Need the weather.", "c": '{"city": "Paris"}', "calls": False,
+                       "finish": "stop"}, pieces
+
+
+def test_with_tools_the_call_still_parses():
+    fmt, _ = _job_format(tools=TOOLS)
+    m = fmt.full([_outputs(CALL)])["choices"][0]
+    assert m["message"]["content"] is None and m["finish_reason"] == "tool_calls"
+    assert m["message"]["tool_calls"][0]["function"] == {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
+def test_a_call_to_an_unknown_function_is_content_without_markup():
+    unknown = [p.replace("get_weather", "nope") for p in CALL]
+    for pieces in _splits(unknown):
+        fmt, _ = _job_format(tools=TOOLS)
+        msg = {"c": "", "calls": False, "finish": None}
+        for out in _outputs(pieces):
+            for c in fmt.chunks(out):
+                ch = c["choices"][0]
+                msg["c"] += ch["delta"].get("content") or ""
+                msg["calls"] |= bool(ch["delta"].get("tool_calls"))
+                msg["finish"] = ch["finish_reason"] or msg["finish"]
+        assert msg == {"c": '{"city": "Paris"}', "calls": False, "finish": "stop"}, pieces
+    fmt, _ = _job_format(tools=TOOLS)
+    m = fmt.full([_outputs(unknown)])["choices"][0]
+    assert (m["message"]["content"], m["finish_reason"]) == ('{"city": "Paris"}', "stop")
+
+
+def test_a_stop_string_inside_the_arguments_is_no_call_stop_finish():
+    cut = CALL[:-2] + ["{"]   # stop=['"city"'] matched right after the ``{``
+    outs = _outputs(cut)
+    outs[-1] = ReqOutput(0, cut[-1], [len(cut) - 1], {"type": "stop", "matched": '"city"'}, 5,
+                         len(cut))
+    fmt, _ = _job_format(tools=TOOLS)
+    m = fmt.full([outs])["choices"][0]
+    assert m["message"].get("tool_calls") is None
+    assert (m["message"]["content"], m["finish_reason"], m["matched_stop"]) == (
+        "{", "stop", '"city"')
+    fmt, _ = _job_format(tools=TOOLS)
+    msg = {"c": "", "calls": False, "finish": None}
+    for out in outs:
+        for c in fmt.chunks(out):
+            ch = c["choices"][0]
+            msg["c"] += ch["delta"].get("content") or ""
+            msg["calls"] |= bool(ch["delta"].get("tool_calls"))
+            msg["finish"] = ch["finish_reason"] or msg["finish"]
+    assert msg == {"c": "{", "calls": False, "finish": "stop"}
+    from server.anthropic.events import MessageBuilder
+
+    fmt, _ = _job_format(tools=TOOLS)
+    build = MessageBuilder("msg_1", "m", fmt, ['"city"'])
+    for out in outs:
+        build.feed(out)
+    body = build.message()
+    assert [b["type"] for b in body["content"]] == ["thinking", "text"]
+    assert (body["content"][1]["text"], body["stop_reason"], body["stop_sequence"]) == (
+        "{", "stop_sequence", '"city"')
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}}}}, "response_format"),
+    ({"guided_regex": "a+"}, "guided_regex"),
+    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function",
+                                      "function": {"name": "get_weather"}}}, "tool_choice")])
+def test_a_constraint_with_harmony_is_one_clear_400(fields, param):
+    from server.http.errors import APIError
+
+    with pytest.raises(APIError) as err:
+        _job_format(**fields)
+    assert (err.value.status, err.value.param) == (400, param)
+    assert "with the gpt-oss reasoning parser is not supported yet" in err.value.message
