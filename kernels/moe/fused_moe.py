@@ -184,20 +184,24 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
 
 
 @triton.jit
+def grouped_block_ids(N, BLOCK_N: tl.constexpr, num_m_blocks, group_m):
+    """This program's ``(row block, column block)`` in grouped order: ``group_m`` row blocks
+    sweep every column block before moving on (shared by the grouped MoE GEMMs)."""
+    pid = tl.program_id(0)
+    per_group = group_m * tl.cdiv(N, BLOCK_N)
+    first_m = (pid // per_group) * group_m
+    group_size = tl.minimum(num_m_blocks - first_m, group_m)
+    return first_m + (pid % per_group) % group_size, (pid % per_group) // group_size
+
+
+@triton.jit
 def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
                      N, K, num_pairs, a_row_div, num_m_blocks, group_m,
                      stride_am, stride_be, stride_bn, stride_cm,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
                      DOT_PREC: tl.constexpr):
-    # grouped program order: group_m row blocks sweep every column block before moving on
-    pid = tl.program_id(0)
-    num_n_blocks = tl.cdiv(N, BLOCK_N)
-    per_group = group_m * num_n_blocks
-    first_m = (pid // per_group) * group_m
-    group_size = tl.minimum(num_m_blocks - first_m, group_m)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
+    pid_m, pid_n = grouped_block_ids(N, BLOCK_N, num_m_blocks, group_m)
 
     num_post = tl.load(num_post_ptr)
     if pid_m * BLOCK_M >= num_post:

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from kernels.fused_ops import silu_and_mul
-from kernels.moe.fused_moe import moe_align_block_size, moe_sum
+from kernels.moe.fused_moe import grouped_block_ids, moe_align_block_size, moe_sum
 from kernels.moe.moe_config import check_config, get_moe_config
 from kernels.moe.mxfp4 import check_mxfp4
 from kernels.moe.reference import (
@@ -108,13 +108,7 @@ def _moe_gemm_oai_kernel(a_ptr, b_ptr, s_ptr, bias_ptr, c_ptr, w_ptr, sorted_ptr
                          MUL_ROUTED_WEIGHT: tl.constexpr, MXFP4: tl.constexpr,
                          HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                          DOT_PREC: tl.constexpr):
-    pid = tl.program_id(0)
-    num_n_blocks = tl.cdiv(N, BLOCK_N)
-    per_group = group_m * num_n_blocks
-    first_m = (pid // per_group) * group_m
-    group_size = tl.minimum(num_m_blocks - first_m, group_m)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
+    pid_m, pid_n = grouped_block_ids(N, BLOCK_N, num_m_blocks, group_m)
 
     num_post = tl.load(num_post_ptr)
     if pid_m * BLOCK_M >= num_post:
