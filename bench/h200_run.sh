@@ -368,6 +368,24 @@ device='meta', quantization=q, progress=False)[0]); print('weight bytes bf16', b
              --model-path $G27 --load-format dummy --swa-full-tokens-ratio $r --num-prompts 32 \
              --min-input-len 8192 --max-input-len 8192 --min-output-len 64 --max-output-len 64 \
              --result-jsonl "$OUT/gemma-swa.jsonl"; done;;
+    gemma-swa3) # the windowed pool at a smaller full/windowed split (R = 0.2 and 0.15: the
+           # 3x-the-sequences target at 8k; R = 0.25 gave 2.7x) with 64 prompts, so the
+           # "at most N running" line can pass the one-pool 15
+           for r in 0.2 0.15; do run gemma-swa-$r 200 python3 -m bench.bench_offline \
+             --model-path engine/configs/gemma-3-27b.json --load-format dummy \
+             --swa-full-tokens-ratio $r --num-prompts 64 --min-input-len 8192 --max-input-len 8192 \
+             --min-output-len 32 --max-output-len 32 --result-jsonl "$OUT/gemma-swa.jsonl"; done;;
+    gemma-serving) # Gemma-3-27B's text shape with SmolLM2's vocabulary (.tok detokenizes it)
+           # served at 8 req/s, 1k in / 1k out (issue 42); SERVE_DURATION bounds the run
+           python3 -m server --model-path engine/configs/gemma-3-27b-smolvocab.json \
+             --load-format dummy --tokenizer-path "${TOKENIZER:-.tok}" --port 30000 \
+             >"$OUT/server-gemma.log" 2>&1 &
+           spid=$!
+           for _ in $(seq 1 300); do curl -sf localhost:30000/health >/dev/null && break; sleep 1; done
+           run gemma-serving 300 python3 -m bench.serving.bench_serving \
+             --base-url http://127.0.0.1:30000 "${SERVE8[@]:0:10}" \
+             --max-duration ${SERVE_DURATION:-240} --output-json "$OUT/gemma-serving.json"
+           stop_server gemma;;
     # issue 46, each stage within one 10-minute device call. deepseek: the MLA decode kernel
     # alone (DeepSeek-V3's heads, bs 1/64 x 4k; graph replays, device events, medians), then
     # DeepSeek-V2-Lite end to end (dummy weights, decode graphs over the Triton MLA kernels).
