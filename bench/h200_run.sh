@@ -136,8 +136,8 @@ for stage in "$@"; do
     # (../shared/tools/device-wheels.sh fla-core==0.6.0 einops==0.8.2); graphs are off for
     # these models. qwen3next-tests: FLA (prefill) and ferry's Triton decode step vs the torch
     # reference at Qwen3-Next's head shapes, a tiny model on CUDA vs HF; qwen3next: bs1/bs64
-    # decode of Qwen3.5-35B-A3B's shape (the 80B-A3B, ~160 GB in bf16, does not fit one H200
-    # and these models run without TP);
+    # decode of Qwen3.5-35B-A3B's shape (the 80B-A3B, ~160 GB in bf16, does not fit one H200;
+    # TP for these models: tp-tests on nvidia-h200-x2);
     # qwen3next-24l: Qwen3-Next-80B-A3B's layer shapes cut to 24 of its 48 layers (~80 GB)
     qwen3next-tests) python3 -c "from kernels.linear_attention import gated_delta_rule_backend as b; print('gated delta rule on cuda:', b('cuda'))"
               run qwen3next-tests 300 python3 -m pytest -q -x -s \
@@ -152,7 +152,8 @@ for stage in "$@"; do
               --disable-cuda-graph --batch-size 1 64 --input-len 512 --output-len 64 \
               --result-jsonl "$OUT/qwen3next-latency.jsonl";;
     # tensor parallelism (nvidia-h200-x2): TP=1 and TP=2 one after the other in one stage
-    tp-tests) run tp-tests 300 python3 -m pytest -q -x tests/engine/test_tensor_parallel_gpu.py \
+    tp-tests) run tp-tests 420 python3 -m pytest -q -x tests/engine/test_tensor_parallel_gpu.py \
+              tests/engine/test_tensor_parallel_hybrid_mla_gpu.py \
               tests/engine/test_tensor_parallel.py -p no:cacheprovider;;
     tp-parity) run tp-parity 200 python3 -m bench.parity --model-path engine/configs/llama-tiny.json \
               --load-format dummy --devices cpu,cuda --tp-sizes 1,2 --steps 32;;

@@ -64,7 +64,8 @@ class RotarySpec:
 
 @dataclass(frozen=True)
 class RecurrentStateSpec:
-    """The per-request state of a linear-attention (Gated DeltaNet) layer, one rank's.
+    """The per-request state of a linear-attention (Gated DeltaNet) layer: the whole model's
+    in a model's specs, one rank's after :meth:`LayerSpec.per_rank`.
 
     Attributes:
         conv_dim: channels of the short causal conv (q|k|v: ``2*Hk*K + Hv*V``).
@@ -77,6 +78,15 @@ class RecurrentStateSpec:
     num_v_heads: int
     k_head_dim: int
     v_head_dim: int
+
+    def per_rank(self, tp_size: int) -> RecurrentStateSpec:
+        """One of ``tp_size`` ranks' state: the layer's heads are split over the ranks, so
+        the conv channels and value heads divide by ``tp_size`` (the model refuses a head
+        count that does not divide: ``engine.layers.gated_deltanet``)."""
+        if tp_size == 1:
+            return self
+        return replace(self, conv_dim=self.conv_dim // tp_size,
+                       num_v_heads=self.num_v_heads // tp_size)
 
 
 @dataclass(frozen=True)
@@ -160,9 +170,13 @@ class LayerSpec:
 
     def per_rank(self, tp_size: int) -> LayerSpec:
         """This spec for one of ``tp_size`` tensor-parallel ranks (its K/V heads; see
-        :func:`kv_heads_per_rank`)."""
+        :func:`kv_heads_per_rank`; a ``RECURRENT_STATE`` layer's key heads and state, see
+        :meth:`RecurrentStateSpec.per_rank`)."""
         if tp_size == 1 or self.num_kv_heads == 0 or self.cache == CacheKind.LATENT_KV:
             return self   # a latent cache is one shared head on every rank
+        if self.state is not None:   # a linear layer's key heads and state, split
+            return replace(self, num_kv_heads=self.num_kv_heads // tp_size,
+                           state=self.state.per_rank(tp_size))
         return replace(self, num_kv_heads=kv_heads_per_rank(self.num_kv_heads, tp_size))
 
     def describe(self) -> str:

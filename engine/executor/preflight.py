@@ -16,9 +16,11 @@ model loaded (20-60 s, a traceback, exit 1):
   scheme or activation; with LoRA, a family that refuses it (Phi-3, GLM-4: fused
   checkpoint projections);
 - a model with latent-attention layers (DeepSeek-V2/V3's MLA): the flags it does not run
-  with yet (:func:`check_latent_attention`: FP8 KV cache, LoRA, speculative decoding, TP);
-- a model with linear-attention (``RECURRENT_STATE``) layers: TP > 1, speculative
-  decoding, LoRA and device graphs are refused (:func:`check_recurrent_state_flags`);
+  with yet (:func:`check_latent_attention`: FP8 KV cache, LoRA, speculative decoding);
+- a model with linear-attention (``RECURRENT_STATE``) layers: speculative decoding, LoRA
+  and device graphs are refused (:func:`check_recurrent_state_flags`); tensor parallelism
+  runs (a ``--tp-size`` that does not split the linear layers' heads is refused by
+  ``check_environment``'s tensor-parallel check, which asks the model class);
 - on XPU: a single tensor over the per-allocation limit of Intel's client GPUs
   (:data:`XPU_MAX_SINGLE_ALLOCATION`) unless ``UR_L0_ENABLE_RELAXED_ALLOCATION_LIMITS=1``.
 
@@ -133,8 +135,8 @@ def check_adapters(args: ServerArgs) -> None:
 
 def check_recurrent_state_flags(model, args: ServerArgs, device_type: str) -> None:
     """Refuse what a model with linear-attention (``RECURRENT_STATE``) layers cannot run yet:
-    tensor parallelism, speculative decoding, LoRA, and device graphs (its layers sync with
-    the host every step) unless ``--disable-cuda-graph``.
+    speculative decoding, LoRA, and device graphs (its layers sync with the host every step)
+    unless ``--disable-cuda-graph``.
 
     Raises:
         ValueError: one line naming the model class and the flag.
@@ -145,8 +147,7 @@ def check_recurrent_state_flags(model, args: ServerArgs, device_type: str) -> No
     if not any(s.cache == CacheKind.RECURRENT_STATE for s in specs):
         return
     family = type(model).__name__
-    refused = [(args.tp_size > 1, f"--tp-size {args.tp_size}"),
-               (bool(args.speculative_algorithm),
+    refused = [(bool(args.speculative_algorithm),
                 f"--speculative-algorithm {args.speculative_algorithm}"),
                (lora_enabled(args), "LoRA (--lora-paths/--enable-lora)"),
                (device_type != "cpu" and not args.disable_cuda_graph,
@@ -209,8 +210,8 @@ def build_meta_model(args: ServerArgs, device_type: str):
 
 def check_latent_attention(args: ServerArgs, model: torch.nn.Module, device_type: str) -> None:
     """Refuse the flags that multi-head latent attention (DeepSeek-V2/V3's MLA layers) does
-    not run with yet: an FP8 KV cache, LoRA, speculative decoding, ``--tp-size`` > 1. Device
-    graphs are not refused: decode graphs capture the Triton MLA kernels (the torch-native
+    not run with yet: an FP8 KV cache, LoRA, speculative decoding (``--tp-size`` > 1 runs:
+    MLA splits its heads over the ranks). Device graphs are not refused: decode graphs capture the Triton MLA kernels (the torch-native
     backend has no graphs: its decode runs eagerly), and the piecewise graphs, which cannot
     cut an MLA model's forward yet, are skipped at start-up (``supports_piecewise``).
 
@@ -226,8 +227,7 @@ def check_latent_attention(args: ServerArgs, model: torch.nn.Module, device_type
     refused = [(args.kv_cache_dtype != "auto", f"--kv-cache-dtype {args.kv_cache_dtype}"),
                (lora_enabled(args), "LoRA (--lora-paths/--enable-lora)"),
                (bool(args.speculative_algorithm),
-                f"--speculative-algorithm {args.speculative_algorithm}"),
-               (args.tp_size > 1, f"--tp-size {args.tp_size}")]
+                f"--speculative-algorithm {args.speculative_algorithm}")]
     for bad, flag in refused:
         if bad:
             raise ValueError(f"{arch} (multi-head latent attention) does not support {flag} "

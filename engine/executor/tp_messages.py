@@ -7,7 +7,8 @@ them; a gloo broadcast per step, tried first, cost rank 0 about 1.5 ms per step 
 - ``StepMsg``: run this forward (the batch's host lists: per request its ``req_to_token`` row
   and the new token ids, which may be placeholders for the previous step's sampled ids; the
   prefix and extend lengths; the KV slots; the ``req_to_token`` writes rank 0 made since the
-  last step, for cached prefixes);
+  last step, for cached prefixes; a hybrid model's recurrent-state slots and those that
+  start from the zero state);
 - ``IdsMsg(n)``: receive rank 0's ``n`` sampled ids on the device group (they resolve the
   next step's placeholders);
 - ``StopMsg``: exit.
@@ -41,6 +42,8 @@ class StepMsg(msgspec.Struct, tag=True, array_like=True):
     writes: list[tuple[int, int, list[int]]]  # req_to_token writes (row, start, slots)
     lora_slots: list[int] = []   # each request's LoRA slot (empty: none uses an adapter)
     lora_copies: list[tuple[int, int, str, str]] = []  # adapters copied into slots now
+    state_slots: list[int] = []  # each request's recurrent-state slot (empty: none kept)
+    state_resets: list[int] = []  # slots that start from the zero state in this step
 
 
 class IdsMsg(msgspec.Struct, tag=True, array_like=True):
@@ -58,24 +61,38 @@ TPMessage = StepMsg | IdsMsg | StopMsg
 
 def step_msg(batch: ScheduleBatch, has_future: bool, writes) -> StepMsg:
     """The ``StepMsg`` of a ``ScheduleBatch`` about to run on rank 0."""
+    slots, resets = _state_slots(batch)
     return StepMsg(int(batch.mode), [r.req_pool_idx for r in batch.reqs],
                    [r.tokens(p, n) for r, p, n in zip(batch.reqs, batch.prefix_lens,
                                                         batch.extend_lens)],
                    list(batch.prefix_lens), list(batch.extend_lens), list(batch.out_cache_loc),
                    batch.num_decodes, list(batch.all_rows), has_future, writes,
-                   list(batch.lora_slots), [tuple(c) for c in batch.lora_copies])
+                   list(batch.lora_slots), [tuple(c) for c in batch.lora_copies],
+                   slots, resets)
+
+
+def _state_slots(batch: ScheduleBatch) -> tuple[list[int], list[int]]:
+    """Each request's recurrent-state slot (a model with linear-attention layers; else
+    ``[]``) and the slots whose request starts from token 0 in this step: rank 0 zeroed
+    those when it took them (``RecurrentStatePool.alloc``), and a worker zeroes its own
+    copy before the forward."""
+    slots = [getattr(r, "state_slot", None) or 0 for r in batch.reqs]
+    if not any(slots):
+        return [], []
+    return slots, [s for s, p in zip(slots, batch.prefix_lens) if s and p == 0]
 
 
 class _StepReq:
     """A worker's stand-in for a ``Req`` (a ``StepRequest``): its row and the ids of the
     step's new tokens."""
 
-    __slots__ = ("req_pool_idx", "_start", "_ids")
+    __slots__ = ("req_pool_idx", "_start", "_ids", "state_slot")
 
-    def __init__(self, row: int, start: int, ids: list[int]):
+    def __init__(self, row: int, start: int, ids: list[int], state_slot: int | None = None):
         self.req_pool_idx = row
         self._start = start
         self._ids = ids
+        self.state_slot = state_slot
 
     def tokens(self, start: int, count: int) -> list[int]:
         return self._ids[start - self._start: start - self._start + count]
@@ -86,7 +103,9 @@ class _StepReq:
 
 def step_batch(msg: StepMsg) -> ScheduleBatch:
     """A ``ScheduleBatch`` equivalent to rank 0's, built from ``msg``."""
-    reqs = [_StepReq(r, p, ids) for r, p, ids in zip(msg.rows, msg.prefix_lens, msg.tokens)]
+    slots = msg.state_slots or [None] * len(msg.rows)
+    reqs = [_StepReq(r, p, ids, s) for r, p, ids, s in zip(msg.rows, msg.prefix_lens,
+                                                           msg.tokens, slots)]
     return ScheduleBatch(mode=ForwardMode(msg.mode), reqs=reqs, prefix_lens=msg.prefix_lens,
                          extend_lens=msg.extend_lens, sample=[True] * len(reqs),
                          out_cache_loc=msg.out_cache_loc, all_rows=msg.all_rows,

@@ -43,7 +43,8 @@ DEATH_GRACE_S = 10.0
 
 def check_tensor_parallel(args, device_type: str) -> None:
     """``--tp-size``/``--nnodes``/``--node-rank`` against each other, this node's devices
-    and the model's head counts; ``--ep-size`` against the model's experts (a model without
+    and the model's head counts (and a family's own, its class's ``check_tensor_parallel``:
+    Qwen3-Next's linear-attention heads); ``--ep-size`` against the model's experts (a model without
     MoE layers ignores it, with a log line).
 
     Raises:
@@ -57,14 +58,29 @@ def check_tensor_parallel(args, device_type: str) -> None:
         raise ValueError(f"--tp-size {args.tp_size} over {args.nnodes} node(s) needs "
                          f"{per_node} {device_type} devices here; "
                          f"{dev.visible_device_count(device_type)} are visible")
-    mc = ModelConfig.from_hf(load_config(args.model_path))
+    config = load_config(args.model_path)
+    mc = ModelConfig.from_hf(config)
     tpd.check_tp_shape(mc.num_heads, mc.num_kv_heads, args.tp_size)
+    # a family's own head counts (the Gated DeltaNet layers'): refused before any worker
+    check_family = getattr(_model_class(config), "check_tensor_parallel", None)
+    if check_family is not None:
+        check_family(config, args.tp_size)
     if args.ep_size > 1:
         if mc.num_experts > 0:
             check_ep(mc.num_experts, args.ep_size, args.tp_size)
         else:
             logger.info("--ep-size %d ignored: %s has no MoE layers", args.ep_size,
                         mc.architecture or "the model")
+
+
+def _model_class(config):
+    """The registry's class of ``config``, or None (an unsupported one fails at load)."""
+    from engine.models import get_model_class
+
+    try:
+        return get_model_class(config)
+    except ValueError:
+        return None
 
 
 # ---- a worker process -----------------------------------------------------------------------
@@ -78,12 +94,22 @@ def worker_loop(runner, channel) -> None:
         if isinstance(msg, StepMsg):
             for row, start, slots in msg.writes:
                 runner.req_to_token_pool.write(row, start, slots)
+            if msg.state_resets:
+                zero_state_slots(runner.state_pool, msg.state_resets)
             runner.forward(step_batch(msg), future if msg.has_future else None)
         elif isinstance(msg, IdsMsg):
             future = torch.empty(msg.n, dtype=torch.int64, device=runner.device)
             tpd.broadcast_tensor(future)
         else:
             return
+
+
+def zero_state_slots(pool, slots: list[int]) -> None:
+    """Zero the recurrent-state ``slots`` of a worker's pool (the ones rank 0 handed to
+    requests that start from token 0: its own pool zeroed them when it took them)."""
+    idx = torch.tensor(slots, dtype=torch.int64, device=pool.conv_states[0].device)
+    for t in (*pool.conv_states, *pool.recurrent_states):
+        t.index_fill_(0, idx, 0)
 
 
 def die_with_parent() -> None:

@@ -16,19 +16,36 @@ The ops come from ``kernels.linear_attention`` (fla-core's Triton kernels on CUD
 it imports, the torch references otherwise). A mixed step (prefill chunks followed by
 ``num_decodes`` one-token decodes) runs its prefill part through the chunked rule and its
 decode tail through one batched recurrent step that updates each request's slot in place.
-Tensor parallelism is not supported (one
-rank holds every head).
+
+Tensor parallelism splits the heads: rank r of N holds key heads ``[r Hk/N, (r+1) Hk/N)``
+and the ``Hv/Hk`` value heads grouped with each (value head j reads key head
+``j // (Hv/Hk)``, so a rank's value heads are ``[r Hv/N, (r+1) Hv/N)``). Qwen3-Next's
+``in_proj_qkvz``/``in_proj_ba`` rows are grouped per key head, so a rank's rows are one
+contiguous block (:class:`ColumnParallelLinear`); Qwen3.5's flat ``in_proj_qkv`` packs
+``[q | k | v]``, each part split (:class:`PackedColumnLinear`), its ``in_proj_z``/``_b``/``_a``
+are split by value head; ``conv1d`` keeps the channels of the rank's q, k and v,
+``A_log``/``dt_bias`` its value heads; the gated norm's weight (one head's) is replicated;
+``out_proj`` is row-parallel (one all-reduce). The rank's pool slots hold only its heads'
+states (``RecurrentStateSpec.per_rank``). Head counts that ``tp_size`` does not divide are
+refused (:func:`check_tp_heads`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.linear import ReplicatedLinear
+from engine.distributed import get_tp
+from engine.layers.linear import (
+    ColumnParallelLinear,
+    PackedColumnLinear,
+    RowParallelLinear,
+    full_tensor,
+    narrow_parts,
+)
 from engine.layers.norm import GatedRMSNorm
 from kernels.linear_attention import (
     causal_conv1d,
@@ -79,44 +96,130 @@ class GatedDeltaNetDims:
     def conv_dim(self) -> int:
         return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
 
+    @property
+    def conv_parts(self) -> list[int]:
+        """The conv's channels of q, k and v (``[Hk*K, Hk*K, Hv*V]``)."""
+        key_dim = self.num_k_heads * self.k_head_dim
+        return [key_dim, key_dim, self.num_v_heads * self.v_head_dim]
+
+    def per_rank(self, tp_size: int) -> GatedDeltaNetDims:
+        """One of ``tp_size`` ranks' heads (:func:`check_tp_heads` first)."""
+        return replace(self, num_k_heads=self.num_k_heads // tp_size,
+                       num_v_heads=self.num_v_heads // tp_size)
+
+
+def check_tp_heads(dims: GatedDeltaNetDims, tp_size: int) -> None:
+    """Refuse linear-attention head counts that ``tp_size`` ranks cannot split.
+
+    Raises:
+        ValueError: one line naming ``--tp-size`` and the config field.
+    """
+    for n, field in ((dims.num_k_heads, "linear_num_key_heads"),
+                     (dims.num_v_heads, "linear_num_value_heads")):
+        if n % tp_size:
+            raise ValueError(f"--tp-size {tp_size} does not divide the model's {n} "
+                             f"linear-attention heads ({field}): each rank holds whole "
+                             "Gated DeltaNet heads")
+
+
+def checkpoint_shapes(dims: GatedDeltaNetDims, split_projections: bool
+                      ) -> dict[str, tuple[int, ...]]:
+    """The full (unsplit) checkpoint shape of each Gated DeltaNet tensor, by its name under
+    ``linear_attn.`` (dummy weights are drawn at these, the same model at every TP size)."""
+    d, h = dims, dims.hidden_size
+    key_dim, value_dim = d.num_k_heads * d.k_head_dim, d.num_v_heads * d.v_head_dim
+    if split_projections:
+        proj = {"in_proj_qkv.weight": (2 * key_dim + value_dim, h),
+                "in_proj_z.weight": (value_dim, h), "in_proj_b.weight": (d.num_v_heads, h),
+                "in_proj_a.weight": (d.num_v_heads, h)}
+    else:
+        proj = {"in_proj_qkvz.weight": (2 * key_dim + 2 * value_dim, h),
+                "in_proj_ba.weight": (2 * d.num_v_heads, h)}
+    return {**proj, "conv1d.weight": (d.conv_dim, 1, d.conv_width),
+            "dt_bias": (d.num_v_heads,), "A_log": (d.num_v_heads,),
+            "norm.weight": (d.v_head_dim,), "out_proj.weight": (h, value_dim)}
+
+
+def _rank_param(shape: tuple[int, ...], dtype: torch.dtype, fill: float, loader
+                ) -> nn.Parameter:
+    p = nn.Parameter(torch.full(shape, fill, dtype=dtype), requires_grad=False)
+    p.weight_loader = loader
+    return p
+
 
 class _Conv(nn.Module):
-    """Holds the checkpoint's ``conv1d.weight`` [C, 1, W] (no bias in Qwen3-Next)."""
+    """Holds the rank's channels of the checkpoint's ``conv1d.weight`` [C, 1, W] (no bias in
+    Qwen3-Next): its share of the q, k and v channels (``parts``: their full counts)."""
 
-    def __init__(self, channels: int, width: int, dtype: torch.dtype):
+    def __init__(self, parts: list[int], width: int, dtype: torch.dtype, tp_size: int,
+                 tp_rank: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(channels, 1, width, dtype=dtype),
-                                   requires_grad=False)
+        self.parts, self.tp_size, self.tp_rank = parts, tp_size, tp_rank
+        self.weight = _rank_param((sum(parts) // tp_size, 1, width), dtype, 0.0,
+                                  self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        """``loaded`` [C, 1, W] (full) -> this rank's channels. Raises ValueError: a shape
+        other than the full conv's."""
+        want = (sum(self.parts), *param.shape[1:])
+        if tuple(loaded.shape) != want:
+            raise ValueError(f"conv1d: checkpoint tensor has shape {tuple(loaded.shape)}, "
+                             f"expected {want}")
+        param.data.copy_(narrow_parts(loaded, self.parts, self.tp_size, self.tp_rank))
 
 
 class GatedDeltaNet(nn.Module):
-    """``forward(x [T, hidden], state: LinearStateBatch) -> [T, hidden]`` in x's dtype."""
+    """``forward(x [T, hidden], state: LinearStateBatch) -> [T, hidden]`` in x's dtype.
+
+    Args:
+        dims: the whole layer's heads (the config's); ``self.dims`` is this rank's.
+        dtype: the weights' dtype.
+        split_projections: Qwen3.5's four projections (else Qwen3-Next's two grouped ones).
+        tp_size, tp_rank: the tensor-parallel group (default :func:`get_tp`'s).
+
+    Raises:
+        ValueError: value heads not a multiple of key heads, or head counts ``tp_size``
+            does not divide (:func:`check_tp_heads`).
+    """
 
     def __init__(self, dims: GatedDeltaNetDims, dtype: torch.dtype,
-                 split_projections: bool = False):
+                 split_projections: bool = False, tp_size: int | None = None,
+                 tp_rank: int | None = None):
         super().__init__()
         if dims.num_v_heads % dims.num_k_heads:
             raise ValueError(f"Gated DeltaNet: {dims.num_v_heads} value heads are not a "
                              f"multiple of {dims.num_k_heads} key heads")
-        self.dims = d = dims
-        key_dim, value_dim = d.num_k_heads * d.k_head_dim, d.num_v_heads * d.v_head_dim
+        g = get_tp()
+        tp = self.tp_size = g.size if tp_size is None else tp_size
+        self.tp_rank = rank = g.rank if tp_rank is None else tp_rank
+        check_tp_heads(dims, tp)
+        self.dims = d = dims.per_rank(tp)     # this rank's heads
+        h, (key_dim, _, value_dim) = dims.hidden_size, dims.conv_parts   # the whole layer's
         self.split_projections = split_projections
         if split_projections:   # Qwen3.5: q|k|v, z, b and a each from their own projection
-            self.in_proj_qkv = ReplicatedLinear(d.hidden_size, 2 * key_dim + value_dim, False,
-                                                dtype, 1, 0)
-            self.in_proj_z = ReplicatedLinear(d.hidden_size, value_dim, False, dtype, 1, 0)
-            self.in_proj_b = ReplicatedLinear(d.hidden_size, d.num_v_heads, False, dtype, 1, 0)
-            self.in_proj_a = ReplicatedLinear(d.hidden_size, d.num_v_heads, False, dtype, 1, 0)
+            self.in_proj_qkv = PackedColumnLinear(h, dims.conv_parts, False, dtype, tp, rank)
+            self.in_proj_z = ColumnParallelLinear(h, value_dim, False, dtype, tp, rank)
+            self.in_proj_b = ColumnParallelLinear(h, dims.num_v_heads, False, dtype, tp, rank)
+            self.in_proj_a = ColumnParallelLinear(h, dims.num_v_heads, False, dtype, tp, rank)
         else:                   # Qwen3-Next: grouped per key head in two projections
-            self.in_proj_qkvz = ReplicatedLinear(d.hidden_size, 2 * key_dim + 2 * value_dim,
-                                                 False, dtype, 1, 0)
-            self.in_proj_ba = ReplicatedLinear(d.hidden_size, 2 * d.num_v_heads, False, dtype,
-                                               1, 0)
-        self.conv1d = _Conv(d.conv_dim, d.conv_width, dtype)
-        self.dt_bias = nn.Parameter(torch.ones(d.num_v_heads, dtype=dtype), requires_grad=False)
-        self.A_log = nn.Parameter(torch.zeros(d.num_v_heads, dtype=dtype), requires_grad=False)
+            self.in_proj_qkvz = ColumnParallelLinear(h, 2 * key_dim + 2 * value_dim, False,
+                                                     dtype, tp, rank)
+            self.in_proj_ba = ColumnParallelLinear(h, 2 * dims.num_v_heads, False, dtype, tp,
+                                                   rank)
+        self.conv1d = _Conv(dims.conv_parts, d.conv_width, dtype, tp, rank)
+        self.dt_bias = _rank_param((d.num_v_heads,), dtype, 1.0, self._head_loader)
+        self.A_log = _rank_param((d.num_v_heads,), dtype, 0.0, self._head_loader)
         self.norm = GatedRMSNorm(d.v_head_dim, d.eps, dtype)
-        self.out_proj = ReplicatedLinear(value_dim, d.hidden_size, False, dtype, 1, 0)
+        self.out_proj = RowParallelLinear(value_dim, h, False, dtype, tp, rank)
+
+    def _head_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        """A per-value-head tensor (``A_log``, ``dt_bias``: [Hv] full) -> this rank's
+        heads. Raises ValueError: a shape other than [Hv]."""
+        n = param.shape[0]
+        if tuple(loaded.shape) != (n * self.tp_size,):
+            raise ValueError(f"per-head tensor has shape {tuple(loaded.shape)}, expected "
+                             f"{(n * self.tp_size,)}")
+        param.data.copy_(full_tensor(loaded.narrow(0, self.tp_rank * n, n)))
 
     def _split(self, x: torch.Tensor):
         """HF's per-key-head grouping -> q|k|v [T, C], z [T, Hv, V], b and a [T, Hv]."""

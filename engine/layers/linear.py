@@ -273,6 +273,54 @@ class MergedColumnLinear(ColumnParallelLinear):
         dst.copy_(src)
 
 
+class PackedColumnLinear(MergedColumnLinear):
+    """A column-parallel layer whose checkpoint tensor packs several parts one after
+    another (Qwen3.5's ``in_proj_qkv``: ``[q | k | v]`` rows): each part is split over the
+    ranks, and this rank's rows are its share of each part, in part order. The loader takes
+    the whole packed tensor (``shard_id`` None) or one part (``shard_id`` its index).
+
+    Args:
+        output_sizes: each part's full (unsplit) rows, in the checkpoint's order.
+    """
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if shard_id is not None:
+            super().weight_loader(param, loaded, shard_id)
+            return
+        if loaded.shape[0] != sum(self.output_sizes):
+            raise ValueError(f"{type(self).__name__}: checkpoint tensor has shape "
+                             f"{tuple(loaded.shape)}, expected {sum(self.output_sizes)} rows")
+        start = 0
+        for i, size in enumerate(self.output_sizes):
+            super().weight_loader(param, loaded.narrow(0, start, size), i)
+            start += size
+
+
+def narrow_parts(loaded, sizes: list[int], tp_size: int, tp_rank: int) -> torch.Tensor:
+    """This rank's share of each part of a tensor packed along dim 0 (``sizes``: the parts'
+    full rows, each divisible by ``tp_size``), concatenated in part order: the rows of a
+    per-channel tensor beside a :class:`PackedColumnLinear` (a depthwise conv's weight)."""
+    out, start = [], 0
+    for size in sizes:
+        n = size // tp_size
+        out.append(full_tensor(loaded.narrow(0, start + tp_rank * n, n)))
+        start += size
+    return torch.cat(out)
+
+
+def checkpoint_shape(layer: LinearBase, leaf: str) -> tuple[int, ...]:
+    """The full (unsplit) checkpoint shape of a float linear layer's ``weight`` or ``bias``
+    (``leaf``): a column-parallel layer's rows and a row-parallel layer's columns times its
+    ``tp_size`` (dummy weights are drawn at these shapes, the same model at every TP size;
+    not for :class:`QKVLinear`, whose K/V heads may be replicated)."""
+    out, inp = layer.output_size, layer.input_size
+    if isinstance(layer, ColumnParallelLinear):
+        out *= layer.tp_size
+    elif isinstance(layer, RowParallelLinear):
+        inp *= layer.tp_size
+    return (out, inp) if leaf == "weight" else (out,)
+
+
 class QKVLinear(ColumnParallelLinear):
     """Fused Q, K, V projection: output rows are ``[q (Hq*D) | k (Hkv*D) | v (Hkv*D)]``.
 

@@ -38,9 +38,10 @@ import math
 import torch
 from torch import nn
 
+from engine.distributed import get_tp
 from engine.forward_batch import ForwardBatch
 from engine.layer_spec import AttentionKind, CacheKind, LayerSpec, RotarySpec
-from engine.layers.linear import ReplicatedLinear
+from engine.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
 from kernels.mla.reference import mla_attention_ref
 
@@ -69,9 +70,16 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 class MLAttention(nn.Module):
     """One layer's MLA: hidden states in, the attention output (after ``o_proj``) out.
 
+    Under tensor parallelism a rank holds ``H / tp_size`` heads (``self.num_heads``): its
+    rows of ``q_proj``/``q_b_proj`` and ``kv_b_proj`` (column-parallel: each head's rows are
+    contiguous) and its columns of ``o_proj`` (row-parallel, one all-reduce); ``q_a_proj``,
+    ``kv_a_proj_with_mqa`` and their norms are replicated, so every rank computes the same
+    latent row and keeps it in its own latent pool. The absorbed form reads the rank's heads
+    of ``W_UK``/``W_UV`` (:meth:`absorbed_weights`).
+
     Args:
         hidden_size: model width.
-        num_heads: query heads H.
+        num_heads: query heads H (the whole model's).
         q_lora_rank: rank of the low-rank query path, or None for ``q_proj``.
         kv_lora_rank: R; qk_nope_head_dim: N; qk_rope_head_dim: P; v_head_dim: V.
         layer_id: index of the layer's latent buffer in the pool.
@@ -84,6 +92,9 @@ class MLAttention(nn.Module):
             (``attention_bias``).
         spec: the layer's description (default: a ``LATENT`` spec of these sizes), kept as
             ``self.spec``.
+
+    Raises:
+        ValueError: ``H`` not divisible by the tensor-parallel size.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None,
@@ -92,26 +103,32 @@ class MLAttention(nn.Module):
                  dtype: torch.dtype, scaling: float, interleaved: bool = True,
                  bias: bool = False, spec: LayerSpec | None = None):
         super().__init__()
-        self.num_heads, self.layer_id = num_heads, layer_id
+        tp = get_tp().size
+        if num_heads % tp:
+            raise ValueError(f"--tp-size {tp} does not divide the model's {num_heads} "
+                             "attention heads")
+        self.num_heads, self.layer_id = num_heads // tp, layer_id   # this rank's heads
         self.kv_lora_rank, self.nope, self.rope, self.v_dim = (
             kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
         self.scaling, self.interleaved, self.rotary = scaling, interleaved, rotary
         qk = qk_nope_head_dim + qk_rope_head_dim
         self.q_lora_rank = q_lora_rank
+        # by head over the ranks: the query projection's and kv_b_proj's rows (each head's
+        # rows contiguous), o_proj's columns; the latent's projections and norms replicated
         if q_lora_rank is None:
-            self.q_proj = ReplicatedLinear(hidden_size, num_heads * qk, bias, dtype)
+            self.q_proj = ColumnParallelLinear(hidden_size, num_heads * qk, bias, dtype)
         else:
             self.q_a_proj = ReplicatedLinear(hidden_size, q_lora_rank, bias, dtype)
             self.q_a_layernorm = RMSNorm(q_lora_rank, eps, dtype)
-            self.q_b_proj = ReplicatedLinear(q_lora_rank, num_heads * qk, False, dtype)
+            self.q_b_proj = ColumnParallelLinear(q_lora_rank, num_heads * qk, False, dtype)
         self.kv_a_proj_with_mqa = ReplicatedLinear(hidden_size, kv_lora_rank + qk_rope_head_dim,
                                                    bias, dtype)
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps, dtype)
-        self.kv_b_proj = ReplicatedLinear(kv_lora_rank,
-                                          num_heads * (qk_nope_head_dim + v_head_dim),
-                                          False, dtype)
+        self.kv_b_proj = ColumnParallelLinear(kv_lora_rank,
+                                              num_heads * (qk_nope_head_dim + v_head_dim),
+                                              False, dtype)
         self.kv_b_proj.packable = False   # read as W_UK / W_UV views by the absorbed form
-        self.o_proj = ReplicatedLinear(num_heads * v_head_dim, hidden_size, bias, dtype)
+        self.o_proj = RowParallelLinear(num_heads * v_head_dim, hidden_size, bias, dtype)
         self.spec = spec or LayerSpec(attention=AttentionKind.LATENT, cache=CacheKind.LATENT_KV,
                               head_dim=qk, v_head_dim=v_head_dim, num_kv_heads=1,
                               scale=scaling, rotary=RotarySpec(), kv_lora_rank=kv_lora_rank,
@@ -141,7 +158,8 @@ class MLAttention(nn.Module):
         return q_nope, q_pe.view(t, self.num_heads, self.rope), torch.cat([c, k_pe], dim=-1)
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(W_UK [H, N, R], W_UV [H, V, R])`` views of ``kv_b_proj``'s weight."""
+        """``(W_UK [H, N, R], W_UV [H, V, R])`` views of ``kv_b_proj``'s weight (H: this
+        rank's heads)."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim,
                                        self.kv_lora_rank)
         return w[:, :self.nope], w[:, self.nope:]

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed import all_reduce
 from engine.layers.moe import ExpertOptions, FusedMoE
 from kernels.moe.reference import select_experts_grouped
 
@@ -70,13 +71,19 @@ class GroupedRouter(nn.Module):
 
 
 class GroupedMoeBlock(nn.Module):
-    """Router + routed experts + shared experts (no tensor parallelism yet).
+    """Router + routed experts + shared experts, one all-reduce under tensor parallelism.
+
+    The router is replicated (every rank routes every token the same); the routed experts
+    are split as :class:`FusedMoE` splits them (each expert's width over the ranks, or whole
+    experts per rank with ``--ep-size``), the shared experts as a TP-split MLP; both give
+    this rank's partial sum, added and all-reduced once.
 
     Args:
         hidden_size, num_experts, top_k, intermediate_size, dtype: as :class:`FusedMoE`.
         routing: the router's switches.
         shared_experts: a module x [T, H] -> [T, H] (DeepSeek's ``n_shared_experts``
-            experts as one MLP), or None.
+            experts as one MLP) whose output is this rank's partial sum (built with
+            ``reduce_results=False``), or None.
         options: the experts' :class:`engine.layers.moe.ExpertOptions` (block-FP8 experts).
     """
 
@@ -88,14 +95,15 @@ class GroupedMoeBlock(nn.Module):
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size,
                                 routing.renormalize, dtype, options=options)
         self.shared_experts = shared_experts
+        self.tp_size = self.experts.tp_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, H]."""
+        """x [T, H] -> [T, H] (summed over the ranks)."""
         weights, ids = self.gate(x)
         out = self.experts.run_routed(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return all_reduce(out) if self.tp_size > 1 else out
 
 
 __all__ = ["GroupedMoeBlock", "GroupedRouter", "GroupedRouting"]

@@ -16,10 +16,16 @@ Block-wise FP8 checkpoints (V3's own format) load as :class:`engine.models.moe.M
 says, with ``kv_b_proj`` dequantized to the run dtype after loading (MLA's absorbed form reads
 its weight as a float tensor).
 
-Not supported yet (refused at construction, one line naming the family): tensor parallelism,
-other quantized weights (per-channel FP8/4-bit, from :class:`engine.models.moe.MoeForCausalLM`),
-EAGLE (hidden states for a draft head); piecewise graphs (``supports_piecewise`` False: prefill
-runs eagerly); the preflight refuses an FP8 KV cache, LoRA, speculative decoding and TP. Decode
+Tensor parallelism splits MLA by head (:class:`engine.layers.mla.MLAttention`: the query
+and ``kv_b_proj`` rows, ``o_proj``'s columns; the latent and its pool are the same on every
+rank) and the MoE as :class:`engine.layers.moe_grouped.GroupedMoeBlock` says (each expert's
+width, or whole experts per rank with ``--ep-size``; the shared experts TP-split; one
+all-reduce). ``--tp-size`` must divide ``num_attention_heads``.
+
+Not supported yet (refused at construction, one line naming the family): other quantized
+weights (per-channel FP8/4-bit, from :class:`engine.models.moe.MoeForCausalLM`), EAGLE
+(hidden states for a draft head); piecewise graphs (``supports_piecewise`` False: prefill
+runs eagerly); the preflight refuses an FP8 KV cache, LoRA and speculative decoding. Decode
 graphs capture the Triton MLA kernels (``engine/attention/triton_mla.py``).
 """
 
@@ -32,8 +38,8 @@ from torch import nn
 
 from engine.distributed import get_tp
 from engine.forward_batch import ForwardBatch
-from engine.layer_spec import AttentionKind, CacheKind, LayerSpec, RotarySpec
-from engine.layers.linear import VocabEmbedding
+from engine.layer_spec import AttentionKind, CacheKind, LayerSpec, RotarySpec, kv_heads_per_rank
+from engine.layers.linear import LinearBase, VocabEmbedding, checkpoint_shape
 from engine.layers.mla import MLAttention, mla_softmax_scale
 from engine.layers.moe_grouped import GroupedMoeBlock, GroupedRouting
 from engine.layers.norm import RMSNorm
@@ -99,9 +105,9 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
     """DeepSeek-V2 (and V2-Lite): MLA, softmax grouped routing.
 
     Raises:
-        NotImplementedError: tensor parallelism (``--tp-size`` > 1).
-        ValueError: ``moe_layer_freq`` other than 1; as :class:`MoeForCausalLM` (quantized
-            weights, no experts).
+        ValueError: ``moe_layer_freq`` other than 1; attention heads the tensor-parallel
+            size does not divide; as :class:`MoeForCausalLM` (quantized weights, no
+            experts).
     """
 
     family = "DeepSeek-V2/V3"
@@ -112,9 +118,6 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
     supports_piecewise = False
 
     def __init__(self, config, dtype: torch.dtype = torch.float32):
-        if get_tp().size > 1:
-            raise NotImplementedError(f"{type(self).__name__} (multi-head latent attention) "
-                                      "does not run with --tp-size > 1 yet")
         text = getattr(config, "text_config", None) or config
         freq = getattr(text, "moe_layer_freq", 1) or 1
         if freq != 1:
@@ -144,7 +147,9 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
     def _mlp(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> nn.Module:
         if not config.is_moe_layer(layer_id):
             return GatedMLP(config, dtype)
-        shared = (GatedMLP(config, dtype, config.shared_expert_intermediate_size)
+        # the shared experts' partial sum joins the routed experts' before the one all-reduce
+        shared = (GatedMLP(config, dtype, config.shared_expert_intermediate_size,
+                           reduce_results=False)
                   if config.shared_expert_intermediate_size else None)
         return GroupedMoeBlock(config.hidden_size, config.num_experts,
                                config.num_experts_per_tok, config.moe_intermediate_size, dtype,
@@ -184,18 +189,27 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
 
     @property
     def q_size(self) -> int:
-        return self.model_config.num_heads * self.model_config.head_dim
+        """This rank's query heads times ``head_dim`` (the runner derives its head count)."""
+        return self.model.layers[0].self_attn.num_heads * self.model_config.head_dim
 
     @property
     def kv_size(self) -> int:
-        return self.model_config.num_kv_heads * self.model_config.head_dim
+        """This rank's K/V heads (as the dense families split them) times ``head_dim``."""
+        mc = self.model_config
+        return kv_heads_per_rank(mc.num_kv_heads, get_tp().size) * mc.head_dim
 
     # ---- weights ---------------------------------------------------------------------------
 
     def _hf_weight_shape(self, name: str, inter: int | None = None) -> tuple[int, ...]:
-        """MLA's and the router's tensors at their parameters' shapes (no TP split); the
-        rest as :class:`MoeForCausalLM`."""
-        if ".self_attn." in name or ".mlp.gate." in name:
+        """MLA's tensors at their full (unsplit) shapes, the router's at its parameters'
+        (replicated); the rest as :class:`MoeForCausalLM`."""
+        if ".self_attn." in name:
+            module, _, leaf = name.rpartition(".")
+            layer = self.get_submodule(module)
+            if isinstance(layer, LinearBase):
+                return checkpoint_shape(layer, leaf)
+            return tuple(dict(self.named_parameters())[name].shape)   # the norms
+        if ".mlp.gate." in name:
             return tuple(dict(self.named_parameters())[name].shape)
         if ".mlp.shared_experts." in name:
             return super()._hf_weight_shape(

@@ -25,9 +25,16 @@ the plain rotary for text (its three position rows are equal).
 multimodal releases) load their language model (``model.language_model.*``) into the same
 text model; the vision tower (``model.visual.*``) is skipped (logged once).
 
-Not here (refused at start-up, ``engine/executor/preflight.py``): tensor parallelism,
-speculative decoding (the checkpoints' MTP layers are skipped at load), LoRA, device graphs
-and piecewise graphs; prefix reuse is off (no state snapshots yet).
+Tensor parallelism: the Gated DeltaNet layers split their heads over the ranks
+(:mod:`engine.layers.gated_deltanet`; the state pool's slots hold a rank's heads), the full
+attention layers their query heads (with their gates) and K/V heads as the dense families
+do, the MoE its experts (``--ep-size``) or their width. ``--tp-size`` must divide
+``linear_num_key_heads`` and ``linear_num_value_heads`` (:func:`check_tensor_parallel`,
+checked before any worker starts).
+
+Not here (refused at start-up, ``engine/executor/preflight.py``): speculative decoding (the
+checkpoints' MTP layers are skipped at load), LoRA, device graphs and piecewise graphs;
+prefix reuse is off (no state snapshots yet).
 """
 
 from __future__ import annotations
@@ -41,7 +48,13 @@ from torch import nn
 from engine.forward_batch import ForwardBatch
 from engine.layer_spec import AttentionKind, CacheKind, LayerSpec, RecurrentStateSpec
 from engine.layers.attention import Attention
-from engine.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetDims, LinearStateBatch
+from engine.layers.gated_deltanet import (
+    GatedDeltaNet,
+    GatedDeltaNetDims,
+    LinearStateBatch,
+    check_tp_heads,
+    checkpoint_shapes,
+)
 from engine.layers.linear import QKVLinear, RowParallelLinear, VocabEmbedding
 from engine.layers.norm import GemmaRMSNorm
 from engine.layers.rotary import RotaryEmbedding
@@ -93,7 +106,9 @@ def hybrid_layer_specs(mc: ModelConfig, config) -> list[LayerSpec]:
 
 class GatedAttention(nn.Module):
     """Qwen3-Next's full attention: query and output gate from one ``q_proj`` (fused with
-    k/v into ``qkv_proj``), per-head (1 + w) q/k norms, rotary, ``o_proj(o * sigmoid(g))``.
+    k/v into ``qkv_proj``), per-head (1 + w) q/k norms, rotary, ``o_proj(o * sigmoid(g))``;
+    under tensor parallelism a rank holds ``num_heads / tp`` heads (and their gates), its
+    share of the K/V heads, and a row-parallel ``o_proj``.
 
     Args:
         config: the model's shape; spec: the layer's (head size, K/V heads, rotary);
@@ -104,16 +119,19 @@ class GatedAttention(nn.Module):
     def __init__(self, config: ModelConfig, spec: LayerSpec, kv_layer: int, dtype: torch.dtype):
         super().__init__()
         self.head_dim = d = spec.head_dim
-        self.num_heads = h = config.num_heads
-        # q_proj's rows are [q_h | gate_h] per head: a fused projection of 2h "heads"
+        h = config.num_heads
+        # q_proj's rows are [q_h | gate_h] per head: a fused projection of 2h "heads", so a
+        # tensor-parallel rank's q rows are its heads' [q | gate] pairs
         self.qkv_proj = QKVLinear(config.hidden_size, d, 2 * h, spec.num_kv_heads,
                                   config.attention_bias, dtype)
-        self.q_size = h * d
+        self.num_heads = self.qkv_proj.num_heads // 2       # this rank's
+        self.q_size = self.num_heads * d
         self.kv_size = self.qkv_proj.kv_size
         self.o_proj = RowParallelLinear(h * d, config.hidden_size, config.attention_bias, dtype)
         self.q_norm = GemmaRMSNorm(d, config.rms_norm_eps, dtype)
         self.k_norm = GemmaRMSNorm(d, config.rms_norm_eps, dtype)
-        self.attn = Attention(h, spec.num_kv_heads, d, kv_layer, spec=spec)
+        self.attn = Attention(self.num_heads, self.qkv_proj.num_kv_heads, d, kv_layer,
+                              spec=spec)
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, positions: torch.Tensor,
                 fb: ForwardBatch) -> torch.Tensor:
@@ -217,11 +235,23 @@ def _no_pieces(model, *args, **kwargs):
                               "(linear-attention layers; run with --disable-cuda-graph)")
 
 
+def check_tensor_parallel(config, tp_size: int) -> None:
+    """Refuse a ``tp_size`` that does not split the Gated DeltaNet layers' heads (before any
+    worker starts: ``engine.executor.tp_worker.check_tensor_parallel`` calls it).
+
+    Raises:
+        ValueError: one line naming ``--tp-size`` and the config field.
+    """
+    if tp_size > 1:
+        check_tp_heads(gdn_dims(config), tp_size)
+
+
 def _weight_shape(model, name: str) -> tuple[int, ...] | None:
     """The full shape of checkpoint tensor ``name`` where it differs from the decoder's
     rules (the Gated DeltaNet's tensors, the doubled ``q_proj``, the per-head norms)."""
     if ".linear_attn." in name:
-        return tuple(dict(model.named_parameters())[name].shape)
+        return checkpoint_shapes(gdn_dims(model.config),
+                                 model.split_projections)[name.split(".linear_attn.")[1]]
     mc = model.model_config
     if name.endswith("self_attn.q_proj.weight"):
         return (2 * mc.num_heads * mc.head_dim, mc.hidden_size)
@@ -241,6 +271,8 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
     has_shared_expert = True
     #: Qwen3.5's split in_proj_qkv / in_proj_z / in_proj_b / in_proj_a
     split_projections = False
+    #: the head counts a TP size must split (:func:`check_tensor_parallel`)
+    check_tensor_parallel = staticmethod(check_tensor_parallel)
 
     def layer_specs(self) -> list[LayerSpec]:
         return hybrid_layer_specs(self.model_config, self.config)
@@ -275,6 +307,8 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
     family = "Qwen3-Next / Qwen3.5"
     attention_kinds = (AttentionKind.FULL, AttentionKind.LINEAR)
     cache_kinds = (CacheKind.PAGED_KV, CacheKind.RECURRENT_STATE)
+    split_projections = True
+    check_tensor_parallel = staticmethod(check_tensor_parallel)
 
     def layer_specs(self) -> list[LayerSpec]:
         return hybrid_layer_specs(self.model_config, self.config)
@@ -328,4 +362,4 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
 
 __all__ = ["GatedAttention", "HybridDecoderLayer", "HybridModel", "Qwen3NextForCausalLM",
            "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
-           "Qwen3_5MoeForConditionalGeneration", "hybrid_layer_specs"]
+           "Qwen3_5MoeForConditionalGeneration", "check_tensor_parallel", "hybrid_layer_specs"]

@@ -1,6 +1,7 @@
 """engine/executor/preflight.py: a model with linear-attention (RECURRENT_STATE) layers is
-refused, in one line naming the class and the flag, with TP > 1, speculative decoding, LoRA
-and device graphs; a model without them, and the CPU path, pass."""
+refused, in one line naming the class and the flag, with speculative decoding, LoRA and
+device graphs; a model without them, the CPU path and TP > 1 (the linear layers split their
+heads: tests/engine/test_tensor_parallel_hybrid_mla.py) pass."""
 
 from __future__ import annotations
 
@@ -33,11 +34,11 @@ def _args(**kw):
 def test_hybrid_on_cpu_and_plain_models_pass():
     check_recurrent_state_flags(HybridLM([LINEAR, FULL]), _args(), "cpu")
     check_recurrent_state_flags(HybridLM([FULL]), _args(tp_size=2), "cuda")
+    check_recurrent_state_flags(HybridLM([LINEAR, FULL]), _args(tp_size=2), "cpu")
     check_recurrent_state_flags(HybridLM([LINEAR]), _args(disable_cuda_graph=True), "cuda")
 
 
 @pytest.mark.parametrize("kw,device,flag", [
-    ({"tp_size": 2}, "cpu", "--tp-size 2"),
     ({"enable_lora": True}, "cpu", "LoRA"),
     ({}, "cuda", "device graphs (add --disable-cuda-graph)"),
 ])

@@ -252,9 +252,14 @@ def test_real_shapes_of_the_deepseek_families_build_on_meta(name, family, q_lora
     assert len(launched) == 1
     launched.clear()
     for flags, what in [(["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3"),
-                        (["--enable-lora"], "LoRA"), (["--tp-size", "2"], "--tp-size 2")]:
+                        (["--enable-lora"], "LoRA")]:
         line = _refused(serve_stubbed, capsys, base + flags)
         assert f"{family} (multi-head latent attention) does not support {what}" in line, line
+    # MLA splits its 16 heads over the ranks; 3 ranks cannot split them
+    assert serve(base + ["--tp-size", "2"]) == 0
+    launched.clear()
+    line = _refused(serve_stubbed, capsys, base + ["--tp-size", "3"])
+    assert "--tp-size 3 does not divide the model's 16 attention heads" in line, line
 
 
 def test_real_shape_of_qwen2_5_vl_builds_on_meta(serve_stubbed, capsys):
