@@ -3,12 +3,18 @@
 
     weights, ids = select_experts_grouped(gate(x), ...)     # kernels/moe/reference.py
     out = experts.run_routed(x, weights, ids) + shared_experts(x)
+    out = all_reduce(out)                                   # tensor parallelism
 
 Parameter names follow transformers: ``gate.weight`` ``[E, H]`` (and, for V3's "noaux_tc"
 routing, ``gate.e_score_correction_bias`` ``[E]`` fp32), ``experts.w13_weight`` /
 ``experts.w2_weight`` (stacked from the checkpoint's per-expert tensors), ``shared_experts.*``.
 The router's matmul runs in fp32 like HF's ``DeepseekV3TopkRouter``; the routing is the
 torch reference on every device (the fused experts take the chosen ids and weights).
+
+Under tensor (or expert) parallelism the routed experts' output is this rank's partial sum
+(:class:`engine.layers.moe.FusedMoE`), the shared experts' too (their ``down_proj`` built with
+``reduce_results=False``), and the block all-reduces once, as
+:class:`engine.layers.moe.SparseMoeBlock` does.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed import all_reduce
 from engine.layers.moe import ExpertOptions, FusedMoE
 from kernels.moe.reference import select_experts_grouped
 
@@ -70,13 +77,14 @@ class GroupedRouter(nn.Module):
 
 
 class GroupedMoeBlock(nn.Module):
-    """Router + routed experts + shared experts (no tensor parallelism yet).
+    """Router + routed experts + shared experts, one all-reduce under tensor parallelism.
 
     Args:
         hidden_size, num_experts, top_k, intermediate_size, dtype: as :class:`FusedMoE`.
         routing: the router's switches.
         shared_experts: a module x [T, H] -> [T, H] (DeepSeek's ``n_shared_experts``
-            experts as one MLP), or None.
+            experts as one MLP) whose output is a per-rank partial sum (an MLP whose down
+            projection has ``reduce_results=False``), or None.
         options: the experts' :class:`engine.layers.moe.ExpertOptions` (block-FP8 experts).
     """
 
@@ -88,14 +96,15 @@ class GroupedMoeBlock(nn.Module):
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size,
                                 routing.renormalize, dtype, options=options)
         self.shared_experts = shared_experts
+        self.tp_size = self.experts.tp_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, H]."""
+        """x [T, H] -> [T, H] (summed over the ranks)."""
         weights, ids = self.gate(x)
         out = self.experts.run_routed(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return all_reduce(out) if self.tp_size > 1 else out
 
 
 __all__ = ["GroupedMoeBlock", "GroupedRouter", "GroupedRouting"]

@@ -257,6 +257,38 @@ def test_real_shapes_of_the_deepseek_families_build_on_meta(name, family, q_lora
         assert f"{family} (multi-head latent attention) does not support {what}" in line, line
 
 
+def test_real_shape_of_glm_4_5_air_builds_on_meta(serve_stubbed):
+    """engine/configs/glm-4.5-air.json (issue 46's GLM-4.5): 46 GQA layers (96 query heads of
+    128 over 8 KV heads, half of each head rotated), a dense first layer, then 128 routed
+    experts and one shared per layer: 106.9B parameters (the MTP layer not built), 12.8B of
+    them active a token besides the embedding; the launch."""
+    from engine.args import ServerArgs
+    from engine.executor.preflight import build_meta_model
+    from engine.kv.pool import kv_bytes_per_token
+
+    path = os.path.join(os.path.dirname(engine.__file__), "configs", "glm-4.5-air.json")
+    model = build_meta_model(ServerArgs(model_path=path, load_format="dummy"), "cpu")
+    assert type(model).__name__ == "Glm4MoeForCausalLM"
+    specs = model.layer_specs()
+    assert len(specs) == 46 and all(s.attention == "full" for s in specs)
+    assert kv_bytes_per_token(specs, torch.bfloat16) == 46 * 2 * 8 * 128 * 2
+    layers = model.model.layers
+    assert not hasattr(layers[0].mlp, "gate") and layers[0].self_attn.q_norm is None
+    assert layers[1].mlp.gate.routing.scoring == "sigmoid"
+    assert layers[1].mlp.experts.w13_weight.shape == (128, 2 * 1408, 4096)
+    assert model.model.rotary_emb.rotary_dim == 64
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    active = total - routed + routed * 8 // 128 - 151552 * 4096
+    assert round(total / 1e9, 1) == 106.9 and round(active / 1e9, 1) == 12.8
+    shapes = model.hf_weight_shapes()
+    assert shapes["model.layers.1.mlp.gate.e_score_correction_bias"] == (128,)
+    assert shapes["model.layers.45.mlp.shared_experts.down_proj.weight"] == (4096, 1408)
+    serve, launched = serve_stubbed
+    assert serve(["--device", "cpu", "--model-path", path, "--load-format", "dummy"]) == 0
+    assert len(launched) == 1
+
+
 def test_real_shape_of_qwen2_5_vl_builds_on_meta(serve_stubbed, capsys):
     """engine/configs/qwen2.5-vl-7b-instruct.json (issue 48): the language model with
     M-RoPE (the legacy ``mrope`` rope type), the 32-block vision tower; the launch, and the
