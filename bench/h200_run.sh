@@ -372,7 +372,8 @@ device='meta', quantization=q, progress=False)[0]); print('weight bytes bf16', b
     # alone (DeepSeek-V3's heads, bs 1/64 x 4k; graph replays, device events, medians), then
     # DeepSeek-V2-Lite end to end (dummy weights, decode graphs over the Triton MLA kernels).
     # deepseek-tests: the MLA kernels' GPU tests (bf16, V3's head shape, a captured decode
-    # step). deepseek-kernels: the kernel at 32k and with V2-Lite's 16 heads.
+    # step; an FP8 latent pool too). deepseek-kernels: the kernel at 32k and with V2-Lite's 16
+    # heads, and over an FP8 (e4m3) latent pool (half the bytes read) at 4k and 32k.
     deepseek) run deepseek-mla-kernel 120 python3 -m bench.kernels.bench_mla --batch-sizes 1,64 \
               --contexts 4096
               run deepseek-latency 450 python3 -m bench.bench_latency --load-format dummy \
@@ -383,7 +384,9 @@ device='meta', quantization=q, progress=False)[0]); print('weight bytes bf16', b
     deepseek-kernels) run deepseek-mla-kernel-32k 200 python3 -m bench.kernels.bench_mla \
               --batch-sizes 1,64 --contexts 32768 --layers 4
               run deepseek-mla-kernel-v2lite 150 python3 -m bench.kernels.bench_mla --num-heads 16 \
-              --batch-sizes 1,64 --contexts 4096,32768 --layers 4;;
+              --batch-sizes 1,64 --contexts 4096,32768 --layers 4
+              run deepseek-mla-kernel-fp8 200 python3 -m bench.kernels.bench_mla \
+              --kv-dtype fp8_e4m3 --batch-sizes 1,64 --contexts 4096,32768 --layers 4;;
     gptoss|gptoss-kernel|gptoss-latency)
              # gpt-oss (issue 44). gptoss-kernel: the MXFP4 fused MoE's GPU tests at the shipped
              # expert shape, and the kernel against the same MoE with bf16 experts (M = 1..256);

@@ -20,7 +20,8 @@ its weight as a float tensor).
 Not supported yet (refused at construction, one line naming the family): tensor parallelism,
 other quantized weights (per-channel FP8/4-bit, from :class:`engine.models.moe.MoeForCausalLM`),
 EAGLE (hidden states for a draft head); piecewise graphs (``supports_piecewise`` False: prefill
-runs eagerly); the preflight refuses an FP8 KV cache, LoRA, speculative decoding and TP. Decode
+runs eagerly); the preflight refuses LoRA, speculative decoding and TP (an FP8 KV cache runs:
+the latent pool holds e4m3, :mod:`engine.layers.mla`). Decode
 graphs capture the Triton MLA kernels (``engine/attention/triton_mla.py``).
 """
 

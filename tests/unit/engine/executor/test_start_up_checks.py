@@ -232,7 +232,8 @@ def test_real_shape_of_gemma_4_builds_on_meta(serve_stubbed, capsys, tmp_path):
 def test_real_shapes_of_the_deepseek_families_build_on_meta(name, family, q_lora, routing,
                                                              serve_stubbed, capsys):
     """engine/configs/ of issue 46's families: MLA layers over the latent pool (512 + 64
-    values a token), a dense first layer; the launch, and the flags MLA refuses."""
+    values a token), a dense first layer; the launch (with an FP8 latent pool too), and the
+    flags MLA refuses."""
     from engine.args import ServerArgs
     from engine.executor.preflight import build_meta_model
     from engine.kv.pool import kv_bytes_per_token
@@ -249,10 +250,10 @@ def test_real_shapes_of_the_deepseek_families_build_on_meta(name, family, q_lora
     serve, launched = serve_stubbed
     base = ["--device", "cpu", "--model-path", path, "--load-format", "dummy"]
     assert serve(base) == 0
-    assert len(launched) == 1
+    assert serve(base + ["--kv-cache-dtype", "fp8_e4m3"]) == 0
+    assert len(launched) == 2
     launched.clear()
-    for flags, what in [(["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3"),
-                        (["--enable-lora"], "LoRA"), (["--tp-size", "2"], "--tp-size 2")]:
+    for flags, what in [(["--enable-lora"], "LoRA"), (["--tp-size", "2"], "--tp-size 2")]:
         line = _refused(serve_stubbed, capsys, base + flags)
         assert f"{family} (multi-head latent attention) does not support {what}" in line, line
 
