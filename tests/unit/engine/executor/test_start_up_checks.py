@@ -258,6 +258,56 @@ def test_real_shapes_of_the_deepseek_families_build_on_meta(name, family, q_lora
         assert f"{family} (multi-head latent attention) does not support {what}" in line, line
 
 
+def test_real_shape_of_deepseek_v3_builds_on_meta():
+    """engine/configs/deepseek-v3.json, the shape docs/deployment.md sizes for 8 GPUs: 61
+    MLA layers (3 dense), 256 experts in 8 groups, block-FP8 weights kept in e4m3; 671.0B
+    parameters, 81.7 GB of routed experts a rank under --ep-size 8, 70,272 latent bytes a
+    token in bf16 (35,136 in e4m3)."""
+    from engine.args import ServerArgs
+    from engine.executor.preflight import build_meta_model
+    from engine.kv.pool import kv_bytes_per_token
+
+    path = os.path.join(os.path.dirname(engine.__file__), "configs", "deepseek-v3.json")
+    model = build_meta_model(ServerArgs(model_path=path, load_format="dummy"), "cpu")
+    assert type(model).__name__ == "DeepseekV3ForCausalLM"
+    specs = model.layer_specs()
+    assert len(specs) == 61 and all(s.attention == "latent" for s in specs)
+    assert kv_bytes_per_token(specs, torch.bfloat16) == 61 * 576 * 2 == 70272
+    assert kv_bytes_per_token(specs, torch.float8_e4m3fn) == 35136
+    layers = model.model.layers
+    assert not hasattr(layers[2].mlp, "gate")
+    routing = layers[3].mlp.gate.routing
+    assert (routing.n_group, routing.topk_group, routing.routed_scaling_factor) == (8, 4, 2.5)
+    assert layers[3].mlp.experts.w13_weight.dtype == torch.float8_e4m3fn
+    weights = [p for n, p in model.named_parameters() if not n.endswith("_scale_inv")]
+    assert round(sum(p.numel() for p in weights) / 1e9, 1) == 671.0
+    routed = sum(p.numel() for n, p in model.named_parameters()
+                 if n.endswith(("experts.w13_weight", "experts.w2_weight")))
+    assert round(routed / 8 / 1e9, 1) == 81.7      # bytes (e4m3) a rank with --ep-size 8
+
+
+def test_deployment_doc_deepseek_command_parses():
+    """The ``python -m server`` command of docs/deployment.md's DeepSeek-V3 section and its
+    commented variants name flags and values that ``ferry serve`` accepts."""
+    import re
+    import shlex
+
+    from server.cli import serve_parser
+
+    root = os.path.dirname(os.path.dirname(engine.__file__))
+    text = open(os.path.join(root, "docs", "deployment.md")).read()
+    section = text.split("## DeepSeek-V3 / R1 (671B, block FP8) on 8 GPUs")[1].split("\n## ")[0]
+    block = section.split("```bash")[1].split("```")[0]
+    command = block.split("\n#")[0].replace("\\\n", " ")
+    argv = shlex.split(command)[3:]
+    assert argv[:2] == ["--model-path", "/models/DeepSeek-V3"]
+    ns = serve_parser().parse_args(argv)
+    assert (ns.tp_size, ns.ep_size) == (8, 8)
+    extra = re.findall(r"(--[a-z-]+ [\w/.-]+)", block.split("\n#", 1)[1])
+    assert extra, block
+    serve_parser().parse_args(argv + shlex.split(" ".join(extra)))
+
+
 def test_real_shape_of_glm_4_5_air_builds_on_meta(serve_stubbed):
     """engine/configs/glm-4.5-air.json (issue 46's GLM-4.5): 46 GQA layers (96 query heads of
     128 over 8 KV heads, half of each head rotated), a dense first layer, then 128 routed
