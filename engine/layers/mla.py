@@ -212,9 +212,14 @@ def store_latent(buf: torch.Tensor, loc: torch.Tensor, lat: torch.Tensor,
                  kv_scale: float = 1.0) -> None:
     """``buf[loc, 0] = lat``: the new tokens' latent rows ``[T, R + P]`` into one layer's cache
     ``[S, 1, R + P]`` at slots ``loc`` ``[T]`` int64, cast to the cache's dtype; an FP8 cache
-    gets ``lat / kv_scale`` rounded to nearest (torch's cast saturates e4m3 at +-448)."""
-    if buf.element_size() == 1 and kv_scale != 1.0:
-        lat = lat.float() * (1.0 / kv_scale)
+    gets ``lat / kv_scale`` clamped to the format's range (+-448 for e4m3: a value past it
+    saturates, as the paged pool's Triton store does, instead of becoming NaN) and rounded
+    to nearest."""
+    if buf.element_size() == 1:
+        if kv_scale != 1.0:
+            lat = lat.float() * (1.0 / kv_scale)
+        top = torch.finfo(buf.dtype).max
+        lat = lat.clamp(-top, top)
     buf[loc, 0] = lat.to(buf.dtype)
 
 
