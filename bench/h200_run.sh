@@ -391,7 +391,9 @@ device='meta', quantization=q, progress=False)[0]); print('weight bytes bf16', b
     # alone (DeepSeek-V3's heads, bs 1/64 x 4k; graph replays, device events, medians), then
     # DeepSeek-V2-Lite end to end (dummy weights, decode graphs over the Triton MLA kernels).
     # deepseek-tests: the MLA kernels' GPU tests (bf16, V3's head shape, a captured decode
-    # step). deepseek-kernels: the kernel at 32k and with V2-Lite's 16 heads.
+    # step; an FP8 latent pool too). deepseek-kernels: the kernel at 32k and with V2-Lite's 16
+    # heads. deepseek-fp8: --kv-cache-dtype fp8_e4m3 (the latent pool in e4m3: half the bytes
+    # read): the kernel at 4k and 32k, then V2-Lite end to end (against stage deepseek's).
     deepseek) run deepseek-mla-kernel 120 python3 -m bench.kernels.bench_mla --batch-sizes 1,64 \
               --contexts 4096
               run deepseek-latency 450 python3 -m bench.bench_latency --load-format dummy \
@@ -403,6 +405,12 @@ device='meta', quantization=q, progress=False)[0]); print('weight bytes bf16', b
               --batch-sizes 1,64 --contexts 32768 --layers 4
               run deepseek-mla-kernel-v2lite 150 python3 -m bench.kernels.bench_mla --num-heads 16 \
               --batch-sizes 1,64 --contexts 4096,32768 --layers 4;;
+    deepseek-fp8) run deepseek-mla-kernel-fp8 150 python3 -m bench.kernels.bench_mla \
+              --kv-dtype fp8_e4m3 --batch-sizes 1,64 --contexts 4096,32768 --layers 4
+              run deepseek-latency-fp8 420 python3 -m bench.bench_latency --load-format dummy \
+              --model-path engine/configs/deepseek-v2-lite.json --kv-cache-dtype fp8_e4m3 \
+              --batch-size 1 64 --input-len 512 --output-len 64 \
+              --result-jsonl "$OUT/deepseek-latency-fp8.jsonl";;
     gptoss|gptoss-kernel|gptoss-latency)
              # gpt-oss (issue 44). gptoss-kernel: the MXFP4 fused MoE's GPU tests at the shipped
              # expert shape, and the kernel against the same MoE with bf16 experts (M = 1..256);

@@ -9,8 +9,9 @@ microseconds (device events) with the achieved latent-read bandwidth and its fra
 ``--peak-gbs`` (H200: 4800 GB/s).
 
 Roofline: decode is a read of the latent cache, ``B x context x (R + P) x itemsize`` bytes
-per layer (1152 bytes a token in bf16; q, o, the slot indices and the split workspaces are
-not counted). The output of layer 0 is checked against ``kernels.mla.reference`` (``err``).
+per layer (1152 bytes a token in bf16, 576 with ``--kv-dtype fp8_e4m3``: the pools hold
+e4m3, the kernel's ``KV_FP8`` path; q, o, the slot indices and the split workspaces are not
+counted). The output of layer 0 is checked against ``kernels.mla.reference`` (``err``).
 
 ``--smoke``: tiny sizes on the CPU in Triton's interpreter (a correctness run, no graphs).
 """
@@ -32,6 +33,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny sizes, CPU interpreter")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp8_e4m3"],
+                   help="the latent pools' dtype (auto: --dtype)")
     p.add_argument("--num-heads", type=int, default=128)
     p.add_argument("--kv-lora-rank", type=int, default=512)
     p.add_argument("--rope-dim", type=int, default=64)
@@ -86,6 +89,8 @@ def bench_case(ns, bs: int, ctx: int) -> dict:
     h, r, p = ns.num_heads, ns.kv_lora_rank, ns.rope_dim
     gen = torch.Generator().manual_seed(0)
     pools, r2t = _pools(torch, dev, bs, ctx, ns.layers, r + p, ns.page_size, dtype, gen)
+    if ns.kv_dtype == "fp8_e4m3":
+        pools = [pool.to(torch.float8_e4m3fn) for pool in pools]
     rows = torch.arange(1, bs + 1, device=dev)
     seq = torch.full((bs,), ctx, dtype=torch.int32, device=dev)
     q_lat = (torch.randn((bs, h, r), generator=gen) * 0.05).to(dev, dtype)
@@ -112,7 +117,7 @@ def bench_case(ns, bs: int, ctx: int) -> dict:
         t0 = time.perf_counter()
         run(pools)
         per_call = (time.perf_counter() - t0) * 1e6 / ns.layers
-    kv_bytes = bs * ctx * (r + p) * q_lat.element_size()
+    kv_bytes = bs * ctx * (r + p) * pools[0].element_size()
     gbs = kv_bytes / per_call / 1e3
     return {"bs": bs, "ctx": ctx, "heads": h, "splits": cap, "us": per_call, "gbs": gbs,
             "roofline": gbs / ns.peak_gbs, "err": err}
@@ -140,8 +145,9 @@ def _graph_time(devlib, dev, run, pools, reps: int) -> float:
 
 def main(argv=None) -> int:
     ns = parse_args(argv)
+    kv = ns.dtype if ns.kv_dtype == "auto" else ns.kv_dtype
     print(f"MLA decode: {ns.num_heads} heads, R {ns.kv_lora_rank}, rope {ns.rope_dim}, "
-          f"{ns.dtype}, {ns.layers} layers per graph, peak {ns.peak_gbs:.0f} GB/s")
+          f"{ns.dtype}, latent {kv}, {ns.layers} layers per graph, peak {ns.peak_gbs:.0f} GB/s")
     print(f"{'bs':>4} {'ctx':>6} {'splits':>6} {'us/call':>9} {'GB/s':>8} {'roof':>6} {'err':>9}")
     for bs in ns.batch_sizes:
         for ctx in ns.contexts:

@@ -138,9 +138,11 @@ class TritonMLABackend(TritonAttnBackend):
 
     # ---- kernels ------------------------------------------------------------------------
     def mla_decode(self, q_lat: torch.Tensor, q_pe: torch.Tensor, o: torch.Tensor,
-                   latent: torch.Tensor, fb: ForwardBatch, sm_scale: float) -> None:
+                   latent: torch.Tensor, fb: ForwardBatch, sm_scale: float,
+                   kv_scale: float = 1.0) -> None:
         """Absorbed decode of the step's decode rows: q_lat ``[Bd, H, R]``, q_pe
-        ``[Bd, H, P]``, o ``[Bd, H, R]`` (written), latent the layer's ``[S, 1, R + P]``.
+        ``[Bd, H, P]``, o ``[Bd, H, R]`` (written), latent the layer's ``[S, 1, R + P]``
+        (an FP8 one holding ``latent / kv_scale``).
 
         Raises:
             RuntimeError: ``init_forward`` was not called for the step.
@@ -148,7 +150,8 @@ class TritonMLABackend(TritonAttnBackend):
         m = self._meta(fb)
         self._k_decode.mla_decode_fwd(q_lat, q_pe, latent, o, fb.req_to_token,
                                       m.req_pool_indices, m.seq_lens, sm_scale,
-                                      m.num_kv_splits, m.max_splits, m.attn_logits, m.attn_lse)
+                                      m.num_kv_splits, m.max_splits, m.attn_logits, m.attn_lse,
+                                      kv_scale=kv_scale)
 
     def extend_slots(self, fb: ForwardBatch) -> torch.Tensor:
         """``[S]`` int64 pool slots of the extending requests' whole sequences, in order."""

@@ -16,7 +16,8 @@ model loaded (20-60 s, a traceback, exit 1):
   scheme or activation; with LoRA, a family that refuses it (Phi-3, GLM-4: fused
   checkpoint projections);
 - a model with latent-attention layers (DeepSeek-V2/V3's MLA): the flags it does not run
-  with yet (:func:`check_latent_attention`: FP8 KV cache, LoRA, speculative decoding);
+  with yet (:func:`check_latent_attention`: LoRA, speculative decoding; an FP8 KV cache
+  runs: the latent pool holds e4m3);
 - a model with linear-attention (``RECURRENT_STATE``) layers: speculative decoding, LoRA
   and device graphs are refused (:func:`check_recurrent_state_flags`); tensor parallelism
   runs (a ``--tp-size`` that does not split the linear layers' heads is refused by
@@ -210,8 +211,10 @@ def build_meta_model(args: ServerArgs, device_type: str):
 
 def check_latent_attention(args: ServerArgs, model: torch.nn.Module, device_type: str) -> None:
     """Refuse the flags that multi-head latent attention (DeepSeek-V2/V3's MLA layers) does
-    not run with yet: an FP8 KV cache, LoRA, speculative decoding (``--tp-size`` > 1 runs:
-    MLA splits its heads over the ranks). Device graphs are not refused: decode graphs capture the Triton MLA kernels (the torch-native
+    not run with yet: LoRA, speculative decoding (``--tp-size`` > 1 runs: MLA splits its
+    heads over the ranks; ``--kv-cache-dtype fp8_e4m3``/``fp8_e5m2`` runs: the latent pool
+    stores FP8, ``engine/layers/mla.py``). Device
+    graphs are not refused: decode graphs capture the Triton MLA kernels (the torch-native
     backend has no graphs: its decode runs eagerly), and the piecewise graphs, which cannot
     cut an MLA model's forward yet, are skipped at start-up (``supports_piecewise``).
 
@@ -224,8 +227,7 @@ def check_latent_attention(args: ServerArgs, model: torch.nn.Module, device_type
     if not any(s.attention == AttentionKind.LATENT for s in specs):
         return
     arch = type(model).__name__
-    refused = [(args.kv_cache_dtype != "auto", f"--kv-cache-dtype {args.kv_cache_dtype}"),
-               (lora_enabled(args), "LoRA (--lora-paths/--enable-lora)"),
+    refused = [(lora_enabled(args), "LoRA (--lora-paths/--enable-lora)"),
                (bool(args.speculative_algorithm),
                 f"--speculative-algorithm {args.speculative_algorithm}")]
     for bad, flag in refused:

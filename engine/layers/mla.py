@@ -17,7 +17,14 @@ rotates every pair by the same angle as HF; queries and keys get the same permut
 the scores are HF's.
 
 The cache keeps ``[kv_a_layernorm(c) | rotated k_rope]`` per token
-(:class:`engine.kv.pool.LatentKVPool`, ``fb.k_buffers[layer_id]``). On the CPU attention
+(:class:`engine.kv.pool.LatentKVPool`, ``fb.k_buffers[layer_id]``). An FP8 cache
+(``--kv-cache-dtype fp8_e4m3``: 1 byte a value) holds ``latent / kv_scale`` rounded to e4m3
+(:func:`store_latent`) with the paged pool's convention (a per-tensor scale, 1.0: a plain
+cast, saturating at +-448); every reader takes the rows as stored, the new tokens' too (they
+are stored before the layer attends), so a prompt's result does not depend on where chunked
+prefill cut it: the torch path dequantizes in fp32, the Triton decode converts the tiles in
+registers (``kernels/mla/decode.py``), the extend gathers its sequences' rows in the run
+dtype (:func:`latent_rows`) before decompressing them. On the CPU attention
 runs in the absorbed form for extend and decode alike: ``q_latent = q_nope @ W_UK`` per head, scores
 ``q_latent . c + q_rope . k_rope``, the weighted sum of the ``c`` rows mapped through
 ``W_UV`` (:func:`kernels.mla.reference.mla_attention_ref`, the torch path of the CPU; it
@@ -111,6 +118,8 @@ class MLAttention(nn.Module):
         self.kv_lora_rank, self.nope, self.rope, self.v_dim = (
             kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim)
         self.scaling, self.interleaved, self.rotary = scaling, interleaved, rotary
+        #: an FP8 cache's per-tensor scale (ferry's KV convention: 1.0, a plain cast)
+        self.kv_scale = 1.0
         qk = qk_nope_head_dim + qk_rope_head_dim
         self.q_lora_rank = q_lora_rank
         # by head over the ranks: the query projection's and kv_b_proj's rows (each head's
@@ -172,7 +181,7 @@ class MLAttention(nn.Module):
         no host sync, decode capturable), else the torch path."""
         q_nope, q_pe, lat = self.latent(positions, x)
         buf = fb.k_buffers[self.layer_id]
-        buf[fb.out_cache_loc, 0] = lat.to(buf.dtype)
+        store_latent(buf, fb.out_cache_loc, lat, self.kv_scale)
         if getattr(fb.attn_backend, "runs_latent", False):
             o = self._attend_kernels(q_nope, q_pe, buf, fb)
         else:
@@ -187,7 +196,7 @@ class MLAttention(nn.Module):
         q_abs = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1)
         rows, seq_lens, ext_lens = step_requests(fb)
         o_lat = mla_attention_ref(q_abs, buf, fb.req_to_token, rows, seq_lens, ext_lens,
-                                  self.scaling, self.kv_lora_rank)
+                                  self.scaling, self.kv_lora_rank, self.kv_scale)
         return torch.einsum("thr,hvr->thv", o_lat, w_uv)
 
     def _attend_kernels(self, q_nope: torch.Tensor, q_pe: torch.Tensor, buf: torch.Tensor,
@@ -200,22 +209,46 @@ class MLAttention(nn.Module):
         o = q_nope.new_empty(t, h, self.v_dim)
         te = 0 if fb.is_decode else t - fb.num_decodes
         if te:
-            rows = buf.index_select(0, be.extend_slots(fb))[:, 0]          # [S, R + P]
-            kv = self.kv_b_proj(rows[:, :self.kv_lora_rank].to(q_nope.dtype))
+            rows = latent_rows(buf, be.extend_slots(fb), q_nope.dtype, self.kv_scale)
+            kv = self.kv_b_proj(rows[:, :self.kv_lora_rank])
             k_nope, v = kv.view(-1, h, self.nope + self.v_dim).split([self.nope, self.v_dim],
                                                                       dim=-1)
             be.mla_extend(q_nope[:te], q_pe[:te].to(q_nope.dtype), k_nope,
-                          rows[:, self.kv_lora_rank:].to(q_nope.dtype), v, o[:te], fb,
-                          self.scaling)
+                          rows[:, self.kv_lora_rank:], v, o[:te], fb, self.scaling)
         if te < t:
             w_uk, w_uv = self.absorbed_weights()
             q_lat = torch.bmm(q_nope[te:].transpose(0, 1), w_uk).transpose(0, 1)  # [Bd, H, R]
             # the tail of a mixed step gets its own copy (pointer alignment: TritonAttnBackend)
             q_pe_d = q_pe[te:].to(q_lat.dtype).clone() if te else q_pe.to(q_lat.dtype)
             o_lat = q_lat.new_empty(t - te, h, self.kv_lora_rank)
-            be.mla_decode(q_lat, q_pe_d, o_lat, buf, fb, self.scaling)
+            be.mla_decode(q_lat, q_pe_d, o_lat, buf, fb, self.scaling, self.kv_scale)
             o[te:] = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
         return o
+
+
+def store_latent(buf: torch.Tensor, loc: torch.Tensor, lat: torch.Tensor,
+                 kv_scale: float = 1.0) -> None:
+    """``buf[loc, 0] = lat``: the new tokens' latent rows ``[T, R + P]`` into one layer's cache
+    ``[S, 1, R + P]`` at slots ``loc`` ``[T]`` int64, cast to the cache's dtype; an FP8 cache
+    gets ``lat / kv_scale`` clamped to the format's range (+-448 for e4m3: a value past it
+    saturates, as the paged pool's Triton store does, instead of becoming NaN) and rounded
+    to nearest."""
+    if buf.element_size() == 1:
+        if kv_scale != 1.0:
+            lat = lat.float() * (1.0 / kv_scale)
+        top = torch.finfo(buf.dtype).max
+        lat = lat.clamp(-top, top)
+    buf[loc, 0] = lat.to(buf.dtype)
+
+
+def latent_rows(buf: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype,
+                kv_scale: float = 1.0) -> torch.Tensor:
+    """The cache rows at ``slots`` ``[S]`` int64 as ``[S, R + P]`` in ``dtype``, an FP8 cache's
+    dequantized (``stored * kv_scale``)."""
+    rows = buf.index_select(0, slots)[:, 0]
+    if buf.element_size() == 1 and kv_scale != 1.0:
+        return (rows.float() * kv_scale).to(dtype)
+    return rows.to(dtype)
 
 
 def step_requests(fb: ForwardBatch) -> tuple[list[int], list[int], list[int]]:
@@ -230,4 +263,5 @@ def step_requests(fb: ForwardBatch) -> tuple[list[int], list[int], list[int]]:
     return rows, list(seq), ext + [1] * (fb.batch_size - len(ext))
 
 
-__all__ = ["MLAttention", "deinterleave", "mla_softmax_scale", "step_requests", "yarn_mscale"]
+__all__ = ["MLAttention", "deinterleave", "latent_rows", "mla_softmax_scale", "step_requests",
+           "store_latent", "yarn_mscale"]

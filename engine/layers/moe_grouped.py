@@ -3,12 +3,18 @@
 
     weights, ids = select_experts_grouped(gate(x), ...)     # kernels/moe/reference.py
     out = experts.run_routed(x, weights, ids) + shared_experts(x)
+    out = all_reduce(out)                                   # tensor parallelism
 
 Parameter names follow transformers: ``gate.weight`` ``[E, H]`` (and, for V3's "noaux_tc"
 routing, ``gate.e_score_correction_bias`` ``[E]`` fp32), ``experts.w13_weight`` /
 ``experts.w2_weight`` (stacked from the checkpoint's per-expert tensors), ``shared_experts.*``.
 The router's matmul runs in fp32 like HF's ``DeepseekV3TopkRouter``; the routing is the
 torch reference on every device (the fused experts take the chosen ids and weights).
+
+Under tensor (or expert) parallelism the routed experts' output is this rank's partial sum
+(:class:`engine.layers.moe.FusedMoE`), the shared experts' too (their ``down_proj`` built with
+``reduce_results=False``), and the block all-reduces once, as
+:class:`engine.layers.moe.SparseMoeBlock` does.
 """
 
 from __future__ import annotations

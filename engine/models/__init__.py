@@ -22,6 +22,7 @@ from engine.models.gemma import (
 )
 from engine.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 from engine.models.glm4 import Glm4ForCausalLM
+from engine.models.glm4_moe import Glm4MoeForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.granite import GraniteForCausalLM
 from engine.models.llama import LlamaForCausalLM, MinistralForCausalLM, MistralForCausalLM
@@ -67,6 +68,7 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
@@ -126,6 +128,7 @@ __all__ = [
     "GptOssForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
+    "Glm4MoeForCausalLM",
     "Qwen3NextForCausalLM",
     "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForCausalLM",

@@ -4,7 +4,8 @@ and ``modeling_deepseek_v3.py``): multi-head latent attention and DeepSeek's MoE
 Each layer is pre-norm: :class:`engine.layers.mla.MLAttention` (its latent rows in the
 :class:`engine.kv.pool.LatentKVPool`) and an MLP that is dense for the first
 ``first_k_dense_replace`` layers (``ModelConfig.mlp_only_layers``) and otherwise
-:class:`engine.layers.moe_grouped.GroupedMoeBlock`: V2 routes with softmax scores
+:class:`engine.layers.moe_grouped.GroupedMoeBlock` (both built by
+:mod:`engine.models.deepseek_moe`, which GLM-4.5 shares): V2 routes with softmax scores
 (``topk_method`` ``group_limited_greedy``: the best ``topk_group`` of ``n_group`` groups by
 their best expert; ``greedy``: no groups) and no renormalisation (as HF's V2 router); V3 with
 sigmoid scores, ``e_score_correction_bias`` for the choice, groups ranked by their two best,
@@ -25,13 +26,12 @@ all-reduce). ``--tp-size`` must divide ``num_attention_heads``.
 Not supported yet (refused at construction, one line naming the family): other quantized
 weights (per-channel FP8/4-bit, from :class:`engine.models.moe.MoeForCausalLM`), EAGLE
 (hidden states for a draft head); piecewise graphs (``supports_piecewise`` False: prefill
-runs eagerly); the preflight refuses an FP8 KV cache, LoRA and speculative decoding. Decode
+runs eagerly); the preflight refuses LoRA and speculative decoding (an FP8 KV cache runs:
+the latent pool holds e4m3, :mod:`engine.layers.mla`). Decode
 graphs capture the Triton MLA kernels (``engine/attention/triton_mla.py``).
 """
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import torch
 from torch import nn
@@ -41,11 +41,11 @@ from engine.forward_batch import ForwardBatch
 from engine.layer_spec import AttentionKind, CacheKind, LayerSpec, RotarySpec, kv_heads_per_rank
 from engine.layers.linear import LinearBase, VocabEmbedding, checkpoint_shape
 from engine.layers.mla import MLAttention, mla_softmax_scale
-from engine.layers.moe_grouped import GroupedMoeBlock, GroupedRouting
+from engine.layers.moe_grouped import GroupedRouting
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from engine.models.blocks import GatedMLP
 from engine.models.config import ModelConfig
+from engine.models.deepseek_moe import grouped_moe_mlp, grouped_moe_weight_shape, sigmoid_routing
 from engine.models.moe import MoeForCausalLM
 
 
@@ -145,16 +145,8 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
                               routed_scaling_factor=float(t.routed_scaling_factor or 1.0))
 
     def _mlp(self, config: ModelConfig, layer_id: int, dtype: torch.dtype) -> nn.Module:
-        if not config.is_moe_layer(layer_id):
-            return GatedMLP(config, dtype)
-        # the shared experts' partial sum joins the routed experts' before the one all-reduce
-        shared = (GatedMLP(config, dtype, config.shared_expert_intermediate_size,
-                           reduce_results=False)
-                  if config.shared_expert_intermediate_size else None)
-        return GroupedMoeBlock(config.hidden_size, config.num_experts,
-                               config.num_experts_per_tok, config.moe_intermediate_size, dtype,
-                               self._routing(config), shared_experts=shared,
-                               options=self._expert_options())
+        return grouped_moe_mlp(config, layer_id, dtype, self._routing(config),
+                               self._expert_options())
 
     def _build_model(self, config: ModelConfig, dtype: torch.dtype) -> nn.Module:
         return DeepseekModel(config, self._text(), dtype, self._mlp, self._interleaved(),
@@ -201,20 +193,16 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
     # ---- weights ---------------------------------------------------------------------------
 
     def _hf_weight_shape(self, name: str, inter: int | None = None) -> tuple[int, ...]:
-        """MLA's tensors at their full (unsplit) shapes, the router's at its parameters'
-        (replicated); the rest as :class:`MoeForCausalLM`."""
+        """MLA's tensors at their full (unsplit) shapes; the router's and the shared experts'
+        as :func:`grouped_moe_weight_shape`; the rest as :class:`MoeForCausalLM`."""
         if ".self_attn." in name:
             module, _, leaf = name.rpartition(".")
             layer = self.get_submodule(module)
             if isinstance(layer, LinearBase):
                 return checkpoint_shape(layer, leaf)
-            return tuple(dict(self.named_parameters())[name].shape)   # the norms
-        if ".mlp.gate." in name:
             return tuple(dict(self.named_parameters())[name].shape)
-        if ".mlp.shared_experts." in name:
-            return super()._hf_weight_shape(
-                name, self.model_config.shared_expert_intermediate_size)
-        return super()._hf_weight_shape(name, inter)
+        shape = grouped_moe_weight_shape(self.model_config, name, super()._hf_weight_shape)
+        return shape if shape is not None else super()._hf_weight_shape(name, inter)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
@@ -226,11 +214,7 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
         return bool(getattr(self._text(), "rope_interleave", True))
 
     def _routing(self, config: ModelConfig) -> GroupedRouting:
-        t = self._text()
-        return replace(GroupedRouting(), scoring="sigmoid", n_group=int(t.n_group or 1),
-                       topk_group=int(t.topk_group or 1), group_score="top2",
-                       correction_bias=True, renormalize=bool(t.norm_topk_prob),
-                       routed_scaling_factor=float(t.routed_scaling_factor or 1.0))
+        return sigmoid_routing(self._text())
 
 
 __all__ = ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"]

@@ -22,6 +22,15 @@ Stage 2 is :mod:`kernels.decode_attention`'s merge (``HEAD_DIM = R``), which ret
 once for a one-split request. Programs past a request's split count exit, so the grid is
 static and the launch can be captured in a device graph: no host synchronisation here.
 
+FP8 latent cache (``KV_FP8``, set when the pool has 1-byte elements; a constexpr, so the
+16/32-bit build is unchanged): the pool holds ``latent / kv_scale`` in e4m3 (or e5m2), the
+paged pool's convention (:mod:`kernels.decode_attention`): both query parts are pre-scaled
+by ``sm_scale * kv_scale`` and converted to fp16 once per program
+(:func:`kernels.decode_attention.fp8_kv_query`), each tile is converted to fp16 in registers
+after its load (one instruction per pair on sm_89+), the three dots run in fp16 with fp32
+accumulation, and the output is scaled by ``kv_scale`` once. The tile in shared memory is
+half the bf16 one, so the read of the latent (the roofline of this kernel) halves too.
+
 Launch configuration (documented, not tuned on a GPU yet; see :func:`_mla_meta`):
 ``BLOCK_H = 16``, ``BLOCK_N = 32`` for 16-bit dtypes (a ``[32, 576]`` bf16 tile is 36 KiB,
 two pipeline stages 72 KiB of shared memory), 16 for fp32; ``num_warps = 4`` (8 for
@@ -35,7 +44,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_attention import _decode_stage2_kernel, _stage2_meta, choose_num_kv_splits
+from kernels.decode_attention import (
+    _decode_stage2_kernel,
+    _stage2_meta,
+    choose_num_kv_splits,
+    fp8_kv_query,
+    fp8_kv_scales,
+)
 from kernels.launch import dot_kernel_options
 
 _LOG2E = 1.4426950408889634
@@ -44,11 +59,12 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _mla_decode_stage1_kernel(
     q_lat, q_pe, latent, req_to_token, req_pool_indices, seq_lens, num_kv_splits,
-    part_o, part_lse, o_ptr, qk_scale, max_splits, num_heads,
+    part_o, part_lse, o_ptr, qk_scale, max_splits, num_heads, q_scale, kv_scale,
     stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_ls, stride_r2t,
     stride_pob, stride_poh, stride_pos, stride_peb, stride_peh, stride_ob, stride_oh,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     hblk = tl.program_id(1)
@@ -72,6 +88,9 @@ def _mla_decode_stage1_kernel(
                      mask=mask_h[:, None] & mask_r[None, :], other=0.0)
         qp = tl.load(q_pe + b64 * stride_qpb + offs_h[:, None] * stride_qph + offs_p[None, :],
                      mask=mask_h[:, None] & mask_p[None, :], other=0.0)
+        if KV_FP8:   # sm_scale * kv_scale folded into the query; fp16 dots
+            ql = fp8_kv_query(ql, q_scale)
+            qp = fp8_kv_query(qp, q_scale)
         dot_dtype = ql.dtype
 
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -96,6 +115,8 @@ def _mla_decode_stage1_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), c, input_precision=DOT_PREC)
             m_i = m_new
+        if KV_FP8:
+            acc = acc * kv_scale   # the values' per-tensor scale, once per program
 
         # an empty split (split_len rounded up to BLOCK_N) has l_i == 0: weight 0 in stage 2
         nonempty = l_i > 0.0
@@ -116,8 +137,11 @@ def _mla_decode_stage1_kernel(
 
 def _mla_meta(rank: int, rope: int, dtype: torch.dtype, device_type: str,
               block_n: int | None = None, num_warps: int | None = None,
-              num_stages: int | None = None) -> tuple[dict, dict]:
-    """Constexprs and launch options of stage 1 (module docstring)."""
+              num_stages: int | None = None, kv_fp8: bool = False) -> tuple[dict, dict]:
+    """Constexprs and launch options of stage 1 (module docstring); ``kv_fp8``: an FP8
+    latent pool, whose dots run in fp16 whatever the query's dtype."""
+    if kv_fp8:
+        dtype = torch.float16
     fp32 = dtype == torch.float32
     block_n = block_n or (16 if fp32 else 32)
     if block_n < 16 or block_n & (block_n - 1):
@@ -128,7 +152,7 @@ def _mla_meta(rank: int, rope: int, dtype: torch.dtype, device_type: str,
     return ({"RANK": rank, "ROPE": rope, "BLOCK_H": MLA_BLOCK_H,
              "BLOCK_R": max(16, triton.next_power_of_2(rank)),
              "BLOCK_P": max(16, triton.next_power_of_2(rope)), "BLOCK_N": block_n,
-             "DOT_PREC": "ieee" if fp32 else None}, opts)
+             "DOT_PREC": "ieee" if fp32 else None, "KV_FP8": kv_fp8}, opts)
 
 
 #: query heads per stage-1 program (the ``tl.dot`` M; every head of a block shares the tile)
@@ -186,9 +210,9 @@ def mla_decode_fwd(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
                    o: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                    seq_lens: torch.Tensor, sm_scale: float, num_kv_splits: torch.Tensor,
                    max_splits: int, attn_logits: torch.Tensor | None = None,
-                   attn_lse: torch.Tensor | None = None, *, block_n: int | None = None,
-                   num_warps: int | None = None, num_stages: int | None = None
-                   ) -> torch.Tensor:
+                   attn_lse: torch.Tensor | None = None, *, kv_scale: float = 1.0,
+                   block_n: int | None = None, num_warps: int | None = None,
+                   num_stages: int | None = None) -> torch.Tensor:
     """Absorbed-form MLA decode over the latent pool (module docstring).
 
     Args:
@@ -196,7 +220,8 @@ def mla_decode_fwd(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
             last axis unit stride).
         q_pe: ``[B, H, P]`` its rotated rope part (last axis unit stride).
         latent: ``[S, 1, R + P]`` (or ``[S, R + P]``) one layer's latent cache, the new
-            tokens stored; unit stride on the last axis.
+            tokens stored; unit stride on the last axis. 16/32-bit, or FP8
+            (``float8_e4m3fn``/``float8_e5m2``) holding ``latent / kv_scale``.
         o: ``[B, H, R]`` output (the latent-space values), written and returned.
         req_to_token: ``[rows, max_context]`` int32 slot table; req_pool_indices ``[B]``
             its rows; seq_lens ``[B]`` lengths with the new token (0: a zero output).
@@ -205,11 +230,14 @@ def mla_decode_fwd(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
         max_splits: the split axis (of the grid and the workspaces), >= 1.
         attn_logits, attn_lse: fp32 workspaces ``[>=B, H, max_splits, R]`` and
             ``[>=B, H, max_splits]`` (:func:`mla_decode_workspaces`), or None for fresh.
+        kv_scale: an FP8 pool's per-tensor scale (the latent is ``latent * kv_scale``);
+            ignored for a wider pool.
         block_n, num_warps, num_stages: launch overrides (benchmarks).
     Returns:
         ``o``.
     Raises:
-        ValueError: shapes that do not fit, a non-unit last stride, ``max_splits < 1``.
+        ValueError: shapes that do not fit, a non-unit last stride, ``max_splits < 1``, an
+            FP8 pool with ``sm_scale`` or ``kv_scale`` <= 0.
     """
     bs, h, r = q_lat.shape
     p = q_pe.shape[-1]
@@ -224,15 +252,17 @@ def mla_decode_fwd(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
             raise ValueError("the last axis of every tensor argument must be unit stride")
     if max_splits < 1:
         raise ValueError("max_splits must be >= 1")
+    qk_scale, q_scale, fp8 = fp8_kv_scales(lat, sm_scale * _LOG2E, sm_scale, kv_scale,
+                                           kv_scale)
     if bs == 0:
         return o
     if attn_logits is None or attn_lse is None:
         attn_logits, attn_lse = mla_decode_workspaces(bs, h, max_splits, r, q_lat.device)
     meta, opts = _mla_meta(r, p, q_lat.dtype, q_lat.device.type, block_n, num_warps,
-                           num_stages)
+                           num_stages, kv_fp8=fp8)
     _mla_decode_stage1_kernel[(bs, mla_head_blocks(h), max_splits)](
         q_lat, q_pe, lat, req_to_token, req_pool_indices, seq_lens, num_kv_splits,
-        attn_logits, attn_lse, o, sm_scale * _LOG2E, max_splits, h,
+        attn_logits, attn_lse, o, qk_scale, max_splits, h, q_scale, kv_scale,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), lat.stride(0),
         req_to_token.stride(0), attn_logits.stride(0), attn_logits.stride(1),
         attn_logits.stride(2), attn_lse.stride(0), attn_lse.stride(1), o.stride(0),

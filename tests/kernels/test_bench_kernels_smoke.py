@@ -30,6 +30,18 @@ def test_bench_mla_smoke_runs_and_agrees(capsys):
     assert len(rows) == 2 and all(float(r[-1]) < 1e-4 for r in rows)
 
 
+@pytest.mark.skipif(ON_GPU, reason="--smoke is the CPU interpreter mode")
+def test_bench_mla_smoke_over_an_fp8_latent(capsys):
+    """The e4m3 pools through the kernel's FP8 path: the fp16 dots' error, no more."""
+    from bench.kernels import bench_mla
+
+    assert bench_mla.main(["--smoke", "--kv-dtype", "fp8_e4m3"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines()[2:]]
+    assert "latent fp8_e4m3" in out
+    assert len(rows) == 2 and all(float(r[-1]) < 2e-3 for r in rows)
+
+
 @pytest.mark.skipif(ON_GPU, reason="--dry-run on the CPU is the interpreter mode")
 def test_moe_mxfp4_bench_dry_run(tmp_path, capsys):
     import json

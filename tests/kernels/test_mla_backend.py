@@ -2,7 +2,8 @@
 path: MHA-form extend, absorbed decode) against the same layer's torch path, step by step
 over two identical latent pools: a prefill, a chunk after a prefix with a fresh prefill
 beside it, a mixed step (a chunk plus decode rows), decodes eager and through the graph
-metadata (static split counts and workspaces)."""
+metadata (static split counts and workspaces). Over an FP8 latent pool (e4m3, the layer's
+``kv_scale`` 1 and not) the two paths read the same stored rows."""
 
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ class Stepper:
     """One latent pool and request table; ``step`` builds the ForwardBatch as the engine does
     (extending requests first, one-token decode rows last)."""
 
-    def __init__(self, layer, dtype, backend=None):
-        self.pool = build_kv_pool([layer.spec], 4096, 16, dtype, DEVICE)
+    def __init__(self, layer, dtype, backend=None, kv_dtype=None):
+        self.pool = build_kv_pool([layer.spec], 4096, 16, kv_dtype or dtype, DEVICE)
         self.r2t = ReqToTokenPool(8, 2048, DEVICE)
         self.rows, self.pages, self.lens = {}, {}, {}
         self.backend = backend
@@ -90,13 +91,15 @@ STEPS = [
 ]
 
 
-def _run(h, r, n, p, v, dtype, tol, scale=1):
+def _run(h, r, n, p, v, dtype, tol, scale=1, kv_dtype=None, kv_scale=1.0):
     hid = 32
     layer = make_layer(h, r, n, p, v, hid, dtype)
+    layer.kv_scale = kv_scale
     be = create_attention_backend("triton", h, 1, n + p, device_type=DEVICE, device=DEVICE,
                                   num_sms=4, layer_specs=[layer.spec])
     assert type(be).__name__ == "TritonMLABackend"
-    ref_st, tri_st = Stepper(layer, dtype), Stepper(layer, dtype, be)
+    ref_st, tri_st = Stepper(layer, dtype, kv_dtype=kv_dtype), Stepper(layer, dtype, be,
+                                                                       kv_dtype)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for mode, reqs, nd, graph in STEPS:
@@ -118,6 +121,25 @@ def test_mla_layer_triton_matches_torch_path_fp32():
 
 def test_mla_layer_triton_matches_torch_path_fp16():
     _run(h=18, r=32, n=16, p=16, v=16, dtype=torch.float16, tol=3e-3)
+
+
+def test_mla_layer_triton_matches_torch_path_fp8_latent_fp32():
+    """An e4m3 latent pool: the decode's fp16 dots against the torch path's fp32 over the same
+    stored rows."""
+    _run(h=5, r=32, n=16, p=8, v=12, dtype=torch.float32, tol=3e-3,
+         kv_dtype=torch.float8_e4m3fn)
+
+
+def test_mla_layer_triton_matches_torch_path_fp8_latent_scaled_fp16():
+    _run(h=18, r=32, n=16, p=16, v=16, dtype=torch.float16, tol=3e-3,
+         kv_dtype=torch.float8_e4m3fn, kv_scale=0.25)
+
+
+@gpu_only
+def test_mla_layer_v3_head_shape_fp8_latent_bf16():
+    """DeepSeek-V3's head shape over an e4m3 latent pool (the decode's FP8 tiles compiled)."""
+    _run(h=128, r=512, n=128, p=64, v=128, dtype=torch.bfloat16, tol=3e-2, scale=40,
+         kv_dtype=torch.float8_e4m3fn)
 
 
 @gpu_only

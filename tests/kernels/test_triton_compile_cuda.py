@@ -42,7 +42,8 @@ SCRIPT = textwrap.dedent('''
             elif name in ptr_types:
                 sig[name] = "*" + ptr_types[name]
                 attrs[(i,)] = [["tt.divisibility", 16]]
-            elif name in ("qk_scale", "eps", "cap_log2", "q_scale", "v_scale", "k_inv", "v_inv"):
+            elif name in ("qk_scale", "eps", "cap_log2", "q_scale", "v_scale", "k_inv", "v_inv",
+                          "kv_scale"):
                 sig[name] = "fp32"
             else:
                 sig[name] = "i32"
@@ -79,14 +80,16 @@ SCRIPT = textwrap.dedent('''
         meta, opts = ea._extend_meta(group, d, dtype, "cuda", kv_fp8=kv is not None)
         compile_one(ea._extend_kernel, ptrs, {**meta, **var}, opts, arch)
 
-    def mla(dtype, arch):
-        # DeepSeek-V3's shape: R 512, rope 64, nope 128, v 128
+    def mla(dtype, arch, kv=None):
+        # DeepSeek-V3's shape: R 512, rope 64, nope 128, v 128; kv: an FP8 latent pool
         t = TY[dtype]
-        meta, opts = mlad._mla_meta(512, 64, dtype, "cuda")
+        meta, opts = mlad._mla_meta(512, 64, dtype, "cuda", kv_fp8=kv is not None)
         compile_one(mlad._mla_decode_stage1_kernel, dict(
-            q_lat=t, q_pe=t, latent=t, req_to_token="i32", req_pool_indices="i64",
+            q_lat=t, q_pe=t, latent=kv or t, req_to_token="i32", req_pool_indices="i64",
             seq_lens="i32", num_kv_splits="i32", part_o="fp32", part_lse="fp32", o_ptr=t),
             meta, opts, arch)
+        if kv is not None:
+            return
         meta, opts = mlap._prefill_meta(128, 64, 128, dtype, "cuda", None, None, None)
         compile_one(mlap._mla_prefill_kernel, dict(
             q_nope_ptr=t, q_pe_ptr=t, k_nope_ptr=t, k_pe_ptr=t, v_ptr=t, o_ptr=t,
@@ -110,6 +113,7 @@ SCRIPT = textwrap.dedent('''
     decode(torch.float16, 1, 64, 90, kv="fp8e5")
     extend(torch.bfloat16, 4, 128, 90, kv="fp8e4nv")
     extend(torch.bfloat16, 4, 128, 90, ON, kv="fp8e5")
+    mla(torch.bfloat16, 90, kv="fp8e4nv")   # the MLA decode over an FP8 latent pool
     for pool in ("bf16", "fp8e4nv"):
         compile_one(ks._store_kv_kernel, dict(k_buf=pool, v_buf=pool, loc_ptr="i64",
                     k_ptr="fp32", v_ptr="fp32"),

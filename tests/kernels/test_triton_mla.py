@@ -2,7 +2,10 @@
 the absorbed-form decode over the latent pool (several requests of different lengths,
 pages of 1 and 16 tokens, forced and automatic splits) and the MHA-form extend over the
 decompressed K/V (prefix hits, chunked extends, a fresh prefill). Pools are hostile as in
-``kernel_test_utils``: shuffled pages and rows, NaN in every slot no request owns."""
+``kernel_test_utils``: shuffled pages and rows, NaN in every slot no request owns. An FP8
+latent pool (e4m3 and e5m2 holding ``latent / kv_scale``, scales 1 and not) against the
+reference over the dequantized pool: the decode (fp16 dots on fp16 and fp32 queries) and the
+extend over its rows as the layer gathers them (``engine.layers.mla.latent_rows``)."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from kernels.mla.prefill import mla_prefill_fwd, ragged_latent_slots
 from kernels.mla.reference import mla_attention_ref
 
 F16, F32, BF16 = torch.float16, torch.float32, torch.bfloat16
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
 def _latent_batch(prefix, extend, r, p, page, dtype, seed):
@@ -126,3 +130,89 @@ def test_ragged_slots_follow_req_to_token():
     rows = batch.req_pool_indices.tolist()
     want = batch.req_to_token[rows[0], :5].tolist() + batch.req_to_token[rows[1], :4].tolist()
     assert slots.tolist() == want and starts.tolist() == [0, 5]
+
+
+# ---- an FP8 latent pool -------------------------------------------------------------------
+
+
+def _fp8_pool(batch, kv: torch.dtype, kv_scale: float) -> torch.Tensor:
+    """The batch's fp32 pool (NaN where unowned) as an FP8 pool holding ``latent / kv_scale``."""
+    return (batch.k_buffer.float() / kv_scale).to(kv)
+
+
+FP8_DECODE = [
+    pytest.param(20, 32, 16, 16, F32, E4M3, 1.0, [1, 37, 130, 64], None, id="e4m3-q32-auto"),
+    pytest.param(16, 32, 16, 1, F16, E4M3, 0.05, [200, 5, 97], 4, id="e4m3-scaled-q16-4splits"),
+    pytest.param(3, 16, 8, 16, F32, E5M2, 0.25, [45, 17], 3, id="e5m2-scaled-q32-tiny"),
+    pytest.param(128, 512, 64, 16, BF16, E4M3, 1.0, [4096, 1, 1000, 33, 2500, 129], None,
+                 id="v3-shape-e4m3-bf16", marks=GPU_MARKS),
+]
+
+
+@pytest.mark.parametrize("h,r,p,page,dtype,kv,kv_scale,lens,splits", FP8_DECODE)
+def test_mla_decode_fp8_latent_matches_reference(h, r, p, page, dtype, kv, kv_scale, lens,
+                                                 splits):
+    batch = _latent_batch([n - 1 for n in lens], [1] * len(lens), r, p, page, F32, seed=13)
+    pool = _fp8_pool(batch, kv, kv_scale)
+    bs, scale = len(lens), 0.3
+    q_lat, q_pe = randn((bs, h, r), dtype, 31), randn((bs, h, p), dtype, 32)
+    ref = mla_attention_ref(torch.cat([q_lat, q_pe], -1).float(), pool, batch.req_to_token,
+                            batch.req_pool_indices.tolist(), batch.seq_lens.tolist(),
+                            [1] * bs, scale, r, kv_scale)
+    if splits is None:
+        cap = mla_split_cap(bs, h, num_sms=8, waves=1, max_kv_splits=16)
+        num = choose_mla_splits(batch.seq_lens, h, cap, num_sms=8, min_chunk=16)
+    else:
+        cap, num = splits, torch.full((bs,), splits, dtype=torch.int32, device=DEVICE)
+    o = torch.full((bs, h, r), float("nan"), dtype=dtype, device=DEVICE)
+    mla_decode_fwd(q_lat, q_pe, pool, o, batch.req_to_token, batch.req_pool_indices,
+                   batch.seq_lens, scale, num, cap, kv_scale=kv_scale)
+    # the dots run in fp16 (the query rounded to it once): fp16's tolerance for fp32 queries
+    assert_close(o, ref.to(dtype), F16 if dtype == F32 else dtype,
+                 f"mla decode over a {kv} latent, kv_scale {kv_scale}")
+
+
+def test_mla_decode_fp8_refuses_a_bad_scale():
+    batch = _latent_batch([3], [1], 16, 16, 16, F32, seed=1)
+    q = randn((1, 2, 16), F32, 1)
+    with pytest.raises(ValueError, match="positive"):
+        mla_decode_fwd(q, q.clone(), _fp8_pool(batch, E4M3, 1.0), q.clone(),
+                       batch.req_to_token, batch.req_pool_indices, batch.seq_lens, 0.3,
+                       torch.ones(1, dtype=torch.int32, device=DEVICE), 1, kv_scale=0.0)
+
+
+@pytest.mark.parametrize("kv,kv_scale,dtype", [
+    pytest.param(E4M3, 1.0, F32, id="e4m3-f32"),
+    pytest.param(E4M3, 0.05, F16, id="e4m3-scaled-f16"),
+])
+def test_mla_prefill_over_fp8_latent_rows_matches_reference(kv, kv_scale, dtype):
+    """The extend's rows gathered from an FP8 pool in the run dtype, decompressed, attended
+    by the prefill kernel: the reference over the dequantized pool."""
+    from engine.layers.mla import latent_rows
+
+    h, n, p, v, r = 4, 16, 16, 24, 32
+    prefix, extend = [0, 40, 17], [23, 9, 30]
+    batch = _latent_batch(prefix, extend, r, p, 16, F32, seed=15)
+    pool = _fp8_pool(batch, kv, kv_scale)
+    t, scale = sum(extend), (n + p) ** -0.5
+    q_nope, q_pe = randn((t, h, n), dtype, 41), randn((t, h, p), dtype, 42)
+    w_uk = randn((h, n, r), F32, 43, scale=r ** -0.5).to(dtype)
+    w_uv = randn((h, v, r), F32, 44, scale=r ** -0.5).to(dtype)
+    q_abs = torch.cat([torch.einsum("thn,hnr->thr", q_nope.float(), w_uk.float()),
+                       q_pe.float()], -1)
+    o_lat = mla_attention_ref(q_abs, pool, batch.req_to_token, batch.req_pool_indices.tolist(),
+                              batch.seq_lens.tolist(), extend, scale, r, kv_scale)
+    ref = torch.einsum("thr,hvr->thv", o_lat, w_uv.float())
+
+    slots, kv_start = ragged_latent_slots(batch.req_to_token, batch.req_pool_indices,
+                                          batch.seq_lens, int(batch.seq_lens.sum()))
+    rows = latent_rows(pool, slots, dtype, kv_scale)
+    assert rows.dtype == dtype and torch.isfinite(rows).all()
+    k_nope = torch.einsum("sr,hnr->shn", rows[:, :r].float(), w_uk.float()).to(dtype)
+    vals = torch.einsum("sr,hvr->shv", rows[:, :r].float(), w_uv.float()).to(dtype)
+    ext = torch.tensor(extend, dtype=torch.int32, device=DEVICE)
+    q_start = (torch.cumsum(ext, 0) - ext).to(torch.int32)
+    o = torch.full((t, h, v), float("nan"), dtype=dtype, device=DEVICE)
+    mla_prefill_fwd(q_nope, q_pe, k_nope, rows[:, r:], vals, o, batch.seq_lens, ext, q_start,
+                    kv_start, scale, max(extend))
+    assert_close(o, ref, dtype, f"mla prefill over {kv} rows")

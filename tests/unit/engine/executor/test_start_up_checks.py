@@ -232,7 +232,8 @@ def test_real_shape_of_gemma_4_builds_on_meta(serve_stubbed, capsys, tmp_path):
 def test_real_shapes_of_the_deepseek_families_build_on_meta(name, family, q_lora, routing,
                                                              serve_stubbed, capsys):
     """engine/configs/ of issue 46's families: MLA layers over the latent pool (512 + 64
-    values a token), a dense first layer; the launch, and the flags MLA refuses."""
+    values a token), a dense first layer; the launch (with an FP8 latent pool too), and the
+    flags MLA refuses."""
     from engine.args import ServerArgs
     from engine.executor.preflight import build_meta_model
     from engine.kv.pool import kv_bytes_per_token
@@ -249,10 +250,10 @@ def test_real_shapes_of_the_deepseek_families_build_on_meta(name, family, q_lora
     serve, launched = serve_stubbed
     base = ["--device", "cpu", "--model-path", path, "--load-format", "dummy"]
     assert serve(base) == 0
-    assert len(launched) == 1
+    assert serve(base + ["--kv-cache-dtype", "fp8_e4m3"]) == 0
+    assert len(launched) == 2
     launched.clear()
-    for flags, what in [(["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3"),
-                        (["--enable-lora"], "LoRA")]:
+    for flags, what in [(["--enable-lora"], "LoRA")]:
         line = _refused(serve_stubbed, capsys, base + flags)
         assert f"{family} (multi-head latent attention) does not support {what}" in line, line
     # MLA splits its 16 heads over the ranks; 3 ranks cannot split them
@@ -260,6 +261,88 @@ def test_real_shapes_of_the_deepseek_families_build_on_meta(name, family, q_lora
     launched.clear()
     line = _refused(serve_stubbed, capsys, base + ["--tp-size", "3"])
     assert "--tp-size 3 does not divide the model's 16 attention heads" in line, line
+
+
+def test_real_shape_of_deepseek_v3_builds_on_meta():
+    """engine/configs/deepseek-v3.json, the shape docs/deployment.md sizes for 8 GPUs: 61
+    MLA layers (3 dense), 256 experts in 8 groups, block-FP8 weights kept in e4m3; 671.0B
+    parameters, 81.7 GB of routed experts a rank under --ep-size 8, 70,272 latent bytes a
+    token in bf16 (35,136 in e4m3)."""
+    from engine.args import ServerArgs
+    from engine.executor.preflight import build_meta_model
+    from engine.kv.pool import kv_bytes_per_token
+
+    path = os.path.join(os.path.dirname(engine.__file__), "configs", "deepseek-v3.json")
+    model = build_meta_model(ServerArgs(model_path=path, load_format="dummy"), "cpu")
+    assert type(model).__name__ == "DeepseekV3ForCausalLM"
+    specs = model.layer_specs()
+    assert len(specs) == 61 and all(s.attention == "latent" for s in specs)
+    assert kv_bytes_per_token(specs, torch.bfloat16) == 61 * 576 * 2 == 70272
+    assert kv_bytes_per_token(specs, torch.float8_e4m3fn) == 35136
+    layers = model.model.layers
+    assert not hasattr(layers[2].mlp, "gate")
+    routing = layers[3].mlp.gate.routing
+    assert (routing.n_group, routing.topk_group, routing.routed_scaling_factor) == (8, 4, 2.5)
+    assert layers[3].mlp.experts.w13_weight.dtype == torch.float8_e4m3fn
+    weights = [p for n, p in model.named_parameters() if not n.endswith("_scale_inv")]
+    assert round(sum(p.numel() for p in weights) / 1e9, 1) == 671.0
+    routed = sum(p.numel() for n, p in model.named_parameters()
+                 if n.endswith(("experts.w13_weight", "experts.w2_weight")))
+    assert round(routed / 8 / 1e9, 1) == 81.7      # bytes (e4m3) a rank with --ep-size 8
+
+
+def test_deployment_doc_deepseek_command_parses():
+    """The ``python -m server`` command of docs/deployment.md's DeepSeek-V3 section and its
+    commented variants name flags and values that ``ferry serve`` accepts."""
+    import re
+    import shlex
+
+    from server.cli import serve_parser
+
+    root = os.path.dirname(os.path.dirname(engine.__file__))
+    text = open(os.path.join(root, "docs", "deployment.md")).read()
+    section = text.split("## DeepSeek-V3 / R1 (671B, block FP8) on 8 GPUs")[1].split("\n## ")[0]
+    block = section.split("```bash")[1].split("```")[0]
+    command = block.split("\n#")[0].replace("\\\n", " ")
+    argv = shlex.split(command)[3:]
+    assert argv[:2] == ["--model-path", "/models/DeepSeek-V3"]
+    ns = serve_parser().parse_args(argv)
+    assert (ns.tp_size, ns.ep_size) == (8, 8)
+    extra = re.findall(r"(--[a-z-]+ [\w/.-]+)", block.split("\n#", 1)[1])
+    assert extra, block
+    serve_parser().parse_args(argv + shlex.split(" ".join(extra)))
+
+
+def test_real_shape_of_glm_4_5_air_builds_on_meta(serve_stubbed):
+    """engine/configs/glm-4.5-air.json (issue 46's GLM-4.5): 46 GQA layers (96 query heads of
+    128 over 8 KV heads, half of each head rotated), a dense first layer, then 128 routed
+    experts and one shared per layer: 106.9B parameters (the MTP layer not built), 12.8B of
+    them active a token besides the embedding; the launch."""
+    from engine.args import ServerArgs
+    from engine.executor.preflight import build_meta_model
+    from engine.kv.pool import kv_bytes_per_token
+
+    path = os.path.join(os.path.dirname(engine.__file__), "configs", "glm-4.5-air.json")
+    model = build_meta_model(ServerArgs(model_path=path, load_format="dummy"), "cpu")
+    assert type(model).__name__ == "Glm4MoeForCausalLM"
+    specs = model.layer_specs()
+    assert len(specs) == 46 and all(s.attention == "full" for s in specs)
+    assert kv_bytes_per_token(specs, torch.bfloat16) == 46 * 2 * 8 * 128 * 2
+    layers = model.model.layers
+    assert not hasattr(layers[0].mlp, "gate") and layers[0].self_attn.q_norm is None
+    assert layers[1].mlp.gate.routing.scoring == "sigmoid"
+    assert layers[1].mlp.experts.w13_weight.shape == (128, 2 * 1408, 4096)
+    assert model.model.rotary_emb.rotary_dim == 64
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    active = total - routed + routed * 8 // 128 - 151552 * 4096
+    assert round(total / 1e9, 1) == 106.9 and round(active / 1e9, 1) == 12.8
+    shapes = model.hf_weight_shapes()
+    assert shapes["model.layers.1.mlp.gate.e_score_correction_bias"] == (128,)
+    assert shapes["model.layers.45.mlp.shared_experts.down_proj.weight"] == (4096, 1408)
+    serve, launched = serve_stubbed
+    assert serve(["--device", "cpu", "--model-path", path, "--load-format", "dummy"]) == 0
+    assert len(launched) == 1
 
 
 def test_real_shape_of_qwen2_5_vl_builds_on_meta(serve_stubbed, capsys):

@@ -124,3 +124,25 @@ def test_yarn_table_matches_hf():
         t = torch.arange(128).float()[:, None] * inv[None]
         ref = torch.cat([t.cos(), t.sin()], dim=-1) * factor
         torch.testing.assert_close(rot.cos_sin_cache, ref)
+
+
+def test_fp8_latent_store_saturates_and_reads_back_scaled():
+    """An e4m3 cache: values past +-448 saturate (not NaN), a per-tensor scale divides on the
+    way in and multiplies on the way out; a bf16 cache is a plain cast."""
+    from engine.layers.mla import latent_rows, store_latent
+
+    lat = torch.tensor([[500.0, -1000.0, 1.0, 3.0], [0.5, -2.0, 448.0, 0.0]])
+    loc, e4m3 = torch.tensor([3, 1]), torch.float8_e4m3fn
+    buf = torch.zeros(5, 1, 4, dtype=e4m3)
+    store_latent(buf, loc, lat)
+    assert buf[3, 0].float().tolist() == [448.0, -448.0, 1.0, 3.0]
+    assert latent_rows(buf, loc, torch.float32).tolist() == [[448.0, -448.0, 1.0, 3.0],
+                                                             [0.5, -2.0, 448.0, 0.0]]
+    store_latent(buf, loc, lat, kv_scale=4.0)
+    assert buf[1, 0].float().tolist() == [0.125, -0.5, 112.0, 0.0]
+    # 500 / 4 = 125 rounds to e4m3's 128 (steps of 8 between 64 and 128)
+    assert latent_rows(buf, loc, torch.float32, kv_scale=4.0)[0].tolist() == \
+        [512.0, -1024.0, 1.0, 3.0]
+    wide = torch.zeros(5, 1, 4, dtype=torch.bfloat16)
+    store_latent(wide, loc, lat, kv_scale=4.0)        # the scale is an FP8 cache's only
+    assert wide[3, 0].float().tolist() == [500.0, -1000.0, 1.0, 3.0]

@@ -110,6 +110,11 @@ def _tiny(arch: str):
                    first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None,
                    qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_group=1,
                    topk_group=1, **kw)
+    if arch == "Glm4MoeForCausalLM":    # layer 0 dense, q/k norms, half the head rotated
+        return transformers.Glm4MoeConfig(n_routed_experts=4, num_experts_per_tok=2,
+                                          moe_intermediate_size=32, first_k_dense_replace=1,
+                                          n_group=2, topk_group=1, use_qk_norm=True,
+                                          attention_bias=True, **kw)
     if arch in ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"):
         text = _tiny(arch.replace("ForConditionalGeneration", "ForCausalLM")).to_dict()
         cls = (transformers.Qwen3_5Config if arch.startswith("Qwen3_5For")
