@@ -76,7 +76,7 @@ def test_batch_and_alone_match_hf(checkpoint):
         kinds = {s.cache.value for s in llm.runner.model.layer_specs()}
         assert kinds == {"paged_kv", "recurrent_state"}
         assert llm.runner.state_pool.num_slots == llm.args.max_running_requests
-        assert not llm.scheduler.kv.enabled       # prefix reuse off: no state snapshots yet
+        assert llm.scheduler.kv.enabled and llm.runner.state_snapshots is not None
         batch = llm.generate(prompts, SP)
         for i, (out, r) in enumerate(zip(batch, ref)):
             assert_matches_hf(out, r, f"{case} prompt {i} in a batch")
