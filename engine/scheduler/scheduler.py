@@ -71,7 +71,7 @@ class Scheduler:
         # the radix tree keeps a snapshot of its states (engine/kv/state_snapshots.py)
         self.recurrent_state = any(s.cache == CacheKind.RECURRENT_STATE
                                    for s in runner.layer_specs)
-        snapshots = getattr(runner, "state_snapshots", None)
+        snapshots = runner.state_snapshots
         # KV pages, req_to_token rows and the radix prefix cache (engine/kv/manager.py)
         self.kv = KVCacheManager(self.kv_pool, self.req_pool,
                                  disable_cache=getattr(args, "disable_radix_cache", False) or (
