@@ -225,17 +225,27 @@ class KVCacheManager:
         its ``kv_len`` if that is a page boundary reached with real token ids; it waits on
         the request until its pages are in the tree. Taken only while a snapshot slot is
         free or one of the tree's can be evicted."""
-        b = req.kv_len
-        if self.snapshots is None or req.state_slot is None or b % self.page_size \
-                or self._real_len(req) != b or (req.state_snaps and req.state_snaps[-1][0] >= b):
+        self.snapshot_rows([req])
+
+    def snapshot_rows(self, reqs) -> None:
+        """:meth:`snapshot` of each of ``reqs`` (a step's prefill rows), copied at once."""
+        if self.snapshots is None:
             return
-        snap = self.snapshots.alloc()
-        if snap is None and self.tree.evict_snapshot():
+        slots, snaps = [], []
+        for req in reqs:
+            b = req.kv_len
+            if req.state_slot is None or b % self.page_size or self._real_len(req) != b \
+                    or (req.state_snaps and req.state_snaps[-1][0] >= b):
+                continue
             snap = self.snapshots.alloc()
-        if snap is None:
-            return
-        self.snapshots.save(req.state_slot, snap)
-        req.state_snaps.append((b, snap))
+            if snap is None and self.tree.evict_snapshot():
+                snap = self.snapshots.alloc()
+            if snap is None:
+                break
+            slots.append(req.state_slot)
+            snaps.append(snap)
+            req.state_snaps.append((b, snap))
+        self.snapshots.save_many(slots, snaps)
 
     def _attach_snapshots(self, req, upto: int) -> None:
         """Move ``req``'s waiting snapshots at boundaries <= ``upto`` tokens (its pages there

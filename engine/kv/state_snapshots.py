@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from engine import device as dev
 from engine.kv.state_pool import RecurrentStatePool
 
 #: share of the KV cache's memory the snapshots take by default (``--max-state-snapshots``)
@@ -76,6 +77,21 @@ class StateSnapshotPool:
         for dst, src in zip((*self.conv, *self.recurrent),
                             (*self.pool.conv_states, *self.pool.recurrent_states)):
             dst[snap].copy_(src[slot])
+
+    def save_many(self, slots: list[int], snaps: list[int]) -> None:
+        """:meth:`save` of each ``(slots[i], snaps[i])``, in one gather and one scatter per
+        state tensor (a step's prefill rows at once)."""
+        if len(slots) == 1:
+            self.save(slots[0], snaps[0])
+            return
+        if not slots:
+            return
+        device = self.conv[0].device if self.conv else self.recurrent[0].device
+        src = dev.host_to_device(torch.tensor(slots, dtype=torch.int64), device)
+        dst = dev.host_to_device(torch.tensor(snaps, dtype=torch.int64), device)
+        for d, s in zip((*self.conv, *self.recurrent),
+                        (*self.pool.conv_states, *self.pool.recurrent_states)):
+            d.index_copy_(0, dst, s.index_select(0, src))
 
     def restore(self, snap: int, slot: int) -> None:
         """Copy snapshot ``snap`` into the state pool's ``slot``."""

@@ -395,8 +395,7 @@ class Scheduler:
         the step's prefill rows where their chunk ended on a page boundary (the copies run
         after the forward just launched; ``KVCacheManager.snapshot``)."""
         if self.kv.snapshots is not None and batch.mode == ForwardMode.EXTEND:
-            for req in batch.reqs[:batch.batch_size - batch.num_decodes]:
-                self.kv.snapshot(req)
+            self.kv.snapshot_rows(batch.reqs[:batch.batch_size - batch.num_decodes])
 
     def _pool(self, batch: ScheduleBatch, logits) -> None:
         """A pooling engine's step: fold the step's hidden states into its requests; those

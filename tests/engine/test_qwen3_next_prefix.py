@@ -122,13 +122,19 @@ def test_chunked_prefill_with_hits(tiny):
     assert_matches_hf(outs[1], hf_greedy(hf, grown), f"{case} chunked hit")
 
 
-def test_eviction_frees_snapshots(tiny):
+def test_eviction_frees_snapshots(tiny, caplog):
     """Two snapshot slots and a small KV pool: every new prompt evicts older snapshots (and
     pages, which free their snapshots); the accounting holds every step, the last prompt
-    still hits, and every answer is HF's."""
+    still hits, and every answer is HF's. The start-up log shows the snapshots."""
+    import logging
+
     case, path, hf, _ = tiny
     prompts = [_tail(20 + i, 30) for i in range(4)]
-    with _llm(path, max_state_snapshots=2, max_total_tokens=160, page_size=1) as llm:
+    caplog.set_level(logging.INFO, logger="ferry.engine")
+    with caplog.at_level(logging.INFO, logger="engine"), \
+            _llm(path, max_state_snapshots=2, max_total_tokens=160, page_size=1) as llm:
+        assert "state snapshots (prefix cache): 2 x " in caplog.text
+        assert "prefix cache: on" in caplog.text and "of the 2 snapshots" in caplog.text
         snaps = llm.runner.state_snapshots
         assert snaps.num_snapshots == 2
         outs = [llm.generate([p], SP)[0] for p in prompts]

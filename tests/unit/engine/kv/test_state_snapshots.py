@@ -59,10 +59,20 @@ def test_save_restore_alloc_and_sizes():
     snaps.restore(s, other)
     for w, t in zip(want, (*states.conv_states, *states.recurrent_states)):
         assert torch.equal(t[other], w)
-    assert snaps.alloc() is not None and snaps.alloc() is None
+    # a step's rows at once: slots 2 and 1 into two snapshots
+    for t in (*states.conv_states, *states.recurrent_states):
+        t[other].normal_()
+    s2 = snaps.alloc()
+    snaps.save_many([other, slot], [s2, s])
+    for t, src in zip((*snaps.conv, *snaps.recurrent),
+                      (*states.conv_states, *states.recurrent_states)):
+        assert torch.equal(t[s2], src[other]) and torch.equal(t[s], src[slot])
+    assert snaps.alloc() is None
+    snaps.free(s2)
     snaps.free(s)
     with pytest.raises(ValueError, match="not held"):
         snaps.free(s)
+    assert snaps.alloc() is not None and snaps.alloc() is not None and snaps.alloc() is None
     with pytest.raises(ValueError, match="at least one"):
         StateSnapshotPool(states, 0)
     assert snaps.bytes_per_snapshot == RecurrentStatePool.bytes_per_slot(SHAPES, torch.float32)
