@@ -183,7 +183,8 @@ def test_more_requests_than_slots_wait_and_finish(next_checkpoint):
 def test_preemption_restarts_from_a_zeroed_state(next_checkpoint):
     """A KV pool too small for what three requests grow to: admission lets two in, whose
     decodes outgrow the pool, so the newest is preempted (recompute: its slot goes back,
-    readmission takes a zeroed one and prefills again); every output is still HF's."""
+    readmission takes a zeroed one, restored from a snapshot where the prefix cache kept
+    one, and prefills the rest); every output is still HF's."""
     case, path, _, hf = next_checkpoint
     prompts = [_prompts()[i] for i in (2, 3, 1)]
     n = 30

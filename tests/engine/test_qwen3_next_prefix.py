@@ -7,8 +7,8 @@ Each test serves a tiny random checkpoint (``qwen3_next_helpers``) with the sche
 accounting (pages, state slots, snapshots) checked after every step: a hit after a finished
 request, a hit beside misses in one batch, a match that diverges inside a cached segment
 (cut back to a snapshot), the branching point a miss leaves a snapshot at, multi-turn chat,
-chunked prefill with hits, eviction of snapshots and pages under memory pressure, and
-pages of four tokens.
+chunked prefill with hits, eviction of snapshots and pages under memory pressure, pages of
+four tokens, and preemption (a preempted request's readmission restores its own snapshot).
 """
 
 from __future__ import annotations
@@ -157,3 +157,21 @@ def test_pages_of_four_tokens(tiny):
         out = llm.generate([grown], SP)[0]
     assert out.num_cached_tokens == 68
     assert_matches_hf(out, hf_greedy(hf, grown), f"{case} pages of 4 hit")
+
+
+def test_preempted_request_resumes_from_its_snapshot(tiny):
+    """A KV pool too small for three growing requests: the newest is preempted, its pages
+    and a snapshot at its ``kv_len`` go into the tree, and its readmission restores that
+    snapshot instead of recomputing from zero; every output is HF's."""
+    case, path, hf, _ = tiny
+    prompts = [LONG, _tail(12, 24), _tail(13, 13)]
+    sp = SP.__class__(max_tokens=30, temperature=0, ignore_eos=True, logprobs=1)
+    with _llm(path, max_total_tokens=150, page_size=1, max_state_snapshots=8) as llm:
+        snaps = llm.runner.state_snapshots
+        restored = []
+        restore = snaps.restore
+        snaps.restore = lambda snap, slot: (restored.append(snap), restore(snap, slot))
+        outs = llm.generate(prompts, sp)
+        assert llm.scheduler.stats["preemptions"] > 0 and restored
+    for i, (o, p) in enumerate(zip(outs, prompts)):
+        assert_matches_hf(o, hf_greedy(hf, p, 30), f"{case} prompt {i} under preemption")
