@@ -106,6 +106,11 @@ class ServerArgs:
         ge=0)
     disable_radix_cache: bool = _f(False, "do not reuse the KV of cached prompt prefixes "
                                           "(the radix prefix cache)")
+    max_state_snapshots: int | None = _f(
+        None, "a model with linear-attention layers (Qwen3-Next, Qwen3.5): snapshots of "
+              "their states that the prefix cache keeps (a prefix is reused only where one "
+              "exists); default: what a tenth of the KV cache's memory holds, at most 4 per "
+              "running request; 0 turns prefix reuse off for such a model", ge=0)
     schedule_policy: str = _f("lpm", "waiting-queue order: lpm (longest cached prefix first; "
                                      "FCFS beyond 128 waiting; a request waiting 5 s goes "
                                      "first) or fcfs", ("lpm", "fcfs"))

@@ -29,7 +29,8 @@ from engine.executor.schedule_batch import ScheduleBatch
 from engine.executor.tp_messages import IdsMsg, TPMessage, step_msg
 from engine.forward_batch import ForwardBatch
 from engine.kv.pool import ReqToTokenPool, kv_bytes_per_token
-from engine.kv.state_pool import build_state_pool
+from engine.kv.state_pool import RecurrentStatePool, build_state_pool
+from engine.kv.state_snapshots import StateSnapshotPool, default_snapshot_count
 from engine.kv.windowed import build_pools, max_window, split_tokens
 from engine.layer_spec import CacheKind
 from engine.layers import select_ops, small_ops_kind
@@ -107,6 +108,8 @@ class RankRunner:
             logger.info("%s (--max-running-requests); %d KV tokens for the %d attention "
                         "layers", self.state_pool.memory_line(), self.max_total_tokens,
                         len(self.kv_layer_specs))
+            if self.state_snapshots is not None:
+                logger.info("%s", self.state_snapshots.memory_line())
         if self.swa_pool is not None:
             logger.info("windowed KV pool: %d tokens for %d sliding-window layers (window %d); "
                         "the %d tokens above hold the other %d layers "
@@ -159,6 +162,22 @@ class RankRunner:
         allocated before the KV pool is sized from what memory is left."""
         self.state_pool, self.state_index = build_state_pool(
             self.layer_specs, args.max_running_requests, self.dtype, self.device)
+        #: the prefix cache's snapshots of those states (engine/kv/state_snapshots.py), or None
+        self.state_snapshots = None
+        if self.state_pool is None or args.disable_radix_cache:
+            return
+        if self.tp.size > 1:  # the snapshot copies run on rank 0's pool only (not sent yet)
+            if self.tp.rank == 0:
+                logger.info("prefix cache off: state snapshots of the linear-attention layers "
+                            "do not run under tensor parallelism yet")
+            return
+        n = args.max_state_snapshots
+        if n is None:  # a share of what the KV cache would get (it is sized after them)
+            per = RecurrentStatePool.bytes_per_slot(self.state_pool.shapes, self.dtype)
+            kv = self._kv_capacity() * kv_bytes_per_token(self.kv_layer_specs, self.kv_dtype)
+            n = default_snapshot_count(kv, per, args.max_running_requests)
+        if n:
+            self.state_snapshots = StateSnapshotPool(self.state_pool, n)
 
     def _build_pools(self, args: ServerArgs) -> None:
         """The KV pool (sized by :meth:`_kv_capacity`, the smallest over the ranks), the
@@ -277,7 +296,9 @@ class RankRunner:
                 "weight_bytes": sum(p.numel() * p.element_size()
                                     for p in self.model.parameters()),
                 "kv_bytes": self.kv_pool.nbytes,
-                "state_bytes": self.state_pool.nbytes if self.state_pool is not None else 0}
+                "state_bytes": self.state_pool.nbytes if self.state_pool is not None else 0,
+                "snapshot_bytes": self.state_snapshots.nbytes
+                if self.state_snapshots is not None else 0}
 
     @property
     def tp_size(self) -> int:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from engine.executor.schedule_batch import ScheduleBatch
     from engine.kv.pool import KVPool, ReqToTokenPool
     from engine.kv.state_pool import RecurrentStatePool
+    from engine.kv.state_snapshots import StateSnapshotPool
     from engine.layer_spec import LayerSpec
     from engine.layers.pooler import PoolingSpec
     from engine.lora.manager import LoRAManager
@@ -70,6 +71,9 @@ class StepRunner(Protocol):
     #: the linear-attention layers' recurrent-state pool (``engine/kv/state_pool.py``: a slot
     #: per running request), or None for a model without such layers
     state_pool: RecurrentStatePool | None
+    #: the prefix cache's snapshots of those states (``engine/kv/state_snapshots.py``), or
+    #: None (no such layers, or no prefix reuse for them)
+    state_snapshots: StateSnapshotPool | None
 
     def forward(self, batch: ScheduleBatch, future_ids: torch.Tensor | None = None
                 ) -> torch.Tensor:

@@ -28,8 +28,21 @@ next token reads; ``check`` proves the windowed pool's count the same way.
 Linear-attention layers (a model with ``RECURRENT_STATE`` layers, ``engine/kv/state_pool.py``):
 ``req.state_slot`` is the request's slot of conv and recurrent states, taken (zeroed) with its
 ``req_to_token`` row at admission (``take_state``) and given back by ``release`` (finish,
-abort, preemption: a preempted request restarts from the zero state); ``check`` proves free +
-held slots equal the pool.
+abort, preemption); ``check`` proves free + held slots equal the pool.
+
+Prefix reuse for those models (``engine/kv/state_snapshots.py``): a cached prefix is only
+reusable where the tree also holds a snapshot of the linear layers' states after exactly that
+prefix, so ``match`` ends at the deepest node with one and ``take_state`` copies it into the
+request's new slot. Snapshots are taken at page boundaries: after each prefill chunk whose end
+is one (``snapshot``, called by the scheduler once the step's forward is launched: the copy runs
+after it) and at ``release`` (where ``kv_len`` is one and every fed token is real). They wait on
+the request (``req.state_snaps``: ``(boundary, snapshot)``, in boundary order) until its pages
+up to the boundary are in the tree (``cache_unfinished``, ``release``), then move to the node
+that ends there (a node that has one already keeps it; the copy is freed). ``chunk_len`` picks
+where a prefill chunk ends so that such boundaries exist: at a page boundary, at the
+branching point where the KV matched further than a snapshot (``req.snap_branch``: the next
+request with that prefix hits it), and, with pages of several tokens, at the prompt's last page
+boundary (its end is rarely one).
 """
 
 from __future__ import annotations
@@ -37,7 +50,12 @@ from __future__ import annotations
 from engine.kv.pool import KVPool, ReqToTokenPool
 from engine.kv.radix_cache import RadixCache
 from engine.kv.state_pool import RecurrentStatePool
+from engine.kv.state_snapshots import StateSnapshotPool
 from engine.kv.windowed import WindowedKVPool, usable_prefix_pages
+
+#: a prefill stops at the branching point of its match (to leave a snapshot there) when the
+#: KV matched at least this many tokens beyond the snapshot its match was cut back to
+BRANCH_SNAPSHOT_MIN = 32
 
 
 def _ns(req):
@@ -48,19 +66,27 @@ def _ns(req):
 class KVCacheManager:
     """Args: pool, req_pool: the two KV levels; disable_cache: no prefix reuse; swa_pool,
     swa_req_pool: the windowed layers' pool and ``req_to_token`` table, or None;
-    state_pool: the linear-attention layers' recurrent-state slots, or None."""
+    state_pool: the linear-attention layers' recurrent-state slots, or None; snapshots:
+    their snapshot pool (prefix reuse for such a model), or None: with a state pool and no
+    snapshots the prefix cache is off."""
 
     def __init__(self, pool: KVPool, req_pool: ReqToTokenPool, disable_cache: bool = False,
                  swa_pool: WindowedKVPool | None = None,
                  swa_req_pool: ReqToTokenPool | None = None,
-                 state_pool: RecurrentStatePool | None = None):
+                 state_pool: RecurrentStatePool | None = None,
+                 snapshots: StateSnapshotPool | None = None):
         self.pool = pool
         self.state_pool = state_pool
         self.req_pool = req_pool
         self.page_size = pool.page_size
         self.swa_pool = swa_pool
         self.swa_req_pool = swa_req_pool
-        self.tree = RadixCache(pool, disable=disable_cache, swa_pool=swa_pool)
+        if state_pool is None or disable_cache:
+            snapshots = None
+        disable_cache = disable_cache or (state_pool is not None and snapshots is None)
+        self.snapshots = snapshots
+        self.tree = RadixCache(pool, disable=disable_cache, swa_pool=swa_pool,
+                               snapshots=snapshots)
 
     @property
     def enabled(self) -> bool:
@@ -117,10 +143,15 @@ class KVCacheManager:
         sampled). Requests that want prompt logprobs match nothing: the prefix's logits would
         be missing."""
         assert not req.pages and req.kv_len == 0
+        if self.snapshots is not None:
+            req.snap_branch = 0
         if not self.enabled or req.prompt_logprobs is not None:
             return 0
         ids = req.key_tokens(0, req.seq_len - 1)
-        pages, node = self.tree.match_prefix(ids, _ns(req))
+        pages, node, branch = self.tree.match_branch(ids, _ns(req))
+        if self.snapshots is not None and branch - len(pages) * self.page_size \
+                >= BRANCH_SNAPSHOT_MIN:
+            req.snap_branch = branch
         if pages and self.swa_pool is not None:
             n = self._usable(node, len(pages))
             if n < len(pages):  # cut back to where the windowed keys are still held
@@ -160,6 +191,9 @@ class KVCacheManager:
         if slot is None:
             raise RuntimeError("no recurrent-state slot is free (admission should have waited)")
         req.state_slot = slot
+        if req.cached_pages and self.snapshots is not None:
+            # the match ends at a node with a snapshot of the states after exactly kv_len
+            self.snapshots.restore(req.last_node.snap, slot)
 
     def write_prefix(self, req) -> None:
         """Point ``req_to_token`` at the cached prefix of a newly admitted request."""
@@ -169,6 +203,65 @@ class KVCacheManager:
             if self.swa_pool is not None:
                 self.swa_req_pool.write(req.req_pool_idx, 0,
                                         self.swa_pool.slots_for(req.swa_pages, 0, req.kv_len))
+
+    # ---- state snapshots (hybrid models) ------------------------------------------------
+    def chunk_len(self, req, n: int) -> int:
+        """The length of ``req``'s next prefill chunk, given at most ``n`` tokens: with state
+        snapshots, cut so that the chunk ends at the next boundary a snapshot is wanted at
+        (see the module doc); ``n`` itself without. Never more than ``n``."""
+        if self.snapshots is None or n <= 0:
+            return n
+        ps, start = self.page_size, req.kv_len
+        end = start + n
+        stops = [b for b in (req.snap_branch, req.seq_len // ps * ps) if start < b < end]
+        if stops:
+            return min(stops) - start
+        if end < req.seq_len and end // ps * ps > start:  # a chunk in the middle: whole pages
+            return end // ps * ps - start
+        return n
+
+    def snapshot(self, req) -> None:
+        """Keep a snapshot of ``req``'s states (its slot, after the step just launched) at
+        its ``kv_len`` if that is a page boundary reached with real token ids; it waits on
+        the request until its pages are in the tree. Taken only while a snapshot slot is
+        free or one of the tree's can be evicted."""
+        self.snapshot_rows([req])
+
+    def snapshot_rows(self, reqs) -> None:
+        """:meth:`snapshot` of each of ``reqs`` (a step's prefill rows), copied at once."""
+        if self.snapshots is None:
+            return
+        slots, snaps = [], []
+        for req in reqs:
+            b = req.kv_len
+            if req.state_slot is None or b % self.page_size or self._real_len(req) != b \
+                    or (req.state_snaps and req.state_snaps[-1][0] >= b):
+                continue
+            snap = self.snapshots.alloc()
+            if snap is None and self.tree.evict_snapshot():
+                snap = self.snapshots.alloc()
+            if snap is None:
+                break
+            slots.append(req.state_slot)
+            snaps.append(snap)
+            req.state_snaps.append((b, snap))
+        self.snapshots.save_many(slots, snaps)
+
+    def _attach_snapshots(self, req, upto: int) -> None:
+        """Move ``req``'s waiting snapshots at boundaries <= ``upto`` tokens (its pages there
+        are in the tree) onto their nodes."""
+        keep = []
+        for b, snap in req.state_snaps:
+            if b > upto:
+                keep.append((b, snap))
+            elif not self.tree.attach_snapshot(req.key_tokens(0, b), snap, _ns(req)):
+                self.snapshots.free(snap)
+        req.state_snaps = keep
+
+    def _drop_snapshots(self, req) -> None:
+        for _, snap in req.state_snaps:
+            self.snapshots.free(snap)
+        req.state_snaps = []
 
     # ---- growth -------------------------------------------------------------------------
     def make_room(self, pages: int) -> None:
@@ -257,6 +350,8 @@ class KVCacheManager:
         ps = self.page_size
         m = self._real_len(req) // ps
         if m <= req.cached_pages:
+            if getattr(req, "state_snaps", None):
+                self._attach_snapshots(req, req.cached_pages * ps)
             return
         ids = req.key_tokens(0, m * ps)
         # the full pages only: the request keeps its windowed pages (see the module doc)
@@ -264,7 +359,7 @@ class KVCacheManager:
                                        None if self.swa_pool is None else [0] * m)
         if n_old > req.cached_pages:
             # pages [cached, n_old) duplicate the tree's: switch to the tree's copies
-            tree_pages, _ = self.tree.match_prefix(ids, _ns(req))
+            tree_pages, _ = self.tree.match_kv(ids, _ns(req))
             lo, hi = req.cached_pages, n_old
             dup = req.pages[lo:hi]
             req.pages[lo:hi] = tree_pages[lo:hi]
@@ -276,6 +371,8 @@ class KVCacheManager:
             self.tree.unlock(req.last_node)
         req.last_node = node
         req.cached_pages = m
+        if getattr(req, "state_snaps", None):
+            self._attach_snapshots(req, m * ps)
 
     def _swa_to_insert(self, req, m: int) -> list[int] | None:
         """``req``'s own windowed pages of its first ``m`` pages for ``RadixCache.insert``
@@ -288,30 +385,40 @@ class KVCacheManager:
     def release(self, req, cache: bool = True) -> None:
         """Free a finished, aborted or preempted request's KV. With ``cache`` its computed
         whole pages go into the tree (the next turn of a conversation, or the request itself
-        after a preemption, hits them); pass False when the KV may be wrong (a failed step)."""
+        after a preemption, hits them); pass False when the KV may be wrong (a failed step).
+        With state snapshots the states at ``kv_len`` go with them when that is a page
+        boundary, and the part of the tree past the request's last snapshot is pruned."""
+        deepest = req.last_node
         if req.pages:
             ps = self.page_size
             keep = req.cached_pages  # pages [0, keep) are the tree's
             swa_keep = req.swa_lo  # windowed entries [0, swa_keep) are the tree's or freed
             if cache and self.enabled:
                 m = self._real_len(req) // ps
+                self.snapshot(req)
                 sw = self._swa_to_insert(req, m)
                 if m > keep or (sw is not None and m > swa_keep):
-                    n_old, _ = self.tree.insert(req.key_tokens(0, m * ps), req.pages[:m],
-                                                _ns(req), sw)
+                    n_old, deepest = self.tree.insert(req.key_tokens(0, m * ps),
+                                                      req.pages[:m], _ns(req), sw)
                     self.pool.free_pages(req.pages[keep:n_old])  # duplicates of tree pages
                     keep = max(keep, m)
                     if sw is not None:  # the windowed pages the tree did not take
                         self.swa_pool.free_pages([p for p in sw if p])
                         swa_keep = max(swa_keep, m)
+                if getattr(req, "state_snaps", None):
+                    self._attach_snapshots(req, m * ps)
             self.pool.free_pages(req.pages[keep:])
             req.pages = []
             if self.swa_pool is not None:
                 self.swa_pool.free_pages([p for p in req.swa_pages[swa_keep:] if p])
                 req.swa_pages, req.swa_lo = [], 0
+        if getattr(req, "state_snaps", None):
+            self._drop_snapshots(req)
         if req.last_node is not None:
             self.tree.unlock(req.last_node)
             req.last_node = None
+        if deepest is not None:
+            self.tree.prune(deepest)
         req.cached_pages = 0
         if req.req_pool_idx is not None:
             self.req_pool.free(req.req_pool_idx)
@@ -354,6 +461,19 @@ class KVCacheManager:
             assert len(held) + self.state_pool.available() == self.state_pool.num_slots, (
                 f"recurrent-state slots lost: free {self.state_pool.available()} + held "
                 f"{len(held)} != pool {self.state_pool.num_slots}")
+        if self.snapshots is not None:
+            self._check_snapshots(reqs)
+
+    def _check_snapshots(self, reqs) -> None:
+        """The snapshot pool's invariant: free + tree + waiting on requests == pool."""
+        tree = self.tree.tree_snapshots()
+        waiting = [s for r in reqs for _, s in r.state_snaps]
+        every = tree + waiting
+        assert len(set(every)) == len(every), "state snapshot held twice"
+        assert len(every) + self.snapshots.available() == self.snapshots.num_snapshots, (
+            f"state snapshots lost: free {self.snapshots.available()} + tree {len(tree)} + "
+            f"requests {len(waiting)} != pool {self.snapshots.num_snapshots}")
+        assert len(tree) == self.tree.snapshot_count, "radix cache snapshot counter drifted"
 
     def _check_swa(self, reqs) -> None:
         """The windowed pool's invariant: free + request-owned + tree == pool."""

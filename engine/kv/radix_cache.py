@@ -24,6 +24,16 @@ Windowed layers (``engine/kv/windowed.py``): with a windowed pool each node also
 request's window and their windowed page went back). Those pages follow the node's states
 (counted in ``evictable_swa`` / ``protected_swa``) and are freed with it.
 
+State snapshots (a hybrid model's linear-attention layers, ``engine/kv/state_snapshots.py``):
+with a snapshot pool a node may also keep ``snap``, a snapshot of the linear layers' states
+after exactly the tokens from the root to the node's end. A prefix is only reusable where
+such a state exists, so ``match_prefix`` cuts a match back to the deepest node on its path
+that has a snapshot (``match_branch`` also says how far the KV alone matched, the branching
+point a request may leave a snapshot at). A snapshot is freed with its node (the same LRU
+eviction as the pages), protected by the node's lock like its pages, and, when the snapshot
+pool runs short, ``evict_snapshot`` drops the least recently used unlocked one (a leaf goes
+whole: KV past the last snapshot can never be reused). ``prune`` removes such dead leaves.
+
 ``RadixCache(disable=True)`` keeps the same interface and caches nothing (``--disable-radix-
 cache``): matches are empty and inserts free what they are given, so the scheduler has no
 branches for it.
@@ -36,12 +46,14 @@ import itertools
 import time
 
 from engine.kv.pool import KVPool
+from engine.kv.state_snapshots import StateSnapshotPool
 
 
 class TreeNode:
     """One edge of the tree: ``key`` token ids (a whole number of pages) and their ``pages``."""
 
-    __slots__ = ("children", "parent", "key", "pages", "swa", "lock_ref", "last_access", "id")
+    __slots__ = ("children", "parent", "key", "pages", "swa", "lock_ref", "last_access", "id",
+                 "snap")
     _ids = itertools.count()
 
     def __init__(self, parent: TreeNode | None = None, key: tuple = (), pages: list | None = None,
@@ -54,6 +66,7 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access = time.monotonic()
         self.id = next(TreeNode._ids)
+        self.snap: int | None = None  # a state snapshot at the node's end (hybrid models)
 
     def __lt__(self, other: TreeNode) -> bool:  # heap order: least recently used first
         return (self.last_access, self.id) < (other.last_access, other.id)
@@ -67,11 +80,15 @@ class RadixCache:
         disable: cache nothing (same interface).
         swa_pool: the windowed pool (``engine/kv/windowed.py``) whose pages the nodes keep
             beside their full pages, or None.
+        snapshots: the state-snapshot pool of a hybrid model's linear layers, or None (a
+            match needs no snapshot).
     """
 
-    def __init__(self, pool: KVPool, disable: bool = False, swa_pool: KVPool | None = None):
+    def __init__(self, pool: KVPool, disable: bool = False, swa_pool: KVPool | None = None,
+                 snapshots: StateSnapshotPool | None = None):
         self.pool = pool
         self.swa_pool = swa_pool
+        self.snapshots = snapshots
         self.page_size = pool.page_size
         self.disable = disable
         self.reset()
@@ -86,6 +103,7 @@ class RadixCache:
         self.protected_pages = 0
         self.evictable_swa = 0  # held windowed pages of unlocked / locked nodes
         self.protected_swa = 0
+        self.snapshot_count = 0  # state snapshots the nodes hold
 
     # ---- sizes --------------------------------------------------------------------------
     @property
@@ -118,7 +136,7 @@ class RadixCache:
                          None if node.swa is None else node.swa[: n // ps])
         if node.swa is not None:
             node.swa = node.swa[n // ps:]
-        upper.lock_ref = node.lock_ref
+        upper.lock_ref = node.lock_ref  # (a snapshot stays with the lower part: its end)
         upper.last_access = node.last_access
         node.parent.children[self._child_key(node.key)] = upper
         node.key = node.key[n:]
@@ -129,12 +147,31 @@ class RadixCache:
 
     # ---- match / lock -------------------------------------------------------------------
     def match_prefix(self, token_ids: list[int], namespace=None) -> tuple[list[int], TreeNode]:
-        """The longest cached prefix of ``token_ids`` in ``namespace``'s tree, in whole pages.
+        """The longest cached prefix of ``token_ids`` in ``namespace``'s tree, in whole pages
+        (with a snapshot pool: cut back to the deepest node that has a state snapshot).
 
         Returns ``(pages, last_node)``: the pages holding the KV of the first
         ``len(pages) * page_size`` tokens, and the node where the match ends (split so
         that it ends exactly there). Touches the matched nodes (LRU).
         """
+        pages, node, _ = self.match_branch(token_ids, namespace)
+        return pages, node
+
+    def match_branch(self, token_ids: list[int], namespace=None
+                     ) -> tuple[list[int], TreeNode, int]:
+        """:meth:`match_prefix`, and the tokens the KV alone matched before the cut back to
+        a snapshot (the branching point; the match's length without a snapshot pool)."""
+        pages, node = self.match_kv(token_ids, namespace)
+        full = len(pages) * self.page_size
+        if self.snapshots is not None:
+            while node.parent is not None and node.snap is None:
+                del pages[len(pages) - len(node.pages):]
+                node = node.parent
+        return pages, node, full
+
+    def match_kv(self, token_ids: list[int], namespace=None) -> tuple[list[int], TreeNode]:
+        """The longest prefix of ``token_ids`` whose KV the tree holds (whole pages) and the
+        node it ends at (split to end there), snapshots ignored; touches the nodes."""
         node = self.roots.get(namespace)
         if node is None or self.disable or len(token_ids) < self.page_size:
             return [], self.root if node is None else node
@@ -158,6 +195,55 @@ class RadixCache:
             if partial:
                 break
         return pages, node
+
+    # ---- state snapshots ----------------------------------------------------------------
+    def attach_snapshot(self, token_ids: list[int], snap: int, namespace=None) -> bool:
+        """Give the node that ends after ``token_ids`` (a whole number of pages, all in the
+        tree: insert them first) the state snapshot ``snap``. Returns False, taking nothing,
+        when the tree does not hold them all or that node already has a snapshot (the
+        caller frees ``snap``)."""
+        if self.snapshots is None or self.disable or len(token_ids) % self.page_size:
+            return False
+        pages, node = self.match_kv(token_ids, namespace)
+        if len(pages) * self.page_size != len(token_ids) or node.parent is None \
+                or node.snap is not None:
+            return False
+        node.snap = snap
+        self.snapshot_count += 1
+        return True
+
+    def evict_snapshot(self) -> bool:
+        """Free the least recently used snapshot of an unlocked node (its node whole when it
+        is a leaf, and the leaves without a snapshot that this leaves above it). Returns
+        False when every snapshot is locked (or there are none)."""
+        held = [n for n in self._nodes() if n.snap is not None and n.lock_ref == 0]
+        if not held:
+            return False
+        node = min(held)
+        if node.children:
+            self.snapshots.free(node.snap)
+            node.snap = None
+            self.snapshot_count -= 1
+        else:
+            parent = node.parent
+            self._drop_leaf(node)
+            self.prune(parent)
+        return True
+
+    def prune(self, node: TreeNode) -> None:
+        """With a snapshot pool: remove ``node`` and then its ancestors while each is an
+        unlocked leaf without a snapshot (their KV can never be matched)."""
+        if self.snapshots is None:
+            return
+        while node.parent is not None and not node.children and node.lock_ref == 0 \
+                and node.snap is None:
+            parent = node.parent
+            self._drop_leaf(node)
+            node = parent
+
+    def tree_snapshots(self) -> list[int]:
+        """Every snapshot the tree holds (for the accounting check)."""
+        return [n.snap for n in self._nodes() if n.snap is not None]
 
     def lock(self, node: TreeNode) -> None:
         """A running request reads the pages from the root to ``node``: protect them."""
@@ -264,19 +350,30 @@ class RadixCache:
         freed = swa_freed = 0
         while (freed < num_pages or swa_freed < swa_pages) and heap:
             leaf = heapq.heappop(heap)
-            self.pool.free_pages(leaf.pages)
-            freed += len(leaf.pages)
-            self.evictable_pages -= len(leaf.pages)
-            if leaf.swa is not None:
-                held = [p for p in leaf.swa if p]
-                self.swa_pool.free_pages(held)
-                swa_freed += len(held)
-                self.evictable_swa -= len(held)
             parent = leaf.parent
-            del parent.children[self._child_key(leaf.key)]
+            n, n_swa = self._drop_leaf(leaf)
+            freed += n
+            swa_freed += n_swa
             if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, parent)
         return freed
+
+    def _drop_leaf(self, leaf: TreeNode) -> tuple[int, int]:
+        """Free an unlocked leaf's pages, windowed pages and snapshot and unlink it; returns
+        the pages and windowed pages freed."""
+        self.pool.free_pages(leaf.pages)
+        self.evictable_pages -= len(leaf.pages)
+        held = []
+        if leaf.swa is not None:
+            held = [p for p in leaf.swa if p]
+            self.swa_pool.free_pages(held)
+            self.evictable_swa -= len(held)
+        if leaf.snap is not None:
+            self.snapshots.free(leaf.snap)
+            leaf.snap = None
+            self.snapshot_count -= 1
+        del leaf.parent.children[self._child_key(leaf.key)]
+        return len(leaf.pages), len(held)
 
     def flush(self) -> bool:
         """Free every page of the tree; refused (False) while a request holds a lock."""

@@ -32,9 +32,11 @@ a family without `sliding` layers whose config sets a smaller `sliding_window` (
 with `use_sliding_window`) runs as full attention with the context capped at the window (the
 loader's `_cap_sliding_window`). `linear` layers (Gated DeltaNet) keep a `recurrent_state`: one
 fixed-size slot of conv and recurrent state per running request (`engine/kv/state_pool.py`,
-`--max-running-requests` slots, each rank's share of the heads under `--tp-size`); such
-models run without prefix reuse, speculative decoding, LoRA and graphs for now. `latent`
-layers (MLA) keep one `latent_kv` row per token, the same on every tensor-parallel rank.
+`--max-running-requests` slots, each rank's share of the heads under `--tp-size`), and the
+prefix cache reuses a prefix where it keeps a snapshot of those states
+(`engine/kv/state_snapshots.py`, `--max-state-snapshots`); such models run without
+speculative decoding, LoRA and graphs for now. `latent` layers (MLA) keep one `latent_kv`
+row per token, the same on every tensor-parallel rank.
 
 | Family | HF architectures | model_type | Attention | Cache | Module |
 |---|---|---|---|---|---|

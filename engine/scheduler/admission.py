@@ -25,6 +25,8 @@ never locks a prefix, and a request that stops admission has its prefix unlocked
    in the step it is always admitted: no request outgrows the pool);
 5. the chunk: the rest of the token budget, at most ``PROMPT_LOGPROBS_CHUNK`` tokens for a
    request that wants its prompt's logprobs, and at most the KV room left; none left: STOP.
+   A hybrid model's chunk may end earlier, where a state snapshot is wanted (a page
+   boundary, the branching point of its match: ``engine/kv/manager.py``).
 
 The partly prefilled request passes only the last gate. A request whose chunk does not end
 its prompt becomes the step's chunked request and closes the step.
@@ -174,11 +176,12 @@ class ExtendAdder:
         """Prompt tokens of ``req`` this step computes: the rest of its prompt within the
         budget (and ``PROMPT_LOGPROBS_CHUNK``: every row of its chunk comes back as fp32
         logits ``[n, vocab]``), within the KV room: the free slots of its last page plus the
-        tokens beyond the reserve."""
+        tokens beyond the reserve; with state snapshots (a hybrid model) cut where one is
+        wanted (``KVCacheManager.chunk_len``)."""
         n = min(req.seq_len - req.kv_len, self.budget)
         if req.wants_prompt_logprobs:
             n = min(n, PROMPT_LOGPROBS_CHUNK)
-        return min(n, self.kv.room(req) - self.reserve)
+        return self.kv.chunk_len(req, min(n, self.kv.room(req) - self.reserve))
 
     # ---- commit -------------------------------------------------------------------------
     def _add(self, req: Req, n: int, waiting: bool) -> None:

@@ -121,8 +121,13 @@ def build_engine(args: ServerArgs) -> Engine:
     tokenizer = load_engine_tokenizer(args)
     scheduler = Scheduler(args, runner, tokenizer, eos_token_ids(runner.config, tokenizer))
     if scheduler.recurrent_state and not args.disable_radix_cache:
-        logger.info("prefix cache: off (the model's linear-attention layers keep recurrent "
-                    "states, and prefix reuse has no state snapshots yet)")
+        snaps = scheduler.kv.snapshots
+        logger.info("prefix cache: %s", "off (--max-state-snapshots 0: the linear-attention "
+                    "layers' states are reused only from snapshots)" if snaps is None else
+                    f"on, page size {args.page_size}, schedule policy {args.schedule_policy}; "
+                    f"a prefix is reused where one of the {snaps.num_snapshots} snapshots of "
+                    "the linear-attention layers' states ends it (taken at prefill chunk ends, "
+                    "branching points and request ends on page boundaries)")
     else:
         logger.info("prefix cache: %s", "off (--disable-radix-cache)"
                     if args.disable_radix_cache else

@@ -39,7 +39,8 @@ class Req:
                  "stop_window", "cached_pages", "last_node", "cached_tokens", "prompt_counted",
                  "logprobs", "sent_logprobs", "prompt_logprobs", "prompt_logprobs_sent",
                  "grammar", "lora_id", "stop_regex_state", "pooling", "pool_state",
-                 "swa_pages", "swa_lo", "state_slot", "mm", "key_prompt")
+                 "swa_pages", "swa_lo", "state_slot", "mm", "key_prompt", "state_snaps",
+                 "snap_branch")
 
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams,
                  stream: bool = False, max_new_tokens: int | None = None,
@@ -58,6 +59,11 @@ class Req:
         self.req_pool_idx: int | None = None
         # the slot of its linear-attention layers' states (engine/kv/state_pool.py), or None
         self.state_slot: int | None = None
+        # its snapshots of those states not yet in the radix tree, ``(boundary, snapshot)``
+        # (engine/kv/state_snapshots.py), and the branching point of its last match, where
+        # its prefill stops to leave one (0: none)
+        self.state_snaps: list[tuple[int, int]] = []
+        self.snap_branch = 0
         self.pages: list[int] = []
         self.kv_len = 0
         # prefix cache: the first ``cached_pages`` of ``pages`` belong to the radix tree,

@@ -67,18 +67,19 @@ class Scheduler:
         # a reranker's template and query, is computed once), off for mean and CLS pooling
         # (a cached prefix would hide the rows they read)
         self.pooling = runner.pooling
-        # a model with recurrent-state (linear-attention) layers reuses no prefix until the
-        # radix tree keeps state snapshots: a cached prefix's KV alone would skip its states
+        # a model with recurrent-state (linear-attention) layers reuses a prefix only where
+        # the radix tree keeps a snapshot of its states (engine/kv/state_snapshots.py)
         self.recurrent_state = any(s.cache == CacheKind.RECURRENT_STATE
                                    for s in runner.layer_specs)
+        snapshots = runner.state_snapshots
         # KV pages, req_to_token rows and the radix prefix cache (engine/kv/manager.py)
         self.kv = KVCacheManager(self.kv_pool, self.req_pool,
                                  disable_cache=getattr(args, "disable_radix_cache", False) or (
                                      self.pooling is not None and self.pooling.needs_every_row)
-                                 or self.recurrent_state,
+                                 or (self.recurrent_state and snapshots is None),
                                  swa_pool=runner.swa_pool,
                                  swa_req_pool=runner.swa_req_pool,
-                                 state_pool=runner.state_pool)
+                                 state_pool=runner.state_pool, snapshots=snapshots)
         # assert the KV page accounting after every step (tests; costs O(pool) per step)
         self.check_kv = False
         self.chunk_size = prefill_budget(args, runner.device_type)
@@ -356,6 +357,7 @@ class Scheduler:
         future = self.inflight.result.ids_dev if self.inflight is not None else None
         try:
             logits = self.runner.forward(batch, future)
+            self._snapshot_prefills(batch)
             if self.pooling is not None:  # no sampling, no decode: the prompt is the request
                 return self._pool(batch, logits)
             if self.spec is not None:  # an EAGLE head keeps the hidden states of the step
@@ -387,6 +389,13 @@ class Scheduler:
             if id(req) not in running:
                 self.running.append(req)
         return _InFlight(result, slots) if slots else None
+
+    def _snapshot_prefills(self, batch: ScheduleBatch) -> None:
+        """A hybrid model with the prefix cache on: snapshot the linear layers' states of
+        the step's prefill rows where their chunk ended on a page boundary (the copies run
+        after the forward just launched; ``KVCacheManager.snapshot``)."""
+        if self.kv.snapshots is not None and batch.mode == ForwardMode.EXTEND:
+            self.kv.snapshot_rows(batch.reqs[:batch.batch_size - batch.num_decodes])
 
     def _pool(self, batch: ScheduleBatch, logits) -> None:
         """A pooling engine's step: fold the step's hidden states into its requests; those

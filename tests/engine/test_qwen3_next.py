@@ -76,7 +76,7 @@ def test_batch_and_alone_match_hf(checkpoint):
         kinds = {s.cache.value for s in llm.runner.model.layer_specs()}
         assert kinds == {"paged_kv", "recurrent_state"}
         assert llm.runner.state_pool.num_slots == llm.args.max_running_requests
-        assert not llm.scheduler.kv.enabled       # prefix reuse off: no state snapshots yet
+        assert llm.scheduler.kv.enabled and llm.runner.state_snapshots is not None
         batch = llm.generate(prompts, SP)
         for i, (out, r) in enumerate(zip(batch, ref)):
             assert_matches_hf(out, r, f"{case} prompt {i} in a batch")
@@ -183,7 +183,8 @@ def test_more_requests_than_slots_wait_and_finish(next_checkpoint):
 def test_preemption_restarts_from_a_zeroed_state(next_checkpoint):
     """A KV pool too small for what three requests grow to: admission lets two in, whose
     decodes outgrow the pool, so the newest is preempted (recompute: its slot goes back,
-    readmission takes a zeroed one and prefills again); every output is still HF's."""
+    readmission takes a zeroed one, restored from a snapshot where the prefix cache kept
+    one, and prefills the rest); every output is still HF's."""
     case, path, _, hf = next_checkpoint
     prompts = [_prompts()[i] for i in (2, 3, 1)]
     n = 30

@@ -7,7 +7,8 @@ the check allows a greedy token to differ only where HF's two best logits nearly
 - prefill: the prompt log-probs of prompt + HF's continuation (chunked prefill, chunks of 64,
   the 150-token prompt crossing FLA's chunks and ferry's prefill chunks) within 2e-2;
 - decode: greedy tokens equal HF's up to a near-tie, their log-probs within 2e-2 before it;
-- every state slot given back.
+- every state slot given back;
+- prefix hits with overlap scheduling (state snapshots) against a cache-off run.
 """
 
 from __future__ import annotations
@@ -75,3 +76,40 @@ def test_tiny_qwen3_next_on_the_gpu_matches_hf(tmp_path):
                 break
             lp = o.logprobs[j][0]
             assert abs(lp - steps[j][b].item()) < TOL, f"prompt {i} step {j}: log-prob {lp}"
+
+
+def test_prefix_hits_with_overlap_match_a_cache_off_run(tmp_path):
+    """Prefix reuse on CUDA with overlap scheduling (the state snapshots are copied in stream
+    order with the steps in flight): a prompt extending a finished one, one diverging inside
+    its output, turn 2 of a chat and a miss, in one batch, against the same batch with the
+    cache off; accounting (pages, slots, snapshots) checked after every step."""
+    from qwen3_next_helpers import save_tiny
+
+    from engine.llm import LLM
+    from engine.sampling.params import SamplingParams
+
+    save_tiny("qwen3_next", tmp_path)
+    g = torch.Generator().manual_seed(9)
+    first, turn1, miss = (torch.randint(3, 250, (n,), generator=g).tolist() for n in (90, 40, 20))
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
+    kw = dict(dtype="float32", device="cuda", max_total_tokens=4096, chunked_prefill_size=32,
+              disable_cuda_graph=True)
+    with LLM(str(tmp_path), **kw) as llm:
+        assert llm.scheduler.overlap and llm.scheduler.kv.snapshots is not None
+        llm.scheduler.check_kv = True
+        a, t1 = llm.generate([first, turn1], greedy)
+        batch = [first + [5, 6, 7], first + a.token_ids[:4] + [8, 9],
+                 turn1 + t1.token_ids + [10, 11, 12], miss]
+        hits = llm.generate(batch, greedy)
+        # turn 2: all of turn 1 that was fed (with overlap, its last token too: the step
+        # after the one that sampled it was in flight when it finished)
+        assert [o.num_cached_tokens for o in hits[:2]] + [hits[3].num_cached_tokens] == \
+            [90, 90, 0]
+        assert hits[2].num_cached_tokens in (40 + NEW_TOKENS - 1, 40 + NEW_TOKENS)
+    with LLM(str(tmp_path), disable_radix_cache=True, **kw) as llm:
+        plain = llm.generate(batch, greedy)
+    for i, (o, p) in enumerate(zip(hits, plain)):
+        for j, (x, y) in enumerate(zip(o.token_ids, p.token_ids)):
+            if x != y:   # only where the two runs' numerics meet a near-tie
+                break
+            assert abs(o.logprobs[j][0] - p.logprobs[j][0]) < TOL, f"prompt {i} step {j}"

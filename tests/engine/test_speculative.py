@@ -198,7 +198,7 @@ class FakeRunner:
     max_verify_rows = None  # no small-M cliff (a test may set the CPU's)
     pooling = None
     layer_specs = ()  # no per-layer kinds: one paged pool
-    swa_pool = swa_req_pool = state_pool = None
+    swa_pool = swa_req_pool = state_pool = state_snapshots = None
 
     def __init__(self, max_total_tokens, page_size=1, max_running=8, overlap=False,
                  verify_as_decode=False):

@@ -39,7 +39,7 @@ class FakeRunner:
     max_verify_rows = None
     pooling = None  # a generation engine (no pool() steps)
     layer_specs = ()  # no per-layer kinds: one paged pool
-    swa_pool = swa_req_pool = state_pool = None
+    swa_pool = swa_req_pool = state_pool = state_snapshots = None
 
     def __init__(self, max_total_tokens, page_size=1, max_running=8, max_context=4096,
                  overlap=False):
@@ -465,8 +465,9 @@ def test_lora_gate_caps_adapters_and_holds_back_behind_a_starved_one():
 
 
 def test_recurrent_state_models_reuse_no_prefix():
-    """A model with linear-attention (RECURRENT_STATE) layers runs with the prefix cache off:
-    a shared prefix is recomputed (no state snapshots yet), and the answers are unchanged."""
+    """A model with linear-attention (RECURRENT_STATE) layers and no state-snapshot pool
+    (``--max-state-snapshots 0``) runs with the prefix cache off: a shared prefix is
+    recomputed, and the answers are unchanged."""
     from engine.layer_spec import AttentionKind, CacheKind, LayerSpec, RecurrentStateSpec
 
     linear = LayerSpec(attention=AttentionKind.LINEAR, cache=CacheKind.RECURRENT_STATE,
