@@ -197,6 +197,50 @@ def test_images_only_in_user_messages(served):
     assert r.json()["error"]["param"] == "messages[1].content[0].type"
 
 
+PAD = "<|image_pad|>"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "user", "content": f"what is {PAD} here?"}]},
+     "messages[0].content"),
+    ({"messages": [{"role": "system", "content": "hi"}, {"role": "user", "content": [
+        {"type": "text", "text": "look"}, {"type": "text", "text": PAD}]}]},
+     "messages[1].content[1].text"),
+    # beside a real image, a typed pad token is still the text's
+    ({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": f"a {PAD}"},
+        {"type": "image_url", "image_url": {"url": _data_url(_png())}}]}]},
+     "messages[0].content[0].text")])
+def test_literal_image_pad_tokens_in_chat_text_are_400s(served, body, param):
+    """A user typing the image-pad token without (or beside) an image: the template would
+    place it as an image position with no image behind it; a 400 naming the text."""
+    client, _, _ = served
+    r = client.post("/v1/chat/completions", json=dict(body, max_tokens=2))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and PAD in err["message"], err
+
+
+@pytest.mark.parametrize("prompt", [f"x {PAD} y", [5, 6, IMAGE_TOKEN_ID, 7],
+                                    ["fine", f"{PAD}"]])
+def test_image_pad_tokens_in_a_completions_prompt_are_400s(served, prompt):
+    client, engine, _ = served
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "prompt" and PAD in err["message"], err
+    assert not any(isinstance(m, io_struct.TokenizedGenerateReq) for m in engine.sent)
+
+
+def test_responses_and_a_text_model_with_the_pad_text(served):
+    client, engine, _ = served
+    r = client.post("/v1/responses", json={"input": f"say {PAD}", "max_output_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+    engine.tm.images = None  # a text-only model: its own vocabulary, no image positions
+    r = client.post("/v1/completions", json={"prompt": f"x {PAD}", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
 def test_http_images_fetched_within_limits(served, monkeypatch):
     import httpx
 
