@@ -280,8 +280,10 @@ class ServerArgs:
                                              "{\"image\": N})")
     max_image_bytes: int = _f(20 << 20, "most bytes of one image (encoded, as sent or "
                                         "fetched)", ge=1)
-    max_image_pixels: int = _f(40_000_000, "most pixels (width x height) of one decoded "
-                                           "image", ge=1)
+    max_image_pixels: int = _f(4096 * 4096, "most pixels (width x height) of one decoded "
+                                            "image (a JPEG decodes at a reduced scale when "
+                                            "the model's processor downsizes it anyway)",
+                               ge=1)
     media_fetch_timeout: float = _f(10.0, "seconds an http(s) image may take to download",
                                     gt=0)
     log_requests: bool = _f(False, "log each request's prompt and parameters at arrival, its "

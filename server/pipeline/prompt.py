@@ -199,7 +199,8 @@ async def chat_prompt_images(tm: TokenizerManager, req: Any, tools: ToolPlan
     _check_typed_pads(tm, req.messages, ids, len(refs))
     if not refs:
         return ids, []
-    pics = [await load_image(url, where, tm.media_limits) for where, url in refs]
+    pics = [await load_image(url, where, tm.media_limits, tm.images.max_pixels)
+            for where, url in refs]
     try:
         return await asyncio.to_thread(tm.images.process, ids, pics)
     except ImageError as exc:

@@ -172,6 +172,65 @@ def test_pixel_limit_decides_over_pils_bomb_guard(tokenizer):
     assert "20000x20000 pixels" in str(err.value)
 
 
+def _jpeg(size, colour=(30, 120, 200)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, colour).save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+def test_default_pixel_limit_is_what_the_processors_resize_to():
+    """Qwen3-VL's processor resizes to at most 16 Mi pixels (Qwen2.5-VL's to 12.8 M): the
+    default --max-image-pixels decodes no more (a 6000x6000 PNG was ~100 MB decoded)."""
+    from engine.args import ServerArgs
+
+    assert ServerArgs().max_image_pixels == MediaLimits().max_pixels == 4096 * 4096
+
+
+def test_a_big_jpeg_decodes_at_a_reduced_scale(tokenizer):
+    """A JPEG larger than the processor's target (or the pixel limit) is decoded by PIL's
+    DCT scaling (``draft``) at the largest reduction that still meets the target, then
+    within the limit; other formats over the limit are refused from their header."""
+    from server.http.errors import APIError
+    from server.media.fetch import decode_image
+
+    limits = MediaLimits(max_pixels=1000 * 1000)
+    big = _jpeg((1600, 1200))
+    img = decode_image(big, "p", limits, target_pixels=300 * 200)
+    assert img.size == (400, 300) and img.mode == "RGB"  # 1/4: 1/8 would be below target
+    img = decode_image(big, "p", limits)  # no target: just within the limit
+    assert img.size == (800, 600)
+    assert decode_image(_jpeg((200, 100)), "p", limits, target_pixels=300 * 200
+                        ).size == (200, 100)  # under the target: whole
+    with pytest.raises(APIError) as err:  # a PNG is decoded whole: its header decides
+        decode_image(_png((1600, 1200)), "p", limits, target_pixels=300 * 200)
+    assert "1600x1200 pixels" in str(err.value) and err.value.param == "p"
+
+
+def test_a_decoded_image_far_over_the_target_is_reduced(tokenizer):
+    """A non-JPEG image four or more times the processor's target is box-reduced by an
+    integer factor (still at least the target) before the processor reads it."""
+    from server.media.fetch import decode_image
+
+    img = decode_image(_png((600, 400)), "p", MediaLimits(), target_pixels=100 * 100)
+    assert img.size == (150, 100)
+    assert decode_image(_png((300, 200)), "p", MediaLimits(), target_pixels=100 * 100
+                        ).size == (150, 100)
+    assert decode_image(_png((150, 100)), "p", MediaLimits(), target_pixels=100 * 100
+                        ).size == (150, 100)
+
+
+def test_the_processors_target_reaches_the_decoder(served, monkeypatch):
+    from server.media import fetch
+
+    client, engine, _ = served
+    assert engine.tm.images.max_pixels == 28 * 28 * 16  # vl_helpers' processor
+    seen = []
+    real = fetch.decode_image
+    monkeypatch.setattr(fetch, "decode_image", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    assert _chat(client, "look ", _image(_data_url(_jpeg((112, 112))))).status_code == 200
+    assert seen == [{"target_pixels": 28 * 28 * 16}]
+
+
 def test_too_many_images(served):
     client, _, _ = served
     url = _data_url(_png())
