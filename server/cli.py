@@ -1,7 +1,7 @@
 """The ``ferry`` command line: ``ferry serve`` and the benchmark / parity subcommands.
 
 ``ferry serve [flags]`` (or ``python -m server [flags]``) starts the OpenAI-compatible
-server; its flags come from ``ServerArgs`` (engine/args.py). The other subcommands import
+server; its flags come from ``ServerArgs`` (engine/args/). The other subcommands import
 their module lazily and call its ``main(argv)``.
 """
 

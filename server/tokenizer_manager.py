@@ -310,8 +310,30 @@ class TokenizerManager:
                                                  ttft, e2e, reason))
 
     # ---- tokenization and checks --------------------------------------------------------
+    def image_pad(self) -> tuple[int, str] | None:
+        """The image model's image-pad token ``(id, text)`` (``<|image_pad|>``), or None
+        for a text-only model."""
+        if self.images is None:
+            return None
+        pad = self.images.image_token_id
+        tok = self.chat.tokenizer
+        text = tok.convert_ids_to_tokens(pad) if tok is not None else None
+        return pad, text if isinstance(text, str) else f"token {pad}"
+
+    def check_image_tokens(self, input_ids: list[int], image_tokens: int, param: str) -> None:
+        """400 naming ``param`` when the prompt holds image-pad tokens that no image stands
+        behind (typed as text, or sent as token ids): the model would read them as image
+        positions. ``image_tokens``: the positions the prompt's images fill (0: none)."""
+        pad = self.image_pad()
+        if pad is None or input_ids.count(pad[0]) == image_tokens:
+            return
+        raise bad_request(f"{pad[1]!r} (token id {pad[0]}) is this model's image placeholder: "
+                          "only an image part may put it in a prompt; remove it from the "
+                          "text or token ids", param)
+
     def check_prompt(self, input_ids: list[int], max_tokens: int | None, param: str, *,
-                     max_tokens_param: str | None = None, min_tokens: int = 0) -> None:
+                     max_tokens_param: str | None = None, min_tokens: int = 0,
+                     image_tokens: int = 0) -> None:
         """Validate a tokenized prompt against the engine's limits
         (``engine.validation.validate_request``, the checks the engine and ``LLM`` run).
 
@@ -325,14 +347,17 @@ class TokenizerManager:
             max_tokens_param: the field the client set ``max_tokens`` with
                 (``max_tokens``, ``max_completion_tokens``), or None if it is a default.
             min_tokens: tokens the completion must have before EOS may end it.
+            image_tokens: the prompt positions its images fill (``check_image_tokens``).
         Raises:
             APIError: 400 for a bad max_tokens/min_tokens, an empty prompt, a token id
                 outside ``[0, vocab_size)`` or a request beyond the context (code
                 ``context_length_exceeded``), naming ``param`` when the prompt leaves no
                 room for one token,
                 ``max_tokens_param`` when the prompt fits but not with the asked max_tokens,
-                and ``min_tokens`` when prompt + min_tokens does not fit.
+                and ``min_tokens`` when prompt + min_tokens does not fit; naming ``param``
+                for image-pad tokens without an image (an image model).
         """
+        self.check_image_tokens(input_ids, image_tokens, param)
         sp = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens)
         try:
             validate_request(input_ids, sp, self.vocab_size, self.max_context_len, param,

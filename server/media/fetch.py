@@ -11,7 +11,9 @@ Sources, each refused unless the server allows it:
   ``--max-image-bytes`` bytes (streamed: a larger body is cut off, not read).
 
 Every image is at most ``--max-image-bytes`` encoded and ``--max-image-pixels`` decoded
-(checked from the header before the pixels are decoded), and decoded fully here, so a
+(checked from the header before the pixels are decoded; a JPEG decodes at a reduced scale
+when the model's processor would downsize it anyway: ``decode_image``), and decoded fully
+here, so a
 truncated or corrupt file is the client's 400 (naming the part, e.g.
 ``messages[1].content[0].image_url``) and never a 500 later.
 """
@@ -36,7 +38,7 @@ class MediaLimits:
     local_path: str | None = None
     domains: tuple[str, ...] = ()
     max_bytes: int = 20 << 20
-    max_pixels: int = 40_000_000
+    max_pixels: int = 4096 * 4096  # Qwen3-VL's processor resizes to at most this
     timeout: float = 10.0
     max_images: int = 4
 
@@ -140,12 +142,29 @@ async def _http(url: str, where: str, limits: MediaLimits) -> bytes:
     return bytes(body)
 
 
-def decode_image(data: bytes, where: str, limits: MediaLimits):
-    """Encoded image bytes -> an RGB PIL image, fully decoded.
+def _jpeg_scale(w: int, h: int, target: int | None, cap: int) -> int:
+    """The JPEG decoding reduction (1, 2, 4 or 8) for a ``w`` x ``h`` image: the largest
+    that keeps at least ``target`` pixels (the processor downsizes to that anyway), then
+    doubled while the result is over ``cap``."""
+    s = next((s for s in (8, 4, 2) if target and (w // s) * (h // s) >= target), 1)
+    while s < 8 and -(-w // s) * -(-h // s) > cap:
+        s *= 2
+    return s
+
+
+def decode_image(data: bytes, where: str, limits: MediaLimits, target_pixels: int | None = None):
+    """Encoded image bytes -> an RGB PIL image, fully decoded, no bigger than needed.
+
+    The pixel count is read from the header before any pixel is decoded. A JPEG larger than
+    ``target_pixels`` (the most the model's processor resizes to) or than the limit is
+    decoded at a reduced scale (PIL's ``draft``: DCT scaling, 1/2 to 1/8, at the largest
+    reduction still meeting the target), so its decoded size is what counts against the
+    limit; another format is decoded whole (its header size counts), then box-reduced by
+    an integer factor while it stays at least ``target_pixels``.
 
     Raises:
-        APIError: 400 naming ``where`` for too many bytes or pixels, or data PIL cannot
-            decode."""
+        APIError: 400 naming ``where`` for too many bytes or (decoded) pixels, or data PIL
+            cannot decode."""
     from PIL import Image, UnidentifiedImageError
 
     if len(data) > limits.max_bytes:
@@ -156,24 +175,34 @@ def decode_image(data: bytes, where: str, limits: MediaLimits):
         Image.MAX_IMAGE_PIXELS = None
         img = Image.open(io.BytesIO(data))
         w, h = img.size
-        if w * h > limits.max_pixels:
+        if img.format == "JPEG":
+            s = _jpeg_scale(w, h, target_pixels, limits.max_pixels)
+            if s > 1:
+                img.draft("RGB", (w // s, h // s))
+        dw, dh = img.size
+        if dw * dh > limits.max_pixels:
             raise bad_request(f"the image has {w}x{h} pixels; at most {limits.max_pixels} "
-                              "are allowed", where)
+                              "are allowed (--max-image-pixels)", where)
         img.load()
-        return img.convert("RGB")
+        img = img if img.mode == "RGB" else img.convert("RGB")  # convert copies even RGB
+        f = int((dw * dh / target_pixels) ** 0.5) if target_pixels else 1
+        return img.reduce(f) if f >= 2 else img
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError,
             SyntaxError):
         raise bad_request("the image could not be decoded (expected PNG, JPEG, GIF, WebP "
                           "or another format PIL reads)", where) from None
 
 
-async def load_image(url: str, where: str, limits: MediaLimits):
+async def load_image(url: str, where: str, limits: MediaLimits,
+                     target_pixels: int | None = None):
     """The RGB PIL image at ``url`` (module docstring for the sources and limits).
 
     Args:
         url: a ``data:``, ``file://`` or ``http(s)://`` URL.
         where: the request part to name in errors (``messages[1].content[0].image_url``).
         limits: the server's :class:`MediaLimits`.
+        target_pixels: the most pixels the model's processor resizes an image to (None:
+            not known): ``decode_image`` decodes no more than it needs.
     Raises:
         APIError: 400 naming ``where`` for a source the server does not allow, a fetch that
             fails, or an image that is too big or does not decode.
@@ -189,4 +218,5 @@ async def load_image(url: str, where: str, limits: MediaLimits):
         data = await _http(url, where, limits)
     else:
         raise bad_request("an image URL must be a data:, file:// or http(s):// URL", where)
-    return await asyncio.to_thread(decode_image, data, where, limits)
+    kw = {} if target_pixels is None else {"target_pixels": target_pixels}
+    return await asyncio.to_thread(decode_image, data, where, limits, **kw)

@@ -58,6 +58,18 @@ def expand_image_tokens(ids: list[int], image_token_id: int, counts: list[int]
     return out, spans
 
 
+def max_pixels_of(processor: Any) -> int | None:
+    """The most pixels Qwen2-VL's family of processors resizes an image to: its
+    ``max_pixels``, which transformers 5 keeps as ``size["longest_edge"]`` (a pixel count
+    there, beside ``shortest_edge``: ``min_pixels``); None for another kind of processor."""
+    value = getattr(processor, "max_pixels", None)
+    size = getattr(processor, "size", None)
+    if not value and size is not None and getattr(processor, "merge_size", None):
+        get = size.get if isinstance(size, dict) else lambda k: getattr(size, k, None)
+        value = get("max_pixels") or get("longest_edge")
+    return int(value) if isinstance(value, int | float) and value > 0 else None
+
+
 class ImageProcessor:
     """A model's image processing (module docstring).
 
@@ -71,6 +83,9 @@ class ImageProcessor:
         self.processor = processor
         self.image_token_id = image_token_id
         self.merge = int(getattr(processor, "merge_size", 1) or 1)
+        #: the most pixels the processor resizes an image to (None: not known), so the
+        #: decoder need not decode more (``server/media/fetch.py``)
+        self.max_pixels = max_pixels_of(processor)
 
     def process(self, ids: list[int], images: list) -> tuple[list[int], list[ImageData]]:
         """The prompt ``ids`` (one image token per image) and its PIL ``images`` -> the

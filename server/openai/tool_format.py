@@ -28,7 +28,7 @@ import uuid
 
 from server.http import json_text
 from server.openai.formats import ChatFormat
-from server.tools.parsers import START_MARKERS, ParsedCall, get_tool_parser, parse_tool_calls
+from server.tools.parsers import START_MARKERS, ParsedCall, get_tool_parser
 from server.tools.plan import ToolPlan
 
 #: the start of one item of ``tool_choice: "required"``'s array (``calls_schema``), as far as
@@ -103,11 +103,14 @@ class ToolChatFormat(ChatFormat):
         and unknown calls). ``matched``: the stop string or token id that ended it."""
         plan = self.plan
         if plan.choice == "auto":
-            content, calls = parse_tool_calls(plan.parser, text)
+            parser = get_tool_parser(plan.parser)
+            if self.reasoning is None:  # no split: the reasoning is content (gpt-oss)
+                parser = parser.reasoning_inline()
+            content, calls = parser.parse(text)
             names = {t["function"]["name"] for t in plan.tools}
             if any(c.name not in names for c in calls) or (
                     isinstance(matched, str) and not all(map(_whole_json, calls))):
-                return get_tool_parser(plan.parser).as_content(text), []
+                return parser.as_content(text), []
             return content, calls
         # forced: the output is the constrained JSON; without a call in it, no content either
         if plan.choice == "named":  # the output is the arguments, whole or cut

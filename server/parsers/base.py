@@ -161,6 +161,12 @@ class ToolParser:
         itself, but for a family whose call markup must not reach the client."""
         return text
 
+    def reasoning_inline(self) -> ToolParser:
+        """This family's parser for an output whose reasoning was not split off (no
+        reasoning parser, or ``separate_reasoning: false``): itself, but for a family that
+        drops the reasoning as the reasoning parser's (gpt-oss keeps it as content)."""
+        return self
+
     def safe_content_end(self, text: str) -> int:
         """How much of ``text`` cannot belong to a call: up to the first marker, or to a
         tail that could begin one."""

@@ -15,7 +15,8 @@ come (a call once its name is complete, its arguments as they grow):
   <arg_value>v</arg_value>...</tool_call>``.
 - ``gpt-oss`` (vLLM's ``openai``): harmony messages (``server/parsers/harmony.py``) to
   ``functions.NAME``; beside calls, the ``final`` and preamble bodies are the content and
-  ``analysis`` is dropped (the reasoning parser's). An output without calls is all content
+  ``analysis`` is dropped (the reasoning parser's; content when no reasoning parser split
+  it off, ``separate_reasoning: false``: ``reasoning_inline``). An output without calls is all content
   as written, as with every family: run the ``gpt-oss`` reasoning parser first, whose
   content is the final text with the tool-call messages left as written.
 
@@ -218,14 +219,30 @@ class Glm45Parser(XmlCallParser):
 
 
 class GptOssParser(ScanToolParser):
+    """Harmony's calls (see the module docstring).
+
+    Args:
+        keep_analysis: the ``analysis`` bodies are content too (no reasoning parser split
+            them off: ``reasoning_inline``); False: dropped, as the reasoning parser's.
+    """
+
     name = "gpt-oss"
     needs_special_tokens = True
     markers = harmony.OPENERS
 
+    def __init__(self, keep_analysis: bool = False):
+        self.keep_analysis = keep_analysis
+
+    def reasoning_inline(self):
+        return self if self.keep_analysis else _GPT_OSS_INLINE
+
+    def _content(self, piece: harmony.Piece) -> bool:
+        return piece.channel != "analysis" or self.keep_analysis
+
     def scan(self, text, final, tools):
         segments, calls, cur = [], [], ""
         for piece in harmony.split(text, final):
-            if piece.channel is None or (piece.channel != "analysis" and not piece.recipient):
+            if piece.channel is None or (self._content(piece) and not piece.recipient):
                 cur += piece.raw if piece.channel is None else piece.body
             elif piece.recipient:
                 segments.append(cur)
@@ -237,7 +254,10 @@ class GptOssParser(ScanToolParser):
 
     def as_content(self, text):
         """The bodies of the messages (calls' too) and the text outside them, no markup;
-        ``analysis`` left out (the reasoning parser's)."""
+        ``analysis`` left out (the reasoning parser's) unless ``keep_analysis``."""
         return "".join(p.raw if p.channel is None else p.body
-                       for p in harmony.split(text, True) if p.channel != "analysis")
+                       for p in harmony.split(text, True) if self._content(p))
+
+
+_GPT_OSS_INLINE = GptOssParser(keep_analysis=True)
 

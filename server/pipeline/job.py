@@ -239,7 +239,7 @@ async def prepare(tm: TokenizerManager, req: Any, *, base: str, max_tokens: int 
     else:
         ids = truncate_prompt(ids, req, tm.max_context_len)
     tm.check_prompt(ids, sp.max_tokens, prompt_param, max_tokens_param=max_tokens_param,
-                    min_tokens=sp.min_tokens)
+                    min_tokens=sp.min_tokens, image_tokens=sum(im.length for im in images))
     if req.prompt_logprobs is not None:
         check_prompt_logprobs([len(ids)], req.n, req.prompt_logprobs + 1, ["prompt_logprobs"])
     reasoning, sp, strip = await _reasoning_settings(tm, req, ids, tools, sp)

@@ -178,7 +178,8 @@ async def chat_prompt_images(tm: TokenizerManager, req: Any, tools: ToolPlan
             ``reasoning_effort`` that is not a string, or the image part at fault
             (``messages[1].content[0].image_url``): more images than
             ``--limit-mm-per-prompt``, a model without image input, an image that cannot be
-            read, decoded or processed.
+            read, decoded or processed; the text that holds an image-pad token typed
+            (``messages[0].content``: only image parts place it).
     """
     kwargs = dict(req.chat_template_kwargs or {}, **tools.template_kwargs)
     effort = (getattr(req, "model_extra", None) or {}).get("reasoning_effort")
@@ -195,9 +196,11 @@ async def chat_prompt_images(tm: TokenizerManager, req: Any, tools: ToolPlan
         messages, req.add_generation_prompt,
         bool(req.add_special_tokens), continue_final_message=req.continue_final_message,
         template_kwargs=kwargs)
+    _check_typed_pads(tm, req.messages, ids, len(refs))
     if not refs:
         return ids, []
-    pics = [await load_image(url, where, tm.media_limits) for where, url in refs]
+    pics = [await load_image(url, where, tm.media_limits, tm.images.max_pixels)
+            for where, url in refs]
     try:
         return await asyncio.to_thread(tm.images.process, ids, pics)
     except ImageError as exc:
@@ -215,3 +218,24 @@ async def _check_images(tm: TokenizerManager, refs: list) -> None:
     if len(refs) > limit:
         raise bad_request(f"this request has {len(refs)} images; at most {limit} per prompt "
                           "are allowed (--limit-mm-per-prompt)", refs[limit][0])
+
+
+def _check_typed_pads(tm: TokenizerManager, messages: list[Any], ids: list[int],
+                      images: int) -> None:
+    """400 naming the message text that holds an image model's image-pad token (typed, not
+    placed by an image part: the template's ``ids`` hold more of them than ``images``)."""
+    pad = tm.image_pad()
+    if pad is None or ids.count(pad[0]) == images:
+        return
+    where = "messages"
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, str) and pad[1] in content:
+            where = f"messages[{i}].content"
+        elif isinstance(content, list):
+            hits = [j for j, p in enumerate(content)
+                    if isinstance(p.get("text"), str) and pad[1] in p["text"]]
+            where = f"messages[{i}].content[{hits[0]}].text" if hits else where
+        if where != "messages":
+            break
+    tm.check_image_tokens(ids, images, where)

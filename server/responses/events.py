@@ -15,7 +15,9 @@ for the text, a ``function_call`` item per tool call. A stream emits, in order, 
 ``response.content_part.added``, ``response.output_text.delta``..., ``response.output_text.done``,
 ``response.content_part.done``, ``response.output_item.done``; per call
 ``response.output_item.added``, ``response.function_call_arguments.delta``...,
-``response.function_call_arguments.done``, ``response.output_item.done``; then one terminal
+``response.function_call_arguments.done``, ``response.output_item.done``. Items never
+interleave: each one's events end (``output_item.done``) before the next item's
+``output_item.added``, ``output_index`` increasing; then one terminal
 event: ``response.completed`` (status ``completed``), ``response.incomplete`` (status
 ``incomplete``, ``incomplete_details.reason: "max_output_tokens"``: cut by
 ``max_output_tokens`` or the context) or ``response.failed`` (status ``failed``: the server
@@ -226,9 +228,12 @@ class ResponseBuilder:
         fn = tc.get("function") or {}
         events: list[dict] = []
         if "id" in tc:  # a new call: its header (id, name), then argument fragments
+            # the chat format sends each call whole before the next one's header: the item
+            # before it is finished, as OpenAI's stream ends one item before the next starts
             events += self._close_reasoning("completed")
             if self.msg is not None:
                 events += self._close_message("completed")
+            events += self._close_calls("completed")
             index = len(self.items)
             self.items.append({"id": f"fc_{uuid.uuid4().hex}", "type": "function_call",
                                "status": "in_progress", "call_id": tc["id"],

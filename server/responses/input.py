@@ -58,7 +58,10 @@ class ChatConversion:
         if m:
             i = int(m.group(1))
             origin = self.origins[i] if i < len(self.origins) else "input"
-            return origin + p[m.end():]
+            rest = p[m.end():]
+            if origin in ("input", "instructions") and rest.startswith(".content"):
+                rest = rest[len(".content"):]  # the field is the message's content itself
+            return origin + rest
         m = re.match(r"tools\[(\d+)\]\.function", p)
         if m:
             return f"tools[{m.group(1)}]" + p[m.end():]

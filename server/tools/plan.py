@@ -24,9 +24,10 @@ import msgspec
 
 from engine.sampling.params import SamplingParams
 from server.http import json_text
-from server.http.errors import bad_request
+from server.http.errors import APIError, bad_request
 from server.tools import structured
 from server.tools.parsers import detect_parser
+from server.tools.schema_check import SchemaShapeError, check_schema_shape
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
@@ -92,6 +93,11 @@ def _tools(value: Any) -> list[dict]:
         except json_text.JSONTextError as exc:
             raise bad_request(f"function.parameters is {exc}", f"{p}.function.parameters"
                               ) from None
+        try:  # before a chat template walks it (its error could only name messages)
+            check_schema_shape({} if params is None else params)
+        except SchemaShapeError as exc:
+            raise bad_request(f"Invalid schema for function {name!r}: {exc}",
+                              f"{p}.function.parameters") from None
         if "description" in fn and not isinstance(fn["description"], str):
             raise bad_request("function.description must be a string",
                               f"{p}.function.description")
@@ -159,6 +165,23 @@ def plan_tools(req, chat_template: str | None, parser_arg: str = "auto") -> Tool
     return plan
 
 
+async def _check_enforced_schemas(plan: ToolPlan) -> None:
+    """400 naming ``tools[i].function.parameters`` for a schema xgrammar cannot compile,
+    of each tool whose schema constrains the output (``required``: all; a named function:
+    its own) or is declared ``strict``; a non-strict tool under ``auto`` or ``none`` is only
+    shown to the model."""
+    for i, tool in enumerate(plan.tools):
+        fn = tool["function"]
+        if fn.get("strict") is True or plan.choice == "required" or (
+                plan.choice == "named" and fn["name"] == plan.name):
+            try:
+                await structured.check(f"tools[{i}].function.parameters", "json_schema",
+                                       json.dumps(_params_schema(tool)))
+            except APIError as err:
+                raise bad_request(f"Invalid schema for function {fn['name']!r}: "
+                                  f"{err.message.split(': ', 1)[-1]}", err.param) from None
+
+
 async def prepare_chat(req, sp: SamplingParams, chat_template: str | None,
                        parser_arg: str = "auto") -> tuple[ToolPlan, SamplingParams]:
     """The tool plan of a chat request and its ``SamplingParams`` with the output
@@ -169,6 +192,7 @@ async def prepare_chat(req, sp: SamplingParams, chat_template: str | None,
             a forced tool call together with another output constraint.
     """
     plan = plan_tools(req, chat_template, parser_arg)
+    await _check_enforced_schemas(plan)
     found = structured.constraints_of(req)
     if plan.choice in ("required", "named"):
         if found:

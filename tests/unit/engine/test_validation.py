@@ -146,7 +146,8 @@ def test_engine_server_and_llm_agree(tiny, ids, max_tokens, param, message):
     assert isinstance(out, io.ErrorOut)
     assert (out.message, out.param, out.status) == (message, param, 400)
     # the server: an OpenAI 400 (limits from the engine's ReadyOut)
-    tm = SimpleNamespace(vocab_size=loop.vocab_size, max_context_len=loop.runner.max_context_len)
+    tm = SimpleNamespace(vocab_size=loop.vocab_size, max_context_len=loop.runner.max_context_len,
+                         check_image_tokens=lambda ids, images, param: None)  # text-only
     with pytest.raises(APIError) as ei:
         TokenizerManager.check_prompt(tm, ids, max_tokens, "prompt",
                                       max_tokens_param="max_tokens")

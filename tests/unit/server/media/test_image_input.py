@@ -172,6 +172,65 @@ def test_pixel_limit_decides_over_pils_bomb_guard(tokenizer):
     assert "20000x20000 pixels" in str(err.value)
 
 
+def _jpeg(size, colour=(30, 120, 200)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, colour).save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+def test_default_pixel_limit_is_what_the_processors_resize_to():
+    """Qwen3-VL's processor resizes to at most 16 Mi pixels (Qwen2.5-VL's to 12.8 M): the
+    default --max-image-pixels decodes no more (a 6000x6000 PNG was ~100 MB decoded)."""
+    from engine.args import ServerArgs
+
+    assert ServerArgs().max_image_pixels == MediaLimits().max_pixels == 4096 * 4096
+
+
+def test_a_big_jpeg_decodes_at_a_reduced_scale(tokenizer):
+    """A JPEG larger than the processor's target (or the pixel limit) is decoded by PIL's
+    DCT scaling (``draft``) at the largest reduction that still meets the target, then
+    within the limit; other formats over the limit are refused from their header."""
+    from server.http.errors import APIError
+    from server.media.fetch import decode_image
+
+    limits = MediaLimits(max_pixels=1000 * 1000)
+    big = _jpeg((1600, 1200))
+    img = decode_image(big, "p", limits, target_pixels=300 * 200)
+    assert img.size == (400, 300) and img.mode == "RGB"  # 1/4: 1/8 would be below target
+    img = decode_image(big, "p", limits)  # no target: just within the limit
+    assert img.size == (800, 600)
+    assert decode_image(_jpeg((200, 100)), "p", limits, target_pixels=300 * 200
+                        ).size == (200, 100)  # under the target: whole
+    with pytest.raises(APIError) as err:  # a PNG is decoded whole: its header decides
+        decode_image(_png((1600, 1200)), "p", limits, target_pixels=300 * 200)
+    assert "1600x1200 pixels" in str(err.value) and err.value.param == "p"
+
+
+def test_a_decoded_image_far_over_the_target_is_reduced(tokenizer):
+    """A non-JPEG image four or more times the processor's target is box-reduced by an
+    integer factor (still at least the target) before the processor reads it."""
+    from server.media.fetch import decode_image
+
+    img = decode_image(_png((600, 400)), "p", MediaLimits(), target_pixels=100 * 100)
+    assert img.size == (150, 100)
+    assert decode_image(_png((300, 200)), "p", MediaLimits(), target_pixels=100 * 100
+                        ).size == (150, 100)
+    assert decode_image(_png((150, 100)), "p", MediaLimits(), target_pixels=100 * 100
+                        ).size == (150, 100)
+
+
+def test_the_processors_target_reaches_the_decoder(served, monkeypatch):
+    from server.media import fetch
+
+    client, engine, _ = served
+    assert engine.tm.images.max_pixels == 28 * 28 * 16  # vl_helpers' processor
+    seen = []
+    real = fetch.decode_image
+    monkeypatch.setattr(fetch, "decode_image", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    assert _chat(client, "look ", _image(_data_url(_jpeg((112, 112))))).status_code == 200
+    assert seen == [{"target_pixels": 28 * 28 * 16}]
+
+
 def test_too_many_images(served):
     client, _, _ = served
     url = _data_url(_png())
@@ -195,6 +254,50 @@ def test_images_only_in_user_messages(served):
     r = _chat(client, _image(_data_url(_png())), role="assistant")
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "messages[1].content[0].type"
+
+
+PAD = "<|image_pad|>"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "user", "content": f"what is {PAD} here?"}]},
+     "messages[0].content"),
+    ({"messages": [{"role": "system", "content": "hi"}, {"role": "user", "content": [
+        {"type": "text", "text": "look"}, {"type": "text", "text": PAD}]}]},
+     "messages[1].content[1].text"),
+    # beside a real image, a typed pad token is still the text's
+    ({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": f"a {PAD}"},
+        {"type": "image_url", "image_url": {"url": _data_url(_png())}}]}]},
+     "messages[0].content[0].text")])
+def test_literal_image_pad_tokens_in_chat_text_are_400s(served, body, param):
+    """A user typing the image-pad token without (or beside) an image: the template would
+    place it as an image position with no image behind it; a 400 naming the text."""
+    client, _, _ = served
+    r = client.post("/v1/chat/completions", json=dict(body, max_tokens=2))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and PAD in err["message"], err
+
+
+@pytest.mark.parametrize("prompt", [f"x {PAD} y", [5, 6, IMAGE_TOKEN_ID, 7],
+                                    ["fine", f"{PAD}"]])
+def test_image_pad_tokens_in_a_completions_prompt_are_400s(served, prompt):
+    client, engine, _ = served
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "prompt" and PAD in err["message"], err
+    assert not any(isinstance(m, io_struct.TokenizedGenerateReq) for m in engine.sent)
+
+
+def test_responses_and_a_text_model_with_the_pad_text(served):
+    client, engine, _ = served
+    r = client.post("/v1/responses", json={"input": f"say {PAD}", "max_output_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+    engine.tm.images = None  # a text-only model: its own vocabulary, no image positions
+    r = client.post("/v1/completions", json={"prompt": f"x {PAD}", "max_tokens": 2})
+    assert r.status_code == 200, r.text
 
 
 def test_http_images_fetched_within_limits(served, monkeypatch):

@@ -368,7 +368,8 @@ def _check(n_prompt: int, max_tokens, param="prompt", ctx=100, **kw):
     """``TokenizerManager.check_prompt`` on a context of ``ctx`` tokens; the error's param."""
     from server.tokenizer_manager import TokenizerManager
 
-    fake = SimpleNamespace(vocab_size=1000, max_context_len=ctx)
+    fake = SimpleNamespace(vocab_size=1000, max_context_len=ctx,  # a text-only model
+                           check_image_tokens=lambda ids, images, param: None)
     try:
         TokenizerManager.check_prompt(fake, [1] * n_prompt, max_tokens, param, **kw)
     except APIError as e:

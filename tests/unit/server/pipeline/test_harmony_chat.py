@@ -290,3 +290,43 @@ def test_a_constraint_with_harmony_is_one_clear_400(fields, param):
         _job_format(**fields)
     assert (err.value.status, err.value.param) == (400, param)
     assert "with the gpt-oss reasoning parser is not supported yet" in err.value.message
+
+
+def _stream_message(fmt, pieces) -> dict:
+    msg = {"r": "", "c": "", "calls": {}, "finish": None}
+    for out in _outputs(pieces):
+        for c in fmt.chunks(out):
+            ch = c["choices"][0]
+            msg["r"] += ch["delta"].get("reasoning_content") or ""
+            msg["c"] += ch["delta"].get("content") or ""
+            for tc in ch["delta"].get("tool_calls") or []:
+                call = msg["calls"].setdefault(tc["index"], ["", ""])
+                call[0] += tc.get("function", {}).get("name") or ""
+                call[1] += tc.get("function", {}).get("arguments") or ""
+            msg["finish"] = ch["finish_reason"] or msg["finish"]
+    return msg
+
+
+def test_separate_reasoning_false_with_tools_keeps_the_reasoning_inline():
+    """With ``separate_reasoning: false`` the analysis text is content (as without tools,
+    where the whole output is), and the commentary call still parses."""
+    plain, _ = _job_format(separate_reasoning=False)
+    m = plain.full([_outputs(CALL)])["choices"][0]["message"]
+    assert "Need the weather." in m["content"] and m.get("reasoning_content") is None
+    fmt, _ = _job_format(tools=TOOLS, separate_reasoning=False)
+    choice = fmt.full([_outputs(CALL)])["choices"][0]
+    m = choice["message"]
+    assert m.get("reasoning_content") is None and m["content"] == "Need the weather."
+    assert [c["function"] for c in m["tool_calls"]] == [
+        {"name": "get_weather", "arguments": '{"city": "Paris"}'}]
+    assert choice["finish_reason"] == "tool_calls"
+    for pieces in _splits(CALL):
+        fmt, _ = _job_format(tools=TOOLS, separate_reasoning=False)
+        assert _stream_message(fmt, pieces) == {
+            "r": "", "c": "Need the weather.",
+            "calls": {0: ["get_weather", '{"city": "Paris"}']}, "finish": "tool_calls"}, pieces
+    # a call to an unknown function: its body is content, the reasoning still inline
+    unknown = [p.replace("get_weather", "nope") for p in CALL]
+    fmt, _ = _job_format(tools=TOOLS, separate_reasoning=False)
+    m = fmt.full([_outputs(unknown)])["choices"][0]["message"]
+    assert (m["content"], m.get("tool_calls")) == ('Need the weather.{"city": "Paris"}', None)

@@ -135,6 +135,59 @@ def test_bad_tools_are_400s(body, param):
     assert _param(plan_tools, _chat(**body), None) == param
 
 
+def _fn(params, strict=None, name="f"):
+    fn = {"name": name, "parameters": params}
+    if strict is not None:
+        fn["strict"] = strict
+    return {"type": "function", "function": fn}
+
+
+@pytest.mark.parametrize("params, why", [
+    ({"type": "object", "properties": "x"}, "properties"),
+    ({"type": "object", "properties": [1, 2]}, "properties"),
+    ({"type": "object", "properties": {"a": "string"}}, "properties.a"),
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "required": "a"},
+     "required"),
+    ({"type": "object", "properties": {"a": {"type": 5}}}, "properties.a.type"),
+    ({"type": "object", "properties": {"a": {"type": "text"}}}, "properties.a.type"),
+    ({"type": "object", "properties": {"a": {"type": "array", "items": 5}}},
+     "properties.a.items"),
+    ({"type": "object", "properties": {"a": {"enum": "xy"}}}, "properties.a.enum"),
+    ({"type": "object", "properties": {"a": {"anyOf": {"type": "string"}}}},
+     "properties.a.anyOf"),
+    ({"type": "object", "additionalProperties": 3}, "additionalProperties"),
+])
+def test_malformed_tool_schemas_name_the_tools_parameters(params, why):
+    """Issue of the break-it trial: such schemas reached the chat template (gpt-oss's
+    iterates ``properties``), whose error named ``messages``; with ``tool_choice`` forced,
+    xgrammar's named ``tools``. Every choice names the tool's ``parameters``."""
+    for choice in ("auto", "none", "required", {"type": "function", "function": {"name": "f"}}):
+        body = _chat(tools=[TOOLS[0], _fn(params)], tool_choice=choice)
+        with pytest.raises(APIError) as ei:
+            asyncio.run(prepare_chat(body, SamplingParams(), None))
+        assert ei.value.param == "tools[1].function.parameters", (choice, ei.value.message)
+        assert why in ei.value.message and "'f'" in ei.value.message, ei.value.message
+
+
+@pytest.mark.parametrize("choice, strict, bad", [
+    ("required", None, True), ({"type": "function", "function": {"name": "f"}}, None, True),
+    ("auto", True, True), ("auto", None, False), ("none", True, True)])
+def test_schemas_the_grammar_rejects_name_the_tool(choice, strict, bad):
+    """A schema xgrammar cannot compile (a bad ``pattern``, a dangling ``$ref``) is a 400
+    naming its tool's ``parameters`` when the schema is enforced (a forced call) or declared
+    ``strict``; a non-strict tool under ``auto`` is only shown to the model."""
+    for params in ({"type": "object", "properties": {"a": {"type": "string", "pattern": "("}}},
+                   {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}):
+        body = _chat(tools=[TOOLS[0], _fn(params, strict)], tool_choice=choice)
+        if not bad:
+            asyncio.run(prepare_chat(body, SamplingParams(), None))
+            continue
+        with pytest.raises(APIError) as ei:
+            asyncio.run(prepare_chat(body, SamplingParams(), None))
+        assert ei.value.param == "tools[1].function.parameters", ei.value.message
+        assert "'f'" in ei.value.message
+
+
 def test_forced_tools_build_the_schema_and_refuse_a_second_constraint():
     plan, sp = asyncio.run(prepare_chat(_chat(tools=TOOLS, tool_choice="required",
                                               parallel_tool_calls=False), SamplingParams(),

@@ -5,26 +5,51 @@ the help text is the field's ``metadata["help"]``, and ``choices`` come from
 ``metadata["choices"]``. Booleans become ``--flag`` switches. ``__post_init__`` checks the
 choices and the bounds ``metadata["ge" | "gt" | "le"]``, so ``LLM(...)`` (which bypasses
 argparse) and ``ferry serve`` reject the same values with the same message.
+
+Self-contained groups of flags are dataclasses of their own, with their checks and helpers:
+speculative decoding (``engine/args/speculative.py``), LoRA (``engine/args/lora.py``) and
+image input (``engine/args/media.py``); ``ServerArgs`` takes their fields flat, in place
+(``engine/args/fields.py``: ``take_fields``, and the field machinery), so every flag,
+keyword and attribute is ``ServerArgs``'s own. This module re-exports their names.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import operator
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, get_type_hints
 
-#: --speculative-algorithm's choices (SGLang's names)
-SPECULATIVE_ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3", "STANDALONE")
-SPECULATIVE_BUILT = ("NGRAM", "EAGLE", "EAGLE3", "STANDALONE")
-#: the algorithms whose drafts come from a model (--speculative-draft-model-path)
-SPECULATIVE_MODEL_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE")
-#: --speculative-num-draft-tokens when not given
-DEFAULT_NUM_DRAFT_TOKENS = 4
-#: --max-lora-rank without --lora-paths to take it from
-DEFAULT_MAX_LORA_RANK = 16
+from engine.args.fields import base_type, field_error, take_fields
+from engine.args.fields import flag as _f
+from engine.args.lora import (
+    ADAPTER_NAME_CHARS,
+    DEFAULT_MAX_LORA_RANK,
+    MAX_ADAPTER_NAME_LEN,
+    LoraArgs,
+    adapter_name_error,
+    lora_enabled,
+    lora_error,
+    lora_path_items,
+)
+from engine.args.media import MediaArgs, image_limit, media_error
+from engine.args.speculative import (
+    DEFAULT_NUM_DRAFT_TOKENS,
+    SPECULATIVE_ALGORITHMS,
+    SPECULATIVE_BUILT,
+    SPECULATIVE_MODEL_ALGORITHMS,
+    SpeculativeArgs,
+    num_draft_tokens,
+    speculative_error,
+)
+
+__all__ = ["ADAPTER_NAME_CHARS", "DEFAULT_MAX_LORA_RANK", "DEFAULT_MAX_REQUEST_BYTES",
+           "DEFAULT_NUM_DRAFT_TOKENS", "MAX_ADAPTER_NAME_LEN", "REASONING_PARSERS",
+           "SPECULATIVE_ALGORITHMS", "SPECULATIVE_BUILT", "SPECULATIVE_MODEL_ALGORITHMS",
+           "TOOL_CALL_PARSERS", "LoraArgs", "MediaArgs", "ServerArgs", "SpeculativeArgs",
+           "adapter_name_error", "default_chunked_prefill", "image_limit", "lora_enabled",
+           "lora_path_items", "num_draft_tokens", "prefill_budget", "request_body_limit"]
+
 #: --tool-call-parser's choices: auto, SGLang's names, then vLLM's (and SGLang's other)
 #: names as aliases (server/parsers/tool_registry.py holds the parsers; a test keeps the two
 #: lists equal)
@@ -38,22 +63,17 @@ REASONING_PARSERS = ("auto", "deepseek-r1", "deepseek-v3", "qwen3", "qwen3-think
                      "openai_gptoss")
 
 
-def _f(default: Any, help: str, choices: tuple | None = None, **kw) -> Any:
-    """A field with its CLI help, its ``choices`` and further metadata in ``kw``: the bounds
-    ``ge``, ``gt`` and ``le`` that ``ServerArgs.__post_init__`` checks."""
-    md = {"help": help}
-    if choices:
-        md["choices"] = choices
-    md.update(kw)
-    return field(default=default, metadata=md)
-
-
 #: ``--max-request-bytes`` by default (a text model; see :func:`request_body_limit`)
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
+@take_fields(MediaArgs, before="log_requests")
+@take_fields(SpeculativeArgs, LoraArgs, before="host")
 class ServerArgs:
+    """Every flag of ``ferry serve`` and keyword of ``LLM(...)`` (module docstring); the
+    speculative, LoRA and image groups' fields are declared in their modules."""
+
     # model
     model_path: str | None = _f(None, "HF directory, .gguf file or directory holding one; "
                                       "empty means the embedded SmolLM2-135M-Instruct")
@@ -180,50 +200,6 @@ class ServerArgs:
                                         "rotary instead of the fused kernels (Triton on GPUs; "
                                         "on the CPU ferry's C++ kernels, decode attention "
                                         "included)")
-    # speculative decoding (SGLang's flag names; engine/speculative/)
-    speculative_algorithm: str | None = _f(
-        None, "speculative decoding: NGRAM (draft tokens copied from the request's own prompt "
-              "and output, no draft model), EAGLE / EAGLE3 (a draft head over the target's "
-              "hidden states) or STANDALONE (a smaller model with the same vocabulary); "
-              "unset: off", SPECULATIVE_ALGORITHMS)
-    speculative_num_draft_tokens: int | None = _f(
-        None, "draft tokens proposed per request and step; one verify forward scores them "
-              f"all (default: {DEFAULT_NUM_DRAFT_TOKENS}; EAGLE/EAGLE3/STANDALONE: "
-              "--speculative-num-steps, or that plus 1 as SGLang counts the verified token)",
-        ge=1, le=64)
-    speculative_num_steps: int | None = _f(
-        None, "EAGLE/EAGLE3/STANDALONE: draft forwards per step, one draft token each (a "
-              "chain; default: --speculative-num-draft-tokens, else "
-              f"{DEFAULT_NUM_DRAFT_TOKENS})", ge=1, le=64)
-    speculative_eagle_topk: int | None = _f(
-        None, "EAGLE/EAGLE3: candidates per draft step (1 = a chain, the only shape built)",
-        ge=1, le=64)
-    speculative_draft_model_path: str | None = _f(
-        None, "EAGLE, EAGLE3, STANDALONE: the draft model's checkpoint")
-    speculative_ngram_min_match_window_size: int = _f(
-        1, "NGRAM: shortest suffix of the request matched against its earlier tokens", ge=1)
-    speculative_ngram_max_match_window_size: int = _f(
-        12, "NGRAM: longest suffix matched (the longest window with a match wins; its most "
-            "recent match is copied)", ge=1)
-    speculative_max_batch_size: int = _f(
-        8, "speculate only in decode steps of at most this many requests (larger batches "
-           "are compute-bound: a step decodes one token per request)", ge=1)
-    # LoRA adapters (SGLang's flag names; engine/lora/)
-    lora_paths: tuple[str, ...] | None = _f(
-        None, "LoRA adapters (peft directories) to serve: name=path (SGLang's form) or a path "
-              "(named after its directory); a request picks one with model 'name' or "
-              "'<served model>:name'")
-    enable_lora: bool = _f(False, "serve LoRA adapters even without --lora-paths (they come "
-                                  "later through POST /load_lora_adapter)")
-    max_loras_per_batch: int = _f(8, "LoRA: most distinct adapters in one step (the device "
-                                     "slots of every layer)", ge=1, le=64)
-    max_loaded_loras: int | None = _f(
-        None, "LoRA: most adapters loaded at once (host memory, counting an unloaded one "
-              "until the requests on it end; beyond --max-loras-per-batch the least recently "
-              "used leave the device; default: no limit)", ge=1)
-    max_lora_rank: int | None = _f(
-        None, "LoRA: largest adapter rank (the slots' size; default: the largest of "
-              f"--lora-paths, else {DEFAULT_MAX_LORA_RANK})", ge=1, le=512)
     # HTTP
     host: str = _f("127.0.0.1", "bind address")
     port: int = _f(30000, "HTTP port", ge=1, le=65535)
@@ -275,20 +251,6 @@ class ServerArgs:
                               "('*' for any)")
     allowed_methods: str = _f("GET,POST,OPTIONS", "CORS: comma-separated methods a browser may "
                               "use")
-    # image input (server/media/): where images may come from and how big they may be
-    allowed_local_media_path: str | None = _f(
-        None, "directory under which file:// image URLs may be read (default: none may)")
-    allowed_media_domains: tuple[str, ...] | None = _f(
-        None, "host names whose http(s) image URLs the server may fetch (default: none; "
-              "'*' for any)")
-    limit_mm_per_prompt: str = _f("image=4", "most images per prompt, as image=N (or JSON "
-                                             "{\"image\": N})")
-    max_image_bytes: int = _f(20 << 20, "most bytes of one image (encoded, as sent or "
-                                        "fetched)", ge=1)
-    max_image_pixels: int = _f(40_000_000, "most pixels (width x height) of one decoded "
-                                           "image", ge=1)
-    media_fetch_timeout: float = _f(10.0, "seconds an http(s) image may take to download",
-                                    gt=0)
     log_requests: bool = _f(False, "log each request's prompt and parameters at arrival, its "
                                    "output text and a summary line (tokens, timings) at the "
                                    "end, at INFO (default: the summary only, at DEBUG)")
@@ -303,7 +265,7 @@ class ServerArgs:
             if typ is bool:
                 parser.add_argument(flag, action="store_true", default=f.default, help=md["help"])
                 continue
-            base = _base_type(typ)
+            base = base_type(typ)
             kw: dict[str, Any] = {"type": base, "default": f.default, "help": md["help"]}
             if getattr(base, "__origin__", None) is tuple:  # tuple[str, ...]: one or more
                 kw.update(type=base.__args__[0], nargs="+")
@@ -333,20 +295,15 @@ class ServerArgs:
             v, md = getattr(self, f.name), f.metadata
             if v is None and f.default is None:
                 continue
-            if error := _field_error(v, md):
+            if error := field_error(v, md):
                 raise ValueError(f"--{f.name.replace('_', '-')} {error}, got {v!r}")
         if self.ep_size not in (1, self.tp_size):
             raise ValueError(f"--ep-size {self.ep_size} must be 1 or equal to --tp-size "
                              f"{self.tp_size} (the experts are partitioned over the "
                              "tensor-parallel ranks)")
-        if error := _speculative_error(self):
-            raise ValueError(error)
-        if error := _lora_error(self):
-            raise ValueError(error)
-        try:
-            image_limit(self.limit_mm_per_prompt)
-        except ValueError as exc:
-            raise ValueError(f"--limit-mm-per-prompt {exc}") from None
+        for check in (speculative_error, lora_error, media_error):
+            if error := check(self):
+                raise ValueError(error)
 
 
 def request_body_limit(args: ServerArgs, takes_images: bool) -> int:
@@ -358,26 +315,6 @@ def request_body_limit(args: ServerArgs, takes_images: bool) -> int:
         return args.max_request_bytes
     need = image_limit(args.limit_mm_per_prompt) * (args.max_image_bytes * 4 // 3 + 4) + (1 << 20)
     return max(args.max_request_bytes, need)
-
-
-def image_limit(spec: str) -> int:
-    """The images per prompt that ``--limit-mm-per-prompt`` allows (``image=N`` or JSON
-    ``{"image": N}``; other modalities are refused).
-
-    Raises:
-        ValueError: a malformed value, another modality, a negative count."""
-    import json
-
-    spec = spec.strip()
-    try:
-        pairs = json.loads(spec) if spec.startswith("{") else dict(
-            (k.strip(), int(v)) for k, v in (p.split("=", 1) for p in spec.split(",") if p))
-    except (ValueError, TypeError):
-        raise ValueError(f"must be image=N or {{\"image\": N}}, got {spec!r}") from None
-    if not isinstance(pairs, dict) or set(pairs) - {"image"} or \
-            not all(isinstance(v, int) and v >= 0 for v in pairs.values()):
-        raise ValueError(f"takes image=N (N >= 0; only images are read), got {spec!r}")
-    return int(pairs.get("image", 0))
 
 
 def prefill_budget(args: ServerArgs, device_type: str) -> int:
@@ -399,153 +336,4 @@ def default_chunked_prefill(device_type: str) -> int:
     del device_type
     return 2048
 
-
-def num_draft_tokens(args: ServerArgs) -> int:
-    """Draft tokens per request and speculative step (0 when speculation is off): a model
-    proposer's chain is ``--speculative-num-steps`` long (one token per draft forward)."""
-    if not args.speculative_algorithm:
-        return 0
-    if args.speculative_algorithm in SPECULATIVE_MODEL_ALGORITHMS and args.speculative_num_steps:
-        return args.speculative_num_steps
-    return args.speculative_num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS
-
-
-def _speculative_error(a: ServerArgs) -> str | None:
-    """What is wrong with the combination of --speculative-* flags, or None."""
-    algo = a.speculative_algorithm
-    if algo is None:
-        given = [f for f in ("speculative_num_draft_tokens", "speculative_num_steps",
-                             "speculative_eagle_topk", "speculative_draft_model_path")
-                 if getattr(a, f) is not None]
-        if given:
-            return (f"--{given[0].replace('_', '-')} needs --speculative-algorithm "
-                    f"(one of {', '.join(SPECULATIVE_ALGORITHMS)})")
-        return None
-    if algo != "NGRAM" and not a.speculative_draft_model_path:
-        return f"--speculative-algorithm {algo} needs --speculative-draft-model-path"
-    if algo == "NGRAM" and a.speculative_draft_model_path:
-        return ("--speculative-draft-model-path is not used by --speculative-algorithm NGRAM "
-                "(it drafts from the request's own tokens)")
-    if algo not in ("EAGLE", "EAGLE3") and a.speculative_eagle_topk not in (None, 1):
-        return f"--speculative-eagle-topk applies to EAGLE and EAGLE3, not to {algo}"
-    if a.speculative_eagle_topk not in (None, 1):
-        return ("--speculative-eagle-topk above 1 (a draft tree) is not built: ferry's EAGLE "
-                "drafts a chain (--speculative-eagle-topk 1)")
-    if algo == "NGRAM" and a.speculative_num_steps is not None:
-        return ("--speculative-num-steps is not used by --speculative-algorithm NGRAM (it "
-                "proposes --speculative-num-draft-tokens per step without a draft forward)")
-    steps, drafts = a.speculative_num_steps, a.speculative_num_draft_tokens
-    if steps is not None and drafts is not None and drafts not in (steps, steps + 1):
-        return (f"--speculative-num-draft-tokens {drafts} does not fit --speculative-num-steps "
-                f"{steps}: a chain of {steps} draft forwards proposes {steps} tokens (pass "
-                f"{steps}, or {steps + 1} counting the verified token as SGLang does)")
-    if algo in SPECULATIVE_MODEL_ALGORITHMS and (a.tp_size > 1 or a.nnodes > 1):
-        return (f"--speculative-algorithm {algo} with --tp-size {a.tp_size} is not built: "
-                "the draft model runs on rank 0 only (use NGRAM, or --tp-size 1)")
-    if a.speculative_ngram_min_match_window_size > a.speculative_ngram_max_match_window_size:
-        return ("--speculative-ngram-min-match-window-size must be <= "
-                "--speculative-ngram-max-match-window-size, got "
-                f"{a.speculative_ngram_min_match_window_size} > "
-                f"{a.speculative_ngram_max_match_window_size}")
-    if algo not in SPECULATIVE_BUILT:
-        return (f"--speculative-algorithm {algo} is not implemented yet (built: "
-                f"{', '.join(SPECULATIVE_BUILT)})")
-    return None
-
-
-#: bound key in a field's metadata -> (its sign in messages, the check)
-_BOUNDS = {"ge": (">=", operator.ge), "gt": (">", operator.gt), "le": ("<=", operator.le)}
-
-
-def _field_error(v: Any, md) -> str | None:
-    """What is wrong with value ``v`` of a field with metadata ``md``, or None."""
-    if "choices" in md and v not in md["choices"]:
-        return "must be one of " + ", ".join(map(repr, md["choices"]))
-    bounds = [k for k in _BOUNDS if k in md]
-    if not bounds:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return "must be a number"
-    failed = [k for k in bounds if not _BOUNDS[k][1](v, md[k])]  # NaN fails every bound
-    if not failed:
-        return None
-    lo = "ge" if "ge" in md else "gt" if "gt" in md else None
-    if lo and "le" in md:
-        return f"must be in {'[' if lo == 'ge' else '('}{md[lo]}, {md['le']}]"
-    return f"must be {_BOUNDS[failed[0]][0]} {md[failed[0]]}"
-
-
-def _base_type(typ) -> type:
-    args = getattr(typ, "__args__", None)
-    if args:
-        non_none = [a for a in args if a is not type(None)]
-        return non_none[0]
-    return typ
-
-
-def lora_enabled(args: ServerArgs) -> bool:
-    """Whether the engine serves LoRA adapters (--lora-paths or --enable-lora)."""
-    return bool(args.lora_paths) or args.enable_lora
-
-
-#: a LoRA adapter's name: 1..256 of these (no ':', SGLang's "base:name" separator; nothing
-#: a URL path, a log line or a metric label would escape)
-MAX_ADAPTER_NAME_LEN, ADAPTER_NAME_CHARS = 256, "ASCII letters, digits, '.', '_' and '-'"
-
-
-def adapter_name_error(name: str) -> str | None:
-    """What is wrong with a LoRA adapter name (``--lora-paths``, ``lora_name``), or None:
-    empty, over ``MAX_ADAPTER_NAME_LEN`` characters, or one outside ``ADAPTER_NAME_CHARS``."""
-    shown = name if len(name) <= 64 else name[:64] + "..."
-    if len(name) > MAX_ADAPTER_NAME_LEN:
-        return (f"the LoRA adapter name {shown!r} has {len(name)} characters, more than "
-                f"{MAX_ADAPTER_NAME_LEN}")
-    if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
-        return f"the LoRA adapter name {shown!r} must be 1 or more {ADAPTER_NAME_CHARS}"
-    return None
-
-
-def lora_path_items(paths) -> list[tuple[str, str]]:
-    """``--lora-paths`` as ``(name, path)``: ``name=path``, or a path named after its last
-    directory (SGLang's forms).
-
-    Raises:
-        ValueError: naming --lora-paths, for an empty name or path, a name with ':', a
-            name ``adapter_name_error`` refuses or a name given twice.
-    """
-    out: list[tuple[str, str]] = []
-    for item in paths or ():
-        name, eq, path = item.partition("=")
-        if not eq:
-            path = item
-            name = item.rstrip("/").rpartition("/")[2]
-        if not name or not path or ":" in name:
-            raise ValueError(f"--lora-paths {item!r}: expected name=path or a directory, with "
-                             "a name without ':'")
-        if (bad := adapter_name_error(name)) is not None:
-            raise ValueError(f"--lora-paths {item[:300]!r}: {bad} (give name=path)")
-        if name in dict(out):
-            raise ValueError(f"--lora-paths: the adapter name {name!r} is given twice")
-        out.append((name, path))
-    return out
-
-
-def _lora_error(a: ServerArgs) -> str | None:
-    """What is wrong with the --lora-* flags, or None."""
-    if not lora_enabled(a):
-        given = [f for f in ("max_loaded_loras", "max_lora_rank") if getattr(a, f) is not None]
-        if given:
-            return f"--{given[0].replace('_', '-')} needs --lora-paths or --enable-lora"
-        return None
-    try:
-        items = lora_path_items(a.lora_paths)
-    except ValueError as e:
-        return str(e)
-    if a.max_loaded_loras is not None and len(items) > a.max_loaded_loras:
-        return (f"--lora-paths gives {len(items)} adapters, more than --max-loaded-loras "
-                f"{a.max_loaded_loras}")
-    if a.speculative_algorithm:
-        return ("--lora-paths/--enable-lora with --speculative-algorithm is not built (verify "
-                "steps do not apply adapters yet)")
-    return None
 
