@@ -16,9 +16,11 @@ model loaded (20-60 s, a traceback, exit 1):
   scheme or activation; with LoRA, a family that refuses it (Phi-3, GLM-4: fused
   checkpoint projections);
 - a model with latent-attention layers (DeepSeek-V2/V3's MLA): the flags it does not run
-  with yet (:func:`check_latent_attention`: FP8 KV cache, LoRA, speculative decoding, TP);
+  with yet (:func:`check_latent_attention`: FP8 KV cache, LoRA, EAGLE-3, TP);
 - a model with linear-attention (``RECURRENT_STATE``) layers: TP > 1, speculative
   decoding, LoRA and device graphs are refused (:func:`check_recurrent_state_flags`);
+- ``--speculative-algorithm MTP`` (or ``NEXTN``): a model without an MTP layer in its
+  checkpoint (or, with dummy weights, in its config) (:func:`check_mtp_model`);
 - on XPU: a single tensor over the per-allocation limit of Intel's client GPUs
   (:data:`XPU_MAX_SINGLE_ALLOCATION`) unless ``UR_L0_ENABLE_RELAXED_ALLOCATION_LIMITS=1``.
 
@@ -73,8 +75,10 @@ def check_start_up(args: ServerArgs, given: frozenset[str] | set[str] = frozense
         check_image_model(model, args)
     if model is not None and lora_enabled(args):
         check_lora_model(model)
-    if model is not None and args.speculative_algorithm in ("EAGLE", "EAGLE3"):
+    if model is not None and args.speculative_algorithm in ("EAGLE", "EAGLE3", "MTP"):
         check_eagle_model(model, args.speculative_algorithm)
+    if model is not None and args.speculative_algorithm == "MTP":
+        check_mtp_model(model, args)
     if model is not None and device_type == "xpu":
         check_xpu_allocations(model, args.tp_size)
 
@@ -114,6 +118,22 @@ def check_eagle_model(model: torch.nn.Module, algorithm: str) -> None:
     why = getattr(type(model), "eagle_refusal", None)
     if why:
         raise ValueError(f"{type(model).__name__}: {why} (--speculative-algorithm {algorithm})")
+
+
+def check_mtp_model(model: torch.nn.Module, args: ServerArgs) -> None:
+    """``--speculative-algorithm MTP`` on a model whose checkpoint has no MTP layer (its
+    family has none, or the checkpoint's tensors, or with dummy weights the config, do not
+    declare one; ``engine/models/mtp.py``).
+
+    Raises:
+        ValueError: one line naming the architecture and the flag.
+    """
+    from engine.models.mtp import mtp_refusal
+
+    path = args.speculative_draft_model_path or args.model_path
+    why = mtp_refusal(type(model), model.config, path, args.load_format == "dummy")
+    if why:
+        raise ValueError(f"--speculative-algorithm MTP: {why}")
 
 
 def check_adapters(args: ServerArgs) -> None:
@@ -209,7 +229,9 @@ def build_meta_model(args: ServerArgs, device_type: str):
 
 def check_latent_attention(args: ServerArgs, model: torch.nn.Module, device_type: str) -> None:
     """Refuse the flags that multi-head latent attention (DeepSeek-V2/V3's MLA layers) does
-    not run with yet: an FP8 KV cache, LoRA, speculative decoding, ``--tp-size`` > 1. Device
+    not run with yet: an FP8 KV cache, LoRA, EAGLE-3 (its head reads the inputs of three
+    layers), ``--tp-size`` > 1 (speculative decoding otherwise runs: the verify step is an
+    extend or decode rows through the MLA path). Device
     graphs are not refused: decode graphs capture the Triton MLA kernels (the torch-native
     backend has no graphs: its decode runs eagerly), and the piecewise graphs, which cannot
     cut an MLA model's forward yet, are skipped at start-up (``supports_piecewise``).
@@ -225,8 +247,7 @@ def check_latent_attention(args: ServerArgs, model: torch.nn.Module, device_type
     arch = type(model).__name__
     refused = [(args.kv_cache_dtype != "auto", f"--kv-cache-dtype {args.kv_cache_dtype}"),
                (lora_enabled(args), "LoRA (--lora-paths/--enable-lora)"),
-               (bool(args.speculative_algorithm),
-                f"--speculative-algorithm {args.speculative_algorithm}"),
+               (args.speculative_algorithm == "EAGLE3", "--speculative-algorithm EAGLE3"),
                (args.tp_size > 1, f"--tp-size {args.tp_size}")]
     for bad, flag in refused:
         if bad:

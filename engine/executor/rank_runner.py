@@ -218,7 +218,7 @@ class RankRunner:
                                "in graphs here, so every step runs eagerly", self.device_type)
         elif not graphs and self.tp.rank == 0 and dev.is_accelerator(self.device_type):
             logger.info("graphs off, every step runs eagerly: %s", why)
-        if graphs and args.speculative_algorithm in ("EAGLE", "EAGLE3"):
+        if graphs and args.speculative_algorithm in ("EAGLE", "EAGLE3", "MTP"):
             # the head reads the target's hidden states: the decode graphs capture them too
             # (a model without the hook: the EAGLE proposer names the error at its start)
             with contextlib.suppress(NotImplementedError, ValueError):

@@ -50,6 +50,7 @@ from engine.models.blocks import GatedMLP, MlpFactory
 from engine.models.config import ModelConfig
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.moe import MoeForCausalLM
+from engine.models.weights import skip_mtp
 
 logger = logging.getLogger(__name__)
 
@@ -239,6 +240,8 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
     attention_kinds = (AttentionKind.FULL, AttentionKind.LINEAR)
     cache_kinds = (CacheKind.PAGED_KV, CacheKind.RECURRENT_STATE)
     has_shared_expert = True
+    #: the layout of the checkpoint's MTP layer (``mtp.*``; engine/speculative/mtp.py)
+    mtp_style = "qwen3_next"
     #: Qwen3.5's split in_proj_qkv / in_proj_z / in_proj_b / in_proj_a
     split_projections = False
 
@@ -256,6 +259,10 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
 
     def _hf_weight_shape(self, name: str, inter: int | None = None) -> tuple[int, ...]:
         return _weight_shape(self, name) or super()._hf_weight_shape(name, inter)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        # the MTP layer (mtp.*) is the MTP proposer's (engine/speculative/mtp.py)
+        return super().load_weights(skip_mtp(weights, "mtp.", type(self).__name__))
 
 
 class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
@@ -275,6 +282,7 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
     family = "Qwen3-Next / Qwen3.5"
     attention_kinds = (AttentionKind.FULL, AttentionKind.LINEAR)
     cache_kinds = (CacheKind.PAGED_KV, CacheKind.RECURRENT_STATE)
+    mtp_style = "qwen3_next"
 
     def layer_specs(self) -> list[LayerSpec]:
         return hybrid_layer_specs(self.model_config, self.config)
@@ -293,6 +301,10 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
 
     def _hf_weight_shape(self, name: str, inter: int | None = None) -> tuple[int, ...]:
         return _weight_shape(self, name) or super()._hf_weight_shape(name, inter)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        # the MTP layer (mtp.*) is the MTP proposer's (engine/speculative/mtp.py)
+        return super().load_weights(skip_mtp(weights, "mtp.", type(self).__name__))
 
 
 def _text_weights(model, weights: Iterable[tuple[str, torch.Tensor]]):
