@@ -17,8 +17,9 @@ model loaded (20-60 s, a traceback, exit 1):
   checkpoint projections);
 - a model with latent-attention layers (DeepSeek-V2/V3's MLA): the flags it does not run
   with yet (:func:`check_latent_attention`: FP8 KV cache, LoRA, EAGLE-3, TP);
-- a model with linear-attention (``RECURRENT_STATE``) layers: TP > 1, speculative
-  decoding, LoRA and device graphs are refused (:func:`check_recurrent_state_flags`);
+- a model with linear-attention (``RECURRENT_STATE``) layers: TP > 1, EAGLE-3 and
+  STANDALONE speculation, LoRA and device graphs are refused
+  (:func:`check_recurrent_state_flags`);
 - ``--speculative-algorithm MTP`` (or ``NEXTN``): a model without an MTP layer in its
   checkpoint (or, with dummy weights, in its config) (:func:`check_mtp_model`);
 - on XPU: a single tensor over the per-allocation limit of Intel's client GPUs
@@ -153,8 +154,11 @@ def check_adapters(args: ServerArgs) -> None:
 
 def check_recurrent_state_flags(model, args: ServerArgs, device_type: str) -> None:
     """Refuse what a model with linear-attention (``RECURRENT_STATE``) layers cannot run yet:
-    tensor parallelism, speculative decoding, LoRA, and device graphs (its layers sync with
-    the host every step) unless ``--disable-cuda-graph``.
+    tensor parallelism, EAGLE-3 (its head reads layer inputs these models do not keep) and
+    STANDALONE speculation (a hybrid draft model's own states are not rolled back), LoRA,
+    and device graphs (its layers sync with the host every step) unless
+    ``--disable-cuda-graph``. NGRAM, EAGLE and MTP run: the verify step leaves each state
+    at the request's last accepted token (``engine/layers/gated_deltanet.py``).
 
     Raises:
         ValueError: one line naming the model class and the flag.
@@ -166,7 +170,7 @@ def check_recurrent_state_flags(model, args: ServerArgs, device_type: str) -> No
         return
     family = type(model).__name__
     refused = [(args.tp_size > 1, f"--tp-size {args.tp_size}"),
-               (bool(args.speculative_algorithm),
+               (args.speculative_algorithm in ("EAGLE3", "STANDALONE"),
                 f"--speculative-algorithm {args.speculative_algorithm}"),
                (lora_enabled(args), "LoRA (--lora-paths/--enable-lora)"),
                (device_type != "cpu" and not args.disable_cuda_graph,

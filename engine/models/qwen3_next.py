@@ -25,9 +25,13 @@ the plain rotary for text (its three position rows are equal).
 multimodal releases) load their language model (``model.language_model.*``) into the same
 text model; the vision tower (``model.visual.*``) is skipped (logged once).
 
+The checkpoints' MTP layer (``mtp.*``) is not part of the model: ``--speculative-algorithm
+MTP`` loads it into its proposer (``engine/speculative/mtp.py``); a verify step leaves the
+linear layers' states at each request's last accepted token (``GatedDeltaNet.commit``).
+
 Not here (refused at start-up, ``engine/executor/preflight.py``): tensor parallelism,
-speculative decoding (the checkpoints' MTP layers are skipped at load), LoRA, device graphs
-and piecewise graphs; prefix reuse is off (no state snapshots yet).
+EAGLE-3 and STANDALONE speculation, LoRA, device graphs and piecewise graphs; prefix reuse
+is off (no state snapshots yet).
 """
 
 from __future__ import annotations
@@ -155,7 +159,8 @@ class HybridDecoderLayer(nn.Module):
             raise RuntimeError("a linear-attention layer ran without the step's recurrent-state "
                                "view (ForwardBatch.state): the runner built no state pool")
         return LinearStateBatch(st.conv_states[n], st.recurrent_states[n], st.slots,
-                                st.cu_seqlens, fb.is_decode, fb.num_decodes, st.cu_seqlens_dev)
+                                st.cu_seqlens, fb.is_decode, fb.num_decodes, st.cu_seqlens_dev,
+                                st.record)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 rope: RotaryEmbedding, positions: torch.Tensor, fb: ForwardBatch

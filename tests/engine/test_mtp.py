@@ -112,3 +112,82 @@ def test_mtp_refused_without_mtp_weights(tmp_path):
     with pytest.raises(ValueError, match="has no MTP layer") as e:
         check_start_up(args)
     assert "\n" not in str(e.value)
+
+
+# ---- Qwen3-Next / Qwen3.5: the linear layers' states roll back to the accepted tokens ----
+
+QWEN_FULL_LAYER = {"qwen3_next": 3, "qwen3_5": 3}   # a full-attention layer to copy
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5"])
+def qwen(request, tmp_path_factory):
+    from mtp_helpers import add_qwen_mtp
+    from qwen3_next_helpers import save_tiny as save_qwen
+
+    case = request.param
+    root = tmp_path_factory.mktemp(f"mtp_{case}")
+    hf = save_qwen(case, root / "random")
+    add_qwen_mtp(root / "random", QWEN_FULL_LAYER[case])
+    from engine import LLM
+
+    base = _run(LLM(str(root / "random"), **KW))
+    return {"case": case, "root": root, "hf": hf, "base": base}
+
+
+def test_qwen_mtp_is_lossless(qwen):
+    """Random MTP weights: the drafts are mostly rejected, so nearly every verify step
+    rolls the recurrent states back to the request's first row."""
+    for ours, theirs in zip(qwen["base"], _hf_greedy(qwen["hf"], PROMPTS)):
+        assert ours[:len(theirs)] == theirs
+    llm = _spec_llm(qwen["root"] / "random")
+    assert _run(llm) == qwen["base"]
+    st = llm.scheduler.stats
+    assert st["spec_verify_reqs"] > 0 and st["spec_proposed_tokens"] > 0
+    _check_released(llm)
+
+
+def test_qwen_mtp_partial_rejections_keep_the_accepted_state(qwen, monkeypatch):
+    """The MTP head drafts, then its chain is replaced by the true continuation (the
+    baseline's tokens) for its first ``n % k`` positions and a wrong token after, so the
+    verify steps accept every count from 0 to k - 1 (and k where the chain is all true):
+    the states must be those after exactly the accepted tokens."""
+    if qwen["case"] != "qwen3_next":
+        pytest.skip("one hybrid family is enough for the rollback at every count")
+    k = 3
+    llm = _spec_llm(qwen["root"] / "random", k=k)
+    prop = llm.scheduler.spec.proposer
+    real = prop.propose_reqs
+    base = {tuple(p): b for p, b in zip(PROMPTS, qwen["base"])}
+
+    def steered(reqs, ks):
+        out = real(reqs, ks)
+        for i, (req, d) in enumerate(zip(reqs, out)):
+            if not d:
+                continue
+            n = len(req.output_ids)
+            true = base[tuple(req.origin_input_ids)][n:n + len(d)]
+            j = n % (k + 1)
+            out[i] = [t if m < j else (t + 1) % 256 for m, t in enumerate(true)]
+        return out
+
+    monkeypatch.setattr(prop, "propose_reqs", steered)
+    assert _run(llm) == qwen["base"]
+    lengths = llm.scheduler.stats["spec_accept_lengths"]
+    assert lengths[0] > 0 and lengths[1] > 0 and lengths[2] > 0, lengths
+    _check_released(llm)
+
+
+def test_qwen_mtp_oracle_drafts_are_accepted(qwen):
+    from mtp_helpers import add_qwen_mtp
+    from qwen3_next_helpers import save_tiny as save_qwen
+
+    from engine import LLM
+
+    path = qwen["root"] / "oracle"
+    save_qwen(qwen["case"], path)
+    add_qwen_mtp(path, QWEN_FULL_LAYER[qwen["case"]], oracle=True)
+    base = _run(LLM(str(path), **KW))
+    llm = _spec_llm(path, k=3)
+    assert _run(llm) == base
+    st = llm.scheduler.stats
+    assert st["spec_accepted_tokens"] >= 0.9 * st["spec_proposed_tokens"] > 0
