@@ -98,6 +98,9 @@ def mtp_refusal(model_cls, config, path: str | None, dummy: bool) -> str | None:
     name = model_cls.__name__
     if layout is None:
         return f"{name} has no multi-token-prediction layer (MTP: DeepSeek-V3, Qwen3-Next, Qwen3.5)"
+    if getattr(_text(config), "mtp_use_dedicated_embeddings", False):
+        return f"{name}: an MTP layer with its own embeddings (mtp_use_dedicated_embeddings) " \
+               "is not supported"
     if dummy:
         if layout.declared < 1:
             field = "num_nextn_predict_layers" if layout.style == "deepseek" \

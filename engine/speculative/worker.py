@@ -50,7 +50,9 @@ from engine.forward_batch import ForwardMode
 from engine.sampling.acceptance import verify_drafts
 from engine.speculative.proposer import Proposer
 
-#: the spec counters the worker adds to ``Scheduler.stats`` (/server_info, /metrics)
+#: the spec counters the worker adds to ``Scheduler.stats`` (/server_info, /metrics); it
+#: also keeps ``spec_verify_step_seconds`` and ``spec_decode_step_seconds`` there once
+#: measured (the step-time averages of ``wants``)
 #: a request below break-even this many verify steps in a row stops proposing for 2, 4,
 #: 8... steps (up to MAX_BACKOFF), then tries again. Below break-even: nothing accepted, or
 #: its running accept length (tokens per verify step, an exponential average with weight
@@ -188,6 +190,8 @@ class SpecWorker:
                 dt = now - t0
                 self.step_time[kind] = dt if old is None else \
                     old + STEP_TIME_EMA * (dt - old)
+                # /metrics: the step costs (gauges; server/metrics.py)
+                self.stats[f"spec_{kind}_step_seconds"] = self.step_time[kind]
         ok = 0 < len(running) <= self.max_bs and \
             (self.max_rows is None or len(running) * (1 + self.k) <= self.max_rows)
         self._mark = (now, steps, None)

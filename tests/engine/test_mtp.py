@@ -191,3 +191,20 @@ def test_qwen_mtp_oracle_drafts_are_accepted(qwen):
     assert _run(llm) == base
     st = llm.scheduler.stats
     assert st["spec_accepted_tokens"] >= 0.9 * st["spec_proposed_tokens"] > 0
+
+
+def test_qwen_mtp_with_dummy_weights(qwen, tmp_path):
+    """``--load-format dummy`` (the benchmarks' path): a config alone declaring the MTP
+    layer gets seeded random MTP weights; greedy output is still the target's."""
+    import shutil
+
+    from engine import LLM
+
+    if qwen["case"] != "qwen3_next":
+        pytest.skip("one family is enough for the dummy path")
+    shutil.copy(qwen["root"] / "random" / "config.json", tmp_path / "config.json")
+    kw = dict(KW, load_format="dummy", tokenizer_path=str(qwen["root"] / "random"))
+    base = [o.token_ids for o in LLM(str(tmp_path), **kw).generate(PROMPTS, _greedy())]
+    llm = LLM(str(tmp_path), speculative_algorithm="MTP", speculative_num_steps=2, **kw)
+    assert [o.token_ids for o in llm.generate(PROMPTS, _greedy())] == base
+    assert llm.scheduler.stats["spec_proposed_tokens"] > 0

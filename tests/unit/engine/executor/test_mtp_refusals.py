@@ -24,8 +24,10 @@ def test_nextn_is_mtp_and_needs_no_draft_path():
         ServerArgs(model_path="/m", speculative_algorithm="MTP", speculative_eagle_topk=2)
 
 
-def test_mla_shape_with_dummy_mtp_passes_the_start_up_checks():
-    check_start_up(ServerArgs(model_path=_config("moonlight-16b-a3b"), load_format="dummy",
+@pytest.mark.parametrize("name", ["moonlight-16b-a3b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b"])
+def test_shapes_with_a_dummy_mtp_layer_pass_the_start_up_checks(name):
+    """An MLA model and the hybrid ones (whose configs declare ``mtp_num_hidden_layers``)."""
+    check_start_up(ServerArgs(model_path=_config(name), load_format="dummy",
                               device="cpu", speculative_algorithm="MTP"))
 
 
