@@ -152,6 +152,10 @@ def load_mtp_head(args: ServerArgs, target) -> MtpHead:
             own[f"{name}.weight"] = torch.ones_like(w) if "norm" in name else \
                 hash_uniform(w.numel(), args.seed + len(name), w.device).mul_(0.035).view_as(w)
     head.load_inputs(own)
+    if target.device_type == "cpu":  # oneDNN's blocked layout, as the runner packs the target's
+        from engine.layers.linear import pack_cpu_weights
+
+        pack_cpu_weights(head)
     select_ops(head, small_ops_kind(target.device_type, args.disable_fused_ops))
     logger.info("MTP head: %s layer %s* (%s), %s", type(model).__name__, layout.prefix,
                 "MoE" if moe else "dense", "dummy weights" if dummy else path)
