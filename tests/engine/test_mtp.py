@@ -102,6 +102,26 @@ def test_deepseek_mtp_oracle_drafts_are_accepted(deepseek):
     _check_released(llm)
 
 
+@pytest.mark.parametrize("algo", ["NGRAM", "EAGLE"])
+def test_other_algorithms_on_mla_are_lossless(deepseek, tmp_path, algo):
+    """MLA targets speculate with the other proposers too: NGRAM, and an EAGLE-1 head (a
+    random one of the tests' Llama shape: hidden 64, vocabulary 256, as the DeepSeek's)."""
+    from engine import LLM
+
+    extra = {}
+    if algo == "EAGLE":
+        from test_speculative_models import save_head
+
+        save_head(str(tmp_path / "head"), False, seed=5)
+        extra = {"speculative_draft_model_path": str(tmp_path / "head"),
+                 "speculative_num_steps": 3}
+    base = _run(LLM(str(deepseek["random"]), **KW))
+    llm = LLM(str(deepseek["random"]), speculative_algorithm=algo, **extra, **KW)
+    llm.scheduler.check_kv = True
+    assert _run(llm) == base
+    assert llm.scheduler.stats["spec_verify_steps"] > 0
+
+
 def test_mtp_refused_without_mtp_weights(tmp_path):
     from engine.args import ServerArgs
     from engine.executor.preflight import check_start_up
@@ -208,3 +228,24 @@ def test_qwen_mtp_with_dummy_weights(qwen, tmp_path):
     llm = LLM(str(tmp_path), speculative_algorithm="MTP", speculative_num_steps=2, **kw)
     assert [o.token_ids for o in llm.generate(PROMPTS, _greedy())] == base
     assert llm.scheduler.stats["spec_proposed_tokens"] > 0
+
+
+@pytest.mark.parametrize("algo", ["NGRAM", "EAGLE"])
+def test_other_algorithms_on_hybrid_models_are_lossless(qwen, tmp_path, algo):
+    """The verify step's state commit serves every proposer the hybrid models run."""
+    from engine import LLM
+
+    if qwen["case"] != "qwen3_next":
+        pytest.skip("one hybrid family is enough")
+    extra = {}
+    if algo == "EAGLE":
+        from test_speculative_models import save_head
+
+        save_head(str(tmp_path / "head"), False, seed=5)
+        extra = {"speculative_draft_model_path": str(tmp_path / "head"),
+                 "speculative_num_steps": 3}
+    llm = LLM(str(qwen["root"] / "random"), speculative_algorithm=algo, **extra, **KW)
+    llm.scheduler.check_kv = True
+    assert _run(llm) == qwen["base"]
+    if algo == "EAGLE":  # (this model's outputs do not repeat: NGRAM may find no match)
+        assert llm.scheduler.stats["spec_verify_steps"] > 0
