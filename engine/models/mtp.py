@@ -145,7 +145,9 @@ def mtp_weight_map(layout: MtpLayout, hidden: int, own: dict):
     checkpoint: its decoder layer as ``model.layers.0.``, its final norm as ``model.norm``,
     placeholders for the one-layer model's unused embedding and LM head; the input
     tensors (``MTP_INPUT_NAMES``) go into ``own`` (name -> tensor, materialized)."""
-    inputs = {f"{n}.weight" for n in MTP_INPUT_NAMES[layout.style]}
+    # (a block-FP8 checkpoint may keep the projection in e4m3 with its block scales)
+    inputs = {f"{n}.{leaf}" for n in MTP_INPUT_NAMES[layout.style]
+              for leaf in ("weight", "weight_scale_inv")}
     final = "shared_head.norm.weight" if layout.style == "deepseek" else "norm.weight"
 
     def run(weights):

@@ -41,6 +41,7 @@ from engine.speculative.eagle import EagleProposer
 
 logger = logging.getLogger(__name__)
 
+
 class MtpHead(nn.Module):
     """The MTP layer as an EAGLE head (``forward``/``greedy`` as :class:`EagleHead`).
 
@@ -88,11 +89,24 @@ class MtpHead(nn.Module):
             t = own.get(f"{name}.weight")
             if t is None:
                 raise ValueError(f"the MTP layer lacks {name}.weight")
+            scale = own.get(f"{name}.weight_scale_inv")
+            if scale is not None and t.dtype == torch.float8_e4m3fn:
+                t = self._dequantize(t, scale)
             check_fp8(f"{name}.weight", mod.weight, t)
             if tuple(t.shape) != tuple(mod.weight.shape):
                 raise ValueError(f"the MTP layer's {name}.weight is {tuple(t.shape)}, "
                                  f"expected {tuple(mod.weight.shape)}")
             mod.weight.data.copy_(t)
+
+    def _dequantize(self, wq: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """A block-FP8 checkpoint's e4m3 projection ``[N, K]`` with its per-block scales
+        (``quantization_config.weight_block_size``, default 128 x 128) -> float32."""
+        from kernels.fp8.reference import dequantize_weight_blocks
+
+        qc = getattr(self.mini.config, "quantization_config", None) or {}
+        qc = qc if isinstance(qc, dict) else qc.to_dict()
+        bn, bk = qc.get("weight_block_size") or (128, 128)
+        return dequantize_weight_blocks(wq, scale, int(bk), int(bn))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                 fb) -> tuple[torch.Tensor, torch.Tensor]:
