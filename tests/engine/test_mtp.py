@@ -122,6 +122,21 @@ def test_other_algorithms_on_mla_are_lossless(deepseek, tmp_path, algo):
     assert llm.scheduler.stats["spec_verify_steps"] > 0
 
 
+def test_deepseek_mtp_with_dummy_weights(deepseek, tmp_path):
+    """``--load-format dummy``: the config alone (``num_nextn_predict_layers`` 1) gets a
+    seeded random MTP layer (MLA + MoE); greedy output is still the target's."""
+    import shutil
+
+    from engine import LLM
+
+    shutil.copy(deepseek["random"] / "config.json", tmp_path / "config.json")
+    kw = dict(KW, load_format="dummy", tokenizer_path=str(deepseek["random"]))
+    base = [o.token_ids for o in LLM(str(tmp_path), **kw).generate(PROMPTS, _greedy())]
+    llm = LLM(str(tmp_path), speculative_algorithm="MTP", speculative_num_steps=2, **kw)
+    assert [o.token_ids for o in llm.generate(PROMPTS, _greedy())] == base
+    assert llm.scheduler.stats["spec_proposed_tokens"] > 0
+
+
 def test_mtp_refused_without_mtp_weights(tmp_path):
     from engine.args import ServerArgs
     from engine.executor.preflight import check_start_up
