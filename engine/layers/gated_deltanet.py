@@ -195,16 +195,20 @@ class GatedDeltaNet(nn.Module):
         """Finish a verify step (what the layer recorded in ``state.record``): advance each
         request's slot by its first ``keep[i]`` tokens of the step (>= 1: its last token and
         the accepted drafts), from the recorded conv input ``mixed`` [T, C], ``g`` and
-        ``beta`` [T, Hv] (float32); the conv and recurrent states are written back."""
+        ``beta`` [T, Hv] (float32); the conv and recurrent states are written back. Where
+        every request keeps one token (all drafts rejected) this is the decode step's
+        recurrent update, else the chunked rule over the kept tokens."""
         cu = state.cu_seqlens
         rows = [r for i, n in enumerate(keep) for r in range(cu[i], cu[i] + n)]
         new_cu = [0]
         for n in keep:
             new_cu.append(new_cu[-1] + n)
         idx = torch.tensor(rows, dtype=torch.int64).to(mixed.device)
+        # every draft rejected: one token each, the decode step's kernels (one launch each)
+        one = new_cu[-1] == len(keep)
         self._mix(mixed.index_select(0, idx), g.index_select(0, idx),
                   beta.index_select(0, idx), state, state.slots,
-                  self._cu(new_cu, state, mixed.device))
+                  None if one else self._cu(new_cu, state, mixed.device))
 
     def _mix(self, mixed, g, beta, state: LinearStateBatch, slots: torch.Tensor,
              cu, write: bool = True) -> torch.Tensor:

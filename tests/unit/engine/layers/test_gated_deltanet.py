@@ -128,14 +128,15 @@ def _after(ours, dims, slots, *steps):
     return pool, out
 
 
-def test_verify_record_and_commit_keep_the_accepted_state(layers):
+@pytest.mark.parametrize("keep", [[2, 4, 1], [1, 1, 1]])  # tokens kept, per request
+def test_verify_record_and_commit_keep_the_accepted_state(layers, keep):
     """A speculative verify step (``LinearStateBatch.record``): its rows are an ordinary
     extend's, the slots' states stay as they were, and ``commit`` with each request's
-    accepted count leaves exactly the state of an extend over those tokens only."""
+    accepted count leaves exactly the state of an extend over those tokens only (all drafts
+    rejected: one token each, through the decode step's kernels)."""
     _, ours, dims = layers
     hist = [torch.randn(n, HIDDEN) for n in (6, 11, 3)]
     window = [torch.randn(n, HIDDEN) for n in (4, 4, 1)]   # last token + drafts
-    keep = [2, 4, 1]                                       # tokens to keep, per request
     slots = [1, 2, 3]
     pool, _ = _after(ours, dims, slots, hist)
     before = [t.clone() for t in (pool.conv_states[0], pool.recurrent_states[0])]
