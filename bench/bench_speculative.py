@@ -1,7 +1,8 @@
 """Speculative decoding against plain decoding, in one process on one model (issue 26).
 
 ``python -m bench.bench_speculative`` builds one engine with ``--speculative-algorithm``
-(NGRAM by default; EAGLE, EAGLE3 and STANDALONE with ``--draft-model-path``) and runs each
+(NGRAM by default; EAGLE, EAGLE3 and STANDALONE with ``--draft-model-path``; MTP from the
+target checkpoint's own MTP layer, or a dummy one with ``--load-format dummy``) and runs each
 workload twice on it: with the verify steps switched off (the scheduler's ``spec`` set
 aside: plain decode steps) and on, greedy. With EAGLE the target's piecewise graphs are
 off in both modes (prefill runs eagerly: they do not keep the head's hidden states).
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="dummy: random weights (a GPU run of a config's shape; their greedy "
                         "outputs did not repeat within 256 tokens on the H200, so NGRAM's "
                         "drafts land on real weights only)")
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="every step eager (the hybrid Qwen3-Next / Qwen3.5 models need it)")
     p.add_argument("--gguf-dequantize", action="store_true",
                    help="a GGUF model's weights dequantized to --dtype (not kept in blocks)")
     p.add_argument("--tokenizer-path", default=None,
@@ -95,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="EAGLE/EAGLE3/STANDALONE: the draft head or model (with --load-format "
                         "dummy, an EAGLE head directory may hold only its config.json)")
     p.add_argument("--num-steps", type=int, default=None,
-                   help="EAGLE/EAGLE3/STANDALONE: the draft chain's length")
+                   help="EAGLE/EAGLE3/STANDALONE/MTP: the draft chain's length")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--max-tokens", type=int, default=128)
@@ -105,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
 
     llm = LLM(ns.model_path, device=ns.device, dtype=ns.dtype, load_format=ns.load_format,
               tokenizer_path=ns.tokenizer_path, gguf_dequantize=ns.gguf_dequantize,
+              disable_cuda_graph=ns.disable_cuda_graph,
               speculative_algorithm=ns.algorithm,
               speculative_num_draft_tokens=ns.num_draft_tokens,
               speculative_draft_model_path=ns.draft_model_path,

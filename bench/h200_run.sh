@@ -267,6 +267,34 @@ for stage in "$@"; do
                --tokenizer-path "${TOKENIZER:-.tok}" --algorithm EAGLE3 --draft-model-path \
                engine/configs/eagle3-llama-3.1-8b-smolvocab.json --num-steps 3 --batch-sizes 1 16 \
                --max-tokens 256 --result-jsonl "$OUT/spec-eagle3.jsonl";;
+    mtp|mtp-qwen|mtp-deepseek|mtp-tests) # MTP (issues 45 and 46): the checkpoint's MTP layer as the
+             # proposer (dummy weights: its drafts are rarely accepted, so this measures the
+             # round's cost): round_cost_in_plain_steps = (MTP draft forward + verify) / plain
+             # decode step, one draft token (target <= 1.3), bs1 and bs16. mtp-qwen:
+             # Qwen3.5-35B-A3B's shape (hybrid: graphs off, the verify step commits the linear
+             # layers' states); mtp-deepseek: Moonlight-16B-A3B's shape with a DeepSeek-V3 MTP
+             # layer (MLA + MoE; decode graphs, the head's graphs checked against eager).
+             # mtp runs both (~8 min: run the parts in separate calls if a call is limited);
+             # mtp-tests: the GPU tests (tiny models, float32; Qwen3-Next needs fla-core)
+             if [ $stage = mtp-tests ]; then
+               run mtp-gputests 300 python3 -m pytest -q -x -s tests/engine/test_mtp_gpu.py \
+                 -p no:cacheprovider
+               continue
+             fi
+             if [ $stage != mtp-deepseek ]; then
+               run mtp-qwen 330 python3 -m bench.bench_speculative --model-path \
+                 engine/configs/qwen3.5-35b-a3b.json --load-format dummy --device cuda \
+                 --disable-cuda-graph --tokenizer-path "${TOKENIZER:-.tok}" --algorithm MTP \
+                 --num-steps 1 --batch-sizes 1 16 --workloads other --max-tokens 64 \
+                 --result-jsonl "$OUT/mtp.jsonl"
+             fi
+             if [ $stage != mtp-qwen ]; then
+               run mtp-deepseek 270 python3 -m bench.bench_speculative --model-path \
+                 engine/configs/moonlight-16b-a3b.json --load-format dummy --device cuda \
+                 --tokenizer-path "${TOKENIZER:-.tok}" --algorithm MTP --num-steps 1 \
+                 --batch-sizes 1 16 --workloads other --max-tokens 64 \
+                 --result-jsonl "$OUT/mtp.jsonl"
+             fi;;
     lora) # LoRA (issue 29): 4 random rank-16 adapters on all seven projections vs the base
              run lora 300 python3 -m bench.bench_lora --model-path $L8B --load-format dummy \
                --num-adapters 4 --lora-rank 16 --batch-size 1 64 --input-len 512 \

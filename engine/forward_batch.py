@@ -100,6 +100,9 @@ class RecurrentStateView:
         slots: ``[B]`` int64 on the device, each request's slot, in batch order (0: padding).
         cu_seqlens: ``B + 1`` host ints, the cumulative new-token counts of the requests.
         cu_seqlens_dev: the same as an int64 device tensor ``[B + 1]`` (the GPU kernels').
+        record: a speculative verify step's list (``ScheduleBatch.defer_state``): each linear
+            layer appends its inputs there instead of writing its states back (see
+            ``engine/layers/gated_deltanet.py``); None in every other step.
     """
 
     conv_states: list[torch.Tensor]
@@ -107,6 +110,7 @@ class RecurrentStateView:
     slots: torch.Tensor
     cu_seqlens: list[int]
     cu_seqlens_dev: torch.Tensor | None = None
+    record: list | None = None
 
 
 @dataclass

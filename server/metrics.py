@@ -72,7 +72,11 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client import exposition as _exposition
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 
 PREFIX = "ferry:"
 
@@ -311,7 +315,13 @@ class SpecDecodeCollector:
     - ``spec_decode_num_emitted_tokens_total``: tokens those steps emitted (accepted drafts
       plus the target's own token per request and step);
     - ``spec_decode_accept_length``: a histogram of tokens emitted per request and verify
-      step (1 = every draft rejected; k + 1 = all k accepted).
+      step (1 = every draft rejected; k + 1 = all k accepted);
+    - ferry's step costs, gauges once measured: ``spec_decode_verify_step_seconds`` (a
+      speculative step: the drafts, EAGLE's or MTP's draft forwards included, and the
+      verify forward), ``spec_decode_decode_step_seconds`` (a plain decode step of a
+      speculating batch), both running averages, and ``spec_decode_step_cost_ratio``, their
+      quotient: a speculative step's cost in plain decode steps (the accept length it must
+      beat).
     """
 
     _COUNTERS = (("num_drafts", "spec_verify_reqs", "Requests' verify steps with drafts."),
@@ -348,6 +358,22 @@ class SpecDecodeCollector:
                                   labels=["model_name"])
         h.add_metric(m, buckets, sum_value=float(sum((i + 1) * n for i, n in enumerate(lengths))))
         yield h
+        yield from self._step_costs(st, m)
+
+    @staticmethod
+    def _step_costs(st: dict, m: list[str]):
+        v, d = st.get("spec_verify_step_seconds"), st.get("spec_decode_step_seconds")
+        for name, value, doc in (
+                ("verify_step_seconds", v, "Seconds per speculative step (drafts and "
+                                           "verify), a running average."),
+                ("decode_step_seconds", d, "Seconds per plain decode step of a speculating "
+                                           "batch, a running average."),
+                ("step_cost_ratio", v / d if v and d else None,
+                 "A speculative step's cost in plain decode steps.")):
+            if value is not None:
+                g = GaugeMetricFamily(PREFIX + "spec_decode_" + name, doc, labels=["model_name"])
+                g.add_metric(m, float(value))
+                yield g
 
 
 def _fmt_ms(seconds: float | None) -> str:

@@ -36,6 +36,7 @@ from engine.args.media import MediaArgs, image_limit, media_error
 from engine.args.speculative import (
     DEFAULT_NUM_DRAFT_TOKENS,
     SPECULATIVE_ALGORITHMS,
+    SPECULATIVE_ALIASES,
     SPECULATIVE_BUILT,
     SPECULATIVE_MODEL_ALGORITHMS,
     SpeculativeArgs,
@@ -291,6 +292,9 @@ class ServerArgs:
         Raises:
             ValueError: naming the flag, e.g. ``--max-running-requests must be >= 1, got 0``.
         """
+        alias = SPECULATIVE_ALIASES.get(self.speculative_algorithm)
+        if alias is not None:  # SGLang's NEXTN is ferry's MTP
+            object.__setattr__(self, "speculative_algorithm", alias)
         for f in dataclasses.fields(self):
             v, md = getattr(self, f.name), f.metadata
             if v is None and f.default is None:

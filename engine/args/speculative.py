@@ -8,10 +8,15 @@ from dataclasses import dataclass
 from engine.args.fields import flag
 
 #: --speculative-algorithm's choices (SGLang's names)
-SPECULATIVE_ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3", "STANDALONE")
-SPECULATIVE_BUILT = ("NGRAM", "EAGLE", "EAGLE3", "STANDALONE")
-#: the algorithms whose drafts come from a model (--speculative-draft-model-path)
-SPECULATIVE_MODEL_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE")
+SPECULATIVE_ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3", "STANDALONE", "MTP", "NEXTN")
+SPECULATIVE_BUILT = ("NGRAM", "EAGLE", "EAGLE3", "STANDALONE", "MTP")
+#: SGLang's other names of an algorithm (``ServerArgs`` keeps the name on the right)
+SPECULATIVE_ALIASES = {"NEXTN": "MTP"}
+#: the algorithms whose drafts come from a model (a draft forward per draft token)
+SPECULATIVE_MODEL_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "MTP")
+#: the algorithms that need --speculative-draft-model-path (MTP reads the target's own
+#: checkpoint unless one is given)
+SPECULATIVE_DRAFT_PATH_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE")
 #: --speculative-num-draft-tokens when not given
 DEFAULT_NUM_DRAFT_TOKENS = 4
 
@@ -23,22 +28,26 @@ class SpeculativeArgs:
     speculative_algorithm: str | None = flag(
         None, "speculative decoding: NGRAM (draft tokens copied from the request's own prompt "
               "and output, no draft model), EAGLE / EAGLE3 (a draft head over the target's "
-              "hidden states) or STANDALONE (a smaller model with the same vocabulary); "
-              "unset: off", SPECULATIVE_ALGORITHMS)
+              "hidden states), STANDALONE (a smaller model with the same vocabulary) or MTP (the "
+              "target checkpoint's own multi-token-prediction layer: DeepSeek-V3, "
+              "Qwen3-Next / Qwen3.5; NEXTN is an alias); unset: off", SPECULATIVE_ALGORITHMS)
     speculative_num_draft_tokens: int | None = flag(
         None, "draft tokens proposed per request and step; one verify forward scores them "
               f"all (default: {DEFAULT_NUM_DRAFT_TOKENS}; EAGLE/EAGLE3/STANDALONE: "
               "--speculative-num-steps, or that plus 1 as SGLang counts the verified token)",
         ge=1, le=64)
     speculative_num_steps: int | None = flag(
-        None, "EAGLE/EAGLE3/STANDALONE: draft forwards per step, one draft token each (a "
+        None, "EAGLE/EAGLE3/STANDALONE/MTP: draft forwards per step, one draft token each (a "
               "chain; default: --speculative-num-draft-tokens, else "
               f"{DEFAULT_NUM_DRAFT_TOKENS})", ge=1, le=64)
     speculative_eagle_topk: int | None = flag(
-        None, "EAGLE/EAGLE3: candidates per draft step (1 = a chain, the only shape built)",
+        None, "EAGLE/EAGLE3/MTP: candidates per draft step (1 = a chain, the only shape "
+              "built)",
         ge=1, le=64)
     speculative_draft_model_path: str | None = flag(
-        None, "EAGLE, EAGLE3, STANDALONE: the draft model's checkpoint")
+        None, "EAGLE, EAGLE3, STANDALONE: the draft model's checkpoint; MTP: a checkpoint "
+              "holding the MTP layer's tensors under the target's names (default: the "
+              "target's own)")
     speculative_ngram_min_match_window_size: int = flag(
         1, "NGRAM: shortest suffix of the request matched against its earlier tokens", ge=1)
     speculative_ngram_max_match_window_size: int = flag(
@@ -71,13 +80,13 @@ def speculative_error(a) -> str | None:
             return (f"--{given[0].replace('_', '-')} needs --speculative-algorithm "
                     f"(one of {', '.join(SPECULATIVE_ALGORITHMS)})")
         return None
-    if algo != "NGRAM" and not a.speculative_draft_model_path:
+    if algo in SPECULATIVE_DRAFT_PATH_ALGORITHMS and not a.speculative_draft_model_path:
         return f"--speculative-algorithm {algo} needs --speculative-draft-model-path"
     if algo == "NGRAM" and a.speculative_draft_model_path:
         return ("--speculative-draft-model-path is not used by --speculative-algorithm NGRAM "
                 "(it drafts from the request's own tokens)")
-    if algo not in ("EAGLE", "EAGLE3") and a.speculative_eagle_topk not in (None, 1):
-        return f"--speculative-eagle-topk applies to EAGLE and EAGLE3, not to {algo}"
+    if algo not in ("EAGLE", "EAGLE3", "MTP") and a.speculative_eagle_topk not in (None, 1):
+        return f"--speculative-eagle-topk applies to EAGLE and EAGLE3 (and MTP), not to {algo}"
     if a.speculative_eagle_topk not in (None, 1):
         return ("--speculative-eagle-topk above 1 (a draft tree) is not built: ferry's EAGLE "
                 "drafts a chain (--speculative-eagle-topk 1)")

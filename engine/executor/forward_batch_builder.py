@@ -203,7 +203,8 @@ def build_forward_batch(pools: StepPools, attn_backend, batch: ScheduleBatch,
     if state_dev:
         sp = pools.state_pool
         fb.state = RecurrentStateView(sp.conv_states, sp.recurrent_states, state_dev[0],
-                                      state_arrays[1], state_dev[1])
+                                      state_arrays[1], state_dev[1],
+                                      [] if batch.defer_state else None)
     if any(getattr(r, "mm", None) is not None for r in batch.reqs):
         fb.mrope_positions, fb.mm_segments = _mm_step(batch, h.starts, extend, pools.device)
     if swa is not None:  # the windowed layers' slots: their own table and locations

@@ -16,12 +16,13 @@ model loaded (20-60 s, a traceback, exit 1):
   scheme or activation; with LoRA, a family that refuses it (Phi-3, GLM-4: fused
   checkpoint projections);
 - a model with latent-attention layers (DeepSeek-V2/V3's MLA): the flags it does not run
-  with yet (:func:`check_latent_attention`: LoRA, speculative decoding; an FP8 KV cache
-  runs: the latent pool holds e4m3);
-- a model with linear-attention (``RECURRENT_STATE``) layers: speculative decoding, LoRA
-  and device graphs are refused (:func:`check_recurrent_state_flags`); tensor parallelism
-  runs (a ``--tp-size`` that does not split the linear layers' heads is refused by
-  ``check_environment``'s tensor-parallel check, which asks the model class);
+  with yet (:func:`check_latent_attention`: LoRA, EAGLE-3; an FP8 KV cache and TP run);
+- a model with linear-attention (``RECURRENT_STATE``) layers: EAGLE-3 and STANDALONE
+  speculation, LoRA and device graphs are refused (:func:`check_recurrent_state_flags`);
+  tensor parallelism runs (a ``--tp-size`` that does not split the linear layers' heads is
+  refused by ``check_environment``'s tensor-parallel check, which asks the model class);
+- ``--speculative-algorithm MTP`` (or ``NEXTN``): a model without an MTP layer in its
+  checkpoint (or, with dummy weights, in its config) (:func:`check_mtp_model`);
 - on XPU: a single tensor over the per-allocation limit of Intel's client GPUs
   (:data:`XPU_MAX_SINGLE_ALLOCATION`) unless ``UR_L0_ENABLE_RELAXED_ALLOCATION_LIMITS=1``.
 
@@ -76,8 +77,10 @@ def check_start_up(args: ServerArgs, given: frozenset[str] | set[str] = frozense
         check_image_model(model, args)
     if model is not None and lora_enabled(args):
         check_lora_model(model)
-    if model is not None and args.speculative_algorithm in ("EAGLE", "EAGLE3"):
+    if model is not None and args.speculative_algorithm in ("EAGLE", "EAGLE3", "MTP"):
         check_eagle_model(model, args.speculative_algorithm)
+    if model is not None and args.speculative_algorithm == "MTP":
+        check_mtp_model(model, args)
     if model is not None and device_type == "xpu":
         check_xpu_allocations(model, args.tp_size)
 
@@ -119,6 +122,22 @@ def check_eagle_model(model: torch.nn.Module, algorithm: str) -> None:
         raise ValueError(f"{type(model).__name__}: {why} (--speculative-algorithm {algorithm})")
 
 
+def check_mtp_model(model: torch.nn.Module, args: ServerArgs) -> None:
+    """``--speculative-algorithm MTP`` on a model whose checkpoint has no MTP layer (its
+    family has none, or the checkpoint's tensors, or with dummy weights the config, do not
+    declare one; ``engine/models/mtp.py``).
+
+    Raises:
+        ValueError: one line naming the architecture and the flag.
+    """
+    from engine.models.mtp import mtp_refusal
+
+    path = args.speculative_draft_model_path or args.model_path
+    why = mtp_refusal(type(model), model.config, path, args.load_format == "dummy")
+    if why:
+        raise ValueError(f"--speculative-algorithm MTP: {why}")
+
+
 def check_adapters(args: ServerArgs) -> None:
     """Each ``--lora-paths`` directory, without reading its tensors.
 
@@ -136,8 +155,11 @@ def check_adapters(args: ServerArgs) -> None:
 
 def check_recurrent_state_flags(model, args: ServerArgs, device_type: str) -> None:
     """Refuse what a model with linear-attention (``RECURRENT_STATE``) layers cannot run yet:
-    speculative decoding, LoRA, and device graphs (its layers sync with the host every step)
-    unless ``--disable-cuda-graph``.
+    EAGLE-3 (its head reads layer inputs these models do not keep) and STANDALONE
+    speculation (a hybrid draft model's own states are not rolled back), LoRA, and device
+    graphs (its layers sync with the host every step) unless ``--disable-cuda-graph``.
+    NGRAM, EAGLE and MTP run: the verify step leaves each state at the request's last
+    accepted token (``engine/layers/gated_deltanet.py``).
 
     Raises:
         ValueError: one line naming the model class and the flag.
@@ -148,7 +170,7 @@ def check_recurrent_state_flags(model, args: ServerArgs, device_type: str) -> No
     if not any(s.cache == CacheKind.RECURRENT_STATE for s in specs):
         return
     family = type(model).__name__
-    refused = [(bool(args.speculative_algorithm),
+    refused = [(args.speculative_algorithm in ("EAGLE3", "STANDALONE"),
                 f"--speculative-algorithm {args.speculative_algorithm}"),
                (lora_enabled(args), "LoRA (--lora-paths/--enable-lora)"),
                (device_type != "cpu" and not args.disable_cuda_graph,
@@ -211,9 +233,11 @@ def build_meta_model(args: ServerArgs, device_type: str):
 
 def check_latent_attention(args: ServerArgs, model: torch.nn.Module, device_type: str) -> None:
     """Refuse the flags that multi-head latent attention (DeepSeek-V2/V3's MLA layers) does
-    not run with yet: LoRA, speculative decoding (``--tp-size`` > 1 runs: MLA splits its
-    heads over the ranks; ``--kv-cache-dtype fp8_e4m3``/``fp8_e5m2`` runs: the latent pool
-    stores FP8, ``engine/layers/mla.py``). Device
+    not run with yet: LoRA, EAGLE-3 (its head reads the inputs of three layers).
+    ``--tp-size`` > 1 runs (MLA splits its heads over the ranks), ``--kv-cache-dtype
+    fp8_e4m3``/``fp8_e5m2`` runs (the latent pool stores FP8, ``engine/layers/mla.py``), and
+    speculative decoding otherwise runs (the verify step is an extend or decode rows through
+    the MLA path). Device
     graphs are not refused: decode graphs capture the Triton MLA kernels (the torch-native
     backend has no graphs: its decode runs eagerly), and the piecewise graphs, which cannot
     cut an MLA model's forward yet, are skipped at start-up (``supports_piecewise``).
@@ -228,8 +252,7 @@ def check_latent_attention(args: ServerArgs, model: torch.nn.Module, device_type
         return
     arch = type(model).__name__
     refused = [(lora_enabled(args), "LoRA (--lora-paths/--enable-lora)"),
-               (bool(args.speculative_algorithm),
-                f"--speculative-algorithm {args.speculative_algorithm}")]
+               (args.speculative_algorithm == "EAGLE3", "--speculative-algorithm EAGLE3")]
     for bad, flag in refused:
         if bad:
             raise ValueError(f"{arch} (multi-head latent attention) does not support {flag} "

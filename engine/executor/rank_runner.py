@@ -237,7 +237,7 @@ class RankRunner:
                                "in graphs here, so every step runs eagerly", self.device_type)
         elif not graphs and self.tp.rank == 0 and dev.is_accelerator(self.device_type):
             logger.info("graphs off, every step runs eagerly: %s", why)
-        if graphs and args.speculative_algorithm in ("EAGLE", "EAGLE3"):
+        if graphs and args.speculative_algorithm in ("EAGLE", "EAGLE3", "MTP"):
             # the head reads the target's hidden states: the decode graphs capture them too
             # (a model without the hook: the EAGLE proposer names the error at its start)
             with contextlib.suppress(NotImplementedError, ValueError):
@@ -381,7 +381,20 @@ class RankRunner:
             return logits
         input_ids, fb = self.build_forward_batch(batch, future_ids)
         self.attn_backend.init_step(fb)
-        return self.model(input_ids, fb.positions, fb)
+        logits = self.model(input_ids, fb.positions, fb)
+        if batch.defer_state:  # a hybrid model's verify step: commit_verify finishes it
+            self._verify_record = fb.state.record if fb.state is not None else None
+        return logits
+
+    @torch.inference_mode()
+    def commit_verify(self, keep: list[int]) -> None:
+        """After a speculative verify step (``ScheduleBatch.defer_state``): advance each
+        request's recurrent states by its first ``keep[i]`` tokens of the step (its last
+        token and the accepted drafts), from the inputs the linear layers recorded
+        (``GatedDeltaNet.commit``). Nothing to do without linear-attention layers."""
+        rec, self._verify_record = getattr(self, "_verify_record", None), None
+        for layer, state, *inputs in rec or ():
+            layer.commit(state, *inputs, keep)
 
     def _prepare_lora(self, batch: ScheduleBatch) -> None:
         """Rank 0: give the batch's requests their adapter slots (``req.lora_id``, None for

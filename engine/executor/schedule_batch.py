@@ -57,6 +57,10 @@ class ScheduleBatch:
     # model runner
     lora_slots: list[int] = field(default_factory=list)
     lora_copies: list[tuple] = field(default_factory=list)
+    # a speculative verify step of a model with linear-attention layers: the layers leave
+    # their recurrent states as they were and record their inputs; the runner's
+    # ``commit_verify`` then advances each state by the accepted tokens only
+    defer_state: bool = False
 
     def logits_rows(self) -> list[tuple[int, int]]:
         """Per request, ``(first row, row count)`` in the step's logits."""

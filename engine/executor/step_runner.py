@@ -75,6 +75,12 @@ class StepRunner(Protocol):
     #: None (no such layers, or no prefix reuse for them)
     state_snapshots: StateSnapshotPool | None
 
+    def commit_verify(self, keep: Sequence[int]) -> None:
+        """After a verify step with ``defer_state``: the linear-attention layers' states of
+        request i advance by its first ``keep[i]`` tokens of the step (called only where
+        ``state_pool`` is not None)."""
+        ...
+
     def forward(self, batch: ScheduleBatch, future_ids: torch.Tensor | None = None
                 ) -> torch.Tensor:
         """Logits ``[rows, V]`` of a step: one row per sampled request, every row of an

@@ -28,6 +28,19 @@ are split by value head; ``conv1d`` keeps the channels of the rank's q, k and v,
 ``out_proj`` is row-parallel (one all-reduce). The rank's pool slots hold only its heads'
 states (``RecurrentStateSpec.per_rank``). Head counts that ``tp_size`` does not divide are
 refused (:func:`check_tp_heads`).
+
+Speculative verify steps (``LinearStateBatch.record``): a verify step scores ``[last token,
+d1..dk]`` per request, but the state a request must keep is the one after its last
+ACCEPTED token, known only after the step. The layer therefore runs the verify step
+through the chunked rule from the slots' states without writing them back (the slot is
+its own snapshot: no copy), and records its conv input, ``g`` and ``beta``;
+:meth:`GatedDeltaNet.commit` then advances each slot by the accepted prefix from those
+inputs. The other way, keeping the state after each of the k + 1 positions and copying the
+accepted one back, was not taken: it needs k + 1 recurrent states per request per layer of
+scratch (``Hv * K * V`` float32 each: 2 MiB per layer and request for Qwen3.5-35B-A3B's
+32 x 128 x 128, so 60 MiB per request over its 30 linear layers, times k + 1) and a
+recurrent kernel that emits them; the recompute costs only the conv and the delta rule of
+the accepted tokens (no projection, no MoE, no attention: a few percent of a step).
 """
 
 from __future__ import annotations
@@ -69,6 +82,9 @@ class LinearStateBatch:
         num_decodes: with ``decode`` False, the last ``num_decodes`` requests are one-token
             decodes (a mixed step): they run the recurrent step, the others the chunked rule.
         cu_seqlens_dev: ``cu_seqlens`` as an int64 device tensor (for the GPU kernels), or None.
+        record: a speculative verify step's list (see the module docstring): the layer
+            reads the slots' states without writing them back and appends
+            ``(self, this batch, conv input [T, C], g [T, Hv], beta [T, Hv])``; None otherwise.
     """
 
     conv_states: torch.Tensor
@@ -78,6 +94,7 @@ class LinearStateBatch:
     decode: bool
     num_decodes: int = 0
     cu_seqlens_dev: torch.Tensor | None = None
+    record: list | None = None
 
 
 @dataclass(frozen=True)
@@ -242,6 +259,12 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self._split(x)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        if state.record is not None:  # a verify step: states kept, inputs recorded
+            out = self._mix(mixed, g, beta, state, state.slots, self._cu(state.cu_seqlens,
+                                                                        state, x.device),
+                            write=False)
+            state.record.append((self, state, mixed, g, beta))
+            return self.out_proj(self.norm(out, z).reshape(t, -1))
         n = len(state.cu_seqlens) - 1
         n_dec = n if state.decode else state.num_decodes
         n_ext = n - n_dec
@@ -260,12 +283,42 @@ class GatedDeltaNet(nn.Module):
         out = self.norm(out, z)
         return self.out_proj(out.reshape(t, -1))
 
+    @staticmethod
+    def _cu(cu: list[int], state: LinearStateBatch, device: torch.device):
+        """Cumulative token counts as the chunked kernels take them: host ints, or for FLA's
+        kernels an int64 device tensor (the step's own where ``cu`` is the step's)."""
+        if gated_delta_rule_backend(device) != "fla":
+            return cu
+        if state.cu_seqlens_dev is not None and cu is state.cu_seqlens:
+            return state.cu_seqlens_dev
+        return torch.tensor(cu, dtype=torch.int64).to(device)
+
+    def commit(self, state: LinearStateBatch, mixed: torch.Tensor, g: torch.Tensor,
+               beta: torch.Tensor, keep) -> None:
+        """Finish a verify step (what the layer recorded in ``state.record``): advance each
+        request's slot by its first ``keep[i]`` tokens of the step (>= 1: its last token and
+        the accepted drafts), from the recorded conv input ``mixed`` [T, C], ``g`` and
+        ``beta`` [T, Hv] (float32); the conv and recurrent states are written back. Where
+        every request keeps one token (all drafts rejected) this is the decode step's
+        recurrent update, else the chunked rule over the kept tokens."""
+        cu = state.cu_seqlens
+        rows = [r for i, n in enumerate(keep) for r in range(cu[i], cu[i] + n)]
+        new_cu = [0]
+        for n in keep:
+            new_cu.append(new_cu[-1] + n)
+        idx = torch.tensor(rows, dtype=torch.int64).to(mixed.device)
+        # every draft rejected: one token each, the decode step's kernels (one launch each)
+        one = new_cu[-1] == len(keep)
+        self._mix(mixed.index_select(0, idx), g.index_select(0, idx),
+                  beta.index_select(0, idx), state, state.slots,
+                  None if one else self._cu(new_cu, state, mixed.device))
+
     def _mix(self, mixed, g, beta, state: LinearStateBatch, slots: torch.Tensor,
-             cu) -> torch.Tensor:
+             cu, write: bool = True) -> torch.Tensor:
         """Conv and gated delta rule of one part of the step from the ``slots``' states,
-        which are written back: prefills (``cu``: the part's cumulative token counts, host
-        ints or, for FLA's kernels, a device tensor) or one-token decodes (``cu`` None);
-        returns [T', Hv, V]."""
+        which are written back (unless ``write`` is False): prefills (``cu``: the part's
+        cumulative token counts, host ints or, for FLA's kernels, a device tensor) or
+        one-token decodes (``cu`` None); returns [T', Hv, V]."""
         d, t = self.dims, mixed.shape[0]
         decode = cu is None
         weight = self.conv1d.weight.squeeze(1)
@@ -275,7 +328,8 @@ class GatedDeltaNet(nn.Module):
         else:
             mixed, conv_state = causal_conv1d(mixed, weight, None, conv_state=conv_state,
                                               cu_seqlens=cu)
-        state.conv_states[slots] = conv_state.to(state.conv_states.dtype)
+        if write:
+            state.conv_states[slots] = conv_state.to(state.conv_states.dtype)
         key_dim = d.num_k_heads * d.k_head_dim
         q, k, v = torch.split(mixed, [key_dim, key_dim, d.num_v_heads * d.v_head_dim], dim=-1)
         q = q.reshape(t, d.num_k_heads, d.k_head_dim)
@@ -287,6 +341,7 @@ class GatedDeltaNet(nn.Module):
         out, final = chunk_gated_delta_rule(q, k, v, g, beta,
                                             initial_state=state.recurrent_states[slots],
                                             cu_seqlens=cu)
-        state.recurrent_states[slots] = final
+        if write:
+            state.recurrent_states[slots] = final
         return out
 

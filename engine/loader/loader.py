@@ -342,7 +342,7 @@ def load_model(model_path: str | None = None, load_format: str = "auto",
                dtype: str | torch.dtype = "auto", device: str | torch.device = "auto",
                seed: int = 0, config=None, progress: bool = True,
                quantization: str | None = None, gguf_dequantize: bool = False,
-               pooling: PoolingSpec | None = None):
+               pooling: PoolingSpec | None = None, weight_map=None):
     """Build the ferry model on ``device`` in the run dtype and load its weights.
 
     Args:
@@ -363,6 +363,10 @@ def load_model(model_path: str | None = None, load_format: str = "auto",
             before blocks were kept; the CPU's default keeps them).
         pooling: serve it as a pooling model (``engine.loader.pooling.resolve_pooling``):
             the model gets a ``pooler`` and the checkpoint's names are routed to it.
+        weight_map: a filter over the checkpoint's ``(name, tensor)`` stream (renames, drops,
+            adds) applied before the model's ``load_weights``; the safetensors are then read
+            lazily, so a tensor it drops is never read (an MTP layer picked out of a whole
+            checkpoint: ``engine/speculative/mtp.py``). Not applied to dummy weights.
     Returns:
         ``(model, config)``; the model is in eval mode with ``requires_grad=False`` weights.
     Raises:
@@ -396,7 +400,7 @@ def load_model(model_path: str | None = None, load_format: str = "auto",
         init_dummy_head(model, seed)
     else:
         _load_checkpoint(model, source, fmt, config, quant if keep_blocks else None, run_dtype,
-                         dev, progress, pooling is not None)
+                         dev, progress, pooling is not None, weight_map)
     if quant is not None:
         process_weights_after_loading(model, dev.type)
     devmod.synchronize(dev.type)
@@ -434,8 +438,9 @@ def _plan_quantized_layers(model, quant, keep_blocks: bool, source: ModelSource,
 
 def _load_checkpoint(model, source: ModelSource, fmt: str, config, gguf_blocks,
                      run_dtype: torch.dtype, dev: torch.device, progress: bool,
-                     pooling: bool = False) -> None:
-    """Stream the safetensors or GGUF tensors of ``source`` into ``model``.
+                     pooling: bool = False, weight_map=None) -> None:
+    """Stream the safetensors or GGUF tensors of ``source`` into ``model`` (through
+    ``weight_map``, see :func:`load_model`).
 
     ``gguf_blocks``: the ``GgufConfig`` when a GGUF file's blocks are kept (the LM head's
     blocks are then captured as they pass and quantized on their own), else None.
@@ -453,7 +458,8 @@ def _load_checkpoint(model, source: ModelSource, fmt: str, config, gguf_blocks,
         from engine.distributed import get_tp
 
         total = _count_safetensors(source.weight_files)
-        it = iter_safetensors(source.weight_files, lazy=get_tp().size > 1)
+        it = iter_safetensors(source.weight_files,
+                              lazy=get_tp().size > 1 or weight_map is not None)
     else:
         total, it = iter_gguf(source.gguf_file, config, model.hf_weight_names(),
                               keep_blocks=keep_blocks)
@@ -461,6 +467,7 @@ def _load_checkpoint(model, source: ModelSource, fmt: str, config, gguf_blocks,
     if keep_blocks:
         it = capture_head_blocks(it, model, head_blocks)
     it = route_weights(model, it) if pooling else it
+    it = weight_map(it) if weight_map is not None else it
     bar = tqdm(it, total=total, desc=f"loading {fmt}", disable=not progress or None)
     with torch.no_grad():
         loaded = model.load_weights(bar)

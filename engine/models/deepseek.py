@@ -24,11 +24,12 @@ width, or whole experts per rank with ``--ep-size``; the shared experts TP-split
 all-reduce). ``--tp-size`` must divide ``num_attention_heads``.
 
 Not supported yet (refused at construction, one line naming the family): other quantized
-weights (per-channel FP8/4-bit, from :class:`engine.models.moe.MoeForCausalLM`), EAGLE
-(hidden states for a draft head); piecewise graphs (``supports_piecewise`` False: prefill
-runs eagerly); the preflight refuses LoRA and speculative decoding (an FP8 KV cache runs:
-the latent pool holds e4m3, :mod:`engine.layers.mla`). Decode
-graphs capture the Triton MLA kernels (``engine/attention/triton_mla.py``).
+weights (per-channel FP8/4-bit, from :class:`engine.models.moe.MoeForCausalLM`), EAGLE-3
+(the inputs of three layers for its head); piecewise graphs (``supports_piecewise`` False:
+prefill runs eagerly); the preflight refuses LoRA and EAGLE-3 (an FP8 KV cache runs: the
+latent pool holds e4m3, :mod:`engine.layers.mla`). Decode graphs capture the Triton MLA
+kernels (``engine/attention/triton_mla.py``). V3's MTP layer is skipped here and loaded by
+the MTP proposer (``engine/speculative/mtp.py``).
 """
 
 from __future__ import annotations
@@ -166,9 +167,12 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
     # ---- what MLA does not run yet --------------------------------------------------------
 
     def set_capture_hidden(self, mode: str | None) -> None:
-        if mode is not None:
-            raise NotImplementedError(f"{type(self).__name__}: EAGLE (hidden states for a "
-                                      "draft head) is not supported with MLA yet")
+        """The final normed hidden states (``"last"``: EAGLE-1/2 and MTP heads) or none;
+        EAGLE-3's ``"aux"`` is refused (ValueError)."""
+        if mode == "aux":
+            raise ValueError(f"{type(self).__name__}: EAGLE-3 (the inputs of three layers) "
+                             "is not supported with MLA yet")
+        super().set_capture_hidden(mode)
 
     def attention_layers(self) -> list[MLAttention]:
         """Each layer's :class:`MLAttention` (its ``layer_id`` and ``spec``; the piecewise
@@ -208,7 +212,19 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     """DeepSeek-V3 (and Moonlight, Kimi-K2's shape): sigmoid routing with the correction
     bias, top-2-sum group scores, ``norm_topk_prob``; rope interleaved with
-    ``rope_interleave``."""
+    ``rope_interleave``. Its checkpoints' MTP layer (``model.layers.{num_hidden_layers}``)
+    drafts for ``--speculative-algorithm MTP`` (``engine/speculative/mtp.py``)."""
+
+    #: the layout of the checkpoint's MTP layer (``engine/speculative/mtp.py``)
+    mtp_style = "deepseek"
+
+    def load_weights(self, weights):
+        """As :class:`MoeForCausalLM`, the MTP layer's tensors left out (``skip_mtp``)."""
+        from engine.models.weights import skip_mtp
+
+        n = self._text().num_hidden_layers
+        return super().load_weights(skip_mtp(weights, f"model.layers.{n}.",
+                                             type(self).__name__))
 
     def _interleaved(self) -> bool:
         return bool(getattr(self._text(), "rope_interleave", True))

@@ -4,7 +4,7 @@
 rewrites ``docs/models.md``. ``tests/unit/engine/models/test_models_doc.py`` regenerates it and fails when
 the file differs, so the page follows ``MODEL_REGISTRY`` (``engine/models/__init__.py``) and
 each class's ``family``, ``attention_kinds`` and ``cache_kinds``
-(:class:`engine.models.base.CausalLM`).
+(:class:`engine.models.base.CausalLM`), and its ``mtp_style`` (the MTP paragraph).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ fixed-size slot of conv and recurrent state per running request (`engine/kv/stat
 `--max-running-requests` slots, each rank's share of the heads under `--tp-size`), and the
 prefix cache reuses a prefix where it keeps a snapshot of those states
 (`engine/kv/state_snapshots.py`, `--max-state-snapshots`); such models run without
-speculative decoding, LoRA and graphs for now. `latent` layers (MLA) keep one `latent_kv`
+LoRA and graphs for now (speculative decoding: NGRAM, EAGLE and MTP). `latent` layers (MLA) keep one `latent_kv`
 row per token, the same on every tensor-parallel rank.
 
 | Family | HF architectures | model_type | Attention | Cache | Module |
@@ -60,7 +60,16 @@ def models_table() -> str:
             ", ".join(k.value for k in cls.cache_kinds),
             f"`{module}`",
         ]) + " |")
-    return _HEADER + "\n".join(rows) + "\n"
+    mtp = [f"`{cls.__name__}`" for cls in by_class if getattr(cls, "mtp_style", None)]
+    return (_HEADER + "\n".join(rows) + "\n\n" + _MTP_NOTE.format(", ".join(mtp)))
+
+
+#: the paragraph after the table: the classes whose checkpoints' MTP layer drafts
+_MTP_NOTE = """\
+**Multi-token prediction** (`--speculative-algorithm MTP`, alias `NEXTN`: the checkpoint's own
+MTP layer drafts, `engine/speculative/mtp.py`): {}, when the checkpoint holds the layer
+(DeepSeek-V3's `model.layers.{{num_hidden_layers}}.*`, Qwen3-Next's and Qwen3.5's `mtp.*`).
+"""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,9 +32,14 @@ do, the MoE its experts (``--ep-size``) or their width. ``--tp-size`` must divid
 ``linear_num_key_heads`` and ``linear_num_value_heads`` (:func:`check_tensor_parallel`,
 checked before any worker starts).
 
-Not here (refused at start-up, ``engine/executor/preflight.py``): speculative decoding (the
-checkpoints' MTP layers are skipped at load), LoRA, device graphs and piecewise graphs;
-prefix reuse is off (no state snapshots yet).
+The checkpoints' MTP layer (``mtp.*``) is not part of the model: ``--speculative-algorithm
+MTP`` loads it into its proposer (``engine/speculative/mtp.py``); a verify step leaves the
+linear layers' states at each request's last accepted token (``GatedDeltaNet.commit``).
+Prefix reuse keeps snapshots of the linear layers' states in the radix tree
+(``engine/kv/state_snapshots.py``).
+
+Not here (refused at start-up, ``engine/executor/preflight.py``): EAGLE-3 and STANDALONE
+speculation, LoRA, device graphs and piecewise graphs.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ from engine.models.blocks import GatedMLP, MlpFactory
 from engine.models.config import ModelConfig
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.moe import MoeForCausalLM
+from engine.models.weights import skip_mtp
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +178,8 @@ class HybridDecoderLayer(nn.Module):
             raise RuntimeError("a linear-attention layer ran without the step's recurrent-state "
                                "view (ForwardBatch.state): the runner built no state pool")
         return LinearStateBatch(st.conv_states[n], st.recurrent_states[n], st.slots,
-                                st.cu_seqlens, fb.is_decode, fb.num_decodes, st.cu_seqlens_dev)
+                                st.cu_seqlens, fb.is_decode, fb.num_decodes, st.cu_seqlens_dev,
+                                st.record)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 rope: RotaryEmbedding, positions: torch.Tensor, fb: ForwardBatch
@@ -269,6 +276,8 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
     attention_kinds = (AttentionKind.FULL, AttentionKind.LINEAR)
     cache_kinds = (CacheKind.PAGED_KV, CacheKind.RECURRENT_STATE)
     has_shared_expert = True
+    #: the layout of the checkpoint's MTP layer (``mtp.*``; engine/speculative/mtp.py)
+    mtp_style = "qwen3_next"
     #: Qwen3.5's split in_proj_qkv / in_proj_z / in_proj_b / in_proj_a
     split_projections = False
     #: the head counts a TP size must split (:func:`check_tensor_parallel`)
@@ -288,6 +297,10 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
 
     def _hf_weight_shape(self, name: str, inter: int | None = None) -> tuple[int, ...]:
         return _weight_shape(self, name) or super()._hf_weight_shape(name, inter)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        # the MTP layer (mtp.*) is the MTP proposer's (engine/speculative/mtp.py)
+        return super().load_weights(skip_mtp(weights, "mtp.", type(self).__name__))
 
 
 class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
@@ -309,6 +322,7 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
     cache_kinds = (CacheKind.PAGED_KV, CacheKind.RECURRENT_STATE)
     split_projections = True
     check_tensor_parallel = staticmethod(check_tensor_parallel)
+    mtp_style = "qwen3_next"
 
     def layer_specs(self) -> list[LayerSpec]:
         return hybrid_layer_specs(self.model_config, self.config)
@@ -327,6 +341,10 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
 
     def _hf_weight_shape(self, name: str, inter: int | None = None) -> tuple[int, ...]:
         return _weight_shape(self, name) or super()._hf_weight_shape(name, inter)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        # the MTP layer (mtp.*) is the MTP proposer's (engine/speculative/mtp.py)
+        return super().load_weights(skip_mtp(weights, "mtp.", type(self).__name__))
 
 
 def _text_weights(model, weights: Iterable[tuple[str, torch.Tensor]]):

@@ -138,3 +138,23 @@ def fused_names(names: Iterable[str], parts: dict[str, list[tuple[str, int]]]) -
             continue
         out.append(name.replace(f".{kind}.", f".{first[kind]}.") if kind in first else name)
     return out
+
+
+def skip_mtp(weights: Iterable[tuple[str, object]], prefix: str, owner: str
+             ) -> Iterator[tuple[str, object]]:
+    """The checkpoint's tensors without its multi-token-prediction layer's (names starting
+    with ``prefix``: DeepSeek-V3's ``model.layers.{num_hidden_layers}.``, Qwen3-Next's
+    ``mtp.``), which ``--speculative-algorithm MTP`` loads into its proposer
+    (``engine/speculative/mtp.py``); one log line with their count."""
+    import logging
+
+    skipped = 0
+    for name, tensor in weights:
+        if name.startswith(prefix):
+            skipped += 1
+            continue
+        yield name, tensor
+    if skipped:
+        logging.getLogger(__name__).info(
+            "%s: %d tensors of the MTP layer (%s*) are not part of the model (the MTP "
+            "proposer loads them)", owner, skipped, prefix)

@@ -8,6 +8,8 @@ forward, keep what the target agrees with.
 - ``standalone.py``: ``StandaloneProposer`` (``STANDALONE``: a smaller model, same vocabulary).
 - ``eagle.py``: EAGLE-1/2 and EAGLE-3 draft heads (checkpoint loading, forward) and
   ``EagleProposer`` (``EAGLE``, ``EAGLE3``), fed by the target's hidden states.
+- ``mtp.py``: ``MtpProposer`` (``MTP``, alias ``NEXTN``): the target checkpoint's own
+  multi-token-prediction layer (DeepSeek-V3, Qwen3-Next / Qwen3.5) as an EAGLE-style head.
 - ``worker.py``: ``SpecWorker``, the verify step the scheduler runs instead of a 1-token
   decode when requests speculate: KV slots for the drafts, the verify ``ScheduleBatch``
   (an EXTEND of ``[last token, d1..dk]`` per request over its cached prefix, logits for
@@ -50,6 +52,10 @@ def create_proposer(args: ServerArgs, runner=None, tokenizer=None) -> Proposer |
         from engine.speculative.eagle import EagleProposer
 
         return EagleProposer(args, runner)
+    if algo == "MTP":
+        from engine.speculative.mtp import MtpProposer
+
+        return MtpProposer(args, runner)
     raise ValueError(f"--speculative-algorithm {algo} is not implemented")
 
 

@@ -290,9 +290,7 @@ class EagleProposer(ModelProposer):
     """
 
     def __init__(self, args: ServerArgs, target):
-        from engine.attention import create_attention_backend
-        from engine.kv.pool import KVPool, ReqToTokenPool
-        from engine.layers import small_ops_kind
+        from engine.kv.pool import ReqToTokenPool
 
         self.target = target
         eagle3 = args.speculative_algorithm == "EAGLE3"
@@ -312,22 +310,12 @@ class EagleProposer(ModelProposer):
             logger.warning("%s: prefill and mixed steps run eagerly (piecewise graphs do not "
                            "keep the hidden states)", args.speculative_algorithm)
             target.piecewise_runner = None
-        self.head = load_eagle_head(args.speculative_draft_model_path, eagle3, model,
-                                    target.dtype, target.device,
-                                    small_ops_kind(target.device_type, args.disable_fused_ops),
-                                    dummy=args.load_format == "dummy", seed=args.seed)
-        mc = self.head.mc
         self.device = target.device
-        self.kv_pool = KVPool(draft_pool_tokens(args, target), args.page_size,
-                              self.head.num_layers,
-                              mc.num_kv_heads, mc.head_dim, target.kv_dtype, target.device)
+        self.head = self._load_head(args, target)
+        self.kv_pool, self.attn_backend = self._head_kv(args, target)
         self.req_to_token_pool = ReqToTokenPool(args.max_running_requests,
                                                 target.max_context_len, target.device)
         self.pools = StepPools(self.req_to_token_pool, self.kv_pool, self.device)
-        self.attn_backend = create_attention_backend(
-            target.attention_backend_name, mc.num_heads, mc.num_kv_heads, mc.head_dim,
-            device_type=target.device_type, device=target.device,
-            fused_ops=not args.disable_fused_ops)
         super().__init__(self.kv_pool, self.req_to_token_pool,
                          prefill_budget(args, target.device_type))
         #: the head's draft rounds (catch-up + chain) as device graphs, where the target's
@@ -350,9 +338,38 @@ class EagleProposer(ModelProposer):
                     "matches" if ok else "differs from", detail,
                     "" if ok else "; the head's draft steps run eagerly")
                 self.head_graphs = self.head_graphs if ok else None
+        self._log_head(args)
+
+    # ---- what MTP (engine/speculative/mtp.py) replaces --------------------------------------
+    def _load_head(self, args: ServerArgs, target):
+        """The draft head (:class:`EagleHead` from ``--speculative-draft-model-path``)."""
+        from engine.layers import small_ops_kind
+
+        return load_eagle_head(args.speculative_draft_model_path,
+                               args.speculative_algorithm == "EAGLE3", target.model,
+                               target.dtype, target.device,
+                               small_ops_kind(target.device_type, args.disable_fused_ops),
+                               dummy=args.load_format == "dummy", seed=args.seed)
+
+    def _head_kv(self, args: ServerArgs, target):
+        """``(kv_pool, attention backend)`` of the head's layers (a paged K/V pool)."""
+        from engine.attention import create_attention_backend
+        from engine.kv.pool import KVPool
+
+        mc = self.head.mc
+        pool = KVPool(draft_pool_tokens(args, target), args.page_size, self.head.num_layers,
+                      mc.num_kv_heads, mc.head_dim, target.kv_dtype, target.device)
+        backend = create_attention_backend(
+            target.attention_backend_name, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+            device_type=target.device_type, device=target.device,
+            fused_ops=not args.disable_fused_ops)
+        return pool, backend
+
+    def _log_head(self, args: ServerArgs) -> None:
         logger.info("%s head %s: %d layer(s), hidden %d%s", args.speculative_algorithm,
-                    args.speculative_draft_model_path, self.head.num_layers, mc.hidden_size,
-                    f", draft vocabulary {self.head.draft_vocab}" if eagle3 else "")
+                    args.speculative_draft_model_path, self.head.num_layers,
+                    self.head.mc.hidden_size, f", draft vocabulary {self.head.draft_vocab}"
+                    if self.head.eagle3 else "")
 
     # ---- the target's hidden states -----------------------------------------------------
     def observe(self, batch) -> None:

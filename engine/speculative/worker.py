@@ -21,7 +21,11 @@ One step, for the running requests together:
 4. Accept (``engine/sampling/acceptance.py``): the longest run of drafts the target keeps,
    plus the target's own token after it; the KV of the rejected positions is dropped
    (``KVCacheManager.shrink``), so ``req_to_token`` and the radix cache only ever hold
-   accepted tokens. ``SpecWorker.step`` returns each request's run (``AcceptedRun``); the
+   accepted tokens. A model with linear-attention layers verifies as an EXTEND whose
+   layers leave their recurrent states untouched (``ScheduleBatch.defer_state``); the
+   runner's ``commit_verify`` then advances each request's states by its accepted tokens
+   only (``engine/layers/gated_deltanet.py`` says why recompute rather than per-token
+   states). ``SpecWorker.step`` returns each request's run (``AcceptedRun``); the
    scheduler's ``OutputProcessor`` appends it with its stop checks (a stop token or string
    inside the run cuts it there).
 
@@ -46,7 +50,9 @@ from engine.forward_batch import ForwardMode
 from engine.sampling.acceptance import verify_drafts
 from engine.speculative.proposer import Proposer
 
-#: the spec counters the worker adds to ``Scheduler.stats`` (/server_info, /metrics)
+#: the spec counters the worker adds to ``Scheduler.stats`` (/server_info, /metrics); it
+#: also keeps ``spec_verify_step_seconds`` and ``spec_decode_step_seconds`` there once
+#: measured (the step-time averages of ``wants``)
 #: a request below break-even this many verify steps in a row stops proposing for 2, 4,
 #: 8... steps (up to MAX_BACKOFF), then tries again. Below break-even: nothing accepted, or
 #: its running accept length (tokens per verify step, an exponential average with weight
@@ -70,11 +76,13 @@ class VerifyReq:
     """A request's ``StepRequest`` for the verify forward: its tokens with the drafts after
     them (the request itself holds only accepted tokens)."""
 
-    __slots__ = ("req", "req_pool_idx", "drafts", "base")
+    __slots__ = ("req", "req_pool_idx", "state_slot", "drafts", "base")
 
     def __init__(self, req, drafts: list[int]):
         self.req = req
         self.req_pool_idx = req.req_pool_idx
+        # the request's recurrent-state slot (a model with linear-attention layers)
+        self.state_slot = getattr(req, "state_slot", None)
         self.drafts = drafts
         self.base = req.seq_len
 
@@ -182,6 +190,8 @@ class SpecWorker:
                 dt = now - t0
                 self.step_time[kind] = dt if old is None else \
                     old + STEP_TIME_EMA * (dt - old)
+                # /metrics: the step costs (gauges; server/metrics.py)
+                self.stats[f"spec_{kind}_step_seconds"] = self.step_time[kind]
         ok = 0 < len(running) <= self.max_bs and \
             (self.max_rows is None or len(running) * (1 + self.k) <= self.max_rows)
         self._mark = (now, steps, None)
@@ -250,8 +260,13 @@ class SpecWorker:
             return None
         self._label("verify")
         extra_kv = sum((n - 1) * p for p, n in zip(prefix, ext)) * self._kv_token_bytes
-        as_decode = extra_kv <= VERIFY_AS_DECODE_KV_SHARE * self._weight_bytes
-        return VerifyBatch(verify_batch(vreqs, prefix, ext, locs, as_decode), reqs, kept, prefix)
+        # linear-attention layers advance a state per row: their verify is an extend whose
+        # states are committed after acceptance (``_accept``)
+        hybrid = self.runner.state_pool is not None
+        as_decode = not hybrid and extra_kv <= VERIFY_AS_DECODE_KV_SHARE * self._weight_bytes
+        batch = verify_batch(vreqs, prefix, ext, locs, as_decode)
+        batch.defer_state = hybrid
+        return VerifyBatch(batch, reqs, kept, prefix)
 
     # ---- run ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -305,7 +320,7 @@ class SpecWorker:
                 ) -> list[AcceptedRun]:
         st, lengths = self.stats, self.stats["spec_accept_lengths"]
         st["spec_verify_steps"] += 1
-        out, r0 = [], 0
+        out, r0, keep = [], 0, []
         for req, d, p in zip(vb.reqs, vb.drafts, vb.prefix):
             a = 0
             while a < len(d) and acc[r0 + a]:
@@ -317,6 +332,7 @@ class SpecWorker:
                 logprobs = [(lp[0][r], [[lp[1][r][j], lp[2][r][j]] for j in range(k)])
                             for r in range(r0, r0 + a + 1)]
             # positions p..p+a hold the last token and the accepted drafts: keep those
+            keep.append(1 + a)
             self.kv.shrink(req, p + 1 + a)
             self.proposer.trim(req, p + 1 + a)
             if d:
@@ -328,6 +344,8 @@ class SpecWorker:
                 self._track(req.rid, a)
             out.append(AcceptedRun(req, toks, logprobs))
             r0 += len(d) + 1
+        if vb.batch.defer_state:  # the linear layers' states: up to the last accepted token
+            self.runner.commit_verify(keep)
         return out
 
     def _track(self, rid: str, accepted: int) -> None:

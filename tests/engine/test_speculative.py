@@ -512,6 +512,15 @@ def test_metrics_export_the_engine_spec_counters():
                  'ferry:spec_decode_accept_length_count{model_name="m"} 4.0',
                  'ferry:spec_decode_accept_length_sum{model_name="m"} 8.0']:
         assert line in text
+    assert "step_cost_ratio" not in text  # step costs: once measured
+    Info.stats = {**Info.stats, "spec_verify_step_seconds": 0.03,
+                  "spec_decode_step_seconds": 0.02}
+    m.on_engine_stats(Info())
+    text = m.render()[0].decode()
+    for line in ['ferry:spec_decode_verify_step_seconds{model_name="m"} 0.03',
+                 'ferry:spec_decode_decode_step_seconds{model_name="m"} 0.02',
+                 'ferry:spec_decode_step_cost_ratio{model_name="m"} 1.5']:
+        assert line in text
 
 
 def test_breakeven_comes_from_measured_step_times():

@@ -1,7 +1,8 @@
 """engine/executor/preflight.py: a model with linear-attention (RECURRENT_STATE) layers is
-refused, in one line naming the class and the flag, with speculative decoding, LoRA and
-device graphs; a model without them, the CPU path and TP > 1 (the linear layers split their
-heads: tests/engine/test_tensor_parallel_hybrid_mla.py) pass."""
+refused, in one line naming the class and the flag, with EAGLE-3 and STANDALONE speculation,
+LoRA and device graphs; a model without them, the CPU path, NGRAM, EAGLE and MTP speculation
+(the verify step rolls the states back) and TP > 1 (the linear layers split their heads:
+tests/engine/test_tensor_parallel_hybrid_mla.py) pass."""
 
 from __future__ import annotations
 
@@ -49,9 +50,18 @@ def test_hybrid_refusals_name_the_flag(kw, device, flag):
     assert "\n" not in msg and msg.startswith("HybridLM has linear-attention") and flag in msg
 
 
-def test_speculative_is_refused():
-    # the fields the check reads (a real ServerArgs with NGRAM needs its own flags too)
-    args = SimpleNamespace(tp_size=1, speculative_algorithm="NGRAM", lora_paths=None,
+@pytest.mark.parametrize("algo", ["EAGLE3", "STANDALONE"])
+def test_speculation_without_state_rollback_is_refused(algo):
+    # the fields the check reads (a real ServerArgs needs the draft path too)
+    args = SimpleNamespace(tp_size=1, speculative_algorithm=algo, lora_paths=None,
                            enable_lora=False, disable_cuda_graph=False)
-    with pytest.raises(ValueError, match="--speculative-algorithm NGRAM"):
+    with pytest.raises(ValueError, match=f"--speculative-algorithm {algo}"):
         check_recurrent_state_flags(HybridLM([LINEAR]), args, "cpu")
+
+
+@pytest.mark.parametrize("algo", ["NGRAM", "EAGLE", "MTP"])
+def test_speculation_with_state_rollback_passes(algo):
+    """The verify step commits each linear layer's state at the last accepted token."""
+    args = SimpleNamespace(tp_size=1, speculative_algorithm=algo, lora_paths=None,
+                           enable_lora=False, disable_cuda_graph=False)
+    check_recurrent_state_flags(HybridLM([LINEAR]), args, "cpu")

@@ -1,6 +1,8 @@
 """The Gated DeltaNet layer (engine/layers/gated_deltanet.py) against HF's
 ``Qwen3NextGatedDeltaNet``: a varlen batch of prefills, prefill chunks carrying the state,
-and decode steps through the recurrent-state pool equal HF's full-sequence forward."""
+and decode steps through the recurrent-state pool equal HF's full-sequence forward; a
+speculative verify step leaves the states as they were and its commit keeps exactly the
+accepted tokens' state."""
 
 from __future__ import annotations
 
@@ -113,3 +115,48 @@ def test_qwen3_5_split_projections_match_hf():
     got = _run(ours, pool, [slot], [x[:8]]) + _run(ours, pool, [slot], [x[8:9]], decode=True)
     got += _run(ours, pool, [slot], [x[9:]])
     torch.testing.assert_close(torch.cat(got), _hf(ref, x), atol=1e-5, rtol=1e-4)
+
+
+def _after(ours, dims, slots, *steps):
+    """A fresh pool whose ``slots`` ran ``steps`` (lists of per-request inputs) in turn;
+    returns it and the last step's outputs."""
+    pool = _pool(dims)
+    assert [pool.alloc() for _ in slots] == slots
+    out = None
+    for pieces in steps:
+        out = _run(ours, pool, slots, pieces)
+    return pool, out
+
+
+@pytest.mark.parametrize("keep", [[2, 4, 1], [1, 1, 1]])  # tokens kept, per request
+def test_verify_record_and_commit_keep_the_accepted_state(layers, keep):
+    """A speculative verify step (``LinearStateBatch.record``): its rows are an ordinary
+    extend's, the slots' states stay as they were, and ``commit`` with each request's
+    accepted count leaves exactly the state of an extend over those tokens only (all drafts
+    rejected: one token each, through the decode step's kernels)."""
+    _, ours, dims = layers
+    hist = [torch.randn(n, HIDDEN) for n in (6, 11, 3)]
+    window = [torch.randn(n, HIDDEN) for n in (4, 4, 1)]   # last token + drafts
+    slots = [1, 2, 3]
+    pool, _ = _after(ours, dims, slots, hist)
+    before = [t.clone() for t in (pool.conv_states[0], pool.recurrent_states[0])]
+    _, plain = _after(ours, dims, slots, hist, window)
+    want, _ = _after(ours, dims, slots, hist, [w[:n] for w, n in zip(window, keep)])
+    cu = [0]
+    for w in window:
+        cu.append(cu[-1] + w.shape[0])
+    rec: list = []
+    batch = LinearStateBatch(pool.conv_states[0], pool.recurrent_states[0],
+                             torch.tensor(slots), cu, False, record=rec)
+    with torch.no_grad():
+        out = ours(torch.cat(window), batch)
+    for o, s, e in zip(plain, cu, cu[1:]):
+        torch.testing.assert_close(out[s:e], o, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(pool.conv_states[0], before[0])   # untouched by the verify
+    torch.testing.assert_close(pool.recurrent_states[0], before[1])
+    (layer, state, *inputs), = rec
+    with torch.no_grad():
+        layer.commit(state, *inputs, keep)
+    torch.testing.assert_close(pool.conv_states[0], want.conv_states[0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(pool.recurrent_states[0], want.recurrent_states[0],
+                               atol=1e-5, rtol=1e-4)

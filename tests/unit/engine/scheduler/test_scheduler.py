@@ -50,6 +50,9 @@ class FakeRunner:
         self.slot_token = torch.full((self.kv_pool.num_slots,), -1, dtype=torch.int64)
         self.batches = []
 
+    def commit_verify(self, keep):
+        """No linear-attention layers: nothing to commit after a verify step."""
+
     def forward(self, batch, future_ids=None):
         r2t = self.req_to_token_pool.req_to_token
         off = 0
