@@ -90,6 +90,22 @@ class MMInputs:
     positions: torch.Tensor
     delta: int
     embeds: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: whether the language model attends bidirectionally among one image's tokens (Gemma
+    #: 3): each image's tokens then go to one prefill chunk (``image_cut``) and the extend
+    #: step gets per-row key limits (:func:`key_limits`)
+    bidirectional: bool = False
+
+    def image_cut(self, start: int, end: int) -> int:
+        """Where a prefill chunk ``[start, end)`` of a bidirectional request may end: ``end``
+        when no image's span crosses it, else the start of the crossed image, or (the chunk
+        starts inside or at that image: it cannot end before it) the image's end, which may
+        run past ``end``. A request without bidirectional images: ``end``."""
+        if not self.bidirectional:
+            return end
+        for it in self.items:
+            if it.offset < end < it.end:
+                return it.offset if it.offset > start else it.end
+        return end
 
     def drop_done(self, upto: int) -> None:
         """Forget the embeddings of the images whose tokens all lie before ``upto``."""
@@ -162,3 +178,31 @@ def build_mm_inputs(images, n_tokens: int) -> MMInputs:
         at = im.offset + length
     pos, delta = mrope_positions(n_tokens, items)
     return MMInputs(items, pos, delta)
+
+
+def key_limits(segments, starts: list[int], lens: list[int]) -> list[int] | None:
+    """Per extend row of a step, the new keys of its request that its query sees: ``i + 1``
+    for new token ``i`` (causal), the end of its image span (counted in the request's new
+    tokens) for a token of an image of a bidirectional request; None when no such image is
+    in the step (the attention stays causal: the kernels' plain path).
+
+    Args:
+        segments: ``ForwardBatch.mm_segments`` (``(MMInputs, prefix, new tokens, first
+            row)``), or None.
+        starts, lens: the extend requests' first rows and new tokens (not the decode tail).
+    """
+    spans = []
+    for mm, p, n, row in segments or ():
+        if mm.bidirectional:
+            for it in mm.items:
+                lo, hi = max(p, it.offset), min(p + n, it.end)
+                if lo < hi:
+                    spans.append((row + lo - p, row + hi - p, hi - p))
+    if not spans:
+        return None
+    out = [0] * (starts[-1] + lens[-1] if starts else 0)
+    for s0, n in zip(starts, lens):
+        out[s0:s0 + n] = range(1, n + 1)
+    for r0, r1, limit in spans:
+        out[r0:r1] = [limit] * (r1 - r0)
+    return out

@@ -33,6 +33,7 @@ from engine.forward_batch import (
 from engine.kv.pool import KVPool, ReqToTokenPool
 from engine.kv.state_pool import RecurrentStatePool
 from engine.kv.windowed import WindowedKVPool
+from engine.mm_inputs import key_limits
 
 if TYPE_CHECKING:
     from engine.lora.manager import LoRAManager
@@ -206,6 +207,12 @@ def build_forward_batch(pools: StepPools, attn_backend, batch: ScheduleBatch,
                                       state_arrays[1], state_dev[1])
     if any(getattr(r, "mm", None) is not None for r in batch.reqs):
         fb.mrope_positions, fb.mm_segments = _mm_step(batch, h.starts, extend, pools.device)
+        if fb.mm_segments:  # bidirectional image spans (Gemma 3): per-row key limits
+            ne = batch.batch_size - batch.num_decodes
+            lim = key_limits(fb.mm_segments, h.starts[:ne], list(batch.extend_lens[:ne]))
+            if lim is not None:
+                fb.key_limit = dev.host_to_device(torch.tensor(lim, dtype=torch.int32),
+                                                  pools.device)
     if swa is not None:  # the windowed layers' slots: their own table and locations
         swa_loc = rest[-1]
         swa_r2t = pools.swa_req_pool.req_to_token

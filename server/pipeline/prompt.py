@@ -194,7 +194,7 @@ async def chat_prompt_images(tm: TokenizerManager, req: Any, tools: ToolPlan
     ids = await tm.chat.apply_chat_template(
         messages, req.add_generation_prompt,
         bool(req.add_special_tokens), continue_final_message=req.continue_final_message,
-        template_kwargs=kwargs)
+        template_kwargs=kwargs, expand_text=tm.images.expand_text if refs else None)
     if not refs:
         return ids, []
     pics = [await load_image(url, where, tm.media_limits) for where, url in refs]
