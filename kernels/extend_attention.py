@@ -274,6 +274,28 @@ def _extend_meta(group: int, head_dim: int, dtype: torch.dtype, device_type: str
     return constexprs, options
 
 
+def _check_args(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, req_to_token,
+                req_pool_indices, seq_lens, extend_seq_lens, extend_start_loc, key_limit
+                ) -> None:
+    """:func:`extend_attention_fwd`'s shape, stride and ``key_limit`` checks (ValueError)."""
+    t, hq, d = q_extend.shape
+    hkv = k_buffer.shape[1]
+    bs = req_pool_indices.shape[0]
+    if hq % hkv or k_extend.shape != (t, hkv, d) or v_extend.shape != (t, hkv, d) \
+            or o_extend.shape != q_extend.shape or k_buffer.shape[2] != d \
+            or v_buffer.shape != k_buffer.shape or seq_lens.shape[0] != bs \
+            or extend_seq_lens.shape[0] != bs or extend_start_loc.shape[0] != bs:
+        raise ValueError(f"extend_attention_fwd shape mismatch: q {tuple(q_extend.shape)}, "
+                         f"k {tuple(k_extend.shape)}, v {tuple(v_extend.shape)}, "
+                         f"o {tuple(o_extend.shape)}, pool {tuple(k_buffer.shape)}, B={bs}")
+    if key_limit is not None and (key_limit.shape != (t,) or key_limit.dtype != torch.int32):
+        raise ValueError(f"key_limit must be [T] int32 (T = {t}), not "
+                         f"{tuple(key_limit.shape)} {key_limit.dtype}")
+    for x in (q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, req_to_token):
+        if x.stride(-1) != 1:
+            raise ValueError("the last axis of every tensor argument must be unit stride")
+
+
 def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_extend: torch.Tensor,
                          o_extend: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                          req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
@@ -327,22 +349,10 @@ def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
         ValueError: inconsistent shapes, a non-unit-stride last axis, bad block sizes, a
             variant out of range, or an FP8 pool with a non-positive scale.
     """
-    t, hq, d = q_extend.shape
-    hkv = k_buffer.shape[1]
-    bs = req_pool_indices.shape[0]
-    if hq % hkv or k_extend.shape != (t, hkv, d) or v_extend.shape != (t, hkv, d) \
-            or o_extend.shape != q_extend.shape or k_buffer.shape[2] != d \
-            or v_buffer.shape != k_buffer.shape or seq_lens.shape[0] != bs \
-            or extend_seq_lens.shape[0] != bs or extend_start_loc.shape[0] != bs:
-        raise ValueError(f"extend_attention_fwd shape mismatch: q {tuple(q_extend.shape)}, "
-                         f"k {tuple(k_extend.shape)}, v {tuple(v_extend.shape)}, "
-                         f"o {tuple(o_extend.shape)}, pool {tuple(k_buffer.shape)}, B={bs}")
-    if key_limit is not None and (key_limit.shape != (t,) or key_limit.dtype != torch.int32):
-        raise ValueError(f"key_limit must be [T] int32 (T = {t}), not "
-                         f"{tuple(key_limit.shape)} {key_limit.dtype}")
-    for x in (q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, req_to_token):
-        if x.stride(-1) != 1:
-            raise ValueError("the last axis of every tensor argument must be unit stride")
+    _check_args(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, req_to_token,
+                req_pool_indices, seq_lens, extend_seq_lens, extend_start_loc, key_limit)
+    hq, hkv, d = q_extend.shape[1], k_buffer.shape[1], q_extend.shape[2]
+    bs, t = req_pool_indices.shape[0], q_extend.shape[0]
     (qk_scale, window, cap_log2, sinks), switches = variant_launch_args(
         hq, sm_scale, sliding_window, logit_softcap, sinks)
     qk_scale, q_scale, fp8 = fp8_kv_scales(k_buffer, qk_scale, sm_scale, k_scale, v_scale)
