@@ -176,3 +176,19 @@ def test_text_only_and_tp_fallback(ckpt):
         with pytest.raises(RequestError) as e:
             images_for(engine.runner.model, [wrong], len(cases["red"].ids))
         assert e.value.param == "images"
+
+
+def test_tp2_serves_text_and_refuses_images(ckpt):
+    """With tensor parallelism (gloo, 2 ranks) the model serves text as before images were
+    supported (HF's tokens) and an image request is refused, naming ``messages``."""
+    from engine.llm import LLM
+    from engine.validation import RequestError
+
+    _, path, cases, _ = ckpt
+    with LLM(path, tp_size=2, cpu_threads=1, dtype="float32", device="cpu", seed=3) as llm:
+        assert llm.runner.model.accepts_images is False
+        out = llm.generate([cases["text"].ids], SP)[0]
+        with pytest.raises(RequestError) as e:
+            llm.generate([cases["red"].ids], SP, images=[cases["red"].images])
+    assert_matches_hf(out, cases["text"].ref, "TP=2 text")
+    assert e.value.param == "messages"
