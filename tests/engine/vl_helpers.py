@@ -162,7 +162,6 @@ def save_gemma3(path, seed: int = 5, std: float = 0.2):
     tokenizer holding its image tokens and a template writing ``<start_of_image>``, and the
     image processor; returns the HF model (eval)."""
     import transformers as T
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     torch.manual_seed(seed)
     hf = T.Gemma3ForConditionalGeneration(gemma3_config()).to(torch.float32).eval()
@@ -177,6 +176,17 @@ def save_gemma3(path, seed: int = 5, std: float = 0.2):
             else:
                 p.copy_(std * noise)
     hf.save_pretrained(path)
+    save_gemma3_tokenizer(path)
+    gemma3_processor().save_pretrained(path)
+    return hf
+
+
+def save_gemma3_tokenizer(path):
+    """The character-level tokenizer with Gemma 3's image and turn tokens and a chat
+    template writing ``<start_of_image>`` per image part."""
+    import transformers as T
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
     for c in string.printable + "".join(chr(i) for i in range(0xA1, 0x180)):
         if len(vocab) < 253 and c not in "\x0b\x0c":
@@ -194,8 +204,6 @@ def save_gemma3(path, seed: int = 5, std: float = 0.2):
                                      pad_token="<pad>")
     fast.chat_template = GEMMA3_TEMPLATE
     fast.save_pretrained(path)
-    gemma3_processor().save_pretrained(path)
-    return hf
 
 
 def gemma3_images():
