@@ -57,7 +57,10 @@ def models_table() -> str:
             ", ".join(k.value for k in cls.cache_kinds),
             f"`{module}`",
         ]) + " |")
-    return _HEADER + "\n".join(rows) + "\n"
+    images = [f"`{a}`" for a, cls in MODEL_REGISTRY.items() if getattr(cls, "accepts_images",
+                                                                       False)]
+    return _HEADER + "\n".join(rows) + "\n\nImage input (see `docs/usage.md`, Images): " + \
+        ", ".join(images) + ".\n"
 
 
 def main(argv: list[str] | None = None) -> int:
