@@ -12,6 +12,10 @@ them, and derives what the scheduler and the model read:
   value derived from its image's hash (:func:`pad_value`, at or above ``2**40``, beyond any
   vocabulary), so the radix tree shares KV between equal images and never between different
   ones, whatever the surrounding text; the ids the model embeds stay the real ones;
+- for a model whose language model attends bidirectionally within an image (Gemma 3,
+  ``MMInputs.bidirectional``): where a prefill chunk may end (:meth:`MMInputs.image_cut`:
+  never inside an image) and each extend row's key limit (:func:`key_limits`: an image
+  token sees its whole image);
 - the 3D (temporal, height, width) positions of multimodal RoPE (:func:`mrope_positions`):
   text tokens count on from the last position, an image's tokens take ``start + (0, row,
   col)`` over its merged grid and the next text starts at ``start + max(rows, cols)``; the
@@ -44,9 +48,11 @@ class ImageItem:
 
     Attributes:
         pixel_values: ``[patches, C * temporal_patch * patch * patch]`` float32 (CPU) the
-            image processor's flattened patches (``patches = t * h * w``).
+            image processor's flattened patches (``patches = t * h * w``; Gemma 3's:
+            ``C * patch * patch`` wide, row-major).
         grid_thw: the patch grid ``(t, h, w)``.
-        merge: the spatial merge factor (each ``merge x merge`` patches make one token).
+        merge: the spatial merge factor (each ``merge x merge`` patches make one token;
+            Gemma 3: its average pooling).
         content_hash: a 64-bit hash of the pixels and grid (equal images, equal hashes).
         offset: index of the image's first token in the prompt.
         length: its tokens, ``t * (h / merge) * (w / merge)``.
