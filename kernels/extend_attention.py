@@ -244,10 +244,12 @@ def _extend_kernel(
 
 def _extend_meta(group: int, head_dim: int, dtype: torch.dtype, device_type: str,
                  block_m: int | None = None, block_n: int | None = None,
-                 num_warps: int | None = None, kv_fp8: bool = False) -> tuple[dict, dict]:
+                 num_warps: int | None = None, kv_fp8: bool = False,
+                 key_limit: bool = False) -> tuple[dict, dict]:
     """Constexprs and launch options (see the module docstring for the choices).
 
-    ``kv_fp8``: an FP8 pool (the ``KV_FP8`` path, fp16 dots whatever the query's dtype).
+    ``kv_fp8``: an FP8 pool (the ``KV_FP8`` path, fp16 dots whatever the query's dtype);
+    ``key_limit``: per-row key limits (the ``KEY_LIMIT`` path).
     Returns ``(constexprs, options)``; the compile test uses it to build the same variants.
     """
     if kv_fp8:
@@ -270,6 +272,7 @@ def _extend_meta(group: int, head_dim: int, dtype: torch.dtype, device_type: str
         # fp32 must not silently drop to tf32; 16-bit inputs use the backend default.
         "DOT_PREC": "ieee" if dtype == torch.float32 else None,
         "KV_FP8": kv_fp8,   # False: the 16/32-bit build, code unchanged
+        "KEY_LIMIT": key_limit,   # False: causal, code unchanged
     }
     return constexprs, options
 
@@ -359,7 +362,7 @@ def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
     if bs == 0 or t == 0 or max_extend_len <= 0:
         return o_extend
     meta, opts = _extend_meta(hq // hkv, d, q_extend.dtype, q_extend.device.type, block_m,
-                              block_n, num_warps, kv_fp8=fp8)
+                              block_n, num_warps, kv_fp8=fp8, key_limit=key_limit is not None)
     grid = (bs, hq, triton.cdiv(max_extend_len, meta["BLOCK_M"]))
     _extend_kernel[grid](
         q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
@@ -369,7 +372,7 @@ def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
         q_extend.stride(0), q_extend.stride(1), k_extend.stride(0), k_extend.stride(1),
         v_extend.stride(0), v_extend.stride(1), o_extend.stride(0), o_extend.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        req_to_token.stride(0), **meta, **switches, **opts, KEY_LIMIT=key_limit is not None,
+        req_to_token.stride(0), **meta, **switches, **opts,
     )
     return o_extend
 
