@@ -10,7 +10,9 @@ patch grid, the size rounded to the patch-times-merge unit as the image processo
 - the same prompt length without an image (``ttft_text_s``), for comparison.
 
 Medians over ``--repeats`` runs after a warm-up. Runs on dummy weights of a config file
-(``--model-path engine/configs/qwen2.5-vl-7b-instruct.json --load-format dummy``).
+(``--model-path engine/configs/qwen2.5-vl-7b-instruct.json --load-format dummy``; Gemma 3's
+``gemma-3-27b.json`` takes its fixed 896-pixel images, 256 tokens, whatever
+``--image-size``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from server.cli import add_engine_args
 
 def synthetic_image(vc, size: int, offset: int, seed: int = 0) -> ImageData:
     """A random image of about ``size`` x ``size`` pixels for a tower with config ``vc``,
-    its tokens starting at prompt index ``offset``."""
+    its tokens starting at prompt index ``offset`` (Qwen's towers)."""
     patch, merge, tp = vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size
     unit = patch * merge
     g = max(unit, round(size / unit) * unit) // patch
@@ -41,6 +43,28 @@ def synthetic_image(vc, size: int, offset: int, seed: int = 0) -> ImageData:
     return ImageData(pixel_values=pixels.numpy().astype("<f4").tobytes(),
                      pixel_shape=list(pixels.shape), grid_thw=[1, g, g], merge=merge,
                      content_hash=seed, offset=offset, length=(g // merge) ** 2)
+
+
+def _gemma3_image(vc, offset: int, seed: int, tokens: int = 256) -> ImageData:
+    """Gemma 3's random image: SigLIP takes ``image_size`` square images only, its
+    ``(image_size / patch)^2`` patches pooled to ``tokens`` (``mm_tokens_per_image``)."""
+    g, patch = vc.image_size // vc.patch_size, vc.patch_size
+    merge = g // int(round(tokens ** 0.5))
+    pixels = torch.randn(g * g, 3 * patch * patch, generator=torch.Generator().manual_seed(seed))
+    return ImageData(pixel_values=pixels.numpy().astype("<f4").tobytes(),
+                     pixel_shape=list(pixels.shape), grid_thw=[1, g, g], merge=merge,
+                     content_hash=seed, offset=offset, length=tokens)
+
+
+def _encoder(model):
+    """``encode(pixels, grid)``: the model's image encoder (Qwen's ``visual``, Gemma 3's
+    tower and projector)."""
+    if hasattr(model, "visual"):
+        return model.visual
+    from engine.models.gemma3_vision import encode_image
+
+    return lambda pixels, grid: encode_image(model.vision_tower, model.multi_modal_projector,
+                                             pixels)
 
 
 def _median_s(fn, repeats: int) -> float:
@@ -69,7 +93,9 @@ def main(argv: list[str] | None = None) -> None:
     if not getattr(model, "accepts_images", False):
         raise SystemExit(f"{type(model).__name__} does not read images")
     half = ns.text_len // 2
-    image = synthetic_image(model.config.vision_config, ns.image_size, half)
+    vc = model.config.vision_config
+    image = synthetic_image(vc, ns.image_size, half) if hasattr(vc, "spatial_merge_size") \
+        else _gemma3_image(vc, half, 0, int(model.config.mm_tokens_per_image))
     g = torch.Generator().manual_seed(1)
     vocab = model.model_config.vocab_size
     text = torch.randint(10, min(1000, vocab), (ns.text_len,), generator=g).tolist()
@@ -83,13 +109,15 @@ def main(argv: list[str] | None = None) -> None:
     pixels = torch.frombuffer(bytearray(image.pixel_values), dtype=torch.float32) \
         .view(image.pixel_shape)
 
-    def encode():
+    encode = _encoder(model)
+
+    def timed_encode():
         with torch.inference_mode(), _Timer(runner.device_type) as t:
-            model.visual(pixels, tuple(image.grid_thw))
+            encode(pixels, tuple(image.grid_thw))
         return t.elapsed
 
-    encode()
-    encoder = statistics.median(encode() for _ in range(ns.repeats))
+    timed_encode()
+    encoder = statistics.median(timed_encode() for _ in range(ns.repeats))
     res = {"image_size": ns.image_size, "image_tokens": image.length,
            "text_tokens": ns.text_len, "device": runner.device_type,
            "dtype": str(runner.dtype).replace("torch.", ""), "encoder_s": encoder,

@@ -384,8 +384,15 @@ device='meta', quantization=q, progress=False)[0]); print('weight bytes bf16', b
              run vision-qwen3 300 python3 -m bench.bench_vision \
                --model-path engine/configs/qwen3-vl-8b-instruct.json --load-format dummy \
                --image-size 1024 --text-len 100 --repeats 5 --result-jsonl "$OUT/vision.jsonl"
+             # Gemma-3-27B (SigLIP so400m, 896 px -> 256 tokens; the image's tokens attend
+             # bidirectionally through the extend kernel's key limits)
+             run vision-gemma3 300 python3 -m bench.bench_vision \
+               --model-path engine/configs/gemma-3-27b.json --load-format dummy \
+               --text-len 100 --repeats 5 --result-jsonl "$OUT/vision.jsonl"
              run vision-gputests 300 python3 -m pytest -q -x -s -m gpu \
-               tests/engine/test_qwen_vl_gpu.py -p no:cacheprovider;;
+               tests/engine/test_qwen_vl_gpu.py -p no:cacheprovider
+             run vision-keylimit 120 python3 -m pytest -q -x tests/kernels/test_extend_key_limit.py \
+               -p no:cacheprovider;;
     gemma) # Gemma-3-27B (issue 42): bs1/bs64 decode with the fused (1 + w) RMSNorm, then the
            # windowed KV pool's capacity: 32 prompts of 8k tokens, one pool vs
            # --swa-full-tokens-ratio 0.25 (the "at most N running" of each line)

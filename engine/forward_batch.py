@@ -21,6 +21,9 @@ Shapes (T = tokens in the step, B = requests):
                     ``engine/mm_inputs.py``), else None
   mm_segments       per image request of an EXTEND step ``(MMInputs, prefix, new tokens,
                     row of its first new token)``, else None
+  key_limit         [Te] int32 per extend row: the new keys of its request its query sees
+                    (``i + 1`` causal; the span's end inside a bidirectional image span,
+                    Gemma 3), or None: causal (the extend kernels' ``key_limit``)
 
 A mixed EXTEND step (chunked prefill with the running decodes) ends with ``num_decodes``
 one-token requests (the last ``num_decodes`` tokens of T); attention runs the first
@@ -149,6 +152,8 @@ class ForwardBatch:
     # None: no request of the step has images (graph replays never do)
     mrope_positions: torch.Tensor | None = None
     mm_segments: list[tuple[Any, int, int, int]] | None = None
+    # bidirectional image spans of the extend rows (see the module docstring); None: causal
+    key_limit: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:

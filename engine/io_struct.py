@@ -26,8 +26,9 @@ class ImageData(msgspec.Struct, kw_only=True):
     worker needs to compute its embeddings (``engine/mm_inputs.py`` checks and unpacks it).
 
     ``pixel_values``: the image processor's patches, float32 little-endian bytes of shape
-    ``pixel_shape`` ``[patches, C * temporal_patch * patch * patch]``; ``grid_thw``: the
-    patch grid (t, h, w); ``merge``: the spatial merge factor; ``content_hash``: a 64-bit
+    ``pixel_shape`` ``[patches, C * temporal_patch * patch * patch]`` (Gemma 3: ``[patches,
+    C * patch * patch]``); ``grid_thw``: the patch grid (t, h, w); ``merge``: the spatial
+    merge factor (Gemma 3: the projector's pooling kernel); ``content_hash``: a 64-bit
     hash of the pixels and grid (the prefix cache keys the image's tokens by it);
     ``offset``/``length``: the span of prompt tokens its embeddings fill.
     """

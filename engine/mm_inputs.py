@@ -12,6 +12,10 @@ them, and derives what the scheduler and the model read:
   value derived from its image's hash (:func:`pad_value`, at or above ``2**40``, beyond any
   vocabulary), so the radix tree shares KV between equal images and never between different
   ones, whatever the surrounding text; the ids the model embeds stay the real ones;
+- for a model whose language model attends bidirectionally within an image (Gemma 3,
+  ``MMInputs.bidirectional``): where a prefill chunk may end (:meth:`MMInputs.image_cut`:
+  never inside an image) and each extend row's key limit (:func:`key_limits`: an image
+  token sees its whole image);
 - the 3D (temporal, height, width) positions of multimodal RoPE (:func:`mrope_positions`):
   text tokens count on from the last position, an image's tokens take ``start + (0, row,
   col)`` over its merged grid and the next text starts at ``start + max(rows, cols)``; the
@@ -44,9 +48,11 @@ class ImageItem:
 
     Attributes:
         pixel_values: ``[patches, C * temporal_patch * patch * patch]`` float32 (CPU) the
-            image processor's flattened patches (``patches = t * h * w``).
+            image processor's flattened patches (``patches = t * h * w``; Gemma 3's:
+            ``C * patch * patch`` wide, row-major).
         grid_thw: the patch grid ``(t, h, w)``.
-        merge: the spatial merge factor (each ``merge x merge`` patches make one token).
+        merge: the spatial merge factor (each ``merge x merge`` patches make one token;
+            Gemma 3: its average pooling).
         content_hash: a 64-bit hash of the pixels and grid (equal images, equal hashes).
         offset: index of the image's first token in the prompt.
         length: its tokens, ``t * (h / merge) * (w / merge)``.
@@ -90,6 +96,22 @@ class MMInputs:
     positions: torch.Tensor
     delta: int
     embeds: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: whether the language model attends bidirectionally among one image's tokens (Gemma
+    #: 3): each image's tokens then go to one prefill chunk (``image_cut``) and the extend
+    #: step gets per-row key limits (:func:`key_limits`)
+    bidirectional: bool = False
+
+    def image_cut(self, start: int, end: int) -> int:
+        """Where a prefill chunk ``[start, end)`` of a bidirectional request may end: ``end``
+        when no image's span crosses it, else the start of the crossed image, or (the chunk
+        starts inside or at that image: it cannot end before it) the image's end, which may
+        run past ``end``. A request without bidirectional images: ``end``."""
+        if not self.bidirectional:
+            return end
+        for it in self.items:
+            if it.offset < end < it.end:
+                return it.offset if it.offset > start else it.end
+        return end
 
     def drop_done(self, upto: int) -> None:
         """Forget the embeddings of the images whose tokens all lie before ``upto``."""
@@ -162,3 +184,31 @@ def build_mm_inputs(images, n_tokens: int) -> MMInputs:
         at = im.offset + length
     pos, delta = mrope_positions(n_tokens, items)
     return MMInputs(items, pos, delta)
+
+
+def key_limits(segments, starts: list[int], lens: list[int]) -> list[int] | None:
+    """Per extend row of a step, the new keys of its request that its query sees: ``i + 1``
+    for new token ``i`` (causal), the end of its image span (counted in the request's new
+    tokens) for a token of an image of a bidirectional request; None when no such image is
+    in the step (the attention stays causal: the kernels' plain path).
+
+    Args:
+        segments: ``ForwardBatch.mm_segments`` (``(MMInputs, prefix, new tokens, first
+            row)``), or None.
+        starts, lens: the extend requests' first rows and new tokens (not the decode tail).
+    """
+    spans = []
+    for mm, p, n, row in segments or ():
+        if mm.bidirectional:
+            for it in mm.items:
+                lo, hi = max(p, it.offset), min(p + n, it.end)
+                if lo < hi:
+                    spans.append((row + lo - p, row + hi - p, hi - p))
+    if not spans:
+        return None
+    out = [0] * (starts[-1] + lens[-1] if starts else 0)
+    for s0, n in zip(starts, lens):
+        out[s0:s0 + n] = range(1, n + 1)
+    for r0, r1, limit in spans:
+        out[r0:r1] = [limit] * (r1 - r0)
+    return out

@@ -155,7 +155,9 @@ def pooling_mismatch(engine_pooling, pooling: bool) -> str | None:
 
 def images_for(model, images, n_tokens: int):
     """A request's images checked and unpacked (``engine.mm_inputs.build_mm_inputs``) for
-    ``model``, whose ``accepts_images`` says whether it reads them.
+    ``model``, whose ``accepts_images`` says whether it reads them (and
+    ``bidirectional_images`` whether its language model attends bidirectionally within an
+    image: ``MMInputs.bidirectional``).
 
     Args:
         model: the served model (a ``CausalLM``).
@@ -165,7 +167,8 @@ def images_for(model, images, n_tokens: int):
         an ``engine.mm_inputs.MMInputs``.
     Raises:
         RequestError: a model without image input (param ``messages``), or image data that
-            does not fit the prompt (param ``images``).
+            does not fit the prompt or the model's encoder (``check_images``; param
+            ``images``).
     """
     from engine.mm_inputs import build_mm_inputs
 
@@ -173,6 +176,14 @@ def images_for(model, images, n_tokens: int):
         raise RequestError(f"this model ({type(model).__name__}) does not read images; send "
                            "text only", "messages")
     try:
-        return build_mm_inputs(images, n_tokens)
+        mm = build_mm_inputs(images, n_tokens)
     except ValueError as exc:
         raise RequestError(str(exc.args[0]), "images") from None
+    check = getattr(model, "check_images", None)
+    if check is not None:
+        try:
+            check(mm.items)
+        except ValueError as exc:
+            raise RequestError(str(exc.args[0]), "images") from None
+    mm.bidirectional = bool(getattr(model, "bidirectional_images", False))
+    return mm

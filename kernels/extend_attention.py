@@ -16,7 +16,10 @@ phases, keeping the running max / sum / accumulator in fp32 registers:
 3. the diagonal tiles of new tokens: causal mask ``key <= query`` and length mask.
 
 Variants (keyword arguments, each behind a ``tl.constexpr`` switch: without them the
-plain kernel): ``sliding_window`` W starts phase 1 at the first key the block's first
+plain kernel): ``key_limit`` (``KEY_LIMIT``) gives each query row its own end of the new
+keys it sees (a bidirectional span: phase 3 runs on to the block's furthest limit and masks
+``key < limit`` instead of ``key <= query``; phases 1 and 2 are unchanged, as every limit
+is past its own query); ``sliding_window`` W starts phase 1 at the first key the block's first
 query sees (``prefix + m_lo - W + 1``) and phase 2 at the tile holding ``m_lo - W + 1``,
 and masks ``key <= query - W`` in every phase (rows that see no key of a tile keep an
 empty running state); ``logit_softcap`` caps the scaled scores and ``sinks`` joins the
@@ -93,13 +96,13 @@ def fp8_kv_as_stored(k, v, k_inv, v_inv, mask, KV_TYPE: tl.constexpr):
 def _extend_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, k_buf, v_buf,
     req_to_token, req_pool_indices, seq_lens, extend_seq_lens, extend_start_loc,
-    qk_scale, window, cap_log2, sinks_ptr, q_scale, k_inv, v_inv, v_scale,
+    qk_scale, window, cap_log2, sinks_ptr, q_scale, k_inv, v_inv, v_scale, key_limit,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_r2t,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
     SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    KV_FP8: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False, KEY_LIMIT: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -125,6 +128,10 @@ def _extend_kernel(
         if KV_FP8:
             q = fp8_kv_query(q, q_scale)   # k_scale * sm_scale folded in; fp16 dots
         dot_dtype = q.dtype
+
+        if KEY_LIMIT:  # per row: new keys 0 .. lim - 1 visible (rows past ext_len: causal)
+            lim = tl.load(key_limit + start + offs_m, mask=mask_m, other=0)
+            lim = tl.where(mask_m, lim, offs_m + 1)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -190,8 +197,11 @@ def _extend_kernel(
             m_i, l_i, acc = _online_softmax_step(qk, v.to(dot_dtype), m_i, l_i, acc, DOT_PREC,
                                                  SLIDING)
 
-        # Phase 3: the diagonal block, causal and length masked.
+        # Phase 3: the diagonal block, causal and length masked (with key limits: on to the
+        # block's furthest limit, each row masked at its own).
         hi = tl.minimum(ext_len, m_lo + BLOCK_M)
+        if KEY_LIMIT:
+            hi = tl.minimum(ext_len, tl.maximum(hi, tl.max(lim, 0)))
         for n0 in range(m_lo, hi, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < hi
@@ -204,7 +214,10 @@ def _extend_kernel(
                 k, v = fp8_kv_as_stored(k, v, k_inv, v_inv, mask_kv, kb_base.dtype.element_ty)
             qk = scale_scores(tl.dot(q, tl.trans(k.to(dot_dtype)), input_precision=DOT_PREC),
                               qk_scale, cap_log2, SOFTCAP)
-            visible = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
+            if KEY_LIMIT:
+                visible = mask_n[None, :] & (offs_n[None, :] < lim[:, None])
+            else:
+                visible = mask_n[None, :] & (offs_n[None, :] <= offs_m[:, None])
             if SLIDING:
                 visible = visible & (offs_n[None, :] > offs_m[:, None] - window)
             qk = tl.where(visible, qk, float("-inf"))
@@ -231,10 +244,12 @@ def _extend_kernel(
 
 def _extend_meta(group: int, head_dim: int, dtype: torch.dtype, device_type: str,
                  block_m: int | None = None, block_n: int | None = None,
-                 num_warps: int | None = None, kv_fp8: bool = False) -> tuple[dict, dict]:
+                 num_warps: int | None = None, kv_fp8: bool = False,
+                 key_limit: bool = False) -> tuple[dict, dict]:
     """Constexprs and launch options (see the module docstring for the choices).
 
-    ``kv_fp8``: an FP8 pool (the ``KV_FP8`` path, fp16 dots whatever the query's dtype).
+    ``kv_fp8``: an FP8 pool (the ``KV_FP8`` path, fp16 dots whatever the query's dtype);
+    ``key_limit``: per-row key limits (the ``KEY_LIMIT`` path).
     Returns ``(constexprs, options)``; the compile test uses it to build the same variants.
     """
     if kv_fp8:
@@ -257,8 +272,31 @@ def _extend_meta(group: int, head_dim: int, dtype: torch.dtype, device_type: str
         # fp32 must not silently drop to tf32; 16-bit inputs use the backend default.
         "DOT_PREC": "ieee" if dtype == torch.float32 else None,
         "KV_FP8": kv_fp8,   # False: the 16/32-bit build, code unchanged
+        "KEY_LIMIT": key_limit,   # False: causal, code unchanged
     }
     return constexprs, options
+
+
+def _check_args(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, req_to_token,
+                req_pool_indices, seq_lens, extend_seq_lens, extend_start_loc, key_limit
+                ) -> None:
+    """:func:`extend_attention_fwd`'s shape, stride and ``key_limit`` checks (ValueError)."""
+    t, hq, d = q_extend.shape
+    hkv = k_buffer.shape[1]
+    bs = req_pool_indices.shape[0]
+    if hq % hkv or k_extend.shape != (t, hkv, d) or v_extend.shape != (t, hkv, d) \
+            or o_extend.shape != q_extend.shape or k_buffer.shape[2] != d \
+            or v_buffer.shape != k_buffer.shape or seq_lens.shape[0] != bs \
+            or extend_seq_lens.shape[0] != bs or extend_start_loc.shape[0] != bs:
+        raise ValueError(f"extend_attention_fwd shape mismatch: q {tuple(q_extend.shape)}, "
+                         f"k {tuple(k_extend.shape)}, v {tuple(v_extend.shape)}, "
+                         f"o {tuple(o_extend.shape)}, pool {tuple(k_buffer.shape)}, B={bs}")
+    if key_limit is not None and (key_limit.shape != (t,) or key_limit.dtype != torch.int32):
+        raise ValueError(f"key_limit must be [T] int32 (T = {t}), not "
+                         f"{tuple(key_limit.shape)} {key_limit.dtype}")
+    for x in (q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, req_to_token):
+        if x.stride(-1) != 1:
+            raise ValueError("the last axis of every tensor argument must be unit stride")
 
 
 def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_extend: torch.Tensor,
@@ -270,7 +308,8 @@ def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
                          num_warps: int | None = None, sliding_window: int | None = None,
                          logit_softcap: float | None = None,
                          sinks: torch.Tensor | None = None, k_scale: float = 1.0,
-                         v_scale: float = 1.0) -> torch.Tensor:
+                         v_scale: float = 1.0,
+                         key_limit: torch.Tensor | None = None) -> torch.Tensor:
     """Extend attention: new tokens over the pooled prefix plus causal self-attention.
 
     Args:
@@ -300,6 +339,11 @@ def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
             registers as :func:`kernels.kv_store.store_kv` stores them, so every key is
             attended as stored; the dots run in fp16 with ``k_scale`` folded into q and the
             output scaled by ``v_scale`` once.
+        key_limit: ``[T]`` int32, or None (causal). Per row of q_extend: the new token ``i``
+            of that row's request sees new keys ``0 .. key_limit[row] - 1`` instead of
+            ``0 .. i`` (``key_limit[row] >= i + 1``, at most its request's
+            ``extend_seq_lens``): a bidirectional span (Gemma 3's image tokens) gives each
+            of its queries the span's end. The window (``sliding_window``) still applies.
 
     Returns:
         ``o_extend``.
@@ -308,31 +352,23 @@ def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
         ValueError: inconsistent shapes, a non-unit-stride last axis, bad block sizes, a
             variant out of range, or an FP8 pool with a non-positive scale.
     """
-    t, hq, d = q_extend.shape
-    hkv = k_buffer.shape[1]
-    bs = req_pool_indices.shape[0]
-    if hq % hkv or k_extend.shape != (t, hkv, d) or v_extend.shape != (t, hkv, d) \
-            or o_extend.shape != q_extend.shape or k_buffer.shape[2] != d \
-            or v_buffer.shape != k_buffer.shape or seq_lens.shape[0] != bs \
-            or extend_seq_lens.shape[0] != bs or extend_start_loc.shape[0] != bs:
-        raise ValueError(f"extend_attention_fwd shape mismatch: q {tuple(q_extend.shape)}, "
-                         f"k {tuple(k_extend.shape)}, v {tuple(v_extend.shape)}, "
-                         f"o {tuple(o_extend.shape)}, pool {tuple(k_buffer.shape)}, B={bs}")
-    for x in (q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, req_to_token):
-        if x.stride(-1) != 1:
-            raise ValueError("the last axis of every tensor argument must be unit stride")
+    _check_args(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, req_to_token,
+                req_pool_indices, seq_lens, extend_seq_lens, extend_start_loc, key_limit)
+    hq, hkv, d = q_extend.shape[1], k_buffer.shape[1], q_extend.shape[2]
+    bs, t = req_pool_indices.shape[0], q_extend.shape[0]
     (qk_scale, window, cap_log2, sinks), switches = variant_launch_args(
         hq, sm_scale, sliding_window, logit_softcap, sinks)
     qk_scale, q_scale, fp8 = fp8_kv_scales(k_buffer, qk_scale, sm_scale, k_scale, v_scale)
     if bs == 0 or t == 0 or max_extend_len <= 0:
         return o_extend
     meta, opts = _extend_meta(hq // hkv, d, q_extend.dtype, q_extend.device.type, block_m,
-                              block_n, num_warps, kv_fp8=fp8)
+                              block_n, num_warps, kv_fp8=fp8, key_limit=key_limit is not None)
     grid = (bs, hq, triton.cdiv(max_extend_len, meta["BLOCK_M"]))
     _extend_kernel[grid](
         q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
         req_to_token, req_pool_indices, seq_lens, extend_seq_lens, extend_start_loc,
         qk_scale, window, cap_log2, sinks, q_scale, 1.0 / k_scale, 1.0 / v_scale, v_scale,
+        key_limit if key_limit is not None else seq_lens,
         q_extend.stride(0), q_extend.stride(1), k_extend.stride(0), k_extend.stride(1),
         v_extend.stride(0), v_extend.stride(1), o_extend.stride(0), o_extend.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),

@@ -321,25 +321,38 @@ def decode_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
 class ExtendItem:
     """One extending request of an :func:`extend_plan`: new tokens at rows ``start:start+n``
     of q/k/v_extend, ``slots`` [prefix] int64 of its cached prefix, causal ``mask``
-    [n, prefix + n] (True = hidden)."""
+    [n, prefix + n] (True = hidden); ``causal``: False when key limits widened the mask
+    (a bidirectional span), so it is not plain causal attention."""
 
     start: int
     n: int
     slots: torch.Tensor
     mask: torch.Tensor
+    causal: bool = True
 
 
 def extend_plan(req_to_token: torch.Tensor, rows: list[int], seq_lens: list[int],
-                extend_seq_lens: list[int], extend_start_loc: list[int]) -> list[ExtendItem]:
+                extend_seq_lens: list[int], extend_start_loc: list[int],
+                key_limit: list[int] | None = None) -> list[ExtendItem]:
     """The per-request prefix slots and causal masks of an extend batch (host lists in),
-    the same in every layer; requests with no new tokens are left out."""
+    the same in every layer; requests with no new tokens are left out.
+
+    ``key_limit``: per row of the extend tokens, the new keys its query sees (new token i
+    sees ``0 .. key_limit[row] - 1`` instead of ``0 .. i``: a bidirectional span), or None
+    (causal); see :func:`extend_attention_ref`."""
     plan = []
     for row, total, n, s0 in zip(rows, seq_lens, extend_seq_lens, extend_start_loc):
         if n == 0:
             continue
         prefix = total - n
-        plan.append(ExtendItem(s0, n, req_to_token[row, :prefix].long(),
-                               _causal_mask(n, prefix, req_to_token.device)))
+        mask = _causal_mask(n, prefix, req_to_token.device)
+        lim = key_limit[s0:s0 + n] if key_limit is not None else None
+        causal = lim is None or all(x == i + 1 for i, x in enumerate(lim))
+        if not causal:
+            kj = torch.arange(prefix + n, device=mask.device)[None, :]
+            ends = torch.tensor(lim, device=mask.device)[:, None] + prefix
+            mask = kj >= ends
+        plan.append(ExtendItem(s0, n, req_to_token[row, :prefix].long(), mask, causal))
     return plan
 
 
@@ -355,7 +368,7 @@ def windowed(it: ExtendItem, sliding_window: int | None) -> ExtendItem:
     qpos = torch.arange(it.n, device=dev)[:, None] + prefix
     kpos = torch.arange(lo, prefix + it.n, device=dev)[None, :]
     return ExtendItem(it.start, it.n, it.slots[lo:],
-                      it.mask[:, lo:] | (kpos <= qpos - sliding_window))
+                      it.mask[:, lo:] | (kpos <= qpos - sliding_window), it.causal)
 
 
 def _extend_kv(it: ExtendItem, k_extend, v_extend, k_buffer, v_buffer):
@@ -414,7 +427,7 @@ def extend_attention_sdpa(q_extend: torch.Tensor, k_extend: torch.Tensor,
         k, v = _extend_kv(it, k_extend, v_extend, k_buffer, v_buffer)
         q = q_extend[s0:e].transpose(0, 1).unsqueeze(0)                 # [1, Hq, n, D]
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-        if it.slots.numel() or sliding_window is not None:
+        if it.slots.numel() or sliding_window is not None or not it.causal:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=~it.mask, scale=sm_scale,
                                                  enable_gqa=True)
         else:
@@ -431,7 +444,8 @@ def extend_attention_ref(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
                          extend_start_loc: torch.Tensor, sm_scale: float, *,
                          sliding_window: int | None = None,
                          logit_softcap: float | None = None,
-                         sinks: torch.Tensor | None = None) -> torch.Tensor:
+                         sinks: torch.Tensor | None = None,
+                         key_limit: torch.Tensor | None = None) -> torch.Tensor:
     """Extend (prefill with an optional cached prefix) attention.
 
     Request b has ``prefix = seq_lens[b] - extend_seq_lens[b]`` tokens already in the pool,
@@ -444,13 +458,16 @@ def extend_attention_ref(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
 
     Args: q_extend [T, Hq, D]; k_extend, v_extend [T, Hkv, D]; o_extend [T, Hq, D] written
     in place and returned; extend_seq_lens, extend_start_loc [B] int; the variants as
-    :func:`decode_attention_ref`.
+    :func:`decode_attention_ref`; key_limit: [T] int, or None (causal): new token i of the
+    request of row r sees new keys ``0 .. key_limit[r] - 1`` instead of ``0 .. i`` (a
+    bidirectional span, e.g. Gemma 3's image tokens; a sliding window still applies).
 
     Raises:
         ValueError: a variant out of range (:func:`check_variants`).
     """
     plan = extend_plan(req_to_token, req_pool_indices.tolist(), seq_lens.tolist(),
-                       extend_seq_lens.tolist(), extend_start_loc.tolist())
+                       extend_seq_lens.tolist(), extend_start_loc.tolist(),
+                       None if key_limit is None else key_limit.tolist())
     return extend_attention_planned(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer,
                                     plan, sm_scale, sliding_window=sliding_window,
                                     logit_softcap=logit_softcap, sinks=sinks)

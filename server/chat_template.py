@@ -223,7 +223,8 @@ class ChatTokenizer:
     async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                                   add_special_tokens: bool = False, *,
                                   continue_final_message: bool = False,
-                                  template_kwargs: dict | None = None) -> list[int]:
+                                  template_kwargs: dict | None = None,
+                                  expand_text=None) -> list[int]:
         """Render ``messages`` with the tokenizer's chat template and tokenize.
 
         Args:
@@ -236,6 +237,8 @@ class ChatTokenizer:
             template_kwargs: extra template variables (``chat_template_kwargs``; the
                 request model refuses keys of ``apply_chat_template`` itself), and ``tools``
                 (rendered into the messages under ``tools_fallback``).
+            expand_text: ``expand_text(text) -> text`` applied to the rendered prompt before
+                tokenizing (a model's image-token expansion in text, Gemma 3's), or None.
         Raises:
             APIError: 400 if the template rejects the conversation or there is none.
         """
@@ -258,4 +261,6 @@ class ChatTokenizer:
         except Exception as exc:  # noqa: BLE001 - jinja's raise_exception, or no template
             raise bad_request(f"the chat template rejected the messages: {exc}",
                               "messages") from None
+        if expand_text is not None:
+            text = expand_text(text)
         return await self.tokenize(text, add_special_tokens=add_special_tokens)

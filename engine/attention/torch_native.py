@@ -76,9 +76,11 @@ class TorchNativeAttnBackend(AttentionBackend):
             ext = fb.extend_seq_lens_cpu[ne] if len(fb.extend_seq_lens_cpu) == fb.batch_size \
                 else fb.extend_seq_lens[ne].tolist()
             starts = fb.extend_start_loc[ne].tolist()
+            limits = fb.key_limit.tolist() if fb.key_limit is not None else None
             meta.extend = reference.extend_plan(
                 fb.req_to_token, fb.req_pool_indices[ne].tolist(),
-                host_lens[ne] if host_lens is not None else fb.seq_lens[ne].tolist(), ext, starts)
+                host_lens[ne] if host_lens is not None else fb.seq_lens[ne].tolist(), ext, starts,
+                limits)
         fb.attn_meta = meta
 
     def store_kv(self, k_buffer, v_buffer, loc, k, v) -> None:
@@ -88,14 +90,15 @@ class TorchNativeAttnBackend(AttentionBackend):
                        sm_scale: float, **variants) -> None:
         """:meth:`AttentionBackend.forward_extend`; ``variants`` (sliding_window,
         logit_softcap, sinks) go to the references (``extend_attention_sdpa`` runs the
-        soft-cap and the sinks through ``extend_attention_planned``)."""
+        soft-cap and the sinks through ``extend_attention_planned``); the step's
+        ``fb.key_limit`` (bidirectional image spans) is in the plan's masks."""
         plan = getattr(fb.attn_meta, "extend", None)
         if plan is None:  # no init_forward plan: build it for this layer
             rows = slice(0, fb.num_extends)
             reference.extend_attention_ref(
                 q, k, v, o, k_buffer, v_buffer, fb.req_to_token, fb.req_pool_indices[rows],
                 fb.seq_lens[rows], fb.extend_seq_lens[rows], fb.extend_start_loc[rows],
-                sm_scale, **variants)
+                sm_scale, key_limit=fb.key_limit, **variants)
             return
         reference.extend_attention_sdpa(q, k, v, o, k_buffer, v_buffer, plan, sm_scale,
                                         **variants)

@@ -120,11 +120,13 @@ class TritonAttnBackend(AttentionBackend):
     def forward_extend(self, q, k, v, o, k_buffer, v_buffer, fb: ForwardBatch,
                        sm_scale: float, **variants) -> None:
         """:meth:`AttentionBackend.forward_extend`; ``variants`` (sliding_window,
-        logit_softcap, sinks) go to ``extend_attention_fwd``."""
+        logit_softcap, sinks) and the step's ``fb.key_limit`` (bidirectional image spans)
+        go to ``extend_attention_fwd``."""
         rows = slice(0, fb.num_extends)
         self._extend(q, k, v, o, k_buffer, v_buffer, fb.req_to_token, fb.req_pool_indices[rows],
                      fb.seq_lens[rows], fb.extend_seq_lens[rows], fb.extend_start_loc[rows],
-                     sm_scale, max_extend_len=fb.max_extend_len, **variants)
+                     sm_scale, max_extend_len=fb.max_extend_len, key_limit=fb.key_limit,
+                     **variants)
 
     def forward_decode(self, q: torch.Tensor, o: torch.Tensor, k_buffer: torch.Tensor,
                        v_buffer: torch.Tensor, fb: ForwardBatch, sm_scale: float,

@@ -33,6 +33,7 @@ from engine.forward_batch import (
 from engine.kv.pool import KVPool, ReqToTokenPool
 from engine.kv.state_pool import RecurrentStatePool
 from engine.kv.windowed import WindowedKVPool
+from engine.mm_inputs import key_limits
 
 if TYPE_CHECKING:
     from engine.lora.manager import LoRAManager
@@ -114,10 +115,11 @@ def _state_arrays(batch: ScheduleBatch) -> list[list[int]]:
 
 
 def _mm_step(batch: ScheduleBatch, starts: list[int], extend: bool, device: torch.device
-             ) -> tuple[torch.Tensor, list[tuple] | None]:
+             ) -> tuple[torch.Tensor, list[tuple] | None, torch.Tensor | None]:
     """A step with image requests: its M-RoPE positions [3, T] int64 on ``device`` (a text
     request's tokens, and generated ones, ``p + delta`` on all three axes; delta 0 without
-    images) and the image requests' segments of an EXTEND step (``ForwardBatch``)."""
+    images), the image requests' segments of an EXTEND step and its extend rows' key limits
+    ([Te] int32 for bidirectional images, Gemma 3's, else None; ``ForwardBatch``)."""
     parts = []
     segs = []
     for req, p, n, s0 in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, starts):
@@ -133,7 +135,11 @@ def _mm_step(batch: ScheduleBatch, starts: list[int], extend: bool, device: torc
                                            for it in mm.items):
             segs.append((mm, p, n, s0))
     pos = dev.host_to_device(torch.cat(parts, dim=1).contiguous(), device)
-    return pos, segs or None
+    ne = batch.batch_size - batch.num_decodes
+    lim = key_limits(segs, starts[:ne], list(batch.extend_lens[:ne])) if segs else None
+    if lim is not None:
+        lim = dev.host_to_device(torch.tensor(lim, dtype=torch.int32), device)
+    return pos, segs or None, lim
 
 
 def build_forward_batch(pools: StepPools, attn_backend, batch: ScheduleBatch,
@@ -206,7 +212,8 @@ def build_forward_batch(pools: StepPools, attn_backend, batch: ScheduleBatch,
                                       state_arrays[1], state_dev[1],
                                       [] if batch.defer_state else None)
     if any(getattr(r, "mm", None) is not None for r in batch.reqs):
-        fb.mrope_positions, fb.mm_segments = _mm_step(batch, h.starts, extend, pools.device)
+        fb.mrope_positions, fb.mm_segments, fb.key_limit = _mm_step(batch, h.starts, extend,
+                                                                    pools.device)
     if swa is not None:  # the windowed layers' slots: their own table and locations
         swa_loc = rest[-1]
         swa_r2t = pools.swa_req_pool.req_to_token

@@ -184,12 +184,14 @@ def check_recurrent_state_flags(model, args: ServerArgs, device_type: str) -> No
 def check_image_model(model, args: ServerArgs) -> None:
     """Refuse what a model with a vision tower (``accepts_images``) cannot run yet: tensor
     parallelism (the workers get no images) and speculative decoding (the draft has no
-    M-RoPE positions).
+    M-RoPE positions). A model with ``images_optional`` (Gemma 3) is not refused: it
+    serves text under tensor parallelism (no tower; image requests are then refused), and
+    needs no M-RoPE positions.
 
     Raises:
         ValueError: one line naming the model class and the flag.
     """
-    if not getattr(model, "accepts_images", False):
+    if not getattr(model, "accepts_images", False) or getattr(model, "images_optional", False):
         return
     for bad, flag in [(args.tp_size > 1, f"--tp-size {args.tp_size}"),
                       (bool(args.speculative_algorithm),

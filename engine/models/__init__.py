@@ -15,11 +15,8 @@ from engine.models.base import CausalLM
 from engine.models.config import MODEL_TYPES, ModelConfig
 from engine.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from engine.models.exaone4 import Exaone4ForCausalLM
-from engine.models.gemma import (
-    Gemma2ForCausalLM,
-    Gemma3ForCausalLM,
-    Gemma3ForConditionalGeneration,
-)
+from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from engine.models.gemma3_vl import Gemma3ForConditionalGeneration
 from engine.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 from engine.models.glm4 import Glm4ForCausalLM
 from engine.models.glm4_moe import Glm4MoeForCausalLM

@@ -61,7 +61,10 @@ def models_table() -> str:
             f"`{module}`",
         ]) + " |")
     mtp = [f"`{cls.__name__}`" for cls in by_class if getattr(cls, "mtp_style", None)]
-    return (_HEADER + "\n".join(rows) + "\n\n" + _MTP_NOTE.format(", ".join(mtp)))
+    images = [f"`{a}`" for a, cls in MODEL_REGISTRY.items() if getattr(cls, "accepts_images",
+                                                                       False)]
+    return (_HEADER + "\n".join(rows) + "\n\nImage input (see `docs/usage.md`, Images): "
+            + ", ".join(images) + ".\n\n" + _MTP_NOTE.format(", ".join(mtp)))
 
 
 #: the paragraph after the table: the classes whose checkpoints' MTP layer drafts

@@ -21,9 +21,10 @@ What differs from Llama (all from :mod:`engine.layers` and :mod:`engine.models.b
   ``rope_local_base_freq``, 10k; global layers ``rope_theta``, 1M, with their
   ``rope_scaling``, linear factor 8 on the 27B model).
 
-``Gemma3ForConditionalGeneration`` checkpoints: the language model's weights
-(``model.language_model.*``, or ``language_model.model.*`` in older files) load into the
-text model; the vision tower and projector are skipped (logged once).
+Multimodal checkpoints: the language model's weights (``model.language_model.*``, or
+``language_model.model.*`` in older files) load into the text model; a family that does
+not run the towers skips them (logged once). ``Gemma3ForConditionalGeneration`` runs its
+image encoder: :mod:`engine.models.gemma3_vl`.
 
 The projections have Llama's names (fused as ``qkv_proj``/``gate_up_proj``), so FP8
 (``--quantization fp8``), LoRA and tensor parallelism work as for Llama; EAGLE heads read
@@ -196,7 +197,3 @@ class Gemma3ForCausalLM(GemmaForCausalLM):
     family = "Gemma3"
     qk_norm = True
 
-
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
-    """A multimodal Gemma 3 checkpoint served as its language model (the vision tower is
-    skipped at load time)."""

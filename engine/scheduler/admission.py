@@ -24,9 +24,10 @@ never locks a prefix, and a request that stops admission has its prefix unlocked
    ``max_tokens``) fit beside the running requests' next-token reserve, else STOP (alone
    in the step it is always admitted: no request outgrows the pool);
 5. the chunk: the rest of the token budget, at most ``PROMPT_LOGPROBS_CHUNK`` tokens for a
-   request that wants its prompt's logprobs, and at most the KV room left; none left: STOP.
-   A hybrid model's chunk may end earlier, where a state snapshot is wanted (a page
-   boundary, the branching point of its match: ``engine/kv/manager.py``).
+   request that wants its prompt's logprobs, and at most the KV room left; none left: STOP
+   (never ending inside an image whose tokens attend to each other: Gemma 3's). A hybrid
+   model's chunk may end earlier, where a state snapshot is wanted (a page boundary, the
+   branching point of its match: ``engine/kv/manager.py``).
 
 The partly prefilled request passes only the last gate. A request whose chunk does not end
 its prompt becomes the step's chunked request and closes the step.
@@ -177,11 +178,20 @@ class ExtendAdder:
         budget (and ``PROMPT_LOGPROBS_CHUNK``: every row of its chunk comes back as fp32
         logits ``[n, vocab]``), within the KV room: the free slots of its last page plus the
         tokens beyond the reserve; with state snapshots (a hybrid model) cut where one is
-        wanted (``KVCacheManager.chunk_len``)."""
+        wanted (``KVCacheManager.chunk_len``). A chunk never ends inside an image of a
+        bidirectional request (``MMInputs.image_cut``: Gemma 3's image tokens see each other)."""
         n = min(req.seq_len - req.kv_len, self.budget)
         if req.wants_prompt_logprobs:
             n = min(n, PROMPT_LOGPROBS_CHUNK)
-        return self.kv.chunk_len(req, min(n, self.kv.room(req) - self.reserve))
+        room = self.kv.room(req) - self.reserve
+        n = self.kv.chunk_len(req, min(n, room))
+        if req.mm is not None and 0 < n < req.seq_len - req.kv_len:
+            # a bidirectional image is prefilled in one chunk: cut before it, or (the chunk
+            # starts in it) take it whole past the budget, if the KV room allows
+            n = req.mm.image_cut(req.kv_len, req.kv_len + n) - req.kv_len
+            if n > room:
+                return 0
+        return n
 
     # ---- commit -------------------------------------------------------------------------
     def _add(self, req: Req, n: int, waiting: bool) -> None:

@@ -195,8 +195,9 @@ async def chat_prompt_images(tm: TokenizerManager, req: Any, tools: ToolPlan
     ids = await tm.chat.apply_chat_template(
         messages, req.add_generation_prompt,
         bool(req.add_special_tokens), continue_final_message=req.continue_final_message,
-        template_kwargs=kwargs)
-    _check_typed_pads(tm, req.messages, ids, len(refs))
+        template_kwargs=kwargs, expand_text=tm.images.expand_text if refs else None)
+    if not refs or tm.images.expand_text is None:  # an expanded text's runs: process checks
+        _check_typed_pads(tm, req.messages, ids, len(refs))
     if not refs:
         return ids, []
     pics = [await load_image(url, where, tm.media_limits, tm.images.max_pixels)

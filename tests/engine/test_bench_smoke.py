@@ -100,3 +100,22 @@ def test_bench_vision_jsonl(tmp_path):
     row = json.loads(out.read_text())
     assert (row["image_tokens"], row["text_tokens"]) == (16, 20)
     assert row["ttft_s"] > 0 and row["encoder_s"] > 0 and row["ttft_text_s"] > 0
+
+
+def test_bench_vision_gemma3_jsonl(tmp_path):
+    """ferry bench-vision on the tiny Gemma 3 config (dummy weights): its fixed 56-pixel
+    image (16 tokens, whatever --image-size) with 20 text tokens."""
+    from vl_helpers import gemma3_config
+
+    from bench.bench_vision import main
+
+    cfg = gemma3_config()
+    cfg.architectures = ["Gemma3ForConditionalGeneration"]
+    cfg.save_pretrained(tmp_path / "g3")
+    out = tmp_path / "vision.jsonl"
+    main(["--model-path", str(tmp_path / "g3"), "--load-format", "dummy", "--device", "cpu",
+          "--dtype", "float32", "--image-size", "112", "--text-len", "20", "--repeats", "1",
+          "--result-jsonl", str(out)])
+    row = json.loads(out.read_text())
+    assert (row["image_tokens"], row["text_tokens"]) == (16, 20)
+    assert row["ttft_s"] > 0 and row["encoder_s"] > 0

@@ -121,3 +121,98 @@ def images():
     grad.putdata([(3 * x, 3 * y, (x + y) % 256) for y in range(84) for x in range(84)])
     tall = Image.new("RGB", (40, 100), (30, 200, 90))
     return {"red": red, "blue": blue, "gradient": grad, "tall": tall}
+
+
+# ---- Gemma 3 (Gemma3ForConditionalGeneration) -------------------------------------------
+
+GEMMA3_TOKENS = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]
+GEMMA3_IMAGE_ID = 257
+GEMMA3_TEMPLATE = (
+    "<s>{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{% if m['content'] is string %}"
+    "{{ m['content'] }}{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}"
+    "<start_of_image>{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def gemma3_config():
+    """A 6-layer Gemma 3 language model (layers 2 and 5 global, windows of 8 tokens: fewer
+    than an image's 16) and a 2-layer SigLIP (56-pixel images, patch 7: 8x8 patches pooled
+    by 2 to 16 tokens)."""
+    import transformers as T
+    from gemma_helpers import COMMON, GEMMA3
+
+    text = {**COMMON, **GEMMA3, "vocab_size": VOCAB}
+    vision = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "image_size": 56, "patch_size": 7,
+              "vision_use_head": False}
+    return T.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=16,
+                          boi_token_index=256, image_token_index=GEMMA3_IMAGE_ID,
+                          eoi_token_index=258, attn_implementation="eager")
+
+
+def gemma3_processor():
+    """transformers' Gemma 3 image processor (PIL) for 56-pixel images."""
+    from transformers import Gemma3ImageProcessorPil
+
+    return Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
+
+
+def save_gemma3(path, seed: int = 5, std: float = 0.2):
+    """Build, randomise (as :func:`save_tiny`) and save the Gemma 3 checkpoint with a
+    tokenizer holding its image tokens and a template writing ``<start_of_image>``, and the
+    image processor; returns the HF model (eval)."""
+    import transformers as T
+
+    torch.manual_seed(seed)
+    hf = T.Gemma3ForConditionalGeneration(gemma3_config()).to(torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if "norm" in name and "layer_norm" not in name and "layernorm" not in name:
+                p.copy_(0.1 * noise)            # Gemma's (1 + w) norms
+            elif "layer_norm" in name or "layernorm" in name:
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * noise)
+            else:
+                p.copy_(std * noise)
+    hf.save_pretrained(path)
+    save_gemma3_tokenizer(path)
+    gemma3_processor().save_pretrained(path)
+    return hf
+
+
+def save_gemma3_tokenizer(path):
+    """The character-level tokenizer with Gemma 3's image and turn tokens and a chat
+    template writing ``<start_of_image>`` per image part."""
+    import transformers as T
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    for c in string.printable + "".join(chr(i) for i in range(0xA1, 0x180)):
+        if len(vocab) < 253 and c not in "\x0b\x0c":
+            vocab.setdefault(c, len(vocab))
+    for t in ["<start_of_turn>", "<end_of_turn>", "<unused>"]:
+        vocab[t] = len(vocab)
+    for i, t in enumerate(GEMMA3_TOKENS):
+        vocab[t] = 256 + i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    special = GEMMA3_TOKENS + ["<start_of_turn>", "<end_of_turn>", "<s>"]
+    tok.add_special_tokens([AddedToken(t, special=True) for t in special])
+    fast = T.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                     pad_token="<pad>")
+    fast.chat_template = GEMMA3_TEMPLATE
+    fast.save_pretrained(path)
+
+
+def gemma3_images():
+    """Generated 56- and 112-pixel images (the processor resizes them to 56): solid
+    colours, a gradient."""
+    from PIL import Image
+
+    red = Image.new("RGB", (56, 56), (220, 20, 20))
+    blue = Image.new("RGB", (112, 112), (10, 30, 230))
+    grad = Image.new("RGB", (112, 84))
+    grad.putdata([(2 * x, 3 * y, (x + y) % 256) for y in range(84) for x in range(112)])
+    return {"red": red, "blue": blue, "gradient": grad}

@@ -76,7 +76,8 @@ SCRIPT = textwrap.dedent('''
         t = TY[dtype]
         ptrs = dict(q_ptr=t, k_ptr=t, v_ptr=t, o_ptr=t, k_buf=kv or t, v_buf=kv or t, req_to_token="i32",
                     req_pool_indices="i64", seq_lens="i32", extend_seq_lens="i32",
-                    extend_start_loc="i32", **sinks(var))
+                    extend_start_loc="i32", **sinks(var),
+                    **({"key_limit": "i32"} if var.get("KEY_LIMIT") else {}))
         meta, opts = ea._extend_meta(group, d, dtype, "cuda", kv_fp8=kv is not None)
         compile_one(ea._extend_kernel, ptrs, {**meta, **var}, opts, arch)
 
@@ -104,6 +105,9 @@ SCRIPT = textwrap.dedent('''
     decode(torch.bfloat16, 4, 128, 90, ON)  # sliding window, soft-cap and sinks
     decode(torch.float16, 1, 64, 90, ON)
     extend(torch.bfloat16, 4, 128, 90, ON)
+    # per-row key limits (Gemma 3's bidirectional image spans), alone and with the variants
+    extend(torch.bfloat16, 2, 128, 90, dict(OFF, KEY_LIMIT=True))
+    extend(torch.bfloat16, 2, 128, 90, dict(ON, KEY_LIMIT=True))
     decode(torch.float16, 3, 80, 90)        # padded head_dim
     extend(torch.float32, 8, 64, 90)
     extend(torch.float16, 3, 96, 90)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.io_struct import ImageData, TokenizedGenerateReq
-from engine.mm_inputs import PAD_BASE, build_mm_inputs, key_ids, pad_value
+from engine.mm_inputs import PAD_BASE, build_mm_inputs, key_ids, key_limits, pad_value
 from engine.sampling.params import SamplingParams
 
 
@@ -58,3 +58,29 @@ def test_images_cross_the_wire():
                                images=[_image(0)])
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(msg), type=TokenizedGenerateReq)
     assert back.images == msg.images
+
+
+def test_bidirectional_images_are_cut_whole():
+    """A chunk ``[start, end)`` of a bidirectional request never ends inside an image: it
+    ends before it, or (starting at or inside it) runs to its end; a causal request's
+    chunks are not moved."""
+    mm = build_mm_inputs([_image(3), _image(12)], 20)      # images [3, 9) and [12, 18)
+    assert mm.image_cut(0, 5) == 5                          # not bidirectional
+    mm.bidirectional = True
+    assert [mm.image_cut(0, e) for e in (3, 5, 9, 10, 13)] == [3, 3, 9, 10, 12]
+    assert mm.image_cut(3, 5) == 9 and mm.image_cut(5, 7) == 9   # from its start / inside
+    assert mm.image_cut(9, 14) == 12 and mm.image_cut(12, 13) == 18
+
+
+def test_key_limits_open_each_image_span():
+    """Per extend row: i + 1 (causal), the image's end within the step for its tokens;
+    None without a bidirectional image in the step."""
+    mm = build_mm_inputs([_image(3)], 12)                   # image [3, 9)
+    assert key_limits([(mm, 0, 12, 0)], [0], [12]) is None
+    mm.bidirectional = True
+    # a text request of 4 rows first, then this one from prefix 2 (rows 4..13)
+    lim = key_limits([(mm, 2, 10, 4)], [0, 4], [4, 10])
+    assert lim[:4] == [1, 2, 3, 4]
+    assert lim[4:] == [1, 7, 7, 7, 7, 7, 7, 8, 9, 10]
+    # a cached prefix that ends inside the image: its rest opens to the image's end
+    assert key_limits([(mm, 5, 7, 0)], [0], [7]) == [4, 4, 4, 4, 5, 6, 7]

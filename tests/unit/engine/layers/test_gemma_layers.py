@@ -87,7 +87,17 @@ def test_gemma_3_27b_config_layers():
     assert all(s.logit_softcap is None for s in specs)
     assert m.model.embed_scale == 73.5                                    # bf16(sqrt(5376))
     assert len(m.model.rotary_embs) == 2
-    assert sum(p.numel() for p in m.parameters()) == pytest.approx(27.0e9, rel=0.01)
+    encoder = ("vision_tower.", "multi_modal_projector.")
+    sizes = {n: p.numel() for n, p in m.named_parameters()}
+    lm = sum(v for n, v in sizes.items() if not n.startswith(encoder))
+    assert lm == pytest.approx(27.0e9, rel=0.01)
+    # SigLIP so400m without its pooling head (27 layers, 1152 wide, 64x64 patches of 14:
+    # 416,866,032 in transformers' SiglipVisionModel) and the 1152 -> 5376 projector with
+    # its norm: 27.4B in all, the published figure
+    assert sum(sizes.values()) - lm == 416_866_032 + 1152 * 5376 + 1152
+    assert m.vision_tower.embeddings.position_embedding.weight.shape == (4096, 1152)
+    assert len(m.vision_tower.encoder.layers) == 27
+    assert m.multi_modal_projector.kernel == 4              # 64 patches a side -> 16 tokens
 
 
 def test_gemma_2_9b_config_layers_and_fp8():

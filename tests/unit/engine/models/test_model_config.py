@@ -150,6 +150,14 @@ def _tiny(arch: str):
             architectures=[arch], text_config=dict(text, rope_parameters=rope),
             vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
                                out_hidden_size=64), image_token_id=120)
+    if arch == "Gemma3ForConditionalGeneration":  # a 1-layer SigLIP, 4 tokens per image
+        text = {k: v for k, v in kw.items() if k != "architectures"}
+        return transformers.Gemma3Config(
+            architectures=[arch], text_config=dict(text, head_dim=16, sliding_window=8),
+            vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                               num_attention_heads=2, image_size=28, patch_size=7),
+            mm_tokens_per_image=4, image_token_index=120, boi_token_index=118,
+            eoi_token_index=119)
     if arch.startswith("Gemma4"):       # layer 2 global (head size 32), per-layer inputs
         text = transformers.Gemma4TextConfig(head_dim=16, global_head_dim=32, sliding_window=8,
                                              hidden_size_per_layer_input=8, **kw)

@@ -322,3 +322,62 @@ def test_http_images_fetched_within_limits(served, monkeypatch):
 def test_expand_image_tokens():
     ids, spans = expand_image_tokens([5, 9, 6, 9], 9, [3, 1])
     assert ids == [5, 9, 9, 9, 6, 9] and spans == [(1, 3), (5, 1)]
+
+
+# ---- Gemma 3: image tokens expanded in the rendered text ----------------------------------
+
+
+@pytest.fixture
+def gemma3_served(tmp_path):
+    from transformers import AutoTokenizer
+    from vl_helpers import GEMMA3_TOKENS, gemma3_processor, save_gemma3_tokenizer
+
+    from server.media.process import Gemma3ImageProcessor
+
+    save_gemma3_tokenizer(tmp_path)
+    app, engine = make_app(limit_mm_per_prompt="image=2")
+    tm = engine.tm
+    tm.set_tokenizer(AutoTokenizer.from_pretrained(tmp_path))
+    tm.images = Gemma3ImageProcessor(gemma3_processor(), 257, tuple(GEMMA3_TOKENS), 16, 7, 2)
+    tm.media_limits = MediaLimits.from_args(tm.args)
+    return TestClient(app), engine
+
+
+def test_gemma3_images_expand_in_the_text(gemma3_served):
+    """``<start_of_image>`` becomes ``\\n\\n<start_of_image>`` + 16 soft tokens +
+    ``<end_of_image>\\n\\n`` before tokenizing; each image is its 8x8 patches of 7 pixels,
+    pooled by 2."""
+    client, engine = gemma3_served
+    r = _chat(client, "look ", _image(_data_url(_png((90, 60)))), " and ",
+              _image(_data_url(_png(colour=(1, 2, 3)))))
+    assert r.status_code == 200, r.text
+    msg = _sent(engine)
+    assert msg.input_ids.count(257) == 32
+    nl = engine.tm.chat.tokenizer.convert_tokens_to_ids("\n")
+    for im in msg.images:
+        assert (im.grid_thw, im.merge, im.length, im.pixel_shape) == ([1, 8, 8], 2, 16,
+                                                                      [64, 147])
+        assert msg.input_ids[im.offset - 3:im.offset] == [nl, nl, 256]
+        assert msg.input_ids[im.offset + 16:im.offset + 19] == [258, nl, nl]
+    assert msg.images[0].content_hash != msg.images[1].content_hash
+    r = _chat(client, "a literal <start_of_image> too ", _image(_data_url(_png())))
+    assert r.status_code == 400 and "2 images' tokens for 1 images" in r.text, r.text
+
+
+def test_gemma3_processor_loads_and_refuses_pan_and_scan(tmp_path):
+    from vl_helpers import gemma3_config, gemma3_processor, save_gemma3_tokenizer
+
+    from server.media.process import Gemma3ImageProcessor, load_image_processor
+
+    cfg = gemma3_config()
+    cfg.architectures = ["Gemma3ForConditionalGeneration"]
+    cfg.save_pretrained(tmp_path)
+    save_gemma3_tokenizer(tmp_path)
+    gemma3_processor().save_pretrained(tmp_path)
+    proc = load_image_processor(str(tmp_path))
+    assert isinstance(proc, Gemma3ImageProcessor)
+    assert (proc.image_token_id, proc.tokens, proc.patch, proc.merge) == (257, 16, 7, 2)
+    assert proc.expand_text("a<start_of_image>b").count("<image_soft_token>") == 16
+    type(gemma3_processor())(size={"height": 56, "width": 56},
+                             do_pan_and_scan=True).save_pretrained(tmp_path)
+    assert load_image_processor(str(tmp_path)) is None
