@@ -57,6 +57,10 @@ class ScheduleBatch:
     # model runner
     lora_slots: list[int] = field(default_factory=list)
     lora_copies: list[tuple] = field(default_factory=list)
+    # a hybrid model's prefix cache: ``(state slot, snapshot)`` copies of the prefill rows'
+    # states, which the model runner makes right after launching the forward (set by the
+    # scheduler; ``engine/kv/state_snapshots.py``)
+    snap_takes: list[tuple[int, int]] = field(default_factory=list)
 
     def logits_rows(self) -> list[tuple[int, int]]:
         """Per request, ``(first row, row count)`` in the step's logits."""

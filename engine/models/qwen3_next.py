@@ -30,11 +30,11 @@ Tensor parallelism: the Gated DeltaNet layers split their heads over the ranks
 attention layers their query heads (with their gates) and K/V heads as the dense families
 do, the MoE its experts (``--ep-size``) or their width. ``--tp-size`` must divide
 ``linear_num_key_heads`` and ``linear_num_value_heads`` (:func:`check_tensor_parallel`,
-checked before any worker starts).
+checked before any worker starts). Prefix reuse keeps snapshots of the states
+(``engine/kv/state_snapshots.py``), each rank of its share.
 
 Not here (refused at start-up, ``engine/executor/preflight.py``): speculative decoding (the
-checkpoints' MTP layers are skipped at load), LoRA, device graphs and piecewise graphs;
-prefix reuse is off (no state snapshots yet).
+checkpoints' MTP layers are skipped at load), LoRA, device graphs and piecewise graphs.
 """
 
 from __future__ import annotations
