@@ -166,18 +166,16 @@ class RankRunner:
         self.state_snapshots = None
         if self.state_pool is None or args.disable_radix_cache:
             return
-        if self.tp.size > 1:  # the snapshot copies run on rank 0's pool only (not sent yet)
-            if self.tp.rank == 0:
-                logger.info("prefix cache off: state snapshots of the linear-attention layers "
-                            "do not run under tensor parallelism yet")
-            return
         n = args.max_state_snapshots
         if n is None:  # a share of what the KV cache would get (it is sized after them)
             per = RecurrentStatePool.bytes_per_slot(self.state_pool.shapes, self.dtype)
             kv = self._kv_capacity() * kv_bytes_per_token(self.kv_layer_specs, self.kv_dtype)
-            n = default_snapshot_count(kv, per, args.max_running_requests)
+            # every rank holds the same count: rank 0 picks the snapshots, each rank copies
+            n = tpd.min_over_ranks(default_snapshot_count(kv, per, args.max_running_requests))
         if n:
             self.state_snapshots = StateSnapshotPool(self.state_pool, n)
+            if self.tp_leader:  # its copies go to the workers with the next step
+                self.state_snapshots.pending = []
 
     def _build_pools(self, args: ServerArgs) -> None:
         """The KV pool (sized by :meth:`_kv_capacity`, the smallest over the ranks), the
@@ -375,15 +373,19 @@ class RankRunner:
         if self.tp_leader:
             pool = self.req_to_token_pool
             writes, pool.pending_writes = pool.pending_writes, []
-            self.tp_channel.send(step_msg(batch, future_ids is not None, writes))
+            snaps = self.state_snapshots
+            self.tp_channel.send(step_msg(batch, future_ids is not None, writes,
+                                          snaps.take_pending() if snaps is not None else []))
         logits = replay_graphs(self, batch, future_ids)  # None: no graph fits, or it raised
-        if logits is not None:
-            return logits
-        input_ids, fb = self.build_forward_batch(batch, future_ids)
-        self.attn_backend.init_step(fb)
-        logits = self.model(input_ids, fb.positions, fb)
-        if batch.defer_state:  # a hybrid model's verify step: commit_verify finishes it
-            self._verify_record = fb.state.record if fb.state is not None else None
+        if logits is None:
+            input_ids, fb = self.build_forward_batch(batch, future_ids)
+            self.attn_backend.init_step(fb)
+            logits = self.model(input_ids, fb.positions, fb)
+            if batch.defer_state:  # a hybrid model's verify step: commit_verify finishes it
+                self._verify_record = fb.state.record if fb.state is not None else None
+        if batch.snap_takes:  # the prefill rows' states after this forward (stream order)
+            slots, snaps = zip(*batch.snap_takes)
+            self.state_snapshots.save_many(list(slots), list(snaps), record=False)
         return logits
 
     @torch.inference_mode()

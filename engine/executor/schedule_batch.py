@@ -61,6 +61,10 @@ class ScheduleBatch:
     # their recurrent states as they were and record their inputs; the runner's
     # ``commit_verify`` then advances each state by the accepted tokens only
     defer_state: bool = False
+    # a hybrid model's prefix cache: ``(state slot, snapshot)`` copies of the prefill rows'
+    # states, which the model runner makes right after launching the forward (set by the
+    # scheduler; ``engine/kv/state_snapshots.py``)
+    snap_takes: list[tuple[int, int]] = field(default_factory=list)
 
     def logits_rows(self) -> list[tuple[int, int]]:
         """Per request, ``(first row, row count)`` in the step's logits."""

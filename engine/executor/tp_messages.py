@@ -8,7 +8,9 @@ them; a gloo broadcast per step, tried first, cost rank 0 about 1.5 ms per step 
   and the new token ids, which may be placeholders for the previous step's sampled ids; the
   prefix and extend lengths; the KV slots; the ``req_to_token`` writes rank 0 made since the
   last step, for cached prefixes; a hybrid model's recurrent-state slots and those that
-  start from the zero state);
+  start from the zero state, and its prefix cache's state-snapshot copies: those rank 0 made
+  since the last step, in order, which a worker makes before the forward, and the takes of
+  the step's prefill rows, which it makes right after launching it, as rank 0 does);
 - ``IdsMsg(n)``: receive rank 0's ``n`` sampled ids on the device group (they resolve the
   next step's placeholders);
 - ``StopMsg``: exit.
@@ -44,6 +46,10 @@ class StepMsg(msgspec.Struct, tag=True, array_like=True):
     lora_copies: list[tuple[int, int, str, str]] = []  # adapters copied into slots now
     state_slots: list[int] = []  # each request's recurrent-state slot (empty: none kept)
     state_resets: list[int] = []  # slots that start from the zero state in this step
+    # state-snapshot copies rank 0 made since the last step, (TAKE | RESTORE, slot, snap) in
+    # order (engine/kv/state_snapshots.py): made before the resets and the forward
+    snap_copies: list[tuple[int, int, int]] = []
+    snap_takes: list[tuple[int, int]] = []  # (slot, snap) right after the forward's launch
 
 
 class IdsMsg(msgspec.Struct, tag=True, array_like=True):
@@ -59,8 +65,11 @@ class StopMsg(msgspec.Struct, tag=True, array_like=True):
 TPMessage = StepMsg | IdsMsg | StopMsg
 
 
-def step_msg(batch: ScheduleBatch, has_future: bool, writes) -> StepMsg:
-    """The ``StepMsg`` of a ``ScheduleBatch`` about to run on rank 0."""
+def step_msg(batch: ScheduleBatch, has_future: bool, writes,
+             snap_copies: list[tuple[int, int, int]] | None = None) -> StepMsg:
+    """The ``StepMsg`` of a ``ScheduleBatch`` about to run on rank 0; ``writes``: its
+    ``req_to_token`` writes since the last step; ``snap_copies``: its state-snapshot copies
+    since the last step (``StateSnapshotPool.take_pending``)."""
     slots, resets = _state_slots(batch)
     return StepMsg(int(batch.mode), [r.req_pool_idx for r in batch.reqs],
                    [r.tokens(p, n) for r, p, n in zip(batch.reqs, batch.prefix_lens,
@@ -68,7 +77,8 @@ def step_msg(batch: ScheduleBatch, has_future: bool, writes) -> StepMsg:
                    list(batch.prefix_lens), list(batch.extend_lens), list(batch.out_cache_loc),
                    batch.num_decodes, list(batch.all_rows), has_future, writes,
                    list(batch.lora_slots), [tuple(c) for c in batch.lora_copies],
-                   slots, resets)
+                   slots, resets, list(snap_copies or []),
+                   [tuple(t) for t in batch.snap_takes])
 
 
 def _state_slots(batch: ScheduleBatch) -> tuple[list[int], list[int]]:
@@ -110,4 +120,5 @@ def step_batch(msg: StepMsg) -> ScheduleBatch:
                          extend_lens=msg.extend_lens, sample=[True] * len(reqs),
                          out_cache_loc=msg.out_cache_loc, all_rows=msg.all_rows,
                          num_decodes=msg.num_decodes, lora_slots=list(msg.lora_slots),
-                         lora_copies=[tuple(c) for c in msg.lora_copies])
+                         lora_copies=[tuple(c) for c in msg.lora_copies],
+                         snap_takes=[tuple(t) for t in msg.snap_takes])

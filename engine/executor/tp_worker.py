@@ -94,6 +94,8 @@ def worker_loop(runner, channel) -> None:
         if isinstance(msg, StepMsg):
             for row, start, slots in msg.writes:
                 runner.req_to_token_pool.write(row, start, slots)
+            if msg.snap_copies:  # rank 0's order: before the slots it zeroed since
+                runner.state_snapshots.apply(msg.snap_copies)
             if msg.state_resets:
                 zero_state_slots(runner.state_pool, msg.state_resets)
             runner.forward(step_batch(msg), future if msg.has_future else None)

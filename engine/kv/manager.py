@@ -34,9 +34,9 @@ Prefix reuse for those models (``engine/kv/state_snapshots.py``): a cached prefi
 reusable where the tree also holds a snapshot of the linear layers' states after exactly that
 prefix, so ``match`` ends at the deepest node with one and ``take_state`` copies it into the
 request's new slot. Snapshots are taken at page boundaries: after each prefill chunk whose end
-is one (``snapshot``, called by the scheduler once the step's forward is launched: the copy runs
-after it) and at ``release`` (where ``kv_len`` is one and every fed token is real). They wait on
-the request (``req.state_snaps``: ``(boundary, snapshot)``, in boundary order) until its pages
+is one (``snapshot_rows``, which the scheduler calls as it launches the step: the model runner
+copies right after launching the forward) and at ``release`` (where ``kv_len`` is one and
+every fed token is real). They wait on the request (``req.state_snaps``: ``(boundary, snapshot)``, in boundary order) until its pages
 up to the boundary are in the tree (``cache_unfinished``, ``release``), then move to the node
 that ends there (a node that has one already keeps it; the copy is freed). ``chunk_len`` picks
 where a prefill chunk ends so that such boundaries exist: at a page boundary, at the
@@ -227,10 +227,12 @@ class KVCacheManager:
         free or one of the tree's can be evicted."""
         self.snapshot_rows([req])
 
-    def snapshot_rows(self, reqs) -> None:
-        """:meth:`snapshot` of each of ``reqs`` (a step's prefill rows), copied at once."""
+    def snapshot_rows(self, reqs, copy: bool = True) -> list[tuple[int, int]]:
+        """:meth:`snapshot` of each of ``reqs`` (a step's prefill rows), copied at once;
+        returns the ``(state slot, snapshot)`` pairs taken. ``copy=False``: the caller makes
+        the copies (the model runner, right after launching the step's forward)."""
         if self.snapshots is None:
-            return
+            return []
         slots, snaps = [], []
         for req in reqs:
             b = req.kv_len
@@ -245,7 +247,9 @@ class KVCacheManager:
             slots.append(req.state_slot)
             snaps.append(snap)
             req.state_snaps.append((b, snap))
-        self.snapshots.save_many(slots, snaps)
+        if copy:
+            self.snapshots.save_many(slots, snaps)
+        return list(zip(slots, snaps))
 
     def _attach_snapshots(self, req, upto: int) -> None:
         """Move ``req``'s waiting snapshots at boundaries <= ``upto`` tokens (its pages there

@@ -14,6 +14,13 @@ request whose match ends there copies it back into its own slot and prefills onl
 
 Index 0 is never handed out. Copies run on the device, in stream order with the steps, so a
 snapshot taken after a step's forward was launched holds the states after that step.
+
+Tensor parallelism: every rank holds a pool of its share of the states, with the same slot
+count; rank 0 decides every copy. Its pool records the copies it makes between two steps
+(``pending``: ``(TAKE, slot, snap)`` or ``(RESTORE, slot, snap)``, in order), which go to the
+workers with the next step and run there before its forward (:meth:`apply`); the takes of a
+step's prefill rows, made right after its forward is launched, travel with that step
+(``ScheduleBatch.snap_takes``; ``engine/executor/tp_messages.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from engine.kv.state_pool import RecurrentStatePool
 DEFAULT_SNAPSHOT_SHARE = 0.1
 #: at most this many snapshots per running request by default
 MAX_SNAPSHOTS_PER_SLOT = 4
+#: the kinds of a recorded copy: slot -> snapshot, snapshot -> slot
+TAKE, RESTORE = 0, 1
 
 
 class StateSnapshotPool:
@@ -48,6 +57,9 @@ class StateSnapshotPool:
         self.recurrent = [torch.empty((num_snapshots + 1, *t.shape[1:]), dtype=t.dtype,
                                       device=t.device) for t in pool.recurrent_states]
         self._free = list(range(num_snapshots, 0, -1))
+        #: rank 0 of a tensor-parallel group: the copies made since the last step was sent,
+        #: ``(TAKE | RESTORE, slot, snap)`` in order (None: not recorded)
+        self.pending: list[tuple[int, int, int]] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -74,15 +86,23 @@ class StateSnapshotPool:
 
     def save(self, slot: int, snap: int) -> None:
         """Copy the state pool's ``slot`` (every linear layer) into snapshot ``snap``."""
+        if self.pending is not None:
+            self.pending.append((TAKE, slot, snap))
+        self._save(slot, snap)
+
+    def _save(self, slot: int, snap: int) -> None:
         for dst, src in zip((*self.conv, *self.recurrent),
                             (*self.pool.conv_states, *self.pool.recurrent_states)):
             dst[snap].copy_(src[slot])
 
-    def save_many(self, slots: list[int], snaps: list[int]) -> None:
+    def save_many(self, slots: list[int], snaps: list[int], record: bool = True) -> None:
         """:meth:`save` of each ``(slots[i], snaps[i])``, in one gather and one scatter per
-        state tensor (a step's prefill rows at once)."""
+        state tensor (a step's prefill rows at once). ``record=False``: not added to
+        ``pending`` (the copies travel with the step instead)."""
+        if record and self.pending is not None:
+            self.pending.extend((TAKE, a, b) for a, b in zip(slots, snaps))
         if len(slots) == 1:
-            self.save(slots[0], snaps[0])
+            self._save(slots[0], snaps[0])
             return
         if not slots:
             return
@@ -95,9 +115,29 @@ class StateSnapshotPool:
 
     def restore(self, snap: int, slot: int) -> None:
         """Copy snapshot ``snap`` into the state pool's ``slot``."""
+        if self.pending is not None:
+            self.pending.append((RESTORE, slot, snap))
         for src, dst in zip((*self.conv, *self.recurrent),
                             (*self.pool.conv_states, *self.pool.recurrent_states)):
             dst[slot].copy_(src[snap])
+
+    def take_pending(self) -> list[tuple[int, int, int]]:
+        """Rank 0: the copies recorded since the last call (for the next step's message)."""
+        if self.pending is None:
+            return []
+        ops, self.pending = self.pending, []
+        return ops
+
+    def apply(self, ops: list[tuple[int, int, int]]) -> None:
+        """A worker: repeat rank 0's recorded copies ``(TAKE | RESTORE, slot, snap)`` in
+        order. Raises ValueError on an unknown kind."""
+        for kind, slot, snap in ops:
+            if kind == TAKE:
+                self._save(slot, snap)
+            elif kind == RESTORE:
+                self.restore(snap, slot)
+            else:
+                raise ValueError(f"unknown state snapshot copy {kind}")
 
     def memory_line(self) -> str:
         """The start-up log's line: snapshot slots and their size."""

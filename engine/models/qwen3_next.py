@@ -30,13 +30,12 @@ Tensor parallelism: the Gated DeltaNet layers split their heads over the ranks
 attention layers their query heads (with their gates) and K/V heads as the dense families
 do, the MoE its experts (``--ep-size``) or their width. ``--tp-size`` must divide
 ``linear_num_key_heads`` and ``linear_num_value_heads`` (:func:`check_tensor_parallel`,
-checked before any worker starts).
+checked before any worker starts). Prefix reuse keeps snapshots of the states
+(``engine/kv/state_snapshots.py``), each rank of its share.
 
 The checkpoints' MTP layer (``mtp.*``) is not part of the model: ``--speculative-algorithm
 MTP`` loads it into its proposer (``engine/speculative/mtp.py``); a verify step leaves the
 linear layers' states at each request's last accepted token (``GatedDeltaNet.commit``).
-Prefix reuse keeps snapshots of the linear layers' states in the radix tree
-(``engine/kv/state_snapshots.py``).
 
 Not here (refused at start-up, ``engine/executor/preflight.py``): EAGLE-3 and STANDALONE
 speculation, LoRA, device graphs and piecewise graphs.

@@ -356,8 +356,8 @@ class Scheduler:
         needs_ids = self.inflight is not None and any(_needs_output_ids(r) for r in reqs)
         future = self.inflight.result.ids_dev if self.inflight is not None else None
         try:
-            logits = self.runner.forward(batch, future)
             self._snapshot_prefills(batch)
+            logits = self.runner.forward(batch, future)
             if self.pooling is not None:  # no sampling, no decode: the prompt is the request
                 return self._pool(batch, logits)
             if self.spec is not None:  # an EAGLE head keeps the hidden states of the step
@@ -392,10 +392,12 @@ class Scheduler:
 
     def _snapshot_prefills(self, batch: ScheduleBatch) -> None:
         """A hybrid model with the prefix cache on: snapshot the linear layers' states of
-        the step's prefill rows where their chunk ended on a page boundary (the copies run
-        after the forward just launched; ``KVCacheManager.snapshot``)."""
+        the step's prefill rows where their chunk ends on a page boundary
+        (``KVCacheManager.snapshot_rows``); the model runner copies them right after
+        launching the forward (``batch.snap_takes``), on every tensor-parallel rank."""
         if self.kv.snapshots is not None and batch.mode == ForwardMode.EXTEND:
-            self.kv.snapshot_rows(batch.reqs[:batch.batch_size - batch.num_decodes])
+            batch.snap_takes = self.kv.snapshot_rows(
+                batch.reqs[:batch.batch_size - batch.num_decodes], copy=False)
 
     def _pool(self, batch: ScheduleBatch, logits) -> None:
         """A pooling engine's step: fold the step's hidden states into its requests; those

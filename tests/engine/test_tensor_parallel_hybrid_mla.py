@@ -6,9 +6,15 @@ Each case is a tiny random checkpoint (tests/engine/qwen3_next_helpers.py,
 deepseek_helpers.py; built once per module) served by the offline ``LLM`` at TP=1 (in this
 process) and TP=2 (a worker process): a batch of a prompt longer than the CPU prefill chunk
 (so chunked), a short one and a middling one, 12 greedy steps each; then a second batch
-whose requests take the state slots the first freed (a worker must zero its own copy) and,
-on DeepSeek, hit the cached prefix. Tokens identical, every returned log-prob (top 5 per
-step) within 1e-3. EP=2 (experts whole per rank) is checked on the DeepSeek-V3 case.
+whose requests take the state slots the first freed (a worker must zero its own copy) and
+may hit the cached prefix; then a third whose requests extend finished ones (the next turn
+of the long prompt's conversation, the middling prompt grown), which hit the prefix cache:
+on the hybrid models through state snapshots, which every rank takes and restores in its
+own pool as rank 0 decides. Tokens identical, every returned log-prob (top 5 per step)
+within 1e-3, the same ``cached_tokens`` (> 0 on the third batch). On the hybrid models the
+TP=2 run then repeats the third batch with the snapshot restores kept from the worker (its
+tokens differ) and again as sent (they agree). EP=2 (experts whole per rank) is checked on
+the DeepSeek-V3 case.
 
 Cases: Qwen3-Next (MoE with a gated shared expert, a dense layer, fused ``in_proj_qkvz``),
 Qwen3.5 (dense, split projections), DeepSeek-V3 (``q_lora_rank``, sigmoid routing over 4
@@ -36,6 +42,8 @@ CASES = {"qwen3_next": (qwen3_next_helpers, "qwen3_next"),
          "qwen3_5": (qwen3_next_helpers, "qwen3_5"),
          "deepseek_v3": (deepseek_helpers, "v3"),
          "deepseek_v2": (deepseek_helpers, "v2")}
+#: the cases with linear-attention layers (prefix reuse through state snapshots)
+HYBRID = ("qwen3_next", "qwen3_5")
 SP = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5)
 MIDDLE = seeded_prompts(lengths=(40,))[0]
 
@@ -69,13 +77,44 @@ def tp1(checkpoint):
     return get
 
 
-def _run(path: str, **kw) -> tuple[list[list[int]], list[float]]:
-    """(each output's tokens, every returned log-prob in order) of the two batches."""
+def _run(path: str, monkeypatch=None, **kw) -> tuple[list[list[int]], list[float], list]:
+    """(each output's tokens, every returned log-prob in order, each output's cached
+    tokens) of the three batches; with ``monkeypatch`` (a hybrid model at TP=2), then
+    :func:`_check_restores_reach_workers` on the third."""
     with parity_llm(path, **kw) as llm:
         outs = llm.generate([PROMPT_A, PROMPT_C, MIDDLE], SP)
         outs += llm.generate([PROMPT_B, PROMPT_C], SP)
+        grown = [PROMPT_A + list(outs[0].token_ids) + [21, 22, 23], MIDDLE + [4, 5]]
+        hits = llm.generate(grown, SP)
+        if monkeypatch is not None:
+            _check_restores_reach_workers(llm, grown, hits, monkeypatch)
+        outs += hits
     lps = [lp for o in outs for step in o.logprobs for lp in _values(step)]
-    return [list(o.token_ids) for o in outs], lps
+    return [list(o.token_ids) for o in outs], lps, [o.num_cached_tokens for o in outs]
+
+
+def _check_restores_reach_workers(llm, prompts, good, monkeypatch) -> None:
+    """``prompts`` (prefix-cache hits) again with the snapshot restores dropped from rank
+    0's step messages: the worker's linear layers start from a stale state, so the tokens
+    differ from ``good``; then as sent: the tokens are ``good``'s."""
+    from engine.executor import rank_runner
+    from engine.kv.state_snapshots import RESTORE
+
+    real = rank_runner.step_msg
+
+    def without_restores(*args, **kw):
+        msg = real(*args, **kw)
+        msg.snap_copies = [c for c in msg.snap_copies if c[0] != RESTORE]
+        return msg
+
+    with monkeypatch.context() as m:
+        m.setattr(rank_runner, "step_msg", without_restores)
+        broken = llm.generate(prompts, SP)
+    assert all(o.num_cached_tokens for o in broken)
+    for b, g in zip(broken, good):
+        assert b.token_ids != g.token_ids, "the worker's restores made no difference"
+    again = llm.generate(prompts, SP)
+    assert [o.token_ids for o in again] == [o.token_ids for o in good]
 
 
 def _values(step) -> list[float]:
@@ -89,7 +128,9 @@ def _values(step) -> list[float]:
 
 
 def _assert_same(got, ref, what: str) -> None:
-    (got_toks, got_lps), (ref_toks, ref_lps) = got, ref
+    (got_toks, got_lps, got_cached), (ref_toks, ref_lps, ref_cached) = got, ref
+    assert got_cached == ref_cached, f"{what}: cached tokens differ from TP=1"
+    assert all(got_cached[-2:]), f"{what}: the grown prompts missed the prefix cache"
     assert got_toks == ref_toks, f"{what}: tokens differ from TP=1"
     assert len(got_lps) == len(ref_lps) >= 5 * 12 * 5
     worst = max(abs(a - b) for a, b in zip(got_lps, ref_lps))
@@ -97,8 +138,9 @@ def _assert_same(got, ref, what: str) -> None:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_tp2_matches_tp1(case, checkpoint, tp1):
-    _assert_same(_run(checkpoint(case), tp_size=2), tp1(case), f"{case} TP=2")
+def test_tp2_matches_tp1(case, checkpoint, tp1, monkeypatch):
+    _assert_same(_run(checkpoint(case), monkeypatch if case in HYBRID else None, tp_size=2),
+                 tp1(case), f"{case} TP=2")
 
 
 def test_ep2_matches_tp1(checkpoint, tp1):

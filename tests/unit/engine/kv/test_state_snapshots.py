@@ -1,7 +1,8 @@
 """State snapshots (engine/kv/state_snapshots.py) and their bookkeeping in the radix tree
 (engine/kv/radix_cache.py): copies, the match cut back to a snapshot, splits, locks, LRU
-eviction with the pages and by itself, pruning, flush; and the KV manager's snapshots of a
-request (taken, attached at release, restored on a hit, chunk ends picked)."""
+eviction with the pages and by itself, pruning, flush; the KV manager's snapshots of a
+request (taken, attached at release, restored on a hit, chunk ends picked); and rank 0's
+record of its copies, which a tensor-parallel worker's pool repeats."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from engine.kv.radix_cache import RadixCache
 from engine.kv.state_pool import RecurrentStatePool, StateShape
 from engine.kv.state_snapshots import (
     MAX_SNAPSHOTS_PER_SLOT,
+    RESTORE,
+    TAKE,
     StateSnapshotPool,
     default_snapshot_count,
 )
@@ -191,6 +194,52 @@ def test_manager_snapshots_a_request_and_restores_it():
     assert _admit(kv, third) == 35 and third.kv_len == 35 and third.cached_pages == 0
     kv.release(third)
     kv.check([])
+
+
+def test_recorded_copies_replay_on_a_worker_pool():
+    """Rank 0 of a tensor-parallel group records the copies its manager makes (a take at
+    release, a restore at admission; ``pending``), not the prefill takes the runner makes
+    after the forward (``snapshot_rows(copy=False)``, ``record=False``); a worker's pool that
+    repeats both in rank 0's order ends with the same snapshots and slot states."""
+    kv = _manager()
+    snaps, states = kv.snapshots, kv.state_pool
+    snaps.pending = []
+    w_states, w_snaps = _pools(4)
+    first = Req("a", list(range(3, 43)), SamplingParams())
+    _admit(kv, first)
+    takes = kv.snapshot_rows([first], copy=False)     # the scheduler, launching the step
+    assert takes == [(first.state_slot, first.state_snaps[0][1])]
+    assert snaps.take_pending() == []
+
+    def forward(value):  # both ranks' forward writes the slot
+        for pool in (states, w_states):
+            for t in (*pool.conv_states, *pool.recurrent_states):
+                t[first.state_slot].fill_(value)
+
+    forward(3.0)
+    for pool in (snaps, w_snaps):                     # the runner, after launching it
+        pool.save_many([takes[0][0]], [takes[0][1]], record=False)
+    assert snaps.take_pending() == []
+    first.output_ids = [7, 8]
+    kv.grow(first, 1)
+    first.kv_len += 1
+    forward(5.0)
+    kv.release(first)                                 # a take at 41
+    second = Req("b", list(range(3, 43)) + [7, 8, 9], SamplingParams())
+    _admit(kv, second)                                # restores the snapshot at 41
+    ops = snaps.take_pending()
+    assert [op for op, _, _ in ops] == [TAKE, RESTORE] and snaps.pending == []
+    assert ops[1][1] == second.state_slot
+    w_snaps.apply(ops)
+    used = {takes[0][1], ops[0][2]}
+    for a, b in zip((*snaps.conv, *snaps.recurrent), (*w_snaps.conv, *w_snaps.recurrent)):
+        assert all(torch.equal(a[i], b[i]) for i in used)
+    for a, b in zip((*states.conv_states, *states.recurrent_states),
+                    (*w_states.conv_states, *w_states.recurrent_states)):
+        assert torch.equal(a[second.state_slot], b[second.state_slot])
+        assert a[second.state_slot].eq(5.0).all()
+    with pytest.raises(ValueError, match="unknown"):
+        w_snaps.apply([(7, 1, 1)])
 
 
 def test_chunk_ends_on_pages_and_the_prompts_last_page():
