@@ -3,7 +3,7 @@
 :class:`SparseMoeBlock` is the MLP of an MoE decoder layer (Qwen2/Qwen3-MoE, Mixtral,
 OLMoE)::
 
-    router_logits = gate(x).float()                   # [T, E], replicated linear H -> E
+    router_logits = gate(x)                           # [T, E], replicated linear H -> E
     topk_weights, topk_ids = select_experts(router_logits, top_k, renormalize)
     out = fused_moe(x, w13_weight, w2_weight, topk_weights, topk_ids)
     out += sigmoid(shared_expert_gate(x)) * shared_expert(x)      # Qwen2-MoE only
@@ -12,7 +12,8 @@ OLMoE)::
 ``select_experts`` is softmax over all experts in fp32, top-k, and (``renormalize``, HF's
 ``norm_topk_prob``; always for Mixtral) division by the top-k sum, as in transformers'
 ``*TopKRouter``. The router's matmul runs in the model dtype (as in transformers) and its
-logits are cast to fp32 before the softmax.
+logits are upcast to fp32 inside the routing (the Triton router reads them as they are: no
+separate cast launch).
 
 Expert parameters (:class:`FusedMoE`), this rank's part of every expert:
 
@@ -195,8 +196,9 @@ class FusedMoE(nn.Module):
                    if n.startswith(("w13_", "w2_")))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """x [T, H], router_logits [T, E] fp32 (all experts) -> [T, H] in x's dtype: this
-        rank's partial sum (all-reduced by the caller)."""
+        """x [T, H], router_logits [T, E] any float dtype (all experts; upcast to fp32 by
+        the routing) -> [T, H] in x's dtype: this rank's partial sum (all-reduced by the
+        caller)."""
         # the Triton impl brings its one-launch router (kernels.moe.routing.fused_topk)
         route = getattr(self.impl, "router", select_experts)
         topk_weights, topk_ids = route(router_logits, self.top_k, self.renormalize)
@@ -287,7 +289,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H] (summed over the ranks)."""
-        out = self.experts(x, self.gate(x).float())
+        out = self.experts(x, self.gate(x))
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
