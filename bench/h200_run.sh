@@ -207,6 +207,25 @@ for stage in "$@"; do
     moe-sweep) # the fused MoE alone at M = 1..256 (graph replays, L2 flushed), per shape
              run moe-sweep 500 python3 -m bench.kernels.tune_fused_moe --batch-sizes 1,2,4,8,16,32,64,128,256 \
                --out "$OUT/moe-sweep.json";;
+    moe-fuse) # MoE and LoRA decode with fewer launches (issue 49 items 3-4), one call (<= 8 min):
+             # bs1/bs64 decode of both MoE shapes with the two-launch decode experts and with
+             # them off (FERRY_MOE_DECODE_MAX_M=0), the LoRA step with the one-launch decode
+             # kernel and without (FERRY_LORA_FUSED_DECODE=0), then the ratios
+             for m in qwen3-30b-a3b mixtral-8x7b; do
+               t=70; [ $m = mixtral-8x7b ] && t=100
+               for mode in on off; do
+                 mx=16; [ $mode = off ] && mx=0
+                 run moefuse-$m-$mode $t env FERRY_MOE_DECODE_MAX_M=$mx python3 -m bench.bench_latency \
+                   --model-path engine/configs/$m.json --load-format dummy --batch-size 1 64 \
+                   --input-len 256 --output-len 32 --cuda-graph-max-bs 64 \
+                   --result-jsonl "$OUT/moefuse-$m-$mode.jsonl"; done; done
+             for mode in on off; do
+               fz=1; [ $mode = off ] && fz=0
+               run moefuse-lora-$mode 65 env FERRY_LORA_FUSED_DECODE=$fz python3 -m bench.bench_lora \
+                 --model-path $L8B --load-format dummy --num-adapters 4 --lora-rank 16 \
+                 --batch-size 1 64 --input-len 256 --reps 8 --cuda-graph-max-bs 64 \
+                 --result-jsonl "$OUT/moefuse-lora-$mode.jsonl"; done
+             python3 -m bench.moefuse_report "$OUT" | tee "$OUT/moefuse-report.txt";;
     spec-steps) # speculative decoding (issue 26): a verify step of k = 1..8 drafts against a
              # decode step, bs1 and bs16, Llama-3-8B shape
              run spec-steps 300 python3 -m bench.bench_spec_steps --model-path $L8B --load-format dummy \
