@@ -226,6 +226,12 @@ for stage in "$@"; do
                  --batch-size 1 64 --input-len 256 --reps 8 --cuda-graph-max-bs 64 \
                  --result-jsonl "$OUT/moefuse-lora-$mode.jsonl"; done
              python3 -m bench.moefuse_report "$OUT" | tee "$OUT/moefuse-report.txt";;
+    moe-fuse-kernels) # the MoE experts alone at M 1..16 (< 3 min): the decode path with four
+             # tile choices against the grouped path (tuned table), graph replays, L2 flushed;
+             # the best tiles go to FERRY_MOE_DECODE_TILES, the break-even M to
+             # FERRY_MOE_DECODE_MAX_M
+             run moe-fuse-kernels 170 python3 -m bench.kernels.bench_moe_decode \
+               --batch-sizes 1,2,4,8,16 --result-json "$OUT/moe-fuse-kernels.json";;
     spec-steps) # speculative decoding (issue 26): a verify step of k = 1..8 drafts against a
              # decode step, bs1 and bs16, Llama-3-8B shape
              run spec-steps 300 python3 -m bench.bench_spec_steps --model-path $L8B --load-format dummy \

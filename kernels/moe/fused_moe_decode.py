@@ -60,8 +60,8 @@ def _moe_decode_gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, H, INTER, top_k, 
     g_ptrs = w_ptr + e * stride_we + offs_n_ld[:, None].to(tl.int64) * stride_wn \
         + offs_k[None, :]
     u_ptrs = g_ptrs + INTER * stride_wn
-    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs).to(tl.float32)
@@ -72,13 +72,11 @@ def _moe_decode_gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, H, INTER, top_k, 
             x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
             g = tl.load(g_ptrs, mask=k_ok[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=k_ok[None, :], other=0.0)
-        acc_g += g.to(tl.float32) * x[None, :]
-        acc_u += u.to(tl.float32) * x[None, :]
+        gate += tl.sum(g.to(tl.float32) * x[None, :], 1)
+        up += tl.sum(u.to(tl.float32) * x[None, :], 1)
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    gate = tl.sum(acc_g, 1)
-    up = tl.sum(acc_u, 1)
     act = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(act_ptr + t.to(tl.int64) * stride_am + offs_n,
              act.to(act_ptr.dtype.element_ty), mask=offs_n < INTER)
@@ -87,44 +85,70 @@ def _moe_decode_gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, H, INTER, top_k, 
 @triton.jit
 def _moe_decode_down_kernel(act_ptr, w_ptr, ids_ptr, tw_ptr, out_ptr, H, INTER, top_k,
                             num_experts, stride_am, stride_we, stride_wn, stride_om,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+    # all top_k pairs of the token at once: a [BLOCK_P, BLOCK_N, BLOCK_K] weight tile per
+    # step (more bytes in flight than one pair after another), summed in a fixed order
     m = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_n_ld = (offs_n % H).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in range(0, top_k):
-        t = m * top_k + k
-        e = tl.load(ids_ptr + t).to(tl.int64)
-        ok = (e >= 0) & (e < num_experts)
-        lim = tl.where(ok, INTER, 0)             # a dropped pair reads nothing
-        wt = tl.load(tw_ptr + t)
-        w_rows = w_ptr + tl.where(ok, e, 0) * stride_we + offs_n_ld[:, None] * stride_wn
-        for k0 in range(0, INTER, BLOCK_K):
-            kk = k0 + offs_k
-            k_ok = kk < lim
-            a = tl.load(act_ptr + t * stride_am + kk, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
-            acc += w.to(tl.float32) * (a * wt)[None, :]
-    tl.store(out_ptr + m * stride_om + offs_n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty),
+    kp = tl.arange(0, BLOCK_P)
+    t = m * top_k + kp
+    e = tl.load(ids_ptr + t, mask=kp < top_k, other=-1).to(tl.int64)
+    ok = (kp < top_k) & (e >= 0) & (e < num_experts)     # a dropped pair reads nothing
+    wt = tl.load(tw_ptr + t, mask=ok, other=0.0)
+    a_rows = act_ptr + t[:, None] * stride_am                                  # [P, 1]
+    w_rows = w_ptr + tl.where(ok, e, 0)[:, None, None] * stride_we \
+        + offs_n_ld[None, :, None] * stride_wn                                 # [P, N, 1]
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < INTER
+        a = tl.load(a_rows + kk[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+        a = a.to(tl.float32) * wt[:, None]
+        w = tl.load(w_rows + kk[None, None, :], mask=ok[:, None, None] & k_ok[None, None, :],
+                    other=0.0)
+        acc += tl.sum(tl.sum(w.to(tl.float32) * a[:, None, :], 2), 0)
+    tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty),
              mask=offs_n < H)
 
 
-def _column_block(rows_of_programs: int, n: int, target: int) -> int:
-    """The widest column block in (64, 32, 16) that still gives ``target`` programs."""
-    for bn in (64, 32):
-        if rows_of_programs * triton.cdiv(n, bn) >= target:
-            return bn
-    return 16
+#: tiles: aim for this many programs per launch (enough resident programs per SM to keep
+#: the loads in flight) and this many weight elements per program and step
+TARGET_PROGRAMS, TILE_ELEMS = (int(v) for v in os.environ.get(
+    "FERRY_MOE_DECODE_TILES", "1024,4096").split(","))
 
 
-#: programs each launch aims for (a few per SM of a large GPU)
-TARGET_PROGRAMS = 512
+def decode_tiles(m: int, top_k: int, h: int, inter: int, target_programs: int | None = None,
+                 tile_elems: int | None = None) -> dict:
+    """The decode kernels' tiles for M tokens: ``{"up": (BLOCK_N, BLOCK_K), "down":
+    (BLOCK_P, BLOCK_N, BLOCK_K)}``. BLOCK_N is the widest power of two in [2, 64] that
+    still gives ``target_programs`` programs (the narrowest when none does), capped so a
+    step's weight tile stays near ``tile_elems`` with BLOCK_K >= 64; BLOCK_K fills the rest
+    (at most the reduced dimension's power of two)."""
+    target = TARGET_PROGRAMS if target_programs is None else target_programs
+    elems = TILE_ELEMS if tile_elems is None else tile_elems
+
+    def pick(rows: int, n: int, per_row: int, k: int) -> tuple[int, int]:
+        bn = 2
+        for cand in (64, 32, 16, 8, 4):
+            if rows * triton.cdiv(n, cand) >= target:
+                bn = cand
+                break
+        bn = max(2, min(bn, elems // (per_row * 64)))
+        bk = max(64, min(triton.next_power_of_2(k), elems // (per_row * bn)))
+        return bn, bk
+
+    up_bn, up_bk = pick(m * top_k, inter, 2, h)          # gate and up rows
+    bp = triton.next_power_of_2(top_k)
+    down_bn, down_bk = pick(m, h, bp, inter)             # all top_k pairs at once
+    return {"up": (up_bn, up_bk), "down": (bp, down_bn, down_bk)}
 
 
 def fused_moe_decode(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                     out: torch.Tensor) -> torch.Tensor:
+                     out: torch.Tensor, tiles: dict | None = None) -> torch.Tensor:
     """The decode path of :func:`kernels.moe.fused_moe.fused_moe` (already checked there):
     ``out[m] = sum_k topk_weights[m, k] * w2[e] @ (silu(w1[e] x_m) * (w3[e] x_m))``.
 
@@ -134,6 +158,7 @@ def fused_moe_decode(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.T
         topk_weights: ``[M, top_k]`` fp32 contiguous; topk_ids: ``[M, top_k]`` int32/int64
             contiguous (ids outside ``[0, E)`` contribute nothing).
         out: ``[M, H]`` in the activations' dtype, unit last stride; written and returned.
+        tiles: :func:`decode_tiles`'s dict (default: its choice for these shapes).
 
     Two launches, one ``[M * top_k, I]`` workspace, no host sync.
     """
@@ -143,18 +168,18 @@ def fused_moe_decode(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.T
     num_pairs = m * top_k
     act = torch.empty((num_pairs, inter), dtype=hidden_states.dtype,
                       device=hidden_states.device)
-    bn = _column_block(num_pairs, inter, TARGET_PROGRAMS)
-    bk = 128 if bn <= 32 else 64
+    t = tiles or decode_tiles(m, top_k, h, inter)
+    bn, bk = t["up"]
     _moe_decode_gate_up_kernel[(num_pairs, triton.cdiv(inter, bn))](
         hidden_states, w13, topk_ids, act, h, inter, top_k, num_experts,
         hidden_states.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         BLOCK_N=bn, BLOCK_K=bk, EVEN_K=h % bk == 0, num_warps=4)
-    bn = _column_block(m, h, TARGET_PROGRAMS)
+    bp, bn, bk = t["down"]
     _moe_decode_down_kernel[(m, triton.cdiv(h, bn))](
         act, w2, topk_ids, topk_weights, out, h, inter, top_k, num_experts, act.stride(0),
-        w2.stride(0), w2.stride(1), out.stride(0), BLOCK_N=bn, BLOCK_K=128 if bn <= 32 else 64,
+        w2.stride(0), w2.stride(1), out.stride(0), BLOCK_P=bp, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=4)
     return out
 
 
-__all__ = ["DECODE_MAX_M", "fused_moe_decode", "use_decode_path"]
+__all__ = ["DECODE_MAX_M", "decode_tiles", "fused_moe_decode", "use_decode_path"]

@@ -90,6 +90,30 @@ def test_routed_decode_matches_torch_reference(style, m, num_experts, top_k, ren
     check(out, ref, dtype, f"{style} M={m} routed")
 
 
+@pytest.mark.parametrize("tiles", [
+    {"up": (2, 64), "down": (4, 2, 64)},
+    {"up": (64, 64), "down": (8, 32, 128)},      # BLOCK_P above top_k: padded pairs
+])
+def test_decode_path_tiles_agree(tiles):
+    m, num_experts, top_k, hidden, inter, dtype = 3, 16, 4, 96, 80, F32
+    weights, ids = edge_routing(m, num_experts, top_k, seed=2)
+    w13, w2 = make_weights(num_experts, hidden, inter, dtype, seed=3)
+    x = make_x(m, hidden, dtype, seed=4)
+    ref = moe_loop_ref(x, w13, w2, weights, ids)
+    out = decode_mod.fused_moe_decode(x, w13, w2, weights.to(DEVICE),
+                                      ids.to(torch.int32).to(DEVICE),
+                                      torch.empty(m, hidden, device=DEVICE), tiles)
+    check(out, ref, dtype, f"tiles {tiles}")
+
+
+def test_decode_tiles_for_the_model_shapes():
+    """bs1 of both shapes: >= 1024 programs per launch, ~4k weight elements a step."""
+    q = decode_mod.decode_tiles(1, 8, 2048, 768, 1024, 4096)
+    assert q == {"up": (4, 512), "down": (8, 2, 256)}
+    mx = decode_mod.decode_tiles(1, 2, 4096, 14336, 1024, 4096)
+    assert mx == {"up": (16, 128), "down": (2, 4, 512)}
+
+
 def test_choice_by_m_and_the_switch(monkeypatch):
     assert decode_mod.DECODE_MAX_M == 16 or "FERRY_MOE_DECODE_MAX_M" in __import__("os").environ
     monkeypatch.setattr(decode_mod, "DECODE_MAX_M", 16)
@@ -188,7 +212,7 @@ for t in ("bf16", "fp16", "fp32"):
         compile_one(dec._moe_decode_gate_up_kernel, dict(x_ptr=t, w_ptr=t, ids_ptr="i32",
                     act_ptr=t), dict(BLOCK_N=32, BLOCK_K=128, EVEN_K=True), arch)
         compile_one(dec._moe_decode_down_kernel, dict(act_ptr=t, w_ptr=t, ids_ptr="i32",
-                    tw_ptr="fp32", out_ptr=t), dict(BLOCK_N=16, BLOCK_K=128), arch)
+                    tw_ptr="fp32", out_ptr=t), dict(BLOCK_P=8, BLOCK_N=2, BLOCK_K=256), arch)
 print("COMPILED OK")
 '''
 
