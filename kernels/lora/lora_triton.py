@@ -365,7 +365,9 @@ def lora_decode_fused(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torc
 
     Grid: (row blocks of 16-64 rows, parts, column chunks of each part), about
     ``FUSED_PROGRAMS`` programs; each reduces all of K for its rows (no split-K partials, no
-    fp32 workspace) and then expands its chunk. No host sync: graph capturable.
+    fp32 workspace; K steps of up to 256, pipelined three deep) and then expands its chunk.
+    The programs of one part repeat the same shrink: its A comes from L2 after the first.
+    No host sync: graph capturable.
 
     Args:
         x: [G, K] (rows at ``seg_start``; fp16, bf16 or fp32, unit column stride).
@@ -391,6 +393,9 @@ def lora_decode_fused(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torc
     ns = [n for _, n in parts] + [0, 0]
     bm = _pow2(g, 16, 64)
     bn = 64
+    # each program walks all of K: wide steps (16 KiB of a rank-16 A a step at bf16), three
+    # in flight (the loads feed tl.dot, so Triton pipelines them)
+    bk = _pow2(k, 16, 256 if bm <= 16 else 128)
     row_blocks = triton.cdiv(g, bm)
     n_max = max(ns)
     chunks = max(1, min(triton.cdiv(FUSED_PROGRAMS, row_blocks * p_num),
@@ -401,8 +406,8 @@ def lora_decode_fused(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torc
         x, a, b, y, seg_start, seg_slot, g, k, r, num_slots, offs[1], offs[2], ns[0], ns[1],
         ns[2], chunk, x.stride(0), a.stride(0), a.stride(1), a.stride(2), b.stride(0),
         b.stride(1), y.stride(0), IEEE=x.dtype == torch.float32, BLOCK_M=bm,
-        BLOCK_R=max(16, triton.next_power_of_2(r)), BLOCK_K=64, BLOCK_N=bn,
-        **dot_kernel_options(4, 2, x.device.type))
+        BLOCK_R=max(16, triton.next_power_of_2(r)), BLOCK_K=bk, BLOCK_N=bn,
+        **dot_kernel_options(4, 3, x.device.type))
     return y
 
 
