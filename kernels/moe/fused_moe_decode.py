@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.moe.routing import route_row
+
 #: the largest batch that runs the two-launch decode path (environment override; 0: never)
 DECODE_MAX_M = max(0, int(os.environ.get("FERRY_MOE_DECODE_MAX_M", "16")))
 
@@ -45,12 +47,20 @@ def use_decode_path(m: int) -> bool:
 
 
 @triton.jit
-def _moe_decode_gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, H, INTER, top_k, num_experts,
-                               stride_xm, stride_we, stride_wn, stride_am,
-                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               EVEN_K: tl.constexpr):
+def _moe_decode_gate_up_kernel(x_ptr, w_ptr, ids_ptr, logits_ptr, act_ptr, H, INTER,
+                               num_experts, stride_xm, stride_we, stride_wn, stride_am,
+                               stride_lm, TOP_K: tl.constexpr, ROUTE: tl.constexpr,
+                               RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
+                               BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     t = tl.program_id(0)
-    e = tl.load(ids_ptr + t).to(tl.int64)
+    top_k = TOP_K
+    if ROUTE:  # this pair's expert from the token's router logits (no routing launch)
+        _, ids = route_row(logits_ptr, t // TOP_K, stride_lm, num_experts, TOP_K, RENORM,
+                           BLOCK_E, BLOCK_P)
+        e = tl.sum(tl.where(tl.arange(0, BLOCK_P) == t % TOP_K, ids, 0), 0).to(tl.int64)
+    else:
+        e = tl.load(ids_ptr + t).to(tl.int64)
     if (e < 0) | (e >= num_experts):
         return                                   # another rank's expert: no row here
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -83,10 +93,11 @@ def _moe_decode_gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, H, INTER, top_k, 
 
 
 @triton.jit
-def _moe_decode_down_kernel(act_ptr, w_ptr, ids_ptr, tw_ptr, out_ptr, H, INTER, top_k,
-                            num_experts, stride_am, stride_we, stride_wn, stride_om,
-                            BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
+def _moe_decode_down_kernel(act_ptr, w_ptr, ids_ptr, tw_ptr, logits_ptr, out_ptr, H, INTER,
+                            num_experts, stride_am, stride_we, stride_wn, stride_om, stride_lm,
+                            TOP_K: tl.constexpr, ROUTE: tl.constexpr, RENORM: tl.constexpr,
+                            BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # all top_k pairs of the token at once: a [BLOCK_P, BLOCK_N, BLOCK_K] weight tile per
     # step (more bytes in flight than one pair after another), summed in a fixed order
     m = tl.program_id(0).to(tl.int64)
@@ -94,10 +105,16 @@ def _moe_decode_down_kernel(act_ptr, w_ptr, ids_ptr, tw_ptr, out_ptr, H, INTER, 
     offs_n_ld = (offs_n % H).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     kp = tl.arange(0, BLOCK_P)
-    t = m * top_k + kp
-    e = tl.load(ids_ptr + t, mask=kp < top_k, other=-1).to(tl.int64)
-    ok = (kp < top_k) & (e >= 0) & (e < num_experts)     # a dropped pair reads nothing
-    wt = tl.load(tw_ptr + t, mask=ok, other=0.0)
+    t = m * TOP_K + kp
+    if ROUTE:  # the token's experts and weights from its router logits
+        wt, e = route_row(logits_ptr, m, stride_lm, num_experts, TOP_K, RENORM, BLOCK_E,
+                          BLOCK_P)
+        e = e.to(tl.int64)
+        ok = (kp < TOP_K) & (e >= 0)
+    else:
+        e = tl.load(ids_ptr + t, mask=kp < TOP_K, other=-1).to(tl.int64)
+        ok = (kp < TOP_K) & (e >= 0) & (e < num_experts)  # a dropped pair reads nothing
+        wt = tl.load(tw_ptr + t, mask=ok, other=0.0)
     a_rows = act_ptr + t[:, None] * stride_am                                  # [P, 1]
     w_rows = w_ptr + tl.where(ok, e, 0)[:, None, None] * stride_we \
         + offs_n_ld[None, :, None] * stride_wn                                 # [P, N, 1]
@@ -163,23 +180,81 @@ def fused_moe_decode(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.T
     Two launches, one ``[M * top_k, I]`` workspace, no host sync.
     """
     m, top_k = topk_ids.shape
+    return _launch(hidden_states, w13, w2, m, top_k, out, tiles, (topk_ids, topk_weights))
+
+
+def fused_moe_decode_routed(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                            router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                            out: torch.Tensor | None = None,
+                            tiles: dict | None = None) -> torch.Tensor:
+    """:func:`kernels.moe.routing.fused_topk` and :func:`fused_moe_decode` in two launches:
+    each program routes its token from the router logits itself (softmax, top-k with ties to
+    the lower id, optional renormalisation: the same arithmetic as ``fused_topk``), so the
+    routing launch and the ``[M, top_k]`` weights and ids are gone.
+
+    Args:
+        hidden_states: ``[M, H]``; w13: ``[E, 2I, H]``; w2: ``[E, H, I]`` (as
+            :func:`kernels.moe.fused_moe.fused_moe`; all E experts on this rank).
+        router_logits: ``[M, E]`` any float dtype, unit last stride, ``E <= 4096``.
+        top_k: ``1 <= top_k <= E``.  renormalize: divide the top-k weights by their sum.
+        out: optional ``[M, H]`` output in the activations' dtype.
+
+    Returns:
+        ``out`` or a new ``[M, H]`` tensor.
+
+    Raises:
+        ValueError: logits not ``[M, E]`` for the weights' E, a strided last axis, E > 4096,
+            or a bad ``top_k``.
+    """
+    m, h = hidden_states.shape
+    num_experts = w13.shape[0]
+    if router_logits.shape != (m, num_experts) or router_logits.stride(1) != 1 \
+            or num_experts > 4096:
+        raise ValueError(f"router_logits must be [{m}, {num_experts}] with a unit-stride last "
+                         f"axis and E <= 4096, got {tuple(router_logits.shape)}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+    if out is None:
+        out = torch.empty((m, h), dtype=hidden_states.dtype, device=hidden_states.device)
+    if m == 0:
+        return out
+    return _launch(hidden_states, w13, w2, m, top_k, out, tiles, None,
+                   (router_logits, bool(renormalize)))
+
+
+def _launch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, m: int, top_k: int,
+            out: torch.Tensor, tiles: dict | None, routed: tuple | None,
+            route: tuple | None = None) -> torch.Tensor:
+    """The two launches: ``routed`` = (ids, weights) given, or ``route`` = (logits,
+    renormalize) to route inside the kernels."""
     num_experts, two_i, h = w13.shape
     inter = two_i // 2
     num_pairs = m * top_k
-    act = torch.empty((num_pairs, inter), dtype=hidden_states.dtype,
-                      device=hidden_states.device)
+    act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     t = tiles or decode_tiles(m, top_k, h, inter)
+    if route is None:
+        ids, weights = routed
+        logits, renorm, stride_lm = ids, False, 0      # logits unused
+    else:
+        ids = weights = None
+        logits, renorm = route
+        stride_lm = logits.stride(0)
+    common = dict(TOP_K=top_k, ROUTE=route is not None, RENORM=renorm,
+                  BLOCK_E=triton.next_power_of_2(num_experts), num_warps=4)
+    bp = triton.next_power_of_2(top_k)
     bn, bk = t["up"]
     _moe_decode_gate_up_kernel[(num_pairs, triton.cdiv(inter, bn))](
-        hidden_states, w13, topk_ids, act, h, inter, top_k, num_experts,
-        hidden_states.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        BLOCK_N=bn, BLOCK_K=bk, EVEN_K=h % bk == 0, num_warps=4)
-    bp, bn, bk = t["down"]
+        x, w13, ids if ids is not None else logits, logits, act, h, inter, num_experts,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), stride_lm,
+        BLOCK_P=bp, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=h % bk == 0, **common)
+    down_bp, bn, bk = t["down"]
     _moe_decode_down_kernel[(m, triton.cdiv(h, bn))](
-        act, w2, topk_ids, topk_weights, out, h, inter, top_k, num_experts, act.stride(0),
-        w2.stride(0), w2.stride(1), out.stride(0), BLOCK_P=bp, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=4)
+        act, w2, ids if ids is not None else logits,
+        weights if weights is not None else logits, logits, out, h, inter, num_experts,
+        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), stride_lm,
+        BLOCK_P=max(bp, down_bp), BLOCK_N=bn, BLOCK_K=bk, **common)
     return out
 
 
-__all__ = ["DECODE_MAX_M", "decode_tiles", "fused_moe_decode", "use_decode_path"]
+__all__ = ["DECODE_MAX_M", "decode_tiles", "fused_moe_decode", "fused_moe_decode_routed",
+           "use_decode_path"]

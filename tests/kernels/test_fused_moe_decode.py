@@ -88,6 +88,46 @@ def test_routed_decode_matches_torch_reference(style, m, num_experts, top_k, ren
     out = fused_moe(x, w13, w2, w, ids)
     assert decode_mod.use_decode_path(m)
     check(out, ref, dtype, f"{style} M={m} routed")
+    # the kernels routing for themselves: the same arithmetic, the same output
+    self_routed = decode_mod.fused_moe_decode_routed(x, w13, w2, logits.to(DEVICE), top_k,
+                                                     renorm)
+    assert torch.equal(self_routed, out)
+
+
+def test_decode_routed_errors():
+    w13, w2 = make_weights(4, 32, 16, F32, seed=1)
+    x = make_x(3, 32, F32, seed=2)
+    with pytest.raises(ValueError, match="router_logits"):
+        decode_mod.fused_moe_decode_routed(x, w13, w2, torch.randn(3, 5, device=DEVICE), 2,
+                                           True)
+    with pytest.raises(ValueError, match="top_k"):
+        decode_mod.fused_moe_decode_routed(x, w13, w2, torch.randn(3, 4, device=DEVICE), 5,
+                                           True)
+
+
+@pytest.mark.parametrize("m", [1, 20])
+def test_moe_block_launches_per_layer(m, monkeypatch):
+    """``SparseMoeBlock`` with the Triton impl: at M=1 the router GEMM and the two
+    self-routing decode kernels (3 launches, was 9: cast, top-k, alignment x2, SwiGLU and the
+    top-k sum too); past DECODE_MAX_M, or with the switch at 0, the grouped path's 8. The
+    output matches the torch impl either way."""
+    from bench.launch_count import count_launches
+    from engine.layers.moe import SparseMoeBlock, triton_fused_moe
+
+    torch.manual_seed(0)
+    block = SparseMoeBlock(32, 8, 2, 32, True, F32)
+    for p in block.parameters():
+        p.data.normal_(0, 0.2)
+    block = block.to(DEVICE)
+    x = torch.randn(m, 32).to(DEVICE)
+    ref = block(x)                                             # the torch impl
+    block.experts.impl = triton_fused_moe()
+    for max_m, want in ((16, 3 if m == 1 else 8), (0, 8)):
+        monkeypatch.setattr(decode_mod, "DECODE_MAX_M", max_m)
+        with count_launches() as seen:
+            out = block(x)
+        assert seen.total == want, seen.names
+        assert rel_err(out, ref) < TOL[F32]
 
 
 @pytest.mark.parametrize("tiles", [
@@ -123,7 +163,7 @@ def test_choice_by_m_and_the_switch(monkeypatch):
     assert not decode_mod.use_decode_path(1)
 
 
-def test_decode_path_is_two_launches_against_six():
+def test_decode_path_is_two_launches_against_six():  # the experts alone
     """One MoE layer at M=1: the decode path launches 2 Triton kernels, the grouped path 6
     (alignment 2, gate/up, SwiGLU, down, top-k sum); counted by the launch counter."""
     from bench.launch_count import count_launches
@@ -208,11 +248,14 @@ def compile_one(kernel, ptrs, constexprs, arch):
                    target=GPUTarget("cuda", arch, 32), options={"num_warps": 4, "num_stages": 2})
 
 for t in ("bf16", "fp16", "fp32"):
-    for arch in (90, 80):
+    for arch, route in ((90, True), (90, False), (80, True)):
+        common = dict(TOP_K=8, ROUTE=route, RENORM=True, BLOCK_E=128, BLOCK_P=8)
         compile_one(dec._moe_decode_gate_up_kernel, dict(x_ptr=t, w_ptr=t, ids_ptr="i32",
-                    act_ptr=t), dict(BLOCK_N=32, BLOCK_K=128, EVEN_K=True), arch)
+                    logits_ptr=t, act_ptr=t), dict(BLOCK_N=4, BLOCK_K=512, EVEN_K=True,
+                    **common), arch)
         compile_one(dec._moe_decode_down_kernel, dict(act_ptr=t, w_ptr=t, ids_ptr="i32",
-                    tw_ptr="fp32", out_ptr=t), dict(BLOCK_P=8, BLOCK_N=2, BLOCK_K=256), arch)
+                    tw_ptr="fp32", logits_ptr=t, out_ptr=t), dict(BLOCK_N=2, BLOCK_K=256,
+                    **common), arch)
 print("COMPILED OK")
 '''
 
