@@ -18,6 +18,11 @@ mostly idle GPU when a decode step routes one token to eight experts. At ``M <= 
    (deterministic, no atomics) and written once, rounded to the output dtype; dropped pairs
    read nothing.
 
+:func:`fused_moe_decode_routed` is the same two launches taking the router logits instead of
+the routed ids and weights: every program routes its token itself
+(:func:`kernels.moe.routing.route_row`, the arithmetic of ``fused_topk``), so the MoE layer
+after its router GEMM is two launches in all.
+
 The pair (token) index is the fastest grid axis, so the programs that read one weight tile
 for several pairs routed to the same expert run side by side and share it in L2. The only
 workspace is ``act [M * top_k, I]``; shapes depend on M, top_k, E, H, I only: no host sync,

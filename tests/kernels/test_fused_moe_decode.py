@@ -279,3 +279,39 @@ def test_decode_kernels_compile_for_nvidia_targets():
     res = subprocess.run([sys.executable, "-c", COMPILE], cwd=Path(__file__).parents[2],
                          env=env, capture_output=True, text=True, timeout=600, check=False)
     assert res.returncode == 0 and "COMPILED OK" in res.stdout, res.stderr[-4000:]
+
+
+@gpu_only
+def test_gpu_self_routed_decode_graph_capture():
+    """The self-routing kernels captured once and replayed with new router logits equal
+    routing first (``fused_topk``) and the decode experts, eagerly."""
+    from engine import device as devlib
+
+    graph_cls = devlib.graph_class(DEVICE)
+    if graph_cls is None:
+        pytest.skip("no device graphs here")
+    m, num_experts, top_k, hidden, inter = 4, 64, 8, 256, 128
+    w13, w2 = make_weights(num_experts, hidden, inter, BF16, seed=6)
+    x = make_x(m, hidden, BF16, seed=7)
+    logits = torch.randn(m, num_experts, device=DEVICE).to(BF16)
+    out = torch.empty((m, hidden), dtype=BF16, device=DEVICE)
+
+    def step():
+        decode_mod.fused_moe_decode_routed(x, w13, w2, logits, top_k, True, out=out)
+
+    stream = devlib.stream_class(DEVICE)()
+    stream.wait_stream(devlib.current_stream(DEVICE))
+    with devlib.stream_context(DEVICE, stream):
+        step()                                                  # compile outside
+    devlib.current_stream(DEVICE).wait_stream(stream)
+    graph = graph_cls()
+    with devlib.graph_context(DEVICE, graph):
+        step()
+    for seed in range(2):
+        g = torch.Generator().manual_seed(seed)
+        logits.copy_(torch.randn(m, num_experts, generator=g).to(BF16))
+        graph.replay()
+        devlib.synchronize(DEVICE)
+        w, ids = fused_topk(logits, top_k, True)
+        want = fused_moe(x, w13, w2, w, ids, decode=True)
+        assert torch.equal(out, want)
