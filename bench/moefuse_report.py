@@ -6,7 +6,8 @@ fused decode paths against the unfused ones, measured in the same call.
 * ``OUT/moefuse-MODEL-on.jsonl`` / ``-off.jsonl`` (``bench.bench_latency --result-jsonl``
   with ``FERRY_MOE_DECODE_MAX_M`` at its default / 0) for MODEL in :data:`ROOFLINE_MS`, and
 * ``OUT/moefuse-lora-on.jsonl`` / ``-off.jsonl`` (``bench.bench_lora --result-jsonl`` with
-  ``FERRY_LORA_FUSED_DECODE`` 1 / 0),
+  ``FERRY_LORA_FUSED_DECODE`` 1 / 0) and, if there, ``-allk.jsonl`` (the down projection
+  fused too: ``FERRY_LORA_FUSED_MAX_K=16384``),
 
 and prints per batch size the median decode step with each path, fused / unfused, and for the
 MoE models at bs1 the fraction of the active-weight roofline (docs/benchmarks.md, "Mixture
@@ -55,8 +56,14 @@ def lora_lines(out: Path) -> list[str]:
     on, off = _rows(out / "moefuse-lora-on.jsonl"), _rows(out / "moefuse-lora-off.jsonl")
     if on is None or off is None:
         return [f"lora: missing {'on' if on is None else 'off'} run"]
+    allk = _rows(out / "moefuse-lora-allk.jsonl") or []
     lines = []
     for bs in sorted({r["batch_size"] for r in on}):
+        for r in allk:
+            if r["batch_size"] == bs and r["kind"] == "adapters":
+                lines.append(f"lora bs{bs}: adapters {r['median_step_s'] * 1e3:.3f} ms with "
+                             f"every projection fused (FERRY_LORA_FUSED_MAX_K=16384, "
+                             f"{r['ratio_to_base']:.3f}x base)")
         pick = {}
         for name, rows in (("on", on), ("off", off)):
             pick[name] = {r["kind"]: r for r in rows if r["batch_size"] == bs}

@@ -24,8 +24,9 @@ P*R columns of ``s``, part p's at [p*R, (p+1)*R)) and ``B [S, R, N_total]`` with
 columns side by side; one expand covers all parts when its column tile divides the part
 boundaries (a tile reads the R columns of ``s`` of its part), else one expand per part:
 2 launches per projection, 8 per Llama layer. A decode step (every segment one row) runs
-:func:`lora_decode_fused` instead: shrink and expand of all parts in one launch, 4 per
-Llama layer (``FERRY_LORA_FUSED_DECODE=0`` keeps the two-launch path).
+:func:`lora_decode_fused` instead: shrink and expand of all parts in one launch (a
+projection whose K exceeds ``FUSED_MAX_K`` keeps two), 5 per Llama-3-8B layer
+(``FERRY_LORA_FUSED_DECODE=0`` keeps the two-launch path everywhere).
 
 Grid: ``(segments, ceil(max_len / BLOCK_M), ceil(N / BLOCK_N))``; a program past its
 segment's end or on a base segment returns at once. ``max_len`` is a host int (decode: 1).
@@ -260,6 +261,9 @@ SHRINK_MIN_CHUNK = 256
 FUSED_DECODE = os.environ.get("FERRY_LORA_FUSED_DECODE", "1") != "0"
 #: the fused decode kernel's programs: about this many, over row blocks, parts and chunks
 FUSED_PROGRAMS = int(os.environ.get("FERRY_LORA_FUSED_PROGRAMS", "64"))
+#: the widest input the fused decode kernel takes: each of its programs walks all of K, so a
+#: projection with a longer K (Llama-3-8B's down, 14,336) keeps the split-K shrink
+FUSED_MAX_K = int(os.environ.get("FERRY_LORA_FUSED_MAX_K", "8192"))
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_start: torch.Tensor,
@@ -365,7 +369,7 @@ def lora_decode_fused(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torc
 
     Grid: (row blocks of 16-64 rows, parts, column chunks of each part), about
     ``FUSED_PROGRAMS`` programs; each reduces all of K for its rows (no split-K partials, no
-    fp32 workspace; K steps of up to 256, pipelined three deep) and then expands its chunk.
+    fp32 workspace; K steps of 8192 / rows, pipelined three deep) and then expands its chunk.
     The programs of one part repeat the same shrink: its A comes from L2 after the first.
     No host sync: graph capturable.
 
@@ -393,9 +397,9 @@ def lora_decode_fused(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torc
     ns = [n for _, n in parts] + [0, 0]
     bm = _pow2(g, 16, 64)
     bn = 64
-    # each program walks all of K: wide steps (16 KiB of a rank-16 A a step at bf16), three
-    # in flight (the loads feed tl.dot, so Triton pipelines them)
-    bk = _pow2(k, 16, 256 if bm <= 16 else 128)
+    # each program walks all of K: wide steps (16 KiB of a rank-16 A a step at bf16 for 16
+    # rows), three in flight (the loads feed tl.dot, so Triton pipelines them)
+    bk = _pow2(k, 16, (8192 // bm) // (2 if x.dtype == torch.float32 else 1))
     row_blocks = triton.cdiv(g, bm)
     n_max = max(ns)
     chunks = max(1, min(triton.cdiv(FUSED_PROGRAMS, row_blocks * p_num),
@@ -423,10 +427,11 @@ def lora_apply_triton(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torc
         b: [S, R, N_total] (the parts' columns side by side, as in y).
         parts: P ``(column offset, n_p)`` of each part in y (contiguous, in order).
 
-    Decode steps (``max_len == 1``, at most 3 parts) take :func:`lora_decode_fused`, one
-    launch, unless ``FUSED_DECODE`` is off (``FERRY_LORA_FUSED_DECODE=0``).
+    Decode steps (``max_len == 1``, at most 3 parts, ``K <= FUSED_MAX_K``) take
+    :func:`lora_decode_fused`, one launch, unless ``FUSED_DECODE`` is off
+    (``FERRY_LORA_FUSED_DECODE=0``).
     """
-    if FUSED_DECODE and max_len == 1 and len(parts) <= 3:
+    if FUSED_DECODE and max_len == 1 and len(parts) <= 3 and x.shape[1] <= FUSED_MAX_K:
         return lora_decode_fused(x, y, a, b, parts, seg_start, seg_slot)
     s = lora_shrink(x, a, seg_start, seg_len, seg_slot, max_len, shrink_out)
     starts = tuple(off for off, _ in parts[1:])

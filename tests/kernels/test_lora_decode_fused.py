@@ -117,3 +117,18 @@ def test_fused_decode_is_one_launch_a_projection(monkeypatch):
         with count_launches() as seen:
             _run(x, y, a, b, parts_n, [0, 1, -1, 0], fused, monkeypatch)
         assert seen.triton == want, seen.names
+
+
+def test_fused_decode_keeps_two_launches_past_max_k(monkeypatch):
+    """A projection whose K exceeds FUSED_MAX_K (each fused program walks all of K) keeps
+    the split-K shrink and the expand."""
+    from bench.launch_count import count_launches
+
+    parts_n = PARTS["down"]
+    a, b, _ = _slots_of(torch.float32, (8, 16), 16, parts_n, seed=1)
+    x, y, _ = _batch([1] * 3, [0, 1, -1], torch.float32, seed=2, parts_n=parts_n)
+    for max_k, want in ((K, 1), (K - 1, 2)):
+        monkeypatch.setattr(lora_triton, "FUSED_MAX_K", max_k)
+        with count_launches() as seen:
+            _run(x, y, a, b, parts_n, [0, 1, -1], True, monkeypatch)
+        assert seen.triton == want, seen.names
