@@ -208,6 +208,34 @@ for stage in "$@"; do
     moe-sweep) # the fused MoE alone at M = 1..256 (graph replays, L2 flushed), per shape
              run moe-sweep 500 python3 -m bench.kernels.tune_fused_moe --batch-sizes 1,2,4,8,16,32,64,128,256 \
                --out "$OUT/moe-sweep.json";;
+    moe-fuse) # MoE and LoRA decode with fewer launches (issue 49 items 3-4), one call (<= 8 min):
+             # bs1/bs64 decode of both MoE shapes with the two-launch decode experts and with
+             # them off (FERRY_MOE_DECODE_MAX_M=0), the LoRA step with the one-launch decode
+             # kernel, without it (FERRY_LORA_FUSED_DECODE=0) and with it on every projection
+             # (FERRY_LORA_FUSED_MAX_K=16384), then the ratios
+             for m in qwen3-30b-a3b mixtral-8x7b; do
+               t=${MOEFUSE_QWEN_S:-65}; [ $m = mixtral-8x7b ] && t=${MOEFUSE_MIXTRAL_S:-85}
+               for mode in on off; do
+                 mx=16; [ $mode = off ] && mx=0
+                 run moefuse-$m-$mode $t env FERRY_MOE_DECODE_MAX_M=$mx python3 -m bench.bench_latency \
+                   --model-path engine/configs/$m.json --load-format dummy --batch-size 1 64 \
+                   --input-len 256 --output-len 32 --cuda-graph-max-bs 64 \
+                   --result-jsonl "$OUT/moefuse-$m-$mode.jsonl"; done; done
+             for mode in on off allk; do  # allk: the down projection (K 14336) fused too
+               fz=1; [ $mode = off ] && fz=0
+               mk=8192; [ $mode = allk ] && mk=16384
+               run moefuse-lora-$mode 60 env FERRY_LORA_FUSED_DECODE=$fz FERRY_LORA_FUSED_MAX_K=$mk \
+                 python3 -m bench.bench_lora \
+                 --model-path $L8B --load-format dummy --num-adapters 4 --lora-rank 16 \
+                 --batch-size 1 64 --input-len 256 --reps 8 --cuda-graph-max-bs 64 \
+                 --result-jsonl "$OUT/moefuse-lora-$mode.jsonl"; done
+             python3 -m bench.moefuse_report "$OUT" | tee "$OUT/moefuse-report.txt";;
+    moe-fuse-kernels) # the MoE experts alone at M 1..16 (< 3 min): the decode path with four
+             # tile choices against the grouped path (tuned table), graph replays, L2 flushed;
+             # the best tiles go to FERRY_MOE_DECODE_TILES, the break-even M to
+             # FERRY_MOE_DECODE_MAX_M
+             run moe-fuse-kernels 170 python3 -m bench.kernels.bench_moe_decode \
+               --batch-sizes 1,2,4,8,16 --result-json "$OUT/moe-fuse-kernels.json";;
     spec-steps) # speculative decoding (issue 26): a verify step of k = 1..8 drafts against a
              # decode step, bs1 and bs16, Llama-3-8B shape
              run spec-steps 300 python3 -m bench.bench_spec_steps --model-path $L8B --load-format dummy \

@@ -3,7 +3,7 @@
 :class:`SparseMoeBlock` is the MLP of an MoE decoder layer (Qwen2/Qwen3-MoE, Mixtral,
 OLMoE)::
 
-    router_logits = gate(x).float()                   # [T, E], replicated linear H -> E
+    router_logits = gate(x)                           # [T, E], replicated linear H -> E
     topk_weights, topk_ids = select_experts(router_logits, top_k, renormalize)
     out = fused_moe(x, w13_weight, w2_weight, topk_weights, topk_ids)
     out += sigmoid(shared_expert_gate(x)) * shared_expert(x)      # Qwen2-MoE only
@@ -12,7 +12,8 @@ OLMoE)::
 ``select_experts`` is softmax over all experts in fp32, top-k, and (``renormalize``, HF's
 ``norm_topk_prob``; always for Mixtral) division by the top-k sum, as in transformers'
 ``*TopKRouter``. The router's matmul runs in the model dtype (as in transformers) and its
-logits are cast to fp32 before the softmax.
+logits are upcast to fp32 inside the routing (the Triton router reads them as they are: no
+separate cast launch).
 
 Expert parameters (:class:`FusedMoE`), this rank's part of every expert:
 
@@ -195,8 +196,14 @@ class FusedMoE(nn.Module):
                    if n.startswith(("w13_", "w2_")))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """x [T, H], router_logits [T, E] fp32 (all experts) -> [T, H] in x's dtype: this
-        rank's partial sum (all-reduced by the caller)."""
+        """x [T, H], router_logits [T, E] any float dtype (all experts; upcast to fp32 by
+        the routing) -> [T, H] in x's dtype: this rank's partial sum (all-reduced by the
+        caller)."""
+        route_and_run = getattr(self.impl, "route_and_run", None)
+        if route_and_run is not None and self.ep_size == 1 and self.fp8_experts is None:
+            # the Triton impl: at decode sizes its kernels route for themselves
+            return route_and_run(x, self.w13_weight, self.w2_weight, router_logits,
+                                 self.top_k, self.renormalize, **self._extras())
         # the Triton impl brings its one-launch router (kernels.moe.routing.fused_topk)
         route = getattr(self.impl, "router", select_experts)
         topk_weights, topk_ids = route(router_logits, self.top_k, self.renormalize)
@@ -287,7 +294,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H] (summed over the ranks)."""
-        out = self.experts(x, self.gate(x).float())
+        out = self.experts(x, self.gate(x))
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
@@ -300,9 +307,14 @@ def triton_fused_moe():
     """:func:`kernels.moe.fused_moe.fused_moe` (imported here: it needs Triton) as a ``FusedMoE``
     ``impl``: the same arguments as :func:`kernels.moe.reference.fused_moe_torch`, plus the
     device's name for the tuned launch-config table (looked up once per device type; with
-    gpt-oss's options, :func:`kernels.moe.fused_moe_mxfp4.fused_moe_oai`), and its
-    ``router``: :func:`kernels.moe.routing.fused_topk`, the routing in one launch."""
+    gpt-oss's options, :func:`kernels.moe.fused_moe_mxfp4.fused_moe_oai`), its
+    ``router``: :func:`kernels.moe.routing.fused_topk`, the routing in one launch, and its
+    ``route_and_run``: routing and experts from the router logits, which at decode sizes
+    (``kernels.moe.fused_moe_decode.use_decode_path``; plain SwiGLU experts, no expert
+    parallelism) is :func:`kernels.moe.fused_moe_decode.fused_moe_decode_routed`: two
+    launches for the whole layer after the router GEMM."""
     from kernels.moe.fused_moe import fused_moe
+    from kernels.moe.fused_moe_decode import fused_moe_decode_routed, use_decode_path
     from kernels.moe.routing import fused_topk
 
     def run(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -315,7 +327,16 @@ def triton_fused_moe():
         return fused_moe(x, w13, w2, topk_weights, topk_ids,
                          device_name=_device_name(x.device.type))
 
+    def route_and_run(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                      **extras) -> torch.Tensor:
+        if not extras and use_decode_path(x.shape[0]):
+            return fused_moe_decode_routed(x, w13, w2, router_logits, top_k, renormalize)
+        weights, ids = fused_topk(router_logits, top_k, renormalize)
+        return run(x, w13, w2, weights, ids, **extras)
+
     run.router = fused_topk  # select_experts in one launch, for FusedMoE.forward
+    run.route_and_run = route_and_run  # routing + experts: two launches at decode sizes
     return run
 
 

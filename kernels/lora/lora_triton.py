@@ -22,8 +22,11 @@ chunked SGMV backend, written here from that description:
 A fused projection (q/k/v, gate/up) has P parts: ``A [P, S, R, K]`` (one shrink writes the
 P*R columns of ``s``, part p's at [p*R, (p+1)*R)) and ``B [S, R, N_total]`` with the parts'
 columns side by side; one expand covers all parts when its column tile divides the part
-boundaries (a tile reads the R columns of ``s`` of its part), else one expand per part.
-On a decode step that is 2 launches per projection, 8 per Llama layer.
+boundaries (a tile reads the R columns of ``s`` of its part), else one expand per part:
+2 launches per projection, 8 per Llama layer. A decode step (every segment one row) runs
+:func:`lora_decode_fused` instead: shrink and expand of all parts in one launch (a
+projection whose K exceeds ``FUSED_MAX_K`` keeps two), 5 per Llama-3-8B layer
+(``FERRY_LORA_FUSED_DECODE=0`` keeps the two-launch path everywhere).
 
 Grid: ``(segments, ceil(max_len / BLOCK_M), ceil(N / BLOCK_N))``; a program past its
 segment's end or on a base segment returns at once. ``max_len`` is a host int (decode: 1).
@@ -31,6 +34,8 @@ segment's end or on a base segment returns at once. ``max_len`` is a host int (d
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -178,6 +183,67 @@ def _expand_rows_kernel(s_ptr, b_ptr, y_ptr, seg_start_ptr, seg_slot_ptr, G, N, 
     _add_into(y_ptr, rows, offs_n, live[:, None] & mask_n[None, :], acc, stride_ym)
 
 
+@triton.jit
+def _decode_fused_kernel(x_ptr, a_ptr, b_ptr, y_ptr, seg_start_ptr, seg_slot_ptr, G, K, R,
+                         S, OFF1, OFF2, N0, N1, N2, CHUNK, stride_xm, stride_ap, stride_as,
+                         stride_ar, stride_bs, stride_bk, stride_ym, IEEE: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
+    """Shrink and expand of one part in one program for BLOCK_M one-row segments (decode):
+    program (row block, part, column chunk) computes ``s = x @ A[slot, part]^T`` over all
+    of K for its rows, then ``y[:, chunk] += s @ B[slot][:, chunk]``. The rows' slots are
+    visited one by one (a slot no row of the block uses is skipped), so each slot's A and
+    B tiles are read once per program and fed to ``tl.dot`` with the other rows masked."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(seg_slot_ptr + offs_m, mask=offs_m < G, other=-1)
+    live = slot >= 0
+    if tl.max(live.to(tl.int32), axis=0) == 0:
+        return
+    p = tl.program_id(1)
+    off_p = tl.where(p == 0, 0, tl.where(p == 1, OFF1, OFF2))
+    n_p = tl.where(p == 0, N0, tl.where(p == 1, N1, N2))
+    col0 = tl.program_id(2) * CHUNK
+    if col0 >= n_p:
+        return
+    col_end = tl.minimum(col0 + CHUNK, n_p)
+    rows = tl.load(seg_start_ptr + offs_m, mask=live, other=0).to(tl.int64)
+    rr = tl.arange(0, BLOCK_R)
+    r_ok = rr < R
+    offs_k = tl.arange(0, BLOCK_K)
+    s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for sl in range(0, S):
+        mine = slot == sl
+        if tl.max(mine.to(tl.int32), axis=0) > 0:
+            a_base = a_ptr + p.to(tl.int64) * stride_ap + sl * stride_as
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + offs_k
+                k_ok = kk < K
+                # the other slots' rows load as zeros: their part of s stays untouched
+                x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :],
+                            mask=mine[:, None] & k_ok[None, :], other=0.0)
+                a = tl.load(a_base + rr[None, :] * stride_ar + kk[:, None],
+                            mask=r_ok[None, :] & k_ok[:, None], other=0.0)
+                if IEEE:
+                    s += tl.dot(x, a, input_precision="ieee")
+                else:
+                    s += tl.dot(x, a)
+    for n0 in range(col0, col_end, BLOCK_N):
+        nn = n0 + tl.arange(0, BLOCK_N)
+        n_ok = nn < col_end
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for sl in range(0, S):
+            mine = slot == sl
+            if tl.max(mine.to(tl.int32), axis=0) > 0:
+                b = tl.load(b_ptr + sl * stride_bs + rr[:, None] * stride_bk + off_p
+                            + nn[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+                s_sl = tl.where(mine[:, None], s, 0.0)
+                if IEEE:
+                    acc += tl.dot(s_sl, b.to(tl.float32), input_precision="ieee")
+                else:
+                    acc += tl.dot(s_sl.to(b.dtype), b)
+        _add_into(y_ptr, rows, off_p + nn, live[:, None] & n_ok[None, :], acc, stride_ym)
+
+
 def _block_m(max_len: int) -> int:
     return 16 if max_len <= 16 else 32 if max_len <= 32 else 64
 
@@ -189,6 +255,15 @@ def _pow2(n: int, lo: int, hi: int) -> int:
 #: split-K: aim for this many shrink programs; a K chunk is at least SHRINK_MIN_CHUNK wide
 SHRINK_PROGRAMS = 1024
 SHRINK_MIN_CHUNK = 256
+
+#: decode steps (one-row segments) run shrink + expand in one launch
+#: (:func:`lora_decode_fused`); ``FERRY_LORA_FUSED_DECODE=0`` keeps the two launches
+FUSED_DECODE = os.environ.get("FERRY_LORA_FUSED_DECODE", "1") != "0"
+#: the fused decode kernel's programs: about this many, over row blocks, parts and chunks
+FUSED_PROGRAMS = int(os.environ.get("FERRY_LORA_FUSED_PROGRAMS", "64"))
+#: the widest input the fused decode kernel takes: each of its programs walks all of K, so a
+#: projection with a longer K (Llama-3-8B's down, 14,336) keeps the split-K shrink
+FUSED_MAX_K = int(os.environ.get("FERRY_LORA_FUSED_MAX_K", "8192"))
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, seg_start: torch.Tensor,
@@ -286,6 +361,60 @@ def lora_expand(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, seg_start: to
     return y
 
 
+def lora_decode_fused(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                      parts: list[tuple[int, int]], seg_start: torch.Tensor,
+                      seg_slot: torch.Tensor) -> torch.Tensor:
+    """The LoRA delta of one projection for one-row segments (a decode step) in one launch:
+    ``y[row] += (x[row] @ A[p, slot]^T) @ B[slot][:, part p]`` for every part, in place.
+
+    Grid: (row blocks of 16-64 rows, parts, column chunks of each part), about
+    ``FUSED_PROGRAMS`` programs; each reduces all of K for its rows (no split-K partials, no
+    fp32 workspace; K steps of 8192 / rows, pipelined three deep) and then expands its chunk.
+    The programs of one part repeat the same shrink: its A comes from L2 after the first.
+    No host sync: graph capturable.
+
+    Args:
+        x: [G, K] (rows at ``seg_start``; fp16, bf16 or fp32, unit column stride).
+        y: [G, N_total] output view (unit column stride).
+        a: [P, S, R, K] (P <= 3), K contiguous; b: [S, R, N_total], N contiguous.
+        parts: P ``(column offset, n_p)`` of each part in y.
+        seg_start, seg_slot: [G] int32 (each segment one row; slot -1: base row, skipped).
+    Returns:
+        y.
+    Raises:
+        ValueError: more than 3 parts.
+    """
+    if len(parts) > 3:
+        raise ValueError(f"lora_decode_fused: at most 3 parts, got {len(parts)}")
+    g = seg_start.shape[0]
+    if g == 0:
+        return y
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    assert y.stride(1) == 1 and b.stride(2) == 1, "lora_decode_fused: column stride must be 1"
+    p_num, num_slots, r, k = a.shape
+    offs = [off for off, _ in parts] + [0, 0]
+    ns = [n for _, n in parts] + [0, 0]
+    bm = _pow2(g, 16, 64)
+    bn = 64
+    # each program walks all of K: wide steps (16 KiB of a rank-16 A a step at bf16 for 16
+    # rows), three in flight (the loads feed tl.dot, so Triton pipelines them)
+    bk = _pow2(k, 16, (8192 // bm) // (2 if x.dtype == torch.float32 else 1))
+    row_blocks = triton.cdiv(g, bm)
+    n_max = max(ns)
+    chunks = max(1, min(triton.cdiv(FUSED_PROGRAMS, row_blocks * p_num),
+                        triton.cdiv(n_max, bn)))
+    chunk = triton.cdiv(triton.cdiv(n_max, chunks), bn) * bn
+    grid = (row_blocks, p_num, triton.cdiv(n_max, chunk))
+    _decode_fused_kernel[grid](
+        x, a, b, y, seg_start, seg_slot, g, k, r, num_slots, offs[1], offs[2], ns[0], ns[1],
+        ns[2], chunk, x.stride(0), a.stride(0), a.stride(1), a.stride(2), b.stride(0),
+        b.stride(1), y.stride(0), IEEE=x.dtype == torch.float32, BLOCK_M=bm,
+        BLOCK_R=max(16, triton.next_power_of_2(r)), BLOCK_K=bk, BLOCK_N=bn,
+        **dot_kernel_options(4, 3, x.device.type))
+    return y
+
+
 def lora_apply_triton(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                       parts: list[tuple[int, int]], seg_start: torch.Tensor,
                       seg_len: torch.Tensor, seg_slot: torch.Tensor, max_len: int,
@@ -297,7 +426,13 @@ def lora_apply_triton(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torc
         a: [P, S, R, K].
         b: [S, R, N_total] (the parts' columns side by side, as in y).
         parts: P ``(column offset, n_p)`` of each part in y (contiguous, in order).
+
+    Decode steps (``max_len == 1``, at most 3 parts, ``K <= FUSED_MAX_K``) take
+    :func:`lora_decode_fused`, one launch, unless ``FUSED_DECODE`` is off
+    (``FERRY_LORA_FUSED_DECODE=0``).
     """
+    if FUSED_DECODE and max_len == 1 and len(parts) <= 3 and x.shape[1] <= FUSED_MAX_K:
+        return lora_decode_fused(x, y, a, b, parts, seg_start, seg_slot)
     s = lora_shrink(x, a, seg_start, seg_len, seg_slot, max_len, shrink_out)
     starts = tuple(off for off, _ in parts[1:])
     if expand_tile(starts) is not None and len(parts) <= 3:

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from kernels.fused_ops import silu_and_mul
+from kernels.moe.fused_moe_decode import fused_moe_decode, use_decode_path
 from kernels.moe.moe_config import check_config, get_moe_config
 from kernels.moe.reference import (
     _check_align_args,
@@ -319,7 +320,8 @@ def moe_sum(buf: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
 def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
               config: dict | None = None, device_name: str | None = None,
-              out: torch.Tensor | None = None, align: str = "triton") -> torch.Tensor:
+              out: torch.Tensor | None = None, align: str = "triton",
+              decode: bool | None = None) -> torch.Tensor:
     """The experts of an MoE layer in Triton (CUDA, XPU; the interpreter on the CPU):
     ``out[m] = sum_k topk_weights[m, k] * w2[e] @ (silu(w1[e] x_m) * (w3[e] x_m))`` with
     ``e = topk_ids[m, k]`` (see the module docstring for the steps).
@@ -340,6 +342,10 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         out: optional ``[M, H]`` output (activations' dtype, unit last stride), e.g. a
             graph's static buffer.
         align: ``"triton"`` (two launches) or ``"torch"`` (torch ops) alignment, to compare.
+        decode: run :func:`kernels.moe.fused_moe_decode.fused_moe_decode` (two launches,
+            no alignment) instead of the six-launch path; None: when ``M <=
+            DECODE_MAX_M`` (``FERRY_MOE_DECODE_MAX_M``, default 16) and no ``config`` is
+            given. ``config`` and ``align`` do not apply to it.
 
     Returns:
         ``out`` or a new ``[M, H]`` tensor in the activations' dtype.
@@ -349,7 +355,8 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             ``out``, a malformed configuration or an unknown ``align``.
 
     Workspaces: ``[T, 2I]``, ``[T, I]`` and ``[T, H]`` in the activations' dtype
-    (T = M * top_k), allocated per call. No host synchronisation: graph capturable.
+    (T = M * top_k), allocated per call (the decode path: ``[T, I]`` only). No host
+    synchronisation: graph capturable.
     """
     m, h, num_experts, inter, top_k = check_moe_shapes(hidden_states, w13, w2, topk_weights,
                                                        topk_ids)
@@ -365,11 +372,13 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         raise ValueError(f"fused_moe: align must be 'triton' or 'torch', got {align!r}")
     if m == 0:
         return out
+    topk_ids = topk_ids.contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    if decode or (decode is None and config is None and use_decode_path(m)):
+        return fused_moe_decode(hidden_states, w13, w2, weights, topk_ids, out)
     if config is None:
         config = get_moe_config(m, num_experts, inter, h, top_k, dtype, dev.type, device_name)
     config = check_config(config)
-    topk_ids = topk_ids.contiguous()
-    weights = topk_weights.to(torch.float32).contiguous()
     aligner = moe_align_block_size if align == "triton" else moe_align_block_size_torch
     sorted_ids, expert_ids, num_post = aligner(topk_ids, config["BLOCK_SIZE_M"], num_experts)
     num_pairs = m * top_k

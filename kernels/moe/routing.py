@@ -11,10 +11,12 @@ import triton.language as tl
 
 
 @triton.jit
-def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, num_experts, stride_lm,
-                         TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
-    m = tl.program_id(0)
+def route_row(logits_ptr, m, stride_lm, num_experts, TOP_K: tl.constexpr,
+              RENORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Token ``m``'s routing from its logits row: ``(weights [BLOCK_K] fp32, ids [BLOCK_K]
+    int32)``, the ``TOP_K`` largest softmax probabilities in descending order (ties to the
+    lower expert id), renormalised if ``RENORM``; slots past ``TOP_K`` hold weight 0 and id
+    -1. Shared by :func:`fused_topk` and the MoE decode kernels that route for themselves."""
     offs = tl.arange(0, BLOCK_E)
     valid = offs < num_experts
     x = tl.load(logits_ptr + m * stride_lm + offs, mask=valid, other=-float("inf"))
@@ -23,7 +25,7 @@ def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, num_experts, stride_lm,
     p = tl.where(valid, e / tl.sum(e, 0), -2.0)  # padding below every probability
     kk = tl.arange(0, BLOCK_K)
     w = tl.zeros([BLOCK_K], dtype=tl.float32)
-    ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+    ids = tl.full([BLOCK_K], -1, dtype=tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.max(p, 0)
         idx = tl.min(tl.where(p == best, offs, BLOCK_E), 0)  # the lowest id among ties
@@ -32,6 +34,16 @@ def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, num_experts, stride_lm,
         p = tl.where(offs == idx, -1.0, p)  # taken
     if RENORM:
         w = w / tl.sum(w, 0)
+    return w, ids
+
+
+@triton.jit
+def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, num_experts, stride_lm,
+                         TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    m = tl.program_id(0)
+    w, ids = route_row(logits_ptr, m, stride_lm, num_experts, TOP_K, RENORM, BLOCK_E, BLOCK_K)
+    kk = tl.arange(0, BLOCK_K)
     tl.store(w_ptr + m * TOP_K + kk, w, mask=kk < TOP_K)
     tl.store(ids_ptr + m * TOP_K + kk, ids, mask=kk < TOP_K)
 
@@ -77,4 +89,4 @@ def fused_topk(router_logits: torch.Tensor, top_k: int,
     return weights, ids
 
 
-__all__ = ["fused_topk"]
+__all__ = ["fused_topk", "route_row"]

@@ -54,3 +54,17 @@ def test_moe_mxfp4_bench_dry_run(tmp_path, capsys):
     assert [r["m"] for r in records] == [1, 3]
     assert all(r["mxfp4"]["weight_bytes"] * 3.7 < r["bf16"]["weight_bytes"] for r in records)
     assert "mxfp4" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(ON_GPU, reason="--dry-run on the CPU is the interpreter mode")
+def test_moe_decode_bench_dry_run(tmp_path, capsys):
+    import json
+
+    from bench.kernels import bench_moe_decode
+
+    out = tmp_path / "moe-decode.json"
+    bench_moe_decode.main(["--dry-run", "--result-json", str(out)])
+    text = capsys.readouterr().out
+    assert "MISMATCH" not in text and "grouped" in text
+    rows = json.loads(out.read_text())
+    assert [r["M"] for r in rows] == [1, 3] and all("decode_1024_4096" in r for r in rows)

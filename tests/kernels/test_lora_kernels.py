@@ -200,6 +200,9 @@ for t, ieee in (("bf16", False), ("fp16", False), ("fp32", True)):
         compile_one(lora._expand_rows_kernel, dict(s_ptr="fp32", b_ptr=t, y_ptr=t,
                     seg_start_ptr="i32", seg_slot_ptr="i32"),
                     dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16), arch)
+        compile_one(lora._decode_fused_kernel, dict(x_ptr=t, a_ptr=t, b_ptr=t, y_ptr=t,
+                    seg_start_ptr="i32", seg_slot_ptr="i32"),
+                    dict(IEEE=ieee, BLOCK_M=16, BLOCK_R=16, BLOCK_K=256, BLOCK_N=64), arch)
 print("COMPILED OK")
 '''
 
