@@ -31,12 +31,14 @@ _USES_POOL = re.compile(r"shared_server|SERVER_SHARED|server_pool|"
                         r"def \w+\((?:[^)]*,\s*)?(?:url|client)\s*[,)]")
 
 
-#: the e2e modules with servers of their own that take longest (each start-up ~15-20 s on the
-#: quiet 2-core CI machine; these start several or run a minute of load), run first after
-#: the shared servers' modules so that the two workers end together (``_e2e_order``)
-_E2E_LONGEST = ("test_data_parallel.py", "test_router.py", "test_tensor_parallel_lifecycle.py",
-                "test_limits_and_shutdown.py", "test_soak.py", "test_schemathesis.py",
-                "test_lora_api.py", "test_pooling_api.py")
+#: the e2e modules with servers of their own that take longest, longest first (measured one
+#: module at a time, 2026-12-03: 70-190 s each on the 2-core machine at a load of 5-15; a
+#: start-up is ~15-20 s there when quiet, and these start several, fuzz or run a minute of
+#: load): run after the shared servers' modules and before the others, so that the two
+#: workers end together (``_e2e_order``)
+_E2E_LONGEST = ("test_schemathesis.py", "test_lora_api.py", "test_tensor_parallel_lifecycle.py",
+                "test_data_parallel.py", "test_pooling_api.py", "test_router.py",
+                "test_lora_path_e2e.py", "test_limits_and_shutdown.py", "test_soak.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
