@@ -19,9 +19,13 @@ ARGS ?=
 PYTEST_ARGS ?=
 # `make test` runs the unit, kernel and engine tests on this many pytest-xdist workers
 # (tests/conftest.py sends each module, and the modules of the costly session fixtures, to
-# one worker), then tests/e2e in one process: its servers' timings as on a machine of their
-# own. PYTEST_WORKERS=0: one process; with PYTEST_ARGS, one run of what they name
+# one worker), then tests/e2e on E2E_WORKERS workers: the modules on the shared servers as
+# one unit, every other module (its own servers) as a unit of its own, the longest first. An
+# e2e test mostly waits on its server, whose engine runs one thread: two of them fill the two
+# cores that one leaves half idle. PYTEST_WORKERS=0 / E2E_WORKERS=0: one process; with
+# PYTEST_ARGS, one run of what they name
 PYTEST_WORKERS ?= 2
+E2E_WORKERS ?= 2
 E2E_TESTS ?= tests/e2e
 
 .PHONY: install serve test test-fast lint bench-latency clean
@@ -74,7 +78,8 @@ ifeq ($(strip $(PYTEST_ARGS)),)
 	rc=0; \
 	$(PY) -m pytest -q -rs --durations=15 -n $(PYTEST_WORKERS) --dist loadfile \
 	  --ignore=$(E2E_TESTS) || rc=$$?; \
-	$(PY) -m pytest -q -rs --durations=15 $(E2E_TESTS) || rc=$$?; \
+	$(PY) -m pytest -q -rs --durations=15 -n $(E2E_WORKERS) --dist loadfile \
+	  $(E2E_TESTS) || rc=$$?; \
 	exit $$rc
 else
 	$(PY) -m pytest -q -rs --durations=15 -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)

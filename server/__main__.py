@@ -2,7 +2,7 @@
 
 import sys
 
-from server.cli import serve
+from server.cli import exit_now, serve
 
 if __name__ == "__main__":
-    sys.exit(serve(sys.argv[1:]))
+    exit_now(serve(sys.argv[1:]))

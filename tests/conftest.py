@@ -31,6 +31,42 @@ _USES_POOL = re.compile(r"shared_server|SERVER_SHARED|server_pool|"
                         r"def \w+\((?:[^)]*,\s*)?(?:url|client)\s*[,)]")
 
 
+#: the e2e modules with servers of their own that take longest, longest first (measured one
+#: module at a time, 2026-12-03: 70-190 s each on the 2-core machine at a load of 5-15; a
+#: start-up is ~15-20 s there when quiet, and these start several, fuzz or run a minute of
+#: load): run after the shared servers' modules and before the others, so that the two
+#: workers end together (``_e2e_order``)
+_E2E_LONGEST = ("test_schemathesis.py", "test_lora_api.py", "test_tensor_parallel_lifecycle.py",
+                "test_data_parallel.py", "test_pooling_api.py", "test_router.py",
+                "test_lora_path_e2e.py", "test_limits_and_shutdown.py", "test_soak.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """tests/e2e in the order its xdist units are best handed out (``_e2e_order``); the
+    tests of each module, and every test outside tests/e2e, keep their order."""
+    rank: dict[str, tuple[int, int]] = {}
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        if module not in rank:
+            rank[module] = _e2e_order(config.rootpath, module, len(rank))
+    items.sort(key=lambda item: rank[item.nodeid.split("::", 1)[0]])
+
+
+def _e2e_order(root: Path, module: str, seen: int) -> tuple[int, int]:
+    """The sort key of ``module`` (``seen``: its place in collection order): the e2e modules
+    on the shared servers first (one xdist unit, the longest), then ``_E2E_LONGEST`` in its
+    order, then the other e2e modules; every module outside tests/e2e before them all, as
+    collected (a run names tests/e2e alone or leaves it out)."""
+    if not module.startswith(_E2E_TESTS):
+        return (0, seen)
+    if _work_unit(root, module) == "e2e-pool":
+        return (1, seen)
+    name = module.rsplit("/", 1)[-1]
+    if name in _E2E_LONGEST:
+        return (2, _E2E_LONGEST.index(name))
+    return (3, seen)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """``make test`` runs the tests outside tests/e2e with ``pytest -n 2 --dist loadfile``

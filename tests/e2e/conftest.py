@@ -20,7 +20,13 @@ import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-START_TIMEOUT_S = 300.0   # model + tokenizer load on 2 loaded CPU cores
+#: model + tokenizer load on 2 CPU cores that another e2e worker's start-ups share (``make
+#: test`` runs tests/e2e on two pytest-xdist workers): ~15 s alone, several times that under
+#: load; the server's own --startup-timeout is 900 s
+START_TIMEOUT_S = 600.0
+#: start-ups retried on a new port when the free port picked was taken before the server
+#: bound it (another worker's server or client got it in between)
+PORT_RETRIES = 3
 STOP_TIMEOUT_S = 30.0
 HTTP_TIMEOUT_S = 120.0    # any single request in the e2e tests
 
@@ -42,6 +48,10 @@ def _pid_alive(pid: int | None) -> bool:
         return False
 
 
+class _PortTaken(Exception):
+    """The server could not bind the port picked for it."""
+
+
 class FerryServer:
     """One ferry server subprocess.
 
@@ -55,14 +65,30 @@ class FerryServer:
         self.tmp = tmp
         self.tmpdir = tmp / "t"
         self.tmpdir.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / "server.log"
-        self.args = ["--host", "127.0.0.1", "--port", str(self.port), *extra_args]
+        self.extra_args = list(extra_args)
+        self._pick_port()
         self.proc: subprocess.Popen | None = None
         self.env = dict(env or {})
 
+    def _pick_port(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = ["--host", "127.0.0.1", "--port", str(self.port), *self.extra_args]
+
     def start(self) -> FerryServer:
+        for attempt in range(PORT_RETRIES):
+            try:
+                return self._start()
+            except _PortTaken:
+                if attempt == PORT_RETRIES - 1:
+                    raise RuntimeError(f"no free port after {PORT_RETRIES} tries:\n"
+                                       f"{self.log()}") from None
+                self._log.close()
+                self._pick_port()
+        raise AssertionError("unreachable")
+
+    def _start(self) -> FerryServer:
         # one intra-op thread: on a busy 2-core CI box, OpenMP threads waiting on each
         # other make every decode step several times slower
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
@@ -75,6 +101,8 @@ class FerryServer:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if self.proc.poll() is not None:
+                if f"cannot listen on 127.0.0.1:{self.port}" in self.log():
+                    raise _PortTaken
                 raise RuntimeError(f"server exited with {self.proc.returncode} during start-up:"
                                    f"\n{self.log()}")
             try:

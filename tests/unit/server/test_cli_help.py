@@ -1,6 +1,8 @@
 """``ferry``'s command line: the bench/parity subcommands' ``--help`` lists their own flags
 (with help) and the engine's, not the HTTP server's; ``serve --help`` keeps the server's
-flags; a malformed ``--allowed-origins`` is refused with exit code 2 naming it."""
+flags; a malformed ``--allowed-origins`` is refused with exit code 2 naming it; a served
+``ferry serve`` leaves with its exit code, its log flushed, without the interpreter's
+teardown."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import re
 
 import pytest
 
+import server.cli
 from server.cli import main
 
 
@@ -43,3 +46,24 @@ def test_serve_refuses_a_malformed_origin(capsys):
         main(["serve", "--allowed-origins", "localhost:3000"])
     assert ei.value.code == 2
     assert "--allowed-origins: 'localhost:3000' is not an origin" in capsys.readouterr().err
+
+
+def test_a_stopped_server_exits_with_its_code_and_flushed_logs(monkeypatch):
+    """``ferry serve`` (and ``python -m server``) end through ``exit_now``: logging shut down
+    (its handlers flushed) and the standard streams flushed, then ``os._exit`` with the code
+    ``serve`` returned."""
+    import logging
+    import os
+
+    calls: list = []
+    monkeypatch.setattr(server.cli, "serve", lambda argv: calls.append(("serve", argv)) or 3)
+    monkeypatch.setattr(logging, "shutdown", lambda: calls.append("logging"))
+
+    def fake_exit(code):
+        calls.append(("exit", code))
+        raise SystemExit(code)
+
+    monkeypatch.setattr(os, "_exit", fake_exit)
+    with pytest.raises(SystemExit):
+        main(["serve", "--port", "1"])
+    assert calls == [("serve", ["--port", "1"]), "logging", ("exit", 3)]
