@@ -247,11 +247,12 @@ async def prepare(tm: TokenizerManager, req: Any, *, base: str, max_tokens: int 
                    reasoning, strip, images)
 
 
-def _no_harmony_constraint(tm: TokenizerManager, req: Any, tools: ToolPlan,
+def _no_harmony_constraint(tm: TokenizerManager, tools: ToolPlan,
                            sp: SamplingParams) -> None:
     """400 for a forced tool call (``tool_choice`` required or named) with the ``gpt-oss``
-    reasoning parser: its constraint would have to wait for a commentary channel's call
-    header, which is not built yet. Other constraints (``response_format``, the guided
+    reasoning parser: forcing the call needs a grammar that, after the reasoning, writes the
+    commentary channel's call header (special tokens) and then the arguments; not built
+    yet (waiting for a header the model may never write forces nothing). Other constraints (``response_format``, the guided
     fields) wait for harmony's final channel header (``think_end_ids``).
 
     Raises: APIError 400 naming ``tool_choice``.
@@ -271,7 +272,7 @@ async def _reasoning_settings(tm: TokenizerManager, req: Any, ids: list[int], to
     to wait for the reasoning's end and special tokens kept for parsers that read them, and
     the special tokens the writer strips (``server/pipeline/reasoning.py``)."""
     reasoning, think_end, special = await plan_reasoning(tm, req, ids)
-    _no_harmony_constraint(tm, req, tools, sp)
+    _no_harmony_constraint(tm, tools, sp)
     tool_parser = None
     if tools.parser is not None:
         try:

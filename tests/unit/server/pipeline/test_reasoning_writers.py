@@ -360,3 +360,34 @@ def test_think_end_ids_bounds():
         with pytest.raises(ValueError) as e:
             sp.verify(10)
         assert e.value.args[1] == "think_end_ids"
+
+
+def test_grammar_queue_sets_the_trigger_of_the_request():
+    """The scheduler's grammar queue gives a released request's matcher its trigger:
+    ``think_end_ids`` (the prompt's last tokens counting toward it) or ``think_end_id``."""
+    pytest.importorskip("xgrammar")
+    from engine.sampling.params import SamplingParams
+    from engine.scheduler.grammar_queue import GrammarQueue
+    from engine.scheduler.request import Req
+    from engine.tokenizer.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(None)
+    a, b, x = (tok.encode(t)[0] for t in (" alpha", " beta", " anything"))
+    q = GrammarQueue(tok, len(tok), [tok.eos_token_id])
+    seq = Req("seq", [x, a], SamplingParams(regex="yes|no", think_end_ids=[a, b]))
+    one = Req("one", [x, a], SamplingParams(regex="yes|no", think_end_id=b))
+    both = Req("both", [x], SamplingParams(regex="yes|no"))
+    for r in (seq, one, both):
+        assert q.add(r)
+    ready = []
+    for _ in range(100):
+        got, rejected = q.release(idle=True)
+        ready += got
+        assert not rejected
+        if not len(q):
+            break
+    assert {r.rid for r in ready} == {"seq", "one", "both"}
+    assert both.grammar.active and not seq.grammar.active and not one.grammar.active
+    assert seq.grammar.accept(b) and seq.grammar.active  # the prompt's a, then b
+    assert one.grammar.accept(x) and not one.grammar.active
+    assert one.grammar.accept(b) and one.grammar.active
