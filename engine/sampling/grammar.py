@@ -140,31 +140,66 @@ class GrammarState:
 
     Args:
         compiled: xgrammar's compiled grammar.
-        wait_for: a token id (the end-of-thinking tag, ``SamplingParams.think_end_id``):
-            until it is accepted the output is free (no mask, every token accepted, never
-            terminated), the grammar applies to the tokens after it. None: from the start.
+        wait_for: the release trigger: a token id (the end-of-thinking tag,
+            ``SamplingParams.think_end_id``) or a sequence of token ids (gpt-oss's final
+            channel header, ``SamplingParams.think_end_ids``). Until the trigger has been
+            accepted (the sequence whole and in order, ending at the latest token) the output
+            is free (no mask, every token accepted, never terminated); the grammar applies to
+            the tokens after it. None: from the start.
     """
 
-    __slots__ = ("matcher", "failed", "wait_for")
+    __slots__ = ("matcher", "failed", "wait_for", "_tail")
 
-    def __init__(self, compiled, wait_for: int | None = None):
+    def __init__(self, compiled, wait_for: int | list[int] | tuple[int, ...] | None = None):
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(compiled)
         self.failed = False
         self.wait_for = wait_for
+        self._tail: list[int] = []  # the latest tokens, at most len(trigger), while waiting
+
+    def wait_after(self, trigger: list[int] | tuple[int, ...],
+                   history: list[int] | tuple[int, ...] = ()) -> None:
+        """Wait for the token sequence ``trigger`` (non-empty) before constraining.
+
+        Args:
+            trigger: token ids that release the grammar once they were accepted in a row.
+            history: the tokens before the first output token (the prompt's end): a
+                trigger that ends there releases the grammar at once, one that starts there
+                (``<|start|>assistant`` of a generation prompt) counts its tokens.
+        Raises:
+            ValueError: an empty trigger.
+        """
+        if not trigger:
+            raise ValueError("an empty grammar trigger")
+        self.wait_for = tuple(trigger)
+        self._tail = list(history[-len(trigger):]) if len(history) else []
+        if tuple(self._tail) == self.wait_for:
+            self.wait_for, self._tail = None, []
 
     @property
     def active(self) -> bool:
         """Whether the grammar constrains the next token (its wait is over)."""
         return self.wait_for is None
 
+    def _waited(self, token_id: int) -> None:
+        """Advance the wait by one token; ends it when the trigger is complete."""
+        trigger = self.wait_for
+        if isinstance(trigger, int):
+            if token_id == trigger:
+                self.wait_for = None
+            return
+        self._tail.append(token_id)
+        if len(self._tail) > len(trigger):
+            del self._tail[0]
+        if tuple(self._tail) == trigger:
+            self.wait_for, self._tail = None, []
+
     def accept(self, token_id: int) -> bool:
         """Advance by one sampled token; False (and ``failed`` set) if the grammar rejects it.
-        While waiting for ``wait_for`` every token is accepted (that one ends the wait)."""
+        While waiting for the trigger every token is accepted (its last one ends the wait)."""
         if self.wait_for is not None:
-            if token_id == self.wait_for:
-                self.wait_for = None
+            self._waited(token_id)
             return True
         ok = self.matcher.accept_token(token_id)
         if not ok:

@@ -14,6 +14,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024
+MAX_TRIGGER_TOKENS = 64  # token ids of a grammar release trigger (think_end_ids)
 MAX_GRAMMAR_CHARS = 1 << 18  # characters of one json_schema / regex / ebnf constraint
 
 
@@ -55,6 +56,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # applies until this token id (the model's end-of-thinking tag) has been generated;
     # None: the constraint applies from the first output token
     think_end_id: int | None = None
+    # the same trigger as a token sequence (gpt-oss: the final channel's header): no mask
+    # until these ids have been generated in a row (a partial match followed by another
+    # token starts over; the prompt's last tokens count toward it); at most one of the two
+    think_end_ids: list[int] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -120,6 +125,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.think_end_id is not None and vocab_size is not None \
                 and not (0 <= self.think_end_id < vocab_size):
             bad("think_end_id is outside the vocabulary", "think_end_id")
+        if self.think_end_ids is not None:
+            if self.think_end_id is not None or not self.think_end_ids \
+                    or len(self.think_end_ids) > MAX_TRIGGER_TOKENS:
+                bad(f"think_end_ids must have 1..{MAX_TRIGGER_TOKENS} ids and think_end_id "
+                    "must not be set with it", "think_end_ids")
+            if vocab_size is not None and not all(0 <= t < vocab_size
+                                                  for t in self.think_end_ids):
+                bad("think_end_ids has an id outside the vocabulary", "think_end_ids")
         given = [n for n in ("json_schema", "regex", "ebnf") if getattr(self, n) is not None]
         if len(given) > 1:
             bad(f"set at most one constraint, got {' and '.join(given)}", given[1])

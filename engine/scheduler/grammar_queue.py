@@ -4,8 +4,8 @@
 ``regex`` or ``ebnf``) to the queue, which starts its compile on ``GrammarBackend``'s thread
 pool (cached by ``(kind, text)``). Each step ``release`` hands the scheduler the requests
 whose grammar is ready (with a fresh matcher, ``Req.grammar``, which waits for the request's
-``think_end_id`` when it has one: constrained after the reasoning), which it puts in its waiting
-queue, and those it aborts: their compile failed (the server has parsed the constraint
+``think_end_id`` or the sequence ``think_end_ids`` when it has one: constrained after the
+reasoning), which it puts in its waiting queue, and those it aborts: their compile failed (the server has parsed the constraint
 already, so that is rare) or has not finished within the compile budget
 (``--grammar-compile-timeout``: compile cost grows superlinearly with some schema shapes,
 e.g. hundreds of optional properties in one object). Those requests are also listed in ``rejected`` for the engine loop, which answers them with a
@@ -118,8 +118,11 @@ class GrammarQueue:
             elif error is None:
                 try:
                     req.grammar = GrammarState(fut.result())
-                    if req.sampling_params.think_end_id is not None:  # after the reasoning
-                        req.grammar.wait_for = req.sampling_params.think_end_id
+                    sp = req.sampling_params
+                    if sp.think_end_id is not None:  # after the reasoning
+                        req.grammar.wait_for = sp.think_end_id
+                    elif sp.think_end_ids:  # after a header (gpt-oss's final channel)
+                        req.grammar.wait_after(sp.think_end_ids, req.origin_input_ids)
                 except Exception as exc:  # noqa: BLE001 - a compile error
                     error = str(exc.args[0]) if exc.args else repr(exc)
             if error is None:

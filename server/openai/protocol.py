@@ -234,8 +234,10 @@ SAMPLING_FIELDS = tuple(f.name for f in msgspec.structs.fields(SamplingParams))
 #: ``SamplingParams`` fields that requests set from fields of their own: ``max_tokens`` (from
 #: ``max_tokens``/``max_completion_tokens`` and the endpoint's default), ``logprobs`` and
 #: ``prompt_logprobs`` (completions ``logprobs``/``echo``, chat ``logprobs``/``top_logprobs``);
-#: ``think_end_id`` is the server's, from ``--reasoning-parser`` (server/pipeline/reasoning.py)
-ENGINE_DERIVED = frozenset({"max_tokens", "logprobs", "prompt_logprobs", "think_end_id"})
+#: ``think_end_id``/``think_end_ids`` are the server's, from ``--reasoning-parser``
+#: (server/pipeline/reasoning.py)
+ENGINE_DERIVED = frozenset({"max_tokens", "logprobs", "prompt_logprobs", "think_end_id",
+                            "think_end_ids"})
 
 
 def engine_sampling_fields(struct_cls: type, declared) -> dict[str, tuple]:

@@ -7,8 +7,8 @@ answer``.
   context, the fan-out into engine requests) and the ``ChatJob`` it returns, plus the
   checks ``/v1/completions`` shares.
 - ``reasoning``: the ``--reasoning-parser`` split of a request's output (``ReasoningPlan``,
-  read by the chat format) and the engine settings it implies (``think_end_id``,
-  ``skip_special_tokens``).
+  read by the chat format) and the engine settings it implies (``think_end_id``, or
+  ``think_end_ids`` for gpt-oss's final channel header, and ``skip_special_tokens``).
 - ``answer``: ``answer`` runs a job on the engine and drives an API family's ``Writer``
   (one JSON body, or SSE events), with the client's disconnect handled.
 

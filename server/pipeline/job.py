@@ -32,7 +32,6 @@ from server.pipeline.reasoning import (
 )
 from server.tokenizer_manager import TokenizerManager
 from server.tools.plan import ToolPlan, prepare_chat
-from server.tools.structured import constraints_of
 
 #: most prompt-token log-probabilities one response may carry: choices x prompt tokens x
 #: (k + 1) of ``prompt_logprobs``, plus the same of completions' ``echo`` with ``logprobs``
@@ -248,27 +247,22 @@ async def prepare(tm: TokenizerManager, req: Any, *, base: str, max_tokens: int 
                    reasoning, strip, images)
 
 
-def _no_harmony_constraint(tm: TokenizerManager, req: Any, tools: ToolPlan,
+def _no_harmony_constraint(tm: TokenizerManager, tools: ToolPlan,
                            sp: SamplingParams) -> None:
-    """400 for an output constraint with the ``gpt-oss`` reasoning parser: harmony's answer
-    comes after its analysis channel and a ``<|channel|>final<|message|>`` header, which
-    the engine's constraint (released by one end token, ``think_end_id``) would forbid
-    from the first token on.
+    """400 for a forced tool call (``tool_choice`` required or named) with the ``gpt-oss``
+    reasoning parser: forcing the call needs a grammar that, after the reasoning, writes the
+    commentary channel's call header (special tokens) and then the arguments; not built
+    yet (waiting for a header the model may never write forces nothing). Other constraints (``response_format``, the guided
+    fields) wait for harmony's final channel header (``think_end_ids``).
 
-    Raises: APIError 400 naming ``tool_choice`` (a forced call) or the constraint's field.
+    Raises: APIError 400 naming ``tool_choice``.
     """
     if (sp.json_schema or sp.regex or sp.ebnf) is None or reasoning_family(tm.chat) != "gpt-oss":
         return
     if tools.choice in ("required", "named"):
-        field = "tool_choice"
-        what = f"tool_choice {tools.choice!r}"
-    else:
-        found = constraints_of(req)
-        field = found[0][0].split(".")[0] if found else "response_format"
-        what = field
-    raise bad_request(f"{what} with the gpt-oss reasoning parser is not supported yet: "
-                      "harmony's answer follows its reasoning, which an output constraint "
-                      "applied from the first token forbids", field)
+        raise bad_request(f"tool_choice {tools.choice!r} with the gpt-oss reasoning parser is "
+                          "not supported yet (use tool_choice \"auto\"; response_format and "
+                          "the guided fields constrain harmony's final answer)", "tool_choice")
 
 
 async def _reasoning_settings(tm: TokenizerManager, req: Any, ids: list[int], tools: ToolPlan,
@@ -278,7 +272,7 @@ async def _reasoning_settings(tm: TokenizerManager, req: Any, ids: list[int], to
     to wait for the reasoning's end and special tokens kept for parsers that read them, and
     the special tokens the writer strips (``server/pipeline/reasoning.py``)."""
     reasoning, think_end, special = await plan_reasoning(tm, req, ids)
-    _no_harmony_constraint(tm, req, tools, sp)
+    _no_harmony_constraint(tm, tools, sp)
     tool_parser = None
     if tools.parser is not None:
         try:
@@ -292,7 +286,8 @@ async def _reasoning_settings(tm: TokenizerManager, req: Any, ids: list[int], to
         reasoning.parser.keep_calls = tools.choice == "auto" and \
             getattr(tool_parser, "name", None) == "gpt-oss"
     if think_end is not None and (sp.json_schema or sp.regex or sp.ebnf) is not None:
-        sp = msgspec.structs.replace(sp, think_end_id=think_end)
+        sp = msgspec.structs.replace(sp, think_end_ids=think_end) if isinstance(think_end, list) \
+            else msgspec.structs.replace(sp, think_end_id=think_end)
     strip: tuple[str, ...] = ()
     if special and sp.skip_special_tokens:
         sp = msgspec.structs.replace(sp, skip_special_tokens=False)

@@ -15,7 +15,9 @@
 With a parser on, a constraint (``response_format``, SGLang's and vLLM's constraint fields,
 a forced tool call) applies from the end of the reasoning: ``SamplingParams.think_end_id`` is
 the end tag's token id (when it is one token) unless the output has no reasoning, and the
-engine's matcher waits for it (``engine/sampling/grammar.py``).
+engine's matcher waits for it (``engine/sampling/grammar.py``). gpt-oss's harmony answer
+follows a header of several tokens (``HARMONY_FINAL_HEADER``): ``think_end_ids`` holds its
+ids and the matcher waits for them in a row (the reasoning, and any commentary, run free).
 
 A parser that reads special tokens (``needs_special_tokens``: gpt-oss's harmony, some tool
 formats) turns the request's ``skip_special_tokens`` off for the engine; ``strip_specials``
@@ -29,6 +31,7 @@ from typing import Any
 
 from server.parsers.reasoning import (
     REASONING,
+    HarmonyReasoningParser,
     ReasoningParser,
     ReasoningStream,
     ThinkParser,
@@ -38,6 +41,9 @@ from server.parsers.reasoning import (
 
 #: prompt tokens decoded to see whether the prompt opens or closes the thinking
 PROMPT_TAIL_TOKENS = 16
+#: what gpt-oss writes before its answer (harmony's final channel header): a constraint waits
+#: for these tokens in a row (the prompt's ``<|start|>assistant`` counting toward them)
+HARMONY_FINAL_HEADER = "<|start|>assistant<|channel|>final<|message|>"
 
 
 @dataclass
@@ -96,6 +102,15 @@ def _flag(extra: dict, name: str) -> bool:
     return True if value is None else bool(value)
 
 
+def token_ids(tokenizer: Any, text: str) -> list[int] | None:
+    """``text``'s token ids (no BOS), None when the tokenizer cannot say."""
+    try:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    except Exception:  # noqa: BLE001 - a tokenizer without encode: not known
+        return None
+    return list(ids) or None
+
+
 def token_id(tokenizer: Any, text: str) -> int | None:
     """The id of ``text`` when it is one token of ``tokenizer``'s vocabulary, else None."""
     try:
@@ -106,10 +121,11 @@ def token_id(tokenizer: Any, text: str) -> int | None:
 
 
 async def plan_reasoning(tm: Any, req: Any, prompt_ids: list[int]
-                         ) -> tuple[ReasoningPlan | None, int | None, bool]:
-    """The reasoning plan of a chat request (None: its output is not split), the
-    ``think_end_id`` its constraint waits for (None: none) and whether the parser reads
-    special tokens.
+                         ) -> tuple[ReasoningPlan | None, int | list[int] | None, bool]:
+    """The reasoning plan of a chat request (None: its output is not split), what its
+    constraint waits for (None: nothing; an int: ``think_end_id``, the end tag's one token;
+    a list: ``think_end_ids``, gpt-oss's final channel header as token ids) and whether the
+    parser reads special tokens.
 
     Args:
         tm: the ``TokenizerManager`` (``tm.chat``: the tokenizer and the server args).
@@ -125,7 +141,10 @@ async def plan_reasoning(tm: Any, req: Any, prompt_ids: list[int]
     end_id = None
     if isinstance(parser, ThinkParser) and tm.chat.tokenizer is not None:
         end_id = token_id(tm.chat.tokenizer, parser.end)
-    think_end = end_id if isinstance(parser, ThinkParser) and parser.enabled else None
+    think_end: int | list[int] | None = \
+        end_id if isinstance(parser, ThinkParser) and parser.enabled else None
+    if isinstance(parser, HarmonyReasoningParser) and tm.chat.tokenizer is not None:
+        think_end = token_ids(tm.chat.tokenizer, HARMONY_FINAL_HEADER)
     special = bool(getattr(parser, "needs_special_tokens", False))
     extra = req.model_extra or {}
     if not _flag(extra, "separate_reasoning"):

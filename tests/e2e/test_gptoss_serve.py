@@ -156,10 +156,10 @@ def test_responses_reasoning_item_then_call_with_effort(srv):
     assert body["usage"]["input_tokens"] == respond("low")["usage"]["input_tokens"] + 1
 
 
-def test_no_markup_stop_cut_calls_and_constraints_refused(srv):
+def test_no_markup_stop_cut_calls_and_forced_calls_refused(srv):
     """Without tools the commentary call is its body as content (no harmony markup); a stop
-    string inside the arguments is no call, ``finish_reason: "stop"``; an output
-    constraint is one 400 naming its field."""
+    string inside the arguments is no call, ``finish_reason: "stop"``; a forced tool call
+    (its constraint not built for harmony yet) is one 400 naming ``tool_choice``."""
     for body in ({}, {"tools": TOOLS, "tool_choice": "none"}):
         m = _chat(srv, **body)["choices"][0]
         assert (m["message"]["content"], m["finish_reason"]) == ('{"q": 1}', "stop")
@@ -168,6 +168,41 @@ def test_no_markup_stop_cut_calls_and_constraints_refused(srv):
     assert (choice["message"]["content"], choice["finish_reason"]) == ("{", "stop")
     server = srv[0]
     r = httpx.post(server.url + "/v1/chat/completions", timeout=server.http_timeout,
-                   json={"model": "oss", "messages": MSG, "max_tokens": 8,
-                         "response_format": {"type": "json_object"}})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+                   json={"model": "oss", "messages": MSG, "max_tokens": 8, "tools": TOOLS,
+                         "tool_choice": "required"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+          "required": ["city"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_constrains_the_answer_after_the_final_header(srv, stream):
+    """``response_format`` with harmony: the reasoning runs free (``ponder``, which the
+    schema would forbid), the answer after ``<|channel|>final<|message|>`` follows the
+    schema (the scripted model's own answer, ``Sure``, does not) and the grammar's end
+    stops it."""
+    server = srv[0]
+    body = {"model": "oss", "messages": MSG, "max_tokens": 48, "temperature": 0,
+            "logit_bias": {str(srv[1]): -100}, "stream": stream,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "c", "schema": SCHEMA}}}
+    reasoning, content, finish = "", "", None
+    if stream:
+        with httpx.stream("POST", server.url + "/v1/chat/completions",
+                          timeout=server.http_timeout, json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    reasoning += choice["delta"].get("reasoning_content") or ""
+                    content += choice["delta"].get("content") or ""
+                    finish = choice["finish_reason"] or finish
+    else:
+        choice = _chat(srv, **body)["choices"][0]
+        reasoning, content = choice["message"]["reasoning_content"], choice["message"]["content"]
+        finish = choice["finish_reason"]
+    assert reasoning == "ponder" and finish == "stop", (reasoning, content, finish)
+    answer = json.loads(content)
+    assert set(answer) == {"city"} and answer["city"] in ("Paris", "Rome"), content

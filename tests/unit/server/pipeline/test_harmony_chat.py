@@ -275,20 +275,32 @@ def test_a_stop_string_inside_the_arguments_is_no_call_stop_finish():
         "{", "stop_sequence", '"city"')
 
 
-@pytest.mark.parametrize("fields, param", [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object"}}}}, "response_format"),
-    ({"guided_regex": "a+"}, "guided_regex"),
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function",
-                                      "function": {"name": "get_weather"}}}, "tool_choice")])
-def test_a_constraint_with_harmony_is_one_clear_400(fields, param):
+@pytest.mark.parametrize("fields", [
+    {"response_format": {"type": "json_object"}},
+    {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}}}},
+    {"guided_regex": "a+"}])
+def test_an_output_constraint_waits_for_the_final_channel_header(fields):
+    """``response_format`` and the guided fields constrain harmony's answer: the engine's
+    matcher waits for the final channel header's token ids in a row."""
+    from server.pipeline.reasoning import HARMONY_FINAL_HEADER
+
+    _, sp = _job_format(**fields)
+    head = harmony_tokenizer().encode(HARMONY_FINAL_HEADER, add_special_tokens=False)
+    assert sp.think_end_ids == head and len(head) > 1 and sp.think_end_id is None
+    assert sp.json_schema or sp.regex
+    _, sp = _job_format()  # no constraint: no trigger
+    assert sp.think_end_ids is None and sp.think_end_id is None
+
+
+@pytest.mark.parametrize("choice", [
+    "required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_tool_call_with_harmony_is_still_one_clear_400(choice):
     from server.http.errors import APIError
 
     with pytest.raises(APIError) as err:
-        _job_format(**fields)
-    assert (err.value.status, err.value.param) == (400, param)
+        _job_format(tools=TOOLS, tool_choice=choice)
+    assert (err.value.status, err.value.param) == (400, "tool_choice")
     assert "with the gpt-oss reasoning parser is not supported yet" in err.value.message
 
 

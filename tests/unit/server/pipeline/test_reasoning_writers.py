@@ -285,7 +285,7 @@ async def _plan_reasoning_cases():
     assert (await plan_reasoning(tm, _req(), [1]))[0].parser.name == "qwen3"
     tm = types.SimpleNamespace(chat=_Chat("gpt-oss"))
     p, think_end, special = await plan_reasoning(tm, _req(), [1])
-    assert special and think_end is None
+    assert special and think_end == [1, 2]  # the final channel header's ids
 
 
 def test_grammar_waits_for_the_think_end_token():
@@ -309,3 +309,85 @@ def test_grammar_waits_for_the_think_end_token():
     state.fill(mask, 0)
     assert not bool((mask == -1).all())  # tokens masked off now
     assert not state.accept(free)
+
+
+def _regex_state():
+    from engine.sampling.grammar import GrammarBackend, GrammarState
+    from engine.tokenizer.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(None)
+    backend = GrammarBackend(tok, len(tok), [tok.eos_token_id])
+    return tok, GrammarState(backend.submit("regex", "yes|no").result())
+
+
+def test_grammar_waits_for_a_token_sequence():
+    """A sequence trigger releases the grammar exactly after its last token; a partial
+    match followed by another token starts over (and a restart inside counts)."""
+    pytest.importorskip("xgrammar")
+    tok, state = _regex_state()
+    a, b, c, x = (tok.encode(t)[0] for t in (" alpha", " beta", " gamma", " anything"))
+    state.wait_after([a, b, c])
+    for t in (a, b, x, c, a, a, b):  # partial matches, broken; then a restart
+        assert state.accept(t) and not state.active and not state.terminated
+    assert state.accept(c) and state.active  # a, b, c in a row: released here
+    assert not state.accept(x) and state.failed  # the grammar applies from now
+
+
+def test_sequence_trigger_counts_the_prompt_end():
+    pytest.importorskip("xgrammar")
+    tok, state = _regex_state()
+    a, b, x = (tok.encode(t)[0] for t in (" alpha", " beta", " anything"))
+    state.wait_after([a, b], history=[x, x, a])  # the prompt ends with the trigger's start
+    assert not state.active
+    assert state.accept(b) and state.active
+    tok, state = _regex_state()
+    state.wait_after([a, b], history=[x, a, b])  # the prompt ends with the whole trigger
+    assert state.active
+    tok, state = _regex_state()
+    state.wait_after([a, b], history=[a])
+    assert state.accept(x) and state.accept(b) and not state.active  # x broke it
+    with pytest.raises(ValueError):
+        state.wait_after([])
+
+
+def test_think_end_ids_bounds():
+    from engine.sampling.params import MAX_TRIGGER_TOKENS, SamplingParams
+
+    SamplingParams(think_end_ids=[1, 2]).verify(10)
+    for sp in (SamplingParams(think_end_ids=[]), SamplingParams(think_end_ids=[1, 10]),
+               SamplingParams(think_end_ids=[1], think_end_id=1),
+               SamplingParams(think_end_ids=[1] * (MAX_TRIGGER_TOKENS + 1))):
+        with pytest.raises(ValueError) as e:
+            sp.verify(10)
+        assert e.value.args[1] == "think_end_ids"
+
+
+def test_grammar_queue_sets_the_trigger_of_the_request():
+    """The scheduler's grammar queue gives a released request's matcher its trigger:
+    ``think_end_ids`` (the prompt's last tokens counting toward it) or ``think_end_id``."""
+    pytest.importorskip("xgrammar")
+    from engine.sampling.params import SamplingParams
+    from engine.scheduler.grammar_queue import GrammarQueue
+    from engine.scheduler.request import Req
+    from engine.tokenizer.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(None)
+    a, b, x = (tok.encode(t)[0] for t in (" alpha", " beta", " anything"))
+    q = GrammarQueue(tok, len(tok), [tok.eos_token_id])
+    seq = Req("seq", [x, a], SamplingParams(regex="yes|no", think_end_ids=[a, b]))
+    one = Req("one", [x, a], SamplingParams(regex="yes|no", think_end_id=b))
+    both = Req("both", [x], SamplingParams(regex="yes|no"))
+    for r in (seq, one, both):
+        assert q.add(r)
+    ready = []
+    for _ in range(100):
+        got, rejected = q.release(idle=True)
+        ready += got
+        assert not rejected
+        if not len(q):
+            break
+    assert {r.rid for r in ready} == {"seq", "one", "both"}
+    assert both.grammar.active and not seq.grammar.active and not one.grammar.active
+    assert seq.grammar.accept(b) and seq.grammar.active  # the prompt's a, then b
+    assert one.grammar.accept(x) and not one.grammar.active
+    assert one.grammar.accept(b) and one.grammar.active
