@@ -78,7 +78,7 @@ class Qwen3VisionTower(nn.Module):
         vc: the HF ``vision_config`` (``depth``, ``hidden_size``, ``num_heads``,
             ``intermediate_size``, ``hidden_act``, ``patch_size``, ``temporal_patch_size``,
             ``in_channels``, ``spatial_merge_size``, ``num_position_embeddings``,
-            ``deepstack_visual_indexes``, ``out_hidden_size``).
+            ``deepstack_visual_indexes`` (none: Qwen3.5's tower), ``out_hidden_size``).
         dtype: parameter and activation dtype.
     """
 
@@ -86,7 +86,7 @@ class Qwen3VisionTower(nn.Module):
         super().__init__()
         self.merge = vc.spatial_merge_size
         self.side = int(vc.num_position_embeddings ** 0.5)
-        self.deepstack = list(vc.deepstack_visual_indexes or ())
+        self.deepstack = list(getattr(vc, "deepstack_visual_indexes", None) or ())
         self.patch_embed = PatchEmbed(vc, dtype, bias=True)
         self.pos_embed = nn.Embedding(vc.num_position_embeddings, vc.hidden_size, dtype=dtype)
         self.blocks = nn.ModuleList(Qwen3VisionBlock(vc, dtype) for _ in range(vc.depth))

@@ -59,7 +59,8 @@ def _hf_generate(hf, prompt: list[int], pics: list, patch: int
 
 
 #: per architecture: its patch size and the grids of the "two" case's images
-ARCHS = {"qwen2_5_vl": (14, [[1, 6, 6], [1, 8, 2]]), "qwen3_vl": (16, [[1, 6, 6], [1, 8, 4]])}
+ARCHS = {"qwen2_5_vl": (14, [[1, 6, 6], [1, 8, 2]]), "qwen3_vl": (16, [[1, 6, 6], [1, 8, 4]]),
+         "qwen3_5": (16, [[1, 6, 6], [1, 8, 4]])}
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHS))
