@@ -219,16 +219,20 @@ class MRotaryEmbedding(RotaryEmbedding):
     Args:
         head_dim, max_position, base, params: as :class:`RotaryEmbedding` (a partial rotary,
             Qwen3.5's, applies the sections to its ``rd = rotary_dim`` rotated dims);
-            ``params["mrope_section"]``: three section sizes summing to ``rd/2``.
+            ``params["mrope_section"]``: three section sizes summing to ``rd/2`` (any
+            sizes when interleaved: frequencies past ``rd/2`` are dropped, as HF does).
     Raises:
-        ValueError: sections that do not sum to ``rd/2``.
+        ValueError: not three sections, or (not interleaved) sections that do not sum to
+            ``rd/2``.
     """
 
     def __init__(self, head_dim: int, max_position: int, base: float, params: dict):
         super().__init__(head_dim, max_position, base, params)
         section = [int(x) for x in params.get("mrope_section") or ()]
         half = self.rotary_dim // 2
-        if len(section) != 3 or sum(section) != half:
+        # interleaved: HF slices the frequencies by the sections (whatever their sum)
+        if len(section) != 3 or (sum(section) != half
+                                 and not params.get("mrope_interleaved")):
             raise ValueError(f"mrope_section {section} must be three sizes summing to "
                              f"rotary_dim / 2 = {half}")
         if params.get("mrope_interleaved"):  # Qwen3-VL: t h w t h w ... t t t
