@@ -5,7 +5,7 @@ windows and one full-attention block before a 2-layer Qwen2 language model with 
 Qwen3-VL's tower with a learned position table and two DeepStack levels before a 3-layer
 Qwen3 language model with interleaved M-RoPE; Qwen3.5's tower without DeepStack before a
 4-layer hybrid Gated DeltaNet / gated attention model with interleaved M-RoPE over a
-partial rotary) is loaded by the offline ``LLM`` (float32,
+partial rotary, dense and MoE) is loaded by the offline ``LLM`` (float32,
 CPU). The prompts are rendered by the checkpoint's chat template and their
 images processed by ``server.media.process.ImageProcessor`` (the server's path); HF
 ``generate`` gets the same ids and the processor's ``pixel_values`` / ``image_grid_thw``.
@@ -63,7 +63,7 @@ def _hf_generate(hf, prompt: list[int], pics: list, patch: int
 
 #: per architecture: its patch size and the grids of the "two" case's images
 ARCHS = {"qwen2_5_vl": (14, [[1, 6, 6], [1, 8, 2]]), "qwen3_vl": (16, [[1, 6, 6], [1, 8, 4]]),
-         "qwen3_5": (16, [[1, 6, 6], [1, 8, 4]])}
+         "qwen3_5": (16, [[1, 6, 6], [1, 8, 4]]), "qwen3_5_moe": (16, [[1, 6, 6], [1, 8, 4]])}
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHS))
@@ -122,7 +122,7 @@ def test_same_image_hits_the_cache(ckpt, llm):
     case = ckpt[2]["two"]
     first = _run(llm, [case])[0]
     again = _run(llm, [case])[0]
-    if ckpt[3] == "qwen3_5":
+    if ckpt[3].startswith("qwen3_5"):
         # a hybrid model reuses a prefix only where a state snapshot ends: the first run
         # left one at its end (past this prompt), the repeat one at its branching point
         # (the prompt's last token), which the third run hits
