@@ -3,7 +3,8 @@ resampled to each image's grid, ViT blocks of full attention per frame with Laye
 plain GELU(tanh) MLP, the 2D rotary of :mod:`engine.models.qwen_vision`, the patch merger,
 and DeepStack: the mergers of ``deepstack_visual_indexes`` turn those blocks' outputs into
 extra embeddings that the language model adds to the image tokens' hidden states after its
-first layers.
+first layers. Qwen3.5's tower (``engine/models/qwen3_5_vl.py``) is the same without
+DeepStack (no ``deepstack_visual_indexes``).
 
 One image at a time (:meth:`Qwen3VisionTower.forward`): patches ``[t*h*w, C*tp*p*p]`` ->
 ``[t*h*w / merge^2, out_hidden * (1 + len(deepstack_visual_indexes))]``, the merger's
