@@ -217,28 +217,34 @@ class MRotaryEmbedding(RotaryEmbedding):
     position, so ``rotate`` with ``[T]`` positions is :class:`RotaryEmbedding`'s.
 
     Args:
-        head_dim, max_position, base, params: as :class:`RotaryEmbedding` (the whole head
-            rotates); ``params["mrope_section"]``: three section sizes summing to ``D/2``.
+        head_dim, max_position, base, params: as :class:`RotaryEmbedding` (a partial rotary,
+            Qwen3.5's, applies the sections to its ``rd = rotary_dim`` rotated dims);
+            ``params["mrope_section"]``: three section sizes summing to ``rd/2`` (any
+            sizes when interleaved: frequencies past ``rd/2`` are dropped, as HF does).
     Raises:
-        ValueError: sections that do not sum to ``D/2``, or a partial rotary.
+        ValueError: not three sections, or (not interleaved) sections that do not sum to
+            ``rd/2``.
     """
 
     def __init__(self, head_dim: int, max_position: int, base: float, params: dict):
         super().__init__(head_dim, max_position, base, params)
         section = [int(x) for x in params.get("mrope_section") or ()]
-        if len(section) != 3 or sum(section) != head_dim // 2 or self.rotary_dim != head_dim:
+        half = self.rotary_dim // 2
+        # interleaved: HF slices the frequencies by the sections (whatever their sum)
+        if len(section) != 3 or (sum(section) != half
+                                 and not params.get("mrope_interleaved")):
             raise ValueError(f"mrope_section {section} must be three sizes summing to "
-                             f"head_dim / 2 = {head_dim // 2} (the whole head rotated)")
+                             f"rotary_dim / 2 = {half}")
         if params.get("mrope_interleaved"):  # Qwen3-VL: t h w t h w ... t t t
-            axis = torch.zeros(head_dim // 2, dtype=torch.int64, device="cpu")
+            axis = torch.zeros(half, dtype=torch.int64, device="cpu")
             axis[1:section[1] * 3:3] = 1
             axis[2:section[2] * 3:3] = 2
         else:
             axis = torch.repeat_interleave(torch.arange(3, device="cpu"),
                                            torch.tensor(section, device="cpu"))  # [D/2]
-        mask = torch.nn.functional.one_hot(axis, 3).T.to(torch.float32)         # [3, D/2]
+        mask = torch.nn.functional.one_hot(axis, 3).T.to(torch.float32)        # [3, rd/2]
         self.register_buffer("axis_mask", mask.repeat(1, 2).unsqueeze(1)
-                             .to(torch.get_default_device()), persistent=False)  # [3, 1, D]
+                             .to(torch.get_default_device()), persistent=False)  # [3, 1, rd]
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,7 +254,12 @@ class MRotaryEmbedding(RotaryEmbedding):
         if positions.dim() == 1:
             return super().rotate(q, k, positions)
         t = positions.shape[1]
-        table = self.cos_sin_cache[positions]                 # [3, T, D] fp32
+        table = self.cos_sin_cache[positions]                 # [3, T, rd] fp32
         cos_sin = (table * self.axis_mask).sum(dim=0)         # each column from its axis
         rows = torch.arange(t, device=positions.device)
-        return self.impl(q, k, rows, cos_sin, self.head_dim)
+        if self.rotary_dim == self.head_dim:
+            return self.impl(q, k, rows, cos_sin, self.head_dim)
+        qr, q_pass = self._gather(q)
+        kr, k_pass = self._gather(k)
+        qr, kr = self.impl(qr, kr, rows, cos_sin, self.rotary_dim)
+        return self._scatter(qr, q_pass, q.shape), self._scatter(kr, k_pass, k.shape)

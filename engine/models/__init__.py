@@ -29,13 +29,11 @@ from engine.models.olmoe import OlmoeForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from engine.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
-from engine.models.qwen3_next import (
-    Qwen3_5ForCausalLM,
+from engine.models.qwen3_5_vl import (
     Qwen3_5ForConditionalGeneration,
-    Qwen3_5MoeForCausalLM,
     Qwen3_5MoeForConditionalGeneration,
-    Qwen3NextForCausalLM,
 )
+from engine.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM
 from engine.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from engine.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from engine.models.smollm3 import SmolLM3ForCausalLM

@@ -76,6 +76,50 @@ class MRopeDecoderModel(DecoderModel):
         return hidden
 
 
+def inject_image_embeds(visual, hidden: torch.Tensor, fb: ForwardBatch
+                        ) -> list[tuple[int, int, torch.Tensor]]:
+    """Write the vision embeddings of the step's image tokens over their rows.
+
+    Args:
+        visual: the vision tower (``visual(pixels, grid_thw)`` -> ``[tokens, width *
+            (1 + levels)]``).
+        hidden: [T, hidden] the step's token embeddings (written in place).
+        fb: the step; ``fb.mm_segments`` lists ``(MMInputs, prefix, new tokens, first
+            row)`` per image request.
+    Returns:
+        the step's DeepStack rows, ``(first row, end row, [rows, levels * hidden])`` per
+        image part (empty for a tower without levels).
+    """
+    width = hidden.shape[-1]
+    deep = []
+    for mm, p, n, row in fb.mm_segments:
+        for i, item in enumerate(mm.items):
+            lo, hi = max(p, item.offset), min(p + n, item.end)
+            if lo >= hi:
+                continue
+            emb = mm.embeds.get(i)
+            if emb is None:  # the whole image, once (kept until its last token)
+                emb = mm.embeds[i] = visual(item.pixel_values, item.grid_thw)
+            part = emb[lo - item.offset: hi - item.offset].to(hidden.dtype)
+            r0, r1 = row + lo - p, row + hi - p
+            hidden[r0:r1] = part[:, :width]
+            if part.shape[-1] > width:
+                deep.append((r0, r1, part[:, width:]))
+        mm.drop_done(p + n)
+    return deep
+
+
+def rename_vl_weights(weights: Iterable[tuple[str, torch.Tensor]]):
+    """transformers 5's names (``model.language_model.*``, ``model.visual.*``) mapped onto
+    the Hub's (``model.*``, ``visual.*``); other names as they are."""
+    for name, tensor in weights:
+        for old, new in _PREFIXES:
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        yield name, tensor
+
+
 class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     """Qwen2.5-VL: vision tower + Qwen2 language model with M-RoPE (module docstring).
 
@@ -111,31 +155,9 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
                                  mrope_interleaved=self.mrope_interleaved)
 
     def inject_images(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """Write the vision embeddings of the step's image tokens over their rows.
-
-        Args:
-            hidden: [T, hidden] the step's token embeddings (written in place).
-            fb: the step; ``fb.mm_segments`` lists ``(MMInputs, prefix, new tokens, first
-                row)`` per image request.
-        Returns:
-            ``hidden``.
-        """
-        width = hidden.shape[-1]
-        self._deep = []
-        for mm, p, n, row in fb.mm_segments:
-            for i, item in enumerate(mm.items):
-                lo, hi = max(p, item.offset), min(p + n, item.end)
-                if lo >= hi:
-                    continue
-                emb = mm.embeds.get(i)
-                if emb is None:  # the whole image, once (kept until its last token)
-                    emb = mm.embeds[i] = self.visual(item.pixel_values, item.grid_thw)
-                part = emb[lo - item.offset: hi - item.offset].to(hidden.dtype)
-                r0, r1 = row + lo - p, row + hi - p
-                hidden[r0:r1] = part[:, :width]
-                if part.shape[-1] > width:
-                    self._deep.append((r0, r1, part[:, width:]))
-            mm.drop_done(p + n)
+        """:func:`inject_image_embeds` with this model's tower; keeps the step's DeepStack
+        rows for :meth:`add_deepstack`. hidden [T, hidden] (written in place) -> hidden."""
+        self._deep = inject_image_embeds(self.visual, hidden, fb)
         return hidden
 
     def add_deepstack(self, i: int, hidden: torch.Tensor) -> torch.Tensor:
@@ -158,12 +180,4 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """:meth:`DecoderForCausalLM.load_weights` after mapping transformers 5's names
         (``model.language_model.*``, ``model.visual.*``) onto the Hub's."""
-        def renamed():
-            for name, tensor in weights:
-                for old, new in _PREFIXES:
-                    if name.startswith(old):
-                        name = new + name[len(old):]
-                        break
-                yield name, tensor
-
-        return super().load_weights(renamed())
+        return super().load_weights(rename_vl_weights(weights))

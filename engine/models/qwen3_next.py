@@ -21,9 +21,8 @@ MLPs: Qwen3-Next's MoE (softmax top-k, ``norm_topk_prob``, a shared expert scale
 renormalised, a gated shared expert in every layer). Qwen3.5's multimodal rotary (mrope) is
 the plain rotary for text (its three position rows are equal).
 
-``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration`` checkpoints (the
-multimodal releases) load their language model (``model.language_model.*``) into the same
-text model; the vision tower (``model.visual.*``) is skipped (logged once).
+``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration`` (the multimodal
+releases) are these text models with a vision tower and M-RoPE: :mod:`engine.models.qwen3_5_vl`.
 
 Tensor parallelism: the Gated DeltaNet layers split their heads over the ranks
 (:mod:`engine.layers.gated_deltanet`; the state pool's slots hold a rank's heads), the full
@@ -43,7 +42,6 @@ speculation, LoRA, device graphs and piecewise graphs.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 
 import torch
@@ -61,15 +59,13 @@ from engine.layers.gated_deltanet import (
 )
 from engine.layers.linear import QKVLinear, RowParallelLinear, VocabEmbedding
 from engine.layers.norm import GemmaRMSNorm
-from engine.layers.rotary import RotaryEmbedding
+from engine.layers.rotary import MRotaryEmbedding, RotaryEmbedding
 from engine.models.base import full_attention_specs
 from engine.models.blocks import GatedMLP, MlpFactory
 from engine.models.config import ModelConfig
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.moe import MoeForCausalLM
 from engine.models.weights import skip_mtp
-
-logger = logging.getLogger(__name__)
 
 _KINDS = {"linear_attention": AttentionKind.LINEAR, "full_attention": AttentionKind.FULL}
 
@@ -197,10 +193,17 @@ class HybridDecoderLayer(nn.Module):
 
 
 class HybridModel(nn.Module):
-    """Embedding, hybrid layers (one per spec), final (1 + w) norm, one rotary table."""
+    """Embedding, hybrid layers (one per spec), final (1 + w) norm, one rotary table
+    (``mrope``: Qwen3.5's interleaved multimodal RoPE, :class:`MRotaryEmbedding`, whose
+    ``mrope_section`` defaults to HF's ``[11, 11, 10]``)."""
+
+    #: ``inject(hidden, fb) -> hidden``: a step's image embeddings written over its image
+    #: tokens' (``engine/models/qwen3_5_vl.py``), or None
+    inject = None
 
     def __init__(self, config: ModelConfig, hf_config, specs: list[LayerSpec],
-                 dtype: torch.dtype, make_mlp: MlpFactory, split_projections: bool):
+                 dtype: torch.dtype, make_mlp: MlpFactory, split_projections: bool,
+                 mrope: bool = False):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
         counts = {True: 0, False: 0}
@@ -213,13 +216,24 @@ class HybridModel(nn.Module):
             counts[linear] += 1
         self.layers = nn.ModuleList(layers)
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                          config.rope_theta, config.rope_parameters)
+        rope_cls, params = RotaryEmbedding, config.rope_parameters
+        if mrope:
+            rope_cls = MRotaryEmbedding
+            params = {"mrope_section": [11, 11, 10], **(params or {}),
+                      "mrope_interleaved": True}
+        self.rotary_emb = rope_cls(config.head_dim, config.max_position_embeddings,
+                                   config.rope_theta, params)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 fb: ForwardBatch) -> torch.Tensor:
-        """input_ids, positions [T] int64 -> final normed hidden states [T, hidden]."""
+        """input_ids, positions [T] int64 (``fb.mrope_positions`` [3, T] replaces the
+        positions when set: a step with image requests) -> final normed hidden states
+        [T, hidden]."""
         hidden = self.embed_tokens(input_ids)
+        if fb.mm_segments and self.inject is not None:
+            hidden = self.inject(hidden, fb)
+        if fb.mrope_positions is not None:
+            positions = fb.mrope_positions
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, self.rotary_emb, positions, fb)
@@ -229,7 +243,8 @@ class HybridModel(nn.Module):
 # ---- what the three classes share (composed, one call each) ------------------------------
 
 def _build(model, mc: ModelConfig, dtype: torch.dtype, split: bool) -> HybridModel:
-    return HybridModel(mc, model.config, model.layer_specs(), dtype, model._mlp, split)
+    return HybridModel(mc, model.config, model.layer_specs(), dtype, model._mlp, split,
+                       mrope=getattr(model, "mrope", False))
 
 
 def _attention_layers(model) -> list[Attention]:
@@ -346,37 +361,6 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         return super().load_weights(skip_mtp(weights, "mtp.", type(self).__name__))
 
 
-def _text_weights(model, weights: Iterable[tuple[str, torch.Tensor]]):
-    """A multimodal checkpoint's tensors renamed to the text model's (``model.language_model.``
-    -> ``model.``), its vision tower's skipped (one log line with their count)."""
-    skipped = 0
-    for name, tensor in weights:
-        if name.startswith(("model.visual.", "visual.")):
-            skipped += 1
-            continue
-        if name.startswith("model.language_model."):
-            name = "model." + name[len("model.language_model."):]
-        yield name, tensor
-    if skipped:
-        logger.info("%s: skipped %d vision-tower tensors (ferry serves the text model only; "
-                    "image inputs are not supported yet)", type(model).__name__, skipped)
-
-
-class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
-    """A multimodal Qwen3.5 checkpoint served as its language model (vision tower skipped)."""
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(_text_weights(self, weights))
-
-
-class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
-    """A multimodal Qwen3.5-MoE checkpoint served as its language model (vision tower
-    skipped)."""
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(_text_weights(self, weights))
-
-
 __all__ = ["GatedAttention", "HybridDecoderLayer", "HybridModel", "Qwen3NextForCausalLM",
-           "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
-           "Qwen3_5MoeForConditionalGeneration", "check_tensor_parallel", "hybrid_layer_specs"]
+           "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "check_tensor_parallel",
+           "hybrid_layer_specs"]

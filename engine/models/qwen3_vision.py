@@ -3,7 +3,8 @@ resampled to each image's grid, ViT blocks of full attention per frame with Laye
 plain GELU(tanh) MLP, the 2D rotary of :mod:`engine.models.qwen_vision`, the patch merger,
 and DeepStack: the mergers of ``deepstack_visual_indexes`` turn those blocks' outputs into
 extra embeddings that the language model adds to the image tokens' hidden states after its
-first layers.
+first layers. Qwen3.5's tower (``engine/models/qwen3_5_vl.py``) is the same without
+DeepStack (no ``deepstack_visual_indexes``).
 
 One image at a time (:meth:`Qwen3VisionTower.forward`): patches ``[t*h*w, C*tp*p*p]`` ->
 ``[t*h*w / merge^2, out_hidden * (1 + len(deepstack_visual_indexes))]``, the merger's
@@ -78,7 +79,7 @@ class Qwen3VisionTower(nn.Module):
         vc: the HF ``vision_config`` (``depth``, ``hidden_size``, ``num_heads``,
             ``intermediate_size``, ``hidden_act``, ``patch_size``, ``temporal_patch_size``,
             ``in_channels``, ``spatial_merge_size``, ``num_position_embeddings``,
-            ``deepstack_visual_indexes``, ``out_hidden_size``).
+            ``deepstack_visual_indexes`` (none: Qwen3.5's tower), ``out_hidden_size``).
         dtype: parameter and activation dtype.
     """
 
@@ -86,7 +87,7 @@ class Qwen3VisionTower(nn.Module):
         super().__init__()
         self.merge = vc.spatial_merge_size
         self.side = int(vc.num_position_embeddings ** 0.5)
-        self.deepstack = list(vc.deepstack_visual_indexes or ())
+        self.deepstack = list(getattr(vc, "deepstack_visual_indexes", None) or ())
         self.patch_embed = PatchEmbed(vc, dtype, bias=True)
         self.pos_embed = nn.Embedding(vc.num_position_embeddings, vc.hidden_size, dtype=dtype)
         self.blocks = nn.ModuleList(Qwen3VisionBlock(vc, dtype) for _ in range(vc.depth))

@@ -2,8 +2,8 @@
 token mixers (Gated DeltaNet and gated full attention), 2 key / 4 value heads of 8 in the
 linear layers (grouped value heads), 4 query / 2 K/V heads of 16 with a partial rotary (0.25)
 in the full ones; Qwen3-Next with 4 experts (top-2) and a gated shared expert, one dense
-layer; Qwen3.5 dense; Qwen3.5-MoE; a multimodal Qwen3.5 (its language model; a one-layer
-vision tower that ferry skips). Saved with ``save_pretrained`` beside the
+layer; Qwen3.5 dense; Qwen3.5-MoE; a multimodal Qwen3.5 (text prompts; a one-layer
+vision tower that ferry loads: images are tests/engine/test_qwen_vl.py's). Saved with ``save_pretrained`` beside the
 character-level tokenizer of :mod:`moe_helpers`, weights drawn so that every one matters."""
 
 from __future__ import annotations

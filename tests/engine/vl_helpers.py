@@ -61,6 +61,37 @@ def config3():
                          tie_word_embeddings=False)
 
 
+def config35(moe: bool = False):
+    """Qwen3.5: a 4-layer hybrid language model (Gated DeltaNet layers 0 and 2, gated full
+    attention in 1 and 3; head 16 with a partial rotary of 0.5: interleaved M-RoPE
+    [2, 1, 1] over its 8 rotated dims) and a 2-block tower (patch 16, a 4x4 learned
+    position table, no DeepStack). ``moe``: Qwen3.5-MoE's, every layer 4 experts (top-2)
+    and a gated shared expert."""
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig
+
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=1024, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                linear_conv_kernel_dim=4,
+                layer_types=["linear_attention", "full_attention"] * 2,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
+                                 "mrope_interleaved": True},
+                bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    if moe:
+        del text["intermediate_size"]
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                    shared_expert_intermediate_size=48)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                  out_hidden_size=64, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, num_position_embeddings=16)
+    return (Qwen3_5MoeConfig if moe else Qwen3_5Config)(text_config=text, vision_config=vision,
+                         image_token_id=IMAGE_TOKEN_ID, video_token_id=259,
+                         vision_start_token_id=256, vision_end_token_id=258,
+                         tie_word_embeddings=False)
+
+
 def save_tokenizer(path):
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -92,22 +123,28 @@ def image_processor(patch: int = 14):
 
 def save_tiny(path, seed: int = 5, std: float = 0.2, arch: str = "qwen2_5_vl"):
     """Build, randomise (norms 1 + 0.1 N(0, 1), the rest ``std`` N(0, 1)) and save the
-    checkpoint (``arch``: ``qwen2_5_vl`` or ``qwen3_vl``), tokenizer and image processor to
+    checkpoint (``arch``: ``qwen2_5_vl``, ``qwen3_vl``, ``qwen3_5`` or ``qwen3_5_moe``), tokenizer and image processor to
     ``path``; returns the HF model (eval)."""
     import transformers as T
 
     torch.manual_seed(seed)
-    cls, cfg = (T.Qwen3VLForConditionalGeneration, config3()) if arch == "qwen3_vl" else \
-        (T.Qwen2_5_VLForConditionalGeneration, config())
+    cls, cfg = {"qwen3_vl": (T.Qwen3VLForConditionalGeneration, config3),
+                "qwen3_5": (T.Qwen3_5ForConditionalGeneration, config35),
+                "qwen3_5_moe": (T.Qwen3_5MoeForConditionalGeneration,
+                                lambda: config35(moe=True)),
+                "qwen2_5_vl": (T.Qwen2_5_VLForConditionalGeneration, config)}[arch]
+    cfg = cfg()
     hf = cls(cfg).to(torch.float32).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in hf.named_parameters():
             noise = torch.randn(p.shape, generator=g)
             p.copy_(1.0 + 0.1 * noise if "norm" in name or "ln_q" in name else std * noise)
+            if arch.startswith("qwen3_5") and name.endswith("A_log"):  # decays exp(A) below ~1
+                p.copy_(0.1 * noise)
     hf.save_pretrained(path)
     save_tokenizer(path)
-    image_processor(16 if arch == "qwen3_vl" else 14).save_pretrained(path)
+    image_processor(14 if arch == "qwen2_5_vl" else 16).save_pretrained(path)
     return hf
 
 
