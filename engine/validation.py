@@ -173,8 +173,9 @@ def images_for(model, images, n_tokens: int):
     from engine.mm_inputs import build_mm_inputs
 
     if not getattr(model, "accepts_images", False):
-        raise RequestError(f"this model ({type(model).__name__}) does not read images; send "
-                           "text only", "messages")
+        why = getattr(model, "images_off_reason", None)  # an image model serving text only
+        raise RequestError(why or f"this model ({type(model).__name__}) does not read images; "
+                           "send text only", "messages")
     try:
         mm = build_mm_inputs(images, n_tokens)
     except ValueError as exc:

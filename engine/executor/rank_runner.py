@@ -139,6 +139,15 @@ class RankRunner:
                 device=self.device, seed=args.seed, quantization=args.quantization,
                 gguf_dequantize=args.gguf_dequantize, pooling=self.pooling)
         self.load_time = time.perf_counter() - t0
+        if (args.speculative_algorithm and getattr(self.model, "mrope", False)
+                and getattr(self.model, "accepts_images", False)):
+            # a verify step builds plain positions, not the images' M-RoPE ones: text only
+            self.model.accepts_images = False
+            self.model.images_off_reason = (
+                f"image input is off with --speculative-algorithm {args.speculative_algorithm} "
+                "on this model (its verify step has no M-RoPE positions yet); send text only")
+            logger.info("%s: image input off (speculative decoding; M-RoPE positions in the "
+                        "verify step are not built yet): text only", type(self.model).__name__)
         if self.device_type == "cpu":
             if how := dev.tune_cpu_malloc():
                 logger.info("CPU: %s", how)
