@@ -67,3 +67,18 @@ def test_a_stopped_server_exits_with_its_code_and_flushed_logs(monkeypatch):
     with pytest.raises(SystemExit):
         main(["serve", "--port", "1"])
     assert calls == [("serve", ["--port", "1"]), "logging", ("exit", 3)]
+
+
+def test_docs_examples_load_local_model_paths():
+    """ferry downloads nothing: every ``--model-path``/``model_path=`` in README.md and docs/
+    names a local path (``/models/...``, ``engine/configs/...``), not a hub name
+    ``org/name``."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    hub = re.compile(r"(?:--model-path|model_path=)[\s\"']*([A-Za-z][\w.-]*/[\w.-]+)(?![\w./-])")
+    found = []
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for n, line in enumerate(doc.read_text().splitlines(), 1):
+            found += [f"{doc.name}:{n}: {m}" for m in hub.findall(line)]
+    assert not found, found
