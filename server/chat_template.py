@@ -24,8 +24,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from typing import Any
 
+from engine.args import chat_template_text
 from server.http.errors import bad_request
 
 logger = logging.getLogger("ferry.server")
@@ -157,7 +159,17 @@ class ChatTokenizer:
     def set_tokenizer(self, tokenizer, architecture: str = "") -> None:
         """Use ``tokenizer`` (None: token-id prompts only) and probe its chat template: one
         that ignores ``tools`` gets the tools fallback (logged once). ``architecture``: the
-        served model's, whose family may choose the parsers the flags leave open (logged)."""
+        served model's, whose family may choose the parsers the flags leave open (logged).
+        ``--chat-template`` (a file or inline Jinja) replaces the tokenizer's template first.
+
+        Raises:
+            OSError: the ``--chat-template`` file cannot be read.
+        """
+        given = getattr(self.args, "chat_template", None)
+        if tokenizer is not None and given:
+            tokenizer.chat_template = chat_template_text(given)
+            logger.info("chat template: --chat-template %s", given if os.path.isfile(given)
+                        else "(inline)")
         self.tokenizer = tokenizer
         self.architecture = architecture
         self.tools_fallback = template_ignores_tools(tokenizer)

@@ -39,6 +39,7 @@ import time
 
 import uvicorn
 
+from engine.args import ignored_flag_notes
 from engine.ipc import IpcPaths
 from server.app import build_app, model_name_of
 from server.http.limits import raise_fd_limit, uvicorn_limits
@@ -324,6 +325,8 @@ class Launcher:
         if args.dp_size > 1 and args.tp_size > 1 and args.dist_init_addr:
             raise StartupError("--dp-size > 1 with --tp-size > 1: leave --dist-init-addr "
                                "unset (each replica picks a free rendezvous port)")
+        for note in ignored_flag_notes(args):
+            logger.info("%s", note)
         self.tm = TokenizerManager(args, self.ipc, self.replica_ipcs)
         try:
             self.tm.start()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, get_type_hints
 
@@ -48,7 +49,8 @@ __all__ = ["ADAPTER_NAME_CHARS", "DEFAULT_MAX_LORA_RANK", "DEFAULT_MAX_REQUEST_B
            "DEFAULT_NUM_DRAFT_TOKENS", "MAX_ADAPTER_NAME_LEN", "REASONING_PARSERS",
            "SPECULATIVE_ALGORITHMS", "SPECULATIVE_BUILT", "SPECULATIVE_MODEL_ALGORITHMS",
            "TOOL_CALL_PARSERS", "LoraArgs", "MediaArgs", "ServerArgs", "SpeculativeArgs",
-           "adapter_name_error", "default_chunked_prefill", "image_limit", "lora_enabled",
+           "adapter_name_error", "chat_template_text", "default_chunked_prefill",
+           "ignored_flag_notes", "image_limit", "lora_enabled",
            "lora_path_items", "num_draft_tokens", "prefill_budget", "request_body_limit"]
 
 #: --tool-call-parser's choices: auto, SGLang's names, then vLLM's (and SGLang's other)
@@ -97,6 +99,15 @@ class ServerArgs:
                                         "is_matryoshka or matryoshka_dimensions)")
     context_length: int | None = _f(None, "override the model's max context length (tokens)",
                                     ge=1)
+    max_model_len: int | None = _f(None, "vLLM's name of --context-length (the same setting; "
+                                         "giving both with different values is an error)",
+                                   ge=1)
+    chat_template: str | None = _f(None, "Jinja chat template used instead of the tokenizer's: "
+                                         "a file path, or the template text itself (vLLM's and "
+                                         "SGLang's flag)")
+    trust_remote_code: bool = _f(False, "accepted for vLLM/SGLang command lines; does nothing: "
+                                        "ferry runs no model code from checkpoints (its own "
+                                        "model classes load them)")
     # device
     device: str = _f("auto", "compute device", ("auto", "cuda", "xpu", "cpu"))
     dtype: str = _f("auto", "weight and activation dtype (auto: bf16 on GPUs, fp32 on CPU)",
@@ -113,8 +124,11 @@ class ServerArgs:
     max_queued_requests: int = _f(1024, "most requests waiting; beyond it new ones get 503",
                                   ge=1)
     chunked_prefill_size: int | None = _f(None, "most prompt tokens prefilled in one step "
-                                                "(default: 2048, as vLLM's CPU and GPU defaults)",
-                                            ge=1)
+                                                "(default: 2048, as vLLM's CPU and GPU "
+                                                "defaults); -1: no chunking below "
+                                                "--max-prefill-tokens (a step then prefills up "
+                                                "to that many, SGLang's -1)",
+                                            ge=1, allow={-1: "no chunking"})
     max_prefill_tokens: int = _f(16384, "most prompt tokens of one step over all its requests "
                                         "(caps --chunked-prefill-size)", ge=1)
     page_size: int = _f(1, "KV cache page size in tokens", ge=1)
@@ -237,6 +251,9 @@ class ServerArgs:
                                        "'auto': the model family's format, or auto (gpt-oss: "
                                        "gpt-oss; else from the chat template)",
                               TOOL_CALL_PARSERS)
+    enable_auto_tool_choice: bool = _f(False, "accepted for vLLM command lines; does nothing: "
+                                              "tool_choice 'auto' is always on (with "
+                                              "--tool-call-parser or the detected one)")
     reasoning_parser: str | None = _f(None, "how the reasoning is told from the answer in the "
                                             "output: the model family's format, or auto (from "
                                             "the chat template); default: the family's "
@@ -301,6 +318,16 @@ class ServerArgs:
                 continue
             if error := field_error(v, md):
                 raise ValueError(f"--{f.name.replace('_', '-')} {error}, got {v!r}")
+        if self.max_model_len is not None:  # vLLM's name, folded into --context-length
+            if self.context_length not in (None, self.max_model_len):
+                raise ValueError(f"--max-model-len {self.max_model_len} and --context-length "
+                                 f"{self.context_length} differ (they are one setting)")
+            object.__setattr__(self, "context_length", self.max_model_len)
+            object.__setattr__(self, "max_model_len", None)
+        if self.chat_template is not None and not os.path.isfile(self.chat_template) \
+                and not any(m in self.chat_template for m in ("{{", "{%")):
+            raise ValueError(f"--chat-template {self.chat_template!r} is neither a file nor a "
+                             "Jinja template")
         if self.ep_size not in (1, self.tp_size):
             raise ValueError(f"--ep-size {self.ep_size} must be 1 or equal to --tp-size "
                              f"{self.tp_size} (the experts are partitioned over the "
@@ -321,9 +348,37 @@ def request_body_limit(args: ServerArgs, takes_images: bool) -> int:
     return max(args.max_request_bytes, need)
 
 
+def chat_template_text(value: str) -> str:
+    """The Jinja text of ``--chat-template``: the file's contents when ``value`` names a
+    file, else ``value`` itself (an inline template).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    return value
+
+
+def ignored_flag_notes(args: ServerArgs) -> list[str]:
+    """One log line per accepted no-op flag that was given (``--trust-remote-code``,
+    ``--enable-auto-tool-choice``)."""
+    notes = []
+    if args.trust_remote_code:
+        notes.append("--trust-remote-code: ignored (ferry runs no model code from "
+                     "checkpoints)")
+    if args.enable_auto_tool_choice:
+        notes.append("--enable-auto-tool-choice: ignored (tool_choice 'auto' is always on)")
+    return notes
+
+
 def prefill_budget(args: ServerArgs, device_type: str) -> int:
     """Prompt tokens one step may prefill, over all its requests: --chunked-prefill-size (or
-    the device default) capped by --max-prefill-tokens; at least 1."""
+    the device default; -1: no chunking, --max-prefill-tokens) capped by
+    --max-prefill-tokens; at least 1."""
+    if args.chunked_prefill_size == -1:
+        return max(1, args.max_prefill_tokens)
     chunk = args.chunked_prefill_size or default_chunked_prefill(device_type)
     return max(1, min(chunk, args.max_prefill_tokens))
 

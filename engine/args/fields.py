@@ -60,9 +60,21 @@ _BOUNDS = {"ge": (">=", operator.ge), "gt": (">", operator.gt), "le": ("<=", ope
 
 
 def field_error(v: Any, md) -> str | None:
-    """What is wrong with value ``v`` of a field with metadata ``md``, or None."""
+    """What is wrong with value ``v`` of a field with metadata ``md``, or None. Values in
+    ``md["allow"]`` (value -> meaning) pass whatever the bounds; the bound message names
+    them."""
     if "choices" in md and v not in md["choices"]:
         return "must be one of " + ", ".join(map(repr, md["choices"]))
+    allow = md.get("allow", {})
+    if allow and not isinstance(v, bool) and v in allow:
+        return None
+    error = _bound_error(v, md)
+    if error and allow and error != "must be a number":
+        error += " (or " + ", ".join(f"{k}: {m}" for k, m in allow.items()) + ")"
+    return error
+
+
+def _bound_error(v: Any, md) -> str | None:
     bounds = [k for k in _BOUNDS if k in md]
     if not bounds:
         return None

@@ -340,3 +340,60 @@ def test_request_body_limit_grows_for_an_image_model_at_the_default():
     assert request_body_limit(args.replace(max_request_bytes=1000), takes_images=True) == 1000
     small = ServerArgs(limit_mm_per_prompt="image=1", max_image_bytes=1000)
     assert request_body_limit(small, takes_images=True) == DEFAULT_MAX_REQUEST_BYTES
+
+
+# ---- vLLM/SGLang flags a new user brings along ---------------------------------------------
+
+def _parse(argv):
+    from server.cli import serve_parser
+
+    return ServerArgs.from_cli_args(serve_parser().parse_args(argv))
+
+
+def test_max_model_len_is_context_length():
+    assert _parse(["--max-model-len", "4096"]).context_length == 4096
+    assert ServerArgs(max_model_len=512, context_length=512).context_length == 512
+    a = ServerArgs(max_model_len=512)
+    assert a.replace(context_length=1024).context_length == 1024   # folded: replace works
+    with pytest.raises(ValueError, match="--max-model-len 512 and --context-length 1024"):
+        ServerArgs(max_model_len=512, context_length=1024)
+    with pytest.raises(ValueError, match="^--max-model-len must be >= 1, got 0$"):
+        ServerArgs(max_model_len=0)
+
+
+def test_no_op_flags_are_accepted_and_noted():
+    from engine.args import ignored_flag_notes
+
+    a = _parse(["--trust-remote-code", "--enable-auto-tool-choice"])
+    assert a.trust_remote_code and a.enable_auto_tool_choice
+    notes = ignored_flag_notes(a)
+    assert len(notes) == 2 and "runs no model code" in notes[0]
+    assert ignored_flag_notes(ServerArgs()) == []
+
+
+def test_chunked_prefill_size_minus_one_turns_chunking_off(capsys):
+    from engine.args import prefill_budget
+    from server.cli import serve
+
+    a = _parse(["--chunked-prefill-size", "-1"])
+    assert a.chunked_prefill_size == -1
+    assert prefill_budget(a, "cuda") == 16384                  # --max-prefill-tokens
+    assert prefill_budget(a.replace(max_prefill_tokens=32768), "cpu") == 32768
+    for bad in ("0", "-2"):
+        with pytest.raises(SystemExit) as exc:
+            serve(["--chunked-prefill-size", bad])
+        assert exc.value.code == 2
+        assert "--chunked-prefill-size must be >= 1 (or -1: no chunking)" in \
+            capsys.readouterr().err
+
+
+def test_chat_template_is_a_file_or_inline_jinja(tmp_path):
+    from engine.args import chat_template_text
+
+    f = tmp_path / "t.jinja"
+    f.write_text("{{ messages[0].content }}!")
+    assert chat_template_text(_parse(["--chat-template", str(f)]).chat_template) == \
+        "{{ messages[0].content }}!"
+    assert chat_template_text("{% for m in messages %}x{% endfor %}").startswith("{%")
+    with pytest.raises(ValueError, match="--chat-template 'nope.jinja' is neither"):
+        ServerArgs(chat_template="nope.jinja")

@@ -135,3 +135,17 @@ async def test_a_template_that_shows_tools_is_left_alone(tok):
 async def test_an_explicit_parser_is_kept_under_the_fallback(tok):
     _, _, tm = _app_with(tok, tool_call_parser="llama3")
     assert tm.chat.tools_fallback and tm.chat.tool_call_parser == "llama3"
+
+
+async def test_the_chat_template_flag_replaces_the_tokenizers(tok, tmp_path):
+    """``--chat-template FILE`` renders the prompt (/v1/tokenize shows it)."""
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}[assistant]{% endif %}")
+    app, engine, tm = _app_with(tok, chat_template=str(f))
+    assert tm.chat.tokenizer.chat_template == f.read_text()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://t") as c:
+        r = await c.post("/v1/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 200, r.text
+    assert tok.decode(r.json()["tokens"]) == "[user] Hi\n[assistant]"
