@@ -82,3 +82,20 @@ def test_docs_examples_load_local_model_paths():
         for n, line in enumerate(doc.read_text().splitlines(), 1):
             found += [f"{doc.name}:{n}: {m}" for m in hub.findall(line)]
     assert not found, found
+
+
+def test_docs_forced_tool_call_examples_are_reproducible():
+    """A forced tool call whose output the docs show (``# {"city": "Paris"}``) is greedy and
+    makes one call: at the default temperature the embedded model makes several calls with
+    random cities."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    readme = (root / "README.md").read_text()
+    call = readme[readme.index('tool_choice="required"') - 200:]
+    call = call[call.index("client.chat.completions.create("):call.index("print(")]
+    assert "temperature=0" in call and "parallel_tool_calls=False" in call, call
+    usage = (root / "docs/usage.md").read_text()
+    body = usage[usage.index('"tool_choice": "required"') - 400:]
+    body = body[:body.index("}'")]
+    assert '"temperature": 0' in body and '"parallel_tool_calls": false' in body, body
