@@ -39,7 +39,7 @@ import time
 
 import uvicorn
 
-from engine.args import ignored_flag_notes
+from engine.args import ignored_flag_notes, prefill_budget
 from engine.ipc import IpcPaths
 from server.app import build_app, model_name_of
 from server.http.limits import raise_fd_limit, uvicorn_limits
@@ -338,10 +338,11 @@ class Launcher:
             ready = self.tm.engine_ready
             host = f"[{args.host}]" if ":" in args.host else args.host
             logger.info("ferry ready: model=%s device=%s dtype=%s tp_size=%d dp_size=%d "
-                        "kv_capacity=%d tokens max_context_len=%d url=http://%s:%d",
-                        model_name_of(args), ready.device, ready.dtype, ready.tp_size,
-                        args.dp_size, ready.max_total_tokens,
-                        ready.max_context_len, host, args.port)
+                        "kv_capacity=%d tokens prefill_chunk=%d tokens max_context_len=%d "
+                        "url=http://%s:%d", model_name_of(args), ready.device, ready.dtype,
+                        ready.tp_size, args.dp_size, ready.max_total_tokens,
+                        prefill_budget(args, ready.device), ready.max_context_len, host,
+                        args.port)
             app = build_app(self.tm, args, self.procs)
             # log_level=None: keep the levels setup_logging chose for uvicorn's loggers
             limits = uvicorn_limits(args, ready.max_running_requests, raise_fd_limit())

@@ -20,6 +20,7 @@ import asyncio
 import uuid
 
 from engine import io_struct as io
+from engine.args import prefill_budget
 from engine.sampling.params import SamplingParams
 from server.http.errors import APIError, unavailable
 from server.tokenizer_manager import TokenizerManager
@@ -40,9 +41,12 @@ def model_info(args, model_name: str) -> dict:
 
 def router_facts(args, ready: io.ReadyOut | None) -> dict:
     """The keys of SGLang's ``/server_info`` that its routers read besides the model's:
-    the parallel sizes (one data-parallel rank per ferry server) and the batch limits."""
+    the parallel sizes (one data-parallel rank per ferry server) and the batch limits
+    (``chunked_prefill_size``: the effective prefill chunk in tokens, ``prefill_budget``)."""
+    device = ready.device if ready else args.device
     return {"tp_size": ready.tp_size if ready else args.tp_size, "dp_size": 1,
             "disaggregation_mode": "null", "max_prefill_tokens": args.max_prefill_tokens,
+            "chunked_prefill_size": prefill_budget(args, device),
             "max_running_requests": ready.max_running_requests if ready
             else args.max_running_requests}
 

@@ -300,6 +300,10 @@ class ServerInfo(_Out):
                                   "sliding-window layers (--swa-full-tokens-ratio; 0: none, "
                                   "max_total_tokens holds every layer)")
     max_running_requests: int
+    chunked_prefill_size: int = Field(description="the effective prefill chunk: most prompt "
+                                      "tokens one step prefills over all its requests "
+                                      "(--chunked-prefill-size, default 2048, -1: "
+                                      "--max-prefill-tokens; capped by --max-prefill-tokens)")
     num_running: int
     num_waiting: int
     kv_used_tokens: int

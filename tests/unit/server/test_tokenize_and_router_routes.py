@@ -150,6 +150,17 @@ async def test_get_server_info_is_server_info_with_what_the_routers_read(app):
         "SmolLM2-135M-Instruct", 1, 1)
 
 
+async def test_server_info_shows_the_effective_prefill_chunk(tok):
+    """``chunked_prefill_size``: the prefill chunk the scheduler uses (tokens)."""
+    for kw, chunk in (({}, 2048), ({"chunked_prefill_size": 512}, 512),
+                      ({"chunked_prefill_size": -1, "max_prefill_tokens": 8192}, 8192),
+                      ({"chunked_prefill_size": 4096, "max_prefill_tokens": 1024}, 1024)):
+        app = make_app(**kw)
+        app[1].tm.set_tokenizer(tok)
+        info = (await _call(app, "GET", "/server_info")).json()
+        assert info["chunked_prefill_size"] == chunk, kw
+
+
 async def test_health_generate_runs_one_token(app):
     engine = app[1]
     before = len(engine.rids)
