@@ -84,6 +84,8 @@ class ImageProcessor:
     #: ``expand_text(text) -> text`` on the rendered chat prompt before it is tokenized
     #: (:class:`Gemma3ImageProcessor`'s), or None: the ids are expanded (:meth:`process`)
     expand_text = None
+    #: the image marker :attr:`expand_text` replaces (Gemma 3's ``<start_of_image>``), or None
+    boi: str | None = None
 
     def __init__(self, processor: Any, image_token_id: int):
         self.processor = processor

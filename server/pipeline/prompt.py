@@ -190,6 +190,7 @@ async def chat_prompt_images(tm: TokenizerManager, req: Any, tools: ToolPlan
         kwargs.setdefault("reasoning_effort", effort)
     refs: list = []
     messages = messages_for_template(req.messages, refs)
+    _check_typed_markers(tm, req.messages)
     if refs:
         await _check_images(tm, refs)
     ids = await tm.chat.apply_chat_template(
@@ -219,6 +220,34 @@ async def _check_images(tm: TokenizerManager, refs: list) -> None:
     if len(refs) > limit:
         raise bad_request(f"this request has {len(refs)} images; at most {limit} per prompt "
                           "are allowed (--limit-mm-per-prompt)", refs[limit][0])
+
+
+def _typed_in(messages: list[Any], text: str) -> str | None:
+    """The first message text (``messages[i].content`` or ``messages[i].content[j].text``)
+    that holds ``text``, or None."""
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, str) and text in content:
+            return f"messages[{i}].content"
+        if isinstance(content, list):
+            for j, p in enumerate(content):
+                if isinstance(p.get("text"), str) and text in p["text"]:
+                    return f"messages[{i}].content[{j}].text"
+    return None
+
+
+def _check_typed_markers(tm: TokenizerManager, messages: list[Any]) -> None:
+    """400 naming the message text that holds the image marker a text-expanding processor
+    replaces (Gemma 3's ``<start_of_image>``): typed, it would become an image's tokens
+    (with images: more runs than images; without: the raw marker token)."""
+    images = getattr(tm, "images", None)   # None: a text-only model (or a test's stand-in)
+    boi = images.boi if images is not None and images.expand_text is not None else None
+    if boi is None:
+        return
+    where = _typed_in(messages, boi)
+    if where is not None:
+        raise bad_request(f"{boi!r} is this model's image marker: only an image part may put "
+                          "it in a prompt; remove it from the text", where)
 
 
 def _check_typed_pads(tm: TokenizerManager, messages: list[Any], ids: list[int],
