@@ -344,7 +344,7 @@ def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         align: ``"triton"`` (two launches) or ``"torch"`` (torch ops) alignment, to compare.
         decode: run :func:`kernels.moe.fused_moe_decode.fused_moe_decode` (two launches,
             no alignment) instead of the six-launch path; None: when ``M <=
-            DECODE_MAX_M`` (``FERRY_MOE_DECODE_MAX_M``, default 16) and no ``config`` is
+            DECODE_MAX_M`` (``FERRY_MOE_DECODE_MAX_M``, default 1) and no ``config`` is
             given. ``config`` and ``align`` do not apply to it.
 
     Returns:

@@ -29,7 +29,10 @@ workspace is ``act [M * top_k, I]``; shapes depend on M, top_k, E, H, I only: no
 graph capturable. The arithmetic differs from the large-M path only in rounding (gate/up and
 each routed term stay fp32 here).
 
-``FERRY_MOE_DECODE_MAX_M`` (default 16; 0 turns the path off) is the largest M that takes it.
+``FERRY_MOE_DECODE_MAX_M`` (default 1; 0 turns the path off) is the largest M that takes it:
+on the H200 (2026-12-03, ``bench.kernels.bench_moe_decode``, default tiles) the experts alone
+took 0.85x the grouped path's time at M = 1 for Qwen3-30B-A3B's shape and 1.09x for
+Mixtral's, 1.07-1.24x at M = 4 and 1.3-2.6x at M = 16 (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import triton.language as tl
 from kernels.moe.routing import route_row
 
 #: the largest batch that runs the two-launch decode path (environment override; 0: never)
-DECODE_MAX_M = max(0, int(os.environ.get("FERRY_MOE_DECODE_MAX_M", "16")))
+DECODE_MAX_M = max(0, int(os.environ.get("FERRY_MOE_DECODE_MAX_M", "1")))
 
 
 def use_decode_path(m: int) -> bool:

@@ -29,15 +29,15 @@ NEAR_TIE = 0.05
 
 
 def _hf(hf, prompt):
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=hf.device)
     with torch.no_grad():
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                           max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0,
                           output_logits=True, return_dict_in_generate=True)
         toks = out.sequences[0, len(prompt):].tolist()
-        steps = [torch.log_softmax(lg[0].float(), -1) for lg in out.logits]
-        full = torch.tensor([prompt + toks])
-        prompt_lps = torch.log_softmax(hf(full).logits[0].float(), -1)
+        steps = [torch.log_softmax(lg[0].float(), -1).cpu() for lg in out.logits]
+        full = torch.tensor([prompt + toks], device=hf.device)
+        prompt_lps = torch.log_softmax(hf(full).logits[0].float(), -1).cpu()
     seq = prompt + toks
     teacher = [prompt_lps[j - 1, seq[j]].item() for j in range(1, len(seq))]
     return toks, steps, seq, teacher
@@ -50,7 +50,9 @@ def test_tiny_qwen3_next_on_the_gpu_matches_hf(tmp_path):
     from engine.sampling.params import SamplingParams
     from kernels.linear_attention import gated_delta_rule_backend
 
-    hf = save_tiny("qwen3_next", tmp_path)
+    # HF on the GPU too: with fla-core installed, transformers' Gated DeltaNet takes FLA's
+    # Triton kernels, which cannot read CPU tensors (the first H200 run failed so)
+    hf = save_tiny("qwen3_next", tmp_path).to("cuda")
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (5, 13, 70, 150)]
     refs = [_hf(hf, p) for p in prompts]

@@ -155,7 +155,7 @@ def test_decode_tiles_for_the_model_shapes():
 
 
 def test_choice_by_m_and_the_switch(monkeypatch):
-    assert decode_mod.DECODE_MAX_M == 16 or "FERRY_MOE_DECODE_MAX_M" in __import__("os").environ
+    assert decode_mod.DECODE_MAX_M == 1 or "FERRY_MOE_DECODE_MAX_M" in __import__("os").environ
     monkeypatch.setattr(decode_mod, "DECODE_MAX_M", 16)
     assert decode_mod.use_decode_path(1) and decode_mod.use_decode_path(16)
     assert not decode_mod.use_decode_path(17) and not decode_mod.use_decode_path(0)
