@@ -72,10 +72,13 @@ def test_decode_path_with_every_pair_on_another_rank_is_zero():
     ("qwen3", 3, 32, 8, False, F32),   # Qwen2-MoE style: no norm_topk_prob
     ("qwen3", 12, 16, 4, True, F16),
 ])
-def test_routed_decode_matches_torch_reference(style, m, num_experts, top_k, renorm, dtype):
+def test_routed_decode_matches_torch_reference(style, m, num_experts, top_k, renorm, dtype,
+                                               monkeypatch):
     """Router logits -> the one-launch router -> the decode experts, against
     ``select_experts`` + ``fused_moe_torch`` in fp32 (the logits in the model dtype, as the
-    MoE block now hands them over without a cast)."""
+    MoE block now hands them over without a cast); the decode path taken up to M = 16 here
+    (``FERRY_MOE_DECODE_MAX_M=16``; the default is 1)."""
+    monkeypatch.setattr(decode_mod, "DECODE_MAX_M", 16)
     hidden, inter = (64, 96) if style == "mixtral" else (48, 32)
     g = torch.Generator().manual_seed(m * 31 + top_k)
     logits = (torch.randn(m, num_experts, generator=g) * 2).to(dtype)
