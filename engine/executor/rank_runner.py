@@ -58,6 +58,9 @@ class RankRunner:
     def __init__(self, args: ServerArgs, tp_rank: int = 0):
         self.device_type = dev.resolve_device(args.device)
         self.tp_leader = False
+        #: the linear layers' inputs recorded by a hybrid model's verify step, which
+        #: :meth:`commit_verify` consumes (None outside one)
+        self._verify_record = None
         try:
             self._build(self._init_tp(args, tp_rank))
         except BaseException:
@@ -403,7 +406,7 @@ class RankRunner:
         request's recurrent states by its first ``keep[i]`` tokens of the step (its last
         token and the accepted drafts), from the inputs the linear layers recorded
         (``GatedDeltaNet.commit``). Nothing to do without linear-attention layers."""
-        rec, self._verify_record = getattr(self, "_verify_record", None), None
+        rec, self._verify_record = self._verify_record, None
         for layer, state, *inputs in rec or ():
             layer.commit(state, *inputs, keep)
 
