@@ -240,7 +240,7 @@ def _check_typed_markers(tm: TokenizerManager, messages: list[Any]) -> None:
     """400 naming the message text that holds the image marker a text-expanding processor
     replaces (Gemma 3's ``<start_of_image>``): typed, it would become an image's tokens
     (with images: more runs than images; without: the raw marker token)."""
-    images = getattr(tm, "images", None)   # None: a text-only model (or a test's stand-in)
+    images = tm.images   # None: a text-only model
     boi = images.boi if images is not None and images.expand_text is not None else None
     if boi is None:
         return

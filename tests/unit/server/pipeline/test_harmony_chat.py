@@ -51,7 +51,7 @@ def _prompt(messages, **fields) -> str:
     chat = _chat()
     req = ChatCompletionRequest(model="m", messages=messages, **fields)
     plan = plan_tools(req, chat.tokenizer.chat_template, chat.tool_call_parser)
-    tm = types.SimpleNamespace(chat=chat, image_pad=lambda: None)  # a text-only model
+    tm = types.SimpleNamespace(chat=chat, images=None, image_pad=lambda: None)  # text only
     ids = asyncio.run(chat_prompt(tm, req, plan))
     return chat.tokenizer.decode(ids)
 
@@ -185,7 +185,7 @@ def _job_format(**fields):
     from server.tools.plan import prepare_chat
 
     chat = _chat()
-    tm = types.SimpleNamespace(chat=chat, image_pad=lambda: None)  # a text-only model
+    tm = types.SimpleNamespace(chat=chat, images=None, image_pad=lambda: None)  # text only
     req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
                                 **fields)
     sp = req.sampling_params(32)
