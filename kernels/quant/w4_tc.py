@@ -75,10 +75,12 @@ DEQUANT_BLOCK = (64, 128, 4)
 
 
 def kmajor_enabled() -> bool:
-    """Whether GPU layers re-lay q4 weights into ``q4k`` at load: ``$FERRY_WQ_LAYOUT`` is
-    ``kmajor`` (``rows``, the default, keeps :mod:`kernels.quant.wq_triton`'s path until the
-    ``w4`` stage of ``bench/h200_run.sh`` has measured both)."""
-    return os.environ.get("FERRY_WQ_LAYOUT", "rows") == "kmajor"
+    """Whether GPU layers re-lay q4 weights into ``q4k`` at load: yes unless
+    ``$FERRY_WQ_LAYOUT`` is ``rows`` (:mod:`kernels.quant.wq_triton`'s row-layout path). The
+    K-major path is the default since the ``w4-check`` stage measured it ahead of the row
+    layout at every M it ran (H200, 2026-12-03: Llama-3-8B bs1 3.16 against 3.95 ms, bs64
+    7.69 against 14.84 ms; docs/benchmarks.md)."""
+    return os.environ.get("FERRY_WQ_LAYOUT", "kmajor") != "rows"
 
 
 def to_kmajor(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor

@@ -19,9 +19,10 @@ Paths (chosen per layer in :meth:`WeightOnlyMethod.process_weights_after_loading
   GEMV without ``tl.dot`` (:mod:`kernels.quant.wq_gemv`), up to 256 rows a GEMM that unpacks
   the tiles in registers (``tl.dot`` in the activations' dtype, fp32 accumulation; K split
   over more programs at decode sizes), above that a dequantizing kernel and the vendor GEMM.
-  With ``$FERRY_WQ_LAYOUT=kmajor`` q4 layers are re-laid at load into the K-major ``q4k``
-  layout and run :func:`kernels.quant.w4_tc.w4k_linear` at every M instead (a GEMV up to 4
-  rows, a tensor-core GEMM that dequantizes in registers above; issue 49).
+  By default q4 layers are re-laid at load into the K-major ``q4k`` layout and run
+  :func:`kernels.quant.w4_tc.w4k_linear` at every M instead (a GEMV up to 4 rows, a
+  tensor-core GEMM that dequantizes in registers above; issue 49); ``$FERRY_WQ_LAYOUT=rows``
+  keeps the row layout and the kernels above.
 - ``torch``: the reference (dequantize, then matmul), where neither kernel is available.
 
 No host syncs on any path.
@@ -130,7 +131,7 @@ class WeightOnlyMethod:
 
     @staticmethod
     def _to_kmajor(layer: nn.Module) -> None:
-        """With ``$FERRY_WQ_LAYOUT=kmajor``: re-lay a q4 layer's weight into
+        """Unless ``$FERRY_WQ_LAYOUT=rows``: re-lay a q4 layer's weight into
         :mod:`kernels.quant.w4_tc`'s ``q4k`` (``weight`` int32 ``[K/8, N]``, ``weight_scale``
         and ``weight_min`` ``[K/G, N]``), the layout of its tensor-core GEMM."""
         from kernels.quant.w4_tc import KMAJOR, kmajor_enabled, to_kmajor
