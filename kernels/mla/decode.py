@@ -102,10 +102,15 @@ def _mla_decode_stage1_kernel(
             slots = tl.load(req_to_token + row * stride_r2t + offs_n, mask=mask_n,
                             other=0).to(tl.int64)
             base = latent + slots[:, None] * stride_ls
-            c = tl.load(base + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :],
-                        other=0.0).to(dot_dtype)
+            mask_c = mask_n[:, None] & mask_r[None, :]
             kp = tl.load(base + RANK + offs_p[None, :], mask=mask_n[:, None] & mask_p[None, :],
                          other=0.0).to(dot_dtype)
+            c = tl.load(base + offs_r[None, :], mask=mask_c, other=0.0)
+            if KV_FP8:
+                # converted where it was loaded: the tl.where keeps Triton from moving the
+                # cast after the shared-memory stage, where the p @ c operand (reduced along
+                # the tile's rows) would be gathered one ld.shared.b8 per element
+                c = tl.where(mask_c, c.to(dot_dtype), 0.0)
             qk = tl.dot(ql, tl.trans(c), input_precision=DOT_PREC)
             qk += tl.dot(qp.to(dot_dtype), tl.trans(kp), input_precision=DOT_PREC)
             qk = tl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
