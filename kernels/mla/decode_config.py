@@ -8,7 +8,7 @@ that each accumulate half of the 512 value columns (both compute the whole score
 tag, as the sweep prints it and :meth:`MLADecodeConfig.parse` reads it:
 ``BLOCK_H x BLOCK_N x warps x stages [v SPLIT_V]``, e.g. ``64x64x4x2v2``.
 
-:data:`MLA_DECODE_TABLE` is keyed by ``(most heads of the bucket, kv kind)``: buckets 16, 32,
+:data:`MLA_DECODE_TABLE` (parsed from the tags of :data:`MLA_DECODE_TAGS`) is keyed by ``(most heads of the bucket, kv kind)``: buckets 16, 32,
 64 and None (more), kinds ``"16bit"`` (bf16/fp16 latent) and ``"fp8"`` (an e4m3/e5m2 latent:
 fp16 dots). An fp32 latent (CPU tests, benchmarks) keeps :data:`FP32_CONFIG`. The
 pre-table kernel's one configuration is :data:`LEGACY_CONFIG` (``16x32x4x2``), kept for the
@@ -118,17 +118,17 @@ LEGACY_CONFIG = MLADecodeConfig(16, 32, 4, 2)
 #: a latent in fp32 (ieee dots: twice the shared memory and registers of bf16)
 FP32_CONFIG = MLADecodeConfig(16, 16, 8, 2)
 
-#: (most heads of the bucket or None, kv kind) -> configuration (module docstring)
-MLA_DECODE_TABLE: dict[tuple[int | None, str], MLADecodeConfig] = {
-    (16, "16bit"): MLADecodeConfig(16, 64, 8, 2),
-    (16, "fp8"): MLADecodeConfig(16, 32, 8, 2),
-    (32, "16bit"): MLADecodeConfig(32, 32, 8, 2),
-    (32, "fp8"): MLADecodeConfig(16, 32, 8, 2),
-    (64, "16bit"): MLADecodeConfig(64, 64, 4, 2, 2),
-    (64, "fp8"): MLADecodeConfig(64, 64, 4, 2, 2),
-    (None, "16bit"): MLADecodeConfig(64, 64, 4, 2, 2),
-    (None, "fp8"): MLADecodeConfig(64, 64, 4, 2, 2),
+#: (most heads of the bucket or None, kv kind) -> tag of the configuration (module
+#: docstring); ``bench.kernels.bench_mla --sweep`` prints a dict in this form to paste here
+MLA_DECODE_TAGS: dict[tuple[int | None, str], str] = {
+    (16, "16bit"): "16x64x8x2", (16, "fp8"): "16x32x8x2",
+    (32, "16bit"): "32x32x8x2", (32, "fp8"): "16x32x8x2",
+    (64, "16bit"): "64x64x4x2v2", (64, "fp8"): "64x64x4x2v2",
+    (None, "16bit"): "64x64x4x2v2", (None, "fp8"): "64x64x4x2v2",
 }
+#: :data:`MLA_DECODE_TAGS` parsed
+MLA_DECODE_TABLE: dict[tuple[int | None, str], MLADecodeConfig] = {
+    k: MLADecodeConfig.parse(v) for k, v in MLA_DECODE_TAGS.items()}
 
 
 def head_bucket(num_heads: int) -> int | None:
@@ -154,12 +154,14 @@ def mla_decode_config(num_heads: int, kv_fp8: bool = False,
     return MLA_DECODE_TABLE[(head_bucket(num_heads), kv_kind(kv_fp8))]
 
 
-def table_line(best: dict[tuple[int | None, str], str]) -> str:
-    """One line to paste as :data:`MLA_DECODE_TABLE`'s entries: ``{(bucket, kind): tag}``
-    -> ``"(16, '16bit'): 16x64x8x2; ..."`` (the sweep's summary)."""
-    return "; ".join(f"({k[0]}, {k[1]!r}): {v}" for k, v in sorted(
-        best.items(), key=lambda kv: (kv[0][0] or 1 << 30, kv[0][1])))
+def table_line(picks: dict[tuple[int | None, str], str]) -> str:
+    """``{(bucket, kind): tag}`` as one Python dict literal, buckets in order (16, 32, 64,
+    None), to paste as :data:`MLA_DECODE_TAGS` (the sweep's summary); keys not in
+    ``picks`` keep the current table's tag."""
+    merged = {**MLA_DECODE_TAGS, **picks}
+    keys = sorted(merged, key=lambda k: (k[0] or 1 << 30, k[1]))
+    return "{" + ", ".join(f"({k[0]}, {k[1]!r}): {merged[k]!r}" for k in keys) + "}"
 
 
-__all__ = ["FP32_CONFIG", "LEGACY_CONFIG", "MLADecodeConfig", "MLA_DECODE_TABLE",
+__all__ = ["FP32_CONFIG", "LEGACY_CONFIG", "MLADecodeConfig", "MLA_DECODE_TABLE", "MLA_DECODE_TAGS",
            "head_bucket", "kv_kind", "mla_decode_config", "table_line"]

@@ -7,6 +7,8 @@ the table itself: its keys, tags, the programs per split and the split cap it im
 
 from __future__ import annotations
 
+import ast
+
 import pytest
 import torch
 
@@ -25,6 +27,7 @@ from kernels.mla.decode_config import (
     FP32_CONFIG,
     LEGACY_CONFIG,
     MLA_DECODE_TABLE,
+    MLA_DECODE_TAGS,
     MLADecodeConfig,
     head_bucket,
     mla_decode_config,
@@ -96,8 +99,12 @@ def test_table_covers_every_bucket_and_kind():
     assert mla_decode_config(16, kv_fp8=True) is MLA_DECODE_TABLE[(16, "fp8")]
     assert mla_decode_config(128, dtype=F32) is FP32_CONFIG
     assert mla_decode_config(128, kv_fp8=True, dtype=F32) is MLA_DECODE_TABLE[(None, "fp8")]
-    line = table_line({(None, "16bit"): "64x64x4x2v2", (16, "fp8"): "16x32x8x2"})
-    assert line == "(16, 'fp8'): 16x32x8x2; (None, '16bit'): 64x64x4x2v2"
+    # the sweep's line is a dict literal of every key, the picks over the current tags
+    line = table_line({(None, "16bit"): "64x32x8x2", (16, "fp8"): "16x64x8x2"})
+    picked = ast.literal_eval(line)
+    assert picked == {**MLA_DECODE_TAGS, (None, "16bit"): "64x32x8x2",
+                      (16, "fp8"): "16x64x8x2"}
+    assert line.startswith("{(16, '16bit'): ") and list(picked)[-1] == (None, "fp8")
 
 
 def test_config_tags_round_trip_and_refuse_bad_values():
