@@ -230,9 +230,9 @@ def sweep(ns) -> dict:
         slow: dict[str, list[float]] = {}
         for bs in ns.batch_sizes:
             for ctx in ns.contexts:
-                # enough layers that the pools outgrow L2 (50 MB on an H200), at most 8
+                # enough layers that the pools outgrow L2 (50 MB on an H200), at most 16
                 if not ns.smoke:
-                    ns.layers = max(2, min(8, -(-128 * 2**20 // (bs * ctx * 1152))))
+                    ns.layers = max(2, min(16, -(-128 * 2**20 // (bs * ctx * 1152))))
                 rows = bench_case(ns, bs, ctx, ["default"] + tags)
                 best = min(rows, key=lambda c: c["us"])
                 for c in rows:
@@ -248,7 +248,8 @@ def sweep(ns) -> dict:
         picks[key] = pick
         if key[0] is None:
             picks[(64, key[1])] = pick
-    print("MLA_DECODE_TAGS = " + table_line(picks))
+        # after every block, so that a sweep cut short still leaves its line
+        print("MLA_DECODE_TAGS = " + table_line(picks), flush=True)
     return picks
 
 
