@@ -74,17 +74,21 @@ class TritonMLABackend(TritonAttnBackend):
                          waves=waves, max_kv_splits=max_kv_splits, layer_specs=layer_specs)
         if not self.layer_specs:
             raise ValueError("TritonMLABackend needs the model's layer specs (kv_lora_rank)")
-        from kernels.mla import decode, prefill
+        from kernels.mla import decode, decode_config, prefill
 
         self.kv_lora_rank = self.layer_specs[0].kv_lora_rank
         self.kv_fp8 = kv_dtype is not None and kv_dtype.itemsize == 1
+        # the decode kernel's launch config, for its programs per split (the kernel picks
+        # the same one itself, or a smaller one on a device with less shared memory)
+        self.decode_config = decode_config.mla_decode_config(
+            num_heads, self.kv_fp8, kv_dtype, torch.device(device).type)
         self._k_decode, self._k_prefill = decode, prefill
         self._graph_flat: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ---- metadata -----------------------------------------------------------------------
     def _split_cap(self, bs: int) -> int:
         return self._k_decode.mla_split_cap(bs, self.num_heads, self.num_sms, self.waves,
-                                            self.max_kv_splits, kv_fp8=self.kv_fp8)
+                                            self.max_kv_splits, config=self.decode_config)
 
     def _decode_state(self, rows: torch.Tensor, seq_lens: torch.Tensor,
                       splits_out: torch.Tensor | None = None,
@@ -92,7 +96,7 @@ class TritonMLABackend(TritonAttnBackend):
         bs = rows.shape[0]
         cap = self._split_cap(bs)
         splits = self._k_decode.choose_mla_splits(seq_lens, self.num_heads, cap, self.num_sms,
-                                                  waves=self.waves, kv_fp8=self.kv_fp8,
+                                                  waves=self.waves, config=self.decode_config,
                                                   out=splits_out)
         logits, lse = self._k_decode.mla_decode_workspaces(bs, self.num_heads, cap,
                                                            self.kv_lora_rank, seq_lens.device,

@@ -40,6 +40,8 @@ accumulator ``[16, 512]`` is 64 registers a thread with 4 warps.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -52,7 +54,7 @@ from kernels.decode_attention import (
     fp8_kv_scales,
 )
 from kernels.launch import dot_kernel_options
-from kernels.mla.decode_config import MLADecodeConfig, mla_decode_config
+from kernels.mla.decode_config import SMALL_SMEM_CONFIG, MLADecodeConfig, mla_decode_config
 
 _LOG2E = 1.4426950408889634
 
@@ -174,7 +176,7 @@ def _mla_meta(rank: int, rope: int, dtype: torch.dtype, device_type: str,
         ValueError: a ``block_n`` that is not a power of two >= 16; ``split_v = 2`` with
             ``R < 32`` (a half of fewer than 16 columns).
     """
-    cfg = config or mla_decode_config(num_heads, kv_fp8, dtype)
+    cfg = config or mla_decode_config(num_heads, kv_fp8, dtype, device_type)
     if kv_fp8:
         dtype = torch.float16
     fp32 = dtype == torch.float32
@@ -249,6 +251,32 @@ def mla_decode_workspaces(batch_size: int, num_heads: int, max_splits: int, rank
             flat[n_o:n].view(batch_size, num_heads, max_splits))
 
 
+#: stage-1 launches (meta, options, query dtype, device type) of the table that did not fit
+#: the device's shared memory: :data:`kernels.mla.decode_config.SMALL_SMEM_CONFIG` instead
+_SMALL_SMEM: set = set()
+
+
+def _launch_stage1(args: tuple, shape: tuple[int, int, int], meta: dict, opts: dict,
+                   small) -> None:
+    """Stage 1 over ``shape = (H, B, max_splits)``. ``small``: None (a configuration the
+    caller chose: errors propagate) or a callable giving the ``(meta, opts)`` of
+    :data:`SMALL_SMEM_CONFIG`, launched instead, from then on, when the table's does not
+    fit the device's shared memory (Triton raises ``OutOfResources`` on the host, before
+    anything is enqueued: safe in graph capture too)."""
+    key = (repr(meta), repr(opts), args[0].dtype, args[0].device.type)
+    if small is not None and key in _SMALL_SMEM:
+        meta, opts = small()
+    h, bs, max_splits = shape
+    grid = (triton.cdiv(h, meta["BLOCK_H"]) * meta["SPLIT_V"], bs, max_splits)
+    try:
+        _mla_decode_stage1_kernel[grid](*args, **meta, **opts)
+    except triton.runtime.OutOfResources:
+        if small is None or key in _SMALL_SMEM:
+            raise
+        _SMALL_SMEM.add(key)
+        _launch_stage1(args, shape, meta, opts, small)
+
+
 def _check_mla_args(q_lat, q_pe, latent, o, req_to_token, req_pool_indices, seq_lens,
                     max_splits: int) -> torch.Tensor:
     """The latent as ``[S, R + P]``; raises ValueError as :func:`mla_decode_fwd` says."""
@@ -317,14 +345,16 @@ def mla_decode_fwd(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
         return o
     if attn_logits is None or attn_lse is None:
         attn_logits, attn_lse = mla_decode_workspaces(bs, h, max_splits, r, q_lat.device)
-    grid = (triton.cdiv(h, meta["BLOCK_H"]) * meta["SPLIT_V"], bs, max_splits)
-    _mla_decode_stage1_kernel[grid](
-        q_lat, q_pe, lat, req_to_token, req_pool_indices, seq_lens, num_kv_splits,
-        attn_logits, attn_lse, o, qk_scale, max_splits, h, q_scale, kv_scale,
-        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), lat.stride(0),
-        req_to_token.stride(0), attn_logits.stride(0), attn_logits.stride(1),
-        attn_logits.stride(2), attn_lse.stride(0), attn_lse.stride(1), o.stride(0),
-        o.stride(1), **meta, **opts)
+    args = (q_lat, q_pe, lat, req_to_token, req_pool_indices, seq_lens, num_kv_splits,
+            attn_logits, attn_lse, o, qk_scale, max_splits, h, q_scale, kv_scale,
+            q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), lat.stride(0),
+            req_to_token.stride(0), attn_logits.stride(0), attn_logits.stride(1),
+            attn_logits.stride(2), attn_lse.stride(0), attn_lse.stride(1), o.stride(0),
+            o.stride(1))
+    small = None if cfg is not None else functools.partial(
+        _mla_meta, r, q_pe.shape[-1], q_lat.dtype, q_lat.device.type, block_n, num_warps,
+        num_stages, kv_fp8=fp8, config=SMALL_SMEM_CONFIG)
+    _launch_stage1(args, (h, bs, max_splits), meta, opts, small)
     meta2, opts2 = _stage2_meta(r, max_splits)
     _decode_stage2_kernel[(bs, h)](
         attn_logits, attn_lse, o, num_kv_splits, max_splits, attn_lse,

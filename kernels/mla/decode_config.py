@@ -117,6 +117,9 @@ class MLADecodeConfig:
 LEGACY_CONFIG = MLADecodeConfig(16, 32, 4, 2)
 #: a latent in fp32 (ieee dots: twice the shared memory and registers of bf16)
 FP32_CONFIG = MLADecodeConfig(16, 16, 8, 2)
+#: where the table's does not fit the device's shared memory (the 64-head rows need up to
+#: 216 KB; an A100 has 163 KB a block, sm_89 99 KB): ~56 KB in bf16, less in FP8
+SMALL_SMEM_CONFIG = MLADecodeConfig(16, 16, 4, 2)
 
 #: (most heads of the bucket or None, kv kind) -> tag of the configuration (module
 #: docstring); ``bench.kernels.bench_mla --sweep`` prints a dict in this form to paste here
@@ -145,10 +148,15 @@ def kv_kind(kv_fp8: bool) -> str:
 
 
 def mla_decode_config(num_heads: int, kv_fp8: bool = False,
-                      dtype: torch.dtype | None = None) -> MLADecodeConfig:
+                      dtype: torch.dtype | None = None,
+                      device_type: str = "cuda") -> MLADecodeConfig:
     """The table's configuration for ``num_heads`` query heads (per rank) over a latent
     that is FP8 (``kv_fp8``) or of ``dtype`` (None: 16-bit); :data:`FP32_CONFIG` for an
-    fp32 latent. A host function of shapes, safe in graph capture."""
+    fp32 latent; on XPU :data:`LEGACY_CONFIG` (the table is the H200's: its 64-head rows
+    want more shared local memory than an Xe core has). A host function of shapes, safe
+    in graph capture."""
+    if device_type == "xpu":
+        return LEGACY_CONFIG
     if not kv_fp8 and dtype == torch.float32:
         return FP32_CONFIG
     return MLA_DECODE_TABLE[(head_bucket(num_heads), kv_kind(kv_fp8))]
@@ -164,4 +172,5 @@ def table_line(picks: dict[tuple[int | None, str], str]) -> str:
 
 
 __all__ = ["FP32_CONFIG", "LEGACY_CONFIG", "MLADecodeConfig", "MLA_DECODE_TABLE", "MLA_DECODE_TAGS",
+           "SMALL_SMEM_CONFIG",
            "head_bucket", "kv_kind", "mla_decode_config", "table_line"]

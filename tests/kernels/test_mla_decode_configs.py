@@ -61,7 +61,7 @@ def _run(cfg, h, lens, splits, dtype, kv=None, kv_scale=1.0, r=32, p=16, page=16
     ref = mla_attention_ref(torch.cat([q_lat, q_pe], -1).float(), pool, batch.req_to_token,
                             batch.req_pool_indices.tolist(), batch.seq_lens.tolist(),
                             [1] * bs, scale, r, kv_scale)
-    config = MLADecodeConfig.parse(cfg)
+    config = MLADecodeConfig.parse(cfg) if cfg else None
     if splits is None:
         cap = mla_split_cap(bs, h, num_sms=8, waves=1, max_kv_splits=8, config=config)
         num = choose_mla_splits(batch.seq_lens, h, cap, num_sms=8, min_chunk=16, config=config)
@@ -117,6 +117,35 @@ def test_config_tags_round_trip_and_refuse_bad_values():
             MLADecodeConfig.parse(bad)
     with pytest.raises(ValueError, match="kv_lora_rank"):   # halves of 8 columns
         _mla_meta(16, 16, F16, "cuda", config=MLADecodeConfig(64, 32, 4, 2, 2))
+
+
+def test_a_table_config_too_big_for_the_device_falls_back(monkeypatch):
+    """Triton refuses a launch over the device's shared memory on the host: the table's
+    config gives way to the small one for good; a config the caller chose does not."""
+    from triton.runtime import OutOfResources
+
+    from kernels.mla import decode
+
+    real, seen = decode._mla_decode_stage1_kernel, []
+
+    class SmallDevice:   # an A100's 163 KB a block: the 64-head rows do not fit
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(kw["BLOCK_H"])
+                if kw["BLOCK_H"] == 64:
+                    raise OutOfResources(221184, 166912, "shared memory")
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(decode, "_mla_decode_stage1_kernel", SmallDevice())
+    monkeypatch.setattr(decode, "_SMALL_SMEM", set())
+    for _ in range(2):
+        o, ref = _run(None, 64, [70, 1], 2, F16)
+        assert_close(o, ref, F16, "mla decode, the small-shared-memory config")
+    assert seen == [64, 16, 16]
+    with pytest.raises(OutOfResources):
+        _run("64x64x4x2v2", 64, [70, 1], 2, F16)
+    assert mla_decode_config(128, dtype=F16, device_type="xpu") == LEGACY_CONFIG
 
 
 def test_programs_per_split_and_the_split_cap():
