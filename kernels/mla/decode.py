@@ -8,34 +8,52 @@ through ``W_UK``); every key is the token's latent row ``[c (R) | k_rope (P)]`` 
 in the latent space (the layer maps it through ``W_UV``).
 
 Why this is fast: all heads share one latent row, so a program takes a block of
-``BLOCK_H`` heads (16: the smallest ``tl.dot`` M) and loads each ``[BLOCK_N, R + P]`` tile
-once for all of them; the tile is both the keys (``q_lat @ c^T + q_pe @ k_pe^T``, two dots)
-and the values (``p @ c``, a third dot on the same registers), so the KV is read once per
-head block, not once per head (128 heads, 8 blocks for DeepSeek-V3: 16x less traffic than
-an MHA kernel over decompressed K/V, which would also have to decompress it).
+``BLOCK_H`` heads (the ``tl.dot`` M) and loads each ``[BLOCK_N, R + P]`` tile once for all
+of them; the tile is both the keys (``q_lat @ c^T + q_pe @ k_pe^T``, two dots) and the
+values (``p @ c``, a third dot on the same tile), so the KV is read once per head block, not
+once per head (DeepSeek-V3's 128 heads in blocks of 64: 64x less traffic than an MHA kernel
+over decompressed K/V, which would also have to decompress it).
 
-Stage 1, grid ``(B, cdiv(H, BLOCK_H), max_splits)``: request ``b``'s tokens are cut into
-``num_kv_splits[b]`` splits (multiples of ``BLOCK_N``); one program runs an online softmax
-over one split for its head block and writes the normalised partial ``[BLOCK_H, R]`` and
-its log-sum-exp to fp32 workspaces, or, for a request with one split, the output itself.
-Stage 2 is :mod:`kernels.decode_attention`'s merge (``HEAD_DIM = R``), which returns at
-once for a one-split request. Programs past a request's split count exit, so the grid is
-static and the launch can be captured in a device graph: no host synchronisation here.
+``SPLIT_V = 2`` (a constexpr; 1 builds the single-program code): two programs per head
+block, each accumulating half of the R value columns (``[BLOCK_H, R / 2]``: the 64-head
+block's fp32 accumulator does not fit one warpgroup's registers whole) and each computing
+the whole score tile, from its own half of the tile (which it also multiplies by ``p``) and
+the other half (keys only). Their ``lse`` is the same; the first stores it.
+
+Stage 1, grid ``(cdiv(H, BLOCK_H) * SPLIT_V, B, max_splits)`` (the programs that read the
+same tiles side by side in launch order, so the second read is an L2 hit): request ``b``'s
+tokens are cut into ``num_kv_splits[b]`` splits (multiples of ``BLOCK_N``); one program runs
+an online softmax over one split for its head block and writes the normalised partial
+``[BLOCK_H, R / SPLIT_V]`` and its log-sum-exp to fp32 workspaces, or, for a request with
+one split, the output itself. Stage 2 is :mod:`kernels.decode_attention`'s merge
+(``HEAD_DIM = R``), which returns at once for a one-split request. Programs past a
+request's split count exit, so the grid is static and the launch can be captured in a
+device graph: no host synchronisation here.
 
 FP8 latent cache (``KV_FP8``, set when the pool has 1-byte elements; a constexpr, so the
 16/32-bit build is unchanged): the pool holds ``latent / kv_scale`` in e4m3 (or e5m2), the
 paged pool's convention (:mod:`kernels.decode_attention`): both query parts are pre-scaled
 by ``sm_scale * kv_scale`` and converted to fp16 once per program
 (:func:`kernels.decode_attention.fp8_kv_query`), each tile is converted to fp16 in registers
-after its load (one instruction per pair on sm_89+), the three dots run in fp16 with fp32
-accumulation, and the output is scaled by ``kv_scale`` once. The tile in shared memory is
-half the bf16 one, so the read of the latent (the roofline of this kernel) halves too.
+right after its load (one instruction per pair on sm_89+; a ``tl.where`` keeps Triton from
+moving the cast of the value operand after the shared-memory stage, where 8-bit elements
+have no transposing ``ldmatrix``: ptxas for sm_90a counted 128 ``ld.shared.b8`` a thread a
+tile and unpipelined tile loads without it), the three dots run in fp16 with fp32
+accumulation, and the output is scaled by ``kv_scale`` once. The tile's read from HBM is
+half the bf16 one; its conversion costs one ``cvt`` per pair in every program that reads it.
 
-Launch configuration (documented, not tuned on a GPU yet; see :func:`_mla_meta`):
-``BLOCK_H = 16``, ``BLOCK_N = 32`` for 16-bit dtypes (a ``[32, 576]`` bf16 tile is 36 KiB,
-two pipeline stages 72 KiB of shared memory), 16 for fp32; ``num_warps = 4`` (8 for
-fp32), ``num_stages = 2``; XPU doubles the warps (:mod:`kernels.launch`). The fp32
-accumulator ``[16, 512]`` is 64 registers a thread with 4 warps.
+Launch configuration: :mod:`kernels.mla.decode_config` (a table keyed by head count and
+latent dtype, with the roofline arithmetic of each choice; ``config=`` overrides it) through
+:func:`_mla_meta`; XPU doubles the warps (:mod:`kernels.launch`) and keeps the pre-table
+``16x32x4x2``. A table config that does not fit the device's shared memory (the 64-head
+rows take up to 216 KB, the H200's limit being 227 KB) falls back to ``16x16x4x2``.
+Roofline (H200, DeepSeek-V3's 128 heads, R 512, P 64, bf16): a request's decode reads
+``context x 1,152`` bytes of latent a layer and does ``context x 128 x 2,176`` FLOPs of dots
+(242 FLOP/byte, above the ridge of 989 TFLOP/s / 4.8 TB/s = 206): bs64 x 4k is 302 MB (63
+us) and 73 GFLOP (74 us at peak); ``SPLIT_V = 2`` computes the scores twice (111 GFLOP, 113
+us at peak). bs1 x 4k is 4.7 MB and 1.1 GFLOP: a latency figure (the backend's 32 splits x
+4 programs: 128 of the 132 SMs, two 64-token tiles each). Measured before the table (``16x32x4x2``): 676
+and 24.2 us.
 """
 
 from __future__ import annotations
