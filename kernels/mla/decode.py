@@ -224,15 +224,15 @@ def mla_head_blocks(num_heads: int, kv_fp8: bool = False,
 def mla_split_cap(batch_size: int, num_heads: int, num_sms: int, waves: int,
                   max_kv_splits: int, *, kv_fp8: bool = False,
                   config: MLADecodeConfig | None = None) -> int:
-    """The split axis of a batch of ``batch_size``: the most splits that keep the stage-1
-    grid within ``waves`` programs an SM (``floor(waves * num_sms / (B * programs))``,
-    programs per split of :func:`mla_head_blocks`: a second, partial wave of these long
-    programs would cost as much as the first), at most ``max_kv_splits``, at least 1. A host
-    int of the batch size alone, so the workspaces of a graph of that size are static; it
-    also bounds them (``B * H * splits * R`` fp32 values stay below ``max(waves * num_sms *
-    BLOCK_H / SPLIT_V, B * H) * R`` whatever B is)."""
+    """The split axis of a batch of ``batch_size``: at most the splits that give every SM
+    ``waves`` stage-1 programs (``cdiv(waves * num_sms, B * programs)``, programs per split
+    of :func:`mla_head_blocks`: 4 for 128 heads in the table's 64-head blocks, so bs1 gets
+    33 splits and bs >= 33 one), at most ``max_kv_splits``, at least 1. A host int of the
+    batch size alone, so the workspaces of a graph of that size are static; it also bounds
+    them (``B * H * splits * R`` fp32 values stay near ``waves * num_sms * BLOCK_H / SPLIT_V
+    * R`` whatever B is)."""
     progs = max(batch_size * mla_head_blocks(num_heads, kv_fp8, config), 1)
-    fill = max(num_sms, 1) * max(waves, 1) // progs
+    fill = -(-max(num_sms, 1) * max(waves, 1) // progs)
     return max(1, min(fill, max_kv_splits))
 
 

@@ -157,9 +157,10 @@ def test_programs_per_split_and_the_split_cap():
     # bs1 fills the 132 SMs (33 splits x 4 programs), capped by max_kv_splits
     assert mla_split_cap(1, 128, 132, 1, 64, config=v2) == 33
     assert mla_split_cap(1, 128, 132, 1, 32, config=v2) == 32
-    # never a partial second wave: 64 requests x 4 programs > 132 SMs -> one split
+    # 64 requests x 4 programs > 132 SMs: one split; 20 x 4: two
     assert mla_split_cap(64, 128, 132, 1, 32, config=v2) == 1
-    assert mla_split_cap(20, 128, 132, 1, 32, config=v2) == 1
+    assert mla_split_cap(33, 128, 132, 1, 32, config=v2) == 1
+    assert mla_split_cap(20, 128, 132, 1, 32, config=v2) == 2
     assert mla_split_cap(4, 16, 132, 1, 64, config=LEGACY_CONFIG) == 33
 
 
