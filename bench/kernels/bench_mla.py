@@ -68,7 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="default 4096; 4096,32768 with --sweep")
     p.add_argument("--layers", type=int, default=8, help="pools per graph (L2 flush)")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-kv-splits", type=int, default=32)
+    p.add_argument("--max-kv-splits", type=int, default=64,
+                   help="the MLA backend's default")
     p.add_argument("--waves", type=int, default=1)
     p.add_argument("--configs", type=lambda x: [c for c in x.split(",") if c],
                    default=["default"], help="launch configurations to time (module doc)")

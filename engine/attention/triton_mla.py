@@ -54,7 +54,8 @@ class TritonMLABackend(TritonAttnBackend):
 
     Args: as :class:`TritonAttnBackend`; ``layer_specs`` must be ``LATENT`` (their
     ``kv_lora_rank`` sizes the decode workspaces). ``max_kv_splits`` bounds the splits of
-    one request (default 32: a lone 4k request of a 16-head model spreads over 32 programs).
+    one request (default 64: a lone 4k request of a 16-head model spreads over 64 programs,
+    of a 128-head one over 33 splits x 4 programs, the 132 SMs of an H200).
     ``kv_dtype``: the latent pool's dtype (None: 16-bit), which picks the decode kernel's
     launch configuration (``kernels/mla/decode_config.py``) and so its programs per split.
     Raises:
@@ -68,7 +69,7 @@ class TritonMLABackend(TritonAttnBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  device: str | torch.device = "cpu", num_sms: int = 132,
-                 waves: int | None = None, max_kv_splits: int = 32, layer_specs=None,
+                 waves: int | None = None, max_kv_splits: int = 64, layer_specs=None,
                  kv_dtype: torch.dtype | None = None):
         super().__init__(num_heads, num_kv_heads, head_dim, device=device, num_sms=num_sms,
                          waves=waves, max_kv_splits=max_kv_splits, layer_specs=layer_specs)

@@ -51,9 +51,9 @@ Roofline (H200, DeepSeek-V3's 128 heads, R 512, P 64, bf16): a request's decode 
 ``context x 1,152`` bytes of latent a layer and does ``context x 128 x 2,176`` FLOPs of dots
 (242 FLOP/byte, above the ridge of 989 TFLOP/s / 4.8 TB/s = 206): bs64 x 4k is 302 MB (63
 us) and 73 GFLOP (74 us at peak); ``SPLIT_V = 2`` computes the scores twice (111 GFLOP, 113
-us at peak). bs1 x 4k is 4.7 MB and 1.1 GFLOP: a latency figure (the backend's 32 splits x
-4 programs: 128 of the 132 SMs, two 64-token tiles each). Measured before the table (``16x32x4x2``): 676
-and 24.2 us.
+us at peak). bs1 x 4k is 4.7 MB and 1.1 GFLOP: a latency figure (33 splits x 4 programs
+on the 132 SMs, 128 tokens each: two 64-token tiles). Measured before the table
+(``16x32x4x2``, 17 splits x 8 programs of 256 tokens): 676 and 24.2 us.
 """
 
 from __future__ import annotations
