@@ -31,7 +31,7 @@ re-converted; 16 heads: 30 FLOP/byte, memory-bound.
   runs as 64x64x16 ``wgmma`` (A = q and B = the tile from shared memory, 4 KB per 131
   kFLOP: balanced against 128 B/clk of shared memory), the value dot as 64x256x16. One tile
   ``[64, 576]`` bf16 is 72 KB, two stages 144 KB, q 72 KB: 216 KB, one program an SM
-  (ptxas: 255 registers, 36 bytes of spills, loaded once per tile). The alternative of 8
+  (ptxas: 255 registers, 68 bytes of spills: 8 reloads a tile against 40 ``wgmma``). The alternative of 8
   warps without the split (``64x32x8x2``) makes Triton give both warpgroups the whole score
   dot (a dot that feeds a dot keeps its warps along M), at N = 16 per instruction, which
   is shared-memory bound; it is in the sweep. Roofline at bs64 x 4k: 302 MB = 63 us of
@@ -118,7 +118,7 @@ LEGACY_CONFIG = MLADecodeConfig(16, 32, 4, 2)
 #: a latent in fp32 (ieee dots: twice the shared memory and registers of bf16)
 FP32_CONFIG = MLADecodeConfig(16, 16, 8, 2)
 #: where the table's does not fit the device's shared memory (the 64-head rows need up to
-#: 216 KB; an A100 has 163 KB a block, sm_89 99 KB): ~56 KB in bf16, less in FP8
+#: 216 KB; an A100 has 163 KB a block, sm_89 99 KB): 37 KB in bf16, 60 KB in FP8 (sm_90a)
 SMALL_SMEM_CONFIG = MLADecodeConfig(16, 16, 4, 2)
 
 #: (most heads of the bucket or None, kv kind) -> tag of the configuration (module
