@@ -31,12 +31,12 @@ re-converted; 16 heads: 30 FLOP/byte, memory-bound.
   runs as 64x64x16 ``wgmma`` (A = q and B = the tile from shared memory, 4 KB per 131
   kFLOP: balanced against 128 B/clk of shared memory), the value dot as 64x256x16. One tile
   ``[64, 576]`` bf16 is 72 KB, two stages 144 KB, q 72 KB: 216 KB, one program an SM
-  (ptxas: 255 registers, 68 bytes of spills: 8 reloads a tile against 40 ``wgmma``). The alternative of 8
-  warps without the split (``64x32x8x2``) makes Triton give both warpgroups the whole score
-  dot (a dot that feeds a dot keeps its warps along M), at N = 16 per instruction, which
-  is shared-memory bound; it is in the sweep. Roofline at bs64 x 4k: 302 MB = 63 us of
+  (ptxas: 255 registers, 68 bytes of spills: 8 reloads a tile against its 40 ``wgmma``).
+  The alternative of 8 warps without the split (``64x32x8x2``) makes Triton give both
+  warpgroups the whole score dot (a dot that feeds a dot keeps its warps along M), at N =
+  16 per instruction, which is shared-memory bound; it is in the sweep. Roofline at bs64 x 4k: 302 MB = 63 us of
   latent, 73 GFLOP of useful dots = 74 us at 989 TFLOP/s; the split-V score work is done
-  twice (111 GFLOP executed): 112 us at peak, so ~150-250 us is the target (was 676).
+  twice (111 GFLOP executed): 113 us at peak, so ~150-250 us is the target (was 676).
 - 128 and 64 heads, FP8: the same ``64x64x4x2v2`` (ptxas: 184 KB of shared memory, the
   e4m3 stages and the fp16 tile the dots read; 128 bytes of spills). Every program converts
   every tile it reads (e4m3 -> fp16, one ``cvt`` per pair, ~16 a clock an SM: ~1,150 clocks
