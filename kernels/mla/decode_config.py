@@ -8,9 +8,9 @@ that each accumulate half of the 512 value columns (both compute the whole score
 tag, as the sweep prints it and :meth:`MLADecodeConfig.parse` reads it:
 ``BLOCK_H x BLOCK_N x warps x stages [v SPLIT_V]``, e.g. ``64x64x4x2v2``.
 
-:data:`MLA_DECODE_TABLE` (parsed from the tags of :data:`MLA_DECODE_TAGS`) is keyed by ``(most heads of the bucket, kv kind)``: buckets 16, 32,
-64 and None (more), kinds ``"16bit"`` (bf16/fp16 latent) and ``"fp8"`` (an e4m3/e5m2 latent:
-fp16 dots). An fp32 latent (CPU tests, benchmarks) keeps :data:`FP32_CONFIG`. The
+:data:`MLA_DECODE_TABLE` (parsed from the tags of :data:`MLA_DECODE_TAGS`) is keyed by
+``(most heads of the bucket, kv kind)``: buckets 16, 32, 64 and None (more), kinds
+``"16bit"`` (bf16/fp16 latent) and ``"fp8"`` (an e4m3/e5m2 latent: fp16 dots). An fp32 latent (CPU tests, benchmarks) keeps :data:`FP32_CONFIG`. The
 pre-table kernel's one configuration is :data:`LEGACY_CONFIG` (``16x32x4x2``), kept for the
 comparison (``python -m bench.kernels.bench_mla --configs legacy,default``).
 
@@ -34,9 +34,10 @@ re-converted; 16 heads: 30 FLOP/byte, memory-bound.
   (ptxas: 255 registers, 68 bytes of spills: 8 reloads a tile against its 40 ``wgmma``).
   The alternative of 8 warps without the split (``64x32x8x2``) makes Triton give both
   warpgroups the whole score dot (a dot that feeds a dot keeps its warps along M), at N =
-  16 per instruction, which is shared-memory bound; it is in the sweep. Roofline at bs64 x 4k: 302 MB = 63 us of
-  latent, 73 GFLOP of useful dots = 74 us at 989 TFLOP/s; the split-V score work is done
-  twice (111 GFLOP executed): 113 us at peak, so ~150-250 us is the target (was 676).
+  16 per instruction, which is shared-memory bound; it is in the sweep. Roofline at bs64 x
+  4k: 302 MB = 63 us of latent, 73 GFLOP of useful dots = 74 us at 989 TFLOP/s; the
+  split-V score work is done twice (111 GFLOP executed): 113 us at peak, so ~150-250 us is
+  the target (was 676).
 - 128 and 64 heads, FP8: the same ``64x64x4x2v2`` (ptxas: 184 KB of shared memory, the
   e4m3 stages and the fp16 tile the dots read; 128 bytes of spills). Every program converts
   every tile it reads (e4m3 -> fp16, one ``cvt`` per pair, ~16 a clock an SM: ~1,150 clocks
