@@ -10,9 +10,10 @@ tag, as the sweep prints it and :meth:`MLADecodeConfig.parse` reads it:
 
 :data:`MLA_DECODE_TABLE` (parsed from the tags of :data:`MLA_DECODE_TAGS`) is keyed by
 ``(most heads of the bucket, kv kind)``: buckets 16, 32, 64 and None (more), kinds
-``"16bit"`` (bf16/fp16 latent) and ``"fp8"`` (an e4m3/e5m2 latent: fp16 dots). An fp32 latent (CPU tests, benchmarks) keeps :data:`FP32_CONFIG`. The
-pre-table kernel's one configuration is :data:`LEGACY_CONFIG` (``16x32x4x2``), kept for the
-comparison (``python -m bench.kernels.bench_mla --configs legacy,default``).
+``"16bit"`` (bf16/fp16 latent) and ``"fp8"`` (an e4m3/e5m2 latent: fp16 dots). An fp32
+latent (CPU tests, benchmarks) keeps :data:`FP32_CONFIG`. The pre-table kernel's one
+configuration is :data:`LEGACY_CONFIG` (``16x32x4x2``), kept for the comparison
+(``python -m bench.kernels.bench_mla --configs legacy,default``).
 
 Why these (H200: 132 SMs, 228 KB shared memory and 64K registers an SM, 989 TFLOP/s dense
 bf16, 4.8 TB/s; not swept on a GPU yet, ``bench/h200_run.sh mla-sweep`` prints the
