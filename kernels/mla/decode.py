@@ -46,7 +46,8 @@ Launch configuration: :mod:`kernels.mla.decode_config` (a table keyed by head co
 latent dtype, with the roofline arithmetic of each choice; ``config=`` overrides it) through
 :func:`_mla_meta`; XPU doubles the warps (:mod:`kernels.launch`) and keeps the pre-table
 ``16x32x4x2``. A table config that does not fit the device's shared memory (the 64-head
-rows take up to 216 KB, the H200's limit being 227 KB) falls back to ``16x16x4x2``.
+rows take up to 216 KB, the H200's limit being 227 KB) falls back to ``16x32x4x2`` (an
+A100: the pre-table kernel) or ``16x16x4x2`` (sm_89's 99 KB with an FP8 latent).
 Roofline (H200, DeepSeek-V3's 128 heads, R 512, P 64, bf16): a request's decode reads
 ``context x 1,152`` bytes of latent a layer and does ``context x 128 x 2,176`` FLOPs of dots
 (242 FLOP/byte, above the ridge of 989 TFLOP/s / 4.8 TB/s = 206): bs64 x 4k is 302 MB (63
@@ -57,8 +58,6 @@ on the 132 SMs, 128 tokens each: two 64-token tiles). Measured before the table
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -72,7 +71,7 @@ from kernels.decode_attention import (
     fp8_kv_scales,
 )
 from kernels.launch import dot_kernel_options
-from kernels.mla.decode_config import SMALL_SMEM_CONFIG, MLADecodeConfig, mla_decode_config
+from kernels.mla.decode_config import SMALL_SMEM_CONFIGS, MLADecodeConfig, mla_decode_config
 
 _LOG2E = 1.4426950408889634
 
@@ -269,30 +268,39 @@ def mla_decode_workspaces(batch_size: int, num_heads: int, max_splits: int, rank
             flat[n_o:n].view(batch_size, num_heads, max_splits))
 
 
-#: stage-1 launches (meta, options, query dtype, device type) of the table that did not fit
-#: the device's shared memory: :data:`kernels.mla.decode_config.SMALL_SMEM_CONFIG` instead
-_SMALL_SMEM: set = set()
+#: stage-1 launches of the table (meta, options, query dtype, device type) that did not fit
+#: the device's shared memory -> the (meta, options) of the first fallback that did
+_FITS: dict = {}
 
 
 def _launch_stage1(args: tuple, shape: tuple[int, int, int], meta: dict, opts: dict,
-                   small) -> None:
-    """Stage 1 over ``shape = (H, B, max_splits)``. ``small``: None (a configuration the
-    caller chose: errors propagate) or a callable giving the ``(meta, opts)`` of
-    :data:`SMALL_SMEM_CONFIG`, launched instead, from then on, when the table's does not
-    fit the device's shared memory (Triton raises ``OutOfResources`` on the host, before
-    anything is enqueued: safe in graph capture too)."""
+                   remeta) -> None:
+    """Stage 1 over ``shape = (H, B, max_splits)``. ``remeta``: None (a configuration the
+    caller chose: errors propagate) or a callable giving a config's ``(meta, opts)``: when
+    the table's does not fit the device's shared memory (Triton raises ``OutOfResources``
+    on the host, before anything is enqueued: safe in graph capture too), the first of
+    :data:`kernels.mla.decode_config.SMALL_SMEM_CONFIGS` that fits runs, from then on.
+
+    Raises:
+        triton.runtime.OutOfResources: a chosen config, or no fallback, fits.
+    """
     key = (repr(meta), repr(opts), args[0].dtype, args[0].device.type)
-    if small is not None and key in _SMALL_SMEM:
-        meta, opts = small()
+    if remeta is not None and key in _FITS:
+        meta, opts = _FITS[key]
+        remeta = None
+    tries = [(meta, opts)] + ([remeta(c) for c in SMALL_SMEM_CONFIGS] if remeta else [])
     h, bs, max_splits = shape
-    grid = (triton.cdiv(h, meta["BLOCK_H"]) * meta["SPLIT_V"], bs, max_splits)
-    try:
-        _mla_decode_stage1_kernel[grid](*args, **meta, **opts)
-    except triton.runtime.OutOfResources:
-        if small is None or key in _SMALL_SMEM:
-            raise
-        _SMALL_SMEM.add(key)
-        _launch_stage1(args, shape, meta, opts, small)
+    for i, (m, o) in enumerate(tries):
+        grid = (triton.cdiv(h, m["BLOCK_H"]) * m["SPLIT_V"], bs, max_splits)
+        try:
+            _mla_decode_stage1_kernel[grid](*args, **m, **o)
+        except triton.runtime.OutOfResources:
+            if i == len(tries) - 1:
+                raise
+            continue
+        if i:
+            _FITS[key] = (m, o)
+        return
 
 
 def _check_mla_args(q_lat, q_pe, latent, o, req_to_token, req_pool_indices, seq_lens,
@@ -369,10 +377,10 @@ def mla_decode_fwd(q_lat: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor
             req_to_token.stride(0), attn_logits.stride(0), attn_logits.stride(1),
             attn_logits.stride(2), attn_lse.stride(0), attn_lse.stride(1), o.stride(0),
             o.stride(1))
-    small = None if cfg is not None else functools.partial(
-        _mla_meta, r, q_pe.shape[-1], q_lat.dtype, q_lat.device.type, block_n, num_warps,
-        num_stages, kv_fp8=fp8, config=SMALL_SMEM_CONFIG)
-    _launch_stage1(args, (h, bs, max_splits), meta, opts, small)
+    remeta = None if cfg is not None else (lambda c: _mla_meta(
+        r, q_pe.shape[-1], q_lat.dtype, q_lat.device.type, block_n, num_warps, num_stages,
+        kv_fp8=fp8, config=c))
+    _launch_stage1(args, (h, bs, max_splits), meta, opts, remeta)
     meta2, opts2 = _stage2_meta(r, max_splits)
     _decode_stage2_kernel[(bs, h)](
         attn_logits, attn_lse, o, num_kv_splits, max_splits, attn_lse,

@@ -120,8 +120,9 @@ LEGACY_CONFIG = MLADecodeConfig(16, 32, 4, 2)
 #: a latent in fp32 (ieee dots: twice the shared memory and registers of bf16)
 FP32_CONFIG = MLADecodeConfig(16, 16, 8, 2)
 #: where the table's does not fit the device's shared memory (the 64-head rows need up to
-#: 216 KB; an A100 has 163 KB a block, sm_89 99 KB): 37 KB in bf16, 60 KB in FP8 (sm_90a)
-SMALL_SMEM_CONFIG = MLADecodeConfig(16, 16, 4, 2)
+#: 216 KB; an A100 has 163 KB a block, sm_89 99 KB), the first of these that does: the
+#: pre-table kernel (56 KB in bf16, 100 KB in FP8 on sm_90a), then 37 KB / 60 KB
+SMALL_SMEM_CONFIGS = (LEGACY_CONFIG, MLADecodeConfig(16, 16, 4, 2))
 
 #: (most heads of the bucket or None, kv kind) -> tag of the configuration (module
 #: docstring); ``bench.kernels.bench_mla --sweep`` prints a dict in this form to paste here
@@ -174,5 +175,5 @@ def table_line(picks: dict[tuple[int | None, str], str]) -> str:
 
 
 __all__ = ["FP32_CONFIG", "LEGACY_CONFIG", "MLADecodeConfig", "MLA_DECODE_TABLE", "MLA_DECODE_TAGS",
-           "SMALL_SMEM_CONFIG",
+           "SMALL_SMEM_CONFIGS",
            "head_bucket", "kv_kind", "mla_decode_config", "table_line"]

@@ -122,28 +122,29 @@ def test_config_tags_round_trip_and_refuse_bad_values():
 
 def test_a_table_config_too_big_for_the_device_falls_back(monkeypatch):
     """Triton refuses a launch over the device's shared memory on the host: the table's
-    config gives way to the small one for good; a config the caller chose does not."""
+    config gives way to the first fallback that fits, for good; a config the caller chose
+    does not."""
     from triton.runtime import OutOfResources
 
     from kernels.mla import decode
 
     real, seen = decode._mla_decode_stage1_kernel, []
 
-    class SmallDevice:   # an A100's 163 KB a block: the 64-head rows do not fit
+    class SmallDevice:   # sm_89's 99 KB: neither the 64-head rows nor 32-token tiles fit
         def __getitem__(self, grid):
             def launch(*args, **kw):
-                seen.append(kw["BLOCK_H"])
-                if kw["BLOCK_H"] == 64:
-                    raise OutOfResources(221184, 166912, "shared memory")
+                seen.append((kw["BLOCK_H"], kw["BLOCK_N"]))
+                if kw["BLOCK_H"] == 64 or kw["BLOCK_N"] > 16:
+                    raise OutOfResources(221184, 101376, "shared memory")
                 return real[grid](*args, **kw)
             return launch
 
     monkeypatch.setattr(decode, "_mla_decode_stage1_kernel", SmallDevice())
-    monkeypatch.setattr(decode, "_SMALL_SMEM", set())
+    monkeypatch.setattr(decode, "_FITS", {})
     for _ in range(2):
         o, ref = _run(None, 64, [70, 1], 2, F16)
         assert_close(o, ref, F16, "mla decode, the small-shared-memory config")
-    assert seen == [64, 16, 16]
+    assert seen == [(64, 64), (16, 32), (16, 16), (16, 16)]
     with pytest.raises(OutOfResources):
         _run("64x64x4x2v2", 64, [70, 1], 2, F16)
     assert mla_decode_config(128, dtype=F16, device_type="xpu") == LEGACY_CONFIG

@@ -127,7 +127,8 @@ SCRIPT = textwrap.dedent('''
     for key, cfg in mlac.MLA_DECODE_TABLE.items():
         if cfg != mlac.MLA_DECODE_TABLE[(None, key[1])]:
             mla(torch.bfloat16, 90, "fp8e4nv" if key[1] == "fp8" else None, cfg)
-    mla(torch.bfloat16, 80, None, mlac.SMALL_SMEM_CONFIG)
+    for cfg in mlac.SMALL_SMEM_CONFIGS:
+        mla(torch.bfloat16, 80, None, cfg)
     for pool in ("bf16", "fp8e4nv"):
         compile_one(ks._store_kv_kernel, dict(k_buf=pool, v_buf=pool, loc_ptr="i64",
                     k_ptr="fp32", v_ptr="fp32"),
