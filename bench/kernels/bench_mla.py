@@ -41,7 +41,7 @@ import time
 MAX_ERR = 3e-2
 #: (heads, kv dtype) -> the tags the sweep times (the table's default is added to each)
 SWEEP_CANDIDATES = {
-    (128, "auto"): ["legacy", "64x64x4x2v2", "64x32x4x3v2", "64x32x8x2", "32x32x8x2"],
+    (128, "auto"): ["legacy", "64x64x4x2v2", "64x32x4x3v2", "64x32x4x2v2", "64x32x8x2"],
     (128, "fp8_e4m3"): ["legacy", "64x64x4x2v2", "64x32x4x3v2", "64x32x8x2", "64x64x8x2",
                         "16x32x8x2"],
     (16, "auto"): ["legacy", "16x64x8x2", "16x32x8x2", "16x64x4x2", "16x64x8x3"],
