@@ -454,22 +454,29 @@ device='meta', quantization=q, progress=False)[0]); print('weight bytes bf16', b
     # alone (DeepSeek-V3's heads, bs 1/64 x 4k; graph replays, device events, medians), then
     # DeepSeek-V2-Lite end to end (dummy weights, decode graphs over the Triton MLA kernels).
     # deepseek-tests: the MLA kernels' GPU tests (bf16, V3's head shape, a captured decode
-    # step; an FP8 latent pool too). deepseek-kernels: the kernel at 32k and with V2-Lite's 16
+    # step; an FP8 latent pool too; every launch config of the decode table). deepseek-kernels: the kernel at 32k and with V2-Lite's 16
     # heads. deepseek-fp8: --kv-cache-dtype fp8_e4m3 (the latent pool in e4m3: half the bytes
     # read): the kernel at 4k and 32k, then V2-Lite end to end (against stage deepseek's).
+    # The kernel runs its launch table's config (default, marked *) and the pre-table one
+    # (legacy, 16x32x4x2) side by side. mla-sweep (issue 46, < 150 s): candidate configs per
+    # shape (128/16 heads, bf16/e4m3, bs 1/64 x 4k/32k), the best per shape and a line
+    # "MLA_DECODE_TAGS = {...}" to paste into kernels/mla/decode_config.py.
+    mla-sweep) run mla-sweep 150 python3 -m bench.kernels.bench_mla --sweep --reps 20;;
     deepseek) run deepseek-mla-kernel 120 python3 -m bench.kernels.bench_mla --batch-sizes 1,64 \
-              --contexts 4096
+              --contexts 4096 --configs default,legacy
               run deepseek-latency 450 python3 -m bench.bench_latency --load-format dummy \
               --model-path engine/configs/deepseek-v2-lite.json --batch-size 1 64 --input-len 512 \
               --output-len 64 --result-jsonl "$OUT/deepseek-latency.jsonl";;
     deepseek-tests) run deepseek-gputests 400 python3 -m pytest -q -x -m gpu \
-              tests/kernels/test_triton_mla.py tests/kernels/test_mla_backend.py -p no:cacheprovider;;
+              tests/kernels/test_triton_mla.py tests/kernels/test_mla_backend.py \
+              tests/kernels/test_mla_decode_configs.py -p no:cacheprovider;;
     deepseek-kernels) run deepseek-mla-kernel-32k 200 python3 -m bench.kernels.bench_mla \
-              --batch-sizes 1,64 --contexts 32768 --layers 4
+              --batch-sizes 1,64 --contexts 32768 --layers 4 --configs default,legacy
               run deepseek-mla-kernel-v2lite 150 python3 -m bench.kernels.bench_mla --num-heads 16 \
-              --batch-sizes 1,64 --contexts 4096,32768 --layers 4;;
+              --batch-sizes 1,64 --contexts 4096,32768 --layers 4 --configs default,legacy;;
     deepseek-fp8) run deepseek-mla-kernel-fp8 150 python3 -m bench.kernels.bench_mla \
-              --kv-dtype fp8_e4m3 --batch-sizes 1,64 --contexts 4096,32768 --layers 4
+              --kv-dtype fp8_e4m3 --batch-sizes 1,64 --contexts 4096,32768 --layers 4 \
+              --configs default,legacy
               run deepseek-latency-fp8 420 python3 -m bench.bench_latency --load-format dummy \
               --model-path engine/configs/deepseek-v2-lite.json --kv-cache-dtype fp8_e4m3 \
               --batch-size 1 64 --input-len 512 --output-len 64 \

@@ -62,7 +62,8 @@ def create_attention_backend(name: str | None, num_heads: int, num_kv_heads: int
                              device: str | torch.device | None = None, num_sms: int = 1,
                              waves: int | None = None,
                              fused_ops: bool = True,
-                             layer_specs: Sequence[LayerSpec] | None = None) -> AttentionBackend:
+                             layer_specs: Sequence[LayerSpec] | None = None,
+                             kv_dtype: torch.dtype | None = None) -> AttentionBackend:
     """Build a backend by name (see :func:`resolve_attention_backend` for None).
 
     Args:
@@ -76,6 +77,8 @@ def create_attention_backend(name: str | None, num_heads: int, num_kv_heads: int
             references on the CPU instead of ferry's C++ decode kernel.
         layer_specs: the model's layers, this rank's (``CausalLM.layer_specs`` through
             ``LayerSpec.per_rank``), which the backend checks it can run; None: unchecked.
+        kv_dtype: the KV pool's dtype; the latent (MLA) backend picks its decode launch
+            configuration by it (None: 16-bit). The other backends ignore it.
     Raises:
         ValueError: as :func:`resolve_attention_backend`; or Hq not a multiple of Hkv.
         NotImplementedError: a layer the backend does not run (a window, soft-capping,
@@ -87,6 +90,8 @@ def create_attention_backend(name: str | None, num_heads: int, num_kv_heads: int
                                         for s in layer_specs or ()):
         cls = TritonMLABackend
     extra = {"fused_ops": fused_ops} if cls is TorchNativeAttnBackend else {}
+    if cls is TritonMLABackend:
+        extra = {"kv_dtype": kv_dtype}
     return cls(num_heads, num_kv_heads, head_dim, device=device or device_type,
                num_sms=num_sms, waves=waves, layer_specs=layer_specs, **extra)
 

@@ -54,7 +54,10 @@ class TritonMLABackend(TritonAttnBackend):
 
     Args: as :class:`TritonAttnBackend`; ``layer_specs`` must be ``LATENT`` (their
     ``kv_lora_rank`` sizes the decode workspaces). ``max_kv_splits`` bounds the splits of
-    one request (default 32: a lone 4k request of a 16-head model spreads over 32 programs).
+    one request (default 64: a lone 4k request of a 16-head model spreads over 64 programs,
+    of a 128-head one over 33 splits x 4 programs, the 132 SMs of an H200).
+    ``kv_dtype``: the latent pool's dtype (None: 16-bit), which picks the decode kernel's
+    launch configuration (``kernels/mla/decode_config.py``) and so its programs per split.
     Raises:
         NotImplementedError: a layer that is not ``LATENT``.
         ValueError: no layer specs (the latent rank is unknown).
@@ -66,21 +69,27 @@ class TritonMLABackend(TritonAttnBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  device: str | torch.device = "cpu", num_sms: int = 132,
-                 waves: int | None = None, max_kv_splits: int = 32, layer_specs=None):
+                 waves: int | None = None, max_kv_splits: int = 64, layer_specs=None,
+                 kv_dtype: torch.dtype | None = None):
         super().__init__(num_heads, num_kv_heads, head_dim, device=device, num_sms=num_sms,
                          waves=waves, max_kv_splits=max_kv_splits, layer_specs=layer_specs)
         if not self.layer_specs:
             raise ValueError("TritonMLABackend needs the model's layer specs (kv_lora_rank)")
-        from kernels.mla import decode, prefill
+        from kernels.mla import decode, decode_config, prefill
 
         self.kv_lora_rank = self.layer_specs[0].kv_lora_rank
+        self.kv_fp8 = kv_dtype is not None and kv_dtype.itemsize == 1
+        # the decode kernel's launch config, for its programs per split (the kernel picks
+        # the same one itself, or a smaller one on a device with less shared memory)
+        self.decode_config = decode_config.mla_decode_config(
+            num_heads, self.kv_fp8, kv_dtype, torch.device(device).type)
         self._k_decode, self._k_prefill = decode, prefill
         self._graph_flat: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ---- metadata -----------------------------------------------------------------------
     def _split_cap(self, bs: int) -> int:
         return self._k_decode.mla_split_cap(bs, self.num_heads, self.num_sms, self.waves,
-                                            self.max_kv_splits)
+                                            self.max_kv_splits, config=self.decode_config)
 
     def _decode_state(self, rows: torch.Tensor, seq_lens: torch.Tensor,
                       splits_out: torch.Tensor | None = None,
@@ -88,7 +97,8 @@ class TritonMLABackend(TritonAttnBackend):
         bs = rows.shape[0]
         cap = self._split_cap(bs)
         splits = self._k_decode.choose_mla_splits(seq_lens, self.num_heads, cap, self.num_sms,
-                                                  waves=self.waves, out=splits_out)
+                                                  waves=self.waves, config=self.decode_config,
+                                                  out=splits_out)
         logits, lse = self._k_decode.mla_decode_workspaces(bs, self.num_heads, cap,
                                                            self.kv_lora_rank, seq_lens.device,
                                                            flat)

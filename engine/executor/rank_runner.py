@@ -100,7 +100,8 @@ class RankRunner:
             self.attention_backend_name, self.num_heads, self.num_kv_heads, self.head_dim,
             device_type=self.device_type, device=self.device,
             num_sms=dev.multiprocessor_count(self.device_type), waves=args.decode_attention_waves,
-            fused_ops=not args.disable_fused_ops, layer_specs=self.kv_layer_specs)
+            fused_ops=not args.disable_fused_ops, layer_specs=self.kv_layer_specs,
+            kv_dtype=self.kv_dtype)
         self.supports_overlap = dev.is_accelerator(self.device_type)
         self._build_graphs(args)
         logger.info("KV cache: %d tokens (%d layers x %d kv heads x %d dim, %s), page size %d; "

@@ -204,7 +204,7 @@ class MtpProposer(EagleProposer):
         backend = create_attention_backend(
             target.attention_backend_name, mini.q_size // d, mini.kv_size // d, d,
             device_type=target.device_type, device=target.device,
-            fused_ops=not args.disable_fused_ops, layer_specs=specs)
+            fused_ops=not args.disable_fused_ops, layer_specs=specs, kv_dtype=target.kv_dtype)
         return pool, backend
 
     def _log_head(self, args: ServerArgs) -> None:

@@ -42,6 +42,26 @@ def test_bench_mla_smoke_over_an_fp8_latent(capsys):
     assert len(rows) == 2 and all(float(r[-1]) < 2e-3 for r in rows)
 
 
+@pytest.mark.skipif(ON_GPU, reason="--smoke is the CPU interpreter mode")
+def test_bench_mla_configs_and_sweep_smoke(capsys, monkeypatch):
+    """``--configs`` gives a row per configuration; ``--sweep`` (its candidates cut to one
+    each) prints the best per shape and the line of picks for the table."""
+    from bench.kernels import bench_mla
+
+    assert bench_mla.main(["--smoke", "--configs", "default,legacy,64x32x8x2v2",
+                           "--batch-sizes", "2"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[2] for r in rows] == ["16x16x8x2*", "16x32x4x2", "64x32x8x2v2"]
+    assert all(float(r[-1]) < 1e-4 for r in rows)
+    monkeypatch.setattr(bench_mla, "SWEEP_CANDIDATES", {(16, "auto"): ["legacy"],
+                                                        (16, "fp8_e4m3"): ["legacy"]})
+    assert bench_mla.main(["--smoke", "--sweep", "--batch-sizes", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("best bs1 ctx70:") == 2
+    line = next(x for x in out.splitlines() if x.startswith("MLA_DECODE_TAGS = {"))
+    assert "(16, '16bit'): " in line and "(None, 'fp8'): " in line
+
+
 @pytest.mark.skipif(ON_GPU, reason="--dry-run on the CPU is the interpreter mode")
 def test_moe_mxfp4_bench_dry_run(tmp_path, capsys):
     import json

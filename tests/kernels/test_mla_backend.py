@@ -96,8 +96,9 @@ def _run(h, r, n, p, v, dtype, tol, scale=1, kv_dtype=None, kv_scale=1.0):
     layer = make_layer(h, r, n, p, v, hid, dtype)
     layer.kv_scale = kv_scale
     be = create_attention_backend("triton", h, 1, n + p, device_type=DEVICE, device=DEVICE,
-                                  num_sms=4, layer_specs=[layer.spec])
+                                  num_sms=4, layer_specs=[layer.spec], kv_dtype=kv_dtype)
     assert type(be).__name__ == "TritonMLABackend"
+    assert be.kv_fp8 == (kv_dtype is not None)   # the decode's launch table key
     ref_st, tri_st = Stepper(layer, dtype, kv_dtype=kv_dtype), Stepper(layer, dtype, be,
                                                                        kv_dtype)
     g = torch.Generator().manual_seed(1)

@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent('''
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from kernels import decode_attention as da, extend_attention as ea, fused_ops as fo, kv_store as ks
-    from kernels.mla import decode as mlad, prefill as mlap
+    from kernels.mla import decode as mlad, decode_config as mlac, prefill as mlap
     from kernels.moe import fused_moe_mxfp4 as mx
 
     TY = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -50,7 +50,7 @@ SCRIPT = textwrap.dedent('''
                 if name.startswith("stride") and name not in ("stride_r2t", "stride_sn"):
                     attrs[(i,)] = [["tt.divisibility", 16]]
         src = ASTSource(kernel, sig, constexprs, attrs)
-        triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+        return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
     # the attention variants' switches: all off (the default build; sinks_ptr is None, a
     # constexpr, as at launch) or all on
@@ -81,15 +81,19 @@ SCRIPT = textwrap.dedent('''
         meta, opts = ea._extend_meta(group, d, dtype, "cuda", kv_fp8=kv is not None)
         compile_one(ea._extend_kernel, ptrs, {**meta, **var}, opts, arch)
 
-    def mla(dtype, arch, kv=None):
-        # DeepSeek-V3's shape: R 512, rope 64, nope 128, v 128; kv: an FP8 latent pool
+    def mla(dtype, arch, kv=None, config=None):
+        # DeepSeek-V3's shape: R 512, rope 64, nope 128, v 128; kv: an FP8 latent pool;
+        # config: a launch config of the decode (None: the table's for 128 heads)
         t = TY[dtype]
-        meta, opts = mlad._mla_meta(512, 64, dtype, "cuda", kv_fp8=kv is not None)
-        compile_one(mlad._mla_decode_stage1_kernel, dict(
+        meta, opts = mlad._mla_meta(512, 64, dtype, "cuda", kv_fp8=kv is not None,
+                                    config=config)
+        k = compile_one(mlad._mla_decode_stage1_kernel, dict(
             q_lat=t, q_pe=t, latent=kv or t, req_to_token="i32", req_pool_indices="i64",
             seq_lens="i32", num_kv_splits="i32", part_o="fp32", part_lse="fp32", o_ptr=t),
             meta, opts, arch)
-        if kv is not None:
+        # the H200's 227 KB of shared memory a block (the launch would refuse more)
+        assert arch != 90 or k.metadata.shared <= 232448, (config, kv, k.metadata.shared)
+        if kv is not None or config is not None:
             return
         meta, opts = mlap._prefill_meta(128, 64, 128, dtype, "cuda", None, None, None)
         compile_one(mlap._mla_prefill_kernel, dict(
@@ -118,6 +122,13 @@ SCRIPT = textwrap.dedent('''
     extend(torch.bfloat16, 4, 128, 90, kv="fp8e4nv")
     extend(torch.bfloat16, 4, 128, 90, ON, kv="fp8e5")
     mla(torch.bfloat16, 90, kv="fp8e4nv")   # the MLA decode over an FP8 latent pool
+    # every other launch config of the MLA decode's table, bf16 and FP8 latents, and the one
+    # a device with less shared memory falls back to (sm_80)
+    for key, cfg in mlac.MLA_DECODE_TABLE.items():
+        if cfg != mlac.MLA_DECODE_TABLE[(None, key[1])]:
+            mla(torch.bfloat16, 90, "fp8e4nv" if key[1] == "fp8" else None, cfg)
+    for cfg in mlac.SMALL_SMEM_CONFIGS:
+        mla(torch.bfloat16, 80, None, cfg)
     for pool in ("bf16", "fp8e4nv"):
         compile_one(ks._store_kv_kernel, dict(k_buf=pool, v_buf=pool, loc_ptr="i64",
                     k_ptr="fp32", v_ptr="fp32"),
