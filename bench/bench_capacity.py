@@ -83,12 +83,13 @@ def time_decode(sched, device_type: str, steps: int) -> dict:
 
 
 def run_capacity(llm, num_prompts: int, input_len: int, output_len: int, settle_steps: int = 4,
-                 decode_steps: int = 32, seed: int = 0) -> dict:
+                 decode_steps: int = 32, seed: int = 0, on_filled=None) -> dict:
     """Both phases on ``llm`` (an ``engine.llm.LLM`` with nothing in flight); every request
-    is aborted afterwards, so ``llm`` serves on. Returns the result dict of the benchmark
-    (see the module doc; ``kv_tokens`` and ``swa_kv_tokens`` are the pools' sizes,
-    ``pool_fit`` the sequences of ``input_len + output_len`` tokens the full-attention pool
-    holds at their full length)."""
+    is aborted afterwards, so ``llm`` serves on. ``on_filled`` (optional) is called with
+    :func:`fill`'s dict between the phases. Returns the result dict of the benchmark (see
+    the module doc; ``kv_tokens`` and ``swa_kv_tokens`` are the pools' sizes, ``pool_fit``
+    the sequences of ``input_len + output_len`` tokens the full-attention pool holds at
+    their full length)."""
     sched = llm.scheduler
     rng = random.Random(seed)
     sp = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
@@ -98,6 +99,8 @@ def run_capacity(llm, num_prompts: int, input_len: int, output_len: int, settle_
     for r in reqs:
         sched.add_request(r)
     filled = fill(sched, settle_steps)
+    if on_filled is not None:
+        on_filled(filled)
     early = sum(1 for r in reqs if r.finished)
     decode = time_decode(sched, llm.runner.device_type, decode_steps)
     for r in reqs:
@@ -136,11 +139,18 @@ def main(argv: list[str] | None = None) -> dict:
     args = ServerArgs.from_cli_args(ns)
     from engine.llm import LLM
 
+    t0 = time.perf_counter()
     llm = LLM(**{k: v for k, v in vars(args).items()})
     # warm-up (graphs, Triton compilation) outside the measured phases
     llm.generate([[1] * 64], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    print(f"loaded and warmed up in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    def filled(f: dict) -> None:  # the count, in case the decode phase runs out of time
+        print(f"filled in {f['seconds']:.1f} s ({f['steps']} steps): {f['peak_running']} "
+              f"running, {f['waiting']} waiting", flush=True)
+
     res = run_capacity(llm, ns.num_prompts, ns.input_len, ns.output_len, ns.settle_steps,
-                       ns.decode_steps, ns.bench_seed)
+                       ns.decode_steps, ns.bench_seed, filled)
     bound = "pools" if res["waiting"] else "workload: raise --num-prompts"
     emit_result(res, f"capacity at {ns.input_len}+{ns.output_len} tokens "
                 f"(--swa-full-tokens-ratio {res['swa_full_tokens_ratio']:g}): "

@@ -95,3 +95,21 @@ def test_admission_fills_the_windowed_pool(tiny_gemma3):
     assert res["peak_running"] == want and res["waiting"] == 4
     assert res["finished_early"] == res["preemptions"] == 0
     llm.shutdown()
+
+
+def test_bench_capacity_command_line(tiny_gemma3, tmp_path, capsys):
+    """``python -m bench.bench_capacity`` as the GPU stage runs it (its flags, the printed
+    lines, the JSON line), on the tiny model."""
+    from bench.bench_capacity import main
+
+    out = tmp_path / "capacity.jsonl"
+    main(["--model-path", tiny_gemma3, "--load-format", "dummy", "--device", "cpu",
+          "--dtype", "float32", "--cpu-threads", "1", "--max-total-tokens", "2767",
+          "--swa-full-tokens-ratio", "0.5", "--chunked-prefill-size", "1024",
+          "--num-prompts", "14", "--input-len", str(L), "--output-len", str(M),
+          "--decode-steps", "2", "--result-jsonl", str(out)])
+    res = json.loads(out.read_text())
+    assert (res["peak_running"], res["waiting"], res["decode_steps"]) == (12, 2, 2)
+    assert res["swa_kv_tokens"] > 0 and res["swa_full_tokens_ratio"] == 0.5
+    text = capsys.readouterr().out
+    assert "12 running, 2 waiting" in text and "bound by the pools" in text
