@@ -190,6 +190,8 @@ class ExtendAdder:
         ps, w = self.kv.page_size, self.kv.swa_pool.window
         left = req.seq_len - req.kv_len
         n = min(left, self.budget)
+        if req.wants_prompt_logprobs:  # as _chunk_len cuts it
+            n = min(n, PROMPT_LOGPROBS_CHUNK)
         return (n + w if n < left else max(n, w + ps)) + ps
 
     def _chunk_len(self, req: Req) -> int:
