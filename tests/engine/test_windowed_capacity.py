@@ -80,10 +80,9 @@ def test_admission_fills_the_windowed_pool(tiny_gemma3):
     """A windowed pool of 449 slots beside a full-attention pool of 7,500 tokens: the
     windowed one bounds the count (15 requests of 320 + 64), and admission reaches what it
     holds. (It used to keep a window beside a last chunk and the full pool's decode
-    reserve in the windowed pool as well: 13 here; at Gemma-3-27B's W = 1,024 and 8k
-    prompts, about one request fewer.) One prompt per step (chunks of L): a newcomer holds
-    its L slots until its first decode gives back what lies behind its window, so requests
-    join every other step."""
+    reserve in the windowed pool as well: 13 here.) One prompt per step (chunks of L): a
+    newcomer holds its L slots until its first decode gives back what lies behind its
+    window, so requests join every other step."""
     from bench.bench_capacity import run_capacity
 
     llm = _llm(tiny_gemma3, chunk=L, swa_full_tokens_ratio=0.06, max_total_tokens=2800)
