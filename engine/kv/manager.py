@@ -103,19 +103,39 @@ class KVCacheManager:
             return 1 << 62
         return self.swa_pool.free_tokens() + self.tree.evictable_swa * self.page_size
 
-    def room(self, req) -> int:
+    def room(self, req, reserve: int = 0, swa_reserve: int = 0) -> int:
         """Tokens ``req`` may grow by now: the free slots of its last page plus what both
-        pools can still allocate (its own windowed pages behind the window count as free)."""
+        pools can still allocate beyond ``reserve`` full-attention tokens and
+        ``swa_reserve`` windowed slots kept for the running requests' next tokens (its own
+        windowed pages behind the window count as free)."""
         tail = len(req.pages) * self.page_size - req.kv_len
-        full = tail + self.available_tokens()
+        full = tail + self.available_tokens() - reserve
         if self.swa_pool is None:
             return full
-        own = sum(1 for p in req.swa_pages[req.swa_lo:self._behind(req)] if p) * self.page_size
-        return min(full, tail + self.swa_available_tokens() + own)
+        own = self._own_behind(req) * self.page_size
+        return min(full, tail + self.swa_available_tokens() + own - swa_reserve)
 
-    def decode_room(self) -> int:
-        """Tokens the running requests' next steps may take (the smaller pool's)."""
-        return min(self.available_tokens(), self.swa_available_tokens())
+    def swa_decode_reserve(self, reqs) -> int:
+        """Windowed slots (whole pages) the next token of each of ``reqs`` (the running
+        requests) takes: a page where its last page is full, unless ``grow`` gives one of its
+        own pages back first (one that falls behind its window at that growth: a request
+        past its window holds about W + one page however long it runs). 0 without a
+        windowed pool."""
+        if self.swa_pool is None:
+            return 0
+        pages = 0
+        for r in reqs:
+            need = self.pool.pages_needed(r.kv_len, len(r.pages), 1)
+            if need:
+                pages += max(0, need - self._own_behind(r))
+        return pages * self.page_size
+
+    def decode_short(self, reqs, reserve: int) -> bool:
+        """Whether the running requests ``reqs`` cannot all take their next token: the full
+        pool has fewer than ``reserve`` tokens left, or the windowed pool fewer slots than
+        :meth:`swa_decode_reserve`."""
+        return self.available_tokens() < reserve or \
+            self.swa_available_tokens() < self.swa_decode_reserve(reqs)
 
     def used_tokens(self) -> int:
         """Tokens in use by requests (their own pages and the tree pages they lock)."""
@@ -309,6 +329,10 @@ class KVCacheManager:
         before that end)."""
         ps = self.page_size
         return max(0, req.kv_len - self.swa_pool.window + 1 - ps) // ps
+
+    def _own_behind(self, req) -> int:
+        """Own windowed pages of ``req`` that its next growth gives back (:meth:`_behind`)."""
+        return sum(1 for p in req.swa_pages[req.swa_lo:self._behind(req)] if p)
 
     def _free_behind_window(self, req) -> None:
         """Give back ``req``'s own windowed pages behind its window (:meth:`_behind`)."""

@@ -21,8 +21,12 @@ never locks a prefix, and a request that stops admission has its prefix unlocked
    that waiting a step for that prefill to be cached pays, else DEFER;
 4. KV fit: with its cached prefix matched, its prompt and the tokens it and the running
    requests are still expected to generate (``new_token_ratio`` of their remaining
-   ``max_tokens``) fit beside the running requests' next-token reserve, else STOP (alone
-   in the step it is always admitted: no request outgrows the pool);
+   ``max_tokens``) fit beside the running requests' next-token reserve, and (a windowed
+   pool, ``engine/kv/windowed.py``) what it needs there at its peak fits beside theirs:
+   a chunk and the window before the next chunk while more of its prompt follows, else
+   its last chunk or its decodes' window, whichever is more (its window is all it keeps
+   afterwards), else STOP (alone in the step it is always admitted: no request outgrows
+   the pool);
 5. the chunk: the rest of the token budget, at most ``PROMPT_LOGPROBS_CHUNK`` tokens for a
    request that wants its prompt's logprobs, and at most the KV room left; none left: STOP
    (never ending inside an image whose tokens attend to each other: Gemma 3's). A hybrid
@@ -75,6 +79,9 @@ class ExtendAdder:
         chunked: the partly prefilled request, or None.
         budget: prompt tokens the step may compute (``--chunked-prefill-size``).
         reserve: KV tokens kept free for the running requests' next tokens (whole pages).
+        swa_reserve: windowed slots kept free for them (``KVCacheManager.swa_decode_reserve``:
+            a request past its window gives a page back as it takes one; 0 without a
+            windowed pool).
         max_running: ``--max-running-requests``.
         new_token_ratio: the share of their remaining ``max_tokens`` that requests are
             expected to still generate (admission keeps that much KV free).
@@ -86,12 +93,14 @@ class ExtendAdder:
 
     def __init__(self, kv: KVCacheManager, req_pool: ReqToTokenPool, prefix: PrefixPolicy,
                  lora: LoRAGate, running: list[Req], chunked: Req | None, budget: int,
-                 reserve: int, max_running: int, new_token_ratio: float):
+                 reserve: int, max_running: int, new_token_ratio: float,
+                 swa_reserve: int = 0):
         self.kv, self.req_pool, self.prefix, self.lora = kv, req_pool, prefix, lora
         self.running = running
         self.chunked = chunked
         self.budget = budget
         self.reserve = reserve
+        self.swa_reserve = swa_reserve
         self.max_running = max_running
         self.ratio = new_token_ratio
         # KV the running requests (and those admitted here) are still expected to generate
@@ -162,28 +171,40 @@ class ExtendAdder:
         # it must fit with everything it and the others will still need; alone it is always
         # admitted (no request outgrows the pool)
         own = req.seq_len - req.kv_len + self.ratio * future_tokens(req)
-        # the windowed pool: the first chunk and a window (the request frees behind it)
-        swa = min(req.seq_len - req.kv_len, self.budget) + self.kv.page_size + \
-            (self.kv.swa_pool.window if self.kv.swa_pool is not None else 0)
         if (self.running or self.reqs) and (
                 self.kv.available_tokens() - self.reserve < own + self.future
-                or self.kv.swa_available_tokens() - self.reserve < swa):
+                or self.kv.swa_available_tokens() - self.swa_reserve < self._swa_need(req)):
             self.kv.unmatch(req)
             return self._stop()
         self.future += self.ratio * future_tokens(req)
         return None
 
+    def _swa_need(self, req: Req) -> int:
+        """Windowed slots ``req`` takes at its peak (0 without a windowed pool): its first
+        chunk n and the window W the next chunk reads while more of its prompt follows,
+        else max(n, W + one page) (its decodes keep their window and the page being
+        written; what falls behind the window goes back as it grows), plus a page of
+        rounding."""
+        if self.kv.swa_pool is None:
+            return 0
+        ps, w = self.kv.page_size, self.kv.swa_pool.window
+        left = req.seq_len - req.kv_len
+        n = min(left, self.budget)
+        if req.wants_prompt_logprobs:  # as _chunk_len cuts it
+            n = min(n, PROMPT_LOGPROBS_CHUNK)
+        return (n + w if n < left else max(n, w + ps)) + ps
+
     def _chunk_len(self, req: Req) -> int:
         """Prompt tokens of ``req`` this step computes: the rest of its prompt within the
         budget (and ``PROMPT_LOGPROBS_CHUNK``: every row of its chunk comes back as fp32
         logits ``[n, vocab]``), within the KV room: the free slots of its last page plus the
-        tokens beyond the reserve; with state snapshots (a hybrid model) cut where one is
+        tokens beyond the reserves (``KVCacheManager.room``); with state snapshots (a hybrid model) cut where one is
         wanted (``KVCacheManager.chunk_len``). A chunk never ends inside an image of a
         bidirectional request (``MMInputs.image_cut``: Gemma 3's image tokens see each other)."""
         n = min(req.seq_len - req.kv_len, self.budget)
         if req.wants_prompt_logprobs:
             n = min(n, PROMPT_LOGPROBS_CHUNK)
-        room = self.kv.room(req) - self.reserve
+        room = self.kv.room(req, self.reserve, self.swa_reserve)
         n = self.kv.chunk_len(req, min(n, room))
         if req.mm is not None and 0 < n < req.seq_len - req.kv_len:
             # a bidirectional image is prefilled in one chunk: cut before it, or (the chunk

@@ -189,11 +189,11 @@ class Scheduler:
         """Free KV until every running request can take one more token: preempt the newest
         running requests first, then the partly prefilled one, the oldest running request
         last, so it always progresses (it fits alone: no request outgrows the pool)."""
-        if self.kv.decode_room() < self._decode_reserve():
+        if self.kv.decode_short(self.running, self._decode_reserve()):
             # a preempted request is recomputed from its ids: they must be real ones, and
             # the in-flight step may finish (and free) some requests
             self._drain()
-        while self.kv.decode_room() < self._decode_reserve():
+        while self.kv.decode_short(self.running, self._decode_reserve()):
             if len(self.running) > 1 or (self.running and self.chunked is None):
                 self._preempt(self.running.pop())
             elif self.chunked is not None:
@@ -213,7 +213,8 @@ class Scheduler:
                                  self.waiting, self.lora_served)
         adder = ExtendAdder(self.kv, self.req_pool, self.prefix, lora, self.running,
                             self.chunked, self.chunk_size, reserve,
-                            self.args.max_running_requests, self.new_token_ratio)
+                            self.args.max_running_requests, self.new_token_ratio,
+                            self.kv.swa_decode_reserve(self.running))
         if self.chunked is not None:
             adder.try_add(self.chunked)
         deferred: list[Req] = []

@@ -104,6 +104,37 @@ def test_grow_frees_pages_behind_the_window():
     assert_idle(sched)
 
 
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_swa_decode_reserve_covers_what_a_decode_takes(page_size):
+    """``KVCacheManager.swa_decode_reserve`` (what admission and retraction keep free in the
+    windowed pool for the running requests' next tokens) is never less than what a decode
+    step takes from it, and nothing for requests past their window when a page falls
+    behind as each takes one (page size 1: a request holds W + 1 slots however long it
+    runs; the full pool's reserve, which the windowed pool used to keep too, is a slot
+    each)."""
+    runner = WindowedRunner(512, 64, page_size=page_size)
+    sched = Scheduler(ServerArgs(chunked_prefill_size=8, page_size=page_size,
+                                 disable_radix_cache=True), runner)
+    sched.check_kv = True
+    reqs = make_reqs([30, 5], max_tokens=40)
+    for r in reqs:
+        sched.add_request(r)
+    pool, kv = runner.swa_pool, sched.kv
+    reserves = []
+    while sched.has_work():
+        decoding = len(sched.running) == 2 and not sched.waiting and sched.chunked is None
+        reserve, free = kv.swa_decode_reserve(sched.running), pool.num_free_pages
+        sched.step()
+        if decoding and not any(r.finished for r in reqs):
+            assert free - pool.num_free_pages <= reserve // page_size
+            reserves.append(reserve)
+    assert reserves and max(reserves) > 0  # the short prompt's first tokens take pages
+    if page_size == 1:  # both past their windows: each decode gives a slot back first
+        assert reserves[-10:] == [0] * 10
+    assert all(r.output_ids == expected(r.origin_input_ids, 40) for r in reqs)
+    assert_idle(sched)
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("full_tokens, swa_tokens", [(600, 48), (600, 400), (200, 64)])
 def test_shared_prefixes_chunks_and_preemption(page_size, full_tokens, swa_tokens):
