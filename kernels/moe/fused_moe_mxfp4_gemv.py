@@ -11,17 +11,20 @@ launches (two alignment, two GEMMs, the activation, the top-k sum). At
    pair's expert (its id, or routed from the token's router logits), the token row
    ``x[t // top_k]``, and the ``BLOCK_N`` gate rows ``n`` and up rows ``I + n`` of the
    expert's ``w13`` (ferry's layout: the checkpoint's interleaved gate/up rows are
-   de-interleaved at load, :func:`engine.models.gpt_oss.load_gptoss_expert`). Per K step of
-   ``BLOCK_K`` it loads each row's ``BLOCK_K / 2`` packed e2m1 bytes as a ``[BLOCK_N,
-   BLOCK_K/32, 16]`` tile (16-byte vectors, K-contiguous) and its ``[BLOCK_N, BLOCK_K/32]``
-   e8m0 scales, decodes the nibbles in registers (:func:`e2m1_halves`, the bit arithmetic
-   of the grouped kernel), multiplies them by the even / odd activations, sums each group
-   of 32 in fp32, scales the group sum by its power of two, and sums the groups. Then the
+   de-interleaved at load, :func:`engine.models.gpt_oss.load_gptoss_expert`), as one
+   ``[2, BLOCK_N]`` row tile. Per K step of ``BLOCK_K`` (:func:`_gemv_rows`) it loads each
+   row's ``BLOCK_K / 2`` packed e2m1 bytes as a ``[2, BLOCK_N, BLOCK_K/32, 16]`` tile
+   (16-byte vectors, K-contiguous) and its ``[2, BLOCK_N, BLOCK_K/32]`` e8m0 scales, the
+   next step's bytes before this step's math (a register double buffer), decodes the
+   nibbles in registers (:func:`e2m1_halves`, the bit arithmetic of the grouped kernel),
+   multiplies them by the even / odd activations, sums each group of 32 in fp32, scales the
+   group sum by its power of two, and sums the groups (no ``tl.dot``). Then the
    bias (``[E, 2I]``), the activation (gpt-oss's clamped SwiGLU, or SwiGLU / GeGLU) in
    fp32, and one store of ``act[t]`` in the activations' dtype. A pair whose id is outside
    ``[0, E)`` (another rank's expert) returns at once.
 2. :func:`_gemv_down_kernel`, one program per ``(token m, block of BLOCK_N of H)``: per K
-   step the tiles of all ``top_k`` pairs (issued together), each pair's row sums plus its
+   step the tiles of all ``top_k`` pairs as one ``[BLOCK_P, BLOCK_N]`` row tile (each pair
+   with its own row of ``act``), each pair's row sums plus its
    down bias times its routed weight, summed in k order in fp32 (deterministic, no
    atomics), stored once. A dropped pair reads nothing.
 
