@@ -247,10 +247,10 @@ def test_gemv_at_gpt_oss_hidden_in_fp32():
 
 
 @gpu_only
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
-@pytest.mark.parametrize("num_experts", [32, 128])
+@pytest.mark.parametrize("m,num_experts", [(1, 8), (2, 8), (3, 8), (4, 8), (4, 32)])
 def test_gemv_bf16_at_gpt_oss_shape(m, num_experts):
-    """bf16 activations at gpt-oss's expert shape (2880 x 2880, 32 / 128 experts, top-4),
+    """bf16 activations at gpt-oss's expert shape (2880 x 2880, top-4 of a few experts: the
+    kernels see the model's strides either way; random bytes are drawn on the host),
     default tiles: against the fp32 reference on the dequantized weights, against the
     grouped GEMM, and the routed variant against fused_topk + the plain one."""
     from kernels.moe.routing import fused_topk
@@ -282,7 +282,7 @@ def test_gemv_graph_capture_and_tile_variants():
     graph_cls = devlib.graph_class(DEVICE)
     if graph_cls is None:
         pytest.skip("no device graphs here")
-    x, _, ferry, weights, ids, _ = _case(2, 32, 4, 2880, 2880, BF16, seed=1, drop=True)
+    x, _, ferry, weights, ids, _ = _case(2, 8, 4, 2880, 2880, BF16, seed=1, drop=True)
     w13, w2 = ferry[0].to(DEVICE), ferry[3].to(DEVICE)
     kw = _kw(ferry, 7.0)
     s13, s2 = kw.pop("w13_scales"), kw.pop("w2_scales")
@@ -301,7 +301,7 @@ def test_gemv_graph_capture_and_tile_variants():
     with devlib.graph_context(DEVICE, graph):
         call(out=out)
     for seed in (2, 3):
-        _, _, _, weights, ids, _ = _case(2, 32, 4, 2880, 2880, BF16, seed=seed, drop=True)
+        _, _, _, weights, ids, _ = _case(2, 8, 4, 64, 64, BF16, seed=seed, drop=True)
         w_buf.copy_(weights)
         id_buf.copy_(ids)
         graph.replay()
