@@ -246,31 +246,52 @@ def test_gemv_at_gpt_oss_hidden_in_fp32():
 # ------------------------------------------------------------------------------ GPU
 
 
+def _check_path(m: int, num_experts: int, size: int, dtype, tol: float, tiles=None,
+                config=None) -> None:
+    """The GEMV path through ``fused_moe_oai(gemv=True)`` on ``fused_topk``'s routing of
+    random logits: against the fp32 reference on the dequantized weights, against the
+    grouped GEMM (``config``: its launch configuration, None: looked up), and the routed
+    variant against it (bitwise: the same routing arithmetic)."""
+    from kernels.moe.routing import fused_topk
+
+    x, _, ferry, _, _, logits = _case(m, num_experts, 4, size, size, dtype, seed=m)
+    w13, w2 = ferry[0].to(DEVICE), ferry[3].to(DEVICE)
+    kw = _kw(ferry, 7.0)
+    x, logits = x.to(DEVICE), logits.to(DEVICE)
+    weights, ids = fused_topk(logits, 4, True)
+    s13, s2 = kw.pop("w13_scales"), kw.pop("w2_scales")
+    out = gemv_mod.fused_moe_oai_gemv(x, w13, w2, s13, s2, weights, ids, **kw, tiles=tiles)
+    if tiles is None:                                   # the dispatch: the same call
+        assert torch.equal(mx_mod.fused_moe_oai(x, w13, w2, weights, ids, w13_scales=s13,
+                                                w2_scales=s2, **kw, gemv=True), out)
+    f32 = dict(kw, w13_bias=kw["w13_bias"].float(), w2_bias=kw["w2_bias"].float())
+    ref = fused_moe_torch(x.float(), w13, w2, weights, ids, w13_scales=s13, w2_scales=s2,
+                          **f32)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert rel_err(out, ref) < tol
+    grouped = mx_mod.fused_moe_oai(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2,
+                                   **kw, gemv=False, config=config)
+    assert rel_err(out, grouped) < 1.6 * tol
+    routed = gemv_mod.fused_moe_oai_gemv_routed(x, w13, w2, logits, 4, True,
+                                                w13_scales=s13, w2_scales=s2, **kw,
+                                                tiles=tiles)
+    assert torch.equal(routed, out)
+
+
+def test_check_path_runs_in_the_interpreter():
+    """The GPU test's own code (``_check_path``) at a small shape in fp32."""
+    _check_path(2, 8, 64, F32, 2e-5, tiles=SMALL_TILES,
+                config=dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64,
+                            GROUP_SIZE_M=1, num_warps=4, num_stages=2))
+
+
 @gpu_only
 @pytest.mark.parametrize("m,num_experts", [(1, 8), (2, 8), (3, 8), (4, 8), (4, 32)])
 def test_gemv_bf16_at_gpt_oss_shape(m, num_experts):
     """bf16 activations at gpt-oss's expert shape (2880 x 2880, top-4 of a few experts: the
     kernels see the model's strides either way; random bytes are drawn on the host),
-    default tiles: against the fp32 reference on the dequantized weights, against the
-    grouped GEMM, and the routed variant against fused_topk + the plain one."""
-    from kernels.moe.routing import fused_topk
-
-    x, _, ferry, _, _, logits = _case(m, num_experts, 4, 2880, 2880, BF16, seed=m)
-    w13, w2 = ferry[0].to(DEVICE), ferry[3].to(DEVICE)
-    kw = _kw(ferry, 7.0)
-    x, logits = x.to(DEVICE), logits.to(DEVICE)
-    weights, ids = fused_topk(logits, 4, True)
-    out = mx_mod.fused_moe_oai(x, w13, w2, weights, ids, **kw, gemv=True)
-    f32 = dict(kw, w13_bias=kw["w13_bias"].float(), w2_bias=kw["w2_bias"].float())
-    ref = fused_moe_torch(x.float(), w13, w2, weights, ids, **f32)
-    assert out.dtype == BF16 and torch.isfinite(out).all()
-    assert rel_err(out, ref) < 1e-2
-    grouped = mx_mod.fused_moe_oai(x, w13, w2, weights, ids, **kw, gemv=False)
-    assert rel_err(out, grouped) < 1.6e-2
-    s13, s2 = kw.pop("w13_scales"), kw.pop("w2_scales")
-    routed = gemv_mod.fused_moe_oai_gemv_routed(x, w13, w2, logits, 4, True,
-                                                w13_scales=s13, w2_scales=s2, **kw)
-    assert torch.equal(routed, out)
+    default tiles and the grouped GEMM's looked-up configuration (``_check_path``)."""
+    _check_path(m, num_experts, 2880, BF16, 1e-2)
 
 
 @gpu_only
