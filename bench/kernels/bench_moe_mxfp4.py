@@ -8,7 +8,9 @@ grouped ``tl.dot`` GEMM, ``gemv=False``) and once with the same (dequantized) va
 bf16, for each M (tokens in the batch). At ``M <= --gemv-max-m`` it also times the GEMV path
 (:func:`kernels.moe.fused_moe_mxfp4_gemv.fused_moe_oai_gemv`, two launches) with its default
 tiles (``gemv``), the self-routed variant the engine runs (``routed``: routing inside the
-kernels, against ``fused_topk`` + the grouped GEMM, ``topk+grouped``), and every tile variant
+kernels; against ``fused_topk`` + the GEMV path, ``topk+gemv``, the engine's choice with
+``FERRY_MXFP4_GEMV_ROUTE=0``, and ``fused_topk`` + the grouped GEMM, ``topk+grouped``, the
+engine's path before), and every tile variant
 of ``--gemv-tiles`` (``target_programs,block_k`` pairs, ``FERRY_MXFP4_GEMV_TILES``'s format:
 the line to pick the default from). Each
 figure is the median device time of ``--iters`` calls after ``--warmup`` (device events
@@ -62,7 +64,7 @@ def bench_gemv(rec: dict, args: tuple, kw: dict, logits, timer: Timer, nbytes: i
                peak_gbs: float, variants: list[tuple[int, int]],
                default_target: int | None = None) -> None:
     """Time the GEMV path of one shape and M into ``rec`` (``gemv``, ``routed``,
-    ``topk+grouped``, ``tiles``) and print its lines; ``default_target``: the default
+    ``topk+gemv``, ``topk+grouped``, ``tiles``) and print its lines; ``default_target``: the default
     tiles' ``target_programs`` (None: the module's)."""
     x, w13, w2, s13, s2, weights, ids = args
     m, h = x.shape
@@ -81,12 +83,13 @@ def bench_gemv(rec: dict, args: tuple, kw: dict, logits, timer: Timer, nbytes: i
     grouped = partial(fused_moe_oai, x, w13, w2, w13_scales=s13, w2_scales=s2, gemv=False,
                       **kw)
     rec["topk+grouped"] = timed(lambda: grouped(*fused_topk(logits, top_k, True)))
+    rec["topk+gemv"] = timed(lambda: g(*fused_topk(logits, top_k, True), tiles=default))
     base = rec["mxfp4"]["us"]
     print(f"{'':13s} M={m:<4d} gemv   {_fmt(rec['gemv'])}  x{base / rec['gemv']['us']:.2f} "
           f"over grouped  tiles {rec['gemv']['tiles']}", flush=True)
-    print(f"{'':13s} M={m:<4d} routed {_fmt(rec['routed'])}  topk+grouped "
-          f"{_fmt(rec['topk+grouped'])}  x{rec['topk+grouped']['us'] / rec['routed']['us']:.2f}",
-          flush=True)
+    print(f"{'':13s} M={m:<4d} routed {_fmt(rec['routed'])}  topk+gemv "
+          f"{rec['topk+gemv']['us']:8.1f} us  topk+grouped {rec['topk+grouped']['us']:8.1f} us"
+          f"  x{rec['topk+grouped']['us'] / rec['routed']['us']:.2f}", flush=True)
     rec["tiles"] = []
     for target, bk in variants:
         tiles = gemv_mod.gemv_tiles(m, top_k, h, inter, target, bk)

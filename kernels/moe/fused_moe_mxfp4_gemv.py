@@ -35,7 +35,8 @@ alone give 720 programs a launch at gpt-oss's shape (:func:`gemv_tiles`).
 
 ``FERRY_MXFP4_GEMV_MAX_M`` (default 4; 0 turns the path off) is the largest M that takes
 it; ``FERRY_MXFP4_GEMV_TILES`` = ``target_programs,block_k`` (default ``528,512``) sets the
-tile choice.
+tile choice; ``FERRY_MXFP4_GEMV_ROUTE=0`` makes the engine's layer route with ``fused_topk``
+first (three launches) instead of in the GEMV programs (:func:`gemv_self_routes`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ from kernels.moe.routing import route_row
 #: the largest batch that runs the GEMV path (environment override; 0: never)
 GEMV_MAX_M = max(0, int(os.environ.get("FERRY_MXFP4_GEMV_MAX_M", "4")))
 
+#: whether the engine's layer routes inside the GEMV kernels (two launches) rather than
+#: with ``fused_topk`` first (three; environment override, 0: the latter)
+GEMV_SELF_ROUTE = os.environ.get("FERRY_MXFP4_GEMV_ROUTE", "1") != "0"
+
 #: tiles: aim for this many programs a launch (4 per SM of an H200's 132), and this K step
 TARGET_PROGRAMS, BLOCK_K = (int(v) for v in os.environ.get(
     "FERRY_MXFP4_GEMV_TILES", "528,512").split(","))
@@ -63,6 +68,14 @@ def use_gemv_path(m: int) -> bool:
     """Whether :func:`kernels.moe.fused_moe_mxfp4.fused_moe_oai` runs M rows of MXFP4 experts
     on the GEMV path."""
     return 0 < m <= GEMV_MAX_M
+
+
+def gemv_self_routes(m: int) -> bool:
+    """Whether the engine's MoE layer (``route_and_run``) runs M rows of MXFP4 experts with
+    :func:`fused_moe_oai_gemv_routed` (the GEMV path, routing in its programs: each
+    program's softmax and top-k over the E logits precede its first weight load); else
+    ``fused_topk`` and then :func:`kernels.moe.fused_moe_mxfp4.fused_moe_oai`."""
+    return GEMV_SELF_ROUTE and use_gemv_path(m)
 
 
 @triton.jit
@@ -374,5 +387,6 @@ def fused_moe_oai_gemv_routed(hidden_states: torch.Tensor, w13: torch.Tensor,
                               route=(router_logits, top_k, renormalize), **kwargs)
 
 
-__all__ = ["BLOCK_K", "GEMV_MAX_M", "TARGET_PROGRAMS", "e2m1_halves", "e8m0_times_2_14",
-           "fused_moe_oai_gemv", "fused_moe_oai_gemv_routed", "gemv_tiles", "use_gemv_path"]
+__all__ = ["BLOCK_K", "GEMV_MAX_M", "GEMV_SELF_ROUTE", "TARGET_PROGRAMS", "e2m1_halves",
+           "e8m0_times_2_14", "fused_moe_oai_gemv", "fused_moe_oai_gemv_routed",
+           "gemv_self_routes", "gemv_tiles", "use_gemv_path"]

@@ -193,9 +193,9 @@ def test_gemv_tiles_for_gpt_oss():
 
 def test_engine_layer_takes_two_launches(monkeypatch):
     """A gpt-oss MoE block (router with bias, MXFP4 experts with biases and the clamp) on
-    the Triton impl: at M <= GEMV_MAX_M the router GEMM and the two GEMV launches, the same
-    output as the torch impl (the CPU path); the switch at 0 goes back to the grouped
-    path's launches."""
+    the Triton impl: at M <= GEMV_MAX_M the router GEMM and the two GEMV launches (with
+    ``FERRY_MXFP4_GEMV_ROUTE=0`` fused_topk's launch first), the same output as the torch
+    impl (the CPU path); the switch at 0 goes back to the grouped path's launches."""
     from bench.launch_count import count_launches
     from engine.layers.moe import ExpertOptions, SparseMoeBlock, triton_fused_moe
 
@@ -213,14 +213,15 @@ def test_engine_layer_takes_two_launches(monkeypatch):
     ref = block(x)                                             # the torch impl
     block.experts.impl = triton_fused_moe()
     monkeypatch.setattr(gemv_mod, "TARGET_PROGRAMS", 1)        # few programs: fast here
-    for max_m, gemv in ((4, True), (0, False)):
+    for max_m, self_route, gemv in ((4, True, True), (4, False, True), (0, True, False)):
         monkeypatch.setattr(gemv_mod, "GEMV_MAX_M", max_m)
+        monkeypatch.setattr(gemv_mod, "GEMV_SELF_ROUTE", self_route)
         with count_launches() as seen:
             out = block(x)
         names = " ".join(seen.names)
         assert ("_gemv_" in names) == gemv, seen.names
-        if gemv:
-            assert seen.total == 3, seen.names                 # router GEMM + two
+        if gemv:      # router GEMM + two (+ fused_topk's when the kernels do not route)
+            assert seen.total == (3 if self_route else 4), seen.names
         assert rel_err(out, ref) < 2e-5
 
 
