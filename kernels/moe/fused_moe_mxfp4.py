@@ -22,6 +22,9 @@ top-k sum; the same helpers), with a grouped GEMM (:func:`invoke_moe_gemm_oai`) 
 - adds the expert's bias row (``[E, N]``) to the fp32 accumulator before the routed weight.
 
 Between the GEMMs, :func:`kernels.moe.reference.swiglu_oai` (torch ops, fp32) or SwiGLU.
+MXFP4 experts at decode sizes (``M <= FERRY_MXFP4_GEMV_MAX_M``, default 4) take the two
+GEMV-shaped launches of :mod:`kernels.moe.fused_moe_mxfp4_gemv` instead (no ``tl.dot``
+tile padded from one row to 16, no alignment, no separate activation or top-k sum).
 Semantics and layouts: :func:`kernels.moe.reference.fused_moe_torch`, :mod:`kernels.moe.mxfp4`.
 No host sync: graph capturable. In the Triton interpreter a bf16 ``tl.dot`` is unreliable
 (the tests use fp16/fp32).
