@@ -208,6 +208,10 @@ def test_engine_layer_takes_two_launches(monkeypatch):
                         "w2_bias"), ferry):
         getattr(ex, name).data.copy_(t)
     block.gate.weight.data.normal_(0, 0.5)
+    block.gate.bias.data.normal_(0, 0.5)         # every parameter set (torch.empty: garbage)
+    assert {n for n, _ in block.named_parameters()} == {
+        "gate.weight", "gate.bias", "experts.w13_weight", "experts.w13_scales",
+        "experts.w13_bias", "experts.w2_weight", "experts.w2_scales", "experts.w2_bias"}
     block = block.to(DEVICE)
     x = torch.randn(1, 32).to(DEVICE)
     ref = block(x)                                             # the torch impl
