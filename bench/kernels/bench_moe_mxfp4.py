@@ -101,9 +101,10 @@ def bench_gemv(rec: dict, args: tuple, kw: dict, logits, timer: Timer, nbytes: i
 def bench_shape(name: str, shape: tuple[int, int, int, int], ms: list[int], dtype, device: str,
                 timer: Timer, peak_gbs: float, gemv_max_m: int = 8,
                 variants: list[tuple[int, int]] = (),
-                default_target: int | None = None) -> list[dict]:
+                default_target: int | None = None, variants_max_m: int = 8) -> list[dict]:
     """Time both weight formats of one shape at every M, and the GEMV path up to
-    ``gemv_max_m`` (with each tile variant); returns one record per M."""
+    ``gemv_max_m`` (with each tile variant up to ``variants_max_m``); returns one record
+    per M."""
     e, k, h, inter = shape
     g = torch.Generator().manual_seed(0)
     w13, s13 = _mxfp4(e, 2 * inter, h, device, g)
@@ -142,7 +143,8 @@ def bench_shape(name: str, shape: tuple[int, int, int, int], ms: list[int], dtyp
             gkw = {k: kw[k] for k in ("w13_bias", "w2_bias", "activation", "swiglu_alpha",
                                       "swiglu_limit")}
             bench_gemv(rec, (x, w13, w2, s13, s2, weights, ids), gkw, logits, timer,
-                       touched * per_expert["mxfp4"], peak_gbs, variants, default_target)
+                       touched * per_expert["mxfp4"], peak_gbs,
+                       variants if m <= variants_max_m else [], default_target)
         out.append(rec)
     return out
 
@@ -158,6 +160,8 @@ def main(argv=None) -> None:
     ap.add_argument("--gemv-tiles", default="528,256;528,1024;264,512;1056,512;132,512",
                     help="GEMV tile variants, target_programs,block_k pairs separated by ';' "
                          "(besides the default; empty: none)")
+    ap.add_argument("--gemv-tiles-max-m", type=int, default=8,
+                    help="time the tile variants up to this M (each variant compiles anew)")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--peak-gbs", type=float, default=4250.0)
@@ -186,7 +190,8 @@ def main(argv=None) -> None:
     records = []
     for name, shape in shapes.items():
         records += bench_shape(name, shape, ms, dtype, device, timer, args.peak_gbs,
-                               args.gemv_max_m, variants, default_target)
+                               args.gemv_max_m, variants, default_target,
+                               args.gemv_tiles_max_m)
     if args.result_json:
         with open(args.result_json, "w") as f:
             json.dump(records, f, indent=1)
