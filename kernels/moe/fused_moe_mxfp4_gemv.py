@@ -60,6 +60,10 @@ GEMV_SELF_ROUTE = os.environ.get("FERRY_MXFP4_GEMV_ROUTE", "1") != "0"
 TARGET_PROGRAMS, BLOCK_K = (int(v) for v in os.environ.get(
     "FERRY_MXFP4_GEMV_TILES", "528,512").split(","))
 
+#: the largest weight tile a program loads per K step (bytes): 8 warps x 32 bytes a thread
+#: (wider tiles cost registers: on sm_90 the down kernel's 16 x 4 pairs x 256 bytes took 215)
+MAX_STEP_BYTES = 8192
+
 #: the activation codes of the gate/up kernel
 _ACTS = {"silu": 0, "swiglu_oai": 1, "gelu_tanh": 2}
 
@@ -260,8 +264,10 @@ def gemv_tiles(m: int, top_k: int, h: int, inter: int, target_programs: int | No
     bytes in flight are about the rows times ``BLOCK_K / 2``: a wide K step, not split-K,
     is what keeps HBM busy. BLOCK_N is the widest power of two in [2, 16] that still gives
     ``target_programs`` programs (default :data:`TARGET_PROGRAMS`, 528: four per SM of an
-    H200; the narrowest when none does). num_warps gives each thread about 32 bytes of
-    weights a step (1..8)."""
+    H200; the narrowest when none does) and keeps a step's tile (gate + up rows, or the
+    ``top_k`` pairs' rows) within :data:`MAX_STEP_BYTES`. num_warps gives each thread about
+    32 bytes of weights a step (1..8: two 16-byte loads, and two more in flight for the
+    next step; sm_90, default tiles: 110-150 registers, no spills)."""
     target = TARGET_PROGRAMS if target_programs is None else target_programs
     bk_max = BLOCK_K if block_k is None else block_k
 
@@ -269,14 +275,16 @@ def gemv_tiles(m: int, top_k: int, h: int, inter: int, target_programs: int | No
         bk = max(32, min(bk_max, triton.next_power_of_2(k)))
         bn = 2
         for cand in (16, 8, 4):
-            if programs_per_row * triton.cdiv(n, cand) >= target:
+            if cand * tiles_per_step * bk // 2 <= MAX_STEP_BYTES \
+                    and programs_per_row * triton.cdiv(n, cand) >= target:
                 bn = cand
                 break
         step_bytes = tiles_per_step * bn * bk // 2
         warps = max(1, min(8, triton.next_power_of_2(max(1, step_bytes // 1024))))
         return bn, bk, warps
 
-    return {"up": pick(m * top_k, inter, 2, h), "down": pick(m, h, top_k, inter)}
+    return {"up": pick(m * top_k, inter, 2, h),
+            "down": pick(m, h, triton.next_power_of_2(top_k), inter)}
 
 
 def fused_moe_oai_gemv(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -387,6 +395,6 @@ def fused_moe_oai_gemv_routed(hidden_states: torch.Tensor, w13: torch.Tensor,
                               route=(router_logits, top_k, renormalize), **kwargs)
 
 
-__all__ = ["BLOCK_K", "GEMV_MAX_M", "GEMV_SELF_ROUTE", "TARGET_PROGRAMS", "e2m1_halves",
-           "e8m0_times_2_14", "fused_moe_oai_gemv", "fused_moe_oai_gemv_routed",
+__all__ = ["BLOCK_K", "GEMV_MAX_M", "GEMV_SELF_ROUTE", "MAX_STEP_BYTES", "TARGET_PROGRAMS",
+           "e2m1_halves", "e8m0_times_2_14", "fused_moe_oai_gemv", "fused_moe_oai_gemv_routed",
            "gemv_self_routes", "gemv_tiles", "use_gemv_path"]

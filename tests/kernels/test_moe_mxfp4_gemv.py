@@ -182,11 +182,14 @@ def test_fused_moe_oai_dispatches_by_m(monkeypatch):
 
 def test_gemv_tiles_for_gpt_oss():
     """bs1 at gpt-oss's expert shape: 720 programs a launch (>= 4 per SM of 132), 512-wide
-    K steps, ~32 bytes of weights per thread a step; wider rows as M grows."""
+    K steps, ~32 bytes of weights per thread a step; wider rows as M grows, up to 8 KiB of
+    weights a step."""
     assert gemv_mod.gemv_tiles(1, 4, 2880, 2880, 528, 512) == {
         "up": (16, 512, 8), "down": (4, 512, 4)}
     assert gemv_mod.gemv_tiles(4, 4, 2880, 2880, 528, 512) == {
-        "up": (16, 512, 8), "down": (16, 512, 8)}
+        "up": (16, 512, 8), "down": (8, 512, 8)}                # 8 KiB a step at most
+    assert gemv_mod.gemv_tiles(1, 4, 2880, 2880, 528, 1024) == {
+        "up": (8, 1024, 8), "down": (4, 1024, 8)}
     assert gemv_mod.gemv_tiles(1, 4, 64, 96, 528, 512) == {
         "up": (2, 64, 1), "down": (2, 128, 1)}
 
