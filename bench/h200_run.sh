@@ -528,6 +528,32 @@ device='meta', quantization=q, progress=False)[0]); print('weight bytes bf16', b
                  --model-path engine/configs/gpt-oss-120b.json --load-format dummy --batch-size 1 64 \
                  --input-len 512 --output-len 64 --result-jsonl "$OUT/gptoss-latency.jsonl"
              fi;;
+    mxfp4-gemv|mxfp4-gemv-kernel|mxfp4-gemv-latency)
+             # gpt-oss bs1 decode (issue 44): the GEMV-shaped MXFP4 MoE path (M <= 4,
+             # FERRY_MXFP4_GEMV_MAX_M). mxfp4-gemv-kernel: its GPU tests (bf16 at 2880 x 2880,
+             # graph capture) and the kernel bench at the 120b shape (M = 1, 2, 4, 8: the GEMV
+             # path's default tiles vs the grouped GEMM vs bf16 experts, self-routed vs
+             # fused_topk first, and the tile variants at M <= 4: pick FERRY_MXFP4_GEMV_TILES,
+             # _MAX_M and _ROUTE from it); mxfp4-gemv-latency: bs1 decode of a dummy
+             # gpt-oss-120b with the path on (default) and off (mostly the two model loads).
+             # mxfp4-gemv runs both
+             wantm() { [ $stage = mxfp4-gemv ] || [ $stage = mxfp4-gemv-$1 ]; }
+             if wantm kernel; then
+               run mxfp4-gemv-gputests 120 python3 -m pytest -q -x -m gpu \
+                 tests/kernels/test_moe_mxfp4_gemv.py -p no:cacheprovider
+               run mxfp4-gemv-kernel 150 python3 -m bench.kernels.bench_moe_mxfp4 \
+                 --model gpt-oss-120b --batch-sizes 1,2,4,8 --gemv-tiles-max-m 4 --warmup 5 \
+                 --iters 30 --result-json "$OUT/mxfp4-gemv-kernel.json"
+             fi
+             if wantm latency; then
+               for path in on off; do
+                 run mxfp4-gemv-latency-$path 240 env FERRY_MXFP4_GEMV_MAX_M=$([ $path = on ] \
+                   && echo "${FERRY_MXFP4_GEMV_MAX_M:-4}" || echo 0) python3 -m bench.bench_latency \
+                   --model-path engine/configs/gpt-oss-120b.json --load-format dummy \
+                   --batch-size 1 --input-len 512 --output-len 32 \
+                   --result-jsonl "$OUT/mxfp4-gemv-latency-$path.jsonl"
+               done
+             fi;;
     fp8block-tests) # block-wise FP8 (issue 46): the kernel and engine GPU tests (~5 min)
              run fp8block-tests 300 python3 -m pytest -q -x -m gpu tests/kernels/test_triton_fp8_block.py \
                tests/kernels/test_fused_moe_fp8_block.py tests/engine/test_fp8_block.py \

@@ -312,9 +312,13 @@ def triton_fused_moe():
     ``route_and_run``: routing and experts from the router logits, which at decode sizes
     (``kernels.moe.fused_moe_decode.use_decode_path``; plain SwiGLU experts, no expert
     parallelism) is :func:`kernels.moe.fused_moe_decode.fused_moe_decode_routed`: two
-    launches for the whole layer after the router GEMM."""
+    launches for the whole layer after the router GEMM; MXFP4 experts (gpt-oss) at
+    ``M <= kernels.moe.fused_moe_mxfp4_gemv.GEMV_MAX_M`` take
+    :func:`kernels.moe.fused_moe_mxfp4_gemv.fused_moe_oai_gemv_routed`, likewise two
+    (``gemv_self_routes``; else ``fused_topk`` and the GEMV path, three)."""
     from kernels.moe.fused_moe import fused_moe
     from kernels.moe.fused_moe_decode import fused_moe_decode_routed, use_decode_path
+    from kernels.moe.fused_moe_mxfp4_gemv import fused_moe_oai_gemv_routed, gemv_self_routes
     from kernels.moe.routing import fused_topk
 
     def run(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -332,6 +336,9 @@ def triton_fused_moe():
                       **extras) -> torch.Tensor:
         if not extras and use_decode_path(x.shape[0]):
             return fused_moe_decode_routed(x, w13, w2, router_logits, top_k, renormalize)
+        if extras.get("w13_scales") is not None and gemv_self_routes(x.shape[0]):
+            return fused_moe_oai_gemv_routed(x, w13, w2, router_logits, top_k, renormalize,
+                                             **extras)
         weights, ids = fused_topk(router_logits, top_k, renormalize)
         return run(x, w13, w2, weights, ids, **extras)
 

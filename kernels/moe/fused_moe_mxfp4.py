@@ -22,6 +22,9 @@ top-k sum; the same helpers), with a grouped GEMM (:func:`invoke_moe_gemm_oai`) 
 - adds the expert's bias row (``[E, N]``) to the fp32 accumulator before the routed weight.
 
 Between the GEMMs, :func:`kernels.moe.reference.swiglu_oai` (torch ops, fp32) or SwiGLU.
+MXFP4 experts at decode sizes (``M <= FERRY_MXFP4_GEMV_MAX_M``, default 4) take the two
+GEMV-shaped launches of :mod:`kernels.moe.fused_moe_mxfp4_gemv` instead (no ``tl.dot``
+tile padded from one row to 16, no alignment, no separate activation or top-k sum).
 Semantics and layouts: :func:`kernels.moe.reference.fused_moe_torch`, :mod:`kernels.moe.mxfp4`.
 No host sync: graph capturable. In the Triton interpreter a bf16 ``tl.dot`` is unreliable
 (the tests use fp16/fp32).
@@ -35,6 +38,7 @@ import triton.language as tl
 
 from kernels.fused_ops import silu_and_mul
 from kernels.moe.fused_moe import grouped_block_ids, moe_align_block_size, moe_sum
+from kernels.moe.fused_moe_mxfp4_gemv import fused_moe_oai_gemv, use_gemv_path
 from kernels.moe.moe_config import check_config, get_moe_config
 from kernels.moe.mxfp4 import check_mxfp4
 from kernels.moe.reference import (
@@ -238,13 +242,16 @@ def fused_moe_oai(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
                   activation: str = "silu", swiglu_alpha: float = 1.702,
                   swiglu_limit: float = 7.0, w13_scales: torch.Tensor | None = None,
                   w2_scales: torch.Tensor | None = None, config: dict | None = None,
-                  device_name: str | None = None) -> torch.Tensor:
+                  device_name: str | None = None, gemv: bool | None = None) -> torch.Tensor:
     """:func:`kernels.moe.reference.fused_moe_torch` (its arguments, biases, activation,
     MXFP4 blocks and scales) in Triton: CUDA, XPU, or the interpreter on the CPU.
 
     Args:
         config: a launch configuration (:mod:`kernels.moe.moe_config`); None: looked up by
             ``device_name``; with MXFP4 weights ``BLOCK_SIZE_K`` is at least 32.
+        gemv: MXFP4 experts only: run :func:`kernels.moe.fused_moe_mxfp4_gemv.fused_moe_oai_gemv`
+            (two GEMV-shaped launches) instead of the grouped GEMM; None: when no ``config``
+            is given and ``M <= GEMV_MAX_M`` (``FERRY_MXFP4_GEMV_MAX_M``, default 4).
     Returns:
         New ``[M, H]`` tensor in the activations' dtype.
     Raises:
@@ -270,6 +277,12 @@ def fused_moe_oai(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     out = torch.empty((m, h), dtype=dtype, device=dev)
     if m == 0:
         return out
+    if mx and (gemv or (gemv is None and config is None and use_gemv_path(m))):
+        return fused_moe_oai_gemv(hidden_states, w13, w2, w13_scales, w2_scales,
+                                  topk_weights.to(torch.float32).contiguous(),
+                                  topk_ids.contiguous(), w13_bias=w13_bias, w2_bias=w2_bias,
+                                  activation=activation, swiglu_alpha=swiglu_alpha,
+                                  swiglu_limit=swiglu_limit, out=out)
     looked_up = config is None
     if looked_up:
         config = get_moe_config(m, num_experts, inter, h, top_k, dtype, dev.type, device_name)

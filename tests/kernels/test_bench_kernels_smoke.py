@@ -73,6 +73,9 @@ def test_moe_mxfp4_bench_dry_run(tmp_path, capsys):
     records = json.loads(out.read_text())
     assert [r["m"] for r in records] == [1, 3]
     assert all(r["mxfp4"]["weight_bytes"] * 3.7 < r["bf16"]["weight_bytes"] for r in records)
+    # the GEMV path (M = 1 in the dry run): default tiles, self-routed, one tile variant
+    assert {"gemv", "routed", "topk+gemv", "topk+grouped"} <= set(records[0]) and "gemv" not in records[1]
+    assert len(records[0]["tiles"]) == 1
     assert "mxfp4" in capsys.readouterr().out
 
 

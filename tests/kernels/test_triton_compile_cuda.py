@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent('''
     from triton.compiler import ASTSource
     from kernels import decode_attention as da, extend_attention as ea, fused_ops as fo, kv_store as ks
     from kernels.mla import decode as mlad, decode_config as mlac, prefill as mlap
-    from kernels.moe import fused_moe_mxfp4 as mx
+    from kernels.moe import fused_moe_mxfp4 as mx, fused_moe_mxfp4_gemv as mxg
 
     TY = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -43,7 +43,7 @@ SCRIPT = textwrap.dedent('''
                 sig[name] = "*" + ptr_types[name]
                 attrs[(i,)] = [["tt.divisibility", 16]]
             elif name in ("qk_scale", "eps", "cap_log2", "q_scale", "v_scale", "k_inv", "v_inv",
-                          "kv_scale"):
+                          "kv_scale", "alpha", "limit"):
                 sig[name] = "fp32"
             else:
                 sig[name] = "i32"
@@ -147,6 +147,22 @@ SCRIPT = textwrap.dedent('''
             dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, MUL_ROUTED_WEIGHT=True, MXFP4=True,
                  HAS_BIAS=True, EVEN_K=False, DOT_PREC=None),
             {"num_warps": warps, "num_stages": stages}, 90)
+    # its GEMV path (M <= 4): the default tiles at M = 1 and 4, ids given and self-routed
+    for m in (1, 4):
+        t = mxg.gemv_tiles(m, 4, 2880, 2880)
+        for route in (False, True):
+            common = dict(TOP_K=4, ROUTE=route, RENORM=True, BLOCK_E=128, BLOCK_P=4,
+                          HAS_BIAS=True)
+            bn, bk, warps = t["up"]
+            compile_one(mxg._gemv_gate_up_kernel, dict(
+                x_ptr="bf16", b_ptr="u8", s_ptr="u8", bias_ptr="bf16", ids_ptr="i32",
+                logits_ptr="bf16", act_ptr="bf16"),
+                dict(common, ACT=1, BLOCK_N=bn, BLOCK_K=bk), {"num_warps": warps}, 90)
+            bn, bk, warps = t["down"]
+            compile_one(mxg._gemv_down_kernel, dict(
+                act_ptr="bf16", b_ptr="u8", s_ptr="u8", bias_ptr="bf16", ids_ptr="i32",
+                tw_ptr="fp32", logits_ptr="bf16", out_ptr="bf16"),
+                dict(common, BLOCK_N=bn, BLOCK_K=bk), {"num_warps": warps}, 90)
     print("COMPILED OK")
 ''')
 
