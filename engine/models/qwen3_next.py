@@ -179,7 +179,7 @@ class HybridDecoderLayer(nn.Module):
                                "view (ForwardBatch.state): the runner built no state pool")
         return LinearStateBatch(st.conv_states[n], st.recurrent_states[n], st.slots,
                                 st.cu_seqlens, fb.is_decode, fb.num_decodes, st.cu_seqlens_dev,
-                                st.record)
+                                st.record, st.prefill_cu)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 rope: RotaryEmbedding, positions: torch.Tensor, fb: ForwardBatch
