@@ -217,3 +217,36 @@ def test_padding_rows_write_only_the_scratch_slot(checkpoint, monkeypatch):
         for old, new in zip(keep, (*pool.conv_states, *pool.recurrent_states)):
             assert not torch.equal(old[2], new[2])            # the request's slot advanced
             assert torch.equal(old[1], new[1]) and torch.equal(old[3], new[3])
+
+
+def test_mtp_verify_steps_stay_eager_with_decode_graphs(tmp_path, monkeypatch, caplog):
+    """MTP on a hybrid model with decode graphs on: the verify steps (EXTEND, their linear
+    layers recording for the commit) run eagerly, and the output is that of the model
+    alone."""
+    from mtp_helpers import add_qwen_mtp
+    from qwen3_next_helpers import save_tiny
+
+    from engine.llm import LLM
+    from engine.sampling.params import SamplingParams
+
+    save_tiny("qwen3_next", tmp_path)
+    add_qwen_mtp(tmp_path, 3)
+    prompts = [[5, 9, 14, 3, 77, 120, 31], list(range(40, 80)), [200, 201, 7]]
+    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    kw = dict(device="cpu", dtype="float32", max_total_tokens=2048, chunked_prefill_size=16,
+              max_running_requests=3, cuda_graph_max_bs=4)
+    with LLM(str(tmp_path), **kw) as llm:
+        want = [o.token_ids for o in llm.generate(prompts, sp)]
+    _pretend_recorded_graphs(monkeypatch)
+    with caplog.at_level(logging.INFO), LLM(str(tmp_path), speculative_algorithm="MTP",
+                                            speculative_num_steps=2, **kw) as llm:
+        r = llm.runner
+        assert r.graph_runner is not None, caplog.text
+        seen = []
+        replay = r.graph_runner.replay
+        r.graph_runner.replay = lambda b, *a, **k: (seen.append(b.defer_state),
+                                                    replay(b, *a, **k))[1]
+        got = [o.token_ids for o in llm.generate(prompts, sp)]
+        assert llm.scheduler.stats["spec_verify_reqs"] > 0
+    assert not any(seen)   # no verify step replayed a decode graph
+    assert got == want
