@@ -137,19 +137,28 @@ for stage in "$@"; do
                stop_server mt-$mode
              done;;
     # issue 45, Qwen3-Next / Qwen3.5 (hybrid Gated DeltaNet): needs fla-core in .whl
-    # (../shared/tools/device-wheels.sh fla-core==0.6.0 einops==0.8.2); graphs are off for
-    # these models. qwen3next-tests: FLA (prefill) and ferry's Triton decode step vs the torch
-    # reference at Qwen3-Next's head shapes, a tiny model on CUDA vs HF; qwen3next: bs1/bs64
-    # decode of Qwen3.5-35B-A3B's shape (the 80B-A3B, ~160 GB in bf16, does not fit one H200;
-    # TP for these models: tp-tests on nvidia-h200-x2);
+    # (../shared/tools/device-wheels.sh fla-core==0.6.0 einops==0.8.2); decode graphs run for
+    # these models (prefill eagerly). qwen3next-tests: FLA (prefill) and ferry's Triton decode
+    # step vs the torch reference at Qwen3-Next's head shapes, then, each on its own line and
+    # time limit, a tiny model on CUDA vs HF (parity), decode graphs vs eager decode (graphs)
+    # and prefix hits with overlap (prefix); faulthandler prints every thread's stack of a
+    # test still running after 90 s (before the line's 120 s limit kills it: the last run
+    # hung after "gated delta rule prefill backend: fla"). qwen3next: bs1/bs64 decode of
+    # Qwen3.5-35B-A3B's shape with decode graphs up to bs 64 (the eager figures of the
+    # previous runs, --disable-cuda-graph, are in docs/benchmarks.md; the 80B-A3B, ~160 GB in
+    # bf16, does not fit one H200; TP for these models: tp-tests on nvidia-h200-x2);
     # qwen3next-24l: Qwen3-Next-80B-A3B's layer shapes cut to 24 of its 48 layers (~80 GB)
     qwen3next-tests) python3 -c "from kernels.linear_attention import gated_delta_rule_backend as b; print('gated delta rule on cuda:', b('cuda'))"
-              run qwen3next-tests 300 python3 -m pytest -q -x -s \
-              tests/kernels/test_gated_delta_rule_fla.py tests/kernels/test_gdn_decode_triton.py \
-              tests/engine/test_qwen3_next_gpu.py -p no:cacheprovider;;
-    qwen3next) run qwen3next 540 python3 -m bench.bench_latency \
+              python3 -c "import fla, triton; print('fla-core', fla.__version__, 'triton', triton.__version__)"
+              QT=(python3 -m pytest -q -x -s -o faulthandler_timeout=90 -p no:cacheprovider)
+              run qwen3next-kernels 120 "${QT[@]}" tests/kernels/test_gated_delta_rule_fla.py \
+                tests/kernels/test_gdn_decode_triton.py
+              run qwen3next-parity 120 "${QT[@]}" tests/engine/test_qwen3_next_gpu.py -k matches_hf
+              run qwen3next-graphs 120 "${QT[@]}" tests/engine/test_qwen3_next_gpu.py -k decode_graphs
+              run qwen3next-prefix 120 "${QT[@]}" tests/engine/test_qwen3_next_gpu.py -k prefix_hits;;
+    qwen3next) run qwen3next 200 python3 -m bench.bench_latency \
               --model-path engine/configs/qwen3.5-35b-a3b.json --load-format dummy \
-              --disable-cuda-graph --batch-size 1 64 --input-len 512 --output-len 64 \
+              --cuda-graph-max-bs 64 --batch-size 1 64 --input-len 512 --output-len 64 \
               --result-jsonl "$OUT/qwen3next-latency.jsonl";;
     qwen3next-24l) run qwen3next-24l 540 python3 -m bench.bench_latency \
               --model-path engine/configs/qwen3-next-80b-a3b-24layers.json --load-format dummy \

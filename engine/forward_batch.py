@@ -106,6 +106,11 @@ class RecurrentStateView:
         record: a speculative verify step's list (``ScheduleBatch.defer_state``): each linear
             layer appends its inputs there instead of writing its states back (see
             ``engine/layers/gated_deltanet.py``); None in every other step.
+        prefill_cu: an EXTEND step on an accelerator: the prefill rows' (those before the
+            decode tail) cumulative counts as ``(int64 device tensor [n + 1], int64 CPU tensor
+            [n + 1])``, built once so that every layer passes the same two objects (FLA caches
+            its chunk indices by tensor identity, and with the CPU twin needs no host sync);
+            None otherwise.
     """
 
     conv_states: list[torch.Tensor]
@@ -114,6 +119,7 @@ class RecurrentStateView:
     cu_seqlens: list[int]
     cu_seqlens_dev: torch.Tensor | None = None
     record: list | None = None
+    prefill_cu: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass

@@ -114,6 +114,20 @@ def _state_arrays(batch: ScheduleBatch) -> list[list[int]]:
     return [[getattr(r, "state_slot", None) or 0 for r in batch.reqs], cu]
 
 
+def _state_view(pools: StepPools, batch: ScheduleBatch, arrays: list[list[int]],
+                on_device: list[torch.Tensor]) -> RecurrentStateView:
+    """The step's view of the recurrent-state pool (``arrays``: :func:`_state_arrays`,
+    ``on_device`` the same on the device)."""
+    sp = pools.state_pool
+    view = RecurrentStateView(sp.conv_states, sp.recurrent_states, on_device[0], arrays[1],
+                              on_device[1], [] if batch.defer_state else None)
+    if batch.mode == ForwardMode.EXTEND and pools.device.type != "cpu":
+        n = batch.batch_size - batch.num_decodes   # the prefill rows, before the decodes
+        cu = on_device[1] if not batch.num_decodes else on_device[1][:n + 1]
+        view.prefill_cu = (cu, torch.tensor(arrays[1][:n + 1], dtype=torch.int64))
+    return view
+
+
 def _mm_step(batch: ScheduleBatch, starts: list[int], extend: bool, device: torch.device
              ) -> tuple[torch.Tensor, list[tuple] | None, torch.Tensor | None]:
     """A step with image requests: its M-RoPE positions [3, T] int64 on ``device`` (a text
@@ -207,10 +221,7 @@ def build_forward_batch(pools: StepPools, attn_backend, batch: ScheduleBatch,
         fb.num_decodes = batch.num_decodes
         fb.logits_indices = logits_idx[0]
     if state_dev:
-        sp = pools.state_pool
-        fb.state = RecurrentStateView(sp.conv_states, sp.recurrent_states, state_dev[0],
-                                      state_arrays[1], state_dev[1],
-                                      [] if batch.defer_state else None)
+        fb.state = _state_view(pools, batch, state_arrays, state_dev)
     if any(getattr(r, "mm", None) is not None for r in batch.reqs):
         fb.mrope_positions, fb.mm_segments, fb.key_limit = _mm_step(batch, h.starts, extend,
                                                                     pools.device)

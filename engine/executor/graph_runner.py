@@ -6,6 +6,13 @@ of size ``bs`` runs the smallest captured bucket >= bs, with the padding rows po
 ``req_to_token`` row 0 and pool slot 0 (the padding sink), so they read and write nothing
 that a real request uses. Nothing inside the step syncs with the host.
 
+A model with linear-attention layers (a recurrent-state pool, ``engine/kv/state_pool.py``)
+reads each row's state slot from the static ``state_slots`` buffer (the step's
+``RecurrentStateView.slots``); a padding row points at the pool's slot 0, its scratch slot,
+so the padded rows' conv and recurrent updates never touch a real request's state. The
+per-bucket ``cu_seqlens`` (``0..bs``, one token a row) are host constants of the capture.
+Speculative verify steps of such a model are EXTEND steps and run eagerly.
+
 The attention metadata (decode split counts, workspaces) lives in the backend's static
 buffers (``attn_backend.init_capture``); ``init_forward_graph`` is captured with the step, so
 each replay recomputes the split counts on the device from the static ``seq_lens``.
@@ -23,7 +30,12 @@ import torch
 from engine import device as dev
 from engine.args import num_draft_tokens
 from engine.executor.schedule_batch import ScheduleBatch
-from engine.forward_batch import ForwardBatch, ForwardMode, resolve_placeholders
+from engine.forward_batch import (
+    ForwardBatch,
+    ForwardMode,
+    RecurrentStateView,
+    resolve_placeholders,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +84,8 @@ class GraphRunner:
         self.lora_seg_start = torch.arange(n, dtype=torch.int32, device=d)
         self.lora_seg_len = torch.ones(n, dtype=torch.int32, device=d)
         self.lora_seg_slot = torch.full((n,), -1, dtype=torch.int32, device=d)
+        # linear-attention layers: each row's recurrent-state slot (0: the scratch slot)
+        self.state_slots = torch.zeros(n, dtype=torch.int64, device=d)
         self.pool = runner.graph_pool()
         runner.attn_backend.init_capture(self.max_bs)
         t0 = time.perf_counter()
@@ -93,6 +107,10 @@ class GraphRunner:
         if getattr(r, "swa_pool", None) is not None:  # the windowed layers' view
             fb.swa = replace(fb, out_cache_loc=self.swa_loc[:bs],
                              req_to_token=r.swa_req_pool.req_to_token)
+        sp = getattr(r, "state_pool", None)
+        if sp is not None:  # the linear layers' slots, from the static buffer
+            fb.state = RecurrentStateView(sp.conv_states, sp.recurrent_states,
+                                          self.state_slots[:bs], list(range(bs + 1)))
         return fb
 
     def _run(self, bs: int) -> torch.Tensor:
@@ -151,7 +169,9 @@ class GraphRunner:
              [req.req_pool_idx for req in batch.reqs] + [0] * pad,
              [p + 1 for p in batch.prefix_lens] + [1] * pad,
              list(batch.out_cache_loc) + [0] * pad,
-             (list(batch.lora_slots) or [-1] * bs) + [-1] * pad], dtype=torch.int64)
+             (list(batch.lora_slots) or [-1] * bs) + [-1] * pad,
+             [getattr(req, "state_slot", None) or 0 for req in batch.reqs] + [0] * pad],
+            dtype=torch.int64)
         host = dev.host_to_device(host, r.device)  # pinned, non-blocking: no wait on the stream
         self.input_ids[:gbs].copy_(resolve_placeholders(host[0], future_ids))
         self.positions[:gbs].copy_(host[1])
@@ -159,6 +179,7 @@ class GraphRunner:
         self.seq_lens[:gbs].copy_(host[3])
         self.out_cache_loc[:gbs].copy_(host[4])
         self.lora_seg_slot[:gbs].copy_(host[5])
+        self.state_slots[:gbs].copy_(host[6])
         r.req_to_token_pool.req_to_token[host[2, :bs], host[1, :bs]] = host[4, :bs].to(torch.int32)
         if getattr(r, "swa_pool", None) is not None:
             loc = dev.host_to_device(torch.tensor(

@@ -15,7 +15,10 @@ None when it is off, its capture raised, or its replay disagreed with the eager 
    and by a decode-graph replay; ``engine.device.replay_matches_eager`` compares the logits,
    and a kind of graph whose replay disagrees, or raises, is dropped with the measured
    difference or the error in the log (the ranks agree again). The check borrows ``req_to_token`` rows and KV pages from the
-   pools and hands them back in their order, so allocation is as without it.
+   pools and hands them back in their order, so allocation is as without it. A model with
+   linear-attention layers also borrows a recurrent-state slot per request
+   (``_CheckStates``): the decode replay and the eager decode each advance the slots' states
+   in place, so the states the decode step starts from are kept and put back between them.
    ``FERRY_SKIP_GRAPH_CHECK=1`` skips it.
 
 Every rank runs the same steps on the same batch, so the collectives inside the forwards
@@ -60,8 +63,10 @@ def build_graphs(runner):
                     "graphs do not keep the hidden states it reads; decode graphs do)")
     elif not getattr(runner.model, "supports_piecewise", True) \
             and not runner.args.disable_piecewise_graph:
-        logger.info("prefill and mixed steps run eagerly: %s cannot be cut into piecewise "
-                    "graphs yet", type(runner.model).__name__)
+        logger.info("piecewise graphs are off for %s, prefill and mixed steps run eagerly: "
+                    "%s", type(runner.model).__name__,
+                    getattr(runner.model, "no_piecewise_reason",
+                            "it cannot be cut into piecewise graphs yet"))
     elif runner.lora is not None and not runner.args.disable_piecewise_graph:
         logger.info("prefill and mixed steps run eagerly with LoRA adapters (the piecewise "
                     "graphs do not take the adapter segments yet)")
@@ -96,6 +101,7 @@ class _CheckReq:
     def __init__(self, row: int, ids: list[int]):
         self.req_pool_idx = row
         self.ids = ids
+        self.state_slot: int | None = None  # a recurrent-state slot (linear attention)
 
     def tokens(self, start: int, count: int) -> list[int]:
         return self.ids[start:start + count]
@@ -113,6 +119,9 @@ def _eager(runner, batch: ScheduleBatch) -> torch.Tensor:
 def _check_lens(runner, max_bs: int, max_tokens: int) -> list[int]:
     """The check's prompt lengths, within the batch, context, pool and step limits."""
     n = min(len(CHECK_LENS), max_bs, runner.req_to_token_pool.available())
+    sp = getattr(runner, "state_pool", None)
+    if sp is not None:
+        n = min(n, sp.available())
     if n < 1:
         return []
     kv = runner.kv_pool
@@ -121,6 +130,36 @@ def _check_lens(runner, max_bs: int, max_tokens: int) -> list[int]:
     while sum(lens) > max_tokens and max(lens) > 1:
         lens = [max(1, L // 2) for L in lens]
     return lens if min(lens) >= 1 and sum(lens) <= max_tokens else []
+
+
+class _CheckStates:
+    """The check's recurrent-state slots (one per request; nothing without a state pool) and
+    the states its decode step starts from (:meth:`keep`, :meth:`restore`)."""
+
+    def __init__(self, pool, reqs: list[_CheckReq]):
+        self.pool, self.slots, self.saved = pool, [], []
+        for req in reqs if pool is not None else ():
+            req.state_slot = pool.alloc()
+            if req.state_slot is not None:
+                self.slots.append(req.state_slot)
+        self.short = pool is not None and len(self.slots) < len(reqs)
+
+    def keep(self) -> None:
+        """Copy the slots' conv and recurrent states of every linear layer."""
+        if self.slots:
+            idx = torch.tensor(self.slots, dtype=torch.int64).to(self.pool.conv_states[0].device)
+            self.saved = [(t, idx, t[idx].clone())
+                          for t in (*self.pool.conv_states, *self.pool.recurrent_states)]
+
+    def restore(self) -> None:
+        """Put the kept states back (the next decode step starts where the last one did)."""
+        for t, idx, v in self.saved:
+            t[idx] = v
+
+    def free(self) -> None:
+        """Hand the slots back in reverse order (the pool's free list as before)."""
+        for slot in reversed(self.slots):
+            self.pool.free(slot)
 
 
 @torch.inference_mode()
@@ -149,8 +188,9 @@ def check_graphs(runner, gr, pw) -> tuple[bool, bool]:
             twins.append(swa.alloc_pages(len(pages[-1])) or [])
             for f, w in zip(pages[-1], twins[-1]):
                 swa.page_map[f] = w
+    states = _CheckStates(getattr(runner, "state_pool", None), reqs)
     try:
-        if any(len(ss) != L + 1 for ss, L in zip(slots, lens)) or \
+        if any(len(ss) != L + 1 for ss, L in zip(slots, lens)) or states.short or \
                 any(len(t) != len(pg) for t, pg in zip(twins, pages)):
             logger.info("graph replay check skipped: the KV pool is too small for it")
             return True, True
@@ -170,16 +210,20 @@ def check_graphs(runner, gr, pw) -> tuple[bool, bool]:
         else:
             _eager(runner, prefill)  # the decode step reads this prefix from the pool
         if gr is not None:
+            states.keep()  # each decode step below starts from the prefill's states
             replayed = dev.replay_or_none(d, "decode graphs", lambda: gr.replay(decode).clone())
+            states.restore()
             eager = _eager(runner, decode)
             gr_ok = replayed is not None and _verdict(runner, "decode graphs", replayed, eager)
             if gr_ok and getattr(gr, "base_graphs", None):  # LoRA: the kernels' kind too
+                states.restore()
                 replayed = dev.replay_or_none(d, "decode graphs with LoRA",
                                               lambda: gr.replay(decode, with_lora=True).clone())
                 gr_ok = replayed is not None and _verdict(runner, "decode graphs with LoRA",
                                                           replayed, eager)
         dev.synchronize(d)
     finally:  # hand the rows and pages back so that allocation continues as without the check
+        states.free()
         for req, pg in zip(reversed(reqs), reversed(pages)):
             kv.free_pages(pg)
             rows_pool.free(req.req_pool_idx)

@@ -156,10 +156,11 @@ def check_adapters(args: ServerArgs) -> None:
 def check_recurrent_state_flags(model, args: ServerArgs, device_type: str) -> None:
     """Refuse what a model with linear-attention (``RECURRENT_STATE``) layers cannot run yet:
     EAGLE-3 (its head reads layer inputs these models do not keep) and STANDALONE
-    speculation (a hybrid draft model's own states are not rolled back), LoRA, and device
-    graphs (its layers sync with the host every step) unless ``--disable-cuda-graph``.
+    speculation (a hybrid draft model's own states are not rolled back) and LoRA.
     NGRAM, EAGLE and MTP run: the verify step leaves each state at the request's last
-    accepted token (``engine/layers/gated_deltanet.py``).
+    accepted token (``engine/layers/gated_deltanet.py``). Decode graphs run (the layers read
+    their state slots from a device tensor, ``engine/executor/graph_runner.py``); prefill,
+    mixed and verify steps run eagerly (the model has no piecewise graphs).
 
     Raises:
         ValueError: one line naming the model class and the flag.
@@ -172,9 +173,7 @@ def check_recurrent_state_flags(model, args: ServerArgs, device_type: str) -> No
     family = type(model).__name__
     refused = [(args.speculative_algorithm in ("EAGLE3", "STANDALONE"),
                 f"--speculative-algorithm {args.speculative_algorithm}"),
-               (lora_enabled(args), "LoRA (--lora-paths/--enable-lora)"),
-               (device_type != "cpu" and not args.disable_cuda_graph,
-                "device graphs (add --disable-cuda-graph)")]
+               (lora_enabled(args), "LoRA (--lora-paths/--enable-lora)")]
     for bad, flag in refused:
         if bad:
             raise ValueError(f"{family} has linear-attention (recurrent-state) layers, which "

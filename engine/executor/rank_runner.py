@@ -254,11 +254,6 @@ class RankRunner:
             with contextlib.suppress(NotImplementedError, ValueError):
                 self.model.set_capture_hidden(
                     "aux" if args.speculative_algorithm == "EAGLE3" else "last")
-        if graphs and self.state_pool is not None:  # (the server's preflight refuses them)
-            graphs = False
-            if self.tp.rank == 0:
-                logger.info("graphs off, every step runs eagerly: linear-attention layers "
-                            "are not captured yet")
         if self.pooling is not None:  # pooling: prefill only, reading the eager hidden_out
             graphs = False
             self.model.set_capture_hidden("last")

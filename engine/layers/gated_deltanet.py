@@ -85,6 +85,9 @@ class LinearStateBatch:
         record: a speculative verify step's list (see the module docstring): the layer
             reads the slots' states without writing them back and appends
             ``(self, this batch, conv input [T, C], g [T, Hv], beta [T, Hv])``; None otherwise.
+        prefill_cu: the prefill rows' cumulative counts as (int64 device tensor, int64 CPU
+            tensor), the same objects in every layer of the step
+            (``RecurrentStateView.prefill_cu``), or None.
     """
 
     conv_states: torch.Tensor
@@ -95,6 +98,7 @@ class LinearStateBatch:
     num_decodes: int = 0
     cu_seqlens_dev: torch.Tensor | None = None
     record: list | None = None
+    prefill_cu: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -271,17 +275,31 @@ class GatedDeltaNet(nn.Module):
         cut = state.cu_seqlens[n_ext]          # the decode tail's first token
         parts = []
         if n_ext:
-            cu_dev = state.cu_seqlens_dev   # FLA's kernels read it there: no host copy
-            cu = cu_dev[:n_ext + 1] if cu_dev is not None and \
-                gated_delta_rule_backend(x.device) == "fla" else state.cu_seqlens[:n_ext + 1]
+            cu, cu_cpu = self._prefill_cu(state, n_ext, x.device)
             parts.append(self._mix(mixed[:cut], g[:cut], beta[:cut], state, state.slots[:n_ext],
-                                   cu))
+                                   cu, cu_cpu=cu_cpu))
         if n_dec:
             parts.append(self._mix(mixed[cut:], g[cut:], beta[cut:], state, state.slots[n_ext:],
                                    None))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         out = self.norm(out, z)
         return self.out_proj(out.reshape(t, -1))
+
+    @staticmethod
+    def _prefill_cu(state: LinearStateBatch, n_ext: int, device: torch.device):
+        """``(cu, cu_cpu)`` of the step's first ``n_ext`` requests (its prefill rows): host
+        ints and None for the torch reference; for FLA's kernels the step's device tensor and
+        its CPU twin, the same objects in every layer, so FLA computes its chunk indices
+        once a step (it caches them by tensor identity) and, given the CPU twin, without a
+        host sync (one in each kernel of each layer otherwise, which also stalls the
+        overlap scheduler's next step)."""
+        if gated_delta_rule_backend(device) != "fla":
+            return state.cu_seqlens[:n_ext + 1], None
+        if state.prefill_cu is not None:
+            return state.prefill_cu
+        cu_dev = state.cu_seqlens_dev
+        return (cu_dev[:n_ext + 1] if cu_dev is not None else state.cu_seqlens[:n_ext + 1],
+                None)
 
     @staticmethod
     def _cu(cu: list[int], state: LinearStateBatch, device: torch.device):
@@ -314,20 +332,22 @@ class GatedDeltaNet(nn.Module):
                   None if one else self._cu(new_cu, state, mixed.device))
 
     def _mix(self, mixed, g, beta, state: LinearStateBatch, slots: torch.Tensor,
-             cu, write: bool = True) -> torch.Tensor:
+             cu, write: bool = True, cu_cpu: torch.Tensor | None = None) -> torch.Tensor:
         """Conv and gated delta rule of one part of the step from the ``slots``' states,
         which are written back (unless ``write`` is False): prefills (``cu``: the part's
-        cumulative token counts, host ints or, for FLA's kernels, a device tensor) or
-        one-token decodes (``cu`` None); returns [T', Hv, V]."""
+        cumulative token counts, host ints or, for FLA's kernels, a device tensor, with
+        ``cu_cpu`` its CPU twin or None) or one-token decodes (``cu`` None: nothing here
+        reads the host, so a decode graph captures it); returns [T', Hv, V]."""
         d, t = self.dims, mixed.shape[0]
         decode = cu is None
         weight = self.conv1d.weight.squeeze(1)
         conv_state = state.conv_states[slots]
+        twin = {} if cu_cpu is None else {"cu_seqlens_cpu": cu_cpu}
         if decode:
             mixed = causal_conv1d_update(mixed, conv_state, weight, None, "silu")
         else:
             mixed, conv_state = causal_conv1d(mixed, weight, None, conv_state=conv_state,
-                                              cu_seqlens=cu)
+                                              cu_seqlens=cu, **twin)
         if write:
             state.conv_states[slots] = conv_state.to(state.conv_states.dtype)
         key_dim = d.num_k_heads * d.k_head_dim
@@ -340,7 +360,7 @@ class GatedDeltaNet(nn.Module):
                                                      slots)
         out, final = chunk_gated_delta_rule(q, k, v, g, beta,
                                             initial_state=state.recurrent_states[slots],
-                                            cu_seqlens=cu)
+                                            cu_seqlens=cu, **twin)
         if write:
             state.recurrent_states[slots] = final
         return out

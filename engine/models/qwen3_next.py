@@ -36,8 +36,13 @@ The checkpoints' MTP layer (``mtp.*``) is not part of the model: ``--speculative
 MTP`` loads it into its proposer (``engine/speculative/mtp.py``); a verify step leaves the
 linear layers' states at each request's last accepted token (``GatedDeltaNet.commit``).
 
+Device graphs: decode steps are captured and replayed (``engine/executor/graph_runner.py``
+hands the linear layers their state slots from a static device buffer; padded rows point at
+the pool's scratch slot 0). Prefill, mixed and speculative verify steps run eagerly: no
+piecewise graphs (``supports_piecewise`` False; the start-up log says so).
+
 Not here (refused at start-up, ``engine/executor/preflight.py``): EAGLE-3 and STANDALONE
-speculation, LoRA, device graphs and piecewise graphs.
+speculation, LoRA.
 """
 
 from __future__ import annotations
@@ -174,7 +179,7 @@ class HybridDecoderLayer(nn.Module):
                                "view (ForwardBatch.state): the runner built no state pool")
         return LinearStateBatch(st.conv_states[n], st.recurrent_states[n], st.slots,
                                 st.cu_seqlens, fb.is_decode, fb.num_decodes, st.cu_seqlens_dev,
-                                st.record)
+                                st.record, st.prefill_cu)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 rope: RotaryEmbedding, positions: torch.Tensor, fb: ForwardBatch
@@ -251,9 +256,14 @@ def _attention_layers(model) -> list[Attention]:
     return [layer.self_attn.attn for layer in model.model.layers if not layer.is_linear]
 
 
+#: why the hybrid models have no piecewise graphs (``engine/executor/graph_setup.py`` logs it)
+NO_PIECES = ("its linear-attention layers run prefill through variable-length kernels "
+             "(the piecewise graphs do not cut the forward there)")
+
+
 def _no_pieces(model, *args, **kwargs):
     raise NotImplementedError(f"{type(model).__name__}: piecewise graphs are not supported "
-                              "(linear-attention layers; run with --disable-cuda-graph)")
+                              "(linear-attention layers: prefill runs eagerly)")
 
 
 def check_tensor_parallel(config, tp_size: int) -> None:
@@ -296,6 +306,9 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
     split_projections = False
     #: the head counts a TP size must split (:func:`check_tensor_parallel`)
     check_tensor_parallel = staticmethod(check_tensor_parallel)
+    #: prefill and mixed steps run eagerly (decode graphs run): :data:`NO_PIECES`
+    supports_piecewise = False
+    no_piecewise_reason = NO_PIECES
 
     def layer_specs(self) -> list[LayerSpec]:
         return hybrid_layer_specs(self.model_config, self.config)
@@ -336,6 +349,9 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
     cache_kinds = (CacheKind.PAGED_KV, CacheKind.RECURRENT_STATE)
     split_projections = True
     check_tensor_parallel = staticmethod(check_tensor_parallel)
+    #: prefill and mixed steps run eagerly (decode graphs run): :data:`NO_PIECES`
+    supports_piecewise = False
+    no_piecewise_reason = NO_PIECES
     mtp_style = "qwen3_next"
 
     def layer_specs(self) -> list[LayerSpec]:

@@ -5,13 +5,17 @@ batches [T, H, D], per-request initial states [B, Hv, K, V] in float32, q scaled
 K ** -0.5 after the L2 norm of q and k; FLA's grouped value heads are the reference's
 ``repeat_interleave`` of the key heads), so :mod:`kernels.linear_attention` picks one or
 the other by device. ``fla`` is imported on first use: the CPU engine never needs it (nor
-Triton). ``cu_seqlens`` may be a device tensor (the step's, uploaded once) or host ints.
+Triton). ``cu_seqlens`` may be a device tensor (the step's, uploaded once) or host ints;
+``cu_seqlens_cpu``, its int64 CPU twin, goes to FLA where its functions take it (FLA then
+computes its chunk indices without reading the device tensor back: no host sync).
 
 Raises ImportError (naming the package) on first use where ``fla-core`` is not installed.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -42,6 +46,7 @@ def causal_conv1d_fla(
     conv_state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | Sequence[int] | None = None,
     activation: str | None = "silu",
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FLA's varlen causal conv1d; as :func:`reference.causal_conv1d_ref` (FLA keeps W
     columns of state where ferry keeps the last W - 1: a zero column goes in front of the
@@ -60,8 +65,23 @@ def causal_conv1d_fla(
              else x.new_zeros(n, channels, width - 1))
     init = torch.cat([prior.new_zeros(n, channels, 1), prior], dim=-1)
     out, final = causal_conv1d(x[None], weight, bias, initial_state=init,
-                               output_final_state=True, activation=activation, cu_seqlens=cu)
+                               output_final_state=True, activation=activation, cu_seqlens=cu,
+                               **_twin(causal_conv1d, cu_seqlens_cpu))
     return out[0], final[..., 1:].to(weight.dtype)
+
+
+@functools.cache
+def _takes_cpu_twin(fn) -> bool:
+    """Whether FLA's ``fn`` takes ``cu_seqlens_cpu`` (newer fla-core releases do)."""
+    try:
+        return "cu_seqlens_cpu" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _twin(fn, cu_seqlens_cpu) -> dict:
+    return {"cu_seqlens_cpu": cu_seqlens_cpu} \
+        if cu_seqlens_cpu is not None and _takes_cpu_twin(fn) else {}
 
 
 def _cu(cu_seqlens, total: int, device) -> torch.Tensor:
@@ -84,6 +104,7 @@ def chunk_gated_delta_rule_fla(
     cu_seqlens: torch.Tensor | Sequence[int] | None = None,
     chunk_size: int = 64,
     use_qk_l2norm: bool = True,
+    cu_seqlens_cpu: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FLA's chunked gated delta rule; as :func:`reference.chunk_gated_delta_rule_ref`
     (``chunk_size`` is FLA's own, 64, and only 64 is accepted).
@@ -97,7 +118,8 @@ def chunk_gated_delta_rule_fla(
     state = _initial(initial_state, cu, v.shape[1], k.shape[-1], v.shape[-1], v.device)
     out, final = chunk(q[None], k[None], v[None], g[None].float(), beta[None].to(q.dtype),
                        initial_state=state, output_final_state=True,
-                       use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu)
+                       use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu,
+                       **_twin(chunk, cu_seqlens_cpu))
     return out[0], final.float()
 
 

@@ -8,7 +8,11 @@ the check allows a greedy token to differ only where HF's two best logits nearly
   the 150-token prompt crossing FLA's chunks and ferry's prefill chunks) within 2e-2;
 - decode: greedy tokens equal HF's up to a near-tie, their log-probs within 2e-2 before it;
 - every state slot given back;
-- prefix hits with overlap scheduling (state snapshots) against a cache-off run.
+- prefix hits with overlap scheduling (state snapshots) against a cache-off run;
+- decode graphs (the linear layers' slots from the graph runner's static buffer, padded rows
+  on the scratch slot) against eager decode: 5 requests over 3 state slots (decode batches
+  of 3, 2 and 1 rows in buckets of 1, 2 and 4; finished requests' slots reused), the same
+  greedy tokens and log-probs within 2e-2, and the decode steps replayed.
 """
 
 from __future__ import annotations
@@ -115,3 +119,36 @@ def test_prefix_hits_with_overlap_match_a_cache_off_run(tmp_path):
             if x != y:   # only where the two runs' numerics meet a near-tie
                 break
             assert abs(o.logprobs[j][0] - p.logprobs[j][0]) < TOL, f"prompt {i} step {j}"
+
+
+def test_decode_graphs_match_eager_decode(tmp_path):
+    from qwen3_next_helpers import save_tiny
+
+    from engine.llm import LLM
+    from engine.sampling.params import SamplingParams
+
+    save_tiny("qwen3_next", tmp_path)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (5, 23, 9, 70, 2)]
+    sps = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, logprobs=1)
+           for m in (6, 11, 3, 8, 5)]
+    kw = dict(dtype="float32", device="cuda", max_total_tokens=4096, chunked_prefill_size=64,
+              max_running_requests=3, cuda_graph_max_bs=4)
+    with LLM(str(tmp_path), disable_cuda_graph=True, **kw) as llm:
+        want = llm.generate(prompts, sps)
+    with LLM(str(tmp_path), **kw) as llm:
+        gr = llm.runner.graph_runner
+        assert gr is not None, "decode graphs were not kept (see the start-up log)"
+        assert llm.runner.piecewise_runner is None
+        calls = []
+        replay = gr.replay
+        gr.replay = lambda *a, **k: (calls.append(a[0].batch_size), replay(*a, **k))[1]
+        got = llm.generate(prompts, sps)
+        pool = llm.runner.state_pool
+        assert pool.available() == pool.num_slots
+    assert len(calls) >= 10 and max(calls) == 3, calls   # 3 rows replay the 4-row bucket
+    for i, (o, w) in enumerate(zip(got, want)):
+        assert o.token_ids == w.token_ids, f"request {i}: graphs {o.token_ids} != eager " \
+                                           f"{w.token_ids}"
+        worst = max(abs(a[0] - b[0]) for a, b in zip(o.logprobs, w.logprobs))
+        assert worst < TOL, f"request {i}: log-probs differ by {worst:.2e}"

@@ -69,6 +69,13 @@ def test_chunk_varlen_matches_reference(dtype):
     # ferry's interface runs the same kernels on a CUDA tensor (host ints accepted)
     got2, _ = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state, cu_seqlens=cu)
     torch.testing.assert_close(got2, got)
+    # with the CPU twin of cu_seqlens (no host sync where fla-core takes it): the same
+    twin = torch.tensor(cu, dtype=torch.int64)
+    got3, state3 = chunk_gated_delta_rule_fla(q, k, v, g, beta, initial_state=state,
+                                              cu_seqlens=torch.tensor(cu, device="cuda"),
+                                              cu_seqlens_cpu=twin)
+    torch.testing.assert_close(got3, got)
+    torch.testing.assert_close(state3, got_state)
 
 
 @pytest.mark.parametrize("batch", [1, 64])
@@ -98,3 +105,8 @@ def test_causal_conv1d_varlen_with_states_matches_reference(dtype):
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(got_state.float(), ref_state.float(), atol=0, rtol=0)
+    got2, state2 = causal_conv1d_fla(x, weight, None, conv_state=state,
+                                     cu_seqlens=torch.tensor(cu, device="cuda"),
+                                     cu_seqlens_cpu=torch.tensor(cu, dtype=torch.int64))
+    torch.testing.assert_close(got2, got)
+    torch.testing.assert_close(state2, got_state)

@@ -1,7 +1,8 @@
 """engine/executor/preflight.py: a model with linear-attention (RECURRENT_STATE) layers is
-refused, in one line naming the class and the flag, with EAGLE-3 and STANDALONE speculation,
-LoRA and device graphs; a model without them, the CPU path, NGRAM, EAGLE and MTP speculation
-(the verify step rolls the states back) and TP > 1 (the linear layers split their heads:
+refused, in one line naming the class and the flag, with EAGLE-3 and STANDALONE speculation
+and LoRA; a model without them, the CPU path, device graphs on a GPU (decode graphs capture
+the linear layers; prefill runs eagerly), NGRAM, EAGLE and MTP speculation (the verify step
+rolls the states back) and TP > 1 (the linear layers split their heads:
 tests/engine/test_tensor_parallel_hybrid_mla.py) pass."""
 
 from __future__ import annotations
@@ -39,9 +40,16 @@ def test_hybrid_on_cpu_and_plain_models_pass():
     check_recurrent_state_flags(HybridLM([LINEAR]), _args(disable_cuda_graph=True), "cuda")
 
 
+def test_hybrid_with_device_graphs_passes():
+    """Decode graphs capture the linear layers (the state slots are a device tensor): no
+    --disable-cuda-graph needed on a GPU any more."""
+    check_recurrent_state_flags(HybridLM([LINEAR, FULL]), _args(), "cuda")
+    check_recurrent_state_flags(HybridLM([LINEAR, FULL]), _args(tp_size=2), "cuda")
+
+
 @pytest.mark.parametrize("kw,device,flag", [
     ({"enable_lora": True}, "cpu", "LoRA"),
-    ({}, "cuda", "device graphs (add --disable-cuda-graph)"),
+    ({"enable_lora": True}, "cuda", "LoRA"),
 ])
 def test_hybrid_refusals_name_the_flag(kw, device, flag):
     with pytest.raises(ValueError) as e:
