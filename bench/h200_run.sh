@@ -434,6 +434,15 @@ device='meta', quantization=q, progress=False)[0]); print('weight bytes bf16', b
                tests/engine/test_qwen_vl_gpu.py -p no:cacheprovider
              run vision-keylimit 120 python3 -m pytest -q -x tests/kernels/test_extend_key_limit.py \
                -p no:cacheprovider;;
+    vision-serving) # serving with images (issue 48): a dummy Qwen2.5-VL-7B (bf16), in-process
+             # (no HTTP: the dummy config has no tokenizer or image processor), 60 requests at
+             # 4 req/s, each one 1024x1024 image (1369 tokens) + 100 text tokens, 64 output
+             # tokens; then the same arrivals text-only at the same prompt length: TTFT/ITL
+             # median and p99, tok/s and req/s of each load
+             run vision-serving 230 python3 -m bench.bench_vision_serving \
+               --model-path engine/configs/qwen2.5-vl-7b-instruct.json --load-format dummy \
+               --image-size 1024 --text-len 100 --output-len 64 --num-requests 60 \
+               --request-rate 4 --result-jsonl "$OUT/vision-serving.jsonl";;
     gemma) # Gemma-3-27B (issue 42): bs1/bs64 decode with the fused (1 + w) RMSNorm, then the
            # windowed KV pool's capacity: 32 prompts of 8k tokens, one pool vs
            # --swa-full-tokens-ratio 0.25 (the "at most N running" of each line)

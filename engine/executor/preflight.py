@@ -181,23 +181,21 @@ def check_recurrent_state_flags(model, args: ServerArgs, device_type: str) -> No
 
 
 def check_image_model(model, args: ServerArgs) -> None:
-    """Refuse what a model with a vision tower (``accepts_images``) cannot run yet: tensor
-    parallelism (the workers get no images) and speculative decoding (the draft has no
-    M-RoPE positions). A model with ``images_optional`` (Gemma 3) is not refused: it
-    serves text under tensor parallelism (no tower; image requests are then refused), and
-    needs no M-RoPE positions.
+    """Refuse what a model with a vision tower (``accepts_images``) cannot run yet:
+    speculative decoding (the draft has no M-RoPE positions). A model with
+    ``images_optional`` (Gemma 3, Qwen3.5) is not refused: Gemma 3 needs no M-RoPE
+    positions, and Qwen3.5 then serves text only. Tensor parallelism runs: every rank holds
+    the whole vision tower and encodes the images rank 0 sends it
+    (``engine/executor/tp_images.py``).
 
     Raises:
         ValueError: one line naming the model class and the flag.
     """
     if not getattr(model, "accepts_images", False) or getattr(model, "images_optional", False):
         return
-    for bad, flag in [(args.tp_size > 1, f"--tp-size {args.tp_size}"),
-                      (bool(args.speculative_algorithm),
-                       f"--speculative-algorithm {args.speculative_algorithm}")]:
-        if bad:
-            raise ValueError(f"{type(model).__name__} (image input) does not support {flag} "
-                             "yet")
+    if args.speculative_algorithm:
+        raise ValueError(f"{type(model).__name__} (image input) does not support "
+                         f"--speculative-algorithm {args.speculative_algorithm} yet")
 
 
 def build_meta_model(args: ServerArgs, device_type: str):

@@ -26,6 +26,7 @@ from engine.attention import create_attention_backend, resolve_attention_backend
 from engine.executor.forward_batch_builder import StepPools, build_forward_batch
 from engine.executor.graph_replay import replay_graphs
 from engine.executor.schedule_batch import ScheduleBatch
+from engine.executor.tp_images import ImageSender
 from engine.executor.tp_messages import IdsMsg, TPMessage, step_msg
 from engine.forward_batch import ForwardBatch
 from engine.kv.pool import ReqToTokenPool, kv_bytes_per_token
@@ -44,6 +45,14 @@ logger = logging.getLogger(__name__)
 _CPU_DEFAULT_TOKENS = 32768
 # bytes kept free on an accelerator for activations, graphs and the sampler
 _ACTIVATION_RESERVE = 2 << 30
+#: parameter names of an image model's vision tower and projector (replicated under TP)
+_VISION_PREFIXES = ("visual.", "vision_tower.", "multi_modal_projector.")
+
+
+def _vision_note(m: dict) -> str:
+    """`` (vision tower X GiB, whole on every rank)`` for a rank report with one, else ``''``."""
+    vb = m.get("vision_bytes", 0)
+    return f" (vision tower {vb / 2**30:.2f} GiB, whole on every rank)" if vb else ""
 
 
 class RankRunner:
@@ -125,8 +134,9 @@ class RankRunner:
         if self.tp.size > 1 and self.tp.rank == 0:
             logger.info("tensor parallel: %d ranks over %s; per rank: %s", self.tp.size,
                         self.tp.backend, "; ".join(
-                            f"rank {m['rank']} weights {m['weight_bytes'] / 2**30:.2f} GiB, "
-                            f"KV {m['kv_bytes'] / 2**30:.2f} GiB" for m in self.rank_memory))
+                            f"rank {m['rank']} weights {m['weight_bytes'] / 2**30:.2f} GiB"
+                            + _vision_note(m) + f", KV {m['kv_bytes'] / 2**30:.2f} GiB"
+                            for m in self.rank_memory))
 
     def _load_weights(self, args: ServerArgs) -> None:
         """Seed, load the model (``self.model``, ``self.config``, ``self.load_time``) and
@@ -285,6 +295,8 @@ class RankRunner:
                               self.device_type)
         #: rank 0 of a group: sends every forward and sampled batch to the other ranks
         self.tp_leader = self.tp.size > 1 and self.tp.rank == 0
+        #: rank 0: the image fields of each step message (engine/executor/tp_images.py)
+        self.tp_images = ImageSender() if self.tp_leader else None
         self.tp_channel = None
         if self.tp.size > 1:
             self.tp_channel = tpd.StepChannel(self.tp, args.dist_init_addr.rpartition(":")[0],
@@ -297,10 +309,15 @@ class RankRunner:
                            "it as a ModelRunner (engine.executor.model_runner)")
 
     def memory_report(self) -> dict:
-        """This rank's weight and KV bytes (``/server_info`` shows every rank's)."""
+        """This rank's weight and KV bytes (``/server_info`` shows every rank's); of the
+        weights, ``vision_bytes`` are an image model's vision tower and projector, which
+        every tensor-parallel rank holds whole (``engine/executor/tp_images.py``)."""
         return {"rank": self.tp.rank,
                 "weight_bytes": sum(p.numel() * p.element_size()
                                     for p in self.model.parameters()),
+                "vision_bytes": sum(p.numel() * p.element_size()
+                                    for n, p in self.model.named_parameters()
+                                    if n.startswith(_VISION_PREFIXES)),
                 "kv_bytes": self.kv_pool.nbytes,
                 "state_bytes": self.state_pool.nbytes if self.state_pool is not None else 0,
                 "snapshot_bytes": self.state_snapshots.nbytes
@@ -383,7 +400,8 @@ class RankRunner:
             writes, pool.pending_writes = pool.pending_writes, []
             snaps = self.state_snapshots
             self.tp_channel.send(step_msg(batch, future_ids is not None, writes,
-                                          snaps.take_pending() if snaps is not None else []))
+                                          snaps.take_pending() if snaps is not None else [],
+                                          self.tp_images.fields(batch)))
         logits = replay_graphs(self, batch, future_ids)  # None: no graph fits, or it raised
         if logits is None:
             input_ids, fb = self.build_forward_batch(batch, future_ids)

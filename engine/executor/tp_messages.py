@@ -10,7 +10,10 @@ them; a gloo broadcast per step, tried first, cost rank 0 about 1.5 ms per step 
   last step, for cached prefixes; a hybrid model's recurrent-state slots and those that
   start from the zero state, and its prefix cache's state-snapshot copies: those rank 0 made
   since the last step, in order, which a worker makes before the forward, and the takes of
-  the step's prefill rows, which it makes right after launching it, as rank 0 does);
+  the step's prefill rows, which it makes right after launching it, as rank 0 does; the
+  step's image requests: their images' grids and spans the first time a row carries them,
+  and the pixels of every image the step's prefill rows cover, which every rank encodes
+  with its own copy of the vision tower: ``engine/executor/tp_images.py``);
 - ``IdsMsg(n)``: receive rank 0's ``n`` sampled ids on the device group (they resolve the
   next step's placeholders);
 - ``StopMsg``: exit.
@@ -50,6 +53,32 @@ class StepMsg(msgspec.Struct, tag=True, array_like=True):
     # order (engine/kv/state_snapshots.py): made before the resets and the forward
     snap_copies: list[tuple[int, int, int]] = []
     snap_takes: list[tuple[int, int]] = []  # (slot, snap) right after the forward's launch
+    # image requests (engine/executor/tp_images.py): the places of the step's requests with
+    # images, the images of those the worker does not hold yet, the pixels of each image
+    # the step's prefill rows cover
+    mm_reqs: list[int] = []
+    mm_new: list[StepImages] = []
+    pixels: list[StepPixels] = []
+
+
+class StepImages(msgspec.Struct, array_like=True):
+    """A request's images as a worker keeps them (no pixels): what rebuilds its
+    ``engine.mm_inputs.MMInputs``."""
+
+    index: int           # the request's place in the step
+    n_tokens: int        # its prompt's length
+    bidirectional: bool  # MMInputs.bidirectional
+    # per image: (grid (t, h, w), merge, content hash, first token, tokens)
+    items: list[tuple[tuple[int, int, int], int, int, int, int]]
+
+
+class StepPixels(msgspec.Struct, array_like=True):
+    """One image's patches, float32 ``shape`` row-major (``ImageItem.pixel_values``)."""
+
+    index: int               # the request's place in the step
+    image: int               # the image's index among the request's
+    shape: tuple[int, int]
+    data: bytes
 
 
 class IdsMsg(msgspec.Struct, tag=True, array_like=True):
@@ -66,10 +95,13 @@ TPMessage = StepMsg | IdsMsg | StopMsg
 
 
 def step_msg(batch: ScheduleBatch, has_future: bool, writes,
-             snap_copies: list[tuple[int, int, int]] | None = None) -> StepMsg:
+             snap_copies: list[tuple[int, int, int]] | None = None,
+             images: tuple[list[int], list[StepImages], list[StepPixels]] | None = None
+             ) -> StepMsg:
     """The ``StepMsg`` of a ``ScheduleBatch`` about to run on rank 0; ``writes``: its
     ``req_to_token`` writes since the last step; ``snap_copies``: its state-snapshot copies
-    since the last step (``StateSnapshotPool.take_pending``)."""
+    since the last step (``StateSnapshotPool.take_pending``); ``images``: its image
+    requests' fields (``engine.executor.tp_images.ImageSender.fields``), or None."""
     slots, resets = _state_slots(batch)
     return StepMsg(int(batch.mode), [r.req_pool_idx for r in batch.reqs],
                    [r.tokens(p, n) for r, p, n in zip(batch.reqs, batch.prefix_lens,
@@ -78,7 +110,7 @@ def step_msg(batch: ScheduleBatch, has_future: bool, writes,
                    batch.num_decodes, list(batch.all_rows), has_future, writes,
                    list(batch.lora_slots), [tuple(c) for c in batch.lora_copies],
                    slots, resets, list(snap_copies or []),
-                   [tuple(t) for t in batch.snap_takes])
+                   [tuple(t) for t in batch.snap_takes], *(images or ([], [], [])))
 
 
 def _state_slots(batch: ScheduleBatch) -> tuple[list[int], list[int]]:
@@ -93,16 +125,18 @@ def _state_slots(batch: ScheduleBatch) -> tuple[list[int], list[int]]:
 
 
 class _StepReq:
-    """A worker's stand-in for a ``Req`` (a ``StepRequest``): its row and the ids of the
-    step's new tokens."""
+    """A worker's stand-in for a ``Req`` (a ``StepRequest``): its row, the ids of the
+    step's new tokens and its images (set by ``engine.executor.tp_images.ImageReceiver``)."""
 
-    __slots__ = ("req_pool_idx", "_start", "_ids", "state_slot")
+    __slots__ = ("req_pool_idx", "_start", "_ids", "state_slot", "mm")
 
     def __init__(self, row: int, start: int, ids: list[int], state_slot: int | None = None):
         self.req_pool_idx = row
         self._start = start
         self._ids = ids
         self.state_slot = state_slot
+        #: the request's images (``engine.mm_inputs.MMInputs``, the worker's copy), or None
+        self.mm = None
 
     def tokens(self, start: int, count: int) -> list[int]:
         return self._ids[start - self._start: start - self._start + count]

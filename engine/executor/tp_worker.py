@@ -30,6 +30,7 @@ import torch
 from engine import device as dev
 from engine import distributed as tpd
 from engine.executor.rank_runner import RankRunner
+from engine.executor.tp_images import ImageReceiver
 from engine.executor.tp_messages import IdsMsg, StepMsg, step_batch
 from engine.layers.moe_ep import check_ep
 
@@ -89,6 +90,7 @@ def _model_class(config):
 def worker_loop(runner, channel) -> None:
     """Serve rank 0's messages (from ``channel``, a ``StepChannel``) until ``StopMsg``."""
     future = None
+    images = ImageReceiver()   # the image requests' MMInputs, per req_to_token row
     while True:
         msg = channel.recv()
         if isinstance(msg, StepMsg):
@@ -98,7 +100,12 @@ def worker_loop(runner, channel) -> None:
                 runner.state_snapshots.apply(msg.snap_copies)
             if msg.state_resets:
                 zero_state_slots(runner.state_pool, msg.state_resets)
-            runner.forward(step_batch(msg), future if msg.has_future else None)
+            batch = step_batch(msg)
+            if msg.mm_reqs:
+                images.attach(msg, batch)
+            runner.forward(batch, future if msg.has_future else None)
+            if msg.pixels:
+                images.release(msg)
         elif isinstance(msg, IdsMsg):
             future = torch.empty(msg.n, dtype=torch.int64, device=runner.device)
             tpd.broadcast_tensor(future)

@@ -64,7 +64,8 @@ def models_table() -> str:
     images = [f"`{a}`" for a, cls in MODEL_REGISTRY.items() if getattr(cls, "accepts_images",
                                                                        False)]
     return (_HEADER + "\n".join(rows) + "\n\nImage input (see `docs/usage.md`, Images): "
-            + ", ".join(images) + ".\n\n" + _MTP_NOTE.format(", ".join(mtp)))
+            + ", ".join(images) + "; under `--tp-size` the vision tower is whole on every "
+            "rank (0.4-1 B parameters) and the language model split.\n\n" + _MTP_NOTE.format(", ".join(mtp)))
 
 
 #: the paragraph after the table: the classes whose checkpoints' MTP layer drafts

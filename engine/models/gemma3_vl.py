@@ -19,8 +19,10 @@ computed in one chunk, so the result does not depend on where chunks fall. A pre
 hit may end inside an image: the cached K/V were computed with the whole (same) image in
 view, so the rest of it attends exactly.
 
-Tensor parallelism: the model then serves text only, as before images were supported (the
-tower is not built and image requests are refused: the workers get no images). Pan-and-scan
+Tensor parallelism: the language model is split as Gemma 3's; the SigLIP tower and the
+projector (~0.4 B parameters, ``ReplicatedLinear`` layers) are replicated on every rank, and
+each rank encodes the step's images from the pixels rank 0 sends with the step
+(``engine/executor/tp_images.py``). Pan-and-scan
 crops are not supported (``server/media/process.py`` turns image input off for a processor
 configured with ``do_pan_and_scan``).
 """
@@ -31,7 +33,6 @@ from collections.abc import Iterable
 
 import torch
 
-from engine.distributed import get_tp
 from engine.forward_batch import ForwardBatch
 from engine.layers.norm import GemmaRMSNorm
 from engine.models.blocks import DecoderModel, SandwichDecoderLayer
@@ -85,22 +86,18 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     """
 
     family = "Gemma3"
-    #: the model reads images (``engine.validation.images_for``); False on an instance
-    #: built with tensor parallelism (text only)
+    #: the model reads images (``engine.validation.images_for``)
     accepts_images = True
     #: its language model attends bidirectionally within an image (``MMInputs``)
     bidirectional_images = True
-    #: tensor parallelism and speculative decoding are not refused at start-up: the model
-    #: then serves text as before (TP: no tower; ``engine/executor/preflight.py``)
+    #: speculative decoding is not refused at start-up (``engine/executor/preflight.py``):
+    #: Gemma 3's images need no M-RoPE positions
     images_optional = True
 
     def __init__(self, config, dtype: torch.dtype = torch.float32):
         super().__init__(config, dtype)
         self.image_token_id = int(getattr(config, "image_token_id", None)
                                   or config.image_token_index)
-        if get_tp().size > 1:
-            self.accepts_images = False
-            return
         self.skipped_prefixes = ()
         self.vision_tower = SiglipVisionTower(config.vision_config, dtype)
         self.multi_modal_projector = Gemma3Projector(config, self.model_config.hidden_size,
@@ -168,7 +165,7 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         """:meth:`GemmaForCausalLM.load_weights` after mapping the encoder's names (the
         Hub's ``vision_tower.vision_model.*``, transformers 5's ``model.vision_tower.*``,
         ``model.multi_modal_projector.*``) onto ferry's; SigLIP's unused pooling head is
-        dropped; with tensor parallelism the encoder's tensors are skipped."""
+        dropped; the encoder's tensors load whole on every rank."""
         def renamed():
             for name, tensor in weights:
                 for old, new in _VISION_PREFIXES:

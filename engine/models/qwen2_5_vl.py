@@ -14,8 +14,13 @@ a generated token's are ``p + delta``, the request's ``MMInputs.delta``).
 
 Steps with image requests run eagerly (``engine/executor/graph_replay.py``); text-only steps
 use the graphs as any Qwen2. Checkpoint names: ``model.*`` / ``visual.*`` (the Hub's) or
-transformers 5's ``model.language_model.*`` / ``model.visual.*``. Not supported yet
-(refused at construction): tensor parallelism; video input.
+transformers 5's ``model.language_model.*`` / ``model.visual.*``.
+
+Tensor parallelism: the language model is split as any Qwen2; the vision tower (~0.7 B
+parameters for the 7B, ``ReplicatedLinear`` layers) is replicated on every rank, and each
+rank encodes the step's images itself from the pixels rank 0 sends with the step
+(``engine/executor/tp_images.py``), so the tower needs no collective. Not supported yet:
+video input.
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ from collections.abc import Iterable
 
 import torch
 
-from engine.distributed import get_tp
 from engine.forward_batch import ForwardBatch
 from engine.layers.rotary import MRotaryEmbedding
 from engine.models.blocks import DecoderModel
@@ -124,7 +128,6 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     """Qwen2.5-VL: vision tower + Qwen2 language model with M-RoPE (module docstring).
 
     Raises:
-        NotImplementedError: tensor parallelism (``--tp-size`` > 1).
         ValueError: an ``mrope_section`` that does not fit the head dimension.
     """
 
@@ -138,9 +141,6 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     mrope_interleaved = False
 
     def __init__(self, config, dtype: torch.dtype = torch.float32):
-        if get_tp().size > 1:
-            raise NotImplementedError(f"{type(self).__name__}: tensor parallelism is not "
-                                      "supported yet for this family (--tp-size 1)")
         super().__init__(config, dtype)
         self.image_token_id = int(config.image_token_id)
         self.visual = self.vision_tower(config.vision_config, dtype)
@@ -172,7 +172,8 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     # ---- weights -------------------------------------------------------------------------
 
     def _hf_weight_shape(self, name: str, inter: int | None = None) -> tuple[int, ...]:
-        """The vision tower's tensors have their parameters' shapes (replicated)."""
+        """The vision tower's tensors have their parameters' shapes (replicated on every
+        rank)."""
         if name.startswith("visual."):
             return tuple(self.get_parameter(name).shape)
         return super()._hf_weight_shape(name, inter)

@@ -15,36 +15,29 @@ defaulting to ``[11, 11, 10]``); the Gated DeltaNet layers take no positions. Th
 cache keys an image's tokens by its content hash (``engine/mm_inputs.py``) as for the other
 VL models; the state snapshots of the hybrid layers sit at token boundaries of that key.
 
-Tensor parallelism: the model then serves text only, as before images were supported (the
-tower is not built, its tensors are skipped, image requests are refused). Not supported
-yet: video input; image requests with ``--speculative-algorithm MTP`` (the draft layer
-gets plain positions).
+Tensor parallelism: the hybrid language model is split as Qwen3.5's; the vision tower
+(``ReplicatedLinear`` layers) is replicated on every rank, and each rank encodes the step's
+images from the pixels rank 0 sends with the step (``engine/executor/tp_images.py``). Not
+supported yet: video input; image requests with ``--speculative-algorithm MTP`` (the draft
+layer gets plain positions).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 
 import torch
 
-from engine.distributed import get_tp
 from engine.forward_batch import ForwardBatch
 from engine.models.qwen2_5_vl import inject_image_embeds, rename_vl_weights
 from engine.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from engine.models.qwen3_vision import Qwen3VisionTower
 
-logger = logging.getLogger(__name__)
-
 
 def attach_vision(model, config, dtype: torch.dtype) -> None:
-    """Give ``model`` its vision tower (``model.visual``) and the image hook of its
-    :class:`engine.models.qwen3_next.HybridModel`; under tensor parallelism neither (the
-    model then reads no images: ``accepts_images`` False on the instance)."""
+    """Give ``model`` its vision tower (``model.visual``, whole on every tensor-parallel
+    rank) and the image hook of its :class:`engine.models.qwen3_next.HybridModel`."""
     model.image_token_id = int(config.image_token_id)
-    if get_tp().size > 1:
-        model.accepts_images = False
-        return
     model.visual = Qwen3VisionTower(config.vision_config, dtype)
 
     def inject(hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
@@ -56,17 +49,8 @@ def attach_vision(model, config, dtype: torch.dtype) -> None:
 
 def vision_weights(model, weights: Iterable[tuple[str, torch.Tensor]]):
     """A multimodal checkpoint's tensors under the model's names (``model.language_model.``
-    -> ``model.``, ``model.visual.`` -> ``visual.``); the tower's skipped (one log line)
-    when the model has none (tensor parallelism)."""
-    skipped = 0
-    for name, tensor in rename_vl_weights(weights):
-        if name.startswith("visual.") and not hasattr(model, "visual"):
-            skipped += 1
-            continue
-        yield name, tensor
-    if skipped:
-        logger.info("%s: skipped %d vision-tower tensors (tensor parallelism: text only)",
-                    type(model).__name__, skipped)
+    -> ``model.``, ``model.visual.`` -> ``visual.``)."""
+    yield from rename_vl_weights(weights)
 
 
 def vision_weight_shape(model, name: str) -> tuple[int, ...] | None:
@@ -77,10 +61,10 @@ def vision_weight_shape(model, name: str) -> tuple[int, ...] | None:
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
     """Qwen3.5 (dense) with its vision tower (module docstring)."""
 
-    #: the model reads images (``engine.validation.images_for``); False on an instance
-    #: built with tensor parallelism (text only)
+    #: the model reads images (``engine.validation.images_for``)
     accepts_images = True
-    #: tensor parallelism and MTP are not refused at start-up: text is served as before
+    #: MTP is not refused at start-up: text is served as before (image requests are then
+    #: refused: ``RankRunner``'s ``images_off_reason``)
     images_optional = True
     #: the full-attention layers' rotary is M-RoPE (``HybridModel``)
     mrope = True

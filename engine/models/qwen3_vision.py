@@ -9,7 +9,8 @@ DeepStack (no ``deepstack_visual_indexes``).
 One image at a time (:meth:`Qwen3VisionTower.forward`): patches ``[t*h*w, C*tp*p*p]`` ->
 ``[t*h*w / merge^2, out_hidden * (1 + len(deepstack_visual_indexes))]``, the merger's
 embeddings first, then each DeepStack level's. Attention is plain torch SDPA (non-causal,
-per frame); weights are replicated (no tensor parallelism).
+per frame); weights are replicated on every rank under tensor parallelism
+(``engine/models/qwen_vision.py``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ interleaved multimodal RoPE (``mrope_interleaved``), and DeepStack: the tower's 
 embeddings of each image token are added to its hidden state after the first decoder
 layers, one level per layer. Everything else (image embeddings kept across prefill chunks,
 the prefix-cache key, M-RoPE positions and decode deltas, eager steps with images, checkpoint
-names, no tensor parallelism yet) is :mod:`engine.models.qwen2_5_vl`'s.
+names, tensor parallelism with the tower replicated) is :mod:`engine.models.qwen2_5_vl`'s.
 """
 
 from __future__ import annotations

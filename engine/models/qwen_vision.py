@@ -7,8 +7,10 @@ One image at a time (:meth:`Qwen25VisionTower.forward`): its patches ``[t*h*w, C
 ``[t*h*w / merge^2, out_hidden]`` embeddings in the order of the image's tokens. The patch
 embedding (a Conv3d whose stride equals its kernel) is a linear layer over the flattened
 patch; the attention is plain torch SDPA, non-causal, per window or per image (no paged KV,
-no ferry kernel yet). Weights are replicated on every rank (tensor parallelism of the tower
-is not implemented; the model refuses ``--tp-size > 1``).
+no ferry kernel yet). Weights are replicated on every rank: under tensor parallelism each
+rank runs the whole tower on the images rank 0 sends it (``engine/executor/tp_images.py``;
+the tower is ~0.7 B parameters beside a 7-72 B language model, and sharding it would cost
+two all-reduces per block per image).
 """
 
 from __future__ import annotations

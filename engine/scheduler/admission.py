@@ -31,7 +31,12 @@ never locks a prefix, and a request that stops admission has its prefix unlocked
    request that wants its prompt's logprobs, and at most the KV room left; none left: STOP
    (never ending inside an image whose tokens attend to each other: Gemma 3's). A hybrid
    model's chunk may end earlier, where a state snapshot is wanted (a page boundary, the
-   branching point of its match: ``engine/kv/manager.py``).
+   branching point of its match: ``engine/kv/manager.py``). The encoder budget: the
+   images a chunk makes the vision tower encode (each whole, by the first chunk holding
+   one of its tokens) cost their patches, and a step encodes at most ``encoder_budget``
+   patches (``--max-prefill-tokens``, or the prefill budget if larger); the chunk that
+   would pass it ends before that image (none of the request left: STOP), unless the
+   step encodes nothing yet (one image over the budget is encoded alone).
 
 The partly prefilled request passes only the last gate. A request whose chunk does not end
 its prompt becomes the step's chunked request and closes the step.
@@ -85,6 +90,8 @@ class ExtendAdder:
         max_running: ``--max-running-requests``.
         new_token_ratio: the share of their remaining ``max_tokens`` that requests are
             expected to still generate (admission keeps that much KV free).
+        encoder_budget: image patches the step's vision-tower work may take (module
+            docstring, gate 5); None: ``budget``.
 
     After admission, ``reqs``, ``prefix``, ``ext``, ``sample`` and ``locs`` are the step's
     rows (request, KV length before the step, tokens computed, whether it samples, the KV
@@ -94,7 +101,7 @@ class ExtendAdder:
     def __init__(self, kv: KVCacheManager, req_pool: ReqToTokenPool, prefix: PrefixPolicy,
                  lora: LoRAGate, running: list[Req], chunked: Req | None, budget: int,
                  reserve: int, max_running: int, new_token_ratio: float,
-                 swa_reserve: int = 0):
+                 swa_reserve: int = 0, encoder_budget: int | None = None):
         self.kv, self.req_pool, self.prefix, self.lora = kv, req_pool, prefix, lora
         self.running = running
         self.chunked = chunked
@@ -103,6 +110,9 @@ class ExtendAdder:
         self.swa_reserve = swa_reserve
         self.max_running = max_running
         self.ratio = new_token_ratio
+        self.encoder_budget = budget if encoder_budget is None else encoder_budget
+        #: image patches the step's admitted chunks make the vision tower encode
+        self.encoded = 0
         # KV the running requests (and those admitted here) are still expected to generate
         self.future = new_token_ratio * sum(future_tokens(r) for r in running)
         self.stopped = False
@@ -212,7 +222,34 @@ class ExtendAdder:
             n = req.mm.image_cut(req.kv_len, req.kv_len + n) - req.kv_len
             if n > room:
                 return 0
+        if req.mm is not None and n > 0:
+            n = self._encoder_cut(req, n)
         return n
+
+    def _encoder_cut(self, req: Req, n: int) -> int:
+        """The chunk ``[kv_len, kv_len + n)`` of image request ``req`` cut before the first
+        image whose encoding would take the step past ``encoder_budget`` patches (the step
+        already encoding something); 0 when that image starts at or before ``kv_len``."""
+        start = req.kv_len
+        used = self.encoded
+        for i, it in enumerate(req.mm.items):
+            if it.end <= start or i in req.mm.embeds:
+                continue   # prefilled already, or encoded by an earlier chunk
+            if it.offset >= start + n:
+                break
+            cost = it.pixel_values.shape[0]
+            if used and used + cost > self.encoder_budget:
+                return max(0, it.offset - start)
+            used += cost
+        return n
+
+    def _encoder_cost(self, req: Req, n: int) -> int:
+        """Image patches that the chunk ``[kv_len, kv_len + n)`` of ``req`` encodes."""
+        if req.mm is None:
+            return 0
+        s = req.kv_len
+        return sum(it.pixel_values.shape[0] for i, it in enumerate(req.mm.items)
+                   if it.offset < s + n and it.end > s and i not in req.mm.embeds)
 
     # ---- commit -------------------------------------------------------------------------
     def _add(self, req: Req, n: int, waiting: bool) -> None:
@@ -226,6 +263,7 @@ class ExtendAdder:
             if req.scheduled_time is None:  # not again after a preemption
                 req.scheduled_time = time.time()
         start = req.kv_len
+        self.encoded += self._encoder_cost(req, n)
         self.locs.extend(self.kv.grow(req, n))
         req.kv_len = start + n
         self.reqs.append(req)

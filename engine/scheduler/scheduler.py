@@ -83,6 +83,8 @@ class Scheduler:
         # assert the KV page accounting after every step (tests; costs O(pool) per step)
         self.check_kv = False
         self.chunk_size = prefill_budget(args, runner.device_type)
+        #: image patches one step's vision-tower work may take (``ExtendAdder``)
+        self.encoder_budget = max(self.chunk_size, args.max_prefill_tokens)
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None  # the request whose prefill is partly done
         # fraction of their remaining max_tokens that running requests are expected to still
@@ -214,7 +216,7 @@ class Scheduler:
         adder = ExtendAdder(self.kv, self.req_pool, self.prefix, lora, self.running,
                             self.chunked, self.chunk_size, reserve,
                             self.args.max_running_requests, self.new_token_ratio,
-                            self.kv.swa_decode_reserve(self.running))
+                            self.kv.swa_decode_reserve(self.running), self.encoder_budget)
         if self.chunked is not None:
             adder.try_add(self.chunked)
         deferred: list[Req] = []

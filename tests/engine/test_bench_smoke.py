@@ -119,3 +119,25 @@ def test_bench_vision_gemma3_jsonl(tmp_path):
     row = json.loads(out.read_text())
     assert (row["image_tokens"], row["text_tokens"]) == (16, 20)
     assert row["ttft_s"] > 0 and row["encoder_s"] > 0
+
+
+def test_bench_vision_serving_jsonl(tmp_path):
+    """ferry bench-vision-serving on the tiny Qwen2.5-VL config (dummy weights): 3 requests
+    at 50/s, each one 112-pixel image (16 tokens) and 20 text tokens, then the text load."""
+    from vl_helpers import config
+
+    from bench.bench_vision_serving import main
+
+    cfg = config()
+    cfg.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    cfg.save_pretrained(tmp_path / "vl")
+    out = tmp_path / "vision-serving.jsonl"
+    main(["--model-path", str(tmp_path / "vl"), "--load-format", "dummy", "--device", "cpu",
+          "--dtype", "float32", "--image-size", "112", "--text-len", "20", "--output-len", "4",
+          "--num-requests", "3", "--request-rate", "50", "--result-jsonl", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["load"], r["prompt_tokens"], r["requests"]) for r in rows] == \
+        [("image", 36, 3), ("text", 36, 3)]
+    for r in rows:
+        assert 0 < r["ttft_median_s"] <= r["ttft_p99_s"] and r["itl_median_s"] > 0
+        assert r["output_tok_s"] > 0 and r["req_s"] > 0

@@ -161,7 +161,7 @@ def test_chunked_prefill_keeps_images_whole(ckpt, monkeypatch):
         assert not any(a < hi < b for a, b in spans), (lo, hi)
 
 
-def test_text_only_and_tp_fallback(ckpt):
+def test_text_only_and_a_wrong_grid(ckpt):
     """A text-only request is the language model's (HF without pixels); the encoder's
     grid is checked against the request (a 400 naming ``images``)."""
     from engine.validation import RequestError, images_for
@@ -178,17 +178,16 @@ def test_text_only_and_tp_fallback(ckpt):
         assert e.value.param == "images"
 
 
-def test_tp2_serves_text_and_refuses_images(ckpt):
-    """With tensor parallelism (gloo, 2 ranks) the model serves text as before images were
-    supported (HF's tokens) and an image request is refused, naming ``messages``."""
+def test_tp2_serves_text_and_images(ckpt):
+    """With tensor parallelism (gloo, 2 ranks; the tower whole on each) the model serves
+    text and images as HF does (``tests/engine/test_vision_tp.py`` checks TP=2 against TP=1
+    in more cases)."""
     from engine.llm import LLM
-    from engine.validation import RequestError
 
     _, path, cases, _ = ckpt
+    names = ["text", "red", "two"]
     with LLM(path, tp_size=2, cpu_threads=1, dtype="float32", device="cpu", seed=3) as llm:
-        assert llm.runner.model.accepts_images is False
-        out = llm.generate([cases["text"].ids], SP)[0]
-        with pytest.raises(RequestError) as e:
-            llm.generate([cases["red"].ids], SP, images=[cases["red"].images])
-    assert_matches_hf(out, cases["text"].ref, "TP=2 text")
-    assert e.value.param == "messages"
+        assert llm.runner.model.accepts_images is True
+        outs = _run(llm, [cases[n] for n in names])
+    for n, out in zip(names, outs):
+        assert_matches_hf(out, cases[n].ref, f"TP=2 {n}")

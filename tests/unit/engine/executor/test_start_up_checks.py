@@ -347,8 +347,8 @@ def test_real_shape_of_glm_4_5_air_builds_on_meta(serve_stubbed):
 
 def test_real_shape_of_qwen2_5_vl_builds_on_meta(serve_stubbed, capsys):
     """engine/configs/qwen2.5-vl-7b-instruct.json (issue 48): the language model with
-    M-RoPE (the legacy ``mrope`` rope type), the 32-block vision tower; the launch, and the
-    flags image models refuse."""
+    M-RoPE (the legacy ``mrope`` rope type), the 32-block vision tower; the launch (TP=2
+    too), and the flag image models refuse."""
     from engine.args import ServerArgs
     from engine.executor.preflight import build_meta_model
 
@@ -366,9 +366,12 @@ def test_real_shape_of_qwen2_5_vl_builds_on_meta(serve_stubbed, capsys):
     assert serve(base) == 0
     assert len(launched) == 1
     launched.clear()
-    line = _refused(serve_stubbed, capsys, base + ["--tp-size", "2"])
-    assert "Qwen2_5_VLForConditionalGeneration (image input) does not support --tp-size 2" \
-        in line, line
+    assert serve(base + ["--tp-size", "2"]) == 0   # the tower replicated on every rank
+    assert len(launched) == 1
+    launched.clear()
+    line = _refused(serve_stubbed, capsys, base + ["--speculative-algorithm", "NGRAM"])
+    assert ("Qwen2_5_VLForConditionalGeneration (image input) does not support "
+            "--speculative-algorithm NGRAM") in line, line
 
 
 def test_real_shape_of_qwen3_vl_builds_on_meta(serve_stubbed):
