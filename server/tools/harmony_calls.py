@@ -10,8 +10,10 @@ The prompt ends with ``<|start|>assistant``; the grammar (xgrammar EBNF) lets th
   ``<|`` (no harmony marker spelled in text, which the parsers would read as one) and, when
   the request has a ``max_tokens``, at most half of it (``reasoning_budget``), so the call
   still fits: past the budget the grammar allows only ``<|end|>``;
-- ``NAME`` is the named function, or (``required``) any tool's name; ``ARGUMENTS`` is the
-  compact JSON (as every other ferry JSON constraint) of that tool's ``parameters``;
+- ``NAME`` is the named function, or (``required``) any tool's name; ``ARGUMENTS`` is JSON
+  of that tool's ``parameters``, its strings without ``<|`` either (a ``<|end|>`` there
+  would end the message for the parser), at most one blank in a row (xgrammar's option for
+  this format; ferry's other JSON constraints have no free blanks);
 - the markers are their special tokens (``Token(id)``), never spelled as text; ``<|call|>``,
   a turn-end token, ends the output (harmony ends the turn at a call, so ``required`` gives
   exactly one call whatever ``parallel_tool_calls`` says).
@@ -27,14 +29,12 @@ reasoning or answers in the final channel without one: the header is the model's
 xgrammar's structural tags with triggers (its builtin ``harmony`` tag) allow the same, match
 the markers as text (a marker may then be spelled from ``<``, ``|`` ... tokens) and bound
 neither the reasoning nor its text. So the whole output is constrained from the first
-token, the markers by token id; the structural-tag pieces xgrammar prints as EBNF (the
-budgeted text, ``Token``) are built with its classes and sent to the engine as ordinary
-``ebnf`` text (``SamplingParams.ebnf``): the engine's grammar path is unchanged.
+token, the markers by token id. It is built as an xgrammar structural tag (for its pieces:
+the budgeted text, ``Token``, JSON with excluded text) and sent to the engine as the EBNF
+xgrammar prints of it (``SamplingParams.ebnf``), so the engine's grammar path is unchanged.
 """
 
 from __future__ import annotations
-
-import json
 
 from server.tools.plan import ToolPlan, params_schema
 
@@ -42,6 +42,9 @@ from server.tools.plan import ToolPlan, params_schema
 MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|call|>")
 #: the generation prompt's end: the grammar starts after it
 ASSISTANT_START = "<|start|>assistant"
+#: text the reasoning and the arguments' strings never hold: it would begin a marker that
+#: the parsers, which read the text, take for one
+NO_TEXT = "<|"
 
 
 def marker_ids(tokenizer) -> dict[str, int] | None:
@@ -81,25 +84,20 @@ def forced_call_ebnf(plan: ToolPlan, ids: dict[str, int], budget: int | None) ->
     def tok(marker: str):
         return st.TokenFormat(token=ids[marker])
 
+    def text(value: str):
+        return st.ConstStringFormat(value=value)
+
     analysis = st.SequenceFormat(elements=[
-        tok("<|channel|>"), st.ConstStringFormat(value="analysis"), tok("<|message|>"),
-        st.AnyTextFormat(excludes=["<|"], max_tokens=budget), tok("<|end|>"),
-        tok("<|start|>"), st.ConstStringFormat(value="assistant")])
-    head = st.SequenceFormat(elements=[st.OptionalFormat(content=analysis), tok("<|channel|>")])
-    calls = []
-    for tool in plan.tools:
-        name = tool["function"]["name"]
-        if plan.choice == "named" and name != plan.name:
-            continue
-        header = st.SequenceFormat(elements=[
-            st.ConstStringFormat(value=f"commentary to=functions.{name} "),
-            tok("<|constrain|>"), st.ConstStringFormat(value="json"), tok("<|message|>")])
-        calls.append(xgr.Grammar.concat(
-            xgr.Grammar.from_structural_tag(st.StructuralTag(format=header)),
-            xgr.Grammar.from_json_schema(json.dumps(params_schema(tool)),
-                                         any_whitespace=False)))
-    end = xgr.Grammar.from_structural_tag(st.StructuralTag(format=tok("<|call|>")))
-    grammar = xgr.Grammar.concat(
-        xgr.Grammar.from_structural_tag(st.StructuralTag(format=head)),
-        calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls), end)
-    return str(grammar)
+        tok("<|channel|>"), text("analysis"), tok("<|message|>"),
+        st.AnyTextFormat(excludes=[NO_TEXT], max_tokens=budget), tok("<|end|>"),
+        tok("<|start|>"), text("assistant")])
+    calls = [st.SequenceFormat(elements=[
+        text(f"commentary to=functions.{t['function']['name']} "), tok("<|constrain|>"),
+        text("json"), tok("<|message|>"),
+        st.JSONSchemaFormat(json_schema=params_schema(t), excludes=[NO_TEXT],
+                            max_whitespace_cnt=1)])
+        for t in plan.tools if plan.choice != "named" or t["function"]["name"] == plan.name]
+    whole = st.SequenceFormat(elements=[
+        st.OptionalFormat(content=analysis), tok("<|channel|>"),
+        calls[0] if len(calls) == 1 else st.OrFormat(elements=calls), tok("<|call|>")])
+    return str(xgr.Grammar.from_structural_tag(st.StructuralTag(format=whole)))
