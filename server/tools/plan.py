@@ -9,6 +9,9 @@
 - ``"auto"`` lets the model answer freely; the ``--tool-call-parser`` of its family
   (``server/tools/parsers.py``; ``auto`` reads the chat template) finds the calls.
 - ``"none"``: no calls; the tools are still shown to the template (as vLLM does).
+- With gpt-oss's harmony (the ``gpt-oss`` reasoning parser) a forced call is a grammar of the
+  whole output instead, read by the ``gpt-oss`` parser (``server/tools/harmony_calls.py``,
+  set up in ``server/pipeline/job.py``).
 
 ``ToolChatFormat`` (``server/openai/tool_format.py``) writes the ``tool_calls`` of the answer.
 """
