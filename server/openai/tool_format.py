@@ -12,6 +12,8 @@ Stream and non-stream give the same calls, content and finish reason:
   ``required`` call counts once its name is complete; a forced output with no call in it
   (cut before a name or any argument) is no call and empty content, never the constrained
   JSON itself (``[{"name": "``), so Responses and Messages answer no item or block for it;
+- a forced call in gpt-oss's harmony format (``server/tools/harmony_calls.py``) is read by
+  the ``gpt-oss`` parser (``ToolPlan.parser``), as with ``auto``;
 - with ``auto``, a call to a function that is not in ``tools`` is no call: the output is
   content (as an output whose calls do not parse), and so is an output that a stop string
   cut inside a call (arguments that are not whole JSON): ``finish_reason: "stop"``;
@@ -95,6 +97,8 @@ class ToolChatFormat(ChatFormat):
         self.sent = [0] * self.count          # content characters streamed, per choice
         self.named_id: list[str | None] = [None] * self.count
         self._calls_found = False
+        #: the output is the named function's arguments (its JSON), streamed as they come
+        self._named_json = plan.forced_json and plan.choice == "named"
 
     def calls(self, text: str, matched: str | int | None = None
               ) -> tuple[str | None, list[ParsedCall]]:
@@ -102,7 +106,7 @@ class ToolChatFormat(ChatFormat):
         ``("", [])`` for a forced output without a call (see the module docstring for cut
         and unknown calls). ``matched``: the stop string or token id that ended it."""
         plan = self.plan
-        if plan.choice == "auto":
+        if plan.parser is not None:  # auto, or a forced call in harmony
             parser = get_tool_parser(plan.parser)
             if self.reasoning is None:  # no split: the reasoning is content (gpt-oss)
                 parser = parser.reasoning_inline()
@@ -139,7 +143,7 @@ class ToolChatFormat(ChatFormat):
             body["message"]["tool_calls"] = self._tool_calls(calls)
             if finish_reason == "stop":
                 body["finish_reason"] = "tool_calls"
-        elif self.plan.choice != "auto":  # forced, no call: not the raw constrained JSON
+        elif self.plan.forced_json:  # no call: not the raw constrained JSON
             body["message"]["content"] = content
         elif content != ch.answer:  # calls not taken, shown as content (gpt-oss: no markup)
             body["message"]["content"] = self.clean(content or "")
@@ -149,7 +153,7 @@ class ToolChatFormat(ChatFormat):
         """Characters of ``text`` that may be streamed as content now (auto): up to the
         first call marker, or to a tail that could begin one, less the whitespace before
         it (which ``call_content`` drops when a call follows)."""
-        if self.plan.choice != "auto":
+        if self.plan.parser is None:
             return 0
         markers = START_MARKERS[self.plan.parser]
         if self.plan.parser == "llama3":
@@ -184,7 +188,7 @@ class ToolChatFormat(ChatFormat):
             delta, fin = choice["delta"], choice["finish_reason"]
             reasoning = delta.pop("reasoning_content", None)
             if "content" in delta or reasoning:
-                if self.plan.choice == "named" and "content" in delta:  # the arguments
+                if self._named_json and "content" in delta:  # the arguments
                     if self.named_id[i] is None:
                         self.named_id[i] = _call_id()
                         res.append(self._like(c, {"tool_calls": [{
@@ -204,7 +208,7 @@ class ToolChatFormat(ChatFormat):
                     res.append(c)
             if fin is not None:
                 res.extend(self._final(c, i))
-                if fin == "stop" and (self.plan.choice == "named" or self._calls_found):
+                if fin == "stop" and (self._named_json or self._calls_found):
                     choice["finish_reason"] = "tool_calls"
                 res.append(c)
         return res
@@ -212,7 +216,7 @@ class ToolChatFormat(ChatFormat):
     def _final(self, chunk: dict, i: int) -> list[dict]:
         """The held-back content and the tool calls of choice ``i``, at its end."""
         self._calls_found = False
-        if self.plan.choice == "named":
+        if self._named_json:
             self._calls_found = True
             return []
         text = self.choices[i].answer

@@ -11,6 +11,7 @@ runs it. Chat completions and ``/v1/responses`` both come through ``prepare``;
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 from dataclasses import dataclass, field
@@ -29,8 +30,10 @@ from server.pipeline.reasoning import (
     plan_reasoning,
     reasoning_family,
     special_token_texts,
+    token_ids,
 )
 from server.tokenizer_manager import TokenizerManager
+from server.tools import harmony_calls, structured
 from server.tools.plan import ToolPlan, prepare_chat
 
 #: most prompt-token log-probabilities one response may carry: choices x prompt tokens x
@@ -247,22 +250,35 @@ async def prepare(tm: TokenizerManager, req: Any, *, base: str, max_tokens: int 
                    reasoning, strip, images)
 
 
-def _no_harmony_constraint(tm: TokenizerManager, tools: ToolPlan,
-                           sp: SamplingParams) -> None:
-    """400 for a forced tool call (``tool_choice`` required or named) with the ``gpt-oss``
-    reasoning parser: forcing the call needs a grammar that, after the reasoning, writes the
-    commentary channel's call header (special tokens) and then the arguments; not built
-    yet (waiting for a header the model may never write forces nothing). Other constraints (``response_format``, the guided
-    fields) wait for harmony's final channel header (``think_end_ids``).
+async def _harmony_forced_call(tm: TokenizerManager, tools: ToolPlan, sp: SamplingParams,
+                               ids: list[int]) -> SamplingParams:
+    """A forced tool call (``tool_choice`` required or named) with the ``gpt-oss``
+    reasoning parser: ``sp`` constrained by the harmony grammar of the whole output
+    (``server/tools/harmony_calls.py``: optional reasoning, then the call's header, its
+    arguments' JSON and ``<|call|>``) in place of the arguments' JSON, and ``tools.parser``
+    set to ``gpt-oss``, which reads the call as with ``auto``.
 
-    Raises: APIError 400 naming ``tool_choice``.
+    Raises: APIError 400 naming ``tool_choice`` when it cannot work: a tokenizer without
+        harmony's markers as single tokens, or a prompt that does not end with the
+        assistant's header (``<|start|>assistant``: ``add_generation_prompt`` off,
+        ``continue_final_message``).
     """
-    if (sp.json_schema or sp.regex or sp.ebnf) is None or reasoning_family(tm.chat) != "gpt-oss":
-        return
-    if tools.choice in ("required", "named"):
-        raise bad_request(f"tool_choice {tools.choice!r} with the gpt-oss reasoning parser is "
-                          "not supported yet (use tool_choice \"auto\"; response_format and "
-                          "the guided fields constrain harmony's final answer)", "tool_choice")
+    tok = tm.chat.tokenizer
+    markers = harmony_calls.marker_ids(tok) if tok is not None else None
+    if markers is None:
+        raise bad_request(f"tool_choice {tools.choice!r} with the gpt-oss reasoning parser "
+                          "needs harmony's markers as single tokens of the tokenizer",
+                          "tool_choice")
+    start = token_ids(tok, harmony_calls.ASSISTANT_START) or []
+    if not start or ids[-len(start):] != start:
+        raise bad_request(f"tool_choice {tools.choice!r} with the gpt-oss reasoning parser "
+                          "needs a prompt that ends with the assistant's header "
+                          f"({harmony_calls.ASSISTANT_START!r}); use tool_choice \"auto\"",
+                          "tool_choice")
+    budget = harmony_calls.reasoning_budget(sp.max_tokens)
+    ebnf = await asyncio.to_thread(harmony_calls.forced_call_ebnf, tools, markers, budget)
+    tools.parser = "gpt-oss"
+    return structured.with_constraint(sp, "ebnf", ebnf)
 
 
 async def _reasoning_settings(tm: TokenizerManager, req: Any, ids: list[int], tools: ToolPlan,
@@ -272,7 +288,9 @@ async def _reasoning_settings(tm: TokenizerManager, req: Any, ids: list[int], to
     to wait for the reasoning's end and special tokens kept for parsers that read them, and
     the special tokens the writer strips (``server/pipeline/reasoning.py``)."""
     reasoning, think_end, special = await plan_reasoning(tm, req, ids)
-    _no_harmony_constraint(tm, tools, sp)
+    if tools.choice in ("required", "named") and reasoning_family(tm.chat) == "gpt-oss":
+        sp = await _harmony_forced_call(tm, tools, sp, ids)
+        think_end = None  # constrained from the first token
     tool_parser = None
     if tools.parser is not None:
         try:
@@ -283,8 +301,7 @@ async def _reasoning_settings(tm: TokenizerManager, req: Any, ids: list[int], to
             special = special or tool_parser.needs_special_tokens
     if reasoning is not None and isinstance(reasoning.parser, HarmonyReasoningParser):
         # the call messages stay as written only for the gpt-oss tool parser to read
-        reasoning.parser.keep_calls = tools.choice == "auto" and \
-            getattr(tool_parser, "name", None) == "gpt-oss"
+        reasoning.parser.keep_calls = getattr(tool_parser, "name", None) == "gpt-oss"
     if think_end is not None and (sp.json_schema or sp.regex or sp.ebnf) is not None:
         sp = msgspec.structs.replace(sp, think_end_ids=think_end) if isinstance(think_end, list) \
             else msgspec.structs.replace(sp, think_end_id=think_end)

@@ -18,6 +18,8 @@ the end tag's token id (when it is one token) unless the output has no reasoning
 engine's matcher waits for it (``engine/sampling/grammar.py``). gpt-oss's harmony answer
 follows a header of several tokens (``HARMONY_FINAL_HEADER``): ``think_end_ids`` holds its
 ids and the matcher waits for them in a row (the reasoning, and any commentary, run free).
+A forced tool call with gpt-oss is the exception: its grammar covers the whole output, the
+reasoning included (``server/tools/harmony_calls.py``), and waits for nothing.
 
 A parser that reads special tokens (``needs_special_tokens``: gpt-oss's harmony, some tool
 formats) turns the request's ``skip_special_tokens`` off for the engine; ``strip_specials``

@@ -9,6 +9,9 @@
 - ``"auto"`` lets the model answer freely; the ``--tool-call-parser`` of its family
   (``server/tools/parsers.py``; ``auto`` reads the chat template) finds the calls.
 - ``"none"``: no calls; the tools are still shown to the template (as vLLM does).
+- With gpt-oss's harmony (the ``gpt-oss`` reasoning parser) a forced call is a grammar of the
+  whole output instead, read by the ``gpt-oss`` parser (``server/tools/harmony_calls.py``,
+  set up in ``server/pipeline/job.py``).
 
 ``ToolChatFormat`` (``server/openai/tool_format.py``) writes the ``tool_calls`` of the answer.
 """
@@ -51,7 +54,16 @@ class ToolPlan:
     choice: str = "none"
     name: str | None = None       # the named function
     parallel: bool = True
-    parser: str | None = None     # auto only
+    #: the tool parser that reads the calls from the output text: auto's, or ``gpt-oss``
+    #: for a forced call in harmony (``server/tools/harmony_calls.py``); None: a forced
+    #: call's output is its constrained JSON
+    parser: str | None = None
+
+    @property
+    def forced_json(self) -> bool:
+        """Whether the output is a forced call's JSON (``required``: the calls' array; named:
+        the arguments) rather than text the ``parser`` reads."""
+        return self.choice in ("required", "named") and self.parser is None
 
     @property
     def template_kwargs(self) -> dict:
@@ -105,7 +117,9 @@ def _tools(value: Any) -> list[dict]:
     return out
 
 
-def _params_schema(tool: dict) -> dict:
+def params_schema(tool: dict) -> dict:
+    """The JSON schema of a (checked) tool's arguments: its ``parameters``, or an empty
+    object's."""
     return tool["function"].get("parameters") or {"type": "object", "properties": {}}
 
 
@@ -113,7 +127,7 @@ def calls_schema(tools: list[dict], parallel: bool) -> dict:
     """The JSON schema of ``tool_choice: "required"``: a non-empty array of calls."""
     items = [{"type": "object",
               "properties": {"name": {"const": t["function"]["name"]},
-                             "parameters": _params_schema(t)},
+                             "parameters": params_schema(t)},
               "required": ["name", "parameters"], "additionalProperties": False}
              for t in tools]
     schema = {"type": "array", "minItems": 1,
@@ -176,7 +190,7 @@ async def _check_enforced_schemas(plan: ToolPlan) -> None:
                 plan.choice == "named" and fn["name"] == plan.name):
             try:
                 await structured.check(f"tools[{i}].function.parameters", "json_schema",
-                                       json.dumps(_params_schema(tool)))
+                                       json.dumps(params_schema(tool)))
             except APIError as err:
                 raise bad_request(f"Invalid schema for function {fn['name']!r}: "
                                   f"{err.message.split(': ', 1)[-1]}", err.param) from None
@@ -200,7 +214,7 @@ async def prepare_chat(req, sp: SamplingParams, chat_template: str | None,
                               f"{found[0][0]}", "tool_choice")
         if plan.choice == "named":
             tool = next(t for t in plan.tools if t["function"]["name"] == plan.name)
-            schema = _params_schema(tool)
+            schema = params_schema(tool)
         else:
             schema = calls_schema(plan.tools, plan.parallel)
         found = [("tools", "json_schema", json.dumps(schema))]

@@ -6,7 +6,9 @@ architecture (and says so), renders prompts with the checkpoint's harmony chat t
 The checkpoint's greedy answer is scripted (``tests/engine/harmony_helpers.py``): reasoning
 ``ponder``, then a call ``get({"q": 1})`` in the commentary channel ending ``<|call|>``;
 with the call's header token banned (``logit_bias``), a final answer ``Sure`` ending
-``<|return|>``. One server start-up for the module.
+``<|return|>``. Forced tool calls (named, ``required``) of functions it never calls itself,
+on chat and Responses, stream and not: past its reasoning the tokens are drawn at random
+under the harmony grammar, and the call is still valid. One server start-up for the module.
 """
 
 from __future__ import annotations
@@ -156,10 +158,10 @@ def test_responses_reasoning_item_then_call_with_effort(srv):
     assert body["usage"]["input_tokens"] == respond("low")["usage"]["input_tokens"] + 1
 
 
-def test_no_markup_stop_cut_calls_and_forced_calls_refused(srv):
+def test_no_markup_and_stop_cut_calls(srv):
     """Without tools the commentary call is its body as content (no harmony markup); a stop
     string inside the arguments is no call, ``finish_reason: "stop"``; a forced tool call
-    (its constraint not built for harmony yet) is one 400 naming ``tool_choice``."""
+    beside another output constraint is one 400 naming ``tool_choice``."""
     for body in ({}, {"tools": TOOLS, "tool_choice": "none"}):
         m = _chat(srv, **body)["choices"][0]
         assert (m["message"]["content"], m["finish_reason"]) == ('{"q": 1}', "stop")
@@ -169,7 +171,8 @@ def test_no_markup_stop_cut_calls_and_forced_calls_refused(srv):
     server = srv[0]
     r = httpx.post(server.url + "/v1/chat/completions", timeout=server.http_timeout,
                    json={"model": "oss", "messages": MSG, "max_tokens": 8, "tools": TOOLS,
-                         "tool_choice": "required"})
+                         "tool_choice": "required",
+                         "response_format": {"type": "json_object"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
 
 
@@ -206,3 +209,101 @@ def test_response_format_constrains_the_answer_after_the_final_header(srv, strea
     assert reasoning == "ponder" and finish == "stop", (reasoning, content, finish)
     answer = json.loads(content)
     assert set(answer) == {"city"} and answer["city"] in ("Paris", "Rome"), content
+
+
+#: tools whose calls the scripted model never writes (its own is ``get({"q": 1})``): under
+#: the grammar it writes its reasoning (``ponder``), and each token past it is drawn at
+#: random (``temperature`` 1: every token the grammar allows has the same logit), a random
+#: model's output
+PUT = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                        "warm": {"type": "boolean"}},
+       "required": ["city", "warm"], "additionalProperties": False}
+FLIP = {"type": "object", "properties": {"side": {"enum": ["heads", "tails"]}},
+        "required": ["side"], "additionalProperties": False}
+FORCED_TOOLS = [{"type": "function", "function": {"name": n, "parameters": p}}
+                for n, p in (("put", PUT), ("flip", FLIP))]
+FORCED = {"model": "oss", "messages": MSG, "max_tokens": 200, "temperature": 1.0,
+          "tools": FORCED_TOOLS}
+
+
+def _valid_call(name: str, arguments: str) -> None:
+    args = json.loads(arguments)
+    if name == "put":
+        assert set(args) == {"city", "warm"} and args["city"] in ("Paris", "Rome")
+        assert isinstance(args["warm"], bool)
+    else:
+        assert name == "flip" and args == {"side": args["side"]}
+        assert args["side"] in ("heads", "tails")
+
+
+def _chat_stream(srv, body: dict) -> tuple[str, str, dict, str | None]:
+    server = srv[0]
+    reasoning, content, calls, finish = "", "", {}, None
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=server.http_timeout,
+                      json=dict(body, stream=True)) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            d = choice["delta"]
+            reasoning += d.get("reasoning_content") or ""
+            content += d.get("content") or ""
+            for tc in d.get("tool_calls") or []:
+                call = calls.setdefault(tc["index"], ["", ""])
+                call[0] += tc.get("function", {}).get("name") or ""
+                call[1] += tc.get("function", {}).get("arguments") or ""
+            finish = choice["finish_reason"] or finish
+    return reasoning, content, calls, finish
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "put"}},
+                                    "required"])
+def test_forced_call_chat_stream_and_not(srv, choice):
+    """A forced call with harmony (named, and ``required``: either tool) on
+    ``/v1/chat/completions``: reasoning first, then one call of a forced function whose
+    arguments match its schema, ``finish_reason: "tool_calls"``, stream and not."""
+    names = set()
+    for seed in (1, 2, 3):
+        body = dict(FORCED, tool_choice=choice, seed=seed)
+        choice_ = _chat(srv, **body)["choices"][0]
+        m = choice_["message"]
+        assert (m["reasoning_content"], m["content"], choice_["finish_reason"]) == (
+            "ponder", None, "tool_calls"), choice_
+        ((name, args),) = [(c["function"]["name"], c["function"]["arguments"])
+                           for c in m["tool_calls"]]
+        _valid_call(name, args)
+        names.add(name)
+        reasoning, content, calls, finish = _chat_stream(srv, body)
+        assert (reasoning, content, finish) == ("ponder", "", "tool_calls")
+        assert calls == {0: [name, args]}  # the same seed: the same call
+    assert names == {"put"} or choice == "required"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_call_responses(srv, stream):
+    """``/v1/responses`` with a named ``tool_choice`` (and ``required``): a reasoning item,
+    then one ``function_call`` item of the forced function, its arguments valid."""
+    server = srv[0]
+    tools = [{"type": "function", "name": t["function"]["name"],
+              "parameters": t["function"]["parameters"]} for t in FORCED_TOOLS]
+    for choice in ({"type": "function", "name": "put"}, "required"):
+        body = {"model": "oss", "input": "hi", "max_output_tokens": 200, "temperature": 1.0,
+                "seed": 4, "tools": tools, "tool_choice": choice, "stream": stream}
+        if not stream:
+            r = httpx.post(server.url + "/v1/responses", timeout=server.http_timeout, json=body)
+            assert r.status_code == 200, r.text
+            out = r.json()["output"]
+        else:
+            out = None
+            with httpx.stream("POST", server.url + "/v1/responses", json=body,
+                              timeout=server.http_timeout) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        event = json.loads(line[6:])
+                        if event["type"] == "response.completed":
+                            out = event["response"]["output"]
+        assert [i["type"] for i in out] == ["reasoning", "function_call"], out
+        _valid_call(out[1]["name"], out[1]["arguments"])
+        assert isinstance(choice, str) or out[1]["name"] == "put"

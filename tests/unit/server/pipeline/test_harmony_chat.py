@@ -10,6 +10,7 @@ giving the non-stream answer)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import types
 from pathlib import Path
@@ -186,8 +187,8 @@ def _job_format(**fields):
 
     chat = _chat()
     tm = types.SimpleNamespace(chat=chat, images=None, image_pad=lambda: None)  # text only
-    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
-                                **fields)
+    fields.setdefault("messages", [{"role": "user", "content": "hi"}])
+    req = ChatCompletionRequest(model="m", **fields)
     sp = req.sampling_params(32)
     tools, sp = asyncio.run(prepare_chat(req, sp, chat.tokenizer.chat_template,
                                          chat.tool_call_parser))
@@ -293,15 +294,108 @@ def test_an_output_constraint_waits_for_the_final_channel_header(fields):
     assert sp.think_end_ids is None and sp.think_end_id is None
 
 
-@pytest.mark.parametrize("choice", [
-    "required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_a_forced_tool_call_with_harmony_is_still_one_clear_400(choice):
-    from server.http.errors import APIError
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
-    with pytest.raises(APIError) as err:
-        _job_format(tools=TOOLS, tool_choice=choice)
-    assert (err.value.status, err.value.param) == (400, "tool_choice")
-    assert "with the gpt-oss reasoning parser is not supported yet" in err.value.message
+
+@pytest.mark.parametrize("choice", ["required", NAMED])
+def test_a_forced_tool_call_with_harmony_is_a_grammar_read_by_the_gpt_oss_parser(choice):
+    """A forced call with harmony: the whole output is constrained (an EBNF from the first
+    token: no release trigger), and the writer reads the commentary call as with
+    ``auto``, stream and not."""
+    fmt, sp = _job_format(tools=TOOLS, tool_choice=choice)
+    assert sp.ebnf is not None and sp.json_schema is None
+    assert sp.think_end_ids is None and sp.think_end_id is None
+    assert not sp.skip_special_tokens
+    choice_ = fmt.full([_outputs(CALL)])["choices"][0]
+    assert choice_["message"]["reasoning_content"] == "Need the weather."
+    assert [c["function"] for c in choice_["message"]["tool_calls"]] == [
+        {"name": "get_weather", "arguments": '{"city": "Paris"}'}]
+    assert choice_["finish_reason"] == "tool_calls"
+    for pieces in _splits(CALL):
+        fmt, _ = _job_format(tools=TOOLS, tool_choice=choice)
+        assert _stream_message(fmt, pieces) == {
+            "r": "Need the weather.", "c": "",
+            "calls": {0: ["get_weather", '{"city": "Paris"}']}, "finish": "tool_calls"}, pieces
+
+
+def test_a_forced_tool_call_with_harmony_is_a_400_where_it_cannot_work():
+    """400s naming ``tool_choice``: a prompt that does not end with the assistant's header
+    (no generation prompt), a tokenizer without harmony's markers as single tokens, a forced
+    call beside another output constraint (as for every model)."""
+    from server.http.errors import APIError
+    from server.tools.harmony_calls import marker_ids
+
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]
+    for fields in ({"add_generation_prompt": False, "messages": msgs},
+                   {"response_format": {"type": "json_object"}}):
+        with pytest.raises(APIError) as err:
+            _job_format(tools=TOOLS, tool_choice=NAMED, **fields)
+        assert (err.value.status, err.value.param) == (400, "tool_choice"), fields
+    assert marker_ids(types.SimpleNamespace(encode=lambda t, add_special_tokens: [1, 2])) \
+        is None
+    assert set(marker_ids(harmony_tokenizer())) >= {"<|start|>", "<|constrain|>", "<|call|>"}
+
+
+PICK = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                         "warm": {"type": "boolean"}},
+        "required": ["city", "warm"], "additionalProperties": False}
+FLIP = {"type": "object", "properties": {"side": {"enum": ["heads", "tails"]}},
+        "required": ["side"]}
+TWO = [{"type": "function", "function": {"name": n, "parameters": p}}
+       for n, p in (("pick", PICK), ("flip", FLIP))]
+
+
+def _random_walk(sp, tok, seed: int, limit: int = 400) -> list[int]:
+    """What a random model writes under ``sp``'s grammar (the engine's ``GrammarState``):
+    each token drawn uniformly from those the grammar allows, up to a turn-end token."""
+    import random
+
+    import torch
+
+    from engine.sampling.grammar import GrammarBackend, GrammarState, grammar_key
+
+    ends = [tok.convert_tokens_to_ids(t) for t in ("<|return|>", "<|call|>")]
+    state = GrammarState(GrammarBackend(tok, len(tok), ends).submit(*grammar_key(sp)).result())
+    rng, out = random.Random(seed), []
+    while len(out) < limit and not state.terminated:
+        mask = torch.empty((1, (len(tok) + 31) // 32), dtype=torch.int32)
+        state.fill(mask, 0)
+        allowed = [i for i in range(len(tok)) if (int(mask[0, i // 32]) >> (i % 32)) & 1]
+        out.append(rng.choice(allowed))
+        assert state.accept(out[-1])
+    return out
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "pick"}},
+                                    "required"])
+def test_a_random_model_under_the_grammar_writes_a_valid_call(choice):
+    """Tokens drawn at random among those the grammar allows (a random model's output)
+    always make one call: the named function (any tool for ``required``), its arguments
+    valid for its schema (an enum and a boolean, which free text would not hit); the
+    reasoning, when the walk writes one, stops within half of ``max_tokens``."""
+    tok = harmony_tokenizer()
+    names = set()
+    for seed in range(6):
+        fmt, sp = _job_format(tools=TWO, tool_choice=choice, max_tokens=200)
+        ids = _random_walk(sp, tok, seed)
+        assert ids[-1] == tok.convert_tokens_to_ids("<|call|>")
+        text = tok.decode(ids)
+        body = fmt.full([[ReqOutput(0, text, ids, {"type": "stop",
+                                                   "matched": ids[-1]}, 5, len(ids))]])
+        choice_ = body["choices"][0]
+        assert choice_["finish_reason"] == "tool_calls", text
+        (call,) = choice_["message"]["tool_calls"]
+        name, args = call["function"]["name"], json.loads(call["function"]["arguments"])
+        names.add(name)
+        if name == "pick":
+            assert args["city"] in ("Paris", "Rome") and isinstance(args["warm"], bool)
+            assert set(args) == {"city", "warm"}
+        else:
+            assert name == "flip" and choice == "required" and args["side"] in FLIP[
+                "properties"]["side"]["enum"]
+        reasoning = choice_["message"].get("reasoning_content") or ""
+        assert len(tok.encode(reasoning, add_special_tokens=False)) <= 100
+    assert names == ({"pick", "flip"} if choice == "required" else {"pick"})
 
 
 def _stream_message(fmt, pieces) -> dict:
