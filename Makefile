@@ -20,7 +20,7 @@ PYTEST_ARGS ?=
 # `make test` runs the unit, kernel and engine tests on this many pytest-xdist workers
 # (tests/conftest.py sends each module, and the modules of the costly session fixtures, to
 # one worker), then tests/e2e on E2E_WORKERS workers: the modules on the shared servers as
-# two units, every other module (its own servers) as a unit of its own, the longest first. An
+# one unit, every other module (its own servers) as a unit of its own, the longest first. An
 # e2e test mostly waits on its server, whose engine runs one thread: two of them fill the two
 # cores that one leaves half idle. PYTEST_WORKERS=0 / E2E_WORKERS=0: one process; with
 # PYTEST_ARGS, one run of what they name

@@ -41,18 +41,6 @@ _E2E_LONGEST = ("test_schemathesis.py", "test_lora_api.py", "test_tensor_paralle
                 "test_lora_path_e2e.py", "test_limits_and_shutdown.py", "test_soak.py")
 
 
-#: the pool's second xdist unit (``_work_unit``): the e2e modules on the pool's servers that
-#: also serve from servers of other arguments (the cache-off pool server, a TP=3 and an
-#: NGRAM server of their own), with test_responses_api.py and test_structured_api.py. The
-#: pool's modules as one unit took 454 s alone (measured 2026-12-03, one process, a load of
-#: ~4), all but ~20 s of the e2e half on two workers, the other worker idle for its last
-#: ~100 s; as two units of ~210-230 s, each worker runs one (the session's shared server then
-#: starts once on each)
-_E2E_POOL_2 = ("test_prefix_cache_api.py", "test_stream_differential.py",
-               "test_tensor_parallel_api.py", "test_speculative_api.py",
-               "test_responses_api.py", "test_structured_api.py")
-
-
 def pytest_collection_modifyitems(session, config, items):
     """tests/e2e in the order its xdist units are best handed out (``_e2e_order``); the
     tests of each module, and every test outside tests/e2e, keep their order."""
@@ -66,12 +54,12 @@ def pytest_collection_modifyitems(session, config, items):
 
 def _e2e_order(root: Path, module: str, seen: int) -> tuple[int, int]:
     """The sort key of ``module`` (``seen``: its place in collection order): the e2e modules
-    on the shared servers first (two xdist units, the longest), then ``_E2E_LONGEST`` in its
+    on the shared servers first (one xdist unit, the longest), then ``_E2E_LONGEST`` in its
     order, then the other e2e modules; every module outside tests/e2e before them all, as
     collected (a run names tests/e2e alone or leaves it out)."""
     if not module.startswith(_E2E_TESTS):
         return (0, seen)
-    if _work_unit(root, module).startswith("e2e-pool"):
+    if _work_unit(root, module) == "e2e-pool":
         return (1, seen)
     name = module.rsplit("/", 1)[-1]
     if name in _E2E_LONGEST:
@@ -84,8 +72,8 @@ def pytest_xdist_make_scheduler(config, log):
     """``make test`` runs the tests outside tests/e2e with ``pytest -n 2 --dist loadfile``
     (pytest-xdist); this scheduler sends whole work units to a worker, in collection order:
     each test module (its module fixtures built once, its tests in order), the e2e modules
-    that use the servers of ``server_pool`` as two units (``_E2E_POOL_2`` and the others: a
-    pool server starts once on each worker that runs a unit needing it), and the modules that use a fixture of ``_ONCE_FIXTURES`` as one unit (each is built
+    that use the servers of ``server_pool`` as one unit (each of those servers starts once),
+    and the modules that use a fixture of ``_ONCE_FIXTURES`` as one unit (each is built
     once). Other ``--dist`` modes are xdist's own."""
     if config.getvalue("dist") != "loadfile":
         return None
@@ -113,9 +101,7 @@ def _work_unit(root: Path, module: str) -> str:
     except OSError:
         return module
     if module.startswith(_E2E_TESTS):
-        if not _USES_POOL.search(text):
-            return module
-        return "e2e-pool-2" if module.rsplit("/", 1)[-1] in _E2E_POOL_2 else "e2e-pool"
+        return "e2e-pool" if _USES_POOL.search(text) else module
     return "hf-embedded" if any(name in text for name in _ONCE_FIXTURES) else module
 
 
