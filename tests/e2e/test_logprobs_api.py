@@ -290,7 +290,7 @@ def test_prompt_logprobs_beyond_the_limit_are_a_400(url, path, extra, param):
     and the limit, before any engine work. Just under it is served."""
     from server.pipeline.job import MAX_PROMPT_LOGPROBS
 
-    words = " ".join(["ferry"] * 1600)  # some 1600+ tokens: x 16 x 21 is past 2**18
+    words = " ".join(["ferry"] * 1000)  # 1001+ tokens: x 16 x 21 (336,336) is past 2**18
     body = {"model": MODEL, "max_tokens": 1, "n": 16, **extra}
     body.update({"prompt": words} if path == "/v1/completions"
                 else {"messages": [{"role": "user", "content": words}]})

@@ -22,6 +22,11 @@ from kernels.moe.reference import fused_moe_torch, select_experts
 from kernels.moe.routing import fused_topk
 
 F16, F32, BF16 = torch.float16, torch.float32, torch.bfloat16
+#: programs a launch that the interpreter cases' default tiles aim at (the default is 1024,
+#: a GPU's figure: narrow tiles and one interpreted program per tile, ~3x the time here);
+#: the tile choice itself is checked in test_decode_path_tiles_agree and
+#: test_decode_tiles_for_the_model_shapes
+SMALL_GRID = 64
 
 
 @pytest.mark.parametrize("m,num_experts,top_k,hidden,inter,dtype", [
@@ -32,7 +37,11 @@ F16, F32, BF16 = torch.float16, torch.float32, torch.bfloat16
     (9, 8, 2, 130, 72, F16),
     (16, 16, 8, 32, 64, F32),          # the largest default decode M
 ])
-def test_decode_path_matches_float64_loop(m, num_experts, top_k, hidden, inter, dtype):
+def test_decode_path_matches_float64_loop(m, num_experts, top_k, hidden, inter, dtype,
+                                         monkeypatch):
+    """The default tiles aimed at 64 programs a launch, not 1024 (``SMALL_GRID``): the
+    larger cases take wider tiles (masked edges included), the small ones stay narrow."""
+    monkeypatch.setattr(decode_mod, "TARGET_PROGRAMS", SMALL_GRID)
     weights, ids = edge_routing(m, num_experts, top_k, seed=5 * m + top_k)
     w13, w2 = make_weights(num_experts, hidden, inter, dtype, seed=m + 20)
     x = make_x(m, hidden, dtype, seed=m + 21)
@@ -77,8 +86,11 @@ def test_routed_decode_matches_torch_reference(style, m, num_experts, top_k, ren
     """Router logits -> the one-launch router -> the decode experts, against
     ``select_experts`` + ``fused_moe_torch`` in fp32 (the logits in the model dtype, as the
     MoE block now hands them over without a cast); the decode path taken up to M = 16 here
-    (``FERRY_MOE_DECODE_MAX_M=16``; the default is 1)."""
+    (``FERRY_MOE_DECODE_MAX_M=16``; the default is 1). The tiles aim at 16 programs a
+    launch (every program of the self-routing kernels routes its token again: at the default
+    1024 the M = 12 case took ~30 s in the interpreter)."""
     monkeypatch.setattr(decode_mod, "DECODE_MAX_M", 16)
+    monkeypatch.setattr(decode_mod, "TARGET_PROGRAMS", 16)
     hidden, inter = (64, 96) if style == "mixtral" else (48, 32)
     g = torch.Generator().manual_seed(m * 31 + top_k)
     logits = (torch.randn(m, num_experts, generator=g) * 2).to(dtype)
