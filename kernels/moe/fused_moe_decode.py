@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe.routing import route_row
+from kernels.moe.routing import pair_expert, route_row
 
 #: the largest batch that runs the two-launch decode path (environment override; 0: never)
 DECODE_MAX_M = max(0, int(os.environ.get("FERRY_MOE_DECODE_MAX_M", "1")))
@@ -63,12 +63,8 @@ def _moe_decode_gate_up_kernel(x_ptr, w_ptr, ids_ptr, logits_ptr, act_ptr, H, IN
                                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     t = tl.program_id(0)
     top_k = TOP_K
-    if ROUTE:  # this pair's expert from the token's router logits (no routing launch)
-        _, ids = route_row(logits_ptr, t // TOP_K, stride_lm, num_experts, TOP_K, RENORM,
-                           BLOCK_E, BLOCK_P)
-        e = tl.sum(tl.where(tl.arange(0, BLOCK_P) == t % TOP_K, ids, 0), 0).to(tl.int64)
-    else:
-        e = tl.load(ids_ptr + t).to(tl.int64)
+    e = pair_expert(t, ids_ptr, logits_ptr, stride_lm, num_experts, TOP_K, ROUTE, RENORM,
+                    BLOCK_E, BLOCK_P)
     if (e < 0) | (e >= num_experts):
         return                                   # another rank's expert: no row here
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe.routing import route_row
+from kernels.moe.routing import pair_expert, route_row
 
 #: the largest batch that runs the GEMV path (environment override; 0: never)
 GEMV_MAX_M = max(0, int(os.environ.get("FERRY_MXFP4_GEMV_MAX_M", "4")))
@@ -180,12 +180,8 @@ def _gemv_gate_up_kernel(x_ptr, b_ptr, s_ptr, bias_ptr, ids_ptr, logits_ptr, act
                          HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr):
     t = tl.program_id(0)
-    if ROUTE:  # this pair's expert from the token's router logits (no routing launch)
-        _, ids = route_row(logits_ptr, t // TOP_K, stride_lm, num_experts, TOP_K, RENORM,
-                           BLOCK_E, BLOCK_P)
-        e = tl.sum(tl.where(tl.arange(0, BLOCK_P) == t % TOP_K, ids, 0), 0).to(tl.int64)
-    else:
-        e = tl.load(ids_ptr + t).to(tl.int64)
+    e = pair_expert(t, ids_ptr, logits_ptr, stride_lm, num_experts, TOP_K, ROUTE, RENORM,
+                    BLOCK_E, BLOCK_P)
     if (e < 0) | (e >= num_experts):
         return                                   # another rank's expert: no row here
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -38,6 +38,23 @@ def route_row(logits_ptr, m, stride_lm, num_experts, TOP_K: tl.constexpr,
 
 
 @triton.jit
+def pair_expert(t, ids_ptr, logits_ptr, stride_lm, num_experts, TOP_K: tl.constexpr,
+                ROUTE: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """The expert (int64 scalar) of routed pair ``t`` (token ``t // TOP_K``, slot
+    ``t % TOP_K``): routed here from the token's logits row if ``ROUTE`` (no routing
+    launch), else read from ``ids_ptr[t]``. -1 or an id outside ``[0, num_experts)`` means
+    no expert on this rank. Shared by the MoE decode kernels that run one pair a program."""
+    if ROUTE:
+        _, ids = route_row(logits_ptr, t // TOP_K, stride_lm, num_experts, TOP_K, RENORM,
+                           BLOCK_E, BLOCK_K)
+        e = tl.sum(tl.where(tl.arange(0, BLOCK_K) == t % TOP_K, ids, 0), 0).to(tl.int64)
+    else:
+        e = tl.load(ids_ptr + t).to(tl.int64)
+    return e
+
+
+@triton.jit
 def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, num_experts, stride_lm,
                          TOP_K: tl.constexpr, RENORM: tl.constexpr, BLOCK_E: tl.constexpr,
                          BLOCK_K: tl.constexpr):
