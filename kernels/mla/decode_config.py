@@ -127,7 +127,7 @@ SMALL_SMEM_CONFIGS = (LEGACY_CONFIG, MLADecodeConfig(16, 16, 4, 2))
 #: (most heads of the bucket or None, kv kind) -> tag of the configuration (module
 #: docstring); ``bench.kernels.bench_mla --sweep`` prints a dict in this form to paste here
 MLA_DECODE_TAGS: dict[tuple[int | None, str], str] = {
-    (16, "16bit"): "16x64x8x2", (16, "fp8"): "16x32x8x2",
+    (16, "16bit"): "16x64x4x2", (16, "fp8"): "16x64x8x2",
     (32, "16bit"): "32x32x8x2", (32, "fp8"): "16x32x8x2",
     (64, "16bit"): "64x64x4x2v2", (64, "fp8"): "64x64x4x2v2",
     (None, "16bit"): "64x64x4x2v2", (None, "fp8"): "64x64x4x2v2",
