@@ -9,6 +9,12 @@ Triton). ``cu_seqlens`` may be a device tensor (the step's, uploaded once) or ho
 ``cu_seqlens_cpu``, its int64 CPU twin, goes to FLA where its functions take it (FLA then
 computes its chunk indices without reading the device tensor back: no host sync).
 
+FLA autotunes its chunked kernels (each a dozen launch configurations, compiled by ptxas)
+on first use: on a fresh H200 a cold start spent several minutes there (the server's
+warm-up prefill takes it before serving; the GPU tests of 2026-12-03 read it as a hang).
+``TRITON_CACHE_AUTOTUNING`` defaults to 1 here, so Triton keeps the chosen configurations
+beside its compile cache and a later process on the machine skips the benchmarking.
+
 Raises ImportError (naming the package) on first use where ``fla-core`` is not installed.
 """
 
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections.abc import Sequence
 
 import torch
@@ -31,6 +38,7 @@ def fla_available() -> bool:
 
 
 def _fla():
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")  # see the module's docstring
     try:
         from fla.ops.gated_delta_rule import (  # noqa: PLC0415 (lazy: GPU only)
             chunk_gated_delta_rule,

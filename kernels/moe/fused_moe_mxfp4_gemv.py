@@ -34,9 +34,12 @@ is ``act [M * top_k, I]``; no host sync: graph capturable. No split-K: at M = 1 
 alone give 720 programs a launch at gpt-oss's shape (:func:`gemv_tiles`).
 
 ``FERRY_MXFP4_GEMV_MAX_M`` (default 4; 0 turns the path off) is the largest M that takes
-it; ``FERRY_MXFP4_GEMV_TILES`` = ``target_programs,block_k`` (default ``528,512``) sets the
-tile choice; ``FERRY_MXFP4_GEMV_ROUTE=0`` makes the engine's layer route with ``fused_topk``
-first (three launches) instead of in the GEMV programs (:func:`gemv_self_routes`).
+it; ``FERRY_MXFP4_GEMV_TILES`` = ``target_programs,block_k`` (default ``528,256``) sets the
+tile choice (528,256 measured best on the H200 at M = 1, 2, 4: 61.6 / 112.7 / 222.0 us at
+the 120b shape against 83.6 / 160.7 / 299.9 with 528,512). ``FERRY_MXFP4_GEMV_ROUTE=1``
+makes the engine's layer route inside the GEMV programs (two launches) instead of with
+``fused_topk`` first (three; the default: routing in every program measured 1.1-1.2x
+slower on the H200, 97.1 against 87.1 us at M = 1; :func:`gemv_self_routes`).
 """
 
 from __future__ import annotations
@@ -53,12 +56,12 @@ from kernels.moe.routing import pair_expert, route_row
 GEMV_MAX_M = max(0, int(os.environ.get("FERRY_MXFP4_GEMV_MAX_M", "4")))
 
 #: whether the engine's layer routes inside the GEMV kernels (two launches) rather than
-#: with ``fused_topk`` first (three; environment override, 0: the latter)
-GEMV_SELF_ROUTE = os.environ.get("FERRY_MXFP4_GEMV_ROUTE", "1") != "0"
+#: with ``fused_topk`` first (three, the default; environment override, 1: the former)
+GEMV_SELF_ROUTE = os.environ.get("FERRY_MXFP4_GEMV_ROUTE", "0") == "1"
 
 #: tiles: aim for this many programs a launch (4 per SM of an H200's 132), and this K step
 TARGET_PROGRAMS, BLOCK_K = (int(v) for v in os.environ.get(
-    "FERRY_MXFP4_GEMV_TILES", "528,512").split(","))
+    "FERRY_MXFP4_GEMV_TILES", "528,256").split(","))
 
 #: the largest weight tile a program loads per K step (bytes): 8 warps x 32 bytes a thread
 #: (wider tiles cost registers: on sm_90 the down kernel's 16 x 4 pairs x 256 bytes took 215)
