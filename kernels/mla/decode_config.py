@@ -16,8 +16,9 @@ configuration is :data:`LEGACY_CONFIG` (``16x32x4x2``), kept for the comparison
 (``python -m bench.kernels.bench_mla --configs legacy,default``).
 
 Why these (H200: 132 SMs, 228 KB shared memory and 64K registers an SM, 989 TFLOP/s dense
-bf16, 4.8 TB/s; not swept on a GPU yet, ``bench/h200_run.sh mla-sweep`` prints the
-measured table). Work of one decode token of one head: scores over ``R + P = 576`` and
+bf16, 4.8 TB/s; swept on one on 2026-12-03 with ``bench/h200_run.sh mla-sweep``, which
+prints the measured table: the 16-head rows are its picks, the others it confirmed within
+1.04x of each shape's best; figures in docs/benchmarks.md). Work of one decode token of one head: scores over ``R + P = 576`` and
 values over ``R = 512``, ``2 x (576 + 512) = 2,176`` FLOPs on a 1,152-byte bf16 row (576 in
 FP8) that every head shares. 128 heads: 242 FLOP/byte (484 in FP8), above the ridge point
 (206): compute-bound, and the head blocks decide how often each tile is re-read and
