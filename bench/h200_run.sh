@@ -145,8 +145,8 @@ for stage in "$@"; do
     # autotuning on a cold machine (the 90 s stacks of 2026-12-03 sat in ptxas under FLA's
     # autotuner; the fourth line, on a warm cache, passed in 23 s): longer limits, and
     # TRITON_CACHE_AUTOTUNING keeps the choices for the later lines. qwen3next: bs1/bs64 decode of
-    # Qwen3.5-35B-A3B's shape with decode graphs up to bs 64 (the eager figures of the
-    # previous runs, --disable-cuda-graph, are in docs/benchmarks.md; the 80B-A3B, ~160 GB in
+    # Qwen3.5-35B-A3B's shape with decode graphs up to bs 64 (6.65 / 23.45 ms on
+    # 2026-12-04, docs/benchmarks.md; the 80B-A3B, ~160 GB in
     # bf16, does not fit one H200; TP for these models: tp-tests on nvidia-h200-x2);
     # qwen3next-24l: Qwen3-Next-80B-A3B's layer shapes cut to 24 of its 48 layers (~80 GB)
     qwen3next-tests) python3 -c "from kernels.linear_attention import gated_delta_rule_backend as b; print('gated delta rule on cuda:', b('cuda'))"
