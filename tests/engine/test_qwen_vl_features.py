@@ -4,7 +4,8 @@
 and a named function, ``server/tools/plan.py``) gives output that parses and validates while
 the image still reaches the model; NGRAM speculative decoding gives the greedy tokens of a
 plain run (its verify step at the images' M-RoPE positions, ``VerifyReq.mm``), as a decode
-and as an extend verify; stop strings end the text; ``n`` requests with one image agree.
+and as an extend verify; stop strings end the text; ``n`` requests with one image agree; a
+peft LoRA adapter on the language layers answers an image prompt as peft does.
 """
 
 from __future__ import annotations
@@ -135,3 +136,53 @@ def test_stop_strings_and_n_with_an_image(prompts, llm):
                                                       ignore_eos=True),
                         images=[case[1]] * 3)  # what the server's n = 3 fans out
     assert all(o.token_ids == free.token_ids for o in many)
+
+
+def test_lora_with_an_image_matches_peft(prompts, tmp_path):
+    """A peft adapter on the language layers (transformers 5 names them
+    ``model.language_model.layers.*``) changes the answer to an image prompt as peft does;
+    the base model's answer stays the base one."""
+    pytest.importorskip("peft")
+    import torch
+    from parity_helpers import SP, assert_matches_hf, hf_greedy
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(prompts[0], dtype=torch.float32)
+    pm = get_peft_model(hf.eval(), LoraConfig(r=4, lora_alpha=16, init_lora_weights=False,
+                                              target_modules=["q_proj", "v_proj", "o_proj"]))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.copy_(1.2 * torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    pm.eval().save_pretrained(tmp_path / "adapter")
+    ids, ims = prompts[1]["red"]
+    pixels = image_processor()(images=[images()["red"]], return_tensors="pt")
+    kw = dict(pixel_values=pixels["pixel_values"], image_grid_thw=pixels["image_grid_thw"],
+              mm_token_type_ids=(torch.tensor([ids]) == IMAGE_TOKEN_ID).int())
+    ref = hf_greedy(pm, ids, **kw)
+    with pm.disable_adapter():
+        base = hf_greedy(pm, ids, **kw)
+    assert ref[0] != base[0]
+    with parity_llm(prompts[0], max_total_tokens=2048,
+                    lora_paths=[f"a={tmp_path / 'adapter'}"]) as engine:
+        with_lora, plain = (engine.generate([ids], SP, images=[ims], lora=lora)[0]
+                            for lora in ("a", None))
+        assert_matches_hf(with_lora, ref, "LoRA with an image")
+        assert_matches_hf(plain, base, "base beside a LoRA")
+
+
+def test_lora_on_the_vision_tower_is_refused(prompts, tmp_path):
+    """``gate_proj`` names the tower's MLPs too: such an adapter is refused in one line."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from engine.lora.adapter import LoRAError
+
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(prompts[0])
+    get_peft_model(hf, LoraConfig(r=4, target_modules=["gate_proj"])).save_pretrained(
+        tmp_path / "adapter")
+    with pytest.raises(LoRAError, match="visual.*: a vision-tower adapter"):
+        parity_llm(prompts[0], lora_paths=[f"a={tmp_path / 'adapter'}"])
