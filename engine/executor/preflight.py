@@ -182,20 +182,22 @@ def check_recurrent_state_flags(model, args: ServerArgs, device_type: str) -> No
 
 def check_image_model(model, args: ServerArgs) -> None:
     """Refuse what a model with a vision tower (``accepts_images``) cannot run yet:
-    speculative decoding (the draft has no M-RoPE positions). A model with
-    ``images_optional`` (Gemma 3, Qwen3.5) is not refused: Gemma 3 needs no M-RoPE
-    positions, and Qwen3.5 then serves text only. Tensor parallelism runs: every rank holds
-    the whole vision tower and encodes the images rank 0 sends it
-    (``engine/executor/tp_images.py``).
+    speculative decoding other than NGRAM (a draft model or head would run without the
+    images' M-RoPE positions or embeddings; NGRAM's verify step takes each request's
+    positions, ``VerifyReq.mm``). A model with ``images_optional`` (Gemma 3, Qwen3.5) is
+    not refused: Gemma 3 needs no M-RoPE positions, and Qwen3.5 then serves text only.
+    Tensor parallelism runs: every rank holds the whole vision tower and encodes the images
+    rank 0 sends it (``engine/executor/tp_images.py``).
 
     Raises:
         ValueError: one line naming the model class and the flag.
     """
     if not getattr(model, "accepts_images", False) or getattr(model, "images_optional", False):
         return
-    if args.speculative_algorithm:
+    if args.speculative_algorithm and args.speculative_algorithm != "NGRAM":
         raise ValueError(f"{type(model).__name__} (image input) does not support "
-                         f"--speculative-algorithm {args.speculative_algorithm} yet")
+                         f"--speculative-algorithm {args.speculative_algorithm} yet "
+                         "(NGRAM runs)")
 
 
 def build_meta_model(args: ServerArgs, device_type: str):

@@ -153,15 +153,19 @@ class RankRunner:
                 device=self.device, seed=args.seed, quantization=args.quantization,
                 gguf_dequantize=args.gguf_dequantize, pooling=self.pooling)
         self.load_time = time.perf_counter() - t0
-        if (args.speculative_algorithm and getattr(self.model, "mrope", False)
+        if (args.speculative_algorithm not in (None, "", "NGRAM")
+                and getattr(self.model, "mrope", False)
                 and getattr(self.model, "accepts_images", False)):
-            # a verify step builds plain positions, not the images' M-RoPE ones: text only
+            # a draft model or head runs without the images' M-RoPE positions: text only
+            # (NGRAM's verify step takes them from ``VerifyReq.mm``)
             self.model.accepts_images = False
             self.model.images_off_reason = (
                 f"image input is off with --speculative-algorithm {args.speculative_algorithm} "
-                "on this model (its verify step has no M-RoPE positions yet); send text only")
-            logger.info("%s: image input off (speculative decoding; M-RoPE positions in the "
-                        "verify step are not built yet): text only", type(self.model).__name__)
+                "on this model (its draft runs without M-RoPE positions; NGRAM runs with "
+                "images); send text only")
+            logger.info("%s: image input off (speculative decoding with a draft: no M-RoPE "
+                        "positions there; NGRAM runs with images): text only",
+                        type(self.model).__name__)
         if self.device_type == "cpu":
             if how := dev.tune_cpu_malloc():
                 logger.info("CPU: %s", how)

@@ -3,13 +3,17 @@
 
 peft saves ``lora_A`` as ``[r, in_features]`` and ``lora_B`` as ``[out_features, r]`` under
 the base model's module names with a ``base_model.model.`` prefix
-(``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``). The forward of a
+(``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``; a vision-language
+model's language layers as transformers 5 names them, ``model.language_model.layers.3...``,
+or as older ones did, ``language_model.model.layers.3...``, are read as ``model.layers.3...``,
+ferry's names for them). The forward of a
 LoRA linear layer is ``W x + scale * B (A x)`` with ``scale = lora_alpha / r`` (rsLoRA,
 ``use_rslora``: ``lora_alpha / sqrt(r)``; Kalajdzievski 2023); a module of ``rank_pattern``
 has its own r, read here from its tensors. What ferry does not run is refused with the
 config field or tensor that asks for it: DoRA (``use_dora``), ``modules_to_save``, adapters
 on the embeddings or the LM head, LoRA biases (``bias``), ``alpha_pattern``, non-LoRA peft
-types, and modules other than the seven projections q/k/v/o/gate/up/down.
+types, modules other than the seven projections q/k/v/o/gate/up/down, and modules of a
+vision tower.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import torch
 
 #: the projections an adapter may target (HF module names of Llama-family layers)
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_KEY = re.compile(r"^(?:base_model\.model\.)?(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))"
+_KEY = re.compile(r"^(?:base_model\.model\.)?"
+                  r"(?:model\.language_model\.|language_model\.model\.|model\.)"
+                  r"(layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))"
                   r"\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
 
@@ -178,9 +184,11 @@ def read_adapter(name: str, path: str, max_rank: int) -> LoRAAdapter:
         if m is None:
             what = ("DoRA magnitude (use_dora)" if "lora_magnitude" in key else
                     "an embedding or LM head adapter" if ("embed" in key or "lm_head" in key)
+                    else "a vision-tower adapter (the language layers' projections only)"
+                    if "visual." in key
                     else "not a LoRA A/B weight of a supported projection")
             raise LoRAError(f"adapter tensor {key!r}: {what}")
-        module, kind = m.group(1), m.group(3)
+        module, kind = "model." + m.group(1), m.group(3)
         if kind not in LORA_MODULES:
             raise LoRAError(f"adapter tensor {key!r}: module {kind!r} is not supported "
                             f"(target_modules among {', '.join(LORA_MODULES)})")

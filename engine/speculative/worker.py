@@ -76,13 +76,15 @@ class VerifyReq:
     """A request's ``StepRequest`` for the verify forward: its tokens with the drafts after
     them (the request itself holds only accepted tokens)."""
 
-    __slots__ = ("req", "req_pool_idx", "state_slot", "drafts", "base")
+    __slots__ = ("req", "req_pool_idx", "state_slot", "mm", "drafts", "base")
 
     def __init__(self, req, drafts: list[int]):
         self.req = req
         self.req_pool_idx = req.req_pool_idx
         # the request's recurrent-state slot (a model with linear-attention layers)
         self.state_slot = getattr(req, "state_slot", None)
+        # an image request's M-RoPE positions: the drafts sit at ``p + delta`` (as decodes)
+        self.mm = getattr(req, "mm", None)
         self.drafts = drafts
         self.base = req.seq_len
 

@@ -134,6 +134,16 @@ def test_different_images_share_no_kv(ckpt, llm):
     assert_matches_hf(out, blue.ref, "after another image")
 
 
+def test_ngram_speculation_with_images_matches_hf(ckpt):
+    """NGRAM verify steps over image requests (no M-RoPE here; the image's bidirectional
+    span lies in the prompt, before any draft) give HF's greedy tokens."""
+    with parity_llm(ckpt[1], max_total_tokens=2048, speculative_algorithm="NGRAM") as engine:
+        for name in ("red", "two"):
+            assert_matches_hf(_run(engine, [ckpt[2][name]])[0], ckpt[2][name].ref,
+                              f"{name} with NGRAM")
+        assert engine.scheduler.spec.stats["spec_verify_steps"] > 0
+
+
 def test_chunked_prefill_keeps_images_whole(ckpt, monkeypatch):
     """Chunks of 5 tokens: every chunk that reaches an image ends before it or takes it
     whole (16 tokens past the budget), and the answers are HF's."""

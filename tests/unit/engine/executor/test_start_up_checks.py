@@ -369,9 +369,13 @@ def test_real_shape_of_qwen2_5_vl_builds_on_meta(serve_stubbed, capsys):
     assert serve(base + ["--tp-size", "2"]) == 0   # the tower replicated on every rank
     assert len(launched) == 1
     launched.clear()
-    line = _refused(serve_stubbed, capsys, base + ["--speculative-algorithm", "NGRAM"])
+    assert serve(base + ["--speculative-algorithm", "NGRAM"]) == 0  # verify at M-RoPE positions
+    assert len(launched) == 1
+    launched.clear()
+    line = _refused(serve_stubbed, capsys, base + ["--speculative-algorithm", "EAGLE",
+                                                   "--speculative-draft-model-path", path])
     assert ("Qwen2_5_VLForConditionalGeneration (image input) does not support "
-            "--speculative-algorithm NGRAM") in line, line
+            "--speculative-algorithm EAGLE yet (NGRAM runs)") in line, line
 
 
 def test_real_shape_of_qwen3_vl_builds_on_meta(serve_stubbed):
