@@ -22,7 +22,10 @@ PYTEST_ARGS ?=
 # one worker), then tests/e2e on E2E_WORKERS workers: the modules on the shared servers as
 # one unit, every other module (its own servers) as a unit of its own, the longest first. An
 # e2e test mostly waits on its server, whose engine runs one thread: two of them fill the two
-# cores that one leaves half idle. PYTEST_WORKERS=0 / E2E_WORKERS=0: one process; with
+# cores that one leaves half idle. Each worker runs torch on cores // workers threads
+# (tests/conftest.py sets OMP_NUM_THREADS, which the servers it starts inherit): two workers
+# of two threads each spun against each other, 4x slower on the engine tests.
+# PYTEST_WORKERS=0 / E2E_WORKERS=0: one process; with
 # PYTEST_ARGS, one run of what they name
 PYTEST_WORKERS ?= 2
 E2E_WORKERS ?= 2

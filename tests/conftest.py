@@ -7,12 +7,34 @@ a test must not change it (they only read: forward passes, ``state_dict``, ``con
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
 
-import pytest
-import transformers.utils.logging as _hf_logging
+
+def _share_cores_among_xdist_workers() -> None:
+    """On a pytest-xdist worker (``make test``: ``-n 2`` on the 2-core CI machine), give torch
+    ``cores // workers`` intra-op threads (at least one), through ``$OMP_NUM_THREADS`` so the
+    engine (``cpu_thread_count``) and every process a test starts inherit it, unless it is
+    set already. Left at torch's default (every core), the workers' OpenMP teams spin against
+    each other: a test of test_generate.py took 178 s with two workers of two threads each
+    and 8 s with one thread each (2026-12-04)."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not workers.isdigit() or int(workers) < 1 or os.environ.get("OMP_NUM_THREADS"):
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else (os.cpu_count() or 1)
+    threads = max(1, cores // int(workers))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    if "torch" in sys.modules:  # a plugin imported it first: its thread pool is sized already
+        sys.modules["torch"].set_num_threads(threads)
+
+
+_share_cores_among_xdist_workers()
+
+import pytest  # noqa: E402
+import transformers.utils.logging as _hf_logging  # noqa: E402
 
 # transformers binds its log handler to the sys.stderr of its first log call; under a test's
 # capsys that stream is closed once the test ends, and every later transformers warning in the
