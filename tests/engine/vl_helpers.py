@@ -253,3 +253,21 @@ def gemma3_images():
     grad = Image.new("RGB", (112, 84))
     grad.putdata([(2 * x, 3 * y, (x + y) % 256) for y in range(84) for x in range(112)])
     return {"red": red, "blue": blue, "gradient": grad}
+
+
+def png(size=(56, 56), colour=(200, 10, 10)) -> bytes:
+    """A solid-colour PNG image of ``size`` (width, height) pixels (pillow)."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", size, colour).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    """``data:image/png;base64,...`` of PNG bytes."""
+    import base64
+
+    return "data:image/png;base64," + base64.b64encode(data).decode()

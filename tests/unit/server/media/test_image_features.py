@@ -9,8 +9,6 @@ JSON; the reply is a tool call whose arguments match the function's schema), ``n
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import sys
 from pathlib import Path
@@ -19,7 +17,6 @@ import pytest
 
 pytest.importorskip("PIL")
 
-from PIL import Image  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
 from engine import io_struct  # noqa: E402
@@ -28,20 +25,11 @@ from server.media.process import ImageProcessor  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "engine"))
 from app_helpers import make_app  # noqa: E402
-from vl_helpers import IMAGE_TOKEN_ID, image_processor, save_tokenizer  # noqa: E402
+from vl_helpers import IMAGE_TOKEN_ID, data_url, image_processor, png  # noqa: E402
 
 PARAMS = {"type": "object", "properties": {"shade": {"enum": ["dark", "light"]}},
           "required": ["shade"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "paint", "parameters": PARAMS}}]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    path = tmp_path_factory.mktemp("vl_tok")
-    save_tokenizer(path)
-    return AutoTokenizer.from_pretrained(path)
 
 
 @pytest.fixture
@@ -54,9 +42,7 @@ def served(tokenizer):
 
 
 def _post(client, **body):
-    buf = io.BytesIO()
-    Image.new("RGB", (56, 56), (200, 10, 10)).save(buf, "PNG")
-    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    url = data_url(png())
     return client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [
         {"type": "text", "text": "paint "}, {"type": "image_url", "image_url": {"url": url}}]}],
         "max_tokens": 20, **body})

@@ -27,26 +27,9 @@ from server.media.process import ImageProcessor, expand_image_tokens  # noqa: E4
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "engine"))
 from app_helpers import make_app  # noqa: E402
-from vl_helpers import IMAGE_TOKEN_ID, image_processor, save_tokenizer  # noqa: E402
-
-
-def _png(size=(56, 56), colour=(200, 10, 10)) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", size, colour).save(buf, "PNG")
-    return buf.getvalue()
-
-
-def _data_url(data: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(data).decode()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    path = tmp_path_factory.mktemp("vl_tok")
-    save_tokenizer(path)
-    return AutoTokenizer.from_pretrained(path)
+from vl_helpers import IMAGE_TOKEN_ID, image_processor  # noqa: E402
+from vl_helpers import data_url as _data_url  # noqa: E402
+from vl_helpers import png as _png  # noqa: E402
 
 
 @pytest.fixture
