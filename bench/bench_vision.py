@@ -77,6 +77,27 @@ def _median_s(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def image_llm(ns: argparse.Namespace):
+    """The in-process ``LLM`` of the parsed engine flags ``ns``; SystemExit naming the model
+    class when it does not read images."""
+    from engine.llm import LLM
+
+    args = ServerArgs.from_cli_args(ns)
+    llm = LLM(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
+    if not getattr(llm.runner.model, "accepts_images", False):
+        raise SystemExit(f"{type(llm.runner.model).__name__} does not read images")
+    return llm
+
+
+def dummy_image(model, image_size: int, position: int):
+    """One synthetic image for ``model`` at prompt position ``position``: a square of
+    ``image_size`` pixels for the Qwen towers, Gemma 3's fixed token count otherwise."""
+    vc = model.config.vision_config
+    if hasattr(vc, "spatial_merge_size"):
+        return synthetic_image(vc, image_size, position)
+    return _gemma3_image(vc, position, 0, int(model.config.mm_tokens_per_image))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="ferry bench-vision", description=__doc__)
     p.add_argument("--image-size", type=int, default=1024, help="pixels a side (default 1024)")
@@ -85,17 +106,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--result-jsonl", default=None, help="append one JSON line")
     add_engine_args(p)
     ns = p.parse_args(argv)
-    args = ServerArgs.from_cli_args(ns)
-    from engine.llm import LLM
-
-    llm = LLM(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
+    llm = image_llm(ns)
     model, runner = llm.runner.model, llm.runner
-    if not getattr(model, "accepts_images", False):
-        raise SystemExit(f"{type(model).__name__} does not read images")
     half = ns.text_len // 2
-    vc = model.config.vision_config
-    image = synthetic_image(vc, ns.image_size, half) if hasattr(vc, "spatial_merge_size") \
-        else _gemma3_image(vc, half, 0, int(model.config.mm_tokens_per_image))
+    image = dummy_image(model, ns.image_size, half)
     g = torch.Generator().manual_seed(1)
     vocab = model.model_config.vocab_size
     text = torch.randint(10, min(1000, vocab), (ns.text_len,), generator=g).tolist()

@@ -18,7 +18,6 @@ the ``vision-serving`` stage of ``bench/h200_run.sh``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import random
 import statistics
 import time
@@ -26,10 +25,9 @@ import time
 import msgspec
 import torch
 
-from bench.bench_vision import _gemma3_image, synthetic_image
+from bench.bench_vision import dummy_image, image_llm
 from bench.result_line import emit_result
 from bench.serving.serving_report import percentile
-from engine.args import ServerArgs
 from engine.sampling.params import SamplingParams
 from engine.scheduler.request import Req
 from engine.validation import images_for
@@ -39,9 +37,7 @@ from server.cli import add_engine_args
 def _prompts(model, ns) -> tuple[list[tuple[list[int], list]], list[tuple[list[int], list]]]:
     """Per request: (ids, [image]) with one image, and (ids, []) text of the same length."""
     half = ns.text_len // 2
-    vc = model.config.vision_config
-    base = synthetic_image(vc, ns.image_size, half) if hasattr(vc, "spatial_merge_size") \
-        else _gemma3_image(vc, half, 0, int(model.config.mm_tokens_per_image))
+    base = dummy_image(model, ns.image_size, half)
     vocab = model.model_config.vocab_size
     g = torch.Generator().manual_seed(ns.seed)
     with_image, text_only = [], []
@@ -107,13 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--result-jsonl", default=None, help="append one JSON line per load")
     add_engine_args(p)
     ns = p.parse_args(argv)
-    args = ServerArgs.from_cli_args(ns)
-    from engine.llm import LLM
-
-    llm = LLM(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args)})
+    llm = image_llm(ns)
     model = llm.runner.model
-    if not getattr(model, "accepts_images", False):
-        raise SystemExit(f"{type(model).__name__} does not read images")
     with_image, text_only = _prompts(model, ns)
     rng = random.Random(ns.seed)
     gaps = [0.0] + [rng.expovariate(ns.request_rate) for _ in range(ns.num_requests - 1)]
@@ -124,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         res = {"load": load, "image_size": ns.image_size, "prompt_tokens": len(prompts[0][0]),
                "text_tokens": ns.text_len if load == "image" else len(prompts[0][0]),
                "output_len": ns.output_len, "request_rate": ns.request_rate,
-               "tp_size": args.tp_size, "device": llm.runner.device_type,
+               "tp_size": ns.tp_size, "device": llm.runner.device_type,
                **run_load(llm, prompts, gaps, ns.output_len)}
         emit_result(res, f"{load:5s} load: {res['requests']} req at {ns.request_rate:g}/s, "
                     f"{res['prompt_tokens']} prompt tokens | TTFT median "
