@@ -144,3 +144,14 @@ def assert_chunked_prefill_matches_hf(path, hf, long: list[int], long_ref, case:
         outs = llm.generate([long, longer], SP)
     assert_matches_hf(outs[0], long_ref, f"{case} chunked prompt")
     assert_matches_hf(outs[1], hf_greedy(hf, longer), f"{case} chunked 45-token prompt")
+
+
+def floats_in(x) -> list[float]:
+    """Every float in a nest of lists, tuples and dicts (an output's log-probs), in order."""
+    if isinstance(x, float):
+        return [x]
+    if isinstance(x, dict):
+        x = list(x.values())
+    if isinstance(x, (list, tuple)):
+        return [f for item in x for f in floats_in(item)]
+    return []

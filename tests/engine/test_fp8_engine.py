@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from parity_helpers import floats_in
 
 from engine.llm import LLM
 from engine.sampling.params import SamplingParams
@@ -87,19 +88,10 @@ def _tp_run(path: str, tp: int):
         assert lin.weight.dtype == torch.float8_e4m3fn and lin.tp_size == tp
         outs = llm.generate([PROMPT_A, PROMPT_C], sp)
     toks = [list(o.token_ids) for o in outs]
-    lps = [lp for o in outs for step in o.logprobs for lp in _floats(step)]
-    lps += [lp for o in outs for step in o.prompt_logprobs if step for lp in _floats(step)]
+    lps = [lp for o in outs for step in o.logprobs for lp in floats_in(step)]
+    lps += [lp for o in outs for step in o.prompt_logprobs if step for lp in floats_in(step)]
     return toks, lps
 
-
-def _floats(x) -> list[float]:
-    if isinstance(x, float):
-        return [x]
-    if isinstance(x, dict):
-        x = list(x.values())
-    if isinstance(x, (list, tuple)):
-        return [f for item in x for f in _floats(item)]
-    return []
 
 
 def test_fp8_tp2_matches_tp1(tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from parity_helpers import floats_in
 
 from engine.distributed import check_tp_shape
 from engine.llm import LLM
@@ -58,20 +59,11 @@ def _run(path: str, tp: int):
     return first + second
 
 
-def _floats(x) -> list[float]:
-    if isinstance(x, float):
-        return [x]
-    if isinstance(x, dict):
-        x = list(x.values())
-    if isinstance(x, (list, tuple)):
-        return [f for item in x for f in _floats(item)]
-    return []
-
 
 def _flat(outs):
     """(token ids of each output, every log-probability in the outputs, in order)."""
     return ([list(o.token_ids) for o in outs],
-            [f for o in outs for f in _floats(o.logprobs) + _floats(o.prompt_logprobs)])
+            [f for o in outs for f in floats_in(o.logprobs) + floats_in(o.prompt_logprobs)])
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("PIL")
 
-from parity_helpers import LOGPROB_TOL, SP, parity_llm  # noqa: E402
+from parity_helpers import LOGPROB_TOL, SP, floats_in, parity_llm  # noqa: E402
 from vl_helpers import gemma3_images, images, save_gemma3, save_tiny  # noqa: E402
 
 from server.media.process import load_image_processor  # noqa: E402
@@ -72,16 +72,6 @@ def ckpt(tmp_path_factory):
     return get
 
 
-def _floats(x) -> list[float]:
-    """Every float in a nest of lists, tuples and dicts (an output's log-probs)."""
-    if isinstance(x, float):
-        return [x]
-    if isinstance(x, dict):
-        x = list(x.values())
-    if isinstance(x, (list, tuple)):
-        return [f for item in x for f in _floats(item)]
-    return []
-
 
 def _generate(llm, prompts: list) -> list:
     return llm.generate([ids for ids, _ in prompts], SP, images=[im for _, im in prompts])
@@ -97,7 +87,7 @@ def _run(path: str, p: dict, hybrid: bool, **kw) -> tuple[list, list[float], lis
         outs += _generate(llm, [p["two"]])
         if hybrid:   # the repeat leaves a snapshot at its branching point: the next hits
             outs += _generate(llm, [p["two"]])
-    lps = [v for o in outs for v in _floats(o.logprobs)]
+    lps = [v for o in outs for v in floats_in(o.logprobs)]
     return [list(o.token_ids) for o in outs], lps, [o.num_cached_tokens for o in outs]
 
 
@@ -151,5 +141,5 @@ def test_encoder_budget_splits_image_requests(ckpt, monkeypatch):
     assert encoded == [64, 64, 64], steps                  # one image per step
     for a, b in zip(got, ref):
         assert a.token_ids == b.token_ids
-        worst = max(abs(x - y) for x, y in zip(_floats(a.logprobs), _floats(b.logprobs)))
+        worst = max(abs(x - y) for x, y in zip(floats_in(a.logprobs), floats_in(b.logprobs)))
         assert worst < LOGPROB_TOL
