@@ -40,6 +40,23 @@ def stream_chunks(url: str, path: str, body: dict) -> list[dict]:
         return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
 
 
+def fold_chat_stream(url: str, body: dict) -> tuple[str, str, dict[int, list[str]], str | None]:
+    """A streamed chat completion folded into one message: ``(reasoning_content, content,
+    {index: [name, arguments]} of the tool calls, finish_reason)``; asserts a 200."""
+    reasoning, content, calls, finish = "", "", {}, None
+    for chunk in stream_chunks(url, "/v1/chat/completions", body):
+        choice = chunk["choices"][0]
+        d = choice["delta"]
+        reasoning += d.get("reasoning_content") or ""
+        content += d.get("content") or ""
+        for tc in d.get("tool_calls") or []:
+            call = calls.setdefault(tc["index"], ["", ""])
+            call[0] += tc["function"].get("name") or ""
+            call[1] += tc["function"].get("arguments") or ""
+        finish = choice["finish_reason"] or finish
+    return reasoning, content, calls, finish
+
+
 WEATHER_TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {
         "city": {"type": "string"}}, "required": ["city"]}}}]

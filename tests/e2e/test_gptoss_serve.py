@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from api_helpers import fold_chat_stream
 from conftest import FerryServer
 
 pytestmark = pytest.mark.slow
@@ -78,24 +79,8 @@ def test_tool_call_in_commentary_ends_the_turn(srv):
 
 
 def test_stream_gives_the_same_message(srv):
-    server = srv[0]
-    reasoning, content, calls, finish = "", "", {}, None
-    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=server.http_timeout,
-                      json={"model": "oss", "messages": MSG, "tools": TOOLS, "max_tokens": 16,
-                            "temperature": 0, "stream": True}) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            choice = json.loads(line[6:])["choices"][0]
-            d = choice["delta"]
-            reasoning += d.get("reasoning_content") or ""
-            content += d.get("content") or ""
-            for tc in d.get("tool_calls") or []:
-                call = calls.setdefault(tc["index"], ["", ""])
-                call[0] += tc.get("function", {}).get("name") or ""
-                call[1] += tc.get("function", {}).get("arguments") or ""
-            finish = choice["finish_reason"] or finish
+    reasoning, content, calls, finish = fold_chat_stream(srv[0].url, {
+        "model": "oss", "messages": MSG, "tools": TOOLS, "max_tokens": 16, "temperature": 0})
     assert (reasoning, content, calls, finish) == ("ponder", "", {0: ["get", '{"q": 1}']},
                                                    "tool_calls")
 
@@ -236,27 +221,6 @@ def _valid_call(name: str, arguments: str) -> None:
         assert args["side"] in ("heads", "tails")
 
 
-def _chat_stream(srv, body: dict) -> tuple[str, str, dict, str | None]:
-    server = srv[0]
-    reasoning, content, calls, finish = "", "", {}, None
-    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=server.http_timeout,
-                      json=dict(body, stream=True)) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            choice = json.loads(line[6:])["choices"][0]
-            d = choice["delta"]
-            reasoning += d.get("reasoning_content") or ""
-            content += d.get("content") or ""
-            for tc in d.get("tool_calls") or []:
-                call = calls.setdefault(tc["index"], ["", ""])
-                call[0] += tc.get("function", {}).get("name") or ""
-                call[1] += tc.get("function", {}).get("arguments") or ""
-            finish = choice["finish_reason"] or finish
-    return reasoning, content, calls, finish
-
-
 @pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "put"}},
                                     "required"])
 def test_forced_call_chat_stream_and_not(srv, choice):
@@ -274,7 +238,7 @@ def test_forced_call_chat_stream_and_not(srv, choice):
                            for c in m["tool_calls"]]
         _valid_call(name, args)
         names.add(name)
-        reasoning, content, calls, finish = _chat_stream(srv, body)
+        reasoning, content, calls, finish = fold_chat_stream(srv[0].url, body)
         assert (reasoning, content, finish) == ("ponder", "", "tool_calls")
         assert calls == {0: [name, args]}  # the same seed: the same call
     assert names == {"put"} or choice == "required"

@@ -14,6 +14,7 @@ import json
 
 import httpx
 import pytest
+from api_helpers import fold_chat_stream
 from conftest import FerryServer
 from scripted_model import CALL, save_scripted
 
@@ -63,25 +64,9 @@ def test_chat_reasoning_content_and_tool_call(srv):
 
 
 def test_chat_stream_equals_non_stream(srv):
-    reasoning = content = ""
-    calls: dict[int, list[str]] = {}
-    finish = None
-    with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=srv.http_timeout,
-                      json={"model": "scripted", "messages": MSG, "tools": TOOLS,
-                            "max_tokens": 16, "temperature": 0, "stream": True}) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            choice = json.loads(line[6:])["choices"][0]
-            d = choice["delta"]
-            reasoning += d.get("reasoning_content") or ""
-            content += d.get("content") or ""
-            for tc in d.get("tool_calls") or []:
-                call = calls.setdefault(tc["index"], ["", ""])
-                call[0] += tc["function"].get("name") or ""
-                call[1] += tc["function"].get("arguments") or ""
-            finish = choice["finish_reason"] or finish
+    reasoning, content, calls, finish = fold_chat_stream(srv.url, {
+        "model": "scripted", "messages": MSG, "tools": TOOLS, "max_tokens": 16,
+        "temperature": 0})
     assert (reasoning, content, finish) == ("ponder", "Sure", "tool_calls")
     assert calls == {0: ["get", '{"q": 1}']}
 
