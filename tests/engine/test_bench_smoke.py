@@ -83,6 +83,13 @@ def test_bench_spec_steps_rows_and_pool(tiny_args, tmp_path):
     assert runner.kv_pool.num_free_pages == free_pages
 
 
+def _saved(cfg, architecture: str, tmp_path) -> str:
+    """Save the tiny config ``cfg`` as ``architecture`` (dummy weights read only it)."""
+    cfg.architectures = [architecture]
+    cfg.save_pretrained(tmp_path / "model")
+    return str(tmp_path / "model")
+
+
 def test_bench_vision_jsonl(tmp_path):
     """ferry bench-vision on the tiny Qwen2.5-VL config (dummy weights): one 112-pixel image
     (16 tokens) with 20 text tokens."""
@@ -90,11 +97,8 @@ def test_bench_vision_jsonl(tmp_path):
 
     from bench.bench_vision import main
 
-    cfg = config()
-    cfg.architectures = ["Qwen2_5_VLForConditionalGeneration"]
-    cfg.save_pretrained(tmp_path / "vl")
     out = tmp_path / "vision.jsonl"
-    main(["--model-path", str(tmp_path / "vl"), "--load-format", "dummy", "--device", "cpu",
+    main(["--model-path", _saved(config(), "Qwen2_5_VLForConditionalGeneration", tmp_path), "--load-format", "dummy", "--device", "cpu",
           "--dtype", "float32", "--image-size", "112", "--text-len", "20", "--repeats", "1",
           "--result-jsonl", str(out)])
     row = json.loads(out.read_text())
@@ -109,11 +113,8 @@ def test_bench_vision_gemma3_jsonl(tmp_path):
 
     from bench.bench_vision import main
 
-    cfg = gemma3_config()
-    cfg.architectures = ["Gemma3ForConditionalGeneration"]
-    cfg.save_pretrained(tmp_path / "g3")
     out = tmp_path / "vision.jsonl"
-    main(["--model-path", str(tmp_path / "g3"), "--load-format", "dummy", "--device", "cpu",
+    main(["--model-path", _saved(gemma3_config(), "Gemma3ForConditionalGeneration", tmp_path), "--load-format", "dummy", "--device", "cpu",
           "--dtype", "float32", "--image-size", "112", "--text-len", "20", "--repeats", "1",
           "--result-jsonl", str(out)])
     row = json.loads(out.read_text())
@@ -128,11 +129,8 @@ def test_bench_vision_serving_jsonl(tmp_path):
 
     from bench.bench_vision_serving import main
 
-    cfg = config()
-    cfg.architectures = ["Qwen2_5_VLForConditionalGeneration"]
-    cfg.save_pretrained(tmp_path / "vl")
     out = tmp_path / "vision-serving.jsonl"
-    main(["--model-path", str(tmp_path / "vl"), "--load-format", "dummy", "--device", "cpu",
+    main(["--model-path", _saved(config(), "Qwen2_5_VLForConditionalGeneration", tmp_path), "--load-format", "dummy", "--device", "cpu",
           "--dtype", "float32", "--image-size", "112", "--text-len", "20", "--output-len", "4",
           "--num-requests", "3", "--request-rate", "50", "--result-jsonl", str(out)])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
