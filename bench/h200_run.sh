@@ -416,6 +416,12 @@ device='meta', quantization=q, progress=False)[0]); print('weight bytes bf16', b
                run fp8-quant-parity 300 python3 -m bench.quant_parity --model-path $L8B \
                  --load-format dummy --device cuda --steps 32 --result-json "$OUT/fp8-parity.json"
              fi;;
+    vision-encoder) # issue 48, < 3 min: the encoder alone and TTFT of stage vision's three
+             # shapes (one 1024x1024 image + 100 text tokens; Gemma 3 896 px), no GPU tests
+             for m in qwen2.5-vl-7b-instruct qwen3-vl-8b-instruct gemma-3-27b; do
+               run vision-$m 100 python3 -m bench.bench_vision --model-path engine/configs/$m.json \
+                 --load-format dummy --image-size 1024 --text-len 100 --repeats 5 \
+                 --result-jsonl "$OUT/vision.jsonl"; done;;
     vision) # image input (issue 48): Qwen2.5-VL-7B's shape on dummy weights (bf16): one
              # 1024x1024 image (1369 tokens) + 100 text tokens: encoder alone and TTFT, vs
              # text only; then the VL GPU parity tests (tiny checkpoints, fp32, graphs on)

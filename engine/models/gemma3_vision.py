@@ -144,7 +144,8 @@ class Gemma3Projector(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[side * side, vision hidden]`` -> ``[mm_tokens_per_image, text hidden]``."""
         grid = x.t().reshape(1, x.shape[1], self.side, self.side)
-        pooled = F.avg_pool2d(grid, self.kernel, self.kernel).flatten(2)[0].t()
+        # contiguous: the fused (Triton) RMSNorm reads rows of unit stride
+        pooled = F.avg_pool2d(grid, self.kernel, self.kernel).flatten(2)[0].t().contiguous()
         normed = self.mm_soft_emb_norm(pooled)
         return torch.matmul(normed, self.mm_input_projection_weight).to(x.dtype)
 
