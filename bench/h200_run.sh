@@ -29,6 +29,20 @@ wait_health() { for _ in $(seq 1 "$1"); do curl -sf localhost:30000/health >/dev
                 echo "server not up after $1 s"; return 1; }
 SERVE8=(--num-prompts 200 --request-rate 8 --random-input-len 1024 --random-output-len 1024
         --random-range-ratio 0.0977 --max-duration 240)
+# serve CONFIG (dummy weights, .tok) on port 30000 and run SERVE8's first 10 flags against
+# it within SERVE_BUDGET s (start-up included): serve8 NAME CONFIG
+serve8() { local t0=$SECONDS left
+  python3 -m server --model-path "$2" --load-format dummy --tokenizer-path "${TOKENIZER:-.tok}" \
+    --port 30000 >"$OUT/server-$1.log" 2>&1 &
+  spid=$!
+  if wait_health 150; then
+    left=$(( ${SERVE_BUDGET:-220} - (SECONDS - t0) ))
+    echo "$1-serving: server up after $((SECONDS - t0)) s, $left s for the run"
+    run $1-serving $((left + 15)) python3 -m bench.serving.bench_serving \
+      --base-url http://127.0.0.1:30000 "${SERVE8[@]:0:10}" \
+      --max-duration $left --output-json "$OUT/$1-serving.json"
+  fi
+  stop_server $1; }
 for stage in "$@"; do
   case $stage in
     info) nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
@@ -326,7 +340,7 @@ for stage in "$@"; do
                run mtp-qwen 330 python3 -m bench.bench_speculative --model-path \
                  engine/configs/qwen3.5-35b-a3b.json --load-format dummy --device cuda \
                  --disable-cuda-graph --tokenizer-path "${TOKENIZER:-.tok}" --algorithm MTP \
-                 --num-steps 1 --batch-sizes 1 16 --workloads other --max-tokens 64 \
+                 --num-steps 1 --batch-sizes ${MTP_BS:-1 16} --workloads other --max-tokens 64 \
                  --result-jsonl "$OUT/mtp.jsonl"
              fi
              if [ $stage != mtp-qwen ]; then
@@ -487,19 +501,41 @@ device='meta', quantization=q, progress=False)[0]); print('weight bytes bf16', b
            # < 4 min: the start-up wait (at most 120 s, over at once if the server dies) and
            # the run share SERVE_BUDGET seconds (default 220; --max-duration gets what the
            # start-up left, in-flight requests past it count as failed)
-           t0=$SECONDS
-           python3 -m server --model-path engine/configs/gemma-3-27b-smolvocab.json \
-             --load-format dummy --tokenizer-path "${TOKENIZER:-.tok}" --port 30000 \
-             >"$OUT/server-gemma.log" 2>&1 &
-           spid=$!
-           if wait_health 120; then
-             left=$(( ${SERVE_BUDGET:-220} - (SECONDS - t0) ))
-             echo "gemma-serving: server up after $((SECONDS - t0)) s, $left s for the run"
-             run gemma-serving $((left + 15)) python3 -m bench.serving.bench_serving \
-               --base-url http://127.0.0.1:30000 "${SERVE8[@]:0:10}" \
-               --max-duration $left --output-json "$OUT/gemma-serving.json"
-           fi
-           stop_server gemma;;
+           serve8 gemma engine/configs/gemma-3-27b-smolvocab.json;;
+    gptoss-serving) # gpt-oss-120b (or GPTOSS=20b) with SmolLM2's vocabulary, dummy MXFP4
+           # experts, served at 8 req/s like gemma-serving (issue 44; /v1/completions, so the
+           # harmony parser stays out of the way of the random outputs)
+           serve8 gptoss-${GPTOSS:-120b} engine/configs/gpt-oss-${GPTOSS:-120b}-smolvocab.json;;
+    gptoss-offline) # issue 44: the offline workload (256 prompts, 100-1024 in and out) on
+           # dummy MXFP4 weights, 120b then 20b (GPTOSS_SIZES to choose)
+           for z in ${GPTOSS_SIZES:-120b 20b}; do run gptoss-offline-$z 240 python3 -m \
+             bench.bench_offline --model-path engine/configs/gpt-oss-$z.json --load-format dummy \
+             --result-jsonl "$OUT/gptoss-offline.jsonl"; done;;
+    gptoss-profile) # issue 44: where gpt-oss-120b's bs1 decode step goes (graphs on, as served:
+           # torch.profiler's kernel sums and launch counts per step)
+           run gptoss-profile 200 python3 -m bench.profile_decode \
+             --model-path engine/configs/gpt-oss-120b.json --load-format dummy --batch-size 1 \
+             --input-len 512;;
+    qwen35-profile) # issue 45: where Qwen3.5-35B-A3B's bs1 decode step goes (graphs on)
+           run qwen35-profile 200 python3 -m bench.profile_decode \
+             --model-path engine/configs/qwen3.5-35b-a3b.json --load-format dummy \
+             --batch-size 1 --input-len 512;;
+    qwen35-dense) # issue 45: Qwen3.5-27B's dense text shape, bs1/bs64 decode (graphs on)
+           run qwen35-dense 240 python3 -m bench.bench_latency \
+             --model-path engine/configs/qwen3.5-27b.json --load-format dummy \
+             --cuda-graph-max-bs 64 --batch-size 1 64 --input-len 512 --output-len 64 \
+             --result-jsonl "$OUT/qwen35-dense.jsonl";;
+    qwen35-ttft) # issue 45: one 32k-token prompt's prefill (one extend; TTFT less the
+           # scheduler) on Qwen3.5-35B-A3B (30 linear + 10 full-attention layers) against
+           # Qwen3-30B-A3B (48 full-attention layers, a similar active size)
+           for m in qwen3.5-35b-a3b qwen3-30b-a3b; do run ttft32k-$m 200 python3 -m \
+             bench.bench_latency --model-path engine/configs/$m.json --load-format dummy \
+             --disable-cuda-graph --batch-size 1 --input-len 32768 --output-len 2 \
+             --result-jsonl "$OUT/qwen35-ttft.jsonl"; done;;
+    qwen35-offline) # issue 45: the offline workload on Qwen3.5-35B-A3B
+           run qwen35-offline 240 python3 -m bench.bench_offline \
+             --model-path engine/configs/qwen3.5-35b-a3b.json --load-format dummy \
+             --result-jsonl "$OUT/qwen35-offline.jsonl";;
     # issue 46, each stage within one 10-minute device call. deepseek: the MLA decode kernel
     # alone (DeepSeek-V3's heads, bs 1/64 x 4k; graph replays, device events, medians), then
     # DeepSeek-V2-Lite end to end (dummy weights, decode graphs over the Triton MLA kernels).
