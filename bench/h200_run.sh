@@ -240,7 +240,7 @@ for stage in "$@"; do
              # them off (FERRY_MOE_DECODE_MAX_M=0), the LoRA step with the one-launch decode
              # kernel, without it (FERRY_LORA_FUSED_DECODE=0) and with it on every projection
              # (FERRY_LORA_FUSED_MAX_K=16384), then the ratios
-             for m in qwen3-30b-a3b mixtral-8x7b; do
+             for m in ${MOEFUSE_MODELS:-qwen3-30b-a3b mixtral-8x7b}; do
                t=${MOEFUSE_QWEN_S:-65}; [ $m = mixtral-8x7b ] && t=${MOEFUSE_MIXTRAL_S:-85}
                for mode in on off; do
                  mx=16; [ $mode = off ] && mx=0
@@ -248,7 +248,7 @@ for stage in "$@"; do
                    --model-path engine/configs/$m.json --load-format dummy --batch-size 1 64 \
                    --input-len 256 --output-len 32 --cuda-graph-max-bs 64 \
                    --result-jsonl "$OUT/moefuse-$m-$mode.jsonl"; done; done
-             for mode in on off allk; do  # allk: the down projection (K 14336) fused too
+             for mode in ${MOEFUSE_LORA_MODES:-on off allk}; do  # allk: the down projection (K 14336) fused too
                fz=1; [ $mode = off ] && fz=0
                mk=8192; [ $mode = allk ] && mk=16384
                run moefuse-lora-$mode 60 env FERRY_LORA_FUSED_DECODE=$fz FERRY_LORA_FUSED_MAX_K=$mk \
@@ -341,6 +341,7 @@ for stage in "$@"; do
                  engine/configs/qwen3.5-35b-a3b.json --load-format dummy --device cuda \
                  --disable-cuda-graph --tokenizer-path "${TOKENIZER:-.tok}" --algorithm MTP \
                  --num-steps 1 --batch-sizes ${MTP_BS:-1 16} --workloads other --max-tokens 64 \
+                 --repeats ${MTP_REPEATS:-2} \
                  --result-jsonl "$OUT/mtp.jsonl"
              fi
              if [ $stage != mtp-qwen ]; then

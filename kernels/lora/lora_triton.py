@@ -23,10 +23,12 @@ A fused projection (q/k/v, gate/up) has P parts: ``A [P, S, R, K]`` (one shrink 
 P*R columns of ``s``, part p's at [p*R, (p+1)*R)) and ``B [S, R, N_total]`` with the parts'
 columns side by side; one expand covers all parts when its column tile divides the part
 boundaries (a tile reads the R columns of ``s`` of its part), else one expand per part:
-2 launches per projection, 8 per Llama layer. A decode step (every segment one row) runs
-:func:`lora_decode_fused` instead: shrink and expand of all parts in one launch (a
-projection whose K exceeds ``FUSED_MAX_K`` keeps two), 5 per Llama-3-8B layer
-(``FERRY_LORA_FUSED_DECODE=0`` keeps the two-launch path everywhere).
+2 launches per projection, 8 per Llama layer. With ``FERRY_LORA_FUSED_DECODE=1`` a decode
+step (every segment one row) runs :func:`lora_decode_fused` instead: shrink and expand of all
+parts in one launch (a projection whose K exceeds ``FUSED_MAX_K`` keeps two), 5 per
+Llama-3-8B layer. It is off by default: on the H200 (2026-12-04, docs/benchmarks.md) the
+one-launch kernel made a 4-adapter Llama-3-8B step slower, 1.35x base against 1.29x at bs1
+and 2.09x against 1.44x at bs64 (each program walks all of K for its rows).
 
 Grid: ``(segments, ceil(max_len / BLOCK_M), ceil(N / BLOCK_N))``; a program past its
 segment's end or on a base segment returns at once. ``max_len`` is a host int (decode: 1).
@@ -257,8 +259,9 @@ SHRINK_PROGRAMS = 1024
 SHRINK_MIN_CHUNK = 256
 
 #: decode steps (one-row segments) run shrink + expand in one launch
-#: (:func:`lora_decode_fused`); ``FERRY_LORA_FUSED_DECODE=0`` keeps the two launches
-FUSED_DECODE = os.environ.get("FERRY_LORA_FUSED_DECODE", "1") != "0"
+#: (:func:`lora_decode_fused`) with ``FERRY_LORA_FUSED_DECODE=1``; off by default (slower on
+#: the H200 at bs1 and bs64: module docstring)
+FUSED_DECODE = os.environ.get("FERRY_LORA_FUSED_DECODE", "0") == "1"
 #: the fused decode kernel's programs: about this many, over row blocks, parts and chunks
 FUSED_PROGRAMS = int(os.environ.get("FERRY_LORA_FUSED_PROGRAMS", "64"))
 #: the widest input the fused decode kernel takes: each of its programs walks all of K, so a
@@ -428,8 +431,8 @@ def lora_apply_triton(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torc
         parts: P ``(column offset, n_p)`` of each part in y (contiguous, in order).
 
     Decode steps (``max_len == 1``, at most 3 parts, ``K <= FUSED_MAX_K``) take
-    :func:`lora_decode_fused`, one launch, unless ``FUSED_DECODE`` is off
-    (``FERRY_LORA_FUSED_DECODE=0``).
+    :func:`lora_decode_fused`, one launch, where ``FUSED_DECODE`` is on
+    (``FERRY_LORA_FUSED_DECODE=1``; default off).
     """
     if FUSED_DECODE and max_len == 1 and len(parts) <= 3 and x.shape[1] <= FUSED_MAX_K:
         return lora_decode_fused(x, y, a, b, parts, seg_start, seg_slot)
