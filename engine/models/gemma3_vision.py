@@ -45,10 +45,13 @@ class SiglipAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, dim] -> [N, dim]."""
         n = x.shape[0]
-        q, k, v = (p(x).view(n, self.heads, self.head_dim).transpose(0, 1)
+        # [1, heads, N, head_dim]: SDPA's flash and memory-efficient kernels take 4-D inputs
+        # only; 3-D ones fall back to the math path, which materialises the heads x N x N
+        # scores (16 x 4096 x 4096 for an 896 px image, every layer)
+        q, k, v = (p(x).view(1, n, self.heads, self.head_dim).transpose(1, 2)
                    for p in (self.q_proj, self.k_proj, self.v_proj))
-        o = F.scaled_dot_product_attention(q, k, v)              # [heads, N, head_dim]
-        return self.out_proj(o.transpose(0, 1).reshape(n, -1))
+        o = F.scaled_dot_product_attention(q, k, v)              # [1, heads, N, head_dim]
+        return self.out_proj(o[0].transpose(0, 1).reshape(n, -1))
 
 
 class SiglipMLP(nn.Module):
