@@ -32,7 +32,8 @@ refused (:func:`check_tp_heads`).
 Speculative verify steps (``LinearStateBatch.record``): a verify step scores ``[last token,
 d1..dk]`` per request, but the state a request must keep is the one after its last
 ACCEPTED token, known only after the step. The layer therefore runs the verify step
-through the chunked rule from the slots' states without writing them back (the slot is
+through the token-by-token rule (a few tokens a request: FLA's fused recurrent kernel, one
+launch) from the slots' states without writing them back (the slot is
 its own snapshot: no copy), and records its conv input, ``g`` and ``beta``;
 :meth:`GatedDeltaNet.commit` then advances each slot by the accepted prefix from those
 inputs. The other way, keeping the state after each of the k + 1 positions and copying the
@@ -65,8 +66,19 @@ from kernels.linear_attention import (
     causal_conv1d_update,
     chunk_gated_delta_rule,
     gated_delta_rule_backend,
+    recurrent_gated_delta_rule,
     recurrent_gated_delta_rule_update,
 )
+
+#: a part whose requests have at most this many tokens each (a speculative verify step, its
+#: commit) runs the token-by-token rule: one fused launch on FLA against the chunked rule's
+#: dozen, with no chunk of 64 padded around 2-9 tokens
+SHORT_RUN_TOKENS = 16
+
+
+def _longest(cu: list[int]) -> int:
+    """The most tokens of one request in host cumulative counts ``cu``."""
+    return max((b - a for a, b in zip(cu, cu[1:])), default=0)
 
 
 @dataclass
@@ -266,7 +278,8 @@ class GatedDeltaNet(nn.Module):
         if state.record is not None:  # a verify step: states kept, inputs recorded
             out = self._mix(mixed, g, beta, state, state.slots, self._cu(state.cu_seqlens,
                                                                         state, x.device),
-                            write=False)
+                            write=False,
+                            short=_longest(state.cu_seqlens) <= SHORT_RUN_TOKENS)
             state.record.append((self, state, mixed, g, beta))
             return self.out_proj(self.norm(out, z).reshape(t, -1))
         n = len(state.cu_seqlens) - 1
@@ -329,15 +342,19 @@ class GatedDeltaNet(nn.Module):
         one = new_cu[-1] == len(keep)
         self._mix(mixed.index_select(0, idx), g.index_select(0, idx),
                   beta.index_select(0, idx), state, state.slots,
-                  None if one else self._cu(new_cu, state, mixed.device))
+                  None if one else self._cu(new_cu, state, mixed.device),
+                  short=_longest(new_cu) <= SHORT_RUN_TOKENS)
 
     def _mix(self, mixed, g, beta, state: LinearStateBatch, slots: torch.Tensor,
-             cu, write: bool = True, cu_cpu: torch.Tensor | None = None) -> torch.Tensor:
+             cu, write: bool = True, cu_cpu: torch.Tensor | None = None,
+             short: bool = False) -> torch.Tensor:
         """Conv and gated delta rule of one part of the step from the ``slots``' states,
         which are written back (unless ``write`` is False): prefills (``cu``: the part's
         cumulative token counts, host ints or, for FLA's kernels, a device tensor, with
         ``cu_cpu`` its CPU twin or None) or one-token decodes (``cu`` None: nothing here
-        reads the host, so a decode graph captures it); returns [T', Hv, V]."""
+        reads the host, so a decode graph captures it); ``short``: every request of a
+        prefill part has at most :data:`SHORT_RUN_TOKENS` tokens, run token by token (the
+        same rule; fp32 rounding apart, the same result); returns [T', Hv, V]."""
         d, t = self.dims, mixed.shape[0]
         decode = cu is None
         weight = self.conv1d.weight.squeeze(1)
@@ -358,9 +375,9 @@ class GatedDeltaNet(nn.Module):
         if decode:  # each request's slot updated in place (no gather/scatter on GPUs)
             return recurrent_gated_delta_rule_update(q, k, v, g, beta, state.recurrent_states,
                                                      slots)
-        out, final = chunk_gated_delta_rule(q, k, v, g, beta,
-                                            initial_state=state.recurrent_states[slots],
-                                            cu_seqlens=cu, **twin)
+        rule = recurrent_gated_delta_rule if short else chunk_gated_delta_rule
+        out, final = rule(q, k, v, g, beta, initial_state=state.recurrent_states[slots],
+                          cu_seqlens=cu, **({} if short else twin))
         if write:
             state.recurrent_states[slots] = final
         return out
