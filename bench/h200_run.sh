@@ -169,7 +169,8 @@ for stage in "$@"; do
               export TRITON_CACHE_AUTOTUNING=1
               run qwen3next-gputests 420 python3 -m pytest -q -x -s --durations=8 \
                 -p no:cacheprovider tests/engine/test_qwen3_next_gpu.py \
-                tests/kernels/test_gdn_decode_triton.py tests/kernels/test_gated_delta_rule_fla.py;;
+                tests/kernels/test_gdn_decode_triton.py tests/kernels/test_gated_delta_rule_fla.py \
+                tests/kernels/test_triton_gated_rms_norm.py;;
     qwen3next) run qwen3next 200 python3 -m bench.bench_latency \
               --model-path engine/configs/qwen3.5-35b-a3b.json --load-format dummy \
               --cuda-graph-max-bs 64 --batch-size 1 64 --input-len 512 --output-len 64 \

@@ -7,6 +7,8 @@ model layers and the kernel tests both import them from here.
 Small ops (the model's eager path; the Triton versions are in ``fused_ops.py``/``rotary.py``):
 
   rms_norm_ref      RMSNorm with an optional fused residual add (HF ``LlamaRMSNorm``)
+  gemma_rms_norm_ref  the zero-centred ``(1 + w)`` RMSNorm (Gemma, Qwen3-Next)
+  gated_rms_norm_ref  Qwen3-Next's gated RMSNorm, ``weight * rmsnorm(x) * silu(gate)``
   silu_and_mul_ref  SwiGLU's ``silu(gate) * up``
   rotary_ref        NeoX ("rotate half") RoPE of q and k
 
@@ -90,6 +92,29 @@ def gemma_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     out = (y * (1.0 + weight.float())).to(x.dtype)
     return out if residual is None else (out, residual)
+
+
+def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+    """Qwen3-Next's gated RMSNorm (HF ``Qwen3NextRMSNormGated``), per row of the last axis:
+    ``weight * rmsnorm(x) * silu(gate)``; out-of-place.
+
+    Rounding order: the mean square and the normalisation in fp32, the normed value cast to
+    x's dtype, multiplied by ``weight`` (in the promotion of the two dtypes, as an eager
+    product), then by ``silu(gate)`` computed in fp32, and the result cast to x's dtype.
+
+    Args:
+        x: ``[..., V]`` values (one row per head, e.g. ``[T, Hv, V]``).
+        gate: the gate, shaped like ``x`` (any float dtype).
+        weight: ``[V]`` scale.
+        eps: added to the mean square (e.g. 1e-6).
+    Returns:
+        New ``[..., V]`` tensor in x's dtype.
+    """
+    dtype = x.dtype
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return (weight * normed * F.silu(gate.float())).to(dtype)
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:

@@ -39,9 +39,11 @@ def op_implementations(fused: bool | str) -> dict:
 
     Args:
         fused: ``"triton"`` (or True) for the Triton kernels (``rms_norm``,
-            ``silu_and_mul``, ``rotary_inplace``), ``"cpu"`` for the C++ CPU kernels of the
-            same names, ``"reference"`` (or False) for the eager references
-            (``rms_norm_ref``, ``silu_and_mul_ref``, ``rotary_ref``).
+            ``gemma_rms_norm``, ``gated_rms_norm``, ``silu_and_mul``, ``rotary_inplace``),
+            ``"cpu"`` for the C++ CPU kernels of the same names (the eager references of
+            the two norms that have none: ``gemma_rms_norm_ref``, ``gated_rms_norm_ref``),
+            ``"reference"`` (or False) for the eager references (``rms_norm_ref``,
+            ``silu_and_mul_ref``, ``rotary_ref``, ...).
     Raises:
         ImportError: ``triton`` without an importable ``triton``.
         RuntimeError: ``cpu`` where the C++ kernels do not build.
@@ -49,10 +51,16 @@ def op_implementations(fused: bool | str) -> dict:
     """
     from engine.layers.activation import SiluAndMul
     from engine.layers.moe import FusedMoE, triton_fused_moe
-    from engine.layers.norm import GemmaRMSNorm, RMSNorm
+    from engine.layers.norm import GatedRMSNorm, GemmaRMSNorm, RMSNorm
     from engine.layers.rotary import RotaryEmbedding
     from kernels.moe.reference import fused_moe_torch
-    from kernels.reference import gemma_rms_norm_ref, rms_norm_ref, rotary_ref, silu_and_mul_ref
+    from kernels.reference import (
+        gated_rms_norm_ref,
+        gemma_rms_norm_ref,
+        rms_norm_ref,
+        rotary_ref,
+        silu_and_mul_ref,
+    )
 
     kind = {True: "triton", False: "reference"}.get(fused, fused)
     if kind not in OP_KINDS:
@@ -64,22 +72,24 @@ def op_implementations(fused: bool | str) -> dict:
             raise RuntimeError("ferry's C++ CPU kernels are not available (see the log)")
         return {RMSNorm: cpu_ops.rms_norm, SiluAndMul: cpu_ops.silu_and_mul,
                 RotaryEmbedding: cpu_ops.rotary_inplace, FusedMoE: fused_moe_torch,
-                GemmaRMSNorm: gemma_rms_norm_ref}
+                GemmaRMSNorm: gemma_rms_norm_ref, GatedRMSNorm: gated_rms_norm_ref}
     if kind == "triton":
-        from kernels.fused_ops import gemma_rms_norm, rms_norm, silu_and_mul
+        from kernels.fused_ops import gated_rms_norm, gemma_rms_norm, rms_norm, silu_and_mul
         from kernels.rotary import rotary_inplace
 
         return {RMSNorm: rms_norm, SiluAndMul: silu_and_mul, RotaryEmbedding: rotary_inplace,
-                FusedMoE: triton_fused_moe(), GemmaRMSNorm: gemma_rms_norm}
+                FusedMoE: triton_fused_moe(), GemmaRMSNorm: gemma_rms_norm,
+                GatedRMSNorm: gated_rms_norm}
     return {RMSNorm: rms_norm_ref, SiluAndMul: silu_and_mul_ref, RotaryEmbedding: rotary_ref,
-            FusedMoE: fused_moe_torch, GemmaRMSNorm: gemma_rms_norm_ref}
+            FusedMoE: fused_moe_torch, GemmaRMSNorm: gemma_rms_norm_ref,
+            GatedRMSNorm: gated_rms_norm_ref}
 
 
 def select_ops(model, fused: bool | str) -> int:
     """Choose, once for ``model``, the fused Triton, the C++ CPU or the eager torch small ops.
 
     Walks ``model.modules()`` and sets ``impl`` on every ``RMSNorm``, ``SiluAndMul``,
-    ``RotaryEmbedding``, ``GemmaRMSNorm`` and ``FusedMoE``. The choice belongs to the model, not the process,
+    ``RotaryEmbedding``, ``GemmaRMSNorm``, ``GatedRMSNorm`` and ``FusedMoE``. The choice belongs to the model, not the process,
     so a CPU model and a CUDA model can live side by side (``ferry parity --devices
     cpu,cuda``). The caller decides from the device once: ``ModelRunner`` passes
     :func:`small_ops_kind`. Triton ops on a CPU model only run under ``TRITON_INTERPRET=1``

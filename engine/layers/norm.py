@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.reference import gemma_rms_norm_ref, rms_norm_ref
+from kernels.reference import gated_rms_norm_ref, gemma_rms_norm_ref, rms_norm_ref
 
 
 class RMSNorm(nn.Module):
@@ -86,19 +86,21 @@ class GatedRMSNorm(nn.Module):
     ``weight * rmsnorm(x) * silu(gate)``; the statistics and the gate in fp32, the normed
     value cast back to x's dtype before ``weight``.
 
-    ``forward(x [..., D], gate [..., D]) -> [..., D]`` in x's dtype.
+    ``impl`` is :func:`kernels.reference.gated_rms_norm_ref` (the default, and the CPU's) or
+    the fused Triton kernel :func:`kernels.fused_ops.gated_rms_norm`
+    (:func:`engine.layers.select_ops`).
     """
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.impl = gated_rms_norm_ref
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
-        return (self.weight * normed * torch.nn.functional.silu(gate.float())).to(dtype)
+        """x [..., D] and gate (same shape, last axis unit stride for the Triton kernel,
+        which raises ValueError otherwise) -> new [..., D] tensor in x's dtype."""
+        return self.impl(x, gate, self.weight, self.eps)
 
 
 class GemmaRMSNorm(nn.Module):
