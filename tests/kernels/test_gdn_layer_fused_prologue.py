@@ -88,3 +88,19 @@ def test_fused_prologue_matches_the_torch_path(split, hk, monkeypatch):
 def test_switch_keeps_the_cpu_and_honours_the_env():
     assert not gdn.fused_prologue(torch.device("cpu"))
     assert gdn.fused_prologue(torch.device("cuda")) == gdn.FUSED_PROLOGUE
+
+
+def test_decode_step_launches():
+    """bench.launch_count's Qwen3.5 layer decode step (ferry's Triton recurrent update, as on
+    a GPU): the fused prologue is one launch where the torch one gathers, convolves,
+    scatters and computes the gates in a dozen."""
+    from bench.launch_count import _gdn_layer
+
+    for m in (1, 3):
+        on, off = _gdn_layer(m, True), _gdn_layer(m, False)
+        assert on.names["_gdn_decode_prologue_kernel"] == 1, on.names
+        assert on.triton == 2 and off.triton == 1, (on.names, off.names)
+        for op in ("aten.index", "aten.index_put", "aten.convolution", "aten.softplus",
+                   "aten.sigmoid"):
+            assert op not in on.names and op in off.names, (op, on.names)
+        assert off.total - on.total >= 10, (on.total, off.total)
