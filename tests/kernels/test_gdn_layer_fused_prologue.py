@@ -8,6 +8,9 @@ greedy tokens with the fused prologue equal HF's."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -104,3 +107,30 @@ def test_decode_step_launches():
                    "aten.sigmoid"):
             assert op not in on.names and op in off.names, (op, on.names)
         assert off.total - on.total >= 10, (on.total, off.total)
+
+
+def test_tiny_qwen3_5_decodes_with_the_fused_prologue(tmp_path, monkeypatch):
+    """A tiny random Qwen3.5 (tests/engine's: 3 Gated DeltaNet + 1 full-attention layers)
+    served by the offline ``LLM`` with the fused prologue in every decode step: HF's greedy
+    tokens and log-probs, in a batch and alone."""
+    if DEVICE != "cpu":
+        pytest.skip("the engine tests cover the GPU (the fused path is the default there)")
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+    try:
+        from parity_helpers import SP, assert_matches_hf, hf_references, parity_llm, seeded_prompts
+        from qwen3_next_helpers import save_tiny
+    finally:
+        sys.path.pop(0)
+    prompts = seeded_prompts(high=250, lengths=(5, 13))
+    ref = hf_references(save_tiny("qwen3_5", tmp_path), prompts)
+    rows = []
+    kernel = gdn.gdn_decode_prologue
+    monkeypatch.setattr(gdn, "fused_prologue", lambda device: True)
+    monkeypatch.setattr(gdn, "gdn_decode_prologue",
+                        lambda *a: rows.append(a[0].shape[0]) or kernel(*a))
+    with parity_llm(tmp_path) as llm:
+        outs = llm.generate(prompts, SP) + llm.generate(prompts[:1], SP)
+    for i, (out, r) in enumerate(zip(outs, ref + ref[:1])):
+        assert_matches_hf(out, r, f"prompt {i} with the fused prologue")
+    assert rows and max(rows) == 2 and min(rows) == 1, rows     # batched and alone decodes
