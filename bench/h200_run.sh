@@ -170,7 +170,8 @@ for stage in "$@"; do
               run qwen3next-gputests 420 python3 -m pytest -q -x -s --durations=8 \
                 -p no:cacheprovider tests/engine/test_qwen3_next_gpu.py \
                 tests/kernels/test_gdn_decode_triton.py tests/kernels/test_gated_delta_rule_fla.py \
-                tests/kernels/test_triton_gated_rms_norm.py;;
+                tests/kernels/test_triton_gated_rms_norm.py tests/kernels/test_gdn_decode_prologue.py \
+                tests/kernels/test_gdn_layer_fused_prologue.py;;
     qwen3next) run qwen3next 200 python3 -m bench.bench_latency \
               --model-path engine/configs/qwen3.5-35b-a3b.json --load-format dummy \
               --cuda-graph-max-bs 64 --batch-size 1 64 --input-len 512 --output-len 64 \
@@ -522,6 +523,16 @@ device='meta', quantization=q, progress=False)[0]); print('weight bytes bf16', b
            run qwen35-profile 200 python3 -m bench.profile_decode \
              --model-path engine/configs/qwen3.5-35b-a3b.json --load-format dummy \
              --batch-size 1 --input-len 512;;
+    gdn-prologue) # issue 45: the fused Gated DeltaNet decode prologue (one Triton launch for
+           # the conv update, SiLU and gates): its tests compiled (the gpu one bf16 at
+           # Qwen3.5-35B-A3B's shapes in a graph), then Qwen3.5-35B-A3B's bs1/bs64 decode with
+           # it (default) and without it (FERRY_GDN_FUSED_PROLOGUE=0), against stage qwen3next
+           run gdn-prologue-tests 150 python3 -m pytest -q -x -p no:cacheprovider \
+             tests/kernels/test_gdn_decode_prologue.py tests/kernels/test_gdn_layer_fused_prologue.py
+           for fz in 1 0; do run gdn-prologue-latency-$fz 200 env FERRY_GDN_FUSED_PROLOGUE=$fz \
+             python3 -m bench.bench_latency --model-path engine/configs/qwen3.5-35b-a3b.json \
+             --load-format dummy --cuda-graph-max-bs 64 --batch-size 1 64 --input-len 512 \
+             --output-len 64 --result-jsonl "$OUT/gdn-prologue-latency.jsonl"; done;;
     qwen35-dense) # issue 45: Qwen3.5-27B's dense text shape, bs1/bs64 decode (graphs on)
            run qwen35-dense 240 python3 -m bench.bench_latency \
              --model-path engine/configs/qwen3.5-27b.json --load-format dummy \

@@ -10,8 +10,9 @@ kernels times a few microseconds each; this tool counts them without a GPU:
   like the router's ``F.linear``).
 
 ``python -m bench.launch_count`` prints one MoE layer (Qwen3-30B-A3B's and Mixtral's
-routing on small widths) and one LoRA Llama layer at batch 1 and 8, the fused paths against
-the unfused ones (``FERRY_MOE_DECODE_MAX_M=0``, ``FERRY_LORA_FUSED_DECODE=0``). Run it with
+routing on small widths), one LoRA Llama layer and one Qwen3.5 Gated DeltaNet layer's decode
+step at batch 1 and 8, the fused paths against the unfused ones
+(``FERRY_MOE_DECODE_MAX_M=0``, ``FERRY_LORA_FUSED_DECODE=0``, ``FERRY_GDN_FUSED_PROLOGUE=0``). Run it with
 ``TRITON_INTERPRET=1`` set (``main`` sets it before importing the kernels).
 """
 
@@ -139,6 +140,39 @@ def _lora_layer(m: int, fused: bool) -> Launches:
     return seen_all
 
 
+def _gdn_layer(m: int, fused: bool) -> Launches:
+    """One Qwen3.5 Gated DeltaNet layer's decode step (split projections, small widths) as
+    on a GPU: ferry's Triton recurrent update, and the fused prologue or the torch one."""
+    import torch
+
+    import engine.layers.gated_deltanet as gdn
+    from engine.kv.state_pool import RecurrentStatePool, StateShape
+    from kernels.linear_attention.decode_triton import recurrent_gated_delta_rule_update_triton
+
+    torch.manual_seed(0)
+    dims = gdn.GatedDeltaNetDims(64, 2, 4, 16, 16, 4, 1e-6)
+    layer = gdn.GatedDeltaNet(dims, torch.float32, split_projections=True, tp_size=1,
+                              tp_rank=0)
+    for p in layer.parameters():
+        p.data.normal_(0, 0.1)
+    pool = RecurrentStatePool(m + 1, [StateShape(dims.conv_dim, dims.conv_width,
+                                                 dims.num_v_heads, dims.k_head_dim,
+                                                 dims.v_head_dim)], torch.float32, "cpu")
+    state = gdn.LinearStateBatch(pool.conv_states[0], pool.recurrent_states[0],
+                                 torch.arange(m, 0, -1), list(range(m + 1)), True)
+    x = torch.randn(m, 64)
+    saved = gdn.fused_prologue, gdn.recurrent_gated_delta_rule_update
+    gdn.fused_prologue = lambda device: fused
+    gdn.recurrent_gated_delta_rule_update = recurrent_gated_delta_rule_update_triton
+    try:
+        layer(x, state)                            # warm-up
+        with count_launches() as seen:
+            layer(x, state)
+    finally:
+        gdn.fused_prologue, gdn.recurrent_gated_delta_rule_update = saved
+    return seen
+
+
 def main() -> None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     rows = []
@@ -150,6 +184,9 @@ def main() -> None:
     for m in (1, 8):
         rows.append((f"LoRA Llama layer (4 projections), M={m}", _lora_layer(m, True),
                      _lora_layer(m, False)))
+    for m in (1, 8):
+        rows.append((f"Qwen3.5 Gated DeltaNet layer decode, M={m}", _gdn_layer(m, True),
+                     _gdn_layer(m, False)))
     for label, on, off in rows:
         print(f"{label}: fused {on.total} launches ({on.triton} Triton + {on.torch} torch), "
               f"unfused {off.total} ({off.triton} + {off.torch})")

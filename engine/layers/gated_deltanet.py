@@ -13,7 +13,10 @@ the recurrent-state pool (``engine.kv.state_pool``); :class:`LinearStateBatch` t
 layer which slot each request of the step owns. Prefill (or a prefill chunk) continues from
 the slot's state and writes the final state back; decode advances one token per request.
 The ops come from ``kernels.linear_attention`` (fla-core's Triton kernels on CUDA/XPU where
-it imports, the torch references otherwise). A mixed step (prefill chunks followed by
+it imports, the torch references otherwise). On CUDA/XPU a decode step's prologue (the
+conv update of each slot's conv state in place, its SiLU, and the gates) is one Triton
+launch, :func:`kernels.linear_attention.gdn_decode_prologue` (``FERRY_GDN_FUSED_PROLOGUE=0``
+keeps the torch gather, conv update, scatter and gate ops, as on the CPU). A mixed step (prefill chunks followed by
 ``num_decodes`` one-token decodes) runs its prefill part through the chunked rule and its
 decode tail through one batched recurrent step that updates each request's slot in place.
 
@@ -46,6 +49,7 @@ the accepted tokens (no projection, no MoE, no attention: a few percent of a ste
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -66,14 +70,26 @@ from kernels.linear_attention import (
     causal_conv1d_update,
     chunk_gated_delta_rule,
     gated_delta_rule_backend,
+    gdn_decode_prologue,
     recurrent_gated_delta_rule,
     recurrent_gated_delta_rule_update,
 )
+
+#: ``FERRY_GDN_FUSED_PROLOGUE=0`` keeps the torch decode prologue (gather, conv update,
+#: scatter, gates) on CUDA/XPU too; by default a decode step there runs
+#: :func:`kernels.linear_attention.gdn_decode_prologue` (one launch).
+FUSED_PROLOGUE = os.environ.get("FERRY_GDN_FUSED_PROLOGUE", "1") != "0"
 
 #: a part whose requests have at most this many tokens each (a speculative verify step, its
 #: commit) runs the token-by-token rule: one fused launch on FLA against the chunked rule's
 #: dozen, with no chunk of 64 padded around 2-9 tokens
 SHORT_RUN_TOKENS = 16
+
+
+def fused_prologue(device: torch.device) -> bool:
+    """Whether a decode step on ``device`` runs the fused Triton prologue (CUDA/XPU, switch
+    on); the CPU keeps the torch references."""
+    return FUSED_PROLOGUE and device.type in ("cuda", "xpu")
 
 
 def _longest(cu: list[int]) -> int:
@@ -273,9 +289,8 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, state: LinearStateBatch) -> torch.Tensor:
         t = x.shape[0]
         mixed, z, b, a = self._split(x)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         if state.record is not None:  # a verify step: states kept, inputs recorded
+            g, beta = self._gates(a, b)
             out = self._mix(mixed, g, beta, state, state.slots, self._cu(state.cu_seqlens,
                                                                         state, x.device),
                             write=False,
@@ -286,17 +301,33 @@ class GatedDeltaNet(nn.Module):
         n_dec = n if state.decode else state.num_decodes
         n_ext = n - n_dec
         cut = state.cu_seqlens[n_ext]          # the decode tail's first token
+        fused = n_dec > 0 and fused_prologue(x.device)   # the tail's gates come from the kernel
+        gate_rows = cut if fused else t
+        g, beta = self._gates(a[:gate_rows], b[:gate_rows]) if gate_rows else (None, None)
         parts = []
         if n_ext:
             cu, cu_cpu = self._prefill_cu(state, n_ext, x.device)
             parts.append(self._mix(mixed[:cut], g[:cut], beta[:cut], state, state.slots[:n_ext],
                                    cu, cu_cpu=cu_cpu))
-        if n_dec:
+        if fused:
+            slots = state.slots[n_ext:]
+            conv, g_dec, beta_dec = gdn_decode_prologue(
+                mixed[cut:], state.conv_states, slots, self.conv1d.weight.squeeze(1), a[cut:],
+                b[cut:], self.A_log, self.dt_bias)
+            parts.append(self._rule(conv, g_dec, beta_dec, state, slots, None))
+        elif n_dec:
             parts.append(self._mix(mixed[cut:], g[cut:], beta[cut:], state, state.slots[n_ext:],
                                    None))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         out = self.norm(out, z)
         return self.out_proj(out.reshape(t, -1))
+
+    def _gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(g [T, Hv] float32, beta [T, Hv] in b's dtype)`` from ``a``, ``b`` [T, Hv]:
+        ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)`` (torch)."""
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        return g, beta
 
     @staticmethod
     def _prefill_cu(state: LinearStateBatch, n_ext: int, device: torch.device):
@@ -355,7 +386,6 @@ class GatedDeltaNet(nn.Module):
         reads the host, so a decode graph captures it); ``short``: every request of a
         prefill part has at most :data:`SHORT_RUN_TOKENS` tokens, run token by token (the
         same rule; fp32 rounding apart, the same result); returns [T', Hv, V]."""
-        d, t = self.dims, mixed.shape[0]
         decode = cu is None
         weight = self.conv1d.weight.squeeze(1)
         conv_state = state.conv_states[slots]
@@ -367,18 +397,28 @@ class GatedDeltaNet(nn.Module):
                                               cu_seqlens=cu, **twin)
         if write:
             state.conv_states[slots] = conv_state.to(state.conv_states.dtype)
+        return self._rule(mixed, g, beta, state, slots, cu, write, twin, short)
+
+    def _rule(self, mixed, g, beta, state: LinearStateBatch, slots: torch.Tensor, cu,
+              write: bool = True, twin: dict | None = None, short: bool = False
+              ) -> torch.Tensor:
+        """The gated delta rule of :meth:`_mix` from the conv output ``mixed`` [T', C]:
+        one batched recurrent step (``cu`` None, each slot updated in place) or the chunked
+        rule from the slots' states (written back unless ``write`` is False; ``twin``: the
+        chunked kernels' extra keywords; ``short``: the token-by-token rule instead, as in
+        :meth:`_mix`); returns [T', Hv, V]."""
+        d, t = self.dims, mixed.shape[0]
         key_dim = d.num_k_heads * d.k_head_dim
         q, k, v = torch.split(mixed, [key_dim, key_dim, d.num_v_heads * d.v_head_dim], dim=-1)
         q = q.reshape(t, d.num_k_heads, d.k_head_dim)
         k = k.reshape(t, d.num_k_heads, d.k_head_dim)
         v = v.reshape(t, d.num_v_heads, d.v_head_dim)
-        if decode:  # each request's slot updated in place (no gather/scatter on GPUs)
+        if cu is None:  # each request's slot updated in place (no gather/scatter on GPUs)
             return recurrent_gated_delta_rule_update(q, k, v, g, beta, state.recurrent_states,
                                                      slots)
         rule = recurrent_gated_delta_rule if short else chunk_gated_delta_rule
         out, final = rule(q, k, v, g, beta, initial_state=state.recurrent_states[slots],
-                          cu_seqlens=cu, **({} if short else twin))
+                          cu_seqlens=cu, **({} if short else (twin or {})))
         if write:
             state.recurrent_states[slots] = final
         return out
-

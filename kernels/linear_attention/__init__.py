@@ -13,8 +13,12 @@ a GPU without ``fla-core``) the torch reference; :func:`gated_delta_rule_backend
 The decode step over the state pool, :func:`recurrent_gated_delta_rule_update`, runs ferry's
 own Triton kernel on CUDA/XPU (``decode_triton``: it updates each request's slot in place,
 which FLA's kernels, taking dense states, cannot), the torch reference on the CPU.
-:func:`causal_conv1d` (prefill) likewise runs FLA's varlen conv where the rule runs FLA's;
-the one-token conv update is the torch reference everywhere (one batched op).
+:func:`causal_conv1d` (prefill) likewise runs FLA's varlen conv where the rule runs FLA's.
+:func:`causal_conv1d_update` (the one-token conv update over gathered states) is the torch
+reference everywhere; the layer's decode step on CUDA/XPU instead runs
+:func:`gdn_decode_prologue` (``decode_prologue``: one Triton launch for the conv update of
+each request's pool slot in place, its SiLU and the gates ``g`` and ``beta``), the torch
+reference and gate formulas on the CPU or with ``FERRY_GDN_FUSED_PROLOGUE=0``.
 """
 
 from __future__ import annotations
@@ -92,6 +96,15 @@ def recurrent_gated_delta_rule_update(q, k, v, g, beta, states, slots, use_qk_l2
     return recurrent_gated_delta_rule_update_ref(q, k, v, g, beta, states, slots, use_qk_l2norm)
 
 
+def gdn_decode_prologue(x, conv_states, slots, weight, a, b, A_log, dt_bias):
+    """One decode token's conv update (in place at ``slots``), SiLU and gates in one Triton
+    launch; arguments and results as :func:`decode_prologue.gdn_decode_prologue` (no torch
+    fallback: the layer keeps the references where Triton does not run)."""
+    from kernels.linear_attention.decode_prologue import gdn_decode_prologue as prologue
+
+    return prologue(x, conv_states, slots, weight, a, b, A_log, dt_bias)
+
+
 __all__ = [
     "causal_conv1d",
     "causal_conv1d_ref",
@@ -100,6 +113,7 @@ __all__ = [
     "chunk_gated_delta_rule",
     "chunk_gated_delta_rule_ref",
     "gated_delta_rule_backend",
+    "gdn_decode_prologue",
     "recurrent_gated_delta_rule",
     "recurrent_gated_delta_rule_ref",
     "recurrent_gated_delta_rule_update",

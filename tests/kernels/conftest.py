@@ -23,6 +23,7 @@ if DEVICE == "cpu":
     for _name in ("kernels.kv_store", "kernels.decode_attention", "kernels.extend_attention",
                   "kernels.fused_ops", "kernels.rotary", "kernels.lora.lora_triton",
                   "kernels.fp8.fp8_triton", "kernels.mla.decode", "kernels.mla.prefill",
-                  "kernels.linear_attention.decode_triton"):
+                  "kernels.linear_attention.decode_triton",
+                  "kernels.linear_attention.decode_prologue"):
         if _name in sys.modules:
             importlib.reload(sys.modules[_name])
