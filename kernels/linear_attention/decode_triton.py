@@ -22,7 +22,7 @@ import triton.language as tl
 
 @triton.jit
 def _gdn_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot_ptr, o_ptr,
-                       scale, eps,
+                       scale, eps, stride_qb, stride_kb, stride_vb,
                        HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr):
     i_v = tl.program_id(0)
@@ -35,13 +35,13 @@ def _gdn_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot_ptr
     offs_v = i_v * BV + tl.arange(0, BV)
     mk = offs_k < K
     mv = offs_v < V
-    q = tl.load(q_ptr + (b * HK + hk) * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + (b * HK + hk) * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + b * stride_qb + hk * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + b * stride_kb + hk * K + offs_k, mask=mk, other=0.0).to(tl.float32)
     if L2NORM:
         q = q / tl.sqrt(tl.sum(q * q, axis=0) + eps)
         k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
     q = q * scale
-    v = tl.load(v_ptr + (b * HV + h) * V + offs_v, mask=mv, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + b * stride_vb + h * V + offs_v, mask=mv, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + b * HV + h).to(tl.float32)
     beta = tl.load(beta_ptr + b * HV + h).to(tl.float32)
     s_ptrs = state_ptr + ((slot * HV + h) * K + offs_k[:, None]) * V + offs_v[None, :]
@@ -56,13 +56,22 @@ def _gdn_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot_ptr
     tl.store(o_ptr + (b * HV + h) * V + offs_v, o.to(o_ptr.dtype.element_ty), mask=mv)
 
 
+def _heads_packed(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [B, H, D] as the kernel reads it: any row stride, heads and dims packed (the
+    column slices of the conv output are read in place; other layouts are copied)."""
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return x
+    return x.contiguous()
+
+
 def recurrent_gated_delta_rule_update_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     states: torch.Tensor, slots: torch.Tensor, use_qk_l2norm: bool = True,
 ) -> torch.Tensor:
     """One decode step of B requests over the state pool, in place.
 
-    Args: ``q``, ``k`` [B, Hk, K]; ``v`` [B, Hv, V]; ``g``, ``beta`` [B, Hv]; ``states``
+    Args: ``q``, ``k`` [B, Hk, K]; ``v`` [B, Hv, V] (rows may be strided, as the column
+    slices of the conv output are: read in place); ``g``, ``beta`` [B, Hv]; ``states``
     [slots + 1, Hv, K, V] float32 (the pool's tensor, updated in place at ``slots``);
     ``slots`` [B] int (distinct).
     Returns: ``o`` [B, Hv, V] in q's dtype.
@@ -79,9 +88,10 @@ def recurrent_gated_delta_rule_update_triton(
         return o
     bv = min(32, triton.next_power_of_2(dv))
     grid = (triton.cdiv(dv, bv), b * hv)
+    q, k, v = _heads_packed(q), _heads_packed(k), _heads_packed(v)
     _gdn_decode_kernel[grid](
-        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
-        states, slots.contiguous(), o, dk ** -0.5, 1e-6,
+        q, k, v, g.contiguous(), beta.contiguous(),
+        states, slots.contiguous(), o, dk ** -0.5, 1e-6, q.stride(0), k.stride(0), v.stride(0),
         HK=hk, HV=hv, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=bv,
         L2NORM=use_qk_l2norm)
     return o

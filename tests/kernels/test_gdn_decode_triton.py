@@ -54,6 +54,22 @@ def test_decode_update_matches_reference(shape, l2norm):
     torch.testing.assert_close(states[slots], final, atol=1e-5, rtol=1e-4)
 
 
+def test_decode_update_reads_column_slices_in_place():
+    """q, k, v as the layer passes them: column slices of one conv output row [B, C] (row
+    stride C), read without a copy; the result equals the contiguous inputs' reference."""
+    b, hk, hv, dk, dv = 3, 2, 4, 16, 8
+    q, k, v, g, beta, states, slots = _case(b, hk, hv, dk, dv, 6, torch.float32, seed=3)
+    packed = torch.cat([q.reshape(b, -1), k.reshape(b, -1), v.reshape(b, -1)], dim=1)
+    qs, ks, vs = torch.split(packed, [hk * dk, hk * dk, hv * dv], dim=1)
+    qs, ks, vs = qs.reshape(b, hk, dk), ks.reshape(b, hk, dk), vs.reshape(b, hv, dv)
+    assert not qs.is_contiguous() and qs.stride(0) == packed.shape[1]
+    ref_states = states.clone()
+    ref = recurrent_gated_delta_rule_update_ref(q, k, v, g, beta, ref_states, slots, True)
+    got = recurrent_gated_delta_rule_update_triton(qs, ks, vs, g, beta, states, slots, True)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(states, ref_states, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @GPU_MARKS[0]
 @GPU_MARKS[1]
