@@ -533,6 +533,40 @@ device='meta', quantization=q, progress=False)[0]); print('weight bytes bf16', b
              python3 -m bench.bench_latency --model-path engine/configs/qwen3.5-35b-a3b.json \
              --load-format dummy --cuda-graph-max-bs 64 --batch-size 1 64 --input-len 512 \
              --output-len 64 --result-jsonl "$OUT/gdn-prologue-latency.jsonl"; done;;
+    qwen35-sharedgate) # issues 45/49 (< 8 min): the shared experts' gates folded into the
+           # routers' GEMMs (default) against FERRY_MOE_FOLD_SHARED_GATE=0: the folded-block GPU
+           # tests, then Qwen3.5-35B-A3B's bs1 decode profile each way (120 fewer launches a
+           # step expected: the gate's two-kernel GEMV and the multiply go, 40 layers)
+           run sharedgate-gputests 90 python3 -m pytest -q -x -m gpu \
+             tests/kernels/test_moe_shared_gate_fold.py -p no:cacheprovider
+           for fold in 1 0; do
+             run sharedgate-profile-fold$fold 190 env FERRY_MOE_FOLD_SHARED_GATE=$fold \
+               python3 -m bench.profile_decode --model-path engine/configs/qwen3.5-35b-a3b.json \
+               --load-format dummy --batch-size 1 --input-len 512; done;;
+    qwen35-sharedgate-latency) # issues 45/49 (< 9 min): its bs1/bs64 decode, folded and not
+           for fold in 1 0; do
+             run sharedgate-latency-fold$fold 250 env FERRY_MOE_FOLD_SHARED_GATE=$fold \
+               python3 -m bench.bench_latency --model-path engine/configs/qwen3.5-35b-a3b.json \
+               --load-format dummy --cuda-graph-max-bs 64 --batch-size 1 64 --input-len 256 \
+               --output-len 32 --result-jsonl "$OUT/sharedgate-latency-fold$fold.jsonl"; done;;
+    qwen35-fusions) # issue 45, the fourteenth session's three decode fusions together (< 9 min):
+           # their GPU tests compiled (gated RMSNorm, GDN decode prologue, folded shared gate),
+           # Qwen3.5-35B-A3B bs1/bs64 decode with all of them (default) and with the two that
+           # have switches off (the gated RMSNorm has none: stage qwen3next's 6.65 ms of
+           # 2026-12-04 is the before), then the bs1 profile with all of them
+           export TRITON_CACHE_AUTOTUNING=1
+           run fusions-gputests 200 python3 -m pytest -q -x -p no:cacheprovider \
+             tests/kernels/test_triton_gated_rms_norm.py tests/kernels/test_gdn_decode_prologue.py \
+             tests/kernels/test_gdn_layer_fused_prologue.py tests/kernels/test_gdn_decode_triton.py \
+             tests/kernels/test_moe_shared_gate_fold.py
+           for on in 1 0; do run fusions-latency-$on 150 env FERRY_GDN_FUSED_PROLOGUE=$on \
+             FERRY_MOE_FOLD_SHARED_GATE=$on python3 -m bench.bench_latency \
+             --model-path engine/configs/qwen3.5-35b-a3b.json --load-format dummy \
+             --cuda-graph-max-bs 64 --batch-size 1 64 --input-len 512 --output-len 64 \
+             --result-jsonl "$OUT/fusions-latency-$on.jsonl"; done
+           run fusions-profile 150 python3 -m bench.profile_decode \
+             --model-path engine/configs/qwen3.5-35b-a3b.json --load-format dummy \
+             --batch-size 1 --input-len 512;;
     qwen35-dense) # issue 45: Qwen3.5-27B's dense text shape, bs1/bs64 decode (graphs on)
            run qwen35-dense 240 python3 -m bench.bench_latency \
              --model-path engine/configs/qwen3.5-27b.json --load-format dummy \

@@ -9,6 +9,14 @@ OLMoE)::
     out += sigmoid(shared_expert_gate(x)) * shared_expert(x)      # Qwen2-MoE only
     out = all_reduce(out)                                          # tensor parallelism
 
+With a gated shared expert (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE) the loader folds the gate's
+one row into the router (:func:`fold_shared_gates`, after the weights load): one GEMM
+``x @ [gate; shared_expert_gate; 0...]^T`` gives the E router logits and the gate logit
+(the router reads the first E columns as a strided view), and
+``addcmul(out, sigmoid(logit), shared)`` scales and adds the shared expert: two launches
+instead of the gate's GEMV (cuBLAS: two kernels at N = 1), sigmoid, multiply and add.
+``FERRY_MOE_FOLD_SHARED_GATE=0`` keeps them apart.
+
 ``select_experts`` is softmax over all experts in fp32, top-k, and (``renormalize``, HF's
 ``norm_topk_prob``; always for Mixtral) division by the top-k sum, as in transformers'
 ``*TopKRouter``. The router's matmul runs in the model dtype (as in transformers) and its
@@ -46,13 +54,14 @@ graphs).
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from engine.distributed import all_reduce, get_tp
-from engine.layers.linear import ReplicatedLinear, full_tensor
+from engine.layers.linear import ReplicatedLinear, full_tensor, linear
 from engine.layers.moe_ep import check_ep, current_ep_size, localize_topk
 from engine.layers.moe_fp8 import Fp8BlockExperts
 from engine.layers.quantization import quantization_scope
@@ -259,6 +268,17 @@ class FusedMoE(nn.Module):
         dst.copy_(full_tensor(part))
 
 
+#: the folded router weight's rows are padded to a multiple of this (the logits' row
+#: stride stays 16-byte aligned in 16-bit dtypes)
+FOLD_ROW_ALIGN = 8
+
+
+def fold_enabled() -> bool:
+    """Whether :func:`fold_shared_gates` folds (``FERRY_MOE_FOLD_SHARED_GATE``, default on;
+    ``0`` keeps the shared expert's gate a GEMM of its own)."""
+    return os.environ.get("FERRY_MOE_FOLD_SHARED_GATE", "1") != "0"
+
+
 class SparseMoeBlock(nn.Module):
     """Router + routed experts (+ an optional shared expert), one all-reduce.
 
@@ -274,7 +294,15 @@ class SparseMoeBlock(nn.Module):
 
     Parameter names follow transformers: ``gate`` (the router), ``experts.w13_weight`` /
     ``experts.w2_weight``, ``shared_expert.*``, ``shared_expert_gate``.
+
+    After :meth:`fold_shared_gate` (called by the loader through :func:`fold_shared_gates`)
+    the router and the shared gate are one GEMM; the two parameters stay (as views of the
+    folded weight, so a later in-place load still lands in it).
     """
+
+    #: ``[E_pad, H]``: the router's E rows, the shared gate's row, zero rows up to a
+    #: multiple of :data:`FOLD_ROW_ALIGN`; None while unfolded
+    router_gate_weight: torch.Tensor | None = None
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
                  renormalize: bool, dtype: torch.dtype, shared_expert: nn.Module | None = None,
@@ -292,15 +320,70 @@ class SparseMoeBlock(nn.Module):
                                        if shared_expert is not None and shared_expert_gate
                                        else None)
 
+    def fold_shared_gate(self) -> bool:
+        """Fold the shared gate's row into the router (once its weights are loaded): one
+        ``[E_pad, H]`` weight (:attr:`router_gate_weight`) whose GEMM gives the E router
+        logits and the gate logit; ``gate.weight`` and ``shared_expert_gate.weight`` become
+        views of it (rows ``[0, E)`` and ``E``) and are no longer CPU-packable.
+
+        The old path stays (returns False, nothing changes) without a shared gate, with a
+        router bias, a quantized (non-float) or oneDNN-packed router or gate, or the two in
+        different dtypes or devices. Tensor and expert parallelism fold as they are (both
+        linears are replicated; the routing reads all E logits on every rank).
+
+        Returns:
+            whether the block is folded (True again on a folded block).
+        """
+        gate, seg = self.gate, self.shared_expert_gate
+        if self.router_gate_weight is not None:
+            return True
+        if seg is None or gate.bias is not None or gate.quant_method is not None \
+                or seg.quant_method is not None:
+            return False
+        w, s = gate.weight, seg.weight
+        if w.is_mkldnn or s.is_mkldnn or w.dtype != s.dtype or w.device != s.device \
+                or not w.dtype.is_floating_point:
+            return False
+        e, h = w.shape
+        rows = -(-(e + 1) // FOLD_ROW_ALIGN) * FOLD_ROW_ALIGN
+        fused = torch.zeros(rows, h, dtype=w.dtype, device=w.device)
+        fused[:e].copy_(w.data)
+        fused[e:e + 1].copy_(s.data)
+        w.data = fused[:e]
+        s.data = fused[e:e + 1]
+        gate.packable = seg.packable = False   # the views must stay views
+        self.router_gate_weight = fused
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H] (summed over the ranks)."""
-        out = self.experts(x, self.gate(x))
-        if self.shared_expert is not None:
-            shared = self.shared_expert(x)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            out = out + shared
+        fused = self.router_gate_weight
+        if fused is not None and self.gate.lora is None and self.shared_expert_gate.lora is None:
+            e = self.experts.num_experts
+            logits = linear(x, fused)                              # [T, E_pad]
+            out = self.experts(x, logits[:, :e])                   # a strided [T, E] view
+            out = torch.addcmul(out, torch.sigmoid(logits[:, e:e + 1]), self.shared_expert(x))
+        else:
+            out = self.experts(x, self.gate(x))
+            if self.shared_expert is not None:
+                shared = self.shared_expert(x)
+                if self.shared_expert_gate is not None:
+                    shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+                out = out + shared
         return all_reduce(out) if self.tp_size > 1 else out
+
+
+def fold_shared_gates(model: nn.Module) -> int:
+    """:meth:`SparseMoeBlock.fold_shared_gate` on every MoE block of a loaded ``model`` (the
+    loader calls it after the weights load), unless ``FERRY_MOE_FOLD_SHARED_GATE=0``.
+
+    Returns:
+        the number of blocks folded.
+    """
+    if not fold_enabled():
+        return 0
+    return sum(m.fold_shared_gate() for m in model.modules()
+               if isinstance(m, SparseMoeBlock) and m.shared_expert_gate is not None)
 
 
 def triton_fused_moe():

@@ -53,6 +53,7 @@ import torch
 
 from engine import device as devmod
 from engine.layer_spec import AttentionKind
+from engine.layers.moe import fold_shared_gates
 from engine.layers.pooler import PoolingSpec
 from engine.layers.quantization import (
     apply_ignore,
@@ -368,7 +369,8 @@ def load_model(model_path: str | None = None, load_format: str = "auto",
             lazily, so a tensor it drops is never read (an MTP layer picked out of a whole
             checkpoint: ``engine/speculative/mtp.py``). Not applied to dummy weights.
     Returns:
-        ``(model, config)``; the model is in eval mode with ``requires_grad=False`` weights.
+        ``(model, config)``; the model is in eval mode with ``requires_grad=False`` weights
+        (MoE shared-expert gates folded into the routers: ``engine.layers.moe``).
     Raises:
         FileNotFoundError / ValueError: bad path or format, unsupported architecture, a
             checkpoint tensor of the wrong shape, a checkpoint missing weights, or a
@@ -401,6 +403,9 @@ def load_model(model_path: str | None = None, load_format: str = "auto",
     else:
         _load_checkpoint(model, source, fmt, config, quant if keep_blocks else None, run_dtype,
                          dev, progress, pooling is not None, weight_map)
+    if fold_shared_gates(model):   # MoE shared-expert gates into the routers' GEMMs
+        logger.debug("the MoE shared experts' gates are folded into the routers' GEMMs "
+                     "(FERRY_MOE_FOLD_SHARED_GATE=0 keeps them apart)")
     if quant is not None:
         process_weights_after_loading(model, dev.type)
     devmod.synchronize(dev.type)

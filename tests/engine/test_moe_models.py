@@ -31,7 +31,7 @@ from parity_helpers import (
     seeded_prompts,
 )
 
-from engine.layers.moe import FusedMoE
+from engine.layers.moe import FusedMoE, SparseMoeBlock
 from engine.llm import LLM
 from engine.sampling.params import SamplingParams
 
@@ -49,6 +49,11 @@ def served(request, tiny_moe_checkpoint):
 def test_batch_and_alone_match_hf(served):
     case, hf, llm, ref, _ = served
     assert type(llm.runner.model).__name__ == type(hf).__name__
+    gated = [m for m in llm.runner.model.modules()
+             if isinstance(m, SparseMoeBlock) and m.shared_expert_gate is not None]
+    # Qwen2-MoE's shared gates run folded into the routers (the default)
+    assert bool(gated) == case.startswith("qwen2_moe")
+    assert all(m.router_gate_weight is not None for m in gated)
     assert_batch_and_alone_match_hf(llm, seeded_prompts(), ref, case)
 
 

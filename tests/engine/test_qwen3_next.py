@@ -28,6 +28,7 @@ from parity_helpers import (
 )
 from qwen3_next_helpers import CASES, save_tiny
 
+from engine.layers.moe import SparseMoeBlock
 from engine.llm import LLM
 from engine.sampling.params import SamplingParams
 from engine.scheduler.request import Req
@@ -77,6 +78,10 @@ def test_batch_and_alone_match_hf(checkpoint):
         assert kinds == {"paged_kv", "recurrent_state"}
         assert llm.runner.state_pool.num_slots == llm.args.max_running_requests
         assert llm.scheduler.kv.enabled and llm.runner.state_snapshots is not None
+        blocks = [m for m in llm.runner.model.modules() if isinstance(m, SparseMoeBlock)]
+        # the MoE cases run with the shared gates folded into the routers (the default)
+        assert bool(blocks) == (case in ("qwen3_next", "qwen3_5_moe"))
+        assert all(b.router_gate_weight is not None for b in blocks)
         batch = llm.generate(prompts, SP)
         for i, (out, r) in enumerate(zip(batch, ref)):
             assert_matches_hf(out, r, f"{case} prompt {i} in a batch")
