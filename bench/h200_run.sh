@@ -538,7 +538,7 @@ device='meta', quantization=q, progress=False)[0]); print('weight bytes bf16', b
            # tests, then Qwen3.5-35B-A3B's bs1 decode profile each way (120 fewer launches a
            # step expected: the gate's two-kernel GEMV and the multiply go, 40 layers)
            run sharedgate-gputests 90 python3 -m pytest -q -x -m gpu \
-             tests/kernels/test_moe_shared_gate_fold.py -p no:cacheprovider
+             tests/kernels/test_moe_shared_gate_fold_triton.py -p no:cacheprovider
            for fold in 1 0; do
              run sharedgate-profile-fold$fold 190 env FERRY_MOE_FOLD_SHARED_GATE=$fold \
                python3 -m bench.profile_decode --model-path engine/configs/qwen3.5-35b-a3b.json \
@@ -558,7 +558,7 @@ device='meta', quantization=q, progress=False)[0]); print('weight bytes bf16', b
            run fusions-gputests 200 python3 -m pytest -q -x -p no:cacheprovider \
              tests/kernels/test_triton_gated_rms_norm.py tests/kernels/test_gdn_decode_prologue.py \
              tests/kernels/test_gdn_layer_fused_prologue.py tests/kernels/test_gdn_decode_triton.py \
-             tests/kernels/test_moe_shared_gate_fold.py
+             tests/kernels/test_moe_shared_gate_fold_triton.py
            for on in 1 0; do run fusions-latency-$on 150 env FERRY_GDN_FUSED_PROLOGUE=$on \
              FERRY_MOE_FOLD_SHARED_GATE=$on python3 -m bench.bench_latency \
              --model-path engine/configs/qwen3.5-35b-a3b.json --load-format dummy \
