@@ -89,6 +89,22 @@ def test_decode_matches_reference(batch):
     torch.testing.assert_close(got2, got)
 
 
+@pytest.mark.parametrize("cu", [[0, 2, 4, 6], [0, 3, 4, 9, 11]])
+def test_recurrent_short_varlen_matches_reference(cu):
+    """The speculative verify step's shape (``GatedDeltaNet`` with ``short``): a few tokens
+    per request from each request's state, FLA's fused recurrent kernel over varlen runs."""
+    q, k, v, g, beta, state = _inputs(cu[-1], len(cu) - 1, torch.float32, seed=2)
+    got, got_state = recurrent_gated_delta_rule_fla(
+        q, k, v, g, beta, initial_state=state, cu_seqlens=torch.tensor(cu, device="cuda"))
+    ref, ref_state = recurrent_gated_delta_rule_ref(q, k, v, g, beta, initial_state=state,
+                                                    cu_seqlens=cu)
+    torch.testing.assert_close(got, ref, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(got_state, ref_state, atol=2e-3, rtol=2e-3)
+    # and the chunked rule, which the verify step ran before, agrees
+    chunk, _ = chunk_gated_delta_rule_ref(q, k, v, g, beta, initial_state=state, cu_seqlens=cu)
+    torch.testing.assert_close(ref, chunk, atol=2e-3, rtol=2e-3)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_causal_conv1d_varlen_with_states_matches_reference(dtype):
     """FLA keeps W state columns, ferry W - 1: the wrapper's conversion, with a request of
