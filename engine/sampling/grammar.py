@@ -72,6 +72,44 @@ def _grammar(kind: str, text: str):
     raise ValueError(f"unknown grammar kind {kind!r}")
 
 
+def _schema_patterns(node, path: str = "schema"):
+    """``(path, regex)`` of every ``pattern`` and ``patternProperties`` key in a parsed JSON
+    schema (walked through objects and arrays)."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "pattern" and isinstance(value, str):
+                yield f"{path}.pattern", value
+            elif key == "patternProperties" and isinstance(value, dict):
+                for regex, sub in value.items():
+                    yield f"{path}.patternProperties", regex
+                    yield from _schema_patterns(sub, f"{path}.patternProperties")
+            else:
+                yield from _schema_patterns(value, f"{path}.{key}")
+    elif isinstance(node, list):
+        for i, item in enumerate(node):
+            yield from _schema_patterns(item, f"{path}[{i}]")
+
+
+def _check_schema_patterns(text: str) -> None:
+    """xgrammar's JSON-schema converter drops what its regex engine lacks (lookaround,
+    inline flags) with only a warning on stderr, so a ``pattern`` would be
+    silently ignored: each one is parsed as the ``regex`` constraint is, and refused the
+    same way. Raises ValueError naming the pattern's place."""
+    import json
+
+    import xgrammar as xgr
+
+    try:
+        schema = json.loads(text)
+    except ValueError:
+        return  # xgrammar's own parse reports it
+    for where, regex in _schema_patterns(schema):
+        try:
+            xgr.Grammar.from_regex(regex)
+        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError and friends
+            raise ValueError(f"{where} {regex!r} is not supported: {_clean(exc)}") from None
+
+
 def check_grammar(kind: str, text: str) -> None:
     """Parse a constraint without a tokenizer (milliseconds): the server's 400 check.
 
@@ -79,10 +117,13 @@ def check_grammar(kind: str, text: str) -> None:
         kind: "json_schema" (a JSON schema as a string), "regex" or "ebnf" (xgrammar's
             GBNF-style EBNF with a ``root`` rule).
     Raises:
-        ValueError: ``(message, kind)`` in ``args`` when xgrammar rejects it.
+        ValueError: ``(message, kind)`` in ``args`` when xgrammar rejects it, or (a JSON
+            schema) a ``pattern`` its regex engine cannot honour (:func:`_check_schema_patterns`).
     """
     try:
         _grammar(kind, text)
+        if kind == "json_schema":
+            _check_schema_patterns(text)
     except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError and friends
         raise ValueError(f"invalid {kind}: {_clean(exc)}", kind) from None
 

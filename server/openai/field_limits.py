@@ -10,7 +10,9 @@ could pin megabytes in the HTTP process for the store's TTL. OpenAI's bounds:
   ``MAX_METADATA_VALUE_LEN`` (512);
 - ``user``, ``safety_identifier``, ``prompt_cache_key``: strings of at most ``MAX_ID_LEN``
   (64) characters (OpenAI documents 64 for ``safety_identifier``; ferry holds the others,
-  which it replaces, to the same bound).
+  which it replaces, to the same bound);
+- ``service_tier``, ``verbosity``, ``prompt_cache_retention``: one of OpenAI's values
+  (``ENUM_FIELDS``).
 
 A field outside them is a 400 naming it (``metadata.<key>`` for a value), in OpenAI's
 wording ("Invalid 'user': string too long..."); ``null`` is absent. The same bounds hold on
@@ -30,8 +32,15 @@ MAX_METADATA_VALUE_LEN = 512
 MAX_ID_LEN = 64
 #: the string fields bounded to MAX_ID_LEN characters
 ID_FIELDS = ("user", "safety_identifier", "prompt_cache_key")
+#: no-op fields with a closed set of values (OpenAI's): another value is a 400, as OpenAI
+#: answers it, though ferry ignores the field
+ENUM_FIELDS = {
+    "service_tier": ("auto", "default", "flex", "scale", "priority"),
+    "verbosity": ("low", "medium", "high"),
+    "prompt_cache_retention": ("in-memory", "24h"),
+}
 #: every field this module bounds, in the order ``check_fields`` checks them
-BOUNDED = ("metadata", *ID_FIELDS)
+BOUNDED = ("metadata", *ID_FIELDS, *ENUM_FIELDS)
 
 
 def _too_long(param: str, value: str, limit: int) -> APIError:
@@ -74,6 +83,13 @@ def check_field(name: str, value: Any) -> APIError | None:
     ``null`` and for a field this module does not bound)."""
     if name == "metadata":
         return check_metadata(value)
+    if name in ENUM_FIELDS and value is not None:
+        allowed = ENUM_FIELDS[name]
+        if value not in allowed:
+            return APIError(f"Invalid value for '{name}': expected one of "
+                            f"{', '.join(repr(v) for v in allowed)}, got {value!r}.", 400, name,
+                            "invalid_value")
+        return None
     if name not in ID_FIELDS or value is None:
         return None
     if not isinstance(value, str):
@@ -106,4 +122,6 @@ def json_schemas() -> dict[str, dict]:
                            f"{MAX_METADATA_KEY_LEN} characters, string values of at most "
                            f"{MAX_METADATA_VALUE_LEN}; no effect"},
         **{name: dict(ident, description=f"at most {MAX_ID_LEN} characters; no effect")
-           for name in ID_FIELDS}}
+           for name in ID_FIELDS},
+        **{name: {"anyOf": [{"enum": list(values)}, {"type": "null"}],
+                  "description": "no effect"} for name, values in ENUM_FIELDS.items()}}

@@ -345,6 +345,7 @@ class ChatCompletionRequest(_SamplingRequest):
 ACCEPTED_NOOPS = frozenset({
     "user", "metadata", "store", "service_tier", "prediction",
     "reasoning_effort", "verbosity", "prompt_cache_key", "safety_identifier",
+    "prompt_cache_retention",
 })
 IGNORED_FIELDS = ACCEPTED_NOOPS  # the old name
 

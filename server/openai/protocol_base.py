@@ -33,6 +33,8 @@ class StreamOptions(_Base):
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    #: OpenAI's stream obfuscation padding: ferry never adds it (an accepted no-op)
+    include_obfuscation: bool | None = None
 
 
 class ChatMessage(_Base):

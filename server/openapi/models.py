@@ -405,12 +405,14 @@ class NoopFields(_Doc):
 
     metadata: Any = Field(None, json_schema_extra=json_schema_of(_LIMITS["metadata"]))
     store: Any = Field(None, description="no effect (nothing is stored)")
-    service_tier: Any = Field(None, description="no effect")
+    service_tier: Any = Field(None, json_schema_extra=json_schema_of(_LIMITS["service_tier"]))
     prediction: Any = Field(None, description="no effect")
     reasoning_effort: Any = Field(None, description="chat: the chat template's "
                                   "reasoning_effort (gpt-oss's harmony reads it; other "
                                   "templates ignore it); completions: no effect")
-    verbosity: Any = Field(None, description="no effect")
+    verbosity: Any = Field(None, json_schema_extra=json_schema_of(_LIMITS["verbosity"]))
+    prompt_cache_retention: Any = Field(None, json_schema_extra=json_schema_of(
+        _LIMITS["prompt_cache_retention"]))
     prompt_cache_key: Any = Field(None, json_schema_extra=json_schema_of(dict(
         _LIMITS["prompt_cache_key"], description=f"at most {MAX_ID_LEN} characters; no effect "
                                                  "(the prefix cache is automatic)")))

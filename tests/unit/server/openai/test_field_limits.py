@@ -115,3 +115,34 @@ def test_the_openapi_schemas_say_the_same():
         v = jsonschema.Draft202012Validator(schemas[name])
         assert v.is_valid("u" * 64) and v.is_valid(None)
         assert not v.is_valid("u" * 65) and not v.is_valid(5)
+
+
+# OpenAI's values of the enumerated no-ops (its API reference, written out here)
+_ENUMS = {"service_tier": ("auto", "default", "flex", "scale", "priority"),
+          "verbosity": ("low", "medium", "high"),
+          "prompt_cache_retention": ("in-memory", "24h")}
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("name", sorted(_ENUMS))
+def test_enumerated_noops_take_only_openais_values(route, name):
+    if route == "responses" and name == "verbosity":
+        return  # Responses has text.verbosity instead (server/responses/input.py)
+    for value in (*_ENUMS[name], None):
+        _parse(route, **{name: value})
+    for bad in ("ultra", "LOW", 5, ""):
+        err = _error(route, **{name: bad})
+        assert (err.param, err.code) == (name, "invalid_value"), (name, bad)
+    schema = jsonschema.Draft202012Validator(json_schemas()[name])
+    assert all(schema.is_valid(v) for v in _ENUMS[name]) and not schema.is_valid("ultra")
+
+
+def test_stream_obfuscation_is_an_accepted_noop_on_chat():
+    req = parse_request(ChatCompletionRequest, {
+        "messages": [{"role": "user", "content": "hi"}], "stream": True,
+        "stream_options": {"include_usage": True, "include_obfuscation": False}})
+    assert req.include_usage
+    with pytest.raises(APIError):
+        parse_request(ChatCompletionRequest, {
+            "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "stream_options": {"include_obfuscation": "no"}})

@@ -511,3 +511,20 @@ def test_fuzz_tool_outputs_stream_as_not():
                                        _split(text, rng), finish)
         _same(full, streamed)
         assert sum("matched_stop" in c["choices"][0] for c in chunks) == 1
+
+
+@pytest.mark.parametrize("schema,where", [
+    ({"type": "object", "properties": {"user": {"type": "string",
+                                                "pattern": "^(?!admin)[a-z]+$"}}},
+     "schema.properties.user.pattern"),
+    ({"type": "array", "items": {"type": "string", "pattern": "(?i)abc"}}, "schema.items.pattern"),
+    ({"anyOf": [{"type": "integer"}, {"type": "string", "pattern": "(?=a)a"}]},
+     "schema.anyOf[1].pattern"),
+])
+def test_schema_patterns_xgrammar_would_drop_are_refused(schema, where):
+    """xgrammar's JSON-schema converter ignores a lookahead or an inline flag with only a
+    warning: the output would break the schema, so the check refuses it, naming the place."""
+    with pytest.raises(ValueError) as ei:
+        check_grammar("json_schema", json.dumps(schema))
+    assert where in ei.value.args[0]
+    check_grammar("json_schema", json.dumps({"type": "string", "pattern": "^[a-z]+@x\\.com$"}))
