@@ -12,8 +12,8 @@ kernels times a few microseconds each; this tool counts them without a GPU:
 ``python -m bench.launch_count`` prints one MoE layer (Qwen3-30B-A3B's and Mixtral's
 routing on small widths), one LoRA Llama layer and one Qwen3.5 Gated DeltaNet layer's decode
 step at batch 1 and 8, the fused paths against the unfused ones
-(``FERRY_MOE_DECODE_MAX_M=0``, ``FERRY_LORA_FUSED_DECODE=0``, ``FERRY_GDN_FUSED_PROLOGUE=0``). Run it with
-``TRITON_INTERPRET=1`` set (``main`` sets it before importing the kernels).
+(``FERRY_MOE_DECODE_MAX_M=0``, ``FERRY_LORA_FUSED_DECODE=0``,
+``FERRY_GDN_FUSED_PROLOGUE=0``). Run it with ``TRITON_INTERPRET=1`` set (``main`` sets it before importing the kernels).
 """
 
 from __future__ import annotations

@@ -16,9 +16,10 @@ The ops come from ``kernels.linear_attention`` (fla-core's Triton kernels on CUD
 it imports, the torch references otherwise). On CUDA/XPU a decode step's prologue (the
 conv update of each slot's conv state in place, its SiLU, and the gates) is one Triton
 launch, :func:`kernels.linear_attention.gdn_decode_prologue` (``FERRY_GDN_FUSED_PROLOGUE=0``
-keeps the torch gather, conv update, scatter and gate ops, as on the CPU). A mixed step (prefill chunks followed by
-``num_decodes`` one-token decodes) runs its prefill part through the chunked rule and its
-decode tail through one batched recurrent step that updates each request's slot in place.
+keeps the torch gather, conv update, scatter and gate ops, as on the CPU). A mixed step
+(prefill chunks followed by ``num_decodes`` one-token decodes) runs its prefill part through
+the chunked rule and its decode tail through one batched recurrent step that updates each
+request's slot in place.
 
 Tensor parallelism splits the heads: rank r of N holds key heads ``[r Hk/N, (r+1) Hk/N)``
 and the ``Hv/Hk`` value heads grouped with each (value head j reads key head

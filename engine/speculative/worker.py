@@ -168,8 +168,9 @@ class SpecWorker:
                 "%s on a model with linear-attention layers: its verify steps run eagerly "
                 "(the decode graphs cannot capture the layers' recorded inputs), so where "
                 "decode steps replay graphs a round costs many plain steps (Qwen3.5-35B-A3B "
-                "on an H200: an eager verify of 133 ms against a 6.65 ms decode step) and the break-even back-off keeps most steps plain; "
-                "outputs are unchanged (docs/benchmarks.md, MTP)", self.algorithm)
+                "on an H200: an eager verify of 133 ms against a 6.65 ms decode step) and "
+                "the break-even back-off keeps most steps plain; outputs are unchanged "
+                "(docs/benchmarks.md, MTP)", self.algorithm)
 
     def reset_stats(self) -> None:
         self.stats.update(dict.fromkeys(SPEC_STAT_KEYS, 0))

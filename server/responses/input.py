@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.http.errors import APIError, bad_request, not_supported
+from server.openai.field_limits import ENUM_FIELDS
 
 ITEM_KEYS = {"message": {"type", "role", "content", "id", "status", "phase"},
              "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
@@ -286,7 +287,7 @@ def chat_response_format(text: dict) -> dict | None:
     for key in text:
         if key not in ("format", "verbosity"):
             raise bad_request(f"unrecognized text field '{key}'", f"text.{key}")
-    if text.get("verbosity") not in (None, "low", "medium", "high"):
+    if text.get("verbosity") not in (None, *ENUM_FIELDS["verbosity"]):
         raise bad_request("text.verbosity must be 'low', 'medium' or 'high'", "text.verbosity")
     fmt = text.get("format")
     if fmt is None:
