@@ -146,3 +146,13 @@ def test_stream_obfuscation_is_an_accepted_noop_on_chat():
         parse_request(ChatCompletionRequest, {
             "messages": [{"role": "user", "content": "hi"}], "stream": True,
             "stream_options": {"include_obfuscation": "no"}})
+
+
+def test_responses_text_verbosity_takes_only_openais_values():
+    from server.responses.input import chat_response_format
+
+    for value in _ENUMS["verbosity"]:
+        assert chat_response_format({"verbosity": value}) is None
+    with pytest.raises(APIError) as ei:
+        chat_response_format({"verbosity": "loud"})
+    assert (ei.value.status, ei.value.param) == (400, "text.verbosity")
