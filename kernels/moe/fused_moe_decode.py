@@ -235,7 +235,10 @@ def _launch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, m: int, top_k:
     inter = two_i // 2
     num_pairs = m * top_k
     act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
-    t = tiles or decode_tiles(m, top_k, h, inter)
+    # tiles of M's power-of-two bucket (the decode graphs' batch sizes up to 16): an eager
+    # step of M rows and the graph replay of its padded bucket then sum every real row in the
+    # same K blocks, bit for bit (engine/executor/graph_setup.py compares the two)
+    t = tiles or decode_tiles(triton.next_power_of_2(m), top_k, h, inter)
     if route is None:
         ids, weights = routed
         logits, renorm, stride_lm = ids, False, 0      # logits unused
