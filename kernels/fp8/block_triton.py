@@ -168,7 +168,8 @@ def fp8_block_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor,
         quant_x: W8A8 (x quantized per token per ``block_k`` columns by
             :func:`quantize_act_groups_triton`); False: weight-only.
         upcast: W8A8 with the e4m3 tiles upcast to fp16 for ``tl.dot`` (GPUs without FP8
-            tensor cores, the interpreter); the same products as the FP8 dot.
+            tensor cores, the interpreter); the same products as the FP8 dot, accumulated
+            exactly in fp32. Always taken for a float32 ``x``.
         out_dtype: default x's dtype.
         config: launch parameters (:func:`block_gemm_config`'s keys); default from it.
     Returns:
@@ -190,6 +191,11 @@ def fp8_block_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor,
     n_blocks, k_per_split, part, locks = split_k_launch(y, k, split, cfg["BLOCK_N"], block_k,
                                                         m_blocks)
     if quant_x:
+        # float32 activations take the exact fp16-upcast dot: Hopper's e4m3 MMA accumulates
+        # in reduced precision (on the H200, 2026-12-04, a float32 model's W8A8 log-probs
+        # moved 4.0e-2 from the exact reference with it, 1.6e-2 with Triton's
+        # max_num_imprecise_acc=32); bf16/fp16 keep the FP8 tensor cores
+        upcast = upcast or x.dtype == torch.float32
         a, sa = quantize_act_groups_triton(x, block_k)
     else:
         a, sa = x, scale   # sa unused
