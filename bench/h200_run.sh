@@ -234,6 +234,16 @@ for stage in "$@"; do
              # graph step's time minus this sum is launch gaps)
              run moe-profile 240 python3 -m bench.profile_decode --model-path engine/configs/qwen3-30b-a3b.json \
                --load-format dummy --batch-size 1 --input-len 512;;
+    qk-norm-rotary) # issue 49 item 3 (< 6 min): Qwen3's per-head q/k norms fused into the
+             # rotary launch (kernels/rotary.py qk_norm_rotary_inplace, 96 launches fewer a
+             # Qwen3-30B-A3B step): its tests compiled, then bs1/bs64 decode with it (default)
+             # and without it (FERRY_QK_NORM_ROTARY=0)
+             run qknorm-tests 120 python3 -m pytest -q -x -p no:cacheprovider \
+               tests/kernels/test_qk_norm_rotary.py tests/kernels/test_select_ops.py
+             for on in 1 0; do run qknorm-latency-$on 110 env FERRY_QK_NORM_ROTARY=$on \
+               python3 -m bench.bench_latency --model-path engine/configs/qwen3-30b-a3b.json \
+               --load-format dummy --batch-size 1 64 --input-len 512 --output-len 64 \
+               --result-jsonl "$OUT/qknorm-latency-$on.jsonl"; done;;
     moe-sweep) # the fused MoE alone at M = 1..256 (graph replays, L2 flushed), per shape
              run moe-sweep 500 python3 -m bench.kernels.tune_fused_moe --batch-sizes 1,2,4,8,16,32,64,128,256 \
                --out "$OUT/moe-sweep.json";;

@@ -17,11 +17,13 @@ every device) and indexed by position each step; the rotation runs in fp32, in
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import nn
 
 from engine.layers import rope_scaling
+from engine.layers.norm import GemmaRMSNorm, RMSNorm
 from kernels.reference import rotary_ref
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope",
@@ -118,6 +120,11 @@ def compute_inv_freq(head_dim: int, base: float, params: dict) -> torch.Tensor:
                      f"{', '.join(SUPPORTED_ROPE_TYPES)}")
 
 
+#: fuse Qwen3/Gemma's per-head q/k norms into the rotary launch where it applies
+#: (:meth:`RotaryEmbedding.norm_rotate`); ``FERRY_QK_NORM_ROTARY=0``: separate launches
+QK_NORM_ROTARY = os.environ.get("FERRY_QK_NORM_ROTARY", "1") != "0"
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin table for positions ``0 .. max_position-1``.
 
@@ -171,6 +178,38 @@ class RotaryEmbedding(nn.Module):
         kr, k_pass = self._gather(k)
         qr, kr = self.impl(qr, kr, positions, self.cos_sin_cache, self.rotary_dim)
         return self._scatter(qr, q_pass, q.shape), self._scatter(kr, k_pass, k.shape)
+
+    def norm_rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                    q_norm: nn.Module, k_norm: nn.Module
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Per-head ``q_norm``/``k_norm`` then :meth:`rotate`, in one Triton launch
+        (:func:`kernels.rotary.qk_norm_rotary_inplace`, in place) where it applies: this
+        class's whole-head rotary on the Triton path and both norms plain per-head
+        ``RMSNorm`` or ``GemmaRMSNorm`` on their Triton kernels. ``FERRY_QK_NORM_ROTARY=0``
+        turns it off.
+
+        Args:
+            q: ``[T, Hq*D]``, k: ``[T, Hkv*D]`` (views of the qkv output allowed).
+            positions: ``[T]`` int64.  q_norm, k_norm: the layer's ``[D]`` norms.
+        Returns:
+            the normed, rotated ``(q, k)``, or None: the caller runs the norms and
+            :meth:`rotate` itself.
+        """
+        if not QK_NORM_ROTARY or type(self).rotate is not RotaryEmbedding.rotate \
+                or self.rotary_dim != self.head_dim or self.interleaved \
+                or getattr(self.impl, "__module__", None) != "kernels.rotary":
+            return None
+        kind = type(q_norm)
+        if kind not in (RMSNorm, GemmaRMSNorm) or type(k_norm) is not kind \
+                or getattr(q_norm.impl, "__module__", None) != "kernels.fused_ops" \
+                or getattr(k_norm.impl, "__module__", None) != "kernels.fused_ops" \
+                or q_norm.weight.shape != (self.head_dim,) or q_norm.eps != k_norm.eps:
+            return None
+        from kernels.rotary import qk_norm_rotary_inplace
+
+        return qk_norm_rotary_inplace(q, k, q_norm.weight, k_norm.weight, q_norm.eps,
+                                      positions, self.cos_sin_cache, self.head_dim,
+                                      zero_centred=kind is GemmaRMSNorm)
 
     def _gather(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H*D] -> (its rotated dims as a contiguous [T, H*rd], in the halves layout;

@@ -178,6 +178,9 @@ class AttentionBlock(nn.Module):
         if self.full_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         elif self.q_norm is not None:
+            fused = rope.norm_rotate(q, k, positions, self.q_norm, self.k_norm)
+            if fused is not None:  # one launch for both norms and the rotary
+                return (*fused, v)
             q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
         q, k = rope.rotate(q.reshape(t, self.q_size), k.reshape(t, self.kv_size), positions)
