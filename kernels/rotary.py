@@ -34,17 +34,24 @@ def _rotate_tile(base, stride_h, n_heads, cos, sin, offs_d, mask_d,
 
 
 @triton.jit
-def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cache_ptr, stride_q, stride_k, stride_c,
-                   NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
-                   BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                   HALF: tl.constexpr, BLOCK: tl.constexpr):
-    # one program per token: all of its q and k heads as two [heads, D/2] tiles
+def _token_cos_sin(pos_ptr, cache_ptr, stride_c, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    # this program's token, its position's cos and sin rows [BLOCK] (masked past D/2)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_d = tl.arange(0, BLOCK)
     mask_d = offs_d < HALF
     cos = tl.load(cache_ptr + pos * stride_c + offs_d, mask=mask_d, other=0.0)
     sin = tl.load(cache_ptr + pos * stride_c + HALF + offs_d, mask=mask_d, other=0.0)
+    return t, cos, sin, offs_d, mask_d
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cache_ptr, stride_q, stride_k, stride_c,
+                   NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
+                   BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                   HALF: tl.constexpr, BLOCK: tl.constexpr):
+    # one program per token: all of its q and k heads as two [heads, D/2] tiles
+    t, cos, sin, offs_d, mask_d = _token_cos_sin(pos_ptr, cache_ptr, stride_c, HALF, BLOCK)
     _rotate_tile(q_ptr + t * stride_q, 2 * HALF, NUM_Q_HEADS, cos, sin, offs_d, mask_d,
                  BLOCK_HQ, HALF)
     _rotate_tile(k_ptr + t * stride_k, 2 * HALF, NUM_K_HEADS, cos, sin, offs_d, mask_d,
@@ -114,12 +121,7 @@ def _qk_norm_rotary_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, eps, pos_ptr, cache_ptr
                            NUM_K_HEADS: tl.constexpr, BLOCK_HQ: tl.constexpr,
                            BLOCK_HK: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
                            ZERO_CENTRED: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK)
-    mask_d = offs_d < HALF
-    cos = tl.load(cache_ptr + pos * stride_c + offs_d, mask=mask_d, other=0.0)
-    sin = tl.load(cache_ptr + pos * stride_c + HALF + offs_d, mask=mask_d, other=0.0)
+    t, cos, sin, offs_d, mask_d = _token_cos_sin(pos_ptr, cache_ptr, stride_c, HALF, BLOCK)
     _norm_rotate_tile(q_ptr + t * stride_q, 2 * HALF, NUM_Q_HEADS, qw_ptr, eps, cos, sin,
                       offs_d, mask_d, BLOCK_HQ, HALF, ZERO_CENTRED)
     _norm_rotate_tile(k_ptr + t * stride_k, 2 * HALF, NUM_K_HEADS, kw_ptr, eps, cos, sin,
