@@ -230,9 +230,10 @@ for stage in "$@"; do
              run moe-serving 300 python3 -m bench.serving.bench_serving --base-url http://127.0.0.1:30000 \
                "${SERVE8[@]}" --output-json "$OUT/moe-serving.json"
              stop_server moe;;
-    moe-profile) # where the Qwen3-30B-A3B bs1 step goes (kernel sums of eager steps; the
-             # graph step's time minus this sum is launch gaps)
-             run moe-profile 240 python3 -m bench.profile_decode --model-path engine/configs/qwen3-30b-a3b.json \
+    moe-profile) # where the Qwen3-30B-A3B (or MOEPROF_MODEL=mixtral-8x7b) bs1 step goes
+             # (kernel sums of profiled steps; the graph step's time minus this sum is gaps)
+             run moe-profile 240 python3 -m bench.profile_decode \
+               --model-path engine/configs/${MOEPROF_MODEL:-qwen3-30b-a3b}.json \
                --load-format dummy --batch-size 1 --input-len 512;;
     qk-norm-rotary) # issue 49 item 3 (< 6 min): Qwen3's per-head q/k norms fused into the
              # rotary launch (kernels/rotary.py qk_norm_rotary_inplace, 96 launches fewer a
