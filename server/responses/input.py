@@ -12,7 +12,7 @@
   "strict"}`` -> ``{"type": "function", "function": {...}}``; ``tool_choice``
   ``{"type": "function", "name"}`` -> ``{"type": "function", "function": {"name"}}``.
 - ``text.format`` -> ``response_format`` (``text``: none; ``json_object``; ``json_schema``
-  with ``name``, ``schema``, ``strict``).
+  with ``name`` (required, OpenAI's ``^[a-zA-Z0-9_-]{1,64}$``), ``schema``, ``strict``).
 
 Every malformed part is a 400 naming the Responses field; ``ChatConversion.rename`` turns a
 chat-side error's ``param`` back into the Responses name.
@@ -28,6 +28,7 @@ from typing import Any
 
 from server.http.errors import APIError, bad_request, not_supported
 from server.openai.field_limits import ENUM_FIELDS
+from server.tools.structured import check_schema_name
 
 ITEM_KEYS = {"message": {"type", "role", "content", "id", "status", "phase"},
              "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
@@ -305,8 +306,7 @@ def chat_response_format(text: dict) -> dict | None:
         return None
     if kind == "json_object":
         return {"type": "json_object"}
-    if not isinstance(fmt.get("name"), str) or not fmt["name"]:
-        raise bad_request("text.format.name must be a non-empty string", "text.format.name")
+    check_schema_name(fmt, "text.format.name")
     if not isinstance(fmt.get("schema"), dict):
         raise bad_request("text.format.schema must be a JSON schema (an object)",
                           "text.format.schema")
