@@ -7,7 +7,8 @@
   JSON arguments); a user's ``tool_result`` -> a ``tool`` message with its
   ``tool_call_id`` (content a string or ``text`` blocks; ``is_error: true`` prefixes the
   text with ``"Error: "``, the chat templates having no error flag), placed before the
-  user's text as Anthropic orders them; an assistant's ``thinking`` -> its
+  user's text as Anthropic orders them; its ``tool_use_id`` must name a ``tool_use`` block
+  of the message just before (else Anthropic's 400 "unexpected `tool_use_id`"); an assistant's ``thinking`` -> its
   ``reasoning_content`` (for templates that show it); ``redacted_thinking`` is accepted and
   dropped (ferry cannot read it). A user's ``image`` (``source``: ``base64`` with its
   ``media_type``, or ``url``, which the server fetches only from ``--allowed-media-domains``)
@@ -149,8 +150,19 @@ class Origins:
         return APIError(msg, err.status, new, err.code, err.headers)
 
 
-def _tool_result(b: dict, where: str, errors_seen: set[str]) -> dict:
+def _tool_result(b: dict, where: str, errors_seen: set[str], uses: frozenset[str]) -> dict:
+    """A ``tool_result`` block as a chat ``tool`` message; ``uses``: the ``tool_use`` ids of
+    the message before (an assistant's, else none).
+
+    Raises: APIError 400 naming the block's field: a ``tool_use_id`` of no block of
+    ``uses`` (Anthropic's "unexpected `tool_use_id`"), a malformed ``content`` or
+    ``is_error``."""
     call_id = _string(b, "tool_use_id", where)
+    if call_id not in uses:
+        raise bad_request(f"{where}.tool_use_id: unexpected `tool_use_id` found in "
+                          f"`tool_result` blocks: {call_id}. Each `tool_result` block must "
+                          "have a corresponding `tool_use` block in the previous message.",
+                          f"{where}.tool_use_id")
     content = b.get("content", "")
     text = text_of(content, f"{where}.content") if content is not None else ""
     is_error = b.get("is_error", False)
@@ -191,7 +203,8 @@ def _image(b: dict, where: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
-def _user(content: list, where: str, out: list[dict], origins: Origins) -> None:
+def _user(content: list, where: str, out: list[dict], origins: Origins,
+          uses: frozenset[str]) -> None:
     parts: list[dict] = []
     part_where: list[str] = []
     seen: set[str] = set()
@@ -205,7 +218,7 @@ def _user(content: list, where: str, out: list[dict], origins: Origins) -> None:
             parts.append(_image(b, p))
             part_where.append(p)
         elif kind == "tool_result":
-            out.append(_tool_result(b, p, seen))
+            out.append(_tool_result(b, p, seen, uses))
             origins.where.append(p)
         else:
             raise bad_request(f"{p}.type: a user message cannot carry {kind!r} blocks",
@@ -242,12 +255,14 @@ def chat_messages(system: Any, messages: list[Any]) -> tuple[list[dict], Origins
     """Chat messages of ``system`` and ``messages``, and where each came from.
 
     Raises: APIError 400 naming the field (an unknown role, a malformed or unsupported
-    block, a block on the wrong role)."""
+    block, a block on the wrong role, a ``tool_result`` whose ``tool_use_id`` names no
+    ``tool_use`` block of the message just before it)."""
     out: list[dict] = []
     origins = Origins()
     if system is not None:
         out.append({"role": "system", "content": text_of(system, "system")})
         origins.where.append("system")
+    uses: frozenset[str] = frozenset()  # the tool_use ids a tool_result may answer
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -263,10 +278,12 @@ def chat_messages(system: Any, messages: list[Any]) -> tuple[list[dict], Origins
             raise bad_request(f"{where}.content: expected a string or a list of content "
                               "blocks", f"{where}.content")
         if role == "user":
-            _user(content, where, out, origins)
+            _user(content, where, out, origins, uses)
+            uses = frozenset()
         else:
             out.append(_assistant(content, where))
             origins.where.append(where)
+            uses = frozenset(c["id"] for c in out[-1].get("tool_calls", ()))
     return out, origins
 
 

@@ -322,7 +322,8 @@ class _Doc(BaseModel):
 
 
 class JsonSchemaFormat(_Doc):
-    name: str | None = None
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$",
+                      description="required, as OpenAI's (server/tools/structured.py)")
     description: str | None = None
     schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
     strict: bool | None = None

@@ -17,7 +17,11 @@ from server.http.errors import bad_request, not_supported
 from server.media.fetch import load_image
 from server.media.process import ImageError
 from server.tokenizer_manager import TokenizerManager
-from server.tools.messages import assistant_function_call, assistant_tool_calls
+from server.tools.messages import (
+    assistant_function_call,
+    assistant_tool_calls,
+    check_tool_replies,
+)
 from server.tools.plan import ToolPlan
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
@@ -110,7 +114,10 @@ def messages_for_template(messages: list[Any], images: list | None = None) -> li
         APIError: 400 for an unknown role, a non-text part, a tool-calling field on a role
             that cannot carry it (``tool_calls`` on a user message...), both ``tool_calls``
             and ``function_call``, or any other field, of the message or of a part (named,
-            e.g. ``messages[1].audio``, ``messages[0].content[2].cache_control``).
+            e.g. ``messages[1].audio``, ``messages[0].content[2].cache_control``); a tool
+            message with no assistant ``tool_calls`` before it, or whose ``tool_call_id``
+            is not a string or names none of their ids
+            (``server/tools/messages.py``'s ``check_tool_replies``).
     """
     out = []
     for i, m in enumerate(messages):
@@ -135,6 +142,9 @@ def messages_for_template(messages: list[Any], images: list | None = None) -> li
                 raise bad_request("send either tool_calls or the deprecated function_call, "
                                   "not both", f"{where}.function_call")
             tool_calls = assistant_function_call(extra["function_call"], where)
+        if not isinstance(extra.get("tool_call_id", ""), str):
+            raise bad_request("tool_call_id must be a string (the id of the tool call this "
+                              "message answers)", f"{where}.tool_call_id")
         content = m.content
         if content is None:
             if role != "assistant":
@@ -150,6 +160,7 @@ def messages_for_template(messages: list[Any], images: list | None = None) -> li
         if tool_calls:
             msg["tool_calls"] = tool_calls
         out.append(msg)
+    check_tool_replies(out)
     return out
 
 

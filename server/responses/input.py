@@ -6,13 +6,13 @@
   ``developer`` or ``assistant``; content a string or ``input_text``/``output_text`` parts),
   ``function_call`` items (consecutive ones, with the assistant text just before them, make
   one assistant turn with ``tool_calls``) and ``function_call_output`` items (``tool``
-  messages with their ``tool_call_id``; its ``call_id`` must name a ``function_call`` of the
-  input or of the ``previous_response_id`` conversation, else a 400 as OpenAI's).
+  messages with their ``tool_call_id``; its ``call_id`` must name a ``function_call`` before
+  it, in the input or the ``previous_response_id`` conversation, else a 400 as OpenAI's).
 - flat function tools ``{"type": "function", "name", "description", "parameters",
   "strict"}`` -> ``{"type": "function", "function": {...}}``; ``tool_choice``
   ``{"type": "function", "name"}`` -> ``{"type": "function", "function": {"name"}}``.
 - ``text.format`` -> ``response_format`` (``text``: none; ``json_object``; ``json_schema``
-  with ``name``, ``schema``, ``strict``).
+  with ``name`` (required, OpenAI's ``^[a-zA-Z0-9_-]{1,64}$``), ``schema``, ``strict``).
 
 Every malformed part is a 400 naming the Responses field; ``ChatConversion.rename`` turns a
 chat-side error's ``param`` back into the Responses name.
@@ -28,6 +28,7 @@ from typing import Any
 
 from server.http.errors import APIError, bad_request, not_supported
 from server.openai.field_limits import ENUM_FIELDS
+from server.tools.structured import check_schema_name
 
 ITEM_KEYS = {"message": {"type", "role", "content", "id", "status", "phase"},
              "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
@@ -161,10 +162,10 @@ def chat_messages(instructions: str | None, inp: str | list[dict],
     items = [*prior, *([{"role": "user", "content": inp}] if isinstance(inp, str) else inp)]
     names = ["previous_response_id"] * len(prior) + (
         ["input"] if isinstance(inp, str) else [f"input[{i}]" for i in range(len(inp))])
-    # the call ids an output may answer: every function_call of the conversation (OpenAI
-    # answers an output of an unknown call with a 400)
-    call_ids = {it.get("call_id") for it in items
-                if isinstance(it, dict) and it.get("type") == "function_call"}
+    # the call ids an output may answer: the function_calls of the conversation before it
+    # (OpenAI answers an output of an unknown call with a 400; chat's check of the tool
+    # messages, server/tools/messages.py, would otherwise name chat's tool_call_id)
+    call_ids: set[str] = set()
     calls_from = -1  # index of the chat message that collects consecutive function_calls
     for raw, where in zip(items, names, strict=True):
         if not isinstance(raw, dict):
@@ -195,6 +196,7 @@ def chat_messages(instructions: str | None, inp: str | list[dict],
             call = {"id": _string(item, "call_id", where), "type": "function",
                     "function": {"name": _string(item, "name", where),
                                  "arguments": _string(item, "arguments", where)}}
+            call_ids.add(call["id"])
             if calls_from == len(msgs) - 1 and calls_from >= 0:
                 msgs[-1]["tool_calls"].append(call)
             else:
@@ -213,8 +215,8 @@ def chat_messages(instructions: str | None, inp: str | list[dict],
             call_id = _string(item, "call_id", where)
             if call_id not in call_ids:
                 raise bad_request(f"{where}.call_id: no function_call with call_id {call_id!r} "
-                                  "in the input or the previous_response_id conversation "
-                                  "for this function_call_output to answer",
+                                  "before it in the input or the previous_response_id "
+                                  "conversation for this function_call_output to answer",
                                   f"{where}.call_id")
             msgs.append({"role": "tool", "tool_call_id": call_id, "content": content})
             origins.append(where)
@@ -304,8 +306,7 @@ def chat_response_format(text: dict) -> dict | None:
         return None
     if kind == "json_object":
         return {"type": "json_object"}
-    if not isinstance(fmt.get("name"), str) or not fmt["name"]:
-        raise bad_request("text.format.name must be a non-empty string", "text.format.name")
+    check_schema_name(fmt, "text.format.name")
     if not isinstance(fmt.get("schema"), dict):
         raise bad_request("text.format.schema must be a JSON schema (an object)",
                           "text.format.schema")

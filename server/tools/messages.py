@@ -82,3 +82,35 @@ def assistant_function_call(value: Any, where: str) -> list[dict]:
     _unknown_key(value, FUNCTION_KEYS, p)
     calls = assistant_tool_calls([{"function": value}], where)
     return calls
+
+
+def check_tool_replies(messages: list[dict]) -> None:
+    """Each ``tool`` message answers a tool call of an earlier assistant message.
+
+    Args:
+        messages: the messages as ``messages_for_template`` gives them (one per request
+            message, in order: an assistant's ``tool_calls`` converted, with their ``id``
+            where the client gave one; a tool message's ``tool_call_id``).
+    Raises:
+        APIError: 400 naming ``messages[i].role`` for a tool message with no assistant
+            message with ``tool_calls`` before it, and ``messages[i].tool_call_id`` for a
+            ``tool_call_id`` that names none of those calls (OpenAI answers both with a
+            400). Several tool messages may answer one assistant message, and one may
+            answer a call of any earlier assistant message.
+    """
+    call_ids: set[str] = set()
+    calls_seen = False
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls_seen = True
+            call_ids.update(c["id"] for c in m["tool_calls"] if "id" in c)
+        elif m["role"] == "tool":
+            if not calls_seen:
+                raise bad_request("messages with role 'tool' must be a response to a "
+                                  "preceding assistant message with 'tool_calls'",
+                                  f"messages[{i}].role")
+            call_id = m.get("tool_call_id")
+            if call_id is not None and call_id not in call_ids:
+                raise bad_request(f"tool_call_id {call_id!r} names no tool call of an "
+                                  "earlier assistant message (its 'tool_calls' ids)",
+                                  f"messages[{i}].tool_call_id")

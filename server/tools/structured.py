@@ -19,9 +19,10 @@ More than one constraint in a request is a 400 naming them; a constraint xgramma
 parse is a 400 naming its field (the parse runs in a worker thread, milliseconds). Nothing
 inside these fields is silently dropped: an unknown key (``response_format.json_schema.x``),
 a value of the wrong type (``strict: "yes"``) or an option ferry does not honour is a 400
-naming it. ferry's JSON is compact and closed, so the peers' whitespace and
-additional-properties options are accepted only where they ask for that
-(``disable_any_whitespace: true``, ``disable_additional_properties: true``,
+naming it; ``json_schema.name`` is required and must match OpenAI's
+``^[a-zA-Z0-9_-]{1,64}$`` (``check_schema_name``). ferry's JSON is compact and closed, so
+the peers' whitespace and additional-properties options are accepted only where they ask
+for that (``disable_any_whitespace: true``, ``disable_additional_properties: true``,
 ``guided_decoding_backend: "xgrammar"``); ``whitespace_pattern`` /
 ``guided_whitespace_pattern`` and the opposite values are 400s.
 """
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 
 import msgspec
@@ -58,6 +60,9 @@ JSON_SCHEMA_KEYS = frozenset({"name", "description", "schema", "strict", "json_s
 #: any boolean
 SO_OPTIONS = {"disable_any_whitespace": True, "disable_additional_properties": True,
               "disable_fallback": None}
+#: OpenAI's ``response_format.json_schema.name`` (required): 1 to 64 letters, digits, ``_``
+#: and ``-``; Responses' ``text.format.name`` alike
+SCHEMA_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 MAX_CHOICES = 1024
 ANY_OBJECT = '{"type": "object"}'
 
@@ -93,6 +98,22 @@ def _string(value: Any, param: str) -> str:
     return value
 
 
+def check_schema_name(spec: dict, param: str) -> str:
+    """The ``name`` of a json_schema format (``spec``), which OpenAI requires.
+
+    Raises: APIError 400 naming ``param`` when it is missing, not a string or not 1 to 64
+    of ``a-z``, ``A-Z``, ``0-9``, ``_`` and ``-`` (``SCHEMA_NAME``)."""
+    name = spec.get("name")
+    if name is None:
+        raise bad_request(f"{param} is required (1 to 64 characters: a-z, A-Z, 0-9, _ and -)",
+                          param)
+    if not isinstance(name, str) or not SCHEMA_NAME.fullmatch(name):
+        shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:77] + "..."
+        raise bad_request(f"{param} must be 1 to 64 characters of a-z, A-Z, 0-9, _ and - "
+                          f"(got {shown})", param)
+    return name
+
+
 def choice_grammar(choices: Any, param: str) -> str:
     """vLLM's ``guided_choice``: an EBNF grammar matching exactly one of the strings."""
     if (not isinstance(choices, list) or not choices or len(choices) > MAX_CHOICES
@@ -124,10 +145,10 @@ def _response_format(value: Any) -> tuple[str, str, str] | None:
             raise bad_request("response_format.json_schema must be an object with 'name' and "
                               "'schema'", p)
         _no_other_keys(spec, JSON_SCHEMA_KEYS, p)
-        for key in ("name", "description"):
-            if not isinstance(spec.get(key, ""), str):
-                raise bad_request(f"response_format.json_schema.{key} must be a string",
-                                  f"{p}.{key}")
+        check_schema_name(spec, f"{p}.name")
+        if not isinstance(spec.get("description", ""), str):
+            raise bad_request("response_format.json_schema.description must be a string",
+                              f"{p}.description")
         if not isinstance(spec.get("strict", False), bool | None):
             # the output always matches the schema exactly: strict true or false alike
             raise bad_request("response_format.json_schema.strict must be a boolean",

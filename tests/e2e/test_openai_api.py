@@ -414,6 +414,32 @@ def test_openai_client_sees_bad_request(client):
     assert ei.value.status_code == 400 and ei.value.body["param"] == "temperature"
 
 
+def test_openai_client_sees_tool_reply_and_schema_name_400s(client):
+    """A tool message whose tool_call_id names no earlier call, and a json_schema name
+    outside OpenAI's ^[a-zA-Z0-9_-]{1,64}$: 400 invalid_request_error naming the field, as
+    OpenAI answers; the server answers the next request."""
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    bad = [
+        ({"messages": ask + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                             {"role": "tool", "tool_call_id": "call_2", "content": "21"}]},
+         "messages[2].tool_call_id"),
+        ({"messages": ask, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "my schema", "schema": {"type": "object"}}}},
+         "response_format.json_schema.name")]
+    for kw, param in bad:
+        with pytest.raises(openai.BadRequestError) as ei:
+            client.chat.completions.create(model=MODEL, max_tokens=1, **kw)
+        assert ei.value.status_code == 400
+        assert (ei.value.body["type"], ei.value.body["param"]) == ("invalid_request_error",
+                                                                   param)
+    ok = client.chat.completions.create(model=MODEL, max_tokens=1, messages=ask + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21"}])
+    assert ok.choices[0].finish_reason in ("length", "stop")
+
+
 def test_404_405_413(server):
     assert_error(post(server, "/v1/completions", {"prompt": "x", "model": "gpt-9"}), 404,
                  "model", "model_not_found")

@@ -46,7 +46,9 @@ def test_system_blocks_tools_and_sampling_map_onto_a_chat_body():
                 {"type": "redacted_thinking", "data": "xx"},
                 {"type": "text", "text": "Let me check."},
                 {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
-                 "input": {"city": "Paris"}}]},
+                 "input": {"city": "Paris"}},
+                {"type": "tool_use", "id": "toolu_2", "name": "get_weather",
+                 "input": {"city": "Rome"}}]},
             {"role": "user", "content": [
                 {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
                 {"type": "tool_result", "tool_use_id": "toolu_2", "is_error": True,
@@ -63,7 +65,9 @@ def test_system_blocks_tools_and_sampling_map_onto_a_chat_body():
         {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
         {"role": "assistant", "content": "Let me check.", "reasoning_content": "use the tool",
          "tool_calls": [{"id": "toolu_1", "type": "function", "function": {
-             "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+             "name": "get_weather", "arguments": '{"city": "Paris"}'}},
+             {"id": "toolu_2", "type": "function", "function": {
+                 "name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
         {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
         {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: timeout"},
         {"role": "user", "content": [{"type": "text", "text": "And tomorrow?"}]}]
@@ -97,6 +101,12 @@ def test_thinking_disabled_and_output_format():
         "name": "output", "schema": {"type": "object"}}}
 
 
+_ASK = {"role": "user", "content": "Weather in Paris?"}
+_USE = {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1",
+                                          "name": "get_weather", "input": {"city": "Paris"}}]}
+_RESULT = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}
+
+
 @pytest.mark.parametrize("body, param", [
     (_body(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]),
      "messages[0].content[0].source.type"),
@@ -115,6 +125,20 @@ def test_thinking_disabled_and_output_format():
     (_body(max_tokens=0), "max_tokens"),
     (_body(temperature=1.5), "temperature"),
     (_body(tool_choice={"type": "required"}), "tool_choice.type"),
+    # a tool_result must answer a tool_use of the message just before it
+    (_body(messages=[{"role": "user", "content": [_RESULT]}]),
+     "messages[0].content[0].tool_use_id"),
+    (_body(messages=[_ASK, _USE, {"role": "user", "content": [
+        _RESULT, dict(_RESULT, tool_use_id="toolu_9")]}]),
+     "messages[2].content[1].tool_use_id"),
+    (_body(messages=[_ASK, {"role": "assistant", "content": "No tool."},
+                     {"role": "user", "content": [_RESULT]}]),
+     "messages[2].content[0].tool_use_id"),
+    # a tool_use two messages back does not count (Anthropic: "in the previous message")
+    (_body(messages=[_ASK, _USE, {"role": "user", "content": [_RESULT]},
+                     {"role": "assistant", "content": "Sunny."},
+                     {"role": "user", "content": [_RESULT]}]),
+     "messages[4].content[0].tool_use_id"),
 ])
 def test_bad_bodies_name_the_field(body, param):
     with pytest.raises(APIError) as exc:
@@ -244,6 +268,24 @@ async def test_sdk_errors_are_anthropic_shaped(tok):
 
 IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                      "data": "AA=="}}
+
+
+async def test_sdk_unexpected_tool_use_id_is_anthropic_shaped(tok):
+    """Anthropic's 400 for a tool_result of no tool_use in the message before: its error
+    type and text, the block named; nothing reaches the engine; a matching one runs."""
+    client, _, engine = _client(tok)
+    with pytest.raises(anthropic.BadRequestError) as exc:
+        await client.messages.create(model=M, max_tokens=4, tools=[TOOL], messages=[
+            _ASK, _USE, {"role": "user", "content": [dict(_RESULT, tool_use_id="toolu_X")]}])
+    assert exc.value.status_code == 400 and exc.value.body["type"] == "error"
+    err = exc.value.body["error"]
+    assert err["type"] == "invalid_request_error"
+    assert err["message"].startswith("messages[2].content[0].tool_use_id: unexpected "
+                                     "`tool_use_id` found in `tool_result` blocks: toolu_X")
+    assert engine.sent == []
+    msg = await client.messages.create(model=M, max_tokens=4, tools=[TOOL], messages=[
+        _ASK, _USE, {"role": "user", "content": [_RESULT]}])
+    assert msg.content[0].text == "ok" and len(engine.sent) == 1
 
 
 @pytest.mark.parametrize("messages, param", [

@@ -12,6 +12,7 @@ from engine.sampling.grammar import check_grammar
 from engine.sampling.params import SamplingParams
 from server.http.errors import APIError
 from server.openai.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from server.responses.input import chat_response_format
 from server.tools.parsers import detect_parser, parse_tool_calls
 from server.tools.plan import calls_schema, plan_tools, prepare_chat
 from server.tools.structured import choice_grammar, constrain
@@ -76,6 +77,12 @@ def test_text_format_and_no_constraint_leave_params_alone():
         "type": "object", "properties": {"a": {"type": "bogus"}}}}}},
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    # OpenAI's json_schema.name: required, ^[a-zA-Z0-9_-]{1,64}$
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "object"}}}}, "response_format.json_schema.name"),
+    *[({"response_format": {"type": "json_schema", "json_schema": {
+        "name": bad, "schema": {"type": "object"}}}}, "response_format.json_schema.name")
+      for bad in ("", "my schema", "a.b", "x" * 65, "a\n", "é", 3, ["a"])],
     ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ({"response_format": "json"}, "response_format"),
     ({"structured_outputs": {"regex": "a", "json": {}}}, "structured_outputs.json"),
@@ -83,6 +90,23 @@ def test_text_format_and_no_constraint_leave_params_alone():
 ])
 def test_bad_or_double_constraints_are_400s_naming_the_field(body, param):
     assert _param(lambda: _constrain(_chat(**body))) == param
+
+
+@pytest.mark.parametrize("name", ["a", "x" * 64, "Person_v2-final", "0", "-_"])
+def test_json_schema_names_of_openais_pattern_pass(name):
+    sp = _constrain(_chat(response_format={"type": "json_schema", "json_schema": {
+        "name": name, "schema": {"type": "integer"}}}))
+    assert sp.json_schema == '{"type": "integer"}'
+    assert chat_response_format({"format": {"type": "json_schema", "name": name, "schema": {
+        "type": "integer"}}})["json_schema"]["name"] == name
+
+
+@pytest.mark.parametrize("fmt", [
+    {"type": "json_schema", "schema": {"type": "object"}},
+    *[{"type": "json_schema", "name": bad, "schema": {"type": "object"}}
+      for bad in ("", "my schema", "x" * 65, "a/b", 1)]])
+def test_responses_text_format_name_is_checked_the_same(fmt):
+    assert _param(chat_response_format, {"format": fmt}) == "text.format.name"
 
 
 def test_tools_are_refused_on_completions():
