@@ -307,9 +307,12 @@ def chat_tools(tools: Any) -> list[dict]:
         if not isinstance(schema, dict):
             raise bad_request(f"{p}.input_schema: Field required (a JSON schema object)",
                               f"{p}.input_schema")
-        fn: dict = {"name": _string(t, "name", p), "parameters": schema}
+        # OpenAI's key order (name, description, parameters): the chat template writes the
+        # tool as given, so the same tool sent to chat and to Messages is the same prompt
+        fn: dict = {"name": _string(t, "name", p)}
         if t.get("description") is not None:
             fn["description"] = t["description"]
+        fn["parameters"] = schema
         out.append({"type": "function", "function": fn})
     return out
 

@@ -76,6 +76,9 @@ def test_system_blocks_tools_and_sampling_map_onto_a_chat_body():
     assert body["tools"] == [{"type": "function", "function": {
         "name": "get_weather", "description": "Weather of a city",
         "parameters": TOOL["input_schema"]}}]
+    # in OpenAI's key order: the template writes the tool as given, so the same tool sent to
+    # chat and to Messages renders the same prompt
+    assert list(body["tools"][0]["function"]) == ["name", "description", "parameters"]
     assert body["tool_choice"] == "required" and body["parallel_tool_calls"] is False
     assert body["stop"] == ["END"] and body["max_completion_tokens"] == 2048
     assert (body["temperature"], body["top_p"], body["top_k"], body["seed"]) == (0.5, 0.9, 20, 7)
