@@ -49,7 +49,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	  echo "accelerator found: installing torch from the default index"; \
 	  $(PY) -m pip install -q "torch>=2.11,<2.15"; \
 	else \
-	  echo "no accelerator: installing the CPU build of torch $(TORCH_CPU_VERSION)"; \
+	  echo "no accelerator: installing torch $(TORCH_CPU_VERSION) from $(if $(TORCH_INDEX),$(TORCH_INDEX),pip's default index: the CPU build where that index serves it; TORCH_INDEX=https://download.pytorch.org/whl/cpu where it serves CUDA's)"; \
 	  $(PY) -m pip install -q "torch==$(TORCH_CPU_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)); \
 	fi
 	@# an XPU torch: ferry and xgrammar without their dependency on plain `triton` (it would

@@ -310,7 +310,8 @@ class Launcher:
         while tm.num_inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if tm.num_inflight:
-            logger.warning("aborting %d requests still running", tm.num_inflight)
+            n = tm.num_inflight
+            logger.warning("aborting %d request%s still running", n, "" if n == 1 else "s")
             tm.abort_all("server shutting down")
             await asyncio.sleep(0.2)  # let the streams send their last chunk
         self.server.should_exit = True
@@ -379,6 +380,7 @@ class Launcher:
             self.stop_children()
             for ipc in (self.ipc, *self.replica_ipcs):
                 ipc.cleanup()
+            logger.info("ferry stopped")
 
 
 _DEVICE_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "xpu": "ZE_AFFINITY_MASK"}
