@@ -455,6 +455,8 @@ def launch_server(server_args) -> int:
     """Start the server (node 0) or this node's model workers (``--node-rank > 0``) and
     block until it stops; returns the exit code."""
     setup_logging(server_args.log_level)
+    logger.info("starting ferry: model=%s device=%s (the engine logs as it loads)",
+                model_name_of(server_args), server_args.device)
     if server_args.node_rank > 0:
         return run_worker_node(server_args)
     return Launcher(server_args).run()
