@@ -244,6 +244,11 @@ class NoRotary(nn.Module):
         """q [T, Hq*D], k [T, Hkv*D], positions [T] -> the same ``(q, k)``, not rotated."""
         return q, k
 
+    def norm_rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                    q_norm: nn.Module, k_norm: nn.Module) -> None:
+        """None: no rotary to fuse the norms into (the caller runs them)."""
+        return None
+
 
 class MRotaryEmbedding(RotaryEmbedding):
     """Multimodal RoPE (Qwen2-VL, Qwen2.5-VL): each token has three positions (temporal,
