@@ -84,7 +84,8 @@ def _block(obj: Any, where: str) -> str:
 def _string(obj: dict, key: str, where: str) -> str:
     v = obj.get(key)
     if not isinstance(v, str):
-        raise bad_request(f"{where}.{key}: Field required (a string)", f"{where}.{key}")
+        what = "Field required (a string)" if v is None else "expected a string"
+        raise bad_request(f"{where}.{key}: {what}", f"{where}.{key}")
     return v
 
 
@@ -150,7 +151,7 @@ class Origins:
         return APIError(msg, err.status, new, err.code, err.headers)
 
 
-def _tool_result(b: dict, where: str, errors_seen: set[str], uses: frozenset[str]) -> dict:
+def _tool_result(b: dict, where: str, answered: set[str], uses: frozenset[str]) -> dict:
     """A ``tool_result`` block as a chat ``tool`` message; ``uses``: the ``tool_use`` ids of
     the message before (an assistant's, else none).
 
@@ -158,6 +159,10 @@ def _tool_result(b: dict, where: str, errors_seen: set[str], uses: frozenset[str
     ``uses`` (Anthropic's "unexpected `tool_use_id`"), a malformed ``content`` or
     ``is_error``."""
     call_id = _string(b, "tool_use_id", where)
+    if call_id in answered:
+        raise bad_request(f"{where}.tool_use_id: each `tool_use` must have a single result. "
+                          f"Found multiple `tool_result` blocks with id: {call_id}",
+                          f"{where}.tool_use_id")
     if call_id not in uses:
         raise bad_request(f"{where}.tool_use_id: unexpected `tool_use_id` found in "
                           f"`tool_result` blocks: {call_id}. Each `tool_result` block must "
@@ -170,7 +175,7 @@ def _tool_result(b: dict, where: str, errors_seen: set[str], uses: frozenset[str
         raise bad_request(f"{where}.is_error: expected a boolean", f"{where}.is_error")
     if is_error:
         text = "Error: " + text
-    errors_seen.add(call_id)
+    answered.add(call_id)
     return {"role": "tool", "tool_call_id": call_id, "content": text}
 
 
@@ -238,6 +243,9 @@ def _assistant(content: list, where: str) -> dict:
             texts.append(_string(b, "text", p))
         elif kind == "tool_use":
             calls.append(_tool_use(b, p))
+            if any(c["id"] == calls[-1]["id"] for c in calls[:-1]):
+                raise bad_request(f"{p}.id: `tool_use` ids must be unique (found "
+                                  f"{calls[-1]['id']} twice)", f"{p}.id")
         elif kind == "thinking":
             thinking.append(_string(b, "thinking", p))
         elif kind != "redacted_thinking":
@@ -254,9 +262,10 @@ def _assistant(content: list, where: str) -> dict:
 def chat_messages(system: Any, messages: list[Any]) -> tuple[list[dict], Origins]:
     """Chat messages of ``system`` and ``messages``, and where each came from.
 
-    Raises: APIError 400 naming the field (an unknown role, a malformed or unsupported
-    block, a block on the wrong role, a ``tool_result`` whose ``tool_use_id`` names no
-    ``tool_use`` block of the message just before it)."""
+    Raises: APIError 400 naming the field (an unknown role, empty content but on a final
+    assistant message, a malformed or unsupported block, a block on the wrong role, a
+    ``tool_use`` id twice in one message, a ``tool_result`` whose ``tool_use_id`` names no
+    ``tool_use`` block of the message just before it or answers one a second time)."""
     out: list[dict] = []
     origins = Origins()
     if system is not None:
@@ -277,6 +286,10 @@ def chat_messages(system: Any, messages: list[Any]) -> tuple[list[dict], Origins
         if not isinstance(content, list):
             raise bad_request(f"{where}.content: expected a string or a list of content "
                               "blocks", f"{where}.content")
+        if not content and not (role == "assistant" and i == len(messages) - 1):
+            raise bad_request(f"{where}.content: all messages must have non-empty content "
+                              "except for the optional final assistant message",
+                              f"{where}.content")
         if role == "user":
             _user(content, where, out, origins, uses)
             uses = frozenset()

@@ -196,6 +196,10 @@ def chat_messages(instructions: str | None, inp: str | list[dict],
             call = {"id": _string(item, "call_id", where), "type": "function",
                     "function": {"name": _string(item, "name", where),
                                  "arguments": _string(item, "arguments", where)}}
+            if call["id"] in call_ids:  # OpenAI: each function_call's call_id is unique
+                raise bad_request(f"{where}.call_id: duplicate call_id {call['id']!r} (an "
+                                  "earlier function_call of the conversation has it)",
+                                  f"{where}.call_id")
             call_ids.add(call["id"])
             if calls_from == len(msgs) - 1 and calls_from >= 0:
                 msgs[-1]["tool_calls"].append(call)

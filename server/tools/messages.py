@@ -95,21 +95,34 @@ def check_tool_replies(messages: list[dict]) -> None:
         APIError: 400 naming ``messages[i].role`` for a tool message with no assistant
             message with ``tool_calls`` before it, and ``messages[i].tool_call_id`` for a
             ``tool_call_id`` that names none of those calls (OpenAI answers both with a
-            400). Several tool messages may answer one assistant message, and one may
-            answer a call of any earlier assistant message.
+            400), and for a missing ``tool_call_id`` when every earlier call has an id
+            (a call sent without one, which ferry accepts, may be answered without one);
+            ``messages[i].tool_calls[j].id`` for an id given twice in one message. Several
+            tool messages may answer one assistant message, and one may answer a call of any
+            earlier assistant message.
     """
     call_ids: set[str] = set()
-    calls_seen = False
+    calls_seen = anonymous = False
     for i, m in enumerate(messages):
         if m["role"] == "assistant" and m.get("tool_calls"):
             calls_seen = True
-            call_ids.update(c["id"] for c in m["tool_calls"] if "id" in c)
+            ids = [c.get("id") for c in m["tool_calls"]]
+            for j, cid in enumerate(ids):
+                if cid is not None and cid in ids[:j]:
+                    raise bad_request(f"duplicate tool call id {cid!r} in one assistant "
+                                      "message (each call's id is unique)",
+                                      f"messages[{i}].tool_calls[{j}].id")
+            call_ids.update(cid for cid in ids if cid is not None)
+            anonymous = anonymous or None in ids
         elif m["role"] == "tool":
             if not calls_seen:
                 raise bad_request("messages with role 'tool' must be a response to a "
                                   "preceding assistant message with 'tool_calls'",
                                   f"messages[{i}].role")
             call_id = m.get("tool_call_id")
+            if call_id is None and not anonymous:  # every call has an id: name the one
+                raise bad_request("a tool message needs 'tool_call_id': the id of the tool "
+                                  "call it answers", f"messages[{i}].tool_call_id")
             if call_id is not None and call_id not in call_ids:
                 raise bad_request(f"tool_call_id {call_id!r} names no tool call of an "
                                   "earlier assistant message (its 'tool_calls' ids)",

@@ -142,11 +142,32 @@ _RESULT = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}
                      {"role": "assistant", "content": "Sunny."},
                      {"role": "user", "content": [_RESULT]}]),
      "messages[4].content[0].tool_use_id"),
+    # one tool_use answered twice; one id on two tool_use blocks; empty content
+    (_body(messages=[_ASK, _USE, {"role": "user", "content": [_RESULT, _RESULT]}]),
+     "messages[2].content[1].tool_use_id"),
+    (_body(messages=[_ASK, {"role": "assistant", "content": _USE["content"] * 2}]),
+     "messages[1].content[1].id"),
+    (_body(messages=[{"role": "user", "content": []}]), "messages[0].content"),
+    (_body(messages=[_ASK, {"role": "assistant", "content": []}, _ASK]), "messages[1].content"),
 ])
 def test_bad_bodies_name_the_field(body, param):
     with pytest.raises(APIError) as exc:
         to_chat(parse_messages_request(body))
     assert exc.value.status == 400 and exc.value.param == param
+
+
+def test_wrong_type_is_not_called_missing():
+    body = _body(messages=[_ASK, _USE, {"role": "user", "content": [
+        dict(_RESULT, tool_use_id=1)]}])
+    with pytest.raises(APIError) as exc:
+        to_chat(parse_messages_request(body))
+    assert exc.value.message.endswith("tool_use_id: expected a string")
+
+
+def test_empty_final_assistant_message_is_a_prefill():
+    body, _ = to_chat(parse_messages_request(_body(messages=[
+        _ASK, {"role": "assistant", "content": []}])))
+    assert body["messages"][-1] == {"role": "assistant", "content": ""}
 
 
 def test_documented_noops_are_accepted():

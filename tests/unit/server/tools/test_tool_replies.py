@@ -71,6 +71,11 @@ def test_tool_messages_that_answer_an_earlier_call_pass(messages):
     ([USER, _asst("c1"), _tool("C1")], "messages[2].tool_call_id"),  # ids are exact
     # a tool_call_id that is not a string was silently dropped before
     ([USER, _asst("c1"), dict(_tool(), tool_call_id=1)], "messages[2].tool_call_id"),
+    # missing or null where every call has an id (OpenAI: the parameter is required)
+    ([USER, _asst("c1"), _tool()], "messages[2].tool_call_id"),
+    ([USER, _asst("c1"), dict(_tool(), tool_call_id=None)], "messages[2].tool_call_id"),
+    # one id on two calls of one message
+    ([USER, _asst("c1", "c1"), _tool("c1")], "messages[1].tool_calls[1].id"),
 ])
 def test_tool_messages_answering_no_earlier_call_are_400s(messages, param):
     err = _error(messages)
@@ -101,5 +106,8 @@ def test_responses_output_before_its_call_names_call_id():
     assert ei.value.param == "input[1].call_id" and "'c1'" in ei.value.message
     msgs, _ = chat_messages(None, [{"role": "user", "content": "go"}, call, out])
     assert msgs[-1] == {"role": "tool", "tool_call_id": "c1", "content": "x"}
+    with pytest.raises(APIError) as ei:   # a call_id on two function_calls
+        chat_messages(None, [{"role": "user", "content": "go"}, call, call, out])
+    assert ei.value.param == "input[2].call_id" and "duplicate" in ei.value.message
     check_tool_replies(messages_for_template(
         parse_request(ChatCompletionRequest, {"messages": msgs}).messages))
