@@ -143,6 +143,20 @@ def _string(item: dict, key: str, where: str) -> str:
     return v
 
 
+def _function_call(item: dict, where: str, call_ids: set[str]) -> dict:
+    """A ``function_call`` item as a chat tool call; its ``call_id`` joins ``call_ids``.
+    Raises: APIError 400 naming ``{where}.call_id`` for an id an earlier function_call of the
+    conversation has (OpenAI: each call_id is unique), or a missing string field."""
+    call = {"id": _string(item, "call_id", where), "type": "function",
+            "function": {"name": _string(item, "name", where),
+                         "arguments": _string(item, "arguments", where)}}
+    if call["id"] in call_ids:
+        raise bad_request(f"{where}.call_id: duplicate call_id {call['id']!r} (an earlier "
+                          "function_call of the conversation has it)", f"{where}.call_id")
+    call_ids.add(call["id"])
+    return call
+
+
 def chat_messages(instructions: str | None, inp: str | list[dict],
                   prior: list[dict] = ()) -> tuple[list[dict], list[str]]:
     """Chat messages and their origins (``"input[3]"``...) from ``instructions`` and
@@ -193,14 +207,7 @@ def chat_messages(instructions: str | None, inp: str | list[dict],
             msgs.append({"role": role, "content": _text_of(item["content"], f"{where}.content")})
             origins.append(where)
         elif kind == "function_call":
-            call = {"id": _string(item, "call_id", where), "type": "function",
-                    "function": {"name": _string(item, "name", where),
-                                 "arguments": _string(item, "arguments", where)}}
-            if call["id"] in call_ids:  # OpenAI: each function_call's call_id is unique
-                raise bad_request(f"{where}.call_id: duplicate call_id {call['id']!r} (an "
-                                  "earlier function_call of the conversation has it)",
-                                  f"{where}.call_id")
-            call_ids.add(call["id"])
+            call = _function_call(item, where, call_ids)
             if calls_from == len(msgs) - 1 and calls_from >= 0:
                 msgs[-1]["tool_calls"].append(call)
             else:
