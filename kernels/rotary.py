@@ -71,22 +71,26 @@ def rotary_inplace(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     One program per token handles all its heads (a first version with one program per
     (token, head) ran prefill rotary at a fifth of the memory bandwidth on an H200).
     """
-    t = q.shape[0]
-    if t == 0:
+    if q.shape[0] == 0:
         return q, k
-    if q.stride(-1) != 1 or k.stride(-1) != 1:
-        raise ValueError("rotary_inplace needs a contiguous last dimension")
-    half = head_dim // 2
-    hq = q.shape[-1] // head_dim
-    hk = k.shape[-1] // head_dim
-    block_hq = triton.next_power_of_2(hq)
-    block = triton.next_power_of_2(half)
-    _rotary_kernel[(t,)](
+    _rotary_kernel[(q.shape[0],)](
         q, k, positions, cos_sin_cache, q.stride(0), k.stride(0), cos_sin_cache.stride(0),
-        NUM_Q_HEADS=hq, NUM_K_HEADS=hk, BLOCK_HQ=block_hq,
-        BLOCK_HK=triton.next_power_of_2(hk), HALF=half, BLOCK=block,
-        num_warps=4 if block_hq * block >= 2048 else 1)
+        **_token_launch(q, k, head_dim, "rotary_inplace"))
     return q, k
+
+
+def _token_launch(q: torch.Tensor, k: torch.Tensor, head_dim: int, name: str) -> dict:
+    """The constexprs and warps of the one-program-per-token kernels here (all of a token's
+    q and k heads as two ``[heads, D/2]`` tiles). Raises: ValueError naming ``name`` for a
+    q or k without a contiguous last dimension."""
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError(f"{name} needs a contiguous last dimension")
+    half = head_dim // 2
+    hq, hk = q.shape[-1] // head_dim, k.shape[-1] // head_dim
+    block_hq, block = triton.next_power_of_2(hq), triton.next_power_of_2(half)
+    return dict(NUM_Q_HEADS=hq, NUM_K_HEADS=hk, BLOCK_HQ=block_hq,
+                BLOCK_HK=triton.next_power_of_2(hk), HALF=half, BLOCK=block,
+                num_warps=4 if block_hq * block >= 2048 else 1)
 
 
 @triton.jit
@@ -150,22 +154,12 @@ def qk_norm_rotary_inplace(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Ten
     Raises:
         ValueError: a non-contiguous last dimension or weights not ``[D]``.
     """
-    t = q.shape[0]
-    if q.stride(-1) != 1 or k.stride(-1) != 1:
-        raise ValueError("qk_norm_rotary_inplace needs a contiguous last dimension")
+    launch = _token_launch(q, k, head_dim, "qk_norm_rotary_inplace")
     if q_weight.shape != (head_dim,) or k_weight.shape != (head_dim,):
         raise ValueError(f"q/k norm weights must be [{head_dim}], got "
                          f"{tuple(q_weight.shape)} and {tuple(k_weight.shape)}")
-    if t == 0:
-        return q, k
-    half = head_dim // 2
-    hq = q.shape[-1] // head_dim
-    hk = k.shape[-1] // head_dim
-    block_hq = triton.next_power_of_2(hq)
-    block = triton.next_power_of_2(half)
-    _qk_norm_rotary_kernel[(t,)](
-        q, k, q_weight, k_weight, eps, positions, cos_sin_cache, q.stride(0), k.stride(0),
-        cos_sin_cache.stride(0), NUM_Q_HEADS=hq, NUM_K_HEADS=hk, BLOCK_HQ=block_hq,
-        BLOCK_HK=triton.next_power_of_2(hk), HALF=half, BLOCK=block,
-        ZERO_CENTRED=zero_centred, num_warps=4 if block_hq * block >= 2048 else 1)
+    if q.shape[0]:
+        _qk_norm_rotary_kernel[(q.shape[0],)](
+            q, k, q_weight, k_weight, eps, positions, cos_sin_cache, q.stride(0), k.stride(0),
+            cos_sin_cache.stride(0), ZERO_CENTRED=zero_centred, **launch)
     return q, k
