@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
+from engine import device as dev
 from engine.args import ServerArgs
 from engine.sampling.params import SamplingParams
 from engine.sampling.stops import compile_patterns, first_match
@@ -74,9 +75,23 @@ class LLM:
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (``tp_size > 1``) and leave the process group;
-        the object cannot generate afterwards. Idempotent."""
-        self.runner.shutdown()
+        """Stop the tensor-parallel workers (``tp_size > 1``), leave the process group and
+        give the device memory back (weights, KV pool, graphs: a second ``LLM`` in the same
+        process sizes its KV pool from free memory); the object cannot generate afterwards
+        (``RuntimeError``). Idempotent."""
+        runner = self.__dict__.get("runner")
+        if runner is None:
+            return
+        runner.shutdown()
+        device_type = runner.device_type
+        del self.runner, self.scheduler, runner
+        dev.release_memory(device_type)
+
+    def __getattr__(self, name: str):
+        # only reached for attributes __init__ never set or shutdown() dropped
+        if name in ("runner", "scheduler"):
+            raise RuntimeError("this LLM was shut down; build a new one to generate")
+        raise AttributeError(name)
 
     def __enter__(self) -> LLM:
         return self

@@ -289,23 +289,24 @@ def teardown_group_at_exit(backend: str) -> bool:
 
 def worker_teardown_at_exit(device_type: str) -> bool:
     """Whether a tensor-parallel worker destroys its group and releases device memory
-    (:func:`release_before_exit`) before its process exits: on XPU, as vLLM's XPU worker
+    (:func:`release_memory`) before its process exits: on XPU, as vLLM's XPU worker
     shutdown does (vllm#46433: without it a restart on the same cards hung in oneCCL's first
     all-reduce). CUDA and CPU workers exit without (unchanged)."""
     return device_type == "xpu"
 
 
-def release_before_exit(device_type: str) -> None:
-    """Finish the queued device work and return torch's cached device memory (a worker's
-    last step, :func:`worker_teardown_at_exit`); failures are logged, the process exits."""
+def release_memory(device_type: str) -> None:
+    """Finish the queued device work, collect garbage and return torch's cached device memory
+    (a worker's last step, :func:`worker_teardown_at_exit`, and ``LLM.shutdown``); failures
+    are logged, not raised."""
     import gc
 
     try:
         synchronize(device_type)
         gc.collect()
         empty_cache(device_type)
-    except Exception as e:  # noqa: BLE001 - the process exits anyway
-        logger.warning("releasing %s memory before exit: %s", device_type, e)
+    except Exception as e:  # noqa: BLE001 - best effort: nothing to undo
+        logger.warning("releasing %s memory: %s", device_type, e)
 
 
 def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -162,7 +162,7 @@ def run_tp_worker(args, rank: int) -> None:
     # oneCCL/Level Zero state is released first (engine.device.worker_teardown_at_exit)
     if dev.worker_teardown_at_exit(runner.device_type):
         tpd.destroy_tp(timeout=5.0)
-        dev.release_before_exit(runner.device_type)
+        dev.release_memory(runner.device_type)
     logging.shutdown()
     os._exit(0)
 

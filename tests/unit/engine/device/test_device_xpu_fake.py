@@ -132,11 +132,11 @@ def test_teardown_policy():
     assert not dev.worker_teardown_at_exit("cuda") and not dev.worker_teardown_at_exit("cpu")
 
 
-def test_release_before_exit_syncs_and_empties_the_cache(fake_xpu):
+def test_release_memory_syncs_and_empties_the_cache(fake_xpu):
     fake = fake_xpu()
-    dev.release_before_exit("xpu")
+    dev.release_memory("xpu")
     assert fake.calls == ["synchronize", "empty_cache"]
-    dev.release_before_exit("cpu")  # nothing to release
+    dev.release_memory("cpu")  # nothing to release
 
 
 def test_destroy_tp_tears_xccl_down_but_leaves_nccl(monkeypatch):
