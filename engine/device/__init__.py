@@ -17,6 +17,7 @@ worker exits; bf16 is not the default on an Arc A770.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -257,14 +258,23 @@ def current_stream(device_type: str):
     return None if mod is None else mod.current_stream()
 
 
+@contextlib.contextmanager
 def stream_context(device_type: str, stream):
-    """``torch.cuda.stream(s)`` / ``torch.xpu.stream(s)``; a no-op context on the CPU."""
-    import contextlib
-
+    """Run the block on the side ``stream`` (``torch.cuda.stream(s)`` / ``torch.xpu.stream(s)``)
+    ordered with the current stream both ways: the side stream first waits for the work
+    queued so far (a graph's warm-up must see its static buffers' zero fill: without the
+    wait it read them before the fill and, in memory a freed engine left, took its garbage
+    for indices: a device-side assert on the H200), and the current stream waits for the
+    block's work on exit. A no-op context on the CPU."""
     mod = _mod(device_type)
     if mod is None or stream is None:
-        return contextlib.nullcontext()
-    return mod.stream(stream)
+        yield
+        return
+    current = mod.current_stream()
+    stream.wait_stream(current)
+    with mod.stream(stream):
+        yield
+    current.wait_stream(stream)
 
 
 def dist_backend(device_type: str) -> str:

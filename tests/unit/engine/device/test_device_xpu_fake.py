@@ -58,6 +58,40 @@ class FakeXPU(types.SimpleNamespace):
         self.calls.append("empty_cache")
 
 
+class _Stream:
+    def __init__(self, name, calls):
+        self.name, self.calls = name, calls
+
+    def wait_stream(self, other):
+        self.calls.append(f"{self.name} waits for {other.name}")
+
+
+def test_stream_context_orders_the_side_stream_both_ways(fake_xpu):
+    """The side stream waits for the current one before the block (a capture's warm-up
+    must see its buffers' fills) and the current one for the side stream after it."""
+    import contextlib
+
+    fake = fake_xpu()
+    main = _Stream("main", fake.calls)
+    fake.current_stream = lambda *a: main
+
+    @contextlib.contextmanager
+    def stream(s):
+        fake.calls.append(f"on {s.name}")
+        yield
+        fake.calls.append(f"off {s.name}")
+
+    fake.stream = stream
+    side = _Stream("side", fake.calls)
+    with dev.stream_context("xpu", side):
+        fake.calls.append("work")
+    assert fake.calls == ["side waits for main", "on side", "work", "off side",
+                          "main waits for side"]
+    with dev.stream_context("cpu", side):   # the CPU: nothing
+        pass
+    assert len(fake.calls) == 5
+
+
 @pytest.fixture
 def fake_xpu(monkeypatch):
     def install(**kw):
