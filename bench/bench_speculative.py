@@ -86,8 +86,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="dummy: random weights (a GPU run of a config's shape; their greedy "
                         "outputs did not repeat within 256 tokens on the H200, so NGRAM's "
                         "drafts land on real weights only)")
-    p.add_argument("--disable-cuda-graph", action="store_true",
-                   help="every step eager (the hybrid Qwen3-Next / Qwen3.5 models need it)")
+    p.add_argument("--disable-cuda-graph", action="store_true", help="every step eager")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                   help="the largest decode graph's rows (default: the server's)")
     p.add_argument("--gguf-dequantize", action="store_true",
                    help="a GGUF model's weights dequantized to --dtype (not kept in blocks)")
     p.add_argument("--tokenizer-path", default=None,
@@ -113,7 +114,9 @@ def main(argv: list[str] | None = None) -> None:
               speculative_num_draft_tokens=ns.num_draft_tokens,
               speculative_draft_model_path=ns.draft_model_path,
               speculative_num_steps=ns.num_steps,
-              speculative_max_batch_size=max(ns.batch_sizes))
+              speculative_max_batch_size=max(ns.batch_sizes),
+              **({} if ns.cuda_graph_max_bs is None
+                 else {"cuda_graph_max_bs": ns.cuda_graph_max_bs}))
     sched, worker = llm.scheduler, llm.scheduler.spec
     runner_dtype = str(llm.runner.dtype).replace("torch.", "")
     exact = runner_dtype == "float32"  # outputs must then be identical with speculation

@@ -339,20 +339,22 @@ for stage in "$@"; do
              # proposer (dummy weights: its drafts are rarely accepted, so this measures the
              # round's cost): round_cost_in_plain_steps = (MTP draft forward + verify) / plain
              # decode step, one draft token (target <= 1.3), bs1 and bs16. mtp-qwen:
-             # Qwen3.5-35B-A3B's shape (hybrid: graphs off, the verify step commits the linear
-             # layers' states); mtp-deepseek: Moonlight-16B-A3B's shape with a DeepSeek-V3 MTP
+             # Qwen3.5-35B-A3B's shape (hybrid: decode and verify graphs, the verify step's
+             # per-row states committed from scratch slots; MTP_EAGER=1 runs it with graphs
+             # off); mtp-deepseek: Moonlight-16B-A3B's shape with a DeepSeek-V3 MTP
              # layer (MLA + MoE; decode graphs, the head's graphs checked against eager).
              # mtp runs both (~8 min: run the parts in separate calls if a call is limited);
-             # mtp-tests: the GPU tests (tiny models, float32; Qwen3-Next needs fla-core)
+             # mtp-tests: the GPU tests (tiny models, float32; Qwen3-Next needs fla-core) and
+             # the Gated DeltaNet verify kernels compiled
              if [ $stage = mtp-tests ]; then
                run mtp-gputests 300 python3 -m pytest -q -x -s tests/engine/test_mtp_gpu.py \
-                 -p no:cacheprovider
+                 tests/kernels/test_gdn_verify.py -p no:cacheprovider
                continue
              fi
              if [ $stage != mtp-deepseek ]; then
                run mtp-qwen 330 python3 -m bench.bench_speculative --model-path \
                  engine/configs/qwen3.5-35b-a3b.json --load-format dummy --device cuda \
-                 --disable-cuda-graph --tokenizer-path "${TOKENIZER:-.tok}" --algorithm MTP \
+                 ${MTP_EAGER:+--disable-cuda-graph} --cuda-graph-max-bs 32 --tokenizer-path "${TOKENIZER:-.tok}" --algorithm MTP \
                  --num-steps 1 --batch-sizes ${MTP_BS:-1 16} --workloads other --max-tokens 64 \
                  --repeats ${MTP_REPEATS:-2} \
                  --result-jsonl "$OUT/mtp.jsonl"

@@ -103,9 +103,10 @@ class RecurrentStateView:
         slots: ``[B]`` int64 on the device, each request's slot, in batch order (0: padding).
         cu_seqlens: ``B + 1`` host ints, the cumulative new-token counts of the requests.
         cu_seqlens_dev: the same as an int64 device tensor ``[B + 1]`` (the GPU kernels').
-        record: a speculative verify step's list (``ScheduleBatch.defer_state``): each linear
-            layer appends its inputs there instead of writing its states back (see
-            ``engine/layers/gated_deltanet.py``); None in every other step.
+        verify_n: a speculative verify step's rows per request (``ScheduleBatch.verify_n``;
+            ``engine/layers/gated_deltanet.py``), 0 in every other step.
+        scratch_base: the pool's first scratch slot (``RecurrentStatePool.scratch_base``),
+            where a verify step writes the state after each of its rows.
         prefill_cu: an EXTEND step on an accelerator: the prefill rows' (those before the
             decode tail) cumulative counts as ``(int64 device tensor [n + 1], int64 CPU tensor
             [n + 1])``, built once so that every layer passes the same two objects (FLA caches
@@ -118,7 +119,8 @@ class RecurrentStateView:
     slots: torch.Tensor
     cu_seqlens: list[int]
     cu_seqlens_dev: torch.Tensor | None = None
-    record: list | None = None
+    verify_n: int = 0
+    scratch_base: int = 0
     prefill_cu: tuple[torch.Tensor, torch.Tensor] | None = None
 
 

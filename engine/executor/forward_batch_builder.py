@@ -120,7 +120,7 @@ def _state_view(pools: StepPools, batch: ScheduleBatch, arrays: list[list[int]],
     ``on_device`` the same on the device)."""
     sp = pools.state_pool
     view = RecurrentStateView(sp.conv_states, sp.recurrent_states, on_device[0], arrays[1],
-                              on_device[1], [] if batch.defer_state else None)
+                              on_device[1], batch.verify_n, sp.scratch_base)
     if batch.mode == ForwardMode.EXTEND and pools.device.type != "cpu":
         n = batch.batch_size - batch.num_decodes   # the prefill rows, before the decodes
         cu = on_device[1] if not batch.num_decodes else on_device[1][:n + 1]

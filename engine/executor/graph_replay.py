@@ -4,8 +4,8 @@
 .graph_runner``) or the piecewise graphs (``runner.piecewise_runner``) that fit ``batch``
 and returns the logits, or None when none fits and the runner steps eagerly (always for
 a step with an image request: the graphs take neither M-RoPE positions nor image
-embeddings; and for a hybrid model's speculative verify step, ``defer_state``: its linear
-layers record their inputs for the commit, which the graphs do not). A replay that
+embeddings). A hybrid model's speculative verify step (``verify_n``) replays a verify graph
+(``GraphRunner.can_verify``), or runs eagerly where none fits. A replay that
 raises (a driver or graph-runtime error, seen on XPU's SYCL graphs) is logged once through
 ``engine.device.replay_or_none``, that kind of graph is dropped from the runner, and the
 step (and every later one of that kind) runs eagerly; it used to stop the engine. Under
@@ -33,9 +33,12 @@ def replay_graphs(runner, batch: ScheduleBatch, future_ids: torch.Tensor | None 
     gr, pw = runner.graph_runner, runner.piecewise_runner
     if any(getattr(r, "mm", None) is not None for r in batch.reqs):
         return None  # image requests: M-RoPE positions and vision embeddings, eager steps
-    if batch.defer_state:
-        return None  # a hybrid model's verify step: its linear layers record, eagerly
-    if batch.mode == ForwardMode.DECODE and gr is not None and gr.can_run(batch.batch_size):
+    if batch.verify_n:  # a hybrid model's verify step: its own graphs
+        fits = gr is not None and gr.can_verify(batch)
+    else:
+        fits = batch.mode == ForwardMode.DECODE and gr is not None and \
+            gr.can_run(batch.batch_size)
+    if fits:
         what, attr = "decode graphs", "graph_runner"
 
         def replay():

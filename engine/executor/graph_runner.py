@@ -11,7 +11,11 @@ reads each row's state slot from the static ``state_slots`` buffer (the step's
 ``RecurrentStateView.slots``); a padding row points at the pool's slot 0, its scratch slot,
 so the padded rows' conv and recurrent updates never touch a real request's state. The
 per-bucket ``cu_seqlens`` (``0..bs``, one token a row) are host constants of the capture.
-Speculative verify steps of such a model are EXTEND steps and run eagerly.
+With speculative decoding such a model also gets verify graphs: a verify step is a DECODE
+batch of n = 1 + drafts rows a request (``ScheduleBatch.verify_n``; the worker pads a
+request's rows to n), captured per bucket of requests (``verify_buckets``, rows = requests x
+n) with the linear layers in their verify mode (each request's rows from its slot, the
+state after each row into the pool's scratch slots; ``engine/layers/gated_deltanet.py``).
 
 The attention metadata (decode split counts, workspaces) lives in the backend's static
 buffers (``attn_backend.init_capture``); ``init_forward_graph`` is captured with the step, so
@@ -61,6 +65,15 @@ class GraphRunner:
         rows = max(a.max_running_requests, a.speculative_max_batch_size * (1 + num_draft_tokens(a)))
         self.max_bs = min(a.cuda_graph_max_bs, rows)
         self.buckets = batch_size_buckets(self.max_bs)
+        # a hybrid model's verify steps: n rows a request, graphs per bucket of requests
+        self.verify_n = 1 + num_draft_tokens(a) \
+            if a.speculative_algorithm and runner.state_pool is not None else 0
+        most = min(a.speculative_max_batch_size, a.max_running_requests,
+                   self.max_bs // self.verify_n) if self.verify_n else 0
+        self.verify_buckets = batch_size_buckets(most) if most else []
+        self.verify_graphs: dict[int, object] = {}
+        self.verify_outputs: dict[int, torch.Tensor] = {}
+        self.verify_hidden: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, object] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         # the model's kept hidden states (an EAGLE head's input, CausalLM.set_capture_hidden)
@@ -90,13 +103,20 @@ class GraphRunner:
         runner.attn_backend.init_capture(self.max_bs)
         t0 = time.perf_counter()
         self.capture()
-        logger.info("captured %d decode graphs (bs %s) in %.1f s", len(self.graphs),
-                    self.buckets, time.perf_counter() - t0)
+        verify = (f" and {len(self.verify_graphs)} verify graphs ({self.verify_n} rows a "
+                  f"request, requests {self.verify_buckets})" if self.verify_graphs else "")
+        logger.info("captured %d decode graphs (bs %s)%s in %.1f s", len(self.graphs),
+                    self.buckets, verify, time.perf_counter() - t0)
 
     def can_run(self, bs: int) -> bool:
         return bs <= self.max_bs and bool(self.graphs)
 
-    def _fb(self, bs: int) -> ForwardBatch:
+    def can_verify(self, batch: ScheduleBatch) -> bool:
+        """Whether a verify graph fits ``batch`` (``verify_n`` rows a request)."""
+        return bool(self.verify_graphs) and batch.verify_n == self.verify_n and \
+            batch.batch_size <= self.verify_buckets[-1] * self.verify_n
+
+    def _fb(self, bs: int, verify_n: int = 0) -> ForwardBatch:
         r = self.runner
         fb = ForwardBatch(
             mode=ForwardMode.DECODE, batch_size=bs, positions=self.positions[:bs],
@@ -110,11 +130,12 @@ class GraphRunner:
         sp = getattr(r, "state_pool", None)
         if sp is not None:  # the linear layers' slots, from the static buffer
             fb.state = RecurrentStateView(sp.conv_states, sp.recurrent_states,
-                                          self.state_slots[:bs], list(range(bs + 1)))
+                                          self.state_slots[:bs], list(range(bs + 1)),
+                                          verify_n=verify_n, scratch_base=sp.scratch_base)
         return fb
 
-    def _run(self, bs: int) -> torch.Tensor:
-        fb = self._fb(bs)
+    def _run(self, bs: int, verify_n: int = 0) -> torch.Tensor:
+        fb = self._fb(bs, verify_n)
         if self.runner.lora is not None and self._lora_off:
             self.runner.lora.batch.active = False  # the layers skip LoRA: nothing recorded
         elif self.runner.lora is not None:  # the LoRA kernels read the static segments
@@ -129,24 +150,30 @@ class GraphRunner:
     def capture(self) -> None:
         gcls = dev.graph_class(self.device_type)
         stream = dev.stream_class(self.device_type)()
-        kinds = [(False, self.graphs, self.outputs, self.hidden)]
+        # (rows, key, LoRA off, rows a request, where the graph goes)
+        todo = [(bs, bs, False, 0, (self.graphs, self.outputs, self.hidden))
+                for bs in self.buckets]
         if self.runner.lora is not None:
-            kinds.append((True, self.base_graphs, self.base_outputs, self.base_hidden))
-        for bs in reversed(self.buckets):  # largest first so the pool is sized once
-            for off, graphs, outputs, hidden in kinds:
-                self._lora_off = off
-                with dev.stream_context(self.device_type, stream):
-                    for _ in range(2):  # warm up: Triton compiles, autotune, allocator settles
-                        self._run(bs)
-                dev.synchronize(self.device_type)
-                g = gcls()
-                with dev.graph_context(self.device_type, g, pool=self.pool, stream=stream):
-                    out = self._run(bs)
-                graphs[bs] = g
-                outputs[bs] = out
-                model = self.runner.model
-                if getattr(model, "capture_hidden", None) is not None:
-                    hidden[bs] = model.hidden_out
+            todo += [(bs, bs, True, 0, (self.base_graphs, self.base_outputs, self.base_hidden))
+                     for bs in self.buckets]
+        n = self.verify_n
+        todo += [(r * n, r, False, n, (self.verify_graphs, self.verify_outputs,
+                                       self.verify_hidden)) for r in self.verify_buckets]
+        todo.sort(key=lambda x: -x[0])  # largest first so the pool is sized once
+        for rows, key, off, n, (graphs, outputs, hidden) in todo:
+            self._lora_off = off
+            with dev.stream_context(self.device_type, stream):
+                for _ in range(2):  # warm up: Triton compiles, autotune, allocator settles
+                    self._run(rows, n)
+            dev.synchronize(self.device_type)
+            g = gcls()
+            with dev.graph_context(self.device_type, g, pool=self.pool, stream=stream):
+                out = self._run(rows, n)
+            graphs[key] = g
+            outputs[key] = out
+            model = self.runner.model
+            if getattr(model, "capture_hidden", None) is not None:
+                hidden[key] = model.hidden_out
         self._lora_off = False
         dev.synchronize(self.device_type)
 
@@ -159,7 +186,12 @@ class GraphRunner:
         ``with_lora`` (the start-up check of both kinds).
         """
         bs = batch.batch_size
-        gbs = self.buckets[bisect.bisect_left(self.buckets, bs)]
+        if batch.verify_n:  # a verify step: its bucket of requests, n rows each
+            key = self.verify_buckets[bisect.bisect_left(self.verify_buckets,
+                                                         bs // batch.verify_n)]
+            gbs = key * batch.verify_n
+        else:
+            gbs = key = self.buckets[bisect.bisect_left(self.buckets, bs)]
         r = self.runner
         ids = [req.token_at(p) for req, p in zip(batch.reqs, batch.prefix_lens)]
         pad = gbs - bs
@@ -191,7 +223,9 @@ class GraphRunner:
             and not any(s >= 0 for s in batch.lora_slots)
         graphs, outputs, hidden = (self.base_graphs, self.base_outputs, self.base_hidden) \
             if base else (self.graphs, self.outputs, self.hidden)
-        graphs[gbs].replay()
+        if batch.verify_n:
+            graphs, outputs, hidden = self.verify_graphs, self.verify_outputs, self.verify_hidden
+        graphs[key].replay()
         if hidden:  # a copy: the next replay overwrites the static buffer
-            r.model.hidden_out = hidden[gbs][:bs].clone()
-        return outputs[gbs][:bs]
+            r.model.hidden_out = hidden[key][:bs].clone()
+        return outputs[key][:bs]

@@ -33,7 +33,7 @@ import torch
 
 from engine import device as dev
 from engine import distributed as tpd
-from engine.executor.schedule_batch import ScheduleBatch
+from engine.executor.schedule_batch import PadRow, ScheduleBatch
 from engine.forward_batch import ForwardMode
 
 logger = logging.getLogger(__name__)
@@ -221,6 +221,9 @@ def check_graphs(runner, gr, pw) -> tuple[bool, bool]:
                                               lambda: gr.replay(decode, with_lora=True).clone())
                 gr_ok = replayed is not None and _verdict(runner, "decode graphs with LoRA",
                                                           replayed, eager)
+            if gr_ok and getattr(gr, "verify_graphs", None):
+                states.restore()
+                _check_verify_graphs(runner, gr, decode)
         dev.synchronize(d)
     finally:  # hand the rows and pages back so that allocation continues as without the check
         states.free()
@@ -230,6 +233,27 @@ def check_graphs(runner, gr, pw) -> tuple[bool, bool]:
         for t in reversed(twins):
             swa.free_pages(t)
     return gr_ok, pw_ok
+
+
+def _check_verify_graphs(runner, gr, decode: ScheduleBatch) -> None:
+    """A hybrid model's verify graphs: the check's decode rows as a verify step (each
+    request's row, then ``verify_n - 1`` padding rows, as the speculative worker pads a
+    request without drafts), replayed against the same step run eagerly, on the requests'
+    own rows; a mismatch drops the verify graphs (verify steps then run eagerly)."""
+    n, most = gr.verify_n, gr.verify_buckets[-1]
+    reqs = decode.reqs[:most]
+    rows = [x for r in reqs for x in (r, *[PadRow()] * (n - 1))]
+    pos = [x for p in decode.prefix_lens[:most] for x in (p, *[0] * (n - 1))]
+    locs = [x for c in decode.out_cache_loc[:most] for x in (c, *[0] * (n - 1))]
+    batch = ScheduleBatch(mode=ForwardMode.DECODE, reqs=rows, prefix_lens=pos,
+                          extend_lens=[1] * len(rows), sample=[True] * len(rows),
+                          out_cache_loc=locs, verify_n=n)
+    own = slice(None, None, n)
+    replayed = dev.replay_or_none(runner.device_type, "verify graphs",
+                                  lambda: gr.replay(batch)[own].clone())
+    eager = _eager(runner, batch)[own]  # the slots are read, not written: no restore
+    if replayed is None or not _verdict(runner, "verify graphs", replayed, eager):
+        gr.verify_graphs.clear()
 
 
 def _verdict(runner, what: str, replayed: torch.Tensor, eager: torch.Tensor) -> bool:

@@ -158,9 +158,9 @@ def check_recurrent_state_flags(model, args: ServerArgs, device_type: str) -> No
     EAGLE-3 (its head reads layer inputs these models do not keep) and STANDALONE
     speculation (a hybrid draft model's own states are not rolled back) and LoRA.
     NGRAM, EAGLE and MTP run: the verify step leaves each state at the request's last
-    accepted token (``engine/layers/gated_deltanet.py``). Decode graphs run (the layers read
-    their state slots from a device tensor, ``engine/executor/graph_runner.py``); prefill,
-    mixed and verify steps run eagerly (the model has no piecewise graphs).
+    accepted token (``engine/layers/gated_deltanet.py``). Decode and verify graphs run (the
+    layers read their state slots from a device tensor, ``engine/executor/graph_runner.py``);
+    prefill and mixed steps run eagerly (the model has no piecewise graphs).
 
     Raises:
         ValueError: one line naming the model class and the flag.

@@ -21,7 +21,7 @@ import torch
 
 from engine import device as dev
 from engine import distributed as tpd
-from engine.args import ServerArgs, lora_enabled, prefill_budget
+from engine.args import ServerArgs, lora_enabled, num_draft_tokens, prefill_budget
 from engine.attention import create_attention_backend, resolve_attention_backend
 from engine.executor.forward_batch_builder import StepPools, build_forward_batch
 from engine.executor.graph_replay import replay_graphs
@@ -67,9 +67,12 @@ class RankRunner:
     def __init__(self, args: ServerArgs, tp_rank: int = 0):
         self.device_type = dev.resolve_device(args.device)
         self.tp_leader = False
-        #: the linear layers' inputs recorded by a hybrid model's verify step, which
-        #: :meth:`commit_verify` consumes (None outside one)
-        self._verify_record = None
+        #: a hybrid model's verify step: (each request's state slot, rows per request),
+        #: which :meth:`commit_verify` consumes (None outside one)
+        self._verify_slots: tuple[list[int], int] | None = None
+        #: rank 0 under tensor parallelism: the commits the workers make before their next
+        #: step, as (slots, sources)
+        self._pending_commits: list[tuple[list[int], list[int]]] = []
         try:
             self._build(self._init_tp(args, tp_rank))
         except BaseException:
@@ -186,9 +189,13 @@ class RankRunner:
     def _build_state_pool(self, args: ServerArgs) -> None:
         """The linear-attention layers' recurrent-state pool (``self.state_pool``, None
         without such layers): one slot per running request (``--max-running-requests``),
-        allocated before the KV pool is sized from what memory is left."""
+        allocated before the KV pool is sized from what memory is left; with speculative
+        decoding, a scratch slot per row of the largest verify step (each row's state after
+        it, ``engine/kv/state_pool.py``)."""
+        most = min(args.speculative_max_batch_size, args.max_running_requests)
+        scratch = most * (1 + num_draft_tokens(args)) if args.speculative_algorithm else 0
         self.state_pool, self.state_index = build_state_pool(
-            self.layer_specs, args.max_running_requests, self.dtype, self.device)
+            self.layer_specs, args.max_running_requests, self.dtype, self.device, scratch)
         #: the prefix cache's snapshots of those states (engine/kv/state_snapshots.py), or None
         self.state_snapshots = None
         if self.state_pool is None or args.disable_radix_cache:
@@ -403,16 +410,18 @@ class RankRunner:
             pool = self.req_to_token_pool
             writes, pool.pending_writes = pool.pending_writes, []
             snaps = self.state_snapshots
+            commits, self._pending_commits = self._pending_commits, []
             self.tp_channel.send(step_msg(batch, future_ids is not None, writes,
                                           snaps.take_pending() if snaps is not None else [],
-                                          self.tp_images.fields(batch)))
+                                          self.tp_images.fields(batch), commits))
         logits = replay_graphs(self, batch, future_ids)  # None: no graph fits, or it raised
         if logits is None:
             input_ids, fb = self.build_forward_batch(batch, future_ids)
             self.attn_backend.init_step(fb)
             logits = self.model(input_ids, fb.positions, fb)
-            if batch.defer_state:  # a hybrid model's verify step: commit_verify finishes it
-                self._verify_record = fb.state.record if fb.state is not None else None
+        if batch.verify_n:  # a hybrid model's verify step: commit_verify finishes it
+            self._verify_slots = ([r.state_slot for r in batch.reqs[::batch.verify_n]],
+                                  batch.verify_n)
         if batch.snap_takes:  # the prefill rows' states after this forward (stream order)
             slots, snaps = zip(*batch.snap_takes)
             self.state_snapshots.save_many(list(slots), list(snaps), record=False)
@@ -420,13 +429,21 @@ class RankRunner:
 
     @torch.inference_mode()
     def commit_verify(self, keep: list[int]) -> None:
-        """After a speculative verify step (``ScheduleBatch.defer_state``): advance each
-        request's recurrent states by its first ``keep[i]`` tokens of the step (its last
-        token and the accepted drafts), from the inputs the linear layers recorded
-        (``GatedDeltaNet.commit``). Nothing to do without linear-attention layers."""
-        rec, self._verify_record = self._verify_record, None
-        for layer, state, *inputs in rec or ():
-            layer.commit(state, *inputs, keep)
+        """After a speculative verify step (``ScheduleBatch.verify_n`` = n): request i's
+        recurrent states become those after its first ``keep[i]`` rows of the step (its last
+        token and the accepted drafts), which the step left in scratch slot
+        ``scratch_base + i n + keep[i] - 1`` (``RecurrentStatePool.commit``); the
+        tensor-parallel workers make the same copies before their next step. Nothing to do
+        without linear-attention layers."""
+        verify, self._verify_slots = self._verify_slots, None
+        if verify is None:
+            return
+        slots, n = verify
+        base = self.state_pool.scratch_base
+        sources = [base + i * n + k - 1 for i, k in enumerate(keep)]
+        self.state_pool.commit(slots, sources)
+        if self.tp_leader:
+            self._pending_commits.append((slots, sources))
 
     def _prepare_lora(self, batch: ScheduleBatch) -> None:
         """Rank 0: give the batch's requests their adapter slots (``req.lora_id``, None for

@@ -29,6 +29,24 @@ class StepRequest(Protocol):
         ...
 
 
+class PadRow:
+    """A padding row of a hybrid model's verify step (every request has ``verify_n`` rows;
+    ``engine/speculative/worker.py`` ``padded_verify_batch``): ``req_to_token`` row 0,
+    position 0, KV slot 0 and state slot 0, the padding sinks a graph's padding rows use;
+    token 0. Its logits are dropped."""
+
+    __slots__ = ()
+    req_pool_idx = 0
+    state_slot = 0
+    mm = None
+
+    def token_at(self, pos: int) -> int:
+        return 0
+
+    def tokens(self, start: int, count: int) -> list[int]:
+        return [0] * count
+
+
 @dataclass
 class ScheduleBatch:
     """One step's work.
@@ -57,10 +75,12 @@ class ScheduleBatch:
     # model runner
     lora_slots: list[int] = field(default_factory=list)
     lora_copies: list[tuple] = field(default_factory=list)
-    # a speculative verify step of a model with linear-attention layers: the layers leave
-    # their recurrent states as they were and record their inputs; the runner's
-    # ``commit_verify`` then advances each state by the accepted tokens only
-    defer_state: bool = False
+    # a speculative verify step of a model with linear-attention layers: a DECODE batch of
+    # ``verify_n`` rows a request (its last token, its drafts, padding rows after them);
+    # the layers leave each request's state as it was and keep the state after each row in
+    # the pool's scratch slots; the runner's ``commit_verify`` then copies the one after the
+    # last accepted token (0: not such a step)
+    verify_n: int = 0
     # a hybrid model's prefix cache: ``(state slot, snapshot)`` copies of the prefill rows'
     # states, which the model runner makes right after launching the forward (set by the
     # scheduler; ``engine/kv/state_snapshots.py``)

@@ -76,9 +76,9 @@ class StepRunner(Protocol):
     state_snapshots: StateSnapshotPool | None
 
     def commit_verify(self, keep: Sequence[int]) -> None:
-        """After a verify step with ``defer_state``: the linear-attention layers' states of
-        request i advance by its first ``keep[i]`` tokens of the step (called only where
-        ``state_pool`` is not None)."""
+        """After a verify step (``ScheduleBatch.verify_n``): the linear-attention layers'
+        states of request i become those after its first ``keep[i]`` rows of the step
+        (called only where ``state_pool`` is not None)."""
         ...
 
     def forward(self, batch: ScheduleBatch, future_ids: torch.Tensor | None = None

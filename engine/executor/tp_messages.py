@@ -59,6 +59,11 @@ class StepMsg(msgspec.Struct, tag=True, array_like=True):
     mm_reqs: list[int] = []
     mm_new: list[StepImages] = []
     pixels: list[StepPixels] = []
+    # a hybrid model's speculative decoding: the verify commits rank 0 made since the last
+    # step, as (slots, scratch sources) (``RecurrentStatePool.commit``; made first), and
+    # this step's rows per request when it is a verify step (``ScheduleBatch.verify_n``)
+    commits: list[tuple[list[int], list[int]]] = []
+    verify_n: int = 0
 
 
 class StepImages(msgspec.Struct, array_like=True):
@@ -96,12 +101,13 @@ TPMessage = StepMsg | IdsMsg | StopMsg
 
 def step_msg(batch: ScheduleBatch, has_future: bool, writes,
              snap_copies: list[tuple[int, int, int]] | None = None,
-             images: tuple[list[int], list[StepImages], list[StepPixels]] | None = None
-             ) -> StepMsg:
+             images: tuple[list[int], list[StepImages], list[StepPixels]] | None = None,
+             commits: list[tuple[list[int], list[int]]] | None = None) -> StepMsg:
     """The ``StepMsg`` of a ``ScheduleBatch`` about to run on rank 0; ``writes``: its
     ``req_to_token`` writes since the last step; ``snap_copies``: its state-snapshot copies
     since the last step (``StateSnapshotPool.take_pending``); ``images``: its image
-    requests' fields (``engine.executor.tp_images.ImageSender.fields``), or None."""
+    requests' fields (``engine.executor.tp_images.ImageSender.fields``), or None;
+    ``commits``: its verify commits since the last step."""
     slots, resets = _state_slots(batch)
     return StepMsg(int(batch.mode), [r.req_pool_idx for r in batch.reqs],
                    [r.tokens(p, n) for r, p, n in zip(batch.reqs, batch.prefix_lens,
@@ -110,7 +116,8 @@ def step_msg(batch: ScheduleBatch, has_future: bool, writes,
                    batch.num_decodes, list(batch.all_rows), has_future, writes,
                    list(batch.lora_slots), [tuple(c) for c in batch.lora_copies],
                    slots, resets, list(snap_copies or []),
-                   [tuple(t) for t in batch.snap_takes], *(images or ([], [], [])))
+                   [tuple(t) for t in batch.snap_takes], *(images or ([], [], [])),
+                   [(list(a), list(b)) for a, b in commits or ()], batch.verify_n)
 
 
 def _state_slots(batch: ScheduleBatch) -> tuple[list[int], list[int]]:
@@ -155,4 +162,5 @@ def step_batch(msg: StepMsg) -> ScheduleBatch:
                          out_cache_loc=msg.out_cache_loc, all_rows=msg.all_rows,
                          num_decodes=msg.num_decodes, lora_slots=list(msg.lora_slots),
                          lora_copies=[tuple(c) for c in msg.lora_copies],
-                         snap_takes=[tuple(t) for t in msg.snap_takes])
+                         snap_takes=[tuple(t) for t in msg.snap_takes],
+                         verify_n=msg.verify_n)

@@ -96,6 +96,8 @@ def worker_loop(runner, channel) -> None:
         if isinstance(msg, StepMsg):
             for row, start, slots in msg.writes:
                 runner.req_to_token_pool.write(row, start, slots)
+            for slots, sources in msg.commits:  # rank 0 made them right after its verify
+                runner.state_pool.commit(slots, sources)
             if msg.snap_copies:  # rank 0's order: before the slots it zeroed since
                 runner.state_snapshots.apply(msg.snap_copies)
             if msg.state_resets:

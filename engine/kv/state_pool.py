@@ -11,6 +11,18 @@ such layers, sized at start-up (``--max-running-requests`` bounds the slots):
 Slot 0 is never handed out (a padded row of a batch points at it). A slot is zeroed when
 allocated, so a fresh request starts from the zero state; the owner frees it on finish,
 abort and preemption (a preempted request recomputes its prefix from zero).
+
+With speculative decoding the pool has ``scratch`` more slots after the requests' ones
+(``scratch_base`` on): a verify step of n tokens a request (its last token and its drafts)
+runs each request's tokens from its slot, which it leaves as it is, and writes the state
+after its row r of the step to scratch slot ``scratch_base + r``; once the drafts are
+accepted, :meth:`RecurrentStatePool.commit` copies the state after each request's last
+accepted token into its slot. This is what vLLM and SGLang do too (a state per draft
+position); the alternative, re-running the accepted tokens from recorded inputs, was
+ferry's first way and needs a second pass of small launches after every verify step.
+Where every linear layer has the same shapes (Qwen3-Next, Qwen3.5) the layers' tensors are
+views of one ``[layers, slots, ...]`` tensor each, so a commit is a few copies for all the
+layers at once.
 """
 
 from __future__ import annotations
@@ -19,6 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine import device as dev
 from engine.layer_spec import CacheKind, LayerSpec, RecurrentStateSpec, cache_groups
 
 StateShape = RecurrentStateSpec  # one linear layer's per-request state shapes
@@ -32,21 +45,32 @@ class RecurrentStatePool:
         shapes: one :class:`engine.layer_spec.RecurrentStateSpec` per ``RECURRENT_STATE`` layer, in layer order.
         conv_dtype: dtype of the conv states (the model's); recurrent states are float32.
         device: where the tensors live.
+        scratch: slots for a speculative verify step's per-row states (module docstring;
+            0 without speculative decoding).
     Raises: ValueError when ``num_slots`` < 1.
     """
 
     def __init__(self, num_slots: int, shapes: Sequence[StateShape], conv_dtype: torch.dtype,
-                 device: str | torch.device):
+                 device: str | torch.device, scratch: int = 0):
         if num_slots < 1:
             raise ValueError(f"a recurrent-state pool needs at least one slot, not {num_slots}")
-        self.num_slots = num_slots
+        self.num_slots, self.scratch = num_slots, scratch
+        self.scratch_base = num_slots + 1
         self.shapes = tuple(shapes)
-        self.conv_states = [
-            torch.zeros(num_slots + 1, s.conv_dim, s.conv_width - 1, dtype=conv_dtype,
-                        device=device) for s in self.shapes]
-        self.recurrent_states = [
-            torch.zeros(num_slots + 1, s.num_v_heads, s.k_head_dim, s.v_head_dim,
-                        dtype=torch.float32, device=device) for s in self.shapes]
+        total = num_slots + 1 + scratch
+        conv = [(total, s.conv_dim, s.conv_width - 1) for s in self.shapes]
+        rec = [(total, s.num_v_heads, s.k_head_dim, s.v_head_dim) for s in self.shapes]
+        # one tensor per kind for all the layers where their shapes agree (a commit's copies)
+        self._stacked = len(set(self.shapes)) == 1
+        if self._stacked:
+            self._conv_all = torch.zeros(len(conv), *conv[0], dtype=conv_dtype, device=device)
+            self._rec_all = torch.zeros(len(rec), *rec[0], dtype=torch.float32, device=device)
+            self.conv_states = list(self._conv_all.unbind(0))
+            self.recurrent_states = list(self._rec_all.unbind(0))
+        else:
+            self.conv_states = [torch.zeros(c, dtype=conv_dtype, device=device) for c in conv]
+            self.recurrent_states = [torch.zeros(r, dtype=torch.float32, device=device)
+                                     for r in rec]
         self._free = list(range(num_slots, 0, -1))
 
     @staticmethod
@@ -81,18 +105,39 @@ class RecurrentStatePool:
             raise ValueError(f"state slot {slot} is not held")
         self._free.append(slot)
 
+    def commit(self, slots: Sequence[int], sources: Sequence[int]) -> None:
+        """``states[slots[i]] = states[sources[i]]`` in every layer, conv and recurrent (a
+        verify step's commit: ``sources`` are scratch slots). Raises ValueError: a target
+        slot that is not a request's."""
+        if not slots:
+            return
+        if any(not 1 <= s <= self.num_slots for s in slots):
+            raise ValueError(f"commit into {list(slots)}: not request slots")
+        idx = dev.host_to_device(torch.tensor([list(slots), list(sources)], dtype=torch.int64),
+                                 self.conv_states[0].device)
+        dst, src = idx[0], idx[1]
+        if self._stacked:
+            for t in (self._conv_all, self._rec_all):
+                t[:, dst] = t[:, src]
+            return
+        for t in (*self.conv_states, *self.recurrent_states):
+            t[dst] = t[src]
+
     def memory_line(self) -> str:
         """The start-up log's line: slots and their size."""
         per = self.bytes_per_slot(self.shapes, self.conv_states[0].dtype if self.shapes
                                   else torch.float32)
+        extra = (f" (+ {self.scratch} scratch slots for verify steps, "
+                 f"{self.scratch * per / 2**30:.3f} GiB)" if self.scratch else "")
         return (f"recurrent state: {self.num_slots} slots x {len(self.shapes)} layers, "
-                f"{per / 2**20:.2f} MiB/slot, {self.num_slots * per / 2**30:.3f} GiB")
+                f"{per / 2**20:.2f} MiB/slot, {self.num_slots * per / 2**30:.3f} GiB{extra}")
 
 
 def build_state_pool(specs: Sequence[LayerSpec], num_slots: int, conv_dtype: torch.dtype,
-                     device: str | torch.device,
+                     device: str | torch.device, scratch: int = 0,
                      ) -> tuple[RecurrentStatePool | None, dict[int, int]]:
-    """The recurrent-state pool of a model's ``RECURRENT_STATE`` layers (this rank's specs).
+    """The recurrent-state pool of a model's ``RECURRENT_STATE`` layers (this rank's specs),
+    with ``scratch`` slots for speculative verify steps.
 
     Returns: ``(pool, index)``: ``index`` maps a layer id to its position in the pool's
     per-layer lists; ``(None, {})`` when no layer keeps a recurrent state.
@@ -105,5 +150,6 @@ def build_state_pool(specs: Sequence[LayerSpec], num_slots: int, conv_dtype: tor
     if missing:
         raise ValueError(f"layers {missing} keep a recurrent state without its shape "
                          "(LayerSpec.state)")
-    pool = RecurrentStatePool(num_slots, [specs[i].state for i in layers], conv_dtype, device)
+    pool = RecurrentStatePool(num_slots, [specs[i].state for i in layers], conv_dtype, device,
+                              scratch)
     return pool, {layer: n for n, layer in enumerate(layers)}

@@ -33,19 +33,16 @@ are split by value head; ``conv1d`` keeps the channels of the rank's q, k and v,
 states (``RecurrentStateSpec.per_rank``). Head counts that ``tp_size`` does not divide are
 refused (:func:`check_tp_heads`).
 
-Speculative verify steps (``LinearStateBatch.record``): a verify step scores ``[last token,
-d1..dk]`` per request, but the state a request must keep is the one after its last
-ACCEPTED token, known only after the step. The layer therefore runs the verify step
-through the token-by-token rule (a few tokens a request: FLA's fused recurrent kernel, one
-launch) from the slots' states without writing them back (the slot is
-its own snapshot: no copy), and records its conv input, ``g`` and ``beta``;
-:meth:`GatedDeltaNet.commit` then advances each slot by the accepted prefix from those
-inputs. The other way, keeping the state after each of the k + 1 positions and copying the
-accepted one back, was not taken: it needs k + 1 recurrent states per request per layer of
-scratch (``Hv * K * V`` float32 each: 2 MiB per layer and request for Qwen3.5-35B-A3B's
-32 x 128 x 128, so 60 MiB per request over its 30 linear layers, times k + 1) and a
-recurrent kernel that emits them; the recompute costs only the conv and the delta rule of
-the accepted tokens (no projection, no MoE, no attention: a few percent of a step).
+Speculative verify steps (``LinearStateBatch.verify_n`` = n): a verify step scores ``[last
+token, d1..dk]`` (and padding rows up to n) per request as DECODE rows, but the state a
+request must keep is the one after its last ACCEPTED token, known only after the step. The
+layer runs each request's n rows in order from its slot, which it leaves as it is, and
+writes the conv and recurrent states after each row r to the pool's scratch slot
+``scratch_base + r`` (the decode kernels with ``verify_n``: one launch each for the whole
+step, so a decode graph captures it); ``RecurrentStatePool.commit`` then copies the state
+after each request's last accepted row into its slot. Scratch memory: a state per row of the
+largest verify step (``Hv * K * V`` float32: 2 MiB per layer and row at Qwen3.5-35B-A3B's
+32 x 128 x 128, 60 MiB per row over its 30 linear layers).
 """
 
 from __future__ import annotations
@@ -69,11 +66,12 @@ from engine.layers.norm import GatedRMSNorm
 from kernels.linear_attention import (
     causal_conv1d,
     causal_conv1d_update,
+    causal_conv1d_verify_ref,
     chunk_gated_delta_rule,
     gated_delta_rule_backend,
     gdn_decode_prologue,
-    recurrent_gated_delta_rule,
     recurrent_gated_delta_rule_update,
+    recurrent_gated_delta_rule_verify,
 )
 
 #: ``FERRY_GDN_FUSED_PROLOGUE=0`` keeps the torch decode prologue (gather, conv update,
@@ -81,21 +79,10 @@ from kernels.linear_attention import (
 #: :func:`kernels.linear_attention.gdn_decode_prologue` (one launch).
 FUSED_PROLOGUE = os.environ.get("FERRY_GDN_FUSED_PROLOGUE", "1") != "0"
 
-#: a part whose requests have at most this many tokens each (a speculative verify step, its
-#: commit) runs the token-by-token rule: one fused launch on FLA against the chunked rule's
-#: dozen, with no chunk of 64 padded around 2-9 tokens
-SHORT_RUN_TOKENS = 16
-
-
 def fused_prologue(device: torch.device) -> bool:
     """Whether a decode step on ``device`` runs the fused Triton prologue (CUDA/XPU, switch
     on); the CPU keeps the torch references."""
     return FUSED_PROLOGUE and device.type in ("cuda", "xpu")
-
-
-def _longest(cu: list[int]) -> int:
-    """The most tokens of one request in host cumulative counts ``cu``."""
-    return max((b - a for a, b in zip(cu, cu[1:])), default=0)
 
 
 @dataclass
@@ -111,9 +98,9 @@ class LinearStateBatch:
         num_decodes: with ``decode`` False, the last ``num_decodes`` requests are one-token
             decodes (a mixed step): they run the recurrent step, the others the chunked rule.
         cu_seqlens_dev: ``cu_seqlens`` as an int64 device tensor (for the GPU kernels), or None.
-        record: a speculative verify step's list (see the module docstring): the layer
-            reads the slots' states without writing them back and appends
-            ``(self, this batch, conv input [T, C], g [T, Hv], beta [T, Hv])``; None otherwise.
+        verify_n: a speculative verify step's rows per request (module docstring; ``slots``
+            then holds one slot per row, the request's on each of its rows), 0 otherwise.
+        scratch_base: the pool's first scratch slot (a verify step's per-row states).
         prefill_cu: the prefill rows' cumulative counts as (int64 device tensor, int64 CPU
             tensor), the same objects in every layer of the step
             (``RecurrentStateView.prefill_cu``), or None.
@@ -126,7 +113,8 @@ class LinearStateBatch:
     decode: bool
     num_decodes: int = 0
     cu_seqlens_dev: torch.Tensor | None = None
-    record: list | None = None
+    verify_n: int = 0
+    scratch_base: int = 0
     prefill_cu: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
@@ -290,14 +278,8 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, state: LinearStateBatch) -> torch.Tensor:
         t = x.shape[0]
         mixed, z, b, a = self._split(x)
-        if state.record is not None:  # a verify step: states kept, inputs recorded
-            g, beta = self._gates(a, b)
-            out = self._mix(mixed, g, beta, state, state.slots, self._cu(state.cu_seqlens,
-                                                                        state, x.device),
-                            write=False,
-                            short=_longest(state.cu_seqlens) <= SHORT_RUN_TOKENS)
-            state.record.append((self, state, mixed, g, beta))
-            return self.out_proj(self.norm(out, z).reshape(t, -1))
+        if state.verify_n:  # rows of n per request: per-row states into the scratch slots
+            return self.out_proj(self.norm(self._verify(x, mixed, a, b, state), z).reshape(t, -1))
         n = len(state.cu_seqlens) - 1
         n_dec = n if state.decode else state.num_decodes
         n_ext = n - n_dec
@@ -346,80 +328,62 @@ class GatedDeltaNet(nn.Module):
         return (cu_dev[:n_ext + 1] if cu_dev is not None else state.cu_seqlens[:n_ext + 1],
                 None)
 
-    @staticmethod
-    def _cu(cu: list[int], state: LinearStateBatch, device: torch.device):
-        """Cumulative token counts as the chunked kernels take them: host ints, or for FLA's
-        kernels an int64 device tensor (the step's own where ``cu`` is the step's)."""
-        if gated_delta_rule_backend(device) != "fla":
-            return cu
-        if state.cu_seqlens_dev is not None and cu is state.cu_seqlens:
-            return state.cu_seqlens_dev
-        return torch.tensor(cu, dtype=torch.int64).to(device)
-
-    def commit(self, state: LinearStateBatch, mixed: torch.Tensor, g: torch.Tensor,
-               beta: torch.Tensor, keep) -> None:
-        """Finish a verify step (what the layer recorded in ``state.record``): advance each
-        request's slot by its first ``keep[i]`` tokens of the step (>= 1: its last token and
-        the accepted drafts), from the recorded conv input ``mixed`` [T, C], ``g`` and
-        ``beta`` [T, Hv] (float32); the conv and recurrent states are written back. Where
-        every request keeps one token (all drafts rejected) this is the decode step's
-        recurrent update, else the chunked rule over the kept tokens."""
-        cu = state.cu_seqlens
-        rows = [r for i, n in enumerate(keep) for r in range(cu[i], cu[i] + n)]
-        new_cu = [0]
-        for n in keep:
-            new_cu.append(new_cu[-1] + n)
-        idx = torch.tensor(rows, dtype=torch.int64).to(mixed.device)
-        # every draft rejected: one token each, the decode step's kernels (one launch each)
-        one = new_cu[-1] == len(keep)
-        self._mix(mixed.index_select(0, idx), g.index_select(0, idx),
-                  beta.index_select(0, idx), state, state.slots,
-                  None if one else self._cu(new_cu, state, mixed.device),
-                  short=_longest(new_cu) <= SHORT_RUN_TOKENS)
+    def _verify(self, x: torch.Tensor, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                state: LinearStateBatch) -> torch.Tensor:
+        """A verify step's conv and gated delta rule (module docstring): each request's
+        ``state.verify_n`` rows from its slot, the states after each row into the scratch
+        slots; returns [T, Hv, V]."""
+        n, base, weight = state.verify_n, state.scratch_base, self.conv1d.weight.squeeze(1)
+        if fused_prologue(x.device):
+            conv, g, beta = gdn_decode_prologue(mixed, state.conv_states, state.slots, weight,
+                                                a, b, self.A_log, self.dt_bias, n, base)
+        else:
+            g, beta = self._gates(a, b)
+            conv = causal_conv1d_verify_ref(mixed, state.conv_states, state.slots, weight, n,
+                                            base)
+        q, k, v = self._heads(conv)
+        return recurrent_gated_delta_rule_verify(q, k, v, g, beta, state.recurrent_states,
+                                                 state.slots, n, base)
 
     def _mix(self, mixed, g, beta, state: LinearStateBatch, slots: torch.Tensor,
-             cu, write: bool = True, cu_cpu: torch.Tensor | None = None,
-             short: bool = False) -> torch.Tensor:
+             cu, cu_cpu: torch.Tensor | None = None) -> torch.Tensor:
         """Conv and gated delta rule of one part of the step from the ``slots``' states,
-        which are written back (unless ``write`` is False): prefills (``cu``: the part's
-        cumulative token counts, host ints or, for FLA's kernels, a device tensor, with
-        ``cu_cpu`` its CPU twin or None) or one-token decodes (``cu`` None: nothing here
-        reads the host, so a decode graph captures it); ``short``: every request of a
-        prefill part has at most :data:`SHORT_RUN_TOKENS` tokens, run token by token (the
-        same rule; fp32 rounding apart, the same result); returns [T', Hv, V]."""
-        decode = cu is None
+        which are written back: prefills (``cu``: the part's cumulative token counts, host
+        ints or, for FLA's kernels, a device tensor, with ``cu_cpu`` its CPU twin or None) or
+        one-token decodes (``cu`` None: nothing here reads the host, so a decode graph
+        captures it); returns [T', Hv, V]."""
         weight = self.conv1d.weight.squeeze(1)
         conv_state = state.conv_states[slots]
         twin = {} if cu_cpu is None else {"cu_seqlens_cpu": cu_cpu}
-        if decode:
+        if cu is None:
             mixed = causal_conv1d_update(mixed, conv_state, weight, None, "silu")
         else:
             mixed, conv_state = causal_conv1d(mixed, weight, None, conv_state=conv_state,
                                               cu_seqlens=cu, **twin)
-        if write:
-            state.conv_states[slots] = conv_state.to(state.conv_states.dtype)
-        return self._rule(mixed, g, beta, state, slots, cu, write, twin, short)
+        state.conv_states[slots] = conv_state.to(state.conv_states.dtype)
+        return self._rule(mixed, g, beta, state, slots, cu, twin)
+
+    def _heads(self, conv: torch.Tensor):
+        """The conv output [T, C] as q, k [T, Hk, K] and v [T, Hv, V] (views)."""
+        d, t = self.dims, conv.shape[0]
+        key_dim = d.num_k_heads * d.k_head_dim
+        q, k, v = torch.split(conv, [key_dim, key_dim, d.num_v_heads * d.v_head_dim], dim=-1)
+        return (q.reshape(t, d.num_k_heads, d.k_head_dim),
+                k.reshape(t, d.num_k_heads, d.k_head_dim),
+                v.reshape(t, d.num_v_heads, d.v_head_dim))
 
     def _rule(self, mixed, g, beta, state: LinearStateBatch, slots: torch.Tensor, cu,
-              write: bool = True, twin: dict | None = None, short: bool = False
-              ) -> torch.Tensor:
+              twin: dict | None = None) -> torch.Tensor:
         """The gated delta rule of :meth:`_mix` from the conv output ``mixed`` [T', C]:
         one batched recurrent step (``cu`` None, each slot updated in place) or the chunked
-        rule from the slots' states (written back unless ``write`` is False; ``twin``: the
-        chunked kernels' extra keywords; ``short``: the token-by-token rule instead, as in
-        :meth:`_mix`); returns [T', Hv, V]."""
-        d, t = self.dims, mixed.shape[0]
-        key_dim = d.num_k_heads * d.k_head_dim
-        q, k, v = torch.split(mixed, [key_dim, key_dim, d.num_v_heads * d.v_head_dim], dim=-1)
-        q = q.reshape(t, d.num_k_heads, d.k_head_dim)
-        k = k.reshape(t, d.num_k_heads, d.k_head_dim)
-        v = v.reshape(t, d.num_v_heads, d.v_head_dim)
+        rule from the slots' states, written back (``twin``: the chunked kernels' extra
+        keywords); returns [T', Hv, V]."""
+        q, k, v = self._heads(mixed)
         if cu is None:  # each request's slot updated in place (no gather/scatter on GPUs)
             return recurrent_gated_delta_rule_update(q, k, v, g, beta, state.recurrent_states,
                                                      slots)
-        rule = recurrent_gated_delta_rule if short else chunk_gated_delta_rule
-        out, final = rule(q, k, v, g, beta, initial_state=state.recurrent_states[slots],
-                          cu_seqlens=cu, **({} if short else (twin or {})))
-        if write:
-            state.recurrent_states[slots] = final
+        out, final = chunk_gated_delta_rule(q, k, v, g, beta,
+                                            initial_state=state.recurrent_states[slots],
+                                            cu_seqlens=cu, **(twin or {}))
+        state.recurrent_states[slots] = final
         return out

@@ -35,7 +35,8 @@ fixed-size slot of conv and recurrent state per running request (`engine/kv/stat
 `--max-running-requests` slots, each rank's share of the heads under `--tp-size`), and the
 prefix cache reuses a prefix where it keeps a snapshot of those states
 (`engine/kv/state_snapshots.py`, `--max-state-snapshots`); such models run without
-LoRA and graphs for now (speculative decoding: NGRAM, EAGLE and MTP). `latent` layers (MLA) keep one `latent_kv`
+LoRA for now; decode and speculative verify steps replay device graphs, prefill runs eagerly
+(speculative decoding: NGRAM, EAGLE and MTP). `latent` layers (MLA) keep one `latent_kv`
 row per token, the same on every tensor-parallel rank.
 
 | Family | HF architectures | model_type | Attention | Cache | Module |

@@ -34,12 +34,13 @@ checked before any worker starts). Prefix reuse keeps snapshots of the states
 
 The checkpoints' MTP layer (``mtp.*``) is not part of the model: ``--speculative-algorithm
 MTP`` loads it into its proposer (``engine/speculative/mtp.py``); a verify step leaves the
-linear layers' states at each request's last accepted token (``GatedDeltaNet.commit``).
+linear layers' states at each request's last accepted token (the state after each of its
+rows goes to a scratch slot, ``RecurrentStatePool.commit`` copies the accepted one).
 
-Device graphs: decode steps are captured and replayed (``engine/executor/graph_runner.py``
-hands the linear layers their state slots from a static device buffer; padded rows point at
-the pool's scratch slot 0). Prefill, mixed and speculative verify steps run eagerly: no
-piecewise graphs (``supports_piecewise`` False; the start-up log says so).
+Device graphs: decode steps and speculative verify steps are captured and replayed
+(``engine/executor/graph_runner.py`` hands the linear layers their state slots from a static
+device buffer; padded rows point at the pool's slot 0). Prefill and mixed steps run eagerly:
+no piecewise graphs (``supports_piecewise`` False; the start-up log says so).
 
 Not here (refused at start-up, ``engine/executor/preflight.py``): EAGLE-3 and STANDALONE
 speculation, LoRA.
@@ -179,7 +180,7 @@ class HybridDecoderLayer(nn.Module):
                                "view (ForwardBatch.state): the runner built no state pool")
         return LinearStateBatch(st.conv_states[n], st.recurrent_states[n], st.slots,
                                 st.cu_seqlens, fb.is_decode, fb.num_decodes, st.cu_seqlens_dev,
-                                st.record, st.prefill_cu)
+                                st.verify_n, st.scratch_base, st.prefill_cu)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 rope: RotaryEmbedding, positions: torch.Tensor, fb: ForwardBatch

@@ -140,7 +140,7 @@ def build_engine(args: ServerArgs) -> Engine:
                     if p.task == "embed" else "", "on" if scheduler.kv.enabled else "off")
     if scheduler.spec is not None:
         logger.info("speculative decoding: %s, %d draft tokens, in decode steps of up to %d "
-                    "requests (verify steps run eagerly and are not overlapped)",
+                    "requests (verify steps are not overlapped)",
                     args.speculative_algorithm, scheduler.spec.k, scheduler.spec.max_bs)
     return Engine(runner=runner, tokenizer=tokenizer, scheduler=scheduler,
                   vocab_size=runner.model_config.vocab_size,

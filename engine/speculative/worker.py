@@ -21,12 +21,14 @@ One step, for the running requests together:
 4. Accept (``engine/sampling/acceptance.py``): the longest run of drafts the target keeps,
    plus the target's own token after it; the KV of the rejected positions is dropped
    (``KVCacheManager.shrink``), so ``req_to_token`` and the radix cache only ever hold
-   accepted tokens. A model with linear-attention layers verifies as an EXTEND whose
-   layers leave their recurrent states untouched (``ScheduleBatch.defer_state``); the
-   runner's ``commit_verify`` then advances each request's states by its accepted tokens
-   only (``engine/layers/gated_deltanet.py`` says why recompute rather than per-token
-   states). ``SpecWorker.step`` returns each request's run (``AcceptedRun``); the
-   scheduler's ``OutputProcessor`` appends it with its stop checks (a stop token or string
+   accepted tokens. A model with linear-attention layers always verifies as a DECODE of
+   exactly k + 1 rows a request (``padded_verify_batch``: a request with fewer drafts gets
+   padding rows, so the step has the shape its verify graph was captured at), whose
+   linear layers leave each request's recurrent state as it was and keep the state after
+   every row in scratch slots (``ScheduleBatch.verify_n``); the runner's ``commit_verify``
+   then copies the one after the last accepted token into the request's slot
+   (``engine/kv/state_pool.py``). ``SpecWorker.step`` returns each request's run
+   (``AcceptedRun``); the scheduler's ``OutputProcessor`` appends it with its stop checks (a stop token or string
    inside the run cuts it there).
 
 The step is synchronous: the next step's positions and drafts depend on how many tokens
@@ -45,7 +47,7 @@ import torch
 
 from engine import device as dev
 from engine.args import ServerArgs, num_draft_tokens
-from engine.executor.schedule_batch import ScheduleBatch
+from engine.executor.schedule_batch import PadRow, ScheduleBatch
 from engine.executor.step_runner import StepRunner
 from engine.forward_batch import ForwardMode
 from engine.sampling.acceptance import verify_drafts
@@ -121,6 +123,10 @@ class VerifyBatch:
     reqs: list
     drafts: list[list[int]]
     prefix: list[int]  # per request, its KV length before the step (the last token's position)
+    # a padded verify step (hybrid models): the requests' own rows of ``batch`` (int64 on the
+    # device) and the same step without the padding rows, which the proposer observes
+    rows: torch.Tensor | None = None
+    observed: ScheduleBatch | None = None
 
 
 class SpecWorker:
@@ -163,14 +169,6 @@ class SpecWorker:
         self.clock = time.perf_counter
         self.step_time = {"verify": None, "decode": None}
         self._mark: tuple[float, int, str | None] | None = None
-        if runner.state_pool is not None:
-            logger.warning(
-                "%s on a model with linear-attention layers: its verify steps run eagerly "
-                "(the decode graphs cannot capture the layers' recorded inputs), so where "
-                "decode steps replay graphs a round costs many plain steps (Qwen3.5-35B-A3B "
-                "on an H200: an eager verify of 133 ms against a 6.65 ms decode step) and "
-                "the break-even back-off keeps most steps plain; outputs are unchanged "
-                "(docs/benchmarks.md, MTP)", self.algorithm)
 
     def reset_stats(self) -> None:
         self.stats.update(dict.fromkeys(SPEC_STAT_KEYS, 0))
@@ -272,14 +270,17 @@ class SpecWorker:
         if not reqs:
             return None
         self._label("verify")
+        if self.runner.state_pool is not None:
+            # linear-attention layers: n rows a request (padded), the state after each row
+            # kept for the commit after acceptance (``_accept``)
+            batch, rows = padded_verify_batch(vreqs, prefix, ext, locs, 1 + self.k)
+            return VerifyBatch(batch, reqs, kept, prefix, dev.host_to_device(
+                torch.tensor(rows, dtype=torch.int64), self.runner.device),
+                verify_batch(vreqs, prefix, ext, locs, True))
         extra_kv = sum((n - 1) * p for p, n in zip(prefix, ext)) * self._kv_token_bytes
-        # linear-attention layers advance a state per row: their verify is an extend whose
-        # states are committed after acceptance (``_accept``)
-        hybrid = self.runner.state_pool is not None
-        as_decode = not hybrid and extra_kv <= VERIFY_AS_DECODE_KV_SHARE * self._weight_bytes
-        batch = verify_batch(vreqs, prefix, ext, locs, as_decode)
-        batch.defer_state = hybrid
-        return VerifyBatch(batch, reqs, kept, prefix)
+        as_decode = extra_kv <= VERIFY_AS_DECODE_KV_SHARE * self._weight_bytes
+        return VerifyBatch(verify_batch(vreqs, prefix, ext, locs, as_decode), reqs, kept,
+                           prefix)
 
     # ---- run ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -298,7 +299,12 @@ class SpecWorker:
         from engine.sampling.sampler import SamplingBatchInfo
 
         logits = self.runner.forward(vb.batch)
-        self.proposer.observe(vb.batch)
+        if vb.rows is not None:  # a padded verify step: its requests' own rows
+            logits = logits.index_select(0, vb.rows)
+            model = self.runner.model
+            if getattr(model, "hidden_out", None) is not None:
+                model.hidden_out = model.hidden_out.index_select(0, vb.rows)
+        self.proposer.observe(vb.observed or vb.batch)
         params, steps, row_drafts, grammars = [], [], [], []
         outs: list | None = [] if any(_penalised(r) for r in vb.reqs) else None
         for req, d in zip(vb.reqs, vb.drafts):
@@ -357,7 +363,7 @@ class SpecWorker:
                 self._track(req.rid, a)
             out.append(AcceptedRun(req, toks, logprobs))
             r0 += len(d) + 1
-        if vb.batch.defer_state:  # the linear layers' states: up to the last accepted token
+        if vb.batch.verify_n:  # the linear layers' states: after the last accepted token
             self.runner.commit_verify(keep)
         return out
 
@@ -391,6 +397,25 @@ def verify_batch(reqs: list, prefix: list[int], ext: list[int], locs: list[int],
                              locs)
     return ScheduleBatch(ForwardMode.EXTEND, reqs, prefix, ext, [True] * len(reqs), locs,
                          [True] * len(reqs))
+
+
+def padded_verify_batch(reqs: list, prefix: list[int], ext: list[int], locs: list[int],
+                        n: int) -> tuple[ScheduleBatch, list[int]]:
+    """A hybrid model's verify step: :func:`verify_batch`'s DECODE rows, each request's
+    ``ext[i]`` rows followed by ``n - ext[i]`` :class:`PadRow` rows (KV slot 0), so every
+    request has ``n`` rows (``ScheduleBatch.verify_n``: the linear layers' verify mode).
+    Returns the batch and the indices of its requests' own rows, in order."""
+    rows, pos, out, own, pad = [], [], [], [], PadRow()
+    it = iter(locs)
+    for r, p, e in zip(reqs, prefix, ext):
+        own.extend(range(len(rows), len(rows) + e))
+        rows += [r] * e + [pad] * (n - e)
+        pos += [p + j for j in range(e)] + [0] * (n - e)
+        out += [next(it) for _ in range(e)] + [0] * (n - e)
+    batch = ScheduleBatch(ForwardMode.DECODE, rows, pos, [1] * len(rows), [True] * len(rows),
+                          out)
+    batch.verify_n = n
+    return batch, own
 
 
 def mean_accept_length(stats: dict) -> float | None:

@@ -19,6 +19,14 @@ reference everywhere; the layer's decode step on CUDA/XPU instead runs
 :func:`gdn_decode_prologue` (``decode_prologue``: one Triton launch for the conv update of
 each request's pool slot in place, its SiLU and the gates ``g`` and ``beta``), the torch
 reference and gate formulas on the CPU or with ``FERRY_GDN_FUSED_PROLOGUE=0``.
+
+A speculative verify step (n tokens a request: the last token and its drafts) runs the same
+two Triton kernels with ``verify_n`` = n: each request's tokens in order from its slot, which
+stays as it was, writing the state after each token to a scratch slot of its own
+(:func:`recurrent_gated_delta_rule_verify`; the references
+:func:`reference.recurrent_gated_delta_rule_verify_ref` and
+:func:`reference.causal_conv1d_verify_ref` on the CPU). The commit then copies the state
+after the last accepted token into the request's slot (``RecurrentStatePool.commit``).
 """
 
 from __future__ import annotations
@@ -30,9 +38,11 @@ import torch
 from kernels.linear_attention.reference import (
     causal_conv1d_ref,
     causal_conv1d_update_ref,
+    causal_conv1d_verify_ref,
     chunk_gated_delta_rule_ref,
     recurrent_gated_delta_rule_ref,
     recurrent_gated_delta_rule_update_ref,
+    recurrent_gated_delta_rule_verify_ref,
 )
 
 causal_conv1d_update = causal_conv1d_update_ref
@@ -96,13 +106,30 @@ def recurrent_gated_delta_rule_update(q, k, v, g, beta, states, slots, use_qk_l2
     return recurrent_gated_delta_rule_update_ref(q, k, v, g, beta, states, slots, use_qk_l2norm)
 
 
-def gdn_decode_prologue(x, conv_states, slots, weight, a, b, A_log, dt_bias):
+def recurrent_gated_delta_rule_verify(q, k, v, g, beta, states, slots, n, dst_base,
+                                      use_qk_l2norm=True):
+    """A verify step's gated delta rule over the state pool: requests of ``n`` rows each,
+    the state after each row into scratch slot ``dst_base + row``; as
+    :func:`reference.recurrent_gated_delta_rule_verify_ref` (Triton on CUDA/XPU)."""
+    if q.device.type in ("cuda", "xpu"):
+        from kernels.linear_attention.decode_triton import (
+            recurrent_gated_delta_rule_update_triton,
+        )
+
+        return recurrent_gated_delta_rule_update_triton(q, k, v, g, beta, states, slots,
+                                                        use_qk_l2norm, n, dst_base)
+    return recurrent_gated_delta_rule_verify_ref(q, k, v, g, beta, states, slots, n, dst_base,
+                                                 use_qk_l2norm)
+
+
+def gdn_decode_prologue(x, conv_states, slots, weight, a, b, A_log, dt_bias, verify_n=0,
+                        dst_base=0):
     """One decode token's conv update (in place at ``slots``), SiLU and gates in one Triton
     launch; arguments and results as :func:`decode_prologue.gdn_decode_prologue` (no torch
     fallback: the layer keeps the references where Triton does not run)."""
     from kernels.linear_attention.decode_prologue import gdn_decode_prologue as prologue
 
-    return prologue(x, conv_states, slots, weight, a, b, A_log, dt_bias)
+    return prologue(x, conv_states, slots, weight, a, b, A_log, dt_bias, verify_n, dst_base)
 
 
 __all__ = [
@@ -110,6 +137,7 @@ __all__ = [
     "causal_conv1d_ref",
     "causal_conv1d_update",
     "causal_conv1d_update_ref",
+    "causal_conv1d_verify_ref",
     "chunk_gated_delta_rule",
     "chunk_gated_delta_rule_ref",
     "gated_delta_rule_backend",
@@ -118,4 +146,6 @@ __all__ = [
     "recurrent_gated_delta_rule_ref",
     "recurrent_gated_delta_rule_update",
     "recurrent_gated_delta_rule_update_ref",
+    "recurrent_gated_delta_rule_verify",
+    "recurrent_gated_delta_rule_verify_ref",
 ]

@@ -38,44 +38,64 @@ NUM_WARPS = 4
 def _gdn_decode_prologue_kernel(
         x_ptr, state_ptr, slot_ptr, w_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr,
         out_ptr, g_ptr, beta_ptr,
-        C, HV, stride_x, stride_ss, stride_sc, stride_sw, stride_wc, stride_a, stride_b,
-        stride_out, W: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr):
-    row = tl.program_id(0)
+        C, HV, dst_base, stride_x, stride_ss, stride_sc, stride_sw, stride_wc, stride_a,
+        stride_b, stride_out, W: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
+        N: tl.constexpr, VERIFY: tl.constexpr):
+    req = tl.program_id(0)
     blk = tl.program_id(1)
-    slot = tl.load(slot_ptr + row).to(tl.int64)
+    src = tl.load(slot_ptr + req * N).to(tl.int64)
+    slot = src
     offs = blk * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = offs < C
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     w_row = w_ptr + offs * stride_wc
-    acc = x.to(tl.float32) * tl.load(w_row + (W - 1), mask=mask, other=0.0).to(tl.float32)
-    s_row = state_ptr + slot * stride_ss + offs * stride_sc
-    # tap j of the state (oldest first) meets weight j; it moves to tap j - 1 once read
-    for j in tl.static_range(W - 1):
-        s = tl.load(s_row + j * stride_sw, mask=mask, other=0.0)
-        acc += s.to(tl.float32) * tl.load(w_row + j, mask=mask, other=0.0).to(tl.float32)
-        if j > 0:
-            tl.store(s_row + (j - 1) * stride_sw, s, mask=mask)
-    tl.store(s_row + (W - 2) * stride_sw, x.to(state_ptr.dtype.element_ty), mask=mask)
-    out = acc / (1.0 + tl.exp(-acc))
-    tl.store(out_ptr + row * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    for t in tl.static_range(N):
+        row = req * N + t
+        if VERIFY:  # the state after each of the N tokens goes to its own scratch slot
+            dst = (dst_base + row).to(tl.int64)
+        else:
+            dst = slot
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+        acc = x.to(tl.float32) * tl.load(w_row + (W - 1), mask=mask, other=0.0).to(tl.float32)
+        s_src = state_ptr + src * stride_ss + offs * stride_sc
+        s_dst = state_ptr + dst * stride_ss + offs * stride_sc
+        # tap j of the state (oldest first) meets weight j; it moves to tap j - 1 once read
+        for j in tl.static_range(W - 1):
+            s = tl.load(s_src + j * stride_sw, mask=mask, other=0.0)
+            acc += s.to(tl.float32) * tl.load(w_row + j, mask=mask, other=0.0).to(tl.float32)
+            if j > 0:
+                tl.store(s_dst + (j - 1) * stride_sw, s, mask=mask)
+        tl.store(s_dst + (W - 2) * stride_sw, x.to(state_ptr.dtype.element_ty), mask=mask)
+        out = acc / (1.0 + tl.exp(-acc))
+        tl.store(out_ptr + row * stride_out + offs, out.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+        src = dst
     if blk == 0:
         h = tl.arange(0, BLOCK_H)
         hm = h < HV
-        bv = tl.load(b_ptr + row * stride_b + h, mask=hm, other=0.0).to(tl.float32)
-        beta = 1.0 / (1.0 + tl.exp(-bv))
-        tl.store(beta_ptr + row * HV + h, beta.to(beta_ptr.dtype.element_ty), mask=hm)
-        av = tl.load(a_ptr + row * stride_a + h, mask=hm, other=0.0).to(tl.float32)
-        av += tl.load(dtb_ptr + h, mask=hm, other=0.0).to(tl.float32)
-        soft = tl.where(av > 20.0, av, tl.log(1.0 + tl.exp(tl.minimum(av, 20.0))))
+        dtb = tl.load(dtb_ptr + h, mask=hm, other=0.0).to(tl.float32)
         decay = tl.exp(tl.load(alog_ptr + h, mask=hm, other=0.0).to(tl.float32))
-        tl.store(g_ptr + row * HV + h, -decay * soft, mask=hm)
+        for t in tl.static_range(N):
+            row = req * N + t
+            bv = tl.load(b_ptr + row * stride_b + h, mask=hm, other=0.0).to(tl.float32)
+            beta = 1.0 / (1.0 + tl.exp(-bv))
+            tl.store(beta_ptr + row * HV + h, beta.to(beta_ptr.dtype.element_ty), mask=hm)
+            av = tl.load(a_ptr + row * stride_a + h, mask=hm, other=0.0).to(tl.float32) + dtb
+            soft = tl.where(av > 20.0, av, tl.log(1.0 + tl.exp(tl.minimum(av, 20.0))))
+            tl.store(g_ptr + row * HV + h, -decay * soft, mask=hm)
 
 
 def gdn_decode_prologue(
     x: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
     a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+    verify_n: int = 0, dst_base: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One decode token for each of B requests: conv update in place, SiLU and the gates.
+
+    With ``verify_n`` = n > 0 (a speculative verify step): the B rows are B / n requests of n
+    consecutive tokens each; request r starts from ``conv_states[slots[r * n]]`` (left as it
+    is) and the state after its token t is written to slot ``dst_base + r * n + t`` (the
+    pool's scratch slots, ``RecurrentStatePool.scratch_base``), so that the commit can
+    copy the one after the last accepted token.
 
     Args:
         x: [B, C] each request's new conv input (the q|k|v projection; model dtype; rows
@@ -92,7 +112,8 @@ def gdn_decode_prologue(
         ``out = silu(conv)``, ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta =
         sigmoid(b)``.
     Raises:
-        ValueError: mismatched channels, a conv width below 2, or state taps not W - 1.
+        ValueError: mismatched channels, a conv width below 2, state taps not W - 1, or
+            rows not a multiple of ``verify_n``.
     """
     batch, channels = x.shape
     width = weight.shape[1]
@@ -103,6 +124,9 @@ def gdn_decode_prologue(
         raise ValueError(f"conv width {width} needs states of {width - 1} taps (>= 1), not "
                          f"{conv_states.shape[2]}")
     hv = a.shape[1]
+    n = verify_n or 1
+    if batch % n:
+        raise ValueError(f"{batch} rows are not requests of {n} tokens")
     if x.stride(1) != 1:
         x = x.contiguous()
     if a.stride(1) != 1:
@@ -116,11 +140,12 @@ def gdn_decode_prologue(
     beta = torch.empty(batch, hv, dtype=b.dtype, device=x.device)
     if batch == 0:
         return out, g, beta
-    grid = (batch, triton.cdiv(channels, BLOCK_C))
+    grid = (batch // n, triton.cdiv(channels, BLOCK_C))
     _gdn_decode_prologue_kernel[grid](
         x, conv_states, slots, weight, a, b, A_log.contiguous(), dt_bias.contiguous(),
         out, g, beta,
-        channels, hv, x.stride(0), conv_states.stride(0), conv_states.stride(1),
+        channels, hv, dst_base, x.stride(0), conv_states.stride(0), conv_states.stride(1),
         conv_states.stride(2), weight.stride(0), a.stride(0), b.stride(0), out.stride(0),
-        W=width, BLOCK_C=BLOCK_C, BLOCK_H=triton.next_power_of_2(hv), num_warps=NUM_WARPS)
+        W=width, BLOCK_C=BLOCK_C, BLOCK_H=triton.next_power_of_2(hv), N=n,
+        VERIFY=verify_n > 0, num_warps=NUM_WARPS)
     return out, g, beta

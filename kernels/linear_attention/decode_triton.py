@@ -22,38 +22,44 @@ import triton.language as tl
 
 @triton.jit
 def _gdn_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot_ptr, o_ptr,
-                       scale, eps, stride_qb, stride_kb, stride_vb,
+                       scale, eps, dst_base, stride_qb, stride_kb, stride_vb,
                        HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr):
+                       BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+                       N: tl.constexpr, VERIFY: tl.constexpr):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
-    b = i_bh // HV
+    req = i_bh // HV
     h = i_bh % HV
     hk = h // (HV // HK)
-    slot = tl.load(slot_ptr + b).to(tl.int64)
+    slot = tl.load(slot_ptr + req * N).to(tl.int64)
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
     mk = offs_k < K
     mv = offs_v < V
-    q = tl.load(q_ptr + b * stride_qb + hk * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + b * stride_kb + hk * K + offs_k, mask=mk, other=0.0).to(tl.float32)
-    if L2NORM:
-        q = q / tl.sqrt(tl.sum(q * q, axis=0) + eps)
-        k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
-    q = q * scale
-    v = tl.load(v_ptr + b * stride_vb + h * V + offs_v, mask=mv, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + b * HV + h).to(tl.float32)
-    beta = tl.load(beta_ptr + b * HV + h).to(tl.float32)
-    s_ptrs = state_ptr + ((slot * HV + h) * K + offs_k[:, None]) * V + offs_v[None, :]
     m = mk[:, None] & mv[None, :]
-    s = tl.load(s_ptrs, mask=m, other=0.0)
-    s = s * tl.exp(g)
-    kv = tl.sum(s * k[:, None], axis=0)
-    delta = (v - kv) * beta
-    s = s + k[:, None] * delta[None, :]
-    o = tl.sum(s * q[:, None], axis=0)
-    tl.store(s_ptrs, s, mask=m)
-    tl.store(o_ptr + (b * HV + h) * V + offs_v, o.to(o_ptr.dtype.element_ty), mask=mv)
+    tile = (h * K + offs_k[:, None]) * V + offs_v[None, :]
+    s = tl.load(state_ptr + slot * HV * K * V + tile, mask=m, other=0.0)
+    for t in tl.static_range(N):
+        b = req * N + t
+        q = tl.load(q_ptr + b * stride_qb + hk * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + b * stride_kb + hk * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+        if L2NORM:
+            q = q / tl.sqrt(tl.sum(q * q, axis=0) + eps)
+            k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
+        q = q * scale
+        v = tl.load(v_ptr + b * stride_vb + h * V + offs_v, mask=mv, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + b * HV + h).to(tl.float32)
+        beta = tl.load(beta_ptr + b * HV + h).to(tl.float32)
+        s = s * tl.exp(g)
+        kv = tl.sum(s * k[:, None], axis=0)
+        delta = (v - kv) * beta
+        s = s + k[:, None] * delta[None, :]
+        o = tl.sum(s * q[:, None], axis=0)
+        tl.store(o_ptr + (b * HV + h) * V + offs_v, o.to(o_ptr.dtype.element_ty), mask=mv)
+        if VERIFY:  # the state after each token, in its own scratch slot
+            tl.store(state_ptr + (dst_base + b).to(tl.int64) * HV * K * V + tile, s, mask=m)
+    if not VERIFY:
+        tl.store(state_ptr + slot * HV * K * V + tile, s, mask=m)
 
 
 def _heads_packed(x: torch.Tensor) -> torch.Tensor:
@@ -67,15 +73,22 @@ def _heads_packed(x: torch.Tensor) -> torch.Tensor:
 def recurrent_gated_delta_rule_update_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     states: torch.Tensor, slots: torch.Tensor, use_qk_l2norm: bool = True,
+    verify_n: int = 0, dst_base: int = 0,
 ) -> torch.Tensor:
     """One decode step of B requests over the state pool, in place.
+
+    With ``verify_n`` = n > 0 (a speculative verify step) the B rows are B / n requests of n
+    consecutive tokens: request r runs its n tokens from ``states[slots[r * n]]``, which it
+    leaves as it is, and writes the state after its token t to slot ``dst_base + r * n + t``
+    (the pool's scratch slots).
 
     Args: ``q``, ``k`` [B, Hk, K]; ``v`` [B, Hv, V] (rows may be strided, as the column
     slices of the conv output are: read in place); ``g``, ``beta`` [B, Hv]; ``states``
     [slots + 1, Hv, K, V] float32 (the pool's tensor, updated in place at ``slots``);
     ``slots`` [B] int (distinct).
     Returns: ``o`` [B, Hv, V] in q's dtype.
-    Raises: ValueError when Hv % Hk != 0 or the states are not float32.
+    Raises: ValueError when Hv % Hk != 0, the states are not float32 or B is not a
+    multiple of ``verify_n``.
     """
     b, hk, dk = k.shape
     hv, dv = v.shape[1], v.shape[2]
@@ -83,15 +96,18 @@ def recurrent_gated_delta_rule_update_triton(
         raise ValueError(f"value heads {hv} are not a multiple of key heads {hk}")
     if states.dtype != torch.float32:
         raise ValueError(f"the recurrent states are float32, not {states.dtype}")
+    n = verify_n or 1
+    if b % n:
+        raise ValueError(f"{b} rows are not requests of {n} tokens")
     o = torch.empty(b, hv, dv, dtype=q.dtype, device=q.device)
     if b == 0:
         return o
     bv = min(32, triton.next_power_of_2(dv))
-    grid = (triton.cdiv(dv, bv), b * hv)
+    grid = (triton.cdiv(dv, bv), b // n * hv)
     q, k, v = _heads_packed(q), _heads_packed(k), _heads_packed(v)
     _gdn_decode_kernel[grid](
         q, k, v, g.contiguous(), beta.contiguous(),
-        states, slots.contiguous(), o, dk ** -0.5, 1e-6, q.stride(0), k.stride(0), v.stride(0),
-        HK=hk, HV=hv, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=bv,
-        L2NORM=use_qk_l2norm)
+        states, slots.contiguous(), o, dk ** -0.5, 1e-6, dst_base, q.stride(0), k.stride(0),
+        v.stride(0), HK=hk, HV=hv, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=bv,
+        L2NORM=use_qk_l2norm, N=n, VERIFY=verify_n > 0)
     return o

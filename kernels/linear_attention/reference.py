@@ -142,6 +142,30 @@ def recurrent_gated_delta_rule_update_ref(
     return out
 
 
+def recurrent_gated_delta_rule_verify_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    states: torch.Tensor, slots: torch.Tensor, n: int, dst_base: int,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """A speculative verify step: the B rows are B / n requests of n consecutive tokens;
+    request r runs its tokens from ``states[slots[r * n]]`` (left as it is) and the state
+    after its token t is written to ``states[dst_base + r * n + t]``.
+
+    Args: as :func:`recurrent_gated_delta_rule_update_ref` (``slots`` [B], one per row; the
+    first of each request's rows is read).
+    Returns: ``o`` [B, Hv, V] in q's dtype.
+    """
+    rows = v.shape[0]
+    state = states[slots[::n]]
+    out = torch.empty(v.shape, dtype=q.dtype, device=v.device)
+    for t in range(n):
+        at = torch.arange(t, rows, n, device=v.device)
+        out[at], state = _decode_step(q[at], k[at], v[at], g[at], beta[at], state,
+                                      use_qk_l2norm)
+        states[at + dst_base] = state
+    return out
+
+
 def _run(one, q, k, v, g, beta, initial_state, cu_seqlens, use_qk_l2norm):
     total, hv, dv = v.shape
     bounds = _bounds(cu_seqlens, total)
@@ -247,3 +271,21 @@ def causal_conv1d_update_ref(
     conv_state.copy_(seq[:, :, 1:])
     out = F.conv1d(seq, weight.unsqueeze(1), bias, groups=channels)[:, :, -1]
     return _activate(out, activation).to(x.dtype)
+
+
+def causal_conv1d_verify_ref(
+    x: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor, weight: torch.Tensor,
+    n: int, dst_base: int, activation: str | None = "silu",
+) -> torch.Tensor:
+    """The causal conv1d of a speculative verify step: the B rows of ``x`` [B, C] are B / n
+    requests of n consecutive tokens; request r starts from ``conv_states[slots[r * n]]``
+    ([C, W - 1], left as it is) and the state after its token t is written to
+    ``conv_states[dst_base + r * n + t]``. Returns ``out`` [B, C] in x's dtype."""
+    rows = x.shape[0]
+    state = conv_states[slots[::n]].clone()
+    out = torch.empty_like(x)
+    for t in range(n):
+        at = torch.arange(t, rows, n, device=x.device)
+        out[at] = causal_conv1d_update_ref(x[at], state, weight, None, activation)
+        conv_states[at + dst_base] = state.to(conv_states.dtype)
+    return out

@@ -219,10 +219,12 @@ def test_padding_rows_write_only_the_scratch_slot(checkpoint, monkeypatch):
             assert torch.equal(old[1], new[1]) and torch.equal(old[3], new[3])
 
 
-def test_mtp_verify_steps_stay_eager_with_decode_graphs(tmp_path, monkeypatch, caplog):
-    """MTP on a hybrid model with decode graphs on: the verify steps (EXTEND, their linear
-    layers recording for the commit) run eagerly, and the output is that of the model
-    alone."""
+@pytest.mark.parametrize("steps", [1, 2])
+def test_mtp_verify_steps_replay_verify_graphs(tmp_path, monkeypatch, caplog, steps):
+    """MTP on a hybrid model with graphs on: the verify steps (``verify_n`` = 1 + drafts
+    rows a request, the linear layers writing each row's state to the scratch slots)
+    replay the verify graphs captured for them, the commit picks the state after the last
+    accepted row, and the output is that of the model alone (greedy)."""
     from mtp_helpers import add_qwen_mtp
     from qwen3_next_helpers import save_tiny
 
@@ -234,19 +236,23 @@ def test_mtp_verify_steps_stay_eager_with_decode_graphs(tmp_path, monkeypatch, c
     prompts = [[5, 9, 14, 3, 77, 120, 31], list(range(40, 80)), [200, 201, 7]]
     sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     kw = dict(device="cpu", dtype="float32", max_total_tokens=2048, chunked_prefill_size=16,
-              max_running_requests=3, cuda_graph_max_bs=4)
+              max_running_requests=3, cuda_graph_max_bs=9)
     with LLM(str(tmp_path), **kw) as llm:
         want = [o.token_ids for o in llm.generate(prompts, sp)]
     _pretend_recorded_graphs(monkeypatch)
     with caplog.at_level(logging.INFO), LLM(str(tmp_path), speculative_algorithm="MTP",
-                                            speculative_num_steps=2, **kw) as llm:
+                                            speculative_num_steps=steps, **kw) as llm:
         r = llm.runner
         assert r.graph_runner is not None, caplog.text
         seen = []
         replay = r.graph_runner.replay
-        r.graph_runner.replay = lambda b, *a, **k: (seen.append(b.defer_state),
+        r.graph_runner.replay = lambda b, *a, **k: (seen.append(b.verify_n),
                                                     replay(b, *a, **k))[1]
+        # up to the 3 running requests (9 rows at most: 3 of 3 rows)
+        assert r.graph_runner.verify_buckets == [1, 2, 3]
         got = [o.token_ids for o in llm.generate(prompts, sp)]
         assert llm.scheduler.stats["spec_verify_reqs"] > 0
-    assert not any(seen)   # no verify step replayed a decode graph
+    assert f"verify graphs ({steps + 1} rows a request" in caplog.text
+    assert "verify graphs: a replay matches an eager step" in caplog.text
+    assert seen.count(steps + 1) >= 2, seen   # verify steps replayed their graphs
     assert got == want

@@ -1,7 +1,8 @@
 """MTP speculative decoding on a GPU (marker gpu): the tiny random DeepSeek-V3 with an MTP
 layer (MLA through the Triton MLA backend: its verify rows through the decode graphs, the
 MTP head's rounds through its own graphs where their replay matches the eager step) and
-the tiny Qwen3-Next (graphs off; FLA's chunked kernel for the verify step and its commit),
+the tiny Qwen3-Next (its verify steps through the verify graphs, and eagerly with graphs
+off: the Triton decode kernels in their verify mode, each row's state to a scratch slot),
 float32: greedy output with MTP must be the target's without it, and the arranged
 ``oracle`` MTP layer's drafts must be accepted."""
 
@@ -49,15 +50,18 @@ def test_deepseek_mtp_on_the_gpu(tmp_path, oracle):
         assert st["spec_accepted_tokens"] >= 0.9 * st["spec_proposed_tokens"]
 
 
+@pytest.mark.parametrize("graphs", [True, False])
 @pytest.mark.parametrize("oracle", [False, True])
-def test_qwen3_next_mtp_on_the_gpu(tmp_path, oracle):
+def test_qwen3_next_mtp_on_the_gpu(tmp_path, oracle, graphs):
     pytest.importorskip("transformers.models.qwen3_next")
     from mtp_helpers import add_qwen_mtp
     from qwen3_next_helpers import save_tiny
 
     save_tiny("qwen3_next", tmp_path)
     add_qwen_mtp(tmp_path, 3, oracle=oracle)
-    spec, got, want = _pair(tmp_path, disable_cuda_graph=True)
+    spec, got, want = _pair(tmp_path, disable_cuda_graph=not graphs)
+    gr = spec.runner.graph_runner
+    assert (gr is not None and bool(gr.verify_graphs)) == graphs
     assert got == want
     st = spec.scheduler.stats
     assert st["spec_proposed_tokens"] > 0

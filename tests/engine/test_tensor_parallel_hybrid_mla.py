@@ -10,7 +10,8 @@ whose requests take the state slots the first freed (a worker must zero its own 
 may hit the cached prefix; then a third whose requests extend finished ones (the next turn
 of the long prompt's conversation, the middling prompt grown), which hit the prefix cache:
 on the hybrid models through state snapshots, which every rank takes and restores in its
-own pool as rank 0 decides. Tokens identical, every returned log-prob (top 5 per step)
+own pool as rank 0 decides. NGRAM speculation on Qwen3-Next at TP=2 gives TP=1's tokens
+(the verify steps' state commits reach the worker). Tokens identical, every returned log-prob (top 5 per step)
 within 1e-3, the same ``cached_tokens`` (> 0 on the third batch). On the hybrid models the
 TP=2 run then repeats the third batch with the snapshot restores kept from the worker (its
 tokens differ) and again as sent (they agree). EP=2 (experts whole per rank) is checked on
@@ -141,6 +142,18 @@ def _assert_same(got, ref, what: str) -> None:
 def test_tp2_matches_tp1(case, checkpoint, tp1, monkeypatch):
     _assert_same(_run(checkpoint(case), monkeypatch if case in HYBRID else None, tp_size=2),
                  tp1(case), f"{case} TP=2")
+
+
+def test_ngram_on_a_hybrid_model_at_tp2(checkpoint, tp1):
+    """NGRAM speculation on Qwen3-Next at TP=2: the worker runs rank 0's verify steps (n
+    rows a request, each row's state into a scratch slot) and makes rank 0's commits, sent
+    with the next step (without either its half of the heads drifts); the tokens are
+    TP=1's without speculation."""
+    with parity_llm(checkpoint("qwen3_next"), tp_size=2, speculative_algorithm="NGRAM",
+                    speculative_num_draft_tokens=2) as llm:
+        outs = llm.generate([PROMPT_A, PROMPT_C, MIDDLE], SP)
+        assert llm.scheduler.stats["spec_verify_reqs"] > 0
+    assert [list(o.token_ids) for o in outs] == tp1("qwen3_next")[0][:3]
 
 
 def test_ep2_matches_tp1(checkpoint, tp1):

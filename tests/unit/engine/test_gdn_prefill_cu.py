@@ -17,10 +17,10 @@ from kernels.linear_attention import fla_ops
 
 
 def _view(device: str, num_decodes: int, mode=ForwardMode.EXTEND):
-    pools = SimpleNamespace(state_pool=SimpleNamespace(conv_states=[], recurrent_states=[]),
+    pools = SimpleNamespace(state_pool=SimpleNamespace(conv_states=[], recurrent_states=[],
+                                                       scratch_base=5),
                             device=torch.device(device))
-    batch = SimpleNamespace(mode=mode, batch_size=3, num_decodes=num_decodes,
-                            defer_state=False)
+    batch = SimpleNamespace(mode=mode, batch_size=3, num_decodes=num_decodes, verify_n=0)
     cu = [0, 5, 12, 13]
     on_device = [torch.tensor([1, 2, 3]), torch.tensor(cu)]
     return _state_view(pools, batch, [[1, 2, 3], cu], on_device), on_device
@@ -40,7 +40,7 @@ def test_state_view_builds_the_prefill_counts_once():
 def test_layers_pass_the_same_objects(monkeypatch):
     view, _ = _view("cuda", num_decodes=1)
     state = gdn.LinearStateBatch(None, None, view.slots, view.cu_seqlens, False, 1,
-                                 view.cu_seqlens_dev, None, view.prefill_cu)
+                                 view.cu_seqlens_dev, prefill_cu=view.prefill_cu)
     monkeypatch.setattr(gdn, "gated_delta_rule_backend", lambda device: "fla")
     a = gdn.GatedDeltaNet._prefill_cu(state, 2, torch.device("cuda"))
     b = gdn.GatedDeltaNet._prefill_cu(state, 2, torch.device("cuda"))

@@ -36,10 +36,10 @@ def layers():
     return ref, ours, dims
 
 
-def _pool(dims, n=4):
+def _pool(dims, n=4, scratch=0):
     shape = StateShape(dims.conv_dim, dims.conv_width, dims.num_v_heads, dims.k_head_dim,
                        dims.v_head_dim)
-    return RecurrentStatePool(n, [shape], torch.float32, "cpu")
+    return RecurrentStatePool(n, [shape], torch.float32, "cpu", scratch)
 
 
 def _run(ours, pool, slots, pieces, decode=False):
@@ -129,34 +129,39 @@ def _after(ours, dims, slots, *steps):
 
 
 @pytest.mark.parametrize("keep", [[2, 4, 1], [1, 1, 1]])  # tokens kept, per request
-def test_verify_record_and_commit_keep_the_accepted_state(layers, keep):
-    """A speculative verify step (``LinearStateBatch.record``): its rows are an ordinary
-    extend's, the slots' states stay as they were, and ``commit`` with each request's
-    accepted count leaves exactly the state of an extend over those tokens only (all drafts
-    rejected: one token each, through the decode step's kernels)."""
+def test_verify_rows_and_commit_keep_the_accepted_state(layers, keep):
+    """A speculative verify step (``LinearStateBatch.verify_n`` = 4 rows a request, the third
+    request's one row padded with three rows of noise): each request's own rows give an
+    ordinary extend's outputs, the slots' states stay as they were, and the pool's
+    ``commit`` of the state after each request's last accepted row leaves exactly the
+    state of an extend over the accepted tokens only."""
     _, ours, dims = layers
-    hist = [torch.randn(n, HIDDEN) for n in (6, 11, 3)]
-    window = [torch.randn(n, HIDDEN) for n in (4, 4, 1)]   # last token + drafts
+    n = 4
+    hist = [torch.randn(k, HIDDEN) for k in (6, 11, 3)]
+    window = [torch.randn(k, HIDDEN) for k in (4, 4, 1)]   # last token + drafts
     slots = [1, 2, 3]
     pool, _ = _after(ours, dims, slots, hist)
-    before = [t.clone() for t in (pool.conv_states[0], pool.recurrent_states[0])]
+    verify = _pool(dims, scratch=3 * n)
+    for mine, theirs in zip((*verify.conv_states, *verify.recurrent_states),
+                            (*pool.conv_states, *pool.recurrent_states)):
+        mine[:pool.scratch_base] = theirs
+    before = [t.clone() for t in (verify.conv_states[0], verify.recurrent_states[0])]
     _, plain = _after(ours, dims, slots, hist, window)
-    want, _ = _after(ours, dims, slots, hist, [w[:n] for w, n in zip(window, keep)])
-    cu = [0]
-    for w in window:
-        cu.append(cu[-1] + w.shape[0])
-    rec: list = []
-    batch = LinearStateBatch(pool.conv_states[0], pool.recurrent_states[0],
-                             torch.tensor(slots), cu, False, record=rec)
+    want, _ = _after(ours, dims, slots, hist, [w[:k] for w, k in zip(window, keep)])
+    rows = torch.cat([torch.cat([w, torch.randn(n - w.shape[0], HIDDEN)]) for w in window])
+    batch = LinearStateBatch(verify.conv_states[0], verify.recurrent_states[0],
+                             torch.tensor(slots).repeat_interleave(n),
+                             list(range(3 * n + 1)), True, verify_n=n,
+                             scratch_base=verify.scratch_base)
     with torch.no_grad():
-        out = ours(torch.cat(window), batch)
-    for o, s, e in zip(plain, cu, cu[1:]):
-        torch.testing.assert_close(out[s:e], o, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(pool.conv_states[0], before[0])   # untouched by the verify
-    torch.testing.assert_close(pool.recurrent_states[0], before[1])
-    (layer, state, *inputs), = rec
-    with torch.no_grad():
-        layer.commit(state, *inputs, keep)
-    torch.testing.assert_close(pool.conv_states[0], want.conv_states[0], atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(pool.recurrent_states[0], want.recurrent_states[0],
+        out = ours(rows, batch)
+    for i, (o, w) in enumerate(zip(plain, window)):
+        torch.testing.assert_close(out[i * n:i * n + w.shape[0]], o, atol=1e-5, rtol=1e-4)
+    base = verify.scratch_base
+    torch.testing.assert_close(verify.conv_states[0][:base], before[0][:base])   # untouched
+    torch.testing.assert_close(verify.recurrent_states[0][:base], before[1][:base])
+    verify.commit(slots, [base + i * n + k - 1 for i, k in enumerate(keep)])
+    torch.testing.assert_close(verify.conv_states[0][:base], want.conv_states[0], atol=1e-6,
+                               rtol=1e-5)
+    torch.testing.assert_close(verify.recurrent_states[0][:base], want.recurrent_states[0],
                                atol=1e-5, rtol=1e-4)
