@@ -69,6 +69,7 @@ class ModelRunner(RankRunner):
         if not self.tp_leader:
             return
         self.tp_leader = False
+        atexit.unregister(self.shutdown)  # the registry held the runner (and its memory)
         if self._tp_watch is not None:
             self._tp_watch.set()
         try:

@@ -13,9 +13,11 @@ from engine.sampling.params import SamplingParams
 TINY = "engine/configs/llama-tiny.json"
 
 
-def test_shutdown_frees_the_model_and_refuses_to_generate():
+@pytest.mark.parametrize("tp", [1, 2])   # TP: rank 0's runner was held by its atexit hook
+def test_shutdown_frees_the_model_and_refuses_to_generate(tp):
     sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
-    with LLM(TINY, load_format="dummy", device="cpu", cpu_threads=1, seed=1) as llm:
+    with LLM(TINY, load_format="dummy", device="cpu", cpu_threads=1, seed=1,
+             tp_size=tp) as llm:
         model = weakref.ref(llm.runner.model)
         kv = weakref.ref(llm.scheduler)
         assert len(llm.generate([[5, 6, 7]], sp)[0].token_ids) == 3
