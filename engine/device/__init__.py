@@ -272,9 +272,11 @@ def stream_context(device_type: str, stream):
         return
     current = mod.current_stream()
     stream.wait_stream(current)
-    with mod.stream(stream):
-        yield
-    current.wait_stream(stream)
+    try:
+        with mod.stream(stream):
+            yield
+    finally:  # also when the block raised: its queued work is ordered before what follows
+        current.wait_stream(stream)
 
 
 def dist_backend(device_type: str) -> str:

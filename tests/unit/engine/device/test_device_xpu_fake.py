@@ -90,6 +90,9 @@ def test_stream_context_orders_the_side_stream_both_ways(fake_xpu):
     with dev.stream_context("cpu", side):   # the CPU: nothing
         pass
     assert len(fake.calls) == 5
+    with pytest.raises(RuntimeError), dev.stream_context("xpu", side):
+        raise RuntimeError("a warm-up failed")
+    assert fake.calls[-1] == "main waits for side"   # ordered even when the block raised
 
 
 @pytest.fixture
