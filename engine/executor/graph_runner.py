@@ -8,7 +8,7 @@ that a real request uses. Nothing inside the step syncs with the host.
 
 A model with linear-attention layers (a recurrent-state pool, ``engine/kv/state_pool.py``)
 reads each row's state slot from the static ``state_slots`` buffer (the step's
-``RecurrentStateView.slots``); a padding row points at the pool's slot 0, its scratch slot,
+``RecurrentStateView.slots``); a padding row points at the pool's slot 0, its padding slot,
 so the padded rows' conv and recurrent updates never touch a real request's state. The
 per-bucket ``cu_seqlens`` (``0..bs``, one token a row) are host constants of the capture.
 With speculative decoding such a model also gets verify graphs: a verify step is a DECODE
@@ -97,7 +97,7 @@ class GraphRunner:
         self.lora_seg_start = torch.arange(n, dtype=torch.int32, device=d)
         self.lora_seg_len = torch.ones(n, dtype=torch.int32, device=d)
         self.lora_seg_slot = torch.full((n,), -1, dtype=torch.int32, device=d)
-        # linear-attention layers: each row's recurrent-state slot (0: the scratch slot)
+        # linear-attention layers: each row's recurrent-state slot (0: the padding slot)
         self.state_slots = torch.zeros(n, dtype=torch.int64, device=d)
         self.pool = runner.graph_pool()
         runner.attn_backend.init_capture(self.max_bs)

@@ -33,7 +33,7 @@ import torch
 
 from engine import device as dev
 from engine import distributed as tpd
-from engine.executor.schedule_batch import PadRow, ScheduleBatch
+from engine.executor.schedule_batch import ScheduleBatch
 from engine.forward_batch import ForwardMode
 
 logger = logging.getLogger(__name__)
@@ -116,8 +116,9 @@ def _eager(runner, batch: ScheduleBatch) -> torch.Tensor:
     return runner.model(input_ids, fb.positions, fb)
 
 
-def _check_lens(runner, max_bs: int, max_tokens: int) -> list[int]:
-    """The check's prompt lengths, within the batch, context, pool and step limits."""
+def _check_lens(runner, max_bs: int, max_tokens: int, extra: int = 1) -> list[int]:
+    """The check's prompt lengths, within the batch, context, pool and step limits, with
+    room for ``extra`` more tokens a request (its decode token; a verify step's rows)."""
     n = min(len(CHECK_LENS), max_bs, runner.req_to_token_pool.available())
     sp = getattr(runner, "state_pool", None)
     if sp is not None:
@@ -125,8 +126,8 @@ def _check_lens(runner, max_bs: int, max_tokens: int) -> list[int]:
     if n < 1:
         return []
     kv = runner.kv_pool
-    room = kv.free_tokens() // n - kv.page_size - 1
-    lens = [min(L, runner.max_context_len - 2, room) for L in CHECK_LENS[:n]]
+    room = kv.free_tokens() // n - kv.page_size - extra
+    lens = [min(L, runner.max_context_len - 1 - extra, room) for L in CHECK_LENS[:n]]
     while sum(lens) > max_tokens and max(lens) > 1:
         lens = [max(1, L // 2) for L in lens]
     return lens if min(lens) >= 1 and sum(lens) <= max_tokens else []
@@ -170,8 +171,10 @@ def check_graphs(runner, gr, pw) -> tuple[bool, bool]:
         ``(decode graphs agree, piecewise graphs agree)``; True for a kind not captured, and
         for both when the pools are too small for the check (logged).
     """
+    # a hybrid model's verify graphs: the check's requests also take verify_n rows each
+    extra = max(1, getattr(gr, "verify_n", 0) if getattr(gr, "verify_graphs", None) else 1)
     lens = _check_lens(runner, gr.max_bs if gr is not None else len(CHECK_LENS),
-                       pw.max_tokens if pw is not None else sum(CHECK_LENS))
+                       pw.max_tokens if pw is not None else sum(CHECK_LENS), extra)
     if not lens:
         logger.info("graph replay check skipped: the KV pool is too small for it")
         return True, True
@@ -180,17 +183,17 @@ def check_graphs(runner, gr, pw) -> tuple[bool, bool]:
     swa = getattr(runner, "swa_pool", None)  # the windowed layers' pool: twins of the pages
     reqs, pages, slots, twins = [], [], [], []
     for L in lens:
-        ids = torch.randint(0, runner.vocab_size, (L + 1,), generator=g).tolist()
+        ids = torch.randint(0, runner.vocab_size, (L + extra,), generator=g).tolist()
         reqs.append(_CheckReq(rows_pool.alloc(), ids))
         pages.append([])
-        slots.append(kv.grow(pages[-1], 0, L + 1) or [])
+        slots.append(kv.grow(pages[-1], 0, L + extra) or [])
         if swa is not None:
             twins.append(swa.alloc_pages(len(pages[-1])) or [])
             for f, w in zip(pages[-1], twins[-1]):
                 swa.page_map[f] = w
     states = _CheckStates(getattr(runner, "state_pool", None), reqs)
     try:
-        if any(len(ss) != L + 1 for ss, L in zip(slots, lens)) or states.short or \
+        if any(len(ss) != L + extra for ss, L in zip(slots, lens)) or states.short or \
                 any(len(t) != len(pg) for t, pg in zip(twins, pages)):
             logger.info("graph replay check skipped: the KV pool is too small for it")
             return True, True
@@ -215,6 +218,8 @@ def check_graphs(runner, gr, pw) -> tuple[bool, bool]:
             states.restore()
             eager = _eager(runner, decode)
             gr_ok = replayed is not None and _verdict(runner, "decode graphs", replayed, eager)
+            # every rank takes the sub-checks below or none (they run collectives)
+            gr_ok = tpd.min_over_ranks(int(gr_ok)) == 1
             if gr_ok and getattr(gr, "base_graphs", None):  # LoRA: the kernels' kind too
                 states.restore()
                 replayed = dev.replay_or_none(d, "decode graphs with LoRA",
@@ -223,7 +228,7 @@ def check_graphs(runner, gr, pw) -> tuple[bool, bool]:
                                                           replayed, eager)
             if gr_ok and getattr(gr, "verify_graphs", None):
                 states.restore()
-                _check_verify_graphs(runner, gr, decode)
+                _check_verify_graphs(runner, gr, reqs, lens, slots)
         dev.synchronize(d)
     finally:  # hand the rows and pages back so that allocation continues as without the check
         states.free()
@@ -235,24 +240,36 @@ def check_graphs(runner, gr, pw) -> tuple[bool, bool]:
     return gr_ok, pw_ok
 
 
-def _check_verify_graphs(runner, gr, decode: ScheduleBatch) -> None:
-    """A hybrid model's verify graphs: the check's decode rows as a verify step (each
-    request's row, then ``verify_n - 1`` padding rows, as the speculative worker pads a
-    request without drafts), replayed against the same step run eagerly, on the requests'
-    own rows; a mismatch drops the verify graphs (verify steps then run eagerly)."""
-    n, most = gr.verify_n, gr.verify_buckets[-1]
-    reqs = decode.reqs[:most]
-    rows = [x for r in reqs for x in (r, *[PadRow()] * (n - 1))]
-    pos = [x for p in decode.prefix_lens[:most] for x in (p, *[0] * (n - 1))]
-    locs = [x for c in decode.out_cache_loc[:most] for x in (c, *[0] * (n - 1))]
+def _check_verify_graphs(runner, gr, reqs: list, lens: list[int], slots: list[list[int]]
+                         ) -> None:
+    """A hybrid model's verify graphs: the check's requests as a verify step (each its
+    ``verify_n`` next tokens, rows reading the previous rows' states), replayed against the
+    same step run eagerly: every row's logits, and the scratch slots' recurrent states after
+    each row (what the commit copies), within 1e-2 of the largest; a mismatch on any rank
+    drops the verify graphs on every rank (verify steps then run eagerly)."""
+    n, k = gr.verify_n, min(len(reqs), gr.verify_buckets[-1])
+    rows = [r for r in reqs[:k] for _ in range(n)]
+    pos = [L + j for L in lens[:k] for j in range(n)]
+    locs = [ss[L + j] for ss, L in zip(slots[:k], lens[:k]) for j in range(n)]
     batch = ScheduleBatch(mode=ForwardMode.DECODE, reqs=rows, prefix_lens=pos,
                           extend_lens=[1] * len(rows), sample=[True] * len(rows),
                           out_cache_loc=locs, verify_n=n)
-    own = slice(None, None, n)
+    sp = runner.state_pool
+    span = slice(sp.scratch_base, sp.scratch_base + k * n)
     replayed = dev.replay_or_none(runner.device_type, "verify graphs",
-                                  lambda: gr.replay(batch)[own].clone())
-    eager = _eager(runner, batch)[own]  # the slots are read, not written: no restore
-    if replayed is None or not _verdict(runner, "verify graphs", replayed, eager):
+                                  lambda: gr.replay(batch).clone())
+    kept = [t[span].clone() for t in sp.recurrent_states]
+    eager = _eager(runner, batch)  # the slots are read, not written: no restore
+    ok = replayed is not None and _verdict(runner, "verify graphs", replayed, eager)
+    if ok:
+        worst = max(((a - t[span]).abs().max() / (t[span].abs().max() + 1e-6)).item()
+                    for a, t in zip(kept, sp.recurrent_states))
+        ok = worst <= 1e-2
+        if not ok:
+            logger.warning("verify graphs: the states a replay left in the scratch slots "
+                           "differ from an eager step's (%.2e of the largest); verify steps "
+                           "run eagerly", worst)
+    if tpd.min_over_ranks(int(ok)) == 0:
         gr.verify_graphs.clear()
 
 

@@ -36,6 +36,9 @@ from engine.layer_spec import CacheKind, LayerSpec, RecurrentStateSpec, cache_gr
 
 StateShape = RecurrentStateSpec  # one linear layer's per-request state shapes
 
+#: the most bytes a commit gathers at once (the layers' copies go in groups under it)
+COMMIT_TEMP_BYTES = 256 << 20
+
 
 class RecurrentStatePool:
     """Per-request slots of (conv state, recurrent state) for each linear layer.
@@ -82,7 +85,7 @@ class RecurrentStatePool:
 
     @property
     def nbytes(self) -> int:
-        """Device bytes of every slot's states (the padding slot included)."""
+        """Device bytes of every slot's states (the padding and scratch slots included)."""
         return sum(t.numel() * t.element_size()
                    for t in (*self.conv_states, *self.recurrent_states))
 
@@ -116,9 +119,12 @@ class RecurrentStatePool:
         idx = dev.host_to_device(torch.tensor([list(slots), list(sources)], dtype=torch.int64),
                                  self.conv_states[0].device)
         dst, src = idx[0], idx[1]
-        if self._stacked:
+        if self._stacked:  # groups of layers, the gathered copy within COMMIT_TEMP_BYTES
             for t in (self._conv_all, self._rec_all):
-                t[:, dst] = t[:, src]
+                per = t[0, 0].numel() * t.element_size() * len(slots)
+                step = max(1, COMMIT_TEMP_BYTES // per)
+                for lo in range(0, t.shape[0], step):
+                    t[lo:lo + step, dst] = t[lo:lo + step, src]
             return
         for t in (*self.conv_states, *self.recurrent_states):
             t[dst] = t[src]

@@ -17,7 +17,8 @@ One step, for the running requests together:
    the step takes the decode path (its graphs, the CPU's C++ decode kernel) where an EXTEND
    would run eager extend attention; row j reads the prefix again, which is what bounds it.
    Otherwise it is an EXTEND over the cached prefix with logits for every row
-   (``all_rows``). A request without drafts is one row, a plain decode.
+   (``all_rows``). A request without drafts is one row, a plain decode (on a hybrid model:
+   1 + k rows, all but the first padding).
 4. Accept (``engine/sampling/acceptance.py``): the longest run of drafts the target keeps,
    plus the target's own token after it; the KV of the rejected positions is dropped
    (``KVCacheManager.shrink``), so ``req_to_token`` and the radix cache only ever hold
@@ -408,6 +409,8 @@ def padded_verify_batch(reqs: list, prefix: list[int], ext: list[int], locs: lis
     rows, pos, out, own, pad = [], [], [], [], PadRow()
     it = iter(locs)
     for r, p, e in zip(reqs, prefix, ext):
+        if not 1 <= e <= n:  # the rows of every request after it would shift
+            raise ValueError(f"a verify step of {n} rows a request got {e} for one")
         own.extend(range(len(rows), len(rows) + e))
         rows += [r] * e + [pad] * (n - e)
         pos += [p + j for j in range(e)] + [0] * (n - e)

@@ -84,8 +84,9 @@ def recurrent_gated_delta_rule_update_triton(
 
     Args: ``q``, ``k`` [B, Hk, K]; ``v`` [B, Hv, V] (rows may be strided, as the column
     slices of the conv output are: read in place); ``g``, ``beta`` [B, Hv]; ``states``
-    [slots + 1, Hv, K, V] float32 (the pool's tensor, updated in place at ``slots``);
-    ``slots`` [B] int (distinct).
+    [S, Hv, K, V] float32 (the pool's tensor, updated in place at ``slots``; in verify mode
+    only the scratch slots are written); ``slots`` [B] int (distinct; in verify mode one per
+    row, of which each request's first is read).
     Returns: ``o`` [B, Hv, V] in q's dtype.
     Raises: ValueError when Hv % Hk != 0, the states are not float32 or B is not a
     multiple of ``verify_n``.

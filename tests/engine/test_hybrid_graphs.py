@@ -224,7 +224,8 @@ def test_mtp_verify_steps_replay_verify_graphs(tmp_path, monkeypatch, caplog, st
     """MTP on a hybrid model with graphs on: the verify steps (``verify_n`` = 1 + drafts
     rows a request, the linear layers writing each row's state to the scratch slots)
     replay the verify graphs captured for them, the commit picks the state after the last
-    accepted row, and the output is that of the model alone (greedy)."""
+    accepted row, and the output is that of the model alone (greedy): random drafts with one
+    draft token, oracle drafts (accepted) with two."""
     from mtp_helpers import add_qwen_mtp
     from qwen3_next_helpers import save_tiny
 
@@ -232,7 +233,7 @@ def test_mtp_verify_steps_replay_verify_graphs(tmp_path, monkeypatch, caplog, st
     from engine.sampling.params import SamplingParams
 
     save_tiny("qwen3_next", tmp_path)
-    add_qwen_mtp(tmp_path, 3)
+    add_qwen_mtp(tmp_path, 3, oracle=steps == 2)   # oracle drafts: commits of every count
     prompts = [[5, 9, 14, 3, 77, 120, 31], list(range(40, 80)), [200, 201, 7]]
     sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     kw = dict(device="cpu", dtype="float32", max_total_tokens=2048, chunked_prefill_size=16,
@@ -251,7 +252,10 @@ def test_mtp_verify_steps_replay_verify_graphs(tmp_path, monkeypatch, caplog, st
         # up to the 3 running requests (9 rows at most: 3 of 3 rows)
         assert r.graph_runner.verify_buckets == [1, 2, 3]
         got = [o.token_ids for o in llm.generate(prompts, sp)]
-        assert llm.scheduler.stats["spec_verify_reqs"] > 0
+        st = llm.scheduler.stats
+        assert st["spec_verify_reqs"] > 0
+        if steps == 2:   # rows 2 and 3 of a request were kept: commits from later rows
+            assert st["spec_accept_lengths"][1] + st["spec_accept_lengths"][2] > 0, st
     assert f"verify graphs ({steps + 1} rows a request" in caplog.text
     assert "verify graphs: a replay matches an eager step" in caplog.text
     assert seen.count(steps + 1) >= 2, seen   # verify steps replayed their graphs

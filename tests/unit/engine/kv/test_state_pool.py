@@ -39,6 +39,32 @@ def test_sizes_and_memory_line():
         RecurrentStatePool(0, SHAPES, torch.float32, "cpu")
 
 
+@pytest.mark.parametrize("stacked", [True, False])
+@pytest.mark.parametrize("temp_bytes", [1, 256 << 20])   # one layer a copy, or all at once
+def test_commit_copies_scratch_slots_into_request_slots(monkeypatch, stacked, temp_bytes):
+    """A verify commit: ``states[slots[i]] = states[sources[i]]`` in every layer and kind,
+    nothing else touched; the same with the layers stacked in one tensor (copied in groups
+    under COMMIT_TEMP_BYTES) or apart (shapes that differ)."""
+    from engine.kv import state_pool as sp
+
+    monkeypatch.setattr(sp, "COMMIT_TEMP_BYTES", temp_bytes)
+    other = StateShape(conv_dim=8, conv_width=4, num_v_heads=2, k_head_dim=3, v_head_dim=5)
+    shapes = SHAPES if stacked else [SHAPES[0], other, SHAPES[0]]
+    pool = RecurrentStatePool(3, shapes, torch.float32, "cpu", scratch=6)
+    assert pool._stacked == stacked and pool.scratch_base == 4
+    assert pool.conv_states[0].shape[0] == 10 and "+ 6 scratch slots" in pool.memory_line()
+    for t in (*pool.conv_states, *pool.recurrent_states):
+        t.copy_(torch.randn_like(t))
+    want = [t.clone() for t in (*pool.conv_states, *pool.recurrent_states)]
+    for t in want:
+        t[[2, 1]] = t[[7, 5]].clone()
+    pool.commit([2, 1], [7, 5])
+    for w, t in zip(want, (*pool.conv_states, *pool.recurrent_states)):
+        assert torch.equal(w, t)
+    with pytest.raises(ValueError, match="not request slots"):
+        pool.commit([5], [6])
+
+
 def test_build_from_specs():
     from engine.kv.state_pool import build_state_pool
     from engine.layer_spec import AttentionKind, CacheKind, LayerSpec
