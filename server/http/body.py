@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 from typing import Any
 
 import msgspec
@@ -17,6 +19,9 @@ from server.http.errors import APIError, bad_request, http_error
 #: default seconds a client has to send the whole request body (headers already in); a
 #: client that stalls gets a 408 and the connection is closed (``--body-read-timeout``)
 BODY_READ_TIMEOUT_S = 30.0
+
+#: a \\u escape of a UTF-16 surrogate (D800-DFFF)
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 async def _read_body(request: Request, max_bytes: int) -> bytearray:
@@ -75,9 +80,26 @@ async def read_json(request: Request, max_bytes: int,
     try:  # strict JSON: no NaN/Infinity, valid UTF-8, no lone surrogates
         return msgspec.json.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+        raise bad_request(_not_json(bytes(body), exc)) from None
     except RecursionError:
         raise bad_request("the request body is nested too deeply") from None
     except Exception as exc:  # noqa: BLE001 - whatever the decoder raises, the body is bad
         raise bad_request(f"the request body could not be decoded ({type(exc).__name__})"
                           ) from None
+
+
+def _not_json(body: bytes, exc: Exception) -> str:
+    """Why a body msgspec refused is not strict JSON: Python's laxer decoder tells the two
+    cases msgspec words obscurely (a lone surrogate escape: "Input data was truncated";
+    ``NaN``/``Infinity``: "invalid character") from plain syntax errors."""
+    constants: list[str] = []
+    try:
+        json.loads(body, parse_constant=constants.append)
+    except (ValueError, RecursionError):
+        return f"the request body is not valid JSON: {exc}"
+    if constants:
+        return f"the request body is not valid JSON: {constants[0]} is not a JSON number"
+    if "truncated" in str(exc) and _SURROGATE.search(body):  # msgspec's word for it
+        return ("the request body is not valid JSON: a \\uD800-\\uDFFF escape without its "
+                "pair (a lone UTF-16 surrogate) encodes no character")
+    return f"the request body is not valid JSON: {exc}"

@@ -334,6 +334,19 @@ async def test_deeply_nested_json_is_a_400(body):
     assert ei.value.status == 400 and ei.value.type == "invalid_request_error"
 
 
+@pytest.mark.parametrize("body,says", [
+    (b'{"prompt": "a\\ud800b"}', "lone UTF-16 surrogate"),       # msgspec: "truncated"
+    (b'{"prompt": "x", "temperature": NaN}', "NaN is not a JSON number"),
+    (b'{"prompt": "x", "top_p": -Infinity}', "-Infinity is not a JSON number"),
+    (b'{"prompt": "x",}', "trailing comma"),                       # msgspec's own words
+    (b'{"prompt": "\\ud83d\\ude00", "n": 1e400}', "Number out of range"),  # a valid pair
+])
+async def test_strict_json_refusals_say_what_is_wrong(body, says):
+    with pytest.raises(APIError) as ei:
+        await read_json(_request([body]), 1 << 20)
+    assert ei.value.status == 400 and says in ei.value.message, ei.value.message
+
+
 async def test_moderately_nested_json_is_fine():
     body = await read_json(_request([_nested(50)]), 1 << 20)
     assert body["prompt"] == "Hi"
