@@ -142,8 +142,8 @@ def _response_format(value: Any) -> tuple[str, str, str] | None:
         spec = value.get("json_schema")
         p = "response_format.json_schema"
         if not isinstance(spec, dict):
-            raise bad_request("response_format.json_schema must be an object with 'name' and "
-                              "'schema'", p)
+            raise bad_request("response_format.json_schema must be an object with a 'name' "
+                              "(and optionally 'schema', 'description', 'strict')", p)
         _no_other_keys(spec, JSON_SCHEMA_KEYS, p)
         check_schema_name(spec, f"{p}.name")
         if not isinstance(spec.get("description", ""), str):

@@ -92,6 +92,15 @@ def test_bad_or_double_constraints_are_400s_naming_the_field(body, param):
     assert _param(lambda: _constrain(_chat(**body))) == param
 
 
+def test_json_schema_object_missing_says_what_it_holds():
+    """The 400 for a missing json_schema object names what is required ('name') and what
+    is optional (OpenAI's 'schema' may be left out: any JSON object then)."""
+    with pytest.raises(APIError) as ei:
+        _constrain(_chat(response_format={"type": "json_schema"}))
+    msg = ei.value.message
+    assert "'name'" in msg and "optionally 'schema'" in msg, msg
+
+
 @pytest.mark.parametrize("name", ["a", "x" * 64, "Person_v2-final", "0", "-_"])
 def test_json_schema_names_of_openais_pattern_pass(name):
     sp = _constrain(_chat(response_format={"type": "json_schema", "json_schema": {
