@@ -33,7 +33,7 @@ import torch
 
 from engine import device as dev
 from engine import distributed as tpd
-from engine.executor.schedule_batch import ScheduleBatch
+from engine.executor.schedule_batch import ScheduleBatch, padded_verify_batch
 from engine.forward_batch import ForwardMode
 
 logger = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ def check_graphs(runner, gr, pw) -> tuple[bool, bool]:
         for both when the pools are too small for the check (logged).
     """
     # a hybrid model's verify graphs: the check's requests also take verify_n rows each
-    extra = max(1, getattr(gr, "verify_n", 0) if getattr(gr, "verify_graphs", None) else 1)
+    extra = gr.verify_n if getattr(gr, "verify_graphs", None) else 1
     lens = _check_lens(runner, gr.max_bs if gr is not None else len(CHECK_LENS),
                        pw.max_tokens if pw is not None else sum(CHECK_LENS), extra)
     if not lens:
@@ -248,12 +248,8 @@ def _check_verify_graphs(runner, gr, reqs: list, lens: list[int], slots: list[li
     each row (what the commit copies), within 1e-2 of the largest; a mismatch on any rank
     drops the verify graphs on every rank (verify steps then run eagerly)."""
     n, k = gr.verify_n, min(len(reqs), gr.verify_buckets[-1])
-    rows = [r for r in reqs[:k] for _ in range(n)]
-    pos = [L + j for L in lens[:k] for j in range(n)]
     locs = [ss[L + j] for ss, L in zip(slots[:k], lens[:k]) for j in range(n)]
-    batch = ScheduleBatch(mode=ForwardMode.DECODE, reqs=rows, prefix_lens=pos,
-                          extend_lens=[1] * len(rows), sample=[True] * len(rows),
-                          out_cache_loc=locs, verify_n=n)
+    batch, _ = padded_verify_batch(reqs[:k], lens[:k], [n] * k, locs, n)  # no padding rows
     sp = runner.state_pool
     span = slice(sp.scratch_base, sp.scratch_base + k * n)
     replayed = dev.replay_or_none(runner.device_type, "verify graphs",

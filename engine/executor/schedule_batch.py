@@ -31,7 +31,7 @@ class StepRequest(Protocol):
 
 class PadRow:
     """A padding row of a hybrid model's verify step (every request has ``verify_n`` rows;
-    ``engine/speculative/worker.py`` ``padded_verify_batch``): ``req_to_token`` row 0,
+    :func:`padded_verify_batch`): ``req_to_token`` row 0,
     position 0, KV slot 0 and state slot 0, the padding sinks a graph's padding rows use;
     token 0. Its logits are dropped."""
 
@@ -102,3 +102,23 @@ class ScheduleBatch:
     @property
     def num_tokens(self) -> int:
         return sum(self.extend_lens)
+
+
+def padded_verify_batch(reqs: list, prefix: list[int], ext: list[int], locs: list[int],
+                        n: int) -> tuple[ScheduleBatch, list[int]]:
+    """A hybrid model's verify step (``engine/speculative/worker.py``; the start-up graph
+    check's too): the speculative worker's ``verify_batch`` DECODE rows, each request's
+    ``ext[i]`` rows followed by ``n - ext[i]`` :class:`PadRow` rows (KV slot 0), so every
+    request has ``n`` rows (``ScheduleBatch.verify_n``: the linear layers' verify mode).
+    Returns the batch and the indices of its requests' own rows, in order."""
+    rows, pos, out, own, pad = [], [], [], [], PadRow()
+    it = iter(locs)
+    for r, p, e in zip(reqs, prefix, ext):
+        if not 1 <= e <= n:  # the rows of every request after it would shift
+            raise ValueError(f"a verify step of {n} rows a request got {e} for one")
+        own.extend(range(len(rows), len(rows) + e))
+        rows += [r] * e + [pad] * (n - e)
+        pos += [p + j for j in range(e)] + [0] * (n - e)
+        out += [next(it) for _ in range(e)] + [0] * (n - e)
+    return ScheduleBatch(ForwardMode.DECODE, rows, pos, [1] * len(rows), [True] * len(rows),
+                         out, verify_n=n), own

@@ -279,7 +279,7 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[0]
         mixed, z, b, a = self._split(x)
         if state.verify_n:  # rows of n per request: per-row states into the scratch slots
-            return self.out_proj(self.norm(self._verify(x, mixed, a, b, state), z).reshape(t, -1))
+            return self.out_proj(self.norm(self._verify(mixed, a, b, state), z).reshape(t, -1))
         n = len(state.cu_seqlens) - 1
         n_dec = n if state.decode else state.num_decodes
         n_ext = n - n_dec
@@ -328,13 +328,13 @@ class GatedDeltaNet(nn.Module):
         return (cu_dev[:n_ext + 1] if cu_dev is not None else state.cu_seqlens[:n_ext + 1],
                 None)
 
-    def _verify(self, x: torch.Tensor, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+    def _verify(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                 state: LinearStateBatch) -> torch.Tensor:
         """A verify step's conv and gated delta rule (module docstring): each request's
         ``state.verify_n`` rows from its slot, the states after each row into the scratch
         slots; returns [T, Hv, V]."""
         n, base, weight = state.verify_n, state.scratch_base, self.conv1d.weight.squeeze(1)
-        if fused_prologue(x.device):
+        if fused_prologue(mixed.device):
             conv, g, beta = gdn_decode_prologue(mixed, state.conv_states, state.slots, weight,
                                                 a, b, self.A_log, self.dt_bias, n, base)
         else:

@@ -29,8 +29,8 @@ One step, for the running requests together:
    every row in scratch slots (``ScheduleBatch.verify_n``); the runner's ``commit_verify``
    then copies the one after the last accepted token into the request's slot
    (``engine/kv/state_pool.py``). ``SpecWorker.step`` returns each request's run
-   (``AcceptedRun``); the scheduler's ``OutputProcessor`` appends it with its stop checks (a stop token or string
-   inside the run cuts it there).
+   (``AcceptedRun``); the scheduler's ``OutputProcessor`` appends it with its stop checks
+   (a stop token or string inside the run cuts it there).
 
 The step is synchronous: the next step's positions and drafts depend on how many tokens
 this one accepted, so with overlap scheduling the in-flight step is drained before a verify
@@ -48,7 +48,7 @@ import torch
 
 from engine import device as dev
 from engine.args import ServerArgs, num_draft_tokens
-from engine.executor.schedule_batch import PadRow, ScheduleBatch
+from engine.executor.schedule_batch import ScheduleBatch, padded_verify_batch
 from engine.executor.step_runner import StepRunner
 from engine.forward_batch import ForwardMode
 from engine.sampling.acceptance import verify_drafts
@@ -398,27 +398,6 @@ def verify_batch(reqs: list, prefix: list[int], ext: list[int], locs: list[int],
                              locs)
     return ScheduleBatch(ForwardMode.EXTEND, reqs, prefix, ext, [True] * len(reqs), locs,
                          [True] * len(reqs))
-
-
-def padded_verify_batch(reqs: list, prefix: list[int], ext: list[int], locs: list[int],
-                        n: int) -> tuple[ScheduleBatch, list[int]]:
-    """A hybrid model's verify step: :func:`verify_batch`'s DECODE rows, each request's
-    ``ext[i]`` rows followed by ``n - ext[i]`` :class:`PadRow` rows (KV slot 0), so every
-    request has ``n`` rows (``ScheduleBatch.verify_n``: the linear layers' verify mode).
-    Returns the batch and the indices of its requests' own rows, in order."""
-    rows, pos, out, own, pad = [], [], [], [], PadRow()
-    it = iter(locs)
-    for r, p, e in zip(reqs, prefix, ext):
-        if not 1 <= e <= n:  # the rows of every request after it would shift
-            raise ValueError(f"a verify step of {n} rows a request got {e} for one")
-        own.extend(range(len(rows), len(rows) + e))
-        rows += [r] * e + [pad] * (n - e)
-        pos += [p + j for j in range(e)] + [0] * (n - e)
-        out += [next(it) for _ in range(e)] + [0] * (n - e)
-    batch = ScheduleBatch(ForwardMode.DECODE, rows, pos, [1] * len(rows), [True] * len(rows),
-                          out)
-    batch.verify_n = n
-    return batch, own
 
 
 def mean_accept_length(stats: dict) -> float | None:
